@@ -1,0 +1,33 @@
+"""kvpilot engine: a paged-KV, continuous-batching LLM runtime.
+
+Names are imported on first use so that `kvpilot plan` and other light commands, which share this
+package's CLI, do not pay for importing torch and transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "LLM": "kvpilot.engine.llm",
+    "LLMEngine": "kvpilot.engine.llm_engine",
+    "EngineConfig": "kvpilot.engine.config",
+    "SamplingParams": "kvpilot.engine.sampling_params",
+    "RequestOutput": "kvpilot.engine.outputs",
+    "CompletionOutput": "kvpilot.engine.outputs",
+}
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:
+    from kvpilot.engine.config import EngineConfig
+    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.outputs import CompletionOutput, RequestOutput
+    from kvpilot.engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kvpilot.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,0 +1,68 @@
+"""Paged attention over a flat slot cache, in plain PyTorch (SDPA), for any device.
+
+The KV cache of one layer is a [num_slots, kv_heads, head_dim] tensor for K and one for V, where
+slot = block_id * block_size + offset. A step's tokens are laid out decodes first (one query token
+each, attended in one padded batch) then prefill chunks (attended one sequence at a time, with a
+causal mask shifted by the tokens already cached).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # offset of this chunk's first token in the step's flattened batch
+    num_tokens: int
+    num_cached: int  # tokens of this sequence already in the cache before the chunk
+    slots: torch.Tensor  # [num_cached + num_tokens] cache slots of the whole context, in order
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V go
+    num_decodes: int  # the first num_decodes tokens are single-token decodes
+    decode_slots: torch.Tensor | None  # [num_decodes, max_context] context slots, padded
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] True where a key is real
+    prefills: list[PrefillChunk]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """q: [T, heads, dim]; k, v: [T, kv_heads, dim] (already written to the cache). Returns [T, heads, dim]."""
+    out = torch.empty_like(q)
+    d = meta.num_decodes
+    if d:
+        keys = k_cache[meta.decode_slots].transpose(1, 2)  # [d, kv_heads, ctx, dim]
+        values = v_cache[meta.decode_slots].transpose(1, 2)
+        out[:d] = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=True).squeeze(2)
+    for chunk in meta.prefills:
+        rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+        query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
+        if chunk.num_cached == 0:
+            # The whole context is in this chunk: no need to read the cache back.
+            keys, values, mask, causal = k[rows], v[rows], None, True
+        else:
+            keys, values = k_cache[chunk.slots], v_cache[chunk.slots]
+            mask = _shifted_causal_mask(chunk.num_tokens, chunk.num_cached, q.device)
+            causal = False
+        out[rows] = F.scaled_dot_product_attention(
+            query, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask, is_causal=causal, enable_gqa=True,
+        ).squeeze(0).transpose(0, 1)
+    return out
+
+
+def _shifted_causal_mask(num_queries: int, num_cached: int, device: torch.device) -> torch.Tensor:
+    """Query i (at position num_cached + i) sees keys 0 .. num_cached + i."""
+    q_pos = torch.arange(num_queries, device=device).unsqueeze(1) + num_cached
+    k_pos = torch.arange(num_cached + num_queries, device=device).unsqueeze(0)
+    return k_pos <= q_pos

@@ -1,0 +1,102 @@
+"""Fixed-size KV blocks: free list, reference counts and the prefix-cache hash map.
+
+A block whose reference count drops to zero goes back on the free list but keeps its hash, so a
+later request with the same prefix can take it back ("evictable cached block"). Only when the free
+list hands it out for new content is its hash forgotten.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+
+BlockHash = int
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Hash of a full block, chained to its parent so equal blocks only match under equal prefixes."""
+    return hash((parent, tuple(token_ids)))
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up in the cache
+    hits: int = 0  # of those, tokens served from cached blocks
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Insertion order is eviction order: least recently freed blocks are reused first.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def allocate(self, n: int) -> list[Block]:
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def lookup(self, block_hash: BlockHash) -> Block | None:
+        block_id = self._cached.get(block_hash)
+        return None if block_id is None else self.blocks[block_id]
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take a reference on cached blocks found by lookup()."""
+        for block in blocks:
+            if block.ref_count == 0:
+                del self._free[block.block_id]
+            block.ref_count += 1
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        for block in blocks:
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block.block_id} freed twice"
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+
+    def cache(self, block: Block, block_hash: BlockHash) -> None:
+        """Register a block whose KV is now complete under its content hash."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            # Same content computed twice (two requests prefilling the same prefix in one step):
+            # keep the first, this one simply stays private.
+            return
+        block.block_hash = block_hash
+        self._cached[block_hash] = block.block_id
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in list(self._cached.values()):
+            self.blocks[block_id].block_hash = None
+        self._cached.clear()

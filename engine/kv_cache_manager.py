@@ -1,0 +1,88 @@
+"""Per-request block tables over the BlockPool, with prefix-cache lookup and registration."""
+
+from __future__ import annotations
+
+from kvpilot.engine.block_pool import Block, BlockHash, BlockPool, hash_block
+from kvpilot.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_tables: dict[str, list[Block]] = {}
+        # Hashes of each request's full blocks, extended as tokens are computed.
+        self._block_hashes: dict[str, list[BlockHash]] = {}
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> list[Block]:
+        """The longest run of cached blocks matching the start of the request's tokens.
+
+        At least one token is left to compute: the step that computes it produces the logits
+        from which the next token is sampled.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._hashes_for(request, max_blocks)
+        hits: list[Block] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached: list[Block] | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens of KV; False (and no change) if blocks run out.
+
+        `cached` is given on admission (the result of find_cached_prefix, possibly empty); only then
+        does the lookup count towards the prefix-cache statistics.
+        """
+        admitting = cached is not None
+        table = self.block_tables.get(request.request_id, [])
+        cached = cached or []
+        num_tokens = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(num_tokens) - len(table) - len(cached)
+        # Cached blocks with no other user sit on the free list: taking them shrinks it too.
+        num_evictable_hits = sum(1 for b in cached if b.ref_count == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:
+            return False
+        self.pool.touch(cached)
+        table = table + cached + self.pool.allocate(max(num_new_blocks, 0))
+        self.block_tables[request.request_id] = table
+        if admitting and self.enable_prefix_caching:
+            self.pool.stats.queries += request.num_tokens
+            self.pool.stats.hits += len(cached) * self.block_size
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register blocks that became full of computed KV, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        table = self.block_tables[request.request_id]
+        hashes = self._hashes_for(request, num_full)
+        for block, block_hash in zip(table[:num_full], hashes):
+            self.pool.cache(block, block_hash)
+
+    def free(self, request: Request) -> None:
+        table = self.block_tables.pop(request.request_id, [])
+        # Tail blocks are the least likely to be shared: put them first in line for eviction.
+        self.pool.free(reversed(table))
+        self._block_hashes.pop(request.request_id, None)
+
+    def block_ids(self, request: Request) -> list[int]:
+        return [b.block_id for b in self.block_tables[request.request_id]]
+
+    def _hashes_for(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        hashes = self._block_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, request.token_ids[i * bs : (i + 1) * bs]))
+        return hashes

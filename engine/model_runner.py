@@ -1,0 +1,121 @@
+"""Owns the model weights and the KV cache tensor; turns a scheduled step into one forward pass."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from kvpilot.engine.attention import AttentionMetadata, PrefillChunk
+from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.model_loader import load_config, load_model
+from kvpilot.engine.request import Request
+
+log = logging.getLogger(__name__)
+
+# Without a device to profile, the pool is sized like vLLM's CPU backend: a fixed budget.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: Path) -> None:
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        self.block_size = config.block_size
+        self.hf_config = load_config(model_path)
+        self.model = load_model(model_path, self.hf_config, self.dtype, self.device)
+        attn = self.model.model.layers[0].self_attn
+        self.num_layers = self.hf_config.num_hidden_layers
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_caches = torch.zeros(
+            self.num_layers, 2, self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None and self.device.type == "cuda":
+            budget = self._profile_free_gpu_memory()
+        budget = budget or DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = budget // (self.kv_bytes_per_token * self.block_size)
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV cache budget of {budget} bytes holds no block of {self.block_size} tokens "
+                f"({self.kv_bytes_per_token} bytes per token)"
+            )
+        return int(num_blocks)
+
+    def _profile_free_gpu_memory(self) -> int:
+        """Run the largest step once, then give the KV pool what the utilization target leaves."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = self.config.max_num_batched_tokens
+        dummy_cache = torch.zeros(self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(n, dtype=torch.long, device=self.device), num_decodes=0, decode_slots=None, decode_mask=None,
+            prefills=[PrefillChunk(start=0, num_tokens=n, num_cached=0, slots=torch.zeros(n, dtype=torch.long, device=self.device))],
+        )
+        hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), torch.arange(n, device=self.device), dummy_cache, meta)
+        self.model.logits(hidden[-self.config.max_num_seqs :])
+        del dummy_cache, hidden
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free = int(total * self.config.gpu_memory_utilization) - peak
+        log.info("gpu memory: total=%d peak=%d kv_budget=%d", total, peak, free)
+        if free <= 0:
+            raise ValueError(f"weights and activations need {peak} bytes, over {self.config.gpu_memory_utilization:.0%} of {total}")
+        return free
+
+    def execute(self, scheduled: list[tuple[Request, int]], block_ids: dict[str, list[int]]) -> tuple[list[Request], torch.Tensor]:
+        """Run one step; return the requests that reached their last known token and their logits."""
+        # Decodes first: they are attended together in one padded batch.
+        order = sorted(scheduled, key=lambda item: item[1] != 1)
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        decode_contexts: list[torch.Tensor] = []
+        prefills: list[PrefillChunk] = []
+        slot_mapping: list[torch.Tensor] = []
+        sample_rows: list[int] = []
+        sampled: list[Request] = []
+        for request, n in order:
+            start = request.num_computed_tokens
+            end = start + n
+            blocks = torch.tensor(block_ids[request.request_id], dtype=torch.long)
+            context_slots = (blocks.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:end]
+            if n == 1:
+                decode_contexts.append(context_slots)
+            else:
+                prefills.append(PrefillChunk(start=len(input_ids), num_tokens=n, num_cached=start, slots=context_slots))
+            slot_mapping.append(context_slots[start:])
+            input_ids.extend(request.token_ids[start:end])
+            positions.extend(range(start, end))
+            if end == request.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sampled.append(request)
+
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_mapping).to(device),
+            num_decodes=len(decode_contexts),
+            decode_slots=None,
+            decode_mask=None,
+            prefills=[PrefillChunk(p.start, p.num_tokens, p.num_cached, p.slots.to(device)) for p in prefills],
+        )
+        if decode_contexts:
+            lengths = torch.tensor([len(c) for c in decode_contexts])
+            meta.decode_slots = torch.nn.utils.rnn.pad_sequence(decode_contexts, batch_first=True).to(device)
+            mask = torch.arange(meta.decode_slots.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+            meta.decode_mask = mask[:, None, None, :].to(device)
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            self.kv_caches, meta,
+        )
+        return sampled, self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)])

@@ -1,0 +1,1 @@
+"""kvpilot operator: plans, renders and reconciles InferenceService objects."""

@@ -1,0 +1,155 @@
+"""`kvpilot plan` and `kvpilot operator`, registered into the engine's `kvpilot` command."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import random
+import sys
+from typing import Any, TextIO
+
+import kopf
+from pydantic import ValidationError
+
+from kvpilot.operator import sizing
+from kvpilot.operator.cluster import KubeCluster
+from kvpilot.operator.gpu_catalog import GPUS, find_gpu
+from kvpilot.operator.planner import Plan, plan
+from kvpilot.operator.spec import InferenceServiceSpec
+
+PEERING_NAME = "kvpilot"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    planner = subparsers.add_parser(
+        "plan", help="size a model on a GPU: KV cache, batch limits, quantization, latency")
+    planner.add_argument("--model", required=True, help="catalog model, e.g. llama-2-7b")
+    planner.add_argument("--gpu", required=True, help=f"one of {', '.join(GPUS)}")
+    planner.add_argument("--context", type=int, help="max context length (default: the model's)")
+    planner.add_argument("--quantization", default="auto",
+                         choices=["auto", "none", "int8", "w8a8", "int4"])
+    planner.add_argument("--speculative", default="auto", choices=["auto", "off", "ngram", "draft"])
+    planner.add_argument("--draft-model")
+    planner.add_argument("--gpu-memory-utilization", type=float)
+    planner.add_argument("--block-size", type=int)
+    planner.add_argument("--rps", type=float, help="expected requests per second")
+    planner.add_argument("--prompt-tokens", type=int, help="mean prompt tokens")
+    planner.add_argument("--output-tokens", type=int, help="mean output tokens")
+    planner.add_argument("--temperature", type=float, help="typical sampling temperature")
+    planner.add_argument("--ttft-ms", type=float, help="TTFT p95 SLO")
+    planner.add_argument("--tpot-ms", type=float, help="TPOT p95 SLO")
+    planner.add_argument("--min-replicas", type=int)
+    planner.add_argument("--max-replicas", type=int)
+    planner.add_argument("--json", action="store_true", help="print the plan as JSON")
+    planner.set_defaults(func=run_plan)
+
+    operator = subparsers.add_parser("operator", help="run the InferenceService operator (kopf)")
+    scope = operator.add_mutually_exclusive_group(required=True)
+    scope.add_argument("-n", "--namespace", action="append", dest="namespaces",
+                       help="watch this namespace (repeatable)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true")
+    operator.add_argument("--peering", default=PEERING_NAME,
+                          help="kopf peering object shared by the operator's replicas")
+    operator.add_argument("--priority", type=int,
+                          help="peering priority (default: random, see below)")
+    operator.add_argument("--standalone", action="store_true",
+                          help="no peering: only for a single replica or local development")
+    operator.add_argument("--liveness", metavar="URL",
+                          help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    operator.add_argument("-v", "--verbose", action="store_true")
+    operator.set_defaults(func=run_operator)
+
+
+def _spec(args: argparse.Namespace) -> dict[str, Any]:
+    def given(**fields: Any) -> dict[str, Any]:
+        return {key: value for key, value in fields.items() if value is not None}
+
+    return {
+        "model": {"name": args.model},
+        "accelerator": {"type": args.gpu},
+        "serving": given(maxContextLength=args.context, quantization=args.quantization,
+                         speculative=args.speculative, draftModel=args.draft_model,
+                         gpuMemoryUtilization=args.gpu_memory_utilization,
+                         blockSize=args.block_size),
+        "slo": given(ttftP95Ms=args.ttft_ms, tpotP95Ms=args.tpot_ms),
+        "load": given(requestsPerSecond=args.rps, meanPromptTokens=args.prompt_tokens,
+                      meanOutputTokens=args.output_tokens, temperature=args.temperature),
+        "autoscaling": given(minReplicas=args.min_replicas, maxReplicas=args.max_replicas),
+    }
+
+
+def format_plan(result: Plan, spec: InferenceServiceSpec) -> str:
+    """The plan as a table a person reads: the numbers first, then why."""
+    gib = sizing.GiB
+    rows: list[tuple[str, str]] = [("model", result.model)]
+    gpu = find_gpu(result.gpu) if result.gpu else None
+    if gpu is not None:
+        rows.append(("gpu", f"{gpu.name} ({gpu.memory_gib:g} GiB, {gpu.bandwidth_gbps:g} GB/s, "
+                            f"{gpu.fp16_tflops:g} FP16 TFLOPS)"))
+    rows.append(("fits", "yes" if result.fits else f"NO ({result.failure})"))
+    if result.quantization:
+        rows += [("quantization", result.quantization),
+                 ("weights", f"{result.weight_bytes / gib:.1f} GiB")]
+    if result.kv_bytes_per_token:
+        rows.append(("KV per token", f"{result.kv_bytes_per_token / sizing.MiB:.3g} MiB"))
+    if result.fits:
+        rows += [
+            ("KV pool", f"{result.kv_pool_bytes / gib:.1f} GiB ({result.kv_blocks} blocks of "
+                        f"{result.block_size} tokens)"),
+            ("max model len", str(result.max_model_len)),
+            ("max num seqs", f"{result.max_num_seqs} (sequences of max model len that fit)"),
+            ("max batched tokens", str(result.max_num_batched_tokens)),
+            ("speculative", result.speculative + (f" (k={result.num_speculative_tokens})"
+                                                  if result.num_speculative_tokens else "")),
+            ("predicted TTFT", f"{result.predicted_ttft_ms:g} ms (SLO {spec.slo.ttft_p95_ms:g})"),
+            ("predicted TPOT", f"{result.predicted_tpot_ms:g} ms (SLO {spec.slo.tpot_p95_ms:g})"),
+            ("predicted latency", f"{result.predicted_latency_ms:g} ms for "
+                                  f"{spec.load.mean_output_tokens} output tokens"),
+            ("replicas", f"{result.replicas} for {spec.load.requests_per_second:g} req/s "
+                         f"({'meets' if result.meets_slo else 'MISSES'} the SLO)"),
+        ]
+    width = max(len(label) for label, _ in rows)
+    lines = [f"{label:<{width}}  {value}" for label, value in rows]
+    lines += ["", "why:", *(f"  {key}: {why}" for key, why in result.reasons.items())]
+    if not result.fits:
+        lines.append(f"  {result.reason}")
+    return "\n".join(lines)
+
+
+def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """Exit 0 when the model fits, 1 when it does not, 2 for invalid arguments."""
+    try:
+        spec = InferenceServiceSpec.model_validate(_spec(args))
+    except ValidationError as error:
+        print(f"kvpilot plan: {error}", file=sys.stderr)
+        return 2
+    result = plan(spec)
+    if args.json:
+        out.write(result.model_dump_json(indent=2) + "\n")
+    else:
+        out.write(format_plan(result, spec) + "\n")
+    return 0 if result.fits else 1
+
+
+def run_operator(args: argparse.Namespace) -> int:
+    # Registers the handlers in kopf's default registry; only this command wants that.
+    importlib.import_module("kvpilot.operator.handlers")
+    kopf.configure(verbose=args.verbose)
+    namespaces = None if args.all_namespaces else list(args.namespaces)
+    if not args.standalone:
+        KubeCluster.connect().ensure_peering(args.peering, namespaces)
+    # kopf pauses every operator that sees a live peer of the same or higher priority, so
+    # replicas with equal priorities would all stand still: each draws its own, and only the
+    # highest acts until its peering record lapses.
+    priority = args.priority if args.priority is not None else random.SystemRandom().randrange(
+        1, 2**31)
+    kopf.run(
+        clusterwide=args.all_namespaces,
+        namespaces=namespaces or (),
+        standalone=args.standalone,
+        peering_name=None if args.standalone else args.peering,
+        priority=priority,
+        liveness_endpoint=args.liveness,
+    )
+    return 0
+

@@ -1,0 +1,369 @@
+"""plan(spec) -> Plan: what fits on the GPU, the engine's limits, the choices and their reasons.
+
+Pure: the spec, the catalogs and (for an unset GPU type) the GPU products the cluster's nodes
+carry go in, a Plan comes out. Every input that cannot be served is a Plan with fits=False, a
+`failure` code and a one-line reason carrying the numbers; nothing here raises for bad input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from pydantic import BaseModel, ConfigDict
+
+from kvpilot.operator import sizing
+from kvpilot.operator.gpu_catalog import GPU, GPUS, find_gpu
+from kvpilot.operator.model_catalog import MODELS, Architecture, find_model
+from kvpilot.operator.spec import InferenceServiceSpec
+
+# Least lossy first (handbook: INT8 weight-only is near-lossless; W8A8 also quantizes the
+# activations; INT4 shows small quality drops).
+QUALITY_ORDER = ("none", "int8", "w8a8", "int4")
+
+# Beyond ~1k running sequences the scheduler's per-step bookkeeping, not the GPU, sets the pace
+# (vLLM caps max_num_seqs at 256-1024 for the same reason).
+MAX_NUM_SEQS_CAP = 1024
+# Token budget per step: at least enough to prefill a few blocks per step, at most what the
+# activation reserve is sized for without dominating small GPUs.
+MIN_BATCHED_TOKENS = 256
+MAX_BATCHED_TOKENS = 8192
+# A prefill chunk may use this share of the TPOT SLO; the rest is the decode work of the step.
+PREFILL_SHARE_OF_TPOT = 0.5
+
+# Speculation spends spare compute: it pays at small batch and low temperature (handbook p. 5).
+# The engine also turns it off above this running batch, so predictions follow the same rule.
+SPECULATION_MAX_BATCH = 8
+HIGH_TEMPERATURE = 1.0
+# Planning assumptions for draft acceptance: prompt-lookup n-grams hit less often than a draft
+# model; verifying k + 1 tokens (plus running the drafter) costs more than a plain decode step.
+ACCEPTANCE = {"ngram": 0.3, "draft": 0.7}
+VERIFY_OVERHEAD = 1.15
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    fits: bool
+    failure: str | None = None  # CamelCase code when fits is False; a condition reason
+    reason: str
+    model: str
+    gpu: str | None = None
+    gpu_count: int = 1
+    quantization: str | None = None
+    speculative: str = "off"
+    draft_model: str | None = None
+    num_speculative_tokens: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    weight_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    kv_pool_bytes: int = 0
+    kv_blocks: int = 0
+    max_model_len: int = 0
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    predicted_batch: float = 0.0
+    predicted_ttft_ms: float = 0.0
+    predicted_tpot_ms: float = 0.0
+    predicted_latency_ms: float = 0.0
+    replicas: int = 0
+    meets_slo: bool = False
+    # One line per choice: model, gpu, quantization, kvCache, batching, speculative, replicas.
+    reasons: dict[str, str] = {}
+
+
+class _Replica(NamedTuple):
+    """What one engine replica is: the model on the GPU at one quantization."""
+
+    arch: Architecture
+    gpu: GPU
+    weights: int
+    kv_per_token: int
+    ops: float  # FLOP/s or OP/s of the GEMMs at this quantization
+    max_num_seqs: int
+
+
+class _Perf(NamedTuple):
+    batch: float  # concurrent sequences per replica (Little's law)
+    ttft_s: float
+    tpot_s: float
+    overload: str | None  # why the replica cannot keep up, None when it can
+
+
+def _gib(n: float) -> str:
+    return f"{n / sizing.GiB:.1f}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f}"
+
+
+def _failed(spec: InferenceServiceSpec, failure: str, reason: str, **numbers: object) -> Plan:
+    return Plan(fits=False, failure=failure, reason=reason, model=spec.model.name,
+                block_size=spec.serving.block_size,
+                gpu_memory_utilization=spec.serving.gpu_memory_utilization, **numbers)
+
+
+def choose_speculative(mode: str, *, batch: float, tpot_bound: bool, temperature: float,
+                       draft_model: str | None) -> tuple[str, str]:
+    """The speculative mode to run and why."""
+    if mode != "auto":
+        return mode, f"{mode}: set in the spec"
+    if batch > SPECULATION_MAX_BATCH:
+        return "off", (f"off: predicted batch {batch:.1f} per replica > {SPECULATION_MAX_BATCH}, "
+                       "the GPU is already busy and speculation has no spare compute to use")
+    if temperature >= HIGH_TEMPERATURE:
+        return "off", (f"off: temperature {temperature:g} >= {HIGH_TEMPERATURE:g}, "
+                       "drafts are rarely accepted")
+    if not tpot_bound:
+        return "off", "off: TTFT, not TPOT, is closest to its SLO; speculation only shortens TPOT"
+    proposer = "draft" if draft_model else "ngram"
+    return proposer, (f"{proposer}: predicted batch {batch:.1f} per replica <= "
+                      f"{SPECULATION_MAX_BATCH}, low temperature and a TPOT-bound SLO")
+
+
+def _batched_tokens(spec: InferenceServiceSpec, arch: Architecture, ops: float) -> tuple[int, str]:
+    """Tokens per engine step, so that a step's prefill chunk leaves room for its decodes."""
+    block = spec.serving.block_size
+    slo = spec.slo.tpot_p95_ms
+    seconds = slo / 1000 * PREFILL_SHARE_OF_TPOT
+    raw = int(seconds * ops * sizing.PREFILL_COMPUTE_EFFICIENCY / (2 * arch.parameters_per_token))
+    tokens = max(block, min(max(raw, MIN_BATCHED_TOKENS), MAX_BATCHED_TOKENS) // block * block)
+    chunk = _ms(sizing.prefill_seconds(arch.parameters_per_token, tokens, ops))
+    if raw < MIN_BATCHED_TOKENS:
+        return tokens, (f"{tokens} tokens per step (the minimum): even this chunk takes {chunk} ms "
+                        f"of the {slo:g} ms TPOT SLO")
+    if raw > MAX_BATCHED_TOKENS:
+        return tokens, (f"{tokens} tokens per step (the maximum): a chunk takes {chunk} ms, well "
+                        f"within the {slo:g} ms TPOT SLO")
+    return tokens, (f"{tokens} tokens per step: a prefill chunk that size takes {chunk} ms, "
+                    f"{PREFILL_SHARE_OF_TPOT:.0%} of the {slo:g} ms TPOT SLO")
+
+
+def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int,
+          speculative: str) -> _Perf:
+    arch, gpu, weights, kv_per_token, ops, max_num_seqs = replica
+    load = spec.load
+    rate = load.requests_per_second / replicas if replicas else 0.0
+    prefill = sizing.prefill_seconds(arch.parameters_per_token, load.mean_prompt_tokens, ops)
+    busy = rate * prefill  # share of GPU time spent on prefill
+    if busy >= 1:
+        return _Perf(math.inf, math.inf, math.inf,
+                     f"prefill alone needs {busy:.1f}x the GPU at {rate:.2f} req/s per replica")
+    context = load.mean_prompt_tokens + load.mean_output_tokens / 2  # mean tokens in cache
+    tokens_per_step = 1.0
+    if speculative != "off":
+        tokens_per_step = sizing.expected_tokens_per_step(
+            ACCEPTANCE[speculative], spec.serving.num_speculative_tokens) / VERIFY_OVERHEAD
+
+    def latencies(batch: float) -> tuple[float, float]:
+        running = max(batch, 1.0)
+        # A mixture of experts reads only the experts its tokens route to; a dense model reads all.
+        share = min(1.0, running * arch.parameters_per_token / arch.parameters)
+        step = sizing.decode_step_seconds(
+            bytes_read=weights * share + running * context * kv_per_token,
+            bandwidth=gpu.bandwidth_bytes_per_s, parameters_per_token=arch.parameters_per_token,
+            batch=running, ops_per_s=ops)
+        speedup = tokens_per_step if running <= SPECULATION_MAX_BATCH else 1.0
+        tpot = step / speedup / (1 - busy)
+        # M/M/1 wait for the prefill server, plus half a step to reach the next step boundary.
+        ttft = prefill * busy / (1 - busy) + step / 2 + prefill
+        return ttft, tpot
+
+    batch = 0.0
+    for _ in range(200):
+        ttft, tpot = latencies(batch)
+        following = rate * sizing.request_latency(ttft, tpot, load.mean_output_tokens)
+        if following > max_num_seqs:
+            return _Perf(following, ttft, tpot,
+                         f"{rate:.2f} req/s per replica keeps {following:.1f}+ sequences running, "
+                         f"only {max_num_seqs} fit")
+        converged = abs(following - batch) < 1e-3
+        batch = following
+        if converged:
+            break
+    ttft, tpot = latencies(batch)
+    return _Perf(batch, ttft, tpot, None)
+
+
+def _slo_miss(spec: InferenceServiceSpec, perf: _Perf) -> str | None:
+    if perf.overload:
+        return perf.overload
+    misses = []
+    if perf.ttft_s * 1000 > spec.slo.ttft_p95_ms:
+        misses.append(f"TTFT {_ms(perf.ttft_s)} ms > {spec.slo.ttft_p95_ms:g} ms")
+    if perf.tpot_s * 1000 > spec.slo.tpot_p95_ms:
+        misses.append(f"TPOT {_ms(perf.tpot_s)} ms > {spec.slo.tpot_p95_ms:g} ms")
+    return "predicted " + ", ".join(misses) if misses else None
+
+
+def _replicas(spec: InferenceServiceSpec, replica: _Replica,
+              speculative: str) -> tuple[int, _Perf, str | None]:
+    """The fewest replicas within the autoscaling bounds that meet the SLO, else the maximum."""
+    bounds = spec.autoscaling
+    if spec.load.requests_per_second == 0:
+        count = bounds.min_replicas
+        perf = _perf(spec, replica, max(count, 1), speculative)
+        return count, perf, _slo_miss(spec, perf)
+    for count in range(max(bounds.min_replicas, 1), bounds.max_replicas + 1):
+        perf = _perf(spec, replica, count, speculative)
+        miss = _slo_miss(spec, perf)
+        if miss is None:
+            return count, perf, None
+    return bounds.max_replicas, perf, miss
+
+
+def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str,
+          context: int) -> Plan:
+    """The plan for one (GPU, quantization) pair."""
+    serving = spec.serving
+    weights = (sizing.weight_bytes(arch.parameters, quantization)
+               + sizing.quantization_overhead_bytes(arch.parameters, quantization))
+    # W8A8 runs its GEMMs on the INT8 tensor cores; weight-only schemes dequantize to FP16.
+    ops = gpu.int8_ops if quantization == "w8a8" else gpu.fp16_flops
+    kv_per_token = sizing.kv_bytes_per_token(arch)
+    budget, batching_reason = _batched_tokens(spec, arch, ops)
+    reserve = sizing.runtime_reserve_bytes(arch, budget)
+    usable = int(gpu.memory_bytes * serving.gpu_memory_utilization)
+    pool = sizing.kv_pool_bytes(gpu.memory_bytes, serving.gpu_memory_utilization, weights, reserve)
+    numbers: dict[str, object] = dict(
+        gpu=gpu.name, quantization=quantization, weight_bytes=weights,
+        kv_bytes_per_token=kv_per_token, kv_pool_bytes=max(pool, 0), max_model_len=context)
+    where = (f"{serving.gpu_memory_utilization:.0%} of {gpu.name}'s {gpu.memory_gib:g} GiB "
+             f"({_gib(usable)} GiB)")
+    if pool <= 0:
+        return _failed(spec, "WeightsDoNotFit",
+                       f"{spec.model.name} {quantization} weights {_gib(weights)} GiB + runtime "
+                       f"reserve {_gib(reserve)} GiB exceed {where}", **numbers)
+    per_sequence = kv_per_token * sizing.blocks_per_sequence(context, serving.block_size) \
+        * serving.block_size
+    fitting = sizing.sequences_that_fit(pool, kv_per_token, context, serving.block_size)
+    if fitting == 0:
+        return _failed(spec, "ContextDoesNotFit",
+                       f"one {context}-token sequence needs {_gib(per_sequence)} GiB of KV cache "
+                       f"but only {_gib(pool)} GiB is left of {where} after {quantization} weights "
+                       f"{_gib(weights)} GiB", **numbers)
+    max_num_seqs = min(fitting, MAX_NUM_SEQS_CAP)
+    if budget < max_num_seqs:
+        # Every running sequence decodes one token per step, so the budget must cover them all.
+        budget = max_num_seqs
+        batching_reason = f"{budget} tokens per step: one decode token for each of max_num_seqs"
+    kv_reason = (f"{fitting} sequences of {context} tokens fit: KV {kv_per_token / sizing.MiB:.3g} "
+                 f"MiB/token x {context} = {_gib(per_sequence)} GiB each, pool {_gib(pool)} GiB = "
+                 f"{where} - weights {_gib(weights)} GiB - reserve {_gib(reserve)} GiB"
+                 + (f"; capped at {MAX_NUM_SEQS_CAP}" if fitting > MAX_NUM_SEQS_CAP else ""))
+    replica = _Replica(arch, gpu, weights, kv_per_token, ops, max_num_seqs)
+
+    replicas, perf, miss = _replicas(spec, replica, "off")
+    tpot_bound = (perf.tpot_s * 1000 / spec.slo.tpot_p95_ms
+                  >= perf.ttft_s * 1000 / spec.slo.ttft_p95_ms)
+    speculative, speculative_reason = choose_speculative(
+        serving.speculative, batch=perf.batch, tpot_bound=tpot_bound,
+        temperature=spec.load.temperature, draft_model=serving.draft_model)
+    if speculative != "off":
+        replicas, perf, miss = _replicas(spec, replica, speculative)
+
+    rate = spec.load.requests_per_second
+    if miss is None:
+        replicas_reason = (f"{replicas} replica(s) for {rate:g} req/s: {perf.batch:.1f} running "
+                           f"sequences each ({max_num_seqs} fit), TTFT {_ms(perf.ttft_s)} ms <= "
+                           f"{spec.slo.ttft_p95_ms:g} ms, TPOT {_ms(perf.tpot_s)} ms <= "
+                           f"{spec.slo.tpot_p95_ms:g} ms")
+    else:
+        replicas_reason = (f"SLO not met at maxReplicas {replicas} for {rate:g} req/s: {miss}")
+    latency = sizing.request_latency(perf.ttft_s, perf.tpot_s, spec.load.mean_output_tokens)
+    finite = math.isfinite(perf.tpot_s)
+    return Plan(
+        fits=True,
+        reason=(f"{spec.model.name} on {gpu.name} ({quantization}): {max_num_seqs} x "
+                f"{context}-token sequences in a {_gib(pool)} GiB KV pool; "
+                + (f"predicted TTFT {_ms(perf.ttft_s)} ms, TPOT {_ms(perf.tpot_s)} ms at "
+                   f"{replicas} replica(s)" if finite else replicas_reason)),
+        model=spec.model.name,
+        gpu_count=spec.accelerator.count,
+        speculative=speculative,
+        draft_model=serving.draft_model if speculative == "draft" else None,
+        num_speculative_tokens=serving.num_speculative_tokens if speculative != "off" else None,
+        block_size=serving.block_size,
+        gpu_memory_utilization=serving.gpu_memory_utilization,
+        kv_blocks=pool // (kv_per_token * serving.block_size),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        predicted_batch=round(perf.batch, 2) if finite else 0.0,
+        predicted_ttft_ms=round(perf.ttft_s * 1000, 1) if finite else 0.0,
+        predicted_tpot_ms=round(perf.tpot_s * 1000, 1) if finite else 0.0,
+        predicted_latency_ms=round(latency * 1000, 1) if finite else 0.0,
+        replicas=replicas,
+        meets_slo=miss is None,
+        reasons={"kvCache": kv_reason, "batching": batching_reason,
+                 "speculative": speculative_reason, "replicas": replicas_reason},
+        **numbers,
+    )
+
+
+def _gpus(spec: InferenceServiceSpec, available: Iterable[str]) -> list[GPU] | Plan:
+    wanted = spec.accelerator.type
+    if wanted:
+        gpu = find_gpu(wanted)
+        if gpu is None:
+            return _failed(spec, "UnknownGPU",
+                           f"GPU type {wanted!r} is not in the catalog ({', '.join(GPUS)})")
+        return [gpu]
+    found = {gpu.name: gpu for gpu in map(find_gpu, available) if gpu is not None}
+    if not found:
+        return _failed(spec, "NoGPUType", "spec.accelerator.type is not set and no node carries "
+                       "a known GPU product label")
+    # Smallest (cheapest) first, so the first that works wastes the least.
+    return sorted(found.values(), key=lambda g: (g.memory_gib, g.bandwidth_gbps))
+
+
+def plan(spec: InferenceServiceSpec, available_gpus: Iterable[str] = ()) -> Plan:
+    """Plan serving `spec`; `available_gpus` are node GPU products, used when no type is set."""
+    explicit = spec.model.architecture
+    arch = explicit or find_model(spec.model.name)
+    if arch is None:
+        return _failed(spec, "UnknownModel",
+                       f"model {spec.model.name!r} is not in the catalog ({', '.join(MODELS)}) and "
+                       "spec.model.architecture is not set")
+    model_reason = "spec.model.architecture" if explicit else f"catalog ({arch.source})"
+    if spec.accelerator.count != 1:
+        return _failed(spec, "MultiGPUUnsupported",
+                       f"accelerator.count {spec.accelerator.count}: the engine serves one model on "
+                       "one accelerator (no tensor parallelism yet)")
+    context = spec.serving.max_context_length or arch.max_context
+    if context > arch.max_context:
+        return _failed(spec, "ContextTooLong", f"maxContextLength {context} exceeds "
+                       f"{spec.model.name}'s maximum context {arch.max_context}")
+    gpus = _gpus(spec, available_gpus)
+    if isinstance(gpus, Plan):
+        return gpus
+
+    schemes = QUALITY_ORDER if spec.serving.quantization == "auto" else (spec.serving.quantization,)
+    options = [_size(spec, arch, gpu, scheme, context) for gpu in gpus for scheme in schemes]
+    chosen = (next((o for o in options if o.fits and o.meets_slo), None)
+              or next((o for o in options if o.fits), None))
+    if chosen is None:
+        # The most capable option tried (largest GPU, most compressed scheme) says best why not.
+        return options[-1]
+
+    passed = [f"{o.gpu}/{o.quantization}: {o.reason if not o.fits else o.reasons['replicas']}"
+              for o in options[:options.index(chosen)]]
+    if spec.serving.quantization != "auto":
+        quantization_reason = f"{chosen.quantization}: set in the spec"
+    elif chosen.meets_slo:
+        quantization_reason = f"{chosen.quantization}: the least lossy scheme that fits and " \
+                              "meets the SLO" + (f" (rejected {'; '.join(passed)})" if passed else "")
+    else:
+        quantization_reason = f"{chosen.quantization}: no scheme meets the SLO within " \
+                              "maxReplicas; this is the least lossy that fits"
+    if spec.accelerator.type:
+        gpu_reason = f"{chosen.gpu}: set in the spec"
+    else:
+        gpu_reason = (f"{chosen.gpu}: the smallest of the nodes' GPUs "
+                      f"({', '.join(g.name for g in gpus)}) that "
+                      + ("fits and meets the SLO" if chosen.meets_slo else "fits"))
+    reasons = {"model": model_reason, "gpu": gpu_reason,
+               "quantization": quantization_reason, **chosen.reasons}
+    return chosen.model_copy(update={"reasons": reasons})

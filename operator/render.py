@@ -1,0 +1,190 @@
+"""The child objects of an InferenceService, as plain manifests (pure functions of spec and plan).
+
+Every child carries an owner reference to the InferenceService, so deleting it garbage-collects
+the children, and the same labels, which the Service, the PDB and the scale subresource's
+selector all use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpilot.operator.gpu_catalog import GPU, NVIDIA_GPU_RESOURCE, find_gpu
+from kvpilot.operator.planner import Plan
+from kvpilot.operator.spec import API_VERSION, KIND, InferenceServiceSpec
+
+Manifest = dict[str, Any]
+
+PORT = 8000
+PORT_NAME = "http"
+CONTAINER = "engine"
+MODEL_MOUNT = "/models"
+# Unprivileged, fixed IDs so that files on a model PVC can be made readable to the engine.
+RUN_AS_USER = 1000
+
+
+def labels(name: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "kvpilot-engine",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/managed-by": "kvpilot-operator",
+    }
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {key: labels(name)[key] for key in ("app.kubernetes.io/name", "app.kubernetes.io/instance")}
+
+
+def selector(name: str) -> str:
+    """The label selector as the scale subresource's `status.selector` string."""
+    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
+
+
+def owner_reference(name: str, uid: str) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": name, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _metadata(name: str, namespace: str, uid: str) -> dict[str, Any]:
+    return {"name": name, "namespace": namespace, "labels": labels(name),
+            "ownerReferences": [owner_reference(name, uid)]}
+
+
+def _model_location(spec: InferenceServiceSpec) -> tuple[str, list[Manifest], list[Manifest]]:
+    """--model value, volumes and mounts: pvc://claim/path mounts the claim read-only."""
+    source = spec.model.source or spec.model.name
+    if not source.startswith("pvc://"):
+        return source.removeprefix("hf://"), [], []
+    claim, _, path = source.removeprefix("pvc://").partition("/")
+    mount = f"{MODEL_MOUNT}/{claim}"
+    volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+    return f"{mount}/{path}".rstrip("/"), [volume], [{"name": "model", "mountPath": mount,
+                                                      "readOnly": True}]
+
+
+def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str) -> list[str]:
+    """The `kvpilot serve` arguments carrying the plan's numbers."""
+    args = [
+        "--model", model,
+        "--served-model-name", spec.model.served_model_name or spec.model.name,
+        "--host", "0.0.0.0",
+        "--port", str(PORT),
+        "--max-model-len", str(plan.max_model_len),
+        "--max-num-seqs", str(plan.max_num_seqs),
+        "--max-num-batched-tokens", str(plan.max_num_batched_tokens),
+        "--block-size", str(plan.block_size),
+        "--gpu-memory-utilization", f"{plan.gpu_memory_utilization:g}",
+        "--quantization", str(plan.quantization),
+        "--speculative", plan.speculative,
+    ]
+    if plan.speculative == "draft":
+        args += ["--draft-model", str(plan.draft_model)]
+    if plan.speculative != "off":
+        args += ["--num-speculative-tokens", str(plan.num_speculative_tokens)]
+    return args
+
+
+def _resources(spec: InferenceServiceSpec, gpu: GPU, count: int) -> Manifest:
+    # Extended resources cannot be overcommitted: requests must equal limits.
+    gpus = {gpu.resource: str(count)}
+    return {"requests": {**{k: str(v) for k, v in spec.resources.requests.items()}, **gpus},
+            "limits": {**{k: str(v) for k, v in spec.resources.limits.items()}, **gpus}}
+
+
+def _tolerations(spec: InferenceServiceSpec, gpu: GPU) -> list[Manifest]:
+    tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    if gpu.resource == NVIDIA_GPU_RESOURCE:
+        # GPU node pools are commonly tainted nvidia.com/gpu:NoSchedule (GKE, the GPU operator's
+        # examples) to keep CPU-only pods off them; the engine belongs there.
+        tolerations.append({"key": NVIDIA_GPU_RESOURCE, "operator": "Exists",
+                            "effect": "NoSchedule"})
+    return tolerations
+
+
+def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec,
+               plan: Plan) -> Manifest:
+    gpu = find_gpu(str(plan.gpu))
+    if not plan.fits or gpu is None:
+        raise ValueError(f"no Deployment for a plan that does not fit: {plan.reason}")
+    model, volumes, mounts = _model_location(spec)
+    replicas = spec.replicas if spec.replicas is not None else plan.replicas
+    http = {"port": PORT_NAME}
+    container = {
+        "name": CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["kvpilot", "serve"],
+        "args": engine_args(spec, plan, model),
+        "ports": [{"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"}],
+        # Loading weights can take minutes; the startup probe holds liveness off until then.
+        "startupProbe": {"httpGet": {"path": "/health", **http}, "periodSeconds": 10,
+                         "failureThreshold": 90},
+        "readinessProbe": {"httpGet": {"path": "/ready", **http}, "periodSeconds": 5,
+                           "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/health", **http}, "periodSeconds": 10,
+                          "failureThreshold": 3},
+        "resources": _resources(spec, gpu, plan.gpu_count),
+        "securityContext": {"allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": mounts,
+    }
+    pod = {
+        "metadata": {
+            "labels": labels(name),
+            "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(PORT),
+                            "prometheus.io/path": "/metrics"},
+        },
+        "spec": {
+            "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER,
+                                "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
+                                "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [container],
+            "volumes": volumes,
+            "nodeSelector": {**spec.node_selector, gpu.product_label: gpu.product},
+            "tolerations": _tolerations(spec, gpu),
+        },
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(name, namespace, uid),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(name)},
+            # A surge pod needs a spare GPU, which is usually absent: replace one pod at a time
+            # instead, which the PDB's maxUnavailable also allows.
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "template": pod,
+        },
+    }
+
+
+def service(name: str, namespace: str, uid: str) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(name, namespace, uid),
+        "spec": {"type": "ClusterIP", "selector": selector_labels(name),
+                 "ports": [{"name": PORT_NAME, "port": PORT, "targetPort": PORT_NAME,
+                            "protocol": "TCP"}]},
+    }
+
+
+def pod_disruption_budget(name: str, namespace: str, uid: str) -> Manifest:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(name, namespace, uid),
+        # maxUnavailable, not minAvailable: a single-replica service must not block node drains.
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+    }
+
+
+def children(name: str, namespace: str, uid: str, spec: InferenceServiceSpec,
+             plan: Plan) -> list[Manifest]:
+    """What should exist: no Deployment when the plan does not fit."""
+    objects = [service(name, namespace, uid), pod_disruption_budget(name, namespace, uid)]
+    if plan.fits:
+        objects.insert(0, deployment(name, namespace, uid, spec, plan))
+    return objects

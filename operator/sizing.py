@@ -1,0 +1,104 @@
+"""The serving maths of DESIGN.md as small pure functions over bytes, seconds and tokens.
+
+Rules from the handbook: KV bytes per token = 2 × layers × KV heads × head dim × bytes; KV pool =
+memory × utilization − weights − reserve; prefill is compute-bound, decode bandwidth-bound;
+latency = TTFT + (N − 1) × TPOT.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvpilot.operator.model_catalog import Architecture
+
+GiB = 1024**3
+MiB = 1024**2
+
+# FP16/BF16 weights are 2 bytes; INT8 (weight-only or W8A8) halves that, INT4 quarters it.
+BYTES_PER_WEIGHT: dict[str, float] = {"none": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": 0.5}
+# The KV cache stays FP16 whatever the weights are: the engine has no KV quantization.
+KV_BYTES_PER_VALUE = 2
+# Group-wise INT4 (GPTQ/AWQ layout) stores an FP16 scale and a 4-bit zero point per 128 weights;
+# per-channel INT8 scales are one value per output row, negligible next to the weights.
+INT4_GROUP = 128
+INT4_BYTES_PER_GROUP = 2.5
+
+# CUDA context, cuBLAS workspaces and allocator slack: vLLM measures 0.5-1.5 GiB outside the
+# weights and the KV cache on a single GPU before any activation.
+RUNTIME_OVERHEAD_BYTES = 1 * GiB
+# Peak live activations per token in the budgeted forward pass, in units of hidden size: FP16
+# residual, norm, QKV and MLP intermediates (~12 hidden-sized tensors × 2 bytes).
+ACTIVATION_BYTES_PER_HIDDEN = 24
+
+# Fractions of the spec sheet that real kernels reach: large GEMMs in prefill sustain about half
+# of peak tensor throughput; decode streams weights at about 80% of peak bandwidth.
+PREFILL_COMPUTE_EFFICIENCY = 0.5
+DECODE_BANDWIDTH_EFFICIENCY = 0.8
+
+
+def weight_bytes(parameters: int, quantization: str) -> int:
+    """Bytes of the packed weights: parameters × bytes per weight of the scheme."""
+    return int(parameters * BYTES_PER_WEIGHT[quantization])
+
+
+def quantization_overhead_bytes(parameters: int, quantization: str) -> int:
+    """Bytes of quantization scales stored beside the packed weights."""
+    if quantization != "int4":
+        return 0
+    return int(parameters / INT4_GROUP * INT4_BYTES_PER_GROUP)
+
+
+def kv_bytes_per_token(arch: Architecture, bytes_per_value: int = KV_BYTES_PER_VALUE) -> int:
+    """2 (K and V) × layers × KV heads × head dim × bytes: GQA/MQA shrink it through KV heads."""
+    return 2 * arch.layers * arch.kv_heads * arch.head_size * bytes_per_value
+
+
+def runtime_reserve_bytes(arch: Architecture, max_num_batched_tokens: int) -> int:
+    """Memory neither weights nor KV: runtime overhead plus the peak activations of one step."""
+    activations = max_num_batched_tokens * arch.hidden_size * ACTIVATION_BYTES_PER_HIDDEN
+    return RUNTIME_OVERHEAD_BYTES + activations
+
+
+def kv_pool_bytes(memory_bytes: int, utilization: float, weights: int, reserve: int) -> int:
+    """What is left for the KV cache; negative when the weights alone do not fit."""
+    return int(memory_bytes * utilization) - weights - reserve
+
+
+def blocks_per_sequence(tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size)
+
+
+def sequences_that_fit(pool_bytes: int, kv_per_token: int, tokens_per_sequence: int,
+                       block_size: int = 1) -> int:
+    """Full-length sequences whose KV blocks fit in the pool (paged: whole blocks only)."""
+    if pool_bytes <= 0:
+        return 0
+    blocks = pool_bytes // (kv_per_token * block_size)
+    return int(blocks // blocks_per_sequence(tokens_per_sequence, block_size))
+
+
+def prefill_seconds(parameters_per_token: int, tokens: float, ops_per_s: float) -> float:
+    """Compute-bound: 2 FLOPs per parameter per prompt token."""
+    return 2 * parameters_per_token * tokens / (ops_per_s * PREFILL_COMPUTE_EFFICIENCY)
+
+
+def decode_step_seconds(*, bytes_read: float, bandwidth: float, parameters_per_token: int,
+                        batch: float, ops_per_s: float) -> float:
+    """One decode step: bandwidth-bound (weights + KV read once) until the batch is so large
+    that its 2 × params × batch FLOPs take longer."""
+    memory = bytes_read / (bandwidth * DECODE_BANDWIDTH_EFFICIENCY)
+    compute = 2 * parameters_per_token * batch / (ops_per_s * PREFILL_COMPUTE_EFFICIENCY)
+    return max(memory, compute)
+
+
+def request_latency(ttft: float, tpot: float, output_tokens: int) -> float:
+    """TTFT + (N − 1) × TPOT: the first token comes out of prefill."""
+    return ttft + (output_tokens - 1) * tpot
+
+
+def expected_tokens_per_step(acceptance: float, k: int) -> float:
+    """Tokens a speculative step yields with k drafts each accepted with probability α:
+    (1 − α^(k+1)) / (1 − α) (Leviathan et al., 2023)."""
+    if acceptance >= 1:
+        return k + 1
+    return (1 - acceptance ** (k + 1)) / (1 - acceptance)

@@ -1,0 +1,120 @@
+"""The InferenceService spec as pydantic models, mirroring crds/inferenceservice.yaml.
+
+The API server validates and defaults with the CRD's schema and CEL rules; these models repeat the
+rules so that planning (and `kvpilot plan`) never sees a spec the cluster would have refused.
+tests/operator/test_crd.py keeps the two in step (same fields, same defaults).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+from kvpilot.operator.model_catalog import Architecture
+
+GROUP = "kvpilot.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+
+Quantization = Literal["auto", "none", "int8", "w8a8", "int4"]
+Speculative = Literal["auto", "off", "ngram", "draft"]
+
+# CEL has no bit operations, so the CRD lists the powers of two; this is the same list.
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class _Camel(BaseModel):
+    # extra="ignore": objects written by a newer CRD version must still plan with this operator.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore",
+                              frozen=True)
+
+
+class ModelSpec(_Camel):
+    name: str = Field(min_length=1)
+    # hf://org/repo, pvc://claim/path/in/claim, or anything the engine's --model accepts.
+    source: str | None = None
+    served_model_name: str | None = None
+    architecture: Architecture | None = None
+
+
+class AcceleratorSpec(_Camel):
+    type: str | None = None
+    count: int = Field(default=1, ge=1)
+
+
+class ServingSpec(_Camel):
+    max_context_length: int | None = Field(default=None, gt=0)
+    quantization: Quantization = "auto"
+    speculative: Speculative = "auto"
+    draft_model: str | None = None
+    num_speculative_tokens: int = Field(default=4, ge=1, le=16)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    block_size: int = 16
+
+    @model_validator(mode="after")
+    def _rules(self) -> ServingSpec:
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"blockSize {self.block_size} is not a power of two up to 1024")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("speculative 'draft' needs serving.draftModel")
+        return self
+
+
+class SLOSpec(_Camel):
+    ttft_p95_ms: float = Field(default=2000, gt=0)
+    tpot_p95_ms: float = Field(default=100, gt=0)
+
+
+class LoadSpec(_Camel):
+    requests_per_second: float = Field(default=1, ge=0)
+    mean_prompt_tokens: int = Field(default=512, gt=0)
+    mean_output_tokens: int = Field(default=256, gt=0)
+    # The traffic's typical sampling temperature: speculation pays off only at low temperature.
+    temperature: float = Field(default=0.7, ge=0)
+
+
+class AutoscalingSpec(_Camel):
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    scale_up_stabilization_seconds: int = Field(default=0, ge=0)
+    scale_down_stabilization_seconds: int = Field(default=300, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"minReplicas {self.min_replicas} > maxReplicas {self.max_replicas}")
+        return self
+
+
+class ResourcesSpec(_Camel):
+    requests: dict[str, str | int] = Field(default_factory=dict)
+    limits: dict[str, str | int] = Field(default_factory=dict)
+
+
+class Toleration(_Camel):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class InferenceServiceSpec(_Camel):
+    model: ModelSpec
+    accelerator: AcceleratorSpec = AcceleratorSpec()
+    serving: ServingSpec = ServingSpec()
+    slo: SLOSpec = SLOSpec()
+    load: LoadSpec = LoadSpec()
+    autoscaling: AutoscalingSpec = AutoscalingSpec()
+    # Written by `kubectl scale` / the autoscaler through the scale subresource; when absent the
+    # plan's replica count for the stated load is used.
+    replicas: int | None = Field(default=None, ge=0)
+    image: str = "ghcr.io/kvpilot/kvpilot:0.1.0"
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    resources: ResourcesSpec = ResourcesSpec()
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)

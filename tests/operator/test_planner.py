@@ -1,0 +1,179 @@
+from typing import Any
+
+import pytest
+
+from kvpilot.operator import planner
+from kvpilot.operator.planner import Plan, choose_speculative, plan
+from kvpilot.operator.spec import InferenceServiceSpec
+
+GiB = 1024**3
+
+
+def spec(model: str = "llama-2-7b", gpu: str | None = "A10G", **sections: Any) -> InferenceServiceSpec:
+    body: dict[str, Any] = {"model": {"name": model}, "accelerator": {"type": gpu}, **sections}
+    return InferenceServiceSpec.model_validate(body)
+
+
+def test_llama_2_7b_on_a10g_fits_a_few_4k_sequences_not_32() -> None:
+    result = plan(spec(serving={"maxContextLength": 4096}))
+    assert result.fits and result.failure is None
+    assert result.quantization == "none"
+    assert result.kv_bytes_per_token == 512 * 1024
+    assert result.weight_bytes == 2 * 6_738_415_616
+    # 90% of 24 GiB - 12.6 GiB weights - ~1 GiB runtime reserve leaves ~8 GiB: 4 sequences of
+    # 2 GiB. The handbook's 5 assumes all 24 GB usable and no reserve.
+    assert 7.5 * GiB < result.kv_pool_bytes < 8.5 * GiB
+    assert result.max_num_seqs == 4
+    assert result.max_model_len == 4096
+    assert result.kv_blocks == result.kv_pool_bytes // (result.kv_bytes_per_token * 16)
+    assert "4 sequences of 4096 tokens fit" in result.reasons["kvCache"]
+
+
+def test_full_memory_without_reserve_reproduces_the_handbooks_5_sequences(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(planner.sizing, "RUNTIME_OVERHEAD_BYTES", 0)
+    monkeypatch.setattr(planner.sizing, "ACTIVATION_BYTES_PER_HIDDEN", 0)
+    result = plan(spec(serving={"maxContextLength": 4096, "gpuMemoryUtilization": 1.0,
+                                "quantization": "none"}))
+    # 24 GiB - 12.55 GiB of weights = 11.45 GiB: 5 whole 2 GiB sequences.
+    assert result.max_num_seqs == 5
+
+
+def test_70b_on_one_80gb_gpu_gets_int4() -> None:
+    result = plan(spec("llama-2-70b", "H100-80GB", autoscaling={"maxReplicas": 1}))
+    assert result.fits and result.quantization == "int4"
+    reason = result.reasons["quantization"]
+    assert "none" in reason and "128.5 GiB" in reason  # FP16 weights cannot fit 80 GiB
+    assert "int8" in reason and "only 5 fit" in reason  # INT8 leaves room for 5 sequences
+    assert result.weight_bytes < 40 * GiB
+    assert result.meets_slo
+
+
+def test_70b_on_a_24gb_gpu_is_a_clear_no_fit_with_numbers() -> None:
+    result = plan(spec("llama-3-70b", "A10G"))
+    assert not result.fits
+    assert result.failure == "WeightsDoNotFit"
+    assert result.quantization == "int4"  # even the smallest scheme was tried
+    assert "34.1 GiB" in result.reason and "21.6 GiB" in result.reason
+
+
+def test_7b_on_h100_with_loose_slo_stays_unquantized() -> None:
+    result = plan(spec(gpu="H100-80GB", slo={"ttftP95Ms": 5000, "tpotP95Ms": 200}))
+    assert result.quantization == "none" and result.meets_slo
+    assert result.replicas == 1
+    assert "least lossy" in result.reasons["quantization"]
+
+
+def test_tight_slo_on_slow_gpu_picks_a_quantized_scheme() -> None:
+    # FP16 Llama-2-7B decodes at ~28 ms/token on an A10G; a 20 ms TPOT SLO needs fewer bytes.
+    result = plan(spec(slo={"tpotP95Ms": 20}, serving={"speculative": "off"},
+                       load={"requestsPerSecond": 0.1}))
+    assert result.quantization in ("int8", "w8a8", "int4")
+    assert result.predicted_tpot_ms <= 20
+    assert "none" in result.reasons["quantization"]
+
+
+def test_explicit_quantization_is_respected() -> None:
+    result = plan(spec(gpu="H100-80GB", serving={"quantization": "int4"}))
+    assert result.quantization == "int4"
+    assert result.reasons["quantization"] == "int4: set in the spec"
+
+
+@pytest.mark.parametrize("batch, expected", [(1.0, "ngram"), (64.0, "off")])
+def test_speculation_on_at_batch_1_off_at_batch_64(batch: float, expected: str) -> None:
+    chosen, reason = choose_speculative("auto", batch=batch, tpot_bound=True, temperature=0.2,
+                                        draft_model=None)
+    assert chosen == expected
+    assert f"{batch:.1f}" in reason
+
+
+def test_speculation_off_at_high_temperature_or_ttft_bound_and_draft_when_given() -> None:
+    assert choose_speculative("auto", batch=1, tpot_bound=True, temperature=1.2,
+                              draft_model=None)[0] == "off"
+    assert choose_speculative("auto", batch=1, tpot_bound=False, temperature=0.0,
+                              draft_model=None)[0] == "off"
+    assert choose_speculative("auto", batch=1, tpot_bound=True, temperature=0.0,
+                              draft_model="smollm2-135m")[0] == "draft"
+    assert choose_speculative("off", batch=1, tpot_bound=True, temperature=0.0,
+                              draft_model=None)[0] == "off"
+
+
+def test_plan_turns_speculation_on_at_low_load_and_off_at_high_load() -> None:
+    light = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0}))
+    assert light.speculative == "ngram" and light.num_speculative_tokens == 4
+    assert light.predicted_batch < planner.SPECULATION_MAX_BATCH
+    heavy = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 30, "temperature": 0},
+                      serving={"maxContextLength": 1024}, autoscaling={"maxReplicas": 1}))
+    assert heavy.speculative == "off"
+    assert heavy.predicted_batch > 32
+    assert "predicted batch" in heavy.reasons["speculative"]
+
+
+def test_replicas_grow_with_load_within_bounds() -> None:
+    one = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 1}))
+    many = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 40},
+                     autoscaling={"maxReplicas": 8}))
+    assert one.replicas == 1
+    assert 1 < many.replicas <= 8 and many.meets_slo
+    capped = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 400},
+                       autoscaling={"maxReplicas": 2}))
+    assert capped.fits and capped.replicas == 2 and not capped.meets_slo
+    assert "SLO not met at maxReplicas 2" in capped.reasons["replicas"]
+
+
+def test_unknown_model_unknown_gpu_and_bad_inputs_are_results_not_exceptions() -> None:
+    unknown_model = plan(spec("gpt-5"))
+    assert (unknown_model.fits, unknown_model.failure) == (False, "UnknownModel")
+    assert "spec.model.architecture" in unknown_model.reason
+    unknown_gpu = plan(spec(gpu="TPU-v5"))
+    assert (unknown_gpu.fits, unknown_gpu.failure) == (False, "UnknownGPU")
+    no_gpu = plan(spec(gpu=None))
+    assert no_gpu.failure == "NoGPUType"
+    too_long = plan(spec(serving={"maxContextLength": 8192}))
+    assert too_long.failure == "ContextTooLong" and "4096" in too_long.reason
+    multi = plan(spec(accelerator={"type": "A10G", "count": 2}))
+    assert multi.failure == "MultiGPUUnsupported"
+
+
+def test_context_leaving_room_for_no_sequence_is_a_no_fit() -> None:
+    # Qwen2.5-72B's INT4 weights (35 GiB) fit an L40S's 48 GiB, but one 32k-token sequence
+    # (0.3125 MiB/token x 32768 = 10 GiB of KV) does not fit in what is left.
+    result = plan(spec("qwen2.5-72b", "L40S"))
+    assert not result.fits and result.failure == "ContextDoesNotFit"
+    assert result.quantization == "int4"
+    assert "one 32768-token sequence needs 10.0 GiB of KV cache" in result.reason
+    shorter = plan(spec("qwen2.5-72b", "L40S", serving={"maxContextLength": 8192}))
+    assert shorter.fits and shorter.quantization == "int4"
+
+
+def test_explicit_architecture_wins_over_the_catalog() -> None:
+    tiny = {"layers": 2, "hiddenSize": 64, "attentionHeads": 4, "kvHeads": 2, "vocabSize": 1000,
+            "parameters": 1_000_000, "maxContext": 512}
+    result = plan(InferenceServiceSpec.model_validate(
+        {"model": {"name": "llama-2-7b", "architecture": tiny}, "accelerator": {"type": "A10G"}}))
+    assert result.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
+    assert result.max_model_len == 512
+    assert result.reasons["model"] == "spec.model.architecture"
+
+
+def test_unset_gpu_picks_the_smallest_node_gpu_that_works() -> None:
+    choices = ["NVIDIA-H100-80GB-HBM3", "NVIDIA-A10G", "some-unknown-gpu"]
+    small = plan(spec(gpu=None), available_gpus=choices)
+    assert small.gpu == "A10G" and small.meets_slo
+    big = plan(spec("llama-2-70b", gpu=None), available_gpus=choices)
+    assert big.gpu == "H100-80GB"
+    assert "smallest of the nodes' GPUs (A10G, H100-80GB)" in big.reasons["gpu"]
+
+
+def test_every_fitting_plan_carries_a_reason_per_choice() -> None:
+    result = plan(spec())
+    assert set(result.reasons) == {"model", "gpu", "quantization", "kvCache", "batching",
+                                   "speculative", "replicas"}
+    assert all(result.reasons.values())
+    assert result.max_num_batched_tokens >= result.max_num_seqs
+    assert result.max_num_batched_tokens % 16 == 0
+
+
+def test_plan_is_json_serialisable() -> None:
+    result = plan(spec())
+    assert Plan.model_validate_json(result.model_dump_json()) == result

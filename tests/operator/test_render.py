@@ -1,0 +1,129 @@
+from typing import Any
+
+from kvpilot.operator import render
+from kvpilot.operator.planner import plan
+from kvpilot.operator.spec import InferenceServiceSpec
+
+UID = "0b7c6e1e-0000-4000-8000-000000000001"
+
+
+def spec(**overrides: Any) -> InferenceServiceSpec:
+    body: dict[str, Any] = {"model": {"name": "llama-2-7b", "source": "hf://meta-llama/Llama-2-7b-hf"},
+                            "accelerator": {"type": "A10G"}, **overrides}
+    return InferenceServiceSpec.model_validate(body)
+
+
+def engine(deployment: dict[str, Any]) -> dict[str, Any]:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def test_engine_args_carry_the_plans_numbers() -> None:
+    s = spec(serving={"maxContextLength": 4096, "speculative": "off"})
+    p = plan(s)
+    container = engine(render.deployment("chat", "ml", UID, s, p))
+    assert container["command"] == ["kvpilot", "serve"]
+    assert container["args"] == [
+        "--model", "meta-llama/Llama-2-7b-hf",
+        "--served-model-name", "llama-2-7b",
+        "--host", "0.0.0.0",
+        "--port", "8000",
+        "--max-model-len", "4096",
+        "--max-num-seqs", str(p.max_num_seqs),
+        "--max-num-batched-tokens", str(p.max_num_batched_tokens),
+        "--block-size", "16",
+        "--gpu-memory-utilization", "0.9",
+        "--quantization", "none",
+        "--speculative", "off",
+    ]
+    assert p.max_num_seqs == 4
+
+
+def test_speculative_args_only_when_speculating() -> None:
+    s = spec(serving={"speculative": "draft", "draftModel": "smollm2-135m",
+                      "numSpeculativeTokens": 3})
+    args = engine(render.deployment("chat", "ml", UID, s, plan(s)))["args"]
+    assert args[args.index("--speculative") + 1] == "draft"
+    assert args[args.index("--draft-model") + 1] == "smollm2-135m"
+    assert args[args.index("--num-speculative-tokens") + 1] == "3"
+    ngram = spec(serving={"speculative": "ngram"})
+    args = engine(render.deployment("chat", "ml", UID, ngram, plan(ngram)))["args"]
+    assert "--draft-model" not in args and args[args.index("--num-speculative-tokens") + 1] == "4"
+
+
+def test_pod_runs_non_root_with_probes_metrics_port_and_gpu() -> None:
+    s = spec(resources={"requests": {"cpu": "4", "memory": "32Gi"}},
+             nodeSelector={"pool": "gpu"},
+             tolerations=[{"key": "dedicated", "operator": "Equal", "value": "llm",
+                           "effect": "NoSchedule"}])
+    deployment = render.deployment("chat", "ml", UID, s, plan(s))
+    pod = deployment["spec"]["template"]["spec"]
+    container = engine(deployment)
+    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    assert container["resources"]["requests"] == {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": "1"}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert pod["nodeSelector"] == {"pool": "gpu", "nvidia.com/gpu.product": "NVIDIA-A10G"}
+    assert {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"} \
+        in pod["tolerations"]
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/path"] == "/metrics"
+
+
+def test_replicas_come_from_the_plan_unless_scaled() -> None:
+    s = spec()
+    p = plan(s)
+    assert render.deployment("chat", "ml", UID, s, p)["spec"]["replicas"] == p.replicas == 2
+    scaled = spec(replicas=5)
+    assert render.deployment("chat", "ml", UID, scaled, plan(scaled))["spec"]["replicas"] == 5
+
+
+def test_pvc_source_is_mounted_read_only() -> None:
+    s = spec(model={"name": "llama-2-7b", "source": "pvc://weights/llama-2-7b"})
+    deployment = render.deployment("chat", "ml", UID, s, plan(s))
+    container = engine(deployment)
+    assert container["args"][1] == "/models/weights/llama-2-7b"
+    assert container["volumeMounts"] == [{"name": "model", "mountPath": "/models/weights",
+                                          "readOnly": True}]
+    assert deployment["spec"]["template"]["spec"]["volumes"] == [
+        {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}]
+
+
+def test_children_are_owned_labelled_and_selected_consistently() -> None:
+    s = spec()
+    objects = render.children("chat", "ml", UID, s, plan(s))
+    assert [o["kind"] for o in objects] == ["Deployment", "Service", "PodDisruptionBudget"]
+    for obj in objects:
+        assert obj["metadata"]["namespace"] == "ml" and obj["metadata"]["name"] == "chat"
+        (owner,) = obj["metadata"]["ownerReferences"]
+        assert owner == {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
+                         "name": "chat", "uid": UID, "controller": True,
+                         "blockOwnerDeletion": True}
+    deployment, service, pdb = objects
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    for selector in (deployment["spec"]["selector"]["matchLabels"], service["spec"]["selector"],
+                     pdb["spec"]["selector"]["matchLabels"]):
+        assert selector.items() <= pod_labels.items()
+    assert render.selector("chat") == ",".join(f"{k}={v}" for k, v in sorted(
+        deployment["spec"]["selector"]["matchLabels"].items()))
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def test_no_deployment_for_a_plan_that_does_not_fit() -> None:
+    s = spec(model={"name": "llama-3-70b"})
+    p = plan(s)
+    assert not p.fits
+    assert [o["kind"] for o in render.children("big", "ml", UID, s, p)] == [
+        "Service", "PodDisruptionBudget"]
+
+
+def test_amd_gpus_use_amd_resource_and_label() -> None:
+    s = spec(accelerator={"type": "MI300X"})
+    deployment = render.deployment("chat", "ml", UID, s, plan(s))
+    assert engine(deployment)["resources"]["limits"] == {"amd.com/gpu": "1"}
+    assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {
+        "amd.com/gpu.product-name": "AMD_Instinct_MI300X"}

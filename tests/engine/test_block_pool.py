@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import pytest
+
+from kvpilot.engine.block_pool import BlockPool, hash_block
+from kvpilot.engine.kv_cache_manager import KVCacheManager
+from kvpilot.engine.request import Request
+from kvpilot.engine.sampling_params import SamplingParams
+
+
+def req(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=4))
+
+
+def test_allocate_and_free_round_trip():
+    pool = BlockPool(4)
+    blocks = pool.allocate(3)
+    assert pool.num_free_blocks == 1 and [b.ref_count for b in blocks] == [1, 1, 1]
+    with pytest.raises(RuntimeError):
+        pool.allocate(2)
+    pool.free(blocks)
+    assert pool.num_free_blocks == 4
+
+
+def test_hash_chains_on_parent():
+    assert hash_block(None, [1, 2]) == hash_block(None, [1, 2])
+    assert hash_block(hash_block(None, [1, 2]), [3, 4]) != hash_block(hash_block(None, [9, 9]), [3, 4])
+
+
+def test_cached_block_is_evictable_and_reusable():
+    pool = BlockPool(2)
+    (block,) = pool.allocate(1)
+    pool.cache(block, 123)
+    pool.free([block])
+    assert pool.num_free_blocks == 2 and pool.lookup(123) is block
+    pool.touch([block])  # a later request takes it back from the free list
+    assert block.ref_count == 1 and pool.num_free_blocks == 1
+    pool.free([block])
+    pool.allocate(2)  # reusing it for new content forgets the hash
+    assert pool.lookup(123) is None
+
+
+def test_prefix_hits_share_blocks_and_count():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = req("a", list(range(10)))
+    assert kv.allocate_slots(a, 10, kv.find_cached_prefix(a))
+    a.num_computed_tokens = 10
+    kv.cache_full_blocks(a)  # blocks [0..3] and [4..7] are full
+    b = req("b", list(range(8)) + [99, 98, 97])
+    hits = kv.find_cached_prefix(b)
+    assert [blk.block_id for blk in hits] == kv.block_ids(a)[:2]
+    assert kv.allocate_slots(b, 3, hits)
+    assert [blk.ref_count for blk in hits] == [2, 2]
+    assert kv.pool.stats.hits == 8 and kv.pool.stats.queries == 10 + 11
+    kv.free(a)
+    kv.free(b)
+    assert kv.pool.num_free_blocks == 8
+
+
+def test_whole_prompt_hit_leaves_one_token_to_compute():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = req("a", list(range(8)))
+    kv.allocate_slots(a, 8, [])
+    a.num_computed_tokens = 8
+    kv.cache_full_blocks(a)
+    b = req("b", list(range(8)))
+    assert len(kv.find_cached_prefix(b)) == 1  # not 2: the last token must run to give logits
+
+
+def test_allocation_fails_without_side_effects():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    a = req("a", list(range(12)))
+    assert not kv.allocate_slots(a, 12, [])
+    assert kv.pool.num_free_blocks == 2 and "a" not in kv.block_tables

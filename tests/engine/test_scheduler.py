@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+from kvpilot.engine.kv_cache_manager import KVCacheManager
+from kvpilot.engine.request import FinishReason, Request, RequestStatus
+from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.scheduler import Scheduler
+
+
+def make(num_blocks: int = 64, seqs: int = 8, budget: int = 32, block_size: int = 4) -> Scheduler:
+    return Scheduler(KVCacheManager(num_blocks, block_size, enable_prefix_caching=False), seqs, budget)
+
+
+def run_step(s: Scheduler) -> list[tuple[str, int]]:
+    """Schedule, then pretend the model ran: advance computed tokens and append a token where due."""
+    out = s.schedule()
+    for r, n in out.scheduled:
+        r.num_computed_tokens += n
+        if r.num_computed_tokens == r.num_tokens:
+            r.token_ids.append(7)
+    return [(r.request_id, n) for r, n in out.scheduled]
+
+
+def test_chunked_prefill_respects_token_budget():
+    s = make(budget=32)
+    s.add(Request("long", list(range(80)), SamplingParams()))
+    s.add(Request("short", list(range(10)), SamplingParams()))
+    assert run_step(s) == [("long", 32)]
+    assert run_step(s) == [("long", 32)]
+    assert run_step(s) == [("long", 16), ("short", 10)]
+    assert run_step(s) == [("long", 1), ("short", 1)]  # both decoding now
+
+
+def test_decodes_go_before_new_prefills():
+    s = make(budget=8)
+    s.add(Request("a", list(range(8)), SamplingParams()))
+    run_step(s)
+    s.add(Request("b", list(range(20)), SamplingParams()))
+    assert run_step(s) == [("a", 1), ("b", 7)]
+
+
+def test_max_num_seqs_caps_running():
+    s = make(seqs=2, budget=100)
+    for i in range(3):
+        s.add(Request(str(i), [1, 2, 3], SamplingParams()))
+    assert [rid for rid, _ in run_step(s)] == ["0", "1"]
+    assert len(s.waiting) == 1
+
+
+def test_preempts_newest_when_blocks_run_out_and_recomputes_it():
+    s = make(num_blocks=4, budget=100, block_size=4)  # 16 tokens of KV in all
+    s.add(Request("old", list(range(7)), SamplingParams()))
+    s.add(Request("new", list(range(7)), SamplingParams()))
+    run_step(s)  # 2 blocks each: pool full
+    for _ in range(1):
+        run_step(s)  # 8 tokens each, still fits
+    steps = run_step(s)  # "old" needs a 3rd block: "new" is preempted
+    assert steps == [("old", 1)]
+    assert s.num_preemptions == 1
+    new = s.waiting[0]
+    assert new.request_id == "new" and new.status is RequestStatus.WAITING and new.num_computed_tokens == 0
+    s.finish(s.running[0], FinishReason.STOP)
+    assert run_step(s) == [("new", 9)]  # prompt + generated tokens recomputed in one go
+
+
+def test_finish_frees_blocks():
+    s = make()
+    r = Request("a", list(range(10)), SamplingParams())
+    s.add(r)
+    run_step(s)
+    s.finish(r, FinishReason.ABORT)
+    assert s.kv.pool.num_free_blocks == 64 and not s.has_unfinished() and r.finish_reason is FinishReason.ABORT

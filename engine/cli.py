@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     offline = bench_sub.add_parser("offline", help="engine vs HuggingFace generate, output tokens/s")
     offline.add_argument("--num-requests", type=int, default=64)
-    offline.add_argument("--hf-batch-size", type=int, default=16)
+    offline.add_argument("--hf-batch-size", default="16,64", help="comma-separated HF static batch sizes; the best is the baseline")
     offline.add_argument("--seed", dest="bench_seed", type=int, default=0)
     offline.add_argument("--output", default="bench/out/offline.json")
     offline.set_defaults(func=_bench_offline)

@@ -21,7 +21,7 @@ serve: $(STAMP)
 	$(VENV)/bin/kvpilot generate "Write a haiku about paged attention."
 
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests e2e
 
 bench: $(STAMP)
 	$(VENV)/bin/kvpilot bench offline

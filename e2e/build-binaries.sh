@@ -61,7 +61,7 @@ export GOCACHE="${CACHE_ROOT}/go/build"
 export GOFLAGS="-mod=readonly -buildvcs=false -trimpath"
 export GOTOOLCHAIN=local
 export CGO_ENABLED=0
-GO_VERSION="$("${GO}" env GOVERSION)"
+GO_VERSION="$("${GO}" env GOVERSION)" || die "'${GO} env GOVERSION' failed"
 
 # Serialize concurrent runs (two test sessions starting at once) on one lock.
 exec 9>"${CACHE_ROOT}/k8s/.build.lock"
@@ -123,7 +123,9 @@ for target in "${TARGETS[@]}"; do
   cmd=(nice -n "${NICE}" "${GO}" build -ldflags "${ldflags}" -o "${tmp}" "${pkg}")
   if ! (cd "${dir}" && "${cmd[@]}"); then
     rm -f "${tmp}"
-    die "building ${name} failed (exit above). Command: (cd ${dir} && GOFLAGS='${GOFLAGS}' CGO_ENABLED=0 ${cmd[*]})"
+    printf -v cmd_str '%q ' "${cmd[@]}"
+    die "building ${name} failed (the go command's error is above). To reproduce:
+  cd ${dir} && GOPATH=${GOPATH} GOMODCACHE=${GOMODCACHE} GOCACHE=${GOCACHE} GOFLAGS='${GOFLAGS}' GOTOOLCHAIN=local CGO_ENABLED=0 ${cmd_str}"
   fi
   mv -f "${tmp}" "${BIN_DIR}/${name}"
   printf '%s\n' "${stamp}" >"${STAMP_DIR}/${name}"

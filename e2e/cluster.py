@@ -7,8 +7,13 @@ simulates the nodes and the pods' lifecycle, so no kubelet or container runtime 
 Network rule: nothing may connect outside 127.0.0.0/8. Every component binds 127.0.0.1
 (``bindAddress``), the fake nodes' InternalIPs are loopback addresses, each node carries a loopback
 ``spec.podCIDR`` from which kwok hands out pod IPs (with a loopback default CIDR behind it), the
-Service ClusterIP range is loopback, and the API server advertises 127.0.0.1. kwokctl's download
-locations are compiled to a closed loopback port, so a missing binary fails at once.
+Service ClusterIP range is loopback, and the API server advertises 127.0.0.1 (with the endpoint
+reconciler off, which refuses loopback). kwokctl's download locations are compiled to a closed
+loopback port, so a missing binary fails at once.
+
+One consequence: the API server refuses loopback addresses in EndpointSlices, so Services over
+these pods get no endpoints (kube-controller-manager logs FailedToUpdateEndpointSlices). Code that
+needs an engine's address reads the Pod's ``status.podIP``.
 
 Command line (the cluster outlives the command; ``down`` stops every process it started)::
 
@@ -30,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +44,6 @@ from typing import Any
 import yaml
 
 E2E_DIR = Path(__file__).resolve().parent
-REPO_ROOT = E2E_DIR.parent
 BUILD_SCRIPT = E2E_DIR / "build-binaries.sh"
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -50,6 +55,17 @@ NODE_POD_CIDR_BASE = ipaddress.IPv4Network("127.1.0.0/16")  # node i gets 127.1.
 DEFAULT_POD_CIDR = "127.2.0.0/16"  # kwok's fallback pool for nodes without a podCIDR
 SERVICE_CIDR = "127.3.0.0/16"  # Service ClusterIPs (nothing dials them: there is no kube-proxy)
 LOOPBACK = ipaddress.IPv4Network("127.0.0.0/8")
+
+def k8s_version(go_mod: Path = E2E_DIR / "k8s-bins" / "kubernetes" / "go.mod") -> str:
+    """The Kubernetes release the binaries are built from, e.g. v1.37.2."""
+    for line in go_mod.read_text().splitlines():
+        parts = line.split()
+        if parts[:1] == ["k8s.io/kubernetes"] and len(parts) >= 2 and parts[1].startswith("v"):
+            return parts[1]
+        if parts[:2] == ["require", "k8s.io/kubernetes"]:
+            return parts[2]
+    raise ClusterError(f"k8s.io/kubernetes is not required in {go_mod}")
+
 
 BINARIES = (
     "etcd",
@@ -106,24 +122,29 @@ class Binaries:
 def build_binaries(script: Path = BUILD_SCRIPT, timeout_s: float = 3600.0) -> Binaries:
     """Run build-binaries.sh (a no-op when everything is cached) and return its bin dir.
 
-    The script's progress streams to this process's stderr; its last stdout line is the bin dir.
+    The script's progress is echoed to stderr as it comes; its last stdout line is the bin dir.
+    A failure raises ClusterError with the end of the script's output (the go command's error).
     """
-    try:
-        proc = subprocess.run(
-            ["bash", str(script)],
-            stdout=subprocess.PIPE,
-            stderr=None,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise ClusterError(f"{script} did not finish within {timeout_s:.0f}s") from exc
-    lines = proc.stdout.strip().splitlines()
+    tail: deque[str] = deque(maxlen=60)
+    deadline = time.monotonic() + timeout_s
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(["bash", str(script)], stdout=out, stderr=subprocess.PIPE, text=True)
+        assert proc.stderr is not None
+        try:
+            for line in proc.stderr:
+                sys.stderr.write(line)
+                tail.append(line.rstrip("\n"))
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"{script} did not finish within {timeout_s:.0f}s")
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        out.seek(0)
+        lines = out.read().strip().splitlines()
     if proc.returncode != 0 or not lines:
-        raise ClusterError(
-            f"{script} failed with exit code {proc.returncode}; its error is printed above"
-        )
+        raise ClusterError(f"{script} failed with exit code {proc.returncode}:\n" + "\n".join(tail))
     return Binaries(Path(lines[-1])).check()
 
 
@@ -154,25 +175,16 @@ DEFAULT_FLEET: tuple[tuple[str, int], ...] = (
     ("H100-80GB", 8),
 )
 
-# Only used when the operator's GPU catalog cannot be imported (e.g. kvpilot not installed):
-# (name, product, memory GiB), the same strings the catalog holds.
-_FALLBACK_PRODUCTS: dict[str, tuple[str, float]] = {
-    "A10G": ("NVIDIA-A10G", 24),
-    "L4": ("NVIDIA-L4", 24),
-    "A100-80GB": ("NVIDIA-A100-SXM4-80GB", 80),
-    "H100-80GB": ("NVIDIA-H100-80GB-HBM3", 80),
-}
-
-
 def _catalog_gpu(name: str) -> tuple[str, str, str, float]:
-    """(product, product label, resource, memory GiB) of a catalog GPU."""
-    try:
-        from kvpilot.operator.gpu_catalog import GPUS
-    except ImportError:
-        product, mem = _FALLBACK_PRODUCTS[name]
-        return product, GPU_PRODUCT_LABEL, GPU_RESOURCE, mem
+    """(product, product label, resource, memory GiB) of a GPU in the operator's catalog."""
+    from kvpilot.operator.gpu_catalog import GPUS
+
     gpu = GPUS[name]
     return gpu.product, gpu.product_label, gpu.resource, gpu.memory_gib
+
+
+def fleet_products(fleet: Sequence[tuple[str, int]] = DEFAULT_FLEET) -> set[str]:
+    return {_catalog_gpu(name)[0] for name, _ in fleet}
 
 
 def default_gpu_nodes(fleet: Sequence[tuple[str, int]] = DEFAULT_FLEET) -> list[GPUNodeSpec]:
@@ -263,7 +275,7 @@ def node_manifest(spec: GPUNodeSpec, index: int) -> dict[str, Any]:
 
 
 def kwokctl_config(binaries: Binaries, *, audit_policy: Path | None = None) -> list[dict[str, Any]]:
-    """The kwokctl configuration documents (KwokctlConfiguration + KwokConfiguration)."""
+    """The kwokctl configuration document (a KwokctlConfiguration)."""
     options: dict[str, Any] = {
         "runtime": "binary",
         "bindAddress": "127.0.0.1",
@@ -281,8 +293,9 @@ def kwokctl_config(binaries: Binaries, *, audit_policy: Path | None = None) -> l
     if audit_policy is not None:
         options["kubeAuditPolicy"] = str(audit_policy)
 
-    def arg(key: str, value: str) -> dict[str, Any]:
-        return {"key": key, "value": value, "override": True}
+    # kwokctl's `override` replaces an argument it already passes; without it the arg is appended.
+    def arg(key: str, value: str, override: bool = False) -> dict[str, Any]:
+        return {"key": key, "value": value, "override": override}
 
     return [
         {
@@ -293,20 +306,19 @@ def kwokctl_config(binaries: Binaries, *, audit_policy: Path | None = None) -> l
                 {
                     "name": "kube-apiserver",
                     "extraArgs": [
+                        # a loopback advertise address is only allowed without the endpoint
+                        # reconciler; nothing here dials the `kubernetes` Service anyway
                         arg("advertise-address", "127.0.0.1"),
+                        arg("endpoint-reconciler-type", "none"),
                         arg("service-cluster-ip-range", SERVICE_CIDR),
                     ],
                 },
                 {
                     "name": "kwok-controller",
-                    "extraArgs": [arg("node-ip", "127.0.0.1"), arg("cidr", DEFAULT_POD_CIDR)],
+                    # kwokctl passes an empty --node-ip in the binary runtime
+                    "extraArgs": [arg("node-ip", "127.0.0.1", override=True), arg("cidr", DEFAULT_POD_CIDR)],
                 },
             ],
-        },
-        {
-            "apiVersion": "config.kwok.x-k8s.io/v1alpha1",
-            "kind": "KwokConfiguration",
-            "options": {"cidr": DEFAULT_POD_CIDR, "nodeIP": "127.0.0.1"},
         },
     ]
 
@@ -349,6 +361,11 @@ class Cluster:
     @property
     def logs_dir(self) -> Path:
         return self.workdir / "logs"
+
+    @property
+    def _marker(self) -> str:
+        """Every component's command line names a path under this prefix."""
+        return str(self.state_dir) + os.sep
 
     def env(self, **extra: str) -> dict[str, str]:
         """Environment for a child process that talks to this cluster (KUBECONFIG set)."""
@@ -443,26 +460,45 @@ class Cluster:
 
     # -- lifecycle
 
+    def dead_components(self) -> list[str]:
+        """Components whose pid file exists but whose process is gone."""
+        return sorted(n for n, pid in self.pids().items() if not _pid_belongs(pid, self._marker))
+
+    def _raise_if_dead(self) -> None:
+        dead = self.dead_components()
+        if dead:
+            raise ClusterError(f"component(s) of {self.name} exited: {', '.join(dead)}")
+
+    def not_ready_nodes(self) -> list[str]:
+        items = self.kubectl_json("get", "nodes", timeout=20)["items"]
+        ready = {
+            n["metadata"]["name"]
+            for n in items
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))
+        }
+        return [n.name for n in self.nodes if n.name not in ready]
+
     def wait_ready(self, timeout_s: float = 120.0) -> None:
-        """API server ready, default ServiceAccount present, every fake node Ready."""
+        """API server ready, default ServiceAccount present, every fake node Ready.
+
+        Fails fast when a component process has exited.
+        """
         deadline = time.monotonic() + timeout_s
-        last = ""
         while True:
+            self._raise_if_dead()
             p = self.kubectl("get", "--raw", "/readyz", check=False, timeout=10)
             if p.returncode == 0 and p.stdout.strip() == "ok":
                 p = self.kubectl("get", "serviceaccount", "default", "-n", "default", check=False, timeout=10)
                 if p.returncode == 0:
-                    break
-            last = (p.stdout + p.stderr).strip()
+                    pending = self.not_ready_nodes()
+                    if not pending:
+                        return
+                    p = subprocess.CompletedProcess([], 1, "", f"nodes not Ready: {', '.join(pending)}")
             if time.monotonic() > deadline:
-                raise ClusterError(f"API server of {self.name} not ready after {timeout_s:.0f}s: {last}")
+                raise ClusterError(
+                    f"cluster {self.name} not ready after {timeout_s:.0f}s: {(p.stdout + p.stderr).strip()}"
+                )
             time.sleep(0.5)
-        if self.nodes:
-            remaining = max(5.0, deadline - time.monotonic())
-            self.kubectl(
-                "wait", "--for=condition=Ready", "node", *[n.name for n in self.nodes],
-                f"--timeout={int(remaining)}s", timeout=remaining + 10,
-            )
 
     def add_nodes(self, nodes: Sequence[GPUNodeSpec]) -> None:
         start = len(self.nodes)
@@ -477,10 +513,13 @@ class Cluster:
         pids = self.pids()
         errors = []
         if self.workdir.exists():
-            p = self.kwokctl("delete", "cluster", check=False, timeout=timeout_s)
-            if p.returncode != 0:
-                errors.append(f"kwokctl delete cluster: exit {p.returncode}: {p.stderr.strip()}")
-        leftover = _stop_pids(pids, marker=str(self.state_dir))
+            try:
+                p = self.kwokctl("delete", "cluster", check=False, timeout=timeout_s)
+                if p.returncode != 0:
+                    errors.append(f"kwokctl delete cluster: exit {p.returncode}: {p.stderr.strip()}")
+            except ClusterError as exc:  # timed out: the processes are still stopped below
+                errors.append(str(exc))
+        leftover = _stop_pids(pids, marker=self._marker)
         if leftover:
             errors.append(f"processes still alive after SIGKILL: {leftover}")
         shutil.rmtree(self.state_dir, ignore_errors=True)
@@ -538,22 +577,7 @@ def start_cluster(
     config_path = state_dir / "kwokctl.yaml"
     config_path.write_text(yaml.safe_dump_all(kwokctl_config(binaries), sort_keys=False))
     try:
-        p = cluster._run(
-            [
-                str(binaries.kwokctl),
-                "--config", str(config_path),
-                "create", "cluster",
-                "--name", name,
-                "--kubeconfig=",  # never touch ~/.kube/config
-                f"--timeout={int(timeout_s)}s",
-                "--wait=0s",
-            ],
-            check=False,
-            timeout=timeout_s + 30,
-        )
-        (state_dir / "kwokctl-create.log").write_text(p.stdout + p.stderr)
-        if p.returncode != 0:
-            raise ClusterError(f"kwokctl create cluster failed (exit {p.returncode}):\n{p.stderr.strip()}")
+        _kwokctl_create(cluster, config_path, timeout_s)
         if not cluster.kubeconfig.exists():
             raise ClusterError(f"kwokctl created no kubeconfig at {cluster.kubeconfig}")
         cluster.wait_ready(timeout_s=timeout_s)
@@ -567,6 +591,68 @@ def start_cluster(
             raise ClusterError(f"{exc}\n\ncomponent logs:\n{logs}") from exc
         raise
     return cluster
+
+
+def _kwokctl_create(cluster: Cluster, config_path: Path, timeout_s: float) -> None:
+    """Run `kwokctl create cluster`, failing fast when one of the components it started dies."""
+    argv = [
+        str(cluster.binaries.kwokctl),
+        "--config", str(config_path),
+        "create", "cluster",
+        "--name", cluster.name,
+        "--kubeconfig=",  # never touch ~/.kube/config
+        f"--timeout={int(timeout_s)}s",
+        "--wait=0s",
+    ]
+    log_path = cluster.state_dir / "kwokctl-create.log"
+    deadline = time.monotonic() + timeout_s + 30
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=cluster.env())
+        try:
+            while proc.poll() is None:
+                cluster._raise_if_dead()
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"kwokctl create cluster did not finish within {timeout_s + 30:.0f}s")
+                time.sleep(0.3)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    if proc.returncode != 0:
+        out = log_path.read_text(errors="replace").strip().splitlines()[-20:]
+        raise ClusterError(f"kwokctl create cluster failed (exit {proc.returncode}):\n" + "\n".join(out))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_stale_clusters(binaries: Binaries, state_root: Path | None = None,
+                        prefix: str = "kvpilot-e2e") -> list[str]:
+    """Delete clusters left behind by test runs that were killed (SIGKILL skips teardown).
+
+    A cluster named by unique_name() carries the PID of the process that started it; when that
+    process is gone, its cluster is deleted. Returns the names reaped.
+    """
+    root = state_root or default_state_root()
+    reaped = []
+    for d in sorted(root.glob(f"{prefix}-*-*")) if root.is_dir() else []:
+        owner = d.name[len(prefix) + 1 :].split("-", 1)[0]
+        if d.is_dir() and owner.isdigit() and not _pid_alive(int(owner)):
+            with contextlib.suppress(ClusterError):
+                Cluster(name=d.name, binaries=binaries, state_dir=d).delete()
+            reaped.append(d.name)
+    return reaped
 
 
 @contextlib.contextmanager
@@ -601,6 +687,10 @@ def non_loopback_ips(cluster: Cluster) -> list[str]:
     for svc in cluster.kubectl_json("get", "services", "-A")["items"]:
         for ip in svc.get("spec", {}).get("clusterIPs") or []:
             check(f"service/{svc['metadata']['namespace']}/{svc['metadata']['name']}", ip)
+    for eps in cluster.kubectl_json("get", "endpointslices", "-A")["items"]:
+        for ep in eps.get("endpoints") or []:
+            for ip in ep.get("addresses") or []:
+                check(f"endpointslice/{eps['metadata']['namespace']}/{eps['metadata']['name']}", ip)
     return bad
 
 

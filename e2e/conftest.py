@@ -13,7 +13,7 @@ from types import FrameType
 
 import pytest
 
-from e2e.cluster import Binaries, Cluster, build_binaries, start_cluster
+from e2e.cluster import Binaries, Cluster, build_binaries, reap_stale_clusters, start_cluster
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +28,7 @@ def k8s(k8s_binaries: Binaries) -> Iterator[Cluster]:
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = signal.signal(signal.SIGTERM, on_term)
+    reap_stale_clusters(k8s_binaries)  # left by runs that were SIGKILLed
     cluster = start_cluster(k8s_binaries)
     try:
         yield cluster

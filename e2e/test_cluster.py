@@ -11,7 +11,9 @@ import pytest
 from e2e.cluster import (
     Cluster,
     ClusterError,
+    fleet_products,
     is_loopback,
+    k8s_version,
     listening_sockets,
     non_loopback_ips,
 )
@@ -59,7 +61,7 @@ def test_api_server_answers(k8s: Cluster) -> None:
     assert k8s.kubeconfig.is_file()
     assert k8s.kubectl("get", "--raw", "/readyz").stdout.strip() == "ok"
     version = k8s.kubectl_json("version")
-    assert version["serverVersion"]["gitVersion"] == "v1.37.2"
+    assert version["serverVersion"]["gitVersion"] == k8s_version() == version["clientVersion"]["gitVersion"]
     # the kubeconfig points at loopback only
     server = k8s.kubectl("config", "view", "--minify", "-o", "jsonpath={.clusters[0].cluster.server}").stdout
     assert server.startswith("https://127.0.0.1:"), server
@@ -81,7 +83,7 @@ def test_gpu_nodes_ready_with_capacity(k8s: Cluster) -> None:
         assert node["status"]["allocatable"][spec.resource] == str(spec.gpus)
         assert node["metadata"]["labels"][spec.product_label] == spec.product
         products.add(spec.product)
-    assert {"NVIDIA-A10G", "NVIDIA-L4", "NVIDIA-A100-SXM4-80GB", "NVIDIA-H100-80GB-HBM3"} <= products
+    assert products == fleet_products() and len(products) >= 4
 
 
 def test_pod_schedules_onto_requested_gpu_with_loopback_ip(k8s: Cluster, namespace: str) -> None:
@@ -136,7 +138,31 @@ def test_controller_manager_runs_deployments(k8s: Cluster, namespace: str) -> No
     pods = k8s.kubectl_json("get", "pods", "-n", namespace, "-l", "app=engine")["items"]
     assert len(pods) == 2
     assert {p["spec"]["nodeName"] for p in pods} == {"gpu-a10g-0"}
-    assert len({p["status"]["podIP"] for p in pods}) == 2
+    pod_ips = {p["status"]["podIP"] for p in pods}
+    assert len(pod_ips) == 2
+
+    # A Service gets a loopback ClusterIP, but the API server refuses loopback addresses in
+    # EndpointSlices ("may not be in the loopback range"), so a Service over these pods has no
+    # endpoints: anything that needs the engines' addresses must read the Pods' status.podIP.
+    k8s.apply({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "engine", "namespace": namespace},
+        "spec": {"selector": {"app": "engine"}, "ports": [{"port": 8000, "targetPort": 8000}]},
+    })
+    svc = k8s.kubectl_json("get", "service", "-n", namespace, "engine")
+    assert is_loopback(svc["spec"]["clusterIP"])
+    deadline = time.monotonic() + 30
+    while True:
+        events = k8s.kubectl_json("get", "events", "-n", namespace,
+                                  "--field-selector", "involvedObject.kind=Service,involvedObject.name=engine")
+        messages = [e["message"] for e in events["items"] if e["reason"] == "FailedToUpdateEndpointSlices"]
+        if messages:
+            break
+        assert time.monotonic() < deadline, events
+        time.sleep(0.5)
+    assert "may not be in the loopback range" in messages[0]
+    assert k8s.kubectl_json("get", "endpointslices", "-n", namespace)["items"] == []
 
 
 def test_nothing_outside_loopback(k8s: Cluster) -> None:

@@ -94,3 +94,10 @@ def test_abort_frees_blocks(llm):
     assert request.finish_reason.value == "abort"
     assert not engine.has_unfinished()
     assert_all_blocks_free(llm)
+
+
+def test_bfloat16_on_cpu_runs_and_agrees_on_an_easy_prompt():
+    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=16 << 20)
+    assert llm.engine.runner.kv_caches.dtype.is_floating_point and llm.engine.runner.kv_caches.element_size() == 2
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0]
+    assert "Paris" in out.text

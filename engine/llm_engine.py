@@ -11,7 +11,7 @@ import torch
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.kv_cache_manager import KVCacheManager
-from kvpilot.engine.model_loader import load_tokenizer, resolve_model
+from kvpilot.engine.model_loader import EMBEDDED_MODEL, load_tokenizer, resolve_model
 from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.request import FinishReason, Request
 from kvpilot.engine.sampler import sample
@@ -30,11 +30,11 @@ class StepUpdate:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **overrides: object) -> None:
-        config = (config or EngineConfig()).model_copy(update=overrides) if overrides else (config or EngineConfig())
-        self.config = EngineConfig.model_validate(config.model_dump())
+        # Validated again so that overrides get the same checks as the config itself.
+        self.config = EngineConfig(**((config.model_dump() if config else {}) | overrides))
         torch.manual_seed(self.config.seed)
         self.model_path = resolve_model(self.config.model)
-        self.model_name = self.config.model or "SmolLM2-135M-Instruct"
+        self.model_name = self.config.model or EMBEDDED_MODEL
         self.tokenizer = load_tokenizer(self.model_path)
         self.runner = ModelRunner(self.config, self.model_path)
         self.max_model_len = self._max_model_len()

@@ -4,9 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench
+.PHONY: install serve test bench demo demo-down
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -25,3 +25,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/kvpilot bench offline
+
+# The whole path on this machine, left running: local control plane, chart, operator, an engine.
+demo: $(STAMP)
+	$(PY) -m e2e.demo up
+
+demo-down: $(STAMP)
+	$(PY) -m e2e.demo down

@@ -363,6 +363,11 @@ class Cluster:
         return self.workdir / "logs"
 
     @property
+    def audit_log(self) -> Path:
+        """Where kwokctl points the API server's audit log (written only with an audit policy)."""
+        return self.logs_dir / "audit.log"
+
+    @property
     def _marker(self) -> str:
         """Every component's command line names a path under this prefix."""
         return str(self.state_dir) + os.sep
@@ -462,7 +467,7 @@ class Cluster:
 
     def dead_components(self) -> list[str]:
         """Components whose pid file exists but whose process is gone."""
-        return sorted(n for n, pid in self.pids().items() if not _pid_belongs(pid, self._marker))
+        return sorted(n for n, pid in self.pids().items() if not pid_belongs(pid, self._marker))
 
     def _raise_if_dead(self) -> None:
         dead = self.dead_components()
@@ -519,7 +524,7 @@ class Cluster:
                     errors.append(f"kwokctl delete cluster: exit {p.returncode}: {p.stderr.strip()}")
             except ClusterError as exc:  # timed out: the processes are still stopped below
                 errors.append(str(exc))
-        leftover = _stop_pids(pids, marker=self._marker)
+        leftover = stop_pids(pids, marker=self._marker)
         if leftover:
             errors.append(f"processes still alive after SIGKILL: {leftover}")
         shutil.rmtree(self.state_dir, ignore_errors=True)
@@ -527,7 +532,7 @@ class Cluster:
             raise ClusterError(f"deleting cluster {self.name}: " + "; ".join(errors))
 
 
-def _pid_belongs(pid: int, marker: str) -> bool:
+def pid_belongs(pid: int, marker: str) -> bool:
     """True when `pid` is alive and its command line names this cluster's state dir."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -538,21 +543,21 @@ def _pid_belongs(pid: int, marker: str) -> bool:
     return state != "Z" and marker in cmdline
 
 
-def _stop_pids(pids: Mapping[str, int], marker: str, grace_s: float = 10.0) -> dict[str, int]:
+def stop_pids(pids: Mapping[str, int], marker: str, grace_s: float = 10.0) -> dict[str, int]:
     """SIGTERM, then SIGKILL, the given processes that still belong to the cluster."""
-    alive = {n: p for n, p in pids.items() if _pid_belongs(p, marker)}
+    alive = {n: p for n, p in pids.items() if pid_belongs(p, marker)}
     for pid in alive.values():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while alive and time.monotonic() < deadline:
         time.sleep(0.2)
-        alive = {n: p for n, p in alive.items() if _pid_belongs(p, marker)}
+        alive = {n: p for n, p in alive.items() if pid_belongs(p, marker)}
     for pid in alive.values():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     time.sleep(0.2)
-    return {n: p for n, p in alive.items() if _pid_belongs(p, marker)}
+    return {n: p for n, p in alive.items() if pid_belongs(p, marker)}
 
 
 def start_cluster(
@@ -561,10 +566,12 @@ def start_cluster(
     name: str | None = None,
     nodes: Sequence[GPUNodeSpec] | None = None,
     state_root: Path | None = None,
+    audit_policy: Path | None = None,
     timeout_s: float = 180.0,
 ) -> Cluster:
     """Create a cluster with kwokctl's binary runtime and the fake GPU nodes; wait until Ready.
 
+    With `audit_policy`, the API server writes an audit log to `Cluster.audit_log`.
     On any failure the partial cluster is deleted and ClusterError carries the components' logs.
     """
     binaries.check()
@@ -575,7 +582,7 @@ def start_cluster(
     state_dir.mkdir(parents=True)
     cluster = Cluster(name=name, binaries=binaries, state_dir=state_dir)
     config_path = state_dir / "kwokctl.yaml"
-    config_path.write_text(yaml.safe_dump_all(kwokctl_config(binaries), sort_keys=False))
+    config_path.write_text(yaml.safe_dump_all(kwokctl_config(binaries, audit_policy=audit_policy), sort_keys=False))
     try:
         _kwokctl_create(cluster, config_path, timeout_s)
         if not cluster.kubeconfig.exists():

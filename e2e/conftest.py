@@ -3,17 +3,26 @@
 `k8s` builds (or reuses) the binaries with e2e/build-binaries.sh, starts a kwokctl binary-runtime
 cluster with fake GPU nodes on loopback, yields the `Cluster` handle (kubeconfig path, kubectl and
 helm paths, `kubectl()`/`helm()`/`apply()` helpers) and deletes it at the end, even on failure.
+`kvpilot` helm-installs the chart into it; `operator` runs the chart's operator locally under the
+chart's ServiceAccount (kwok's pods run no code) and stops it at the end.
 """
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
 
 import pytest
 
+from e2e import kvis
+from e2e.chart import Installation, install
 from e2e.cluster import Binaries, Cluster, build_binaries, reap_stale_clusters, start_cluster
+from e2e.local_operator import LocalOperator
+
+# The namespace the chart's operator watches; every InferenceService of the tests lives here.
+WATCHED = "kvpilot-e2e"
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +46,37 @@ def k8s(k8s_binaries: Binaries) -> Iterator[Cluster]:
             cluster.delete()
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.fixture(scope="session")
+def kvpilot(k8s: Cluster) -> Installation:
+    """The chart, installed with Helm, reconciling InferenceServices in WATCHED."""
+    return install(k8s, [WATCHED])
+
+
+@pytest.fixture(scope="session")
+def operator(k8s: Cluster, kvpilot: Installation, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalOperator]:
+    """The chart's operator as a local process under the chart's ServiceAccount (logs kept in tmp)."""
+    local = LocalOperator(k8s, kvpilot, tmp_path_factory.mktemp("operator"))
+    local.start()
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+@pytest.fixture()
+def apply_isvc(k8s: Cluster, kvpilot: Installation) -> Iterator[Callable[[str, dict[str, Any]], dict[str, Any]]]:
+    """Apply InferenceServices into the watched namespace; delete them after the test."""
+    applied: list[str] = []
+
+    def apply(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        obj = kvis.manifest(name, kvpilot.watch_namespaces[0], spec)
+        k8s.apply(obj)
+        applied.append(name)
+        return obj
+
+    yield apply
+    for name in applied:
+        k8s.kubectl("delete", "inferenceservice", name, "-n", kvpilot.watch_namespaces[0], "--ignore-not-found",
+                    "--wait=false")

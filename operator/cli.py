@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import random
 import sys
 from typing import Any, TextIO
@@ -134,7 +135,12 @@ def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 def run_operator(args: argparse.Namespace) -> int:
     # Registers the handlers in kopf's default registry; only this command wants that.
     importlib.import_module("kvpilot.operator.handlers")
-    kopf.configure(verbose=args.verbose)
+    # main() gave the root logger a plain stream handler; kopf adds its own, which would print
+    # every line twice.
+    root = logging.getLogger()
+    root.handlers[:] = [h for h in root.handlers if type(h) is not logging.StreamHandler]
+    # log_prefix: every per-object line says which InferenceService it is about.
+    kopf.configure(verbose=args.verbose, log_prefix=True)
     namespaces = None if args.all_namespaces else list(args.namespaces)
     if not args.standalone:
         KubeCluster.connect().ensure_peering(args.peering, namespaces)

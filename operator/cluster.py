@@ -79,13 +79,23 @@ class KubeCluster:
 
     def ensure_peering(self, name: str, namespaces: list[str] | None) -> None:
         """Create the kopf peering object(s) replicas coordinate through, if missing:
-        one ClusterKopfPeering cluster-wide (namespaces None), else a KopfPeering per namespace."""
+        one ClusterKopfPeering cluster-wide (namespaces None), else a KopfPeering per namespace.
+
+        Looks before creating: where the Helm chart made them, the operator's role has no
+        `create` on peerings, and the API server authorizes a create before checking existence.
+        """
         targets = ([("ClusterKopfPeering", None)] if namespaces is None
                    else [("KopfPeering", namespace) for namespace in namespaces])
         for kind, namespace in targets:
+            resource = self._resource(PEERING_API_VERSION, kind)
+            try:
+                resource.get(name=name, namespace=namespace)
+                continue
+            except NotFoundError:
+                pass
             metadata = {"name": name, **({"namespace": namespace} if namespace else {})}
             try:
-                self._resource(PEERING_API_VERSION, kind).create(
+                resource.create(
                     body={"apiVersion": PEERING_API_VERSION, "kind": kind, "metadata": metadata},
                     namespace=namespace)
             except ConflictError:

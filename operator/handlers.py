@@ -17,7 +17,9 @@ from kvpilot.operator.reconcile import reconcile
 from kvpilot.operator.spec import GROUP, PLURAL, VERSION
 
 # How often every InferenceService is re-reconciled even without events: this repairs children
-# deleted or edited by hand and refreshes readyReplicas from the Deployment.
+# deleted or edited by hand and refreshes readyReplicas from the Deployment. kopf puts a finalizer
+# on objects that have a timer (to stop it cleanly), so deleting an InferenceService waits for a
+# running operator; its children then go by their owner references.
 RESYNC_SECONDS = 15.0
 # kopf's bookkeeping annotations, under our own domain instead of kopf.zalando.org.
 ANNOTATION_PREFIX = GROUP
@@ -45,11 +47,3 @@ def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
     patch.status.update(status)
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     logger.debug(f"Ready={ready['status']} ({ready['reason']}): {ready['message']}")
-
-
-@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
-def deleted(name: str, logger: logging.Logger, **_: Any) -> None:
-    # optional=True: no finalizer; the children's owner references let the garbage collector
-    # remove them, so deletion never waits on a running operator.
-    logger.info(f"InferenceService {name} deleted; its Deployment, Service and PDB are "
-                "garbage-collected through their owner references")

@@ -46,5 +46,5 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, now: datetime) -> dict[
         cluster.delete("apps/v1", "Deployment", namespace, name)
 
     deployment = cluster.get("apps/v1", "Deployment", namespace, name) if result.fits else None
-    return status.build(name=name, generation=int(metadata.get("generation", 0)), plan=result,
+    return status.build(name=name, namespace=namespace, generation=int(metadata.get("generation", 0)), plan=result,
                         spec=spec, deployment=deployment, old=body.get("status") or {}, now=now)

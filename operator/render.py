@@ -40,6 +40,11 @@ def selector(name: str) -> str:
     return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
 
 
+def service_url(name: str, namespace: str) -> str:
+    """The OpenAI base URL of the engines behind the Service, as seen inside the cluster."""
+    return f"http://{name}.{namespace}.svc.cluster.local:{PORT}/v1"
+
+
 def owner_reference(name: str, uid: str) -> dict[str, Any]:
     return {"apiVersion": API_VERSION, "kind": KIND, "name": name, "uid": uid,
             "controller": True, "blockOwnerDeletion": True}

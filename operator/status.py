@@ -12,7 +12,7 @@ from typing import Any
 
 from kvpilot.operator import sizing
 from kvpilot.operator.planner import Plan
-from kvpilot.operator.render import selector
+from kvpilot.operator.render import selector, service_url
 from kvpilot.operator.spec import InferenceServiceSpec
 
 CONDITION_TYPES = ("Planned", "Progressing", "Ready", "Degraded")
@@ -112,7 +112,7 @@ def with_transition_times(new: Sequence[Mapping[str, Any]], old: Sequence[Mappin
     return stamped
 
 
-def build(*, name: str, generation: int, plan: Plan, spec: InferenceServiceSpec | None,
+def build(*, name: str, namespace: str, generation: int, plan: Plan, spec: InferenceServiceSpec | None,
           deployment: Mapping[str, Any] | None, old: Mapping[str, Any],
           now: datetime) -> dict[str, Any]:
     """The whole `status` to write."""
@@ -127,6 +127,8 @@ def build(*, name: str, generation: int, plan: Plan, spec: InferenceServiceSpec 
         "readyReplicas": int(observed.get("readyReplicas", 0)),
         "desiredReplicas": desired,
         "selector": selector(name),
+        # The Service exists whether or not the plan fits, so the address is stable from the start.
+        "url": service_url(name, namespace),
         "plan": plan_summary(plan),
         # Predicted until the autoscaler reports what the engines measure.
         "latency": {"ttftP95Ms": plan.predicted_ttft_ms, "tpotP95Ms": plan.predicted_tpot_ms,

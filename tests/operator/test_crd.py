@@ -161,7 +161,10 @@ def test_printer_columns(crd: dict[str, Any]) -> None:
         "Model": ".spec.model.name", "GPU": ".status.plan.gpu",
         "Quant": ".status.plan.quantization", "Replicas": ".status.replicas",
         "Ready": ".status.readyReplicas", "TTFT-P95": ".status.latency.ttftP95Ms",
-        "TPOT-P95": ".status.latency.tpotP95Ms", "Age": ".metadata.creationTimestamp"}
+        "TPOT-P95": ".status.latency.tpotP95Ms", "Age": ".metadata.creationTimestamp",
+        "URL": ".status.url"}
+    # The URL is long: only `kubectl get -o wide` shows it.
+    assert {c["name"] for c in version(crd)["additionalPrinterColumns"] if c.get("priority")} == {"URL"}
 
 
 def test_schema_is_structural(crd: dict[str, Any]) -> None:
@@ -257,7 +260,7 @@ def test_status_we_write_validates_against_the_schema(crd: dict[str, Any], model
     deployment = {"metadata": {"generation": 2},
                   "status": {"observedGeneration": 2, "replicas": 2, "readyReplicas": 1,
                              "updatedReplicas": 2}}
-    written = status.build(name="chat", generation=3, plan=result, spec=spec,
+    written = status.build(name="chat", namespace="ml", generation=3, plan=result, spec=spec,
                            deployment=deployment if result.fits else None, old={},
                            now=datetime(2025, 1, 1, tzinfo=UTC))
     validate(written, root(crd)["properties"]["status"], "status")

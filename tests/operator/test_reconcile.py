@@ -63,6 +63,7 @@ def test_creates_deployment_service_and_pdb_and_reports_progress() -> None:
     assert status["observedGeneration"] == 1
     assert status["desiredReplicas"] == 2 and status["readyReplicas"] == 0
     assert status["selector"] == "app.kubernetes.io/instance=chat,app.kubernetes.io/name=kvpilot-engine"
+    assert status["url"] == "http://chat.ml.svc.cluster.local:8000/v1"
     assert status["plan"]["maxNumSeqs"] == 4 and status["plan"]["gpu"] == "A10G"
     assert condition(status, "Planned")["status"] == "True"
     assert condition(status, "Progressing")["reason"] == "RollingOut"

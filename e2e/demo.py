@@ -1,0 +1,135 @@
+"""`make demo` / `make demo-down`: the whole kvpilot path on this machine, left running.
+
+`up` builds (or reuses) the Kubernetes binaries, starts a local control plane with fake GPU nodes,
+`helm install`s the chart, runs the chart's operator as a local process under the chart's
+ServiceAccount, applies the sample InferenceService for the embedded model, starts its engine
+(`kvpilot serve` with the rendered arguments, on the pod's loopback IP), sends it one chat request
+and prints how to reach it. Everything it starts is recorded in a state file; `down` stops those
+processes by PID and deletes the cluster.
+
+    python -m e2e.demo up | down
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from e2e import kvis
+from e2e.chart import install
+from e2e.cluster import Binaries, Cluster, build_binaries, start_cluster, stop_pids
+from e2e.local_engine import start_engine
+from e2e.local_operator import LocalOperator
+from e2e.procs import Process
+
+ROOT = Path(os.environ.get("KVPILOT_DEMO_STATE", Path(tempfile.gettempdir()) / "kvpilot-demo"))
+STATE_FILE = ROOT / "state.json"
+CLUSTER = "kvpilot-demo"
+NAMESPACE = "demo"
+SAMPLE = "smollm2-135m"
+
+
+def _save(state: dict[str, Any]) -> None:
+    ROOT.mkdir(parents=True, exist_ok=True)
+    STATE_FILE.write_text(json.dumps(state, indent=2))
+
+
+def _record(state: dict[str, Any], role: str, process: Process) -> None:
+    state["processes"][role] = {"pid": process.pid, "marker": process.marker, "log": str(process.log)}
+    _save(state)
+
+
+def _chat(url: str, model: str, prompt: str) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 32,
+                       "temperature": 0}).encode()
+    request = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    # No proxy from the environment: the engine is on loopback.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(request, timeout=120) as response:
+        return str(json.load(response)["choices"][0]["message"]["content"])
+
+
+def up() -> int:
+    if STATE_FILE.exists():
+        print(f"a demo is already up (state: {STATE_FILE}); stop it with: make demo-down", file=sys.stderr)
+        return 1
+    binaries = build_binaries()
+    state: dict[str, Any] = {"cluster": CLUSTER, "bin_dir": str(binaries.bin_dir), "processes": {}}
+    _save(state)
+    try:
+        cluster = start_cluster(binaries, name=CLUSTER, state_root=ROOT)
+        installation = install(cluster, [NAMESPACE])
+        operator = LocalOperator(cluster, installation, ROOT / "operator")
+        _record(state, "operator", operator.start())
+
+        isvc = kvis.sample(SAMPLE)
+        name, model = isvc["metadata"]["name"], isvc["spec"]["model"]["name"]
+        isvc["metadata"]["namespace"] = NAMESPACE
+        cluster.apply(isvc)
+        kvis.wait_condition(cluster, NAMESPACE, name, "Ready", "True", timeout_s=120)
+        deployment = cluster.kubectl_json("get", "deployment", name, "-n", NAMESPACE)
+        pod = kvis.running_pods(cluster, NAMESPACE, name)[0]
+        print(f"starting the engine for pod {pod['metadata']['name']} on {pod['status']['podIP']} ...",
+              file=sys.stderr)
+        engine, url = start_engine(deployment, pod, ROOT / "engine.log")
+        _record(state, "engine", engine)
+        answer = _chat(url, model, "In one sentence, what is Kubernetes?")
+        status = kvis.get(cluster, NAMESPACE, name)["status"]
+    except BaseException:
+        down()
+        raise
+
+    kubectl = f"{cluster.binaries.kubectl} --kubeconfig {cluster.kubeconfig}"
+    request = json.dumps({"model": model, "messages": [{"role": "user", "content": "Write a haiku about GPUs."}],
+                          "max_tokens": 48})
+    print(cluster.kubectl("get", "kvis,deploy,svc,pods", "-n", NAMESPACE, "-o", "wide").stdout)
+    print(f"""InferenceService {NAMESPACE}/{name}: {status['plan']['reason']}
+  in-cluster URL  {status['url']}
+  engine          {url}/v1  (kvpilot serve on the pod's loopback IP; log {engine.log})
+  operator        pid {state['processes']['operator']['pid']}, log {state['processes']['operator']['log']}
+  first answer    {answer!r}
+
+Try it:
+  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{request}'
+  {kubectl} get kvis -A -o wide
+  {kubectl} get kvis {name} -n {NAMESPACE} -o yaml
+
+Stop everything: make demo-down""")
+    return 0
+
+
+def down() -> int:
+    if not STATE_FILE.exists():
+        print("no demo is up", file=sys.stderr)
+        return 0
+    state = json.loads(STATE_FILE.read_text())
+    alive: dict[str, int] = {}
+    for role, process in state["processes"].items():
+        alive.update(stop_pids({role: process["pid"]}, marker=process["marker"], grace_s=30.0))
+    Cluster(name=state["cluster"], binaries=Binaries(Path(state["bin_dir"])),
+            state_dir=ROOT / state["cluster"]).delete()
+    if alive:
+        print(f"still alive after SIGKILL: {alive}", file=sys.stderr)
+        return 1
+    STATE_FILE.unlink()
+    print(f"demo stopped: {', '.join(state['processes']) or 'no processes'} and cluster {state['cluster']}",
+          file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m e2e.demo", description=__doc__.split("\n")[0])
+    parser.add_argument("command", choices=["up", "down"])
+    return up() if parser.parse_args(argv).command == "up" else down()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""The chart's operator, run as a local process under the chart's ServiceAccount.
+
+kwok simulates the operator's pod, which runs no code, so the real operator runs here instead:
+with the command and arguments of the chart's Deployment, and a kubeconfig whose only credential
+is a token of the chart's ServiceAccount (`kubectl create token`). It can therefore do exactly what
+the chart's RBAC grants, as in the cluster. Its liveness endpoint moves from 0.0.0.0 to loopback.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from e2e.chart import Installation
+from e2e.cluster import Cluster
+from e2e.procs import Process, kvpilot_executable, start
+
+CONTAINER = "operator"
+
+
+def service_account_kubeconfig(cluster: Cluster, installation: Installation, path: Path,
+                               duration: str = "24h") -> Path:
+    """A kubeconfig for the API server of `cluster` that authenticates as the chart's ServiceAccount."""
+    token = cluster.kubectl("create", "token", installation.service_account, "-n", installation.namespace,
+                            f"--duration={duration}").stdout.strip()
+    admin = cluster.kubectl_json("config", "view", "--raw", "--minify", "--flatten")
+    server = admin["clusters"][0]
+    user = installation.subject
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [server],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": user, "context": {"cluster": server["name"], "user": user}}],
+        "current-context": user,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def operator_argv(deployment: dict[str, Any], liveness_port: int) -> list[str]:
+    """The chart Deployment's operator command line, runnable here."""
+    container = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == CONTAINER)
+    if container["command"] != ["kvpilot"]:
+        raise ValueError(f"unexpected operator command {container['command']}")
+    args = [a for a in container["args"] if not a.startswith("--liveness")]
+    return [kvpilot_executable(), *args, f"--liveness=http://127.0.0.1:{liveness_port}/healthz"]
+
+
+class LocalOperator:
+    """start / stop / restart the operator; each start logs to a fresh file under `workdir`."""
+
+    def __init__(self, cluster: Cluster, installation: Installation, workdir: Path) -> None:
+        self.cluster = cluster
+        self.installation = installation
+        self.workdir = workdir
+        self.kubeconfig = workdir / "operator-kubeconfig.yaml"
+        self.process: Process | None = None
+        self.starts = 0
+
+    def start(self, timeout_s: float = 60.0) -> Process:
+        if not self.kubeconfig.exists():
+            service_account_kubeconfig(self.cluster, self.installation, self.kubeconfig)
+        deployment = self.cluster.kubectl_json("get", "deployment", self.installation.fullname,
+                                               "-n", self.installation.namespace)
+        port = free_loopback_port()
+        self.starts += 1
+        self.process = start(
+            operator_argv(deployment, port),
+            self.workdir / f"operator-{self.starts}.log",
+            self.cluster.env(KUBECONFIG=str(self.kubeconfig), PYTHONUNBUFFERED="1"),
+        )
+        try:
+            self.process.wait_http_ok(f"http://127.0.0.1:{port}/healthz", timeout_s)
+        except BaseException:
+            self.process.stop()
+            raise
+        return self.process
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+    def restart(self) -> Process:
+        self.stop()
+        return self.start()
+
+    def log(self) -> str:
+        """Everything every start of the operator has logged so far."""
+        return "\n".join(f.read_text(errors="replace") for f in sorted(self.workdir.glob("operator-*.log")))

@@ -1,0 +1,89 @@
+"""Scenario 1: the Helm chart lints, renders, and installs the CRDs, the operator and its RBAC."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.chart import CHART_DIR, CRD, Installation
+from e2e.cluster import Binaries, Cluster
+
+REPO_CRDS = CHART_DIR.parent.parent / "crds"
+
+
+def _helm(binaries: Binaries, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {"HELM_CACHE_HOME": str(tmp_path / "cache"), "HELM_CONFIG_HOME": str(tmp_path / "config"),
+           "HELM_DATA_HOME": str(tmp_path / "data"), "PATH": "/usr/bin:/bin"}
+    return subprocess.run([str(binaries.helm), *args], capture_output=True, text=True, env=env, check=True,
+                          timeout=60)
+
+
+def _docs(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+@pytest.mark.parametrize("values", [[], ["--set", "watchNamespaces={ml,prod}"]], ids=["all-namespaces", "two-namespaces"])
+def test_chart_lints_and_renders(k8s_binaries: Binaries, tmp_path: Path, values: list[str]) -> None:
+    lint = _helm(k8s_binaries, tmp_path, "lint", "--strict", str(CHART_DIR), *values)
+    assert "1 chart(s) linted, 0 chart(s) failed" in lint.stdout
+    rendered = _docs(_helm(k8s_binaries, tmp_path, "template", "kvpilot", str(CHART_DIR), "-n", "ops", *values).stdout)
+    kinds = sorted((d["kind"], d["metadata"].get("namespace", "")) for d in rendered)
+    operator = next(d for d in rendered if d["kind"] == "Deployment")
+    args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    if values:
+        assert kinds == sorted([
+            ("ServiceAccount", "ops"), ("Deployment", "ops"), ("ClusterRole", ""), ("ClusterRoleBinding", ""),
+            ("Role", "ml"), ("RoleBinding", "ml"), ("KopfPeering", "ml"),
+            ("Role", "prod"), ("RoleBinding", "prod"), ("KopfPeering", "prod")])
+        assert args[:3] == ["operator", "--namespace=ml", "--namespace=prod"]
+    else:
+        assert kinds == sorted([("ServiceAccount", "ops"), ("Deployment", "ops"), ("ClusterRole", ""),
+                                ("ClusterRole", ""), ("ClusterRoleBinding", ""), ("ClusterRoleBinding", ""),
+                                ("ClusterKopfPeering", "")])
+        assert args[:2] == ["operator", "--all-namespaces"]
+    assert "--peering=kvpilot" in args
+
+
+def test_chart_crds_are_the_repository_crds(k8s_binaries: Binaries, tmp_path: Path) -> None:
+    # One source: the chart's crds/ is a link to the repository's crds/, and Helm ships it as is.
+    assert (CHART_DIR / "crds").resolve() == REPO_CRDS.resolve()
+    out = _helm(k8s_binaries, tmp_path, "template", "kvpilot", str(CHART_DIR), "--include-crds").stdout
+    shipped = [d for d in _docs(out) if d["kind"] == "CustomResourceDefinition"]
+    repo = [d for f in sorted(REPO_CRDS.glob("*.yaml")) for d in _docs(f.read_text())]
+    assert sorted(shipped, key=str) == sorted(repo, key=str)
+    assert {d["metadata"]["name"] for d in shipped} == {CRD, "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"}
+
+
+def test_helm_install_creates_crd_operator_and_rbac(k8s: Cluster, kvpilot: Installation) -> None:
+    release = k8s.helm("status", kvpilot.release, "-n", kvpilot.namespace, "-o", "json").stdout
+    assert '"status":"deployed"' in release.replace(" ", "")
+    crd = k8s.kubectl_json("get", "crd", CRD)
+    established = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
+    assert established["Established"] == "True" and established["NamesAccepted"] == "True"
+    assert crd["status"]["acceptedNames"]["shortNames"] == ["kvis"]
+    k8s.kubectl("wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev", "--timeout=30s")
+
+    # The operator Deployment rolls out (kwok runs its pod), under the chart's ServiceAccount.
+    k8s.kubectl("rollout", "status", f"deployment/{kvpilot.fullname}", "-n", kvpilot.namespace,
+                "--timeout=60s", timeout=70)
+    deployment = k8s.kubectl_json("get", "deployment", kvpilot.fullname, "-n", kvpilot.namespace)
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == kvpilot.service_account
+    assert pod["containers"][0]["command"] == ["kvpilot"]
+    assert pod["containers"][0]["args"][:2] == ["operator", f"--namespace={kvpilot.watch_namespaces[0]}"]
+    k8s.kubectl("get", "serviceaccount", kvpilot.service_account, "-n", kvpilot.namespace)
+
+    # RBAC: cluster-wide read-only bits, everything else in the watched namespace only.
+    k8s.kubectl("get", "clusterrole,clusterrolebinding", f"{kvpilot.fullname}-cluster")
+    for ns in kvpilot.watch_namespaces:
+        k8s.kubectl("get", "role,rolebinding", kvpilot.fullname, "-n", ns)
+        k8s.kubectl("get", "kopfpeering", "kvpilot", "-n", ns)
+    binding = k8s.kubectl_json("get", "rolebinding", kvpilot.fullname, "-n", kvpilot.watch_namespaces[0])
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": kvpilot.service_account,
+                                    "namespace": kvpilot.namespace}]
+    notes = k8s.helm("get", "notes", kvpilot.release, "-n", kvpilot.namespace).stdout
+    assert "kind: InferenceService" in notes and "kubectl get kvis" in notes

@@ -1,0 +1,80 @@
+"""Scenario 7: a real engine behind a simulated pod answers the official OpenAI client.
+
+The sample InferenceService asks for the embedded model; the operator plans and renders its
+Deployment; kwok runs the pod (a loopback pod IP, no process); a real `kvpilot serve`, started with
+exactly the rendered arguments and bound to that pod IP, serves it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from e2e import kvis
+from e2e.chart import Installation
+from e2e.cluster import Cluster, is_loopback
+from e2e.local_engine import engine_argv, start_engine
+from e2e.local_operator import LocalOperator
+from e2e.procs import Process
+
+
+@pytest.fixture()
+def smollm2(k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: Any) -> dict[str, Any]:
+    obj = kvis.sample("smollm2-135m")
+    apply_isvc(obj["metadata"]["name"], obj["spec"])
+    return kvis.wait_condition(k8s, kvpilot.watch_namespaces[0], obj["metadata"]["name"], "Ready", "True",
+                               timeout_s=60)
+
+
+@pytest.fixture()
+def engine(k8s: Cluster, smollm2: dict[str, Any], tmp_path: Path) -> Iterator[tuple[Process, str, dict[str, Any]]]:
+    ns, name = smollm2["metadata"]["namespace"], smollm2["metadata"]["name"]
+    deployment = k8s.kubectl_json("get", "deployment", name, "-n", ns)
+    (pod,) = kvis.running_pods(k8s, ns, name)
+    process, url = start_engine(deployment, pod, tmp_path / "engine.log")
+    try:
+        yield process, url, pod
+    finally:
+        assert process.stop() == 0, process.log_tail()
+
+
+def test_engine_behind_a_simulated_pod_answers_the_openai_client(
+        k8s: Cluster, smollm2: dict[str, Any], engine: tuple[Process, str, dict[str, Any]]) -> None:
+    process, url, pod = engine
+    ns, name = smollm2["metadata"]["namespace"], smollm2["metadata"]["name"]
+    pod_ip = pod["status"]["podIP"]
+    assert is_loopback(pod_ip) and url == f"http://{pod_ip}:8000"
+
+    # Exactly the rendered arguments: only --host moved from 0.0.0.0 to the pod's IP.
+    rendered = k8s.kubectl_json("get", "deployment", name, "-n", ns)["spec"]["template"]["spec"]["containers"][0]
+    argv = process.argv
+    assert argv[1:] == ["serve", *[pod_ip if a == "0.0.0.0" else a for a in rendered["args"]]]
+    assert argv == engine_argv(k8s.kubectl_json("get", "deployment", name, "-n", ns), pod_ip)
+    plan = smollm2["status"]["plan"]
+    for flag, value in [("--max-num-seqs", plan["maxNumSeqs"]), ("--max-model-len", plan["maxModelLen"]),
+                        ("--max-num-batched-tokens", plan["maxNumBatchedTokens"]),
+                        ("--block-size", 16), ("--quantization", "none"), ("--speculative", "off")]:
+        assert argv[argv.index(flag) + 1] == str(value), flag
+
+    # The status names the Service's in-cluster URL; the client here dials the pod IP behind it
+    # (loopback Services have no endpoints, and nothing resolves cluster.local outside a cluster).
+    assert smollm2["status"]["url"] == f"http://{name}.{ns}.svc.cluster.local:8000/v1"
+    served = smollm2["spec"]["model"]["name"]
+    with httpx.Client(trust_env=False, timeout=120) as http:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http, max_retries=0)
+        assert [m.id for m in client.models.list().data] == [served]
+        chat = client.chat.completions.create(
+            model=served, messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16, temperature=0)
+        assert chat.choices[0].message.content and chat.usage is not None
+        assert 0 < chat.usage.completion_tokens <= 16
+        stream = client.completions.create(model=served, prompt="The sky is", max_tokens=8, temperature=0,
+                                           stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices)
+        metrics = http.get(f"{url}/metrics").text
+    assert "kvpilot" in metrics

@@ -1,0 +1,77 @@
+{{- define "kvpilot.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvpilot.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kvpilot.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvpilot.selectorLabels" -}}
+app.kubernetes.io/name: kvpilot-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvpilot.labels" -}}
+{{ include "kvpilot.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/*
+What the operator does inside a watched namespace: reconcile InferenceServices (kopf patches
+their annotations, finalizer and status), server-side apply their children, delete a Deployment
+whose plan stopped fitting, keep its peering record alive, and post events.
+*/}}
+{{- define "kvpilot.namespacedRules" -}}
+- apiGroups: [kvpilot.dev]
+  resources: [inferenceservices]
+  verbs: [get, list, watch, patch]
+- apiGroups: [kvpilot.dev]
+  resources: [inferenceservices/status]
+  verbs: [get, patch]
+# Owner references with blockOwnerDeletion need this where OwnerReferencesPermissionEnforcement is on.
+- apiGroups: [kvpilot.dev]
+  resources: [inferenceservices/finalizers]
+  verbs: [update]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, create, patch, delete]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}
+
+{{- define "kvpilot.args" -}}
+- operator
+{{- range .Values.watchNamespaces }}
+- --namespace={{ . }}
+{{- else }}
+- --all-namespaces
+{{- end }}
+- --peering={{ .Values.peering.name }}
+- --liveness=http://0.0.0.0:{{ .Values.livenessPort }}/healthz
+{{- if eq .Values.logLevel "debug" }}
+- --verbose
+{{- end }}
+{{- end -}}
+
+{{- define "kvpilot.subject" -}}
+- kind: ServiceAccount
+  name: {{ include "kvpilot.serviceAccountName" . }}
+  namespace: {{ .Release.Namespace }}
+{{- end -}}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import typing
 
@@ -42,6 +43,28 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from kvpilot.engine.model_loader import EMBEDDED_MODEL
+    from kvpilot.engine.server import ServeSettings, serve
+
+    # A server logs its lifecycle by default; -v adds one line per request.
+    logging.getLogger("kvpilot").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    config = engine_config_from_args(args)
+    settings = ServeSettings(
+        served_model_name=args.served_model_name or config.model or EMBEDDED_MODEL,
+        host=args.host, port=args.port, api_key=args.api_key or os.environ.get("KVPILOT_API_KEY") or None,
+        max_waiting_requests=args.max_waiting_requests, vllm_compatible_metrics=args.vllm_compatible_metrics,
+        grace_period=args.grace_period,
+    )
+    return serve(config, settings)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from kvpilot.engine.bench_serve import run
+
+    return run(args)
+
+
 def _bench_offline(args: argparse.Namespace) -> int:
     from kvpilot.engine.bench_offline import run
 
@@ -63,6 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
+    srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
+    srv.add_argument("--api-key", help="require `Authorization: Bearer <key>` on /v1/* (default: $KVPILOT_API_KEY)")
+    srv.add_argument("--max-waiting-requests", type=int, default=256,
+                     help="sequences waiting to be scheduled beyond which requests get 429 (default: 256)")
+    srv.add_argument("--vllm-compatible-metrics", action="store_true",
+                     help="also export vllm:* metric names for vLLM dashboards and the Gateway API Inference Extension")
+    srv.add_argument("--grace-period", type=float, default=25.0,
+                     help="seconds in-flight requests get to finish after SIGTERM (default: 25)")
+    add_engine_args(srv)
+    srv.set_defaults(func=_serve)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     offline = bench_sub.add_parser("offline", help="engine vs HuggingFace generate, output tokens/s")
@@ -71,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--seed", dest="bench_seed", type=int, default=0)
     offline.add_argument("--output", default="bench/out/offline.json")
     offline.set_defaults(func=_bench_offline)
+    from kvpilot.engine.bench_serve import add_bench_serve_args
+
+    serve_bench = bench_sub.add_parser("serve", help="load generator: Poisson arrivals against kvpilot serve and an HF baseline")
+    add_bench_serve_args(serve_bench)
+    serve_bench.set_defaults(func=_bench_serve)
 
     from kvpilot.operator.cli import register
 

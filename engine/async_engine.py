@@ -1,0 +1,366 @@
+"""The engine behind the server: one thread owns the LLMEngine, asyncio handlers talk to it by queue.
+
+LLMEngine is not thread-safe, and its step() blocks for the whole forward pass, so it runs in a
+dedicated thread. Handlers hand it work through a thread-safe inbox (submit a group of sequences,
+abort them, stop); the thread drains the inbox between steps and sends each step's outputs back to
+the event loop with one call_soon_threadsafe per step, into one asyncio queue per HTTP request.
+
+Admission control lives here too: sequences submitted but not yet scheduled are counted, and a
+submission that would take that count past max_waiting_requests is refused at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.metrics import ServingMetrics
+from kvpilot.engine.request import Request
+from kvpilot.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    """The waiting queue is full: the client should retry later (HTTP 429)."""
+
+
+class EngineUnavailableError(Exception):
+    """The engine cannot take requests: the model is loading, failed to load, or the engine crashed."""
+
+
+@dataclass(frozen=True)
+class SequenceUpdate:
+    """A snapshot of one sequence after a step (immutable: it crosses threads)."""
+
+    index: int  # the sequence's place in its group: the OpenAI choice index
+    text: str  # the whole output text so far (cut before a stop string once stopped)
+    num_output_tokens: int
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+
+
+@dataclass
+class _Submit:
+    stream: GenerationStream
+    sequences: list[tuple[list[int], SamplingParams]]
+    arrival_time: float
+    accepted: asyncio.Future[None]
+
+
+@dataclass
+class _Abort:
+    stream: GenerationStream
+
+
+_STOP = object()
+
+
+class GenerationStream:
+    """The updates of one HTTP request's sequences, in order.
+
+    close() must be called when the consumer is done, however it ends: it aborts the sequences
+    that have not finished (freeing their KV blocks at once) and stops counting the request as
+    in flight. Iterating to the end closes it too.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, num_sequences: int) -> None:
+        self.request_id = request_id
+        self.engine_ids = [f"{request_id}-{i}" for i in range(num_sequences)]
+        self._engine = engine
+        self._queue: asyncio.Queue[SequenceUpdate | BaseException] = asyncio.Queue()
+        self._unfinished = num_sequences
+        self._closed = False
+
+    async def __aiter__(self) -> AsyncIterator[SequenceUpdate]:
+        try:
+            while self._unfinished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    self._unfinished -= 1
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._unfinished:
+            self._engine._inbox.put(_Abort(self))
+        self._engine._forget(self)
+
+    def _put(self, item: SequenceUpdate | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, metrics: ServingMetrics, max_waiting_requests: int) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.max_waiting_requests = max_waiting_requests
+        self._inbox: queue.Queue[_Submit | _Abort | object] = queue.Queue()
+        self._loaded = threading.Event()
+        self._error: BaseException | None = None
+        self._engine: LLMEngine | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        # Sequences submitted and not yet scheduled; guarded because both threads change it.
+        self._lock = threading.Lock()
+        self._num_queued = 0
+        # Engine thread only: engine request id -> its stream, and its index in the stream.
+        self._streams: dict[str, GenerationStream] = {}
+        self._index: dict[str, int] = {}
+        self._in_hand: list[_Submit | _Abort | object] = []  # commands taken from the inbox this round
+        # Event-loop side: requests in flight, for the drain on shutdown.
+        self._active: set[GenerationStream] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Load the model and run the loop in the engine thread; call from the event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(_STOP)
+            self._thread.join()
+
+    async def wait_loaded(self) -> BaseException | None:
+        """Wait for the model to load; the error if it failed."""
+        await asyncio.to_thread(self._loaded.wait)
+        return self._error
+
+    @property
+    def ready(self) -> bool:
+        return self._loaded.is_set() and self._error is None
+
+    @property
+    def alive(self) -> bool:
+        return self._error is None
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The loaded engine, for read-only facts (max_model_len) and its tokenizer, which is safe
+        to encode with on the event loop while this thread decodes (neither changes its settings)."""
+        if self._error is not None:
+            raise EngineUnavailableError(str(self._error))
+        if self._engine is None or not self._loaded.is_set():
+            raise EngineUnavailableError("the model is still loading")
+        return self._engine
+
+    # ---- the asyncio side --------------------------------------------------------------------
+
+    async def submit(self, request_id: str, sequences: list[tuple[list[int], SamplingParams]], arrival_time: float) -> GenerationStream:
+        """Queue sequences for generation. Raises QueueFullError, or ValueError for input the
+        engine refuses (its message is meant for the client)."""
+        if not self.ready:
+            raise EngineUnavailableError(str(self._error) if self._error else "the model is still loading")
+        with self._lock:
+            if self._num_queued + len(sequences) > self.max_waiting_requests:
+                self.metrics.on_rejected()
+                raise QueueFullError(
+                    f"the waiting queue is full ({self._num_queued} sequences waiting, "
+                    f"max_waiting_requests={self.max_waiting_requests})"
+                )
+            self._num_queued += len(sequences)
+        assert self._loop is not None
+        stream = GenerationStream(self, request_id, len(sequences))
+        accepted: asyncio.Future[None] = self._loop.create_future()
+        self._inbox.put(_Submit(stream, sequences, arrival_time, accepted))
+        try:
+            # Resolves right after add_request, before the step that first schedules the request.
+            await asyncio.shield(accepted)
+        except asyncio.CancelledError:
+            stream.close()
+            raise
+        self._active.add(stream)
+        self._idle.clear()
+        return stream
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._active)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is in flight; False if some still are after `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def fail_in_flight(self, error: BaseException) -> None:
+        """End every request in flight with `error` (their consumers see it) and free their blocks."""
+        for stream in list(self._active):
+            stream._put(error)
+            stream.close()
+
+    def _forget(self, stream: GenerationStream) -> None:
+        self._active.discard(stream)
+        if not self._active:
+            self._idle.set()
+
+    def _deliver(self, items: list[tuple[GenerationStream, SequenceUpdate | BaseException]]) -> None:
+        for stream, item in items:
+            stream._put(item)
+
+    def _resolve(self, future: asyncio.Future[None], error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    # ---- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._engine = LLMEngine(self.config)
+        except BaseException as err:  # noqa: BLE001 - any load failure makes the process unready
+            if not isinstance(err, ValueError):  # a ValueError is a bad setting, its message says all
+                log.exception("event=engine_load_failed")
+            self._error = err
+            self._loaded.set()
+            return
+        self._publish_state(self._engine)
+        self._loaded.set()
+        log.info("event=engine_loaded model=%s max_model_len=%d kv_blocks=%d",
+                 self._engine.model_name, self._engine.max_model_len, self._engine.kv.pool.num_blocks)
+        try:
+            self._loop_forever(self._engine)
+        except BaseException as err:  # noqa: BLE001 - fail every stream, then report unhealthy
+            log.exception("event=engine_crashed")
+            self._error = err
+            self._fail_everything(EngineUnavailableError(f"the engine crashed: {err!r}"))
+
+    def _fail_everything(self, error: EngineUnavailableError) -> None:
+        """Tell every stream and every pending submission; later submissions are refused by submit()."""
+        failed: list[tuple[GenerationStream, SequenceUpdate | BaseException]] = [(s, error) for s in set(self._streams.values())]
+        commands = self._in_hand
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for command in commands:
+            if isinstance(command, _Submit):
+                self._call(self._resolve, command.accepted, error)  # a no-op for those already answered
+        if failed:
+            self._call(self._deliver, failed)
+
+    def _loop_forever(self, engine: LLMEngine) -> None:
+        unscheduled: dict[str, Request] = {}
+        while True:
+            block = not engine.has_unfinished()
+            commands = self._in_hand = [self._inbox.get()] if block else []
+            while True:
+                try:
+                    commands.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if command is _STOP:
+                    for stream in set(self._streams.values()):
+                        self._abort(engine, stream, unscheduled)
+                    return
+                if isinstance(command, _Submit):
+                    self._add(engine, command, unscheduled)
+                elif isinstance(command, _Abort):
+                    self._abort(engine, command.stream, unscheduled)
+            if engine.has_unfinished():
+                self._step(engine, unscheduled)
+            self._publish_state(engine)
+
+    def _add(self, engine: LLMEngine, command: _Submit, unscheduled: dict[str, Request]) -> None:
+        stream = command.stream
+        added: list[Request] = []
+        try:
+            for engine_id, (prompt, params) in zip(stream.engine_ids, command.sequences):
+                added.append(engine.add_request(prompt, params, engine_id))
+        except ValueError as err:
+            for request in added:
+                engine.abort(request.request_id)
+            self._unqueue(len(command.sequences))
+            self._call(self._resolve, command.accepted, err)
+            return
+        for index, request in enumerate(added):
+            # Queue time and TTFT start when the server received the request, not when this thread
+            # got round to it (it may have been busy with a step).
+            request.arrival_time = command.arrival_time
+            self._streams[request.request_id] = stream
+            self._index[request.request_id] = index
+            unscheduled[request.request_id] = request
+            self.metrics.on_admitted(request)
+        self._call(self._resolve, command.accepted, None)
+
+    def _abort(self, engine: LLMEngine, stream: GenerationStream, unscheduled: dict[str, Request]) -> None:
+        now = time.monotonic()
+        for engine_id in stream.engine_ids:
+            request = engine.requests.get(engine_id)
+            if self._streams.pop(engine_id, None) is None or request is None:
+                continue  # finished already, or never admitted
+            engine.abort(engine_id)
+            self._index.pop(engine_id, None)
+            if unscheduled.pop(engine_id, None) is not None:
+                self._unqueue(1)
+            self.metrics.on_finished(request, now)
+
+    def _step(self, engine: LLMEngine, unscheduled: dict[str, Request]) -> None:
+        updates = engine.step()
+        now = time.monotonic()
+        for engine_id, request in list(unscheduled.items()):
+            if request.first_scheduled_time is not None:
+                del unscheduled[engine_id]
+                self._unqueue(1)
+                self.metrics.on_scheduled(request)
+        outbox: list[tuple[GenerationStream, SequenceUpdate | BaseException]] = []
+        for update in updates:
+            request = update.request
+            engine_id = request.request_id
+            stream = self._streams.get(engine_id)
+            if stream is None:
+                continue
+            self.metrics.on_tokens(request, len(update.new_token_ids), now)
+            finish = request.finish_reason.value if update.finished and request.finish_reason else None
+            outbox.append((stream, SequenceUpdate(
+                index=self._index[engine_id], text=request.output_text, num_output_tokens=request.num_output_tokens,
+                finish_reason=finish, num_cached_tokens=request.num_cached_tokens,
+            )))
+            if update.finished:
+                self.metrics.on_finished(request, now)
+                del self._streams[engine_id], self._index[engine_id]
+        if outbox:
+            self._call(self._deliver, outbox)
+
+    def _publish_state(self, engine: LLMEngine) -> None:
+        pool = engine.kv.pool
+        self.metrics.set_state(
+            running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting), kv_usage=pool.usage,
+            preemptions=engine.scheduler.num_preemptions, prefix_queries=pool.stats.queries, prefix_hits=pool.stats.hits,
+        )
+
+    def _unqueue(self, n: int) -> None:
+        with self._lock:
+            self._num_queued -= n
+
+    def _call(self, fn, *args) -> None:  # noqa: ANN001 - a thin wrapper of call_soon_threadsafe
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass  # the event loop has closed: nobody is left to tell

@@ -1,0 +1,333 @@
+"""`kvpilot bench serve`: a serving load generator in the manner of vLLM's `bench serve`.
+
+For each request rate, requests arrive as a Poisson process and stream from /v1/completions; the
+prompts (random token ids) and output lengths come from a fixed seed, so every backend and every
+rate sees the same requests. Per rate it reports TTFT, TPOT, ITL and end-to-end latency
+(p50/p95/p99), request and output-token throughput, and goodput: requests per second that met the
+SLO (TTFT and TPOT both within bounds). It writes JSON and a PNG of latency against request rate.
+
+By default it starts both `kvpilot serve` and the HuggingFace baseline (one request at a time,
+kvpilot.engine.hf_baseline) on 127.0.0.1, runs them one after the other at each rate, and stops
+raising the rate for a backend once its p95 TTFT misses the SLO: beyond that the queue only grows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BACKENDS = ("kvpilot", "hf")
+# Token ids below this are the special and byte tokens of small BPE vocabularies; random prompts skip them.
+_FIRST_PLAIN_TOKEN = 1000
+
+
+def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rates", default="0.25,0.5,1,2,4,8", help="request rates to sweep, requests/s (default: 0.25,0.5,1,2,4,8)")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate (default: 30)")
+    parser.add_argument("--min-requests", type=int, default=8, help="requests per rate at least (default: 8)")
+    parser.add_argument("--input-len", type=int, default=64, help="mean prompt tokens (default: 64)")
+    parser.add_argument("--output-len", type=int, default=16, help="mean output tokens (default: 16)")
+    parser.add_argument("--range-ratio", type=float, default=0.25, help="lengths are uniform in mean*(1±ratio) (default: 0.25)")
+    parser.add_argument("--seed", dest="bench_seed", type=int, default=0)
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO and sweep limit on TTFT (default: 2000)")
+    parser.add_argument("--slo-tpot-ms", type=float, default=500.0, help="goodput SLO on TPOT (default: 500)")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma list of kvpilot, hf (default: both)")
+    parser.add_argument("--base-url", help="bench this running server instead of starting the backends")
+    parser.add_argument("--model-name", default="SmolLM2-135M-Instruct", help="`model` sent with each request")
+    parser.add_argument("--server-args", default="", help="extra arguments for the kvpilot serve it starts")
+    parser.add_argument("--full-sweep", action="store_true", help="run every rate even after the SLO is missed")
+    parser.add_argument("--request-timeout", type=float, default=300.0)
+    parser.add_argument("--output", default="bench/out/serve.json")
+    parser.add_argument("--plot", default="bench/out/serve.png")
+
+
+@dataclass
+class WorkItem:
+    prompt: list[int]
+    output_len: int
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = math.nan
+    e2e: float = math.nan
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str = ""
+
+    @property
+    def tpot(self) -> float:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else math.nan
+
+
+def make_workload(n: int, input_len: int, output_len: int, ratio: float, seed: int, vocab: int) -> list[WorkItem]:
+    rng = random.Random(seed)
+
+    def length(mean: int) -> int:
+        return max(1, rng.randint(int(mean * (1 - ratio)), int(mean * (1 + ratio))))
+
+    return [WorkItem([rng.randrange(_FIRST_PLAIN_TOKEN, vocab) for _ in range(length(input_len))], length(output_len)) for _ in range(n)]
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+async def _one(client, url: str, model: str, item: WorkItem) -> RequestResult:  # noqa: ANN001 - httpx.AsyncClient
+    body = {"model": model, "prompt": item.prompt, "max_tokens": item.output_len, "ignore_eos": True, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    times: list[float] = []
+    tokens = 0
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                return RequestResult(ok=False, error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):
+                    times.append(time.perf_counter())
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    except Exception as err:  # noqa: BLE001 - any transport failure is a failed request, reported
+        return RequestResult(ok=False, error=repr(err))
+    if not times:
+        return RequestResult(ok=False, error="no tokens")
+    return RequestResult(ok=True, ttft=times[0] - start, e2e=times[-1] - start, itl=[b - a for a, b in zip(times, times[1:])],
+                         output_tokens=tokens or len(times))
+
+
+async def run_rate(base_url: str, model: str, items: list[WorkItem], arrivals: list[float], timeout: float) -> tuple[list[RequestResult], float]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def fire(item: WorkItem, at: float) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            return await _one(client, f"{base_url}/v1/completions", model, item)
+
+        results = await asyncio.gather(*(fire(item, at) for item, at in zip(items, arrivals)))
+        return list(results), time.perf_counter() - start
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    values = sorted(v for v in values if not math.isnan(v))
+    if not values:
+        return {"p50": math.nan, "p95": math.nan, "p99": math.nan, "mean": math.nan}
+
+    def pct(q: float) -> float:  # linear interpolation, as numpy's default
+        pos = (len(values) - 1) * q
+        lo, hi = math.floor(pos), math.ceil(pos)
+        return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+    return {"p50": pct(0.50), "p95": pct(0.95), "p99": pct(0.99), "mean": sum(values) / len(values)}
+
+
+def _ms(stats: dict[str, float]) -> dict[str, float]:
+    return {k: v * 1000 for k, v in stats.items()}
+
+
+def summarize(rate: float, results: list[RequestResult], duration: float, slo_ttft: float, slo_tpot: float) -> dict[str, object]:
+    ok = [r for r in results if r.ok]
+    good = [r for r in ok if r.ttft <= slo_ttft and (math.isnan(r.tpot) or r.tpot <= slo_tpot)]
+    return {
+        "rate": rate,
+        "requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": sum(r.output_tokens for r in ok) / duration,
+        "goodput": len(good) / duration,
+        "ttft_ms": _ms(_percentiles([r.ttft for r in ok])),
+        "tpot_ms": _ms(_percentiles([r.tpot for r in ok])),
+        "itl_ms": _ms(_percentiles([gap for r in ok for gap in r.itl])),
+        "e2e_ms": _ms(_percentiles([r.e2e for r in ok])),
+    }
+
+
+def sustains(summary: dict[str, object], slo_ttft_ms: float) -> bool:
+    return summary["failed"] == 0 and summary["ttft_ms"]["p95"] < slo_ttft_ms  # type: ignore[index]
+
+
+# ---- servers ------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Server:
+    """A backend in a child process, on 127.0.0.1, stopped with SIGTERM."""
+
+    def __init__(self, backend: str, server_args: list[str], log_dir: Path) -> None:
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        module = "kvpilot.engine.cli" if backend == "kvpilot" else "kvpilot.engine.hf_baseline"
+        cmd = [sys.executable, "-m", module, *(["serve"] if backend == "kvpilot" else []), "--host", "127.0.0.1", "--port", str(self.port)]
+        if backend == "kvpilot":
+            cmd += server_args
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{backend}-server.log"
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        self._wait_ready("/ready" if backend == "kvpilot" else "/health")
+
+    def _wait_ready(self, path: str, timeout: float = 180.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(self.base_url + path, timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout:g} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _machine() -> dict[str, object]:
+    import torch
+
+    return {
+        "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+def _vocab_size(model: str | None) -> int:
+    from kvpilot.engine.model_loader import load_config, resolve_model
+
+    return int(load_config(resolve_model(model)).vocab_size)
+
+
+def sweep(targets: dict[str, str], args: argparse.Namespace, rates: list[float], workload: list[WorkItem]) -> dict[str, list[dict[str, object]]]:
+    """Run every rate against every backend, alternating backends within a rate so that a change in
+    background load on a shared machine hits both alike."""
+    for url in targets.values():
+        # One short request first: the first forward pays for lazy initialisation, not for load.
+        asyncio.run(run_rate(url, args.model_name, workload[:1], [0.0], args.request_timeout))
+    results: dict[str, list[dict[str, object]]] = {label: [] for label in targets}
+    active = list(targets)
+    for i, rate in enumerate(rates):
+        n = max(args.min_requests, round(rate * args.duration))
+        arrivals = poisson_arrivals(n, rate, args.bench_seed + i)
+        for label in list(active):
+            outcome, duration = asyncio.run(run_rate(targets[label], args.model_name, workload[:n], arrivals, args.request_timeout))
+            summary = summarize(rate, outcome, duration, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+            summary["load_average"] = os.getloadavg()
+            results[label].append(summary)
+            print(f"{label:8s} rate={rate:<5g} n={n:<3d} ok={summary['completed']:<3d} "
+                  f"ttft p50/p95={summary['ttft_ms']['p50']:.0f}/{summary['ttft_ms']['p95']:.0f} ms "
+                  f"tpot p50={summary['tpot_ms']['p50']:.0f} ms  out={summary['output_throughput']:.1f} tok/s "
+                  f"goodput={summary['goodput']:.2f} req/s", flush=True)
+            if not args.full_sweep and not sustains(summary, args.slo_ttft_ms):
+                active.remove(label)
+    return results
+
+
+def plot(results: dict[str, list[dict[str, object]]], slo_ttft_ms: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for color, (backend, summaries) in zip(("tab:blue", "tab:orange", "tab:green"), results.items()):
+        rates = [s["rate"] for s in summaries]
+        axes[0].plot(rates, [s["ttft_ms"]["p95"] for s in summaries], "o-", color=color, label=f"{backend} p95")
+        axes[0].plot(rates, [s["ttft_ms"]["p50"] for s in summaries], "o--", color=color, alpha=0.5, label=f"{backend} p50")
+        axes[1].plot(rates, [s["tpot_ms"]["p95"] for s in summaries], "o-", color=color, label=f"{backend} p95")
+        axes[2].plot(rates, [s["output_throughput"] for s in summaries], "o-", color=color, label=backend)
+    axes[0].axhline(slo_ttft_ms, color="red", linestyle=":", label="SLO")
+    for ax, title, unit in zip(axes, ("TTFT", "TPOT", "output throughput"), ("ms", "ms", "tokens/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_yscale("log")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+def run(args: argparse.Namespace) -> int:
+    rates = sorted(float(r) for r in args.rates.split(","))
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = set(backends) - set(BACKENDS)
+    if unknown:
+        raise ValueError(f"unknown backends {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
+    n_max = max(args.min_requests, round(max(rates) * args.duration))
+    workload = make_workload(n_max, args.input_len, args.output_len, args.range_ratio, args.bench_seed, _vocab_size(None))
+    output = Path(args.output)
+    report: dict[str, object] = {
+        "command": "kvpilot " + " ".join(sys.argv[1:]),
+        "machine": _machine(),
+        "config": {k: v for k, v in vars(args).items() if k != "func"},
+        "results": {},
+        "max_sustained_rate": {},
+    }
+    servers: list[_Server] = []
+    try:
+        if args.base_url:
+            targets = {"external": args.base_url.rstrip("/")}
+        else:
+            targets = {}
+            for backend in backends:
+                servers.append(_Server(backend, args.server_args.split(), output.parent))
+                targets[backend] = servers[-1].base_url
+        report["results"] = sweep(targets, args, rates, workload)
+    finally:
+        for server in servers:
+            server.stop()
+    for label, summaries in report["results"].items():  # type: ignore[union-attr]
+        ok = [s["rate"] for s in summaries if sustains(s, args.slo_ttft_ms)]
+        report["max_sustained_rate"][label] = max(ok) if ok else None  # type: ignore[index]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2, default=str))
+    plot(report["results"], args.slo_ttft_ms, Path(args.plot))  # type: ignore[arg-type]
+    print(f"highest rate with p95 TTFT < {args.slo_ttft_ms:g} ms: {report['max_sustained_rate']}")
+    print(f"wrote {output} and {args.plot}")
+    return 0

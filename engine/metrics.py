@@ -1,0 +1,177 @@
+"""Prometheus metrics of one engine: the latencies the operator scales on, and the engine's state.
+
+The engine thread (the only thread that sees requests change) records almost everything; the
+event loop counts 429s and serves the registry on /metrics. prometheus-client is thread-safe.
+
+Latencies are per sequence (an n=2 request is two sequences):
+  queue time   arrival at the server -> first scheduled
+  TTFT         arrival -> first output token
+  ITL          gap between consecutive output tokens of one sequence
+  TPOT         (finish - first token) / (output tokens - 1), for sequences with >= 2 tokens
+  e2e          arrival -> finish
+TTFT, queue time and ITL are observed as they happen, so a client that gives up still counts;
+TPOT and e2e only for sequences that finished normally (stop or length), so an abort does not
+pass for a fast answer.
+
+With vllm_compatible, the same observations are also exported under the names vLLM's dashboards
+and the Gateway API Inference Extension's endpoint picker read, with vLLM's `model_name` label.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvpilot.engine.request import FinishReason, Request
+
+# 5 ms to 60 s, about four buckets per decade: enough for a p95 from histogram_quantile().
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
+)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    kind: type[Counter] | type[Gauge] | type[Histogram]
+    name: str  # kvpilot_<name>
+    vllm_name: str | None  # vllm:<name>, or None where vLLM has no equivalent
+    doc: str
+    labels: tuple[str, ...] = ()
+
+
+SPECS = {
+    "ttft": MetricSpec(Histogram, "time_to_first_token_seconds", "time_to_first_token_seconds",
+                       "Time from arrival to the first output token, per sequence."),
+    "tpot": MetricSpec(Histogram, "time_per_output_token_seconds", "time_per_output_token_seconds",
+                       "Mean time per output token after the first, per finished sequence."),
+    "itl": MetricSpec(Histogram, "inter_token_latency_seconds", "inter_token_latency_seconds",
+                      "Time between two consecutive output tokens of a sequence."),
+    "e2e": MetricSpec(Histogram, "e2e_request_latency_seconds", "e2e_request_latency_seconds",
+                      "Time from arrival to finish, per finished sequence."),
+    "queue": MetricSpec(Histogram, "request_queue_time_seconds", "request_queue_time_seconds",
+                        "Time from arrival to first being scheduled, per sequence."),
+    "running": MetricSpec(Gauge, "num_requests_running", "num_requests_running",
+                          "Sequences in the running batch."),
+    "waiting": MetricSpec(Gauge, "num_requests_waiting", "num_requests_waiting",
+                          "Sequences waiting to be scheduled (new or preempted)."),
+    "kv_usage": MetricSpec(Gauge, "kv_cache_usage_ratio", "kv_cache_usage_perc",
+                           "Fraction of KV-cache blocks held by requests (0..1); cached blocks that no request holds count as free."),
+    "prompt_tokens": MetricSpec(Counter, "prompt_tokens", "prompt_tokens",
+                                "Prompt tokens of admitted sequences."),
+    "generation_tokens": MetricSpec(Counter, "generation_tokens", "generation_tokens",
+                                    "Output tokens generated."),
+    "finished": MetricSpec(Counter, "request_success", "request_success",
+                           "Sequences finished, by reason (stop, length, abort).", ("finished_reason",)),
+    "preemptions": MetricSpec(Counter, "num_preemptions", "num_preemptions",
+                              "Sequences preempted for lack of KV blocks (recomputed later)."),
+    "prefix_queries": MetricSpec(Counter, "prefix_cache_queries", "prefix_cache_queries",
+                                 "Prompt tokens looked up in the prefix cache."),
+    "prefix_hits": MetricSpec(Counter, "prefix_cache_hits", "prefix_cache_hits",
+                              "Prompt tokens served from the prefix cache."),
+    "rejected": MetricSpec(Counter, "requests_rejected", None,
+                           "HTTP requests refused with 429 because the waiting queue was full."),
+}
+
+# Older vLLM releases and some dashboards read the KV usage under this name.
+_VLLM_LEGACY_KV_USAGE = "gpu_cache_usage_perc"
+
+
+class _Family:
+    """One logical metric, exported under one or two names."""
+
+    def __init__(self, children: Sequence[Counter | Gauge | Histogram]) -> None:
+        self._children = children
+
+    def observe(self, value: float) -> None:
+        for child in self._children:
+            child.observe(value)
+
+    def inc(self, value: float = 1.0) -> None:
+        for child in self._children:
+            child.inc(value)
+
+    def set(self, value: float) -> None:
+        for child in self._children:
+            child.set(value)
+
+
+class ServingMetrics:
+    def __init__(self, model: str, vllm_compatible: bool = False) -> None:
+        self.registry = CollectorRegistry()
+        self._model = model
+        self._metrics: dict[str, list[Counter | Gauge | Histogram]] = {}
+        for key, spec in SPECS.items():
+            names = [(f"kvpilot_{spec.name}", "model")]
+            if vllm_compatible and spec.vllm_name:
+                names.append((f"vllm:{spec.vllm_name}", "model_name"))
+            if vllm_compatible and key == "kv_usage":
+                names.append((f"vllm:{_VLLM_LEGACY_KV_USAGE}", "model_name"))
+            self._metrics[key] = [self._make(spec, name, model_label) for name, model_label in names]
+        # Create every series now, so that a scrape shows zeros rather than nothing.
+        for key, spec in SPECS.items():
+            if not spec.labels:
+                self._family(key)
+        for reason in FinishReason:
+            self._family("finished", finished_reason=reason.value)
+        self._last_token_time: dict[str, float] = {}
+        # The engine keeps cumulative totals; counters advance by the difference.
+        self._seen = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
+
+    def _make(self, spec: MetricSpec, name: str, model_label: str) -> Counter | Gauge | Histogram:
+        kwargs = {"registry": self.registry, "labelnames": (model_label, *spec.labels)}
+        if spec.kind is Histogram:
+            kwargs["buckets"] = LATENCY_BUCKETS
+        return spec.kind(name, spec.doc, **kwargs)
+
+    def _family(self, key: str, **labels: str) -> _Family:
+        return _Family([m.labels(self._model, *labels.values()) for m in self._metrics[key]])
+
+    # ---- events, in the order a sequence meets them ----------------------------------------
+
+    def on_admitted(self, request: Request) -> None:
+        self._family("prompt_tokens").inc(request.num_prompt_tokens)
+
+    def on_rejected(self) -> None:
+        self._family("rejected").inc()
+
+    def on_scheduled(self, request: Request) -> None:
+        assert request.first_scheduled_time is not None
+        self._family("queue").observe(request.first_scheduled_time - request.arrival_time)
+
+    def on_tokens(self, request: Request, num_tokens: int, now: float) -> None:
+        self._family("generation_tokens").inc(num_tokens)
+        last = self._last_token_time.get(request.request_id)
+        if last is None:
+            assert request.first_token_time is not None
+            self._family("ttft").observe(request.first_token_time - request.arrival_time)
+        else:
+            # Tokens that arrive together (speculative decoding) share the gap.
+            gap = (now - last) / num_tokens
+            itl = self._family("itl")
+            for _ in range(num_tokens):
+                itl.observe(gap)
+        self._last_token_time[request.request_id] = now
+
+    def on_finished(self, request: Request, now: float) -> None:
+        self._last_token_time.pop(request.request_id, None)
+        reason = request.finish_reason or FinishReason.ABORT
+        self._family("finished", finished_reason=reason.value).inc()
+        if reason is FinishReason.ABORT:
+            return
+        self._family("e2e").observe(now - request.arrival_time)
+        if request.num_output_tokens >= 2 and request.first_token_time is not None:
+            self._family("tpot").observe((now - request.first_token_time) / (request.num_output_tokens - 1))
+
+    # ---- engine state, after every step ----------------------------------------------------
+
+    def set_state(self, *, running: int, waiting: int, kv_usage: float, preemptions: int, prefix_queries: int, prefix_hits: int) -> None:
+        self._family("running").set(running)
+        self._family("waiting").set(waiting)
+        self._family("kv_usage").set(kv_usage)
+        for key, total in (("preemptions", preemptions), ("prefix_queries", prefix_queries), ("prefix_hits", prefix_hits)):
+            if total > self._seen[key]:
+                self._family(key).inc(total - self._seen[key])
+                self._seen[key] = total

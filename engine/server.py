@@ -1,0 +1,487 @@
+"""`kvpilot serve`: the OpenAI-compatible HTTP server over the AsyncEngine.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (behind the API key when
+one is set); GET /health (process alive), GET /ready (model loaded and not draining), GET /metrics.
+
+Every error, whatever raised it (validation, our checks, unknown routes), is answered in OpenAI's
+shape {"error": {"message", "type", "param", "code"}} so that OpenAI SDKs raise their usual
+exceptions. Shutdown drains: the first SIGTERM or SIGINT turns readiness false and refuses new
+requests with 503, in-flight requests run to completion within the grace period, then the process
+exits 0; a second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import prometheus_client
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvpilot.engine.async_engine import AsyncEngine, EngineUnavailableError, GenerationStream, QueueFullError, SequenceUpdate
+from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.metrics import ServingMetrics
+from kvpilot.engine.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    Usage,
+)
+from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.text_deltas import TextDeltas
+
+log = logging.getLogger(__name__)
+
+# OpenAI's error `type` for each status the server answers with.
+_ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+    405: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable",
+}
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_waiting_requests: int = 256
+    vllm_compatible_metrics: bool = False
+    grace_period: float = 25.0  # below Kubernetes' default terminationGracePeriodSeconds of 30
+    retry_after: int = 1  # seconds, in the Retry-After header of 429 and 503 answers
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=_ERROR_TYPES.get(self.status, "server_error"), param=self.param, code=self.code))
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=headers)
+
+
+class _ApiKeyMiddleware:
+    """Bearer-token check on /v1/*, ahead of routing, so that no body is parsed for a stranger."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                error = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ---- response shapes of the two endpoints -------------------------------------------------------
+
+
+class _Format(abc.ABC):
+    """How one endpoint renders choices, chunks and the final answer."""
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self.request_id, self.model, self.created = request_id, model, int(time.time())
+
+    def preamble(self, num_choices: int) -> list[BaseModel]:
+        return []
+
+    @abc.abstractmethod
+    def chunk(self, index: int, text: str, finish_reason: str | None) -> BaseModel: ...
+
+    @abc.abstractmethod
+    def usage_chunk(self, usage: Usage) -> BaseModel: ...
+
+    @abc.abstractmethod
+    def response(self, finals: list[SequenceUpdate], usage: Usage) -> BaseModel: ...
+
+
+class _CompletionFormat(_Format):
+    def chunk(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                  choices=[CompletionChoice(index=index, text=text, finish_reason=finish_reason)])
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage)
+
+    def response(self, finals: list[SequenceUpdate], usage: Usage) -> BaseModel:
+        choices = [CompletionChoice(index=u.index, text=u.text, finish_reason=u.finish_reason) for u in finals]
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+
+class _ChatFormat(_Format):
+    def preamble(self, num_choices: int) -> list[BaseModel]:
+        return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]) for i in range(num_choices)]
+
+    def chunk(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
+        delta = ChatDelta(content=text) if text else ChatDelta()
+        return self._chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)])
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return self._chunk([], usage)
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+    def response(self, finals: list[SequenceUpdate], usage: Usage) -> BaseModel:
+        choices = [ChatChoice(index=u.index, message=AssistantMessage(content=u.text), finish_reason=u.finish_reason) for u in finals]
+        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+
+def _sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+def _usage(prompts: list[list[int]], finals: list[SequenceUpdate], n: int) -> Usage:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(u.num_output_tokens for u in finals)
+    # The prefix cache serves each prompt's first sequence; its siblings always share the prompt.
+    cached = sum(u.num_cached_tokens for u in finals if u.index % n == 0)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read, so the next message the server can send is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- the server ----------------------------------------------------------------------------------
+
+
+class OpenAIServer:
+    def __init__(self, config: EngineConfig, settings: ServeSettings) -> None:
+        self.settings = settings
+        self.metrics = ServingMetrics(settings.served_model_name, settings.vllm_compatible_metrics)
+        self.engine = AsyncEngine(config, self.metrics, settings.max_waiting_requests)
+        self.draining = False
+        self.exit_code = 0
+        self.started = int(time.time())
+        self._request_exit: Callable[[], None] = lambda: None
+        self._background: set[asyncio.Task[None]] = set()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def on_exit_requested(self, request_exit: Callable[[], None]) -> None:
+        self._request_exit = request_exit
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._background.discard)
+
+    async def _watch_load(self) -> None:
+        error = await self.engine.wait_loaded()
+        if error is not None:
+            log.error("event=exit reason=model_load_failed error=%r", error)
+            self.exit_code = 1
+            self._request_exit()
+
+    def begin_drain(self) -> None:
+        if not self.draining:
+            self.draining = True
+            self._spawn(self._drain())
+
+    async def _drain(self) -> None:
+        grace = self.settings.grace_period
+        log.info("event=drain_start in_flight=%d grace_period_s=%g", self.engine.num_in_flight, grace)
+        if not await self.engine.wait_idle(grace):
+            log.warning("event=drain_timeout aborted=%d", self.engine.num_in_flight)
+            self.engine.fail_in_flight(EngineUnavailableError("the server is shutting down"))
+        log.info("event=drain_done")
+        self._request_exit()
+
+    @asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        self.engine.start()
+        self._spawn(self._watch_load())
+        yield
+        await asyncio.to_thread(self.engine.stop)
+
+    # ---- the app ---------------------------------------------------------------------------
+
+    def build_app(self) -> FastAPI:
+        prometheus_client.disable_created_metrics()  # `_created` series only double the scrape
+        app = FastAPI(lifespan=self.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_exception_handler(APIError, _on_api_error)
+        app.add_exception_handler(RequestValidationError, _on_validation_error)
+        app.add_exception_handler(StarletteHTTPException, _on_http_error)
+        app.add_exception_handler(Exception, _on_unexpected_error)
+        if self.settings.api_key:
+            app.add_middleware(_ApiKeyMiddleware, api_key=self.settings.api_key)
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/ready", self.ready, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics_endpoint, methods=["GET"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        return app
+
+    async def health(self) -> JSONResponse:
+        if not self.engine.alive:
+            return JSONResponse({"status": "engine failed"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self) -> JSONResponse:
+        if self.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not self.engine.ready:
+            return JSONResponse({"status": "loading" if self.engine.alive else "engine failed"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    async def metrics_endpoint(self) -> Response:
+        return Response(prometheus_client.generate_latest(self.metrics.registry), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    async def models(self) -> ModelList:
+        max_len = self.engine.llm_engine.max_model_len if self.engine.ready else None
+        return ModelList(data=[ModelCard(id=self.settings.served_model_name, created=self.started, max_model_len=max_len)])
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        self._check_request(body)
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            texts_or_ids: list[str | list[int]] = [prompt]
+        elif isinstance(prompt[0], int):
+            texts_or_ids = [prompt]
+        else:
+            texts_or_ids = list(prompt)
+        prompts = [self.engine.llm_engine.tokenize(p) for p in texts_or_ids]
+        fmt = _CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.settings.served_model_name)
+        return await self._generate(request, body, prompts, body.max_tokens, "prompt", fmt, arrival)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        self._check_request(body)
+        messages = [m.for_template() for m in body.messages]
+        try:
+            ids = self.engine.llm_engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        except Exception as err:  # noqa: BLE001 - templates raise their own errors for bad conversations
+            raise APIError(400, f"cannot apply the chat template: {err}", param="messages") from err
+        fmt = _ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.settings.served_model_name)
+        return await self._generate(request, body, [list(ids)], body.requested_max_tokens, "messages", fmt, arrival)
+
+    # ---- shared request path -----------------------------------------------------------------
+
+    def _check_request(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another replica", retry_after=self.settings.retry_after)
+        if not self.engine.ready:
+            raise APIError(503, "the model is not loaded" + ("" if self.engine.alive else ": the engine failed"), retry_after=self.settings.retry_after)
+        if body.model != self.settings.served_model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.settings.served_model_name}`.",
+                           param="model", code="model_not_found")
+        unsupported = body.unsupported_field()
+        if unsupported:
+            raise APIError(400, f"`{unsupported}` is not supported by this server", param=unsupported, code="unsupported_parameter")
+
+    def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], max_tokens: int | None, prompt_param: str) -> list[SamplingParams]:
+        max_len = self.engine.llm_engine.max_model_len
+        sequences = []
+        for prompt in prompts:
+            # Without max_tokens, the rest of the context (at least one token, so a full prompt fails).
+            wanted = max_tokens if max_tokens is not None else max(max_len - len(prompt), 1)
+            if len(prompt) + wanted > max_len:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {max_len} tokens. However, you requested "
+                    f"{len(prompt) + wanted} tokens ({len(prompt)} in the {prompt_param}, {wanted} for the completion). "
+                    f"Please reduce the length of the {prompt_param} or max_tokens.",
+                    param="max_tokens" if max_tokens is not None and len(prompt) < max_len else prompt_param,
+                    code="context_length_exceeded",
+                )
+            try:
+                params = SamplingParams(
+                    max_tokens=wanted, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed,
+                    stop=body.stop_strings, stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
+                )
+            except ValueError as err:
+                raise APIError(400, str(err)) from err
+            # n completions are n sequences; seeded ones get distinct, reproducible seeds, as offline.
+            sequences += [dataclasses.replace(params, seed=None if body.seed is None else body.seed + i) for i in range(body.n)]
+        return sequences
+
+    async def _generate(self, request: Request, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
+                        max_tokens: int | None, prompt_param: str, fmt: _Format, arrival: float) -> Response:
+        params = self._sampling_params(body, prompts, max_tokens, prompt_param)
+        sequences = [(prompts[i // body.n], p) for i, p in enumerate(params)]
+        if len(sequences) > self.settings.max_waiting_requests:
+            # It could never be admitted: a client error, not a reason to retry.
+            raise APIError(400, f"{len(prompts)} prompt(s) x n={body.n} is {len(sequences)} sequences, more than "
+                                f"max_waiting_requests={self.settings.max_waiting_requests}", param="n")
+        try:
+            stream = await self.engine.submit(fmt.request_id, sequences, arrival)
+        except QueueFullError as err:
+            raise APIError(429, str(err), code="queue_full", retry_after=self.settings.retry_after) from err
+        except EngineUnavailableError as err:
+            raise APIError(503, str(err), retry_after=self.settings.retry_after) from err
+        except ValueError as err:
+            raise APIError(400, str(err), param=prompt_param) from err
+        log.debug("event=request id=%s prompts=%d prompt_tokens=%d n=%d stream=%s", fmt.request_id, len(prompts),
+                  sum(map(len, prompts)), body.n, body.stream)
+        if body.stream:
+            events = self._stream_events(stream, fmt, prompts, body)
+            return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+        return await self._complete(request, stream, fmt, prompts, body.n)
+
+    async def _stream_events(self, stream: GenerationStream, fmt: _Format, prompts: list[list[int]],
+                             body: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[str]:
+        deltas = [TextDeltas(body.stop_strings) for _ in stream.engine_ids]
+        finals: list[SequenceUpdate] = []
+        try:
+            try:
+                for chunk in fmt.preamble(len(stream.engine_ids)):
+                    yield _sse(chunk)
+                async for update in stream:
+                    finished = update.finish_reason is not None
+                    text = deltas[update.index].next(update.text, finished)
+                    if finished:
+                        finals.append(update)
+                    if text or finished:
+                        yield _sse(fmt.chunk(update.index, text, update.finish_reason))
+                if body.include_usage:
+                    yield _sse(fmt.usage_chunk(_usage(prompts, finals, body.n)))
+            except EngineUnavailableError as err:
+                # Headers are sent already: the error travels as an event, as OpenAI's API does.
+                yield _sse(APIError(503, str(err)).body())
+            yield "data: [DONE]\n\n"
+        finally:
+            # However the stream ends (done, client gone, server cancelling), free the KV blocks now.
+            stream.close()
+
+    async def _complete(self, request: Request, stream: GenerationStream, fmt: _Format, prompts: list[list[int]], n: int) -> Response:
+        async def collect() -> list[SequenceUpdate]:
+            return [u async for u in stream if u.finish_reason is not None]
+
+        result = asyncio.ensure_future(collect())
+        disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({result, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnect.cancel()
+            if not result.done():
+                result.cancel()
+            stream.close()
+        if not result.done() or result.cancelled():
+            log.debug("event=client_gone id=%s", fmt.request_id)
+            return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
+        try:
+            finals = sorted(result.result(), key=lambda u: u.index)
+        except EngineUnavailableError as err:
+            raise APIError(503, str(err)) from err
+        return JSONResponse(fmt.response(finals, _usage(prompts, finals, n)).model_dump())
+
+
+async def _on_api_error(_request: Request, err: APIError) -> JSONResponse:
+    return err.response()
+
+
+async def _on_validation_error(_request: Request, err: RequestValidationError) -> JSONResponse:
+    return _validation_error(err).response()
+
+
+async def _on_http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
+    return APIError(err.status_code, str(err.detail)).response()
+
+
+async def _on_unexpected_error(_request: Request, err: Exception) -> JSONResponse:
+    log.error("event=internal_error error=%r", err)
+    return APIError(500, "internal server error").response()
+
+
+def _validation_error(err: RequestValidationError) -> APIError:
+    errors = err.errors()
+    if errors[0].get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', errors[0].get('msg'))}", code="invalid_json")
+    # A union field (prompt, stop) fails once per branch; the deepest failure is the most telling.
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    path = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_branch(p)]
+    param = path[0] if path else None
+    where = f"`{'.'.join(path)}`: " if path else ""
+    return APIError(400, f"{where}{first.get('msg')}", param=param, code=first.get("type"))
+
+
+def _is_union_branch(part: object) -> bool:
+    """pydantic names the branch of a union in an error's location: `str`, `list[int]`, `constrained-str`."""
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "list", "dict"} or "[" in part or "-" in part)
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn stops at once on SIGTERM; a pod must drain first. The first SIGTERM or SIGINT
+    starts the drain (which sets should_exit when done), a second one exits at once."""
+
+    def __init__(self, config: uvicorn.Config, on_first_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_first_signal = on_first_signal
+        self._signalled = False
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        # Not recording the signal keeps uvicorn from re-raising it after shutdown: exit code 0.
+        if self._signalled:
+            self.should_exit = self.force_exit = True
+            return
+        self._signalled = True
+        self._on_first_signal()
+
+
+def serve(config: EngineConfig, settings: ServeSettings) -> int:
+    server = OpenAIServer(config, settings)
+    app = server.build_app()
+    uv_config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+                               timeout_graceful_shutdown=5, lifespan="on")
+    uv_server: _DrainingServer
+
+    def begin_drain() -> None:
+        # Called from a signal handler: hand over to the event loop.
+        loop.call_soon_threadsafe(server.begin_drain)
+
+    def request_exit() -> None:
+        uv_server.should_exit = True
+
+    uv_server = _DrainingServer(uv_config, begin_drain)
+    server.on_exit_requested(request_exit)
+    loop = asyncio.new_event_loop()
+    log.info("event=start model=%s host=%s port=%d api_key=%s max_waiting_requests=%d", settings.served_model_name,
+             settings.host, settings.port, "set" if settings.api_key else "unset", settings.max_waiting_requests)
+    try:
+        loop.run_until_complete(uv_server.serve())
+    finally:
+        loop.close()
+    log.info("event=exit code=%d", server.exit_code)
+    return server.exit_code

@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/kvpilot generate "Write a haiku about paged attention."
+	@echo 'when ready, try: curl -s 127.0.0.1:8000/v1/chat/completions -H "Content-Type: application/json" -d '"'"'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'"'"
+	$(VENV)/bin/kvpilot serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
 	$(PY) -m pytest tests e2e

@@ -11,6 +11,8 @@ import yaml
 
 from e2e.chart import CHART_DIR, CRD, Installation
 from e2e.cluster import Binaries, Cluster
+from kvpilot.operator import render
+from kvpilot.operator.handlers import ENGINE_IMAGE_ENV
 
 REPO_CRDS = CHART_DIR.parent.parent / "crds"
 
@@ -46,6 +48,53 @@ def test_chart_lints_and_renders(k8s_binaries: Binaries, tmp_path: Path, values:
                                 ("ClusterKopfPeering", "")])
         assert args[:2] == ["operator", "--all-namespaces"]
     assert "--peering=kvpilot" in args
+
+
+def _template(binaries: Binaries, tmp_path: Path, *values: str) -> list[dict[str, Any]]:
+    return _docs(_helm(binaries, tmp_path, "template", "kvpilot", str(CHART_DIR), "-n", "ops", *values).stdout)
+
+
+def _operator_env(rendered: list[dict[str, Any]]) -> dict[str, str]:
+    operator = next(d for d in rendered if d["kind"] == "Deployment")
+    (container,) = operator["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e["value"] for e in container["env"]}
+
+
+def test_engine_image_value_reaches_the_operator(k8s_binaries: Binaries, tmp_path: Path) -> None:
+    app_version = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())["appVersion"]
+    default = _operator_env(_template(k8s_binaries, tmp_path))
+    assert default[ENGINE_IMAGE_ENV] == f"ghcr.io/kvpilot/kvpilot:{app_version}" == render.DEFAULT_ENGINE_IMAGE
+    chosen = _operator_env(_template(k8s_binaries, tmp_path, "--set", "engine.image=mirror.example/kvpilot:1.2.3"))
+    assert chosen[ENGINE_IMAGE_ENV] == "mirror.example/kvpilot:1.2.3"
+
+
+@pytest.mark.parametrize("values, namespaces", [([], {"any": True}),
+                                                (["--set", "watchNamespaces={ml,prod}"], {"matchNames": ["ml", "prod"]})],
+                         ids=["all-namespaces", "two-namespaces"])
+def test_service_monitor_scrapes_the_engine_services(k8s_binaries: Binaries, tmp_path: Path, values: list[str],
+                                                     namespaces: dict[str, Any]) -> None:
+    enabled = ["--set", "serviceMonitor.enabled=true", "--set", "serviceMonitor.interval=15s",
+               "--set", "serviceMonitor.labels.release=prom", *values]
+    lint = _helm(k8s_binaries, tmp_path, "lint", "--strict", str(CHART_DIR), *enabled)
+    assert "1 chart(s) linted, 0 chart(s) failed" in lint.stdout
+    rendered = _template(k8s_binaries, tmp_path, *enabled)
+    (monitor,) = [d for d in rendered if d["kind"] == "ServiceMonitor"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["namespace"] == "ops" and monitor["metadata"]["labels"]["release"] == "prom"
+    spec = monitor["spec"]
+    assert spec["namespaceSelector"] == namespaces
+    assert spec["endpoints"] == [{"port": render.PORT_NAME, "path": "/metrics", "interval": "15s"}]
+    # It selects every engine Service the operator renders, and nothing of the operator's own.
+    selector = spec["selector"]["matchLabels"]
+    for name in ("chat", "llama-3-8b"):
+        service = render.service(name, "ml", "uid")
+        assert selector.items() <= service["metadata"]["labels"].items()
+        assert service["spec"]["ports"][0]["name"] == render.PORT_NAME
+    operator = next(d for d in rendered if d["kind"] == "Deployment")
+    assert not selector.items() <= operator["metadata"]["labels"].items()
+
+    disabled = _template(k8s_binaries, tmp_path, *values)
+    assert [d for d in disabled if d["kind"] == "ServiceMonitor"] == []
 
 
 def test_chart_crds_are_the_repository_crds(k8s_binaries: Binaries, tmp_path: Path) -> None:

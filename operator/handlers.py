@@ -7,11 +7,14 @@ does); all decisions live in the pure modules, all API calls in `cluster.KubeClu
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 
+from kvpilot.operator import render
 from kvpilot.operator.cluster import KubeCluster
 from kvpilot.operator.reconcile import reconcile
 from kvpilot.operator.spec import GROUP, PLURAL, VERSION
@@ -23,6 +26,13 @@ from kvpilot.operator.spec import GROUP, PLURAL, VERSION
 RESYNC_SECONDS = 15.0
 # kopf's bookkeeping annotations, under our own domain instead of kopf.zalando.org.
 ANNOTATION_PREFIX = GROUP
+# Set by the chart from its engine.image value: the engine image for specs without spec.image.
+ENGINE_IMAGE_ENV = "KVPILOT_ENGINE_IMAGE"
+
+
+def engine_image(environ: Mapping[str, str]) -> str:
+    """The operator's default engine image: the environment's, else the built-in one."""
+    return environ.get(ENGINE_IMAGE_ENV) or render.DEFAULT_ENGINE_IMAGE
 
 
 @kopf.on.startup()
@@ -34,6 +44,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.level = logging.WARNING
     # Per-object memos are shallow copies of this one, so every handler sees the client.
     memo.cluster = KubeCluster.connect()
+    # Read once here, so reconciliation stays a function of the object and this value.
+    memo.engine_image = engine_image(os.environ)
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
@@ -43,7 +55,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
             initial_delay=RESYNC_SECONDS)
 def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
                       logger: logging.Logger, **_: Any) -> None:
-    status = reconcile(body, memo.cluster, datetime.now(UTC))
+    status = reconcile(body, memo.cluster, datetime.now(UTC), default_image=memo.engine_image)
     patch.status.update(status)
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     logger.debug(f"Ready={ready['status']} ({ready['reason']}): {ready['message']}")

@@ -25,8 +25,10 @@ def _invalid(body: Mapping[str, Any], error: ValidationError) -> Plan:
                 model=str(body.get("spec", {}).get("model", {}).get("name", "")))
 
 
-def reconcile(body: Mapping[str, Any], cluster: Cluster, now: datetime) -> dict[str, Any]:
-    """Converge the children of `body` and return the status to write."""
+def reconcile(body: Mapping[str, Any], cluster: Cluster, now: datetime, *,
+              default_image: str = render.DEFAULT_ENGINE_IMAGE) -> dict[str, Any]:
+    """Converge the children of `body` and return the status to write; `default_image` is the
+    engine image for specs that do not set one."""
     metadata = body["metadata"]
     name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
     spec: InferenceServiceSpec | None
@@ -38,7 +40,8 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, now: datetime) -> dict[
         products = cluster.gpu_products() if not spec.accelerator.type else []
         result = plan(spec, products)
 
-    wanted = render.children(name, namespace, uid, spec, result) if spec is not None else []
+    wanted = (render.children(name, namespace, uid, spec, result, default_image=default_image)
+              if spec is not None else [])
     for manifest in wanted:
         cluster.apply(manifest)
     if not result.fits:

@@ -21,6 +21,9 @@ CONTAINER = "engine"
 MODEL_MOUNT = "/models"
 # Unprivileged, fixed IDs so that files on a model PVC can be made readable to the engine.
 RUN_AS_USER = 1000
+# The engine image when neither spec.image nor the operator's configured default names one;
+# tests/operator/test_render.py keeps its tag equal to the chart's appVersion.
+DEFAULT_ENGINE_IMAGE = "ghcr.io/kvpilot/kvpilot:0.1.0"
 
 
 def labels(name: str) -> dict[str, str]:
@@ -106,8 +109,9 @@ def _tolerations(spec: InferenceServiceSpec, gpu: GPU) -> list[Manifest]:
     return tolerations
 
 
-def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec,
-               plan: Plan) -> Manifest:
+def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, plan: Plan, *,
+               default_image: str = DEFAULT_ENGINE_IMAGE) -> Manifest:
+    """The engines' Deployment; `default_image` is the operator's image for specs without one."""
     gpu = find_gpu(str(plan.gpu))
     if not plan.fits or gpu is None:
         raise ValueError(f"no Deployment for a plan that does not fit: {plan.reason}")
@@ -116,7 +120,7 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec,
     http = {"port": PORT_NAME}
     container = {
         "name": CONTAINER,
-        "image": spec.image,
+        "image": spec.image or default_image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["kvpilot", "serve"],
         "args": engine_args(spec, plan, model),
@@ -186,10 +190,11 @@ def pod_disruption_budget(name: str, namespace: str, uid: str) -> Manifest:
     }
 
 
-def children(name: str, namespace: str, uid: str, spec: InferenceServiceSpec,
-             plan: Plan) -> list[Manifest]:
+def children(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, plan: Plan, *,
+             default_image: str = DEFAULT_ENGINE_IMAGE) -> list[Manifest]:
     """What should exist: no Deployment when the plan does not fit."""
     objects = [service(name, namespace, uid), pod_disruption_budget(name, namespace, uid)]
     if plan.fits:
-        objects.insert(0, deployment(name, namespace, uid, spec, plan))
+        objects.insert(0, deployment(name, namespace, uid, spec, plan,
+                                     default_image=default_image))
     return objects

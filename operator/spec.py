@@ -113,7 +113,9 @@ class InferenceServiceSpec(_Camel):
     # Written by `kubectl scale` / the autoscaler through the scale subresource; when absent the
     # plan's replica count for the stated load is used.
     replicas: int | None = Field(default=None, ge=0)
-    image: str = "ghcr.io/kvpilot/kvpilot:0.1.0"
+    # Unset: the operator's default engine image (the chart's engine.image), so a cluster can
+    # move every InferenceService that does not pin an image with one chart upgrade.
+    image: str | None = Field(default=None, min_length=1)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     resources: ResourcesSpec = ResourcesSpec()
     node_selector: dict[str, str] = Field(default_factory=dict)

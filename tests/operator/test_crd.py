@@ -244,6 +244,19 @@ def test_api_server_defaults_equal_pydantic_defaults(crd: dict[str, Any],
         InferenceServiceSpec.model_validate(minimal)
 
 
+def test_image_has_no_default_so_the_operator_supplies_one(crd: dict[str, Any]) -> None:
+    image = root(crd)["properties"]["spec"]["properties"]["image"]
+    assert "default" not in image
+    minimal = {"model": {"name": "llama-2-7b"}}
+    assert "image" not in apply_defaults(minimal, root(crd)["properties"]["spec"])
+    assert InferenceServiceSpec.model_validate(minimal).image is None
+    # An empty image would silently mean the default: both the schema and the model refuse it.
+    with pytest.raises(AssertionError):
+        validate("", image)
+    with pytest.raises(ValidationError):
+        InferenceServiceSpec.model_validate({**minimal, "image": ""})
+
+
 def test_the_accelerator_description_lists_the_catalog(crd: dict[str, Any]) -> None:
     description = root(crd)["properties"]["spec"]["properties"]["accelerator"]["properties"][
         "type"]["description"]

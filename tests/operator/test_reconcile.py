@@ -10,7 +10,8 @@ from typing import Any
 
 import kopf
 
-from kvpilot.operator.handlers import reconcile_handler
+from kvpilot.operator import render
+from kvpilot.operator.handlers import ENGINE_IMAGE_ENV, engine_image, reconcile_handler
 from kvpilot.operator.reconcile import reconcile
 
 NOW = datetime(2025, 1, 1, tzinfo=UTC)
@@ -148,9 +149,28 @@ def test_slo_at_risk_is_degraded_with_numbers() -> None:
 def test_kopf_handler_writes_the_status_into_the_patch() -> None:
     cluster = FakeCluster()
     patch = kopf.Patch()
-    reconcile_handler(body=body(SPEC), patch=patch, memo=kopf.Memo(cluster=cluster),
-                      logger=logging.getLogger("test"))
+    memo = kopf.Memo(cluster=cluster, engine_image="mirror.example/kvpilot:1.2.3")
+    reconcile_handler(body=body(SPEC), patch=patch, memo=memo, logger=logging.getLogger("test"))
     assert patch["status"]["plan"]["gpu"] == "A10G"
     assert {c["type"] for c in patch["status"]["conditions"]} == {
         "Planned", "Progressing", "Ready", "Degraded"}
     assert cluster.kinds() == ["Deployment", "PodDisruptionBudget", "Service"]
+    (engine,) = cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"]["spec"][
+        "containers"]
+    assert engine["image"] == "mirror.example/kvpilot:1.2.3"
+
+
+def test_spec_image_wins_over_the_operators_default() -> None:
+    cluster = FakeCluster()
+    reconcile(body({**SPEC, "image": "registry.example/kvpilot:pinned"}), cluster, NOW,
+              default_image="mirror.example/kvpilot:1.2.3")
+    (engine,) = cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"]["spec"][
+        "containers"]
+    assert engine["image"] == "registry.example/kvpilot:pinned"
+
+
+def test_operator_default_engine_image_comes_from_the_environment() -> None:
+    assert engine_image({ENGINE_IMAGE_ENV: "mirror.example/kvpilot:1.2.3"}) == \
+        "mirror.example/kvpilot:1.2.3"
+    # Unset or empty (a chart value left blank) falls back to the built-in image.
+    assert engine_image({}) == engine_image({ENGINE_IMAGE_ENV: ""}) == render.DEFAULT_ENGINE_IMAGE

@@ -1,10 +1,14 @@
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from kvpilot.operator import render
 from kvpilot.operator.planner import plan
 from kvpilot.operator.spec import InferenceServiceSpec
 
 UID = "0b7c6e1e-0000-4000-8000-000000000001"
+CHART = Path(__file__).resolve().parents[2] / "helm" / "kvpilot" / "Chart.yaml"
 
 
 def spec(**overrides: Any) -> InferenceServiceSpec:
@@ -72,6 +76,26 @@ def test_pod_runs_non_root_with_probes_metrics_port_and_gpu() -> None:
         in pod["tolerations"]
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/path"] == "/metrics"
+
+
+def test_engine_image_is_the_specs_else_the_operators_default() -> None:
+    unset, pinned = spec(), spec(image="registry.example/kvpilot:pinned")
+    configured = "mirror.example/kvpilot:1.2.3"
+    assert engine(render.deployment("chat", "ml", UID, unset, plan(unset),
+                                    default_image=configured))["image"] == configured
+    assert engine(render.deployment("chat", "ml", UID, pinned, plan(pinned),
+                                    default_image=configured))["image"] == \
+        "registry.example/kvpilot:pinned"
+    (deployment, *_) = render.children("chat", "ml", UID, unset, plan(unset),
+                                       default_image=configured)
+    assert engine(deployment)["image"] == configured
+    assert engine(render.deployment("chat", "ml", UID, unset, plan(unset)))["image"] == \
+        render.DEFAULT_ENGINE_IMAGE
+
+
+def test_built_in_engine_image_is_the_charts_app_version() -> None:
+    app_version = yaml.safe_load(CHART.read_text())["appVersion"]
+    assert render.DEFAULT_ENGINE_IMAGE == f"ghcr.io/kvpilot/kvpilot:{app_version}"
 
 
 def test_replicas_come_from_the_plan_unless_scaled() -> None:

@@ -56,6 +56,10 @@ whose plan stopped fitting, keep its peering record alive, and post events.
   verbs: [create]
 {{- end -}}
 
+{{- define "kvpilot.engineImage" -}}
+{{- .Values.engine.image | default (printf "ghcr.io/kvpilot/kvpilot:%s" .Chart.AppVersion) -}}
+{{- end -}}
+
 {{- define "kvpilot.args" -}}
 - operator
 {{- range .Values.watchNamespaces }}

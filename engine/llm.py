@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from kvpilot.engine.config import EngineConfig
@@ -39,7 +38,7 @@ class LLM:
         groups: list[list[Request]] = []
         try:
             for prompt, params in zip(prompts, sampling_params):
-                groups.append([self.engine.add_request(prompt, p) for p in _fan_out(params)])
+                groups.append([self.engine.add_request(prompt, p) for p in params.per_sequence()])
             while self.engine.has_unfinished():
                 self.engine.step()
         except BaseException:
@@ -60,16 +59,6 @@ class LLM:
 
     def apply_chat_template(self, messages: ChatMessages) -> list[int]:
         return list(self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
-
-
-def _fan_out(params: SamplingParams) -> list[SamplingParams]:
-    """n completions of one prompt are n requests; seeded ones get distinct, reproducible seeds."""
-    if params.n == 1:
-        return [params]
-    return [
-        dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-        for i in range(params.n)
-    ]
 
 
 def _to_output(prompt: Prompt, group: list[Request]) -> RequestOutput:

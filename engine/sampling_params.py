@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -31,6 +32,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def per_sequence(self) -> list[SamplingParams]:
+        """n completions of one prompt are n sequences; seeded ones get distinct, reproducible seeds."""
+        if self.n == 1:
+            return [self]
+        return [
+            dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+            for i in range(self.n)
+        ]
 
 
 def _check(ok: bool, name: str, rule: str, value: object) -> None:

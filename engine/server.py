@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import dataclasses
 import hmac
 import logging
 import time
@@ -329,12 +328,11 @@ class OpenAIServer:
             try:
                 params = SamplingParams(
                     max_tokens=wanted, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed,
-                    stop=body.stop_strings, stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
+                    stop=body.stop_strings, stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, n=body.n,
                 )
             except ValueError as err:
                 raise APIError(400, str(err)) from err
-            # n completions are n sequences; seeded ones get distinct, reproducible seeds, as offline.
-            sequences += [dataclasses.replace(params, seed=None if body.seed is None else body.seed + i) for i in range(body.n)]
+            sequences += params.per_sequence()
         return sequences
 
     async def _generate(self, request: Request, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],

@@ -18,6 +18,17 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
+def kv_budget_after_profile(total_bytes: int, utilization: float, peak_bytes: int) -> int:
+    """The KV pool gets what the utilization target leaves after the profiled peak (weights + activations)."""
+    budget = int(total_bytes * utilization) - peak_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"weights and activations peak at {peak_bytes} bytes, leaving no KV cache within "
+            f"gpu_memory_utilization={utilization} of {total_bytes} bytes"
+        )
+    return budget
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path) -> None:
         self.config = config
@@ -66,11 +77,9 @@ class ModelRunner:
         del dummy_cache, hidden
         total = torch.cuda.get_device_properties(self.device).total_memory
         peak = torch.cuda.max_memory_allocated(self.device)
-        free = int(total * self.config.gpu_memory_utilization) - peak
-        log.info("gpu memory: total=%d peak=%d kv_budget=%d", total, peak, free)
-        if free <= 0:
-            raise ValueError(f"weights and activations need {peak} bytes, over {self.config.gpu_memory_utilization:.0%} of {total}")
-        return free
+        budget = kv_budget_after_profile(total, self.config.gpu_memory_utilization, peak)
+        log.info("gpu memory: total=%d peak=%d kv_budget=%d", total, peak, budget)
+        return budget
 
     def execute(self, scheduled: list[tuple[Request, int]], block_ids: dict[str, list[int]]) -> tuple[list[Request], torch.Tensor]:
         """Run one step; return the requests that reached their last known token and their logits."""

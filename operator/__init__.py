@@ -1,1 +1,0 @@
-"""kvpilot operator: plans, renders and reconciles InferenceService objects."""

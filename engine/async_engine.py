@@ -252,27 +252,27 @@ class AsyncEngine:
         """Tell every stream and every pending submission; later submissions are refused by submit()."""
         failed: list[tuple[GenerationStream, SequenceUpdate | BaseException]] = [(s, error) for s in set(self._streams.values())]
         commands = self._in_hand
-        while True:
-            try:
-                commands.append(self._inbox.get_nowait())
-            except queue.Empty:
-                break
+        self._drain_inbox(commands)
         for command in commands:
             if isinstance(command, _Submit):
                 self._call(self._resolve, command.accepted, error)  # a no-op for those already answered
         if failed:
             self._call(self._deliver, failed)
 
+    def _drain_inbox(self, commands: list[_Submit | _Abort | object]) -> None:
+        """Move every command waiting in the inbox onto `commands`, without blocking."""
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
     def _loop_forever(self, engine: LLMEngine) -> None:
         unscheduled: dict[str, Request] = {}
         while True:
             block = not engine.has_unfinished()
             commands = self._in_hand = [self._inbox.get()] if block else []
-            while True:
-                try:
-                    commands.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
+            self._drain_inbox(commands)
             for command in commands:
                 if command is _STOP:
                     for stream in set(self._streams.values()):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.detokenizer import append_tokens
 from kvpilot.engine.kv_cache_manager import KVCacheManager
 from kvpilot.engine.model_loader import EMBEDDED_MODEL, load_tokenizer, resolve_model
 from kvpilot.engine.model_runner import ModelRunner
@@ -129,18 +130,22 @@ class LLMEngine:
 
     def _check_stop(self, request: Request, token: int) -> None:
         params = request.params
-        text = request.output_text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        if not params.ignore_eos and token in self.eos_token_ids:
-            self.scheduler.finish(request, FinishReason.STOP, token)
-            return
-        if token in params.stop_token_ids:
-            self.scheduler.finish(request, FinishReason.STOP, token)
+        checked = len(request.output_text)
+        text = request.output_text = append_tokens(self.tokenizer, request.detokenizer, request.output_token_ids)
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            self._finish(request, FinishReason.STOP, token)
             return
         for stop in params.stop:
-            at = text.find(stop)
+            # Only the new text, and the end of the old text a stop string could straddle.
+            at = text.find(stop, max(0, checked - len(stop) + 1))
             if at != -1:
                 request.output_text = text[:at]
                 self.scheduler.finish(request, FinishReason.STOP, stop)
                 return
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            self.scheduler.finish(request, FinishReason.LENGTH)
+            self._finish(request, FinishReason.LENGTH)
+
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: int | None = None) -> None:
+        # Once, at the end: the exact text of every token, including a held-back partial character.
+        request.output_text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        self.scheduler.finish(request, reason, stop_reason)

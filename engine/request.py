@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from kvpilot.engine.detokenizer import DetokenizerState
 from kvpilot.engine.sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class Request:
         self.params = params
         self.token_ids = list(prompt_token_ids)  # prompt + output
         self.output_text = ""  # detokenized output, cut before a stop string
+        self.detokenizer = DetokenizerState()
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of the prompt, tokens served by the prefix cache at admission
         self.status = RequestStatus.WAITING

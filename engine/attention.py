@@ -1,9 +1,11 @@
 """Paged attention over a flat slot cache, in plain PyTorch (SDPA), for any device.
 
 The KV cache of one layer is a [num_slots, kv_heads, head_dim] tensor for K and one for V, where
-slot = block_id * block_size + offset. A step's tokens are laid out decodes first (one query token
-each, attended in one padded batch) then prefill chunks (attended one sequence at a time, with a
-causal mask shifted by the tokens already cached).
+slot = block_id * block_size + offset. A step's tokens are laid out decodes first, then prefill
+chunks. Decodes (one query token each) are attended in small padded batches of similar context
+length: one batch padded to the longest context would gather and attend up to twice the keys.
+Prefill chunks are attended one sequence at a time, with a causal mask shifted by the tokens
+already cached.
 """
 
 from __future__ import annotations
@@ -23,11 +25,16 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    start: int  # offset of the group's first token in the step's flattened batch
+    slots: torch.Tensor  # [sequences, max_context] context slots, padded
+    mask: torch.Tensor  # [sequences, 1, 1, max_context] True where a key is real
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V go
-    num_decodes: int  # the first num_decodes tokens are single-token decodes
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context] context slots, padded
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] True where a key is real
+    decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
 
@@ -39,11 +46,11 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """q: [T, heads, dim]; k, v: [T, kv_heads, dim] (already written to the cache). Returns [T, heads, dim]."""
     out = torch.empty_like(q)
-    d = meta.num_decodes
-    if d:
-        keys = k_cache[meta.decode_slots].transpose(1, 2)  # [d, kv_heads, ctx, dim]
-        values = v_cache[meta.decode_slots].transpose(1, 2)
-        out[:d] = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=True).squeeze(2)
+    for group in meta.decodes:
+        rows = slice(group.start, group.start + group.slots.shape[0])
+        keys = k_cache[group.slots].transpose(1, 2)  # [sequences, kv_heads, ctx, dim]
+        values = v_cache[group.slots].transpose(1, 2)
+        out[rows] = F.scaled_dot_product_attention(q[rows].unsqueeze(2), keys, values, attn_mask=group.mask, enable_gqa=True).squeeze(2)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]

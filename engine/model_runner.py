@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from kvpilot.engine.attention import AttentionMetadata, PrefillChunk
+from kvpilot.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.model_loader import load_config, load_model
 from kvpilot.engine.request import Request
@@ -16,6 +16,10 @@ log = logging.getLogger(__name__)
 
 # Without a device to profile, the pool is sized like vLLM's CPU backend: a fixed budget.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+# Decodes sorted by context length are attended this many at a time: small enough that padding to
+# the group's longest context wastes little, large enough to keep per-call overhead low (on 2 CPU
+# cores, 64 decodes of 50-768 tokens: 1 group 45 ms per layer, groups of 16 17 ms, of 8 16 ms).
+DECODE_GROUP_SIZE = 8
 
 
 def kv_budget_after_profile(total_bytes: int, utilization: float, peak_bytes: int) -> int:
@@ -69,7 +73,7 @@ class ModelRunner:
         n = self.config.max_num_batched_tokens
         dummy_cache = torch.zeros(self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
         meta = AttentionMetadata(
-            slot_mapping=torch.zeros(n, dtype=torch.long, device=self.device), num_decodes=0, decode_slots=None, decode_mask=None,
+            slot_mapping=torch.zeros(n, dtype=torch.long, device=self.device), decodes=[],
             prefills=[PrefillChunk(start=0, num_tokens=n, num_cached=0, slots=torch.zeros(n, dtype=torch.long, device=self.device))],
         )
         hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), torch.arange(n, device=self.device), dummy_cache, meta)
@@ -83,8 +87,8 @@ class ModelRunner:
 
     def execute(self, scheduled: list[tuple[Request, int]], block_ids: dict[str, list[int]]) -> tuple[list[Request], torch.Tensor]:
         """Run one step; return the requests that reached their last known token and their logits."""
-        # Decodes first: they are attended together in one padded batch.
-        order = sorted(scheduled, key=lambda item: item[1] != 1)
+        # Decodes first, by context length, so that each decode group pads to similar lengths.
+        order = sorted(scheduled, key=lambda item: (item[1] != 1, item[0].num_computed_tokens))
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -112,19 +116,19 @@ class ModelRunner:
         device = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_mapping).to(device),
-            num_decodes=len(decode_contexts),
-            decode_slots=None,
-            decode_mask=None,
+            decodes=[_decode_group(start, decode_contexts[start : start + DECODE_GROUP_SIZE], device) for start in range(0, len(decode_contexts), DECODE_GROUP_SIZE)],
             prefills=[PrefillChunk(p.start, p.num_tokens, p.num_cached, p.slots.to(device)) for p in prefills],
         )
-        if decode_contexts:
-            lengths = torch.tensor([len(c) for c in decode_contexts])
-            meta.decode_slots = torch.nn.utils.rnn.pad_sequence(decode_contexts, batch_first=True).to(device)
-            mask = torch.arange(meta.decode_slots.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-            meta.decode_mask = mask[:, None, None, :].to(device)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
             self.kv_caches, meta,
         )
         return sampled, self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)])
+
+
+def _decode_group(start: int, contexts: list[torch.Tensor], device: torch.device) -> DecodeGroup:
+    lengths = torch.tensor([len(c) for c in contexts])
+    slots = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)
+    mask = torch.arange(slots.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    return DecodeGroup(start=start, slots=slots.to(device), mask=mask[:, None, None, :].to(device))

@@ -54,11 +54,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c) for c in conversations]
+        prompts = [self.engine.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, sampling_params)
-
-    def apply_chat_template(self, messages: ChatMessages) -> list[int]:
-        return list(self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
 def _to_output(prompt: Prompt, group: list[Request]) -> RequestOutput:

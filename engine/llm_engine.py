@@ -76,6 +76,10 @@ class LLMEngine:
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
 
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Prompt token ids of a conversation, ending with the assistant's turn to speak."""
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)

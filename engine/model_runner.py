@@ -105,7 +105,7 @@ class ModelRunner:
             if n == 1:
                 decode_contexts.append(context_slots)
             else:
-                prefills.append(PrefillChunk(start=len(input_ids), num_tokens=n, num_cached=start, slots=context_slots))
+                prefills.append(PrefillChunk(start=len(input_ids), num_tokens=n, num_cached=start, slots=context_slots.to(self.device)))
             slot_mapping.append(context_slots[start:])
             input_ids.extend(request.token_ids[start:end])
             positions.extend(range(start, end))
@@ -117,7 +117,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_mapping).to(device),
             decodes=[_decode_group(start, decode_contexts[start : start + DECODE_GROUP_SIZE], device) for start in range(0, len(decode_contexts), DECODE_GROUP_SIZE)],
-            prefills=[PrefillChunk(p.start, p.num_tokens, p.num_cached, p.slots.to(device)) for p in prefills],
+            prefills=prefills,
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),

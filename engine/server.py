@@ -290,11 +290,11 @@ class OpenAIServer:
         self._check_request(body)
         messages = [m.for_template() for m in body.messages]
         try:
-            ids = self.engine.llm_engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            ids = self.engine.llm_engine.apply_chat_template(messages)
         except Exception as err:  # noqa: BLE001 - templates raise their own errors for bad conversations
             raise APIError(400, f"cannot apply the chat template: {err}", param="messages") from err
         fmt = _ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.settings.served_model_name)
-        return await self._generate(request, body, [list(ids)], body.requested_max_tokens, "messages", fmt, arrival)
+        return await self._generate(request, body, [ids], body.requested_max_tokens, "messages", fmt, arrival)
 
     # ---- shared request path -----------------------------------------------------------------
 

@@ -25,7 +25,7 @@ def _flag(args: list[str], flag: str) -> str:
 
 def engine_argv(deployment: dict[str, Any], pod_ip: str) -> list[str]:
     # Imported here: the engine's model loader pulls in torch, which only this path needs.
-    from kvpilot.engine.model_loader import EMBEDDED_MODEL
+    from kvpilot.engine.model.loader import EMBEDDED_MODEL
 
     container = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == CONTAINER)
     command, args = container["command"], list(container["args"])

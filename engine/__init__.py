@@ -13,7 +13,7 @@ _EXPORTS = {
     "LLM": "kvpilot.engine.llm",
     "LLMEngine": "kvpilot.engine.llm_engine",
     "EngineConfig": "kvpilot.engine.config",
-    "SamplingParams": "kvpilot.engine.sampling_params",
+    "SamplingParams": "kvpilot.engine.core.sampling_params",
     "RequestOutput": "kvpilot.engine.outputs",
     "CompletionOutput": "kvpilot.engine.outputs",
 }
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from kvpilot.engine.llm import LLM
     from kvpilot.engine.llm_engine import LLMEngine
     from kvpilot.engine.outputs import CompletionOutput, RequestOutput
-    from kvpilot.engine.sampling_params import SamplingParams
+    from kvpilot.engine.core.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> object:

@@ -1,34 +1,63 @@
-"""Engine configuration: one pydantic model, shared by the offline API, the CLI and the server."""
+"""The engine's contract with the operator: its flags and what this build can run. Torch-free.
+
+`EngineConfig` (the runtime) and `ServerConfig` (the HTTP server) are the only source of the
+`kvpilot serve` flags: the CLI builds its parser from them (`add_flags`), and the operator renders
+a pod's arguments from them (`serve_argv`), so the two cannot drift. `CAPABILITIES` says which
+quantization schemes, speculative modes and dtypes this build runs; the planner chooses only among
+them, and the field types below accept nothing else, so an argv the operator renders is one the
+engine parses.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+import argparse
+import typing
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 if TYPE_CHECKING:
     import torch
 
+# What this engine build runs. A scheme or mode lands here only together with its implementation.
+QUANTIZATION_SCHEMES = ("none",)
+SPECULATIVE_MODES = ("off",)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+Quantization = Literal[QUANTIZATION_SCHEMES]  # type: ignore[valid-type]
+Speculative = Literal[SPECULATIVE_MODES]  # type: ignore[valid-type]
+DType = Literal[DTYPES]  # type: ignore[valid-type]
+
+
+class EngineCapabilities(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    quantization: tuple[str, ...]
+    speculative: tuple[str, ...]
+    dtypes: tuple[str, ...]
+
+
+CAPABILITIES = EngineCapabilities(quantization=QUANTIZATION_SCHEMES, speculative=SPECULATIVE_MODES, dtypes=DTYPES)
+
 
 class EngineConfig(BaseModel):
+    """The runtime's settings: `LLM(**options)`, and the engine flags of `kvpilot serve`."""
+
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = "auto"
-    block_size: int = Field(16, ge=1)
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(512, ge=1)
-    max_model_len: int | None = Field(None, ge=1)  # None: the model's own limit, capped by the KV pool
-    enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int | None = Field(None, ge=1)
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    seed: int = 0
-    # The operator always renders these flags; other schemes are refused until the engine has them.
-    quantization: Literal["none"] = "none"
-    speculative: Literal["off"] = "off"
-
-    # torch is imported lazily: light CLI commands read this config too.
+    model: str | None = Field(None, description="a local HF Llama folder (default: the embedded SmolLM2-135M-Instruct)")
+    dtype: DType = Field("auto", description="weights and KV dtype; auto: bfloat16 on CUDA, float32 on CPU")
+    device: str = Field("auto", description="cpu, cuda, cuda:N; auto: CUDA when available")
+    block_size: int = Field(16, ge=1, description="tokens per KV block (a power of two)")
+    max_num_seqs: int = Field(64, ge=1, description="sequences in the running batch at most")
+    max_num_batched_tokens: int = Field(512, ge=1, description="tokens computed per step at most (chunked prefill)")
+    max_model_len: int | None = Field(None, ge=1, description="context length; default: the model's, capped by the KV pool")
+    enable_prefix_caching: bool = Field(True, description="share KV blocks between requests with the same prefix")
+    kv_cache_memory_bytes: int | None = Field(None, ge=1, description="KV pool size; default: 1 GiB on CPU, profiled on CUDA")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="share of GPU memory for weights, activations and KV")
+    seed: int = Field(0, description="seed of unseeded sampling")
+    quantization: Quantization = Field("none", description="weight quantization scheme")
+    speculative: Speculative = Field("off", description="speculative decoding mode")
 
     @field_validator("block_size")
     @classmethod
@@ -50,3 +79,69 @@ class EngineConfig(BaseModel):
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+
+class ServerConfig(BaseModel):
+    """The HTTP server's settings: the server flags of `kvpilot serve`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    served_model_name: str | None = Field(None, description="the name clients send as `model` (default: --model)")
+    api_key: str | None = Field(None, description="require `Authorization: Bearer <key>` on /v1/* (default: $KVPILOT_API_KEY)")
+    max_waiting_requests: int = Field(256, ge=1, description="sequences waiting to be scheduled beyond which requests get 429")
+    vllm_compatible_metrics: bool = Field(False, description="also export vllm:* metric names (dashboards, Gateway API Inference Extension)")
+    grace_period: float = Field(25.0, ge=0, description="seconds in-flight requests get to finish after SIGTERM")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _value_type(annotation: Any) -> Any:
+    """`int | None` -> int; Literal and plain types as they are."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return annotation
+    return next((a for a in typing.get_args(annotation) if a is not type(None)), annotation)
+
+
+def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
+    """One flag per field of `model`, with its default, choices and description."""
+    for name, field in model.model_fields.items():
+        kind = _value_type(field.annotation)
+        help_text = f"{field.description or ''} (default: {field.default})".strip()
+        if kind is bool:
+            parser.add_argument(_flag(name), action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+        elif typing.get_origin(kind) is typing.Literal:
+            parser.add_argument(_flag(name), choices=typing.get_args(kind), default=field.default, help=help_text)
+        else:
+            parser.add_argument(_flag(name), type=kind, default=field.default, help=help_text)
+
+
+_M = typing.TypeVar("_M", bound=BaseModel)
+
+
+def from_args(model: type[_M], args: argparse.Namespace) -> _M:
+    return model(**{name: getattr(args, name) for name in model.model_fields})
+
+
+def to_argv(config: BaseModel) -> list[str]:
+    """The flags that reproduce the fields set explicitly on `config` (the inverse of add_flags)."""
+    argv: list[str] = []
+    for name in type(config).model_fields:
+        if name not in config.model_fields_set:
+            continue
+        value = getattr(config, name)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(_flag(name) if value else "--no-" + name.replace("_", "-"))
+        else:
+            argv += [_flag(name), f"{value:g}" if isinstance(value, float) else str(value)]
+    return argv
+
+
+def serve_argv(server: ServerConfig, engine: EngineConfig) -> list[str]:
+    """The arguments of `kvpilot serve` for these settings, as the operator renders them into a pod."""
+    return to_argv(server) + to_argv(engine)

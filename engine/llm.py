@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.outputs import CompletionOutput, RequestOutput
-from kvpilot.engine.request import Request
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.core.request import Request
+from kvpilot.engine.core.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 ChatMessages = list[dict[str, str]]

@@ -11,13 +11,13 @@ import torch
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.detokenizer import append_tokens
-from kvpilot.engine.kv_cache_manager import KVCacheManager
-from kvpilot.engine.model_loader import EMBEDDED_MODEL, load_tokenizer, resolve_model
-from kvpilot.engine.model_runner import ModelRunner
-from kvpilot.engine.request import FinishReason, Request
-from kvpilot.engine.sampler import sample
-from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.scheduler import Scheduler
+from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+from kvpilot.engine.model.loader import EMBEDDED_MODEL, load_tokenizer, resolve_model
+from kvpilot.engine.worker.model_runner import ModelRunner
+from kvpilot.engine.core.request import FinishReason, Request
+from kvpilot.engine.worker.sampler import sample
+from kvpilot.engine.core.sampling_params import SamplingParams
+from kvpilot.engine.core.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

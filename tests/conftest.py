@@ -13,6 +13,6 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from kvpilot.engine.model_loader import embedded_model_dir
+    from kvpilot.engine.model.loader import embedded_model_dir
 
     return embedded_model_dir()

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.engine.block_pool import BlockPool, hash_block
-from kvpilot.engine.kv_cache_manager import KVCacheManager
-from kvpilot.engine.request import Request
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.core.block_pool import BlockPool, hash_block
+from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+from kvpilot.engine.core.request import Request
+from kvpilot.engine.core.sampling_params import SamplingParams
 
 
 def req(rid: str, tokens: list[int]) -> Request:

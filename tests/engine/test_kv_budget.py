@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.engine.model_runner import kv_budget_after_profile
+from kvpilot.engine.worker.model_runner import kv_budget_after_profile
 
 GIB = 1 << 30
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpilot.engine.request import Request
-from kvpilot.engine.sampler import _filtered_probs, sample
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.core.request import Request
+from kvpilot.engine.worker.sampler import _filtered_probs, sample
+from kvpilot.engine.core.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,9 @@
 from __future__ import annotations
 
-from kvpilot.engine.kv_cache_manager import KVCacheManager
-from kvpilot.engine.request import FinishReason, Request, RequestStatus
-from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.scheduler import Scheduler
+from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+from kvpilot.engine.core.request import FinishReason, Request, RequestStatus
+from kvpilot.engine.core.sampling_params import SamplingParams
+from kvpilot.engine.core.scheduler import Scheduler
 
 
 def make(num_blocks: int = 64, seqs: int = 8, budget: int = 32, block_size: int = 4) -> Scheduler:

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from kvpilot.engine.async_engine import AsyncEngine, EngineUnavailableError
+from kvpilot.engine.serving.async_engine import AsyncEngine, EngineUnavailableError
 from kvpilot.engine.config import EngineConfig
-from kvpilot.engine.metrics import ServingMetrics
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.serving.metrics import ServingMetrics
+from kvpilot.engine.core.sampling_params import SamplingParams
 from tests.server.conftest import KV_BYTES
 
 

@@ -8,7 +8,7 @@ import time
 import torch
 
 from kvpilot.engine.detokenizer import DetokenizerState
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

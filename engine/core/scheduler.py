@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvpilot.engine.kv_cache_manager import KVCacheManager
-from kvpilot.engine.request import FinishReason, Request, RequestStatus
+from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+from kvpilot.engine.core.request import FinishReason, Request, RequestStatus
 
 
 @dataclass

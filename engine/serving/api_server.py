@@ -32,10 +32,11 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvpilot.engine.async_engine import AsyncEngine, EngineUnavailableError, GenerationStream, QueueFullError, SequenceUpdate
-from kvpilot.engine.config import EngineConfig
-from kvpilot.engine.metrics import ServingMetrics
-from kvpilot.engine.protocol import (
+from kvpilot.engine.serving.async_engine import AsyncEngine, EngineUnavailableError, GenerationStream, QueueFullError, SequenceUpdate
+from kvpilot.engine.config import EngineConfig, ServerConfig
+from kvpilot.engine.model.loader import EMBEDDED_MODEL
+from kvpilot.engine.serving.metrics import ServingMetrics
+from kvpilot.engine.serving.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -53,7 +54,7 @@ from kvpilot.engine.protocol import (
     PromptTokensDetails,
     Usage,
 )
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.core.sampling_params import SamplingParams
 from kvpilot.engine.text_deltas import TextDeltas
 
 log = logging.getLogger(__name__)
@@ -66,16 +67,8 @@ _ERROR_TYPES = {
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-@dataclass(frozen=True)
-class ServeSettings:
-    served_model_name: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_waiting_requests: int = 256
-    vllm_compatible_metrics: bool = False
-    grace_period: float = 25.0  # below Kubernetes' default terminationGracePeriodSeconds of 30
-    retry_after: int = 1  # seconds, in the Retry-After header of 429 and 503 answers
+# Seconds, in the Retry-After header of 429 and 503 answers.
+RETRY_AFTER_S = 1
 
 
 class APIError(Exception):
@@ -185,7 +178,9 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 class OpenAIServer:
-    def __init__(self, config: EngineConfig, settings: ServeSettings) -> None:
+    def __init__(self, config: EngineConfig, settings: ServerConfig) -> None:
+        if settings.served_model_name is None:
+            settings = settings.model_copy(update={"served_model_name": config.model or EMBEDDED_MODEL})
         self.settings = settings
         self.metrics = ServingMetrics(settings.served_model_name, settings.vllm_compatible_metrics)
         self.engine = AsyncEngine(config, self.metrics, settings.max_waiting_requests)
@@ -300,9 +295,9 @@ class OpenAIServer:
 
     def _check_request(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         if self.draining:
-            raise APIError(503, "the server is shutting down; retry on another replica", retry_after=self.settings.retry_after)
+            raise APIError(503, "the server is shutting down; retry on another replica", retry_after=RETRY_AFTER_S)
         if not self.engine.ready:
-            raise APIError(503, "the model is not loaded" + ("" if self.engine.alive else ": the engine failed"), retry_after=self.settings.retry_after)
+            raise APIError(503, "the model is not loaded" + ("" if self.engine.alive else ": the engine failed"), retry_after=RETRY_AFTER_S)
         if body.model != self.settings.served_model_name:
             raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.settings.served_model_name}`.",
                            param="model", code="model_not_found")
@@ -346,9 +341,9 @@ class OpenAIServer:
         try:
             stream = await self.engine.submit(fmt.request_id, sequences, arrival)
         except QueueFullError as err:
-            raise APIError(429, str(err), code="queue_full", retry_after=self.settings.retry_after) from err
+            raise APIError(429, str(err), code="queue_full", retry_after=RETRY_AFTER_S) from err
         except EngineUnavailableError as err:
-            raise APIError(503, str(err), retry_after=self.settings.retry_after) from err
+            raise APIError(503, str(err), retry_after=RETRY_AFTER_S) from err
         except ValueError as err:
             raise APIError(400, str(err), param=prompt_param) from err
         log.debug("event=request id=%s prompts=%d prompt_tokens=%d n=%d stream=%s", fmt.request_id, len(prompts),
@@ -458,8 +453,9 @@ class _DrainingServer(uvicorn.Server):
         self._on_first_signal()
 
 
-def serve(config: EngineConfig, settings: ServeSettings) -> int:
+def serve(config: EngineConfig, settings: ServerConfig) -> int:
     server = OpenAIServer(config, settings)
+    settings = server.settings
     app = server.build_app()
     uv_config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
                                timeout_graceful_shutdown=5, lifespan="on")

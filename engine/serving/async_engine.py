@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.metrics import ServingMetrics
-from kvpilot.engine.request import Request
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.serving.metrics import ServingMetrics
+from kvpilot.engine.core.request import Request
+from kvpilot.engine.core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

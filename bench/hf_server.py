@@ -4,7 +4,7 @@ What a team gets by wrapping `model.generate()` in a web server: no batching, no
 request waits for the one before it. It speaks just enough of /v1/completions (token-id or text
 prompt, max_tokens, ignore_eos, greedy, streaming with usage) for `kvpilot bench serve`.
 
-    python -m kvpilot.engine.hf_baseline --port 8001 [--model PATH]
+    python -m bench.hf_server --port 8001 [--model PATH]
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from kvpilot.engine.model_loader import EMBEDDED_MODEL, load_tokenizer, resolve_model
-from kvpilot.engine.protocol import CompletionChoice, CompletionResponse, Usage
+from kvpilot.engine.model.loader import EMBEDDED_MODEL, load_tokenizer, resolve_model
+from kvpilot.engine.serving.protocol import CompletionChoice, CompletionResponse, Usage
 
 
 class BaselineRequest(BaseModel):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvpilot.engine.block_pool import Block, BlockHash, BlockPool, hash_block
-from kvpilot.engine.request import Request
+from kvpilot.engine.core.block_pool import Block, BlockHash, BlockPool, hash_block
+from kvpilot.engine.core.request import Request
 
 
 class KVCacheManager:

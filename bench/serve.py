@@ -7,7 +7,7 @@ rate sees the same requests. Per rate it reports TTFT, TPOT, ITL and end-to-end 
 SLO (TTFT and TPOT both within bounds). It writes JSON and a PNG of latency against request rate.
 
 By default it starts both `kvpilot serve` and the HuggingFace baseline (one request at a time,
-kvpilot.engine.hf_baseline) on 127.0.0.1, runs them one after the other at each rate, and stops
+bench.hf_server) on 127.0.0.1, runs them one after the other at each rate, and stops
 raising the rate for a backend once its p95 TTFT misses the SLO: beyond that the queue only grows.
 """
 
@@ -188,7 +188,7 @@ class _Server:
     def __init__(self, backend: str, server_args: list[str], log_dir: Path) -> None:
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        module = "kvpilot.engine.cli" if backend == "kvpilot" else "kvpilot.engine.hf_baseline"
+        module = "kvpilot.engine.cli" if backend == "kvpilot" else "bench.hf_server"
         cmd = [sys.executable, "-m", module, *(["serve"] if backend == "kvpilot" else []), "--host", "127.0.0.1", "--port", str(self.port)]
         if backend == "kvpilot":
             cmd += server_args
@@ -236,7 +236,7 @@ def _machine() -> dict[str, object]:
 
 
 def _vocab_size(model: str | None) -> int:
-    from kvpilot.engine.model_loader import load_config, resolve_model
+    from kvpilot.engine.model.loader import load_config, resolve_model
 
     return int(load_config(resolve_model(model)).vocab_size)
 

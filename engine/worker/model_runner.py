@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from kvpilot.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from kvpilot.engine.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kvpilot.engine.config import EngineConfig
-from kvpilot.engine.model_loader import load_config, load_model
-from kvpilot.engine.request import Request
+from kvpilot.engine.model.loader import load_config, load_model
+from kvpilot.engine.core.request import Request
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpilot.engine.request import Request
+from kvpilot.engine.core.request import Request
 
 
 def sample(logits: torch.Tensor, requests: list[Request], default_generator: torch.Generator) -> list[int]:

@@ -11,7 +11,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from kvpilot.engine.attention import AttentionMetadata, paged_attention, write_kv
+from kvpilot.engine.model.attention import AttentionMetadata, paged_attention, write_kv
 
 
 class RMSNorm(nn.Module):

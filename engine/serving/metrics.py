@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvpilot.engine.request import FinishReason, Request
+from kvpilot.engine.core.request import FinishReason, Request
 
 # 5 ms to 60 s, about four buckets per decade: enough for a p95 from histogram_quantile().
 LATENCY_BUCKETS = (

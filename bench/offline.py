@@ -53,7 +53,7 @@ def run_hf(requests: list[BenchRequest], batch_size: int) -> BenchResult:
     """Static batches in arrival order, left-padded; each batch runs until its longest output is done."""
     from transformers import AutoModelForCausalLM
 
-    from kvpilot.engine.model_loader import embedded_model_dir
+    from kvpilot.engine.model.loader import embedded_model_dir
 
     model = AutoModelForCausalLM.from_pretrained(embedded_model_dir(), dtype=torch.float32).eval()
     pad = model.config.pad_token_id or 0
@@ -73,7 +73,7 @@ def run_hf(requests: list[BenchRequest], batch_size: int) -> BenchResult:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpilot.engine.model_loader import embedded_model_dir, load_config
+    from kvpilot.engine.model.loader import embedded_model_dir, load_config
 
     requests = make_requests(args.num_requests, args.bench_seed, load_config(embedded_model_dir()).vocab_size)
     print(f"{len(requests)} requests, {sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "

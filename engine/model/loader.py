@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig, PreTrainedTokenizerBase
 
-from kvpilot.engine.llama import LlamaForCausalLM
+from kvpilot.engine.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: schemas, errors, routes, the async bridge to the engine, metrics."""

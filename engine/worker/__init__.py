@@ -1,0 +1,1 @@
+"""Runs a scheduled step on the device: the model runner (inputs, forward, KV tensor) and the sampler."""

@@ -36,17 +36,24 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
 
         groups: list[list[Request]] = []
+        finals: dict[str, CompletionOutput] = {}
         try:
             for prompt, params in zip(prompts, sampling_params):
                 groups.append([self.engine.add_request(prompt, p) for p in params.per_sequence()])
+                for index, request in enumerate(groups[-1]):
+                    finals[request.request_id] = CompletionOutput(index=index, text="", token_ids=[])
             while self.engine.has_unfinished():
-                self.engine.step()
+                for step in self.engine.step():
+                    final = finals[step.request_id]
+                    final.text += step.text_delta
+                    final.token_ids += step.new_token_ids
+                    final.finish_reason, final.stop_reason = step.finish_reason, step.stop_reason
         except BaseException:
             for group in groups:
                 for request in group:
                     self.engine.abort(request.request_id)
             raise
-        return [_to_output(prompt, group) for prompt, group in zip(prompts, groups)]
+        return [_to_output(prompt, group, finals) for prompt, group in zip(prompts, groups)]
 
     def chat(
         self,
@@ -58,21 +65,12 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
 
-def _to_output(prompt: Prompt, group: list[Request]) -> RequestOutput:
+def _to_output(prompt: Prompt, group: list[Request], finals: dict[str, CompletionOutput]) -> RequestOutput:
     first = group[0]
     return RequestOutput(
         request_id=first.request_id,
         prompt=prompt if isinstance(prompt, str) else None,
         prompt_token_ids=first.prompt_token_ids,
-        outputs=[
-            CompletionOutput(
-                index=i,
-                text=r.output_text,
-                token_ids=r.output_token_ids,
-                finish_reason=r.finish_reason.value if r.finish_reason else None,
-                stop_reason=r.stop_reason,
-            )
-            for i, r in enumerate(group)
-        ],
+        outputs=[finals[r.request_id] for r in group],
         num_cached_tokens=first.num_cached_tokens,
     )

@@ -8,7 +8,7 @@ list hands it out for new content is its hash forgotten.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 
@@ -95,8 +95,3 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self._cached[block_hash] = block.block_id
-
-    def reset_prefix_cache(self) -> None:
-        for block_id in list(self._cached.values()):
-            self.blocks[block_id].block_hash = None
-        self._cached.clear()

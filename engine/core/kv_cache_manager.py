@@ -1,4 +1,9 @@
-"""Per-request block tables over the BlockPool, with prefix-cache lookup and registration."""
+"""Per-request block tables over the BlockPool, with prefix-cache lookup and registration.
+
+A request's table covers its computed tokens, the tokens being computed this step and, when asked,
+lookahead slots for draft tokens that a verification step writes before knowing whether they are
+kept; `rollback` gives back the blocks that only rejected tokens used.
+"""
 
 from __future__ import annotations
 
@@ -36,28 +41,28 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached: list[Block] | None = None) -> bool:
-        """Make room for `num_new_tokens` more tokens of KV; False (and no change) if blocks run out.
-
-        `cached` is given on admission (the result of find_cached_prefix, possibly empty); only then
-        does the lookup count towards the prefix-cache statistics.
-        """
-        admitting = cached is not None
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached: list[Block] | None = None,
+                       num_lookahead_tokens: int = 0) -> bool:
+        """Make room for `num_new_tokens` (+ `num_lookahead_tokens`) more tokens of KV; False (and no
+        change) if blocks run out. `cached` is given on admission: the result of find_cached_prefix."""
         table = self.block_tables.get(request.request_id, [])
         cached = cached or []
-        num_tokens = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        num_tokens = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens + num_lookahead_tokens
         num_new_blocks = self.blocks_needed(num_tokens) - len(table) - len(cached)
         # Cached blocks with no other user sit on the free list: taking them shrinks it too.
         num_evictable_hits = sum(1 for b in cached if b.ref_count == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:
             return False
         self.pool.touch(cached)
-        table = table + cached + self.pool.allocate(max(num_new_blocks, 0))
-        self.block_tables[request.request_id] = table
-        if admitting and self.enable_prefix_caching:
-            self.pool.stats.queries += request.num_tokens
-            self.pool.stats.hits += len(cached) * self.block_size
+        self.block_tables[request.request_id] = table + cached + self.pool.allocate(max(num_new_blocks, 0))
         return True
+
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one admission's prompt tokens and its hits (not a preempted request coming back:
+        its tokens were counted when it first arrived)."""
+        if self.enable_prefix_caching and request.num_preemptions == 0:
+            self.pool.stats.queries += request.num_prompt_tokens
+            self.pool.stats.hits += num_hit_tokens
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register blocks that became full of computed KV, so later requests can share them."""
@@ -68,6 +73,19 @@ class KVCacheManager:
         hashes = self._hashes_for(request, num_full)
         for block, block_hash in zip(table[:num_full], hashes):
             self.pool.cache(block, block_hash)
+
+    def rollback(self, request: Request, num_tokens: int) -> None:
+        """Keep KV for the first `num_tokens` tokens only: blocks past them (written for rejected
+        draft tokens, or unused lookahead) go back to the pool. A full block in the prefix cache
+        keeps its hash when released: its content is still what the hash says."""
+        table = self.block_tables[request.request_id]
+        keep = self.blocks_needed(num_tokens)
+        if keep < len(table):
+            self.pool.free(reversed(table[keep:]))
+            self.block_tables[request.request_id] = table[:keep]
+        hashes = self._block_hashes.get(request.request_id)
+        if hashes is not None:
+            del hashes[num_tokens // self.block_size :]
 
     def free(self, request: Request) -> None:
         table = self.block_tables.pop(request.request_id, [])

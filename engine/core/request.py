@@ -5,9 +5,6 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
-from kvpilot.engine.detokenizer import DetokenizerState
 from kvpilot.engine.core.sampling_params import SamplingParams
 
 
@@ -29,9 +26,10 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.token_ids = list(prompt_token_ids)  # prompt + output
-        self.output_text = ""  # detokenized output, cut before a stop string
-        self.detokenizer = DetokenizerState()
-        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        # Draft tokens proposed for verification in the next step (speculative decoding).
+        self.spec_token_ids: list[int] = []
+        # Tokens whose K/V are in the cache; written by the scheduler only.
+        self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # of the prompt, tokens served by the prefix cache at admission
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
@@ -40,10 +38,6 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
-        # A private generator makes seeded sampling independent of whatever else is in the batch.
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,10 +6,13 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) means greedy
     top_k: int = 0  # 0 or -1 means all tokens
     top_p: float = 1.0
     seed: int | None = None
@@ -31,7 +34,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows: such temperatures mean greedy (as in vLLM).
+        return self.temperature < GREEDY_TEMPERATURE
 
     def per_sequence(self) -> list[SamplingParams]:
         """n completions of one prompt are n sequences; seeded ones get distinct, reproducible seeds."""

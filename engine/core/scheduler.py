@@ -1,15 +1,23 @@
-"""Continuous batching: which requests run this step, and how many of their tokens.
+"""Continuous batching: which requests run this step, how many of their tokens, and the bookkeeping
+after the step ran.
 
 Every step has a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs). Running
 requests go first, in admission order, so decodes are never starved by new prompts; the rest of the
 budget admits waiting prompts, chunked to fit. When the block pool runs dry, the most recently
 admitted request is preempted: its blocks are freed and it is recomputed later (its prefix may
 still be served by the prefix cache), so no request ever fails for lack of memory.
+
+`schedule()` returns a SchedulerOutput; `update_from_output()` takes it back with the tokens the
+model runner sampled and does all the bookkeeping: computed tokens (this class is their only
+writer), new tokens, stop checks on token ids, freeing finished requests' blocks. Stop strings are
+text: the output processor finds them and finishes the request through `finish_requests`.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
@@ -17,24 +25,66 @@ from kvpilot.engine.core.request import FinishReason, Request, RequestStatus
 
 
 @dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens to compute this step, from request.num_computed_tokens on
+    block_ids: list[int]  # the request's whole block table
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify (none yet)
+
+
+@dataclass
 class SchedulerOutput:
-    # (request, number of new tokens to compute from request.num_computed_tokens on)
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Requests that finished since the previous step: the model runner drops their state.
+    finished_request_ids: set[str] = field(default_factory=set)
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """What one step did to one request: its new tokens and, when it ended, why."""
+
+    request: Request
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The scheduler's state after a step, as a value (for metrics and logs)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int  # since start
+    prefix_cache_queries: int  # prompt tokens looked up, since start
+    prefix_cache_hits: int
+    # Requests scheduled for the first time since the previous stats: (request id, seconds queued).
+    first_scheduled: tuple[tuple[str, float], ...] = ()
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, *,
+                 max_model_len: int | None = None, eos_token_ids: Collection[int] = ()) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._finished_ids: set[str] = set()
+        self._first_scheduled: list[tuple[str, float]] = []
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -43,8 +93,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = set()
         budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -57,11 +109,12 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append((request, num_new))
+                scheduled.append((request, num_new))
                 budget -= num_new
                 i += 1
 
         # Admitting new work right after a preemption would only thrash the cache.
+        now = time.monotonic()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request)
@@ -70,23 +123,73 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, cached):
                 break
             self.waiting.popleft()
+            self.kv.record_prefix_lookup(request, num_cached)
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+                self._first_scheduled.append((request.request_id, now - request.arrival_time))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append((request, num_new))
+            scheduled.append((request, num_new))
             budget -= num_new
+        out.scheduled = [ScheduledRequest(r, n, self.kv.block_ids(r)) for r, n in scheduled]
         return out
 
-    def finish(self, request: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
-        """Finish a running or waiting request (done, stopped or aborted) and release its blocks."""
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[EngineCoreOutput]:
+        """Advance each scheduled request by the tokens it computed and append what was sampled for
+        it (a list: a verification step yields several); finish requests that hit a stop."""
+        now = time.monotonic()
+        outputs = []
+        for item in scheduler_output.scheduled:
+            request = item.request
+            if request.is_finished:  # finished while the step ran (an abort)
+                continue
+            request.num_computed_tokens += item.num_tokens
+            self.kv.cache_full_blocks(request)
+            new_tokens = sampled.get(request.request_id)
+            if not new_tokens:
+                continue  # a prefill chunk short of the prompt's end samples nothing
+            if request.first_token_time is None:
+                request.first_token_time = now
+            appended: list[int] = []
+            finish: tuple[FinishReason, str | int | None] | None = None
+            for token in new_tokens:
+                request.token_ids.append(token)
+                appended.append(token)
+                finish = self._check_stop(request, token)
+                if finish is not None:
+                    break
+            if finish is not None:
+                self._finish(request, *finish)
+            outputs.append(EngineCoreOutput(request, appended, *(finish or (None, None))))
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> tuple[FinishReason, str | int | None] | None:
+        params = request.params
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            return FinishReason.STOP, token
+        if request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH, None
+        if self.max_model_len is not None and request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None
+
+    def finish_requests(self, requests: Iterable[Request], reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        """Finish running or waiting requests (stopped by a stop string, or aborted) and free their blocks."""
+        for request in requests:
+            if not request.is_finished:
+                self._finish(request, reason, stop_reason)
+
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: str | int | None) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self.kv.free(request)
         request.finish(reason, stop_reason)
+        self._finished_ids.add(request.request_id)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -95,3 +198,12 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def make_stats(self) -> SchedulerStats:
+        pool = self.kv.pool
+        first, self._first_scheduled = tuple(self._first_scheduled), []
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=pool.usage,
+            num_preemptions=self.num_preemptions, prefix_cache_queries=pool.stats.queries,
+            prefix_cache_hits=pool.stats.hits, first_scheduled=first,
+        )

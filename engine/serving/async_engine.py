@@ -23,6 +23,7 @@ from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.serving.metrics import ServingMetrics
 from kvpilot.engine.core.request import Request
+from kvpilot.engine.core.scheduler import SchedulerStats
 from kvpilot.engine.core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class SequenceUpdate:
     """A snapshot of one sequence after a step (immutable: it crosses threads)."""
 
     index: int  # the sequence's place in its group: the OpenAI choice index
-    text: str  # the whole output text so far (cut before a stop string once stopped)
+    text: str  # new text since the previous update (concatenated, the whole output text)
     num_output_tokens: int
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     num_cached_tokens: int  # prompt tokens served by the prefix cache
@@ -154,13 +155,23 @@ class AsyncEngine:
 
     @property
     def llm_engine(self) -> LLMEngine:
-        """The loaded engine, for read-only facts (max_model_len) and its tokenizer, which is safe
-        to encode with on the event loop while this thread decodes (neither changes its settings)."""
+        """The loaded engine. Only its read-only facts and its tokenizer are used outside the engine
+        thread (the tokenizer is safe to encode with while the engine thread decodes)."""
         if self._error is not None:
             raise EngineUnavailableError(str(self._error))
         if self._engine is None or not self._loaded.is_set():
             raise EngineUnavailableError("the model is still loading")
         return self._engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm_engine.max_model_len
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.llm_engine.tokenize(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.llm_engine.apply_chat_template(messages)
 
     # ---- the asyncio side --------------------------------------------------------------------
 
@@ -237,10 +248,10 @@ class AsyncEngine:
             self._error = err
             self._loaded.set()
             return
-        self._publish_state(self._engine)
+        self._publish_state(self._engine.stats(), {})
         self._loaded.set()
         log.info("event=engine_loaded model=%s max_model_len=%d kv_blocks=%d",
-                 self._engine.model_name, self._engine.max_model_len, self._engine.kv.pool.num_blocks)
+                 self._engine.model_name, self._engine.max_model_len, self._engine.runner.num_blocks)
         try:
             self._loop_forever(self._engine)
         except BaseException as err:  # noqa: BLE001 - fail every stream, then report unhealthy
@@ -284,14 +295,16 @@ class AsyncEngine:
                     self._abort(engine, command.stream, unscheduled)
             if engine.has_unfinished():
                 self._step(engine, unscheduled)
-            self._publish_state(engine)
+            self._publish_state(engine.stats(), unscheduled)
 
     def _add(self, engine: LLMEngine, command: _Submit, unscheduled: dict[str, Request]) -> None:
         stream = command.stream
         added: list[Request] = []
         try:
             for engine_id, (prompt, params) in zip(stream.engine_ids, command.sequences):
-                added.append(engine.add_request(prompt, params, engine_id))
+                # Queue time and TTFT start when the server received the request, not when this
+                # thread got round to it (it may have been busy with a step).
+                added.append(engine.add_request(prompt, params, engine_id, arrival_time=command.arrival_time))
         except ValueError as err:
             for request in added:
                 engine.abort(request.request_id)
@@ -299,60 +312,51 @@ class AsyncEngine:
             self._call(self._resolve, command.accepted, err)
             return
         for index, request in enumerate(added):
-            # Queue time and TTFT start when the server received the request, not when this thread
-            # got round to it (it may have been busy with a step).
-            request.arrival_time = command.arrival_time
             self._streams[request.request_id] = stream
             self._index[request.request_id] = index
             unscheduled[request.request_id] = request
-            self.metrics.on_admitted(request)
+            self.metrics.on_admitted(request.num_prompt_tokens)
         self._call(self._resolve, command.accepted, None)
 
     def _abort(self, engine: LLMEngine, stream: GenerationStream, unscheduled: dict[str, Request]) -> None:
         now = time.monotonic()
         for engine_id in stream.engine_ids:
-            request = engine.requests.get(engine_id)
-            if self._streams.pop(engine_id, None) is None or request is None:
+            if self._streams.pop(engine_id, None) is None:
                 continue  # finished already, or never admitted
-            engine.abort(engine_id)
             self._index.pop(engine_id, None)
             if unscheduled.pop(engine_id, None) is not None:
                 self._unqueue(1)
-            self.metrics.on_finished(request, now)
+            last = engine.abort(engine_id)
+            if last is not None:
+                self.metrics.on_finished(last, now)
 
     def _step(self, engine: LLMEngine, unscheduled: dict[str, Request]) -> None:
-        updates = engine.step()
+        outputs = engine.step()
         now = time.monotonic()
-        for engine_id, request in list(unscheduled.items()):
-            if request.first_scheduled_time is not None:
-                del unscheduled[engine_id]
-                self._unqueue(1)
-                self.metrics.on_scheduled(request)
         outbox: list[tuple[GenerationStream, SequenceUpdate | BaseException]] = []
-        for update in updates:
-            request = update.request
-            engine_id = request.request_id
+        for output in outputs:
+            engine_id = output.request_id
             stream = self._streams.get(engine_id)
             if stream is None:
                 continue
-            self.metrics.on_tokens(request, len(update.new_token_ids), now)
-            finish = request.finish_reason.value if update.finished and request.finish_reason else None
+            if output.new_token_ids:
+                self.metrics.on_tokens(output, now)
             outbox.append((stream, SequenceUpdate(
-                index=self._index[engine_id], text=request.output_text, num_output_tokens=request.num_output_tokens,
-                finish_reason=finish, num_cached_tokens=request.num_cached_tokens,
+                index=self._index[engine_id], text=output.text_delta, num_output_tokens=output.num_output_tokens,
+                finish_reason=output.finish_reason, num_cached_tokens=output.num_cached_tokens,
             )))
-            if update.finished:
-                self.metrics.on_finished(request, now)
+            if output.finished:
+                self.metrics.on_finished(output, now)
                 del self._streams[engine_id], self._index[engine_id]
         if outbox:
             self._call(self._deliver, outbox)
 
-    def _publish_state(self, engine: LLMEngine) -> None:
-        pool = engine.kv.pool
-        self.metrics.set_state(
-            running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting), kv_usage=pool.usage,
-            preemptions=engine.scheduler.num_preemptions, prefix_queries=pool.stats.queries, prefix_hits=pool.stats.hits,
-        )
+    def _publish_state(self, stats: SchedulerStats, unscheduled: dict[str, Request]) -> None:
+        for engine_id, queued_s in stats.first_scheduled:
+            if unscheduled.pop(engine_id, None) is not None:
+                self._unqueue(1)
+                self.metrics.on_scheduled(queued_s)
+        self.metrics.set_state(stats)
 
     def _unqueue(self, n: int) -> None:
         with self._lock:

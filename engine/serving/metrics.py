@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvpilot.engine.core.request import FinishReason, Request
+from kvpilot.engine.core.request import FinishReason
+from kvpilot.engine.core.scheduler import SchedulerStats
+from kvpilot.engine.outputs import StepOutput
 
 # 5 ms to 60 s, about four buckets per decade: enough for a p95 from histogram_quantile().
 LATENCY_BUCKETS = (
@@ -131,47 +133,49 @@ class ServingMetrics:
 
     # ---- events, in the order a sequence meets them ----------------------------------------
 
-    def on_admitted(self, request: Request) -> None:
-        self._family("prompt_tokens").inc(request.num_prompt_tokens)
+    def on_admitted(self, num_prompt_tokens: int) -> None:
+        self._family("prompt_tokens").inc(num_prompt_tokens)
 
     def on_rejected(self) -> None:
         self._family("rejected").inc()
 
-    def on_scheduled(self, request: Request) -> None:
-        assert request.first_scheduled_time is not None
-        self._family("queue").observe(request.first_scheduled_time - request.arrival_time)
+    def on_scheduled(self, queue_seconds: float) -> None:
+        self._family("queue").observe(queue_seconds)
 
-    def on_tokens(self, request: Request, num_tokens: int, now: float) -> None:
+    def on_tokens(self, output: StepOutput, now: float) -> None:
+        num_tokens = len(output.new_token_ids)
         self._family("generation_tokens").inc(num_tokens)
-        last = self._last_token_time.get(request.request_id)
+        last = self._last_token_time.get(output.request_id)
         if last is None:
-            assert request.first_token_time is not None
-            self._family("ttft").observe(request.first_token_time - request.arrival_time)
+            assert output.first_token_time is not None
+            self._family("ttft").observe(output.first_token_time - output.arrival_time)
         else:
             # Tokens that arrive together (speculative decoding) share the gap.
             gap = (now - last) / num_tokens
             itl = self._family("itl")
             for _ in range(num_tokens):
                 itl.observe(gap)
-        self._last_token_time[request.request_id] = now
+        self._last_token_time[output.request_id] = now
 
-    def on_finished(self, request: Request, now: float) -> None:
-        self._last_token_time.pop(request.request_id, None)
-        reason = request.finish_reason or FinishReason.ABORT
+    def on_finished(self, output: StepOutput, now: float) -> None:
+        self._last_token_time.pop(output.request_id, None)
+        reason = FinishReason(output.finish_reason or FinishReason.ABORT)
         self._family("finished", finished_reason=reason.value).inc()
         if reason is FinishReason.ABORT:
             return
-        self._family("e2e").observe(now - request.arrival_time)
-        if request.num_output_tokens >= 2 and request.first_token_time is not None:
-            self._family("tpot").observe((now - request.first_token_time) / (request.num_output_tokens - 1))
+        self._family("e2e").observe(now - output.arrival_time)
+        if output.num_output_tokens >= 2 and output.first_token_time is not None:
+            self._family("tpot").observe((now - output.first_token_time) / (output.num_output_tokens - 1))
 
     # ---- engine state, after every step ----------------------------------------------------
 
-    def set_state(self, *, running: int, waiting: int, kv_usage: float, preemptions: int, prefix_queries: int, prefix_hits: int) -> None:
-        self._family("running").set(running)
-        self._family("waiting").set(waiting)
-        self._family("kv_usage").set(kv_usage)
-        for key, total in (("preemptions", preemptions), ("prefix_queries", prefix_queries), ("prefix_hits", prefix_hits)):
+    def set_state(self, stats: SchedulerStats) -> None:
+        self._family("running").set(stats.num_running)
+        self._family("waiting").set(stats.num_waiting)
+        self._family("kv_usage").set(stats.kv_cache_usage)
+        totals = (("preemptions", stats.num_preemptions), ("prefix_queries", stats.prefix_cache_queries),
+                  ("prefix_hits", stats.prefix_cache_hits))
+        for key, total in totals:
             if total > self._seen[key]:
                 self._family(key).inc(total - self._seen[key])
                 self._seen[key] = total

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import torch
 
-from kvpilot.engine.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kvpilot.engine.config import EngineConfig
-from kvpilot.engine.model.loader import load_config, load_model
 from kvpilot.engine.core.request import Request
+from kvpilot.engine.core.scheduler import SchedulerOutput
+from kvpilot.engine.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from kvpilot.engine.model.loader import load_config, load_model
+from kvpilot.engine.worker.sampler import Sampler, SamplingMetadata
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,10 @@ class ModelRunner:
         self.num_layers = self.hf_config.num_hidden_layers
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.num_blocks = self._num_kv_blocks()
+        # Unseeded sampling draws from one generator seeded by the engine's seed; seeded requests
+        # get their own, kept until they finish (a preempted request continues its stream).
+        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+        self._generators: dict[str, torch.Generator] = {}
         self.kv_caches = torch.zeros(
             self.num_layers, 2, self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim,
             dtype=self.dtype, device=self.device,
@@ -85,10 +91,12 @@ class ModelRunner:
         log.info("gpu memory: total=%d peak=%d kv_budget=%d", total, peak, budget)
         return budget
 
-    def execute(self, scheduled: list[tuple[Request, int]], block_ids: dict[str, list[int]]) -> tuple[list[Request], torch.Tensor]:
-        """Run one step; return the requests that reached their last known token and their logits."""
+    def execute(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
+        """Run one step; return the tokens sampled for each request that reached its last known token."""
+        for request_id in scheduler_output.finished_request_ids:
+            self._generators.pop(request_id, None)
         # Decodes first, by context length, so that each decode group pads to similar lengths.
-        order = sorted(scheduled, key=lambda item: (item[1] != 1, item[0].num_computed_tokens))
+        order = sorted(scheduler_output.scheduled, key=lambda s: (s.num_tokens != 1, s.request.num_computed_tokens))
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -97,10 +105,11 @@ class ModelRunner:
         slot_mapping: list[torch.Tensor] = []
         sample_rows: list[int] = []
         sampled: list[Request] = []
-        for request, n in order:
+        for item in order:
+            request, n = item.request, item.num_tokens
             start = request.num_computed_tokens
             end = start + n
-            blocks = torch.tensor(block_ids[request.request_id], dtype=torch.long)
+            blocks = torch.tensor(item.block_ids, dtype=torch.long)
             context_slots = (blocks.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:end]
             if n == 1:
                 decode_contexts.append(context_slots)
@@ -124,7 +133,32 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=device),
             self.kv_caches, meta,
         )
-        return sampled, self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)])
+        if not sampled:
+            return {}
+        logits = self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)])
+        tokens = self.sampler(logits, self._sampling_metadata(sampled)).tolist()
+        return {request.request_id: [token] for request, token in zip(sampled, tokens)}
+
+    def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
+        params = [r.params for r in requests]
+        device = self.device
+        greedy = [p.greedy for p in params]
+        generators = {}
+        for row, request in enumerate(requests):
+            seed = request.params.seed
+            if seed is not None and not greedy[row]:
+                generator = self._generators.get(request.request_id)
+                if generator is None:
+                    generator = self._generators[request.request_id] = torch.Generator(device).manual_seed(seed)
+                generators[row] = generator
+        return SamplingMetadata(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            generators=generators,
+        )
 
 
 def _decode_group(start: int, contexts: list[torch.Tensor], device: torch.device) -> DecodeGroup:

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from kvpilot.engine.detokenizer import DetokenizerState, append_tokens
+from kvpilot.engine.output_processor import IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world! The capital of France is Paris.",
@@ -17,19 +17,19 @@ TEXTS = [
 @pytest.mark.parametrize("text", TEXTS)
 def test_incremental_text_equals_full_decode(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False)
-    state = DetokenizerState()
+    detokenizer = IncrementalDetokenizer(tokenizer)
     for n in range(1, len(ids) + 1):
-        partial = append_tokens(tokenizer, state, ids[:n])
+        partial = detokenizer.append(ids[:n])
         full = tokenizer.decode(ids[:n], skip_special_tokens=True)
         # Never ahead of the truth, never a broken character; at most a partial one held back.
         assert full.startswith(partial) and "\ufffd" not in partial
-    assert state.text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert detokenizer.text == tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_random_tokens_stay_a_prefix_of_the_full_decode(tokenizer):
     rng = random.Random(0)
     ids = [rng.randrange(tokenizer.vocab_size) for _ in range(300)]
-    state = DetokenizerState()
+    detokenizer = IncrementalDetokenizer(tokenizer)
     for n in range(1, len(ids) + 1):
-        partial = append_tokens(tokenizer, state, ids[:n])
+        partial = detokenizer.append(ids[:n])
         assert tokenizer.decode(ids[:n], skip_special_tokens=True).startswith(partial.rstrip("\ufffd"))

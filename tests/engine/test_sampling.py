@@ -3,9 +3,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpilot.engine.core.request import Request
-from kvpilot.engine.worker.sampler import _filtered_probs, sample
 from kvpilot.engine.core.sampling_params import SamplingParams
+from kvpilot.engine.worker.sampler import Sampler, SamplingMetadata, filtered_probs
+
+
+def metadata(*params: SamplingParams, seeded: dict[int, torch.Generator] | None = None) -> SamplingMetadata:
+    greedy = [p.greedy for p in params]
+    return SamplingMetadata(
+        temperature=torch.tensor([p.temperature for p in params]), top_k=torch.tensor([p.top_k for p in params]),
+        top_p=torch.tensor([p.top_p for p in params]), greedy=torch.tensor(greedy), all_greedy=all(greedy),
+        generators=seeded or {},
+    )
 
 
 @pytest.mark.parametrize(
@@ -32,22 +40,40 @@ def test_single_stop_string_becomes_list():
 
 
 def test_top_k_and_top_p_keep_the_right_tokens():
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    assert torch.count_nonzero(_filtered_probs(logits, 1.0, 2, 1.0)) == 2
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3))
+    probs = filtered_probs(logits, metadata(SamplingParams(top_k=2), SamplingParams(top_p=0.7), SamplingParams()))
+    assert torch.count_nonzero(probs[0]) == 2
     # top_p 0.7: 0.5 alone is short of 0.7, so 0.3 joins; 0.15 is not needed.
-    probs = _filtered_probs(logits, 1.0, 0, 0.7)
-    assert probs[:2].gt(0).all() and probs[2:].eq(0).all()
+    assert probs[1, :2].gt(0).all() and probs[1, 2:].eq(0).all()
+    # Each row its own settings: the third row is untouched.
+    assert torch.allclose(probs[2], torch.tensor([0.5, 0.3, 0.15, 0.05]))
 
 
 def test_sampling_follows_the_distribution():
-    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
-    r = Request("r", [1], SamplingParams(temperature=1.0, seed=3))
-    counts = torch.bincount(torch.tensor([sample(logits, [r], torch.Generator())[0] for _ in range(3000)]), minlength=3)
-    freq = counts.float() / counts.sum()
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]] * 3000))
+    tokens = Sampler(torch.Generator().manual_seed(3))(logits, metadata(*[SamplingParams(temperature=1.0)] * 3000))
+    freq = torch.bincount(tokens, minlength=3).float() / len(tokens)
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.04), freq
 
 
 def test_greedy_is_argmax():
     logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 0.0]])
-    reqs = [Request(str(i), [1], SamplingParams(temperature=0.0)) for i in range(2)]
-    assert sample(logits, reqs, torch.Generator()) == [1, 0]
+    params = [SamplingParams(temperature=0.0)] * 2
+    assert Sampler(torch.Generator())(logits, metadata(*params)).tolist() == [1, 0]
+
+
+def test_tiny_temperature_is_greedy_not_an_overflow():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 0.0]])
+    params = [SamplingParams(temperature=1e-50), SamplingParams(temperature=1.0)]
+    tokens = Sampler(torch.Generator().manual_seed(0))(logits, metadata(*params))
+    assert tokens[0] == 1 and 0 <= tokens[1] < 3
+
+
+def test_a_seeded_row_samples_the_same_whatever_its_neighbours():
+    params = SamplingParams(temperature=1.0, seed=7)
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
+    alone = Sampler(torch.Generator().manual_seed(0))(logits, metadata(params, seeded={0: torch.Generator().manual_seed(7)}))
+    batch = torch.cat([torch.randn(3, 50), logits])
+    mixed = Sampler(torch.Generator().manual_seed(99))(
+        batch, metadata(*[SamplingParams(temperature=1.0)] * 3, params, seeded={3: torch.Generator().manual_seed(7)}))
+    assert mixed[3] == alone[0]

@@ -13,11 +13,9 @@ def make(num_blocks: int = 64, seqs: int = 8, budget: int = 32, block_size: int 
 def run_step(s: Scheduler) -> list[tuple[str, int]]:
     """Schedule, then pretend the model ran: advance computed tokens and append a token where due."""
     out = s.schedule()
-    for r, n in out.scheduled:
-        r.num_computed_tokens += n
-        if r.num_computed_tokens == r.num_tokens:
-            r.token_ids.append(7)
-    return [(r.request_id, n) for r, n in out.scheduled]
+    due = {i.request.request_id: [7] for i in out.scheduled if i.request.num_computed_tokens + i.num_tokens == i.request.num_tokens}
+    s.update_from_output(out, due)
+    return [(i.request.request_id, i.num_tokens) for i in out.scheduled]
 
 
 def test_chunked_prefill_respects_token_budget():
@@ -58,7 +56,7 @@ def test_preempts_newest_when_blocks_run_out_and_recomputes_it():
     assert s.num_preemptions == 1
     new = s.waiting[0]
     assert new.request_id == "new" and new.status is RequestStatus.WAITING and new.num_computed_tokens == 0
-    s.finish(s.running[0], FinishReason.STOP)
+    s.finish_requests([s.running[0]], FinishReason.STOP)
     assert run_step(s) == [("new", 9)]  # prompt + generated tokens recomputed in one go
 
 
@@ -67,5 +65,39 @@ def test_finish_frees_blocks():
     r = Request("a", list(range(10)), SamplingParams())
     s.add(r)
     run_step(s)
-    s.finish(r, FinishReason.ABORT)
+    s.finish_requests([r], FinishReason.ABORT)
     assert s.kv.pool.num_free_blocks == 64 and not s.has_unfinished() and r.finish_reason is FinishReason.ABORT
+
+
+def test_update_from_output_appends_several_tokens_and_stops_at_the_first_stop():
+    s = make(budget=100)
+    r = Request("r", list(range(6)), SamplingParams(max_tokens=10, stop_token_ids=[42]))
+    s.add(r)
+    out = s.schedule()
+    (core,) = s.update_from_output(out, {"r": [5, 42, 9]})  # e.g. a verification step
+    assert core.new_token_ids == [5, 42] and core.finish_reason is FinishReason.STOP and core.stop_reason == 42
+    assert r.output_token_ids == [5, 42] and r.num_computed_tokens == 6
+    assert not s.has_unfinished() and s.kv.pool.num_free_blocks == 64
+    assert s.schedule().finished_request_ids == {"r"}  # the runner is told once, then forgets
+    assert s.schedule().finished_request_ids == set()
+
+
+def test_length_and_eos_finish_in_update_from_output():
+    s = Scheduler(KVCacheManager(64, 4, enable_prefix_caching=False), 8, 32, max_model_len=9, eos_token_ids={2})
+    long = Request("long", list(range(6)), SamplingParams(max_tokens=100, ignore_eos=True))
+    eos = Request("eos", list(range(6)), SamplingParams(max_tokens=100))
+    s.add(long)
+    s.add(eos)
+    outs = s.update_from_output(s.schedule(), {"long": [2, 2, 2, 2], "eos": [3, 2]})
+    assert [(o.new_token_ids, o.finish_reason) for o in outs] == [([2, 2, 2], FinishReason.LENGTH), ([3, 2], FinishReason.STOP)]
+
+
+def test_stats_report_first_scheduling_once():
+    s = make()
+    s.add(Request("a", [1, 2, 3], SamplingParams(), arrival_time=0.0))
+    s.update_from_output(s.schedule(), {"a": [4]})
+    stats = s.make_stats()
+    assert [rid for rid, _ in stats.first_scheduled] == ["a"] and stats.first_scheduled[0][1] > 0
+    assert stats.num_running == 1 and stats.num_waiting == 0
+    s.update_from_output(s.schedule(), {"a": [5]})
+    assert s.make_stats().first_scheduled == ()

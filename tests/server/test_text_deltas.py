@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpilot.engine.text_deltas import TextDeltas
+from kvpilot.engine.output_processor import TextDeltas
 
 
 def test_plain_text_streams_as_it_grows() -> None:

@@ -1,0 +1,159 @@
+"""From token ids to text: incremental detokenization, stop strings and the text deltas a stream may
+send, in one place for the offline API and the server alike.
+
+The engine core deals in token ids only. For every step's new tokens this extends the request's
+text, looks for stop strings (the earliest match in the text wins, whatever the order of the stop
+list), and hands out the part of the text that can no longer change. Two tails are held back until
+the request finishes: U+FFFD from a multi-byte character whose remaining bytes are in tokens not yet
+generated, and any tail that could be the start of a stop string (text once sent cannot be taken
+back when the stop string completes and the text is cut before it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from kvpilot.engine.core.request import FinishReason, Request
+from kvpilot.engine.core.scheduler import EngineCoreOutput
+from kvpilot.engine.outputs import StepOutput
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Each new token costs a decode of a few tokens, not of the whole output.
+
+    Decoding a slice of byte-level BPE tokens can end inside a multi-byte character (U+FFFD) or
+    depend on the token before it (spaces), so text is only appended once the slice decodes
+    cleanly, and each slice starts one step back so that its first token has its left context.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        self.prefix_offset = 0  # output tokens before this are already text and give no context
+        self.read_offset = 0  # output tokens before this are already in the text
+        self.text = ""
+
+    def append(self, output_ids: list[int]) -> str:
+        """Extend the text with whatever output_ids[read_offset:] spell cleanly; return the text."""
+        decode = self._tokenizer.decode
+        prefix = decode(output_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = decode(output_ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT_CHAR):
+            self.text += full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(output_ids)
+        return self.text
+
+
+def find_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | None:
+    """The earliest stop string in `text` that ends after `start` (earlier text was searched before):
+    its position and itself; the longer one when two begin at the same place."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        at = text.find(stop, max(0, start - len(stop) + 1))
+        if at != -1 and (best is None or at < best[0] or (at == best[0] and len(stop) > len(best[1]))):
+            best = (at, stop)
+    return best
+
+
+def held_back(text: str, end: int, stops: list[str]) -> int:
+    """How many characters before `end` could be the start of a stop string: the longest proper
+    prefix of any stop string that text[:end] ends with."""
+    held = 0
+    for stop in stops:
+        first = stop[0]
+        # Candidate starts are occurrences of the stop's first character in the last len(stop) - 1
+        # characters; the earliest one that matches gives the longest prefix.
+        at = text.find(first, max(0, end - len(stop) + 1), end)
+        while at != -1 and end - at > held:
+            if stop.startswith(text[at:end]):
+                held = end - at
+                break
+            at = text.find(first, at + 1, end)
+    return held
+
+
+class TextDeltas:
+    """Turns successive versions of a sequence's text into the deltas a stream may send."""
+
+    def __init__(self, stop: list[str]) -> None:
+        self._stop = stop
+        self._sent = 0  # characters of the text already sent
+
+    def next(self, text: str, finished: bool) -> str:
+        if finished:
+            end = len(text)
+        else:
+            end = len(text.rstrip(_REPLACEMENT_CHAR))
+            end -= held_back(text, end, self._stop)
+        if end <= self._sent:
+            return ""
+        delta = text[self._sent : end]
+        self._sent = end
+        return delta
+
+
+@dataclass
+class _RequestState:
+    detokenizer: IncrementalDetokenizer
+    deltas: TextDeltas
+    stop: list[str]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _RequestState] = {}
+
+    def add_request(self, request: Request) -> None:
+        stop = list(request.params.stop)
+        self._states[request.request_id] = _RequestState(IncrementalDetokenizer(self.tokenizer), TextDeltas(stop), stop)
+
+    def abort(self, request: Request) -> StepOutput | None:
+        """The last output of an aborted request (None if it had already finished)."""
+        state = self._states.pop(request.request_id, None)
+        if state is None:
+            return None
+        return _step_output(request, [], "", FinishReason.ABORT, None)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[StepOutput], list[tuple[Request, str]]]:
+        """The step's outputs, and the still-running requests that a stop string has ended (the
+        caller finishes them in the scheduler)."""
+        step_outputs: list[StepOutput] = []
+        stopped: list[tuple[Request, str]] = []
+        for out in outputs:
+            request = out.request
+            state = self._states.get(request.request_id)
+            if state is None:
+                continue
+            checked = len(state.detokenizer.text)
+            text = state.detokenizer.append(request.output_token_ids)
+            finish, stop_reason = out.finish_reason, out.stop_reason
+            match = find_stop(text, state.stop, checked) if state.stop else None
+            if match is not None:
+                at, stop = match
+                text = text[:at]
+                if finish is None:
+                    stopped.append((request, stop))
+                finish, stop_reason = FinishReason.STOP, stop
+            elif finish is not None:
+                # Once, at the end: the exact text of every token, including a held-back partial character.
+                text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            delta = state.deltas.next(text, finish is not None)
+            if finish is not None:
+                del self._states[request.request_id]
+            step_outputs.append(_step_output(request, out.new_token_ids, delta, finish, stop_reason))
+        return step_outputs, stopped
+
+
+def _step_output(request: Request, new_token_ids: list[int], delta: str, finish: FinishReason | None,
+                 stop_reason: str | int | None) -> StepOutput:
+    return StepOutput(
+        request_id=request.request_id, new_token_ids=new_token_ids, text_delta=delta,
+        num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        finish_reason=finish.value if finish is not None else None, stop_reason=stop_reason,
+        arrival_time=request.arrival_time, first_token_time=request.first_token_time,
+    )

@@ -18,8 +18,8 @@ from kvpilot.operator.gpu_catalog import GPU, GPUS, find_gpu
 from kvpilot.operator.model_catalog import MODELS, Architecture, find_model
 from kvpilot.operator.spec import InferenceServiceSpec
 
-# Least lossy first (handbook: INT8 weight-only is near-lossless; W8A8 also quantizes the
-# activations; INT4 shows small quality drops).
+# Least lossy first: INT8 weight-only keeps the activations and rounds each weight to one of 256
+# levels, W8A8 rounds the activations too, INT4 has only 16 levels per group of weights.
 QUALITY_ORDER = ("none", "int8", "w8a8", "int4")
 
 # Beyond ~1k running sequences the scheduler's per-step bookkeeping, not the GPU, sets the pace
@@ -32,8 +32,10 @@ MAX_BATCHED_TOKENS = 8192
 # A prefill chunk may use this share of the TPOT SLO; the rest is the decode work of the step.
 PREFILL_SHARE_OF_TPOT = 0.5
 
-# Speculation spends spare compute: it pays at small batch and low temperature (handbook p. 5).
-# The engine also turns it off above this running batch, so predictions follow the same rule.
+# Speculation spends compute that decode leaves idle (decode is bandwidth-bound at small batch),
+# and drafts are accepted mostly when sampling is near-greedy: it pays at small batch and low
+# temperature. Predictions assume speculation stops above this running batch, as the engine's
+# design has it (no engine build speculates yet).
 SPECULATION_MAX_BATCH = 8
 HIGH_TEMPERATURE = 1.0
 # Planning assumptions for draft acceptance: prompt-lookup n-grams hit less often than a draft

@@ -1,6 +1,6 @@
-"""The serving maths of DESIGN.md as small pure functions over bytes, seconds and tokens.
+"""The serving maths as small pure functions over bytes, seconds and tokens.
 
-Rules from the handbook: KV bytes per token = 2 × layers × KV heads × head dim × bytes; KV pool =
+The rules: KV bytes per token = 2 × layers × KV heads × head dim × bytes; KV pool =
 memory × utilization − weights − reserve; prefill is compute-bound, decode bandwidth-bound;
 latency = TTFT + (N − 1) × TPOT.
 """

@@ -1,18 +1,21 @@
 """plan(spec) -> Plan: what fits on the GPU, the engine's limits, the choices and their reasons.
 
-Pure: the spec, the catalogs and (for an unset GPU type) the GPU products the cluster's nodes
-carry go in, a Plan comes out. Every input that cannot be served is a Plan with fits=False, a
-`failure` code and a one-line reason carrying the numbers; nothing here raises for bad input.
+Pure: the spec, the catalogs, the engine's declared capabilities and (for an unset GPU type) the
+GPU products the cluster's nodes carry go in, a Plan comes out. Only quantization schemes and
+speculative modes the engine declares are ever chosen, so every plan renders into arguments the
+engine accepts. Every input that cannot be served is a Plan with fits=False, a `failure` code and a
+one-line reason carrying the numbers; nothing here raises for bad input.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
+from kvpilot.engine.config import CAPABILITIES, EngineCapabilities
 from kvpilot.operator import sizing
 from kvpilot.operator.gpu_catalog import GPU, GPUS, find_gpu
 from kvpilot.operator.model_catalog import MODELS, Architecture, find_model
@@ -108,11 +111,29 @@ def _failed(spec: InferenceServiceSpec, failure: str, reason: str, **numbers: ob
                 gpu_memory_utilization=spec.serving.gpu_memory_utilization, **numbers)
 
 
+def _listed(options: Iterable[str]) -> str:
+    return ", ".join(options) or "nothing"
+
+
+def _unsupported_pins(spec: InferenceServiceSpec, capabilities: EngineCapabilities) -> str | None:
+    """Why the spec pins options this engine cannot run, None when it pins none."""
+    problems = [f"serving.{field} {value!r} is not one this engine runs (supported: "
+                f"{_listed(supported)}; or 'auto')"
+                for field, value, supported in (
+                    ("quantization", spec.serving.quantization, capabilities.quantization),
+                    ("speculative", spec.serving.speculative, capabilities.speculative))
+                if value != "auto" and value not in supported]
+    return "; ".join(problems) or None
+
+
 def choose_speculative(mode: str, *, batch: float, tpot_bound: bool, temperature: float,
-                       draft_model: str | None) -> tuple[str, str]:
-    """The speculative mode to run and why."""
+                       draft_model: str | None, supported: Sequence[str]) -> tuple[str, str]:
+    """The speculative mode to run and why; `supported` are the engine's modes, and a pinned
+    `mode` is one of them (plan() refuses a spec pinning any other)."""
     if mode != "auto":
         return mode, f"{mode}: set in the spec"
+    if not set(supported) - {"off"}:
+        return "off", f"off: this engine runs no speculative mode (supported: {_listed(supported)})"
     if batch > SPECULATION_MAX_BATCH:
         return "off", (f"off: predicted batch {batch:.1f} per replica > {SPECULATION_MAX_BATCH}, "
                        "the GPU is already busy and speculation has no spare compute to use")
@@ -121,9 +142,13 @@ def choose_speculative(mode: str, *, batch: float, tpot_bound: bool, temperature
                        "drafts are rarely accepted")
     if not tpot_bound:
         return "off", "off: TTFT, not TPOT, is closest to its SLO; speculation only shortens TPOT"
-    proposer = "draft" if draft_model else "ngram"
-    return proposer, (f"{proposer}: predicted batch {batch:.1f} per replica <= "
-                      f"{SPECULATION_MAX_BATCH}, low temperature and a TPOT-bound SLO")
+    # A draft model accepts more tokens than prompt-lookup n-grams, when there is one to run.
+    proposers = [m for m in (("draft",) if draft_model else ()) + ("ngram",) if m in supported]
+    if not proposers:
+        return "off", (f"off: speculation would pay, but this engine's modes "
+                       f"({_listed(supported)}) need a serving.draftModel, which is not set")
+    return proposers[0], (f"{proposers[0]}: predicted batch {batch:.1f} per replica <= "
+                          f"{SPECULATION_MAX_BATCH}, low temperature and a TPOT-bound SLO")
 
 
 def _batched_tokens(spec: InferenceServiceSpec, arch: Architecture, ops: float) -> tuple[int, str]:
@@ -218,7 +243,7 @@ def _replicas(spec: InferenceServiceSpec, replica: _Replica,
 
 
 def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str,
-          context: int) -> Plan:
+          context: int, speculative_modes: Sequence[str]) -> Plan:
     """The plan for one (GPU, quantization) pair."""
     serving = spec.serving
     weights = (sizing.weight_bytes(arch.parameters, quantization)
@@ -263,7 +288,8 @@ def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization
                   >= perf.ttft_s * 1000 / spec.slo.ttft_p95_ms)
     speculative, speculative_reason = choose_speculative(
         serving.speculative, batch=perf.batch, tpot_bound=tpot_bound,
-        temperature=spec.load.temperature, draft_model=serving.draft_model)
+        temperature=spec.load.temperature, draft_model=serving.draft_model,
+        supported=speculative_modes)
     if speculative != "off":
         replicas, perf, miss = _replicas(spec, replica, speculative)
 
@@ -321,8 +347,14 @@ def _gpus(spec: InferenceServiceSpec, available: Iterable[str]) -> list[GPU] | P
     return sorted(found.values(), key=lambda g: (g.memory_gib, g.bandwidth_gbps))
 
 
-def plan(spec: InferenceServiceSpec, available_gpus: Iterable[str] = ()) -> Plan:
-    """Plan serving `spec`; `available_gpus` are node GPU products, used when no type is set."""
+def plan(spec: InferenceServiceSpec, available_gpus: Iterable[str] = (),
+         capabilities: EngineCapabilities = CAPABILITIES) -> Plan:
+    """Plan serving `spec` on an engine with `capabilities`; `available_gpus` are node GPU
+    products, used when no type is set."""
+    unsupported = _unsupported_pins(spec, capabilities)
+    if unsupported:
+        # No GPU or model changes what the engine can run: say so before anything else.
+        return _failed(spec, "UnsupportedByEngine", unsupported)
     explicit = spec.model.architecture
     arch = explicit or find_model(spec.model.name)
     if arch is None:
@@ -342,24 +374,38 @@ def plan(spec: InferenceServiceSpec, available_gpus: Iterable[str] = ()) -> Plan
     if isinstance(gpus, Plan):
         return gpus
 
-    schemes = QUALITY_ORDER if spec.serving.quantization == "auto" else (spec.serving.quantization,)
-    options = [_size(spec, arch, gpu, scheme, context) for gpu in gpus for scheme in schemes]
+    if spec.serving.quantization != "auto":
+        schemes: tuple[str, ...] = (spec.serving.quantization,)
+        not_run = ""
+    else:
+        # Only the schemes the engine runs, and of those only the ones sizing knows the bytes of.
+        schemes = tuple(s for s in QUALITY_ORDER if s in capabilities.quantization)
+        skipped = [s for s in QUALITY_ORDER if s not in schemes]
+        not_run = (f"; not tried: {_listed(skipped)}, which this engine does not run "
+                   f"(supported: {_listed(capabilities.quantization)})" if skipped else "")
+        if not schemes:
+            return _failed(spec, "UnsupportedByEngine",
+                           "this engine runs no quantization scheme the planner can size "
+                           f"(supported: {_listed(capabilities.quantization)})")
+    options = [_size(spec, arch, gpu, scheme, context, capabilities.speculative)
+               for gpu in gpus for scheme in schemes]
     chosen = (next((o for o in options if o.fits and o.meets_slo), None)
               or next((o for o in options if o.fits), None))
     if chosen is None:
         # The most capable option tried (largest GPU, most compressed scheme) says best why not.
-        return options[-1]
+        return options[-1].model_copy(update={"reason": options[-1].reason + not_run})
 
     passed = [f"{o.gpu}/{o.quantization}: {o.reason if not o.fits else o.reasons['replicas']}"
               for o in options[:options.index(chosen)]]
     if spec.serving.quantization != "auto":
         quantization_reason = f"{chosen.quantization}: set in the spec"
     elif chosen.meets_slo:
+        rejected = f" (rejected {'; '.join(passed)})" if passed else ""
         quantization_reason = f"{chosen.quantization}: the least lossy scheme that fits and " \
-                              "meets the SLO" + (f" (rejected {'; '.join(passed)})" if passed else "")
+                              f"meets the SLO{rejected}{not_run}"
     else:
         quantization_reason = f"{chosen.quantization}: no scheme meets the SLO within " \
-                              "maxReplicas; this is the least lossy that fits"
+                              "maxReplicas; this is the least lossy that fits" + not_run
     if spec.accelerator.type:
         gpu_reason = f"{chosen.gpu}: set in the spec"
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpilot.engine.config import EngineConfig, ServerConfig, serve_argv
 from kvpilot.operator.gpu_catalog import GPU, NVIDIA_GPU_RESOURCE, find_gpu
 from kvpilot.operator.planner import Plan
 from kvpilot.operator.spec import API_VERSION, KIND, InferenceServiceSpec
@@ -71,25 +72,25 @@ def _model_location(spec: InferenceServiceSpec) -> tuple[str, list[Manifest], li
 
 
 def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str) -> list[str]:
-    """The `kvpilot serve` arguments carrying the plan's numbers."""
-    args = [
-        "--model", model,
-        "--served-model-name", spec.model.served_model_name or spec.model.name,
-        "--host", "0.0.0.0",
-        "--port", str(PORT),
-        "--max-model-len", str(plan.max_model_len),
-        "--max-num-seqs", str(plan.max_num_seqs),
-        "--max-num-batched-tokens", str(plan.max_num_batched_tokens),
-        "--block-size", str(plan.block_size),
-        "--gpu-memory-utilization", f"{plan.gpu_memory_utilization:g}",
-        "--quantization", str(plan.quantization),
-        "--speculative", plan.speculative,
-    ]
-    if plan.speculative == "draft":
-        args += ["--draft-model", str(plan.draft_model)]
-    if plan.speculative != "off":
-        args += ["--num-speculative-tokens", str(plan.num_speculative_tokens)]
-    return args
+    """The `kvpilot serve` arguments carrying the plan's numbers.
+
+    Rendered from the engine's own config models, so every flag is one `kvpilot serve` has and
+    every value one it accepts; a plan asking for something the engine lacks raises here (a
+    pydantic ValidationError) instead of becoming a pod that exits at start.
+    """
+    server = ServerConfig(host="0.0.0.0", port=PORT,
+                          served_model_name=spec.model.served_model_name or spec.model.name)
+    engine = EngineConfig(
+        model=model,
+        max_model_len=plan.max_model_len,
+        max_num_seqs=plan.max_num_seqs,
+        max_num_batched_tokens=plan.max_num_batched_tokens,
+        block_size=plan.block_size,
+        gpu_memory_utilization=plan.gpu_memory_utilization,
+        quantization=plan.quantization,
+        speculative=plan.speculative,
+    )
+    return serve_argv(server, engine)
 
 
 def _resources(spec: InferenceServiceSpec, gpu: GPU, count: int) -> Manifest:

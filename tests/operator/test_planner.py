@@ -1,10 +1,11 @@
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
+from kvpilot.engine.config import CAPABILITIES, EngineCapabilities
 from kvpilot.operator import planner
 from kvpilot.operator.planner import Plan, choose_speculative, plan
-from kvpilot.operator.spec import InferenceServiceSpec
+from kvpilot.operator.spec import InferenceServiceSpec, Quantization, Speculative
 
 GiB = 1024**3
 
@@ -39,8 +40,9 @@ def test_full_memory_without_reserve_reproduces_the_handbooks_5_sequences(
     assert result.max_num_seqs == 5
 
 
-def test_70b_on_one_80gb_gpu_gets_int4() -> None:
-    result = plan(spec("llama-2-70b", "H100-80GB", autoscaling={"maxReplicas": 1}))
+def test_70b_on_one_80gb_gpu_gets_int4(fuller: EngineCapabilities) -> None:
+    result = plan(spec("llama-2-70b", "H100-80GB", autoscaling={"maxReplicas": 1}),
+                  capabilities=fuller)
     assert result.fits and result.quantization == "int4"
     reason = result.reasons["quantization"]
     assert "none" in reason and "128.5 GiB" in reason  # FP16 weights cannot fit 80 GiB
@@ -49,8 +51,8 @@ def test_70b_on_one_80gb_gpu_gets_int4() -> None:
     assert result.meets_slo
 
 
-def test_70b_on_a_24gb_gpu_is_a_clear_no_fit_with_numbers() -> None:
-    result = plan(spec("llama-3-70b", "A10G"))
+def test_70b_on_a_24gb_gpu_is_a_clear_no_fit_with_numbers(fuller: EngineCapabilities) -> None:
+    result = plan(spec("llama-3-70b", "A10G"), capabilities=fuller)
     assert not result.fits
     assert result.failure == "WeightsDoNotFit"
     assert result.quantization == "int4"  # even the smallest scheme was tried
@@ -64,46 +66,52 @@ def test_7b_on_h100_with_loose_slo_stays_unquantized() -> None:
     assert "least lossy" in result.reasons["quantization"]
 
 
-def test_tight_slo_on_slow_gpu_picks_a_quantized_scheme() -> None:
+def test_tight_slo_on_slow_gpu_picks_a_quantized_scheme(fuller: EngineCapabilities) -> None:
     # FP16 Llama-2-7B decodes at ~28 ms/token on an A10G; a 20 ms TPOT SLO needs fewer bytes.
     result = plan(spec(slo={"tpotP95Ms": 20}, serving={"speculative": "off"},
-                       load={"requestsPerSecond": 0.1}))
+                       load={"requestsPerSecond": 0.1}), capabilities=fuller)
     assert result.quantization in ("int8", "w8a8", "int4")
     assert result.predicted_tpot_ms <= 20
     assert "none" in result.reasons["quantization"]
 
 
-def test_explicit_quantization_is_respected() -> None:
-    result = plan(spec(gpu="H100-80GB", serving={"quantization": "int4"}))
+def test_explicit_quantization_is_respected(fuller: EngineCapabilities) -> None:
+    result = plan(spec(gpu="H100-80GB", serving={"quantization": "int4"}), capabilities=fuller)
     assert result.quantization == "int4"
     assert result.reasons["quantization"] == "int4: set in the spec"
 
 
 @pytest.mark.parametrize("batch, expected", [(1.0, "ngram"), (64.0, "off")])
-def test_speculation_on_at_batch_1_off_at_batch_64(batch: float, expected: str) -> None:
+def test_speculation_on_at_batch_1_off_at_batch_64(batch: float, expected: str,
+                                                    fuller: EngineCapabilities) -> None:
     chosen, reason = choose_speculative("auto", batch=batch, tpot_bound=True, temperature=0.2,
-                                        draft_model=None)
+                                        draft_model=None, supported=fuller.speculative)
     assert chosen == expected
     assert f"{batch:.1f}" in reason
 
 
-def test_speculation_off_at_high_temperature_or_ttft_bound_and_draft_when_given() -> None:
+def test_speculation_off_at_high_temperature_or_ttft_bound_and_draft_when_given(
+        fuller: EngineCapabilities) -> None:
+    modes = fuller.speculative
     assert choose_speculative("auto", batch=1, tpot_bound=True, temperature=1.2,
-                              draft_model=None)[0] == "off"
+                              draft_model=None, supported=modes)[0] == "off"
     assert choose_speculative("auto", batch=1, tpot_bound=False, temperature=0.0,
-                              draft_model=None)[0] == "off"
+                              draft_model=None, supported=modes)[0] == "off"
     assert choose_speculative("auto", batch=1, tpot_bound=True, temperature=0.0,
-                              draft_model="smollm2-135m")[0] == "draft"
+                              draft_model="smollm2-135m", supported=modes)[0] == "draft"
     assert choose_speculative("off", batch=1, tpot_bound=True, temperature=0.0,
-                              draft_model=None)[0] == "off"
+                              draft_model=None, supported=modes)[0] == "off"
 
 
-def test_plan_turns_speculation_on_at_low_load_and_off_at_high_load() -> None:
-    light = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0}))
+def test_plan_turns_speculation_on_at_low_load_and_off_at_high_load(
+        fuller: EngineCapabilities) -> None:
+    light = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0}),
+                 capabilities=fuller)
     assert light.speculative == "ngram" and light.num_speculative_tokens == 4
     assert light.predicted_batch < planner.SPECULATION_MAX_BATCH
     heavy = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 30, "temperature": 0},
-                      serving={"maxContextLength": 1024}, autoscaling={"maxReplicas": 1}))
+                      serving={"maxContextLength": 1024}, autoscaling={"maxReplicas": 1}),
+                 capabilities=fuller)
     assert heavy.speculative == "off"
     assert heavy.predicted_batch > 32
     assert "predicted batch" in heavy.reasons["speculative"]
@@ -135,14 +143,15 @@ def test_unknown_model_unknown_gpu_and_bad_inputs_are_results_not_exceptions() -
     assert multi.failure == "MultiGPUUnsupported"
 
 
-def test_context_leaving_room_for_no_sequence_is_a_no_fit() -> None:
+def test_context_leaving_room_for_no_sequence_is_a_no_fit(fuller: EngineCapabilities) -> None:
     # Qwen2.5-72B's INT4 weights (35 GiB) fit an L40S's 48 GiB, but one 32k-token sequence
     # (0.3125 MiB/token x 32768 = 10 GiB of KV) does not fit in what is left.
-    result = plan(spec("qwen2.5-72b", "L40S"))
+    result = plan(spec("qwen2.5-72b", "L40S"), capabilities=fuller)
     assert not result.fits and result.failure == "ContextDoesNotFit"
     assert result.quantization == "int4"
     assert "one 32768-token sequence needs 10.0 GiB of KV cache" in result.reason
-    shorter = plan(spec("qwen2.5-72b", "L40S", serving={"maxContextLength": 8192}))
+    shorter = plan(spec("qwen2.5-72b", "L40S", serving={"maxContextLength": 8192}),
+                   capabilities=fuller)
     assert shorter.fits and shorter.quantization == "int4"
 
 
@@ -156,11 +165,11 @@ def test_explicit_architecture_wins_over_the_catalog() -> None:
     assert result.reasons["model"] == "spec.model.architecture"
 
 
-def test_unset_gpu_picks_the_smallest_node_gpu_that_works() -> None:
+def test_unset_gpu_picks_the_smallest_node_gpu_that_works(fuller: EngineCapabilities) -> None:
     choices = ["NVIDIA-H100-80GB-HBM3", "NVIDIA-A10G", "some-unknown-gpu"]
-    small = plan(spec(gpu=None), available_gpus=choices)
+    small = plan(spec(gpu=None), available_gpus=choices, capabilities=fuller)
     assert small.gpu == "A10G" and small.meets_slo
-    big = plan(spec("llama-2-70b", gpu=None), available_gpus=choices)
+    big = plan(spec("llama-2-70b", gpu=None), available_gpus=choices, capabilities=fuller)
     assert big.gpu == "H100-80GB"
     assert "smallest of the nodes' GPUs (A10G, H100-80GB)" in big.reasons["gpu"]
 
@@ -177,3 +186,69 @@ def test_every_fitting_plan_carries_a_reason_per_choice() -> None:
 def test_plan_is_json_serialisable() -> None:
     result = plan(spec())
     assert Plan.model_validate_json(result.model_dump_json()) == result
+
+
+# What the CRD lets a spec pin that the engine build under test does not run.
+UNDECLARED = ([("quantization", q) for q in get_args(Quantization)
+               if q not in ("auto", *CAPABILITIES.quantization)]
+              + [("speculative", m) for m in get_args(Speculative)
+                 if m not in ("auto", *CAPABILITIES.speculative)])
+# The specs that a fuller engine serves with a quantized scheme, or with speculation.
+SEARCHING = [
+    spec("llama-2-70b", "H100-80GB", autoscaling={"maxReplicas": 1}),
+    spec(slo={"tpotP95Ms": 20}, load={"requestsPerSecond": 0.1}),
+    spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0}),
+    spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0},
+         serving={"draftModel": "smollm2-135m"}),
+]
+
+
+@pytest.mark.parametrize("body", SEARCHING, ids=["70b-h100", "tight-tpot", "idle-h100", "draft"])
+def test_auto_chooses_only_what_the_engine_declares(body: InferenceServiceSpec,
+                                                    fuller: EngineCapabilities) -> None:
+    searched = plan(body, capabilities=fuller)
+    assert (searched.quantization, searched.speculative) != ("none", "off")  # a real search
+    result = plan(body)
+    assert result.quantization in CAPABILITIES.quantization
+    assert result.speculative in CAPABILITIES.speculative
+    assert result.failure != "UnsupportedByEngine"
+
+
+def test_reasons_say_which_options_the_engine_lacks() -> None:
+    minimal = EngineCapabilities(quantization=("none",), speculative=("off",), dtypes=("auto",))
+    idle = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0}),
+                capabilities=minimal)
+    assert (idle.quantization, idle.speculative) == ("none", "off")
+    assert idle.reasons["speculative"] == "off: this engine runs no speculative mode (supported: off)"
+    assert idle.reasons["quantization"].endswith(
+        "not tried: int8, w8a8, int4, which this engine does not run (supported: none)")
+    # A 70B model needs INT4 on one 80 GiB GPU: the no-fit says why nothing smaller was tried.
+    big = plan(spec("llama-2-70b", "H100-80GB"), capabilities=minimal)
+    assert (big.fits, big.failure, big.quantization) == (False, "WeightsDoNotFit", "none")
+    assert "128.5 GiB" in big.reason and "not tried: int8, w8a8, int4" in big.reason
+    draft_only = choose_speculative("auto", batch=1, tpot_bound=True, temperature=0,
+                                    draft_model=None, supported=("off", "draft"))
+    assert draft_only[0] == "off" and "serving.draftModel" in draft_only[1]
+
+
+@pytest.mark.parametrize("field, value", UNDECLARED, ids=[f"{f}={v}" for f, v in UNDECLARED])
+def test_pinning_what_the_engine_does_not_run_is_unsupported_by_engine(field: str,
+                                                                       value: str) -> None:
+    serving = {field: value, **({"draftModel": "smollm2-135m"} if value == "draft" else {})}
+    result = plan(spec(gpu="H100-80GB", serving=serving))
+    assert (result.fits, result.failure) == (False, "UnsupportedByEngine")
+    supported = ", ".join(getattr(CAPABILITIES, field))
+    assert f"serving.{field} {value!r}" in result.reason
+    assert f"(supported: {supported}; or 'auto')" in result.reason
+
+
+def test_both_unsupported_pins_are_named_and_no_sizeable_scheme_is_a_no_fit() -> None:
+    minimal = EngineCapabilities(quantization=("none",), speculative=("off",), dtypes=("auto",))
+    both = plan(spec(serving={"quantization": "int4", "speculative": "ngram"}),
+                capabilities=minimal)
+    assert both.failure == "UnsupportedByEngine"
+    assert "'int4'" in both.reason and "'ngram'" in both.reason
+    # A scheme the engine declares but sizing has no byte count for is never chosen.
+    unknown = EngineCapabilities(quantization=("fp8",), speculative=("off",), dtypes=("auto",))
+    result = plan(spec(), capabilities=unknown)
+    assert result.failure == "UnsupportedByEngine" and "supported: fp8" in result.reason

@@ -10,6 +10,7 @@ from typing import Any
 
 import kopf
 
+from kvpilot.engine.config import CAPABILITIES
 from kvpilot.operator import render
 from kvpilot.operator.handlers import ENGINE_IMAGE_ENV, engine_image, reconcile_handler
 from kvpilot.operator.reconcile import reconcile
@@ -62,7 +63,7 @@ def test_creates_deployment_service_and_pdb_and_reports_progress() -> None:
     status = reconcile(body(SPEC), cluster, NOW)
     assert cluster.kinds() == ["Deployment", "PodDisruptionBudget", "Service"]
     assert status["observedGeneration"] == 1
-    assert status["desiredReplicas"] == 2 and status["readyReplicas"] == 0
+    assert status["desiredReplicas"] == 3 and status["readyReplicas"] == 0
     assert status["selector"] == "app.kubernetes.io/instance=chat,app.kubernetes.io/name=kvpilot-engine"
     assert status["url"] == "http://chat.ml.svc.cluster.local:8000/v1"
     assert status["plan"]["maxNumSeqs"] == 4 and status["plan"]["gpu"] == "A10G"
@@ -70,26 +71,26 @@ def test_creates_deployment_service_and_pdb_and_reports_progress() -> None:
     assert condition(status, "Progressing")["reason"] == "RollingOut"
     ready = condition(status, "Ready")
     assert (ready["status"], ready["reason"], ready["message"]) == \
-        ("False", "ReplicasNotReady", "0/2 replicas ready")
+        ("False", "ReplicasNotReady", "0/3 replicas ready")
 
 
 def test_ready_when_the_deployment_reports_ready_replicas() -> None:
     cluster = FakeCluster()
     first = reconcile(body(SPEC), cluster, NOW)
     deployment = cluster.objects[("Deployment", "ml", "chat")]
-    deployment["status"] = {"observedGeneration": 1, "replicas": 2, "updatedReplicas": 2,
-                            "readyReplicas": 2}
+    deployment["status"] = {"observedGeneration": 1, "replicas": 3, "updatedReplicas": 3,
+                            "readyReplicas": 3}
     later = NOW + timedelta(minutes=3)
     second = reconcile(body(SPEC, status=first), cluster, later)
     ready = condition(second, "Ready")
     assert ready["status"] == "True" and ready["reason"] == "ReplicasReady"
-    assert "2/2 replicas ready" in ready["message"] and "TPOT" in ready["message"]
+    assert "3/3 replicas ready" in ready["message"] and "TPOT" in ready["message"]
     assert ready["lastTransitionTime"] == "2025-01-01T00:03:00Z"
     # Planned did not flip, so its transition time stays at the first reconcile.
     assert condition(second, "Planned")["lastTransitionTime"] == "2025-01-01T00:00:00Z"
     assert condition(second, "Progressing")["status"] == "False"
     assert condition(second, "Degraded")["status"] == "False"
-    assert (second["replicas"], second["readyReplicas"]) == (2, 2)
+    assert (second["replicas"], second["readyReplicas"]) == (3, 3)
 
 
 def test_reconciling_again_creates_no_duplicates_and_recreates_deleted_children() -> None:
@@ -112,9 +113,33 @@ def test_a_plan_that_cannot_fit_deletes_the_deployment_and_says_why() -> None:
     assert ("Deployment", "ml", "chat") not in cluster.objects
     ready = condition(status, "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "WeightsDoNotFit")
-    assert "34.1 GiB" in ready["message"] and "21.6 GiB" in ready["message"]
+    # This engine runs no quantized scheme, so the FP16 weights are what does not fit.
+    assert "131.4 GiB" in ready["message"] and "21.6 GiB" in ready["message"]
     assert condition(status, "Planned")["status"] == "False"
     assert status["observedGeneration"] == 2 and status["plan"]["fits"] is False
+
+
+def test_pinning_what_the_engine_does_not_run_is_not_ready_and_rolls_out_nothing() -> None:
+    # The CRD's enum allows int4 and ngram; this engine build runs neither.
+    pinned = {**SPEC, "serving": {"quantization": "int4", "speculative": "ngram"}}
+    fresh = FakeCluster()
+    status = reconcile(body(pinned), fresh, NOW)
+    assert fresh.kinds() == ["PodDisruptionBudget", "Service"]
+    ready = condition(status, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "UnsupportedByEngine")
+    assert "serving.quantization 'int4'" in ready["message"]
+    assert f"supported: {', '.join(CAPABILITIES.quantization)}" in ready["message"]
+    assert "serving.speculative 'ngram'" in ready["message"]
+    assert condition(status, "Planned")["reason"] == "UnsupportedByEngine"
+    assert (status["plan"]["fits"], status["desiredReplicas"]) == (False, 0)
+
+    # Pinning it on a running service removes its engines rather than rolling out a crash loop.
+    cluster = FakeCluster()
+    reconcile(body(SPEC), cluster, NOW)
+    assert ("Deployment", "ml", "chat") in cluster.objects
+    status = reconcile(body(pinned, generation=2), cluster, NOW)
+    assert ("Deployment", "ml", "chat") not in cluster.objects
+    assert condition(status, "Ready")["reason"] == "UnsupportedByEngine"
 
 
 def test_invalid_spec_is_a_condition_not_a_crash() -> None:

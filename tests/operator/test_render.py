@@ -1,8 +1,11 @@
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
+from pydantic import ValidationError
 
+from kvpilot.engine.config import EngineCapabilities
 from kvpilot.operator import render
 from kvpilot.operator.planner import plan
 from kvpilot.operator.spec import InferenceServiceSpec
@@ -28,15 +31,16 @@ def test_engine_args_carry_the_plans_numbers() -> None:
     p = plan(s)
     container = engine(render.deployment("chat", "ml", UID, s, p))
     assert container["command"] == ["kvpilot", "serve"]
+    # The engine's serve_argv orders them: server flags, then engine flags, in field order.
     assert container["args"] == [
-        "--model", "meta-llama/Llama-2-7b-hf",
-        "--served-model-name", "llama-2-7b",
         "--host", "0.0.0.0",
         "--port", "8000",
-        "--max-model-len", "4096",
+        "--served-model-name", "llama-2-7b",
+        "--model", "meta-llama/Llama-2-7b-hf",
+        "--block-size", "16",
         "--max-num-seqs", str(p.max_num_seqs),
         "--max-num-batched-tokens", str(p.max_num_batched_tokens),
-        "--block-size", "16",
+        "--max-model-len", "4096",
         "--gpu-memory-utilization", "0.9",
         "--quantization", "none",
         "--speculative", "off",
@@ -44,16 +48,14 @@ def test_engine_args_carry_the_plans_numbers() -> None:
     assert p.max_num_seqs == 4
 
 
-def test_speculative_args_only_when_speculating() -> None:
-    s = spec(serving={"speculative": "draft", "draftModel": "smollm2-135m",
-                      "numSpeculativeTokens": 3})
-    args = engine(render.deployment("chat", "ml", UID, s, plan(s)))["args"]
-    assert args[args.index("--speculative") + 1] == "draft"
-    assert args[args.index("--draft-model") + 1] == "smollm2-135m"
-    assert args[args.index("--num-speculative-tokens") + 1] == "3"
-    ngram = spec(serving={"speculative": "ngram"})
-    args = engine(render.deployment("chat", "ml", UID, ngram, plan(ngram)))["args"]
-    assert "--draft-model" not in args and args[args.index("--num-speculative-tokens") + 1] == "4"
+def test_a_plan_the_engine_cannot_run_is_refused_not_rendered(fuller: EngineCapabilities) -> None:
+    # Only a planner given a fuller engine than this one makes such a plan; rendering it would
+    # give a pod that exits at start, so it raises instead.
+    s = spec(serving={"quantization": "int4", "speculative": "ngram"})
+    p = plan(s, capabilities=fuller)
+    assert p.fits and (p.quantization, p.speculative) == ("int4", "ngram")
+    with pytest.raises(ValidationError):
+        render.deployment("chat", "ml", UID, s, p)
 
 
 def test_pod_runs_non_root_with_probes_metrics_port_and_gpu() -> None:
@@ -101,7 +103,7 @@ def test_built_in_engine_image_is_the_charts_app_version() -> None:
 def test_replicas_come_from_the_plan_unless_scaled() -> None:
     s = spec()
     p = plan(s)
-    assert render.deployment("chat", "ml", UID, s, p)["spec"]["replicas"] == p.replicas == 2
+    assert render.deployment("chat", "ml", UID, s, p)["spec"]["replicas"] == p.replicas == 3
     scaled = spec(replicas=5)
     assert render.deployment("chat", "ml", UID, scaled, plan(scaled))["spec"]["replicas"] == 5
 
@@ -110,7 +112,8 @@ def test_pvc_source_is_mounted_read_only() -> None:
     s = spec(model={"name": "llama-2-7b", "source": "pvc://weights/llama-2-7b"})
     deployment = render.deployment("chat", "ml", UID, s, plan(s))
     container = engine(deployment)
-    assert container["args"][1] == "/models/weights/llama-2-7b"
+    assert container["args"][container["args"].index("--model") + 1] == \
+        "/models/weights/llama-2-7b"
     assert container["volumeMounts"] == [{"name": "model", "mountPath": "/models/weights",
                                           "readOnly": True}]
     assert deployment["spec"]["template"]["spec"]["volumes"] == [

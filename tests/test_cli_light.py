@@ -1,18 +1,51 @@
-"""The operator image has no torch: every command's parser must build without importing it."""
+"""What each side of the `kvpilot` command imports: the engine image needs no operator stack, the
+operator image no torch and no engine code beyond its contract (config.py) and the dispatcher."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OPERATOR_MODULES = sorted(f"kvpilot.operator.{p.stem}" for p in (ROOT / "operator").glob("*.py"))
+ENGINE_CONTRACT = {"kvpilot.engine", "kvpilot.engine.config", "kvpilot.engine.cli"}
+HEAVY = ("torch", "transformers", "fastapi")
 
 
-def test_cli_parser_imports_no_heavy_engine_stack():
-    # `-c` from the repository root also proves that the folder operator/ does not shadow the
-    # stdlib module `operator` (which collections, and so nearly everything, imports).
-    code = (
-        "import sys; from kvpilot.engine.cli import build_parser; build_parser(); "
-        "heavy = [m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules]; "
-        "assert not heavy, heavy"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+def _imported_after(code: str) -> set[str]:
+    """The modules loaded by running `code` in a fresh interpreter at the repository root.
+
+    The root as working directory (first on sys.path under `-c`) also proves that the folder
+    operator/ does not shadow the stdlib module `operator`, which nearly everything imports.
+    """
+    script = f"import json, sys\n{code}\nprint(json.dumps(sorted(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            cwd=ROOT)
     assert result.returncode == 0, result.stderr
+    return set(json.loads(result.stdout.splitlines()[-1]))
+
+
+def _top(modules: set[str], names: tuple[str, ...]) -> list[str]:
+    return sorted(m for m in modules if m.split(".")[0] in names)
+
+
+def test_cli_parser_imports_no_heavy_engine_stack() -> None:
+    loaded = _imported_after("from kvpilot.engine.cli import build_parser; build_parser()")
+    assert not _top(loaded, HEAVY)
+
+
+def test_serve_parser_imports_no_operator() -> None:
+    loaded = _imported_after("from kvpilot.engine.cli import build_parser; build_parser('serve')")
+    assert not sorted(m for m in loaded if m.startswith("kvpilot.operator"))
+    assert not _top(loaded, ("kopf", "kubernetes"))
+
+
+def test_operator_imports_only_the_engines_contract() -> None:
+    assert {"kvpilot.operator.planner", "kvpilot.operator.handlers"} <= set(OPERATOR_MODULES)
+    imports = "; ".join(f"import {m}" for m in OPERATOR_MODULES)
+    loaded = _imported_after(
+        f"from kvpilot.engine.cli import build_parser; build_parser('plan'); {imports}")
+    assert not _top(loaded, HEAVY)
+    assert {m for m in loaded if m.startswith("kvpilot.engine")} <= ENGINE_CONTRACT

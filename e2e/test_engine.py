@@ -1,8 +1,9 @@
 """Scenario 7: a real engine behind a simulated pod answers the official OpenAI client.
 
-The sample InferenceService asks for the embedded model; the operator plans and renders its
-Deployment; kwok runs the pod (a loopback pod IP, no process); a real `kvpilot serve`, started with
-exactly the rendered arguments and bound to that pod IP, serves it.
+The sample InferenceService asks for the embedded model and leaves quantization and speculation
+to the CRD's defaults (auto); the operator plans and renders its Deployment; kwok runs the pod (a
+loopback pod IP, no process); a real `kvpilot serve`, started with exactly the rendered arguments
+and bound to that pod IP, serves it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from e2e.cluster import Cluster, is_loopback
 from e2e.local_engine import engine_argv, start_engine
 from e2e.local_operator import LocalOperator
 from e2e.procs import Process
+from kvpilot.engine.config import CAPABILITIES
 
 
 @pytest.fixture()
@@ -56,9 +58,13 @@ def test_engine_behind_a_simulated_pod_answers_the_openai_client(
     assert argv[1:] == ["serve", *[pod_ip if a == "0.0.0.0" else a for a in rendered["args"]]]
     assert argv == engine_argv(k8s.kubectl_json("get", "deployment", name, "-n", ns), pod_ip)
     plan = smollm2["status"]["plan"]
+    # The API server filled in the CRD's defaults; the plan chose among what this engine runs.
+    serving = smollm2["spec"]["serving"]
+    assert (serving["quantization"], serving["speculative"]) == ("auto", "auto")
+    assert plan["quantization"] in CAPABILITIES.quantization and plan["speculative"] in CAPABILITIES.speculative
     for flag, value in [("--max-num-seqs", plan["maxNumSeqs"]), ("--max-model-len", plan["maxModelLen"]),
-                        ("--max-num-batched-tokens", plan["maxNumBatchedTokens"]),
-                        ("--block-size", 16), ("--quantization", "none"), ("--speculative", "off")]:
+                        ("--max-num-batched-tokens", plan["maxNumBatchedTokens"]), ("--block-size", 16),
+                        ("--quantization", plan["quantization"]), ("--speculative", plan["speculative"])]:
         assert argv[argv.index(flag) + 1] == str(value), flag
 
     # The status names the Service's in-cluster URL; the client here dials the pod IP behind it

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,3 +50,14 @@ def test_operator_imports_only_the_engines_contract() -> None:
         f"from kvpilot.engine.cli import build_parser; build_parser('plan'); {imports}")
     assert not _top(loaded, HEAVY)
     assert {m for m in loaded if m.startswith("kvpilot.engine")} <= ENGINE_CONTRACT
+
+
+def test_operator_image_copies_only_the_contract() -> None:
+    # No Docker here: check the Dockerfile's lines against the contract and pyproject instead.
+    dockerfile = (ROOT / "operator" / "Dockerfile").read_text()
+    contract = " ".join(f"engine/{m.removeprefix('kvpilot.engine').lstrip('.') or '__init__'}.py"
+                        for m in sorted(ENGINE_CONTRACT))
+    assert f"COPY {contract} engine/\n" in dockerfile
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    subpackages = [p.removeprefix("kvpilot.engine.") for p in packages if p.startswith("kvpilot.engine.")]
+    assert f"RUN mkdir {' '.join(f'engine/{p}' for p in subpackages)}\n" in dockerfile

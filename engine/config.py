@@ -138,7 +138,7 @@ def to_argv(config: BaseModel) -> list[str]:
         if isinstance(value, bool):
             argv.append(_flag(name) if value else "--no-" + name.replace("_", "-"))
         else:
-            argv += [_flag(name), f"{value:g}" if isinstance(value, float) else str(value)]
+            argv += [_flag(name), repr(value) if isinstance(value, float) else str(value)]
     return argv
 
 

@@ -7,17 +7,52 @@ list hands it out for new content is its hash forgotten.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 
-BlockHash = int
+# A block's key in the prefix cache: the 32-byte SHA-256 digest below.
+BlockHash = bytes
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Hash of a full block, chained to its parent so equal blocks only match under equal prefixes."""
-    return hash((parent, tuple(token_ids)))
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], cache_salt: str | None = None) -> BlockHash:
+    """Key of a full block: SHA-256 over its parent's key, the request's cache salt (first block
+    only) and its token ids, so equal blocks match only under equal prefixes and equal salts.
+
+    A cryptographic hash, not Python's hash(): hash() of an int tuple is the same in every process,
+    so a colliding prompt can be searched for offline and would be served another request's KV
+    (the class of vLLM's CVE-2025-25183). The digest is taken over exactly these bytes:
+
+        first block:   b"\x00" + salt + tokens
+        later blocks:  b"\x01" + parent + tokens
+          salt   = b"\x00"                                   no cache_salt
+                 | b"\x01" + len(s).to_bytes(8, "little") + s  s = cache_salt.encode("utf-8")
+          parent = the parent block's 32-byte key
+          tokens = each token id as a little-endian uint32 (struct "<I"), in order
+
+    No two different inputs give the same bytes: the first byte says which header follows, every
+    header has a fixed or explicitly stated length (so no salt is a prefix of another, and no salt
+    equals None), and the tokens fill the rest at a fixed 4 bytes each, so their count and values
+    read back unambiguously. Token ids outside [0, 2**32) cannot be encoded and raise struct.error
+    rather than wrap (vocabularies are far below 2**32). The salt goes into the first block only:
+    it reaches every later block through the parent key.
+    """
+    if parent is None:
+        if cache_salt is None:
+            header = b"\x00\x00"
+        else:
+            salt = cache_salt.encode("utf-8")
+            header = b"\x00\x01" + len(salt).to_bytes(8, "little") + salt
+    else:
+        if cache_salt is not None:
+            raise ValueError("cache_salt is mixed into the first block only; later blocks inherit it from the parent key")
+        if len(parent) != 32:
+            raise ValueError(f"a parent key is a 32-byte SHA-256 digest, got {len(parent)} bytes")
+        header = b"\x01" + parent
+    return hashlib.sha256(header + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
 
 
 @dataclass

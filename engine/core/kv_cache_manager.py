@@ -101,6 +101,10 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, request.token_ids[i * bs : (i + 1) * bs]))
+            tokens = request.token_ids[i * bs : (i + 1) * bs]
+            # The salt goes into the first block's key; later blocks inherit it through the parent.
+            if i == 0:
+                hashes.append(hash_block(None, tokens, request.cache_salt))
+            else:
+                hashes.append(hash_block(hashes[-1], tokens))
         return hashes

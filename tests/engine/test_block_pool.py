@@ -29,15 +29,16 @@ def test_hash_chains_on_parent():
 
 def test_cached_block_is_evictable_and_reusable():
     pool = BlockPool(2)
+    key = hash_block(None, [1, 2, 3])
     (block,) = pool.allocate(1)
-    pool.cache(block, 123)
+    pool.cache(block, key)
     pool.free([block])
-    assert pool.num_free_blocks == 2 and pool.lookup(123) is block
+    assert pool.num_free_blocks == 2 and pool.lookup(key) is block
     pool.touch([block])  # a later request takes it back from the free list
     assert block.ref_count == 1 and pool.num_free_blocks == 1
     pool.free([block])
     pool.allocate(2)  # reusing it for new content forgets the hash
-    assert pool.lookup(123) is None
+    assert pool.lookup(key) is None
 
 
 def test_prefix_hits_share_blocks_and_count():

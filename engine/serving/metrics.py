@@ -15,6 +15,14 @@ pass for a fast answer.
 
 With vllm_compatible, the same observations are also exported under the names vLLM's dashboards
 and the Gateway API Inference Extension's endpoint picker read, with vLLM's `model_name` label.
+Those names, types and labels were checked against the Prometheus exporter of vLLM 0.33.0
+(PrometheusStatLogger in vllm/v1/metrics/loggers.py; the wheel's version commit is 4ba787ec9):
+per-request TPOT is `vllm:request_time_per_output_token_seconds` (the old
+`vllm:time_per_output_token_seconds` is gone), KV usage is `vllm:kv_cache_usage_perc` only (no
+`vllm:gpu_cache_usage_perc`). vLLM also labels every series with `engine` (the index of its
+engine core); kvpilot runs one engine per server and leaves that label out. vLLM's
+`vllm:admission_rejections` counts 503s for its `--max-num-queued-reqs` (waiting + running), a
+different limit from our 429 on the waiting queue, so our rejections have no vllm: name.
 """
 
 from __future__ import annotations
@@ -28,10 +36,13 @@ from kvpilot.engine.core.request import FinishReason
 from kvpilot.engine.core.scheduler import SchedulerStats
 from kvpilot.engine.outputs import StepOutput
 
-# 5 ms to 60 s, about four buckets per decade: enough for a p95 from histogram_quantile().
+# 1 ms to 20 min, at least four buckets per decade: enough for a p95 from histogram_quantile()
+# over GPU inter-token gaps of a few ms as well as CPU e2e latencies of several minutes (a long
+# generation on a CPU pod). Above the top bucket a quantile only says "more than 1200 s".
 LATENCY_BUCKETS = (
-    0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-    1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+    0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0,
+    60.0, 90.0, 120.0, 180.0, 240.0, 300.0, 450.0, 600.0, 900.0, 1200.0,
 )
 
 
@@ -47,7 +58,7 @@ class MetricSpec:
 SPECS = {
     "ttft": MetricSpec(Histogram, "time_to_first_token_seconds", "time_to_first_token_seconds",
                        "Time from arrival to the first output token, per sequence."),
-    "tpot": MetricSpec(Histogram, "time_per_output_token_seconds", "time_per_output_token_seconds",
+    "tpot": MetricSpec(Histogram, "time_per_output_token_seconds", "request_time_per_output_token_seconds",
                        "Mean time per output token after the first, per finished sequence."),
     "itl": MetricSpec(Histogram, "inter_token_latency_seconds", "inter_token_latency_seconds",
                       "Time between two consecutive output tokens of a sequence."),
@@ -77,10 +88,6 @@ SPECS = {
                            "HTTP requests refused with 429 because the waiting queue was full."),
 }
 
-# Older vLLM releases and some dashboards read the KV usage under this name.
-_VLLM_LEGACY_KV_USAGE = "gpu_cache_usage_perc"
-
-
 class _Family:
     """One logical metric, exported under one or two names."""
 
@@ -109,8 +116,6 @@ class ServingMetrics:
             names = [(f"kvpilot_{spec.name}", "model")]
             if vllm_compatible and spec.vllm_name:
                 names.append((f"vllm:{spec.vllm_name}", "model_name"))
-            if vllm_compatible and key == "kv_usage":
-                names.append((f"vllm:{_VLLM_LEGACY_KV_USAGE}", "model_name"))
             self._metrics[key] = [self._make(spec, name, model_label) for name, model_label in names]
         # Create every series now, so that a scrape shows zeros rather than nothing.
         for key, spec in SPECS.items():

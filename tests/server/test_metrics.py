@@ -1,9 +1,15 @@
-"""/metrics after a load: histogram counts and counters equal what was served."""
+"""/metrics after a load: histogram counts and counters equal what was served; the vllm: names."""
 
 from __future__ import annotations
 
 import asyncio
 
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.engine.core.scheduler import SchedulerStats
+from kvpilot.engine.outputs import StepOutput
+from kvpilot.engine.serving.metrics import LATENCY_BUCKETS, ServingMetrics
 from tests.server.conftest import MODEL, Server
 
 HISTOGRAMS = [
@@ -46,6 +52,8 @@ def test_counts_equal_requests_served(server: Server) -> None:
         assert delta(f"{histogram}_count") == n, histogram
         assert delta(f"{histogram}_sum") > 0, histogram
         assert delta(f"{histogram}_bucket", le="+Inf") == n, histogram
+        # Buckets reach 20 minutes: a multi-minute e2e on a CPU pod still lands in a finite bucket.
+        assert delta(f"{histogram}_bucket", le="1200.0") == n, histogram
     assert delta("kvpilot_inter_token_latency_seconds_count") == n * (max_tokens - 1)
     assert delta("kvpilot_request_success_total", finished_reason="length") == n
     assert delta("kvpilot_generation_tokens_total") == n * max_tokens
@@ -65,3 +73,92 @@ def test_every_metric_carries_the_model_label(server: Server) -> None:
         "kvpilot_num_preemptions_total", "kvpilot_prefix_cache_hits_total", "kvpilot_requests_rejected_total",
     }
     assert expected <= names
+
+
+def test_buckets_cover_ms_to_twenty_minutes() -> None:
+    assert LATENCY_BUCKETS == tuple(sorted(set(LATENCY_BUCKETS)))
+    assert LATENCY_BUCKETS[0] <= 0.001 and LATENCY_BUCKETS[-1] == 1200.0
+    for value in (600.0, 900.0):  # 10 and 15 minutes are bucket edges
+        assert value in LATENCY_BUCKETS
+    # At least four buckets per decade from 1 ms up, so histogram_quantile() interpolates finely.
+    for low, high in ((0.001, 0.01), (0.01, 0.1), (0.1, 1.0), (1.0, 10.0), (10.0, 100.0), (100.0, 1000.0)):
+        assert sum(low <= b < high for b in LATENCY_BUCKETS) >= 4, low
+
+
+# vLLM's own exporter, vLLM 0.33.0 (PrometheusStatLogger in vllm/v1/metrics/loggers.py): the name
+# of every metric kvpilot exports under a vllm: name, its type, and its labels besides `engine`
+# (the index of vLLM's engine core, which kvpilot leaves out: one engine per server).
+VLLM_METRICS = {
+    "vllm:time_to_first_token_seconds": ("histogram", {"model_name"}),
+    "vllm:request_time_per_output_token_seconds": ("histogram", {"model_name"}),
+    "vllm:inter_token_latency_seconds": ("histogram", {"model_name"}),
+    "vllm:e2e_request_latency_seconds": ("histogram", {"model_name"}),
+    "vllm:request_queue_time_seconds": ("histogram", {"model_name"}),
+    "vllm:num_requests_running": ("gauge", {"model_name"}),
+    "vllm:num_requests_waiting": ("gauge", {"model_name"}),
+    "vllm:kv_cache_usage_perc": ("gauge", {"model_name"}),
+    "vllm:prompt_tokens": ("counter", {"model_name"}),
+    "vllm:generation_tokens": ("counter", {"model_name"}),
+    "vllm:request_success": ("counter", {"model_name", "finished_reason"}),
+    "vllm:num_preemptions": ("counter", {"model_name"}),
+    "vllm:prefix_cache_queries": ("counter", {"model_name"}),
+    "vllm:prefix_cache_hits": ("counter", {"model_name"}),
+}
+# Names older vLLM releases exported and 0.33.0 does not: a dashboard must not find them here.
+VLLM_REMOVED = ("vllm:time_per_output_token_seconds", "vllm:gpu_cache_usage_perc",
+                "vllm:gpu_prefix_cache_queries", "vllm:gpu_prefix_cache_hits")
+
+
+def scrape(metrics: ServingMetrics) -> dict[str, tuple[str, list]]:
+    text = generate_latest(metrics.registry).decode()
+    return {f.name: (f.type, f.samples) for f in text_string_to_metric_families(text) if not f.name.endswith("_created")}
+
+
+def test_vllm_names_types_and_labels_match_vllm() -> None:
+    metrics = ServingMetrics("m", vllm_compatible=True)
+    # One sequence: admitted, scheduled, three tokens, finished by length; then the engine's state.
+    metrics.on_admitted(7)
+    metrics.on_scheduled(0.25)
+    step = dict(request_id="r", text_delta="", num_prompt_tokens=7, num_cached_tokens=0, stop_reason=None,
+                arrival_time=100.0, first_token_time=100.5)
+    for i, now in enumerate((100.5, 100.6, 100.7)):
+        output = StepOutput(new_token_ids=[i], num_output_tokens=i + 1, finish_reason="length" if i == 2 else None, **step)
+        metrics.on_tokens(output, now)
+    metrics.on_finished(output, 100.7)
+    metrics.set_state(SchedulerStats(num_running=1, num_waiting=2, kv_cache_usage=0.5, num_preemptions=3,
+                                     prefix_cache_queries=7, prefix_cache_hits=4))
+    families = scrape(metrics)
+
+    vllm_names = {name for name in families if name.startswith("vllm:")}
+    assert vllm_names == set(VLLM_METRICS)
+    for name in VLLM_REMOVED:
+        assert name not in families, name
+    for name, (kind, labels) in VLLM_METRICS.items():
+        assert families[name][0] == kind, name
+        for sample in families[name][1]:
+            assert set(sample.labels) - {"le"} == labels, (name, sample.labels)
+            assert sample.labels["model_name"] == "m", name
+    # Every vllm: series carries the same value as its kvpilot_ twin.
+    ours = {"vllm:request_time_per_output_token_seconds": "kvpilot_time_per_output_token_seconds",
+            "vllm:kv_cache_usage_perc": "kvpilot_kv_cache_usage_ratio"}
+    for name in VLLM_METRICS:
+        twin = ours.get(name, name.replace("vllm:", "kvpilot_"))
+        theirs = {(s.name.replace(name, twin), frozenset((k, v) for k, v in s.labels.items() if k != "model_name"), s.value)
+                  for s in families[name][1]}
+        mine = {(s.name, frozenset((k, v) for k, v in s.labels.items() if k != "model"), s.value) for s in families[twin][1]}
+        assert theirs == mine, name
+
+    def value(sample_name: str, **labels: str) -> float:
+        family = next(f for f in families if sample_name in (f, f"{f}_total", f"{f}_count", f"{f}_sum", f"{f}_bucket"))
+        return next(s.value for s in families[family][1] if s.name == sample_name and labels.items() <= s.labels.items())
+
+    assert value("vllm:request_time_per_output_token_seconds_count") == 1
+    assert abs(value("vllm:request_time_per_output_token_seconds_sum") - 0.1) < 1e-9  # (100.7 - 100.5) / 2
+    assert value("vllm:e2e_request_latency_seconds_bucket", le="1200.0") == 1
+    assert value("vllm:request_success_total", finished_reason="length") == 1
+    assert value("vllm:kv_cache_usage_perc") == 0.5
+    assert value("vllm:prefix_cache_hits_total") == 4
+
+
+def test_no_vllm_names_unless_asked() -> None:
+    assert not any(name.startswith("vllm:") for name in scrape(ServingMetrics("m")))

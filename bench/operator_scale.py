@@ -29,6 +29,7 @@ from e2e import kvis
 from e2e.chart import NAMESPACE, RELEASE, Installation, install
 from e2e.cluster import GPUNodeSpec, build_binaries, default_gpu_nodes, running_cluster
 from e2e.local_operator import LocalOperator
+from e2e.polling import poll
 
 WATCHED = "bench"
 GPUS_PER_NODE = 8
@@ -112,19 +113,22 @@ def run(count: int, steady_s: float, output: Path) -> dict[str, Any]:
             cluster.apply(*manifests, timeout=300)
             applied_s = time.monotonic() - t0
             first_ready_s = None
-            progress = []
-            while True:
+            progress: list[tuple[float, int]] = []
+
+            def all_ready() -> bool:
+                nonlocal first_ready_s
                 items = cluster.kubectl_json("get", "inferenceservices", "-n", WATCHED, timeout=120)["items"]
                 ready = ready_count(items)
                 elapsed = time.monotonic() - t0
                 progress.append((round(elapsed, 1), ready))
                 if ready and first_ready_s is None:
                     first_ready_s = elapsed
-                if ready == count:
-                    break
-                if elapsed > 600:
-                    raise TimeoutError(f"only {ready}/{count} Ready after 600 s")
-                time.sleep(1.0)
+                return ready == count
+
+            try:
+                poll(all_ready, 600, f"all {count} InferenceServices Ready", interval_s=1.0)
+            except TimeoutError:
+                raise TimeoutError(f"only {progress[-1][1]}/{count} Ready after 600 s") from None
             all_ready_s, wall_ready = time.monotonic() - t0, time.time()
             rss_ready = memory_kib(process.pid)
 

@@ -20,14 +20,14 @@ import math
 import os
 import platform
 import random
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from e2e.procs import LOOPBACK, free_port, start_http
+
+_REPO = Path(__file__).resolve().parents[1]
 BACKENDS = ("kvpilot", "hf")
 # Token ids below this are the special and byte tokens of small BPE vocabularies; random prompts skip them.
 _FIRST_PLAIN_TOKEN = 1000
@@ -121,7 +121,7 @@ async def run_rate(base_url: str, model: str, items: list[WorkItem], arrivals: l
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         start = time.perf_counter()
 
         async def fire(item: WorkItem, at: float) -> RequestResult:
@@ -176,52 +176,22 @@ def sustains(summary: dict[str, object], slo_ttft_ms: float) -> bool:
 # ---- servers ------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class _Server:
-    """A backend in a child process, on 127.0.0.1, stopped with SIGTERM."""
+    """A backend in a child process on 127.0.0.1 (e2e.procs: own session, log file), stopped by PID."""
 
-    def __init__(self, backend: str, server_args: list[str], log_dir: Path) -> None:
-        self.port = _free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        module = "kvpilot.engine.cli" if backend == "kvpilot" else "bench.hf_server"
-        cmd = [sys.executable, "-m", module, *(["serve"] if backend == "kvpilot" else []), "--host", "127.0.0.1", "--port", str(self.port)]
+    def __init__(self, backend: str, server_args: list[str], log_dir: Path, timeout_s: float = 180.0) -> None:
+        self.port = free_port()
+        self.base_url = f"http://{LOOPBACK}:{self.port}"
         if backend == "kvpilot":
-            cmd += server_args
-        log_dir.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, "-m", "kvpilot.engine.cli", "serve", "--host", LOOPBACK, "--port", str(self.port), *server_args]
+        else:
+            cmd = [sys.executable, "-m", "bench.hf_server", "--host", LOOPBACK, "--port", str(self.port)]
         self.log_path = log_dir / f"{backend}-server.log"
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        self._wait_ready("/ready" if backend == "kvpilot" else "/health")
-
-    def _wait_ready(self, path: str, timeout: float = 180.0) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(self.base_url + path, timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server not ready after {timeout:g} s; see {self.log_path}")
+        ready = self.base_url + ("/ready" if backend == "kvpilot" else "/health")
+        self.process = start_http(cmd, self.log_path, ready, timeout_s, cwd=_REPO, append=False, interval_s=0.2, grace_s=60.0)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.process.stop(grace_s=60.0)
 
 
 def _machine() -> dict[str, object]:
@@ -331,3 +301,4 @@ def run(args: argparse.Namespace) -> int:
     print(f"highest rate with p95 TTFT < {args.slo_ttft_ms:g} ms: {report['max_sustained_rate']}")
     print(f"wrote {output} and {args.plot}")
     return 0
+

@@ -43,6 +43,8 @@ from typing import Any
 
 import yaml
 
+from e2e.polling import poll
+
 E2E_DIR = Path(__file__).resolve().parent
 BUILD_SCRIPT = E2E_DIR / "build-binaries.sh"
 
@@ -488,8 +490,10 @@ class Cluster:
 
         Fails fast when a component process has exited.
         """
-        deadline = time.monotonic() + timeout_s
-        while True:
+        last = ""
+
+        def ready() -> bool:
+            nonlocal last
             self._raise_if_dead()
             p = self.kubectl("get", "--raw", "/readyz", check=False, timeout=10)
             if p.returncode == 0 and p.stdout.strip() == "ok":
@@ -497,13 +501,15 @@ class Cluster:
                 if p.returncode == 0:
                     pending = self.not_ready_nodes()
                     if not pending:
-                        return
+                        return True
                     p = subprocess.CompletedProcess([], 1, "", f"nodes not Ready: {', '.join(pending)}")
-            if time.monotonic() > deadline:
-                raise ClusterError(
-                    f"cluster {self.name} not ready after {timeout_s:.0f}s: {(p.stdout + p.stderr).strip()}"
-                )
-            time.sleep(0.5)
+            last = (p.stdout + p.stderr).strip()
+            return False
+
+        try:
+            poll(ready, timeout_s, f"cluster {self.name} ready")
+        except TimeoutError:
+            raise ClusterError(f"cluster {self.name} not ready after {timeout_s:.0f}s: {last}") from None
 
     def add_nodes(self, nodes: Sequence[GPUNodeSpec]) -> None:
         start = len(self.nodes)
@@ -549,10 +555,14 @@ def stop_pids(pids: Mapping[str, int], marker: str, grace_s: float = 10.0) -> di
     for pid in alive.values():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.2)
+
+    def gone() -> bool:
+        nonlocal alive
         alive = {n: p for n, p in alive.items() if pid_belongs(p, marker)}
+        return not alive
+
+    with contextlib.suppress(TimeoutError):
+        poll(gone, grace_s, "processes to exit on SIGTERM", interval_s=0.2)
     for pid in alive.values():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -612,15 +622,17 @@ def _kwokctl_create(cluster: Cluster, config_path: Path, timeout_s: float) -> No
         "--wait=0s",
     ]
     log_path = cluster.state_dir / "kwokctl-create.log"
-    deadline = time.monotonic() + timeout_s + 30
+
+    def finished() -> bool:
+        cluster._raise_if_dead()
+        return proc.poll() is not None
+
     with log_path.open("w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=cluster.env())
         try:
-            while proc.poll() is None:
-                cluster._raise_if_dead()
-                if time.monotonic() > deadline:
-                    raise ClusterError(f"kwokctl create cluster did not finish within {timeout_s + 30:.0f}s")
-                time.sleep(0.3)
+            poll(finished, timeout_s + 30, "kwokctl create cluster", interval_s=0.3)
+        except TimeoutError:
+            raise ClusterError(f"kwokctl create cluster did not finish within {timeout_s + 30:.0f}s") from None
         finally:
             if proc.poll() is None:
                 proc.terminate()

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from e2e.procs import Process, kvpilot_executable, start
+from e2e.procs import Process, kvpilot_executable, start_http
 from kvpilot.operator.render import CONTAINER
 
 def _set_flag(args: list[str], flag: str, value: str) -> None:
@@ -46,11 +46,6 @@ def start_engine(deployment: dict[str, Any], pod: dict[str, Any], log: Path,
                  ready_timeout_s: float = 300.0) -> tuple[Process, str]:
     """Start the engine for `pod` and wait until it serves /ready; return it and its base URL."""
     argv = engine_argv(deployment, pod["status"]["podIP"])
-    process = start(argv, log, {**os.environ, "PYTHONUNBUFFERED": "1"})
     url = base_url(argv)
-    try:
-        process.wait_http_ok(f"{url}/ready", ready_timeout_s)
-    except BaseException:
-        process.stop()
-        raise
+    process = start_http(argv, log, f"{url}/ready", ready_timeout_s, {**os.environ, "PYTHONUNBUFFERED": "1"})
     return process, url

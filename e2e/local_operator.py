@@ -8,7 +8,6 @@ the chart's RBAC grants, as in the cluster. Its liveness endpoint moves from 0.0
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import yaml
 
 from e2e.chart import Installation
 from e2e.cluster import Cluster
-from e2e.procs import Process, kvpilot_executable, start
+from e2e.procs import LOOPBACK, Process, free_port, kvpilot_executable, start_http
 
 CONTAINER = "operator"
 
@@ -43,19 +42,13 @@ def service_account_kubeconfig(cluster: Cluster, installation: Installation, pat
     return path
 
 
-def free_loopback_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def operator_argv(deployment: dict[str, Any], liveness_port: int) -> list[str]:
     """The chart Deployment's operator command line, runnable here."""
     container = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == CONTAINER)
     if container["command"] != ["kvpilot"]:
         raise ValueError(f"unexpected operator command {container['command']}")
     args = [a for a in container["args"] if not a.startswith("--liveness")]
-    return [kvpilot_executable(), *args, f"--liveness=http://127.0.0.1:{liveness_port}/healthz"]
+    return [kvpilot_executable(), *args, f"--liveness=http://{LOOPBACK}:{liveness_port}/healthz"]
 
 
 class LocalOperator:
@@ -74,18 +67,15 @@ class LocalOperator:
             service_account_kubeconfig(self.cluster, self.installation, self.kubeconfig)
         deployment = self.cluster.kubectl_json("get", "deployment", self.installation.fullname,
                                                "-n", self.installation.namespace)
-        port = free_loopback_port()
+        port = free_port()
         self.starts += 1
-        self.process = start(
+        self.process = start_http(
             operator_argv(deployment, port),
             self.workdir / f"operator-{self.starts}.log",
+            f"http://{LOOPBACK}:{port}/healthz",
+            timeout_s,
             self.cluster.env(KUBECONFIG=str(self.kubeconfig), PYTHONUNBUFFERED="1"),
         )
-        try:
-            self.process.wait_http_ok(f"http://127.0.0.1:{port}/healthz", timeout_s)
-        except BaseException:
-            self.process.stop()
-            raise
         return self.process
 
     def stop(self) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ipaddress
-import time
 from typing import Any
 
 import pytest
@@ -17,6 +16,7 @@ from e2e.cluster import (
     listening_sockets,
     non_loopback_ips,
 )
+from e2e.polling import poll
 
 
 def _wait_pod(k8s: Cluster, ns: str, name: str, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -49,10 +49,8 @@ def namespace(k8s: Cluster, request: pytest.FixtureRequest) -> Any:
     ns = "t-" + request.node.name.lower().replace("_", "-")[:50]
     k8s.kubectl("create", "namespace", ns)
     # the ServiceAccount admission plugin needs the namespace's default ServiceAccount
-    deadline = time.monotonic() + 30
-    while k8s.kubectl("get", "serviceaccount", "default", "-n", ns, check=False).returncode != 0:
-        assert time.monotonic() < deadline, f"no default ServiceAccount in {ns}"
-        time.sleep(0.2)
+    poll(lambda: k8s.kubectl("get", "serviceaccount", "default", "-n", ns, check=False).returncode == 0, 30,
+         f"the default ServiceAccount in {ns}", interval_s=0.2)
     yield ns
     k8s.kubectl("delete", "namespace", ns, "--wait=false")
 
@@ -107,14 +105,13 @@ def test_pod_schedules_onto_requested_gpu_with_loopback_ip(k8s: Cluster, namespa
 
     # the real scheduler enforces GPU capacity: 9 GPUs fit on no node
     k8s.apply(_gpu_pod("too-big", namespace, "NVIDIA-H100-80GB-HBM3", gpus=9))
-    deadline = time.monotonic() + 30
-    while True:
+    def unschedulable() -> dict[str, Any] | None:
         pod = k8s.kubectl_json("get", "pod", "-n", namespace, "too-big")
         conds = {c["type"]: c for c in pod["status"].get("conditions", [])}
-        if conds.get("PodScheduled", {}).get("reason") == "Unschedulable":
-            break
-        assert time.monotonic() < deadline, pod["status"]
-        time.sleep(0.5)
+        return pod if conds.get("PodScheduled", {}).get("reason") == "Unschedulable" else None
+
+    pod = poll(unschedulable, 30, "pod too-big to be Unschedulable")
+    conds = {c["type"]: c for c in pod["status"]["conditions"]}
     assert "nvidia.com/gpu" in conds["PodScheduled"]["message"]
     assert not pod["spec"].get("nodeName")
 
@@ -152,15 +149,12 @@ def test_controller_manager_runs_deployments(k8s: Cluster, namespace: str) -> No
     })
     svc = k8s.kubectl_json("get", "service", "-n", namespace, "engine")
     assert is_loopback(svc["spec"]["clusterIP"])
-    deadline = time.monotonic() + 30
-    while True:
+    def failed_endpoint_slices() -> list[str]:
         events = k8s.kubectl_json("get", "events", "-n", namespace,
                                   "--field-selector", "involvedObject.kind=Service,involvedObject.name=engine")
-        messages = [e["message"] for e in events["items"] if e["reason"] == "FailedToUpdateEndpointSlices"]
-        if messages:
-            break
-        assert time.monotonic() < deadline, events
-        time.sleep(0.5)
+        return [e["message"] for e in events["items"] if e["reason"] == "FailedToUpdateEndpointSlices"]
+
+    messages = poll(failed_endpoint_slices, 30, "a FailedToUpdateEndpointSlices event for Service engine")
     assert "may not be in the loopback range" in messages[0]
     assert k8s.kubectl_json("get", "endpointslices", "-n", namespace)["items"] == []
 

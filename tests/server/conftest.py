@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +14,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from e2e.polling import poll
+from e2e.procs import LOOPBACK, Process, free_port, start_http
 from kvpilot.engine import LLM
+
+__all__ = ["KV_BYTES", "MODEL", "REPO", "Server", "free_port", "start_server", "wait_until"]
 
 MODEL = "SmolLM2-135M-Instruct"
 REPO = Path(__file__).resolve().parents[2]
@@ -26,44 +27,49 @@ KV_BYTES = 128 << 20
 STARTUP_TIMEOUT_S = 90.0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def wait_until(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
     """Poll `condition` until it holds; fail the test with `what` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
+    try:
+        poll(condition, timeout, what, interval_s=interval)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout:g} s waiting for {what}") from None
 
 
 @dataclass
 class Server:
-    proc: subprocess.Popen[bytes]
+    """A `kvpilot serve` child process (the shared e2e.procs.Process) and clients for it."""
+
+    process: Process
     port: int
     api_key: str | None = None
-    log_path: Path | None = None
     http: httpx.Client = field(init=False)
 
     def __post_init__(self) -> None:
-        self.http = httpx.Client(base_url=self.base_url, timeout=60)
+        # Direct: never through a proxy from the environment, only loopback is dialled.
+        self.http = httpx.Client(base_url=self.base_url, timeout=60, trust_env=False)
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        return self.process.popen
+
+    @property
+    def log_path(self) -> Path:
+        return self.process.log
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{LOOPBACK}:{self.port}"
 
     def client(self, **kwargs: object) -> openai.OpenAI:
+        kwargs.setdefault("http_client", openai.DefaultHttpxClient(trust_env=False))
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused", timeout=120, **kwargs)
 
     def async_client(self, **kwargs: object) -> openai.AsyncOpenAI:
+        kwargs.setdefault("http_client", openai.DefaultAsyncHttpxClient(trust_env=False))
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused", timeout=120, **kwargs)
 
     def log(self) -> str:
-        return self.log_path.read_text() if self.log_path else ""
+        return self.process.log_text()
 
     def metrics(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
         """Every sample on /metrics, keyed by (sample name, labels)."""
@@ -78,38 +84,21 @@ class Server:
         return self.metrics()[(name, frozenset(labels.items()))]
 
     def terminate(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        """SIGTERM, then SIGKILL after `timeout` s; the exit status (0: drained and exited cleanly)."""
         try:
-            return self.proc.wait(timeout=timeout)
+            return self.process.stop(grace_s=timeout)
         finally:
             self.http.close()
 
 
 def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None, api_key: str | None = None) -> Server:
+    """`kvpilot serve` on a free loopback port with a small KV pool, once it answers /ready."""
     port = free_port()
-    log_path = tmp_path / f"serve-{port}.log"
-    cmd = [sys.executable, "-m", "kvpilot.engine.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "kvpilot.engine.cli", "serve", "--host", LOOPBACK, "--port", str(port),
            "--kv-cache-memory-bytes", str(KV_BYTES), *args]
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    server = Server(proc, port, api_key, log_path)
-
-    def ready() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"kvpilot serve exited with {proc.returncode}:\n{server.log()}")
-        try:
-            return server.http.get("/ready").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(ready, STARTUP_TIMEOUT_S, "/ready", interval=0.2)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    return server
+    process = start_http(cmd, tmp_path / f"serve-{port}.log", f"http://{LOOPBACK}:{port}/ready", STARTUP_TIMEOUT_S,
+                         {**os.environ, **(env or {})}, cwd=REPO, interval_s=0.2)
+    return Server(process, port, api_key)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.outputs import CompletionOutput, RequestOutput
+from kvpilot.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.sampling_params import SamplingParams
 
@@ -37,6 +37,7 @@ class LLM:
 
         groups: list[list[Request]] = []
         finals: dict[str, CompletionOutput] = {}
+        prompt_logprobs: dict[str, list] = {}
         try:
             for prompt, params in zip(prompts, sampling_params):
                 groups.append([self.engine.add_request(prompt, p) for p in params.per_sequence()])
@@ -48,12 +49,16 @@ class LLM:
                     final.text += step.text_delta
                     final.token_ids += step.new_token_ids
                     final.finish_reason, final.stop_reason = step.finish_reason, step.stop_reason
+                    if step.logprobs is not None:
+                        final.logprobs = (final.logprobs or []) + step.logprobs
+                    if step.prompt_logprobs is not None:
+                        prompt_logprobs[step.request_id] = step.prompt_logprobs
         except BaseException:
             for group in groups:
                 for request in group:
                     self.engine.abort(request.request_id)
             raise
-        return [_to_output(prompt, group, finals) for prompt, group in zip(prompts, groups)]
+        return [_to_output(prompt, group, finals, prompt_logprobs.get(group[0].request_id)) for prompt, group in zip(prompts, groups)]
 
     def chat(
         self,
@@ -65,7 +70,8 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
 
-def _to_output(prompt: Prompt, group: list[Request], finals: dict[str, CompletionOutput]) -> RequestOutput:
+def _to_output(prompt: Prompt, group: list[Request], finals: dict[str, CompletionOutput],
+               prompt_logprobs: list[PositionLogprobs | None] | None) -> RequestOutput:
     first = group[0]
     return RequestOutput(
         request_id=first.request_id,
@@ -73,4 +79,5 @@ def _to_output(prompt: Prompt, group: list[Request], finals: dict[str, Completio
         prompt_token_ids=first.prompt_token_ids,
         outputs=[finals[r.request_id] for r in group],
         num_cached_tokens=first.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs,
     )

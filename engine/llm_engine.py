@@ -6,13 +6,14 @@ import itertools
 import logging
 
 import torch
+from transformers import PretrainedConfig
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import FinishReason, Request
 from kvpilot.engine.core.sampling_params import SamplingParams
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerStats
-from kvpilot.engine.model.loader import EMBEDDED_MODEL, load_tokenizer, resolve_model
+from kvpilot.engine.model.loader import EMBEDDED_MODEL, load_config, load_tokenizer, resolve_model
 from kvpilot.engine.output_processor import OutputProcessor
 from kvpilot.engine.outputs import StepOutput
 from kvpilot.engine.worker.model_runner import ModelRunner
@@ -28,12 +29,13 @@ class LLMEngine:
         self.model_path = resolve_model(self.config.model)
         self.model_name = self.config.model or EMBEDDED_MODEL
         self.tokenizer = load_tokenizer(self.model_path)
-        self.runner = ModelRunner(self.config, self.model_path)
+        eos_token_ids = self._eos_token_ids(load_config(self.model_path))
+        self.runner = ModelRunner(self.config, self.model_path, eos_token_ids)
         self.max_model_len = self._max_model_len()
         self.vocab_size = self.runner.hf_config.vocab_size
         self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len, eos_token_ids=self._eos_token_ids())
+                                   max_model_len=self.max_model_len, eos_token_ids=eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -55,13 +57,13 @@ class LLMEngine:
             )
         return wanted
 
-    def _eos_token_ids(self) -> set[int]:
+    def _eos_token_ids(self, hf_config: PretrainedConfig) -> frozenset[int]:
         ids = set()
-        eos = getattr(self.runner.hf_config, "eos_token_id", None)
+        eos = getattr(hf_config, "eos_token_id", None)
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
-        return ids
+        return frozenset(ids)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -11,13 +11,13 @@ back when the stop string completes and the text is cut before it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
 from kvpilot.engine.core.request import FinishReason, Request
 from kvpilot.engine.core.scheduler import EngineCoreOutput
-from kvpilot.engine.outputs import StepOutput
+from kvpilot.engine.outputs import Logprob, PositionLogprobs, StepOutput, TokenLogprobs
 
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -100,16 +100,33 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer
     deltas: TextDeltas
     stop: list[str]
+    # Prompt token scores by position, until the first output carries them (a preempted request
+    # scores its prompt again: the same positions, the same values).
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs_sent: bool = False
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
+        self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
 
     def add_request(self, request: Request) -> None:
         stop = list(request.params.stop)
         self._states[request.request_id] = _RequestState(IncrementalDetokenizer(self.tokenizer), TextDeltas(stop), stop)
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _position(self, scores: TokenLogprobs) -> PositionLogprobs:
+        return PositionLogprobs(
+            chosen=Logprob(scores.token_id, self._token_text(scores.token_id), scores.logprob),
+            top=[Logprob(t, self._token_text(t), lp) for t, lp in scores.top],
+        )
 
     def abort(self, request: Request) -> StepOutput | None:
         """The last output of an aborted request (None if it had already finished)."""
@@ -128,10 +145,17 @@ class OutputProcessor:
             state = self._states.get(request.request_id)
             if state is None:
                 continue
+            if out.prompt_logprobs is not None:
+                first, entries = out.prompt_logprobs
+                state.prompt_logprobs.update((first + i, e) for i, e in enumerate(entries))
+            if not out.new_token_ids and out.finish_reason is None:
+                continue
             checked = len(state.detokenizer.text)
             text = state.detokenizer.append(request.output_token_ids)
             finish, stop_reason = out.finish_reason, out.stop_reason
-            match = find_stop(text, state.stop, checked) if state.stop else None
+            # Before min_tokens, stop strings do not count (as EOS and stop tokens are not sampled).
+            searching = state.stop and request.num_output_tokens >= request.params.min_tokens
+            match = find_stop(text, state.stop, checked) if searching else None
             if match is not None:
                 at, stop = match
                 text = text[:at]
@@ -144,16 +168,27 @@ class OutputProcessor:
             delta = state.deltas.next(text, finish is not None)
             if finish is not None:
                 del self._states[request.request_id]
-            step_outputs.append(_step_output(request, out.new_token_ids, delta, finish, stop_reason))
+            step_outputs.append(_step_output(
+                request, out.new_token_ids, delta, finish, stop_reason,
+                logprobs=[self._position(e) for e in out.logprobs] if out.logprobs is not None else None,
+                prompt_logprobs=self._prompt_logprobs(request, state)))
         return step_outputs, stopped
 
 
+    def _prompt_logprobs(self, request: Request, state: _RequestState) -> list[PositionLogprobs | None] | None:
+        if request.params.prompt_logprobs is None or state.prompt_logprobs_sent:
+            return None
+        state.prompt_logprobs_sent = True
+        scores = state.prompt_logprobs
+        return [None] + [self._position(scores[p]) for p in range(1, request.num_prompt_tokens)]
+
+
 def _step_output(request: Request, new_token_ids: list[int], delta: str, finish: FinishReason | None,
-                 stop_reason: str | int | None) -> StepOutput:
+                 stop_reason: str | int | None, **logprobs: list | None) -> StepOutput:
     return StepOutput(
         request_id=request.request_id, new_token_ids=new_token_ids, text_delta=delta,
         num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
         num_cached_tokens=request.num_cached_tokens,
         finish_reason=finish.value if finish is not None else None, stop_reason=stop_reason,
-        arrival_time=request.arrival_time, first_token_time=request.first_token_time,
+        arrival_time=request.arrival_time, first_token_time=request.first_token_time, **logprobs,
     )

@@ -7,6 +7,21 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class Logprob:
+    token_id: int
+    token: str  # the token's text on its own (may hold U+FFFD for part of a multi-byte character)
+    logprob: float
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """The chosen token at one position and the most likely tokens there, most likely first."""
+
+    chosen: Logprob
+    top: list[Logprob]
+
+
+@dataclass(frozen=True)
 class StepOutput:
     """What one step produced for one sequence. Concatenating a sequence's text deltas gives its
     whole output text; finish_reason is set on its last output."""
@@ -21,6 +36,9 @@ class StepOutput:
     stop_reason: str | int | None  # the stop string or stop token that ended it
     arrival_time: float
     first_token_time: float | None
+    logprobs: list[PositionLogprobs] | None = None  # one per new token, when asked for
+    # On a sequence's first output, when asked for: one per prompt token (None for the first).
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -34,6 +52,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    logprobs: list[PositionLogprobs] | None = None  # with SamplingParams.logprobs
 
 
 @dataclass
@@ -43,7 +62,30 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # with SamplingParams.prompt_logprobs
 
     @property
     def finished(self) -> bool:
         return all(o.finish_reason is not None for o in self.outputs)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's log-probabilities under the model (before temperature or penalties): the
+    chosen token's, and the most likely tokens', most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step computed: sampled tokens per request (a list: a verification step yields
+    several), and log-probabilities where the request asked for them."""
+
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # request id -> (position of the token the first entry scores, entries): a prefill chunk's
+    # prompt tokens, each scored by the position before it.
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

@@ -29,8 +29,8 @@ class KVCacheManager:
         At least one token is left to compute: the step that computes it produces the logits
         from which the next token is sampled.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._hashes_for(request, max_blocks)
         hits: list[Block] = []

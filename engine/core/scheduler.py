@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import FinishReason, Request, RequestStatus
+from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs
 
 
 @dataclass
@@ -52,6 +53,8 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
+    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None  # see ModelRunnerOutput
 
     @property
     def finished(self) -> bool:
@@ -137,7 +140,7 @@ class Scheduler:
         out.scheduled = [ScheduledRequest(r, n, self.kv.block_ids(r)) for r, n in scheduled]
         return out
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[EngineCoreOutput]:
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance each scheduled request by the tokens it computed and append what was sampled for
         it (a list: a verification step yields several); finish requests that hit a stop."""
         now = time.monotonic()
@@ -148,9 +151,13 @@ class Scheduler:
                 continue
             request.num_computed_tokens += item.num_tokens
             self.kv.cache_full_blocks(request)
-            new_tokens = sampled.get(request.request_id)
+            new_tokens = runner_output.sampled.get(request.request_id)
+            prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
             if not new_tokens:
-                continue  # a prefill chunk short of the prompt's end samples nothing
+                # A prefill chunk short of the prompt's end samples nothing.
+                if prompt_logprobs is not None:
+                    outputs.append(EngineCoreOutput(request, [], prompt_logprobs=prompt_logprobs))
+                continue
             if request.first_token_time is None:
                 request.first_token_time = now
             appended: list[int] = []
@@ -163,7 +170,10 @@ class Scheduler:
                     break
             if finish is not None:
                 self._finish(request, *finish)
-            outputs.append(EngineCoreOutput(request, appended, *(finish or (None, None))))
+            logprobs = runner_output.logprobs.get(request.request_id)
+            outputs.append(EngineCoreOutput(request, appended, *(finish or (None, None)),
+                                            logprobs=logprobs[: len(appended)] if logprobs is not None else None,
+                                            prompt_logprobs=prompt_logprobs))
         return outputs
 
     def _check_stop(self, request: Request, token: int) -> tuple[FinishReason, str | int | None] | None:

@@ -12,7 +12,8 @@ from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.scheduler import SchedulerOutput
 from kvpilot.engine.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kvpilot.engine.model.loader import load_config, load_model
-from kvpilot.engine.worker.sampler import Sampler, SamplingMetadata
+from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs
+from kvpilot.engine.worker.sampler import RowPenalty, Sampler, SamplingMetadata, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,9 @@ def kv_budget_after_profile(total_bytes: int, utilization: float, peak_bytes: in
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: Path) -> None:
+    def __init__(self, config: EngineConfig, model_path: Path, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.config = config
+        self.eos_token_ids = eos_token_ids  # banned while a request is short of its min_tokens
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
         self.block_size = config.block_size
@@ -91,8 +93,10 @@ class ModelRunner:
         log.info("gpu memory: total=%d peak=%d kv_budget=%d", total, peak, budget)
         return budget
 
-    def execute(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
-        """Run one step; return the tokens sampled for each request that reached its last known token."""
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: sample for each request that reached its last known token, and score the
+        prompt tokens of requests that asked for prompt logprobs."""
         for request_id in scheduler_output.finished_request_ids:
             self._generators.pop(request_id, None)
         # Decodes first, by context length, so that each decode group pads to similar lengths.
@@ -105,6 +109,7 @@ class ModelRunner:
         slot_mapping: list[torch.Tensor] = []
         sample_rows: list[int] = []
         sampled: list[Request] = []
+        scored: list[tuple[Request, int, int, int]] = []  # (request, first row, first position, tokens) to score
         for item in order:
             request, n = item.request, item.num_tokens
             start = request.num_computed_tokens
@@ -115,6 +120,8 @@ class ModelRunner:
                 decode_contexts.append(context_slots)
             else:
                 prefills.append(PrefillChunk(start=len(input_ids), num_tokens=n, num_cached=start, slots=context_slots.to(self.device)))
+            if request.params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
+                scored.append((request, len(input_ids), start, n))
             slot_mapping.append(context_slots[start:])
             input_ids.extend(request.token_ids[start:end])
             positions.extend(range(start, end))
@@ -133,24 +140,49 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=device),
             self.kv_caches, meta,
         )
+        out = ModelRunnerOutput(prompt_logprobs={r.request_id: self._prompt_logprobs(hidden, r, row, pos, n) for r, row, pos, n in scored})
         if not sampled:
-            return {}
+            return out
         logits = self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)])
-        tokens = self.sampler(logits, self._sampling_metadata(sampled)).tolist()
-        return {request.request_id: [token] for request, token in zip(sampled, tokens)}
+        result = self.sampler(logits, self._sampling_metadata(sampled))
+        for row, (request, token) in enumerate(zip(sampled, result.tokens.tolist())):
+            out.sampled[request.request_id] = [token]
+            if row in result.logprobs:
+                logprob, top = result.logprobs[row]
+                out.logprobs[request.request_id] = [TokenLogprobs(token, logprob, top)]
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, request: Request, row: int, position: int, num_tokens: int) -> tuple[int, list[TokenLogprobs]]:
+        """Scores of the prompt tokens that a chunk of `num_tokens` rows from `row` (positions from
+        `position`) predicts: position p scores token p + 1, up to the prompt's last token."""
+        count = min(position + num_tokens, request.num_prompt_tokens - 1) - position
+        logprobs = torch.log_softmax(self.model.logits(hidden[row : row + count]), dim=-1)
+        targets = torch.tensor(request.token_ids[position + 1 : position + 1 + count], device=self.device)
+        k = request.params.prompt_logprobs or 0
+        scores = token_logprobs(logprobs, targets, {i: k for i in range(count)})
+        return position + 1, [TokenLogprobs(int(t), *scores[i]) for i, t in enumerate(targets.tolist())]
 
     def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
         params = [r.params for r in requests]
         device = self.device
         greedy = [p.greedy for p in params]
         generators = {}
+        penalties = []
+        banned = {}
         for row, request in enumerate(requests):
-            seed = request.params.seed
-            if seed is not None and not greedy[row]:
+            p = request.params
+            if p.seed is not None and not greedy[row]:
                 generator = self._generators.get(request.request_id)
                 if generator is None:
-                    generator = self._generators[request.request_id] = torch.Generator(device).manual_seed(seed)
+                    generator = self._generators[request.request_id] = torch.Generator(device).manual_seed(p.seed)
                 generators[row] = generator
+            if p.penalized:
+                output_ids = torch.tensor(request.output_token_ids, dtype=torch.long, device=device)
+                seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.long, device=device)
+                penalties.append(RowPenalty(row, output_ids, seen, p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
+            if request.num_output_tokens < p.min_tokens:
+                banned[row] = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+        min_p = [p.min_p for p in params]
         return SamplingMetadata(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
@@ -158,6 +190,10 @@ class ModelRunner:
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             all_greedy=all(greedy),
             generators=generators,
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device) if any(min_p) else None,
+            penalties=penalties,
+            banned={row: ids for row, ids in banned.items() if ids},
+            num_logprobs={row: p.logprobs for row, p in enumerate(params) if p.logprobs is not None},
         )
 
 

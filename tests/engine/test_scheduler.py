@@ -4,6 +4,7 @@ from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import FinishReason, Request, RequestStatus
 from kvpilot.engine.core.sampling_params import SamplingParams
 from kvpilot.engine.core.scheduler import Scheduler
+from kvpilot.engine.outputs import ModelRunnerOutput
 
 
 def make(num_blocks: int = 64, seqs: int = 8, budget: int = 32, block_size: int = 4) -> Scheduler:
@@ -14,7 +15,7 @@ def run_step(s: Scheduler) -> list[tuple[str, int]]:
     """Schedule, then pretend the model ran: advance computed tokens and append a token where due."""
     out = s.schedule()
     due = {i.request.request_id: [7] for i in out.scheduled if i.request.num_computed_tokens + i.num_tokens == i.request.num_tokens}
-    s.update_from_output(out, due)
+    s.update_from_output(out, ModelRunnerOutput(sampled=due))
     return [(i.request.request_id, i.num_tokens) for i in out.scheduled]
 
 
@@ -74,7 +75,7 @@ def test_update_from_output_appends_several_tokens_and_stops_at_the_first_stop()
     r = Request("r", list(range(6)), SamplingParams(max_tokens=10, stop_token_ids=[42]))
     s.add(r)
     out = s.schedule()
-    (core,) = s.update_from_output(out, {"r": [5, 42, 9]})  # e.g. a verification step
+    (core,) = s.update_from_output(out, ModelRunnerOutput(sampled={"r": [5, 42, 9]}))  # e.g. a verification step
     assert core.new_token_ids == [5, 42] and core.finish_reason is FinishReason.STOP and core.stop_reason == 42
     assert r.output_token_ids == [5, 42] and r.num_computed_tokens == 6
     assert not s.has_unfinished() and s.kv.pool.num_free_blocks == 64
@@ -88,16 +89,16 @@ def test_length_and_eos_finish_in_update_from_output():
     eos = Request("eos", list(range(6)), SamplingParams(max_tokens=100))
     s.add(long)
     s.add(eos)
-    outs = s.update_from_output(s.schedule(), {"long": [2, 2, 2, 2], "eos": [3, 2]})
+    outs = s.update_from_output(s.schedule(), ModelRunnerOutput(sampled={"long": [2, 2, 2, 2], "eos": [3, 2]}))
     assert [(o.new_token_ids, o.finish_reason) for o in outs] == [([2, 2, 2], FinishReason.LENGTH), ([3, 2], FinishReason.STOP)]
 
 
 def test_stats_report_first_scheduling_once():
     s = make()
     s.add(Request("a", [1, 2, 3], SamplingParams(), arrival_time=0.0))
-    s.update_from_output(s.schedule(), {"a": [4]})
+    s.update_from_output(s.schedule(), ModelRunnerOutput(sampled={"a": [4]}))
     stats = s.make_stats()
     assert [rid for rid, _ in stats.first_scheduled] == ["a"] and stats.first_scheduled[0][1] > 0
     assert stats.num_running == 1 and stats.num_waiting == 0
-    s.update_from_output(s.schedule(), {"a": [5]})
+    s.update_from_output(s.schedule(), ModelRunnerOutput(sampled={"a": [5]}))
     assert s.make_stats().first_scheduled == ()

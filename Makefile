@@ -24,8 +24,9 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests e2e
 
+# The benchmarks are scripts in bench/ (see bench/RESULTS.md); this one is engine vs HF generate offline.
 bench: $(STAMP)
-	$(VENV)/bin/kvpilot bench offline
+	$(PY) -m bench.offline
 
 # The whole path on this machine, left running: local control plane, chart, operator, an engine.
 demo: $(STAMP)

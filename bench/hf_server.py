@@ -2,7 +2,7 @@
 
 What a team gets by wrapping `model.generate()` in a web server: no batching, no paged KV, each
 request waits for the one before it. It speaks just enough of /v1/completions (token-id or text
-prompt, max_tokens, ignore_eos, greedy, streaming with usage) for `kvpilot bench serve`.
+prompt, max_tokens, ignore_eos, greedy, streaming with usage) for `python -m bench.serve`.
 
     python -m bench.hf_server --port 8001 [--model PATH]
 """

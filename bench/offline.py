@@ -1,4 +1,7 @@
-"""Offline throughput: the engine versus HuggingFace batched generate on the same requests, one run."""
+"""Offline throughput: the engine versus HuggingFace batched generate on the same requests, one run.
+
+    .venv/bin/python -m bench.offline [--num-requests 64] [--hf-batch-size 16,64]   # from the repository root
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import argparse
 import json
 import platform
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -72,10 +76,15 @@ def run_hf(requests: list[BenchRequest], batch_size: int) -> BenchResult:
     return BenchResult(f"hf-generate-batch{batch_size}", time.perf_counter() - start, useful)
 
 
-def run(args: argparse.Namespace) -> int:
+def embedded_vocab_size() -> int:
+    """The vocabulary size of the embedded model, the range of the random prompt token ids."""
     from kvpilot.engine.model.loader import embedded_model_dir, load_config
 
-    requests = make_requests(args.num_requests, args.bench_seed, load_config(embedded_model_dir()).vocab_size)
+    return int(load_config(embedded_model_dir()).vocab_size)
+
+
+def run(args: argparse.Namespace) -> int:
+    requests = make_requests(args.num_requests, args.bench_seed, embedded_vocab_size())
     print(f"{len(requests)} requests, {sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
           f"{sum(r.output_len for r in requests)} output tokens, torch threads {torch.get_num_threads()}", flush=True)
     results = [run_engine(requests)]
@@ -95,3 +104,20 @@ def run(args: argparse.Namespace) -> int:
         "speedup_vs_best_hf": ratio,
     }, indent=2))
     return 0
+
+
+def add_bench_offline_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-requests", type=int, default=64, help="requests in the workload (default: 64)")
+    parser.add_argument("--hf-batch-size", default="16,64", help="comma-separated HF static batch sizes; the best is the baseline (default: 16,64)")
+    parser.add_argument("--seed", dest="bench_seed", type=int, default=0, help="seed of the prompts and output lengths (default: 0)")
+    parser.add_argument("--output", default="bench/out/offline.json", help="JSON results (default: bench/out/offline.json)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.offline", description="engine vs HuggingFace generate, output tokens/s")
+    add_bench_offline_args(parser)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(run(build_parser().parse_args()))

@@ -1,4 +1,6 @@
-"""`kvpilot bench serve`: a serving load generator in the manner of vLLM's `bench serve`.
+"""A serving load generator in the manner of vLLM's `bench serve`.
+
+    .venv/bin/python -m bench.serve [--backends kvpilot,hf] [--rates 0.25,0.5,1,2,4,8] ...   # from the repository root
 
 For each request rate, requests arrive as a Poisson process and stream from /v1/completions; the
 prompts (random token ids) and output lengths come from a fixed seed, so every backend and every
@@ -273,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     workload = make_workload(n_max, args.input_len, args.output_len, args.range_ratio, args.bench_seed, _vocab_size(None))
     output = Path(args.output)
     report: dict[str, object] = {
-        "command": "kvpilot " + " ".join(sys.argv[1:]),
+        "command": "python -m bench.serve " + " ".join(sys.argv[1:]),
         "machine": _machine(),
         "config": {k: v for k, v in vars(args).items() if k != "func"},
         "results": {},
@@ -302,3 +304,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {output} and {args.plot}")
     return 0
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.serve",
+                                     description="load generator: Poisson arrivals against kvpilot serve and an HF baseline")
+    add_bench_serve_args(parser)
+    return parser
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(run(build_parser().parse_args()))
+    except ValueError as err:
+        print(f"bench.serve: error: {err}", file=sys.stderr)
+        sys.exit(2)

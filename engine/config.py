@@ -93,6 +93,13 @@ class ServerConfig(BaseModel):
     max_waiting_requests: int = Field(256, ge=1, description="sequences waiting to be scheduled beyond which requests get 429")
     vllm_compatible_metrics: bool = Field(False, description="also export vllm:* metric names (dashboards, Gateway API Inference Extension)")
     grace_period: float = Field(25.0, ge=0, description="seconds in-flight requests get to finish after SIGTERM")
+    # Limits that keep one request from hurting the others (each refused with a 4xx).
+    max_request_body_bytes: int = Field(16 << 20, ge=1024, description="request bodies larger than this get 413")
+    max_prompt_chars: int = Field(1_000_000, ge=1, description="characters of one prompt or conversation, checked before tokenizing")
+    max_stop_strings: int = Field(16, ge=0, description="stop strings per request")
+    max_stop_string_chars: int = Field(1024, ge=1, description="characters of one stop string")
+    stream_write_timeout: float = Field(60.0, gt=0, description="seconds a stream may wait on a client that stopped reading before it is aborted")
+    engine_step_timeout: float = Field(300.0, gt=0, description="seconds one engine step may take before /health reports the engine stuck")
 
 
 def _flag(name: str) -> str:

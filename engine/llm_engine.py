@@ -12,13 +12,16 @@ from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import FinishReason, Request
 from kvpilot.engine.core.sampling_params import SamplingParams
-from kvpilot.engine.core.scheduler import Scheduler, SchedulerStats
+from kvpilot.engine.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from kvpilot.engine.model.loader import EMBEDDED_MODEL, load_config, load_tokenizer, resolve_model
 from kvpilot.engine.output_processor import OutputProcessor
-from kvpilot.engine.outputs import StepOutput
+from kvpilot.engine.outputs import ModelRunnerOutput, StepOutput
 from kvpilot.engine.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
+
+# Steps in a row whose every request failed, after which the engine itself is taken to be broken.
+MAX_FAILED_STEPS = 3
 
 
 class LLMEngine:
@@ -39,6 +42,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._failed_steps = 0  # consecutive steps in which every request failed
 
     def _max_model_len(self) -> int:
         capacity = self.runner.num_blocks * self.config.block_size
@@ -75,7 +79,7 @@ class LLMEngine:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         if not token_ids:
@@ -88,7 +92,7 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, token_ids, params, arrival_time)
+        request = Request(request_id, token_ids, params, arrival_time, cache_salt)
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.output_processor.add_request(request)
@@ -109,15 +113,45 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return []
-        sampled = self.runner.execute(scheduler_output)
-        core_outputs = self.scheduler.update_from_output(scheduler_output, sampled)
-        outputs, stopped = self.output_processor.process(core_outputs)
+        runner_output, failures = self._execute(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, stopped, failed = self.output_processor.process(core_outputs)
         for request, stop in stopped:
             self.scheduler.finish_requests([request], FinishReason.STOP, stop)
+        self.scheduler.finish_requests(failed, FinishReason.ABORT)
+        for request, error in failures:
+            self.scheduler.finish_requests([request], FinishReason.ABORT)
+            outputs.append(self.output_processor.fail(request, error))
         for output in outputs:
             if output.finished:
                 self.requests.pop(output.request_id, None)
         return outputs
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> tuple[ModelRunnerOutput, list[tuple[Request, str]]]:
+        """Run the step; if it raises, run its requests one at a time (a step's KV writes are
+        idempotent) so that only the requests that fail are dropped. When several requests all fail
+        on their own, or steps keep failing, the error is the engine's."""
+        try:
+            out = self.runner.execute(scheduler_output)
+            self._failed_steps = 0
+            return out, []
+        except Exception as batch_error:  # noqa: BLE001 - isolated below, or raised as fatal
+            merged, failures = ModelRunnerOutput(), []
+            for item in scheduler_output.scheduled:
+                alone = SchedulerOutput(scheduled=[item], finished_request_ids=scheduler_output.finished_request_ids)
+                try:
+                    out = self.runner.execute(alone)
+                except Exception as err:  # noqa: BLE001 - this request's own failure
+                    log.exception("event=request_failed request=%s", item.request.request_id)
+                    failures.append((item.request, f"the engine could not run this request: {err!r}"))
+                    continue
+                merged.sampled.update(out.sampled)
+                merged.logprobs.update(out.logprobs)
+                merged.prompt_logprobs.update(out.prompt_logprobs)
+            self._failed_steps = self._failed_steps + 1 if len(failures) == len(scheduler_output.scheduled) else 0
+            if self._failed_steps and (len(failures) > 1 or self._failed_steps >= MAX_FAILED_STEPS):
+                raise batch_error
+            return merged, failures
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -11,6 +11,7 @@ back when the stop string completes and the text is cut before it).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
@@ -18,6 +19,8 @@ from transformers import PreTrainedTokenizerBase
 from kvpilot.engine.core.request import FinishReason, Request
 from kvpilot.engine.core.scheduler import EngineCoreOutput
 from kvpilot.engine.outputs import Logprob, PositionLogprobs, StepOutput, TokenLogprobs
+
+log = logging.getLogger(__name__)
 
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -135,44 +138,62 @@ class OutputProcessor:
             return None
         return _step_output(request, [], "", FinishReason.ABORT, None)
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[StepOutput], list[tuple[Request, str]]]:
-        """The step's outputs, and the still-running requests that a stop string has ended (the
-        caller finishes them in the scheduler)."""
+    def fail(self, request: Request, error: str) -> StepOutput:
+        """The last output of a request that serving failed on."""
+        self._states.pop(request.request_id, None)
+        return _step_output(request, [], "", FinishReason.ABORT, None, error=error)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[StepOutput], list[tuple[Request, str]], list[Request]]:
+        """The step's outputs; the still-running requests that a stop string has ended and those
+        whose output could not be made (the caller finishes both kinds in the scheduler)."""
         step_outputs: list[StepOutput] = []
         stopped: list[tuple[Request, str]] = []
+        failed: list[Request] = []
         for out in outputs:
-            request = out.request
-            state = self._states.get(request.request_id)
-            if state is None:
+            try:
+                output = self._process_one(out, stopped)
+            except Exception as err:  # noqa: BLE001 - one request's bad output must not end the others
+                log.exception("event=output_failed request=%s", out.request.request_id)
+                failed.append(out.request)
+                step_outputs.append(self.fail(out.request, f"cannot make this request's output: {err!r}"))
                 continue
-            if out.prompt_logprobs is not None:
-                first, entries = out.prompt_logprobs
-                state.prompt_logprobs.update((first + i, e) for i, e in enumerate(entries))
-            if not out.new_token_ids and out.finish_reason is None:
-                continue
-            checked = len(state.detokenizer.text)
-            text = state.detokenizer.append(request.output_token_ids)
-            finish, stop_reason = out.finish_reason, out.stop_reason
-            # Before min_tokens, stop strings do not count (as EOS and stop tokens are not sampled).
-            searching = state.stop and request.num_output_tokens >= request.params.min_tokens
-            match = find_stop(text, state.stop, checked) if searching else None
-            if match is not None:
-                at, stop = match
-                text = text[:at]
-                if finish is None:
-                    stopped.append((request, stop))
-                finish, stop_reason = FinishReason.STOP, stop
-            elif finish is not None:
-                # Once, at the end: the exact text of every token, including a held-back partial character.
-                text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-            delta = state.deltas.next(text, finish is not None)
-            if finish is not None:
-                del self._states[request.request_id]
-            step_outputs.append(_step_output(
-                request, out.new_token_ids, delta, finish, stop_reason,
-                logprobs=[self._position(e) for e in out.logprobs] if out.logprobs is not None else None,
-                prompt_logprobs=self._prompt_logprobs(request, state)))
-        return step_outputs, stopped
+            if output is not None:
+                step_outputs.append(output)
+        return step_outputs, stopped, failed
+
+    def _process_one(self, out: EngineCoreOutput, stopped: list[tuple[Request, str]]) -> StepOutput | None:
+        request = out.request
+        state = self._states.get(request.request_id)
+        if state is None:
+            return None
+        if out.prompt_logprobs is not None:
+            first, entries = out.prompt_logprobs
+            state.prompt_logprobs.update((first + i, e) for i, e in enumerate(entries))
+        if not out.new_token_ids and out.finish_reason is None:
+            return None
+        checked = len(state.detokenizer.text)
+        text = state.detokenizer.append(request.output_token_ids)
+        finish, stop_reason = out.finish_reason, out.stop_reason
+        # Before min_tokens, stop strings do not count (as EOS and stop tokens are not sampled).
+        searching = state.stop and request.num_output_tokens >= request.params.min_tokens
+        match = find_stop(text, state.stop, checked) if searching else None
+        if match is not None:
+            at, stop = match
+            text = text[:at]
+            if finish is None:
+                stopped.append((request, stop))
+            finish, stop_reason = FinishReason.STOP, stop
+        elif finish is not None:
+            # Once, at the end: the exact text of every token, including a held-back partial character.
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        delta = state.deltas.next(text, finish is not None)
+        output = _step_output(
+            request, out.new_token_ids, delta, finish, stop_reason,
+            logprobs=[self._position(e) for e in out.logprobs] if out.logprobs is not None else None,
+            prompt_logprobs=self._prompt_logprobs(request, state))
+        if finish is not None:
+            del self._states[request.request_id]
+        return output
 
 
     def _prompt_logprobs(self, request: Request, state: _RequestState) -> list[PositionLogprobs | None] | None:
@@ -184,11 +205,11 @@ class OutputProcessor:
 
 
 def _step_output(request: Request, new_token_ids: list[int], delta: str, finish: FinishReason | None,
-                 stop_reason: str | int | None, **logprobs: list | None) -> StepOutput:
+                 stop_reason: str | int | None, **extra: object) -> StepOutput:
     return StepOutput(
         request_id=request.request_id, new_token_ids=new_token_ids, text_delta=delta,
         num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
         num_cached_tokens=request.num_cached_tokens,
         finish_reason=finish.value if finish is not None else None, stop_reason=stop_reason,
-        arrival_time=request.arrival_time, first_token_time=request.first_token_time, **logprobs,
+        arrival_time=request.arrival_time, first_token_time=request.first_token_time, **extra,
     )

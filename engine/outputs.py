@@ -39,6 +39,7 @@ class StepOutput:
     logprobs: list[PositionLogprobs] | None = None  # one per new token, when asked for
     # On a sequence's first output, when asked for: one per prompt token (None for the first).
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    error: str | None = None  # serving this sequence raised; it was dropped (finish_reason "abort")
 
     @property
     def finished(self) -> bool:

@@ -12,7 +12,6 @@ exits 0; a second signal exits at once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import logging
 import time
@@ -23,13 +22,22 @@ from contextlib import asynccontextmanager
 import prometheus_client
 import uvicorn
 from fastapi import FastAPI, Request
+import jinja2
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvpilot.engine.config import EngineConfig, ServerConfig
 from kvpilot.engine.core.sampling_params import SamplingParams
 from kvpilot.engine.model.loader import EMBEDDED_MODEL
-from kvpilot.engine.serving.async_engine import AsyncEngine, EngineUnavailableError, GenerationStream, QueueFullError, SequenceUpdate
+from kvpilot.engine.serving.async_engine import (
+    AsyncEngine,
+    EngineUnavailableError,
+    GenerationStream,
+    QueueFullError,
+    RequestFailedError,
+    SequenceUpdate,
+)
 from kvpilot.engine.serving.errors import RETRY_AFTER_S, APIError, install_error_handlers
 from kvpilot.engine.serving.metrics import ServingMetrics
 from kvpilot.engine.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -54,6 +62,66 @@ class _ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class _BodyLimitMiddleware:
+    """413 for bodies over the limit, counted as they arrive (a missing or lying Content-Length
+    does not help), before anything parses them."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._too_large().response()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise StarletteHTTPException(413, self._too_large().message)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than max_request_body_bytes={self.limit}", code="request_too_large")
+
+
+class _StreamingResponse(StreamingResponse):
+    """A stream whose client stops reading is aborted after `write_timeout` seconds of blocked
+    writes, so its request's KV blocks and output do not wait on it forever."""
+
+    def __init__(self, content: AsyncIterator[str], write_timeout: float, request_id: str) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.write_timeout = write_timeout
+        self.request_id = request_id
+
+    async def stream_response(self, send: Send) -> None:
+        async def timed_send(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout)
+            except TimeoutError:
+                raise _ClientStalled from None
+
+        try:
+            await super().stream_response(timed_send)
+        except _ClientStalled:
+            log.warning("event=stream_aborted id=%s reason=client_not_reading write_timeout_s=%g", self.request_id, self.write_timeout)
+            await self.body_iterator.aclose()  # type: ignore[attr-defined] - runs its finally: the engine drops the request
+
+
+class _ClientStalled(Exception):
+    pass
+
+
 async def _wait_for_disconnect(request: Request) -> None:
     # The body has been read, so the next message the server can send is the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
@@ -70,6 +138,7 @@ class OpenAIServer:
         self.settings = settings
         self.metrics = ServingMetrics(settings.served_model_name, settings.vllm_compatible_metrics)
         self.engine = AsyncEngine(config, self.metrics, settings.max_waiting_requests)
+        self.engine.on_crash(self._on_engine_crash)
         self.draining = False
         self.exit_code = 0
         self.started = int(time.time())
@@ -85,6 +154,13 @@ class OpenAIServer:
         task = asyncio.ensure_future(coro)
         self._background.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._background.discard)
+
+    def _on_engine_crash(self, error: BaseException) -> None:
+        # Nothing in this process can bring the engine back: exit so that the pod restarts now,
+        # rather than answering 503 until a liveness probe gives up.
+        log.error("event=exit reason=engine_crashed error=%r", error)
+        self.exit_code = 1
+        self._request_exit()
 
     async def _watch_load(self) -> None:
         error = await self.engine.wait_loaded()
@@ -122,6 +198,8 @@ class OpenAIServer:
         install_error_handlers(app)
         if self.settings.api_key:
             app.add_middleware(_ApiKeyMiddleware, api_key=self.settings.api_key)
+        # Added last, so it runs first: an oversized body is refused before anything reads it.
+        app.add_middleware(_BodyLimitMiddleware, limit=self.settings.max_request_body_bytes)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/ready", self.ready, methods=["GET"])
         app.add_api_route("/metrics", self.metrics_endpoint, methods=["GET"])
@@ -133,6 +211,10 @@ class OpenAIServer:
     async def health(self) -> JSONResponse:
         if not self.engine.alive:
             return JSONResponse({"status": "engine failed"}, status_code=503)
+        running = self.engine.step_seconds()
+        if running is not None and running > self.settings.engine_step_timeout:
+            return JSONResponse({"status": "engine stuck", "step_seconds": round(running, 1),
+                                 "engine_step_timeout": self.settings.engine_step_timeout}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def ready(self) -> JSONResponse:
@@ -159,18 +241,33 @@ class OpenAIServer:
             texts_or_ids = [prompt]
         else:
             texts_or_ids = list(prompt)
-        prompts = [self.engine.tokenize(p) for p in texts_or_ids]
-        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.settings.served_model_name)
+        self._check_sizes(len(texts_or_ids), body, "prompt")
+        for p in texts_or_ids:
+            if isinstance(p, str):
+                self._check_chars(len(p), "prompt")
+        prompts = await asyncio.to_thread(lambda: [self.engine.tokenize(p) for p in texts_or_ids])
+        echo_texts = first_tokens = None
+        if body.echo:
+            echo_texts, first_tokens = await asyncio.to_thread(
+                lambda: ([p if isinstance(p, str) else self.engine.detokenize(p) for p in texts_or_ids],
+                         [self.engine.detokenize(ids[:1]) for ids in prompts]))
+        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.settings.served_model_name, n=body.n,
+                               echo_texts=echo_texts, first_tokens=first_tokens)
         return await self._generate(request, body, prompts, body.max_tokens, "prompt", fmt, arrival)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._check_request(body)
+        self._check_sizes(1, body, "messages")
         messages = [m.for_template() for m in body.messages]
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
-            ids = self.engine.apply_chat_template(messages)
-        except Exception as err:  # noqa: BLE001 - templates raise their own errors for bad conversations
-            raise APIError(400, f"cannot apply the chat template: {err}", param="messages") from err
+            ids = await asyncio.to_thread(self.engine.apply_chat_template, messages)
+        except jinja2.TemplateError as err:  # the template's own words about a conversation it refuses
+            raise APIError(400, f"the model's chat template refuses this conversation: {err}", param="messages") from err
+        except Exception as err:  # noqa: BLE001 - anything else says nothing a client can act on
+            log.warning("event=chat_template_failed error=%r", err)
+            raise APIError(400, "the conversation cannot be rendered with the model's chat template", param="messages") from err
         fmt = ChatCompletionFormat(f"chatcmpl-{uuid.uuid4().hex}", self.settings.served_model_name)
         return await self._generate(request, body, [ids], body.requested_max_tokens, "messages", fmt, arrival)
 
@@ -187,6 +284,27 @@ class OpenAIServer:
         unsupported = body.unsupported_field()
         if unsupported:
             raise APIError(400, f"`{unsupported}` is not supported by this server", param=unsupported, code="unsupported_parameter")
+
+    def _check_sizes(self, num_prompts: int, body: CompletionRequest | ChatCompletionRequest, prompt_param: str) -> None:
+        """Limits that need no tokenizing, checked before any: sequences and stop strings."""
+        limits = self.settings
+        sequences = num_prompts * body.n
+        if sequences > limits.max_waiting_requests:
+            # It could never be admitted: a client error, not a reason to retry.
+            raise APIError(400, f"{num_prompts} prompt(s) x n={body.n} is {sequences} sequences, more than "
+                                f"max_waiting_requests={limits.max_waiting_requests}", param="n" if body.n > 1 else prompt_param)
+        stops = body.stop_strings
+        if len(stops) > limits.max_stop_strings:
+            raise APIError(400, f"{len(stops)} stop strings, more than max_stop_strings={limits.max_stop_strings}", param="stop")
+        longest = max(map(len, stops), default=0)
+        if longest > limits.max_stop_string_chars:
+            raise APIError(400, f"a stop string of {longest} characters, more than max_stop_string_chars="
+                                f"{limits.max_stop_string_chars}", param="stop")
+
+    def _check_chars(self, num_chars: int, prompt_param: str) -> None:
+        if num_chars > self.settings.max_prompt_chars:
+            raise APIError(400, f"the {prompt_param} has {num_chars} characters, more than max_prompt_chars="
+                                f"{self.settings.max_prompt_chars}", param=prompt_param, code="prompt_too_long")
 
     def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], max_tokens: int | None, prompt_param: str) -> list[SamplingParams]:
         max_len = self.engine.max_model_len
@@ -207,6 +325,10 @@ class OpenAIServer:
                 params = SamplingParams(
                     max_tokens=wanted, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed,
                     stop=body.stop_strings, stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, n=body.n,
+                    min_tokens=min(body.min_tokens, wanted), presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty, min_p=body.min_p,
+                    logprobs=body.num_logprobs,
+                    prompt_logprobs=body.num_logprobs if isinstance(body, CompletionRequest) and body.echo else None,
                 )
             except ValueError as err:
                 raise APIError(400, str(err)) from err
@@ -217,12 +339,8 @@ class OpenAIServer:
                         max_tokens: int | None, prompt_param: str, fmt: Format, arrival: float) -> Response:
         params = self._sampling_params(body, prompts, max_tokens, prompt_param)
         sequences = [(prompts[i // body.n], p) for i, p in enumerate(params)]
-        if len(sequences) > self.settings.max_waiting_requests:
-            # It could never be admitted: a client error, not a reason to retry.
-            raise APIError(400, f"{len(prompts)} prompt(s) x n={body.n} is {len(sequences)} sequences, more than "
-                                f"max_waiting_requests={self.settings.max_waiting_requests}", param="n")
         try:
-            stream = await self.engine.submit(fmt.request_id, sequences, arrival)
+            stream = await self.engine.submit(fmt.request_id, sequences, arrival, cache_salt=body.cache_salt)
         except QueueFullError as err:
             raise APIError(429, str(err), code="queue_full", retry_after=RETRY_AFTER_S) from err
         except EngineUnavailableError as err:
@@ -233,7 +351,7 @@ class OpenAIServer:
                   sum(map(len, prompts)), body.n, body.stream)
         if body.stream:
             events = self._stream_events(stream, fmt, prompts, body)
-            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+            return _StreamingResponse(events, self.settings.stream_write_timeout, fmt.request_id)
         return await self._complete(request, stream, fmt, prompts, body.n)
 
     async def _stream_events(self, stream: GenerationStream, fmt: Format, prompts: list[list[int]],
@@ -247,13 +365,15 @@ class OpenAIServer:
                     finished = update.finish_reason is not None
                     if finished:
                         finals.append(update)
-                    if update.text or finished:
-                        yield sse(fmt.chunk(update.index, update.text, update.finish_reason))
+                    if update.text or finished or update.logprobs:
+                        yield sse(fmt.chunk(update))
                 if body.include_usage:
                     yield sse(fmt.usage_chunk(usage(prompts, finals, body.n)))
             except EngineUnavailableError as err:
                 # Headers are sent already: the error travels as an event, as OpenAI's API does.
                 yield sse(APIError(503, str(err)).body())
+            except RequestFailedError as err:
+                yield sse(APIError(500, str(err)).body())
             yield "data: [DONE]\n\n"
         finally:
             # However the stream ends (done, client gone, server cancelling), free the KV blocks now.
@@ -261,12 +381,13 @@ class OpenAIServer:
 
     async def _complete(self, request: Request, stream: GenerationStream, fmt: Format, prompts: list[list[int]], n: int) -> Response:
         async def collect() -> list[SequenceUpdate]:
-            texts: dict[int, str] = {}
             finals = []
+            whole: dict[int, SequenceUpdate] = {}
             async for update in stream:
-                texts[update.index] = texts.get(update.index, "") + update.text
+                earlier = whole.get(update.index)
+                whole[update.index] = update if earlier is None else earlier.then(update)
                 if update.finish_reason is not None:
-                    finals.append(dataclasses.replace(update, text=texts[update.index]))
+                    finals.append(whole[update.index])
             return finals
 
         result = asyncio.ensure_future(collect())
@@ -285,6 +406,8 @@ class OpenAIServer:
             finals = sorted(result.result(), key=lambda u: u.index)
         except EngineUnavailableError as err:
             raise APIError(503, str(err)) from err
+        except RequestFailedError as err:
+            raise APIError(500, str(err)) from err
         return JSONResponse(fmt.response(finals, usage(prompts, finals, n)).model_dump())
 
 

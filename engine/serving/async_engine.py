@@ -16,7 +16,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+import dataclasses
 from dataclasses import dataclass
 
 from kvpilot.engine.config import EngineConfig
@@ -24,6 +25,7 @@ from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.serving.metrics import ServingMetrics
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.scheduler import SchedulerStats
+from kvpilot.engine.outputs import PositionLogprobs
 from kvpilot.engine.core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -37,15 +39,27 @@ class EngineUnavailableError(Exception):
     """The engine cannot take requests: the model is loading, failed to load, or the engine crashed."""
 
 
+class RequestFailedError(Exception):
+    """Serving this request raised an error; the engine dropped the request and serves the others."""
+
+
 @dataclass(frozen=True)
 class SequenceUpdate:
-    """A snapshot of one sequence after a step (immutable: it crosses threads)."""
+    """What one sequence gained since its previous update (immutable: it crosses threads)."""
 
     index: int  # the sequence's place in its group: the OpenAI choice index
     text: str  # new text since the previous update (concatenated, the whole output text)
     num_output_tokens: int
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     num_cached_tokens: int  # prompt tokens served by the prefix cache
+    logprobs: list[PositionLogprobs] | None = None  # one per new token, when asked for
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # on the first update, when asked for
+
+    def then(self, later: SequenceUpdate) -> SequenceUpdate:
+        """This update followed by a later one of the same sequence, as one update."""
+        logprobs = self.logprobs if later.logprobs is None else (self.logprobs or []) + later.logprobs
+        return dataclasses.replace(later, text=self.text + later.text, logprobs=logprobs,
+                                   prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
 
 
 @dataclass
@@ -54,6 +68,7 @@ class _Submit:
     sequences: list[tuple[list[int], SamplingParams]]
     arrival_time: float
     accepted: asyncio.Future[None]
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -76,19 +91,26 @@ class GenerationStream:
         self.request_id = request_id
         self.engine_ids = [f"{request_id}-{i}" for i in range(num_sequences)]
         self._engine = engine
-        self._queue: asyncio.Queue[SequenceUpdate | BaseException] = asyncio.Queue()
+        # Updates not yet taken, merged per sequence: a consumer that falls behind (a slow client)
+        # finds one update per sequence, not one per step, so memory does not grow with steps.
+        self._pending: dict[int, SequenceUpdate] = {}
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
         self._unfinished = num_sequences
         self._closed = False
 
     async def __aiter__(self) -> AsyncIterator[SequenceUpdate]:
         try:
             while self._unfinished:
-                item = await self._queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finish_reason is not None:
-                    self._unfinished -= 1
-                yield item
+                await self._ready.wait()
+                self._ready.clear()
+                updates, self._pending = list(self._pending.values()), {}
+                for update in updates:
+                    if update.finish_reason is not None:
+                        self._unfinished -= 1
+                    yield update
+                if self._error is not None:
+                    raise self._error
         finally:
             self.close()
 
@@ -101,7 +123,12 @@ class GenerationStream:
         self._engine._forget(self)
 
     def _put(self, item: SequenceUpdate | BaseException) -> None:
-        self._queue.put_nowait(item)
+        if isinstance(item, BaseException):
+            self._error = item
+        else:
+            earlier = self._pending.get(item.index)
+            self._pending[item.index] = item if earlier is None else earlier.then(item)
+        self._ready.set()
 
 
 class AsyncEngine:
@@ -126,6 +153,9 @@ class AsyncEngine:
         self._active: set[GenerationStream] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._on_crash: Callable[[BaseException], None] | None = None
+        # When the step in progress began (engine thread writes, the watchdog on /health reads).
+        self._step_started: float | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -134,6 +164,15 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
+
+    def on_crash(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback` on the event loop if the engine loop dies (the server exits non-zero)."""
+        self._on_crash = callback
+
+    def step_seconds(self) -> float | None:
+        """How long the step in progress has been running; None between steps."""
+        started = self._step_started
+        return None if started is None else time.monotonic() - started
 
     def stop(self) -> None:
         if self._thread is not None:
@@ -173,9 +212,13 @@ class AsyncEngine:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         return self.llm_engine.apply_chat_template(messages)
 
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.llm_engine.tokenizer.decode(token_ids, skip_special_tokens=True)
+
     # ---- the asyncio side --------------------------------------------------------------------
 
-    async def submit(self, request_id: str, sequences: list[tuple[list[int], SamplingParams]], arrival_time: float) -> GenerationStream:
+    async def submit(self, request_id: str, sequences: list[tuple[list[int], SamplingParams]], arrival_time: float,
+                     cache_salt: str | None = None) -> GenerationStream:
         """Queue sequences for generation. Raises QueueFullError, or ValueError for input the
         engine refuses (its message is meant for the client)."""
         if not self.ready:
@@ -191,7 +234,7 @@ class AsyncEngine:
         assert self._loop is not None
         stream = GenerationStream(self, request_id, len(sequences))
         accepted: asyncio.Future[None] = self._loop.create_future()
-        self._inbox.put(_Submit(stream, sequences, arrival_time, accepted))
+        self._inbox.put(_Submit(stream, sequences, arrival_time, accepted, cache_salt))
         try:
             # Resolves right after add_request, before the step that first schedules the request.
             await asyncio.shield(accepted)
@@ -254,10 +297,12 @@ class AsyncEngine:
                  self._engine.model_name, self._engine.max_model_len, self._engine.runner.num_blocks)
         try:
             self._loop_forever(self._engine)
-        except BaseException as err:  # noqa: BLE001 - fail every stream, then report unhealthy
+        except BaseException as err:  # noqa: BLE001 - fail every stream, then let the process exit
             log.exception("event=engine_crashed")
             self._error = err
             self._fail_everything(EngineUnavailableError(f"the engine crashed: {err!r}"))
+            if self._on_crash is not None:
+                self._call(self._on_crash, err)
 
     def _fail_everything(self, error: EngineUnavailableError) -> None:
         """Tell every stream and every pending submission; later submissions are refused by submit()."""
@@ -304,7 +349,8 @@ class AsyncEngine:
             for engine_id, (prompt, params) in zip(stream.engine_ids, command.sequences):
                 # Queue time and TTFT start when the server received the request, not when this
                 # thread got round to it (it may have been busy with a step).
-                added.append(engine.add_request(prompt, params, engine_id, arrival_time=command.arrival_time))
+                added.append(engine.add_request(prompt, params, engine_id, arrival_time=command.arrival_time,
+                                                cache_salt=command.cache_salt))
         except ValueError as err:
             for request in added:
                 engine.abort(request.request_id)
@@ -331,7 +377,11 @@ class AsyncEngine:
                 self.metrics.on_finished(last, now)
 
     def _step(self, engine: LLMEngine, unscheduled: dict[str, Request]) -> None:
-        outputs = engine.step()
+        self._step_started = time.monotonic()
+        try:
+            outputs = engine.step()
+        finally:
+            self._step_started = None
         now = time.monotonic()
         outbox: list[tuple[GenerationStream, SequenceUpdate | BaseException]] = []
         for output in outputs:
@@ -341,10 +391,14 @@ class AsyncEngine:
                 continue
             if output.new_token_ids:
                 self.metrics.on_tokens(output, now)
-            outbox.append((stream, SequenceUpdate(
-                index=self._index[engine_id], text=output.text_delta, num_output_tokens=output.num_output_tokens,
-                finish_reason=output.finish_reason, num_cached_tokens=output.num_cached_tokens,
-            )))
+            if output.error is not None:
+                outbox.append((stream, RequestFailedError(output.error)))
+            else:
+                outbox.append((stream, SequenceUpdate(
+                    index=self._index[engine_id], text=output.text_delta, num_output_tokens=output.num_output_tokens,
+                    finish_reason=output.finish_reason, num_cached_tokens=output.num_cached_tokens,
+                    logprobs=output.logprobs, prompt_logprobs=output.prompt_logprobs,
+                )))
             if output.finished:
                 self.metrics.on_finished(output, now)
                 del self._streams[engine_id], self._index[engine_id]

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 # OpenAI's error `type` for each status the server answers with.
 _ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-    405: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable",
+    405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable",
 }
 
 # Seconds, in the Retry-After header of 429 and 503 answers.

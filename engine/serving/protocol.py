@@ -1,8 +1,9 @@
 """The OpenAI HTTP schemas the server speaks: request bodies (validated) and response bodies.
 
-Requests are strict (a string is not silently an integer) and ignore unknown fields, as OpenAI
-clients and SDKs send fields of newer API versions; fields that ask for a feature kvpilot does not
-have are accepted by the schema but refused by `unsupported_field()` with a clear 400.
+Requests are strict (a string is not silently an integer). `null` means "the default" for every
+optional field, as in OpenAI's API. Fields the schema does not know are kept aside and refused by
+`unsupported_field()` with a clear 400 unless their value asks for nothing (`"logit_bias": {}`), so
+that no parameter is ever silently ignored.
 """
 
 from __future__ import annotations
@@ -10,34 +11,55 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 _MAX_SEED = 2**63 - 1
-StopString = Annotated[str, Field(min_length=1)]
+# At most this many top alternatives per token, as OpenAI's API allows.
+MAX_TOP_LOGPROBS = 20
+
+
+def _valid_unicode(text: str) -> str:
+    # JSON can carry lone UTF-16 surrogates ("\ud800"), which no tokenizer can encode.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"the text has an invalid character at position {err.start} (a lone UTF-16 surrogate)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+StopString = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
 TokenId = Annotated[int, Field(ge=0)]
 
 
-class StreamOptions(BaseModel):
+class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+
+class StreamOptions(_Request):
     include_usage: bool = False
 
 
-# A request field that kvpilot cannot honour, and the values that mean "not asked for".
+# Fields kvpilot does not implement, and the values that ask for nothing (accepted and ignored).
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "tools": (None, []),
-    "response_format": (None, {"type": "text"}),
+    "best_of": (1,),
+    "suffix": ("",),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "response_format": ({"type": "text"},),
 }
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = ConfigDict(extra="allow", strict=True)
@@ -47,15 +69,22 @@ class _GenerationRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=128)
-    stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = None
+    stop: StopString | list[StopString] | None = None
     seed: int | None = Field(None, ge=0, le=_MAX_SEED)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # for the caller's own bookkeeping; carries no behaviour
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     # Extensions that vLLM also accepts; load generators rely on ignore_eos for fixed output lengths.
     top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+    # Prefix-cache isolation: requests share cached KV only with requests of the same salt.
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -67,11 +96,15 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives to report per output token; None when logprobs were not asked for."""
+        return None
+
     def unsupported_field(self) -> str | None:
         """The first field that asks for something kvpilot does not do, if any."""
-        extra = self.model_extra or {}
-        for name, neutral in _NEUTRAL_VALUES.items():
-            if name in extra and extra[name] not in neutral:
+        for name, value in (self.model_extra or {}).items():
+            if value not in _NEUTRAL_VALUES.get(name, ()):
                 return name
         return None
 
@@ -79,25 +112,29 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     # One prompt or a batch, as text or token ids (OpenAI's four forms).
     prompt: (
-        str
-        | Annotated[list[str], Field(min_length=1)]
+        Text
+        | Annotated[list[Text], Field(min_length=1)]
         | Annotated[list[int], Field(min_length=1)]
         | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
     )
     # OpenAI's legacy completions default; chat defaults to the rest of the context instead.
     max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False  # the prompt comes back before the completion (with its logprobs if asked)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
     name: str | None = None
 
     def for_template(self) -> dict[str, str]:
@@ -109,6 +146,12 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.top_logprobs if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -140,10 +183,31 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -164,7 +228,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -185,7 +249,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

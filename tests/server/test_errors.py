@@ -33,7 +33,7 @@ CASES = [
      {"model": MODEL, "prompt": [1] * 100, "max_tokens": 10**6}, 400, "max_tokens", "context_length_exceeded"),
     ("prompt alone over max_model_len", "POST", COMPLETIONS,
      {"model": MODEL, "prompt": [1] * 5000, "max_tokens": 1}, 400, "prompt", "context_length_exceeded"),
-    ("logprobs asked for", "POST", COMPLETIONS, {"model": MODEL, "prompt": "a", "logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
+    ("logit_bias asked for", "POST", COMPLETIONS, {"model": MODEL, "prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_parameter"),
     ("missing messages", "POST", CHAT, {"model": MODEL}, 400, "messages", None),
     ("empty messages", "POST", CHAT, {"model": MODEL, "messages": []}, 400, "messages", None),
     ("unknown role", "POST", CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", "literal_error"),

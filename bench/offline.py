@@ -1,6 +1,9 @@
 """Offline throughput: the engine versus HuggingFace batched generate on the same requests, one run.
 
     .venv/bin/python -m bench.offline [--num-requests 64] [--hf-batch-size 16,64]   # from the repository root
+
+bench/compare_offline.py runs the engine half of it (make_requests + time_engine) on two source
+trees, for a before/after comparison.
 """
 
 from __future__ import annotations
@@ -42,15 +45,28 @@ def make_requests(n: int, seed: int, vocab_size: int) -> list[BenchRequest]:
     ]
 
 
-def run_engine(requests: list[BenchRequest]) -> BenchResult:
+# The engine's options for this workload: every request fits in the batch and the KV pool.
+ENGINE_OPTIONS = {"max_num_seqs": 64, "max_num_batched_tokens": 1024, "kv_cache_memory_bytes": 2 << 30}
+
+
+def time_engine(requests: list[BenchRequest]) -> tuple[float, list[list[int]]]:
+    """Generate every request with the engine; (seconds of `generate`, output token ids per request).
+
+    Only the public API (`LLM(...).generate(prompts, SamplingParams(...))`), so that it runs on older
+    source trees too (bench/compare_offline.py); loading the model is not timed."""
     from kvpilot.engine import LLM, SamplingParams
 
-    llm = LLM(max_num_seqs=64, max_num_batched_tokens=1024, kv_cache_memory_bytes=2 << 30)
+    llm = LLM(**ENGINE_OPTIONS)
     params = [SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True) for r in requests]
     start = time.perf_counter()
     outputs = llm.generate([r.prompt_token_ids for r in requests], params)
     seconds = time.perf_counter() - start
-    return BenchResult("kvpilot", seconds, sum(len(o.outputs[0].token_ids) for o in outputs))
+    return seconds, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def run_engine(requests: list[BenchRequest]) -> BenchResult:
+    seconds, tokens = time_engine(requests)
+    return BenchResult("kvpilot", seconds, sum(len(t) for t in tokens))
 
 
 def run_hf(requests: list[BenchRequest], batch_size: int) -> BenchResult:

@@ -16,3 +16,18 @@ def model_dir() -> Path:
     from kvpilot.engine.model.loader import embedded_model_dir
 
     return embedded_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir: Path):
+    """HuggingFace's implementation of the embedded model: the reference for greedy tokens and logits."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

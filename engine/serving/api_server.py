@@ -292,7 +292,8 @@ class OpenAIServer:
         if sequences > limits.max_waiting_requests:
             # It could never be admitted: a client error, not a reason to retry.
             raise APIError(400, f"{num_prompts} prompt(s) x n={body.n} is {sequences} sequences, more than "
-                                f"max_waiting_requests={limits.max_waiting_requests}", param="n" if body.n > 1 else prompt_param)
+                                f"max_waiting_requests={limits.max_waiting_requests}", param="n" if body.n > 1 else prompt_param,
+                           code="too_many_sequences")
         stops = body.stop_strings
         if len(stops) > limits.max_stop_strings:
             raise APIError(400, f"{len(stops)} stop strings, more than max_stop_strings={limits.max_stop_strings}", param="stop")

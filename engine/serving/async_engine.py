@@ -138,7 +138,8 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self._inbox: queue.Queue[_Submit | _Abort | object] = queue.Queue()
         self._loaded = threading.Event()
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # why the engine cannot serve: a failed load or a crash
+        self._load_error: BaseException | None = None
         self._engine: LLMEngine | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -182,7 +183,7 @@ class AsyncEngine:
     async def wait_loaded(self) -> BaseException | None:
         """Wait for the model to load; the error if it failed."""
         await asyncio.to_thread(self._loaded.wait)
-        return self._error
+        return self._load_error
 
     @property
     def ready(self) -> bool:
@@ -288,7 +289,7 @@ class AsyncEngine:
         except BaseException as err:  # noqa: BLE001 - any load failure makes the process unready
             if not isinstance(err, ValueError):  # a ValueError is a bad setting, its message says all
                 log.exception("event=engine_load_failed")
-            self._error = err
+            self._error = self._load_error = err
             self._loaded.set()
             return
         self._publish_state(self._engine.stats(), {})

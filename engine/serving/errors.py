@@ -53,7 +53,7 @@ async def _on_validation_error(_request: Request, err: RequestValidationError) -
 
 
 async def _on_http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
-    return APIError(err.status_code, str(err.detail)).response()
+    return APIError(err.status_code, str(err.detail), code="request_too_large" if err.status_code == 413 else None).response()
 
 
 async def _on_unexpected_error(_request: Request, err: Exception) -> JSONResponse:
@@ -70,7 +70,10 @@ def _validation_error(err: RequestValidationError) -> APIError:
     path = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_branch(p)]
     param = path[0] if path else None
     where = f"`{'.'.join(path)}`: " if path else ""
-    return APIError(400, f"{where}{first.get('msg')}", param=param, code=first.get("type"))
+    message = first.get("msg")
+    if first.get("type") == "string_unicode":
+        message = "the text has an invalid character (a lone UTF-16 surrogate)"
+    return APIError(400, f"{where}{message}", param=param, code=first.get("type"))
 
 
 def _is_union_branch(part: object) -> bool:

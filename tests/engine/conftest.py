@@ -1,11 +1,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedModel
 
 # Used to build prompts of exact token lengths; varied enough that the model does not loop at once.
 CORPUS = """
@@ -28,16 +27,6 @@ class Reference:
 
     tokens: list[int]
     logits: list[torch.Tensor]
-
-
-@pytest.fixture(scope="session")
-def tokenizer(model_dir: Path):
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="session")
-def hf_model(model_dir: Path) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

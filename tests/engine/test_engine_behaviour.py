@@ -101,3 +101,29 @@ def test_bfloat16_on_cpu_runs_and_agrees_on_an_easy_prompt():
     assert llm.engine.runner.kv_caches.dtype.is_floating_point and llm.engine.runner.kv_caches.element_size() == 2
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0]
     assert "Paris" in out.text
+
+
+def test_a_request_whose_step_fails_is_dropped_alone(llm):
+    engine = llm.engine
+    execute = engine.runner.execute
+
+    def flaky(scheduler_output):  # noqa: ANN001, ANN202 - fails whenever the poisoned request is in the step
+        if any(item.request.params.max_tokens == 13 for item in scheduler_output.scheduled):
+            raise RuntimeError("kernel fault")
+        return execute(scheduler_output)
+
+    engine.runner.execute = flaky
+    try:
+        good = engine.add_request("The capital of France is", SamplingParams(max_tokens=6, temperature=0))
+        bad = engine.add_request("Hello", SamplingParams(max_tokens=13, temperature=0))
+        outputs = []
+        while engine.has_unfinished():
+            outputs += engine.step()
+    finally:
+        engine.runner.execute = execute
+    failed = [o for o in outputs if o.request_id == bad.request_id]
+    assert len(failed) == 1 and failed[0].finish_reason == "abort" and "kernel fault" in failed[0].error
+    assert good.finish_reason.value == "length" and len(good.output_token_ids) == 6
+    reference = llm.generate(["The capital of France is"], SamplingParams(max_tokens=6, temperature=0))[0].outputs[0]
+    assert good.output_token_ids == reference.token_ids
+    assert_all_blocks_free(llm)

@@ -1,4 +1,5 @@
-"""The engine's oracle: HuggingFace greedy tokens, with the near-tie rule of DESIGN.md."""
+"""The engine's oracle: HuggingFace greedy tokens; a divergence passes only at a proven near-tie (the two
+top logits within a stated tolerance at the first differing position), and is reported."""
 
 from __future__ import annotations
 

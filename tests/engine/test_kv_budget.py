@@ -10,7 +10,7 @@ GIB = 1 << 30
 
 
 def test_pool_gets_what_utilization_leaves_after_the_peak():
-    # The handbook's case: 24 GiB GPU, ~14 GiB of weights, 90%: about 7.6 GiB for KV.
+    # The worked example: 24 GiB GPU, ~14 GiB of weights, 90%: about 7.6 GiB for KV.
     assert kv_budget_after_profile(24 * GIB, 0.9, 14 * GIB) == int(24 * GIB * 0.9) - 14 * GIB
 
 

@@ -22,7 +22,7 @@ def test_llama_2_7b_on_a10g_fits_a_few_4k_sequences_not_32() -> None:
     assert result.kv_bytes_per_token == 512 * 1024
     assert result.weight_bytes == 2 * 6_738_415_616
     # 90% of 24 GiB - 12.6 GiB weights - ~1 GiB runtime reserve leaves ~8 GiB: 4 sequences of
-    # 2 GiB. The handbook's 5 assumes all 24 GB usable and no reserve.
+    # 2 GiB. The textbook figure of 5 assumes all 24 GB usable and no reserve.
     assert 7.5 * GiB < result.kv_pool_bytes < 8.5 * GiB
     assert result.max_num_seqs == 4
     assert result.max_model_len == 4096
@@ -30,7 +30,7 @@ def test_llama_2_7b_on_a10g_fits_a_few_4k_sequences_not_32() -> None:
     assert "4 sequences of 4096 tokens fit" in result.reasons["kvCache"]
 
 
-def test_full_memory_without_reserve_reproduces_the_handbooks_5_sequences(
+def test_full_memory_without_reserve_reproduces_the_textbook_5_sequences(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(planner.sizing, "RUNTIME_OVERHEAD_BYTES", 0)
     monkeypatch.setattr(planner.sizing, "ACTIVATION_BYTES_PER_HIDDEN", 0)

@@ -1,4 +1,5 @@
-"""The handbook's worked numbers (serving-handbook.txt, DESIGN.md) as oracles for the sizing maths."""
+"""The worked sizing numbers (Llama-2-7B FP16: 0.5 MiB per token, 2 GiB per 4k sequence, about 5 sequences
+in the ~10 GB a 24 GB GPU has left after 14 GB of weights) as oracles for the sizing maths."""
 
 from kvpilot.operator import sizing
 from kvpilot.operator.model_catalog import MODELS
@@ -44,7 +45,7 @@ def test_gqa_divides_the_kv_cache_by_query_heads_over_kv_heads() -> None:
 def test_int8_halves_and_int4_quarters_weight_bytes() -> None:
     params = LLAMA_2_7B.parameters
     fp16 = sizing.weight_bytes(params, "none")
-    assert fp16 == 2 * params  # ~13.5 GB: the handbook's "14 GB of weights"
+    assert fp16 == 2 * params  # ~13.5 GB: the worked example's "14 GB of weights"
     assert sizing.weight_bytes(params, "int8") == fp16 // 2
     assert sizing.weight_bytes(params, "w8a8") == fp16 // 2
     assert sizing.weight_bytes(params, "int4") == fp16 // 4

@@ -93,6 +93,8 @@ def child(args: argparse.Namespace) -> int:
     from bench.offline import make_requests, time_engine
 
     if args.threads:
+        # The engine sizes its own threads and honours OMP_NUM_THREADS; older trees take torch's.
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
         torch.set_num_threads(args.threads)
     tree = Path(args.tree)
     engine_file = _check_origin(tree)

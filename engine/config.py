@@ -46,7 +46,7 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model: str | None = Field(None, description="a local HF Llama folder (default: the embedded SmolLM2-135M-Instruct)")
-    dtype: DType = Field("auto", description="weights and KV dtype; auto: bfloat16 on CUDA, float32 on CPU")
+    dtype: DType = Field("auto", description="weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
     device: str = Field("auto", description="cpu, cuda, cuda:N; auto: CUDA when available")
     block_size: int = Field(16, ge=1, description="tokens per KV block (a power of two)")
     max_num_seqs: int = Field(64, ge=1, description="sequences in the running batch at most")
@@ -77,8 +77,23 @@ class EngineConfig(BaseModel):
         import torch
 
         if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
+            # bf16 matmuls run ~3x faster than fp32 where the CPU has bf16 instructions; elsewhere
+            # they are emulated and slower, so fp32 stays. Attention and norms compute in fp32.
+            native = device.type == "cuda" or cpu_has_native_bf16()
+            return torch.bfloat16 if native else torch.float32
         return getattr(torch, self.dtype)
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has bf16 arithmetic (AVX512-BF16 or AMX-BF16), from /proc/cpuinfo's flags."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 class ServerConfig(BaseModel):

@@ -13,6 +13,7 @@ from kvpilot.engine.core.scheduler import SchedulerOutput
 from kvpilot.engine.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kvpilot.engine.model.loader import load_config, load_model
 from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs
+from kvpilot.engine.worker.cpu import cpu_threads
 from kvpilot.engine.worker.sampler import RowPenalty, Sampler, SamplingMetadata, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class ModelRunner:
         self.config = config
         self.eos_token_ids = eos_token_ids  # banned while a request is short of its min_tokens
         self.device = config.torch_device()
+        threads, why = cpu_threads()
+        torch.set_num_threads(threads)
         self.dtype = config.torch_dtype(self.device)
         self.block_size = config.block_size
         self.hf_config = load_config(model_path)
@@ -49,6 +52,8 @@ class ModelRunner:
         self.num_layers = self.hf_config.num_hidden_layers
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.num_blocks = self._num_kv_blocks()
+        log.info("event=engine_config device=%s dtype=%s torch_threads=%d threads_from=%r kv_blocks=%d",
+                 self.device, str(self.dtype).removeprefix("torch."), threads, why, self.num_blocks)
         # Unseeded sampling draws from one generator seeded by the engine's seed; seeded requests
         # get their own, kept until they finish (a preempted request continues its stream).
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.config import cpu_has_native_bf16
 from tests.engine.conftest import make_prompts
 
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(kv_cache_memory_bytes=48 << 20, max_model_len=600)
+    return LLM(kv_cache_memory_bytes=48 << 20, max_model_len=600, dtype="float32")
 
 
 def assert_all_blocks_free(llm: LLM) -> None:
@@ -94,6 +96,11 @@ def test_abort_frees_blocks(llm):
     assert request.finish_reason.value == "abort"
     assert not engine.has_unfinished()
     assert_all_blocks_free(llm)
+
+
+def test_the_default_dtype_is_bf16_where_the_cpu_has_it():
+    llm = LLM(kv_cache_memory_bytes=16 << 20)
+    assert llm.engine.runner.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
 
 
 def test_bfloat16_on_cpu_runs_and_agrees_on_an_easy_prompt():

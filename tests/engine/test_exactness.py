@@ -41,7 +41,7 @@ def assert_no_leaks(llm: LLM) -> None:
 
 
 def test_chunked_prefill_small_budget(corpus_ids, hf_greedy):
-    llm = LLM(max_num_batched_tokens=32, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20)
+    llm = LLM(max_num_batched_tokens=32, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20, dtype="float32")
     generate_and_check(llm, make_prompts(corpus_ids, LENGTHS), hf_greedy)
     assert_no_leaks(llm)
 
@@ -49,7 +49,7 @@ def test_chunked_prefill_small_budget(corpus_ids, hf_greedy):
 def test_prefix_caching_shared_prefix(corpus_ids, hf_greedy):
     prefix = corpus_ids[:256]
     prompts = [prefix + corpus_ids[300 + 9 * i : 300 + 9 * i + n] for i, n in enumerate([1, 3, 5, 8, 13, 21, 34, 55, 2, 4, 16, 40])]
-    llm = LLM(max_num_batched_tokens=128, kv_cache_memory_bytes=64 << 20)
+    llm = LLM(max_num_batched_tokens=128, kv_cache_memory_bytes=64 << 20, dtype="float32")
     generate_and_check(llm, prompts, hf_greedy)
     stats = llm.engine.kv.pool.stats
     assert stats.hits >= 11 * 256, f"12 prompts share 256 tokens, yet only {stats.hits} of {stats.queries} tokens hit the cache"
@@ -61,7 +61,8 @@ def test_prefix_caching_shared_prefix(corpus_ids, hf_greedy):
 
 def test_preemption_under_tiny_pool(corpus_ids, hf_greedy):
     num_blocks = 40  # 640 tokens: the 12 prompts together need ~2100
-    llm = LLM(max_model_len=512, kv_cache_memory_bytes=num_blocks * 16 * KV_BYTES_PER_TOKEN, max_num_batched_tokens=256)
+    llm = LLM(max_model_len=512, kv_cache_memory_bytes=num_blocks * 16 * KV_BYTES_PER_TOKEN, max_num_batched_tokens=256,
+              dtype="float32")
     assert llm.engine.kv.pool.num_blocks == num_blocks
     generate_and_check(llm, make_prompts(corpus_ids, LENGTHS), hf_greedy)
     assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
@@ -70,7 +71,7 @@ def test_preemption_under_tiny_pool(corpus_ids, hf_greedy):
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_text_prompt_and_chat(chat, tokenizer, hf_greedy):
-    llm = LLM(kv_cache_memory_bytes=32 << 20)
+    llm = LLM(kv_cache_memory_bytes=32 << 20, dtype="float32")
     params = SamplingParams(max_tokens=24, temperature=0.0)
     if chat:
         messages = [{"role": "user", "content": "Name three primary colours."}]

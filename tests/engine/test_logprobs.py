@@ -13,7 +13,7 @@ from tests.engine.conftest import make_prompts
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(kv_cache_memory_bytes=48 << 20, max_model_len=600, max_num_batched_tokens=64)
+    return LLM(kv_cache_memory_bytes=48 << 20, max_model_len=600, max_num_batched_tokens=64, dtype="float32")
 
 
 def test_output_logprobs_match_hf_top_tokens(llm, corpus_ids, hf_greedy):

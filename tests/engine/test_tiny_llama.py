@@ -40,7 +40,7 @@ def make_tiny_llama(folder: Path, tokenizer_dir: Path, **arch: object) -> LlamaF
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tiny_llama_matches_hf(variant, tmp_path, model_dir, corpus_ids):
     hf = make_tiny_llama(tmp_path, model_dir, **VARIANTS[variant])
-    llm = LLM(str(tmp_path), max_num_batched_tokens=48, kv_cache_memory_bytes=4 << 20, block_size=8)
+    llm = LLM(str(tmp_path), max_num_batched_tokens=48, kv_cache_memory_bytes=4 << 20, block_size=8, dtype="float32")
     prompts = [corpus_ids[i * 5 : i * 5 + n] for i, n in enumerate([3, 20, 70, 150, 260])]
     outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):

@@ -18,12 +18,14 @@ from e2e.polling import poll
 from e2e.procs import LOOPBACK, Process, free_port, start_http
 from kvpilot.engine import LLM
 
-__all__ = ["KV_BYTES", "MODEL", "REPO", "Server", "free_port", "start_server", "wait_until"]
+__all__ = ["DTYPE", "KV_BYTES", "MODEL", "REPO", "Server", "free_port", "start_server", "wait_until"]
 
 MODEL = "SmolLM2-135M-Instruct"
 REPO = Path(__file__).resolve().parents[2]
 # Small pools keep startup and memory low; 128 MiB is 182 blocks of 16 tokens for this model.
 KV_BYTES = 128 << 20
+# The server is compared with the offline engine token for token, and both with HF's fp32 model.
+DTYPE = "float32"
 STARTUP_TIMEOUT_S = 90.0
 
 
@@ -95,7 +97,7 @@ def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None, 
     """`kvpilot serve` on a free loopback port with a small KV pool, once it answers /ready."""
     port = free_port()
     cmd = [sys.executable, "-m", "kvpilot.engine.cli", "serve", "--host", LOOPBACK, "--port", str(port),
-           "--kv-cache-memory-bytes", str(KV_BYTES), *args]
+           "--kv-cache-memory-bytes", str(KV_BYTES), "--dtype", DTYPE, *args]
     process = start_http(cmd, tmp_path / f"serve-{port}.log", f"http://{LOOPBACK}:{port}/ready", STARTUP_TIMEOUT_S,
                          {**os.environ, **(env or {})}, cwd=REPO, interval_s=0.2)
     return Server(process, port, api_key)
@@ -113,4 +115,4 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.fixture(scope="session")
 def llm() -> LLM:
     """The offline engine in this process: the reference for what the server must answer."""
-    return LLM(kv_cache_memory_bytes=KV_BYTES)
+    return LLM(kv_cache_memory_bytes=KV_BYTES, dtype=DTYPE)

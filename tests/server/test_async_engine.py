@@ -13,12 +13,12 @@ from kvpilot.engine.config import EngineConfig, ServerConfig
 from kvpilot.engine.serving.api_server import OpenAIServer
 from kvpilot.engine.serving.metrics import ServingMetrics
 from kvpilot.engine.core.sampling_params import SamplingParams
-from tests.server.conftest import KV_BYTES
+from tests.server.conftest import DTYPE, KV_BYTES
 
 
 def test_engine_crash_fails_streams_and_later_submissions() -> None:
     async def scenario() -> None:
-        engine = AsyncEngine(EngineConfig(kv_cache_memory_bytes=KV_BYTES), ServingMetrics("m"), max_waiting_requests=8)
+        engine = AsyncEngine(EngineConfig(kv_cache_memory_bytes=KV_BYTES, dtype=DTYPE), ServingMetrics("m"), max_waiting_requests=8)
         engine.start()
         assert await engine.wait_loaded() is None
 
@@ -42,7 +42,7 @@ def test_engine_crash_fails_streams_and_later_submissions() -> None:
 
 def test_engine_crash_makes_the_server_exit_non_zero() -> None:
     async def scenario() -> None:
-        server = OpenAIServer(EngineConfig(kv_cache_memory_bytes=KV_BYTES), ServerConfig())
+        server = OpenAIServer(EngineConfig(kv_cache_memory_bytes=KV_BYTES, dtype=DTYPE), ServerConfig())
         exits: list[int] = []
         server.on_exit_requested(lambda: exits.append(server.exit_code))
         async with server.lifespan(server.build_app()):
@@ -67,7 +67,7 @@ def test_engine_crash_makes_the_server_exit_non_zero() -> None:
 
 def test_a_stuck_engine_step_is_reported_by_health() -> None:
     async def scenario() -> None:
-        server = OpenAIServer(EngineConfig(kv_cache_memory_bytes=KV_BYTES), ServerConfig(engine_step_timeout=0.5))
+        server = OpenAIServer(EngineConfig(kv_cache_memory_bytes=KV_BYTES, dtype=DTYPE), ServerConfig(engine_step_timeout=0.5))
         async with server.lifespan(server.build_app()):
             assert await server.engine.wait_loaded() is None
             engine = server.engine.llm_engine

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit a parameter of shape {tuple(param.shape)}")
     param.data.copy_(loaded)
@@ -34,6 +34,30 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
+
+
+class FusedLinear(Linear):
+    """Several projections of the same input as one matmul (q, k and v; gate and up): one weight
+    read and one kernel launch instead of several. The checkpoint keeps them apart, so each shard
+    loads into its rows: weight_loader(param, loaded, shard)."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(shards.values()), bias)
+        self.shard_sizes = dict(shards)
+        offsets = [0]
+        for size in shards.values():
+            offsets.append(offsets[-1] + size)
+        self.shard_offsets = dict(zip(shards, offsets))
+        for param in self.parameters():
+            param.weight_loader = self.shard_loader  # type: ignore[attr-defined]
+            param.shards = tuple(shards)  # type: ignore[attr-defined]
+
+    def shard_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+        start = self.shard_offsets[shard]
+        default_weight_loader(param.data[start : start + self.shard_sizes[shard]], loaded)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split(list(self.shard_sizes.values()), dim=-1)
 
 
 class Embedding(nn.Module):

@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from kvpilot.engine.model.attention import AttentionMetadata, paged_attention, write_kv
-from kvpilot.engine.model.layers import Embedding, Linear, RMSNorm
+from kvpilot.engine.model.layers import Embedding, FusedLinear, Linear, RMSNorm
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -27,16 +27,16 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         bias = getattr(config, "attention_bias", False)
-        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.contiguous().view(n, self.num_kv_heads, self.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -49,12 +49,12 @@ class MLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": config.intermediate_size, "up": config.intermediate_size}, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -80,6 +80,12 @@ class LlamaBackbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # Checkpoint module -> (our fused module, its shard): the loader routes these tensors.
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    }
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config

@@ -81,6 +81,14 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)
 
 
+def _route(name: str, packed_modules: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
+    """The parameter a checkpoint tensor fills, and its shard when that parameter is fused."""
+    for part, (fused, shard) in packed_modules.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), shard
+    return name, None
+
+
 def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` and fill every parameter through its weight_loader."""
     files = sorted(path.glob("*.safetensors"))
@@ -94,18 +102,27 @@ def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torc
     finally:
         torch.set_default_dtype(default_dtype)
     params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
+    loaded: dict[str, set[str | None]] = {}
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as checkpoint:
             for name in checkpoint.keys():
-                if name not in params or (config.tie_word_embeddings and name == "lm_head.weight"):
+                if config.tie_word_embeddings and name == "lm_head.weight":
                     continue  # the output layer of tied embeddings is the embedding table
-                param = params[name]
-                param.weight_loader(param, checkpoint.get_tensor(name))  # type: ignore[attr-defined]
-                loaded.add(name)
+                target, shard = _route(name, model.packed_modules)
+                param = params.get(target)
+                if param is None:
+                    continue
+                loader = param.weight_loader  # type: ignore[attr-defined]
+                tensor = checkpoint.get_tensor(name)
+                if shard is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard)
+                loaded.setdefault(target, set()).add(shard)
     if config.tie_word_embeddings:
-        loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
+        loaded["lm_head.weight"] = {None}
+    missing = sorted(name for name, param in params.items()
+                     if loaded.get(name, set()) != set(getattr(param, "shards", (None,))))
     if missing:
         raise ValueError(f"weights in {path} lack {len(missing)} tensors, e.g. {missing[:3]}")
     return model.eval()

@@ -19,6 +19,7 @@ from kvpilot.engine.config import EngineConfig, ServerConfig, add_flags, from_ar
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvpilot.engine.cli", "offline generation with the engine"),
     "serve": ("kvpilot.engine.cli", "the OpenAI-compatible HTTP server"),
+    "eval": ("kvpilot.engine.cli", "quality of each quantization scheme against the unquantized model"),
     "plan": ("kvpilot.operator.cli", "size a model on a GPU: KV cache, batch limits, quantization, latency"),
     "operator": ("kvpilot.operator.cli", "run the InferenceService operator (kopf)"),
 }
@@ -55,6 +56,15 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(engine_config_from_args(args), server_config_from_args(args))
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvpilot.engine.evaluation import run
+
+    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    return run(schemes, args.num_tokens, engine_config_from_args(args), Path(args.output) if args.output else None)
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     gen = sub.add_parser("generate", help=COMMANDS["generate"][1])
     gen.add_argument("prompt", nargs="*", help="prompts (default: a sample prompt)")
@@ -65,6 +75,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     gen.add_argument("--sampling-seed", type=int, default=None)
     add_flags(gen, EngineConfig)
     gen.set_defaults(func=_generate)
+
+    ev = sub.add_parser("eval", help=COMMANDS["eval"][1])
+    ev.add_argument("--schemes", default="none,int8,int4", help="comma-separated; the first is the reference (default: none,int8,int4)")
+    ev.add_argument("--num-tokens", type=int, default=24_576, help="tokens of text to score per scheme (default: 24576)")
+    ev.add_argument("--output", default="bench/out/eval.json", help="JSON results ('' for none)")
+    add_flags(ev, EngineConfig)
+    ev.set_defaults(func=_eval)
 
     srv = sub.add_parser("serve", help=COMMANDS["serve"][1])
     add_flags(srv, ServerConfig)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import torch
 
 # What this engine build runs. A scheme or mode lands here only together with its implementation.
-QUANTIZATION_SCHEMES = ("none",)
+QUANTIZATION_SCHEMES = ("none", "int8", "int4")
 SPECULATIVE_MODES = ("off",)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -56,7 +56,8 @@ class EngineConfig(BaseModel):
     kv_cache_memory_bytes: int | None = Field(None, ge=1, description="KV pool size; default: 1 GiB on CPU, profiled on CUDA")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="share of GPU memory for weights, activations and KV")
     seed: int = Field(0, description="seed of unseeded sampling")
-    quantization: Quantization = Field("none", description="weight quantization scheme")
+    quantization: Quantization = Field("none", description="weight-only quantization: int8 per channel, int4 group-wise (LM head int8)")
+    quantization_group_size: int = Field(32, ge=16, description="int4: input columns per scale and zero (must divide every layer's input width)")
     speculative: Speculative = Field("off", description="speculative decoding mode")
 
     @field_validator("block_size")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvpilot.engine.model.quantization import LinearQuantization
+
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
@@ -24,16 +26,28 @@ def _parameter(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """y = x W^T + b, with W as the checkpoint stores it ([out, in])."""
+    """y = x W^T + b, with W as the checkpoint stores it ([out, in]); with a quantization, W is
+    loaded as usual and then replaced by its low-bit form (process_weights_after_loading)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 quantization: LinearQuantization | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = _parameter(out_features, in_features)
         self.bias = _parameter(out_features) if bias else None
+        self.quantization = quantization
+
+    def process_weights_after_loading(self) -> None:
+        if self.quantization is None:
+            return
+        weight = self._parameters.pop("weight")  # a tied weight stays with its other owner
+        self.quantization.quantize(self, weight.data)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        if self.quantization is None:
+            return nn.functional.linear(x, self.weight, self.bias)
+        y = self.quantization.matmul(self, x)
+        return y if self.bias is None else y + self.bias
 
 
 class FusedLinear(Linear):
@@ -41,8 +55,9 @@ class FusedLinear(Linear):
     read and one kernel launch instead of several. The checkpoint keeps them apart, so each shard
     loads into its rows: weight_loader(param, loaded, shard)."""
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(shards.values()), bias)
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False,
+                 quantization: LinearQuantization | None = None) -> None:
+        super().__init__(in_features, sum(shards.values()), bias, quantization)
         self.shard_sizes = dict(shards)
         offsets = [0]
         for size in shards.values():

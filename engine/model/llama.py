@@ -13,6 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from kvpilot.engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from kvpilot.engine.model.layers import Embedding, FusedLinear, Linear, RMSNorm
+from kvpilot.engine.model.quantization import LinearQuantization, for_scheme
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -21,15 +22,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, quantization: LinearQuantization | None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         bias = getattr(config, "attention_bias", False)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias, quantization)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias, quantization)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
@@ -46,11 +47,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, quantization: LinearQuantization | None) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": config.intermediate_size, "up": config.intermediate_size}, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        sizes = {"gate": config.intermediate_size, "up": config.intermediate_size}
+        self.gate_up_proj = FusedLinear(config.hidden_size, sizes, bias, quantization)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
@@ -58,10 +60,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, quantization: LinearQuantization | None) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, quantization)
+        self.mlp = MLP(config, quantization)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -71,10 +73,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaBackbone(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, quantization: LinearQuantization | None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, quantization) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config)
 
@@ -86,11 +88,12 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, quantization: str = "none", quantization_group_size: int = 32) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaBackbone(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        body, head = for_scheme(quantization, quantization_group_size)
+        self.model = LlamaBackbone(config, body)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, head)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

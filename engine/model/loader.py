@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig, PreTrainedTokenizerBase
 
+from kvpilot.engine.model.layers import Linear
 from kvpilot.engine.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,10 @@ def _route(name: str, packed_modules: dict[str, tuple[str, str]]) -> tuple[str, 
     return name, None
 
 
-def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Build the model on `device` in `dtype` and fill every parameter through its weight_loader."""
+def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torch.device, quantization: str = "none",
+               quantization_group_size: int = 32) -> LlamaForCausalLM:
+    """Build the model on `device` in `dtype`, fill every parameter through its weight_loader, then
+    let each layer turn its weights into their serving form (quantized layers quantize here)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {path}")
@@ -98,7 +101,7 @@ def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torc
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config)
+            model = LlamaForCausalLM(config, quantization, quantization_group_size)
     finally:
         torch.set_default_dtype(default_dtype)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -125,4 +128,7 @@ def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torc
                      if loaded.get(name, set()) != set(getattr(param, "shards", (None,))))
     if missing:
         raise ValueError(f"weights in {path} lack {len(missing)} tensors, e.g. {missing[:3]}")
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.process_weights_after_loading()
     return model.eval()

@@ -47,13 +47,17 @@ class ModelRunner:
         self.dtype = config.torch_dtype(self.device)
         self.block_size = config.block_size
         self.hf_config = load_config(model_path)
-        self.model = load_model(model_path, self.hf_config, self.dtype, self.device)
+        self.model = load_model(model_path, self.hf_config, self.dtype, self.device, config.quantization,
+                                config.quantization_group_size)
+        # What the weights take in memory as served (quantized layers in their low-bit form).
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
         attn = self.model.model.layers[0].self_attn
         self.num_layers = self.hf_config.num_hidden_layers
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.num_blocks = self._num_kv_blocks()
-        log.info("event=engine_config device=%s dtype=%s torch_threads=%d threads_from=%r kv_blocks=%d",
-                 self.device, str(self.dtype).removeprefix("torch."), threads, why, self.num_blocks)
+        log.info("event=engine_config device=%s dtype=%s quantization=%s weight_bytes=%d torch_threads=%d threads_from=%r kv_blocks=%d",
+                 self.device, str(self.dtype).removeprefix("torch."), config.quantization, self.weight_bytes, threads, why,
+                 self.num_blocks)
         # Unseeded sampling draws from one generator seeded by the engine's seed; seeded requests
         # get their own, kept until they finish (a preempted request continues its stream).
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))

@@ -1,0 +1,88 @@
+"""Weight-only INT8 and INT4 linear layers: really low-bit, close to the weights, served end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.model.layers import FusedLinear, Linear
+from kvpilot.engine.model.quantization import Int4WeightOnly, Int8WeightOnly
+
+
+def _quantized(layer: Linear, weight: torch.Tensor) -> Linear:
+    layer.weight.data.copy_(weight)
+    layer.process_weights_after_loading()
+    return layer
+
+
+def _layer_bytes(layer: Linear) -> int:
+    return sum(t.numel() * t.element_size() for t in (*layer.parameters(), *layer.buffers()))
+
+
+@pytest.mark.parametrize("scheme", [Int8WeightOnly(), Int4WeightOnly(32), Int4WeightOnly(64)], ids=["int8", "int4-g32", "int4-g64"])
+def test_quantized_matmul_matches_its_dequantized_weight(scheme):
+    torch.manual_seed(0)
+    weight = torch.randn(960, 576) * 0.05
+    layer = _quantized(Linear(576, 960, quantization=scheme), weight)
+    assert "weight" not in dict(layer.named_parameters())
+    deq = scheme.dequantized(layer)
+    # Rounding costs half a step (int8: 1/127 of the row's largest value, int4: 1/15 of a group's
+    # range, at most the whole tensor's); the bf16 scales add up to about as much again.
+    step = weight.abs().amax(1, keepdim=True) / 127 if scheme.name == "int8" else (weight.amax() - weight.amin()) / 15
+    assert ((deq - weight).abs() <= step).all()
+    x = torch.randn(5, 576).bfloat16()
+    expected = x.float() @ deq.bfloat16().float().T
+    assert torch.allclose(layer(x).float(), expected, atol=0.05, rtol=0.02)
+
+
+def test_int4_reproduces_weights_that_came_from_int4():
+    torch.manual_seed(1)
+    # Weights already on a 4-bit grid per group of 32 (as a Q4_1 checkpoint dequantizes to).
+    scale = torch.rand(576, 18, 1) * 0.01 + 0.001
+    low = torch.randn(576, 18, 1) * 0.05
+    q = torch.randint(0, 16, (576, 18, 32)).float()
+    q[..., 0], q[..., 1] = 0, 15  # every group spans its whole range
+    weight = (q * scale + low).view(576, 576)
+    layer = _quantized(Linear(576, 576, quantization=Int4WeightOnly(32)), weight)
+    # Exact up to the bf16 rounding of each group's scale and zero.
+    assert (Int4WeightOnly(32).dequantized(layer) - weight).abs().max() < 2e-3
+
+
+def test_weights_are_really_stored_in_low_bits():
+    weight = torch.randn(3072, 576)
+    fp16_bytes = weight.numel() * 2
+    int8 = _layer_bytes(_quantized(Linear(576, 3072, quantization=Int8WeightOnly()), weight))
+    int4_g32 = _layer_bytes(_quantized(Linear(576, 3072, quantization=Int4WeightOnly(32)), weight))
+    int4_g64 = _layer_bytes(_quantized(Linear(576, 3072, quantization=Int4WeightOnly(64)), weight))
+    assert int8 <= 0.55 * fp16_bytes
+    # Packed 4-bit values are 0.25x; a bf16 scale and zero per group add 4 / (2 x group) of fp16.
+    assert int4_g32 <= 0.3125 * fp16_bytes and int4_g64 <= 0.30 * fp16_bytes
+
+
+def test_fused_shards_load_then_quantize():
+    torch.manual_seed(2)
+    layer = FusedLinear(64, {"q": 64, "k": 32, "v": 32}, quantization=Int8WeightOnly())
+    shards = {name: torch.randn(size, 64) for name, size in layer.shard_sizes.items()}
+    for name, tensor in shards.items():
+        layer.shard_loader(layer.weight, tensor, name)
+    layer.process_weights_after_loading()
+    deq = Int8WeightOnly().dequantized(layer)
+    assert torch.allclose(deq, torch.cat(list(shards.values())), atol=0.03)
+
+
+def test_group_must_divide_the_input_width():
+    with pytest.raises(ValueError, match="does not divide"):
+        _quantized(Linear(48, 8, quantization=Int4WeightOnly(32)), torch.randn(8, 48))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_each_scheme_serves_the_embedded_model_deterministically(scheme):
+    llm = LLM(kv_cache_memory_bytes=32 << 20, quantization=scheme)
+    reference = LLM(kv_cache_memory_bytes=32 << 20)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=12, temperature=0)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert first == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine.runner.weight_bytes < 0.75 * reference.engine.runner.weight_bytes
+    assert "Paris" in llm.generate(prompts[:1], params)[0].outputs[0].text

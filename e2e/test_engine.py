@@ -84,3 +84,27 @@ def test_engine_behind_a_simulated_pod_answers_the_openai_client(
         assert "".join(c.choices[0].text for c in stream if c.choices)
         metrics = http.get(f"{url}/metrics").text
     assert "kvpilot" in metrics
+
+
+def test_a_plan_that_chose_int4_runs_a_real_int4_engine(
+        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: Any, tmp_path: Path) -> None:
+    # The sample, pinned to INT4 (the planner picks it under `auto` only where BF16 misses the SLO).
+    spec = kvis.sample("smollm2-135m")["spec"]
+    spec = {**spec, "serving": {**spec.get("serving", {}), "quantization": "int4"}}
+    apply_isvc("smollm2-int4", spec)
+    ns = kvpilot.watch_namespaces[0]
+    ready = kvis.wait_condition(k8s, ns, "smollm2-int4", "Ready", "True", timeout_s=60)
+    assert ready["status"]["plan"]["quantization"] == "int4"
+    deployment = k8s.kubectl_json("get", "deployment", "smollm2-int4", "-n", ns)
+    (pod,) = kvis.running_pods(k8s, ns, "smollm2-int4")
+    process, url = start_engine(deployment, pod, tmp_path / "engine-int4.log")
+    try:
+        assert process.argv[process.argv.index("--quantization") + 1] == "int4"
+        with httpx.Client(trust_env=False, timeout=120) as http:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http, max_retries=0)
+            out = client.completions.create(model=spec["model"]["name"], prompt="The capital of France is", max_tokens=6,
+                                            temperature=0)
+        assert "Paris" in out.choices[0].text
+        assert "quantization=int4" in process.log_tail(200)
+    finally:
+        assert process.stop() == 0, process.log_tail()

@@ -68,3 +68,19 @@ def test_the_valid_base_spec_is_accepted_with_defaults(k8s: Cluster, kvpilot: In
                       input=yaml.safe_dump(kvis.manifest("valid", ns, GOOD)))
     stored = yaml.safe_load(out.stdout)["spec"]
     assert stored["serving"]["blockSize"] == 16 and stored["autoscaling"]["maxReplicas"] == 4
+
+
+NAME_RULE = ("metadata.name must be a DNS-1035 label (at most 63 characters: lower-case letters, digits "
+             "and '-', starting with a letter and ending with a letter or digit), because the "
+             "InferenceService's Service takes its name")
+
+
+# Names Kubernetes takes for a custom resource (a DNS-1123 subdomain) that no Service could have.
+@pytest.mark.parametrize("name", ["7b-chat", "llama.v2", "x" * 64], ids=["digit-first", "dot", "64-chars"])
+def test_a_name_no_service_could_have_is_rejected(k8s: Cluster, kvpilot: Installation, name: str) -> None:
+    ns = kvpilot.watch_namespaces[0]
+    result = k8s.kubectl("create", "-f", "-", input=yaml.safe_dump(kvis.manifest(name, ns, GOOD)), check=False)
+    assert result.returncode != 0, result.stdout
+    assert f'InferenceService "{name}" is invalid' in result.stderr, result.stderr
+    assert NAME_RULE in result.stderr, result.stderr
+    assert k8s.kubectl("get", "inferenceservice", name, "-n", ns, check=False).returncode != 0

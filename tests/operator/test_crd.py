@@ -5,6 +5,7 @@ schema rules and validates objects against the schema with a small validator for
 OpenAPI the CRD uses.
 """
 
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -184,6 +185,23 @@ def test_cel_rules_cover_what_the_schema_cannot_say(crd: dict[str, Any]) -> None
     assert "self.speculative != 'draft'" in rules("serving") and "has(self.draftModel)" in rules("serving")
     architecture = spec["model"]["properties"]["architecture"]["x-kubernetes-validations"]
     assert architecture[0]["rule"] == "self.attentionHeads % self.kvHeads == 0"
+
+
+def test_the_name_must_be_able_to_name_a_service(crd: dict[str, Any]) -> None:
+    # At the schema root, CEL sees metadata.name; the Service the operator renders takes it.
+    (rule,) = root(crd)["x-kubernetes-validations"]
+    assert "DNS-1035 label" in rule["message"]
+    pattern = re.fullmatch(r"size\(self\.metadata\.name\) <= (\d+) && "
+                           r"self\.metadata\.name\.matches\('(.*)'\)", rule["rule"])
+    assert pattern is not None, rule["rule"]
+    limit, regex = int(pattern[1]), pattern[2]
+    assert (limit, regex) == (63, "^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+    def allowed(name: str) -> bool:
+        return len(name) <= limit and re.fullmatch(regex, name) is not None
+
+    assert all(map(allowed, ["db", "llama-3-8b", "a" * 63, "x1"]))
+    assert not any(map(allowed, ["7b-chat", "db.v2", "Chat", "chat-", "a" * 64, "my_model", ""]))
 
 
 @pytest.mark.parametrize("bad", [

@@ -1,11 +1,14 @@
 """Scenarios 2, 4 and 5: the operator (the chart's, run locally under its ServiceAccount) turns
 InferenceServices into engine Deployments, Services and PDBs on the fake GPU nodes, keeps them
-converged, and says clearly when a model cannot fit."""
+converged, and says clearly when a model cannot fit; and (issue #12) it never takes over an
+object it does not own, keeps the last good Deployment when a spec stops planning, reports
+refused writes, puts no finalizer on InferenceServices and costs nothing while idle."""
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +23,8 @@ from kvpilot.operator.planner import plan
 from kvpilot.operator.spec import InferenceServiceSpec
 
 ApplyISVC = Callable[[str, dict[str, Any]], dict[str, Any]]
-# Children come back on the operator's resync (15 s); allow for a noisy machine.
+# Children come back on the events of their deletion, Ready follows the Deployment's events:
+# seconds, but allow for a noisy machine.
 CONVERGE_S = 60.0
 
 
@@ -113,11 +117,13 @@ def test_lifecycle_generation_repair_restart_and_garbage_collection(
     assert deployment["metadata"]["generation"] == 2 and _arg(deployment, "--max-model-len") == "2048"
     k8s.kubectl("rollout", "status", f"deployment/{name}", "-n", ns, "--timeout=60s", timeout=70)
 
-    # Children deleted by hand come back (the resync re-applies them).
+    # Children deleted by hand come back (the events of their deletion reconcile the owner).
     for kind in ("deployment", "service", "poddisruptionbudget"):
         k8s.kubectl("delete", kind, name, "-n", ns)
+    deleted = time.monotonic()
     poll(lambda: {o["kind"] for o in kvis.children(k8s, ns, name, "deployments,services,poddisruptionbudgets")}
               == {"Deployment", "Service", "PodDisruptionBudget"}, CONVERGE_S, "children recreated")
+    print(f"children back {time.monotonic() - deleted:.1f} s after their deletion")
     kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
     k8s.kubectl("rollout", "status", f"deployment/{name}", "-n", ns, "--timeout=60s", timeout=70)
 
@@ -136,27 +142,174 @@ def test_lifecycle_generation_repair_restart_and_garbage_collection(
     poll(lambda: kvis.children(k8s, ns, name) == [], CONVERGE_S, f"children of {name} garbage-collected")
 
 
-def test_a_model_that_cannot_fit_is_not_ready_with_the_numbers(
+def test_a_spec_that_stops_planning_keeps_the_last_good_deployment_with_the_numbers(
         k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
     ns, name = kvpilot.watch_namespaces[0], "too-big"
     apply_isvc(name, {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "L4"}, "replicas": 1})
     kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
+    k8s.kubectl("rollout", "status", f"deployment/{name}", "-n", ns, "--timeout=60s", timeout=70)
+    running = k8s.kubectl_json("get", "deployment", name, "-n", ns)
+
+    def unchanged() -> None:
+        deployment = k8s.kubectl_json("get", "deployment", name, "-n", ns)
+        assert deployment["metadata"]["uid"] == running["metadata"]["uid"]
+        assert deployment["metadata"]["generation"] == running["metadata"]["generation"]
+        assert _engine(deployment)["args"] == _engine(running)["args"]
+        assert len(kvis.running_pods(k8s, ns, name)) == 1
 
     # Now 70B on one 24 GiB L4: even INT4 weights do not fit.
     k8s.kubectl("patch", "inferenceservice", name, "-n", ns, "--type=merge",
                 "-p", json.dumps({"spec": {"model": {"name": "llama-2-70b"}}}))
-    obj = kvis.wait_condition(k8s, ns, name, "Ready", "False", timeout_s=CONVERGE_S, generation=2)
-    ready = kvis.condition(obj, "Ready")
-    assert ready["reason"] == "WeightsDoNotFit", ready
-    numbers = re.findall(r"\d+(?:\.\d+)? GiB", ready["message"])
-    assert len(numbers) >= 2, ready["message"]  # the weights and the GPU memory, at least
-    assert "24" in ready["message"], ready["message"]
+    obj = kvis.wait_condition(k8s, ns, name, "Planned", "False", timeout_s=CONVERGE_S, generation=2)
+    planned = kvis.condition(obj, "Planned")
+    assert planned["reason"] == "WeightsDoNotFit", planned
+    numbers = re.findall(r"\d+(?:\.\d+)? GiB", planned["message"])
+    assert len(numbers) >= 2, planned["message"]  # the weights and the GPU memory, at least
+    assert "24" in planned["message"], planned["message"]
     assert obj["status"]["plan"]["fits"] is False
-    assert kvis.condition(obj, "Planned")["status"] == "False"
-    # The old engines are gone, and no Deployment comes back on the next resync either.
-    poll(lambda: kvis.children(k8s, ns, name, "deployments,pods") == [], CONVERGE_S, "engines removed")
-    resynced = f"[{ns}/{name}] Timer 'resync' succeeded"
-    seen = operator.log().count(resynced)
-    poll(lambda: operator.log().count(resynced) > seen, CONVERGE_S, "one more resync")
-    assert kvis.children(k8s, ns, name, "deployments,pods") == []
-    assert kvis.condition(kvis.get(k8s, ns, name), "Ready")["reason"] == "WeightsDoNotFit"
+    # The engines of the last good plan keep serving, untouched.
+    unchanged()
+    assert kvis.condition(obj, "Ready")["status"] == "True"
+    assert kvis.condition(obj, "Degraded")["reason"] == "WeightsDoNotFit"
+
+    # A GPU type that does not exist: the same.
+    k8s.kubectl("patch", "inferenceservice", name, "-n", ns, "--type=merge", "-p", json.dumps(
+        {"spec": {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "L5"}}}))
+    obj = kvis.wait_condition(k8s, ns, name, "Planned", "False", timeout_s=CONVERGE_S, generation=3)
+    assert kvis.condition(obj, "Planned")["reason"] == "UnknownGPU"
+    unchanged()
+
+    # A spec that never planned has no Deployment.
+    never = "too-big-from-the-start"
+    apply_isvc(never, {"model": {"name": "llama-2-70b"}, "accelerator": {"type": "L4"}, "replicas": 1})
+    obj = kvis.wait_condition(k8s, ns, never, "Ready", "False", timeout_s=CONVERGE_S)
+    assert kvis.condition(obj, "Ready")["reason"] == "WeightsDoNotFit"
+    assert kvis.children(k8s, ns, never, "deployments,pods") == []
+
+
+def test_a_same_named_object_of_someone_else_is_never_adopted(
+        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
+    ns, name = kvpilot.watch_namespaces[0], "db"
+    k8s.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
+               "spec": {"selector": {"app": "postgres"}, "ports": [{"port": 5432}]}})
+    theirs = k8s.kubectl_json("get", "service", name, "-n", ns)
+    apply_isvc(name, {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}, "replicas": 1})
+    obj = kvis.wait_condition(k8s, ns, name, "Ready", "False", timeout_s=CONVERGE_S)
+    ready = kvis.condition(obj, "Ready")
+    assert ready["reason"] == "NameConflict", ready
+    assert f"Service {ns}/{name} exists and is controlled by no controller" in ready["message"]
+
+    def untouched() -> None:
+        service = k8s.kubectl_json("get", "service", name, "-n", ns)
+        assert service["metadata"]["resourceVersion"] == theirs["metadata"]["resourceVersion"]
+        assert service["spec"] == theirs["spec"]
+        assert "ownerReferences" not in service["metadata"]
+
+    untouched()
+    assert kvis.children(k8s, ns, name, "deployments,poddisruptionbudgets") == []
+    # Deleting the InferenceService leaves it in place.
+    k8s.kubectl("delete", "inferenceservice", name, "-n", ns, "--timeout=60s", timeout=70)
+    time.sleep(3)  # time for the garbage collector to act, were there anything to collect
+    untouched()
+    k8s.kubectl("delete", "service", name, "-n", ns)
+
+
+def test_a_write_the_api_server_refuses_is_in_the_status(
+        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
+    ns = kvpilot.watch_namespaces[0]
+    base = {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}, "replicas": 1}
+    # The CRD takes any string in both places; the Deployment's schema does not. The API server
+    # answers the quantity with a 500 (it cannot convert the applied object), the label with a 422.
+    cases = {"bad-quantity": ({"resources": {"requests": {"cpu": "lots"}}},
+                              "quantities must match the regular expression"),
+             "bad-node-label": ({"nodeSelector": {"pool": "not a label!"}},
+                                'spec.template.spec.nodeSelector: Invalid value: "not a label!"')}
+    for name, (extra, _) in cases.items():
+        apply_isvc(name, {**base, **extra})
+    for name, (_, words) in cases.items():
+        poll(lambda: kvis.condition(kvis.get(k8s, ns, name), "Ready").get("reason") == "ApplyFailed",
+             CONVERGE_S, f"{name}: ApplyFailed")
+        ready = kvis.condition(kvis.get(k8s, ns, name), "Ready")
+        assert ready["status"] == "False"
+        assert ready["message"].startswith(f"the API server refused Deployment {ns}/{name}: "), ready
+        assert words in ready["message"], ready["message"]
+        assert kvis.children(k8s, ns, name, "deployments") == []
+
+
+def test_deleting_an_inference_service_does_not_wait_for_the_operator(
+        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
+    ns, name = kvpilot.watch_namespaces[0], "orphan-free"
+    apply_isvc(name, {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}, "replicas": 1})
+    obj = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
+    assert not obj["metadata"].get("finalizers"), obj["metadata"]
+    operator.stop()
+    try:
+        started = time.monotonic()
+        k8s.kubectl("delete", "inferenceservice", name, "-n", ns, "--timeout=20s", timeout=30)
+        print(f"kubectl delete returned in {time.monotonic() - started:.1f} s with the operator stopped")
+        assert k8s.kubectl("get", "inferenceservice", name, "-n", ns, check=False).returncode != 0
+        poll(lambda: kvis.children(k8s, ns, name) == [], CONVERGE_S, f"children of {name} garbage-collected")
+    finally:
+        operator.start()
+
+
+OPERATOR_KINDS = {"deployments", "services", "poddisruptionbudgets", "inferenceservices"}
+# The operator never deletes (its role cannot): DELETEs of these kinds are the garbage collector's.
+WRITES = {"POST", "PUT", "PATCH", "APPLY"}
+
+
+def _metrics(k8s: Cluster) -> list[tuple[str, dict[str, str], float]]:
+    samples = []
+    for line in k8s.kubectl("get", "--raw", "/metrics").stdout.splitlines():
+        if line.startswith("#") or "{" not in line:
+            continue
+        name, rest = line.split("{", 1)
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', rest.split("}")[0]))
+        samples.append((name, labels, float(line.rsplit(" ", 1)[1])))
+    return samples
+
+
+def _requests(k8s: Cluster, verbs: set[str]) -> int:
+    """Requests with `verbs` to the operator's kinds so far, from the API server's metrics: the
+    objects themselves and the InferenceServices' status (kube-controller-manager writes the
+    other kinds' status only)."""
+    return int(sum(value for name, labels, value in _metrics(k8s)
+                   if name == "apiserver_request_total" and labels.get("resource") in OPERATOR_KINDS
+                   and labels.get("verb") in verbs
+                   and (not labels.get("subresource")
+                        or (labels["resource"], labels["subresource"]) == ("inferenceservices", "status"))))
+
+
+def _service_account_requests(k8s: Cluster) -> int:
+    """Every request of a service account outside kube-system so far: here, only the operator's
+    (API priority and fairness sorts them into the `service-accounts` flow schema)."""
+    return int(sum(value for name, labels, value in _metrics(k8s)
+                   if name == "apiserver_flowcontrol_dispatched_requests_total"
+                   and labels.get("flow_schema") == "service-accounts"))
+
+
+def test_an_idle_inference_service_costs_no_writes(
+        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
+    ns, name = kvpilot.watch_namespaces[0], "idle"
+    apply_isvc(name, {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}, "replicas": 1})
+    kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
+    k8s.kubectl("rollout", "status", f"deployment/{name}", "-n", ns, "--timeout=60s", timeout=70)
+
+    def quiet() -> bool:
+        # The children of earlier tests' InferenceServices are garbage-collected by now.
+        rest = k8s.kubectl_json("get", "deployments,services,poddisruptionbudgets", "-n", ns,
+                                "-l", "app.kubernetes.io/managed-by=kvpilot-operator")["items"]
+        return {o["metadata"]["labels"]["app.kubernetes.io/instance"] for o in rest} == {name}
+
+    poll(quiet, CONVERGE_S, "only the idle InferenceService's children left")
+    time.sleep(5)  # the last events of the rollout
+    writes, reads = _requests(k8s, WRITES), _requests(k8s, {"GET", "LIST"})
+    operator_requests = _service_account_requests(k8s)
+    assert operator_requests > 0  # the metric does see the operator
+    time.sleep(30)  # two periods of the resync timer this operator no longer has
+    print(f"idle 30 s: {_requests(k8s, WRITES) - writes} writes and "
+          f"{_requests(k8s, {'GET', 'LIST'}) - reads} reads of the operator's kinds; "
+          f"{_service_account_requests(k8s) - operator_requests} requests of the operator in all")
+    assert _requests(k8s, WRITES) == writes
+    # At most kopf's own upkeep (its peering record's keep-alive, a watch the API server ended).
+    assert _service_account_requests(k8s) - operator_requests <= 3

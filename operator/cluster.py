@@ -1,19 +1,23 @@
-"""The operator's only door to the Kubernetes API: apply, get, delete, and node GPU discovery.
+"""The operator's only door to the Kubernetes API: read, create, update, status, node GPUs.
 
-`Cluster` is what reconciliation needs; `KubeCluster` implements it with server-side apply, which
-is idempotent by construction (the same manifest applied twice is one object, and a restarted
-operator re-applying finds its own field manager's fields).
+`Cluster` is what reconciliation needs. Writes never take over an object that exists already:
+`create` refuses one that is there (whoever made it), and `update` applies onto exactly the
+version that was read, so an object deleted and made again by someone else in between is refused
+too. Both are server-side apply under the operator's field manager, so a field the operator stops
+rendering is removed by the next update. Refusals come back as `WriteConflict` (the object changed:
+read again) or `WriteRefused` (any other error answer; its message is for the status).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Protocol
 
 from kubernetes import config
 from kubernetes.client import ApiClient
 from kubernetes.config.config_exception import ConfigException
 from kubernetes.dynamic import DynamicClient
-from kubernetes.dynamic.exceptions import ConflictError, NotFoundError
+from kubernetes.dynamic.exceptions import ConflictError, DynamicApiError, NotFoundError
 
 from kvpilot.operator.gpu_catalog import AMD_PRODUCT_LABEL, NVIDIA_PRODUCT_LABEL
 
@@ -21,14 +25,60 @@ Manifest = dict[str, Any]
 
 FIELD_MANAGER = "kvpilot-operator"
 PEERING_API_VERSION = "kopf.dev/v1"
+# An apply that carries a resourceVersion changes only the object at that version, and creates the
+# object when there is none (a create ignores the version). No object is ever at version "1" (the
+# first write of the whole cluster), so an apply with it creates or fails with a conflict.
+CREATE_ONLY_VERSION = "1"
+
+
+class WriteConflict(Exception):
+    """The object is not at the version that was read (or exists where none was): read again."""
+
+
+class WriteRefused(Exception):
+    """The API server answered a write with an error other than a conflict; `message` is its
+    own words. Not only 4xx: an apply whose quantity the API server cannot parse gets a 500
+    ("failed to convert new object ... quantities must match the regular expression"), which a
+    retry of the same request does not fix either."""
+
+    def __init__(self, what: str, code: int, message: str) -> None:
+        super().__init__(f"{what}: {message}")
+        self.what, self.code, self.message = what, code, message
+
+
+def describe(manifest: Manifest) -> str:
+    """`Kind namespace/name`, the way conditions and logs name an object."""
+    metadata = manifest["metadata"]
+    where = f"{metadata['namespace']}/" if metadata.get("namespace") else ""
+    return f"{manifest['kind']} {where}{metadata['name']}"
+
+
+def api_message(error: DynamicApiError) -> str:
+    """The API server's message from an error response (its Status object), else the body."""
+    body = error.body.decode(errors="replace") if isinstance(error.body, bytes) else error.body
+    try:
+        message = json.loads(body or "").get("message")
+    except (ValueError, AttributeError):
+        message = None
+    return str(message or body or f"{error.status} {error.reason}")
 
 
 class Cluster(Protocol):
-    def apply(self, manifest: Manifest) -> None: ...
-
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None: ...
 
-    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None: ...
+    def create(self, manifest: Manifest) -> Manifest:
+        """Create `manifest` and return the object; WriteConflict when one of its name exists."""
+        ...
+
+    def update(self, manifest: Manifest, resource_version: str) -> Manifest:
+        """Apply `manifest` onto the object at `resource_version`; WriteConflict when it is not
+        at that version any more."""
+        ...
+
+    def patch_status(self, api_version: str, kind: str, namespace: str, name: str,
+                     patch: Manifest) -> None:
+        """Merge-patch the status subresource (None values remove fields)."""
+        ...
 
     def gpu_products(self) -> list[str]: ...
 
@@ -49,10 +99,24 @@ class KubeCluster:
     def _resource(self, api_version: str, kind: str) -> Any:
         return self._client.resources.get(api_version=api_version, kind=kind)
 
-    def apply(self, manifest: Manifest) -> None:
-        self._resource(manifest["apiVersion"], manifest["kind"]).server_side_apply(
-            body=manifest, namespace=manifest["metadata"].get("namespace"),
-            field_manager=FIELD_MANAGER, force_conflicts=True)
+    def _apply(self, manifest: Manifest, resource_version: str) -> Manifest:
+        body = {**manifest, "metadata": {**manifest["metadata"],
+                                         "resourceVersion": resource_version}}
+        try:
+            result = self._resource(manifest["apiVersion"], manifest["kind"]).server_side_apply(
+                body=body, namespace=manifest["metadata"].get("namespace"),
+                field_manager=FIELD_MANAGER, force_conflicts=True)
+        except ConflictError as error:
+            raise WriteConflict(f"{describe(manifest)}: {api_message(error)}") from None
+        except DynamicApiError as error:
+            raise WriteRefused(describe(manifest), error.status, api_message(error)) from None
+        return dict(result.to_dict())
+
+    def create(self, manifest: Manifest) -> Manifest:
+        return self._apply(manifest, CREATE_ONLY_VERSION)
+
+    def update(self, manifest: Manifest, resource_version: str) -> Manifest:
+        return self._apply(manifest, resource_version)
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
         try:
@@ -61,11 +125,11 @@ class KubeCluster:
             return None
         return dict(found.to_dict())
 
-    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
-        try:
-            self._resource(api_version, kind).delete(name=name, namespace=namespace)
-        except NotFoundError:
-            pass
+    def patch_status(self, api_version: str, kind: str, namespace: str, name: str,
+                     patch: Manifest) -> None:
+        self._resource(api_version, kind).status.patch(
+            body={"status": patch}, name=name, namespace=namespace,
+            content_type="application/merge-patch+json")
 
     def gpu_products(self) -> list[str]:
         nodes = self._resource("v1", "Node").get().to_dict().get("items", [])

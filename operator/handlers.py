@@ -2,37 +2,61 @@
 
 Importing this module registers the handlers in kopf's default registry (`kvpilot operator`
 does); all decisions live in the pure modules, all API calls in `cluster.KubeCluster`.
+
+No handler here makes kopf put a finalizer on InferenceServices (kopf adds one only for timers,
+daemons and non-optional on.delete handlers), so `kubectl delete` never waits for the operator:
+the children go by their owner references (garbage collection). Instead of a periodic resync,
+the operator watches its children (Deployments, Services and PodDisruptionBudgets labelled as
+managed by it): a change or deletion of one reconciles its owner, so Ready follows the pods within
+seconds, a child deleted by hand comes back at once, and an idle cluster costs no API requests.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 
 from kvpilot.operator import render
-from kvpilot.operator.cluster import KubeCluster
-from kvpilot.operator.reconcile import reconcile
-from kvpilot.operator.spec import GROUP, PLURAL, VERSION
+from kvpilot.operator.cluster import KubeCluster, WriteConflict
+from kvpilot.operator.reconcile import controller_of, reconcile, refresh
+from kvpilot.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from kvpilot.operator.status import merge_patch
 
-# How often every InferenceService is re-reconciled even without events: this repairs children
-# deleted or edited by hand and refreshes readyReplicas from the Deployment. kopf puts a finalizer
-# on objects that have a timer (to stop it cleanly), so deleting an InferenceService waits for a
-# running operator; its children then go by their owner references.
-RESYNC_SECONDS = 15.0
 # kopf's bookkeeping annotations, under our own domain instead of kopf.zalando.org.
 ANNOTATION_PREFIX = GROUP
 # Set by the chart from its engine.image value: the engine image for specs without spec.image.
 ENGINE_IMAGE_ENV = "KVPILOT_ENGINE_IMAGE"
+# A blocked InferenceService (a same-named object of someone else, a write the API server refused)
+# is tried again this often: the object in the way carries no label of ours, so no event says
+# when it is gone.
+BLOCKED_RETRY_SECONDS = 60.0
+BLOCKED = ("NameConflict", "ApplyFailed")
 
 
 def engine_image(environ: Mapping[str, str]) -> str:
     """The operator's default engine image: the environment's, else the built-in one."""
     return environ.get(ENGINE_IMAGE_ENV) or render.DEFAULT_ENGINE_IMAGE
+
+
+_locks: dict[tuple[str, str], threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+@contextmanager
+def _serialized(namespace: str, name: str) -> Iterator[None]:
+    """One reconcile of an InferenceService at a time: kopf runs its own handlers and the
+    children's event handlers in parallel threads."""
+    with _locks_guard:
+        lock = _locks.setdefault((namespace, name), threading.Lock())
+    with lock:
+        yield
 
 
 @kopf.on.startup()
@@ -51,11 +75,36 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
-@kopf.timer(GROUP, VERSION, PLURAL, id="resync", interval=RESYNC_SECONDS,
-            initial_delay=RESYNC_SECONDS)
 def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
                       logger: logging.Logger, **_: Any) -> None:
-    status = reconcile(body, memo.cluster, datetime.now(UTC), default_image=memo.engine_image)
-    patch.status.update(status)
+    metadata = body["metadata"]
+    with _serialized(metadata["namespace"], metadata["name"]):
+        try:
+            status = reconcile(body, memo.cluster, datetime.now(UTC),
+                               default_image=memo.engine_image)
+        except WriteConflict as error:
+            raise kopf.TemporaryError(f"changed while reconciling: {error}", delay=1) from None
+    patch.status.update(merge_patch(body.get("status") or {}, status))
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     logger.debug(f"Ready={ready['status']} ({ready['reason']}): {ready['message']}")
+    if ready["reason"] in BLOCKED:
+        # The status above is written either way; kopf calls the handler again after the delay.
+        raise kopf.TemporaryError(f"{ready['reason']}: {ready['message']}",
+                                  delay=BLOCKED_RETRY_SECONDS)
+
+
+@kopf.on.event("apps/v1", "deployments", labels=render.MANAGED_BY)
+@kopf.on.event("v1", "services", labels=render.MANAGED_BY)
+@kopf.on.event("policy/v1", "poddisruptionbudgets", labels=render.MANAGED_BY)
+def child_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    owner = controller_of(body)
+    if owner is None or (owner.get("apiVersion"), owner.get("kind")) != (API_VERSION, KIND):
+        return
+    namespace, name = body["metadata"]["namespace"], owner["name"]
+    with _serialized(namespace, name):
+        try:
+            refresh(memo.cluster, namespace, name, datetime.now(UTC),
+                    default_image=memo.engine_image)
+        except WriteConflict as error:
+            # Whatever changed it is an event of its own, which reconciles again.
+            logger.debug(f"{namespace}/{name} changed while reconciling: {error}")

@@ -1,12 +1,27 @@
 """One reconciliation of an InferenceService: plan, render, converge the children, report status.
 
-Level-triggered and idempotent: it derives everything from the object as it is now, so create,
-update, resume and the periodic resync all run the same function, a child deleted by hand comes
-back on the next run, and a restarted operator converges on the objects it already made.
+Level-triggered and idempotent: it derives everything from the object as it is now (and the
+status it wrote last), so create, update, resume and every child event run the same function, a
+child deleted by hand comes back on the event of its deletion, and a restarted operator converges
+on the objects it already made. Decisions are made here; the `Cluster` adapter does the I/O.
+
+- Only children this InferenceService owns (a controller owner reference with its UID) are ever
+  written. A same-named object of anyone else is left exactly as it is, nothing is written, and
+  the status says `NameConflict`.
+- A child whose rendering has not changed is not written at all, so a reconcile of a converged
+  service costs reads only.
+- A spec that stops planning keeps the Deployment of the last plan that fit running; only a spec
+  that never planned has no Deployment. Nothing here deletes anything.
+- The GPU chosen for an unset `accelerator.type` is kept while the generation stays the same, so
+  a new node type does not re-plan (and roll) every service; a spec change plans afresh.
+- A write the API server refuses (say a quantity it cannot parse) becomes `ApplyFailed` with the
+  API server's message.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -14,9 +29,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvpilot.operator import render, status
-from kvpilot.operator.cluster import Cluster
+from kvpilot.operator.cluster import Cluster, Manifest, WriteRefused, describe
 from kvpilot.operator.planner import Plan, plan
-from kvpilot.operator.spec import InferenceServiceSpec
+from kvpilot.operator.spec import API_VERSION, GROUP, KIND, InferenceServiceSpec
+
+# The hash of the rendered manifest, on each child: unchanged hash (and no field of ours edited by
+# hand) means nothing to write.
+RENDERED_HASH = f"{GROUP}/rendered-hash"
 
 
 def _invalid(body: Mapping[str, Any], error: ValidationError) -> Plan:
@@ -25,29 +44,136 @@ def _invalid(body: Mapping[str, Any], error: ValidationError) -> Plan:
                 model=str(body.get("spec", {}).get("model", {}).get("name", "")))
 
 
+def controller_of(obj: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The owner reference with controller: true, None when nothing controls `obj`."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return next((dict(r) for r in refs if r.get("controller")), None)
+
+
+def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    controller = controller_of(obj)
+    return controller is not None and controller.get("uid") == uid
+
+
+def _owner_words(obj: Mapping[str, Any]) -> str:
+    controller = controller_of(obj)
+    if controller is None:
+        return "no controller (no controller owner reference)"
+    return (f"{controller.get('kind')} {controller.get('name')} "
+            f"(apiVersion {controller.get('apiVersion')}, uid {controller.get('uid')})")
+
+
+def stamped(manifest: Manifest) -> Manifest:
+    """`manifest` with the hash of its content in the RENDERED_HASH annotation."""
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:32]
+    metadata = manifest["metadata"]
+    return {**manifest, "metadata": {
+        **metadata, "annotations": {**metadata.get("annotations", {}), RENDERED_HASH: digest}}}
+
+
+def _contains(actual: Any, wanted: Any) -> bool:
+    """Every field of `wanted` has its value in `actual` (which may carry more: defaults, status,
+    other managers' fields). Empty wanted values match absent ones, as the API server omits them."""
+    if isinstance(wanted, Mapping):
+        actual = actual if isinstance(actual, Mapping) else {}
+        return all(_contains(actual.get(key), value) for key, value in wanted.items())
+    if isinstance(wanted, list):
+        actual = actual if isinstance(actual, list) else []
+        return len(actual) == len(wanted) and all(map(_contains, actual, wanted))
+    if actual is None:
+        return wanted in ({}, [], None)
+    return bool(actual == wanted)
+
+
+def unchanged(existing: Mapping[str, Any], manifest: Manifest) -> bool:
+    """Writing `manifest` (stamped) over `existing` would change nothing of ours."""
+    annotations = (existing.get("metadata") or {}).get("annotations") or {}
+    return (annotations.get(RENDERED_HASH) == manifest["metadata"]["annotations"][RENDERED_HASH]
+            and _contains(existing, manifest))
+
+
+def _kept_gpu(spec: InferenceServiceSpec, generation: int, old: Mapping[str, Any]) -> str | None:
+    """The GPU chosen earlier for this very generation of a spec without accelerator.type."""
+    previous = old.get("plan") or {}
+    if (spec.accelerator.type or old.get("observedGeneration") != generation
+            or not previous.get("fits") or not previous.get("gpu")):
+        return None
+    return str(previous["gpu"])
+
+
+def _plan(spec: InferenceServiceSpec, cluster: Cluster, generation: int,
+          old: Mapping[str, Any]) -> Plan:
+    kept = _kept_gpu(spec, generation, old)
+    if kept is None:
+        return plan(spec, cluster.gpu_products() if not spec.accelerator.type else [])
+    result = plan(spec, [kept])
+    why = (old.get("plan") or {}).get("reasons", {}).get("gpu")
+    if not result.fits or not why:
+        return result
+    return result.model_copy(update={"reasons": {**result.reasons, "gpu": why}})
+
+
 def reconcile(body: Mapping[str, Any], cluster: Cluster, now: datetime, *,
               default_image: str = render.DEFAULT_ENGINE_IMAGE) -> dict[str, Any]:
     """Converge the children of `body` and return the status to write; `default_image` is the
     engine image for specs that do not set one."""
     metadata = body["metadata"]
     name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
+    generation = int(metadata.get("generation", 0))
+    old = body.get("status") or {}
     spec: InferenceServiceSpec | None
     try:
         spec = InferenceServiceSpec.model_validate(body.get("spec", {}))
     except ValidationError as error:
         spec, result = None, _invalid(body, error)
     else:
-        products = cluster.gpu_products() if not spec.accelerator.type else []
-        result = plan(spec, products)
+        result = _plan(spec, cluster, generation, old)
 
-    wanted = (render.children(name, namespace, uid, spec, result, default_image=default_image)
+    wanted = ([stamped(m) for m in render.children(name, namespace, uid, spec, result,
+                                                   default_image=default_image)]
               if spec is not None else [])
-    for manifest in wanted:
-        cluster.apply(manifest)
-    if not result.fits:
-        # A plan that cannot work must not leave engine pods crash-looping on the old one.
-        cluster.delete("apps/v1", "Deployment", namespace, name)
+    found = {m["kind"]: cluster.get(m["apiVersion"], m["kind"], namespace, name) for m in wanted}
+    if "Deployment" not in found:
+        found["Deployment"] = cluster.get("apps/v1", "Deployment", namespace, name)
 
-    deployment = cluster.get("apps/v1", "Deployment", namespace, name) if result.fits else None
-    return status.build(name=name, namespace=namespace, generation=int(metadata.get("generation", 0)), plan=result,
-                        spec=spec, deployment=deployment, old=body.get("status") or {}, now=now)
+    blocked: tuple[str, str] | None = None
+    foreign = [f"{describe(m)} exists and is controlled by {_owner_words(found[m['kind']] or {})}"
+               for m in wanted if found[m["kind"]] is not None and not owned_by(found[m["kind"]], uid)]
+    if foreign:
+        blocked = ("NameConflict", "; ".join(foreign) + ": it is left alone and nothing is "
+                   "rolled out; delete or rename it, or rename this InferenceService")
+    else:
+        refused = []
+        for manifest in wanted:
+            existing = found[manifest["kind"]]
+            try:
+                if existing is None:
+                    found[manifest["kind"]] = cluster.create(manifest)
+                elif not unchanged(existing, manifest):
+                    found[manifest["kind"]] = cluster.update(
+                        manifest, existing["metadata"]["resourceVersion"])
+            except WriteRefused as error:
+                refused.append(f"{error.what}: {error.message}")
+        if refused:
+            blocked = ("ApplyFailed", "the API server refused " + "; ".join(refused))
+
+    deployment = found["Deployment"]
+    if deployment is not None and not owned_by(deployment, uid):
+        deployment = None
+    return status.build(name=name, namespace=namespace, generation=generation, plan=result,
+                        spec=spec, deployment=deployment, old=old, now=now, blocked=blocked)
+
+
+def refresh(cluster: Cluster, namespace: str, name: str, now: datetime, *,
+            default_image: str = render.DEFAULT_ENGINE_IMAGE) -> bool:
+    """Reconcile the InferenceService `namespace/name` as it is in the cluster now and write its
+    status if it changed (for events of its children); False when there is nothing to reconcile:
+    it is gone or being deleted."""
+    body = cluster.get(API_VERSION, KIND, namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return False
+    new = reconcile(body, cluster, now, default_image=default_image)
+    patch = status.merge_patch(body.get("status") or {}, new)
+    if patch:
+        cluster.patch_status(API_VERSION, KIND, namespace, name, patch)
+    return True

@@ -25,13 +25,15 @@ RUN_AS_USER = 1000
 # The engine image when neither spec.image nor the operator's configured default names one;
 # tests/operator/test_render.py keeps its tag equal to the chart's appVersion.
 DEFAULT_ENGINE_IMAGE = "ghcr.io/kvpilot/kvpilot:0.1.0"
+# Every child carries this label: the operator watches the objects that have it.
+MANAGED_BY = {"app.kubernetes.io/managed-by": "kvpilot-operator"}
 
 
 def labels(name: str) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": "kvpilot-engine",
         "app.kubernetes.io/instance": name,
-        "app.kubernetes.io/managed-by": "kvpilot-operator",
+        **MANAGED_BY,
     }
 
 

@@ -47,18 +47,32 @@ def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any
             "message": message}
 
 
+def _replica_conditions(counts: str, desired: int, ready: int, current: bool,
+                        ready_message: str) -> tuple[tuple[bool, str], dict[str, Any]]:
+    if desired == 0:
+        ready_condition = _condition("Ready", False, "ScaledToZero", "0 replicas requested")
+    elif ready >= desired:
+        ready_condition = _condition("Ready", True, "ReplicasReady", ready_message)
+    else:
+        ready_condition = _condition("Ready", False, "ReplicasNotReady", counts)
+    if not current:
+        progressing = True, "RollingOut"
+    elif ready < desired:
+        progressing = True, "WaitingForReady"
+    else:
+        progressing = False, "RolloutComplete"
+    return progressing, ready_condition
+
+
 def conditions(plan: Plan, spec: InferenceServiceSpec | None, desired: int,
-               deployment: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-    """Planned / Progressing / Ready / Degraded from the plan and the Deployment's status."""
-    if not plan.fits:
-        failure = plan.failure or "DoesNotFit"
-        return [
-            _condition("Planned", False, failure, plan.reason),
-            _condition("Progressing", False, "NoDeployment", "nothing is rolled out: " + plan.reason),
-            _condition("Ready", False, failure, plan.reason),
-            _condition("Degraded", False, "NoDeployment", "no engine pods to degrade"),
-        ]
-    assert spec is not None  # a plan fits only for a valid spec
+               deployment: Mapping[str, Any] | None,
+               blocked: tuple[str, str] | None = None) -> list[dict[str, Any]]:
+    """Planned / Progressing / Ready / Degraded from the plan and the Deployment's status.
+
+    `deployment` is the one this InferenceService owns, if any; when the plan does not fit it is
+    the Deployment of the last plan that did, still running. `blocked` is (reason, message) when
+    the children could not be written (NameConflict, ApplyFailed).
+    """
     observed = (deployment or {}).get("status", {})
     generation = (deployment or {}).get("metadata", {}).get("generation", 0)
     ready = int(observed.get("readyReplicas", 0))
@@ -66,36 +80,58 @@ def conditions(plan: Plan, spec: InferenceServiceSpec | None, desired: int,
     current = (deployment is not None and observed.get("observedGeneration", 0) >= generation
                and updated >= desired and int(observed.get("replicas", 0)) == desired)
     counts = f"{ready}/{desired} replicas ready"
-    slo = (f"predicted TTFT {plan.predicted_ttft_ms:g} ms (SLO {spec.slo.ttft_p95_ms:g}), "
-           f"TPOT {plan.predicted_tpot_ms:g} ms (SLO {spec.slo.tpot_p95_ms:g})")
 
-    if desired == 0:
-        ready_condition = _condition("Ready", False, "ScaledToZero", "0 replicas requested")
-    elif ready >= desired:
-        ready_condition = _condition("Ready", True, "ReplicasReady", f"{counts}; {slo}")
+    if not plan.fits:
+        failure = plan.reason
+        code = plan.failure or "DoesNotFit"
+        if deployment is None:
+            conditions_ = [
+                _condition("Planned", False, code, failure),
+                _condition("Progressing", False, "NoDeployment",
+                           "nothing is rolled out: " + failure),
+                _condition("Ready", False, code, failure),
+                _condition("Degraded", False, "NoDeployment", "no engine pods to degrade"),
+            ]
+        else:
+            # The spec stopped planning: the engines of the last plan that fit keep serving.
+            kept = "the Deployment of the last plan that fit keeps running unchanged"
+            _, ready_condition = _replica_conditions(
+                counts, desired, ready, current, f"{counts} (the last plan that fit)")
+            conditions_ = [
+                _condition("Planned", False, code, f"{failure}; {kept}"),
+                _condition("Progressing", False, code, f"this generation is not rolled out: "
+                           f"{failure}; {kept}"),
+                ready_condition,
+                _condition("Degraded", True, code, f"serving the last plan that fit, not this "
+                           f"generation's: {failure}"),
+            ]
     else:
-        ready_condition = _condition("Ready", False, "ReplicasNotReady", counts)
+        assert spec is not None  # a plan fits only for a valid spec
+        slo = (f"predicted TTFT {plan.predicted_ttft_ms:g} ms (SLO {spec.slo.ttft_p95_ms:g}), "
+               f"TPOT {plan.predicted_tpot_ms:g} ms (SLO {spec.slo.tpot_p95_ms:g})")
+        progressing, ready_condition = _replica_conditions(counts, desired, ready, current,
+                                                           f"{counts}; {slo}")
+        if not plan.meets_slo:
+            degraded = _condition("Degraded", True, "SLOAtRisk", plan.reasons.get("replicas", slo))
+        elif current and ready < desired:
+            degraded = _condition("Degraded", True, "ReplicasUnavailable",
+                                  f"rollout finished but only {counts}")
+        else:
+            degraded = _condition("Degraded", False, "AsPlanned", slo)
+        conditions_ = [
+            _condition("Planned", True, "Planned", plan.reason),
+            _condition("Progressing", *progressing,
+                       f"{updated}/{desired} replicas updated, {counts}"),
+            ready_condition,
+            degraded,
+        ]
 
-    if not plan.meets_slo:
-        degraded = _condition("Degraded", True, "SLOAtRisk", plan.reasons.get("replicas", slo))
-    elif current and ready < desired:
-        degraded = _condition("Degraded", True, "ReplicasUnavailable",
-                              f"rollout finished but only {counts}")
-    else:
-        degraded = _condition("Degraded", False, "AsPlanned", slo)
-
-    if not current:
-        progressing = True, "RollingOut"
-    elif ready < desired:
-        progressing = True, "WaitingForReady"
-    else:
-        progressing = False, "RolloutComplete"
-    return [
-        _condition("Planned", True, "Planned", plan.reason),
-        _condition("Progressing", *progressing, f"{updated}/{desired} replicas updated, {counts}"),
-        ready_condition,
-        degraded,
-    ]
+    if blocked is not None:
+        reason, message = blocked
+        replaced = {"Progressing": _condition("Progressing", False, reason, message),
+                    "Ready": _condition("Ready", False, reason, message)}
+        conditions_ = [replaced.get(c["type"], c) for c in conditions_]
+    return conditions_
 
 
 def with_transition_times(new: Sequence[Mapping[str, Any]], old: Sequence[Mapping[str, Any]],
@@ -114,13 +150,15 @@ def with_transition_times(new: Sequence[Mapping[str, Any]], old: Sequence[Mappin
 
 def build(*, name: str, namespace: str, generation: int, plan: Plan, spec: InferenceServiceSpec | None,
           deployment: Mapping[str, Any] | None, old: Mapping[str, Any],
-          now: datetime) -> dict[str, Any]:
-    """The whole `status` to write."""
+          now: datetime, blocked: tuple[str, str] | None = None) -> dict[str, Any]:
+    """The whole `status` to write; `deployment` is the owned Deployment, if any."""
     desired = 0
     if plan.fits and spec is not None:
         desired = spec.replicas if spec.replicas is not None else plan.replicas
+    elif deployment is not None:
+        desired = int((deployment.get("spec") or {}).get("replicas") or 0)
     observed = (deployment or {}).get("status", {})
-    fresh = conditions(plan, spec, desired, deployment)
+    fresh = conditions(plan, spec, desired, deployment, blocked)
     return {
         "observedGeneration": generation,
         "replicas": int(observed.get("replicas", 0)),
@@ -135,3 +173,18 @@ def build(*, name: str, namespace: str, generation: int, plan: Plan, spec: Infer
                     "source": "predicted"},
         "conditions": with_transition_times(fresh, old.get("conditions", []), now, generation),
     }
+
+
+def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns `old` into `new`: changed and new keys, None for
+    removed ones, lists whole; {} when they are equal (then there is nothing to write)."""
+    patch: dict[str, Any] = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, Mapping) and isinstance(before, Mapping):
+            nested = merge_patch(before, value)
+            if nested:
+                patch[key] = nested
+        elif key not in old or before != value:
+            patch[key] = value
+    return patch

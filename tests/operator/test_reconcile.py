@@ -1,19 +1,26 @@
-"""Reconciliation against an in-memory object store: converging, idempotence, no-fit handling.
+"""Reconciliation against an in-memory object store: converging, idempotence, no-fit handling,
+ownership, refused writes, and the handlers that run it.
 
-The store only keys objects by (kind, namespace, name) the way the API server does; it tests the
-reconcile logic, not Kubernetes (e2e/ does that against a real API server).
+The store keys objects by (kind, namespace, name) and versions them the way the API server does
+(a create fails where an object exists, an update fails unless the object is at the version
+read); it tests the reconcile logic, not Kubernetes (e2e/ does that against a real API server).
 """
 
+import copy
 import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import kopf
+import pytest
 
 from kvpilot.engine.config import CAPABILITIES
 from kvpilot.operator import render
-from kvpilot.operator.handlers import ENGINE_IMAGE_ENV, engine_image, reconcile_handler
-from kvpilot.operator.reconcile import reconcile
+from kvpilot.operator.cluster import WriteConflict, WriteRefused, describe
+from kvpilot.operator.handlers import (ENGINE_IMAGE_ENV, child_handler, engine_image,
+                                       reconcile_handler)
+from kvpilot.operator.reconcile import RENDERED_HASH, reconcile, refresh
+from kvpilot.operator.status import merge_patch
 
 NOW = datetime(2025, 1, 1, tzinfo=UTC)
 Key = tuple[str, str, str]
@@ -22,27 +29,84 @@ Key = tuple[str, str, str]
 class FakeCluster:
     def __init__(self, gpu_products: list[str] | None = None) -> None:
         self.objects: dict[Key, dict[str, Any]] = {}
-        self.applies = 0
+        self.applies = 0  # writes of children: creates and updates
+        self.status_patches: list[dict[str, Any]] = []
         self.products = gpu_products or []
+        self.refuse: dict[str, tuple[int, str]] = {}  # kind -> (code, the API server's message)
+        self.version = 100
 
-    def apply(self, manifest: dict[str, Any]) -> None:
+    @staticmethod
+    def key(manifest: dict[str, Any]) -> Key:
+        return (manifest["kind"], manifest["metadata"]["namespace"], manifest["metadata"]["name"])
+
+    def put(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Store `obj` as an object someone made (a user, another controller)."""
+        self.version += 1
+        stored = copy.deepcopy(obj)
+        stored["metadata"] = {"generation": 1, **stored["metadata"],
+                              "resourceVersion": str(self.version)}
+        self.objects[self.key(obj)] = stored
+        return stored
+
+    def _write(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        if manifest["kind"] in self.refuse:
+            code, message = self.refuse[manifest["kind"]]
+            raise WriteRefused(describe(manifest), code, message)
         self.applies += 1
-        key = (manifest["kind"], manifest["metadata"]["namespace"], manifest["metadata"]["name"])
-        previous = self.objects.get(key, {})
-        self.objects[key] = {**manifest, "status": previous.get("status", {}),
-                             "metadata": {**manifest["metadata"], "generation": 1}}
+        previous = self.objects.get(self.key(manifest), {})
+        generation = previous.get("metadata", {}).get("generation", 0)
+        if previous.get("spec") != manifest.get("spec"):
+            generation += 1
+        self.version += 1
+        self.objects[self.key(manifest)] = stored = {
+            **copy.deepcopy(manifest), "status": previous.get("status", {}),
+            "metadata": {**copy.deepcopy(manifest["metadata"]), "generation": generation,
+                         "resourceVersion": str(self.version)}}
+        return copy.deepcopy(stored)
+
+    def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        if self.key(manifest) in self.objects:
+            raise WriteConflict(f"{describe(manifest)} already exists")
+        return self._write(manifest)
+
+    def update(self, manifest: dict[str, Any], resource_version: str) -> dict[str, Any]:
+        existing = self.objects.get(self.key(manifest))
+        if existing is not None and existing["metadata"]["resourceVersion"] != resource_version:
+            raise WriteConflict(f"{describe(manifest)} is not at version {resource_version}")
+        return self._write(manifest)
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        return self.objects.get((kind, namespace, name))
+        found = self.objects.get((kind, namespace, name))
+        return copy.deepcopy(found) if found is not None else None
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         self.objects.pop((kind, namespace, name), None)
+
+    def patch_status(self, api_version: str, kind: str, namespace: str, name: str,
+                     patch: dict[str, Any]) -> None:
+        self.status_patches.append(patch)
+        obj = self.objects[(kind, namespace, name)]
+        obj["status"] = apply_merge_patch(obj.get("status") or {}, patch)
 
     def gpu_products(self) -> list[str]:
         return self.products
 
     def kinds(self) -> list[str]:
-        return sorted(kind for kind, _, _ in self.objects)
+        return sorted(kind for kind, _, _ in self.objects if kind != "InferenceService")
+
+
+def apply_merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """RFC 7386, as the API server applies a merge patch."""
+    result = dict(target)
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        elif isinstance(value, dict):
+            result[key] = apply_merge_patch(result.get(key) if isinstance(result.get(key), dict)
+                                            else {}, value)
+        else:
+            result[key] = value
+    return result
 
 
 def body(spec: dict[str, Any], generation: int = 1, status: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -97,7 +161,7 @@ def test_reconciling_again_creates_no_duplicates_and_recreates_deleted_children(
     cluster = FakeCluster()
     reconcile(body(SPEC), cluster, NOW)
     snapshot = {key: dict(obj) for key, obj in cluster.objects.items()}
-    reconcile(body(SPEC), cluster, NOW)  # e.g. the operator restarted (resume) or resynced
+    reconcile(body(SPEC), cluster, NOW)  # e.g. the operator restarted (resume) or a child changed
     assert cluster.objects.keys() == snapshot.keys()
     assert all(cluster.objects[k]["spec"] == snapshot[k]["spec"] for k in snapshot)
     cluster.delete("apps/v1", "Deployment", "ml", "chat")  # deleted by hand
@@ -105,41 +169,108 @@ def test_reconciling_again_creates_no_duplicates_and_recreates_deleted_children(
     assert ("Deployment", "ml", "chat") in cluster.objects
 
 
-def test_a_plan_that_cannot_fit_deletes_the_deployment_and_says_why() -> None:
+def test_unchanged_children_are_not_written_and_changed_ones_are() -> None:
     cluster = FakeCluster()
     reconcile(body(SPEC), cluster, NOW)
+    assert cluster.applies == 3
+    versions = {k: o["metadata"]["resourceVersion"] for k, o in cluster.objects.items()}
+    reconcile(body(SPEC), cluster, NOW)
+    assert cluster.applies == 3  # converged: reads only
+    assert {k: o["metadata"]["resourceVersion"] for k, o in cluster.objects.items()} == versions
+    deployment = cluster.objects[("Deployment", "ml", "chat")]
+    assert RENDERED_HASH in deployment["metadata"]["annotations"]
+
+    # A field of ours edited by hand is put back.
+    deployment["spec"]["replicas"] = 7
+    reconcile(body(SPEC), cluster, NOW)
+    assert cluster.applies == 4 and cluster.objects[("Deployment", "ml", "chat")]["spec"][
+        "replicas"] == 3
+    # A field the spec no longer asks for (a nodeSelector key) goes: the rendering changed.
+    selected = {**SPEC, "nodeSelector": {"pool": "gpu"}}
+    reconcile(body(selected, generation=2), cluster, NOW)
+    pod = cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"]["pool"] == "gpu"
+    reconcile(body(SPEC, generation=3), cluster, NOW)
+    pod = cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"]["spec"]
+    assert "pool" not in pod["nodeSelector"]
+    # Fields other controllers add (status, defaults) are not a change of ours.
+    cluster.objects[("Service", "ml", "chat")]["spec"]["clusterIP"] = "10.0.0.7"
+    writes = cluster.applies
+    reconcile(body(SPEC, generation=3), cluster, NOW)
+    assert cluster.applies == writes
+
+
+def test_a_plan_that_stops_fitting_keeps_the_last_good_deployment_and_says_why() -> None:
+    cluster = FakeCluster()
+    reconcile(body(SPEC), cluster, NOW)
+    running = copy.deepcopy(cluster.objects[("Deployment", "ml", "chat")])
+    cluster.objects[("Deployment", "ml", "chat")]["status"] = running["status"] = {
+        "observedGeneration": 1, "replicas": 3, "updatedReplicas": 3, "readyReplicas": 3}
     too_big = {**SPEC, "model": {"name": "llama-3-70b"}}
     status = reconcile(body(too_big, generation=2), cluster, NOW)
-    assert ("Deployment", "ml", "chat") not in cluster.objects
+    # The engines of the last plan that fit keep serving, untouched.
+    assert cluster.objects[("Deployment", "ml", "chat")] == running
+    planned = condition(status, "Planned")
+    assert (planned["status"], planned["reason"]) == ("False", "WeightsDoNotFit")
+    # Even the most compressed scheme this engine runs (INT4) does not fit.
+    assert "int4 weights 34.1 GiB" in planned["message"] and "21.6 GiB" in planned["message"]
+    assert "last plan that fit keeps running" in planned["message"]
+    ready = condition(status, "Ready")
+    assert (ready["status"], ready["reason"]) == ("True", "ReplicasReady")
+    assert condition(status, "Degraded")["status"] == "True"
+    assert condition(status, "Progressing")["reason"] == "WeightsDoNotFit"
+    assert status["observedGeneration"] == 2 and status["plan"]["fits"] is False
+    assert (status["desiredReplicas"], status["readyReplicas"]) == (3, 3)
+
+    # A spec that never planned has no Deployment.
+    fresh = FakeCluster()
+    status = reconcile(body(too_big), fresh, NOW)
+    assert fresh.kinds() == ["PodDisruptionBudget", "Service"]
     ready = condition(status, "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "WeightsDoNotFit")
-    # This engine runs no quantized scheme, so the FP16 weights are what does not fit.
-    assert "131.4 GiB" in ready["message"] and "21.6 GiB" in ready["message"]
-    assert condition(status, "Planned")["status"] == "False"
-    assert status["observedGeneration"] == 2 and status["plan"]["fits"] is False
+    assert "34.1 GiB" in ready["message"]
+
+
+def test_an_unknown_gpu_type_after_a_good_plan_keeps_the_deployment() -> None:
+    cluster = FakeCluster()
+    reconcile(body(SPEC), cluster, NOW)
+    running = copy.deepcopy(cluster.objects[("Deployment", "ml", "chat")])
+    status = reconcile(body({**SPEC, "accelerator": {"type": "L5"}}, generation=2), cluster, NOW)
+    assert cluster.objects[("Deployment", "ml", "chat")] == running
+    planned = condition(status, "Planned")
+    assert (planned["status"], planned["reason"]) == ("False", "UnknownGPU")
+    assert "'L5' is not in the catalog" in planned["message"]
+    # Fixed: the new plan rolls out onto the same Deployment.
+    status = reconcile(body({**SPEC, "accelerator": {"type": "L4"}}, generation=3), cluster, NOW)
+    assert condition(status, "Planned")["status"] == "True"
+    pod = cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-L4"}
 
 
 def test_pinning_what_the_engine_does_not_run_is_not_ready_and_rolls_out_nothing() -> None:
-    # The CRD's enum allows int4 and ngram; this engine build runs neither.
-    pinned = {**SPEC, "serving": {"quantization": "int4", "speculative": "ngram"}}
+    # The CRD's enum allows w8a8 and ngram; this engine build runs neither.
+    pinned = {**SPEC, "serving": {"quantization": "w8a8", "speculative": "ngram"}}
     fresh = FakeCluster()
     status = reconcile(body(pinned), fresh, NOW)
     assert fresh.kinds() == ["PodDisruptionBudget", "Service"]
     ready = condition(status, "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "UnsupportedByEngine")
-    assert "serving.quantization 'int4'" in ready["message"]
+    assert "serving.quantization 'w8a8'" in ready["message"]
     assert f"supported: {', '.join(CAPABILITIES.quantization)}" in ready["message"]
     assert "serving.speculative 'ngram'" in ready["message"]
     assert condition(status, "Planned")["reason"] == "UnsupportedByEngine"
     assert (status["plan"]["fits"], status["desiredReplicas"]) == (False, 0)
 
-    # Pinning it on a running service removes its engines rather than rolling out a crash loop.
+    # Pinning it on a running service rolls out nothing: its engines keep the last good plan.
     cluster = FakeCluster()
     reconcile(body(SPEC), cluster, NOW)
-    assert ("Deployment", "ml", "chat") in cluster.objects
+    running = copy.deepcopy(cluster.objects[("Deployment", "ml", "chat")])
     status = reconcile(body(pinned, generation=2), cluster, NOW)
-    assert ("Deployment", "ml", "chat") not in cluster.objects
-    assert condition(status, "Ready")["reason"] == "UnsupportedByEngine"
+    assert cluster.objects[("Deployment", "ml", "chat")] == running
+    planned = condition(status, "Planned")
+    assert (planned["status"], planned["reason"]) == ("False", "UnsupportedByEngine")
+    assert "serving.quantization 'w8a8'" in planned["message"]
+    assert status["desiredReplicas"] == 3
 
 
 def test_invalid_spec_is_a_condition_not_a_crash() -> None:
@@ -160,6 +291,87 @@ def test_unset_gpu_type_plans_for_the_nodes_gpus() -> None:
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     none = reconcile(body({"model": {"name": "llama-2-7b"}}), FakeCluster(), NOW)
     assert condition(none, "Ready")["reason"] == "NoGPUType"
+
+
+def test_the_gpu_chosen_for_an_unset_type_is_kept_until_the_spec_changes() -> None:
+    small = {"model": {"name": "smollm2-135m"}}
+    cluster = FakeCluster(gpu_products=["NVIDIA-L4", "NVIDIA-A100-SXM4-80GB"])
+    first = reconcile(body(small), cluster, NOW)
+    assert first["plan"]["gpu"] == "L4"
+    why = first["plan"]["reasons"]["gpu"]
+    assert "L4: the smallest of the nodes' GPUs" in why
+    writes = cluster.applies
+    # A smaller GPU type appears: the same generation keeps its GPU, rolls nothing.
+    cluster.products = ["Tesla-T4", *cluster.products]
+    again = reconcile(body(small, status=first), cluster, NOW)
+    assert again["plan"] == first["plan"] and cluster.applies == writes
+    assert merge_patch(first, again) == {}
+    # A new generation plans afresh, onto the smaller GPU.
+    changed = reconcile(body({**small, "replicas": 2}, generation=2, status=again), cluster, NOW)
+    assert changed["plan"]["gpu"] == "T4"
+    pod = cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "Tesla-T4"}
+
+
+def test_a_same_named_object_of_someone_else_is_left_alone() -> None:
+    cluster = FakeCluster()
+    theirs = cluster.put({"apiVersion": "v1", "kind": "Service",
+                          "metadata": {"name": "chat", "namespace": "ml"},
+                          "spec": {"ports": [{"port": 5432}], "selector": {"app": "db"}}})
+    status = reconcile(body(SPEC), cluster, NOW)
+    assert cluster.objects == {("Service", "ml", "chat"): theirs}  # untouched, nothing created
+    assert cluster.applies == 0
+    ready = condition(status, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "NameConflict")
+    assert "Service ml/chat exists and is controlled by no controller" in ready["message"]
+    assert condition(status, "Progressing")["reason"] == "NameConflict"
+    assert condition(status, "Planned")["status"] == "True"
+
+    # Owned by another controller (or another InferenceService of the same name: another UID).
+    other = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {
+        "name": "chat", "namespace": "ml", "ownerReferences": [
+            {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService", "name": "chat",
+             "uid": "uid-0", "controller": True}]}, "spec": {"replicas": 1}}
+    cluster = FakeCluster()
+    theirs = cluster.put(other)
+    status = reconcile(body(SPEC), cluster, NOW)
+    assert cluster.objects == {("Deployment", "ml", "chat"): theirs} and cluster.applies == 0
+    message = condition(status, "Ready")["message"]
+    assert "Deployment ml/chat exists and is controlled by InferenceService chat" in message
+    assert "uid uid-0" in message
+    # Its readiness is not ours to report.
+    assert status["replicas"] == 0
+
+    # Once it is gone, the children are made.
+    cluster.delete("apps/v1", "Deployment", "ml", "chat")
+    status = reconcile(body(SPEC, status=status), cluster, NOW)
+    assert cluster.kinds() == ["Deployment", "PodDisruptionBudget", "Service"]
+    assert condition(status, "Ready")["reason"] == "ReplicasNotReady"
+
+
+def test_a_write_the_api_server_refuses_is_in_the_status() -> None:
+    cluster = FakeCluster()
+    message = ('Deployment.apps "chat" is invalid: spec.template.spec.containers[0].resources.'
+               'requests[cpu]: Invalid value: "lots": quantities must match the regular expression')
+    cluster.refuse["Deployment"] = (422, message)
+    status = reconcile(body({**SPEC, "resources": {"requests": {"cpu": "lots"}}}), cluster, NOW)
+    ready = condition(status, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ApplyFailed")
+    assert ready["message"] == f"the API server refused Deployment ml/chat: {message}"
+    assert cluster.kinds() == ["PodDisruptionBudget", "Service"]  # the others are written
+
+
+def test_a_write_that_races_another_is_a_conflict_not_an_adoption() -> None:
+    class Racing(FakeCluster):
+        def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+            if manifest["kind"] == "Service":  # someone makes it between our read and our write
+                self.put({**manifest, "metadata": {"name": "chat", "namespace": "ml"}})
+            return super().create(manifest)
+
+    cluster = Racing()
+    with pytest.raises(WriteConflict):
+        reconcile(body(SPEC), cluster, NOW)
+    assert "ownerReferences" not in cluster.objects[("Service", "ml", "chat")]["metadata"]
 
 
 def test_slo_at_risk_is_degraded_with_numbers() -> None:
@@ -183,6 +395,103 @@ def test_kopf_handler_writes_the_status_into_the_patch() -> None:
     (engine,) = cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"]["spec"][
         "containers"]
     assert engine["image"] == "mirror.example/kvpilot:1.2.3"
+
+
+def test_kopf_handler_patches_only_what_changed_and_removes_what_is_gone() -> None:
+    cluster = FakeCluster()
+    memo = kopf.Memo(cluster=cluster, engine_image=render.DEFAULT_ENGINE_IMAGE)
+    first = reconcile(body(SPEC), cluster, NOW)
+    patch = kopf.Patch()
+    reconcile_handler(body=body(SPEC, status=first), patch=patch, memo=memo,
+                      logger=logging.getLogger("test"))
+    assert patch == {}  # nothing changed: nothing to write
+    patch = kopf.Patch()
+    too_big = {**SPEC, "model": {"name": "llama-3-70b"}}
+    reconcile_handler(body=body(too_big, generation=2, status=first), patch=patch, memo=memo,
+                      logger=logging.getLogger("test"))
+    # The failed plan gives no reasons for choices it did not make: the old plan's are removed
+    # (a merge patch keeps every key it does not name).
+    assert patch["status"]["plan"]["reasons"]["kvCache"] is None
+    assert patch["status"]["plan"]["fits"] is False
+
+
+def test_kopf_handler_retries_a_blocked_service_after_writing_its_status() -> None:
+    cluster = FakeCluster()
+    cluster.put({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+                 "metadata": {"name": "chat", "namespace": "ml"}, "spec": {}})
+    patch = kopf.Patch()
+    memo = kopf.Memo(cluster=cluster, engine_image=render.DEFAULT_ENGINE_IMAGE)
+    with pytest.raises(kopf.TemporaryError, match="NameConflict"):
+        reconcile_handler(body=body(SPEC), patch=patch, memo=memo,
+                          logger=logging.getLogger("test"))
+    assert condition(patch["status"], "Ready")["reason"] == "NameConflict"
+
+
+def test_a_child_event_reconciles_its_owner_and_writes_only_a_changed_status() -> None:
+    cluster = FakeCluster()
+    cluster.put(body(SPEC))
+    memo = kopf.Memo(cluster=cluster, engine_image=render.DEFAULT_ENGINE_IMAGE)
+    assert refresh(cluster, "ml", "chat", NOW)
+    assert cluster.kinds() == ["Deployment", "PodDisruptionBudget", "Service"]
+    assert len(cluster.status_patches) == 1
+    assert condition(cluster.objects[("InferenceService", "ml", "chat")]["status"],
+                     "Ready")["reason"] == "ReplicasNotReady"
+
+    # The Deployment reports its pods ready: its event makes the InferenceService Ready.
+    deployment = cluster.objects[("Deployment", "ml", "chat")]
+    deployment["status"] = {"observedGeneration": 1, "replicas": 3, "updatedReplicas": 3,
+                            "readyReplicas": 3}
+    child_handler(body=deployment, memo=memo, logger=logging.getLogger("test"))
+    isvc = cluster.objects[("InferenceService", "ml", "chat")]
+    assert condition(isvc["status"], "Ready")["status"] == "True"
+    assert isvc["status"]["readyReplicas"] == 3 and len(cluster.status_patches) == 2
+    # The same event again changes nothing and writes nothing.
+    writes = cluster.applies
+    child_handler(body=deployment, memo=memo, logger=logging.getLogger("test"))
+    assert len(cluster.status_patches) == 2 and cluster.applies == writes
+
+    # Deleted by hand: the event of its deletion brings it back.
+    cluster.delete("apps/v1", "Deployment", "ml", "chat")
+    child_handler(body=deployment, memo=memo, logger=logging.getLogger("test"))
+    assert ("Deployment", "ml", "chat") in cluster.objects
+    assert condition(cluster.objects[("InferenceService", "ml", "chat")]["status"],
+                     "Ready")["status"] == "False"  # its new pods are not ready yet
+    patches = len(cluster.status_patches)
+
+    # Not ours (no owner, or another kind of owner): nothing happens.
+    stray = {"metadata": {"name": "x", "namespace": "ml", "ownerReferences": [
+        {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "x", "uid": "u", "controller": True}]}}
+    child_handler(body=stray, memo=memo, logger=logging.getLogger("test"))
+    child_handler(body={"metadata": {"name": "x", "namespace": "ml"}}, memo=memo,
+                  logger=logging.getLogger("test"))
+    assert len(cluster.status_patches) == patches
+
+    # An owner that is gone, or being deleted, is not reconciled (its children go by GC).
+    cluster.objects[("InferenceService", "ml", "chat")]["metadata"]["deletionTimestamp"] = "now"
+    assert not refresh(cluster, "ml", "chat", NOW)
+    cluster.delete("kvpilot.dev/v1alpha1", "InferenceService", "ml", "chat")
+    assert not refresh(cluster, "ml", "chat", NOW)
+
+
+def test_no_handler_makes_kopf_add_a_finalizer() -> None:
+    # kopf puts a finalizer on objects that have a timer, a daemon or a non-optional on.delete
+    # handler, and then `kubectl delete` waits for a running operator.
+    registry = kopf.get_default_registry()
+    assert list(registry._spawning.get_all_handlers()) == []
+    changing = list(registry._changing.get_all_handlers())
+    assert changing and not any(h.requires_finalizer for h in changing)
+    watched = {h.selector.any_name for h in registry._watching.get_all_handlers()}
+    assert watched == {"deployments", "services", "poddisruptionbudgets"}
+
+
+def test_merge_patch_turns_the_old_status_into_the_new() -> None:
+    old = {"a": 1, "plan": {"gpu": "L4", "fits": True}, "conditions": [{"type": "Ready"}]}
+    new = {"a": 1, "plan": {"fits": False}, "conditions": [{"type": "Ready", "status": "True"}]}
+    patch = merge_patch(old, new)
+    assert patch == {"plan": {"gpu": None, "fits": False},
+                     "conditions": [{"type": "Ready", "status": "True"}]}
+    assert apply_merge_patch(old, patch) == new
+    assert merge_patch(new, new) == {}
 
 
 def test_spec_image_wins_over_the_operators_default() -> None:

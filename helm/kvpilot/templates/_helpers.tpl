@@ -28,8 +28,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/*
 What the operator does inside a watched namespace: reconcile InferenceServices (kopf patches
-their annotations, finalizer and status), server-side apply their children, delete a Deployment
-whose plan stopped fitting, keep its peering record alive, and post events.
+their annotations and status; it adds no finalizer, and removes one an older operator left),
+watch their children (Deployments, Services, PodDisruptionBudgets: a change reconciles the owner),
+create and server-side apply the children (it never deletes one: a plan that stops fitting keeps
+the last good Deployment, and deleting an InferenceService leaves its children to the garbage
+collector), keep its peering record alive, and post events.
 */}}
 {{- define "kvpilot.namespacedRules" -}}
 - apiGroups: [kvpilot.dev]
@@ -44,13 +47,13 @@ whose plan stopped fitting, keep its peering record alive, and post events.
   verbs: [update]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, create, patch, delete]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, create, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, create, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]

@@ -5,7 +5,8 @@
 ServiceAccount, applies the sample InferenceService for the embedded model, starts its engine
 (`kvpilot serve` with the rendered arguments, on the pod's loopback IP), sends it one chat request
 and prints how to reach it. Everything it starts is recorded in a state file; `down` stops those
-processes by PID and deletes the cluster.
+processes by PID, deletes the cluster and removes every file `up` wrote, so the next `up` starts
+from nothing (and the operator's kubeconfig is made anew at every start in any case).
 
     python -m e2e.demo up | down
 """
@@ -13,8 +14,10 @@ processes by PID and deletes the cluster.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import urllib.request
@@ -34,6 +37,9 @@ STATE_FILE = ROOT / "state.json"
 CLUSTER = "kvpilot-demo"
 NAMESPACE = "demo"
 SAMPLE = "smollm2-135m"
+# Under ROOT: the operator's kubeconfig and logs, the engine's log.
+OPERATOR_DIR = "operator"
+ENGINE_LOG = "engine.log"
 
 
 def _save(state: dict[str, Any]) -> None:
@@ -57,17 +63,28 @@ def _chat(url: str, model: str, prompt: str) -> str:
         return str(json.load(response)["choices"][0]["message"]["content"])
 
 
+def _clear() -> None:
+    """Remove what `up` writes under ROOT besides the cluster's own directory (which
+    `Cluster.delete` removes): nothing of one demo may be taken for the next one's."""
+    shutil.rmtree(ROOT / OPERATOR_DIR, ignore_errors=True)
+    for path in (ROOT / ENGINE_LOG, STATE_FILE):
+        path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        ROOT.rmdir()  # only when empty: ROOT may be a directory the user named
+
+
 def up() -> int:
     if STATE_FILE.exists():
         print(f"a demo is already up (state: {STATE_FILE}); stop it with: make demo-down", file=sys.stderr)
         return 1
+    _clear()  # left by a demo stopped some other way
     binaries = build_binaries()
     state: dict[str, Any] = {"cluster": CLUSTER, "bin_dir": str(binaries.bin_dir), "processes": {}}
     _save(state)
     try:
         cluster = start_cluster(binaries, name=CLUSTER, state_root=ROOT)
         installation = install(cluster, [NAMESPACE])
-        operator = LocalOperator(cluster, installation, ROOT / "operator")
+        operator = LocalOperator(cluster, installation, ROOT / OPERATOR_DIR)
         _record(state, "operator", operator.start())
 
         isvc = kvis.sample(SAMPLE)
@@ -79,7 +96,7 @@ def up() -> int:
         pod = kvis.running_pods(cluster, NAMESPACE, name)[0]
         print(f"starting the engine for pod {pod['metadata']['name']} on {pod['status']['podIP']} ...",
               file=sys.stderr)
-        engine, url = start_engine(deployment, pod, ROOT / "engine.log")
+        engine, url = start_engine(deployment, pod, ROOT / ENGINE_LOG)
         _record(state, "engine", engine)
         answer = _chat(url, model, "In one sentence, what is Kubernetes?")
         status = kvis.get(cluster, NAMESPACE, name)["status"]
@@ -119,7 +136,7 @@ def down() -> int:
     if alive:
         print(f"still alive after SIGKILL: {alive}", file=sys.stderr)
         return 1
-    STATE_FILE.unlink()
+    _clear()
     print(f"demo stopped: {', '.join(state['processes']) or 'no processes'} and cluster {state['cluster']}",
           file=sys.stderr)
     return 0

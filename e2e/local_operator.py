@@ -62,9 +62,14 @@ class LocalOperator:
         self.process: Process | None = None
         self.starts = 0
 
+    def prepare_kubeconfig(self) -> Path:
+        """Write the ServiceAccount kubeconfig for this cluster, over whatever is there: a fresh
+        token and the cluster's own CA and address (a kubeconfig left in `workdir` may be from
+        another cluster, say a demo brought down and up again)."""
+        return service_account_kubeconfig(self.cluster, self.installation, self.kubeconfig)
+
     def start(self, timeout_s: float = 60.0) -> Process:
-        if not self.kubeconfig.exists():
-            service_account_kubeconfig(self.cluster, self.installation, self.kubeconfig)
+        self.prepare_kubeconfig()
         deployment = self.cluster.kubectl_json("get", "deployment", self.installation.fullname,
                                                "-n", self.installation.namespace)
         port = free_port()

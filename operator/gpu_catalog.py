@@ -32,6 +32,8 @@ class GPU(BaseModel):
     int8_tops: float  # dense INT8 tensor
     fp8: bool
     source: str
+    # Turing (T4) and Volta have no bf16 arithmetic: the engine runs float16 there.
+    bf16: bool = True
 
     @property
     def memory_bytes(self) -> int:
@@ -54,7 +56,7 @@ GPUS: dict[str, GPU] = {
     gpu.name: gpu
     for gpu in (
         GPU(name="T4", product="Tesla-T4", memory_gib=16, bandwidth_gbps=320,
-            fp16_tflops=65, int8_tops=130, fp8=False,
+            fp16_tflops=65, int8_tops=130, fp8=False, bf16=False,
             source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/"
                    "t4-tensor-core-datasheet-951643.pdf"),
         GPU(name="L4", product="NVIDIA-L4", memory_gib=24, bandwidth_gbps=300,

@@ -7,6 +7,7 @@ selector all use.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kvpilot.engine.config import EngineConfig, ServerConfig, serve_argv
@@ -73,6 +74,24 @@ def _model_location(spec: InferenceServiceSpec) -> tuple[str, list[Manifest], li
                                                       "readOnly": True}]
 
 
+# Seconds the pod keeps serving after it is told to stop, before the engine starts to drain: time
+# for the endpoints controller and every kube-proxy or gateway to stop sending it new requests.
+PRESTOP_SLEEP_S = 5
+# Probe timeout: one Python process serves probes beside the engine thread, so a busy step can hold
+# an answer back for a while; Kubernetes' default of 1 s would fail healthy pods under load.
+PROBE_TIMEOUT_S = 5
+# Host memory beside the weights (they are loaded through host memory): tokenizer, Python, CUDA
+# context, transfer buffers.
+HOST_MEMORY_MARGIN_BYTES = 2 * 1024**3
+ENGINE_CPU_REQUEST = "2"
+
+
+def drain_seconds(plan: Plan) -> int:
+    """How long the engine waits for requests in flight after SIGTERM: twice the plan's predicted
+    latency of one request, at least 10 s."""
+    return max(10, math.ceil(2 * plan.predicted_latency_ms / 1000))
+
+
 def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str) -> list[str]:
     """The `kvpilot serve` arguments carrying the plan's numbers.
 
@@ -81,8 +100,12 @@ def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str) -> list[str]
     pydantic ValidationError) instead of becoming a pod that exits at start.
     """
     server = ServerConfig(host="0.0.0.0", port=PORT,
-                          served_model_name=spec.model.served_model_name or spec.model.name)
+                          served_model_name=spec.model.served_model_name or spec.model.name,
+                          vllm_compatible_metrics=True, grace_period=float(drain_seconds(plan)))
+    gpu = find_gpu(str(plan.gpu))
+    dtype = {} if gpu is None or gpu.bf16 else {"dtype": "float16"}
     engine = EngineConfig(
+        **dtype,
         model=model,
         max_model_len=plan.max_model_len,
         max_num_seqs=plan.max_num_seqs,
@@ -95,10 +118,15 @@ def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str) -> list[str]
     return serve_argv(server, engine)
 
 
-def _resources(spec: InferenceServiceSpec, gpu: GPU, count: int) -> Manifest:
+def _resources(spec: InferenceServiceSpec, plan: Plan, gpu: GPU) -> Manifest:
     # Extended resources cannot be overcommitted: requests must equal limits.
-    gpus = {gpu.resource: str(count)}
-    return {"requests": {**{k: str(v) for k, v in spec.resources.requests.items()}, **gpus},
+    gpus = {gpu.resource: str(plan.gpu_count)}
+    # The weights pass through host memory on their way to the GPU: request room for them, so the
+    # scheduler does not place the pod where it would be OOM-killed while loading.
+    memory_gib = math.ceil((plan.weight_bytes + HOST_MEMORY_MARGIN_BYTES) / 1024**3)
+    defaults = {"cpu": ENGINE_CPU_REQUEST, "memory": f"{memory_gib}Gi"}
+    requests = {**defaults, **{k: str(v) for k, v in spec.resources.requests.items()}}
+    return {"requests": {**requests, **gpus},
             "limits": {**{k: str(v) for k, v in spec.resources.limits.items()}, **gpus}}
 
 
@@ -128,17 +156,21 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
         "command": ["kvpilot", "serve"],
         "args": engine_args(spec, plan, model),
         "ports": [{"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"}],
-        # Loading weights can take minutes; the startup probe holds liveness off until then.
-        "startupProbe": {"httpGet": {"path": "/health", **http}, "periodSeconds": 10,
-                         "failureThreshold": 90},
+        # Loading weights can take minutes: the startup probe waits for the model (/ready), and
+        # holds the liveness probe off until then.
+        "startupProbe": {"httpGet": {"path": "/ready", **http}, "periodSeconds": 10,
+                         "timeoutSeconds": PROBE_TIMEOUT_S, "failureThreshold": 90},
         "readinessProbe": {"httpGet": {"path": "/ready", **http}, "periodSeconds": 5,
-                           "failureThreshold": 3},
+                           "timeoutSeconds": PROBE_TIMEOUT_S, "failureThreshold": 3},
         "livenessProbe": {"httpGet": {"path": "/health", **http}, "periodSeconds": 10,
-                          "failureThreshold": 3},
-        "resources": _resources(spec, gpu, plan.gpu_count),
-        "securityContext": {"allowPrivilegeEscalation": False,
+                          "timeoutSeconds": PROBE_TIMEOUT_S, "failureThreshold": 3},
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
+        "resources": _resources(spec, plan, gpu),
+        # Caches that libraries write (Hugging Face, Triton, torch) go to the writable /tmp.
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": mounts,
+        "volumeMounts": [*mounts, {"name": "tmp", "mountPath": "/tmp"}],
     }
     pod = {
         "metadata": {
@@ -151,7 +183,9 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
                                 "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
                                 "seccompProfile": {"type": "RuntimeDefault"}},
             "containers": [container],
-            "volumes": volumes,
+            "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}],
+            # preStop pause + the engine's drain + a margin for the process to exit.
+            "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + drain_seconds(plan) + 5,
             "nodeSelector": {**spec.node_selector, gpu.product_label: gpu.product},
             "tolerations": _tolerations(spec, gpu),
         },

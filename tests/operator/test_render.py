@@ -36,6 +36,8 @@ def test_engine_args_carry_the_plans_numbers() -> None:
         "--host", "0.0.0.0",
         "--port", "8000",
         "--served-model-name", "llama-2-7b",
+        "--vllm-compatible-metrics",
+        "--grace-period", repr(float(render.drain_seconds(p))),
         "--model", "meta-llama/Llama-2-7b-hf",
         "--block-size", "16",
         "--max-num-seqs", str(p.max_num_seqs),
@@ -69,15 +71,43 @@ def test_pod_runs_non_root_with_probes_metrics_port_and_gpu() -> None:
     assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    # The startup probe waits for the model, not just the process.
+    assert container["startupProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert all(container[probe]["timeoutSeconds"] >= 5 for probe in ("startupProbe", "readinessProbe", "livenessProbe"))
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
     assert container["resources"]["requests"] == {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": "1"}
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+    assert {"name": "tmp", "emptyDir": {}} in pod["volumes"]
     assert pod["nodeSelector"] == {"pool": "gpu", "nvidia.com/gpu.product": "NVIDIA-A10G"}
     assert {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"} \
         in pod["tolerations"]
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/path"] == "/metrics"
+
+
+def test_pods_request_host_memory_for_the_weights_and_drain_for_the_predicted_latency() -> None:
+    s = spec()
+    p = plan(s)
+    deployment = render.deployment("chat", "ml", UID, s, p)
+    container, pod = engine(deployment), deployment["spec"]["template"]["spec"]
+    # 12.6 GiB of FP16 weights + 2 GiB margin, rounded up; and a CPU request.
+    assert container["resources"]["requests"] == {"cpu": "2", "memory": "15Gi", "nvidia.com/gpu": "1"}
+    drain = render.drain_seconds(p)
+    assert drain >= 2 * p.predicted_latency_ms / 1000 and drain >= 10
+    args = container["args"]
+    assert float(args[args.index("--grace-period") + 1]) == drain
+    assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": render.PRESTOP_SLEEP_S}}}
+    assert pod["terminationGracePeriodSeconds"] == render.PRESTOP_SLEEP_S + drain + 5
+
+
+def test_gpus_without_bf16_run_float16() -> None:
+    t4, a10g = spec(accelerator={"type": "T4"}, model={"name": "llama-3-8b"}, serving={"maxContextLength": 2048}), spec()
+    t4_args = engine(render.deployment("chat", "ml", UID, t4, plan(t4)))["args"]
+    assert t4_args[t4_args.index("--dtype") + 1] == "float16"
+    assert "--dtype" not in engine(render.deployment("chat", "ml", UID, a10g, plan(a10g)))["args"]  # auto: bf16
 
 
 def test_engine_image_is_the_specs_else_the_operators_default() -> None:
@@ -114,10 +144,9 @@ def test_pvc_source_is_mounted_read_only() -> None:
     container = engine(deployment)
     assert container["args"][container["args"].index("--model") + 1] == \
         "/models/weights/llama-2-7b"
-    assert container["volumeMounts"] == [{"name": "model", "mountPath": "/models/weights",
-                                          "readOnly": True}]
-    assert deployment["spec"]["template"]["spec"]["volumes"] == [
-        {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}]
+    assert container["volumeMounts"][0] == {"name": "model", "mountPath": "/models/weights", "readOnly": True}
+    assert deployment["spec"]["template"]["spec"]["volumes"][0] == \
+        {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}
 
 
 def test_children_are_owned_labelled_and_selected_consistently() -> None:

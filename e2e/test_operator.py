@@ -313,3 +313,32 @@ def test_an_idle_inference_service_costs_no_writes(
     assert _requests(k8s, WRITES) == writes
     # At most kopf's own upkeep (its peering record's keep-alive, a watch the API server ended).
     assert _service_account_requests(k8s) - operator_requests <= 3
+
+
+def test_pod_settings_reach_the_pods_through_the_api_server(
+        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
+    ns, name = kvpilot.watch_namespaces[0], "passthrough"
+    env = [{"name": "KVPILOT_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm", "key": "api-key", "optional": True}}}]
+    apply_isvc(name, {
+        "model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}, "replicas": 1,
+        "env": env, "imagePullSecrets": [{"name": "registry"}], "podLabels": {"team": "ml"},
+        "podAnnotations": {"owner": "ml"}, "rollout": {"maxSurge": 0, "maxUnavailable": 1},
+        "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                       "whenUnsatisfiable": "ScheduleAnyway",
+                                       "labelSelector": {"matchLabels": {"team": "ml"}}}],
+    })
+    obj = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
+    assert kvis.condition(obj, "Ready")["reason"] == "ReplicasReady"
+    deployment = k8s.kubectl_json("get", "deployment", name, "-n", ns)
+    template = deployment["spec"]["template"]
+    container = template["spec"]["containers"][0]
+    assert env[0] in container["env"] and {"name": "HOME", "value": "/tmp"} in container["env"]
+    assert template["spec"]["imagePullSecrets"] == [{"name": "registry"}]
+    assert template["metadata"]["labels"]["team"] == "ml" and template["metadata"]["annotations"]["owner"] == "ml"
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["lifecycle"]["preStop"] == {"sleep": {"seconds": render.PRESTOP_SLEEP_S}}
+    assert container["startupProbe"]["httpGet"]["path"] == "/ready"
+    # `kubectl get kvis` shows the Ready condition's reason.
+    table = k8s.kubectl("get", "inferenceservice", name, "-n", ns).stdout
+    assert "ReplicasReady" in table and "STATUS" in table

@@ -167,16 +167,19 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
         "resources": _resources(spec, plan, gpu),
         # Caches that libraries write (Hugging Face, Triton, torch) go to the writable /tmp.
-        "env": [{"name": "HOME", "value": "/tmp"}],
+        "env": [{"name": "HOME", "value": "/tmp"}, *spec.env],
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [*mounts, {"name": "tmp", "mountPath": "/tmp"}],
     }
-    pod = {
+    if spec.env_from:
+        container["envFrom"] = list(spec.env_from)
+    pod: Manifest = {
         "metadata": {
-            "labels": labels(name),
-            "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(PORT),
-                            "prometheus.io/path": "/metrics"},
+            # Ours last: the selector depends on them.
+            "labels": {**spec.pod_labels, **labels(name)},
+            "annotations": {**spec.pod_annotations, "prometheus.io/scrape": "true",
+                            "prometheus.io/port": str(PORT), "prometheus.io/path": "/metrics"},
         },
         "spec": {
             "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER,
@@ -190,6 +193,10 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
             "tolerations": _tolerations(spec, gpu),
         },
     }
+    optional = {"imagePullSecrets": [s.model_dump() for s in spec.image_pull_secrets],
+                "affinity": spec.affinity, "topologySpreadConstraints": spec.topology_spread_constraints,
+                "priorityClassName": spec.priority_class_name}
+    pod["spec"].update({key: value for key, value in optional.items() if value})
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -197,10 +204,10 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector_labels(name)},
-            # A surge pod needs a spare GPU, which is usually absent: replace one pod at a time
-            # instead, which the PDB's maxUnavailable also allows.
+            # spec.rollout's default surges one pod so a single replica keeps serving (see the CRD).
             "strategy": {"type": "RollingUpdate",
-                         "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+                         "rollingUpdate": {"maxSurge": spec.rollout.max_surge,
+                                           "maxUnavailable": spec.rollout.max_unavailable}},
             "template": pod,
         },
     }

@@ -7,7 +7,7 @@ tests/operator/test_crd.py keeps the two in step (same fields, same defaults).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
@@ -103,6 +103,15 @@ class Toleration(_Camel):
     toleration_seconds: int | None = None
 
 
+class RolloutSpec(_Camel):
+    max_surge: int | str = 1
+    max_unavailable: int | str = 0
+
+
+class ImagePullSecret(_Camel):
+    name: str
+
+
 class InferenceServiceSpec(_Camel):
     model: ModelSpec
     accelerator: AcceleratorSpec = AcceleratorSpec()
@@ -120,3 +129,13 @@ class InferenceServiceSpec(_Camel):
     resources: ResourcesSpec = ResourcesSpec()
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
+    rollout: RolloutSpec = RolloutSpec()
+    # Passed through to the engine pods as written (Kubernetes' own types, validated by the API server).
+    env: list[dict[str, Any]] = Field(default_factory=list)
+    env_from: list[dict[str, Any]] = Field(default_factory=list)
+    image_pull_secrets: list[ImagePullSecret] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = None
+    topology_spread_constraints: list[dict[str, Any]] = Field(default_factory=list)
+    priority_class_name: str | None = None
+    pod_labels: dict[str, str] = Field(default_factory=dict)
+    pod_annotations: dict[str, str] = Field(default_factory=dict)

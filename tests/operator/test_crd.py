@@ -161,7 +161,8 @@ def test_printer_columns(crd: dict[str, Any]) -> None:
     assert columns == {
         "Model": ".spec.model.name", "GPU": ".status.plan.gpu",
         "Quant": ".status.plan.quantization", "Replicas": ".status.replicas",
-        "Ready": ".status.readyReplicas", "TTFT-P95": ".status.latency.ttftP95Ms",
+        "Ready": ".status.readyReplicas", "Status": '.status.conditions[?(@.type=="Ready")].reason',
+        "TTFT-P95": ".status.latency.ttftP95Ms",
         "TPOT-P95": ".status.latency.tpotP95Ms", "Age": ".metadata.creationTimestamp",
         "URL": ".status.url"}
     # The URL is long: only `kubectl get -o wide` shows it.

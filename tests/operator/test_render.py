@@ -183,3 +183,28 @@ def test_amd_gpus_use_amd_resource_and_label() -> None:
     assert engine(deployment)["resources"]["limits"] == {"amd.com/gpu": "1"}
     assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {
         "amd.com/gpu.product-name": "AMD_Instinct_MI300X"}
+
+
+def test_pod_settings_pass_through_and_rollout_surges_by_default() -> None:
+    env = [{"name": "KVPILOT_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm", "key": "api-key"}}}]
+    affinity = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}
+    spread = [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}]
+    s = spec(env=env, envFrom=[{"secretRef": {"name": "hf-token"}}], imagePullSecrets=[{"name": "registry"}],
+             affinity=affinity, topologySpreadConstraints=spread, priorityClassName="inference",
+             podLabels={"team": "ml", "app.kubernetes.io/instance": "hijack"}, podAnnotations={"owner": "ml"})
+    deployment = render.deployment("chat", "ml", UID, s, plan(s))
+    pod = deployment["spec"]["template"]
+    container = engine(deployment)
+    assert container["env"][1:] == env and container["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "registry"}]
+    assert pod["spec"]["affinity"] == affinity and pod["spec"]["topologySpreadConstraints"] == spread
+    assert pod["spec"]["priorityClassName"] == "inference"
+    # The operator's labels win: the Deployment's selector depends on them.
+    assert pod["metadata"]["labels"]["team"] == "ml" and pod["metadata"]["labels"]["app.kubernetes.io/instance"] == "chat"
+    assert pod["metadata"]["annotations"]["owner"] == "ml"
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    full_nodes = spec(rollout={"maxSurge": 0, "maxUnavailable": 1})
+    assert render.deployment("chat", "ml", UID, full_nodes, plan(full_nodes))["spec"]["strategy"]["rollingUpdate"] == \
+        {"maxSurge": 0, "maxUnavailable": 1}
+    plain = engine(render.deployment("chat", "ml", UID, spec(), plan(spec())))
+    assert "envFrom" not in plain and "priorityClassName" not in render.deployment("chat", "ml", UID, spec(), plan(spec()))["spec"]["template"]["spec"]

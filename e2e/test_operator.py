@@ -342,3 +342,18 @@ def test_pod_settings_reach_the_pods_through_the_api_server(
     # `kubectl get kvis` shows the Ready condition's reason.
     table = k8s.kubectl("get", "inferenceservice", name, "-n", ns).stdout
     assert "ReplicasReady" in table and "STATUS" in table
+
+
+def test_a_pod_no_node_can_take_makes_ready_say_unschedulable(
+        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
+    ns, name = kvpilot.watch_namespaces[0], "nowhere"
+    apply_isvc(name, {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}, "replicas": 1,
+                      "nodeSelector": {"pool": "does-not-exist"}})
+    # The scheduler marks the pod Unschedulable; the pod's event reconciles its InferenceService.
+    def unschedulable() -> dict[str, Any] | None:
+        found = kvis.get(k8s, ns, name)
+        return found if kvis.condition(found, "Ready").get("reason") == "Unschedulable" else None
+
+    obj = poll(unschedulable, CONVERGE_S, f"{name} Ready reason Unschedulable")
+    ready = kvis.condition(obj, "Ready")
+    assert ready["status"] == "False" and "0/1 replicas ready" in ready["message"] and "node" in ready["message"]

@@ -29,6 +29,7 @@ ALLOWED = [
     ("watch", "poddisruptionbudgets.policy", None),
     ("patch", "kopfpeerings.kopf.dev", None),
     ("create", "events", None),
+    ("watch", "pods", None),
     ("list", "nodes", ""),
     ("watch", "customresourcedefinitions.apiextensions.k8s.io", ""),
     ("watch", "namespaces", ""),
@@ -36,6 +37,7 @@ ALLOWED = [
 DENIED = [
     ("get", "secrets", None),
     ("create", "pods", None),
+    ("delete", "pods", None),
     ("delete", "inferenceservices.kvpilot.dev", None),
     ("delete", "services", None),
     # Nothing deletes a child: a plan that stops fitting keeps the last good Deployment, and

@@ -11,6 +11,7 @@ read again) or `WriteRefused` (any other error answer; its message is for the st
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from kubernetes import config
@@ -82,6 +83,10 @@ class Cluster(Protocol):
 
     def gpu_products(self) -> list[str]: ...
 
+    def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[Manifest]:
+        """The pods in `namespace` that carry all of `labels`."""
+        ...
+
 
 class KubeCluster:
     def __init__(self, client: DynamicClient) -> None:
@@ -130,6 +135,11 @@ class KubeCluster:
         self._resource(api_version, kind).status.patch(
             body={"status": patch}, name=name, namespace=namespace,
             content_type="application/merge-patch+json")
+
+    def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[Manifest]:
+        selector = ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+        found = self._resource("v1", "Pod").get(namespace=namespace, label_selector=selector)
+        return list(found.to_dict().get("items", []))
 
     def gpu_products(self) -> list[str]:
         nodes = self._resource("v1", "Node").get().to_dict().get("items", [])

@@ -93,6 +93,21 @@ def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
                                   delay=BLOCKED_RETRY_SECONDS)
 
 
+@kopf.on.event("v1", "pods", labels=render.MANAGED_BY)
+def pod_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """An engine pod changed (scheduled, crash-looping, ready): its InferenceService's status may
+    have a new reason. Pods are owned by ReplicaSets, so the owner comes from the instance label."""
+    namespace = body["metadata"]["namespace"]
+    name = (body["metadata"].get("labels") or {}).get(render.INSTANCE_LABEL)
+    if not name:
+        return
+    with _serialized(namespace, name):
+        try:
+            refresh(memo.cluster, namespace, name, datetime.now(UTC), default_image=memo.engine_image)
+        except WriteConflict as error:
+            logger.debug(f"{namespace}/{name} changed while reconciling: {error}")
+
+
 @kopf.on.event("apps/v1", "deployments", labels=render.MANAGED_BY)
 @kopf.on.event("v1", "services", labels=render.MANAGED_BY)
 @kopf.on.event("policy/v1", "poddisruptionbudgets", labels=render.MANAGED_BY)

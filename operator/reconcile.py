@@ -160,8 +160,17 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, now: datetime, *,
     deployment = found["Deployment"]
     if deployment is not None and not owned_by(deployment, uid):
         deployment = None
+    # Pods are read only while some are not ready, to say why; a healthy service costs no list.
+    pods: list[dict[str, Any]] = []
+    if deployment is not None and _not_all_ready(deployment):
+        pods = cluster.list_pods(namespace, render.selector_labels(name))
     return status.build(name=name, namespace=namespace, generation=generation, plan=result,
-                        spec=spec, deployment=deployment, old=old, now=now, blocked=blocked)
+                        spec=spec, deployment=deployment, old=old, now=now, blocked=blocked, pods=pods)
+
+
+def _not_all_ready(deployment: Mapping[str, Any]) -> bool:
+    wanted = int((deployment.get("spec") or {}).get("replicas") or 0)
+    return int((deployment.get("status") or {}).get("readyReplicas") or 0) < wanted
 
 
 def refresh(cluster: Cluster, namespace: str, name: str, now: datetime, *,

@@ -28,18 +28,20 @@ RUN_AS_USER = 1000
 DEFAULT_ENGINE_IMAGE = "ghcr.io/kvpilot/kvpilot:0.1.0"
 # Every child carries this label: the operator watches the objects that have it.
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kvpilot-operator"}
+# The label that names a child's (and an engine pod's) InferenceService.
+INSTANCE_LABEL = "app.kubernetes.io/instance"
 
 
 def labels(name: str) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": "kvpilot-engine",
-        "app.kubernetes.io/instance": name,
+        INSTANCE_LABEL: name,
         **MANAGED_BY,
     }
 
 
 def selector_labels(name: str) -> dict[str, str]:
-    return {key: labels(name)[key] for key in ("app.kubernetes.io/name", "app.kubernetes.io/instance")}
+    return {key: labels(name)[key] for key in ("app.kubernetes.io/name", INSTANCE_LABEL)}
 
 
 def selector(name: str) -> str:

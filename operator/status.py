@@ -64,9 +64,37 @@ def _replica_conditions(counts: str, desired: int, ready: int, current: bool,
     return progressing, ready_condition
 
 
+# Container states that keep a pod from ever getting ready on its own, as `kubectl get pods` shows them.
+_STUCK_CONTAINER_REASONS = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
+                            "CreateContainerConfigError", "CreateContainerError")
+
+
+def pod_problem(deployment: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]) -> tuple[str, str] | None:
+    """Why engine pods are not ready, as (reason, message), from the pods first (the most specific:
+    a crash loop, an image that cannot be pulled, a pod no node can take) and then the Deployment
+    (its progress deadline passed); None when nothing says."""
+    for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("name", "")):
+        name = pod.get("metadata", {}).get("name", "?")
+        pod_status = pod.get("status") or {}
+        for container in pod_status.get("containerStatuses") or []:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in _STUCK_CONTAINER_REASONS:
+                detail = waiting.get("message") or waiting["reason"]
+                return waiting["reason"], f"pod {name}, container {container.get('name')}: {detail}"
+        for condition in pod_status.get("conditions") or []:
+            if (condition.get("type"), condition.get("status"), condition.get("reason")) == \
+                    ("PodScheduled", "False", "Unschedulable"):
+                return "Unschedulable", f"pod {name}: {condition.get('message', 'no node fits it')}"
+    for condition in ((deployment or {}).get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "Progressing" and condition.get("reason") == "ProgressDeadlineExceeded":
+            return "ProgressDeadlineExceeded", condition.get("message", "the rollout made no progress in time")
+    return None
+
+
 def conditions(plan: Plan, spec: InferenceServiceSpec | None, desired: int,
                deployment: Mapping[str, Any] | None,
-               blocked: tuple[str, str] | None = None) -> list[dict[str, Any]]:
+               blocked: tuple[str, str] | None = None,
+               problem: tuple[str, str] | None = None) -> list[dict[str, Any]]:
     """Planned / Progressing / Ready / Degraded from the plan and the Deployment's status.
 
     `deployment` is the one this InferenceService owns, if any; when the plan does not fit it is
@@ -126,6 +154,12 @@ def conditions(plan: Plan, spec: InferenceServiceSpec | None, desired: int,
             degraded,
         ]
 
+    if problem is not None:
+        # Not ready, and the pods or the Deployment say why: that is the reason to show.
+        reason, message = problem
+        conditions_ = [_condition("Ready", False, reason, f"{c['message']}: {message}")
+                       if c["type"] == "Ready" and c["status"] == "False" and c["reason"] == "ReplicasNotReady" else c
+                       for c in conditions_]
     if blocked is not None:
         reason, message = blocked
         replaced = {"Progressing": _condition("Progressing", False, reason, message),
@@ -150,7 +184,8 @@ def with_transition_times(new: Sequence[Mapping[str, Any]], old: Sequence[Mappin
 
 def build(*, name: str, namespace: str, generation: int, plan: Plan, spec: InferenceServiceSpec | None,
           deployment: Mapping[str, Any] | None, old: Mapping[str, Any],
-          now: datetime, blocked: tuple[str, str] | None = None) -> dict[str, Any]:
+          now: datetime, blocked: tuple[str, str] | None = None,
+          pods: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
     """The whole `status` to write; `deployment` is the owned Deployment, if any."""
     desired = 0
     if plan.fits and spec is not None:
@@ -158,7 +193,7 @@ def build(*, name: str, namespace: str, generation: int, plan: Plan, spec: Infer
     elif deployment is not None:
         desired = int((deployment.get("spec") or {}).get("replicas") or 0)
     observed = (deployment or {}).get("status", {})
-    fresh = conditions(plan, spec, desired, deployment, blocked)
+    fresh = conditions(plan, spec, desired, deployment, blocked, pod_problem(deployment, pods))
     return {
         "observedGeneration": generation,
         "replicas": int(observed.get("replicas", 0)),

@@ -64,6 +64,12 @@ class FakeCluster:
                          "resourceVersion": str(self.version)}}
         return copy.deepcopy(stored)
 
+    def list_pods(self, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        self.pod_lists = getattr(self, "pod_lists", 0) + 1
+        return [copy.deepcopy(o) for (kind, ns, _), o in sorted(self.objects.items())
+                if kind == "Pod" and ns == namespace
+                and labels.items() <= o.get("metadata", {}).get("labels", {}).items()]
+
     def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
         if self.key(manifest) in self.objects:
             raise WriteConflict(f"{describe(manifest)} already exists")
@@ -481,7 +487,7 @@ def test_no_handler_makes_kopf_add_a_finalizer() -> None:
     changing = list(registry._changing.get_all_handlers())
     assert changing and not any(h.requires_finalizer for h in changing)
     watched = {h.selector.any_name for h in registry._watching.get_all_handlers()}
-    assert watched == {"deployments", "services", "poddisruptionbudgets"}
+    assert watched == {"deployments", "services", "poddisruptionbudgets", "pods"}
 
 
 def test_merge_patch_turns_the_old_status_into_the_new() -> None:
@@ -508,3 +514,50 @@ def test_operator_default_engine_image_comes_from_the_environment() -> None:
         "mirror.example/kvpilot:1.2.3"
     # Unset or empty (a chart value left blank) falls back to the built-in image.
     assert engine_image({}) == engine_image({ENGINE_IMAGE_ENV: ""}) == render.DEFAULT_ENGINE_IMAGE
+
+
+def _pod(name: str, **status: Any) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "ml", "labels": render.labels("chat")}, "status": status}
+
+
+@pytest.mark.parametrize(("pod_status", "reason", "words"), [
+    ({"containerStatuses": [{"name": "engine", "state": {"waiting": {"reason": "CrashLoopBackOff",
+                                                                     "message": "back-off 5m0s restarting failed container"}}}]},
+     "CrashLoopBackOff", "back-off 5m0s"),
+    ({"containerStatuses": [{"name": "engine", "state": {"waiting": {"reason": "ImagePullBackOff",
+                                                                     "message": "Back-off pulling image \"typo/kvpilot\""}}}]},
+     "ImagePullBackOff", "typo/kvpilot"),
+    ({"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                      "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]},
+     "Unschedulable", "Insufficient nvidia.com/gpu"),
+])
+def test_ready_says_why_pods_are_not_ready(pod_status: dict[str, Any], reason: str, words: str) -> None:
+    cluster = FakeCluster()
+    reconcile(body(SPEC), cluster, NOW)
+    cluster.put(_pod("chat-abc", **pod_status))
+    ready = condition(reconcile(body(SPEC), cluster, NOW), "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", reason)
+    assert words in ready["message"] and "pod chat-abc" in ready["message"] and "replicas ready" in ready["message"]
+
+
+def test_progress_deadline_exceeded_is_the_reason_when_pods_say_nothing() -> None:
+    cluster = FakeCluster()
+    reconcile(body(SPEC), cluster, NOW)
+    deployment = cluster.objects[("Deployment", "ml", "chat")]
+    deployment["status"] = {"conditions": [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+                                            "message": 'ReplicaSet "chat-abc" has timed out progressing.'}]}
+    ready = condition(reconcile(body(SPEC), cluster, NOW), "Ready")
+    assert ready["reason"] == "ProgressDeadlineExceeded" and "timed out" in ready["message"]
+
+
+def test_pods_are_not_listed_while_all_replicas_are_ready() -> None:
+    cluster = FakeCluster()
+    reconcile(body(SPEC), cluster, NOW)
+    deployment = cluster.objects[("Deployment", "ml", "chat")]
+    replicas = deployment["spec"]["replicas"]
+    deployment["status"] = {"readyReplicas": replicas, "replicas": replicas, "updatedReplicas": replicas,
+                            "observedGeneration": deployment["metadata"]["generation"]}
+    before = getattr(cluster, "pod_lists", 0)
+    assert condition(reconcile(body(SPEC), cluster, NOW), "Ready")["status"] == "True"
+    assert getattr(cluster, "pod_lists", 0) == before

@@ -54,6 +54,10 @@ collector), keep its peering record alive, and post events.
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch]
+# Engine pods, read only: their states explain a service that is not Ready.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]

@@ -136,3 +136,23 @@ def test_helm_install_creates_crd_operator_and_rbac(k8s: Cluster, kvpilot: Insta
                                     "namespace": kvpilot.namespace}]
     notes = k8s.helm("get", "notes", kvpilot.release, "-n", kvpilot.namespace).stdout
     assert "kind: InferenceService" in notes and "kubectl get kvis" in notes
+
+
+@pytest.mark.parametrize("values, message", [
+    (["--set", "replicaCount=0"], "replicaCount"),
+    (["--set", "logLevel=verbose"], "logLevel"),
+    (["--set", "watchNamespaces={Not_A_Namespace}"], "watchNamespaces"),
+    (["--set", "typoKey=1"], "typoKey"),
+])
+def test_values_schema_refuses_bad_values(k8s_binaries: Binaries, tmp_path: Path, values: list[str], message: str) -> None:
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        _helm(k8s_binaries, tmp_path, "template", "kvpilot", str(CHART_DIR), "-n", "ops", *values)
+    assert message in refused.value.stderr
+
+
+def test_several_operator_replicas_get_a_disruption_budget(k8s_binaries: Binaries, tmp_path: Path) -> None:
+    assert not [d for d in _template(k8s_binaries, tmp_path) if d["kind"] == "PodDisruptionBudget"]
+    (pdb,) = [d for d in _template(k8s_binaries, tmp_path, "--set", "replicaCount=2") if d["kind"] == "PodDisruptionBudget"]
+    operator = next(d for d in _template(k8s_binaries, tmp_path, "--set", "replicaCount=2") if d["kind"] == "Deployment")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == operator["spec"]["selector"]["matchLabels"]

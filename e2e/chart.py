@@ -52,7 +52,7 @@ def install(
     values: dict[str, Any] | None = None,
     timeout_s: int = 180,
 ) -> Installation:
-    """`helm install` the chart (CRDs from its crds/ folder), wait for the operator Deployment to
+    """`helm install` the chart (the InferenceService CRD among its templates), wait for the operator Deployment to
     roll out and the InferenceService CRD to be Established."""
     # The chart puts a Role and a KopfPeering into each watched namespace: they must exist first.
     ensure_namespaces(cluster, watch_namespaces)

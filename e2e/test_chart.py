@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -38,12 +39,14 @@ def test_chart_lints_and_renders(k8s_binaries: Binaries, tmp_path: Path, values:
     args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
     if values:
         assert kinds == sorted([
+            ("CustomResourceDefinition", ""),
             ("ServiceAccount", "ops"), ("Deployment", "ops"), ("ClusterRole", ""), ("ClusterRoleBinding", ""),
             ("Role", "ml"), ("RoleBinding", "ml"), ("KopfPeering", "ml"),
             ("Role", "prod"), ("RoleBinding", "prod"), ("KopfPeering", "prod")])
         assert args[:3] == ["operator", "--namespace=ml", "--namespace=prod"]
     else:
-        assert kinds == sorted([("ServiceAccount", "ops"), ("Deployment", "ops"), ("ClusterRole", ""),
+        assert kinds == sorted([("CustomResourceDefinition", ""), ("ServiceAccount", "ops"), ("Deployment", "ops"),
+                                ("ClusterRole", ""),
                                 ("ClusterRole", ""), ("ClusterRoleBinding", ""), ("ClusterRoleBinding", ""),
                                 ("ClusterKopfPeering", "")])
         assert args[:2] == ["operator", "--all-namespaces"]
@@ -98,13 +101,39 @@ def test_service_monitor_scrapes_the_engine_services(k8s_binaries: Binaries, tmp
 
 
 def test_chart_crds_are_the_repository_crds(k8s_binaries: Binaries, tmp_path: Path) -> None:
-    # One source: the chart's crds/ is a link to the repository's crds/, and Helm ships it as is.
-    assert (CHART_DIR / "crds").resolve() == REPO_CRDS.resolve()
+    # One source: the chart's CRD files are links to the repository's crds/. kopf's peering CRDs ship
+    # in crds/ (installed before the templates, which create peering objects); the InferenceService
+    # CRD is a template, so `helm upgrade` upgrades it, and Helm keeps it on uninstall.
+    assert (CHART_DIR / "crds" / "kopf-peering.yaml").resolve() == (REPO_CRDS / "kopf-peering.yaml").resolve()
+    assert (CHART_DIR / "files" / "inferenceservice.yaml").resolve() == (REPO_CRDS / "inferenceservice.yaml").resolve()
     out = _helm(k8s_binaries, tmp_path, "template", "kvpilot", str(CHART_DIR), "--include-crds").stdout
-    shipped = [d for d in _docs(out) if d["kind"] == "CustomResourceDefinition"]
-    repo = [d for f in sorted(REPO_CRDS.glob("*.yaml")) for d in _docs(f.read_text())]
-    assert sorted(shipped, key=str) == sorted(repo, key=str)
-    assert {d["metadata"]["name"] for d in shipped} == {CRD, "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"}
+    shipped = {d["metadata"]["name"]: d for d in _docs(out) if d["kind"] == "CustomResourceDefinition"}
+    repo = {d["metadata"]["name"]: d for f in sorted(REPO_CRDS.glob("*.yaml")) for d in _docs(f.read_text())}
+    assert set(shipped) == set(repo) == {CRD, "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"}
+    for name, crd in repo.items():
+        assert shipped[name]["spec"] == crd["spec"], name
+    assert shipped[CRD]["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+def test_helm_upgrade_upgrades_the_inference_service_crd(k8s: Cluster, kvpilot: Installation, tmp_path: Path) -> None:
+    # A newer chart whose CRD has one more printer column: `helm upgrade` must bring it.
+    newer = tmp_path / "kvpilot"
+    shutil.copytree(CHART_DIR, newer, symlinks=False)
+    crd_file = newer / "files" / "inferenceservice.yaml"
+    crd = yaml.safe_load(crd_file.read_text())
+    crd["spec"]["versions"][0]["additionalPrinterColumns"].append(
+        {"name": "Upgraded", "type": "string", "jsonPath": ".spec.model.name", "priority": 1})
+    crd_file.unlink()
+    crd_file.write_text(yaml.safe_dump(crd, sort_keys=False))
+    values = ["--reuse-values", "--wait", "--timeout=120s"]
+    try:
+        k8s.helm("upgrade", kvpilot.release, str(newer), "-n", kvpilot.namespace, *values, timeout=150)
+        columns = [c["name"] for c in k8s.kubectl_json("get", "crd", CRD)["spec"]["versions"][0]["additionalPrinterColumns"]]
+        assert "Upgraded" in columns
+    finally:
+        k8s.helm("upgrade", kvpilot.release, str(CHART_DIR), "-n", kvpilot.namespace, *values, timeout=150)
+    columns = [c["name"] for c in k8s.kubectl_json("get", "crd", CRD)["spec"]["versions"][0]["additionalPrinterColumns"]]
+    assert "Upgraded" not in columns
 
 
 def test_helm_install_creates_crd_operator_and_rbac(k8s: Cluster, kvpilot: Installation) -> None:

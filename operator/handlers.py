@@ -93,13 +93,20 @@ def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
                                   delay=BLOCKED_RETRY_SECONDS)
 
 
+def _pod_ready(pod: Mapping[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
 @kopf.on.event("v1", "pods", labels=render.MANAGED_BY)
 def pod_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     """An engine pod changed (scheduled, crash-looping, ready): its InferenceService's status may
     have a new reason. Pods are owned by ReplicaSets, so the owner comes from the instance label."""
     namespace = body["metadata"]["namespace"]
     name = (body["metadata"].get("labels") or {}).get(render.INSTANCE_LABEL)
-    if not name:
+    if not name or body["metadata"].get("deletionTimestamp") or _pod_ready(body):
+        # A pod becoming ready or going away changes its Deployment's status, whose own event
+        # reconciles; only a pod stuck before ready has something to add.
         return
     with _serialized(namespace, name):
         try:

@@ -7,6 +7,7 @@ selector all use.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -142,6 +143,28 @@ def _tolerations(spec: InferenceServiceSpec, gpu: GPU) -> list[Manifest]:
     return tolerations
 
 
+def _gpu_node_selector(spec: InferenceServiceSpec, gpu: GPU) -> dict[str, str]:
+    """The spec's own GPU node selector, else the product label when the GPU has one product
+    string (several need node affinity: see _affinity)."""
+    if spec.accelerator.node_selector:
+        return dict(spec.accelerator.node_selector)
+    return {gpu.product_label: gpu.product} if len(gpu.products) == 1 else {}
+
+
+def _affinity(spec: InferenceServiceSpec, gpu: GPU) -> Manifest | None:
+    """The spec's affinity, with the GPU's product strings required in every node selector term
+    (terms are alternatives: the requirement must hold in each)."""
+    if spec.accelerator.node_selector or len(gpu.products) == 1:
+        return spec.affinity
+    requirement = {"key": gpu.product_label, "operator": "In", "values": list(gpu.products)}
+    affinity = copy.deepcopy(spec.affinity or {})
+    required = affinity.setdefault("nodeAffinity", {}).setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    required["nodeSelectorTerms"] = [{**term, "matchExpressions": [*term.get("matchExpressions", []), requirement]}
+                                     for term in terms]
+    return affinity
+
+
 def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, plan: Plan, *,
                default_image: str = DEFAULT_ENGINE_IMAGE) -> Manifest:
     """The engines' Deployment; `default_image` is the operator's image for specs without one."""
@@ -191,12 +214,12 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
             "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}],
             # preStop pause + the engine's drain + a margin for the process to exit.
             "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + drain_seconds(plan) + 5,
-            "nodeSelector": {**spec.node_selector, gpu.product_label: gpu.product},
+            "nodeSelector": {**spec.node_selector, **_gpu_node_selector(spec, gpu)},
             "tolerations": _tolerations(spec, gpu),
         },
     }
     optional = {"imagePullSecrets": [s.model_dump() for s in spec.image_pull_secrets],
-                "affinity": spec.affinity, "topologySpreadConstraints": spec.topology_spread_constraints,
+                "affinity": _affinity(spec, gpu), "topologySpreadConstraints": spec.topology_spread_constraints,
                 "priorityClassName": spec.priority_class_name}
     pod["spec"].update({key: value for key, value in optional.items() if value})
     return {

@@ -44,6 +44,15 @@ class ModelSpec(_Camel):
 class AcceleratorSpec(_Camel):
     type: str | None = None
     count: int = Field(default=1, ge=1)
+    # Where the GPU nodes are, when they are not found by the GPU product label (GKE's
+    # cloud.google.com/gke-accelerator, Karpenter's instance labels): replaces that selector.
+    node_selector: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _selector_needs_type(self) -> AcceleratorSpec:
+        if self.node_selector and not self.type:
+            raise ValueError("accelerator.nodeSelector needs accelerator.type: the planner sizes for a known GPU")
+        return self
 
 
 class ServingSpec(_Camel):

@@ -211,6 +211,7 @@ def test_the_name_must_be_able_to_name_a_service(crd: dict[str, Any]) -> None:
     {"slo": {"tpotP95Ms": -5}},
     {"serving": {"blockSize": 24}},
     {"serving": {"speculative": "draft"}},
+    {"accelerator": {"nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"}}},
     {"model": {"name": "x", "architecture": {"layers": 2, "hiddenSize": 64, "attentionHeads": 6,
                                              "kvHeads": 4, "vocabSize": 10, "parameters": 10,
                                              "maxContext": 16}}},

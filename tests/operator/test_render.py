@@ -208,3 +208,36 @@ def test_pod_settings_pass_through_and_rollout_surges_by_default() -> None:
         {"maxSurge": 0, "maxUnavailable": 1}
     plain = engine(render.deployment("chat", "ml", UID, spec(), plan(spec())))
     assert "envFrom" not in plain and "priorityClassName" not in render.deployment("chat", "ml", UID, spec(), plan(spec()))["spec"]["template"]["spec"]
+
+
+def test_a_gpu_with_several_product_strings_is_required_by_node_affinity() -> None:
+    s = spec(accelerator={"type": "A100-80GB"})
+    pod = render.deployment("chat", "ml", UID, s, plan(s))["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu.product" not in pod["nodeSelector"]
+    (term,) = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term["matchExpressions"] == [{"key": "nvidia.com/gpu.product", "operator": "In",
+                                         "values": ["NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"]}]
+    # A user's own alternatives each keep the GPU requirement.
+    zones = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]}]}}}
+    user = spec(accelerator={"type": "A100-80GB"}, affinity=zones)
+    terms = render.deployment("chat", "ml", UID, user, plan(user))["spec"]["template"]["spec"]["affinity"][
+        "nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert [len(t["matchExpressions"]) for t in terms] == [2, 2]
+    assert all(t["matchExpressions"][1]["key"] == "nvidia.com/gpu.product" for t in terms)
+    assert user.affinity == zones  # the spec itself is not changed
+
+
+def test_node_discovery_knows_every_product_string() -> None:
+    from kvpilot.operator.gpu_catalog import find_gpu
+
+    assert find_gpu("NVIDIA-A100-80GB-PCIe").name == find_gpu("NVIDIA-A100-SXM4-80GB").name == "A100-80GB"
+
+
+def test_the_accelerator_node_selector_replaces_the_product_label() -> None:
+    gke = {"cloud.google.com/gke-accelerator": "nvidia-l4"}
+    s = spec(accelerator={"type": "L4", "nodeSelector": gke}, nodeSelector={"pool": "llm"})
+    pod = render.deployment("chat", "ml", UID, s, plan(s))["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "llm", **gke}
+    assert "affinity" not in pod

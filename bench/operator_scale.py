@@ -29,6 +29,7 @@ from e2e import kvis
 from e2e.chart import NAMESPACE, RELEASE, Installation, install
 from e2e.cluster import GPUNodeSpec, build_binaries, default_gpu_nodes, running_cluster
 from e2e.local_operator import LocalOperator
+from e2e.procs import memory_kib
 from e2e.polling import poll
 
 WATCHED = "bench"
@@ -80,11 +81,6 @@ def reconciles(log: str, since: float, until: float) -> int:
             ts = datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
             count += since <= ts <= until
     return count
-
-
-def memory_kib(pid: int) -> dict[str, int]:
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-    return {key: int(fields[key].split()[0]) for key in ("VmRSS", "VmHWM")}
 
 
 def ready_count(items: list[dict[str, Any]]) -> int:

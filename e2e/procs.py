@@ -150,3 +150,9 @@ def start_http(argv: Sequence[str], log: Path, ready_url: str, timeout_s: float,
         process.stop(grace_s)
         raise
     return process
+
+
+def memory_kib(pid: int) -> dict[str, int]:
+    """Resident (VmRSS) and peak resident (VmHWM) memory of process `pid`, in KiB (Linux /proc)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {key: int(fields[key].split()[0]) for key in ("VmRSS", "VmHWM")}

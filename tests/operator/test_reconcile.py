@@ -200,7 +200,7 @@ def test_unchanged_children_are_not_written_and_changed_ones_are() -> None:
     pod = cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"]["spec"]
     assert "pool" not in pod["nodeSelector"]
     # Fields other controllers add (status, defaults) are not a change of ours.
-    cluster.objects[("Service", "ml", "chat")]["spec"]["clusterIP"] = "10.0.0.7"
+    cluster.objects[("Service", "ml", "chat")]["spec"]["clusterIP"] = "127.3.0.7"
     writes = cluster.applies
     reconcile(body(SPEC, generation=3), cluster, NOW)
     assert cluster.applies == writes

@@ -12,19 +12,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from e2e.procs import memory_kib
 from kvpilot.engine import LLM, SamplingParams
 from tests.server.conftest import MODEL, Server, start_server, wait_until
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-
-
-def _pid_rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def test_tiny_temperature_is_greedy_and_spares_the_stream_in_flight(server: Server, llm: LLM) -> None:
@@ -200,7 +193,7 @@ def impatient(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def test_a_client_that_stops_reading_is_aborted_and_memory_stays_bounded(impatient: Server) -> None:
-    rss_before = _pid_rss_bytes(impatient.proc.pid)
+    rss_before = memory_kib(impatient.proc.pid)["VmRSS"] * 1024
     # 20 logprobs per token make each step's events ~30 KB, so the socket buffers fill in seconds.
     body = json.dumps({"model": MODEL, "prompt": "Write a long story.", "max_tokens": 1500, "n": 32, "stream": True,
                        "ignore_eos": True, "temperature": 1.0, "logprobs": 20}).encode()
@@ -214,6 +207,6 @@ def test_a_client_that_stops_reading_is_aborted_and_memory_stays_bounded(impatie
         wait_until(lambda: impatient.metric("kvpilot_num_requests_running") == 0, 120, "the stalled stream to be aborted")
     assert impatient.metric("kvpilot_request_success_total", finished_reason="abort") == 32
     assert impatient.metric("kvpilot_kv_cache_usage_ratio") == 0
-    assert _pid_rss_bytes(impatient.proc.pid) - rss_before < 200 << 20
+    assert memory_kib(impatient.proc.pid)["VmRSS"] * 1024 - rss_before < 200 << 20
     assert "client_not_reading" in impatient.log()
     assert impatient.http.get("/health").status_code == 200

@@ -1,0 +1,189 @@
+"""What one engine pod's /metrics says, and windowed quantiles from two reads of it (pure).
+
+The operator scales on the engines' own histograms: a read gives cumulative bucket counts since
+the process started, so the latencies of a window are the difference of two reads (what PromQL's
+`rate()` feeds `histogram_quantile()`), and the quantile is interpolated within a bucket exactly as
+`histogram_quantile` does (prometheus/promql/quantile.go, `BucketQuantile`):
+
+- no observations in the window: no value (PromQL: NaN);
+- the quantile's rank falls in the +Inf bucket: the largest finite upper bound ("more than that");
+- the lowest bucket starts at 0 when its upper bound is positive; a bucket is interpolated
+  linearly;
+- a counter that went down (the pod's process restarted) counts its new value as the window's
+  increase, as `rate()` does; the `_created` timestamp moving says the same even when the new
+  process has already counted past the old values.
+
+Names: ours (`kvpilot_*`, engine/serving/metrics.py) first, else vLLM's (`vllm:*`), so the
+operator also scales vLLM-compatible pods. Samples of several label sets (vLLM's `engine` label,
+one series per engine core) are summed; KV usage takes the fullest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Family names (as the parser gives them: histograms without _bucket, counters without _total)
+# in order of preference. vLLM before 0.9 named TPOT `vllm:time_per_output_token_seconds` (a
+# per-token gap, close enough to scale on) and KV usage `vllm:gpu_cache_usage_perc` (0..1 too).
+TTFT_NAMES = ("kvpilot_time_to_first_token_seconds", "vllm:time_to_first_token_seconds")
+TPOT_NAMES = ("kvpilot_time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds",
+              "vllm:time_per_output_token_seconds")
+WAITING_NAMES = ("kvpilot_num_requests_waiting", "vllm:num_requests_waiting")
+RUNNING_NAMES = ("kvpilot_num_requests_running", "vllm:num_requests_running")
+KV_USAGE_NAMES = ("kvpilot_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+class MetricsError(ValueError):
+    """A /metrics body that is not a Prometheus text exposition, or lacks what the operator needs."""
+
+
+class Histogram(BaseModel):
+    """Cumulative bucket counts of one classic histogram. `bounds` are the finite upper bounds
+    (ascending), `counts[i]` the observations <= bounds[i]; `count` is the +Inf bucket (all
+    observations). Kept without the +Inf bound so that the model stays plain JSON (status)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    bounds: tuple[float, ...]
+    counts: tuple[float, ...]
+    count: float = Field(ge=0)
+    # The series' _created timestamp, when the exporter gives one: a new value means a new process.
+    created: float | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> Histogram:
+        if len(self.bounds) != len(self.counts):
+            raise ValueError(f"{len(self.bounds)} bounds but {len(self.counts)} counts")
+        if any(b >= a for a, b in zip(self.bounds[1:], self.bounds, strict=False)):
+            raise ValueError("bucket bounds are not strictly ascending")
+        return self
+
+
+def histogram_quantile(q: float, histogram: Histogram) -> float | None:
+    """PromQL's `histogram_quantile(q, ...)` over one histogram's buckets; None where PromQL
+    returns NaN (no observations, or no finite bucket to interpolate in)."""
+    if not 0 <= q <= 1:
+        raise ValueError(f"quantile {q} is not in [0, 1]")
+    # Cumulative counts can only rise with the bound; PromQL forces that before interpolating
+    # (a scrape is not atomic across buckets), then the +Inf bucket is the total.
+    counts: list[float] = []
+    for value in (*histogram.counts, histogram.count):
+        counts.append(max(value, counts[-1]) if counts else value)
+    bounds = (*histogram.bounds, math.inf)
+    observations = counts[-1]
+    if len(bounds) < 2 or observations <= 0:
+        return None
+    rank = q * observations
+    # The first bucket whose cumulative count reaches the rank; the +Inf bucket when none of the
+    # finite ones does (sort.Search over all but the last bucket).
+    b = next((i for i in range(len(bounds) - 1) if counts[i] >= rank), len(bounds) - 1)
+    if b == len(bounds) - 1:
+        return bounds[-2]
+    if b == 0 and bounds[0] <= 0:
+        return bounds[0]
+    start, end, in_bucket = 0.0, bounds[b], counts[b]
+    if b > 0:
+        start = bounds[b - 1]
+        in_bucket -= counts[b - 1]
+        rank -= counts[b - 1]
+    return start + (end - start) * (rank / in_bucket)
+
+
+def increase(before: Histogram | None, after: Histogram) -> Histogram:
+    """The observations between two reads of one pod's histogram. A reset (any count went down,
+    the _created time moved, the buckets changed with a new engine version) makes the second read
+    the whole increase, as Prometheus' `rate()` does; no earlier read means no window yet, an
+    empty one."""
+    if before is None:
+        return Histogram(bounds=after.bounds, counts=(0.0,) * len(after.bounds), count=0.0,
+                         created=after.created)
+    reset = (before.bounds != after.bounds
+             or (before.created is not None and after.created is not None and before.created != after.created)
+             or after.count < before.count
+             or any(a < b for a, b in zip(after.counts, before.counts, strict=True)))
+    if reset:
+        return after
+    return Histogram(bounds=after.bounds, count=after.count - before.count, created=after.created,
+                     counts=tuple(a - b for a, b in zip(after.counts, before.counts, strict=True)))
+
+
+def merge(histograms: Iterable[Histogram]) -> Histogram | None:
+    """The sum of histograms with the same buckets (several pods' windows: `sum by (le)`); a
+    histogram whose buckets differ from the first one's is left out rather than mis-added.
+    None when there is none."""
+    total: Histogram | None = None
+    for histogram in histograms:
+        if total is None:
+            total = histogram.model_copy(update={"created": None})
+        elif histogram.bounds == total.bounds:
+            total = Histogram(bounds=total.bounds, count=total.count + histogram.count,
+                              counts=tuple(a + b for a, b in zip(total.counts, histogram.counts, strict=True)))
+    return total
+
+
+class EngineReading(BaseModel):
+    """One read of one engine's /metrics: what the autoscaler needs. A field is None when the
+    engine does not export it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    ttft: Histogram | None = None
+    tpot: Histogram | None = None
+    waiting: float | None = None
+    running: float | None = None
+    kv_usage: float | None = None
+
+
+def _histogram(samples: Sequence[Sample], name: str, created: float | None) -> Histogram:
+    """Sum the buckets of every label set of one histogram family."""
+    by_bound: dict[float, float] = {}
+    count = 0.0
+    for sample in samples:
+        if sample.name == f"{name}_bucket":
+            bound = float(sample.labels["le"])
+            by_bound[bound] = by_bound.get(bound, 0.0) + sample.value
+        elif sample.name == f"{name}_count":
+            count += sample.value
+    if math.inf not in by_bound:
+        raise MetricsError(f"{name} has no +Inf bucket")
+    # The +Inf bucket is the count by definition; trust it over _count if the two disagree.
+    count = by_bound.pop(math.inf)
+    bounds = tuple(sorted(by_bound))
+    return Histogram(bounds=bounds, counts=tuple(by_bound[b] for b in bounds), count=count, created=created)
+
+
+def parse(text: str) -> EngineReading:
+    """An engine's /metrics body (Prometheus text format) as an EngineReading."""
+    try:
+        families = {family.name: family for family in text_string_to_metric_families(text)}
+    except (ValueError, TypeError, IndexError, KeyError) as error:
+        raise MetricsError(f"not a Prometheus text exposition: {error}") from None
+
+    def first(names: Sequence[str], kind: str) -> Metric | None:
+        return next((families[n] for n in names if n in families and families[n].type == kind), None)
+
+    def created_of(name: str) -> float | None:
+        # The client exports _created as its own gauge family; several label sets give the newest.
+        family = families.get(f"{name}_created")
+        values = [s.value for s in family.samples] if family else []
+        return max(values) if values else None
+
+    def histogram(names: Sequence[str]) -> Histogram | None:
+        family = first(names, "histogram")
+        return _histogram(family.samples, family.name, created_of(family.name)) if family else None
+
+    def gauge(names: Sequence[str], combine: Callable[[Iterable[float]], float]) -> float | None:
+        family = first(names, "gauge")
+        if family is None or not family.samples:
+            return None
+        return combine(s.value for s in family.samples)
+
+    return EngineReading(ttft=histogram(TTFT_NAMES), tpot=histogram(TPOT_NAMES),
+                         waiting=gauge(WAITING_NAMES, sum), running=gauge(RUNNING_NAMES, sum),
+                         kv_usage=gauge(KV_USAGE_NAMES, max))

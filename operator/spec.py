@@ -87,10 +87,19 @@ class LoadSpec(_Camel):
 
 
 class AutoscalingSpec(_Camel):
+    # slo: the operator sets replicas from the engines' metrics (operator/autoscaler.py);
+    # external: an HPA or KEDA does and the operator never writes replicas; off: nobody does.
+    mode: Literal["slo", "external", "off"] = "slo"
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=4, ge=1)
     scale_up_stabilization_seconds: int = Field(default=0, ge=0)
     scale_down_stabilization_seconds: int = Field(default=300, ge=0)
+    # Replicas added or removed by one decision, at most.
+    max_step: int = Field(default=2, ge=1)
+    # Signals within 1 +- tolerance of their targets move nothing (noise).
+    tolerance: float = Field(default=0.1, ge=0, le=0.5)
+    max_waiting_per_replica: float = Field(default=4, gt=0)
+    target_kv_cache_usage: float = Field(default=0.9, gt=0, le=1)
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingSpec:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import copy
 import math
 from typing import Any
+from urllib.parse import quote
 
 from kvpilot.engine.config import EngineConfig, ServerConfig, serve_argv
 from kvpilot.operator.gpu_catalog import GPU, NVIDIA_GPU_RESOURCE, find_gpu
 from kvpilot.operator.planner import Plan
-from kvpilot.operator.spec import API_VERSION, KIND, InferenceServiceSpec
+from kvpilot.operator.spec import API_VERSION, KIND, PVC_SCHEME, HubSource, InferenceServiceSpec
 
 Manifest = dict[str, Any]
 
@@ -22,6 +23,14 @@ PORT = 8000
 PORT_NAME = "http"
 CONTAINER = "engine"
 MODEL_MOUNT = "/models"
+# hf:// sources: the volume the download init container fills and the engine reads.
+MODEL_CACHE_VOLUME = "model-cache"
+MODEL_CACHE_MOUNT = "/model-cache"
+DOWNLOAD_CONTAINER = "download"
+# One process streaming to disk needs little; these stay below the engine's requests, so the pod's
+# scheduling request (the larger of any init container's and the sum of the app containers') is the
+# engine's alone.
+DOWNLOAD_REQUESTS = {"cpu": "1", "memory": "1Gi"}
 # Unprivileged, fixed IDs so that files on a model PVC can be made readable to the engine.
 RUN_AS_USER = 1000
 # The engine image when neither spec.image nor the operator's configured default names one;
@@ -65,16 +74,67 @@ def _metadata(name: str, namespace: str, uid: str) -> dict[str, Any]:
             "ownerReferences": [owner_reference(name, uid)]}
 
 
+def hub_model_dir(source: HubSource) -> str:
+    """The folder an hf:// download fills and the engine loads: one per repository and revision (a
+    shared PVC holds several), the revision quoted so that a branch like refs/pr/1 stays one name."""
+    return f"{MODEL_CACHE_MOUNT}/hf/{source.repo}@{quote(source.revision, safe='')}"
+
+
+def download_args(source: HubSource) -> list[str]:
+    """The `kvpilot download` arguments of the init container (engine/download.py)."""
+    return [source.repo, "--revision", source.revision, "--local-dir", hub_model_dir(source)]
+
+
+def _container_security() -> Manifest:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}}
+
+
 def _model_location(spec: InferenceServiceSpec) -> tuple[str, list[Manifest], list[Manifest]]:
-    """--model value, volumes and mounts: pvc://claim/path mounts the claim read-only."""
+    """--model value, volumes and the engine's mounts: pvc://claim/path mounts the claim read-only;
+    hf:// mounts the cache volume that the download init container fills, read-only as well."""
+    hub = spec.model.hub_source
+    if hub is not None:
+        cache = spec.model.cache
+        volume = ({"persistentVolumeClaim": {"claimName": cache.claim_name}}
+                  if cache is not None and cache.claim_name else {"emptyDir": {}})
+        return hub_model_dir(hub), [{"name": MODEL_CACHE_VOLUME, **volume}], \
+            [{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT, "readOnly": True}]
     source = spec.model.source or spec.model.name
-    if not source.startswith("pvc://"):
-        return source.removeprefix("hf://"), [], []
-    claim, _, path = source.removeprefix("pvc://").partition("/")
+    if not source.startswith(PVC_SCHEME):
+        return source, [], []
+    claim, _, path = source.removeprefix(PVC_SCHEME).partition("/")
     mount = f"{MODEL_MOUNT}/{claim}"
     volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
     return f"{mount}/{path}".rstrip("/"), [volume], [{"name": "model", "mountPath": mount,
                                                       "readOnly": True}]
+
+
+def _download_container(spec: InferenceServiceSpec, source: HubSource, image: str) -> Manifest:
+    """The init container that downloads an hf:// source into the cache volume before the engine
+    starts (it resumes, verifies and skips what is complete: a restarted pod does not download
+    again when the cache is a PVC). It gets the pod's env and envFrom (HF_ENDPOINT, proxies), and the
+    token Secret as HF_TOKEN."""
+    env = [{"name": "HOME", "value": "/tmp"}, *spec.env]
+    token = spec.model.token_secret
+    if token is not None:
+        env.append({"name": "HF_TOKEN",
+                    "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}})
+    container: Manifest = {
+        "name": DOWNLOAD_CONTAINER,
+        "image": image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["kvpilot", "download"],
+        "args": download_args(source),
+        "env": env,
+        "resources": {"requests": dict(DOWNLOAD_REQUESTS)},
+        "securityContext": _container_security(),
+        "volumeMounts": [{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+    }
+    if spec.env_from:
+        container["envFrom"] = list(spec.env_from)
+    return container
 
 
 # Seconds the pod keeps serving after it is told to stop, before the engine starts to drain: time
@@ -172,6 +232,8 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
     if not plan.fits or gpu is None:
         raise ValueError(f"no Deployment for a plan that does not fit: {plan.reason}")
     model, volumes, mounts = _model_location(spec)
+    hub = spec.model.hub_source
+    init = [_download_container(spec, hub, spec.image or default_image)] if hub is not None else []
     replicas = spec.replicas if spec.replicas is not None else plan.replicas
     http = {"port": PORT_NAME}
     container = {
@@ -193,8 +255,7 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
         "resources": _resources(spec, plan, gpu),
         # Caches that libraries write (Hugging Face, Triton, torch) go to the writable /tmp.
         "env": [{"name": "HOME", "value": "/tmp"}, *spec.env],
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "capabilities": {"drop": ["ALL"]}},
+        "securityContext": _container_security(),
         "volumeMounts": [*mounts, {"name": "tmp", "mountPath": "/tmp"}],
     }
     if spec.env_from:
@@ -210,6 +271,7 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
             "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER,
                                 "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
                                 "seccompProfile": {"type": "RuntimeDefault"}},
+            **({"initContainers": init} if init else {}),
             "containers": [container],
             "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}],
             # preStop pause + the engine's drain + a margin for the process to exit.

@@ -7,7 +7,8 @@ tests/operator/test_crd.py keeps the two in step (same fields, same defaults).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
@@ -33,12 +34,58 @@ class _Camel(BaseModel):
                               frozen=True)
 
 
+# Where a model's files come from (the CRD's CEL rule on model.source has the same expression):
+# hf://org/repo[@revision] (downloaded by an init container), pvc://claim[/path], or an absolute path
+# in the engine image. Repository names as the hub allows them; a revision is a branch, tag or commit.
+SOURCE_PATTERN = (r"^(hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[^@ ]+)?"
+                  r"|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|/.*)$")
+HF_SCHEME = "hf://"
+PVC_SCHEME = "pvc://"
+
+
+class HubSource(NamedTuple):
+    repo: str
+    revision: str
+
+
+class SecretKeyRef(_Camel):
+    name: str = Field(min_length=1)
+    key: str = Field(default="token", min_length=1)
+
+
+class ModelCacheSpec(_Camel):
+    # A PersistentVolumeClaim to download into, shared by restarts and replicas (ReadWriteMany for
+    # replicas on several nodes); unset: an emptyDir, so every new pod downloads again.
+    claim_name: str | None = Field(default=None, min_length=1)
+
+
 class ModelSpec(_Camel):
     name: str = Field(min_length=1)
-    # hf://org/repo, pvc://claim/path/in/claim, or anything the engine's --model accepts.
+    # Unset: the engine's --model is `name` (the embedded model's name, say). See SOURCE_PATTERN.
     source: str | None = None
+    # hf:// only: the Secret key holding a hub token (HF_TOKEN of the download), for gated or private
+    # repositories; and the volume the download goes to.
+    token_secret: SecretKeyRef | None = None
+    cache: ModelCacheSpec | None = None
     served_model_name: str | None = None
     architecture: Architecture | None = None
+
+    @model_validator(mode="after")
+    def _source(self) -> ModelSpec:
+        if self.source is not None and not re.fullmatch(SOURCE_PATTERN, self.source):
+            raise ValueError(f"model.source {self.source!r} must be hf://org/repo[@revision], "
+                             "pvc://claim/path or an absolute path in the engine image")
+        if (self.token_secret or self.cache) and self.hub_source is None:
+            raise ValueError("model.tokenSecret and model.cache apply only to an hf:// source")
+        return self
+
+    @property
+    def hub_source(self) -> HubSource | None:
+        """hf://org/repo[@revision] as (repo, revision); None for other sources."""
+        if self.source is None or not self.source.startswith(HF_SCHEME):
+            return None
+        repo, _, revision = self.source.removeprefix(HF_SCHEME).partition("@")
+        return HubSource(repo, revision or "main")
 
 
 class AcceleratorSpec(_Camel):

@@ -254,6 +254,8 @@ def test_crd_spec_fields_equal_the_pydantic_spec(crd: dict[str, Any]) -> None:
     {"model": {"name": "llama-2-7b"}},
     {"model": {"name": "llama-2-7b"}, "serving": {"quantization": "int4"}, "slo": {},
      "autoscaling": {"maxReplicas": 9}, "tolerations": [{"key": "k", "operator": "Exists"}]},
+    {"model": {"name": "llama-2-7b", "source": "hf://meta-llama/Llama-2-7b-hf",
+               "tokenSecret": {"name": "hf"}, "cache": {}}},
 ])
 def test_api_server_defaults_equal_pydantic_defaults(crd: dict[str, Any],
                                                      minimal: dict[str, Any]) -> None:

@@ -38,7 +38,7 @@ def test_engine_args_carry_the_plans_numbers() -> None:
         "--served-model-name", "llama-2-7b",
         "--vllm-compatible-metrics",
         "--grace-period", repr(float(render.drain_seconds(p))),
-        "--model", "meta-llama/Llama-2-7b-hf",
+        "--model", "/model-cache/hf/meta-llama/Llama-2-7b-hf@main",  # the download's folder
         "--block-size", "16",
         "--max-num-seqs", str(p.max_num_seqs),
         "--max-num-batched-tokens", str(p.max_num_batched_tokens),

@@ -96,6 +96,7 @@ class HubServer:
         self.requests: list[Request] = []
         self.body_bytes: dict[str, int] = {}  # file path -> body bytes sent
         self._faults = _Faults()
+        self._releases: list[threading.Event] = []  # of every hold, so that stop() never waits on one
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer((LOOPBACK, 0), self._handler())
         self._server.daemon_threads = True
@@ -111,7 +112,7 @@ class HubServer:
         return self
 
     def stop(self) -> None:
-        for _, _, release in self._faults.hold.values():
+        for release in self._releases:
             release.set()
         self._server.shutdown()
         self._server.server_close()
@@ -128,7 +129,7 @@ class HubServer:
     def reset(self) -> None:
         """Forget the requests, the faults, the token and the gating (a server shared by tests)."""
         with self._lock:
-            for _, _, release in self._faults.hold.values():
+            for release in self._releases:
                 release.set()
             self.requests.clear()
             self.body_bytes.clear()
@@ -143,6 +144,7 @@ class HubServer:
         """The next GET of `path` sends `after_bytes`, sets the first event, and waits for the
         second before it closes the connection."""
         held, release = threading.Event(), threading.Event()
+        self._releases.append(release)
         self._faults.hold[path] = (after_bytes, held, release)
         return held, release
 
@@ -190,7 +192,7 @@ class HubServer:
                 api = f"/api/models/{hub.repo}"
                 if path in (api, f"{api}/") or path.startswith(f"{api}/revision/"):
                     revision = path.removeprefix(f"{api}/revision/") if "/revision/" in path else "main"
-                    return self._info(revision, blobs=query.get("blobs") == ["True"] or query.get("blobs") == ["true"])
+                    return self._info(revision, blobs=query.get("blobs", [""])[0].lower() == "true")
                 if path.startswith(f"{api}/tree/"):
                     return self._tree(path.removeprefix(f"{api}/tree/").split("/", 1)[0])
                 resolve = f"/{hub.repo}/resolve/"

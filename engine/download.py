@@ -28,7 +28,6 @@ import argparse
 import fcntl
 import fnmatch
 import hashlib
-import json
 import logging
 import os
 import re

@@ -7,29 +7,33 @@ restart; the caller does the I/O (scrape, scale subresource, Event).
 
 Signals, each a ratio to its target (1.0 = at the target):
 - p95 TTFT and p95 TPOT over the last `window_seconds` (bucket increases of every pod, summed,
-  then PromQL's interpolation) against `spec.slo`;
-- waiting requests per reporting replica (mean over the window's reads) against `maxWaitingPerReplica`: TTFT only counts requests
-  that got a first token, so a queue that builds is seen here before it shows in TTFT;
-- mean KV-cache usage against `targetKvCacheUsage`: a full cache preempts and recomputes;
-- mean running sequences per replica against the plan's `max_num_seqs` × TARGET_BATCH_OCCUPANCY:
-  the engine's utilization. Queueing delay (TTFT) grows steeply as it nears 1, long before TTFT
-  shows it, and unlike latency it grows in proportion to the load per replica, so it is what
-  says whether fewer replicas would still cope.
+  then PromQL's interpolation) against `spec.slo`, once the window holds MIN_OBSERVATIONS;
+- waiting requests per reporting replica against `maxWaitingPerReplica`: TTFT only counts
+  requests that got a first token, so a queue that builds shows here first;
+- KV-cache usage against `targetKvCacheUsage`: a full cache preempts and recomputes;
+- running sequences per replica against the plan's max_num_seqs x TARGET_BATCH_OCCUPANCY.
+Gauges are averaged over the window's reads: one read is a sample of something that moves with
+every request.
 
 Rules (each has a test in tests/operator/test_autoscaler.py):
 - the largest ratio decides; within `1 ± tolerance` nothing moves (noise);
 - up: above 1 + tolerance (for `scaleUpStabilizationSeconds`), to ceil(replicas × ratio), at
-  least one more, at most `maxStep` more; never while pods of the last scale-up are not ready yet
-  (more pending pods do not help a scheduler that cannot place the first ones);
-- down: each period recommends the fewest replicas at which the observed load, spread over fewer
-  replicas, would still sit under 1 − tolerance (load per replica grows as replicas/n; for latency
-  that is an upper bound while latency grows at most linearly with the load per replica); replicas
-  go down to the largest recommendation of the last `scaleDownStabilizationSeconds`, only once that
-  long has been observed since the last change, at most `maxStep` at a time;
+  least one more, at most `maxStep` more; never while pods of the last scale-up are not ready
+  (more pending pods do not help a scheduler that cannot place the first ones), and once they
+  are, the window starts again (what it held was the reason for that scale-up);
+- down: each period recommends the fewest replicas n at which the observed load would still sit
+  under 1 − tolerance, taking the load per replica to grow as replicas/n. That holds for the
+  queue, KV and batch, and for the affine part of latency, but queueing makes latency convex in
+  the load: so the controller also learns `knee`, the requests per second per replica at which
+  this service went over the band (from steady windows without a backlog), and never plans a
+  rate per replica past it. Replicas go down to the largest recommendation of the last
+  `scaleDownStabilizationSeconds`, only once that long has passed since the last change, at
+  most `maxStep` at a time;
 - pods whose /metrics cannot be read are unknown: left out of the signals, named in the reason,
   and they do not stop the others from scaling;
 - min/max replicas bound everything; mode `external` and `off` never change replicas (signals are
-  still computed for the status).
+  still computed for the status); at 0 replicas nothing reports, so nothing moves (no scale from
+  zero yet: that needs demand seen in front of the engines).
 """
 
 from __future__ import annotations
@@ -362,6 +366,10 @@ def step(policy: Policy, state: AutoscalerState, obs: Observation) -> tuple[Auto
 
     if policy.mode != "slo":
         return decide("hold", current, f"autoscaling.mode is {policy.mode}: replicas are left as they are")
+    if current == 0:
+        # Nothing runs, so nothing reports: only demand seen elsewhere could start a replica.
+        # Scaled to zero by hand, it stays there (as under an HPA) until replicas are set again.
+        return decide("hold", 0, "0 replicas: no engine reports load; replicas stay 0 until set")
     bounded = _clamp(policy, current)
     if bounded != current:
         action: Action = "up" if bounded > current else "down"

@@ -4,7 +4,8 @@ Importing this module registers the handlers in kopf's default registry (`kvpilo
 does); all decisions live in the pure modules, all API calls in `cluster.KubeCluster`.
 
 No handler here makes kopf put a finalizer on InferenceServices (kopf adds one only for timers,
-daemons and non-optional on.delete handlers), so `kubectl delete` never waits for the operator:
+daemons and non-optional on.delete handlers; the autoscaler's periodic work is an asyncio task
+started on startup instead), so `kubectl delete` never waits for the operator:
 the children go by their owner references (garbage collection). Instead of a periodic resync,
 the operator watches its children (Deployments, Services and PodDisruptionBudgets labelled as
 managed by it): a change or deletion of one reconciles its owner, so Ready follows the pods within
@@ -13,17 +14,19 @@ seconds, a child deleted by hand comes back at once, and an idle cluster costs n
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 
 from kvpilot.operator import render
+from kvpilot.operator.autoscale_loop import Scaler
 from kvpilot.operator.cluster import KubeCluster, WriteConflict
 from kvpilot.operator.reconcile import controller_of, reconcile, refresh
 from kvpilot.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
@@ -70,6 +73,24 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.cluster = KubeCluster.connect()
     # Read once here, so reconciliation stays a function of the object and this value.
     memo.engine_image = engine_image(os.environ)
+
+
+@kopf.on.startup()
+async def start_autoscaler(memo: kopf.Memo, **_: Any) -> None:
+    """The SLO autoscaler's periodic loop (autoscale_loop.py), as a plain asyncio task: a kopf
+    timer or daemon would put a finalizer on every InferenceService. `memo.namespaces` is the
+    operator's scope (None: all namespaces), set by `kvpilot operator`."""
+    scaler = await asyncio.to_thread(Scaler.connect, memo.get("namespaces"))
+    memo.autoscaler = asyncio.create_task(scaler.run(), name="kvpilot-autoscaler")
+
+
+@kopf.on.cleanup()
+async def stop_autoscaler(memo: kopf.Memo, **_: Any) -> None:
+    task = memo.get("autoscaler")
+    if task is not None:
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)

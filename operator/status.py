@@ -194,7 +194,14 @@ def build(*, name: str, namespace: str, generation: int, plan: Plan, spec: Infer
         desired = int((deployment.get("spec") or {}).get("replicas") or 0)
     observed = (deployment or {}).get("status", {})
     fresh = conditions(plan, spec, desired, deployment, blocked, pod_problem(deployment, pods))
+    # The autoscaler's loop (autoscale_loop.py) writes these two; a reconcile carries them over,
+    # since the merge patch of this status would otherwise remove what it does not list.
+    latency = old.get("latency") or {}
+    if latency.get("source") != "observed":
+        latency = {"ttftP95Ms": plan.predicted_ttft_ms, "tpotP95Ms": plan.predicted_tpot_ms, "source": "predicted"}
+    carried = {"autoscaler": old["autoscaler"]} if old.get("autoscaler") else {}
     return {
+        **carried,
         "observedGeneration": generation,
         "replicas": int(observed.get("replicas", 0)),
         "readyReplicas": int(observed.get("readyReplicas", 0)),
@@ -204,8 +211,7 @@ def build(*, name: str, namespace: str, generation: int, plan: Plan, spec: Infer
         "url": service_url(name, namespace),
         "plan": plan_summary(plan),
         # Predicted until the autoscaler reports what the engines measure.
-        "latency": {"ttftP95Ms": plan.predicted_ttft_ms, "tpotP95Ms": plan.predicted_tpot_ms,
-                    "source": "predicted"},
+        "latency": latency,
         "conditions": with_transition_times(fresh, old.get("conditions", []), now, generation),
     }
 

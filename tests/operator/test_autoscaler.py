@@ -203,12 +203,22 @@ def test_scale_down_moves_at_most_max_step_per_window() -> None:
 def test_replicas_stay_within_min_and_max() -> None:
     policy = Policy(min_replicas=2, max_replicas=3, scale_down_stabilization_seconds=0)
     assert Loop(policy, replicas=5).tick().replicas == 3  # someone set 5
-    assert Loop(policy, replicas=1).tick().replicas == 2
+    assert Loop(policy, replicas=1).tick().replicas == 2  # someone set 1
     loop = Loop(policy, replicas=3)
     d = loop.tick(ttft=None, waiting=40)
     assert (d.action, d.replicas) == ("hold", 3) and "maxReplicas 3" in d.reason
     loop = Loop(policy, replicas=2)
     assert all(loop.tick(ttft=None, waiting=0).replicas == 2 for _ in range(5))
+
+
+def test_zero_replicas_stay_zero() -> None:
+    """Scaled to zero (by hand, or idle with minReplicas 0): no engine reports, nothing moves,
+    even below minReplicas, as an HPA leaves a target scaled to zero alone."""
+    loop = Loop(Policy(min_replicas=1), replicas=0)
+    for _ in range(5):
+        d = loop.tick(ttft=None)
+        assert (d.action, d.replicas) == ("hold", 0)
+    assert "0 replicas" in d.reason
 
 
 def test_a_pod_that_does_not_report_is_unknown_and_does_not_block_the_rest() -> None:

@@ -41,6 +41,10 @@ collector), keep its peering record alive, and post events.
 - apiGroups: [kvpilot.dev]
   resources: [inferenceservices/status]
   verbs: [get, patch]
+# The SLO autoscaler sets replicas through the scale subresource (autoscaling.mode: slo).
+- apiGroups: [kvpilot.dev]
+  resources: [inferenceservices/scale]
+  verbs: [get, patch]
 # Owner references with blockOwnerDeletion need this where OwnerReferencesPermissionEnforcement is on.
 - apiGroups: [kvpilot.dev]
   resources: [inferenceservices/finalizers]

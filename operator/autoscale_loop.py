@@ -1,0 +1,294 @@
+"""The SLO autoscaler's loop: read the engines, step the controller, write what it decided.
+
+Every INTERVAL_SECONDS, for each InferenceService in the operator's scope whose
+`autoscaling.mode` is `slo` or `external`: read the /metrics of its ready engine pods, run
+`autoscaler.step()` from the state kept in `status.autoscaler`, write the new state, the last
+decision and the observed p95 latencies to the status, and, in `slo` mode only, set replicas
+through the scale subresource and post an Event for every change. `external` computes and shows
+the same numbers but never writes replicas, so an HPA or KEDA owns them; `off` is left alone.
+
+It runs as an asyncio task started by a kopf startup handler (handlers.py), not as a kopf timer
+or daemon: those make kopf put a finalizer on every InferenceService, and deleting one must never
+wait for a running operator.
+
+Several operator replicas each run this loop; the status is the one state they share. A service
+whose last decision is younger than most of a period is skipped, and the status is written with
+the resourceVersion that was read (a conflict: another writer came first, skip this period), so
+replicas neither double the pace nor act on a stale state. Replicas are written only after the
+status that records the decision was.
+
+The functions above `Scaler` are pure (tests/operator/test_autoscale_loop.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import urllib.request
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes import config
+from kubernetes.client import ApiClient
+from kubernetes.config.config_exception import ConfigException
+from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import ConflictError, DynamicApiError, NotFoundError
+from pydantic import ValidationError
+
+from kvpilot.operator import render
+from kvpilot.operator.autoscaler import (INTERVAL_SECONDS, AutoscalerState, Decision, Observation, PodRead,
+                                         Policy, step)
+from kvpilot.operator.engine_metrics import MetricsError, parse
+from kvpilot.operator.spec import API_VERSION, KIND, InferenceServiceSpec
+
+STATUS_KEY = "autoscaler"
+# A /metrics read that takes longer than this counts the pod as unknown for the period: an engine
+# too busy to answer it is reported as such rather than stalling every other service's read.
+SCRAPE_TIMEOUT_SECONDS = 3.0
+# An engine's exposition is ~40 KiB; anything far larger is not one.
+MAX_METRICS_BYTES = 4 * 1024 * 1024
+# Skip a service decided on less than this fraction of a period ago (by another replica).
+_DUE_FRACTION = 0.8
+EVENT_COMPONENT = "kvpilot-operator"
+
+log = logging.getLogger(__name__)
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def metrics_targets(pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(pod name, /metrics URL) of the ready engine pods that are not going away. Pods that are
+    not ready yet (starting, loading the model) are no one's load: they are the pending ones."""
+    targets = []
+    for pod in pods:
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip or pod["metadata"].get("deletionTimestamp") or not pod_ready(pod):
+            continue
+        host = f"[{ip}]" if ":" in ip else ip
+        targets.append((pod["metadata"]["name"], f"http://{host}:{render.PORT}/metrics"))
+    return sorted(targets)
+
+
+def saved_state(status: Mapping[str, Any]) -> AutoscalerState:
+    """The state the last period left in the status; a fresh one when there is none or it is
+    not readable (written by an older operator): the controller then starts observing again."""
+    saved = (status.get(STATUS_KEY) or {}).get("state")
+    if not saved:
+        return AutoscalerState()
+    try:
+        return AutoscalerState.model_validate(saved)
+    except ValidationError:
+        return AutoscalerState()
+
+
+def current_replicas(body: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> int:
+    """What the scale subresource says now: spec.replicas, or (unset: the plan's count seeds the
+    first rollout) what the Deployment was rendered with."""
+    replicas = (body.get("spec") or {}).get("replicas")
+    if replicas is not None:
+        return int(replicas)
+    return int(((deployment or {}).get("spec") or {}).get("replicas") or 0)
+
+
+def due(state: AutoscalerState, now: float, interval: float = INTERVAL_SECONDS) -> bool:
+    last = state.last_decision
+    return last is None or now - last.at >= _DUE_FRACTION * interval
+
+
+def _iso(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def status_patch(state: AutoscalerState, decision: Decision, old_latency: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The status fields one period writes: the decision for people (`kubectl get -o yaml`), the
+    state for the next period, and the observed p95s beside the plan's predicted ones
+    (`status.plan.predictedTtftMs`). A window without requests keeps the last observed values."""
+    signals = decision.signals
+    summary: dict[str, Any] = {
+        "lastDecision": {"time": _iso(decision.at), "action": decision.action,
+                         "replicas": decision.replicas, "previous": decision.previous,
+                         "reason": decision.reason},
+        "unknownPods": list(signals.unknown),
+        "state": state.model_dump(mode="json", by_alias=True),
+    }
+    patch: dict[str, Any] = {STATUS_KEY: summary}
+    if signals.ttft_p95_seconds is not None or signals.tpot_p95_seconds is not None:
+        previous = dict(old_latency or {}) if (old_latency or {}).get("source") == "observed" else {}
+        latency = {"ttftP95Ms": previous.get("ttftP95Ms"), "tpotP95Ms": previous.get("tpotP95Ms"),
+                   "source": "observed"}
+        if signals.ttft_p95_seconds is not None:
+            latency["ttftP95Ms"] = round(signals.ttft_p95_seconds * 1000, 1)
+        if signals.tpot_p95_seconds is not None:
+            latency["tpotP95Ms"] = round(signals.tpot_p95_seconds * 1000, 1)
+        patch["latency"] = {k: v for k, v in latency.items() if v is not None}
+    return patch
+
+
+def event_manifest(body: Mapping[str, Any], decision: Decision, instance: str) -> dict[str, Any]:
+    """A core/v1 Event on the InferenceService for a change of replicas."""
+    metadata = body["metadata"]
+    when = datetime.fromtimestamp(decision.at, UTC)
+    return {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{metadata['name']}.", "namespace": metadata["namespace"]},
+        "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": metadata["name"],
+                           "namespace": metadata["namespace"], "uid": metadata["uid"]},
+        "type": "Normal",
+        "reason": "ScaledUp" if decision.action == "up" else "ScaledDown",
+        "message": decision.reason[:1024],  # the API server refuses longer messages
+        "source": {"component": EVENT_COMPONENT},
+        "reportingComponent": EVENT_COMPONENT, "reportingInstance": instance,
+        "firstTimestamp": when.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "lastTimestamp": when.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "count": 1,
+    }
+
+
+def plan_max_num_seqs(status: Mapping[str, Any]) -> int | None:
+    value = (status.get("plan") or {}).get("maxNumSeqs")
+    return int(value) if value else None
+
+
+def decide(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, reads: Sequence[PodRead],
+           now: float) -> tuple[Policy, AutoscalerState, Decision] | None:
+    """One period for one InferenceService, from what was read: None when it is not the
+    autoscaler's (mode off, an invalid spec, no Deployment yet, or not due)."""
+    try:
+        spec = InferenceServiceSpec.model_validate(body.get("spec") or {})
+    except ValidationError:
+        return None
+    status = body.get("status") or {}
+    if spec.autoscaling.mode == "off" or deployment is None:
+        return None
+    state = saved_state(status)
+    if not due(state, now):
+        return None
+    policy = Policy.from_spec(spec, max_num_seqs=plan_max_num_seqs(status))
+    ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
+    obs = Observation(now=now, replicas=current_replicas(body, deployment), ready_replicas=ready,
+                      pods=tuple(reads))
+    new_state, decision = step(policy, state, obs)
+    return policy, new_state, decision
+
+
+def read_metrics(name: str, url: str, timeout: float = SCRAPE_TIMEOUT_SECONDS) -> PodRead:
+    """One pod's /metrics, or why there is none."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - http to a pod IP
+            body = response.read(MAX_METRICS_BYTES + 1)
+        if len(body) > MAX_METRICS_BYTES:
+            return PodRead(name=name, error=f"/metrics is larger than {MAX_METRICS_BYTES} bytes")
+        return PodRead(name=name, reading=parse(body.decode("utf-8", errors="replace")))
+    except MetricsError as error:
+        return PodRead(name=name, error=str(error))
+    except (OSError, ValueError) as error:  # refused, timed out, HTTP errors (URLError is an OSError)
+        return PodRead(name=name, error=f"{type(error).__name__}: {error}")
+
+
+class Scaler:
+    """The loop's I/O, over the same API client library as cluster.KubeCluster."""
+
+    def __init__(self, client: DynamicClient, namespaces: Sequence[str] | None) -> None:
+        self._client = client
+        self._namespaces = namespaces
+        self._instance = socket.gethostname()
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvpilot-metrics")
+
+    @classmethod
+    def connect(cls, namespaces: Sequence[str] | None) -> Scaler:
+        """In a pod its service account, elsewhere the local kubeconfig (as KubeCluster.connect)."""
+        try:
+            config.load_incluster_config()
+        except ConfigException:
+            config.load_kube_config()
+        return cls(DynamicClient(ApiClient()), namespaces)
+
+    def _resource(self, api_version: str, kind: str) -> Any:
+        return self._client.resources.get(api_version=api_version, kind=kind)
+
+    def services(self) -> list[dict[str, Any]]:
+        resource = self._resource(API_VERSION, KIND)
+        if self._namespaces is None:
+            return list(resource.get().to_dict().get("items", []))
+        return [item for namespace in self._namespaces
+                for item in resource.get(namespace=namespace).to_dict().get("items", [])]
+
+    def deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return dict(self._resource("apps/v1", "Deployment").get(name=name, namespace=namespace).to_dict())
+        except NotFoundError:
+            return None
+
+    def pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        selector = ",".join(f"{k}={v}" for k, v in sorted(render.selector_labels(name).items()))
+        return list(self._resource("v1", "Pod").get(namespace=namespace, label_selector=selector)
+                    .to_dict().get("items", []))
+
+    def read_all(self, targets: Sequence[tuple[str, str]]) -> list[PodRead]:
+        return list(self._pool.map(lambda target: read_metrics(*target), targets))
+
+    def one(self, body: Mapping[str, Any], now: float) -> Decision | None:
+        """One period of one InferenceService; the decision, or None when nothing was written."""
+        metadata = body["metadata"]
+        namespace, name = metadata["namespace"], metadata["name"]
+        deployment = self.deployment(namespace, name)
+        owned = deployment is not None and any(
+            r.get("controller") and r.get("uid") == metadata["uid"]
+            for r in deployment["metadata"].get("ownerReferences") or [])
+        reads = self.read_all(metrics_targets(self.pods(namespace, name))) if owned else []
+        outcome = decide(body, deployment if owned else None, reads, now)
+        if outcome is None:
+            return None
+        policy, state, decision = outcome
+        patch = status_patch(state, decision, (body.get("status") or {}).get("latency"))
+        resource = self._resource(API_VERSION, KIND)
+        try:
+            written = resource.status.patch(
+                body={"metadata": {"resourceVersion": metadata["resourceVersion"]}, "status": patch},
+                name=name, namespace=namespace, content_type="application/merge-patch+json")
+        except ConflictError:
+            return None  # another writer (a replica of this operator, a reconcile) came first
+        if policy.mode != "slo" or decision.replicas == decision.previous:
+            return decision
+        resource.scale.patch(
+            body={"metadata": {"resourceVersion": written.metadata.resourceVersion},
+                  "spec": {"replicas": decision.replicas}},
+            name=name, namespace=namespace, content_type="application/merge-patch+json")
+        self._resource("v1", "Event").create(body=event_manifest(body, decision, self._instance),
+                                             namespace=namespace)
+        return decision
+
+    def round(self) -> None:
+        """One period over every InferenceService in scope; one service's failure is logged and
+        does not stop the others."""
+        for body in self.services():
+            metadata = body["metadata"]
+            if metadata.get("deletionTimestamp"):
+                continue
+            try:
+                decision = self.one(body, datetime.now(UTC).timestamp())
+            except (DynamicApiError, OSError) as error:
+                log.warning(f"autoscaler: {metadata['namespace']}/{metadata['name']}: {error}")
+                continue
+            except Exception:  # noqa: BLE001 - a bug met by one service must not stop all the others'
+                log.exception(f"autoscaler: {metadata['namespace']}/{metadata['name']}")
+                continue
+            if decision is not None and decision.action != "hold":
+                log.info(f"autoscaler: {metadata['namespace']}/{metadata['name']}: {decision.reason}")
+
+    async def run(self, interval: float = INTERVAL_SECONDS) -> None:
+        """Rounds until cancelled; the blocking client calls run in a thread, off kopf's loop."""
+        while True:
+            try:
+                await asyncio.to_thread(self.round)
+            except (DynamicApiError, OSError) as error:  # listing failed: the API server is away
+                log.warning(f"autoscaler: {error}")
+            except Exception:  # noqa: BLE001 - the task must outlive a bug, or autoscaling stops unseen
+                log.exception("autoscaler: round failed")
+            await asyncio.sleep(interval)

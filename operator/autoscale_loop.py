@@ -35,7 +35,7 @@ from kubernetes import config
 from kubernetes.client import ApiClient
 from kubernetes.config.config_exception import ConfigException
 from kubernetes.dynamic import DynamicClient
-from kubernetes.dynamic.exceptions import ConflictError, DynamicApiError, NotFoundError
+from kubernetes.dynamic.exceptions import ConflictError, DynamicApiError
 from pydantic import ValidationError
 
 from kvpilot.operator import render
@@ -43,6 +43,7 @@ from kvpilot.operator.autoscaler import (INTERVAL_SECONDS, AutoscalerState, Deci
                                          Policy, step)
 from kvpilot.operator.engine_metrics import MetricsError, parse
 from kvpilot.operator.spec import API_VERSION, KIND, InferenceServiceSpec
+from kvpilot.operator.status import merge_patch
 
 STATUS_KEY = "autoscaler"
 # A /metrics read that takes longer than this counts the pod as unknown for the period: an engine
@@ -130,6 +131,12 @@ def status_patch(state: AutoscalerState, decision: Decision, old_latency: Mappin
     return patch
 
 
+def as_merge_patch(old_status: Mapping[str, Any], fields: Mapping[str, Any]) -> dict[str, Any]:
+    """`fields` as a JSON merge patch onto `old_status`: a merge patch keeps every key it does not
+    name, so keys gone from the new value (the baseline of a pod that is gone) must be named null."""
+    return merge_patch({key: old_status[key] for key in fields if key in old_status}, fields)
+
+
 def event_manifest(body: Mapping[str, Any], decision: Decision, instance: str) -> dict[str, Any]:
     """A core/v1 Event on the InferenceService for a change of replicas."""
     metadata = body["metadata"]
@@ -155,10 +162,11 @@ def plan_max_num_seqs(status: Mapping[str, Any]) -> int | None:
     return int(value) if value else None
 
 
-def decide(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, reads: Sequence[PodRead],
-           now: float) -> tuple[Policy, AutoscalerState, Decision] | None:
-    """One period for one InferenceService, from what was read: None when it is not the
-    autoscaler's (mode off, an invalid spec, no Deployment yet, or not due)."""
+def prepare(body: Mapping[str, Any], deployment: Mapping[str, Any] | None,
+            now: float) -> tuple[Policy, AutoscalerState] | None:
+    """The policy and saved state of a service the autoscaler has a period to run for; None when
+    it has not (mode off, an invalid spec, no Deployment of its own yet, or not due), before any
+    pod is read."""
     try:
         spec = InferenceServiceSpec.model_validate(body.get("spec") or {})
     except ValidationError:
@@ -169,12 +177,39 @@ def decide(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, reads:
     state = saved_state(status)
     if not due(state, now):
         return None
-    policy = Policy.from_spec(spec, max_num_seqs=plan_max_num_seqs(status))
+    return Policy.from_spec(spec, max_num_seqs=plan_max_num_seqs(status)), state
+
+
+def decide(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, reads: Sequence[PodRead],
+           now: float) -> tuple[Policy, AutoscalerState, Decision] | None:
+    """One period for one InferenceService, from what was read (None: see `prepare`)."""
+    prepared = prepare(body, deployment, now)
+    if prepared is None:
+        return None
+    policy, state = prepared
+    assert deployment is not None  # prepare() said so
     ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
     obs = Observation(now=now, replicas=current_replicas(body, deployment), ready_replicas=ready,
                       pods=tuple(reads))
     new_state, decision = step(policy, state, obs)
     return policy, new_state, decision
+
+
+def children(body: Mapping[str, Any], deployments: Sequence[Mapping[str, Any]],
+             pods: Sequence[Mapping[str, Any]]) -> tuple[Mapping[str, Any] | None, list[Mapping[str, Any]]]:
+    """The Deployment this InferenceService controls (None: there is none, or a same-named one of
+    someone else) and its engine pods, out of one round's lists of the operator's children."""
+    metadata = body["metadata"]
+    namespace, name, uid = metadata["namespace"], metadata["name"], metadata["uid"]
+    deployment = next((d for d in deployments
+                       if (d["metadata"].get("namespace"), d["metadata"].get("name")) == (namespace, name)
+                       and any(r.get("controller") and r.get("uid") == uid
+                               for r in d["metadata"].get("ownerReferences") or [])), None)
+    if deployment is None:
+        return None, []
+    mine = [p for p in pods if p["metadata"].get("namespace") == namespace
+            and (p["metadata"].get("labels") or {}).get(render.INSTANCE_LABEL) == name]
+    return deployment, mine
 
 
 def read_metrics(name: str, url: str, timeout: float = SCRAPE_TIMEOUT_SECONDS) -> PodRead:
@@ -212,41 +247,31 @@ class Scaler:
     def _resource(self, api_version: str, kind: str) -> Any:
         return self._client.resources.get(api_version=api_version, kind=kind)
 
-    def services(self) -> list[dict[str, Any]]:
-        resource = self._resource(API_VERSION, KIND)
-        if self._namespaces is None:
-            return list(resource.get().to_dict().get("items", []))
-        return [item for namespace in self._namespaces
-                for item in resource.get(namespace=namespace).to_dict().get("items", [])]
-
-    def deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return dict(self._resource("apps/v1", "Deployment").get(name=name, namespace=namespace).to_dict())
-        except NotFoundError:
-            return None
-
-    def pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
-        selector = ",".join(f"{k}={v}" for k, v in sorted(render.selector_labels(name).items()))
-        return list(self._resource("v1", "Pod").get(namespace=namespace, label_selector=selector)
-                    .to_dict().get("items", []))
+    def _list(self, api_version: str, kind: str, label_selector: str | None = None) -> list[dict[str, Any]]:
+        """Every object of a kind in the operator's scope: one request per namespace (or one)."""
+        resource = self._resource(api_version, kind)
+        scopes: Sequence[str | None] = [None] if self._namespaces is None else self._namespaces
+        return [item for namespace in scopes
+                for item in resource.get(namespace=namespace, label_selector=label_selector)
+                .to_dict().get("items", [])]
 
     def read_all(self, targets: Sequence[tuple[str, str]]) -> list[PodRead]:
         return list(self._pool.map(lambda target: read_metrics(*target), targets))
 
-    def one(self, body: Mapping[str, Any], now: float) -> Decision | None:
+    def one(self, body: Mapping[str, Any], deployments: Sequence[Mapping[str, Any]],
+            pods: Sequence[Mapping[str, Any]], now: float) -> Decision | None:
         """One period of one InferenceService; the decision, or None when nothing was written."""
         metadata = body["metadata"]
         namespace, name = metadata["namespace"], metadata["name"]
-        deployment = self.deployment(namespace, name)
-        owned = deployment is not None and any(
-            r.get("controller") and r.get("uid") == metadata["uid"]
-            for r in deployment["metadata"].get("ownerReferences") or [])
-        reads = self.read_all(metrics_targets(self.pods(namespace, name))) if owned else []
-        outcome = decide(body, deployment if owned else None, reads, now)
+        deployment, engine_pods = children(body, deployments, pods)
+        if prepare(body, deployment, now) is None:
+            return None
+        outcome = decide(body, deployment, self.read_all(metrics_targets(engine_pods)), now)
         if outcome is None:
             return None
         policy, state, decision = outcome
-        patch = status_patch(state, decision, (body.get("status") or {}).get("latency"))
+        old_status = body.get("status") or {}
+        patch = as_merge_patch(old_status, status_patch(state, decision, old_status.get("latency")))
         resource = self._resource(API_VERSION, KIND)
         try:
             written = resource.status.patch(
@@ -267,12 +292,17 @@ class Scaler:
     def round(self) -> None:
         """One period over every InferenceService in scope; one service's failure is logged and
         does not stop the others."""
-        for body in self.services():
+        # Three lists a round, whatever the number of services (the children carry our label).
+        managed = ",".join(f"{k}={v}" for k, v in render.MANAGED_BY.items())
+        services = self._list(API_VERSION, KIND)
+        deployments = self._list("apps/v1", "Deployment", managed)
+        pods = self._list("v1", "Pod", managed)
+        for body in services:
             metadata = body["metadata"]
             if metadata.get("deletionTimestamp"):
                 continue
             try:
-                decision = self.one(body, datetime.now(UTC).timestamp())
+                decision = self.one(body, deployments, pods, datetime.now(UTC).timestamp())
             except (DynamicApiError, OSError) as error:
                 log.warning(f"autoscaler: {metadata['namespace']}/{metadata['name']}: {error}")
                 continue

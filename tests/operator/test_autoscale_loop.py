@@ -16,12 +16,14 @@ from prometheus_client import generate_latest
 
 from kvpilot.engine.serving.metrics import ServingMetrics
 from kvpilot.operator import status
-from kvpilot.operator.autoscale_loop import (current_replicas, decide, due, event_manifest, metrics_targets,
-                                             read_metrics, saved_state, status_patch)
+from kvpilot.operator.autoscale_loop import (as_merge_patch, children, current_replicas, decide, due,
+                                             event_manifest, metrics_targets, read_metrics, saved_state,
+                                             status_patch)
 from kvpilot.operator.autoscaler import AutoscalerState, PodRead
 from kvpilot.operator.planner import plan
 from kvpilot.operator.spec import InferenceServiceSpec
 from tests.operator.test_autoscaler import Pod
+from tests.operator.test_reconcile import apply_merge_patch
 
 NOW = 1_800_000_000.0
 
@@ -50,6 +52,22 @@ def test_only_ready_pods_that_stay_are_read() -> None:
             pod("leaving", deleting=True), pod("v6", ip="::1")]
     assert metrics_targets(pods) == [("a", "http://127.0.0.9:8000/metrics"), ("b", "http://127.0.0.9:8000/metrics"),
                                      ("v6", "http://[::1]:8000/metrics")]
+
+
+def test_a_service_s_children_from_one_round_s_lists() -> None:
+    def child(kind_name: str, namespace: str, uid: str | None, instance: str | None = None) -> dict[str, Any]:
+        refs = [{"controller": True, "uid": uid}] if uid else []
+        labels = {"app.kubernetes.io/instance": instance} if instance else {}
+        return {"metadata": {"name": kind_name, "namespace": namespace, "ownerReferences": refs, "labels": labels}}
+    mine = child("chat", "ml", "u-1")
+    deployments = [child("chat", "other", "u-9"), child("chat", "ml", "someone-else"), mine]
+    pods = [child("chat-a", "ml", None, "chat"), child("chat-b", "other", None, "chat"),
+            child("summarize-a", "ml", None, "summarize")]
+    deployment, engine_pods = children(body(), deployments, pods)
+    assert deployment is mine
+    assert [p["metadata"]["name"] for p in engine_pods] == ["chat-a"]
+    # A same-named Deployment someone else controls is not scaled on, nor are its pods read.
+    assert children(body(), deployments[:2], pods) == (None, [])
 
 
 def test_replicas_now_are_the_spec_s_else_the_rendered_plan_s() -> None:
@@ -88,6 +106,21 @@ def test_a_decision_goes_to_the_status_with_its_numbers() -> None:
     assert "p95 TTFT" in last["reason"] and "2 -> 4" in last["reason"]
     assert patch["autoscaler"]["unknownPods"] == ["p2"]
     assert patch["latency"]["source"] == "observed" and patch["latency"]["ttftP95Ms"] > 5000
+
+
+def test_the_status_patch_removes_what_is_gone() -> None:
+    """A JSON merge patch keeps keys it does not name: a pod that went away must be named null,
+    or its baseline would stay in the status for good."""
+    pods = [Pod("p0"), Pod("p1")]
+    first = decide(body({"replicas": 2}), deployment(2, 2), [p.read() for p in pods], NOW)
+    assert first is not None
+    old_status = json.loads(json.dumps(status_patch(first[1], first[2], None)))
+    assert set(old_status["autoscaler"]["state"]["baselines"]) == {"p0", "p1"}
+    second = decide(body({"replicas": 1}, old_status), deployment(1, 1), [pods[0].read()], NOW + 15)
+    assert second is not None
+    patch = as_merge_patch(old_status, status_patch(second[1], second[2], None))
+    assert patch["autoscaler"]["state"]["baselines"] == {"p1": None}
+    assert apply_merge_patch(old_status, patch)["autoscaler"] == status_patch(second[1], second[2], None)["autoscaler"]
 
 
 def test_observed_latency_stays_when_a_window_has_no_requests() -> None:

@@ -11,6 +11,11 @@ It runs as an asyncio task started by a kopf startup handler (handlers.py), not 
 or daemon: those make kopf put a finalizer on every InferenceService, and deleting one must never
 wait for a running operator.
 
+What it knows of the cluster comes from kopf indexes over the watches the operator runs anyway
+(InferenceServices, its Deployments and engine pods), so a period costs no API reads; and a period
+that changes nothing (the same decision for the same numbers, no request counted) writes nothing,
+so an idle cluster costs no API requests at all. Only the engines' /metrics are read every period.
+
 Several operator replicas each run this loop; the status is the one state they share. A service
 whose last decision is younger than most of a period is skipped, and the status is written with
 the resourceVersion that was read (a conflict: another writer came first, skip this period), so
@@ -23,6 +28,7 @@ The functions above `Scaler` are pure (tests/operator/test_autoscale_loop.py).
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import socket
 import urllib.request
@@ -226,34 +232,60 @@ def read_metrics(name: str, url: str, timeout: float = SCRAPE_TIMEOUT_SECONDS) -
         return PodRead(name=name, error=f"{type(error).__name__}: {error}")
 
 
-class Scaler:
-    """The loop's I/O, over the same API client library as cluster.KubeCluster."""
+_KEPT_METADATA = ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp", "labels", "ownerReferences")
 
-    def __init__(self, client: DynamicClient, namespaces: Sequence[str] | None) -> None:
+
+def index_entry(body: Mapping[str, Any], key_label: str | None = None) -> dict[tuple[str, str], dict[str, Any]]:
+    """A kopf index entry for an object the loop reads: keyed by (namespace, name), or by
+    (namespace, the value of `key_label`) for pods (their InferenceService's instance label); the
+    value a copy of what the loop uses (kopf's body is a view that later events replace)."""
+    metadata = body["metadata"]
+    key = metadata.get("name") if key_label is None else (metadata.get("labels") or {}).get(key_label)
+    if key is None:
+        return {}
+    kept = {"metadata": copy.deepcopy({k: metadata[k] for k in _KEPT_METADATA if k in metadata}),
+            "status": copy.deepcopy(dict(body.get("status") or {}))}
+    if body.get("kind") != "Pod":  # a pod's spec is large and not needed
+        kept["spec"] = copy.deepcopy(dict(body.get("spec") or {}))
+    return {(metadata["namespace"], key): kept}
+
+
+def worth_writing(old_status: Mapping[str, Any], state: AutoscalerState, decision: Decision) -> bool:
+    """False for a period that changes nothing: the same decision for the same reason (numbers
+    included) as the one in the status, and no pod counted a request since (the same baselines).
+    An idle service then costs no writes; the window it would have recorded was empty anyway."""
+    if decision.action != "hold":
+        return True
+    saved = saved_state(old_status)
+    last = saved.last_decision
+    return (last is None or (last.action, last.replicas, last.previous, last.reason)
+            != (decision.action, decision.replicas, decision.previous, decision.reason)
+            or saved.baselines != state.baselines)
+
+
+class Scaler:
+    """The loop's I/O. What it reads of the cluster comes from kopf's indexes (fed by the watches
+    the operator runs anyway), so a period costs no API reads; it writes only what changed."""
+
+    def __init__(self, client: DynamicClient, services: Mapping[Any, Any], deployments: Mapping[Any, Any],
+                 pods: Mapping[Any, Any]) -> None:
         self._client = client
-        self._namespaces = namespaces
+        self._indexes = services, deployments, pods
         self._instance = socket.gethostname()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvpilot-metrics")
 
     @classmethod
-    def connect(cls, namespaces: Sequence[str] | None) -> Scaler:
-        """In a pod its service account, elsewhere the local kubeconfig (as KubeCluster.connect)."""
+    def connect(cls, services: Mapping[Any, Any], deployments: Mapping[Any, Any], pods: Mapping[Any, Any]) -> Scaler:
+        """In a pod its service account, elsewhere the local kubeconfig (as KubeCluster.connect).
+        The three mappings are kopf indexes of `index_entry` values: key -> store of values."""
         try:
             config.load_incluster_config()
         except ConfigException:
             config.load_kube_config()
-        return cls(DynamicClient(ApiClient()), namespaces)
+        return cls(DynamicClient(ApiClient()), services, deployments, pods)
 
     def _resource(self, api_version: str, kind: str) -> Any:
         return self._client.resources.get(api_version=api_version, kind=kind)
-
-    def _list(self, api_version: str, kind: str, label_selector: str | None = None) -> list[dict[str, Any]]:
-        """Every object of a kind in the operator's scope: one request per namespace (or one)."""
-        resource = self._resource(api_version, kind)
-        scopes: Sequence[str | None] = [None] if self._namespaces is None else self._namespaces
-        return [item for namespace in scopes
-                for item in resource.get(namespace=namespace, label_selector=label_selector)
-                .to_dict().get("items", [])]
 
     def read_all(self, targets: Sequence[tuple[str, str]]) -> list[PodRead]:
         return list(self._pool.map(lambda target: read_metrics(*target), targets))
@@ -271,6 +303,8 @@ class Scaler:
             return None
         policy, state, decision = outcome
         old_status = body.get("status") or {}
+        if not worth_writing(old_status, state, decision):
+            return None
         patch = as_merge_patch(old_status, status_patch(state, decision, old_status.get("latency")))
         resource = self._resource(API_VERSION, KIND)
         try:
@@ -289,18 +323,15 @@ class Scaler:
                                              namespace=namespace)
         return decision
 
-    def round(self) -> None:
-        """One period over every InferenceService in scope; one service's failure is logged and
-        does not stop the others."""
-        # Three lists a round, whatever the number of services (the children carry our label).
-        managed = ",".join(f"{k}={v}" for k, v in render.MANAGED_BY.items())
-        services = self._list(API_VERSION, KIND)
-        deployments = self._list("apps/v1", "Deployment", managed)
-        pods = self._list("v1", "Pod", managed)
+    def round(self, services: Sequence[Mapping[str, Any]],
+              children_of: Mapping[tuple[str, str], tuple[list[Any], list[Any]]]) -> None:
+        """One period over every InferenceService; one service's failure is logged and does not
+        stop the others."""
         for body in services:
             metadata = body["metadata"]
             if metadata.get("deletionTimestamp"):
                 continue
+            deployments, pods = children_of[(metadata["namespace"], metadata["name"])]
             try:
                 decision = self.one(body, deployments, pods, datetime.now(UTC).timestamp())
             except (DynamicApiError, OSError) as error:
@@ -312,13 +343,22 @@ class Scaler:
             if decision is not None and decision.action != "hold":
                 log.info(f"autoscaler: {metadata['namespace']}/{metadata['name']}: {decision.reason}")
 
+    def _snapshot(self) -> tuple[list[Mapping[str, Any]], dict[tuple[str, str], tuple[list[Any], list[Any]]]]:
+        """The indexes as plain lists, taken on kopf's event loop (which updates them) before the
+        round runs in a thread."""
+        services_index, deployments_index, pods_index = self._indexes
+        services = [value for store in services_index.values() for value in store]
+        children_of = {}
+        for body in services:
+            key = (body["metadata"]["namespace"], body["metadata"]["name"])
+            children_of[key] = (list(deployments_index.get(key, ())), list(pods_index.get(key, ())))
+        return services, children_of
+
     async def run(self, interval: float = INTERVAL_SECONDS) -> None:
         """Rounds until cancelled; the blocking client calls run in a thread, off kopf's loop."""
         while True:
             try:
-                await asyncio.to_thread(self.round)
-            except (DynamicApiError, OSError) as error:  # listing failed: the API server is away
-                log.warning(f"autoscaler: {error}")
+                await asyncio.to_thread(self.round, *self._snapshot())
             except Exception:  # noqa: BLE001 - the task must outlive a bug, or autoscaling stops unseen
                 log.exception("autoscaler: round failed")
             await asyncio.sleep(interval)

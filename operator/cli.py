@@ -156,8 +156,6 @@ def run_operator(args: argparse.Namespace) -> int:
         peering_name=None if args.standalone else args.peering,
         priority=priority,
         liveness_endpoint=args.liveness,
-        # The autoscaler's loop (handlers.start_autoscaler) reads the same scope.
-        memo=kopf.Memo(namespaces=namespaces),
     )
     return 0
 

@@ -26,7 +26,7 @@ from typing import Any
 import kopf
 
 from kvpilot.operator import render
-from kvpilot.operator.autoscale_loop import Scaler
+from kvpilot.operator.autoscale_loop import Scaler, index_entry
 from kvpilot.operator.cluster import KubeCluster, WriteConflict
 from kvpilot.operator.reconcile import controller_of, reconcile, refresh
 from kvpilot.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
@@ -75,12 +75,29 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.engine_image = engine_image(os.environ)
 
 
+# What the autoscaler's loop reads, indexed by kopf from the watches it runs anyway: a period
+# costs no API reads. Indexes add no finalizer (only timers, daemons and on.delete handlers do).
+@kopf.index(GROUP, VERSION, PLURAL)
+def autoscaled_services(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return index_entry(body)
+
+
+@kopf.index("apps/v1", "deployments", labels=render.MANAGED_BY)
+def engine_deployments(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return index_entry(body)
+
+
+@kopf.index("v1", "pods", labels=render.MANAGED_BY)
+def engine_pods(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return index_entry(body, key_label=render.INSTANCE_LABEL)
+
+
 @kopf.on.startup()
-async def start_autoscaler(memo: kopf.Memo, **_: Any) -> None:
+async def start_autoscaler(memo: kopf.Memo, autoscaled_services: kopf.Index, engine_deployments: kopf.Index,
+                           engine_pods: kopf.Index, **_: Any) -> None:
     """The SLO autoscaler's periodic loop (autoscale_loop.py), as a plain asyncio task: a kopf
-    timer or daemon would put a finalizer on every InferenceService. `memo.namespaces` is the
-    operator's scope (None: all namespaces), set by `kvpilot operator`."""
-    scaler = await asyncio.to_thread(Scaler.connect, memo.get("namespaces"))
+    timer or daemon would put a finalizer on every InferenceService."""
+    scaler = await asyncio.to_thread(Scaler.connect, autoscaled_services, engine_deployments, engine_pods)
     memo.autoscaler = asyncio.create_task(scaler.run(), name="kvpilot-autoscaler")
 
 

@@ -17,8 +17,8 @@ from prometheus_client import generate_latest
 from kvpilot.engine.serving.metrics import ServingMetrics
 from kvpilot.operator import status
 from kvpilot.operator.autoscale_loop import (as_merge_patch, children, current_replicas, decide, due,
-                                             event_manifest, metrics_targets, read_metrics, saved_state,
-                                             status_patch)
+                                             event_manifest, index_entry, metrics_targets, read_metrics,
+                                             saved_state, status_patch, worth_writing)
 from kvpilot.operator.autoscaler import AutoscalerState, PodRead
 from kvpilot.operator.planner import plan
 from kvpilot.operator.spec import InferenceServiceSpec
@@ -121,6 +121,58 @@ def test_the_status_patch_removes_what_is_gone() -> None:
     patch = as_merge_patch(old_status, status_patch(second[1], second[2], None))
     assert patch["autoscaler"]["state"]["baselines"] == {"p1": None}
     assert apply_merge_patch(old_status, patch)["autoscaler"] == status_patch(second[1], second[2], None)["autoscaler"]
+
+
+def test_an_idle_period_writes_nothing() -> None:
+    """The same decision for the same numbers, and no pod counted a request: no write (an idle
+    cluster costs no API requests). Anything that moved is written."""
+    pods = [Pod("p0")]
+    first = decide(body({"replicas": 1}), deployment(1, 1), [pods[0].read()], NOW)
+    assert first is not None
+    assert worth_writing({}, first[1], first[2])  # nothing was written yet
+    saved = json.loads(json.dumps(status_patch(first[1], first[2], None)))
+    second = decide(body({"replicas": 1}, saved), deployment(1, 1), [pods[0].read()], NOW + 15)
+    assert second is not None and worth_writing(saved, second[1], second[2])  # now a rate: 0 req/s
+    saved = json.loads(json.dumps(status_patch(second[1], second[2], None)))
+    idle = decide(body({"replicas": 1}, saved), deployment(1, 1), [pods[0].read()], NOW + 30)
+    assert idle is not None and not worth_writing(saved, idle[1], idle[2])
+    pods[0].serve(1, 0.2)  # one request: the baseline moved
+    busy = decide(body({"replicas": 1}, saved), deployment(1, 1), [pods[0].read()], NOW + 30)
+    assert busy is not None and worth_writing(saved, busy[1], busy[2])
+    gone = decide(body({"replicas": 1}, saved), deployment(1, 1), [PodRead(name="p0", error="refused")], NOW + 30)
+    assert gone is not None and worth_writing(saved, gone[1], gone[2])  # the reason names it now
+
+
+def test_index_entries_copy_what_the_loop_reads() -> None:
+    engine_pod = {"kind": "Pod", "metadata": {"name": "chat-1", "namespace": "ml", "labels":
+                                              {"app.kubernetes.io/instance": "chat"}, "managedFields": [{}]},
+                  "spec": {"containers": [{}]}, "status": {"podIP": "127.0.0.9"}}
+    entry = index_entry(engine_pod, key_label="app.kubernetes.io/instance")
+    assert list(entry) == [("ml", "chat")]
+    (value,) = entry.values()
+    assert "spec" not in value and "managedFields" not in value["metadata"]
+    engine_pod["status"]["podIP"] = "127.0.0.10"  # kopf's body changes later: the entry does not
+    assert value["status"]["podIP"] == "127.0.0.9"
+    assert index_entry({"kind": "Pod", "metadata": {"name": "stray", "namespace": "ml"}},
+                       key_label="app.kubernetes.io/instance") == {}
+    service = body({"replicas": 2})
+    assert index_entry(service) == {("ml", "chat"): {k: service[k] for k in ("metadata", "spec", "status")}}
+
+
+def test_the_loop_s_handlers_add_no_finalizer() -> None:
+    """Indexes and startup/cleanup activities, not timers or daemons: `kubectl delete` of an
+    InferenceService never waits for the operator."""
+    import kopf
+
+    import kvpilot.operator.handlers  # noqa: F401 - registers the handlers
+
+    registry = kopf.get_default_registry()
+    indexers = {h.id for h in registry._indexing.get_all_handlers()}
+    assert indexers == {"autoscaled_services", "engine_deployments", "engine_pods"}
+    assert list(registry._spawning.get_all_handlers()) == []
+    assert not any(h.requires_finalizer for h in registry._changing.get_all_handlers())
+    activities = {h.id for h in registry._activities.get_all_handlers()}
+    assert {"start_autoscaler", "stop_autoscaler"} <= activities
 
 
 def test_observed_latency_stays_when_a_window_has_no_requests() -> None:

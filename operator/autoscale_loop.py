@@ -112,7 +112,8 @@ def _iso(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def status_patch(state: AutoscalerState, decision: Decision, old_latency: Mapping[str, Any] | None) -> dict[str, Any]:
+def status_patch(state: AutoscalerState, decision: Decision,
+                 old_latency: Mapping[str, Any] | None) -> dict[str, Any]:
     """The status fields one period writes: the decision for people (`kubectl get -o yaml`), the
     state for the next period, and the observed p95s beside the plan's predicted ones
     (`status.plan.predictedTtftMs`). A window without requests keeps the last observed values."""
@@ -275,7 +276,8 @@ class Scaler:
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvpilot-metrics")
 
     @classmethod
-    def connect(cls, services: Mapping[Any, Any], deployments: Mapping[Any, Any], pods: Mapping[Any, Any]) -> Scaler:
+    def connect(cls, services: Mapping[Any, Any], deployments: Mapping[Any, Any],
+                pods: Mapping[Any, Any]) -> Scaler:
         """In a pod its service account, elsewhere the local kubeconfig (as KubeCluster.connect).
         The three mappings are kopf indexes of `index_entry` values: key -> store of values."""
         try:

@@ -93,8 +93,8 @@ class Policy(_Data):
     @classmethod
     def from_spec(cls, spec: InferenceServiceSpec, max_num_seqs: int | None = None) -> Policy:
         a = spec.autoscaling
-        return cls(max_num_seqs=max_num_seqs, mode=a.mode, min_replicas=a.min_replicas, max_replicas=a.max_replicas,
-                   max_step=a.max_step, tolerance=a.tolerance,
+        return cls(max_num_seqs=max_num_seqs, mode=a.mode, min_replicas=a.min_replicas,
+                   max_replicas=a.max_replicas, max_step=a.max_step, tolerance=a.tolerance,
                    ttft_p95_seconds=spec.slo.ttft_p95_ms / 1000, tpot_p95_seconds=spec.slo.tpot_p95_ms / 1000,
                    max_waiting_per_replica=a.max_waiting_per_replica,
                    target_kv_cache_usage=a.target_kv_cache_usage,
@@ -386,9 +386,10 @@ def step(policy: Policy, state: AutoscalerState, obs: Observation) -> tuple[Auto
         if current >= policy.max_replicas:
             return decide("hold", current, f"over the SLO band but at maxReplicas {policy.max_replicas}", **held)
         waited = obs.now - over_since
-        if waited < policy.scale_up_stabilization_seconds:
-            return decide("hold", current, f"over the SLO band for {waited:.0f} s of the "
-                                           f"{policy.scale_up_stabilization_seconds:.0f} s scale-up window", **held)
+        up_window = policy.scale_up_stabilization_seconds
+        if waited < up_window:
+            return decide("hold", current,
+                          f"over the SLO band for {waited:.0f} s of the {up_window:.0f} s scale-up window", **held)
         last = state.last_scale_up
         if last is not None:
             return decide("hold", current, f"over the SLO band, but the last scale-up to {last.replicas} "
@@ -408,23 +409,23 @@ def step(policy: Policy, state: AutoscalerState, obs: Observation) -> tuple[Auto
         recommended = min(current, max(policy.min_replicas, current - policy.max_step, fewest))
     else:
         recommended = current
-    recent = tuple(r for r in state.recommendations
-                   if r.at > obs.now - policy.scale_down_stabilization_seconds)
+    down_window = policy.scale_down_stabilization_seconds
+    recent = tuple(r for r in state.recommendations if r.at > obs.now - down_window)
     recs = (*recent, Recommendation(at=obs.now, replicas=recommended))
     kept = {"over_since": None, "recommendations": recs}
     if recommended >= current:
+        fewer = load * current / max(current - 1, 1)
         why = ("within the tolerance band" if ratio > 1 - tol
-               else f"under the band, but {current - 1} replicas would not be (x{load * current / max(current - 1, 1):.2f})"
+               else f"under the band, but {current - 1} replicas would not be (x{fewer:.2f})"
                if current > policy.min_replicas else f"under the band, at minReplicas {policy.min_replicas}")
         return decide("hold", current, why, **kept)
     observed = obs.now - since
-    if observed < policy.scale_down_stabilization_seconds:
+    if observed < down_window:
         return decide("hold", current, f"under the band ({recommended} replicas would do), for {observed:.0f} s "
-                                       f"of the {policy.scale_down_stabilization_seconds:.0f} s scale-down window",
-                      **kept)
+                                       f"of the {down_window:.0f} s scale-down window", **kept)
     desired = max(r.replicas for r in recs)
     if desired >= current:
-        return decide("hold", current, f"under the band now, but the last {policy.scale_down_stabilization_seconds:.0f} s "
-                                       f"needed {desired} replicas", **kept)
-    return decide("down", desired, f"under the band for {policy.scale_down_stabilization_seconds:.0f} s, "
-                                   f"{desired} replicas would stay under {1 - tol:.2f}x: {current} -> {desired}")
+        return decide("hold", current, f"under the band now, but the last {down_window:.0f} s needed "
+                                       f"{desired} replicas", **kept)
+    return decide("down", desired, f"under the band for {down_window:.0f} s, {desired} replicas would stay "
+                                   f"under {1 - tol:.2f}x: {current} -> {desired}")

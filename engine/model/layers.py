@@ -43,6 +43,14 @@ class Linear(nn.Module):
         weight = self._parameters.pop("weight")  # a tied weight stays with its other owner
         self.quantization.quantize(self, weight.data)
 
+    def load_quantized(self, quantization: LinearQuantization, q: torch.Tensor, scale: torch.Tensor,
+                       zero_point: torch.Tensor | None) -> None:
+        """Take values quantized elsewhere (a compressed-tensors checkpoint) in place of the
+        full-precision weight, which was never filled."""
+        device = self._parameters.pop("weight").device
+        self.quantization = quantization
+        quantization.load_quantized(self, q.to(device), scale.to(device), None if zero_point is None else zero_point.to(device))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantization is None:
             return nn.functional.linear(x, self.weight, self.bias)

@@ -1,4 +1,5 @@
-"""Where models come from: the embedded SmolLM2 (converted once from its GGUF) or a local HF folder."""
+"""Where models come from: the embedded SmolLM2 (converted once from its GGUF) or a local HF folder,
+full-precision or a compressed-tensors quantized checkpoint."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig, PreTrainedTokenizerBase
 
+from kvpilot.engine.model import compressed_tensors
 from kvpilot.engine.model.layers import Linear
 from kvpilot.engine.model.llama import LlamaForCausalLM
 
@@ -82,7 +84,7 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)
 
 
-def _route(name: str, packed_modules: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
+def route(name: str, packed_modules: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
     """The parameter a checkpoint tensor fills, and its shard when that parameter is fused."""
     for part, (fused, shard) in packed_modules.items():
         if f".{part}." in name:
@@ -93,10 +95,17 @@ def _route(name: str, packed_modules: dict[str, tuple[str, str]]) -> tuple[str, 
 def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torch.device, quantization: str = "none",
                quantization_group_size: int = 32) -> LlamaForCausalLM:
     """Build the model on `device` in `dtype`, fill every parameter through its weight_loader, then
-    let each layer turn its weights into their serving form (quantized layers quantize here)."""
+    let each layer turn its weights into their serving form (quantized layers quantize here).
+
+    A compressed-tensors checkpoint sets the scheme (`quantization` must be `none` or match it):
+    its quantized modules keep their stored values; the layers it left at full precision stay so,
+    except the LM head, which runs at INT8 as under every scheme."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {path}")
+    checkpoint_quantization = compressed_tensors.checkpoint_quantization(config)
+    quantization, quantization_group_size = compressed_tensors.resolve_scheme(
+        quantization, quantization_group_size, checkpoint_quantization, path)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -104,14 +113,25 @@ def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torc
             model = LlamaForCausalLM(config, quantization, quantization_group_size)
     finally:
         torch.set_default_dtype(default_dtype)
+    model.quantization = quantization  # what runs: a quantized checkpoint's scheme when `none` was asked
     params = dict(model.named_parameters(remove_duplicate=False))
+    names: set[str] = set()
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as checkpoint:
+            names.update(checkpoint.keys())
+    prequantized = compressed_tensors.quantized_modules(names) if checkpoint_quantization else set()
+    stored: dict[str, dict[str, torch.Tensor]] = {}  # quantized checkpoint module -> its tensors
     loaded: dict[str, set[str | None]] = {}
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as checkpoint:
             for name in checkpoint.keys():
-                if config.tie_word_embeddings and name == "lm_head.weight":
+                module, suffix = compressed_tensors.split_name(name)
+                if config.tie_word_embeddings and module == "lm_head":
                     continue  # the output layer of tied embeddings is the embedding table
-                target, shard = _route(name, model.packed_modules)
+                if module in prequantized:
+                    stored.setdefault(module, {})[suffix] = checkpoint.get_tensor(name)
+                    continue
+                target, shard = route(name, model.packed_modules)
                 param = params.get(target)
                 if param is None:
                     continue
@@ -122,13 +142,33 @@ def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torc
                 else:
                     loader(param, tensor, shard)
                 loaded.setdefault(target, set()).add(shard)
+    # Fused layers gather their shards' quantized values, in the order of their rows.
+    shards: dict[str, dict[str | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
+    for module, tensors in stored.items():
+        assert checkpoint_quantization is not None
+        target, shard = route(f"{module}.weight", model.packed_modules)
+        if target not in params:
+            raise ValueError(f"quantized module {module} in {path} fits no layer of the model")
+        shards.setdefault(target.removesuffix(".weight"), {})[shard] = compressed_tensors.decode(tensors, checkpoint_quantization)
+        loaded.setdefault(target, set()).add(shard)
     if config.tie_word_embeddings:
         loaded["lm_head.weight"] = {None}
     missing = sorted(name for name, param in params.items()
                      if loaded.get(name, set()) != set(getattr(param, "shards", (None,))))
     if missing:
         raise ValueError(f"weights in {path} lack {len(missing)} tensors, e.g. {missing[:3]}")
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.process_weights_after_loading()
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        if name in shards:
+            assert checkpoint_quantization is not None
+            order = list(getattr(module, "shard_sizes", [None]))
+            if set(shards[name]) != set(order):
+                raise ValueError(f"{path} quantizes some of the projections fused into {name} and not the others")
+            module.load_quantized(checkpoint_quantization.layer_quantization(),
+                                  *compressed_tensors.join_shards([shards[name][shard] for shard in order]))
+            continue
+        if checkpoint_quantization is not None and module is not model.lm_head:
+            module.quantization = None  # the checkpoint keeps this layer at full precision
+        module.process_weights_after_loading()
     return model.eval()

@@ -3,7 +3,9 @@
 A quantized layer loads its checkpoint weight as usual (through its weight_loader, fused shards
 included), then `process_weights_after_loading` replaces it with the low-bit form and frees it:
 INT8 as int8 with one bf16 scale per output channel; INT4 as two 4-bit values per byte (PyTorch's
-packed layout for its int4 matmul) with a bf16 scale and zero per group of input columns.
+packed layout for its int4 matmul) with a bf16 scale and zero per group of input columns. A
+layer can also take values that were quantized elsewhere (`load_quantized`: a compressed-tensors
+checkpoint's integers, scales and zero points), stored in the same form.
 
 Kernels: on CPU, PyTorch's `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`, which take
 bf16 activations (fp32 activations are cast: these kernels are 10-100x slower on fp32). Elsewhere
@@ -41,15 +43,35 @@ class LinearQuantization(abc.ABC):
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
         """The weight the buffers stand for, [out, in], fp32."""
 
+    @abc.abstractmethod
+    def load_quantized(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
+        """Store weights quantized elsewhere, in compressed-tensors' terms: w = (q - zero_point) x
+        scale, with q signed ([out, in], int8) and one scale (and integer zero point) per output
+        channel ([out, 1]) or per group of input columns ([out, in / group])."""
+
 
 class Int8WeightOnly(LinearQuantization):
     name = "int8"
 
+    @staticmethod
+    def channel_scales(weight: torch.Tensor) -> torch.Tensor:
+        """One bf16 scale per output channel, [out, 1]: the row's largest magnitude maps to 127."""
+        return (weight.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127).to(torch.bfloat16)
+
     def quantize(self, layer: nn.Module, weight: torch.Tensor) -> None:
-        w = weight.float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127
-        layer.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        layer.register_buffer("scales", scale.to(torch.bfloat16))
+        scale = self.channel_scales(weight)
+        # Rounded against the bf16 scale the kernel multiplies by (as compressed-tensors quantizes
+        # against its stored scale), so a checkpoint `kvpilot quantize` wrote holds the same values.
+        q = torch.round(weight.float() / scale.float()).clamp(-127, 127).to(torch.int8)
+        self.load_quantized(layer, q, scale, None)
+
+    def load_quantized(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
+        if zero_point is not None and zero_point.any():
+            raise ValueError("int8 weights with zero points are not supported (only symmetric int8)")
+        if scale.shape != (q.shape[0], 1):
+            raise ValueError(f"int8 needs one scale per output channel, got scales of shape {tuple(scale.shape)}")
+        layer.register_buffer("qweight", q.to(torch.int8).contiguous())
+        layer.register_buffer("scales", scale.view(-1).to(torch.bfloat16))
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
@@ -70,17 +92,36 @@ class Int4WeightOnly(LinearQuantization):
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
 
+    def _check_width(self, in_features: int) -> None:
+        if in_features % self.group_size:
+            raise ValueError(f"int4 group size {self.group_size} does not divide a layer's input width {in_features}")
+
     def quantize(self, layer: nn.Module, weight: torch.Tensor) -> None:
         out_features, in_features = weight.shape
         g = self.group_size
-        if in_features % g:
-            raise ValueError(f"int4 group size {g} does not divide a layer's input width {in_features}")
+        self._check_width(in_features)
         w = weight.float().view(out_features, in_features // g, g)
         low, high = w.amin(dim=-1), w.amax(dim=-1)
         scale = (high - low).clamp(min=1e-8) / 15
         q = torch.round((w - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(out_features, in_features)
-        zero = low + _INT4_MID * scale
-        device = weight.device
+        self._store(layer, q, scale, low + _INT4_MID * scale)
+
+    def load_quantized(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
+        out_features, in_features = q.shape
+        self._check_width(in_features)
+        if scale.shape != (out_features, in_features // self.group_size):
+            raise ValueError(f"int4 with group size {self.group_size} needs scales of shape "
+                             f"{(out_features, in_features // self.group_size)}, got {tuple(scale.shape)}")
+        # (q - zp) x s = ((q + 8) - 8) x s + (-zp x s): the kernel's unsigned values and float zero.
+        # The kernel reads bf16, so the zero (and a scale stored in another dtype) is rounded to
+        # bf16: within |zp| x s / 256 <= s / 32 of the checkpoint's value, 1/32 of a step.
+        zero = torch.zeros_like(scale, dtype=torch.float32) if zero_point is None else -zero_point.float() * scale.float()
+        self._store(layer, q.to(torch.int32) + _INT4_MID, scale.float(), zero)
+
+    def _store(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """q: [out, in] in 0..15; scale, zero: [out, in / group]; w = (q - 8) x scale + zero."""
+        out_features, in_features = q.shape
+        device = q.device
         layer.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.cpu(), _INNER_K_TILES).to(device)
                               if device.type == "cpu" else _pack_nibbles(q))
         # [in / group, out, 2]: the layout PyTorch's kernel reads.

@@ -48,6 +48,11 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _tensors_of(file: Path) -> list[str]:
+    with safe_open(file, framework="pt") as checkpoint:
+        return list(checkpoint.keys())
+
+
 def _linears(llm: LLM) -> dict[str, Linear]:
     return {name: m for name, m in llm.engine.runner.model.named_modules() if isinstance(m, Linear)}
 
@@ -201,3 +206,20 @@ def test_unsupported_quantized_checkpoints_are_refused(quantization_config, mess
     with pytest.raises(ValueError, match=message):
         checkpoint_quantization(SimpleNamespace(quantization_config=quantization_config))
     assert checkpoint_quantization(SimpleNamespace()) is None
+
+
+def test_quantize_rewrites_a_sharded_folder_and_its_index(tmp_path, model_dir):
+    source, output = tmp_path / "source", tmp_path / "quantized"
+    hf_model = make_tiny_llama(source, model_dir, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    hf_model.save_pretrained(source, max_shard_size="2MB")  # several files and an index
+    shards = sorted(p.name for p in source.glob("*.safetensors"))
+    assert len(shards) > 1
+    assert main(["quantize", str(output), "--model", str(source), "--scheme", "int4"]) == 0
+    assert sorted(p.name for p in output.glob("*.safetensors")) == shards
+    weight_map = json.loads((output / "model.safetensors.index.json").read_text())["weight_map"]
+    assert weight_map == {name: file for file in shards for name in _tensors_of(output / file)}
+    assert "model.layers.1.mlp.up_proj.weight_packed" in weight_map and "lm_head.weight" in weight_map
+    llm = LLM(str(output), dtype="float32", kv_cache_memory_bytes=4 << 20, block_size=8)
+    assert llm.engine.runner.model.quantization == "int4"
+    assert main(["quantize", str(output), "--model", str(source)]) == 2  # never over an existing checkpoint
+

@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 QUANT_METHOD = "compressed-tensors"
 WRITE_FORMAT = "pack-quantized"
 READ_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
+# What a quantized module stores in place of its `weight` (the int formats keep `weight`, as int8);
+# its other tensors (a bias) load as usual.
+QUANTIZED_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight")
 _INDEX_FILE = "model.safetensors.index.json"
 
 

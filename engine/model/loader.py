@@ -128,7 +128,7 @@ def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torc
                 module, suffix = compressed_tensors.split_name(name)
                 if config.tie_word_embeddings and module == "lm_head":
                     continue  # the output layer of tied embeddings is the embedding table
-                if module in prequantized:
+                if module in prequantized and suffix in compressed_tensors.QUANTIZED_SUFFIXES:
                     stored.setdefault(module, {})[suffix] = checkpoint.get_tensor(name)
                     continue
                 target, shard = route(name, model.packed_modules)

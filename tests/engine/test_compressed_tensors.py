@@ -161,8 +161,9 @@ def _compress_with_compressed_tensors(hf_model, folder: Path, weights: Quantizat
     (QuantizationArgs(num_bits=8, symmetric=True, strategy="channel"), "int-quantized"),  # one int8 per value
 ], ids=["w4a16-sym-g64", "w4a16-asym-g32", "w8a16", "w8a16-int-quantized"])
 def test_checkpoint_made_by_compressed_tensors_loads(weights, fmt, tmp_path, model_dir):
+    # Biases too: they stay full precision beside the quantized weights of their module.
     hf_model = make_tiny_llama(tmp_path, model_dir, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                               tie_word_embeddings=False)
+                               tie_word_embeddings=False, attention_bias=True, mlp_bias=True)
     reference = _compress_with_compressed_tensors(hf_model, tmp_path, weights, fmt)
     stored = _tensors(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["format"] == fmt
@@ -179,6 +180,8 @@ def test_checkpoint_made_by_compressed_tensors_loads(weights, fmt, tmp_path, mod
             engine = layers[name].quantization.dequantized(layers[name])
             # The kernel reads bf16: scales and zeros round to it, and the read-back weight too.
             assert torch.allclose(engine, ref, rtol=2 ** -7, atol=ref.abs().max() * 2 ** -6), name
+            bias = torch.cat([stored[f"model.layers.{layer}.{fused.split('.')[0]}.{part}.bias"] for part in parts])
+            assert torch.equal(layers[name].bias, bias), name
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 8
 

@@ -2,7 +2,10 @@
 
 Every parameter that a checkpoint fills carries a `weight_loader(param, loaded)`: the one place
 where checkpoint tensors meet parameters, so a layer that stores its weight differently (quantized,
-packed, fused) changes only its own loader and the model loader stays as it is.
+packed, fused) changes only its own loader and the model loader stays as it is. A quantized
+layer's full-precision weight is lazy: an empty placeholder that takes its memory only when its
+checkpoint tensor loads, and the loader quantizes each layer as soon as its shards are in, so a
+model whose full-precision weights do not fit in memory still loads quantized.
 """
 
 from __future__ import annotations
@@ -13,14 +16,25 @@ from torch import nn
 from kvpilot.engine.model.quantization import LinearQuantization
 
 
+def materialize(param: torch.Tensor) -> torch.Tensor:
+    """A lazy parameter gets its memory (once); any other tensor is returned as it is."""
+    shape = getattr(param, "full_shape", param.shape)
+    if param.shape != shape:
+        param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
+    return param
+
+
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    materialize(param)
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit a parameter of shape {tuple(param.shape)}")
     param.data.copy_(loaded)
 
 
-def _parameter(*shape: int) -> nn.Parameter:
-    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+def _parameter(*shape: int, lazy: bool = False) -> nn.Parameter:
+    """A parameter a checkpoint tensor of `shape` fills; a lazy one is empty until then."""
+    param = nn.Parameter(torch.empty(0 if lazy else shape), requires_grad=False)
+    param.full_shape = torch.Size(shape)  # type: ignore[attr-defined]
     param.weight_loader = default_weight_loader  # type: ignore[attr-defined]
     return param
 
@@ -33,7 +47,7 @@ class Linear(nn.Module):
                  quantization: LinearQuantization | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = _parameter(out_features, in_features)
+        self.weight = _parameter(out_features, in_features, lazy=quantization is not None)
         self.bias = _parameter(out_features) if bias else None
         self.quantization = quantization
 
@@ -77,7 +91,7 @@ class FusedLinear(Linear):
 
     def shard_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
         start = self.shard_offsets[shard]
-        default_weight_loader(param.data[start : start + self.shard_sizes[shard]], loaded)
+        default_weight_loader(materialize(param).data[start : start + self.shard_sizes[shard]], loaded)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(list(self.shard_sizes.values()), dim=-1)

@@ -94,8 +94,9 @@ def route(name: str, packed_modules: dict[str, tuple[str, str]]) -> tuple[str, s
 
 def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torch.device, quantization: str = "none",
                quantization_group_size: int = 32) -> LlamaForCausalLM:
-    """Build the model on `device` in `dtype`, fill every parameter through its weight_loader, then
-    let each layer turn its weights into their serving form (quantized layers quantize here).
+    """Build the model on `device` in `dtype`, fill every parameter through its weight_loader, and
+    turn each linear layer into its serving form (quantized layers quantize) as soon as all its
+    shards are in, so at most one layer's full-precision weight exists beside the quantized ones.
 
     A compressed-tensors checkpoint sets the scheme (`quantization` must be `none` or match it):
     its quantized modules keep their stored values; the layers it left at full precision stay so,
@@ -115,60 +116,82 @@ def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torc
         torch.set_default_dtype(default_dtype)
     model.quantization = quantization  # what runs: a quantized checkpoint's scheme when `none` was asked
     params = dict(model.named_parameters(remove_duplicate=False))
+    wanted = {name: set(getattr(param, "shards", (None,))) for name, param in params.items()}
+    linears = {name: module for name, module in model.named_modules() if isinstance(module, Linear)}
     names: set[str] = set()
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as checkpoint:
             names.update(checkpoint.keys())
-    prequantized = compressed_tensors.quantized_modules(names) if checkpoint_quantization else set()
-    stored: dict[str, dict[str, torch.Tensor]] = {}  # quantized checkpoint module -> its tensors
+    # Quantized checkpoint module -> the names of its quantized tensors, to decode it once all are read.
+    expected: dict[str, set[str]] = {}
+    if checkpoint_quantization is not None:
+        prequantized = compressed_tensors.quantized_modules(names)
+        for name in names:
+            module, suffix = compressed_tensors.split_name(name)
+            if module in prequantized and suffix in compressed_tensors.QUANTIZED_SUFFIXES:
+                expected.setdefault(module, set()).add(suffix)
+        quantized_layers = {route(f"{module}.weight", model.packed_modules)[0].removesuffix(".weight") for module in prequantized}
+        for name, layer in linears.items():
+            if name not in quantized_layers and layer is not model.lm_head:
+                layer.quantization = None  # the checkpoint keeps this layer at full precision
+    stored: dict[str, dict[str, torch.Tensor]] = {}
+    # Layer -> its shards' decoded quantized values (q, scale, zero point).
+    shards: dict[str, dict[str | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
     loaded: dict[str, set[str | None]] = {}
+    finished: set[str] = set()
+
+    def finish(layer_name: str) -> None:
+        """A linear layer whose shards are all in takes its serving form."""
+        layer = linears.get(layer_name)
+        order = list(getattr(layer, "shard_sizes", [None]))
+        if layer is None or layer_name in finished or loaded.get(f"{layer_name}.weight") != set(order):
+            return
+        quantized = shards.pop(layer_name, {})
+        if quantized and set(quantized) != set(order):
+            raise ValueError(f"{path} quantizes some of the projections fused into {layer_name} and not the others")
+        if quantized:
+            assert checkpoint_quantization is not None
+            layer.load_quantized(checkpoint_quantization.layer_quantization(),
+                                 *compressed_tensors.join_shards([quantized[shard] for shard in order]))
+        else:
+            layer.process_weights_after_loading()
+        finished.add(layer_name)
+        params.pop(f"{layer_name}.weight")  # no reference here keeps a full-precision copy alive
+
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as checkpoint:
             for name in checkpoint.keys():
                 module, suffix = compressed_tensors.split_name(name)
                 if config.tie_word_embeddings and module == "lm_head":
                     continue  # the output layer of tied embeddings is the embedding table
-                if module in prequantized and suffix in compressed_tensors.QUANTIZED_SUFFIXES:
-                    stored.setdefault(module, {})[suffix] = checkpoint.get_tensor(name)
-                    continue
-                target, shard = route(name, model.packed_modules)
-                param = params.get(target)
-                if param is None:
-                    continue
-                loader = param.weight_loader  # type: ignore[attr-defined]
-                tensor = checkpoint.get_tensor(name)
-                if shard is None:
-                    loader(param, tensor)
+                if suffix in expected.get(module, ()):
+                    tensors = stored.setdefault(module, {})
+                    tensors[suffix] = checkpoint.get_tensor(name)
+                    if set(tensors) != expected[module]:
+                        continue
+                    assert checkpoint_quantization is not None
+                    target, shard = route(f"{module}.weight", model.packed_modules)
+                    if target not in params:
+                        raise ValueError(f"quantized module {module} in {path} fits no layer of the model")
+                    shards.setdefault(target.removesuffix(".weight"), {})[shard] = compressed_tensors.decode(stored.pop(module), checkpoint_quantization)
                 else:
-                    loader(param, tensor, shard)
+                    target, shard = route(name, model.packed_modules)
+                    param = params.get(target)
+                    if param is None:
+                        continue
+                    loader = param.weight_loader  # type: ignore[attr-defined]
+                    tensor = checkpoint.get_tensor(name)
+                    if shard is None:
+                        loader(param, tensor)
+                    else:
+                        loader(param, tensor, shard)
                 loaded.setdefault(target, set()).add(shard)
-    # Fused layers gather their shards' quantized values, in the order of their rows.
-    shards: dict[str, dict[str | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
-    for module, tensors in stored.items():
-        assert checkpoint_quantization is not None
-        target, shard = route(f"{module}.weight", model.packed_modules)
-        if target not in params:
-            raise ValueError(f"quantized module {module} in {path} fits no layer of the model")
-        shards.setdefault(target.removesuffix(".weight"), {})[shard] = compressed_tensors.decode(tensors, checkpoint_quantization)
-        loaded.setdefault(target, set()).add(shard)
+                finish(target.removesuffix(".weight"))
     if config.tie_word_embeddings:
         loaded["lm_head.weight"] = {None}
-    missing = sorted(name for name, param in params.items()
-                     if loaded.get(name, set()) != set(getattr(param, "shards", (None,))))
+    missing = sorted(name for name, shards_wanted in wanted.items() if loaded.get(name, set()) != shards_wanted)
     if missing:
         raise ValueError(f"weights in {path} lack {len(missing)} tensors, e.g. {missing[:3]}")
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear):
-            continue
-        if name in shards:
-            assert checkpoint_quantization is not None
-            order = list(getattr(module, "shard_sizes", [None]))
-            if set(shards[name]) != set(order):
-                raise ValueError(f"{path} quantizes some of the projections fused into {name} and not the others")
-            module.load_quantized(checkpoint_quantization.layer_quantization(),
-                                  *compressed_tensors.join_shards([shards[name][shard] for shard in order]))
-            continue
-        if checkpoint_quantization is not None and module is not model.lm_head:
-            module.quantization = None  # the checkpoint keeps this layer at full precision
-        module.process_weights_after_loading()
+    for name in linears.keys() - finished:
+        finish(name)
     return model.eval()

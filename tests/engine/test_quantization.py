@@ -11,7 +11,7 @@ from kvpilot.engine.model.quantization import Int4WeightOnly, Int8WeightOnly
 
 
 def _quantized(layer: Linear, weight: torch.Tensor) -> Linear:
-    layer.weight.data.copy_(weight)
+    layer.weight.weight_loader(layer.weight, weight)  # type: ignore[attr-defined]
     layer.process_weights_after_loading()
     return layer
 
@@ -86,3 +86,11 @@ def test_each_scheme_serves_the_embedded_model_deterministically(scheme):
     assert first == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert llm.engine.runner.weight_bytes < 0.75 * reference.engine.runner.weight_bytes
     assert "Paris" in llm.generate(prompts[:1], params)[0].outputs[0].text
+
+
+def test_a_quantized_layer_holds_no_full_precision_weight_until_it_loads():
+    layer = Linear(576, 1536, quantization=Int4WeightOnly(32))
+    assert layer.weight.numel() == 0  # a model too large at full precision still gets built
+    layer.weight.weight_loader(layer.weight, torch.randn(1536, 576))  # type: ignore[attr-defined]
+    assert layer.weight.shape == (1536, 576)
+    assert Linear(576, 1536).weight.shape == (1536, 576)  # unquantized layers as before

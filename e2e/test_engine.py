@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from e2e import kvis
 from e2e.chart import Installation
@@ -62,6 +63,8 @@ def test_engine_behind_a_simulated_pod_answers_the_openai_client(
     serving = smollm2["spec"]["serving"]
     assert (serving["quantization"], serving["speculative"]) == ("auto", "auto")
     assert plan["quantization"] in CAPABILITIES.quantization and plan["speculative"] in CAPABILITIES.speculative
+    # A small TPOT-bound load at temperature 0.7: the planner speculates with n-gram drafts.
+    assert plan["speculative"] == "ngram" and argv[argv.index("--num-speculative-tokens") + 1] == "4"
     for flag, value in [("--max-num-seqs", plan["maxNumSeqs"]), ("--max-model-len", plan["maxModelLen"]),
                         ("--max-num-batched-tokens", plan["maxNumBatchedTokens"]), ("--block-size", 16),
                         ("--quantization", plan["quantization"]), ("--speculative", plan["speculative"])]:
@@ -82,8 +85,13 @@ def test_engine_behind_a_simulated_pod_answers_the_openai_client(
         stream = client.completions.create(model=served, prompt="The sky is", max_tokens=8, temperature=0,
                                            stream=True)
         assert "".join(c.choices[0].text for c in stream if c.choices)
-        metrics = http.get(f"{url}/metrics").text
-    assert "kvpilot" in metrics
+        # An answer that copies its prompt: the engine verifies n-gram drafts and accepts some.
+        text = "one two three four five six seven eight nine ten eleven twelve"
+        copy = client.completions.create(model=served, prompt=f"{text}\n{text}\n{text}\n", max_tokens=24, temperature=0)
+        assert copy.choices[0].text
+        metrics = {s.name: s.value for f in text_string_to_metric_families(http.get(f"{url}/metrics").text) for s in f.samples}
+    assert metrics["kvpilot_spec_decode_num_drafts_total"] > 0
+    assert 0 < metrics["kvpilot_spec_decode_num_accepted_tokens_total"] <= metrics["kvpilot_spec_decode_num_draft_tokens_total"]
 
 
 def test_a_plan_that_chose_int4_runs_a_real_int4_engine(

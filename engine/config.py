@@ -14,15 +14,19 @@ import argparse
 import typing
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 if TYPE_CHECKING:
     import torch
 
 # What this engine build runs. A scheme or mode lands here only together with its implementation.
 QUANTIZATION_SCHEMES = ("none", "int8", "int4")
-SPECULATIVE_MODES = ("off",)
+SPECULATIVE_MODES = ("off", "ngram")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# Above this many sequences per step, verifying drafts costs more than it saves (bench/RESULTS.md,
+# "Speculative decoding"); the planner predicts with the same number.
+SPECULATIVE_MAX_BATCH_SIZE = 8
 
 Quantization = Literal[QUANTIZATION_SCHEMES]  # type: ignore[valid-type]
 Speculative = Literal[SPECULATIVE_MODES]  # type: ignore[valid-type]
@@ -58,7 +62,18 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, description="seed of unseeded sampling")
     quantization: Quantization = Field("none", description="weight-only quantization: int8 per channel, int4 group-wise (LM head int8)")
     quantization_group_size: int = Field(32, ge=16, description="int4: input columns per scale and zero (must divide every layer's input width)")
-    speculative: Speculative = Field("off", description="speculative decoding mode")
+    speculative: Speculative = Field("off", description="speculative decoding: ngram proposes the tokens that followed the latest match of the context's last n tokens (prompt lookup)")
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="draft tokens verified per step and sequence")
+    ngram_prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest suffix looked up in the context")
+    ngram_prompt_lookup_min: int = Field(2, ge=1, description="ngram: shortest suffix looked up in the context")
+    speculative_max_batch_size: int = Field(SPECULATIVE_MAX_BATCH_SIZE, ge=1, description="no speculation while more sequences than this run in a step")
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> EngineConfig:
+        if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
+            raise ValueError(f"ngram_prompt_lookup_min ({self.ngram_prompt_lookup_min}) exceeds "
+                             f"ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max})")
+        return self
 
     @field_validator("block_size")
     @classmethod

@@ -145,9 +145,7 @@ class LLMEngine:
                     log.exception("event=request_failed request=%s", item.request.request_id)
                     failures.append((item.request, f"the engine could not run this request: {err!r}"))
                     continue
-                merged.sampled.update(out.sampled)
-                merged.logprobs.update(out.logprobs)
-                merged.prompt_logprobs.update(out.prompt_logprobs)
+                merged.update(out)
             self._failed_steps = self._failed_steps + 1 if len(failures) == len(scheduler_output.scheduled) else 0
             if self._failed_steps and (len(failures) > 1 or self._failed_steps >= MAX_FAILED_STEPS):
                 raise batch_error

@@ -90,3 +90,12 @@ class ModelRunnerOutput:
     # request id -> (position of the token the first entry scores, entries): a prefill chunk's
     # prompt tokens, each scored by the position before it.
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # request id -> draft tokens proposed to follow its sampled tokens (verified in the next step).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    def update(self, other: ModelRunnerOutput) -> None:
+        """Take in another output of the same step (its requests were run separately)."""
+        self.sampled.update(other.sampled)
+        self.logprobs.update(other.logprobs)
+        self.prompt_logprobs.update(other.prompt_logprobs)
+        self.spec_token_ids.update(other.spec_token_ids)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-from kvpilot.engine.config import CAPABILITIES, EngineCapabilities
+from kvpilot.engine.config import CAPABILITIES, SPECULATIVE_MAX_BATCH_SIZE, EngineCapabilities
 from kvpilot.operator import sizing
 from kvpilot.operator.gpu_catalog import GPU, GPUS, find_gpu
 from kvpilot.operator.model_catalog import MODELS, Architecture, find_model
@@ -37,13 +37,15 @@ PREFILL_SHARE_OF_TPOT = 0.5
 
 # Speculation spends compute that decode leaves idle (decode is bandwidth-bound at small batch),
 # and drafts are accepted mostly when sampling is near-greedy: it pays at small batch and low
-# temperature. Predictions assume speculation stops above this running batch, as the engine's
-# design has it (no engine build speculates yet).
-SPECULATION_MAX_BATCH = 8
+# temperature. The engine stops speculating above this running batch, and predictions do too.
+SPECULATION_MAX_BATCH = SPECULATIVE_MAX_BATCH_SIZE
 HIGH_TEMPERATURE = 1.0
-# Planning assumptions for draft acceptance: prompt-lookup n-grams hit less often than a draft
-# model; verifying k + 1 tokens (plus running the drafter) costs more than a plain decode step.
-ACCEPTANCE = {"ngram": 0.3, "draft": 0.7}
+# Draft acceptance per draft token. ngram: measured (bench/RESULTS.md, "Speculative decoding"): 0.29
+# on open-ended chat answers, the conservative choice, where answers that copy their prompt accept
+# 0.76; draft: an assumption until a draft-model proposer lands. Verifying k + 1 tokens costs more
+# than a plain decode step: 1.15x is an assumption for a bandwidth-bound GPU (no GPU was at hand;
+# on this project's 2-core CPU, where decode is compute-bound, it measured ~1.5x).
+ACCEPTANCE = {"ngram": 0.29, "draft": 0.7}
 VERIFY_OVERHEAD = 1.15
 
 

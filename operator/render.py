@@ -177,6 +177,7 @@ def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str) -> list[str]
         gpu_memory_utilization=plan.gpu_memory_utilization,
         quantization=plan.quantization,
         speculative=plan.speculative,
+        **({"num_speculative_tokens": plan.num_speculative_tokens} if plan.num_speculative_tokens else {}),
     )
     return serve_argv(server, engine)
 

@@ -58,6 +58,14 @@ class SamplingParams:
         # Below this, logits / temperature overflows: such temperatures mean greedy (as in vLLM).
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def speculable(self) -> bool:
+        """Whether drafts may be verified for this sequence. Penalties and logprobs change or report
+        per position, which verification of several positions at once does not model; a seeded
+        sampled sequence must draw the same tokens whatever the load, and speculation switches on
+        and off with the batch size."""
+        return not self.penalized and self.logprobs is None and (self.seed is None or self.greedy)
+
     def per_sequence(self) -> list[SamplingParams]:
         """n completions of one prompt are n sequences; seeded ones get distinct, reproducible seeds."""
         if self.n == 1:

@@ -11,6 +11,10 @@ still be served by the prefix cache), so no request ever fails for lack of memor
 model runner sampled and does all the bookkeeping: computed tokens (this class is their only
 writer), new tokens, stop checks on token ids, freeing finished requests' blocks. Stop strings are
 text: the output processor finds them and finishes the request through `finish_requests`.
+
+Speculative decoding: a decoding request may carry draft tokens (proposed by the model runner after
+its last step). They are scheduled with it, inside the token budget, and the step computes their KV
+too; `update_from_output` keeps the KV of the accepted drafts and rolls back the rejected ones.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens to compute this step, from request.num_computed_tokens on
     block_ids: list[int]  # the request's whole block table
-    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify (none yet)
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify, after its last token
 
 
 @dataclass
@@ -62,6 +66,24 @@ class EngineCoreOutput:
 
 
 @dataclass(frozen=True)
+class SpecDecodingStats:
+    """Speculative decoding since start: verification steps (one per request with drafts), draft
+    tokens verified, drafts accepted, and accepted drafts by position in the draft (0 = first)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+    def add(self, num_draft_tokens: int, num_accepted: int) -> SpecDecodingStats:
+        per_position = list(self.accepted_per_position) + [0] * (num_draft_tokens - len(self.accepted_per_position))
+        for position in range(num_accepted):
+            per_position[position] += 1
+        return SpecDecodingStats(self.num_drafts + 1, self.num_draft_tokens + num_draft_tokens,
+                                 self.num_accepted_tokens + num_accepted, tuple(per_position))
+
+
+@dataclass(frozen=True)
 class SchedulerStats:
     """The scheduler's state after a step, as a value (for metrics and logs)."""
 
@@ -73,6 +95,7 @@ class SchedulerStats:
     prefix_cache_hits: int
     # Requests scheduled for the first time since the previous stats: (request id, seconds queued).
     first_scheduled: tuple[tuple[str, float], ...] = ()
+    spec_decoding: SpecDecodingStats = SpecDecodingStats()
 
 
 class Scheduler:
@@ -88,6 +111,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()
         self._first_scheduled: list[tuple[str, float]] = []
+        self.spec_decoding = SpecDecodingStats()
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -99,12 +123,14 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, list[int]]] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_pending = request.num_tokens - request.num_computed_tokens
+            drafts = request.spec_token_ids[: max(0, min(budget - num_pending, self._max_drafts(request)))]
+            num_new = min(num_pending + len(drafts), budget)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -112,7 +138,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append((request, num_new))
+                scheduled.append((request, num_new, drafts))
                 budget -= num_new
                 i += 1
 
@@ -135,10 +161,18 @@ class Scheduler:
                 self._first_scheduled.append((request.request_id, now - request.arrival_time))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append((request, num_new))
+            scheduled.append((request, num_new, []))
             budget -= num_new
-        out.scheduled = [ScheduledRequest(r, n, self.kv.block_ids(r)) for r, n in scheduled]
+        out.scheduled = [ScheduledRequest(r, n, self.kv.block_ids(r), d) for r, n, d in scheduled]
         return out
+
+    def _max_drafts(self, request: Request) -> int:
+        """Drafts worth verifying: a step emits up to one token more than it verifies, and no more
+        than max_tokens or max_model_len allow."""
+        room = request.params.max_tokens - request.num_output_tokens - 1
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - request.num_tokens)
+        return room
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance each scheduled request by the tokens it computed and append what was sampled for
@@ -150,10 +184,18 @@ class Scheduler:
             if request.is_finished:  # finished while the step ran (an abort)
                 continue
             request.num_computed_tokens += item.num_tokens
-            self.kv.cache_full_blocks(request)
             new_tokens = runner_output.sampled.get(request.request_id)
             prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
+            request.spec_token_ids = runner_output.spec_token_ids.get(request.request_id, [])
+            if new_tokens and item.spec_token_ids:
+                # The step wrote KV for every draft; only the accepted ones (all sampled tokens
+                # but the last) are part of the sequence.
+                num_accepted = len(new_tokens) - 1
+                request.num_computed_tokens -= len(item.spec_token_ids) - num_accepted
+                self.kv.rollback(request, request.num_computed_tokens)
+                self.spec_decoding = self.spec_decoding.add(len(item.spec_token_ids), num_accepted)
             if not new_tokens:
+                self.kv.cache_full_blocks(request)
                 # A prefill chunk short of the prompt's end samples nothing.
                 if prompt_logprobs is not None:
                     outputs.append(EngineCoreOutput(request, [], prompt_logprobs=prompt_logprobs))
@@ -168,6 +210,8 @@ class Scheduler:
                 finish = self._check_stop(request, token)
                 if finish is not None:
                     break
+            # After the append: accepted drafts are computed tokens, and their blocks' keys hash them.
+            self.kv.cache_full_blocks(request)
             if finish is not None:
                 self._finish(request, *finish)
             logprobs = runner_output.logprobs.get(request.request_id)
@@ -203,6 +247,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -215,5 +260,5 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=pool.usage,
             num_preemptions=self.num_preemptions, prefix_cache_queries=pool.stats.queries,
-            prefix_cache_hits=pool.stats.hits, first_scheduled=first,
+            prefix_cache_hits=pool.stats.hits, first_scheduled=first, spec_decoding=self.spec_decoding,
         )

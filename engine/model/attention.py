@@ -2,10 +2,10 @@
 
 The KV cache of one layer is a [num_slots, kv_heads, head_dim] tensor for K and one for V, where
 slot = block_id * block_size + offset. A step's tokens are laid out decodes first, then prefill
-chunks. Decodes (one query token each) are attended in small padded batches of similar context
-length: one batch padded to the longest context would gather and attend up to twice the keys.
-Prefill chunks are attended one sequence at a time, with a causal mask shifted by the tokens
-already cached.
+chunks. Decodes (one query token each, or the last token and its drafts when speculating) are
+attended in small padded batches of the same query count and similar context length: one batch
+padded to the longest context would gather and attend up to twice the keys. Prefill chunks are
+attended one sequence at a time, with a causal mask shifted by the tokens already cached.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ class PrefillChunk:
 class DecodeGroup:
     start: int  # offset of the group's first token in the step's flattened batch
     slots: torch.Tensor  # [sequences, max_context] context slots, padded
-    mask: torch.Tensor  # [sequences, 1, 1, max_context] True where a key is real
+    mask: torch.Tensor  # [sequences, 1, queries, max_context] True where a query sees a real key
+    num_queries: int = 1  # tokens per sequence (1 + its drafts), laid out sequence by sequence
 
 
 @dataclass
@@ -53,10 +54,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     q, k, v = q.to(compute), k.to(compute), v.to(compute)
     out = torch.empty_like(q)
     for group in meta.decodes:
-        rows = slice(group.start, group.start + group.slots.shape[0])
+        sequences, queries = group.slots.shape[0], group.num_queries
+        rows = slice(group.start, group.start + sequences * queries)
+        query = q[rows].view(sequences, queries, *q.shape[1:]).transpose(1, 2)  # [sequences, heads, queries, dim]
         keys = _gather(k_cache, group.slots, compute).transpose(1, 2)  # [sequences, kv_heads, ctx, dim]
         values = _gather(v_cache, group.slots, compute).transpose(1, 2)
-        out[rows] = F.scaled_dot_product_attention(q[rows].unsqueeze(2), keys, values, attn_mask=group.mask, enable_gqa=True).squeeze(2)
+        attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask, enable_gqa=True)
+        out[rows] = attended.transpose(1, 2).reshape(sequences * queries, *q.shape[1:])
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]

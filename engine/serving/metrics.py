@@ -84,6 +84,16 @@ SPECS = {
                                  "Prompt tokens looked up in the prefix cache."),
     "prefix_hits": MetricSpec(Counter, "prefix_cache_hits", "prefix_cache_hits",
                               "Prompt tokens served from the prefix cache."),
+    "spec_drafts": MetricSpec(Counter, "spec_decode_num_drafts", "spec_decode_num_drafts",
+                              "Speculative verification steps: one per sequence and step that verified drafts."),
+    "spec_draft_tokens": MetricSpec(Counter, "spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens",
+                                    "Draft tokens proposed and verified."),
+    "spec_accepted": MetricSpec(Counter, "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+                                "Draft tokens accepted (mean accepted length: accepted / drafts)."),
+    "spec_accepted_per_pos": MetricSpec(Counter, "spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted, by position in the draft (0 = first).", ("position",)),
+    "spec_emitted": MetricSpec(Counter, "spec_decode_num_emitted_tokens", None,
+                               "Tokens emitted by verification steps: accepted drafts plus one sampled token per step."),
     "rejected": MetricSpec(Counter, "requests_rejected", None,
                            "HTTP requests refused with 429 because the waiting queue was full."),
 }
@@ -125,7 +135,7 @@ class ServingMetrics:
             self._family("finished", finished_reason=reason.value)
         self._last_token_time: dict[str, float] = {}
         # The engine keeps cumulative totals; counters advance by the difference.
-        self._seen = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
+        self._seen: dict[tuple[str, str], int] = {}
 
     def _make(self, spec: MetricSpec, name: str, model_label: str) -> Counter | Gauge | Histogram:
         kwargs = {"registry": self.registry, "labelnames": (model_label, *spec.labels)}
@@ -178,9 +188,15 @@ class ServingMetrics:
         self._family("running").set(stats.num_running)
         self._family("waiting").set(stats.num_waiting)
         self._family("kv_usage").set(stats.kv_cache_usage)
-        totals = (("preemptions", stats.num_preemptions), ("prefix_queries", stats.prefix_cache_queries),
-                  ("prefix_hits", stats.prefix_cache_hits))
-        for key, total in totals:
-            if total > self._seen[key]:
-                self._family(key).inc(total - self._seen[key])
-                self._seen[key] = total
+        spec = stats.spec_decoding
+        totals = [("preemptions", "", stats.num_preemptions), ("prefix_queries", "", stats.prefix_cache_queries),
+                  ("prefix_hits", "", stats.prefix_cache_hits), ("spec_drafts", "", spec.num_drafts),
+                  ("spec_draft_tokens", "", spec.num_draft_tokens), ("spec_accepted", "", spec.num_accepted_tokens),
+                  ("spec_emitted", "", spec.num_accepted_tokens + spec.num_drafts)]
+        totals += [("spec_accepted_per_pos", str(pos), n) for pos, n in enumerate(spec.accepted_per_position)]
+        for key, position, total in totals:
+            seen = self._seen.get((key, position), 0)
+            if total > seen:
+                family = self._family(key, position=position) if position else self._family(key)
+                family.inc(total - seen)
+                self._seen[key, position] = total

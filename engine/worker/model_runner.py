@@ -9,12 +9,13 @@ import torch
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.request import Request
-from kvpilot.engine.core.scheduler import SchedulerOutput
+from kvpilot.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from kvpilot.engine.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kvpilot.engine.model.loader import load_config, load_model
 from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from kvpilot.engine.worker.cpu import cpu_threads
 from kvpilot.engine.worker.sampler import RowPenalty, Sampler, SamplingMetadata, token_logprobs
+from kvpilot.engine.worker.spec_decode.ngram_proposer import NgramProposer
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class ModelRunner:
         self.dtype = config.torch_dtype(self.device)
         self.block_size = config.block_size
         self.hf_config = load_config(model_path)
+        self.proposer = (NgramProposer(config.num_speculative_tokens, config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
+                         if config.speculative == "ngram" else None)
         self.model = load_model(model_path, self.hf_config, self.dtype, self.device, config.quantization,
                                 config.quantization_group_size)
         # What the weights take in memory as served (quantized layers in their low-bit form).
@@ -55,9 +58,9 @@ class ModelRunner:
         self.num_layers = self.hf_config.num_hidden_layers
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.num_blocks = self._num_kv_blocks()
-        log.info("event=engine_config device=%s dtype=%s quantization=%s weight_bytes=%d torch_threads=%d threads_from=%r kv_blocks=%d",
-                 self.device, str(self.dtype).removeprefix("torch."), config.quantization, self.weight_bytes, threads, why,
-                 self.num_blocks)
+        log.info("event=engine_config device=%s dtype=%s quantization=%s speculative=%s weight_bytes=%d torch_threads=%d threads_from=%r kv_blocks=%d",
+                 self.device, str(self.dtype).removeprefix("torch."), config.quantization, config.speculative, self.weight_bytes, threads,
+                 why, self.num_blocks)
         # Unseeded sampling draws from one generator seeded by the engine's seed; seeded requests
         # get their own, kept until they finish (a preempted request continues its stream).
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
@@ -94,7 +97,9 @@ class ModelRunner:
             prefills=[PrefillChunk(start=0, num_tokens=n, num_cached=0, slots=torch.zeros(n, dtype=torch.long, device=self.device))],
         )
         hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), torch.arange(n, device=self.device), dummy_cache, meta)
-        self.model.logits(hidden[-self.config.max_num_seqs :])
+        # Every sequence samples a row, and a speculating one a row per draft too.
+        rows_per_sequence = 1 + (self.config.num_speculative_tokens if self.proposer is not None else 0)
+        self.model.logits(hidden[-self.config.max_num_seqs * rows_per_sequence :])
         del dummy_cache, hidden
         total = torch.cuda.get_device_properties(self.device).total_memory
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -104,20 +109,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: sample for each request that reached its last known token, and score the
-        prompt tokens of requests that asked for prompt logprobs."""
+        """Run one step: sample for each request that reached its last known token (verifying its
+        draft tokens, if it has some), score the prompt tokens of requests that asked for prompt
+        logprobs, and propose drafts for the next step."""
         for request_id in scheduler_output.finished_request_ids:
             self._generators.pop(request_id, None)
-        # Decodes first, by context length, so that each decode group pads to similar lengths.
-        order = sorted(scheduler_output.scheduled, key=lambda s: (s.num_tokens != 1, s.request.num_computed_tokens))
+        # Decodes first, by query count (1 + drafts) and context length, so that each decode group
+        # has one query count and pads to similar lengths.
+        order = sorted(scheduler_output.scheduled, key=lambda s: (not _is_decode(s), s.num_tokens, s.request.num_computed_tokens))
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        decode_contexts: list[torch.Tensor] = []
+        decodes: list[tuple[int, int, torch.Tensor]] = []  # (first row, query count, context slots)
         prefills: list[PrefillChunk] = []
         slot_mapping: list[torch.Tensor] = []
         sample_rows: list[int] = []
-        sampled: list[Request] = []
+        sampled: list[tuple[Request, list[int]]] = []  # with the drafts it verifies
         scored: list[tuple[Request, int, int, int]] = []  # (request, first row, first position, tokens) to score
         for item in order:
             request, n = item.request, item.num_tokens
@@ -125,23 +132,26 @@ class ModelRunner:
             end = start + n
             blocks = torch.tensor(item.block_ids, dtype=torch.long)
             context_slots = (blocks.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:end]
-            if n == 1:
-                decode_contexts.append(context_slots)
+            if _is_decode(item):
+                decodes.append((len(input_ids), n, context_slots))
             else:
                 prefills.append(PrefillChunk(start=len(input_ids), num_tokens=n, num_cached=start, slots=context_slots.to(self.device)))
             if request.params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
                 scored.append((request, len(input_ids), start, n))
             slot_mapping.append(context_slots[start:])
+            drafts = item.spec_token_ids
             input_ids.extend(request.token_ids[start:end])
+            input_ids.extend(drafts)
             positions.extend(range(start, end))
-            if end == request.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sampled.append(request)
+            if end == request.num_tokens + len(drafts):
+                # The last known token's row samples the next token; each draft's row, the one after it.
+                sample_rows.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
+                sampled.append((request, drafts))
 
         device = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_mapping).to(device),
-            decodes=[_decode_group(start, decode_contexts[start : start + DECODE_GROUP_SIZE], device) for start in range(0, len(decode_contexts), DECODE_GROUP_SIZE)],
+            decodes=_decode_groups(decodes, device),
             prefills=prefills,
         )
         hidden = self.model(
@@ -153,13 +163,38 @@ class ModelRunner:
         if not sampled:
             return out
         logits = self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)])
-        result = self.sampler(logits, self._sampling_metadata(sampled))
-        for row, (request, token) in enumerate(zip(sampled, result.tokens.tolist())):
-            out.sampled[request.request_id] = [token]
+        rows = [request for request, drafts in sampled for _ in range(len(drafts) + 1)]
+        draft_rows = [token for _, drafts in sampled for token in (*drafts, -1)]
+        meta = self._sampling_metadata(rows)
+        if len(draft_rows) > len(sampled):
+            meta.draft_token_ids = torch.tensor(draft_rows, dtype=torch.long, device=device)
+        result = self.sampler(logits, meta)
+        tokens = result.tokens.tolist()
+        accepted = result.accepted.tolist() if result.accepted is not None else None
+        row = 0
+        speculate = self.proposer is not None and len(scheduler_output.scheduled) <= self.config.speculative_max_batch_size
+        for request, drafts in sampled:
+            # Drafts up to the first rejection, then the token sampled at that row (the resampled
+            # token, or after all drafts the bonus token).
+            num_accepted = 0
+            while num_accepted < len(drafts) and accepted[row + num_accepted]:
+                num_accepted += 1
+            new_tokens = [*drafts[:num_accepted], tokens[row + num_accepted]]
+            out.sampled[request.request_id] = new_tokens
             if row in result.logprobs:
                 logprob, top = result.logprobs[row]
-                out.logprobs[request.request_id] = [TokenLogprobs(token, logprob, top)]
+                out.logprobs[request.request_id] = [TokenLogprobs(new_tokens[0], logprob, top)]
+            if speculate:
+                out.spec_token_ids[request.request_id] = self._propose(request, new_tokens)
+            row += len(drafts) + 1
         return out
+
+    def _propose(self, request: Request, new_tokens: list[int]) -> list[int]:
+        """Drafts to follow the request's tokens and `new_tokens`, where speculation applies to it."""
+        params = request.params
+        if not params.speculable or request.num_output_tokens + len(new_tokens) < params.min_tokens:
+            return []
+        return self.proposer.propose(request.token_ids + new_tokens)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, request: Request, row: int, position: int, num_tokens: int) -> tuple[int, list[TokenLogprobs]]:
         """Scores of the prompt tokens that a chunk of `num_tokens` rows from `row` (positions from
@@ -172,6 +207,8 @@ class ModelRunner:
         return position + 1, [TokenLogprobs(int(t), *scores[i]) for i, t in enumerate(targets.tolist())]
 
     def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
+        """Per row; a request verifying drafts has a row per draft, and one more (speculable
+        requests have no per-row state: no penalties, bans, logprobs or seeded generator)."""
         params = [r.params for r in requests]
         device = self.device
         greedy = [p.greedy for p in params]
@@ -206,8 +243,23 @@ class ModelRunner:
         )
 
 
-def _decode_group(start: int, contexts: list[torch.Tensor], device: torch.device) -> DecodeGroup:
-    lengths = torch.tensor([len(c) for c in contexts])
-    slots = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)
-    mask = torch.arange(slots.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-    return DecodeGroup(start=start, slots=slots.to(device), mask=mask[:, None, None, :].to(device))
+def _is_decode(item: ScheduledRequest) -> bool:
+    """The request computes only its last token (and the drafts after it)."""
+    return item.num_tokens == 1 + len(item.spec_token_ids) and item.request.num_computed_tokens == item.request.num_tokens - 1
+
+
+def _decode_groups(decodes: list[tuple[int, int, torch.Tensor]], device: torch.device) -> list[DecodeGroup]:
+    """Runs of up to DECODE_GROUP_SIZE consecutive decodes with one query count."""
+    groups: list[DecodeGroup] = []
+    i = 0
+    while i < len(decodes):
+        start, queries, _ = decodes[i]
+        run = [c for _, q, c in decodes[i : i + DECODE_GROUP_SIZE] if q == queries]
+        lengths = torch.tensor([len(c) for c in run])
+        slots = torch.nn.utils.rnn.pad_sequence(run, batch_first=True)
+        # Query j of a sequence (at position length - queries + j) sees keys up to its own position.
+        last_key = lengths.unsqueeze(1) - queries + torch.arange(queries).unsqueeze(0)  # [sequences, queries]
+        mask = torch.arange(slots.shape[1]).view(1, 1, -1) <= last_key.unsqueeze(2)
+        groups.append(DecodeGroup(start=start, slots=slots.to(device), mask=mask.unsqueeze(1).to(device), num_queries=queries))
+        i += len(run)
+    return groups

@@ -6,6 +6,13 @@ and sampling applies temperature, top-k, top-p and min-p and draws with the expo
 requests draw their noise from the request's own generator, so a seeded request samples the same
 tokens whatever else is in the batch; every other row shares the engine's generator.
 Log-probabilities, when asked for, are the model's own (before any of the above), as OpenAI's are.
+
+Rows that carry a draft token (speculative decoding) are verified by rejection sampling, which
+keeps the output distribution exactly the target's: a draft proposed with probability q(d) is
+kept with probability min(1, p(d) / q(d)), and a rejected row samples from the normalised
+max(0, p - q). Prompt-lookup drafts are deterministic (q is one-hot on d), so a draft is kept
+with probability p(d) and a rejection samples from p with d removed; under greedy decoding a
+draft is kept exactly when it is the argmax.
 """
 
 from __future__ import annotations
@@ -39,13 +46,16 @@ class SamplingMetadata:
     penalties: list[RowPenalty] = field(default_factory=list)
     banned: dict[int, list[int]] = field(default_factory=dict)  # row -> tokens it may not sample now
     num_logprobs: dict[int, int] = field(default_factory=dict)  # row -> top alternatives wanted
+    # [rows] long: the draft token each row verifies, -1 for rows that only sample; None: no drafts.
+    draft_token_ids: torch.Tensor | None = None
 
 
 @dataclass
 class SamplerOutput:
-    tokens: torch.Tensor  # [rows] long
+    tokens: torch.Tensor  # [rows] long; in a row whose draft was rejected, the token sampled instead
     # row -> (the chosen token's logprob, top alternatives as (token ids, logprobs))
     logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+    accepted: torch.Tensor | None = None  # [rows] bool: the row's draft is kept (with draft_token_ids)
 
 
 class Sampler:
@@ -57,13 +67,24 @@ class Sampler:
         raw = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
         apply_penalties(logits, meta)
         tokens = logits.argmax(dim=-1)
+        drafts = meta.draft_token_ids
+        has_draft = drafts >= 0 if drafts is not None else None
+        accepted = tokens == drafts if drafts is not None else None
         if not meta.all_greedy:
             probs = filtered_probs(logits, meta)
+            if drafts is not None:
+                draft_ids = drafts.clamp(min=0).unsqueeze(1)
+                kept = torch.rand(drafts.shape, device=probs.device, generator=self.generator) < probs.gather(1, draft_ids).squeeze(1)
+                accepted = torch.where(meta.greedy, accepted, kept)
+                # A rejected draft is resampled from the target with the draft's mass removed.
+                probs = torch.where(has_draft.unsqueeze(1), probs.scatter(1, draft_ids, 0.0), probs)
             noise = torch.empty_like(probs).exponential_(generator=self.generator)
             for row, generator in meta.generators.items():
                 noise[row].exponential_(generator=generator)
             tokens = torch.where(meta.greedy, tokens, (probs / noise).argmax(dim=-1))
-        return SamplerOutput(tokens, token_logprobs(raw, tokens, meta.num_logprobs) if raw is not None else {})
+        if accepted is not None:
+            accepted &= has_draft
+        return SamplerOutput(tokens, token_logprobs(raw, tokens, meta.num_logprobs) if raw is not None else {}, accepted)
 
 
 def token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, wanted: dict[int, int]) -> dict[int, tuple[float, list[tuple[int, float]]]]:

@@ -23,11 +23,11 @@ VARIANTS = {
 
 
 def make_tiny_llama(folder: Path, tokenizer_dir: Path, **arch: object) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512,
+    config = LlamaConfig(**{
+        "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "max_position_embeddings": 512,
         # Wide weights give peaked logits: random models with tiny weights are all near-ties.
-        initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=2, **arch,
-    )
+        "initializer_range": 0.3, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, **arch,
+    })
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(folder)

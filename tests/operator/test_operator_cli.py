@@ -47,8 +47,8 @@ def test_plan_exit_codes_for_no_fit_and_invalid_input(capsys: pytest.CaptureFixt
     assert code == 2 and "power of two" in capsys.readouterr().err
     code, text = run("plan --model llama-2-7b --gpu TPU-v5")
     assert code == 1 and "UnknownGPU" in text
-    code, text = run("plan --model llama-2-7b --gpu A10G --speculative ngram")
-    assert code == 1 and "NO (UnsupportedByEngine)" in text and "'ngram'" in text
+    code, text = run("plan --model llama-2-7b --gpu A10G --speculative draft --draft-model llama-2-7b")
+    assert code == 1 and "NO (UnsupportedByEngine)" in text and "'draft'" in text
 
 
 class Recorder:

@@ -19,7 +19,9 @@ from kvpilot.operator import render
 from kvpilot.operator.cluster import WriteConflict, WriteRefused, describe
 from kvpilot.operator.handlers import (ENGINE_IMAGE_ENV, child_handler, engine_image,
                                        reconcile_handler)
+from kvpilot.operator.planner import plan
 from kvpilot.operator.reconcile import RENDERED_HASH, reconcile, refresh
+from kvpilot.operator.spec import InferenceServiceSpec
 from kvpilot.operator.status import merge_patch
 
 NOW = datetime(2025, 1, 1, tzinfo=UTC)
@@ -122,6 +124,10 @@ def body(spec: dict[str, Any], generation: int = 1, status: dict[str, Any] | Non
 
 
 SPEC = {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}}
+# What the planner gives SPEC (tests/operator/test_planner.py checks its numbers): several
+# replicas, so that the PodDisruptionBudget and partial readiness have something to count.
+REPLICAS = plan(InferenceServiceSpec.model_validate(SPEC)).replicas
+assert REPLICAS > 1
 
 
 def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -133,7 +139,7 @@ def test_creates_deployment_service_and_pdb_and_reports_progress() -> None:
     status = reconcile(body(SPEC), cluster, NOW)
     assert cluster.kinds() == ["Deployment", "PodDisruptionBudget", "Service"]
     assert status["observedGeneration"] == 1
-    assert status["desiredReplicas"] == 3 and status["readyReplicas"] == 0
+    assert status["desiredReplicas"] == REPLICAS and status["readyReplicas"] == 0
     assert status["selector"] == "app.kubernetes.io/instance=chat,app.kubernetes.io/name=kvpilot-engine"
     assert status["url"] == "http://chat.ml.svc.cluster.local:8000/v1"
     assert status["plan"]["maxNumSeqs"] == 4 and status["plan"]["gpu"] == "A10G"
@@ -141,26 +147,26 @@ def test_creates_deployment_service_and_pdb_and_reports_progress() -> None:
     assert condition(status, "Progressing")["reason"] == "RollingOut"
     ready = condition(status, "Ready")
     assert (ready["status"], ready["reason"], ready["message"]) == \
-        ("False", "ReplicasNotReady", "0/3 replicas ready")
+        ("False", "ReplicasNotReady", f"0/{REPLICAS} replicas ready")
 
 
 def test_ready_when_the_deployment_reports_ready_replicas() -> None:
     cluster = FakeCluster()
     first = reconcile(body(SPEC), cluster, NOW)
     deployment = cluster.objects[("Deployment", "ml", "chat")]
-    deployment["status"] = {"observedGeneration": 1, "replicas": 3, "updatedReplicas": 3,
-                            "readyReplicas": 3}
+    deployment["status"] = {"observedGeneration": 1, "replicas": REPLICAS, "updatedReplicas": REPLICAS,
+                            "readyReplicas": REPLICAS}
     later = NOW + timedelta(minutes=3)
     second = reconcile(body(SPEC, status=first), cluster, later)
     ready = condition(second, "Ready")
     assert ready["status"] == "True" and ready["reason"] == "ReplicasReady"
-    assert "3/3 replicas ready" in ready["message"] and "TPOT" in ready["message"]
+    assert f"{REPLICAS}/{REPLICAS} replicas ready" in ready["message"] and "TPOT" in ready["message"]
     assert ready["lastTransitionTime"] == "2025-01-01T00:03:00Z"
     # Planned did not flip, so its transition time stays at the first reconcile.
     assert condition(second, "Planned")["lastTransitionTime"] == "2025-01-01T00:00:00Z"
     assert condition(second, "Progressing")["status"] == "False"
     assert condition(second, "Degraded")["status"] == "False"
-    assert (second["replicas"], second["readyReplicas"]) == (3, 3)
+    assert (second["replicas"], second["readyReplicas"]) == (REPLICAS, REPLICAS)
 
 
 def test_reconciling_again_creates_no_duplicates_and_recreates_deleted_children() -> None:
@@ -190,7 +196,7 @@ def test_unchanged_children_are_not_written_and_changed_ones_are() -> None:
     deployment["spec"]["replicas"] = 7
     reconcile(body(SPEC), cluster, NOW)
     assert cluster.applies == 4 and cluster.objects[("Deployment", "ml", "chat")]["spec"][
-        "replicas"] == 3
+        "replicas"] == REPLICAS
     # A field the spec no longer asks for (a nodeSelector key) goes: the rendering changed.
     selected = {**SPEC, "nodeSelector": {"pool": "gpu"}}
     reconcile(body(selected, generation=2), cluster, NOW)
@@ -211,7 +217,7 @@ def test_a_plan_that_stops_fitting_keeps_the_last_good_deployment_and_says_why()
     reconcile(body(SPEC), cluster, NOW)
     running = copy.deepcopy(cluster.objects[("Deployment", "ml", "chat")])
     cluster.objects[("Deployment", "ml", "chat")]["status"] = running["status"] = {
-        "observedGeneration": 1, "replicas": 3, "updatedReplicas": 3, "readyReplicas": 3}
+        "observedGeneration": 1, "replicas": REPLICAS, "updatedReplicas": REPLICAS, "readyReplicas": REPLICAS}
     too_big = {**SPEC, "model": {"name": "llama-3-70b"}}
     status = reconcile(body(too_big, generation=2), cluster, NOW)
     # The engines of the last plan that fit keep serving, untouched.
@@ -226,7 +232,7 @@ def test_a_plan_that_stops_fitting_keeps_the_last_good_deployment_and_says_why()
     assert condition(status, "Degraded")["status"] == "True"
     assert condition(status, "Progressing")["reason"] == "WeightsDoNotFit"
     assert status["observedGeneration"] == 2 and status["plan"]["fits"] is False
-    assert (status["desiredReplicas"], status["readyReplicas"]) == (3, 3)
+    assert (status["desiredReplicas"], status["readyReplicas"]) == (REPLICAS, REPLICAS)
 
     # A spec that never planned has no Deployment.
     fresh = FakeCluster()
@@ -254,8 +260,8 @@ def test_an_unknown_gpu_type_after_a_good_plan_keeps_the_deployment() -> None:
 
 
 def test_pinning_what_the_engine_does_not_run_is_not_ready_and_rolls_out_nothing() -> None:
-    # The CRD's enum allows w8a8 and ngram; this engine build runs neither.
-    pinned = {**SPEC, "serving": {"quantization": "w8a8", "speculative": "ngram"}}
+    # The CRD's enum allows w8a8 and draft; this engine build runs neither.
+    pinned = {**SPEC, "serving": {"quantization": "w8a8", "speculative": "draft", "draftModel": "llama-2-7b"}}
     fresh = FakeCluster()
     status = reconcile(body(pinned), fresh, NOW)
     assert fresh.kinds() == ["PodDisruptionBudget", "Service"]
@@ -263,7 +269,7 @@ def test_pinning_what_the_engine_does_not_run_is_not_ready_and_rolls_out_nothing
     assert (ready["status"], ready["reason"]) == ("False", "UnsupportedByEngine")
     assert "serving.quantization 'w8a8'" in ready["message"]
     assert f"supported: {', '.join(CAPABILITIES.quantization)}" in ready["message"]
-    assert "serving.speculative 'ngram'" in ready["message"]
+    assert "serving.speculative 'draft'" in ready["message"]
     assert condition(status, "Planned")["reason"] == "UnsupportedByEngine"
     assert (status["plan"]["fits"], status["desiredReplicas"]) == (False, 0)
 
@@ -276,7 +282,7 @@ def test_pinning_what_the_engine_does_not_run_is_not_ready_and_rolls_out_nothing
     planned = condition(status, "Planned")
     assert (planned["status"], planned["reason"]) == ("False", "UnsupportedByEngine")
     assert "serving.quantization 'w8a8'" in planned["message"]
-    assert status["desiredReplicas"] == 3
+    assert status["desiredReplicas"] == REPLICAS
 
 
 def test_invalid_spec_is_a_condition_not_a_crash() -> None:
@@ -445,12 +451,12 @@ def test_a_child_event_reconciles_its_owner_and_writes_only_a_changed_status() -
 
     # The Deployment reports its pods ready: its event makes the InferenceService Ready.
     deployment = cluster.objects[("Deployment", "ml", "chat")]
-    deployment["status"] = {"observedGeneration": 1, "replicas": 3, "updatedReplicas": 3,
-                            "readyReplicas": 3}
+    deployment["status"] = {"observedGeneration": 1, "replicas": REPLICAS, "updatedReplicas": REPLICAS,
+                            "readyReplicas": REPLICAS}
     child_handler(body=deployment, memo=memo, logger=logging.getLogger("test"))
     isvc = cluster.objects[("InferenceService", "ml", "chat")]
     assert condition(isvc["status"], "Ready")["status"] == "True"
-    assert isvc["status"]["readyReplicas"] == 3 and len(cluster.status_patches) == 2
+    assert isvc["status"]["readyReplicas"] == REPLICAS and len(cluster.status_patches) == 2
     # The same event again changes nothing and writes nothing.
     writes = cluster.applies
     child_handler(body=deployment, memo=memo, logger=logging.getLogger("test"))

@@ -53,9 +53,9 @@ def test_engine_args_carry_the_plans_numbers() -> None:
 def test_a_plan_the_engine_cannot_run_is_refused_not_rendered(fuller: EngineCapabilities) -> None:
     # Only a planner given a fuller engine than this one makes such a plan; rendering it would
     # give a pod that exits at start, so it raises instead.
-    s = spec(serving={"quantization": "int4", "speculative": "ngram"})
+    s = spec(serving={"quantization": "w8a8", "speculative": "draft", "draftModel": "llama-2-7b"})
     p = plan(s, capabilities=fuller)
-    assert p.fits and (p.quantization, p.speculative) == ("int4", "ngram")
+    assert p.fits and (p.quantization, p.speculative) == ("w8a8", "draft")
     with pytest.raises(ValidationError):
         render.deployment("chat", "ml", UID, s, p)
 
@@ -133,7 +133,12 @@ def test_built_in_engine_image_is_the_charts_app_version() -> None:
 def test_replicas_come_from_the_plan_unless_scaled() -> None:
     s = spec()
     p = plan(s)
-    assert render.deployment("chat", "ml", UID, s, p)["spec"]["replicas"] == p.replicas == 3
+    # Speculation shortens TPOT, so fewer sequences run at once: 2 replicas (3 without it).
+    assert (p.speculative, p.num_speculative_tokens) == ("ngram", 4)
+    assert render.deployment("chat", "ml", UID, s, p)["spec"]["replicas"] == p.replicas == 2
+    assert "--speculative ngram --num-speculative-tokens 4" in " ".join(engine(render.deployment("chat", "ml", UID, s, p))["args"])
+    off = spec(serving={"speculative": "off"})
+    assert plan(off).replicas == 3
     scaled = spec(replicas=5)
     assert render.deployment("chat", "ml", UID, scaled, plan(scaled))["spec"]["replicas"] == 5
 

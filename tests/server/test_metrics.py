@@ -7,7 +7,7 @@ import asyncio
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.engine.core.scheduler import SchedulerStats
+from kvpilot.engine.core.scheduler import SchedulerStats, SpecDecodingStats
 from kvpilot.engine.outputs import StepOutput
 from kvpilot.engine.serving.metrics import LATENCY_BUCKETS, ServingMetrics
 from tests.server.conftest import MODEL, Server
@@ -103,6 +103,10 @@ VLLM_METRICS = {
     "vllm:num_preemptions": ("counter", {"model_name"}),
     "vllm:prefix_cache_queries": ("counter", {"model_name"}),
     "vllm:prefix_cache_hits": ("counter", {"model_name"}),
+    "vllm:spec_decode_num_drafts": ("counter", {"model_name"}),
+    "vllm:spec_decode_num_draft_tokens": ("counter", {"model_name"}),
+    "vllm:spec_decode_num_accepted_tokens": ("counter", {"model_name"}),
+    "vllm:spec_decode_num_accepted_tokens_per_pos": ("counter", {"model_name", "position"}),
 }
 # Names older vLLM releases exported and 0.33.0 does not: a dashboard must not find them here.
 VLLM_REMOVED = ("vllm:time_per_output_token_seconds", "vllm:gpu_cache_usage_perc",
@@ -125,8 +129,10 @@ def test_vllm_names_types_and_labels_match_vllm() -> None:
         output = StepOutput(new_token_ids=[i], num_output_tokens=i + 1, finish_reason="length" if i == 2 else None, **step)
         metrics.on_tokens(output, now)
     metrics.on_finished(output, 100.7)
+    # Two verification steps of 3 drafts: 2 then 3 accepted.
+    spec = SpecDecodingStats().add(3, 2).add(3, 3)
     metrics.set_state(SchedulerStats(num_running=1, num_waiting=2, kv_cache_usage=0.5, num_preemptions=3,
-                                     prefix_cache_queries=7, prefix_cache_hits=4))
+                                     prefix_cache_queries=7, prefix_cache_hits=4, spec_decoding=spec))
     families = scrape(metrics)
 
     vllm_names = {name for name in families if name.startswith("vllm:")}
@@ -158,6 +164,11 @@ def test_vllm_names_types_and_labels_match_vllm() -> None:
     assert value("vllm:request_success_total", finished_reason="length") == 1
     assert value("vllm:kv_cache_usage_perc") == 0.5
     assert value("vllm:prefix_cache_hits_total") == 4
+    assert value("vllm:spec_decode_num_drafts_total") == 2
+    assert value("vllm:spec_decode_num_draft_tokens_total") == 6
+    assert value("vllm:spec_decode_num_accepted_tokens_total") == 5
+    assert [value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in range(3)] == [2, 2, 1]
+    assert value("kvpilot_spec_decode_num_emitted_tokens_total") == 7  # accepted + one sampled per step
 
 
 def test_no_vllm_names_unless_asked() -> None:

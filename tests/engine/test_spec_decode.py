@@ -1,0 +1,227 @@
+"""Speculative decoding with prompt-lookup (n-gram) drafts: the proposer, the rejection rule, and
+the engine's output with speculation against its output without (greedy tokens equal, sampled
+distributions equal), with no KV block left behind."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+from kvpilot.engine.core.request import Request
+from kvpilot.engine.core.scheduler import Scheduler, SpecDecodingStats
+from kvpilot.engine.outputs import ModelRunnerOutput
+from kvpilot.engine.worker.sampler import Sampler, SamplingMetadata, filtered_probs
+from kvpilot.engine.worker.spec_decode.ngram_proposer import NgramProposer
+from tests.engine.test_exactness import assert_no_leaks
+from tests.engine.test_tiny_llama import make_tiny_llama
+
+# Each distribution test fails by chance with this probability (the samples are seeded, so a
+# given build passes or fails deterministically; a new build redraws).
+FALSE_ALARM_RATE = 1e-3
+
+
+def chi_square_p_value(counts_a: Counter, counts_b: Counter) -> float:
+    """p-value of Pearson's chi-square test that two samples come from one distribution; cells
+    expected to hold fewer than 5 samples are pooled into one."""
+    n_a, n_b = sum(counts_a.values()), sum(counts_b.values())
+    cells = [(counts_a[k], counts_b[k]) for k in counts_a.keys() | counts_b.keys()]
+    small = [c for c in cells if (c[0] + c[1]) * min(n_a, n_b) / (n_a + n_b) < 5]
+    table = [c for c in cells if c not in small] + ([tuple(map(sum, zip(*small)))] if small else [])
+    statistic = 0.0
+    for a, b in table:
+        total = a + b
+        for observed, n in ((a, n_a), (b, n_b)):
+            expected = total * n / (n_a + n_b)
+            statistic += (observed - expected) ** 2 / expected
+    df = len(table) - 1
+    assert df >= 1, "the samples fall into a single cell: nothing to compare"
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+# ---- the proposer --------------------------------------------------------------------------------
+
+def test_ngram_proposes_what_followed_the_longest_latest_match():
+    proposer = NgramProposer(num_tokens=3, min_n=2, max_n=3)
+    #                      a  b  c  d  e   a  b  x  y   a  b  c  -> "a b c" matches once: d e a
+    assert proposer.propose([1, 2, 3, 4, 5, 1, 2, 8, 9, 1, 2, 3]) == [4, 5, 1]
+    # "x a b" has no earlier match, "a b" has two: the latest wins.
+    assert proposer.propose([1, 2, 3, 4, 1, 2, 7, 9, 1, 2]) == [7, 9, 1]
+    assert proposer.propose([1, 2, 3, 4, 5, 6]) == []  # no repeated suffix
+    assert proposer.propose([5, 1, 2, 6, 1, 2], max_tokens=1) == [6]
+    assert proposer.propose([1, 2, 1, 2]) == [1, 2]  # what is there, if fewer than num_tokens
+    assert NgramProposer(3, 1, 1).propose([4, 9, 4]) == [9, 4]
+
+
+# ---- the rejection rule --------------------------------------------------------------------------
+
+def _verify_many(logits: torch.Tensor, draft: int, rows: int, **meta: object) -> Counter:
+    """Verify `draft` on `rows` copies of one distribution; the token each row emits."""
+    batch = logits.repeat(rows, 1)
+    defaults = dict(temperature=torch.full((rows,), 1.0), top_k=torch.zeros(rows, dtype=torch.long),
+                    top_p=torch.ones(rows), greedy=torch.zeros(rows, dtype=torch.bool), all_greedy=False)
+    metadata = SamplingMetadata(**(defaults | meta), draft_token_ids=torch.full((rows,), draft))
+    out = Sampler(torch.Generator().manual_seed(0))(batch.clone(), metadata)
+    emitted = torch.where(out.accepted, torch.full((rows,), draft), out.tokens)
+    return Counter(emitted.tolist())
+
+
+@pytest.mark.parametrize("draft", [0, 3, 5], ids=["likely", "unlikely", "filtered-out"])
+def test_rejection_sampling_keeps_the_target_distribution(draft):
+    logits = torch.tensor([[2.0, 1.5, 1.0, -1.0, 0.5, -3.0]])
+    rows = 40_000
+    meta = dict(temperature=torch.full((rows,), 0.8), top_k=torch.full((rows,), 5, dtype=torch.long))
+    emitted = _verify_many(logits, draft, rows, **meta)
+    probs = filtered_probs(logits.clone(), SamplingMetadata(
+        temperature=torch.tensor([0.8]), top_k=torch.tensor([5]), top_p=torch.ones(1),
+        greedy=torch.zeros(1, dtype=torch.bool), all_greedy=False))[0]
+    assert emitted[5] == 0, "a token outside top-k was emitted"
+    expected = Counter({t: round(float(p) * rows) for t, p in enumerate(probs) if p > 0})
+    assert chi_square_p_value(emitted, expected) > FALSE_ALARM_RATE, (emitted, expected)
+
+
+def test_greedy_verification_keeps_exactly_the_argmax():
+    logits = torch.tensor([[0.1, 3.0, 2.9], [0.1, 3.0, 2.9], [5.0, 0.0, 0.0]])
+    meta = SamplingMetadata(temperature=torch.zeros(3), top_k=torch.zeros(3, dtype=torch.long), top_p=torch.ones(3),
+                            greedy=torch.ones(3, dtype=torch.bool), all_greedy=True,
+                            draft_token_ids=torch.tensor([1, 2, -1]))
+    out = Sampler(torch.Generator())(logits, meta)
+    assert out.accepted.tolist() == [True, False, False]
+    assert out.tokens.tolist() == [1, 1, 0]
+
+
+# ---- the scheduler's side ------------------------------------------------------------------------
+
+def _decoding_request(prompt_len: int, max_tokens: int) -> tuple[Scheduler, Request]:
+    scheduler = Scheduler(KVCacheManager(num_blocks=8, block_size=4), max_num_seqs=4, max_num_batched_tokens=64)
+    request = Request("r", list(range(100, 100 + prompt_len)), SamplingParams(max_tokens=max_tokens))
+    scheduler.add(request)
+    first = scheduler.schedule()
+    scheduler.update_from_output(first, ModelRunnerOutput(sampled={"r": [7]}, spec_token_ids={"r": [8, 9, 10, 11]}))
+    return scheduler, request
+
+
+def test_drafts_are_scheduled_verified_and_rejected_kv_rolled_back():
+    scheduler, request = _decoding_request(prompt_len=6, max_tokens=10)
+    step = scheduler.schedule()
+    (item,) = step.scheduled
+    assert item.spec_token_ids == [8, 9, 10, 11] and item.num_tokens == 5  # the last token + 4 drafts
+    assert len(item.block_ids) == 3  # 6 prompt + 1 + 4 drafts = 11 slots
+    # Two drafts accepted, the third rejected and resampled as 42.
+    scheduler.update_from_output(step, ModelRunnerOutput(sampled={"r": [8, 9, 42]}))
+    assert request.output_token_ids == [7, 8, 9, 42]
+    assert request.num_computed_tokens == 9  # prompt, 7, 8, 9 (42 is computed next step)
+    assert len(scheduler.kv.block_tables["r"]) == 3  # 9 tokens in blocks of 4; the draft-only tail is gone
+    assert scheduler.spec_decoding == SpecDecodingStats(1, 4, 2, (1, 1, 0, 0))
+    assert request.spec_token_ids == []
+
+
+def test_drafts_are_cut_to_what_max_tokens_and_the_budget_allow():
+    scheduler, request = _decoding_request(prompt_len=6, max_tokens=3)
+    assert scheduler.schedule().scheduled[0].spec_token_ids == [8]  # 1 output so far: 2 more at most
+    scheduler, request = _decoding_request(prompt_len=6, max_tokens=10)
+    scheduler.max_num_batched_tokens = 3
+    assert scheduler.schedule().scheduled[0].spec_token_ids == [8, 9]
+
+
+def test_a_preempted_request_drops_its_drafts():
+    scheduler, request = _decoding_request(prompt_len=6, max_tokens=10)
+    scheduler._preempt(scheduler.running.pop())
+    assert request.spec_token_ids == [] and request.num_computed_tokens == 0
+
+
+# ---- the engine: greedy exactness and distributions ---------------------------------------------
+
+SPEC = dict(speculative="ngram", speculative_max_batch_size=64)
+
+
+def test_greedy_output_is_the_same_with_and_without_speculation(corpus_ids):
+    # Prompts quote the corpus, whose text repeats: the model continues it, and drafts are found.
+    prompts = [corpus_ids[i * 37 : i * 37 + n] for i, n in enumerate([40, 150, 333])]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    options = dict(dtype="float32", kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=64)
+    plain = [o.outputs[0].token_ids for o in LLM(**options).generate(prompts, params)]
+    llm = LLM(**options, **SPEC)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    stats = llm.engine.scheduler.spec_decoding
+    assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens > 0, stats
+    assert_no_leaks(llm)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, model_dir) -> Path:
+    """A random Llama with a 16-token vocabulary: cheap enough to draw thousands of samples."""
+    folder = tmp_path_factory.mktemp("tiny16")
+    make_tiny_llama(folder, model_dir, vocab_size=16, initializer_range=0.5, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return folder
+
+
+def _sample(folder: Path, prompt: list[int], params: SamplingParams, n: int, **options: object) -> tuple[Counter, LLM]:
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=64 << 20, max_num_seqs=512, max_num_batched_tokens=4096,
+              ngram_prompt_lookup_min=1, ngram_prompt_lookup_max=3, num_speculative_tokens=3, **options)
+    outputs = llm.generate([prompt] * n, params)
+    return Counter(tuple(o.outputs[0].token_ids) for o in outputs), llm
+
+
+@pytest.mark.parametrize("drafts", ["good", "poor"])
+def test_sampled_output_has_the_same_distribution_with_speculation(tiny_model, drafts):
+    rng = random.Random(0)
+    base = [rng.randrange(3, 16) for _ in range(12)]
+    if drafts == "good":
+        # The model's own continuation, then the same start again: drafts copy what it said before.
+        greedy = LLM(str(tiny_model), dtype="float32", kv_cache_memory_bytes=8 << 20).generate(
+            [base], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+        prompt, temperature = base + greedy + base, 0.7
+    else:
+        prompt, temperature = base, 1.5  # flatter: drafts from the random prompt rarely match
+    params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True)
+    without, _ = _sample(tiny_model, prompt, params, 3000, seed=1)
+    with_spec, llm = _sample(tiny_model, prompt, params, 3000, seed=2, speculative="ngram", speculative_max_batch_size=512)
+    stats = llm.engine.scheduler.spec_decoding
+    rate = stats.num_accepted_tokens / stats.num_draft_tokens
+    assert (rate > 0.3) if drafts == "good" else (rate < 0.15), f"acceptance {rate:.2f} is not what the {drafts} drafts make"
+    assert chi_square_p_value(without, with_spec) > FALSE_ALARM_RATE
+    assert_no_leaks(llm)
+
+
+def test_requests_that_cannot_speculate_share_steps_with_those_that_do(corpus_ids):
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=64 << 20, **SPEC)
+    prompt = corpus_ids[:200]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    penalized = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+    with_logprobs = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = llm.generate([prompt] * 3, [greedy, penalized, with_logprobs])
+    alone = LLM(dtype="float32", kv_cache_memory_bytes=64 << 20)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone.generate([prompt] * 3, [greedy, penalized, with_logprobs])]
+    assert len(outs[2].outputs[0].logprobs) == 24
+    assert llm.engine.scheduler.spec_decoding.num_drafts > 0
+    assert_no_leaks(llm)
+
+
+def test_aborts_mid_speculation_free_every_block(corpus_ids):
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=64 << 20, **SPEC)
+    engine = llm.engine
+    execute = engine.runner.execute
+    aborted: list[int] = []
+
+    def execute_then_abort(scheduler_output):
+        # Aborts arrive from the server while the forward runs: after it, before the bookkeeping.
+        out = execute(scheduler_output)
+        with_drafts = [s.request.request_id for s in scheduler_output.scheduled if s.spec_token_ids]
+        if with_drafts and not aborted:
+            aborted.extend(engine.abort(request_id) is not None for request_id in with_drafts)
+        return out
+
+    engine.runner.execute = execute_then_abort
+    for i in range(4):
+        engine.add_request(corpus_ids[i * 50 : i * 50 + 120], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert aborted and all(aborted), "no request was aborted while its drafts were verified"
+    assert engine.scheduler.spec_decoding.num_drafts > 0
+    assert_no_leaks(llm)

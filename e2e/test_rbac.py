@@ -21,6 +21,7 @@ from e2e.polling import poll
 ALLOWED = [
     ("watch", "inferenceservices.kvpilot.dev", None),
     ("patch", "inferenceservices.kvpilot.dev/status", None),
+    ("patch", "inferenceservices.kvpilot.dev/scale", None),  # the SLO autoscaler sets replicas
     ("patch", "deployments.apps", None),
     ("watch", "deployments.apps", None),
     ("patch", "services", None),

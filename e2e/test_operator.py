@@ -302,6 +302,9 @@ def test_an_idle_inference_service_costs_no_writes(
         return {o["metadata"]["labels"]["app.kubernetes.io/instance"] for o in rest} == {name}
 
     poll(quiet, CONVERGE_S, "only the idle InferenceService's children left")
+    # The SLO autoscaler records its first decision once, within a period of the service appearing.
+    poll(lambda: "autoscaler" in k8s.kubectl_json("get", "inferenceservice", name, "-n", ns).get("status", {}),
+         CONVERGE_S, "the autoscaler's first decision in the status")
     time.sleep(5)  # the last events of the rollout
     writes, reads = _requests(k8s, WRITES), _requests(k8s, {"GET", "LIST"})
     operator_requests = _service_account_requests(k8s)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 # What this engine build runs. A scheme or mode lands here only together with its implementation.
 QUANTIZATION_SCHEMES = ("none", "int8", "int4")
-SPECULATIVE_MODES = ("off", "ngram")
+SPECULATIVE_MODES = ("off", "ngram", "draft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # Above this many sequences per step, verifying drafts costs more than it saves (bench/RESULTS.md,
@@ -41,7 +41,10 @@ class EngineCapabilities(BaseModel):
     dtypes: tuple[str, ...]
 
 
-CAPABILITIES = EngineCapabilities(quantization=QUANTIZATION_SCHEMES, speculative=SPECULATIVE_MODES, dtypes=DTYPES)
+# The operator plans only what it can also deliver to a pod. A draft model's weights have no model
+# source yet (serving.draftModel is a bare name), so `draft` runs in the engine but is not offered.
+CAPABILITIES = EngineCapabilities(quantization=QUANTIZATION_SCHEMES, dtypes=DTYPES,
+                                  speculative=tuple(m for m in SPECULATIVE_MODES if m != "draft"))
 
 
 class EngineConfig(BaseModel):
@@ -62,8 +65,10 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, description="seed of unseeded sampling")
     quantization: Quantization = Field("none", description="weight-only quantization: int8 per channel, int4 group-wise (LM head int8)")
     quantization_group_size: int = Field(32, ge=16, description="int4: input columns per scale and zero (must divide every layer's input width)")
-    speculative: Speculative = Field("off", description="speculative decoding: ngram proposes the tokens that followed the latest match of the context's last n tokens (prompt lookup)")
+    speculative: Speculative = Field("off", description="speculative decoding: ngram proposes the tokens that followed the latest match of the context's last n tokens (prompt lookup); draft runs a smaller model")
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="draft tokens verified per step and sequence")
+    draft_model: str | None = Field(None, description="draft: a local HF Llama folder (or the embedded model's name) with the target's vocabulary; default: the target's own first draft_layers layers")
+    draft_layers: int | None = Field(None, ge=1, description="draft without draft_model: the target's layers the draft runs (default: a quarter)")
     ngram_prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest suffix looked up in the context")
     ngram_prompt_lookup_min: int = Field(2, ge=1, description="ngram: shortest suffix looked up in the context")
     speculative_max_batch_size: int = Field(SPECULATIVE_MAX_BATCH_SIZE, ge=1, description="no speculation while more sequences than this run in a step")

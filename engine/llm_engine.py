@@ -37,8 +37,9 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.vocab_size = self.runner.hf_config.vocab_size
         self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        lookahead = self.config.num_speculative_tokens if self.config.speculative == "draft" else 0
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len, eos_token_ids=eos_token_ids)
+                                   max_model_len=self.max_model_len, eos_token_ids=eos_token_ids, num_lookahead_tokens=lookahead)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

@@ -100,12 +100,14 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, *,
-                 max_model_len: int | None = None, eos_token_ids: Collection[int] = ()) -> None:
+                 max_model_len: int | None = None, eos_token_ids: Collection[int] = (), num_lookahead_tokens: int = 0) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Slots reserved past each step's tokens, where a draft model writes KV for its drafts.
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -131,7 +133,7 @@ class Scheduler:
             num_pending = request.num_tokens - request.num_computed_tokens
             drafts = request.spec_token_ids[: max(0, min(budget - num_pending, self._max_drafts(request)))]
             num_new = min(num_pending + len(drafts), budget)
-            while not self.kv.allocate_slots(request, num_new):
+            while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead_tokens):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -149,7 +151,7 @@ class Scheduler:
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(request, num_new, cached):
+            if not self.kv.allocate_slots(request, num_new, cached, self.num_lookahead_tokens):
                 break
             self.waiting.popleft()
             self.kv.record_prefix_lookup(request, num_cached)

@@ -99,7 +99,9 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] for a flattened batch; kv_caches is [layers, 2, slots, kv_heads, dim]."""
+        """Hidden states [T, hidden] for a flattened batch; kv_caches is [layers, 2, slots, kv_heads, dim].
+        With a cache of fewer layers than the model, only that many layers run, then the final
+        norm: the early exit a self-speculative draft takes."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(h, positions.unsqueeze(0))
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, dim], broadcast over heads

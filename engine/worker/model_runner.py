@@ -10,21 +10,21 @@ import torch
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.scheduler import ScheduledRequest, SchedulerOutput
-from kvpilot.engine.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from kvpilot.engine.model.loader import load_config, load_model
+from kvpilot.engine.model.attention import AttentionMetadata, PrefillChunk
+from kvpilot.engine.model.llama import LlamaForCausalLM
+from kvpilot.engine.model.loader import load_config, load_model, resolve_model
 from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from kvpilot.engine.worker.cpu import cpu_threads
 from kvpilot.engine.worker.sampler import RowPenalty, Sampler, SamplingMetadata, token_logprobs
+from kvpilot.engine.worker.spec_decode import DraftInput, Proposer
+from kvpilot.engine.worker.spec_decode.draft_proposer import DraftProposer, kv_shape
 from kvpilot.engine.worker.spec_decode.ngram_proposer import NgramProposer
+from kvpilot.engine.worker.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
 # Without a device to profile, the pool is sized like vLLM's CPU backend: a fixed budget.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-# Decodes sorted by context length are attended this many at a time: small enough that padding to
-# the group's longest context wastes little, large enough to keep per-call overhead low (on 2 CPU
-# cores, 64 decodes of 50-768 tokens: 1 group 45 ms per layer, groups of 16 17 ms, of 8 16 ms).
-DECODE_GROUP_SIZE = 8
 
 
 def kv_budget_after_profile(total_bytes: int, utilization: float, peak_bytes: int) -> int:
@@ -48,19 +48,20 @@ class ModelRunner:
         self.dtype = config.torch_dtype(self.device)
         self.block_size = config.block_size
         self.hf_config = load_config(model_path)
-        self.proposer = (NgramProposer(config.num_speculative_tokens, config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
-                         if config.speculative == "ngram" else None)
         self.model = load_model(model_path, self.hf_config, self.dtype, self.device, config.quantization,
                                 config.quantization_group_size)
-        # What the weights take in memory as served (quantized layers in their low-bit form).
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
         attn = self.model.model.layers[0].self_attn
         self.num_layers = self.hf_config.num_hidden_layers
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.draft_model, self.draft_layers = self._load_draft()
+        # What the weights take in memory as served (quantized layers in their low-bit form).
+        models = {id(m): m for m in (self.model, self.draft_model) if m is not None}.values()
+        self.weight_bytes = sum(t.numel() * t.element_size() for m in models for t in (*m.parameters(), *m.buffers()))
         self.num_blocks = self._num_kv_blocks()
-        log.info("event=engine_config device=%s dtype=%s quantization=%s speculative=%s weight_bytes=%d torch_threads=%d threads_from=%r kv_blocks=%d",
-                 self.device, str(self.dtype).removeprefix("torch."), config.quantization, config.speculative, self.weight_bytes, threads,
-                 why, self.num_blocks)
+        self.proposer = self._make_proposer()
+        log.info("event=engine_config device=%s dtype=%s quantization=%s speculative=%s draft_layers=%d weight_bytes=%d "
+                 "torch_threads=%d threads_from=%r kv_blocks=%d", self.device, str(self.dtype).removeprefix("torch."),
+                 self.model.quantization, config.speculative, self.draft_layers, self.weight_bytes, threads, why, self.num_blocks)
         # Unseeded sampling draws from one generator seeded by the engine's seed; seeded requests
         # get their own, kept until they finish (a preempted request continues its stream).
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
@@ -72,7 +73,39 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """K and V of every layer, and of the draft model's layers when it keeps a cache beside."""
+        per_token = self.num_layers * self.num_kv_heads * self.head_dim
+        if self.draft_model is not None:
+            heads, dim = kv_shape(self.draft_model, self.draft_layers)
+            per_token += self.draft_layers * heads * dim
+        return 2 * per_token * self.dtype.itemsize
+
+    def _load_draft(self) -> tuple[LlamaForCausalLM | None, int]:
+        """The draft model and the layers it runs: a separate model, or the target's first layers."""
+        config = self.config
+        if config.speculative != "draft":
+            return None, 0
+        if config.draft_model is None:
+            layers = config.draft_layers or max(1, self.num_layers // 4)
+            if layers >= self.num_layers:
+                raise ValueError(f"draft_layers {layers} must be fewer than the model's {self.num_layers} layers")
+            return self.model, layers
+        path = resolve_model(config.draft_model)
+        hf_config = load_config(path)
+        if hf_config.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(f"draft model {config.draft_model!r} has a vocabulary of {hf_config.vocab_size} tokens, "
+                             f"the target {self.hf_config.vocab_size}: drafts must be the target's tokens")
+        model = load_model(path, hf_config, self.dtype, self.device)
+        return model, min(config.draft_layers or hf_config.num_hidden_layers, hf_config.num_hidden_layers)
+
+    def _make_proposer(self) -> Proposer | None:
+        config = self.config
+        if config.speculative == "ngram":
+            return NgramProposer(config.num_speculative_tokens, config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
+        if config.speculative == "draft":
+            return DraftProposer(self.draft_model, self.draft_layers, config.num_speculative_tokens,
+                                 self.num_blocks * self.block_size, self.block_size, self.dtype, self.device)
+        return None
 
     def _num_kv_blocks(self) -> int:
         budget = self.config.kv_cache_memory_bytes
@@ -98,7 +131,7 @@ class ModelRunner:
         )
         hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), torch.arange(n, device=self.device), dummy_cache, meta)
         # Every sequence samples a row, and a speculating one a row per draft too.
-        rows_per_sequence = 1 + (self.config.num_speculative_tokens if self.proposer is not None else 0)
+        rows_per_sequence = 1 + (self.config.num_speculative_tokens if self.config.speculative != "off" else 0)
         self.model.logits(hidden[-self.config.max_num_seqs * rows_per_sequence :])
         del dummy_cache, hidden
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -114,51 +147,31 @@ class ModelRunner:
         logprobs, and propose drafts for the next step."""
         for request_id in scheduler_output.finished_request_ids:
             self._generators.pop(request_id, None)
+        if self.proposer is not None:
+            # A preempted request is recomputed from scratch, and so is its draft's KV.
+            self.proposer.forget([*scheduler_output.finished_request_ids, *(r.request_id for r in scheduler_output.preempted)])
         # Decodes first, by query count (1 + drafts) and context length, so that each decode group
         # has one query count and pads to similar lengths.
         order = sorted(scheduler_output.scheduled, key=lambda s: (not _is_decode(s), s.num_tokens, s.request.num_computed_tokens))
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        decodes: list[tuple[int, int, torch.Tensor]] = []  # (first row, query count, context slots)
-        prefills: list[PrefillChunk] = []
-        slot_mapping: list[torch.Tensor] = []
+        inputs = StepInputs(self.block_size, self.device)
         sample_rows: list[int] = []
         sampled: list[tuple[Request, list[int]]] = []  # with the drafts it verifies
         scored: list[tuple[Request, int, int, int]] = []  # (request, first row, first position, tokens) to score
         for item in order:
             request, n = item.request, item.num_tokens
             start = request.num_computed_tokens
-            end = start + n
-            blocks = torch.tensor(item.block_ids, dtype=torch.long)
-            context_slots = (blocks.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:end]
-            if _is_decode(item):
-                decodes.append((len(input_ids), n, context_slots))
-            else:
-                prefills.append(PrefillChunk(start=len(input_ids), num_tokens=n, num_cached=start, slots=context_slots.to(self.device)))
-            if request.params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
-                scored.append((request, len(input_ids), start, n))
-            slot_mapping.append(context_slots[start:])
             drafts = item.spec_token_ids
-            input_ids.extend(request.token_ids[start:end])
-            input_ids.extend(drafts)
-            positions.extend(range(start, end))
-            if end == request.num_tokens + len(drafts):
+            row = inputs.add(request.token_ids[start : start + n - len(drafts)] + drafts, start, item.block_ids, _is_decode(item))
+            if request.params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
+                scored.append((request, row, start, n))
+            if start + n == request.num_tokens + len(drafts):
                 # The last known token's row samples the next token; each draft's row, the one after it.
-                sample_rows.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
+                sample_rows.extend(range(row + n - 1 - len(drafts), row + n))
                 sampled.append((request, drafts))
 
         device = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_mapping).to(device),
-            decodes=_decode_groups(decodes, device),
-            prefills=prefills,
-        )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            self.kv_caches, meta,
-        )
+        input_ids, positions, meta = inputs.build()
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
         out = ModelRunnerOutput(prompt_logprobs={r.request_id: self._prompt_logprobs(hidden, r, row, pos, n) for r, row, pos, n in scored})
         if not sampled:
             return out
@@ -172,7 +185,8 @@ class ModelRunner:
         tokens = result.tokens.tolist()
         accepted = result.accepted.tolist() if result.accepted is not None else None
         row = 0
-        speculate = self.proposer is not None and len(scheduler_output.scheduled) <= self.config.speculative_max_batch_size
+        to_draft: list[DraftInput] = []
+        block_ids = {item.request.request_id: item.block_ids for item in scheduler_output.scheduled}
         for request, drafts in sampled:
             # Drafts up to the first rejection, then the token sampled at that row (the resampled
             # token, or after all drafts the bonus token).
@@ -184,17 +198,13 @@ class ModelRunner:
             if row in result.logprobs:
                 logprob, top = result.logprobs[row]
                 out.logprobs[request.request_id] = [TokenLogprobs(new_tokens[0], logprob, top)]
-            if speculate:
-                out.spec_token_ids[request.request_id] = self._propose(request, new_tokens)
+            params = request.params
+            if params.speculable and request.num_output_tokens + len(new_tokens) >= params.min_tokens:
+                to_draft.append(DraftInput(request.request_id, request.token_ids + new_tokens, block_ids[request.request_id]))
             row += len(drafts) + 1
+        if self.proposer is not None and len(scheduler_output.scheduled) <= self.config.speculative_max_batch_size:
+            out.spec_token_ids = self.proposer.propose(to_draft)
         return out
-
-    def _propose(self, request: Request, new_tokens: list[int]) -> list[int]:
-        """Drafts to follow the request's tokens and `new_tokens`, where speculation applies to it."""
-        params = request.params
-        if not params.speculable or request.num_output_tokens + len(new_tokens) < params.min_tokens:
-            return []
-        return self.proposer.propose(request.token_ids + new_tokens)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, request: Request, row: int, position: int, num_tokens: int) -> tuple[int, list[TokenLogprobs]]:
         """Scores of the prompt tokens that a chunk of `num_tokens` rows from `row` (positions from
@@ -246,20 +256,3 @@ class ModelRunner:
 def _is_decode(item: ScheduledRequest) -> bool:
     """The request computes only its last token (and the drafts after it)."""
     return item.num_tokens == 1 + len(item.spec_token_ids) and item.request.num_computed_tokens == item.request.num_tokens - 1
-
-
-def _decode_groups(decodes: list[tuple[int, int, torch.Tensor]], device: torch.device) -> list[DecodeGroup]:
-    """Runs of up to DECODE_GROUP_SIZE consecutive decodes with one query count."""
-    groups: list[DecodeGroup] = []
-    i = 0
-    while i < len(decodes):
-        start, queries, _ = decodes[i]
-        run = [c for _, q, c in decodes[i : i + DECODE_GROUP_SIZE] if q == queries]
-        lengths = torch.tensor([len(c) for c in run])
-        slots = torch.nn.utils.rnn.pad_sequence(run, batch_first=True)
-        # Query j of a sequence (at position length - queries + j) sees keys up to its own position.
-        last_key = lengths.unsqueeze(1) - queries + torch.arange(queries).unsqueeze(0)  # [sequences, queries]
-        mask = torch.arange(slots.shape[1]).view(1, 1, -1) <= last_key.unsqueeze(2)
-        groups.append(DecodeGroup(start=start, slots=slots.to(device), mask=mask.unsqueeze(1).to(device), num_queries=queries))
-        i += len(run)
-    return groups

@@ -1,6 +1,6 @@
-"""Speculative decoding with prompt-lookup (n-gram) drafts: the proposer, the rejection rule, and
-the engine's output with speculation against its output without (greedy tokens equal, sampled
-distributions equal), with no KV block left behind."""
+"""Speculative decoding with prompt-lookup (n-gram) and draft-model drafts: the n-gram lookup, the
+rejection rule, and the engine's output with speculation against its output without (greedy
+tokens equal, sampled distributions equal), with no KV block left behind."""
 
 from __future__ import annotations
 
@@ -49,13 +49,13 @@ def chi_square_p_value(counts_a: Counter, counts_b: Counter) -> float:
 def test_ngram_proposes_what_followed_the_longest_latest_match():
     proposer = NgramProposer(num_tokens=3, min_n=2, max_n=3)
     #                      a  b  c  d  e   a  b  x  y   a  b  c  -> "a b c" matches once: d e a
-    assert proposer.propose([1, 2, 3, 4, 5, 1, 2, 8, 9, 1, 2, 3]) == [4, 5, 1]
+    assert proposer.lookup([1, 2, 3, 4, 5, 1, 2, 8, 9, 1, 2, 3]) == [4, 5, 1]
     # "x a b" has no earlier match, "a b" has two: the latest wins.
-    assert proposer.propose([1, 2, 3, 4, 1, 2, 7, 9, 1, 2]) == [7, 9, 1]
-    assert proposer.propose([1, 2, 3, 4, 5, 6]) == []  # no repeated suffix
-    assert proposer.propose([5, 1, 2, 6, 1, 2], max_tokens=1) == [6]
-    assert proposer.propose([1, 2, 1, 2]) == [1, 2]  # what is there, if fewer than num_tokens
-    assert NgramProposer(3, 1, 1).propose([4, 9, 4]) == [9, 4]
+    assert proposer.lookup([1, 2, 3, 4, 1, 2, 7, 9, 1, 2]) == [7, 9, 1]
+    assert proposer.lookup([1, 2, 3, 4, 5, 6]) == []  # no repeated suffix
+    assert proposer.lookup([5, 1, 2, 6, 1, 2]) == [6, 1, 2]
+    assert proposer.lookup([1, 2, 1, 2]) == [1, 2]  # what is there, if fewer than num_tokens
+    assert NgramProposer(3, 1, 1).lookup([4, 9, 4]) == [9, 4]
 
 
 # ---- the rejection rule --------------------------------------------------------------------------
@@ -138,19 +138,45 @@ def test_a_preempted_request_drops_its_drafts():
 # ---- the engine: greedy exactness and distributions ---------------------------------------------
 
 SPEC = dict(speculative="ngram", speculative_max_batch_size=64)
+# The proposers, each at its own quality: prompt lookup; the target as its own draft (every draft
+# accepted, so each step ends with the bonus token); the target's first 8 of 30 layers as an
+# early-exit draft (SmolLM2 was not trained to exit early: drafts are mostly rejected).
+PROPOSERS = {
+    "ngram": SPEC,
+    "draft-model": dict(speculative="draft", draft_model="SmolLM2-135M-Instruct", speculative_max_batch_size=64),
+    "early-exit": dict(speculative="draft", draft_layers=8, speculative_max_batch_size=64),
+}
+KV_BYTES_PER_LAYER = 2 * 3 * 64 * 4  # one token, one layer of SmolLM2-135M in fp32
+DRAFT_LAYERS = {"ngram": 0, "draft-model": 30, "early-exit": 8}
 
 
-def test_greedy_output_is_the_same_with_and_without_speculation(corpus_ids):
-    # Prompts quote the corpus, whose text repeats: the model continues it, and drafts are found.
-    prompts = [corpus_ids[i * 37 : i * 37 + n] for i, n in enumerate([40, 150, 333])]
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    options = dict(dtype="float32", kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=64)
-    plain = [o.outputs[0].token_ids for o in LLM(**options).generate(prompts, params)]
-    llm = LLM(**options, **SPEC)
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_greedy_output_is_the_same_with_and_without_speculation(corpus_ids, proposer):
+    # Prompts share a prefix (prefix caching), prefill in chunks (a small token budget) and do not
+    # all fit in the pool at once (preemption); they quote the repeating corpus, so n-grams match.
+    prefix = corpus_ids[:64]
+    prompts = [prefix + corpus_ids[200 + 37 * i : 200 + 37 * i + n] for i, n in enumerate([8, 60, 120])]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    num_blocks = 16  # 256 tokens; the three sequences grow to ~440
+    options = dict(dtype="float32", max_num_batched_tokens=64, max_model_len=256)
+    plain = [o.outputs[0].token_ids for o in LLM(**options, kv_cache_memory_bytes=num_blocks * 16 * 30 * KV_BYTES_PER_LAYER).generate(prompts, params)]
+    llm = LLM(**options, kv_cache_memory_bytes=num_blocks * 16 * (30 + DRAFT_LAYERS[proposer]) * KV_BYTES_PER_LAYER, **PROPOSERS[proposer])
+    assert llm.engine.kv.pool.num_blocks == num_blocks
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
     stats = llm.engine.scheduler.spec_decoding
-    assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens > 0, stats
+    assert stats.num_draft_tokens > 0 and llm.engine.scheduler.num_preemptions > 0 and llm.engine.kv.pool.stats.hits > 0
+    acceptance = stats.num_accepted_tokens / stats.num_draft_tokens
+    assert {"ngram": acceptance > 0.3, "draft-model": acceptance == 1.0, "early-exit": acceptance < 0.3}[proposer], acceptance
     assert_no_leaks(llm)
+
+
+def test_draft_settings_that_cannot_work_are_refused(tmp_path, model_dir):
+    with pytest.raises(ValueError, match="fewer than the model's 30 layers"):
+        LLM(speculative="draft", draft_layers=30)
+    other = tmp_path / "other-vocab"
+    make_tiny_llama(other, model_dir, vocab_size=1000)
+    with pytest.raises(ValueError, match="vocabulary of 1000 tokens"):
+        LLM(speculative="draft", draft_model=str(other))
 
 
 @pytest.fixture(scope="module")
@@ -168,23 +194,34 @@ def _sample(folder: Path, prompt: list[int], params: SamplingParams, n: int, **o
     return Counter(tuple(o.outputs[0].token_ids) for o in outputs), llm
 
 
-@pytest.mark.parametrize("drafts", ["good", "poor"])
-def test_sampled_output_has_the_same_distribution_with_speculation(tiny_model, drafts):
+@pytest.fixture(scope="module")
+def other_tiny_model(tmp_path_factory, model_dir) -> Path:
+    """Another random model on the same 16 tokens: a draft that knows nothing of the target."""
+    folder = tmp_path_factory.mktemp("tiny16-other")
+    make_tiny_llama(folder, model_dir, vocab_size=16, initializer_range=0.5, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, intermediate_size=96)
+    return folder
+
+
+@pytest.mark.parametrize("proposer, drafts", [("ngram", "good"), ("ngram", "poor"), ("draft", "good"), ("draft", "poor")])
+def test_sampled_output_has_the_same_distribution_with_speculation(tiny_model, other_tiny_model, proposer, drafts):
     rng = random.Random(0)
     base = [rng.randrange(3, 16) for _ in range(12)]
-    if drafts == "good":
+    temperature = 0.7 if drafts == "good" else 1.5  # flatter: fewer drafts match what is sampled
+    prompt, options = base, dict(speculative=proposer, speculative_max_batch_size=512)
+    if proposer == "ngram" and drafts == "good":
         # The model's own continuation, then the same start again: drafts copy what it said before.
         greedy = LLM(str(tiny_model), dtype="float32", kv_cache_memory_bytes=8 << 20).generate(
             [base], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
-        prompt, temperature = base + greedy + base, 0.7
-    else:
-        prompt, temperature = base, 1.5  # flatter: drafts from the random prompt rarely match
+        prompt = base + greedy + base
+    if proposer == "draft":
+        options["draft_model"] = str(tiny_model if drafts == "good" else other_tiny_model)
     params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True)
     without, _ = _sample(tiny_model, prompt, params, 3000, seed=1)
-    with_spec, llm = _sample(tiny_model, prompt, params, 3000, seed=2, speculative="ngram", speculative_max_batch_size=512)
+    with_spec, llm = _sample(tiny_model, prompt, params, 3000, seed=2, **options)
     stats = llm.engine.scheduler.spec_decoding
     rate = stats.num_accepted_tokens / stats.num_draft_tokens
-    assert (rate > 0.3) if drafts == "good" else (rate < 0.15), f"acceptance {rate:.2f} is not what the {drafts} drafts make"
+    assert (rate > 0.3) if drafts == "good" else (rate < 0.15), f"acceptance {rate:.2f} is not what {drafts} drafts make"
     assert chi_square_p_value(without, with_spec) > FALSE_ALARM_RATE
     assert_no_leaks(llm)
 

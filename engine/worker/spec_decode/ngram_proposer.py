@@ -8,10 +8,12 @@ reflects the most recent copying.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+from kvpilot.engine.worker.spec_decode import DraftInput
 
 
 class NgramProposer:
@@ -20,11 +22,17 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
-        """Up to `num_tokens` (and `max_tokens`) draft tokens to follow `token_ids`; [] if no
-        suffix of at least `min_n` tokens occurred before."""
-        k = self.num_tokens if max_tokens is None else min(self.num_tokens, max_tokens)
-        if k <= 0 or len(token_ids) <= self.min_n:
+    def propose(self, sequences: list[DraftInput]) -> dict[str, list[int]]:
+        return {s.request_id: self.lookup(s.token_ids) for s in sequences}
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Nothing is kept between steps."""
+
+    def lookup(self, token_ids: Sequence[int]) -> list[int]:
+        """Up to `num_tokens` draft tokens to follow `token_ids`; [] if no suffix of at least
+        `min_n` tokens occurred before."""
+        k = self.num_tokens
+        if len(token_ids) <= self.min_n:
             return []
         context = np.asarray(token_ids, dtype=np.int64)
         length = len(context)

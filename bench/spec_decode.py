@@ -1,10 +1,11 @@
-"""Speculative decoding: TPOT and output tokens/s with and without n-gram drafts, at several batch
-sizes, on prompts whose answers copy from the prompt and on prompts whose answers do not.
+"""Speculative decoding: TPOT and output tokens/s with and without drafts (n-gram lookup, or a
+draft model: the target's first layers), at several batch sizes, on prompts whose answers copy
+from the prompt and on prompts whose answers do not.
 
-    .venv/bin/python -m bench.spec_decode [--batch-sizes 1,8,32] [--rounds 3]   # from the repository root
+    .venv/bin/python -m bench.spec_decode [--modes ngram,draft] [--batch-sizes 1,8,32] [--rounds 3]
 
-Both engines (speculative off and ngram) are loaded in one process and run alternately, round by
-round, so that noise on a shared machine hits both alike. Decoding is greedy; in bf16 the two may still
+The engines (speculative off and each mode) are loaded in one process and run alternately, round by
+round, so that noise on a shared machine hits all alike. Decoding is greedy; in bf16 the two may still
 part at a near-tie, and the table says how many outputs stayed equal. Results go to
 bench/out/spec_decode.json.
 """
@@ -70,7 +71,7 @@ class Run:
     draft_tokens: int
     accepted_tokens: int
     drafts: int
-    same_outputs: float | None = None  # on the round's second run: share of requests whose output equals the other mode's
+    same_outputs: float | None = None  # share of requests whose output equals speculation off's
 
     @property
     def tokens_per_second(self) -> float:
@@ -103,9 +104,12 @@ def run_batch(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float,
 def run(args: argparse.Namespace) -> int:
     from kvpilot.engine.llm_engine import LLMEngine
 
+    modes = ["off", *args.modes]
+    draft = {"draft_layers": args.draft_layers} if "draft" in modes else {}
     engines = {mode: LLMEngine(speculative=mode, num_speculative_tokens=args.num_speculative_tokens,
-                               speculative_max_batch_size=max(args.batch_sizes), kv_cache_memory_bytes=1 << 30)
-               for mode in ("off", "ngram")}
+                               speculative_max_batch_size=max(args.batch_sizes), kv_cache_memory_bytes=1 << 30,
+                               **(draft if mode == "draft" else {}))
+               for mode in modes}
     print(f"torch threads {torch.get_num_threads()}, dtype {engines['off'].runner.dtype}", flush=True)
     runs: list[Run] = []
     for set_name, texts in PROMPT_SETS.items():
@@ -114,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
             batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
             for round_ in range(args.rounds):
                 outputs = {}
-                for mode in (("off", "ngram") if round_ % 2 == 0 else ("ngram", "off")):
+                for mode in (modes if round_ % 2 == 0 else modes[::-1]):
                     engine = engines[mode]
                     before = engine.scheduler.spec_decoding
                     seconds, tokens, tpots = run_batch(engine, batch_prompts, args.max_tokens)
@@ -127,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
                           f"{runs[-1].tokens_per_second:.1f} tok/s TPOT {runs[-1].tpot_ms:.1f} ms", flush=True)
                 # In bf16 a verification step (several rows) and a decode step (one row) may round a
                 # near-tie differently, so greedy outputs can part; the share that stays equal is reported.
-                runs[-1].same_outputs = sum(a == b for a, b in zip(outputs["off"], outputs["ngram"])) / batch
+                for run_ in runs[-len(modes):]:
+                    run_.same_outputs = sum(a == b for a, b in zip(outputs["off"], outputs[run_.speculative])) / batch
     summary = summarise(runs)
     for line in summary["table"]:
         print(line)
@@ -141,29 +146,31 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summarise(runs: list[Run]) -> dict:
-    """Medians over rounds; speedup = ngram tokens/s over off tokens/s."""
-    table = ["| prompts | batch | off tok/s | ngram tok/s | speedup | TPOT off / ngram (ms) | acceptance | tokens per verify step | same output |",
-             "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+    """Medians over rounds, each mode against speculation off; speedup = tokens/s over off's."""
+    table = ["| prompts | batch | mode | off tok/s | mode tok/s | speedup | TPOT off / mode (ms) | acceptance | tokens per verify step | same output |",
+             "| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
     rows = []
-    for key in dict.fromkeys((r.prompt_set, r.batch) for r in runs):
-        pick = {m: [r for r in runs if (r.prompt_set, r.batch) == key and r.speculative == m] for m in ("off", "ngram")}
+    for set_name, batch, mode in dict.fromkeys((r.prompt_set, r.batch, r.speculative) for r in runs if r.speculative != "off"):
+        pick = {m: [r for r in runs if (r.prompt_set, r.batch, r.speculative) == (set_name, batch, m)] for m in ("off", mode)}
         tps = {m: statistics.median(r.tokens_per_second for r in rs) for m, rs in pick.items()}
         tpot = {m: statistics.median(r.tpot_ms for r in rs) for m, rs in pick.items()}
-        drafted = sum(r.draft_tokens for r in pick["ngram"])
-        accepted = sum(r.accepted_tokens for r in pick["ngram"])
-        steps = sum(r.drafts for r in pick["ngram"])
+        drafted = sum(r.draft_tokens for r in pick[mode])
+        accepted = sum(r.accepted_tokens for r in pick[mode])
+        steps = sum(r.drafts for r in pick[mode])
         acceptance = accepted / drafted if drafted else 0.0
         per_step = (accepted + steps) / steps if steps else 1.0
-        same = statistics.mean(r.same_outputs for rs in pick.values() for r in rs if r.same_outputs is not None)
-        rows.append({"prompt_set": key[0], "batch": key[1], "tokens_per_second": tps, "tpot_ms": tpot, "same_outputs": same,
-                     "speedup": tps["ngram"] / tps["off"], "acceptance": acceptance, "tokens_per_verify_step": per_step})
-        table.append(f"| {key[0]} | {key[1]} | {tps['off']:.1f} | {tps['ngram']:.1f} | {tps['ngram'] / tps['off']:.2f}x | "
-                     f"{tpot['off']:.1f} / {tpot['ngram']:.1f} | {acceptance:.2f} | {per_step:.2f} | {same:.0%} |")
+        same = statistics.mean(r.same_outputs for r in pick[mode])
+        rows.append({"prompt_set": set_name, "batch": batch, "mode": mode, "tokens_per_second": tps, "tpot_ms": tpot,
+                     "same_outputs": same, "speedup": tps[mode] / tps["off"], "acceptance": acceptance, "tokens_per_verify_step": per_step})
+        table.append(f"| {set_name} | {batch} | {mode} | {tps['off']:.1f} | {tps[mode]:.1f} | {tps[mode] / tps['off']:.2f}x | "
+                     f"{tpot['off']:.1f} / {tpot[mode]:.1f} | {acceptance:.2f} | {per_step:.2f} | {same:.0%} |")
     return {"summary": rows, "table": table}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.spec_decode", description="n-gram speculative decoding on and off")
+    parser.add_argument("--modes", type=lambda s: s.split(","), default=["ngram"], help="speculative modes to compare with off (default: ngram)")
+    parser.add_argument("--draft-layers", type=int, default=8, help="draft mode: the target's layers the draft runs (default: 8)")
     parser.add_argument("--batch-sizes", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8, 32])
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per setting (default: 3)")
     parser.add_argument("--max-tokens", type=int, default=160, help="output tokens per request at most (default: 160)")

@@ -145,7 +145,7 @@ def build(version: str = DEFAULT_VERSION, jobs: int = 2) -> Path:
     started = time.monotonic()
     _step(f"configuring in {build_dir}")
     _run(_nice([cmake, *cmake_configure_args(source, build_dir, generator)]))
-    _step(f"building {SERVER} with {jobs} jobs under nice -n 19 (tens of minutes on 2 cores)")
+    _step(f"building {SERVER} with {jobs} jobs under nice -n 19 (about 8 minutes on 2 cores)")
     _run(_nice([cmake, *cmake_build_args(build_dir, jobs)]))
     built = build_dir / "bin" / SERVER
     if not built.is_file():

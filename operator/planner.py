@@ -274,15 +274,21 @@ def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization
                        f"one {context}-token sequence needs {_gib(per_sequence)} GiB of KV cache "
                        f"but only {_gib(pool)} GiB is left of {where} after {quantization} weights "
                        f"{_gib(weights)} GiB", **numbers)
-    max_num_seqs = min(fitting, MAX_NUM_SEQS_CAP)
+    # Sized for the mean context (prompt + half the output: what a sequence holds on average over its
+    # life), as vLLM sizes its batch: the few sequences that grow long are preempted and recomputed.
+    mean_context = min(context, math.ceil(spec.load.mean_prompt_tokens + spec.load.mean_output_tokens / 2))
+    fitting_mean = sizing.sequences_that_fit(pool, kv_per_token, mean_context, serving.block_size)
+    max_num_seqs = min(fitting_mean, MAX_NUM_SEQS_CAP)
     if budget < max_num_seqs:
         # Every running sequence decodes one token per step, so the budget must cover them all.
         budget = max_num_seqs
         batching_reason = f"{budget} tokens per step: one decode token for each of max_num_seqs"
-    kv_reason = (f"{fitting} sequences of {context} tokens fit: KV {kv_per_token / sizing.MiB:.3g} "
-                 f"MiB/token x {context} = {_gib(per_sequence)} GiB each, pool {_gib(pool)} GiB = "
-                 f"{where} - weights {_gib(weights)} GiB - reserve {_gib(reserve)} GiB"
-                 + (f"; capped at {MAX_NUM_SEQS_CAP}" if fitting > MAX_NUM_SEQS_CAP else ""))
+    kv_reason = (f"{fitting_mean} sequences at the mean context of {mean_context} tokens (prompt + half "
+                 f"the output) fit, {fitting} at the full {context}; preemption covers sequences that "
+                 f"grow long: KV {kv_per_token / sizing.MiB:.3g} MiB/token, {_gib(per_sequence)} GiB "
+                 f"per full sequence, pool {_gib(pool)} GiB = {where} - weights {_gib(weights)} GiB - "
+                 f"reserve {_gib(reserve)} GiB"
+                 + (f"; capped at {MAX_NUM_SEQS_CAP}" if fitting_mean > MAX_NUM_SEQS_CAP else ""))
     replica = _Replica(arch, gpu, weights, kv_per_token, ops, max_num_seqs)
 
     replicas, perf, miss = _replicas(spec, replica, "off")
@@ -307,8 +313,8 @@ def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization
     finite = math.isfinite(perf.tpot_s)
     return Plan(
         fits=True,
-        reason=(f"{spec.model.name} on {gpu.name} ({quantization}): {max_num_seqs} x "
-                f"{context}-token sequences in a {_gib(pool)} GiB KV pool; "
+        reason=(f"{spec.model.name} on {gpu.name} ({quantization}): {max_num_seqs} sequences of "
+                f"{mean_context} tokens on average (up to {context}) in a {_gib(pool)} GiB KV pool; "
                 + (f"predicted TTFT {_ms(perf.ttft_s)} ms, TPOT {_ms(perf.tpot_s)} ms at "
                    f"{replicas} replica(s)" if finite else replicas_reason)),
         model=spec.model.name,

@@ -123,7 +123,7 @@ def body(spec: dict[str, Any], generation: int = 1, status: dict[str, Any] | Non
             "spec": spec, "status": status or {}}
 
 
-SPEC = {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}}
+SPEC = {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}, "load": {"requestsPerSecond": 4}}
 # What the planner gives SPEC (tests/operator/test_planner.py checks its numbers): several
 # replicas, so that the PodDisruptionBudget and partial readiness have something to count.
 REPLICAS = plan(InferenceServiceSpec.model_validate(SPEC)).replicas
@@ -142,7 +142,7 @@ def test_creates_deployment_service_and_pdb_and_reports_progress() -> None:
     assert status["desiredReplicas"] == REPLICAS and status["readyReplicas"] == 0
     assert status["selector"] == "app.kubernetes.io/instance=chat,app.kubernetes.io/name=kvpilot-engine"
     assert status["url"] == "http://chat.ml.svc.cluster.local:8000/v1"
-    assert status["plan"]["maxNumSeqs"] == 4 and status["plan"]["gpu"] == "A10G"
+    assert status["plan"]["maxNumSeqs"] == 25 and status["plan"]["gpu"] == "A10G"
     assert condition(status, "Planned")["status"] == "True"
     assert condition(status, "Progressing")["reason"] == "RollingOut"
     ready = condition(status, "Ready")

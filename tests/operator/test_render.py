@@ -47,7 +47,7 @@ def test_engine_args_carry_the_plans_numbers() -> None:
         "--quantization", "none",
         "--speculative", "off",
     ]
-    assert p.max_num_seqs == 4
+    assert p.max_num_seqs == 25  # at the mean context of 640 tokens (4 at the full 4096)
 
 
 def test_a_plan_the_engine_cannot_run_is_refused_not_rendered(fuller: EngineCapabilities) -> None:
@@ -131,16 +131,20 @@ def test_built_in_engine_image_is_the_charts_app_version() -> None:
 
 
 def test_replicas_come_from_the_plan_unless_scaled() -> None:
-    s = spec()
+    s = spec(load={"requestsPerSecond": 4})
     p = plan(s)
-    # Speculation shortens TPOT, so fewer sequences run at once: 2 replicas (3 without it).
-    assert (p.speculative, p.num_speculative_tokens) == ("ngram", 4)
-    assert render.deployment("chat", "ml", UID, s, p)["spec"]["replicas"] == p.replicas == 2
-    assert "--speculative ngram --num-speculative-tokens 4" in " ".join(engine(render.deployment("chat", "ml", UID, s, p))["args"])
-    off = spec(serving={"speculative": "off"})
-    assert plan(off).replicas == 3
+    assert render.deployment("chat", "ml", UID, s, p)["spec"]["replicas"] == p.replicas == 3
     scaled = spec(replicas=5)
     assert render.deployment("chat", "ml", UID, scaled, plan(scaled))["spec"]["replicas"] == 5
+
+
+def test_a_plan_that_speculates_renders_its_draft_count() -> None:
+    # A light load at temperature 0.7 with a TPOT-bound SLO: the planner speculates with n-grams.
+    s = spec(load={"requestsPerSecond": 0.5}, serving={"numSpeculativeTokens": 6})
+    p = plan(s)
+    assert (p.speculative, p.num_speculative_tokens) == ("ngram", 6)
+    args = " ".join(engine(render.deployment("chat", "ml", UID, s, p))["args"])
+    assert "--speculative ngram --num-speculative-tokens 6" in args
 
 
 def test_pvc_source_is_mounted_read_only() -> None:

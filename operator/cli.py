@@ -85,7 +85,7 @@ def format_plan(result: Plan, spec: InferenceServiceSpec) -> str:
     rows: list[tuple[str, str]] = [("model", result.model)]
     gpu = find_gpu(result.gpu) if result.gpu else None
     if gpu is not None:
-        rows.append(("gpu", f"{gpu.name} ({gpu.memory_gib:g} GiB, {gpu.bandwidth_gbps:g} GB/s, "
+        rows.append(("gpu", f"{gpu.name} ({gpu.memory_gib:g} GiB, {gpu.usable_memory_mib} MiB reported, {gpu.bandwidth_gbps:g} GB/s, "
                             f"{gpu.fp16_tflops:g} FP16 TFLOPS)"))
     rows.append(("fits", "yes" if result.fits else f"NO ({result.failure})"))
     if result.quantization:

@@ -260,7 +260,7 @@ def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization
     numbers: dict[str, object] = dict(
         gpu=gpu.name, quantization=quantization, weight_bytes=weights,
         kv_bytes_per_token=kv_per_token, kv_pool_bytes=max(pool, 0), max_model_len=context)
-    where = (f"{serving.gpu_memory_utilization:.0%} of {gpu.name}'s {gpu.memory_gib:g} GiB "
+    where = (f"{serving.gpu_memory_utilization:.0%} of the {_gib(gpu.memory_bytes)} GiB {gpu.name} reports "
              f"({_gib(usable)} GiB)")
     if pool <= 0:
         return _failed(spec, "WeightsDoNotFit",

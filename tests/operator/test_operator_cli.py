@@ -26,18 +26,18 @@ def run(argv: str) -> tuple[int, str]:
 def test_plan_prints_a_readable_table() -> None:
     code, text = run("plan --model llama-2-7b --gpu A10G --context 4096")
     assert code == 0
-    assert "max num seqs        25 (sequences at the mean context that fit)" in text
+    assert "max num seqs        21 (sequences at the mean context that fit)" in text
     assert "KV per token        0.5 MiB" in text
     assert "quantization        none" in text
     assert "predicted TTFT" in text and "predicted TPOT" in text
-    assert "why:" in text and "kvCache: 25 sequences at the mean context of 640 tokens (prompt + half the output) fit, 4 at the full 4096" in text
+    assert "why:" in text and "kvCache: 21 sequences at the mean context of 640 tokens (prompt + half the output) fit, 3 at the full 4096" in text
 
 
 def test_plan_json_is_the_plan() -> None:
     code, text = run("plan --model llama-2-7b --gpu A10G --context 4096 --json")
     assert code == 0
     result = Plan.model_validate_json(text)
-    assert (result.max_num_seqs, result.kv_bytes_per_token, result.max_model_len) == (25, 524288, 4096)
+    assert (result.max_num_seqs, result.kv_bytes_per_token, result.max_model_len) == (21, 524288, 4096)
 
 
 def test_plan_exit_codes_for_no_fit_and_invalid_input(capsys: pytest.CaptureFixture[str]) -> None:

@@ -47,7 +47,7 @@ def test_engine_args_carry_the_plans_numbers() -> None:
         "--quantization", "none",
         "--speculative", "off",
     ]
-    assert p.max_num_seqs == 25  # at the mean context of 640 tokens (4 at the full 4096)
+    assert p.max_num_seqs == 21  # at the mean context of 640 tokens (3 at the full 4096)
 
 
 def test_a_plan_the_engine_cannot_run_is_refused_not_rendered(fuller: EngineCapabilities) -> None:

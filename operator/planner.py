@@ -15,7 +15,8 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-from kvpilot.engine.config import CAPABILITIES, SPECULATIVE_MAX_BATCH_SIZE, EngineCapabilities
+from kvpilot.engine.config import (CAPABILITIES, QUANTIZATION_SCHEMES, SPECULATIVE_MAX_BATCH_SIZE, SPECULATIVE_MODES,
+                                   EngineCapabilities)
 from kvpilot.operator import sizing
 from kvpilot.operator.gpu_catalog import GPU, GPUS, find_gpu
 from kvpilot.operator.model_catalog import MODELS, Architecture, find_model
@@ -119,11 +120,12 @@ def _listed(options: Iterable[str]) -> str:
 
 def _unsupported_pins(spec: InferenceServiceSpec, capabilities: EngineCapabilities) -> str | None:
     """Why the spec pins options this engine cannot run, None when it pins none."""
-    problems = [f"serving.{field} {value!r} is not one this engine runs (supported: "
-                f"{_listed(supported)}; or 'auto')"
-                for field, value, supported in (
-                    ("quantization", spec.serving.quantization, capabilities.quantization),
-                    ("speculative", spec.serving.speculative, capabilities.speculative))
+    problems = [f"serving.{field} {value!r} is not one this engine "
+                + ("build can be deployed with yet" if value in built else "runs")
+                + f" (supported: {_listed(supported)}; or 'auto')"
+                for field, value, supported, built in (
+                    ("quantization", spec.serving.quantization, capabilities.quantization, QUANTIZATION_SCHEMES),
+                    ("speculative", spec.serving.speculative, capabilities.speculative, SPECULATIVE_MODES))
                 if value != "auto" and value not in supported]
     return "; ".join(problems) or None
 

@@ -48,12 +48,14 @@ def _specs(model: str) -> list[InferenceServiceSpec]:
 
 
 def _unsupported_pins(spec: InferenceServiceSpec) -> list[str]:
-    """What the plan's reason must say for each value the spec pins that the engine lacks."""
-    return [f"serving.{field} {value!r} is not one this engine runs (supported: "
-            f"{', '.join(getattr(CAPABILITIES, field))}"
+    """What the plan's reason must say for each value the spec pins that the engine lacks: the
+    value, and the supported list."""
+    return [text
             for field, value in (("quantization", spec.serving.quantization),
                                  ("speculative", spec.serving.speculative))
-            if value != "auto" and value not in getattr(CAPABILITIES, field)]
+            if value != "auto" and value not in getattr(CAPABILITIES, field)
+            for text in (f"serving.{field} {value!r} is not one this engine",
+                         f"(supported: {', '.join(getattr(CAPABILITIES, field))}; or 'auto')")]
 
 
 def _parse(args: list[str]) -> argparse.Namespace | str:

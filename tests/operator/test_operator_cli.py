@@ -49,6 +49,8 @@ def test_plan_exit_codes_for_no_fit_and_invalid_input(capsys: pytest.CaptureFixt
     assert code == 1 and "UnknownGPU" in text
     code, text = run("plan --model llama-2-7b --gpu A10G --speculative draft --draft-model llama-2-7b")
     assert code == 1 and "NO (UnsupportedByEngine)" in text and "'draft'" in text
+    # The engine runs draft models; the operator cannot deliver one to a pod yet, and says so.
+    assert "'draft' is not one this engine build can be deployed with yet" in text
 
 
 class Recorder:

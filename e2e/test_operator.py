@@ -142,12 +142,17 @@ def test_lifecycle_generation_repair_restart_and_garbage_collection(
     poll(lambda: kvis.children(k8s, ns, name) == [], CONVERGE_S, f"children of {name} garbage-collected")
 
 
+def _rolled_out(k8s: Cluster, apply_isvc: ApplyISVC, ns: str, name: str, gpu: str) -> None:
+    """A one-replica llama-2-7b service on `gpu`, Ready and its rollout complete."""
+    apply_isvc(name, {"model": {"name": "llama-2-7b"}, "accelerator": {"type": gpu}, "replicas": 1})
+    kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
+    k8s.kubectl("rollout", "status", f"deployment/{name}", "-n", ns, "--timeout=60s", timeout=70)
+
+
 def test_a_spec_that_stops_planning_keeps_the_last_good_deployment_with_the_numbers(
         k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
     ns, name = kvpilot.watch_namespaces[0], "too-big"
-    apply_isvc(name, {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "L4"}, "replicas": 1})
-    kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
-    k8s.kubectl("rollout", "status", f"deployment/{name}", "-n", ns, "--timeout=60s", timeout=70)
+    _rolled_out(k8s, apply_isvc, ns, name, "L4")
     running = k8s.kubectl_json("get", "deployment", name, "-n", ns)
 
     def unchanged() -> None:
@@ -291,9 +296,7 @@ def _service_account_requests(k8s: Cluster) -> int:
 def test_an_idle_inference_service_costs_no_writes(
         k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
     ns, name = kvpilot.watch_namespaces[0], "idle"
-    apply_isvc(name, {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}, "replicas": 1})
-    kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
-    k8s.kubectl("rollout", "status", f"deployment/{name}", "-n", ns, "--timeout=60s", timeout=70)
+    _rolled_out(k8s, apply_isvc, ns, name, "A10G")
 
     def quiet() -> bool:
         # The children of earlier tests' InferenceServices are garbage-collected by now.

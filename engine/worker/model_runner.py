@@ -76,7 +76,7 @@ class ModelRunner:
         """K and V of every layer, and of the draft model's layers when it keeps a cache beside."""
         per_token = self.num_layers * self.num_kv_heads * self.head_dim
         if self.draft_model is not None:
-            heads, dim = kv_shape(self.draft_model, self.draft_layers)
+            heads, dim = kv_shape(self.draft_model)
             per_token += self.draft_layers * heads * dim
         return 2 * per_token * self.dtype.itemsize
 
@@ -155,7 +155,7 @@ class ModelRunner:
         order = sorted(scheduler_output.scheduled, key=lambda s: (not _is_decode(s), s.num_tokens, s.request.num_computed_tokens))
         inputs = StepInputs(self.block_size, self.device)
         sample_rows: list[int] = []
-        sampled: list[tuple[Request, list[int]]] = []  # with the drafts it verifies
+        sampled: list[ScheduledRequest] = []  # requests that sample, with the drafts they verify
         scored: list[tuple[Request, int, int, int]] = []  # (request, first row, first position, tokens) to score
         for item in order:
             request, n = item.request, item.num_tokens
@@ -167,7 +167,7 @@ class ModelRunner:
             if start + n == request.num_tokens + len(drafts):
                 # The last known token's row samples the next token; each draft's row, the one after it.
                 sample_rows.extend(range(row + n - 1 - len(drafts), row + n))
-                sampled.append((request, drafts))
+                sampled.append(item)
 
         device = self.device
         input_ids, positions, meta = inputs.build()
@@ -176,8 +176,8 @@ class ModelRunner:
         if not sampled:
             return out
         logits = self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)])
-        rows = [request for request, drafts in sampled for _ in range(len(drafts) + 1)]
-        draft_rows = [token for _, drafts in sampled for token in (*drafts, -1)]
+        rows = [item.request for item in sampled for _ in range(len(item.spec_token_ids) + 1)]
+        draft_rows = [token for item in sampled for token in (*item.spec_token_ids, -1)]
         meta = self._sampling_metadata(rows)
         if len(draft_rows) > len(sampled):
             meta.draft_token_ids = torch.tensor(draft_rows, dtype=torch.long, device=device)
@@ -186,9 +186,9 @@ class ModelRunner:
         accepted = result.accepted.tolist() if result.accepted is not None else None
         row = 0
         to_draft: list[DraftInput] = []
-        block_ids = {item.request.request_id: item.block_ids for item in scheduler_output.scheduled}
         speculate = self.proposer is not None and len(scheduler_output.scheduled) <= self.config.speculative_max_batch_size
-        for request, drafts in sampled:
+        for item in sampled:
+            request, drafts = item.request, item.spec_token_ids
             # Drafts up to the first rejection, then the token sampled at that row (the resampled
             # token, or after all drafts the bonus token).
             num_accepted = 0
@@ -201,7 +201,7 @@ class ModelRunner:
                 out.logprobs[request.request_id] = [TokenLogprobs(new_tokens[0], logprob, top)]
             params = request.params
             if speculate and params.speculable and request.num_output_tokens + len(new_tokens) >= params.min_tokens:
-                to_draft.append(DraftInput(request.request_id, request.token_ids + new_tokens, block_ids[request.request_id]))
+                to_draft.append(DraftInput(request.request_id, request.token_ids + new_tokens, item.block_ids))
             row += len(drafts) + 1
         if speculate:
             out.spec_token_ids = self.proposer.propose(to_draft)

@@ -30,7 +30,7 @@ class DraftProposer:
         self.block_size = block_size
         self.device = device
         # The model runs only as many layers as its cache holds (LlamaForCausalLM.forward).
-        self.kv_caches = torch.zeros(num_layers, 2, num_slots, *kv_shape(model, num_layers), dtype=dtype, device=device)
+        self.kv_caches = torch.zeros(num_layers, 2, num_slots, *kv_shape(model), dtype=dtype, device=device)
         # Tokens of each request whose draft KV is computed (positions past them may hold drafts').
         self.num_computed: dict[str, int] = {}
 
@@ -71,8 +71,7 @@ class DraftProposer:
         return self.model.logits(hidden[torch.tensor(rows, device=self.device)]).argmax(dim=-1).tolist()
 
 
-def kv_shape(model: LlamaForCausalLM, num_layers: int) -> tuple[int, int]:
+def kv_shape(model: LlamaForCausalLM) -> tuple[int, int]:
+    """KV heads and head size of one layer's cache."""
     attn = model.model.layers[0].self_attn
-    if not 1 <= num_layers <= len(model.model.layers):
-        raise ValueError(f"draft layers must be between 1 and the model's {len(model.model.layers)}, got {num_layers}")
     return attn.num_kv_heads, attn.head_dim

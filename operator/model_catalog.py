@@ -28,6 +28,8 @@ class Architecture(BaseModel):
     parameters: int = Field(gt=0)
     active_parameters: int | None = Field(default=None, gt=0)
     max_context: int = Field(gt=0)
+    # config.json's tie_word_embeddings: the LM head is the embedding (counted once in parameters).
+    tie_word_embeddings: bool = False
     source: str = ""
 
     @model_validator(mode="after")
@@ -86,7 +88,7 @@ MODELS: dict[str, Architecture] = {
         source=_hf("Qwen/Qwen2.5-72B-Instruct")),
     "smollm2-135m": Architecture(
         layers=30, hidden_size=576, attention_heads=9, kv_heads=3, head_dim=64, vocab_size=49152,
-        parameters=134_515_008, max_context=8192,
+        parameters=134_515_008, max_context=8192, tie_word_embeddings=True,
         source=_hf("HuggingFaceTB/SmolLM2-135M-Instruct")),
 }
 

@@ -250,8 +250,7 @@ def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization
           context: int, speculative_modes: Sequence[str]) -> Plan:
     """The plan for one (GPU, quantization) pair."""
     serving = spec.serving
-    weights = (sizing.weight_bytes(arch.parameters, quantization)
-               + sizing.quantization_overhead_bytes(arch.parameters, quantization))
+    weights = sizing.weight_bytes(arch, quantization)
     # W8A8 runs its GEMMs on the INT8 tensor cores; weight-only schemes dequantize to FP16.
     ops = gpu.int8_ops if quantization == "w8a8" else gpu.fp16_flops
     kv_per_token = sizing.kv_bytes_per_token(arch)

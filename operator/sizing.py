@@ -9,19 +9,31 @@ from __future__ import annotations
 
 import math
 
+from kvpilot.engine.config import EngineConfig
 from kvpilot.operator.model_catalog import Architecture
 
 GiB = 1024**3
 MiB = 1024**2
 
-# FP16/BF16 weights are 2 bytes; INT8 (weight-only or W8A8) halves that, INT4 quarters it.
-BYTES_PER_WEIGHT: dict[str, float] = {"none": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": 0.5}
+# The weights as the engine holds them (engine/model/: llama.py, quantization.py). Unquantized,
+# every parameter is one 16-bit value (a tied LM head shares the embedding's). Quantized, only the
+# decoder layers' linear weights take the scheme: the embedding and the norms stay 16-bit, and the
+# LM head is INT8 under every scheme (its own copy even when tied to the embedding).
+BYTES_PER_VALUE = 2
+# INT8: one byte per weight plus a bf16 scale per output row (2 bytes per row of thousands of
+# weights: left out). INT4: two weights per byte plus a bf16 scale and a bf16 zero per group of
+# input columns, the engine's default group, which the operator never overrides.
+INT8_BYTES_PER_WEIGHT = 1
+INT4_BYTES_PER_WEIGHT = 0.5
+INT4_GROUP = int(EngineConfig.model_fields["quantization_group_size"].default)
+INT4_SCALE_ZERO_BYTES = 2 * BYTES_PER_VALUE
+BODY_BYTES_PER_WEIGHT: dict[str, float] = {
+    "int8": INT8_BYTES_PER_WEIGHT,
+    "w8a8": INT8_BYTES_PER_WEIGHT,
+    "int4": INT4_BYTES_PER_WEIGHT + INT4_SCALE_ZERO_BYTES / INT4_GROUP,
+}
 # The KV cache stays FP16 whatever the weights are: the engine has no KV quantization.
 KV_BYTES_PER_VALUE = 2
-# Group-wise INT4 (GPTQ/AWQ layout) stores an FP16 scale and a 4-bit zero point per 128 weights;
-# per-channel INT8 scales are one value per output row, negligible next to the weights.
-INT4_GROUP = 128
-INT4_BYTES_PER_GROUP = 2.5
 
 # CUDA context, cuBLAS workspaces and allocator slack: vLLM measures 0.5-1.5 GiB outside the
 # weights and the KV cache on a single GPU before any activation.
@@ -36,16 +48,15 @@ PREFILL_COMPUTE_EFFICIENCY = 0.5
 DECODE_BANDWIDTH_EFFICIENCY = 0.8
 
 
-def weight_bytes(parameters: int, quantization: str) -> int:
-    """Bytes of the packed weights: parameters × bytes per weight of the scheme."""
-    return int(parameters * BYTES_PER_WEIGHT[quantization])
-
-
-def quantization_overhead_bytes(parameters: int, quantization: str) -> int:
-    """Bytes of quantization scales stored beside the packed weights."""
-    if quantization != "int4":
-        return 0
-    return int(parameters / INT4_GROUP * INT4_BYTES_PER_GROUP)
+def weight_bytes(arch: Architecture, quantization: str) -> int:
+    """Bytes of the weights the engine holds for `arch` at `quantization` (see BYTES_PER_VALUE)."""
+    if quantization == "none":
+        return arch.parameters * BYTES_PER_VALUE
+    embedding = arch.vocab_size * arch.hidden_size
+    norms = (2 * arch.layers + 1) * arch.hidden_size  # two per decoder layer and the final one
+    body = arch.parameters - embedding - norms - (0 if arch.tie_word_embeddings else embedding)
+    head = embedding * INT8_BYTES_PER_WEIGHT + arch.vocab_size * BYTES_PER_VALUE  # + a scale per row
+    return int((embedding + norms) * BYTES_PER_VALUE + head + body * BODY_BYTES_PER_WEIGHT[quantization])
 
 
 def kv_bytes_per_token(arch: Architecture, bytes_per_value: int = KV_BYTES_PER_VALUE) -> int:

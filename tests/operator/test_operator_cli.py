@@ -42,7 +42,7 @@ def test_plan_json_is_the_plan() -> None:
 
 def test_plan_exit_codes_for_no_fit_and_invalid_input(capsys: pytest.CaptureFixture[str]) -> None:
     code, text = run("plan --model llama-3-70b --gpu A10G")
-    assert code == 1 and "NO (WeightsDoNotFit)" in text and "34.1 GiB" in text  # even at INT4
+    assert code == 1 and "NO (WeightsDoNotFit)" in text and "42.8 GiB" in text  # even at INT4
     code, _ = run("plan --model llama-2-7b --gpu A10G --block-size 24")
     assert code == 2 and "power of two" in capsys.readouterr().err
     code, text = run("plan --model llama-2-7b --gpu TPU-v5")

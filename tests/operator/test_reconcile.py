@@ -225,7 +225,7 @@ def test_a_plan_that_stops_fitting_keeps_the_last_good_deployment_and_says_why()
     planned = condition(status, "Planned")
     assert (planned["status"], planned["reason"]) == ("False", "WeightsDoNotFit")
     # Even the most compressed scheme this engine runs (INT4) does not fit.
-    assert "int4 weights 34.1 GiB" in planned["message"] and "20.2 GiB" in planned["message"]
+    assert "int4 weights 42.8 GiB" in planned["message"] and "20.2 GiB" in planned["message"]
     assert "last plan that fit keeps running" in planned["message"]
     ready = condition(status, "Ready")
     assert (ready["status"], ready["reason"]) == ("True", "ReplicasReady")
@@ -240,7 +240,7 @@ def test_a_plan_that_stops_fitting_keeps_the_last_good_deployment_and_says_why()
     assert fresh.kinds() == ["PodDisruptionBudget", "Service"]
     ready = condition(status, "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "WeightsDoNotFit")
-    assert "34.1 GiB" in ready["message"]
+    assert "42.8 GiB" in ready["message"]
 
 
 def test_an_unknown_gpu_type_after_a_good_plan_keeps_the_deployment() -> None:

@@ -1,8 +1,12 @@
 """The worked sizing numbers (Llama-2-7B FP16: 0.5 MiB per token, 2 GiB per 4k sequence, about 5 sequences
 in the ~10 GB a 24 GB GPU has left after 14 GB of weights) as oracles for the sizing maths."""
 
+from pathlib import Path
+
+import pytest
+
 from kvpilot.operator import sizing
-from kvpilot.operator.model_catalog import MODELS
+from kvpilot.operator.model_catalog import MODELS, Architecture
 
 GiB = 1024**3
 MiB = 1024**2
@@ -42,17 +46,49 @@ def test_gqa_divides_the_kv_cache_by_query_heads_over_kv_heads() -> None:
     assert sizing.kv_bytes_per_token(llama_2_70b) == mha // 8
 
 
-def test_int8_halves_and_int4_quarters_weight_bytes() -> None:
-    params = LLAMA_2_7B.parameters
-    fp16 = sizing.weight_bytes(params, "none")
-    assert fp16 == 2 * params  # ~13.5 GB: the worked example's "14 GB of weights"
-    assert sizing.weight_bytes(params, "int8") == fp16 // 2
-    assert sizing.weight_bytes(params, "w8a8") == fp16 // 2
-    assert sizing.weight_bytes(params, "int4") == fp16 // 4
-    # INT4's group scales are accounted separately: 2.5 bytes per 128 weights, ~4% on top.
-    overhead = sizing.quantization_overhead_bytes(params, "int4")
-    assert 0.03 < overhead / sizing.weight_bytes(params, "int4") < 0.05
-    assert sizing.quantization_overhead_bytes(params, "int8") == 0
+def test_weight_bytes_by_hand_for_llama_2_70b_at_each_scheme() -> None:
+    arch = MODELS["llama-2-70b"]
+    assert sizing.weight_bytes(arch, "none") == 2 * 68_976_648_192  # every parameter 16-bit
+    embedding = 32000 * 8192  # the embedding, and (untied) the LM head, each
+    norms = (2 * 80 + 1) * 8192
+    body = 68_976_648_192 - 2 * embedding - norms  # the decoder layers' linear weights
+    kept = (embedding + norms) * 2  # embedding and norms stay 16-bit
+    head = embedding + 32000 * 2  # the LM head at INT8 under every scheme, a bf16 scale per row
+    assert sizing.weight_bytes(arch, "int8") == kept + head + body
+    # INT4 group 32: half a byte per weight and a bf16 scale and zero per 32 weights = 0.625 bytes.
+    assert sizing.INT4_GROUP == 32
+    assert sizing.weight_bytes(arch, "int4") == kept + head + body * 5 // 8 == 43_571_034_624  # 40.6 GiB
+    # Not the quarter of FP16 that INT4 alone would suggest: the group scales add a quarter of the
+    # packed bytes, and the embedding and LM head stay wide.
+    assert 0.31 < sizing.weight_bytes(arch, "int4") / sizing.weight_bytes(arch, "none") < 0.32
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_weight_bytes_are_what_the_engine_allocates(tmp_path: Path, quantization: str, tied: bool) -> None:
+    """The planner's bytes against the engine's own: a small random Llama loaded by the engine's
+    loader at each scheme and the engine's default group, counted as the model runner counts its
+    weight bytes. Left out by the planner, and here: RoPE's frequency table and INT8's per-row
+    scales of the decoder layers (2 bytes per row of `in_features` weights)."""
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvpilot.engine.model.loader import load_config, load_model
+
+    hf = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                     tie_word_embeddings=tied)
+    reference = LlamaForCausalLM(hf)
+    reference.save_pretrained(tmp_path)
+    arch = Architecture(layers=2, hidden_size=256, attention_heads=4, kv_heads=2, vocab_size=512,
+                        parameters=sum(p.numel() for p in reference.parameters()), max_context=256,
+                        tie_word_embeddings=tied)
+    model = load_model(tmp_path, load_config(tmp_path), torch.bfloat16, torch.device("cpu"), quantization)
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    rope = sum(t.numel() * t.element_size() for t in model.model.rotary_emb.buffers())
+    row_scales = sum(m.scales.numel() * m.scales.element_size() for m in model.model.layers.modules()
+                     if isinstance(getattr(m, "scales", None), torch.Tensor))
+    assert sizing.weight_bytes(arch, quantization) == held - rope - row_scales
 
 
 def test_latency_is_ttft_plus_n_minus_1_tpot() -> None:
@@ -61,7 +97,7 @@ def test_latency_is_ttft_plus_n_minus_1_tpot() -> None:
 
 
 def test_decode_is_bandwidth_bound_at_batch_1_and_compute_bound_at_huge_batch() -> None:
-    weights = sizing.weight_bytes(LLAMA_2_7B.parameters, "none")
+    weights = sizing.weight_bytes(LLAMA_2_7B, "none")
     one = sizing.decode_step_seconds(bytes_read=weights, bandwidth=2e12,
                                      parameters_per_token=LLAMA_2_7B.parameters, batch=1,
                                      ops_per_s=300e12)

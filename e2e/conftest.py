@@ -23,6 +23,8 @@ from e2e.local_operator import LocalOperator
 
 # The namespace the chart's operator watches; every InferenceService of the tests lives here.
 WATCHED = "kvpilot-e2e"
+# The chart's autoscaler.intervalSeconds: short, so that scaling scenarios take seconds, not minutes.
+AUTOSCALE_INTERVAL_S = 2.0
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +53,7 @@ def k8s(k8s_binaries: Binaries) -> Iterator[Cluster]:
 @pytest.fixture(scope="session")
 def kvpilot(k8s: Cluster) -> Installation:
     """The chart, installed with Helm, reconciling InferenceServices in WATCHED."""
-    return install(k8s, [WATCHED])
+    return install(k8s, [WATCHED], values={"autoscaler": {"intervalSeconds": AUTOSCALE_INTERVAL_S}})
 
 
 @pytest.fixture(scope="session")

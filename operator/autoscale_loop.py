@@ -169,8 +169,8 @@ def plan_max_num_seqs(status: Mapping[str, Any]) -> int | None:
     return int(value) if value else None
 
 
-def prepare(body: Mapping[str, Any], deployment: Mapping[str, Any] | None,
-            now: float) -> tuple[Policy, AutoscalerState] | None:
+def prepare(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, now: float,
+            interval: float = INTERVAL_SECONDS) -> tuple[Policy, AutoscalerState] | None:
     """The policy and saved state of a service the autoscaler has a period to run for; None when
     it has not (mode off, an invalid spec, no Deployment of its own yet, or not due), before any
     pod is read."""
@@ -182,15 +182,15 @@ def prepare(body: Mapping[str, Any], deployment: Mapping[str, Any] | None,
     if spec.autoscaling.mode == "off" or deployment is None:
         return None
     state = saved_state(status)
-    if not due(state, now):
+    if not due(state, now, interval):
         return None
-    return Policy.from_spec(spec, max_num_seqs=plan_max_num_seqs(status)), state
+    return Policy.from_spec(spec, max_num_seqs=plan_max_num_seqs(status), interval_seconds=interval), state
 
 
 def decide(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, reads: Sequence[PodRead],
-           now: float) -> tuple[Policy, AutoscalerState, Decision] | None:
+           now: float, interval: float = INTERVAL_SECONDS) -> tuple[Policy, AutoscalerState, Decision] | None:
     """One period for one InferenceService, from what was read (None: see `prepare`)."""
-    prepared = prepare(body, deployment, now)
+    prepared = prepare(body, deployment, now, interval)
     if prepared is None:
         return None
     policy, state = prepared
@@ -269,22 +269,23 @@ class Scaler:
     the operator runs anyway), so a period costs no API reads; it writes only what changed."""
 
     def __init__(self, client: DynamicClient, services: Mapping[Any, Any], deployments: Mapping[Any, Any],
-                 pods: Mapping[Any, Any]) -> None:
+                 pods: Mapping[Any, Any], interval: float = INTERVAL_SECONDS) -> None:
         self._client = client
+        self.interval = interval
         self._indexes = services, deployments, pods
         self._instance = socket.gethostname()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvpilot-metrics")
 
     @classmethod
     def connect(cls, services: Mapping[Any, Any], deployments: Mapping[Any, Any],
-                pods: Mapping[Any, Any]) -> Scaler:
+                pods: Mapping[Any, Any], interval: float = INTERVAL_SECONDS) -> Scaler:
         """In a pod its service account, elsewhere the local kubeconfig (as KubeCluster.connect).
         The three mappings are kopf indexes of `index_entry` values: key -> store of values."""
         try:
             config.load_incluster_config()
         except ConfigException:
             config.load_kube_config()
-        return cls(DynamicClient(ApiClient()), services, deployments, pods)
+        return cls(DynamicClient(ApiClient()), services, deployments, pods, interval)
 
     def _resource(self, api_version: str, kind: str) -> Any:
         return self._client.resources.get(api_version=api_version, kind=kind)
@@ -298,9 +299,9 @@ class Scaler:
         metadata = body["metadata"]
         namespace, name = metadata["namespace"], metadata["name"]
         deployment, engine_pods = children(body, deployments, pods)
-        if prepare(body, deployment, now) is None:
+        if prepare(body, deployment, now, self.interval) is None:
             return None
-        outcome = decide(body, deployment, self.read_all(metrics_targets(engine_pods)), now)
+        outcome = decide(body, deployment, self.read_all(metrics_targets(engine_pods)), now, self.interval)
         if outcome is None:
             return None
         policy, state, decision = outcome
@@ -356,11 +357,11 @@ class Scaler:
             children_of[key] = (list(deployments_index.get(key, ())), list(pods_index.get(key, ())))
         return services, children_of
 
-    async def run(self, interval: float = INTERVAL_SECONDS) -> None:
+    async def run(self) -> None:
         """Rounds until cancelled; the blocking client calls run in a thread, off kopf's loop."""
         while True:
             try:
                 await asyncio.to_thread(self.round, *self._snapshot())
             except Exception:  # noqa: BLE001 - the task must outlive a bug, or autoscaling stops unseen
                 log.exception("autoscaler: round failed")
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self.interval)

@@ -56,10 +56,12 @@ TARGET_BATCH_OCCUPANCY = 0.8
 # A p95 of fewer requests than this is mostly their maximum: shown, but not acted on. A service
 # that slow to fill a window is not one that more replicas help; its queue would say if it were.
 MIN_OBSERVATIONS = 20
-# How often the operator reads the engines, and how far back a window reaches. A window spans a
-# few reads so that a p95 rests on more than one period's requests.
+# How often the operator reads the engines (`kvpilot operator --autoscale-interval`), and how far
+# back a window reaches, in periods: a window spans a few reads so that a p95 rests on more than
+# one period's requests.
 INTERVAL_SECONDS = 15.0
-WINDOW_SECONDS = 60.0
+WINDOW_PERIODS = 4
+WINDOW_SECONDS = WINDOW_PERIODS * INTERVAL_SECONDS
 # Floating-point slack for ceil(): 2 × 0.45 / 0.9 must be 1, not 1.0000000000000002 -> 2.
 _EPSILON = 1e-9
 
@@ -91,9 +93,10 @@ class Policy(_Data):
     target_batch_occupancy: float = Field(default=TARGET_BATCH_OCCUPANCY, gt=0, le=1)
 
     @classmethod
-    def from_spec(cls, spec: InferenceServiceSpec, max_num_seqs: int | None = None) -> Policy:
+    def from_spec(cls, spec: InferenceServiceSpec, max_num_seqs: int | None = None,
+                  interval_seconds: float = INTERVAL_SECONDS) -> Policy:
         a = spec.autoscaling
-        return cls(max_num_seqs=max_num_seqs, mode=a.mode, min_replicas=a.min_replicas,
+        return cls(max_num_seqs=max_num_seqs, window_seconds=WINDOW_PERIODS * interval_seconds, mode=a.mode, min_replicas=a.min_replicas,
                    max_replicas=a.max_replicas, max_step=a.max_step, tolerance=a.tolerance,
                    ttft_p95_seconds=spec.slo.ttft_p95_ms / 1000, tpot_p95_seconds=spec.slo.tpot_p95_ms / 1000,
                    max_waiting_per_replica=a.max_waiting_per_replica,

@@ -13,6 +13,7 @@ import kopf
 from pydantic import ValidationError
 
 from kvpilot.operator import sizing
+from kvpilot.operator.autoscaler import INTERVAL_SECONDS, WINDOW_PERIODS
 from kvpilot.operator.cluster import KubeCluster
 from kvpilot.operator.gpu_catalog import GPUS, find_gpu
 from kvpilot.operator.planner import Plan, plan
@@ -57,6 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                           help="no peering: only for a single replica or local development")
     operator.add_argument("--liveness", metavar="URL",
                           help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    operator.add_argument("--autoscale-interval", type=float, default=INTERVAL_SECONDS, metavar="SECONDS",
+                          help="how often the SLO autoscaler reads the engines (its window is "
+                               f"{WINDOW_PERIODS} periods; default %(default)s)")
     operator.add_argument("-v", "--verbose", action="store_true")
     operator.set_defaults(func=run_operator)
 
@@ -156,6 +160,7 @@ def run_operator(args: argparse.Namespace) -> int:
         peering_name=None if args.standalone else args.peering,
         priority=priority,
         liveness_endpoint=args.liveness,
+        memo=kopf.Memo(autoscale_interval=args.autoscale_interval),
     )
     return 0
 

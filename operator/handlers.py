@@ -27,6 +27,7 @@ import kopf
 
 from kvpilot.operator import render
 from kvpilot.operator.autoscale_loop import Scaler, index_entry
+from kvpilot.operator.autoscaler import INTERVAL_SECONDS
 from kvpilot.operator.cluster import KubeCluster, WriteConflict
 from kvpilot.operator.reconcile import controller_of, reconcile, refresh
 from kvpilot.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
@@ -97,7 +98,8 @@ async def start_autoscaler(memo: kopf.Memo, autoscaled_services: kopf.Index, eng
                            engine_pods: kopf.Index, **_: Any) -> None:
     """The SLO autoscaler's periodic loop (autoscale_loop.py), as a plain asyncio task: a kopf
     timer or daemon would put a finalizer on every InferenceService."""
-    scaler = await asyncio.to_thread(Scaler.connect, autoscaled_services, engine_deployments, engine_pods)
+    scaler = await asyncio.to_thread(Scaler.connect, autoscaled_services, engine_deployments, engine_pods,
+                                     memo.get("autoscale_interval", INTERVAL_SECONDS))
     memo.autoscaler = asyncio.create_task(scaler.run(), name="kvpilot-autoscaler")
 
 

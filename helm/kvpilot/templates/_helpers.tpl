@@ -80,6 +80,7 @@ collector), keep its peering record alive, and post events.
 {{- end }}
 - --peering={{ .Values.peering.name }}
 - --liveness=http://0.0.0.0:{{ .Values.livenessPort }}/healthz
+- --autoscale-interval={{ .Values.autoscaler.intervalSeconds }}
 {{- if eq .Values.logLevel "debug" }}
 - --verbose
 {{- end }}

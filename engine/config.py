@@ -41,10 +41,9 @@ class EngineCapabilities(BaseModel):
     dtypes: tuple[str, ...]
 
 
-# The operator plans only what it can also deliver to a pod. A draft model's weights have no model
-# source yet (serving.draftModel is a bare name), so `draft` runs in the engine but is not offered.
-CAPABILITIES = EngineCapabilities(quantization=QUANTIZATION_SCHEMES, dtypes=DTYPES,
-                                  speculative=tuple(m for m in SPECULATIVE_MODES if m != "draft"))
+# Everything this build runs; the operator can deliver each to a pod (a draft model's weights come
+# from serving.draftModel, a model source like the target's).
+CAPABILITIES = EngineCapabilities(quantization=QUANTIZATION_SCHEMES, speculative=SPECULATIVE_MODES, dtypes=DTYPES)
 
 
 class EngineConfig(BaseModel):

@@ -86,6 +86,16 @@ MODELS: dict[str, Architecture] = {
         layers=80, hidden_size=8192, attention_heads=64, kv_heads=8, head_dim=128,
         vocab_size=152064, parameters=72_706_203_648, max_context=32768,
         source=_hf("Qwen/Qwen2.5-72B-Instruct")),
+    # Small models of the Llama-2 and Llama-3 vocabularies: the usual draft models for their
+    # families' large ones (serving.draftModel).
+    "tinyllama-1.1b": Architecture(
+        layers=22, hidden_size=2048, attention_heads=32, kv_heads=4, vocab_size=32000,
+        parameters=1_100_048_384, max_context=2048,
+        source=_hf("TinyLlama/TinyLlama-1.1B-Chat-v1.0")),
+    "llama-3.2-1b": Architecture(
+        layers=16, hidden_size=2048, attention_heads=32, kv_heads=8, head_dim=64, vocab_size=128256,
+        parameters=1_235_814_400, max_context=131072, tie_word_embeddings=True,
+        source=_hf("meta-llama/Llama-3.2-1B-Instruct")),
     "smollm2-135m": Architecture(
         layers=30, hidden_size=576, attention_heads=9, kv_heads=3, head_dim=64, vocab_size=49152,
         parameters=134_515_008, max_context=8192, tie_word_embeddings=True,
@@ -93,7 +103,7 @@ MODELS: dict[str, Architecture] = {
 }
 
 
-_VARIANT_SUFFIXES = re.compile(r"(-(instruct|chat|hf|v0\.\d))+$")
+_VARIANT_SUFFIXES = re.compile(r"(-(instruct|chat|hf|v\d+(\.\d+)*))+$")
 
 
 def _key(name: str) -> str:

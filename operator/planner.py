@@ -15,12 +15,11 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-from kvpilot.engine.config import (CAPABILITIES, QUANTIZATION_SCHEMES, SPECULATIVE_MAX_BATCH_SIZE, SPECULATIVE_MODES,
-                                   EngineCapabilities)
+from kvpilot.engine.config import CAPABILITIES, SPECULATIVE_MAX_BATCH_SIZE, EngineCapabilities
 from kvpilot.operator import sizing
 from kvpilot.operator.gpu_catalog import GPU, GPUS, find_gpu
 from kvpilot.operator.model_catalog import MODELS, Architecture, find_model
-from kvpilot.operator.spec import InferenceServiceSpec
+from kvpilot.operator.spec import InferenceServiceSpec, hub_source
 
 # Least lossy first: INT8 weight-only keeps the activations and rounds each weight to one of 256
 # levels, W8A8 rounds the activations too, INT4 has only 16 levels per group of weights.
@@ -43,9 +42,12 @@ SPECULATION_MAX_BATCH = SPECULATIVE_MAX_BATCH_SIZE
 HIGH_TEMPERATURE = 1.0
 # Draft acceptance per draft token. ngram: measured (bench/RESULTS.md, "Speculative decoding"): 0.29
 # on open-ended chat answers, the conservative choice, where answers that copy their prompt accept
-# 0.76; draft: an assumption until a draft-model proposer lands. Verifying k + 1 tokens costs more
-# than a plain decode step: 1.15x is an assumption for a bandwidth-bound GPU (no GPU was at hand;
-# on this project's 2-core CPU, where decode is compute-bound, it measured ~1.5x).
+# 0.76. draft: NOT measured, an assumption taken from the literature's figures for a small draft of
+# the target's own family (Leviathan et al. 2023, EAGLE, Medusa, vLLM's speculative-decoding posts);
+# this project measured only drafts that tell nothing about it: the target's own early exit (0-2 %)
+# and the target as its own draft (100 %). Verifying k + 1 tokens costs more than a plain
+# decode step: 1.15x is an assumption for a bandwidth-bound GPU (no GPU was at hand; on this
+# project's 2-core CPU, where decode is compute-bound, it measured ~1.5x).
 ACCEPTANCE = {"ngram": 0.29, "draft": 0.7}
 VERIFY_OVERHEAD = 1.15
 
@@ -61,12 +63,15 @@ class Plan(BaseModel):
     gpu_count: int = 1
     quantization: str | None = None
     speculative: str = "off"
-    draft_model: str | None = None
+    draft_model: str | None = None  # serving.draftModel, when the plan runs it
     num_speculative_tokens: int | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
+    # Both include the draft model's share when the plan runs one (the engine's own totals).
     weight_bytes: int = 0
     kv_bytes_per_token: int = 0
+    draft_weight_bytes: int = 0
+    draft_kv_bytes_per_token: int = 0
     kv_pool_bytes: int = 0
     kv_blocks: int = 0
     max_model_len: int = 0
@@ -82,15 +87,39 @@ class Plan(BaseModel):
     reasons: dict[str, str] = {}
 
 
+class _Draft(NamedTuple):
+    """A draft model as the engine runs it beside the target: unquantized in the target's 16-bit
+    dtype (the engine loads it so), with a KV cache of one slot per slot of the target's."""
+
+    source: str
+    arch: Architecture
+    weights: int
+    kv_per_token: int
+
+
 class _Replica(NamedTuple):
-    """What one engine replica is: the model on the GPU at one quantization."""
+    """What one engine replica is: the model on the GPU at one quantization, with its draft."""
 
     arch: Architecture
     gpu: GPU
-    weights: int
-    kv_per_token: int
+    weights: int  # the target's
+    kv_per_token: int  # the target's
     ops: float  # FLOP/s or OP/s of the GEMMs at this quantization
     max_num_seqs: int
+    draft: _Draft | None
+
+
+class _Memory(NamedTuple):
+    """How one replica's GPU memory divides: weights, reserve, and the KV pool's sequences."""
+
+    replica: _Replica
+    pool: int
+    kv_per_token: int  # the target's and the draft's: what every KV slot holds
+    budget: int
+    batching_reason: str
+    mean_context: int
+    kv_reason: str
+    numbers: dict[str, object]
 
 
 class _Perf(NamedTuple):
@@ -120,14 +149,36 @@ def _listed(options: Iterable[str]) -> str:
 
 def _unsupported_pins(spec: InferenceServiceSpec, capabilities: EngineCapabilities) -> str | None:
     """Why the spec pins options this engine cannot run, None when it pins none."""
-    problems = [f"serving.{field} {value!r} is not one this engine "
-                + ("build can be deployed with yet" if value in built else "runs")
-                + f" (supported: {_listed(supported)}; or 'auto')"
-                for field, value, supported, built in (
-                    ("quantization", spec.serving.quantization, capabilities.quantization, QUANTIZATION_SCHEMES),
-                    ("speculative", spec.serving.speculative, capabilities.speculative, SPECULATIVE_MODES))
+    problems = [f"serving.{field} {value!r} is not one this engine runs (supported: {_listed(supported)}; "
+                "or 'auto')"
+                for field, value, supported in (
+                    ("quantization", spec.serving.quantization, capabilities.quantization),
+                    ("speculative", spec.serving.speculative, capabilities.speculative))
                 if value != "auto" and value not in supported]
     return "; ".join(problems) or None
+
+
+def _draft(spec: InferenceServiceSpec, target: Architecture,
+           capabilities: EngineCapabilities) -> _Draft | Plan | None:
+    """The draft model a plan may run (serving.draftModel, under a mode that may choose it), a
+    failed Plan when it cannot be sized or the engine would refuse it, None when there is none."""
+    serving = spec.serving
+    source = serving.draft_model
+    if source is None or serving.speculative not in ("auto", "draft") or "draft" not in capabilities.speculative:
+        return None
+    hub = hub_source(source)
+    arch = serving.draft_model_architecture or find_model(hub.repo if hub else source.rstrip("/"))
+    if arch is None:
+        return _failed(spec, "UnknownDraftModel",
+                       f"serving.draftModel {source!r} is not a catalog model ({', '.join(MODELS)}) by its "
+                       "repository or folder name, and serving.draftModelArchitecture is not set: the "
+                       "planner needs the draft's size")
+    if arch.vocab_size != target.vocab_size:
+        return _failed(spec, "DraftVocabularyMismatch",
+                       f"serving.draftModel {source!r} has a vocabulary of {arch.vocab_size} tokens and "
+                       f"{spec.model.name} {target.vocab_size}: the engine drafts only with the target's "
+                       "tokens, so it would refuse this draft")
+    return _Draft(source, arch, sizing.weight_bytes(arch, "none"), sizing.kv_bytes_per_token(arch))
 
 
 def choose_speculative(mode: str, *, batch: float, tpot_bound: bool, temperature: float,
@@ -175,19 +226,23 @@ def _batched_tokens(spec: InferenceServiceSpec, arch: Architecture, ops: float) 
 
 def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int,
           speculative: str) -> _Perf:
-    arch, gpu, weights, kv_per_token, ops, max_num_seqs = replica
+    arch, gpu, weights, kv_per_token, ops, max_num_seqs, draft = replica
+    draft = draft if speculative == "draft" else None
     load = spec.load
     rate = load.requests_per_second / replicas if replicas else 0.0
     prefill = sizing.prefill_seconds(arch.parameters_per_token, load.mean_prompt_tokens, ops)
+    if draft is not None:
+        # The draft computes the prompt too, in the step that samples the first token.
+        prefill += sizing.prefill_seconds(draft.arch.parameters_per_token, load.mean_prompt_tokens,
+                                          gpu.fp16_flops)
     busy = rate * prefill  # share of GPU time spent on prefill
     if busy >= 1:
         return _Perf(math.inf, math.inf, math.inf,
                      f"prefill alone needs {busy:.1f}x the GPU at {rate:.2f} req/s per replica")
     context = load.mean_prompt_tokens + load.mean_output_tokens / 2  # mean tokens in cache
-    tokens_per_step = 1.0
-    if speculative != "off":
-        tokens_per_step = sizing.expected_tokens_per_step(
-            ACCEPTANCE[speculative], spec.serving.num_speculative_tokens) / VERIFY_OVERHEAD
+    k = spec.serving.num_speculative_tokens
+    tokens_per_step = (sizing.expected_tokens_per_step(ACCEPTANCE[speculative], k)
+                       if speculative != "off" else 1.0)
 
     def latencies(batch: float) -> tuple[float, float]:
         running = max(batch, 1.0)
@@ -197,8 +252,14 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int,
             bytes_read=weights * share + running * context * kv_per_token,
             bandwidth=gpu.bandwidth_bytes_per_s, parameters_per_token=arch.parameters_per_token,
             batch=running, ops_per_s=ops)
-        speedup = tokens_per_step if running <= SPECULATION_MAX_BATCH else 1.0
-        tpot = step / speedup / (1 - busy)
+        tpot = step / (1 - busy)
+        if speculative != "off" and running <= SPECULATION_MAX_BATCH:
+            # A verification of k + 1 tokens per step, after the draft model's k decode steps.
+            drafting = 0.0 if draft is None else k * sizing.decode_step_seconds(
+                bytes_read=draft.weights + running * context * draft.kv_per_token,
+                bandwidth=gpu.bandwidth_bytes_per_s, parameters_per_token=draft.arch.parameters_per_token,
+                batch=running, ops_per_s=gpu.fp16_flops)
+            tpot = (step * VERIFY_OVERHEAD + drafting) / tokens_per_step / (1 - busy)
         # M/M/1 wait for the prefill server, plus half a step to reach the next step boundary.
         ttft = prefill * busy / (1 - busy) + step / 2 + prefill
         return ttft, tpot
@@ -246,62 +307,101 @@ def _replicas(spec: InferenceServiceSpec, replica: _Replica,
     return bounds.max_replicas, perf, miss
 
 
-def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str,
-          context: int, speculative_modes: Sequence[str]) -> Plan:
-    """The plan for one (GPU, quantization) pair."""
+def _memory(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str,
+            context: int, draft: _Draft | None) -> _Memory | Plan:
+    """How the GPU's memory divides for one (GPU, quantization) pair, with a draft model or none:
+    a failed Plan when the weights or one full sequence do not fit."""
     serving = spec.serving
-    weights = sizing.weight_bytes(arch, quantization)
+    target_weights = sizing.weight_bytes(arch, quantization)
     # W8A8 runs its GEMMs on the INT8 tensor cores; weight-only schemes dequantize to FP16.
     ops = gpu.int8_ops if quantization == "w8a8" else gpu.fp16_flops
-    kv_per_token = sizing.kv_bytes_per_token(arch)
+    target_kv = sizing.kv_bytes_per_token(arch)
+    draft_weights, draft_kv = (draft.weights, draft.kv_per_token) if draft else (0, 0)
+    # The engine gives the draft a KV slot for every slot of the target's, so each slot holds both;
+    # and it reserves the positions a draft writes ahead of each sequence (its lookahead slots).
+    weights, kv_per_token = target_weights + draft_weights, target_kv + draft_kv
+    lookahead = serving.num_speculative_tokens if draft else 0
     budget, batching_reason = _batched_tokens(spec, arch, ops)
     reserve = sizing.runtime_reserve_bytes(arch, budget)
     usable = int(gpu.memory_bytes * serving.gpu_memory_utilization)
     pool = sizing.kv_pool_bytes(gpu.memory_bytes, serving.gpu_memory_utilization, weights, reserve)
     numbers: dict[str, object] = dict(
-        gpu=gpu.name, quantization=quantization, weight_bytes=weights,
-        kv_bytes_per_token=kv_per_token, kv_pool_bytes=max(pool, 0), max_model_len=context)
+        gpu=gpu.name, quantization=quantization, weight_bytes=weights, draft_weight_bytes=draft_weights,
+        kv_bytes_per_token=kv_per_token, draft_kv_bytes_per_token=draft_kv, kv_pool_bytes=max(pool, 0),
+        max_model_len=context)
     where = (f"{serving.gpu_memory_utilization:.0%} of the {_gib(gpu.memory_bytes)} GiB {gpu.name} reports "
              f"({_gib(usable)} GiB)")
+    weighed = f"{quantization} weights {_gib(target_weights)} GiB" + (
+        f" + draft model weights {_gib(draft_weights)} GiB" if draft else "")
     if pool <= 0:
         return _failed(spec, "WeightsDoNotFit",
-                       f"{spec.model.name} {quantization} weights {_gib(weights)} GiB + runtime "
-                       f"reserve {_gib(reserve)} GiB exceed {where}", **numbers)
-    per_sequence = kv_per_token * sizing.blocks_per_sequence(context, serving.block_size) \
+                       f"{spec.model.name} {weighed} + runtime reserve {_gib(reserve)} GiB exceed {where}",
+                       **numbers)
+    drafted = f" with its draft's KV and {lookahead} lookahead slots" if draft else ""
+    per_sequence = kv_per_token * sizing.blocks_per_sequence(context + lookahead, serving.block_size) \
         * serving.block_size
-    fitting = sizing.sequences_that_fit(pool, kv_per_token, context, serving.block_size)
+    fitting = sizing.sequences_that_fit(pool, kv_per_token, context + lookahead, serving.block_size)
     if fitting == 0:
         return _failed(spec, "ContextDoesNotFit",
-                       f"one {context}-token sequence needs {_gib(per_sequence)} GiB of KV cache "
-                       f"but only {_gib(pool)} GiB is left of {where} after {quantization} weights "
-                       f"{_gib(weights)} GiB", **numbers)
+                       f"one {context}-token sequence{drafted} needs {_gib(per_sequence)} GiB of KV cache "
+                       f"but only {_gib(pool)} GiB is left of {where} after {weighed}", **numbers)
     # Sized for the mean context (prompt + half the output: what a sequence holds on average over its
     # life), as vLLM sizes its batch: the few sequences that grow long are preempted and recomputed.
     mean_context = min(context, math.ceil(spec.load.mean_prompt_tokens + spec.load.mean_output_tokens / 2))
-    fitting_mean = sizing.sequences_that_fit(pool, kv_per_token, mean_context, serving.block_size)
+    fitting_mean = sizing.sequences_that_fit(pool, kv_per_token, mean_context + lookahead, serving.block_size)
     max_num_seqs = min(fitting_mean, MAX_NUM_SEQS_CAP)
     if budget < max_num_seqs:
         # Every running sequence decodes one token per step, so the budget must cover them all.
         budget = max_num_seqs
         batching_reason = f"{budget} tokens per step: one decode token for each of max_num_seqs"
+    kv = f"{kv_per_token / sizing.MiB:.3g} MiB/token" + (
+        f" ({target_kv / sizing.MiB:.3g} target + {draft_kv / sizing.MiB:.3g} draft)" if draft else "")
     kv_reason = (f"{fitting_mean} sequences at the mean context of {mean_context} tokens (prompt + half "
-                 f"the output) fit, {fitting} at the full {context}; preemption covers sequences that "
-                 f"grow long: KV {kv_per_token / sizing.MiB:.3g} MiB/token, {_gib(per_sequence)} GiB "
-                 f"per full sequence, pool {_gib(pool)} GiB = {where} - weights {_gib(weights)} GiB - "
-                 f"reserve {_gib(reserve)} GiB"
+                 f"the output) fit, {fitting} at the full {context}{drafted}; preemption covers sequences "
+                 f"that grow long: KV {kv}, {_gib(per_sequence)} GiB per full sequence, pool {_gib(pool)} "
+                 f"GiB = {where} - weights {_gib(target_weights)} GiB"
+                 + (f" - draft model weights {_gib(draft_weights)} GiB" if draft else "")
+                 + f" - reserve {_gib(reserve)} GiB"
                  + (f"; capped at {MAX_NUM_SEQS_CAP}" if fitting_mean > MAX_NUM_SEQS_CAP else ""))
-    replica = _Replica(arch, gpu, weights, kv_per_token, ops, max_num_seqs)
+    replica = _Replica(arch, gpu, target_weights, target_kv, ops, max_num_seqs, draft)
+    return _Memory(replica, pool, kv_per_token, budget, batching_reason, mean_context, kv_reason, numbers)
 
-    replicas, perf, miss = _replicas(spec, replica, "off")
+
+def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str,
+          context: int, speculative_modes: Sequence[str], draft: _Draft | None) -> Plan:
+    """The plan for one (GPU, quantization) pair."""
+    serving = spec.serving
+    pinned_draft = serving.speculative == "draft"
+    memory = _memory(spec, arch, gpu, quantization, context, draft if pinned_draft else None)
+    if isinstance(memory, Plan):
+        return memory
+
+    replicas, perf, miss = _replicas(spec, memory.replica, "off")
     tpot_bound = (perf.tpot_s * 1000 / spec.slo.tpot_p95_ms
                   >= perf.ttft_s * 1000 / spec.slo.ttft_p95_ms)
-    speculative, speculative_reason = choose_speculative(
-        serving.speculative, batch=perf.batch, tpot_bound=tpot_bound,
-        temperature=spec.load.temperature, draft_model=serving.draft_model,
-        supported=speculative_modes)
-    if speculative != "off":
-        replicas, perf, miss = _replicas(spec, replica, speculative)
 
+    def choose(draft_model: str | None) -> tuple[str, str]:
+        return choose_speculative(serving.speculative, batch=perf.batch, tpot_bound=tpot_bound,
+                                  temperature=spec.load.temperature, draft_model=draft_model,
+                                  supported=speculative_modes)
+
+    speculative, speculative_reason = choose(draft.source if draft else None)
+    if speculative == "draft" and not pinned_draft:
+        # Chosen for the target alone: the draft's weights and KV must fit beside it too.
+        with_draft = _memory(spec, arch, gpu, quantization, context, draft)
+        if isinstance(with_draft, Plan):
+            speculative, speculative_reason = choose(None)
+            speculative_reason += f" (the draft model does not fit: {with_draft.reason})"
+        else:
+            memory = with_draft
+    if speculative == "draft" and draft is not None:
+        speculative_reason += (f"; draft model {draft.source}: {_gib(draft.weights)} GiB of weights "
+                               f"(unquantized), {draft.kv_per_token / sizing.MiB:.3g} MiB of KV per token; "
+                               f"acceptance {ACCEPTANCE['draft']:g} per token assumed (not measured)")
+    if speculative != "off":
+        replicas, perf, miss = _replicas(spec, memory.replica, speculative)
+
+    max_num_seqs, pool, mean_context = memory.replica.max_num_seqs, memory.pool, memory.mean_context
     rate = spec.load.requests_per_second
     if miss is None:
         replicas_reason = (f"{replicas} replica(s) for {rate:g} req/s: {perf.batch:.1f} running "
@@ -325,18 +425,18 @@ def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization
         num_speculative_tokens=serving.num_speculative_tokens if speculative != "off" else None,
         block_size=serving.block_size,
         gpu_memory_utilization=serving.gpu_memory_utilization,
-        kv_blocks=pool // (kv_per_token * serving.block_size),
+        kv_blocks=pool // (memory.kv_per_token * serving.block_size),
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
+        max_num_batched_tokens=memory.budget,
         predicted_batch=round(perf.batch, 2) if finite else 0.0,
         predicted_ttft_ms=round(perf.ttft_s * 1000, 1) if finite else 0.0,
         predicted_tpot_ms=round(perf.tpot_s * 1000, 1) if finite else 0.0,
         predicted_latency_ms=round(latency * 1000, 1) if finite else 0.0,
         replicas=replicas,
         meets_slo=miss is None,
-        reasons={"kvCache": kv_reason, "batching": batching_reason,
+        reasons={"kvCache": memory.kv_reason, "batching": memory.batching_reason,
                  "speculative": speculative_reason, "replicas": replicas_reason},
-        **numbers,
+        **memory.numbers,
     )
 
 
@@ -382,6 +482,9 @@ def plan(spec: InferenceServiceSpec, available_gpus: Iterable[str] = (),
     gpus = _gpus(spec, available_gpus)
     if isinstance(gpus, Plan):
         return gpus
+    draft = _draft(spec, arch, capabilities)
+    if isinstance(draft, Plan):
+        return draft
 
     if spec.serving.quantization != "auto":
         schemes: tuple[str, ...] = (spec.serving.quantization,)
@@ -396,7 +499,7 @@ def plan(spec: InferenceServiceSpec, available_gpus: Iterable[str] = (),
             return _failed(spec, "UnsupportedByEngine",
                            "this engine runs no quantization scheme the planner can size "
                            f"(supported: {_listed(capabilities.quantization)})")
-    options = [_size(spec, arch, gpu, scheme, context, capabilities.speculative)
+    options = [_size(spec, arch, gpu, scheme, context, capabilities.speculative, draft)
                for gpu in gpus for scheme in schemes]
     chosen = (next((o for o in options if o.fits and o.meets_slo), None)
               or next((o for o in options if o.fits), None))

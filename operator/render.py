@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote
 
 from kvpilot.engine.config import EngineConfig, ServerConfig, serve_argv
 from kvpilot.operator.gpu_catalog import GPU, NVIDIA_GPU_RESOURCE, find_gpu
 from kvpilot.operator.planner import Plan
-from kvpilot.operator.spec import API_VERSION, KIND, PVC_SCHEME, HubSource, InferenceServiceSpec
+from kvpilot.operator.spec import API_VERSION, KIND, PVC_SCHEME, HubSource, InferenceServiceSpec, hub_source
 
 Manifest = dict[str, Any]
 
@@ -23,10 +23,14 @@ PORT = 8000
 PORT_NAME = "http"
 CONTAINER = "engine"
 MODEL_MOUNT = "/models"
-# hf:// sources: the volume the download init container fills and the engine reads.
+# The volumes of pvc:// sources: the model's, and the draft model's when it is on another claim.
+MODEL_VOLUME = "model"
+DRAFT_MODEL_VOLUME = "draft-model"
+# hf:// sources: the volume the download init containers fill and the engine reads.
 MODEL_CACHE_VOLUME = "model-cache"
 MODEL_CACHE_MOUNT = "/model-cache"
 DOWNLOAD_CONTAINER = "download"
+DRAFT_DOWNLOAD_CONTAINER = "download-draft"
 # One process streaming to disk needs little; these stay below the engine's requests, so the pod's
 # scheduling request (the larger of any init container's and the sum of the app containers') is the
 # engine's alone.
@@ -90,28 +94,57 @@ def _container_security() -> Manifest:
             "capabilities": {"drop": ["ALL"]}}
 
 
-def _model_location(spec: InferenceServiceSpec) -> tuple[str, list[Manifest], list[Manifest]]:
-    """--model value, volumes and the engine's mounts: pvc://claim/path mounts the claim read-only;
-    hf:// mounts the cache volume that the download init container fills, read-only as well."""
-    hub = spec.model.hub_source
+class _ModelFiles(NamedTuple):
+    """Where one model source's files are in the engine container, and what puts them there."""
+
+    path: str  # --model or --draft-model
+    volumes: list[Manifest]
+    mounts: list[Manifest]  # the engine's, read-only
+    download: HubSource | None  # an hf:// source, fetched by an init container
+
+
+def _model_files(spec: InferenceServiceSpec, source: str, pvc_volume: str) -> _ModelFiles:
+    """A source's files: pvc://claim/path mounts the claim read-only (as `pvc_volume`); hf:// mounts
+    the cache volume that a download init container fills, read-only as well; a path in the image
+    (or the embedded model's name) needs nothing."""
+    hub = hub_source(source)
     if hub is not None:
         cache = spec.model.cache
         volume = ({"persistentVolumeClaim": {"claimName": cache.claim_name}}
                   if cache is not None and cache.claim_name else {"emptyDir": {}})
-        return hub_model_dir(hub), [{"name": MODEL_CACHE_VOLUME, **volume}], \
-            [{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT, "readOnly": True}]
-    source = spec.model.source or spec.model.name
+        return _ModelFiles(hub_model_dir(hub), [{"name": MODEL_CACHE_VOLUME, **volume}],
+                          [{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT, "readOnly": True}], hub)
     if not source.startswith(PVC_SCHEME):
-        return source, [], []
+        return _ModelFiles(source, [], [], None)
     claim, _, path = source.removeprefix(PVC_SCHEME).partition("/")
     mount = f"{MODEL_MOUNT}/{claim}"
-    volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
-    return f"{mount}/{path}".rstrip("/"), [volume], [{"name": "model", "mountPath": mount,
-                                                      "readOnly": True}]
+    volume = {"name": pvc_volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+    return _ModelFiles(f"{mount}/{path}".rstrip("/"), [volume],
+                      [{"name": pvc_volume, "mountPath": mount, "readOnly": True}], None)
 
 
-def _download_container(spec: InferenceServiceSpec, source: HubSource, image: str) -> Manifest:
-    """The init container that downloads an hf:// source into the cache volume before the engine
+def _pod_files(spec: InferenceServiceSpec, plan: Plan) -> tuple[_ModelFiles, _ModelFiles | None]:
+    """The model's files, and the draft model's when the plan runs one."""
+    model = _model_files(spec, spec.model.source or spec.model.name, MODEL_VOLUME)
+    draft = _model_files(spec, plan.draft_model, DRAFT_MODEL_VOLUME) if plan.draft_model else None
+    return model, draft
+
+
+def _volumes_and_mounts(files: list[_ModelFiles]) -> tuple[list[Manifest], list[Manifest]]:
+    """The sources' volumes and engine mounts, each mount path once: two hf:// sources share the
+    cache volume, two pvc:// sources on one claim share the first one's volume."""
+    mounts: dict[str, Manifest] = {}
+    for mount in (m for f in files for m in f.mounts):
+        mounts.setdefault(mount["mountPath"], mount)
+    used = {m["name"] for m in mounts.values()}
+    volumes: dict[str, Manifest] = {}
+    for volume in (v for f in files for v in f.volumes if v["name"] in used):
+        volumes.setdefault(volume["name"], volume)
+    return list(volumes.values()), list(mounts.values())
+
+
+def _download_container(spec: InferenceServiceSpec, source: HubSource, image: str, name: str) -> Manifest:
+    """An init container that downloads an hf:// source into the cache volume before the engine
     starts (it resumes, verifies and skips what is complete: a restarted pod does not download
     again when the cache is a PVC). It gets the pod's env and envFrom (HF_ENDPOINT, proxies), and the
     token Secret as HF_TOKEN."""
@@ -121,7 +154,7 @@ def _download_container(spec: InferenceServiceSpec, source: HubSource, image: st
         env.append({"name": "HF_TOKEN",
                     "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}})
     container: Manifest = {
-        "name": DOWNLOAD_CONTAINER,
+        "name": name,
         "image": image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["kvpilot", "download"],
@@ -155,8 +188,9 @@ def drain_seconds(plan: Plan) -> int:
     return max(10, math.ceil(2 * plan.predicted_latency_ms / 1000))
 
 
-def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str) -> list[str]:
-    """The `kvpilot serve` arguments carrying the plan's numbers.
+def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str, draft_model: str | None = None) -> list[str]:
+    """The `kvpilot serve` arguments carrying the plan's numbers; `model` and `draft_model` are
+    where the pod holds their files.
 
     Rendered from the engine's own config models, so every flag is one `kvpilot serve` has and
     every value one it accepts; a plan asking for something the engine lacks raises here (a
@@ -178,6 +212,7 @@ def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str) -> list[str]
         quantization=plan.quantization,
         speculative=plan.speculative,
         **({"num_speculative_tokens": plan.num_speculative_tokens} if plan.num_speculative_tokens else {}),
+        **({"draft_model": draft_model} if draft_model else {}),
     )
     return serve_argv(server, engine)
 
@@ -185,8 +220,8 @@ def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str) -> list[str]
 def _resources(spec: InferenceServiceSpec, plan: Plan, gpu: GPU) -> Manifest:
     # Extended resources cannot be overcommitted: requests must equal limits.
     gpus = {gpu.resource: str(plan.gpu_count)}
-    # The weights pass through host memory on their way to the GPU: request room for them, so the
-    # scheduler does not place the pod where it would be OOM-killed while loading.
+    # The weights (the draft model's too) pass through host memory on their way to the GPU: request
+    # room for them, so the scheduler does not place the pod where it would be OOM-killed while loading.
     memory_gib = math.ceil((plan.weight_bytes + HOST_MEMORY_MARGIN_BYTES) / 1024**3)
     defaults = {"cpu": ENGINE_CPU_REQUEST, "memory": f"{memory_gib}Gi"}
     requests = {**defaults, **{k: str(v) for k, v in spec.resources.requests.items()}}
@@ -232,17 +267,21 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
     gpu = find_gpu(str(plan.gpu))
     if not plan.fits or gpu is None:
         raise ValueError(f"no Deployment for a plan that does not fit: {plan.reason}")
-    model, volumes, mounts = _model_location(spec)
-    hub = spec.model.hub_source
-    init = [_download_container(spec, hub, spec.image or default_image)] if hub is not None else []
+    image = spec.image or default_image
+    model, draft = _pod_files(spec, plan)
+    volumes, mounts = _volumes_and_mounts([model] + ([draft] if draft else []))
+    # One download per hf:// source, the model's first: init containers run one after the other.
+    init = [_download_container(spec, files.download, image, name)
+            for files, name in ((model, DOWNLOAD_CONTAINER), (draft, DRAFT_DOWNLOAD_CONTAINER))
+            if files is not None and files.download is not None]
     replicas = spec.replicas if spec.replicas is not None else plan.replicas
     http = {"port": PORT_NAME}
     container = {
         "name": CONTAINER,
-        "image": spec.image or default_image,
+        "image": image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["kvpilot", "serve"],
-        "args": engine_args(spec, plan, model),
+        "args": engine_args(spec, plan, model.path, draft.path if draft else None),
         "ports": [{"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"}],
         # Loading weights can take minutes: the startup probe waits for the model (/ready), and
         # holds the liveness probe off until then.

@@ -48,6 +48,21 @@ class HubSource(NamedTuple):
     revision: str
 
 
+def check_source(field: str, source: str | None) -> None:
+    """Raise ValueError naming `field` and the accepted forms unless `source` is unset or one."""
+    if source is not None and not re.fullmatch(SOURCE_PATTERN, source):
+        raise ValueError(f"{field} {source!r} must be hf://org/repo[@revision], pvc://claim/path or an "
+                         "absolute path in the engine image")
+
+
+def hub_source(source: str | None) -> HubSource | None:
+    """hf://org/repo[@revision] as (repo, revision); None for other sources."""
+    if source is None or not source.startswith(HF_SCHEME):
+        return None
+    repo, _, revision = source.removeprefix(HF_SCHEME).partition("@")
+    return HubSource(repo, revision or "main")
+
+
 class SecretKeyRef(_Camel):
     name: str = Field(min_length=1)
     key: str = Field(default="token", min_length=1)
@@ -63,8 +78,9 @@ class ModelSpec(_Camel):
     name: str = Field(min_length=1)
     # Unset: the engine's --model is `name` (the embedded model's name, say). See SOURCE_PATTERN.
     source: str | None = None
-    # hf:// only: the Secret key holding a hub token (HF_TOKEN of the download), for gated or private
-    # repositories; and the volume the download goes to.
+    # For every hf:// source of the service (this one and serving.draftModel): the Secret key holding
+    # a hub token (HF_TOKEN of the downloads), for gated or private repositories; and the volume the
+    # downloads go to.
     token_secret: SecretKeyRef | None = None
     cache: ModelCacheSpec | None = None
     served_model_name: str | None = None
@@ -72,20 +88,8 @@ class ModelSpec(_Camel):
 
     @model_validator(mode="after")
     def _source(self) -> ModelSpec:
-        if self.source is not None and not re.fullmatch(SOURCE_PATTERN, self.source):
-            raise ValueError(f"model.source {self.source!r} must be hf://org/repo[@revision], "
-                             "pvc://claim/path or an absolute path in the engine image")
-        if (self.token_secret or self.cache) and self.hub_source is None:
-            raise ValueError("model.tokenSecret and model.cache apply only to an hf:// source")
+        check_source("model.source", self.source)
         return self
-
-    @property
-    def hub_source(self) -> HubSource | None:
-        """hf://org/repo[@revision] as (repo, revision); None for other sources."""
-        if self.source is None or not self.source.startswith(HF_SCHEME):
-            return None
-        repo, _, revision = self.source.removeprefix(HF_SCHEME).partition("@")
-        return HubSource(repo, revision or "main")
 
 
 class AcceleratorSpec(_Camel):
@@ -106,7 +110,11 @@ class ServingSpec(_Camel):
     max_context_length: int | None = Field(default=None, gt=0)
     quantization: Quantization = "auto"
     speculative: Speculative = "auto"
+    # Where the draft model's files are, in the forms of model.source; the engine loads it beside
+    # the target (unquantized, its KV cache slot for slot with the target's). Its size comes from the
+    # catalog (by the repository or folder name) or from draftModelArchitecture.
     draft_model: str | None = None
+    draft_model_architecture: Architecture | None = None
     num_speculative_tokens: int = Field(default=4, ge=1, le=16)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     block_size: int = 16
@@ -117,6 +125,9 @@ class ServingSpec(_Camel):
             raise ValueError(f"blockSize {self.block_size} is not a power of two up to 1024")
         if self.speculative == "draft" and not self.draft_model:
             raise ValueError("speculative 'draft' needs serving.draftModel")
+        check_source("serving.draftModel", self.draft_model)
+        if self.draft_model_architecture and not self.draft_model:
+            raise ValueError("serving.draftModelArchitecture needs serving.draftModel")
         return self
 
 
@@ -204,3 +215,11 @@ class InferenceServiceSpec(_Camel):
     priority_class_name: str | None = None
     pod_labels: dict[str, str] = Field(default_factory=dict)
     pod_annotations: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _hub_settings_need_a_hub_source(self) -> InferenceServiceSpec:
+        if (self.model.token_secret or self.model.cache) and not any(
+                hub_source(s) for s in (self.model.source, self.serving.draft_model)):
+            raise ValueError("model.tokenSecret and model.cache apply only to hf:// sources "
+                             "(model.source or serving.draftModel)")
+        return self

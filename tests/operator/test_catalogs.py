@@ -54,4 +54,9 @@ def test_find_model_accepts_hf_repo_names() -> None:
     assert find_model("Meta-Llama-3-8B-Instruct") is MODELS["llama-3-8b"]
     assert find_model("HuggingFaceTB/SmolLM2-135M-Instruct") is MODELS["smollm2-135m"]
     assert find_model("mistralai/Mistral-7B-Instruct-v0.3") is MODELS["mistral-7b"]
+    # The draft models, by their repositories.
+    assert find_model("TinyLlama/TinyLlama-1.1B-Chat-v1.0") is MODELS["tinyllama-1.1b"]
+    assert find_model("meta-llama/Llama-3.2-1B-Instruct") is MODELS["llama-3.2-1b"]
+    assert MODELS["tinyllama-1.1b"].vocab_size == MODELS["llama-2-7b"].vocab_size
+    assert MODELS["llama-3.2-1b"].vocab_size == MODELS["llama-3-8b"].vocab_size
     assert find_model("gpt-5") is None

@@ -23,28 +23,37 @@ from kvpilot.operator import render
 from kvpilot.operator.gpu_catalog import GPUS
 from kvpilot.operator.model_catalog import MODELS
 from kvpilot.operator.planner import Plan, plan
-from kvpilot.operator.spec import InferenceServiceSpec, Quantization, Speculative
+from kvpilot.operator.spec import InferenceServiceSpec, Quantization, Speculative, hub_source
 
 PARSER = build_parser("serve")
-DRAFT_MODEL = "smollm2-135m"
+DOWNLOAD = build_parser("download")
+# A catalog draft with each vocabulary (the engine drafts only with the target's tokens; the
+# largest Qwen drafts for the 72B).
+DRAFTS = {32000: "hf://TinyLlama/TinyLlama-1.1B-Chat-v1.0", 128256: "hf://meta-llama/Llama-3.2-1B-Instruct",
+          152064: "hf://Qwen/Qwen2.5-7B-Instruct", 49152: "hf://HuggingFaceTB/SmolLM2-135M-Instruct"}
 # The model's own context and a short one, so that the large models fit on more GPUs; the short
 # one also moves block size and memory share off their defaults.
 SERVINGS: list[dict[str, Any]] = [{}, {"maxContextLength": 2048, "blockSize": 32,
                                        "gpuMemoryUtilization": 0.85}]
+# Every value a spec may pin, and auto with a draft model to choose.
+SPECULATION: list[dict[str, Any]] = [{"speculative": mode, **({"draftModel": True} if mode == "draft" else {})}
+                                     for mode in get_args(Speculative)] + [{"speculative": "auto", "draftModel": True}]
 # Plan fields the rendered engine flags must carry; any further field the two models share (a
-# speculative knob the engine grows, say) is compared too.
+# speculative knob the engine grows, say) is compared too. Where the model and the draft model are
+# in the pod is render's to say, checked apart.
 CARRIED = {"max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
            "gpu_memory_utilization", "quantization", "speculative"}
-SHARED = (set(Plan.model_fields) & set(EngineConfig.model_fields)) - {"model"}
+SHARED = (set(Plan.model_fields) & set(EngineConfig.model_fields)) - {"model", "draft_model"}
 
 
 def _specs(model: str) -> list[InferenceServiceSpec]:
+    draft = DRAFTS[MODELS[model].vocab_size]
     return [InferenceServiceSpec.model_validate({
         "model": {"name": model}, "accelerator": {"type": gpu},
-        "serving": {**serving, "quantization": quantization, "speculative": speculative,
-                    **({"draftModel": DRAFT_MODEL} if speculative == "draft" else {})}})
-        for gpu, serving, quantization, speculative in product(
-            GPUS, SERVINGS, get_args(Quantization), get_args(Speculative))]
+        "serving": {**serving, "quantization": quantization, **speculation,
+                    **({"draftModel": draft} if "draftModel" in speculation else {})}})
+        for gpu, serving, quantization, speculation in product(
+            GPUS, SERVINGS, get_args(Quantization), SPECULATION)]
 
 
 def _unsupported_pins(spec: InferenceServiceSpec) -> list[str]:
@@ -89,6 +98,16 @@ def _broken_contract(spec: InferenceServiceSpec, result: Plan) -> str | None:
     if (server.host, server.port, server.served_model_name) != ("0.0.0.0", render.PORT,
                                                                  spec.model.name):
         return f"{args} serve {server.served_model_name!r} on {server.host}:{server.port}"
+    # A draft model is where its download init container puts it (the catalog drafts are hf://).
+    downloads = {parsed.repo: parsed.local_dir for parsed in (
+        DOWNLOAD.parse_args(["download", *init["args"]])
+        for init in deployment["spec"]["template"]["spec"].get("initContainers", []))}
+    if result.speculative == "draft":
+        draft = hub_source(spec.serving.draft_model)
+        if draft is None or engine.draft_model is None or downloads.get(draft.repo) != engine.draft_model:
+            return f"draft model {engine.draft_model!r}, downloads {downloads}, for {spec.serving.draft_model}"
+    elif engine.draft_model is not None or downloads:
+        return f"no draft runs, yet --draft-model {engine.draft_model!r} and downloads {downloads}"
     return None
 
 

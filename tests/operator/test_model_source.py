@@ -118,37 +118,51 @@ BAD = ["s3://bucket/model", "gs://b/m", "hf://repo-without-org", "hf://org/repo@
        "meta-llama/Llama-2-7b-hf", "models/llama", "", "https://huggingface.co/org/repo"]
 
 
-@pytest.mark.parametrize("source", BAD)
-def test_a_bad_source_is_refused_with_what_is_accepted(source: str) -> None:
-    with pytest.raises(ValidationError, match=re.escape("must be hf://org/repo[@revision], pvc://claim/path "
-                                                        "or an absolute path")):
-        spec({"source": source})
-
-
 @pytest.mark.parametrize("extra", [{"tokenSecret": {"name": "hf"}}, {"cache": {"claimName": "c"}}])
 @pytest.mark.parametrize("source", [None, "pvc://weights/x", "/opt/llama"])
 def test_token_and_cache_belong_to_hf_sources(extra: dict[str, Any], source: str | None) -> None:
-    with pytest.raises(ValidationError, match="apply only to an hf:// source"):
-        spec({**({"source": source} if source else {}), **extra})
+    model = {**({"source": source} if source else {}), **extra}
+    with pytest.raises(ValidationError, match="apply only to hf:// sources"):
+        spec(model)
+    with pytest.raises(ValidationError, match="apply only to hf:// sources"):
+        spec(model, serving={"draftModel": "/opt/draft"})
+    # An hf:// draft model is downloaded with them.
+    spec(model, serving={"draftModel": "hf://TinyLlama/TinyLlama-1.1B-Chat-v1.0"})
 
 
-def _model_rules() -> list[dict[str, str]]:
+def _crd_rules(section: str) -> list[dict[str, str]]:
     crd = yaml.safe_load(CRD.read_text())
     (version,) = crd["spec"]["versions"]
-    model = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["model"]
-    return model["x-kubernetes-validations"]
+    spec_schema = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    return spec_schema["x-kubernetes-validations"] if section == "spec" else \
+        spec_schema["properties"][section]["x-kubernetes-validations"]
 
 
-def test_the_crd_accepts_the_same_sources_as_the_spec() -> None:
-    source_rule, hf_only = _model_rules()
-    match = re.fullmatch(r"!has\(self\.source\) \|\| self\.source\.matches\('(.*)'\)", source_rule["rule"])
+@pytest.mark.parametrize("field", ["model.source", "serving.draftModel"])
+def test_the_crd_and_the_spec_accept_the_same_sources_and_refuse_others_saying_which(field: str) -> None:
+    section, name = field.split(".")
+    (source_rule,) = [r for r in _crd_rules(section) if f"self.{name}.matches(" in r["rule"]]
+    match = re.fullmatch(rf"!has\(self\.{name}\) \|\| self\.{name}\.matches\('(.*)'\)", source_rule["rule"])
     assert match is not None, source_rule["rule"]
     assert match[1] == SOURCE_PATTERN
+    assert source_rule["message"] == f"{field} must be hf://org/repo[@revision], pvc://claim/path or an absolute path in the engine image"
+
+    def valid(source: str) -> InferenceServiceSpec:
+        return spec({"source": source}) if section == "model" else spec({}, serving={"draftModel": source})
+
     for source in GOOD:
         assert re.search(match[1], source), source
-        spec({"source": source})
+        valid(source)
     for source in BAD:
         assert not re.search(match[1], source), source
-    assert "hf://org/repo[@revision]" in source_rule["message"]
-    assert hf_only["rule"] == ("!(has(self.tokenSecret) || has(self.cache)) || "
-                               "(has(self.source) && self.source.startsWith('hf://'))")
+        with pytest.raises(ValidationError, match=re.escape(f"{field} {source!r} must be hf://org/repo[@revision]")):
+            valid(source)
+
+
+def test_the_crd_puts_token_and_cache_with_either_hf_source() -> None:
+    (rule,) = _crd_rules("spec")
+    assert rule["rule"] == ("!(has(self.model.tokenSecret) || has(self.model.cache)) || "
+                            "(has(self.model.source) && self.model.source.startsWith('hf://')) || "
+                            "(has(self.serving) && has(self.serving.draftModel) && "
+                            "self.serving.draftModel.startsWith('hf://'))")
+    assert "apply only to hf:// sources" in rule["message"]

@@ -47,10 +47,13 @@ def test_plan_exit_codes_for_no_fit_and_invalid_input(capsys: pytest.CaptureFixt
     assert code == 2 and "power of two" in capsys.readouterr().err
     code, text = run("plan --model llama-2-7b --gpu TPU-v5")
     assert code == 1 and "UnknownGPU" in text
-    code, text = run("plan --model llama-2-7b --gpu A10G --speculative draft --draft-model llama-2-7b")
-    assert code == 1 and "NO (UnsupportedByEngine)" in text and "'draft'" in text
-    # The engine runs draft models; the operator cannot deliver one to a pod yet, and says so.
-    assert "'draft' is not one this engine build can be deployed with yet" in text
+    code, _ = run("plan --model llama-2-7b --gpu A10G --speculative draft --draft-model llama-2-7b")
+    assert code == 2 and "must be hf://org/repo[@revision]" in capsys.readouterr().err  # not a source
+    code, text = run("plan --model llama-2-7b --gpu A10G --speculative draft --draft-model pvc://models/my-draft")
+    assert code == 1 and "NO (UnknownDraftModel)" in text and "serving.draftModelArchitecture" in text
+    code, text = run("plan --model llama-2-7b --gpu A10G --speculative draft "
+                     "--draft-model hf://TinyLlama/TinyLlama-1.1B-Chat-v1.0")
+    assert code == 0 and "speculative         draft (k=4)" in text
 
 
 class Recorder:

@@ -105,7 +105,7 @@ def test_speculation_off_at_high_temperature_or_ttft_bound_and_draft_when_given(
     assert choose_speculative("auto", batch=1, tpot_bound=False, temperature=0.0,
                               draft_model=None, supported=modes)[0] == "off"
     assert choose_speculative("auto", batch=1, tpot_bound=True, temperature=0.0,
-                              draft_model="smollm2-135m", supported=modes)[0] == "draft"
+                              draft_model="hf://TinyLlama/TinyLlama-1.1B", supported=modes)[0] == "draft"
     assert choose_speculative("off", batch=1, tpot_bound=True, temperature=0.0,
                               draft_model=None, supported=modes)[0] == "off"
 
@@ -206,7 +206,7 @@ SEARCHING = [
     spec(slo={"tpotP95Ms": 20}, load={"requestsPerSecond": 0.1}),
     spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0}),
     spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0},
-         serving={"draftModel": "smollm2-135m"}),
+         serving={"draftModel": "hf://TinyLlama/TinyLlama-1.1B-Chat-v1.0"}),
 ]
 
 
@@ -241,8 +241,7 @@ def test_reasons_say_which_options_the_engine_lacks() -> None:
 @pytest.mark.parametrize("field, value", UNDECLARED, ids=[f"{f}={v}" for f, v in UNDECLARED])
 def test_pinning_what_the_engine_does_not_run_is_unsupported_by_engine(field: str,
                                                                        value: str) -> None:
-    serving = {field: value, **({"draftModel": "smollm2-135m"} if value == "draft" else {})}
-    result = plan(spec(gpu="H100-80GB", serving=serving))
+    result = plan(spec(gpu="H100-80GB", serving={field: value}))
     assert (result.fits, result.failure) == (False, "UnsupportedByEngine")
     supported = ", ".join(getattr(CAPABILITIES, field))
     assert f"serving.{field} {value!r}" in result.reason

@@ -260,8 +260,8 @@ def test_an_unknown_gpu_type_after_a_good_plan_keeps_the_deployment() -> None:
 
 
 def test_pinning_what_the_engine_does_not_run_is_not_ready_and_rolls_out_nothing() -> None:
-    # The CRD's enum allows w8a8 and draft; this engine build runs neither.
-    pinned = {**SPEC, "serving": {"quantization": "w8a8", "speculative": "draft", "draftModel": "llama-2-7b"}}
+    # The CRD's enum allows w8a8; this engine build does not run it.
+    pinned = {**SPEC, "serving": {"quantization": "w8a8"}}
     fresh = FakeCluster()
     status = reconcile(body(pinned), fresh, NOW)
     assert fresh.kinds() == ["PodDisruptionBudget", "Service"]
@@ -269,7 +269,6 @@ def test_pinning_what_the_engine_does_not_run_is_not_ready_and_rolls_out_nothing
     assert (ready["status"], ready["reason"]) == ("False", "UnsupportedByEngine")
     assert "serving.quantization 'w8a8'" in ready["message"]
     assert f"supported: {', '.join(CAPABILITIES.quantization)}" in ready["message"]
-    assert "serving.speculative 'draft'" in ready["message"]
     assert condition(status, "Planned")["reason"] == "UnsupportedByEngine"
     assert (status["plan"]["fits"], status["desiredReplicas"]) == (False, 0)
 

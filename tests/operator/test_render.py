@@ -53,9 +53,9 @@ def test_engine_args_carry_the_plans_numbers() -> None:
 def test_a_plan_the_engine_cannot_run_is_refused_not_rendered(fuller: EngineCapabilities) -> None:
     # Only a planner given a fuller engine than this one makes such a plan; rendering it would
     # give a pod that exits at start, so it raises instead.
-    s = spec(serving={"quantization": "w8a8", "speculative": "draft", "draftModel": "llama-2-7b"})
+    s = spec(serving={"quantization": "w8a8"})
     p = plan(s, capabilities=fuller)
-    assert p.fits and (p.quantization, p.speculative) == ("w8a8", "draft")
+    assert p.fits and p.quantization == "w8a8"
     with pytest.raises(ValidationError):
         render.deployment("chat", "ml", UID, s, p)
 

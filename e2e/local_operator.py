@@ -42,12 +42,14 @@ def service_account_kubeconfig(cluster: Cluster, installation: Installation, pat
     return path
 
 
-def operator_argv(deployment: dict[str, Any], liveness_port: int) -> list[str]:
-    """The chart Deployment's operator command line, runnable here."""
+def operator_argv(deployment: dict[str, Any], liveness_port: int, gateway_port: int) -> list[str]:
+    """The chart Deployment's operator command line, runnable here: the liveness probe and the
+    gateway (when the chart enables it) listen on loopback ports of this machine."""
     container = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == CONTAINER)
     if container["command"] != ["kvpilot"]:
         raise ValueError(f"unexpected operator command {container['command']}")
-    args = [a for a in container["args"] if not a.startswith("--liveness")]
+    args = [f"--gateway={LOOPBACK}:{gateway_port}" if a.startswith("--gateway=") else a
+            for a in container["args"] if not a.startswith("--liveness")]
     return [kvpilot_executable(), *args, f"--liveness=http://{LOOPBACK}:{liveness_port}/healthz"]
 
 
@@ -61,6 +63,8 @@ class LocalOperator:
         self.kubeconfig = workdir / "operator-kubeconfig.yaml"
         self.process: Process | None = None
         self.starts = 0
+        # Where the chart's gateway listens, from the last start on.
+        self.gateway_url = ""
 
     def prepare_kubeconfig(self) -> Path:
         """Write the ServiceAccount kubeconfig for this cluster, over whatever is there: a fresh
@@ -72,10 +76,11 @@ class LocalOperator:
         self.prepare_kubeconfig()
         deployment = self.cluster.kubectl_json("get", "deployment", self.installation.fullname,
                                                "-n", self.installation.namespace)
-        port = free_port()
+        port, gateway_port = free_port(), free_port()
+        self.gateway_url = f"http://{LOOPBACK}:{gateway_port}"
         self.starts += 1
         self.process = start_http(
-            operator_argv(deployment, port),
+            operator_argv(deployment, port, gateway_port),
             self.workdir / f"operator-{self.starts}.log",
             f"http://{LOOPBACK}:{port}/healthz",
             timeout_s,

@@ -69,17 +69,22 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
-def metrics_targets(pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
-    """(pod name, /metrics URL) of the ready engine pods that are not going away. Pods that are
-    not ready yet (starting, loading the model) are no one's load: they are the pending ones."""
-    targets = []
+def engine_urls(pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(pod name, base URL) of the ready engine pods that are not going away. Pods that are not
+    ready yet (starting, loading the model) are no one's load: they are the pending ones."""
+    urls = []
     for pod in pods:
         ip = (pod.get("status") or {}).get("podIP")
         if not ip or pod["metadata"].get("deletionTimestamp") or not pod_ready(pod):
             continue
         host = f"[{ip}]" if ":" in ip else ip
-        targets.append((pod["metadata"]["name"], f"http://{host}:{render.PORT}/metrics"))
-    return sorted(targets)
+        urls.append((pod["metadata"]["name"], f"http://{host}:{render.PORT}"))
+    return sorted(urls)
+
+
+def metrics_targets(pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(pod name, /metrics URL) of the ready engine pods that are not going away."""
+    return [(name, f"{url}/metrics") for name, url in engine_urls(pods)]
 
 
 def saved_state(status: Mapping[str, Any]) -> AutoscalerState:
@@ -270,7 +275,7 @@ class Scaler:
 
     def __init__(self, client: DynamicClient, services: Mapping[Any, Any], deployments: Mapping[Any, Any],
                  pods: Mapping[Any, Any], interval: float = INTERVAL_SECONDS) -> None:
-        self._client = client
+        self.client = client
         self.interval = interval
         self._indexes = services, deployments, pods
         self._instance = socket.gethostname()
@@ -288,7 +293,7 @@ class Scaler:
         return cls(DynamicClient(ApiClient()), services, deployments, pods, interval)
 
     def _resource(self, api_version: str, kind: str) -> Any:
-        return self._client.resources.get(api_version=api_version, kind=kind)
+        return self.client.resources.get(api_version=api_version, kind=kind)
 
     def read_all(self, targets: Sequence[tuple[str, str]]) -> list[PodRead]:
         return list(self._pool.map(lambda target: read_metrics(*target), targets))

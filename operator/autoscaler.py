@@ -31,9 +31,14 @@ Rules (each has a test in tests/operator/test_autoscaler.py):
   most `maxStep` at a time;
 - pods whose /metrics cannot be read are unknown: left out of the signals, named in the reason,
   and they do not stop the others from scaling;
+- to zero (minReplicas 0) only after a stabilization window in which no request arrived at all
+  and every pod reported: a trickle too thin for a p95 still keeps one replica, and so does an
+  engine still loading for the request that woke it;
+- replicas changed by someone else (the gateway scaling from zero, `kubectl scale`) start a new
+  regime, as the controller's own changes do: the recommendations made for the old count go;
 - min/max replicas bound everything; mode `external` and `off` never change replicas (signals are
-  still computed for the status); at 0 replicas nothing reports, so nothing moves (no scale from
-  zero yet: that needs demand seen in front of the engines).
+  still computed for the status); at 0 replicas nothing reports, so nothing moves here: the
+  gateway (gateway.py) sees the demand in front of the engines and scales from zero.
 """
 
 from __future__ import annotations
@@ -340,6 +345,8 @@ def step(policy: Policy, state: AutoscalerState, obs: Observation) -> tuple[Auto
     """One period: the new state and what to do about replicas."""
     baselines, window = _advance_window(policy, state, obs)
     current = obs.replicas
+    if state.last_decision is not None and state.last_decision.replicas != current:
+        state = state.model_copy(update={"recommendations": (), "observed_since": None, "over_since": None})
     since = state.observed_since if state.observed_since is not None else obs.now
     last_up = state.last_scale_up
     if last_up is not None and obs.ready_replicas >= min(last_up.replicas, current):
@@ -370,9 +377,9 @@ def step(policy: Policy, state: AutoscalerState, obs: Observation) -> tuple[Auto
     if policy.mode != "slo":
         return decide("hold", current, f"autoscaling.mode is {policy.mode}: replicas are left as they are")
     if current == 0:
-        # Nothing runs, so nothing reports: only demand seen elsewhere could start a replica.
-        # Scaled to zero by hand, it stays there (as under an HPA) until replicas are set again.
-        return decide("hold", 0, "0 replicas: no engine reports load; replicas stay 0 until set")
+        # Nothing runs, so nothing reports: the gateway, which sees requests arrive, scales from
+        # zero. Scaled to zero by hand, it stays there (as under an HPA) until replicas are set.
+        return decide("hold", 0, "0 replicas: no engine reports load; the gateway scales up on the next request")
     bounded = _clamp(policy, current)
     if bounded != current:
         action: Action = "up" if bounded > current else "down"
@@ -409,6 +416,10 @@ def step(policy: Policy, state: AutoscalerState, obs: Observation) -> tuple[Auto
         load = max(load, signals.rate_per_replica / knee)
     if load <= 1 - tol:
         fewest = math.ceil(current * load / (1 - tol) - _EPSILON)
+        if signals.ttft_observations or signals.tpot_observations or signals.waiting_per_replica or signals.unknown:
+            # Requests came, or a pod could not say (an engine still loading for a request the
+            # gateway holds): zero only after a window in which every pod saw none.
+            fewest = max(fewest, 1)
         recommended = min(current, max(policy.min_replicas, current - policy.max_step, fewest))
     else:
         recommended = current

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from kvpilot.operator import sizing
 from kvpilot.operator.autoscaler import INTERVAL_SECONDS, WINDOW_PERIODS
 from kvpilot.operator.cluster import KubeCluster
+from kvpilot.operator.gateway import HOLD_SECONDS
 from kvpilot.operator.gpu_catalog import GPUS, find_gpu
 from kvpilot.operator.planner import Plan, plan
 from kvpilot.operator.spec import InferenceServiceSpec
@@ -61,8 +62,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     operator.add_argument("--autoscale-interval", type=float, default=INTERVAL_SECONDS, metavar="SECONDS",
                           help="how often the SLO autoscaler reads the engines (its window is "
                                f"{WINDOW_PERIODS} periods; default %(default)s)")
+    operator.add_argument("--gateway", metavar="HOST:PORT", type=_address,
+                          help="serve the OpenAI-compatible gateway here (routes by model; holds requests "
+                               "that arrive at 0 replicas until one is ready), e.g. 0.0.0.0:8000")
+    operator.add_argument("--gateway-hold-seconds", type=float, default=HOLD_SECONDS, metavar="SECONDS",
+                          help="how long the gateway holds a request for a replica (default %(default)s)")
     operator.add_argument("-v", "--verbose", action="store_true")
     operator.set_defaults(func=run_operator)
+
+
+def _address(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT")
+    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 def _spec(args: argparse.Namespace) -> dict[str, Any]:
@@ -160,7 +173,8 @@ def run_operator(args: argparse.Namespace) -> int:
         peering_name=None if args.standalone else args.peering,
         priority=priority,
         liveness_endpoint=args.liveness,
-        memo=kopf.Memo(autoscale_interval=args.autoscale_interval),
+        memo=kopf.Memo(autoscale_interval=args.autoscale_interval, gateway=args.gateway,
+                       gateway_hold_seconds=args.gateway_hold_seconds),
     )
     return 0
 

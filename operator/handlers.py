@@ -29,6 +29,7 @@ from kvpilot.operator import render
 from kvpilot.operator.autoscale_loop import Scaler, index_entry
 from kvpilot.operator.autoscaler import INTERVAL_SECONDS
 from kvpilot.operator.cluster import KubeCluster, WriteConflict
+from kvpilot.operator.gateway import HOLD_SECONDS, Gateway
 from kvpilot.operator.reconcile import controller_of, reconcile, refresh
 from kvpilot.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from kvpilot.operator.status import merge_patch
@@ -97,10 +98,16 @@ def engine_pods(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, An
 async def start_autoscaler(memo: kopf.Memo, autoscaled_services: kopf.Index, engine_deployments: kopf.Index,
                            engine_pods: kopf.Index, **_: Any) -> None:
     """The SLO autoscaler's periodic loop (autoscale_loop.py), as a plain asyncio task: a kopf
-    timer or daemon would put a finalizer on every InferenceService."""
+    timer or daemon would put a finalizer on every InferenceService. And the gateway (gateway.py)
+    when asked for: it reads the same indexes."""
     scaler = await asyncio.to_thread(Scaler.connect, autoscaled_services, engine_deployments, engine_pods,
                                      memo.get("autoscale_interval", INTERVAL_SECONDS))
     memo.autoscaler = asyncio.create_task(scaler.run(), name="kvpilot-autoscaler")
+    address = memo.get("gateway")
+    if address is not None:
+        gateway = Gateway(autoscaled_services, engine_deployments, engine_pods, scaler.client,
+                          memo.get("gateway_hold_seconds", HOLD_SECONDS))
+        memo.gateway_runner = await gateway.serve(*address)
 
 
 @kopf.on.cleanup()
@@ -110,6 +117,9 @@ async def stop_autoscaler(memo: kopf.Memo, **_: Any) -> None:
         task.cancel()
         with suppress(asyncio.CancelledError):
             await task
+    runner = memo.get("gateway_runner")
+    if runner is not None:
+        await runner.cleanup()
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)

@@ -81,6 +81,10 @@ collector), keep its peering record alive, and post events.
 - --peering={{ .Values.peering.name }}
 - --liveness=http://0.0.0.0:{{ .Values.livenessPort }}/healthz
 - --autoscale-interval={{ .Values.autoscaler.intervalSeconds }}
+{{- if .Values.gateway.enabled }}
+- --gateway=0.0.0.0:{{ .Values.gateway.port }}
+- --gateway-hold-seconds={{ .Values.gateway.holdSeconds }}
+{{- end }}
 {{- if eq .Values.logLevel "debug" }}
 - --verbose
 {{- end }}

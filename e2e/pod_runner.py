@@ -1,0 +1,134 @@
+"""Real engines behind kwok's pods, following the Deployment as it scales.
+
+kwok runs no containers: a pod of an engine Deployment is Running with a loopback IP and nothing
+behind it. A `PodRunner` watches one InferenceService's engine pods and, for every Running pod,
+starts a real `kvpilot serve` with the Deployment's rendered arguments on the pod's IP
+(local_engine.engine_argv); when the pod goes away (deleted, scaled down, no longer Running) it
+stops that engine by its PID. Scaling the Deployment therefore really adds and removes engines,
+and the operator's autoscaler reads real /metrics from the pod IPs it knows.
+
+Every engine gets OMP_NUM_THREADS=1: a pod requests its own cores, and here the engines of all
+pods share the machine's two.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from e2e import kvis
+from e2e.cluster import Cluster
+from e2e.local_engine import base_url, engine_argv
+from e2e.procs import Process, http_ok, start
+
+
+@dataclass
+class Engine:
+    pod: str
+    url: str
+    process: Process
+    ready: bool = False
+
+
+class PodRunner:
+    """Engines for the Running pods of `namespace/name`'s Deployment, kept in step every `poll_s`.
+    Use as a context manager: leaving it stops every engine it started."""
+
+    def __init__(self, cluster: Cluster, namespace: str, name: str, log_dir: Path, poll_s: float = 1.0) -> None:
+        self.cluster, self.namespace, self.name = cluster, namespace, name
+        self.log_dir, self.poll_s = log_dir, poll_s
+        self._engines: dict[str, Engine] = {}
+        # Pods whose engine was stopped on purpose (a test breaking one): not restarted.
+        self._left_alone: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"pod-runner-{name}", daemon=True)
+        self.errors: list[str] = []
+        self.last_error: str | None = None
+        self.started = 0
+        self.stopped = 0
+
+    def __enter__(self) -> PodRunner:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        with self._lock:
+            engines, self._engines = list(self._engines.values()), {}
+        for engine in engines:
+            self._stop_engine(engine)
+
+    def serving(self) -> dict[str, str]:
+        """Pod name -> base URL of the engines that answer /ready now."""
+        with self._lock:
+            return {e.pod: e.url for e in self._engines.values() if e.ready}
+
+    def engines(self) -> dict[str, Engine]:
+        with self._lock:
+            return dict(self._engines)
+
+    def break_engine(self, pod: str) -> None:
+        """Stop `pod`'s engine and leave the pod Running without one: its /metrics (and all else)
+        are refused from now on, as for an engine that hangs or crashes under its pod."""
+        with self._lock:
+            engine = self._engines.pop(pod)
+            self._left_alone.add(pod)
+        self._stop_engine(engine)
+
+    def _start_engine(self, pod: str, ip: str) -> Engine:
+        deployment = self.cluster.kubectl_json("get", "deployment", self.name, "-n", self.namespace)
+        argv = engine_argv(deployment, ip)
+        env = {**self.cluster.env(), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        process = start(argv, self.log_dir / f"engine-{pod}.log", env)
+        self.started += 1
+        return Engine(pod=pod, url=base_url(argv), process=process)
+
+    def _stop_engine(self, engine: Engine) -> None:
+        code = engine.process.stop()
+        self.stopped += 1
+        if code not in (0, -15):
+            self.errors.append(f"engine of {engine.pod} exited with {code}:\n{engine.process.log_tail()}")
+
+    def _sync(self) -> None:
+        running = {p["metadata"]["name"]: p["status"]["podIP"]
+                   for p in kvis.running_pods(self.cluster, self.namespace, self.name)}
+        with self._lock:
+            gone = [e for pod, e in self._engines.items() if pod not in running]
+            for engine in gone:
+                del self._engines[engine.pod]
+            new = [(pod, ip) for pod, ip in running.items() if pod not in self._engines and pod not in self._left_alone]
+        for engine in gone:
+            self._stop_engine(engine)
+        for pod, ip in new:
+            engine = self._start_engine(pod, ip)
+            with self._lock:
+                self._engines[pod] = engine
+        with self._lock:
+            starting = [e for e in self._engines.values() if not e.ready]
+        for engine in starting:
+            if not engine.process.alive():
+                self.errors.append(f"engine of {engine.pod} exited:\n{engine.process.log_tail()}")
+                with self._lock:
+                    self._engines.pop(engine.pod, None)
+                    self._left_alone.add(engine.pod)
+            elif http_ok(f"{engine.url}/ready", timeout_s=1.0):
+                engine.ready = True
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._sync()
+            except Exception as error:  # noqa: BLE001 - a failed kubectl read: the next poll tries again
+                self.last_error = repr(error)
+            self._stop.wait(self.poll_s)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What the runner holds, for a failing test's message."""
+        with self._lock:
+            return {"engines": {p: {"url": e.url, "ready": e.ready, "pid": e.process.pid} for p, e in self._engines.items()},
+                    "left_alone": sorted(self._left_alone), "last_error": self.last_error, "started": self.started, "stopped": self.stopped,
+                    "errors": self.errors}

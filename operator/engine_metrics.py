@@ -21,7 +21,8 @@ one series per engine core) are summed; KV usage takes the fullest.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -187,3 +188,31 @@ def parse(text: str) -> EngineReading:
     return EngineReading(ttft=histogram(TTFT_NAMES), tpot=histogram(TPOT_NAMES),
                          waiting=gauge(WAITING_NAMES, sum), running=gauge(RUNNING_NAMES, sum),
                          kv_usage=gauge(KV_USAGE_NAMES, max))
+
+
+HISTOGRAM_NAMES = (*TTFT_NAMES, *TPOT_NAMES)
+GAUGE_NAMES = (*WAITING_NAMES, *RUNNING_NAMES, *KV_USAGE_NAMES)
+# The series a Prometheus holds for what `parse` reads: a histogram's buckets and count, and its
+# `_created` gauge (prometheus_client exports it; a new value says the process restarted).
+SERIES_NAMES = (*(f"{h}_{part}" for h in HISTOGRAM_NAMES for part in ("bucket", "count", "created")), *GAUGE_NAMES)
+
+
+def exposition_of_series(series: Iterable[Mapping[str, Any]]) -> str:
+    """Series from a Prometheus instant query (`data.result` of /api/v1/query: each a `metric`
+    label set with `__name__`, and a `value` [time, "number"]) as the text exposition they were
+    scraped from, so that `parse` reads a pod's series from Prometheus as it reads its /metrics."""
+    families: dict[str, tuple[str, list[str]]] = {}
+    for one in series:
+        labels = dict(one["metric"])
+        name = str(labels.pop("__name__"))
+        family = next((h for h in HISTOGRAM_NAMES if name in (f"{h}_bucket", f"{h}_count")), name)
+        kind = "histogram" if family != name else "gauge"
+        rendered = ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(labels.items()))
+        families.setdefault(family, (kind, []))[1].append(f"{name}{{{rendered}}} {one['value'][1]}")
+    # The text format wants each family's samples together, after its TYPE line.
+    return "".join(f"# TYPE {family} {kind}\n" + "".join(f"{line}\n" for line in lines)
+                   for family, (kind, lines) in families.items())
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')

@@ -158,6 +158,9 @@ class AutoscalingSpec(_Camel):
     tolerance: float = Field(default=0.1, ge=0, le=0.5)
     max_waiting_per_replica: float = Field(default=4, gt=0)
     target_kv_cache_usage: float = Field(default=0.9, gt=0, le=1)
+    # Read the engines' series from this Prometheus (labels namespace and pod, as a ServiceMonitor
+    # gives them) instead of each pod's /metrics: for clusters where the operator cannot reach pods.
+    prometheus_url: str | None = Field(default=None, pattern=r"^https?://[^\s/]+(/\S*)?$")
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingSpec:

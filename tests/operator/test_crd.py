@@ -44,7 +44,7 @@ def root(crd: dict[str, Any]) -> Schema:
 
 
 VALUE_KEYS = {"type", "format", "description", "enum", "default", "minimum", "maximum",
-              "exclusiveMinimum", "minLength", "required", "properties", "items",
+              "exclusiveMinimum", "minLength", "maxLength", "pattern", "required", "properties", "items",
               "additionalProperties", "anyOf", "x-kubernetes-validations",
               "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields",
               "x-kubernetes-list-type", "x-kubernetes-list-map-keys"}

@@ -39,18 +39,32 @@ def test_chart_lints_and_renders(k8s_binaries: Binaries, tmp_path: Path, values:
     args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
     if values:
         assert kinds == sorted([
-            ("CustomResourceDefinition", ""),
+            ("CustomResourceDefinition", ""), ("Service", "ops"),
             ("ServiceAccount", "ops"), ("Deployment", "ops"), ("ClusterRole", ""), ("ClusterRoleBinding", ""),
             ("Role", "ml"), ("RoleBinding", "ml"), ("KopfPeering", "ml"),
             ("Role", "prod"), ("RoleBinding", "prod"), ("KopfPeering", "prod")])
         assert args[:3] == ["operator", "--namespace=ml", "--namespace=prod"]
     else:
-        assert kinds == sorted([("CustomResourceDefinition", ""), ("ServiceAccount", "ops"), ("Deployment", "ops"),
+        assert kinds == sorted([("CustomResourceDefinition", ""), ("Service", "ops"), ("ServiceAccount", "ops"),
+                                ("Deployment", "ops"),
                                 ("ClusterRole", ""),
                                 ("ClusterRole", ""), ("ClusterRoleBinding", ""), ("ClusterRoleBinding", ""),
                                 ("ClusterKopfPeering", "")])
         assert args[:2] == ["operator", "--all-namespaces"]
     assert "--peering=kvpilot" in args
+    assert "--gateway=0.0.0.0:8000" in args and "--autoscale-interval=15" in args
+    (gateway,) = [d for d in rendered if d["kind"] == "Service"]
+    assert gateway["metadata"]["name"] == "kvpilot-gateway" and gateway["spec"]["ports"][0]["targetPort"] == "gateway"
+    assert gateway["spec"]["selector"] == operator["spec"]["selector"]["matchLabels"]
+
+
+def test_the_gateway_can_be_left_out(k8s_binaries: Binaries, tmp_path: Path) -> None:
+    rendered = _template(k8s_binaries, tmp_path, "--set", "gateway.enabled=false")
+    operator = next(d for d in rendered if d["kind"] == "Deployment")
+    (container,) = operator["spec"]["template"]["spec"]["containers"]
+    assert not [a for a in container["args"] if a.startswith("--gateway")]
+    assert [p["name"] for p in container["ports"]] == ["healthz"]
+    assert not [d for d in rendered if d["kind"] == "Service"]
 
 
 def _template(binaries: Binaries, tmp_path: Path, *values: str) -> list[dict[str, Any]]:

@@ -116,3 +116,39 @@ def test_a_plan_that_chose_int4_runs_a_real_int4_engine(
         assert "quantization=int4" in process.log_tail(200)
     finally:
         assert process.stop() == 0, process.log_tail()
+
+
+def test_a_plan_with_a_draft_model_runs_a_real_engine_that_drafts_with_it(
+        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: Any, tmp_path: Path) -> None:
+    # The draft: the embedded model's own weights, at a path (a model baked into the image), under
+    # its catalog name so the planner knows its architecture. A target that is its own draft.
+    from kvpilot.engine.model.loader import embedded_model_dir
+
+    draft = tmp_path / "SmolLM2-135M-Instruct"
+    draft.symlink_to(embedded_model_dir())
+    spec = kvis.sample("smollm2-135m")["spec"]
+    spec = {**spec, "serving": {**spec.get("serving", {}), "speculative": "draft", "draftModel": str(draft)}}
+    apply_isvc("smollm2-draft", spec)
+    ns = kvpilot.watch_namespaces[0]
+    ready = kvis.wait_condition(k8s, ns, "smollm2-draft", "Ready", "True", timeout_s=60)
+    assert ready["status"]["plan"]["speculative"] == "draft"
+    deployment = k8s.kubectl_json("get", "deployment", "smollm2-draft", "-n", ns)
+    (pod,) = kvis.running_pods(k8s, ns, "smollm2-draft")
+    process, url = start_engine(deployment, pod, tmp_path / "engine-draft.log")
+    try:
+        argv = process.argv
+        assert argv[argv.index("--speculative") + 1] == "draft" and argv[argv.index("--draft-model") + 1] == str(draft)
+        with httpx.Client(trust_env=False, timeout=120) as http:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http, max_retries=0)
+            out = client.completions.create(model=spec["model"]["name"], prompt="The capital of France is",
+                                            max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+            metrics = {s.name: s.value for f in text_string_to_metric_families(http.get(f"{url}/metrics").text)
+                       for s in f.samples}
+        assert "Paris" in out.choices[0].text
+        drafted, accepted = (metrics["kvpilot_spec_decode_num_draft_tokens_total"],
+                             metrics["kvpilot_spec_decode_num_accepted_tokens_total"])
+        # Its own draft: most are kept (bf16 rounds one-token draft steps and the verifying pass
+        # differently, and drafts past max_tokens are not kept); an unrelated draft keeps few.
+        assert drafted > 0 and accepted >= 0.6 * drafted, (drafted, accepted)
+    finally:
+        assert process.stop() == 0, process.log_tail()

@@ -14,7 +14,9 @@ from kvpilot.engine.cli import COMMANDS
 def _quantize(args: argparse.Namespace) -> int:
     from kvpilot.engine.model.compressed_tensors import quantize_checkpoint, report_line
 
-    print(report_line(quantize_checkpoint(args.model, Path(args.output), args.scheme, args.group_size)))
+    method = args.method or ("awq" if args.scheme == "int4" else "rtn")
+
+    print(report_line(quantize_checkpoint(args.model, Path(args.output), args.scheme, args.group_size, method)), flush=True)
     return 0
 
 
@@ -27,4 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser.add_argument("--scheme", choices=("int8", "int4"), default="int4",
                         help="int8: per output channel, symmetric (W8A16); int4: group-wise with zero points (W4A16) (default: int4)")
     parser.add_argument("--group-size", type=int, default=32, help="int4: input columns per scale and zero point (default: 32)")
+    parser.add_argument("--method", choices=("awq", "rtn"), default=None,
+                        help="int4: awq (activation-aware scale and clipping search, calibrated on prompts that ship with kvpilot) "
+                             "or rtn (round-to-nearest, min-max per group); int8 is always rtn (default: awq for int4)")
     parser.set_defaults(func=_quantize)

@@ -9,6 +9,8 @@ and bound to that pod IP, serves it.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -94,28 +96,45 @@ def test_engine_behind_a_simulated_pod_answers_the_openai_client(
     assert 0 < metrics["kvpilot_spec_decode_num_accepted_tokens_total"] <= metrics["kvpilot_spec_decode_num_draft_tokens_total"]
 
 
+@dataclass
+class PinnedEngine:
+    plan: dict[str, Any]
+    process: Process
+    url: str
+    model: str
+    client: openai.OpenAI
+    http: httpx.Client
+
+
+@contextmanager
+def pinned_sample(k8s: Cluster, kvpilot: Installation, apply_isvc: Any, tmp_path: Path, name: str,
+                  **serving: str) -> Iterator[PinnedEngine]:
+    """The sample with `serving` pinned, rolled out, and a real engine behind its one pod."""
+    spec = kvis.sample("smollm2-135m")["spec"]
+    spec = {**spec, "serving": {**spec.get("serving", {}), **serving}}
+    apply_isvc(name, spec)
+    ns = kvpilot.watch_namespaces[0]
+    ready = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=60)
+    (pod,) = kvis.running_pods(k8s, ns, name)
+    process, url = start_engine(k8s.kubectl_json("get", "deployment", name, "-n", ns), pod, tmp_path / f"{name}.log")
+    try:
+        with httpx.Client(trust_env=False, timeout=120) as http:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http, max_retries=0)
+            yield PinnedEngine(ready["status"]["plan"], process, url, spec["model"]["name"], client, http)
+    finally:
+        assert process.stop() == 0, process.log_tail()
+
+
 def test_a_plan_that_chose_int4_runs_a_real_int4_engine(
         k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: Any, tmp_path: Path) -> None:
     # The sample, pinned to INT4 (the planner picks it under `auto` only where BF16 misses the SLO).
-    spec = kvis.sample("smollm2-135m")["spec"]
-    spec = {**spec, "serving": {**spec.get("serving", {}), "quantization": "int4"}}
-    apply_isvc("smollm2-int4", spec)
-    ns = kvpilot.watch_namespaces[0]
-    ready = kvis.wait_condition(k8s, ns, "smollm2-int4", "Ready", "True", timeout_s=60)
-    assert ready["status"]["plan"]["quantization"] == "int4"
-    deployment = k8s.kubectl_json("get", "deployment", "smollm2-int4", "-n", ns)
-    (pod,) = kvis.running_pods(k8s, ns, "smollm2-int4")
-    process, url = start_engine(deployment, pod, tmp_path / "engine-int4.log")
-    try:
-        assert process.argv[process.argv.index("--quantization") + 1] == "int4"
-        with httpx.Client(trust_env=False, timeout=120) as http:
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http, max_retries=0)
-            out = client.completions.create(model=spec["model"]["name"], prompt="The capital of France is", max_tokens=6,
-                                            temperature=0)
+    with pinned_sample(k8s, kvpilot, apply_isvc, tmp_path, "smollm2-int4", quantization="int4") as engine:
+        assert engine.plan["quantization"] == "int4"
+        assert engine.process.argv[engine.process.argv.index("--quantization") + 1] == "int4"
+        out = engine.client.completions.create(model=engine.model, prompt="The capital of France is", max_tokens=6,
+                                               temperature=0)
         assert "Paris" in out.choices[0].text
-        assert "quantization=int4" in process.log_tail(200)
-    finally:
-        assert process.stop() == 0, process.log_tail()
+        assert "quantization=int4" in engine.process.log_tail(200)
 
 
 def test_a_plan_with_a_draft_model_runs_a_real_engine_that_drafts_with_it(
@@ -126,29 +145,18 @@ def test_a_plan_with_a_draft_model_runs_a_real_engine_that_drafts_with_it(
 
     draft = tmp_path / "SmolLM2-135M-Instruct"
     draft.symlink_to(embedded_model_dir())
-    spec = kvis.sample("smollm2-135m")["spec"]
-    spec = {**spec, "serving": {**spec.get("serving", {}), "speculative": "draft", "draftModel": str(draft)}}
-    apply_isvc("smollm2-draft", spec)
-    ns = kvpilot.watch_namespaces[0]
-    ready = kvis.wait_condition(k8s, ns, "smollm2-draft", "Ready", "True", timeout_s=60)
-    assert ready["status"]["plan"]["speculative"] == "draft"
-    deployment = k8s.kubectl_json("get", "deployment", "smollm2-draft", "-n", ns)
-    (pod,) = kvis.running_pods(k8s, ns, "smollm2-draft")
-    process, url = start_engine(deployment, pod, tmp_path / "engine-draft.log")
-    try:
-        argv = process.argv
+    with pinned_sample(k8s, kvpilot, apply_isvc, tmp_path, "smollm2-draft", speculative="draft",
+                       draftModel=str(draft)) as engine:
+        assert engine.plan["speculative"] == "draft"
+        argv = engine.process.argv
         assert argv[argv.index("--speculative") + 1] == "draft" and argv[argv.index("--draft-model") + 1] == str(draft)
-        with httpx.Client(trust_env=False, timeout=120) as http:
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http, max_retries=0)
-            out = client.completions.create(model=spec["model"]["name"], prompt="The capital of France is",
-                                            max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
-            metrics = {s.name: s.value for f in text_string_to_metric_families(http.get(f"{url}/metrics").text)
-                       for s in f.samples}
-        assert "Paris" in out.choices[0].text
-        drafted, accepted = (metrics["kvpilot_spec_decode_num_draft_tokens_total"],
-                             metrics["kvpilot_spec_decode_num_accepted_tokens_total"])
-        # Its own draft: most are kept (bf16 rounds one-token draft steps and the verifying pass
-        # differently, and drafts past max_tokens are not kept); an unrelated draft keeps few.
-        assert drafted > 0 and accepted >= 0.6 * drafted, (drafted, accepted)
-    finally:
-        assert process.stop() == 0, process.log_tail()
+        out = engine.client.completions.create(model=engine.model, prompt="The capital of France is", max_tokens=24,
+                                               temperature=0, extra_body={"ignore_eos": True})
+        metrics = {s.name: s.value for f in text_string_to_metric_families(engine.http.get(f"{engine.url}/metrics").text)
+                   for s in f.samples}
+    assert "Paris" in out.choices[0].text
+    drafted, accepted = (metrics["kvpilot_spec_decode_num_draft_tokens_total"],
+                         metrics["kvpilot_spec_decode_num_accepted_tokens_total"])
+    # Its own draft: most are kept (bf16 rounds one-token draft steps and the verifying pass
+    # differently, and drafts past max_tokens are not kept); an unrelated draft keeps few.
+    assert drafted > 0 and accepted >= 0.6 * drafted, (drafted, accepted)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from e2e.polling import Background
+
 
 @dataclass(frozen=True)
 class Result:
@@ -35,11 +37,12 @@ def p95(values: Sequence[float]) -> float | None:
     return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
 
 
-class Load:
+class Load(Background):
     """Use as a context manager; `rate` may change while it runs (0 stops the arrivals)."""
 
     def __init__(self, targets: Callable[[], Sequence[str]], model: str, rate: float, *, max_in_flight: int = 16,
                  prompt: str = "Write a short story about a lighthouse keeper and a storm.", max_tokens: int = 32) -> None:
+        super().__init__("load")
         self.targets, self.model, self.rate = targets, model, rate
         self.max_in_flight, self.prompt, self.max_tokens = max_in_flight, prompt, max_tokens
         self.results: list[Result] = []
@@ -48,18 +51,10 @@ class Load:
         self._in_flight = threading.Semaphore(max_in_flight)
         self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="load")
         self._http = httpx.Client(timeout=120, trust_env=False)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._arrivals, name="load", daemon=True)
         self._turn = itertools.count()
         self._lock = threading.Lock()
 
-    def __enter__(self) -> Load:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
+    def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._http.close()
 
@@ -67,15 +62,15 @@ class Load:
         with self._lock:
             return [r for r in self.results if r.start >= start]
 
-    def _arrivals(self) -> None:
+    def loop(self) -> None:
         next_at = time.monotonic()
-        while not self._stop.is_set():
+        while not self.stopping.is_set():
             if self.rate <= 0:
-                self._stop.wait(0.1)
+                self.stopping.wait(0.1)
                 next_at = time.monotonic()
                 continue
             next_at += 1.0 / self.rate
-            self._stop.wait(max(0.0, next_at - time.monotonic()))
+            self.stopping.wait(max(0.0, next_at - time.monotonic()))
             targets = sorted(self.targets())
             if not targets:
                 self.no_target += 1

@@ -21,6 +21,7 @@ from typing import Any
 from e2e import kvis
 from e2e.cluster import Cluster
 from e2e.local_engine import base_url, engine_argv
+from e2e.polling import Background
 from e2e.procs import Process, http_ok, start
 
 
@@ -32,31 +33,24 @@ class Engine:
     ready: bool = False
 
 
-class PodRunner:
+class PodRunner(Background):
     """Engines for the Running pods of `namespace/name`'s Deployment, kept in step every `poll_s`.
     Use as a context manager: leaving it stops every engine it started."""
 
     def __init__(self, cluster: Cluster, namespace: str, name: str, log_dir: Path, poll_s: float = 1.0) -> None:
+        super().__init__(f"pod-runner-{name}")
         self.cluster, self.namespace, self.name = cluster, namespace, name
         self.log_dir, self.poll_s = log_dir, poll_s
         self._engines: dict[str, Engine] = {}
         # Pods whose engine was stopped on purpose (a test breaking one): not restarted.
         self._left_alone: set[str] = set()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"pod-runner-{name}", daemon=True)
         self.errors: list[str] = []
         self.last_error: str | None = None
         self.started = 0
         self.stopped = 0
 
-    def __enter__(self) -> PodRunner:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
+    def close(self) -> None:
         with self._lock:
             engines, self._engines = list(self._engines.values()), {}
         for engine in engines:
@@ -118,13 +112,13 @@ class PodRunner:
             elif http_ok(f"{engine.url}/ready", timeout_s=1.0):
                 engine.ready = True
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def loop(self) -> None:
+        while not self.stopping.is_set():
             try:
                 self._sync()
             except Exception as error:  # noqa: BLE001 - a failed kubectl read: the next poll tries again
                 self.last_error = repr(error)
-            self._stop.wait(self.poll_s)
+            self.stopping.wait(self.poll_s)
 
     def snapshot(self) -> dict[str, Any]:
         """What the runner holds, for a failing test's message."""

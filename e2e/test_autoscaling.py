@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,7 +31,7 @@ from e2e.conftest import AUTOSCALE_INTERVAL_S
 from e2e.load import Load, p95
 from e2e.local_operator import LocalOperator
 from e2e.pod_runner import PodRunner
-from e2e.polling import poll
+from e2e.polling import Background, poll
 from kvpilot.operator.autoscaler import WINDOW_PERIODS
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -63,27 +62,18 @@ def events(k8s: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
     return items
 
 
-class Timeline:
+class Timeline(Background):
     """One sample a second of load, replicas, engines up and p95 TTFT (the clients' over the last
     window, and the operator's from its status), for the failure messages and the bench plot."""
 
     def __init__(self, k8s: Cluster, namespace: str, name: str, runner: PodRunner, load: Load) -> None:
+        super().__init__("timeline")
         self.k8s, self.namespace, self.name, self.runner, self.load = k8s, namespace, name, runner, load
         self.start = time.monotonic()
         self.samples: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> Timeline:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(1.0):
+    def loop(self) -> None:
+        while not self.stopping.wait(1.0):
             now = time.monotonic()
             try:
                 status = kvis.get(self.k8s, self.namespace, self.name).get("status", {})

@@ -1,10 +1,12 @@
 """A serving load generator in the manner of vLLM's `bench serve`.
 
     .venv/bin/python -m bench.serve [--backends kvpilot,llamacpp,hf] [--rates 0.25,0.5,1,2,4,8] ...   # from the repository root
+    .venv/bin/python -m bench.serve --concurrency 1,16,64 ...   # closed loop instead of rates
 
-For each request rate, requests arrive as a Poisson process and stream from /v1/completions; the
-prompts (random token ids) and output lengths come from a fixed seed, so every backend and every
-rate sees the same requests. Per rate it reports TTFT, TPOT, ITL and end-to-end latency
+For each request rate, requests arrive as a Poisson process and stream from /v1/completions; with
+`--concurrency`, each level keeps that many requests in flight (a client sends its next request
+when its last one finished) for `--duration` seconds. The prompts (random token ids) and output
+lengths come from a fixed seed, so every backend and every level sees the same requests. Per rate it reports TTFT, TPOT, ITL and end-to-end latency
 (p50/p95/p99), request and output-token throughput, and goodput: requests per second that met the
 SLO (TTFT and TPOT both within bounds). It writes JSON and a PNG of latency against request rate.
 
@@ -56,11 +58,13 @@ _FIRST_PLAIN_TOKEN = 1000
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rates", default="0.25,0.5,1,2,4,8", help="request rates to sweep, requests/s (default: 0.25,0.5,1,2,4,8)")
+    parser.add_argument("--concurrency", help="closed loop instead: requests kept in flight per level, e.g. 1,16,64")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate (default: 30)")
     parser.add_argument("--min-requests", type=int, default=8, help="requests per rate at least (default: 8)")
     parser.add_argument("--input-len", type=int, default=64, help="mean prompt tokens (default: 64)")
     parser.add_argument("--output-len", type=int, default=16, help="mean output tokens (default: 16)")
     parser.add_argument("--range-ratio", type=float, default=0.25, help="lengths are uniform in mean*(1±ratio) (default: 0.25)")
+    parser.add_argument("--output-range-ratio", type=float, help="the same for output lengths (default: --range-ratio)")
     parser.add_argument("--seed", dest="bench_seed", type=int, default=0)
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO and sweep limit on TTFT (default: 2000)")
     parser.add_argument("--slo-tpot-ms", type=float, default=500.0, help="goodput SLO on TPOT (default: 500)")
@@ -98,13 +102,16 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else math.nan
 
 
-def make_workload(n: int, input_len: int, output_len: int, ratio: float, seed: int, vocab: int) -> list[WorkItem]:
+def make_workload(n: int, input_len: int, output_len: int, ratio: float, seed: int, vocab: int,
+                  output_ratio: float | None = None) -> list[WorkItem]:
     rng = random.Random(seed)
 
-    def length(mean: int) -> int:
+    def length(mean: int, ratio: float) -> int:
         return max(1, rng.randint(int(mean * (1 - ratio)), int(mean * (1 + ratio))))
 
-    return [WorkItem([rng.randrange(_FIRST_PLAIN_TOKEN, vocab) for _ in range(length(input_len))], length(output_len)) for _ in range(n)]
+    out_ratio = ratio if output_ratio is None else output_ratio
+    return [WorkItem([rng.randrange(_FIRST_PLAIN_TOKEN, vocab) for _ in range(length(input_len, ratio))],
+                     length(output_len, out_ratio)) for _ in range(n)]
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -164,6 +171,27 @@ async def run_rate(base_url: str, model: str, items: list[WorkItem], arrivals: l
 
         results = await asyncio.gather(*(fire(item, at) for item, at in zip(items, arrivals)))
         return list(results), time.perf_counter() - start
+
+
+async def run_concurrency(base_url: str, model: str, items: list[WorkItem], concurrency: int, duration: float,
+                          timeout: float) -> tuple[list[RequestResult], float]:
+    """`concurrency` clients, each sending the workload's next request as soon as its last one
+    finished, until `duration` has passed (requests in flight then are completed and counted)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+        start = time.perf_counter()
+        turn = iter(range(10**9))
+        results: list[RequestResult] = []
+
+        async def worker() -> None:
+            while time.perf_counter() - start < duration:
+                item = items[next(turn) % len(items)]
+                results.append(await _one(client, f"{base_url}/v1/completions", model, item))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return results, time.perf_counter() - start
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -258,27 +286,37 @@ def _vocab_size(model: str | None) -> int:
     return int(load_config(resolve_model(model)).vocab_size)
 
 
-def sweep(targets: dict[str, str], args: argparse.Namespace, rates: list[float], workload: list[WorkItem]) -> dict[str, list[dict[str, object]]]:
-    """Run every rate against every backend, alternating backends within a rate so that a change in
-    background load on a shared machine hits both alike."""
+def sweep(targets: dict[str, str], args: argparse.Namespace, levels: list[float], workload: list[WorkItem]) -> dict[str, list[dict[str, object]]]:
+    """Run every level (a rate, or a concurrency with `--concurrency`) against every backend,
+    alternating backends within a level so that a change in background load on a shared machine
+    hits both alike."""
     for url in targets.values():
         # One short request first: the first forward pays for lazy initialisation, not for load.
         asyncio.run(run_rate(url, args.model_name, workload[:1], [0.0], args.request_timeout))
     results: dict[str, list[dict[str, object]]] = {label: [] for label in targets}
     active = list(targets)
-    for i, rate in enumerate(rates):
-        n = max(args.min_requests, round(rate * args.duration))
-        arrivals = poisson_arrivals(n, rate, args.bench_seed + i)
+    closed_loop = bool(args.concurrency)
+    for i, level in enumerate(levels):
+        n = max(args.min_requests, round(level * args.duration))
+        arrivals = poisson_arrivals(n, level, args.bench_seed + i)
         for label in list(active):
-            outcome, duration = asyncio.run(run_rate(targets[label], args.model_name, workload[:n], arrivals, args.request_timeout))
-            summary = summarize(rate, outcome, duration, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+            if closed_loop:
+                outcome, duration = asyncio.run(run_concurrency(targets[label], args.model_name, workload, int(level),
+                                                                args.duration, args.request_timeout))
+            else:
+                outcome, duration = asyncio.run(run_rate(targets[label], args.model_name, workload[:n], arrivals,
+                                                         args.request_timeout))
+            summary = summarize(level, outcome, duration, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+            if closed_loop:
+                summary["concurrency"] = summary.pop("rate")
             summary["load_average"] = os.getloadavg()
             results[label].append(summary)
-            print(f"{label:8s} rate={rate:<5g} n={n:<3d} ok={summary['completed']:<3d} "
+            print(f"{label:8s} {'concurrency' if closed_loop else 'rate'}={level:<5g} n={len(outcome):<3d} "
+                  f"ok={summary['completed']:<3d} "
                   f"ttft p50/p95={summary['ttft_ms']['p50']:.0f}/{summary['ttft_ms']['p95']:.0f} ms "
                   f"tpot p50={summary['tpot_ms']['p50']:.0f} ms  out={summary['output_throughput']:.1f} tok/s "
                   f"goodput={summary['goodput']:.2f} req/s", flush=True)
-            if not args.full_sweep and not sustains(summary, args.slo_ttft_ms):
+            if not closed_loop and not args.full_sweep and not sustains(summary, args.slo_ttft_ms):
                 active.remove(label)
     return results
 
@@ -290,8 +328,9 @@ def plot(results: dict[str, list[dict[str, object]]], slo_ttft_ms: float, path: 
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    key = "concurrency" if any("concurrency" in s for summaries in results.values() for s in summaries) else "rate"
     for color, (backend, summaries) in zip(("tab:blue", "tab:orange", "tab:green"), results.items()):
-        rates = [s["rate"] for s in summaries]
+        rates = [s[key] for s in summaries]
         axes[0].plot(rates, [s["ttft_ms"]["p95"] for s in summaries], "o-", color=color, label=f"{backend} p95")
         axes[0].plot(rates, [s["ttft_ms"]["p50"] for s in summaries], "o--", color=color, alpha=0.5, label=f"{backend} p50")
         axes[1].plot(rates, [s["tpot_ms"]["p95"] for s in summaries], "o-", color=color, label=f"{backend} p95")
@@ -299,7 +338,7 @@ def plot(results: dict[str, list[dict[str, object]]], slo_ttft_ms: float, path: 
     axes[0].axhline(slo_ttft_ms, color="red", linestyle=":", label="SLO")
     for ax, title, unit in zip(axes, ("TTFT", "TPOT", "output throughput"), ("ms", "ms", "tokens/s")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("request rate (req/s)")
+        ax.set_xlabel("concurrent requests" if key == "concurrency" else "request rate (req/s)")
         ax.set_ylabel(unit)
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
@@ -311,13 +350,15 @@ def plot(results: dict[str, list[dict[str, object]]], slo_ttft_ms: float, path: 
 
 
 def run(args: argparse.Namespace) -> int:
-    rates = sorted(float(r) for r in args.rates.split(","))
+    levels = sorted(float(r) for r in (args.concurrency or args.rates).split(","))
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = set(backends) - set(BACKENDS)
     if unknown:
         raise ValueError(f"unknown backends {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
-    n_max = max(args.min_requests, round(max(rates) * args.duration))
-    workload = make_workload(n_max, args.input_len, args.output_len, args.range_ratio, args.bench_seed, _vocab_size(None))
+    # Closed loop: enough distinct requests that no level runs out and reuses prompts early.
+    n_max = max(args.min_requests, round(max(levels) * args.duration * (4 if args.concurrency else 1)))
+    workload = make_workload(n_max, args.input_len, args.output_len, args.range_ratio, args.bench_seed, _vocab_size(None),
+                             args.output_range_ratio)
     output = Path(args.output)
     report: dict[str, object] = {
         "command": "python -m bench.serve " + " ".join(sys.argv[1:]),
@@ -335,12 +376,12 @@ def run(args: argparse.Namespace) -> int:
             for backend in backends:
                 servers.append(_Server(backend, args, output.parent))
                 targets[backend] = servers[-1].base_url
-        report["results"] = sweep(targets, args, rates, workload)
+        report["results"] = sweep(targets, args, levels, workload)
     finally:
         for server in servers:
             server.stop()
     for label, summaries in report["results"].items():  # type: ignore[union-attr]
-        ok = [s["rate"] for s in summaries if sustains(s, args.slo_ttft_ms)]
+        ok = [s["rate"] for s in summaries if "rate" in s and sustains(s, args.slo_ttft_ms)]
         report["max_sustained_rate"][label] = max(ok) if ok else None  # type: ignore[index]
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2, default=str))

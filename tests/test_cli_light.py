@@ -69,3 +69,10 @@ def test_operator_image_copies_only_the_contract() -> None:
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     subpackages = [p.removeprefix("kvpilot.engine.") for p in packages if p.startswith("kvpilot.engine.")]
     assert f"RUN mkdir {' '.join(f'engine/{p}' for p in subpackages)}\n" in dockerfile
+
+
+def test_bench_serve_is_a_command_of_the_checkout() -> None:
+    result = subprocess.run([sys.executable, "-m", "kvpilot.engine.cli", "bench", "serve", "--help"],
+                            capture_output=True, text=True, cwd="/")
+    assert result.returncode == 0, result.stderr
+    assert "--concurrency" in result.stdout and "--backends" in result.stdout

@@ -21,23 +21,32 @@ from pathlib import Path
 import torch
 
 from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.llm_engine import LLMEngine
 
 # (label, quantization, dtype): the unquantized model in fp32 and in the CPU default (bf16 where native).
 VARIANTS = (("fp32", "none", "float32"), ("none", "none", "auto"), ("int8", "int8", "auto"), ("int4", "int4", "auto"))
 SCHEMES = tuple(label for label, _, _ in VARIANTS)
 
 
-def decode_tokens_per_second(label: str, batch: int, steps: int) -> tuple[float, int]:
+def decoding_engine(label: str, batch: int, max_tokens: int) -> LLMEngine:
+    """The embedded model under `label`'s scheme with `batch` requests (prompts of 64-127 tokens)
+    prefilled and one decode step taken: every further step() is a decode step of `batch`."""
     _, scheme, dtype = next(v for v in VARIANTS if v[0] == label)
     llm = LLM(quantization=scheme, dtype=dtype, kv_cache_memory_bytes=1 << 30, max_num_seqs=max(batch, 1),
               max_num_batched_tokens=8192)
     engine = llm.engine
     text = engine.tokenize("Paged attention keeps the keys and values of every token in fixed-size blocks. " * 20)
     for i in range(batch):
-        engine.add_request(text[i % 17 : i % 17 + 64 + i % 64], SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
+        engine.add_request(text[i % 17 : i % 17 + 64 + i % 64],
+                           SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()  # prefill, untimed
     engine.step()  # one decode step to warm up
+    return engine
+
+
+def decode_tokens_per_second(label: str, batch: int, steps: int) -> tuple[float, int]:
+    engine = decoding_engine(label, batch, steps + 8)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()

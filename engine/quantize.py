@@ -14,9 +14,7 @@ from kvpilot.engine.cli import COMMANDS
 def _quantize(args: argparse.Namespace) -> int:
     from kvpilot.engine.model.compressed_tensors import quantize_checkpoint, report_line
 
-    method = args.method or ("awq" if args.scheme == "int4" else "rtn")
-
-    print(report_line(quantize_checkpoint(args.model, Path(args.output), args.scheme, args.group_size, method)), flush=True)
+    print(report_line(quantize_checkpoint(args.model, Path(args.output), args.scheme, args.group_size, args.method)), flush=True)
     return 0
 
 

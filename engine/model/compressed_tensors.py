@@ -254,10 +254,11 @@ def _awq_tensors(source: Path, config: PretrainedConfig, args: QuantizationArgs)
     return checkpoint_tensors(model), report
 
 
-def quantize_checkpoint(model: str | None, output: Path, scheme: str, group_size: int, method: str = "awq") -> QuantizeReport:
+def quantize_checkpoint(model: str | None, output: Path, scheme: str, group_size: int, method: str | None = None) -> QuantizeReport:
     """Write `model` (a supported full-precision folder, or the embedded model) to `output` as a
     compressed-tensors checkpoint: body linear layers quantized, everything else as it was (with
-    `awq`, the norms and projections its scales fold into rescaled)."""
+    `awq`, the norms and projections its scales fold into rescaled). `method` defaults to awq for
+    int4 and rtn for int8."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
@@ -272,6 +273,7 @@ def quantize_checkpoint(model: str | None, output: Path, scheme: str, group_size
     files = sorted(source.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {source}")
+    method = method or ("awq" if scheme == "int4" else "rtn")
     if method not in METHODS:
         raise ValueError(f"unknown quantization method {method!r}; methods: {', '.join(METHODS)}")
     if method == "awq" and scheme != "int4":

@@ -361,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
                              args.output_range_ratio)
     output = Path(args.output)
     report: dict[str, object] = {
-        "command": "python -m bench.serve " + " ".join(sys.argv[1:]),
+        "command": getattr(args, "invocation", None) or "python -m bench.serve " + " ".join(sys.argv[1:]),
         "machine": _machine(),
         "config": {k: v for k, v in vars(args).items() if k != "func"},
         "results": {},

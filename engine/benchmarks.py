@@ -28,6 +28,7 @@ def _bench_module(name: str):  # noqa: ANN202 - a module
 
 
 def _serve(args: argparse.Namespace) -> int:
+    args.invocation = "kvpilot " + " ".join(sys.argv[1:])  # what the report says was run
     return int(_bench_module("serve").run(args))
 
 

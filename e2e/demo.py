@@ -98,7 +98,8 @@ def up() -> int:
               file=sys.stderr)
         engine, url = start_engine(deployment, pod, ROOT / ENGINE_LOG)
         _record(state, "engine", engine)
-        answer = _chat(url, model, "In one sentence, what is Kubernetes?")
+        # Through the operator's gateway, as a client in the cluster would reach it.
+        answer = _chat(operator.gateway_url, model, "In one sentence, what is Kubernetes?")
         status = kvis.get(cluster, NAMESPACE, name)["status"]
     except BaseException:
         down()
@@ -110,12 +111,13 @@ def up() -> int:
     print(cluster.kubectl("get", "kvis,deploy,svc,pods", "-n", NAMESPACE, "-o", "wide").stdout)
     print(f"""InferenceService {NAMESPACE}/{name}: {status['plan']['reason']}
   in-cluster URL  {status['url']}
+  gateway         {operator.gateway_url}/v1  (the operator's OpenAI endpoint: routes by model, wakes services at 0 replicas)
   engine          {url}/v1  (kvpilot serve on the pod's loopback IP; log {engine.log})
   operator        pid {state['processes']['operator']['pid']}, log {state['processes']['operator']['log']}
   first answer    {answer!r}
 
 Try it:
-  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{request}'
+  curl -s {operator.gateway_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{request}'
   {kubectl} get kvis -A -o wide
   {kubectl} get kvis {name} -n {NAMESPACE} -o yaml
 

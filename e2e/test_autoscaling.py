@@ -46,6 +46,8 @@ TIMELINE_ENV = "KVPILOT_AUTOSCALE_TIMELINE"
 def autoscaled_spec(mode: str, min_replicas: int) -> dict[str, Any]:
     spec: dict[str, Any] = kvis.sample("smollm2-135m")["spec"]
     spec["slo"] = {"ttftP95Ms": SLO_TTFT_MS, "tpotP95Ms": 200}
+    # n-gram drafts over the load's repetitive prompt: the engines report draft counters too.
+    spec["serving"] = {**spec.get("serving", {}), "speculative": "ngram"}
     spec["autoscaling"] = {"mode": mode, "minReplicas": min_replicas, "maxReplicas": 4, "maxStep": 1,
                            "scaleDownStabilizationSeconds": 10}
     return spec
@@ -171,6 +173,8 @@ def test_external_mode_reports_the_signals_and_never_writes_replicas(
         time.sleep(3 * WINDOW_S)  # over the SLO for several windows
     status = kvis.get(k8s, namespace, name)["status"]
     assert status["latency"]["ttftP95Ms"] > SLO_TTFT_MS, status["latency"]
+    # The engines' measured draft acceptance, beside the plan's assumed one.
+    assert 0 <= status["latency"]["draftAcceptance"] <= 1 and status["plan"]["assumedDraftAcceptance"] == 0.29
     decision = status["autoscaler"]["lastDecision"]
     assert decision["action"] == "hold" and "autoscaling.mode is external" in decision["reason"], decision
     assert replicas(k8s, namespace, name) == 1

@@ -122,8 +122,9 @@ def _iso(seconds: float) -> str:
 def status_patch(state: AutoscalerState, decision: Decision,
                  old_latency: Mapping[str, Any] | None) -> dict[str, Any]:
     """The status fields one period writes: the decision for people (`kubectl get -o yaml`), the
-    state for the next period, and the observed p95s beside the plan's predicted ones
-    (`status.plan.predictedTtftMs`). A window without requests keeps the last observed values."""
+    state for the next period, and the observed p95s (and draft acceptance, when the engines
+    speculate) beside the plan's predicted ones (`status.plan.predictedTtftMs`,
+    `assumedDraftAcceptance`). A window without requests keeps the last observed values."""
     signals = decision.signals
     summary: dict[str, Any] = {
         "lastDecision": {"time": _iso(decision.at), "action": decision.action,
@@ -133,14 +134,17 @@ def status_patch(state: AutoscalerState, decision: Decision,
         "state": state.model_dump(mode="json", by_alias=True),
     }
     patch: dict[str, Any] = {STATUS_KEY: summary}
-    if signals.ttft_p95_seconds is not None or signals.tpot_p95_seconds is not None:
+    if (signals.ttft_p95_seconds is not None or signals.tpot_p95_seconds is not None
+            or signals.draft_acceptance is not None):
         previous = dict(old_latency or {}) if (old_latency or {}).get("source") == "observed" else {}
         latency = {"ttftP95Ms": previous.get("ttftP95Ms"), "tpotP95Ms": previous.get("tpotP95Ms"),
-                   "source": "observed"}
+                   "draftAcceptance": previous.get("draftAcceptance"), "source": "observed"}
         if signals.ttft_p95_seconds is not None:
             latency["ttftP95Ms"] = round(signals.ttft_p95_seconds * 1000, 1)
         if signals.tpot_p95_seconds is not None:
             latency["tpotP95Ms"] = round(signals.tpot_p95_seconds * 1000, 1)
+        if signals.draft_acceptance is not None:
+            latency["draftAcceptance"] = round(signals.draft_acceptance, 3)
         patch["latency"] = {k: v for k, v in latency.items() if v is not None}
     return patch
 

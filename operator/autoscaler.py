@@ -50,7 +50,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from kvpilot.operator.engine_metrics import EngineReading, Histogram, histogram_quantile, increase, merge
+from kvpilot.operator.engine_metrics import (EngineReading, Histogram, counter_increase, histogram_quantile, increase,
+                                             merge)
 from kvpilot.operator.spec import InferenceServiceSpec
 
 QUANTILE = 0.95
@@ -128,10 +129,12 @@ class Observation(_Data):
 
 
 class Baseline(_Data):
-    """A pod's last cumulative histograms, the start of its next increase."""
+    """A pod's last cumulative histograms and counters, the start of its next increase."""
 
     ttft: Histogram | None = None
     tpot: Histogram | None = None
+    draft_tokens: float | None = None
+    accepted_tokens: float | None = None
 
 
 class Mean(_Data):
@@ -167,6 +170,9 @@ class WindowEntry(_Data):
     waiting: Mean = Mean()
     running: Mean = Mean()
     kv_usage: Mean = Mean()
+    # Speculative decoding: draft tokens proposed and accepted in the period, all pods.
+    draft_tokens: float = 0.0
+    accepted_tokens: float = 0.0
 
 
 class Recommendation(_Data):
@@ -187,6 +193,9 @@ class Signals(_Data):
     # Requests per second per replica (first tokens in the window): unlike latency, it grows in
     # exact proportion to the load per replica.
     rate_per_replica: float | None = None
+    # Accepted over proposed draft tokens in the window (speculative decoding; None: no drafts):
+    # the measured counterpart of the planner's assumed acceptance. Shown, not acted on.
+    draft_acceptance: float | None = None
     reporting: int = 0
     unknown: tuple[str, ...] = ()
     # The largest ratio of a signal to its target, and which signal it is.
@@ -234,7 +243,9 @@ def _signals(policy: Policy, window: Sequence[WindowEntry], reads: Sequence[PodR
     running = sum((e.running for e in window), Mean()).value()
     replica_seconds = sum(e.seconds * e.pods_with_baseline for e in window if e.ttft is not None)
     started = sum(e.ttft.count for e in window if e.ttft is not None)
+    drafted = sum(e.draft_tokens for e in window)
     signals = Signals(
+        draft_acceptance=sum(e.accepted_tokens for e in window) / drafted if drafted > 0 else None,
         ttft_p95_seconds=histogram_quantile(QUANTILE, ttft) if ttft else None,
         tpot_p95_seconds=histogram_quantile(QUANTILE, tpot) if tpot else None,
         ttft_observations=int(ttft.count) if ttft else 0,
@@ -290,6 +301,7 @@ def _advance_window(policy: Policy, state: AutoscalerState,
     ttft: list[Histogram] = []
     tpot: list[Histogram] = []
     with_baseline = 0
+    drafted = accepted = 0.0
     for pod in obs.pods:
         before = state.baselines.get(pod.name, Baseline())
         if pod.reading is None:
@@ -302,14 +314,18 @@ def _advance_window(policy: Policy, state: AutoscalerState,
             with_baseline += before.ttft is not None
         if r.tpot is not None:
             tpot.append(increase(before.tpot, r.tpot))
-        baselines[pod.name] = Baseline(ttft=r.ttft, tpot=r.tpot)
+        drafted += counter_increase(before.draft_tokens, r.draft_tokens)
+        accepted += counter_increase(before.accepted_tokens, r.accepted_tokens)
+        baselines[pod.name] = Baseline(ttft=r.ttft, tpot=r.tpot, draft_tokens=r.draft_tokens,
+                                       accepted_tokens=r.accepted_tokens)
     readings = [p.reading for p in obs.pods if p.reading is not None]
     previous = state.last_decision.at if state.last_decision is not None else obs.now
     entry = WindowEntry(at=obs.now, seconds=obs.now - previous, ttft=merge(ttft), tpot=merge(tpot),
                         pods_with_baseline=with_baseline,
                         waiting=Mean.of([r.waiting for r in readings]),
                         running=Mean.of([r.running for r in readings]),
-                        kv_usage=Mean.of([r.kv_usage for r in readings]))
+                        kv_usage=Mean.of([r.kv_usage for r in readings]),
+                        draft_tokens=drafted, accepted_tokens=accepted)
     window = tuple(e for e in state.window if e.at > obs.now - policy.window_seconds) + (entry,)
     return baselines, window
 

@@ -38,6 +38,9 @@ TPOT_NAMES = ("kvpilot_time_per_output_token_seconds", "vllm:request_time_per_ou
 WAITING_NAMES = ("kvpilot_num_requests_waiting", "vllm:num_requests_waiting")
 RUNNING_NAMES = ("kvpilot_num_requests_running", "vllm:num_requests_running")
 KV_USAGE_NAMES = ("kvpilot_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+# Speculative decoding counters (names without _total): what the observed draft acceptance is from.
+DRAFT_TOKENS_NAMES = ("kvpilot_spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens")
+ACCEPTED_TOKENS_NAMES = ("kvpilot_spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens")
 
 
 class MetricsError(ValueError):
@@ -114,6 +117,14 @@ def increase(before: Histogram | None, after: Histogram) -> Histogram:
                      counts=tuple(a - b for a, b in zip(after.counts, before.counts, strict=True)))
 
 
+def counter_increase(before: float | None, after: float | None) -> float:
+    """A counter's increase between two reads, as `increase()` takes it: a value that went down
+    (the process restarted) is the increase itself; no earlier read (or none now) is no window."""
+    if before is None or after is None:
+        return 0.0
+    return after if after < before else after - before
+
+
 def merge(histograms: Iterable[Histogram]) -> Histogram | None:
     """The sum of histograms with the same buckets (several pods' windows: `sum by (le)`); a
     histogram whose buckets differ from the first one's is left out rather than mis-added.
@@ -139,6 +150,9 @@ class EngineReading(BaseModel):
     waiting: float | None = None
     running: float | None = None
     kv_usage: float | None = None
+    # Cumulative draft tokens proposed and accepted (speculative decoding), None when not exported.
+    draft_tokens: float | None = None
+    accepted_tokens: float | None = None
 
 
 def _histogram(samples: Sequence[Sample], name: str, created: float | None) -> Histogram:
@@ -179,22 +193,27 @@ def parse(text: str) -> EngineReading:
         family = first(names, "histogram")
         return _histogram(family.samples, family.name, created_of(family.name)) if family else None
 
-    def gauge(names: Sequence[str], combine: Callable[[Iterable[float]], float]) -> float | None:
-        family = first(names, "gauge")
-        if family is None or not family.samples:
+    def gauge(names: Sequence[str], combine: Callable[[Iterable[float]], float], kind: str = "gauge") -> float | None:
+        family = first(names, kind)
+        samples = [s for s in family.samples if not s.name.endswith("_created")] if family else []
+        if not samples:
             return None
-        return combine(s.value for s in family.samples)
+        return combine(s.value for s in samples)
 
     return EngineReading(ttft=histogram(TTFT_NAMES), tpot=histogram(TPOT_NAMES),
                          waiting=gauge(WAITING_NAMES, sum), running=gauge(RUNNING_NAMES, sum),
-                         kv_usage=gauge(KV_USAGE_NAMES, max))
+                         kv_usage=gauge(KV_USAGE_NAMES, max),
+                         draft_tokens=gauge(DRAFT_TOKENS_NAMES, sum, "counter"),
+                         accepted_tokens=gauge(ACCEPTED_TOKENS_NAMES, sum, "counter"))
 
 
 HISTOGRAM_NAMES = (*TTFT_NAMES, *TPOT_NAMES)
 GAUGE_NAMES = (*WAITING_NAMES, *RUNNING_NAMES, *KV_USAGE_NAMES)
+COUNTER_NAMES = (*DRAFT_TOKENS_NAMES, *ACCEPTED_TOKENS_NAMES)
 # The series a Prometheus holds for what `parse` reads: a histogram's buckets and count, and its
 # `_created` gauge (prometheus_client exports it; a new value says the process restarted).
-SERIES_NAMES = (*(f"{h}_{part}" for h in HISTOGRAM_NAMES for part in ("bucket", "count", "created")), *GAUGE_NAMES)
+SERIES_NAMES = (*(f"{h}_{part}" for h in HISTOGRAM_NAMES for part in ("bucket", "count", "created")), *GAUGE_NAMES,
+                *(f"{c}_total" for c in COUNTER_NAMES))
 
 
 def exposition_of_series(series: Iterable[Mapping[str, Any]]) -> str:
@@ -205,8 +224,11 @@ def exposition_of_series(series: Iterable[Mapping[str, Any]]) -> str:
     for one in series:
         labels = dict(one["metric"])
         name = str(labels.pop("__name__"))
-        family = next((h for h in HISTOGRAM_NAMES if name in (f"{h}_bucket", f"{h}_count")), name)
-        kind = "histogram" if family != name else "gauge"
+        family = next((h for h in HISTOGRAM_NAMES if name in (f"{h}_bucket", f"{h}_count")), None)
+        kind = "histogram"
+        if family is None:
+            # A counter's TYPE line names it with its _total, as prometheus_client writes it.
+            family, kind = name, "counter" if name in (f"{c}_total" for c in COUNTER_NAMES) else "gauge"
         rendered = ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(labels.items()))
         families.setdefault(family, (kind, []))[1].append(f"{name}{{{rendered}}} {one['value'][1]}")
     # The text format wants each family's samples together, after its TYPE line.

@@ -65,6 +65,8 @@ class Plan(BaseModel):
     speculative: str = "off"
     draft_model: str | None = None  # serving.draftModel, when the plan runs it
     num_speculative_tokens: int | None = None
+    # The per-token draft acceptance the plan's TPOT assumes (status.latency shows the observed one).
+    assumed_draft_acceptance: float | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     # Both include the draft model's share when the plan runs one (the engine's own totals).
@@ -423,6 +425,7 @@ def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization
         speculative=speculative,
         draft_model=serving.draft_model if speculative == "draft" else None,
         num_speculative_tokens=serving.num_speculative_tokens if speculative != "off" else None,
+        assumed_draft_acceptance=ACCEPTANCE[speculative] if speculative != "off" else None,
         block_size=serving.block_size,
         gpu_memory_utilization=serving.gpu_memory_utilization,
         kv_blocks=pool // (memory.kv_per_token * serving.block_size),

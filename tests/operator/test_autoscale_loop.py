@@ -20,6 +20,7 @@ from kvpilot.operator.autoscale_loop import (as_merge_patch, children, current_r
                                              event_manifest, index_entry, metrics_targets, read_metrics,
                                              saved_state, status_patch, worth_writing)
 from kvpilot.operator.autoscaler import AutoscalerState, PodRead
+from kvpilot.operator.engine_metrics import parse
 from kvpilot.operator.planner import plan
 from kvpilot.operator.spec import InferenceServiceSpec
 from tests.operator.test_autoscaler import Pod
@@ -290,3 +291,33 @@ def test_read_metrics(server: str) -> None:
     assert slow.reading is None and "timed out" in slow.error
     closed = read_metrics("d", "http://127.0.0.1:9/metrics", timeout=0.5)  # discard port: refused
     assert closed.reading is None and closed.error
+
+
+def test_observed_draft_acceptance_goes_beside_the_plan_s_assumption() -> None:
+    """Engines that speculate export draft and accepted token counters; the window's ratio of
+    their increases goes to status.latency.draftAcceptance, next to status.plan's assumed one.
+    A restarted pod's counters (lower than before) count from zero, as `increase()` does."""
+    def engine(drafted: int, accepted: int) -> str:
+        metrics = ServingMetrics("m")
+        metrics._family("spec_draft_tokens").inc(drafted)
+        metrics._family("spec_accepted").inc(accepted)
+        return generate_latest(metrics.registry).decode()
+
+    reads = [PodRead(name="a", reading=parse(engine(100, 30))), PodRead(name="b", reading=parse(engine(100, 50)))]
+    outcome = decide(body({"replicas": 2}), deployment(2, 2), reads, NOW)
+    assert outcome is not None and outcome[2].signals.draft_acceptance is None  # first read: no window yet
+    saved = status_patch(outcome[1], outcome[2], None)
+    reads = [PodRead(name="a", reading=parse(engine(300, 90))),  # +200 proposed, +60 accepted
+             PodRead(name="b", reading=parse(engine(40, 30)))]  # restarted: 40 and 30 since
+    outcome = decide(body({"replicas": 2}, saved), deployment(2, 2), reads, NOW + 15)
+    assert outcome is not None
+    assert outcome[2].signals.draft_acceptance == pytest.approx(90 / 240)
+    assert status_patch(outcome[1], outcome[2], None)["latency"] == {"draftAcceptance": 0.375, "source": "observed"}
+
+    spec = InferenceServiceSpec.model_validate({"model": {"name": "llama-3-8b"}, "accelerator": {"type": "L4"},
+                                                "serving": {"speculative": "ngram"}})
+    summary = status.plan_summary(plan(spec))
+    assert summary["speculative"] == "ngram" and summary["assumedDraftAcceptance"] == 0.29
+    off = InferenceServiceSpec.model_validate({"model": {"name": "llama-3-8b"}, "accelerator": {"type": "L4"},
+                                               "serving": {"speculative": "off"}})
+    assert "assumedDraftAcceptance" not in status.plan_summary(plan(off))

@@ -30,12 +30,15 @@ from kvpilot.operator.spec import InferenceServiceSpec
 NS = "team"
 
 
-def engine_text(ttfts: list[float], waiting: int = 0, vllm: bool = False) -> str:
-    """A real engine's /metrics after these first tokens, with `waiting` requests queued."""
+def engine_text(ttfts: list[float], waiting: int = 0, vllm: bool = False, drafted: int = 0, accepted: int = 0) -> str:
+    """A real engine's /metrics after these first tokens, with `waiting` requests queued and
+    these draft tokens proposed and accepted."""
     metrics = ServingMetrics("chat", vllm_compatible=vllm)
     for ttft in ttfts:
         metrics._family("ttft").observe(ttft)
     metrics._family("waiting").set(waiting)
+    metrics._family("spec_draft_tokens").inc(drafted)
+    metrics._family("spec_accepted").inc(accepted)
     return generate_latest(metrics.registry).decode()
 
 
@@ -100,15 +103,17 @@ def prometheus() -> Iterator[tuple[str, list[dict[str, Any]], list[str]]]:
 
 def test_a_pod_read_through_prometheus_equals_its_metrics(prometheus: tuple[str, list[dict[str, Any]], list[str]]) -> None:
     url, series, queries = prometheus
-    ours = engine_text([0.05, 0.2, 0.2, 1.5], waiting=3)
-    theirs = "\n".join(line for line in engine_text([0.4] * 5, vllm=True).splitlines()
+    ours = engine_text([0.05, 0.2, 0.2, 1.5], waiting=3, drafted=50, accepted=20)
+    theirs = "\n".join(line for line in engine_text([0.4] * 5, vllm=True, drafted=8, accepted=2).splitlines()
                        if line.startswith(("vllm:", "# HELP vllm:", "# TYPE vllm:"))) + "\n"
     series += stored(ours, "chat-a") + stored(theirs, "chat-b") + stored(ours, "elsewhere")
     series += [dict(one, metric={**one["metric"], "namespace": "other"}) for one in stored(ours, "chat-c")]
     reads = {r.name: r for r in read_prometheus(url, NS, ["chat-b", "chat-a", "chat-c"])}
     assert reads["chat-a"].reading == parse(ours)
     assert reads["chat-a"].reading.ttft.count == 4 and reads["chat-a"].reading.waiting == 3
+    assert (reads["chat-a"].reading.draft_tokens, reads["chat-a"].reading.accepted_tokens) == (50, 20)
     assert reads["chat-b"].reading == parse(theirs) and reads["chat-b"].reading.ttft.count == 5
+    assert (reads["chat-b"].reading.draft_tokens, reads["chat-b"].reading.accepted_tokens) == (8, 2)
     # chat-c's series are in another namespace: not this service's pod.
     assert reads["chat-c"].reading is None and "no series for this pod" in reads["chat-c"].error
     (query,) = queries

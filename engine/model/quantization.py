@@ -8,7 +8,11 @@ layer can also take values that were quantized elsewhere (`load_quantized`: a co
 checkpoint's integers, scales and zero points), stored in the same form.
 
 Kernels: on CPU, PyTorch's `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`, which take
-bf16 activations (fp32 activations are cast: these kernels are 10-100x slower on fp32). Elsewhere
+bf16 activations (fp32 activations are cast: these kernels are 10-100x slower on fp32). Both are
+decode kernels: their time grows with the tokens of a step as a dense GEMM's does not, so from
+INT8_DENSE_TOKENS tokens on (prefill chunks, large batches) INT8 dequantizes its plain int8 weight
+and runs the dense GEMM instead (bench/RESULTS.md, "Routing by tokens per step"). INT4's CPU layout
+is opaque, so it has no such path yet (2.2-2.9x slower than bf16 from 64 tokens). Elsewhere
 (CUDA) the weight is dequantized on the fly for each matmul: correct, and the memory saving holds,
 but not yet the speed of a low-bit kernel (no GPU was at hand to validate CUDA's int4 layout).
 """
@@ -24,6 +28,10 @@ from torch import nn
 _INT4_MID = 8
 # Inner K tiles of PyTorch's packed int4 layout on CPU.
 _INNER_K_TILES = 2
+# From this many tokens in one matmul, INT8 on CPU dequantizes and runs the dense GEMM: measured on
+# a 3072x576 layer (2 threads, bf16), the packed kernel / (dequantize + GEMM) is 0.52x at 16 tokens,
+# 0.61x at 32, 1.25x at 64, 2.2x at 256 and 2.5x at 1024.
+INT8_DENSE_TOKENS = 64
 
 
 class LinearQuantization(abc.ABC):
@@ -74,9 +82,10 @@ class Int8WeightOnly(LinearQuantization):
         layer.register_buffer("scales", scale.view(-1).to(torch.bfloat16))
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu":
+        if x.device.type == "cpu" and x.shape[0] < INT8_DENSE_TOKENS:
             return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), layer.qweight, layer.scales).to(x.dtype)
-        return nn.functional.linear(x, self.dequantized(layer).to(x.dtype))
+        # The same weight, w = q x scale, multiplied densely (on CPU: a prefill-sized step).
+        return nn.functional.linear(x, layer.qweight.to(x.dtype) * layer.scales.to(x.dtype)[:, None])
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
         return layer.qweight.float() * layer.scales.float()[:, None]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.model import quantization
 from kvpilot.engine.model.layers import FusedLinear, Linear
 from kvpilot.engine.model.quantization import Int4WeightOnly, Int8WeightOnly
 
@@ -94,3 +96,28 @@ def test_a_quantized_layer_holds_no_full_precision_weight_until_it_loads():
     layer.weight.weight_loader(layer.weight, torch.randn(1536, 576))  # type: ignore[attr-defined]
     assert layer.weight.shape == (1536, 576)
     assert Linear(576, 1536).weight.shape == (1536, 576)  # unquantized layers as before
+
+
+def test_int8_steps_of_many_tokens_take_the_dense_gemm_with_the_same_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packed INT8 kernel serves decode-sized steps; from INT8_DENSE_TOKENS tokens on the same
+    int8 weight and scales are multiplied densely (faster for prefill), to within bf16 rounding."""
+    torch.manual_seed(0)
+    layer, scheme = nn.Module(), Int8WeightOnly()
+    scheme.quantize(layer, torch.randn(96, 64) * 0.05)
+    x = torch.randn(quantization.INT8_DENSE_TOKENS + 16, 64).to(torch.bfloat16)
+    calls: list[int] = []
+    kernel = torch.ops.aten._weight_int8pack_mm
+
+    def counted(a: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        calls.append(a.shape[0])
+        return kernel(a, *rest)
+
+    monkeypatch.setattr(quantization.torch.ops.aten, "_weight_int8pack_mm", counted)
+    dense = scheme.matmul(layer, x)
+    assert calls == []
+    half = quantization.INT8_DENSE_TOKENS // 2
+    packed = torch.cat([scheme.matmul(layer, x[i:i + half]) for i in range(0, x.shape[0], half)])
+    assert calls == [half, half, 16]
+    reference = x.float() @ scheme.dequantized(layer).T
+    for y in (dense, packed):
+        assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), reference, rtol=0.02, atol=0.02)

@@ -49,10 +49,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     On CPU, attention computes in fp32 whatever the cache dtype: PyTorch's CPU SDPA in bf16 is
     several times slower than in fp32 at decode, and fp32 sums are the more accurate anyway."""
-    dtype = q.dtype
-    compute = torch.float32 if q.device.type == "cpu" else dtype
-    q, k, v = q.to(compute), k.to(compute), v.to(compute)
-    out = torch.empty_like(q)
+    compute = torch.float32 if q.device.type == "cpu" else q.dtype
+    out = torch.empty_like(q)  # in the model's dtype: each assignment below casts as it copies
+    q = q.to(compute)
     for group in meta.decodes:
         sequences, queries = group.slots.shape[0], group.num_queries
         rows = slice(group.start, group.start + sequences * queries)
@@ -66,7 +65,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
         if chunk.num_cached == 0:
             # The whole context is in this chunk: no need to read the cache back.
-            keys, values, mask, causal = k[rows], v[rows], None, True
+            keys, values, mask, causal = k[rows].to(compute), v[rows].to(compute), None, True
         else:
             keys, values = _gather(k_cache, chunk.slots, compute), _gather(v_cache, chunk.slots, compute)
             mask = _shifted_causal_mask(chunk.num_tokens, chunk.num_cached, q.device)
@@ -75,7 +74,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             query, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, is_causal=causal, enable_gqa=True,
         ).squeeze(0).transpose(0, 1)
-    return out.to(dtype)
+    return out
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

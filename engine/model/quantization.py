@@ -83,7 +83,7 @@ class Int8WeightOnly(LinearQuantization):
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.shape[0] < INT8_DENSE_TOKENS:
-            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), layer.qweight, layer.scales).to(x.dtype)
+            return _in_dtype(torch.ops.aten._weight_int8pack_mm(_bf16(x), layer.qweight, layer.scales), x.dtype)
         # The same weight, w = q x scale, multiplied densely (on CPU: a prefill-sized step).
         return nn.functional.linear(x, layer.qweight.to(x.dtype) * layer.scales.to(x.dtype)[:, None])
 
@@ -139,8 +139,8 @@ class Int4WeightOnly(LinearQuantization):
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(torch.bfloat16), layer.qweight, self.group_size, layer.scales_and_zeros).to(x.dtype)
+            return _in_dtype(torch.ops.aten._weight_int4pack_mm_for_cpu(
+                _bf16(x), layer.qweight, self.group_size, layer.scales_and_zeros), x.dtype)
         return nn.functional.linear(x, self.dequantized(layer).to(x.dtype))
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
@@ -153,6 +153,15 @@ class Int4WeightOnly(LinearQuantization):
         q = _unpack_nibbles(layer.qweight, in_features).float().view(out_features, in_features // g, g)
         scale, zero = layer.scales_and_zeros.float().unbind(-1)  # [in / group, out]
         return ((q - _INT4_MID) * scale.T[..., None] + zero.T[..., None]).view(out_features, in_features)
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    # A no-op .to() still costs a dispatch, ~1 us; a decode step makes hundreds of these calls.
+    return x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+
+
+def _in_dtype(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return y if y.dtype == dtype else y.to(dtype)
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,8 @@ class PrefillChunk:
 class DecodeGroup:
     start: int  # offset of the group's first token in the step's flattened batch
     slots: torch.Tensor  # [sequences, max_context] context slots, padded
-    mask: torch.Tensor  # [sequences, 1, queries, max_context] True where a query sees a real key
+    # [sequences, 1, queries, max_context] True where a query sees a real key; None: every key.
+    mask: torch.Tensor | None
     num_queries: int = 1  # tokens per sequence (1 + its drafts), laid out sequence by sequence
 
 

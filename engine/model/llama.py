@@ -16,9 +16,11 @@ from kvpilot.engine.model.layers import Embedding, FusedLinear, Linear, RMSNorm
 from kvpilot.engine.model.quantization import LinearQuantization, for_scheme
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's x * cos + rotate_half(x) * sin, where rotate_half(x) = cat(-x2, x1): rolling x by half
+    its width gives cat(x2, x1), and the sign sits in `signed_sin` = cat(-sin1, sin2), made once per
+    step. Four ops per layer instead of seven."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -37,10 +39,9 @@ class Attention(nn.Module):
         qk, v = self.qkv_proj(x).split([(self.num_heads + self.num_kv_heads) * self.head_dim,
                                         self.num_kv_heads * self.head_dim], dim=-1)
         # RoPE on q and k as one tensor of heads: one set of ops per layer instead of two.
-        qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = qk * cos + _rotate_half(qk) * sin
+        qk = _rope(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.contiguous().view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, k_cache, v_cache, meta)
@@ -105,6 +106,8 @@ class LlamaForCausalLM(nn.Module):
         norm: the early exit a self-speculative draft takes."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(h, positions.unsqueeze(0))
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # the sign of rotate_half, see _rope
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, dim], broadcast over heads
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h = layer(h, cos, sin, kv_cache, meta)

@@ -64,6 +64,9 @@ class StepInputs:
             # Query j of a sequence (at position length - queries + j) sees keys up to its own position.
             last_key = lengths.unsqueeze(1) - queries + torch.arange(queries).unsqueeze(0)  # [sequences, queries]
             mask = torch.arange(slots.shape[1]).view(1, 1, -1) <= last_key.unsqueeze(2)
-            groups.append(DecodeGroup(start=start, slots=slots.to(self.device), mask=mask.unsqueeze(1).to(self.device), num_queries=queries))
+            # Every query sees every key (one sequence, or equal lengths, one query each): SDPA
+            # without a mask is the faster kernel call, in every layer.
+            groups.append(DecodeGroup(start=start, slots=slots.to(self.device), num_queries=queries,
+                                      mask=None if bool(mask.all()) else mask.unsqueeze(1).to(self.device)))
             i += len(run)
         return groups

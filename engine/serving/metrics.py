@@ -122,6 +122,9 @@ class ServingMetrics:
         self.registry = CollectorRegistry()
         self._model = model
         self._metrics: dict[str, list[Counter | Gauge | Histogram]] = {}
+        # Each (metric, labels) child once: prometheus_client's labels() takes a lock and builds
+        # a key on every call, and the engine thread updates several metrics per request per step.
+        self._families: dict[tuple[str, tuple[str, ...]], _Family] = {}
         for key, spec in SPECS.items():
             names = [(f"kvpilot_{spec.name}", "model")]
             if vllm_compatible and spec.vllm_name:
@@ -144,7 +147,11 @@ class ServingMetrics:
         return spec.kind(name, spec.doc, **kwargs)
 
     def _family(self, key: str, **labels: str) -> _Family:
-        return _Family([m.labels(self._model, *labels.values()) for m in self._metrics[key]])
+        values = tuple(labels.values())
+        family = self._families.get((key, values))
+        if family is None:
+            family = self._families[key, values] = _Family([m.labels(self._model, *values) for m in self._metrics[key]])
+        return family
 
     # ---- events, in the order a sequence meets them ----------------------------------------
 

@@ -108,8 +108,9 @@ class _Held:
 
 
 class Gateway:
-    """The HTTP side. `services`, `deployments` and `pods` are the autoscaler's kopf indexes; `scale`
-    sets an InferenceService's replicas and posts the Event (blocking: run in a thread)."""
+    """The HTTP side. `services`, `deployments` and `pods` are the autoscaler's kopf indexes;
+    `client` (a kubernetes DynamicClient, blocking: used from a thread) writes the scale
+    subresource and the Event when a service wakes from zero."""
 
     def __init__(self, services: Mapping[Any, Any], deployments: Mapping[Any, Any], pods: Mapping[Any, Any],
                  client: Any, hold_seconds: float = HOLD_SECONDS) -> None:

@@ -3,7 +3,8 @@
 kwok gives the pod a loopback IP (e.g. 127.1.2.1) but runs nothing; this starts the engine the
 operator rendered into the Deployment, with exactly its arguments, bound to that IP. Two
 substitutions only: `--host` becomes the pod IP (the pod's 0.0.0.0), and `--model` becomes the
-embedded model when the rendered one is a model this machine does not have (a catalog name).
+embedded model when the rendered one is a model this machine does not have (a catalog name, not
+an absolute path that exists here).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ def engine_argv(deployment: dict[str, Any], pod_ip: str) -> list[str]:
     if command[0] != "kvpilot":
         raise ValueError(f"unexpected engine command {command}")
     _set_flag(args, "--host", pod_ip)
-    if _flag(args, "--model").lower() != EMBEDDED_MODEL.lower():
+    model = _flag(args, "--model")
+    # A path that exists here (a model "baked into the image") is used as it is.
+    if model.lower() != EMBEDDED_MODEL.lower() and not (Path(model).is_absolute() and Path(model).exists()):
         _set_flag(args, "--model", EMBEDDED_MODEL)
     return [kvpilot_executable(), *command[1:], *args]
 

@@ -8,6 +8,7 @@ and bound to that pod IP, serves it.
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from e2e.chart import Installation
 from e2e.cluster import Cluster, is_loopback
 from e2e.local_engine import engine_argv, start_engine
 from e2e.local_operator import LocalOperator
-from e2e.procs import Process
+from e2e.procs import Process, kvpilot_executable
 from kvpilot.engine.config import CAPABILITIES
 
 
@@ -108,10 +109,11 @@ class PinnedEngine:
 
 @contextmanager
 def pinned_sample(k8s: Cluster, kvpilot: Installation, apply_isvc: Any, tmp_path: Path, name: str,
-                  **serving: str) -> Iterator[PinnedEngine]:
-    """The sample with `serving` pinned, rolled out, and a real engine behind its one pod."""
+                  model: dict[str, str] | None = None, **serving: str) -> Iterator[PinnedEngine]:
+    """The sample with `serving` (and `model`) fields pinned, rolled out, and a real engine behind
+    its one pod."""
     spec = kvis.sample("smollm2-135m")["spec"]
-    spec = {**spec, "serving": {**spec.get("serving", {}), **serving}}
+    spec = {**spec, "model": {**spec["model"], **(model or {})}, "serving": {**spec.get("serving", {}), **serving}}
     apply_isvc(name, spec)
     ns = kvpilot.watch_namespaces[0]
     ready = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=60)
@@ -160,3 +162,21 @@ def test_a_plan_with_a_draft_model_runs_a_real_engine_that_drafts_with_it(
     # Its own draft: most are kept (bf16 rounds one-token draft steps and the verifying pass
     # differently, and drafts past max_tokens are not kept); an unrelated draft keeps few.
     assert drafted > 0 and accepted >= 0.6 * drafted, (drafted, accepted)
+
+
+def test_a_checkpoint_stored_in_int4_is_served_as_stored(
+        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: Any, tmp_path: Path) -> None:
+    # A W4A16 compressed-tensors checkpoint (`kvpilot quantize`, group 64 so that it differs from
+    # the engine's default group 32), at a path baked into the image, declared model.quantization.
+    checkpoint = tmp_path / "SmolLM2-135M-Instruct-w4a16"
+    subprocess.run([kvpilot_executable(), "quantize", str(checkpoint), "--scheme", "int4", "--group-size", "64",
+                    "--method", "rtn"], check=True, capture_output=True, timeout=600)
+    with pinned_sample(k8s, kvpilot, apply_isvc, tmp_path, "smollm2-w4a16",
+                       model={"source": str(checkpoint), "quantization": "int4"}) as engine:
+        assert engine.plan["quantization"] == "int4"
+        argv = engine.process.argv
+        assert argv[argv.index("--model") + 1] == str(checkpoint) and argv[argv.index("--quantization") + 1] == "none"
+        out = engine.client.completions.create(model=engine.model, prompt="The capital of France is", max_tokens=6,
+                                               temperature=0)
+        assert "Paris" in out.choices[0].text
+        assert "quantization=int4" in engine.process.log_tail(200)

@@ -489,8 +489,14 @@ def plan(spec: InferenceServiceSpec, available_gpus: Iterable[str] = (),
     if isinstance(draft, Plan):
         return draft
 
-    if spec.serving.quantization != "auto":
-        schemes: tuple[str, ...] = (spec.serving.quantization,)
+    stored = spec.model.quantization
+    if stored is not None and spec.serving.quantization not in ("auto", stored):
+        return _failed(spec, "QuantizationMismatch",
+                       f"the checkpoint is quantized as {stored} (model.quantization): the engine serves it as "
+                       f"stored and cannot re-quantize it to serving.quantization {spec.serving.quantization}; "
+                       f"set serving.quantization to auto or {stored}")
+    if stored is not None or spec.serving.quantization != "auto":
+        schemes: tuple[str, ...] = (stored or spec.serving.quantization,)
         not_run = ""
     else:
         # Only the schemes the engine runs, and of those only the ones sizing knows the bytes of.
@@ -512,7 +518,9 @@ def plan(spec: InferenceServiceSpec, available_gpus: Iterable[str] = (),
 
     passed = [f"{o.gpu}/{o.quantization}: {o.reason if not o.fits else o.reasons['replicas']}"
               for o in options[:options.index(chosen)]]
-    if spec.serving.quantization != "auto":
+    if stored is not None:
+        quantization_reason = f"{chosen.quantization}: the checkpoint's own (model.quantization)"
+    elif spec.serving.quantization != "auto":
         quantization_reason = f"{chosen.quantization}: set in the spec"
     elif chosen.meets_slo:
         rejected = f" (rejected {'; '.join(passed)})" if passed else ""

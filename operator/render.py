@@ -209,7 +209,9 @@ def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str, draft_model:
         max_num_batched_tokens=plan.max_num_batched_tokens,
         block_size=plan.block_size,
         gpu_memory_utilization=plan.gpu_memory_utilization,
-        quantization=plan.quantization,
+        # A checkpoint stored quantized runs as stored: the engine's `none` follows the checkpoint
+        # (scheme and group size), where naming the scheme would also pin a group size it may not have.
+        quantization="none" if spec.model.quantization else plan.quantization,
         speculative=plan.speculative,
         **({"num_speculative_tokens": plan.num_speculative_tokens} if plan.num_speculative_tokens else {}),
         **({"draft_model": draft_model} if draft_model else {}),

@@ -85,6 +85,10 @@ class ModelSpec(_Camel):
     cache: ModelCacheSpec | None = None
     served_model_name: str | None = None
     architecture: Architecture | None = None
+    # The scheme the checkpoint is already quantized in (a compressed-tensors W8A16/W4A16
+    # checkpoint, e.g. written by `kvpilot quantize` or llm-compressor): the engine serves it as
+    # stored and refuses another --quantization, so the plan takes it as the scheme.
+    quantization: Literal["int8", "int4"] | None = None
 
     @model_validator(mode="after")
     def _source(self) -> ModelSpec:

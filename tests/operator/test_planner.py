@@ -258,3 +258,25 @@ def test_both_unsupported_pins_are_named_and_no_sizeable_scheme_is_a_no_fit() ->
     unknown = EngineCapabilities(quantization=("fp8",), speculative=("off",), dtypes=("auto",))
     result = plan(spec(), capabilities=unknown)
     assert result.failure == "UnsupportedByEngine" and "supported: fp8" in result.reason
+
+
+def test_a_checkpoint_stored_quantized_is_planned_as_stored(fuller: EngineCapabilities) -> None:
+    """model.quantization: the weights are already INT4 (a W4A16 checkpoint). The plan sizes them
+    as INT4 under auto or the same pin; another pin is a clear no-plan, not a pod the engine
+    refuses; the rendered engine follows the checkpoint (`--quantization none`)."""
+    from kvpilot.operator.render import engine_args
+
+    stored = {"name": "llama-3-8b", "quantization": "int4"}
+    for serving in ({}, {"quantization": "int4"}):
+        body = {"model": stored, "accelerator": {"type": "L4"}, "serving": serving}
+        result = plan(InferenceServiceSpec.model_validate(body), capabilities=fuller)
+        assert result.fits and result.quantization == "int4"
+        assert result.reasons["quantization"] == "int4: the checkpoint's own (model.quantization)"
+        assert result.weight_bytes == plan(spec("llama-3-8b", "L4", serving={"quantization": "int4"}),
+                                           capabilities=fuller).weight_bytes
+        args = engine_args(InferenceServiceSpec.model_validate(body), result, "/models/llama")
+        assert args[args.index("--quantization") + 1] == "none"
+    mismatch = plan(InferenceServiceSpec.model_validate(
+        {"model": stored, "accelerator": {"type": "L4"}, "serving": {"quantization": "int8"}}), capabilities=fuller)
+    assert not mismatch.fits and mismatch.failure == "QuantizationMismatch"
+    assert "quantized as int4 (model.quantization)" in mismatch.reason and "int8" in mismatch.reason

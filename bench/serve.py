@@ -298,9 +298,9 @@ def sweep(targets: dict[str, str], args: argparse.Namespace, levels: list[float]
     closed_loop = bool(args.concurrency)
     for i, level in enumerate(levels):
         n = max(args.min_requests, round(level * args.duration))
-        arrivals = poisson_arrivals(n, level, args.bench_seed + i)
+        arrivals = None if closed_loop else poisson_arrivals(n, level, args.bench_seed + i)
         for label in list(active):
-            if closed_loop:
+            if arrivals is None:
                 outcome, duration = asyncio.run(run_concurrency(targets[label], args.model_name, workload, int(level),
                                                                 args.duration, args.request_timeout))
             else:

@@ -73,8 +73,7 @@ class PodRunner(Background):
             self._left_alone.add(pod)
         self._stop_engine(engine)
 
-    def _start_engine(self, pod: str, ip: str) -> Engine:
-        deployment = self.cluster.kubectl_json("get", "deployment", self.name, "-n", self.namespace)
+    def _start_engine(self, deployment: dict[str, Any], pod: str, ip: str) -> Engine:
         argv = engine_argv(deployment, ip)
         env = {**self.cluster.env(), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         process = start(argv, self.log_dir / f"engine-{pod}.log", env)
@@ -97,8 +96,10 @@ class PodRunner(Background):
             new = [(pod, ip) for pod, ip in running.items() if pod not in self._engines and pod not in self._left_alone]
         for engine in gone:
             self._stop_engine(engine)
+        if new:
+            deployment = self.cluster.kubectl_json("get", "deployment", self.name, "-n", self.namespace)
         for pod, ip in new:
-            engine = self._start_engine(pod, ip)
+            engine = self._start_engine(deployment, pod, ip)
             with self._lock:
                 self._engines[pod] = engine
         with self._lock:

@@ -155,24 +155,30 @@ def as_merge_patch(old_status: Mapping[str, Any], fields: Mapping[str, Any]) -> 
     return merge_patch({key: old_status[key] for key in fields if key in old_status}, fields)
 
 
-def event_manifest(body: Mapping[str, Any], decision: Decision, instance: str) -> dict[str, Any]:
-    """A core/v1 Event on the InferenceService for a change of replicas."""
+def scaling_event(body: Mapping[str, Any], reason: str, message: str, at: float, instance: str) -> dict[str, Any]:
+    """A core/v1 Event on the InferenceService for a change of replicas (the autoscaler's, or the
+    gateway's scale from zero)."""
     metadata = body["metadata"]
-    when = datetime.fromtimestamp(decision.at, UTC)
+    when = datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     return {
         "apiVersion": "v1", "kind": "Event",
         "metadata": {"generateName": f"{metadata['name']}.", "namespace": metadata["namespace"]},
         "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": metadata["name"],
                            "namespace": metadata["namespace"], "uid": metadata["uid"]},
         "type": "Normal",
-        "reason": "ScaledUp" if decision.action == "up" else "ScaledDown",
-        "message": decision.reason[:1024],  # the API server refuses longer messages
+        "reason": reason,
+        "message": message[:1024],  # the API server refuses longer messages
         "source": {"component": EVENT_COMPONENT},
         "reportingComponent": EVENT_COMPONENT, "reportingInstance": instance,
-        "firstTimestamp": when.strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "lastTimestamp": when.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "firstTimestamp": when, "lastTimestamp": when,
         "count": 1,
     }
+
+
+def event_manifest(body: Mapping[str, Any], decision: Decision, instance: str) -> dict[str, Any]:
+    """The Event for an autoscaler decision that changes replicas."""
+    return scaling_event(body, "ScaledUp" if decision.action == "up" else "ScaledDown", decision.reason,
+                         decision.at, instance)
 
 
 def plan_max_num_seqs(status: Mapping[str, Any]) -> int | None:

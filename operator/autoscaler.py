@@ -102,7 +102,8 @@ class Policy(_Data):
     def from_spec(cls, spec: InferenceServiceSpec, max_num_seqs: int | None = None,
                   interval_seconds: float = INTERVAL_SECONDS) -> Policy:
         a = spec.autoscaling
-        return cls(max_num_seqs=max_num_seqs, window_seconds=WINDOW_PERIODS * interval_seconds, mode=a.mode, min_replicas=a.min_replicas,
+        return cls(max_num_seqs=max_num_seqs, window_seconds=WINDOW_PERIODS * interval_seconds,
+                   mode=a.mode, min_replicas=a.min_replicas,
                    max_replicas=a.max_replicas, max_step=a.max_step, tolerance=a.tolerance,
                    ttft_p95_seconds=spec.slo.ttft_p95_ms / 1000, tpot_p95_seconds=spec.slo.tpot_p95_ms / 1000,
                    max_waiting_per_replica=a.max_waiting_per_replica,

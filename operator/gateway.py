@@ -25,13 +25,12 @@ import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from kvpilot.operator.autoscale_loop import EVENT_COMPONENT, children, current_replicas, engine_urls
+from kvpilot.operator.autoscale_loop import children, current_replicas, engine_urls, scaling_event
 from kvpilot.operator.spec import API_VERSION, KIND
 
 # Knative's activator and KServe hold a request for up to their revision timeout (300 s by
@@ -73,21 +72,6 @@ def choose(urls: Sequence[tuple[str, str]], in_flight: Mapping[str, int], refuse
     engine to try now)."""
     candidates = [url for _, url in urls if refused_until.get(url, 0.0) <= now]
     return min(candidates, key=lambda url: in_flight.get(url, 0), default=None)
-
-
-def scale_from_zero_event(service: Mapping[str, Any], instance: str, now: float) -> dict[str, Any]:
-    metadata = service["metadata"]
-    when = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {
-        "apiVersion": "v1", "kind": "Event",
-        "metadata": {"generateName": f"{metadata['name']}.", "namespace": metadata["namespace"]},
-        "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": metadata["name"],
-                           "namespace": metadata["namespace"], "uid": metadata["uid"]},
-        "type": "Normal", "reason": "ScaledUp",
-        "message": "a request arrived at 0 replicas: 0 -> 1 (the gateway holds it until a replica serves it)",
-        "source": {"component": EVENT_COMPONENT}, "reportingComponent": EVENT_COMPONENT,
-        "reportingInstance": instance, "firstTimestamp": when, "lastTimestamp": when, "count": 1,
-    }
 
 
 def _error(status: int, message: str, code: str | None = None, retry_after: int | None = None) -> web.Response:
@@ -171,11 +155,10 @@ class Gateway:
             service = self._service(key)
             if service is None:
                 return _error(404, f"the InferenceService {'/'.join(key)} is gone", "model_not_found")
-            deployment, pods = self._children(service)
+            _, pods = self._children(service)
             url = choose(engine_urls(pods), held.in_flight, held.refused_until, time.monotonic())
             if url is None:
-                if deployment is not None and current_replicas(service, deployment) == 0:
-                    await self._scale_from_zero(key, held)
+                await self._scale_from_zero(key, held)  # a no-op unless the service is at 0
                 await asyncio.sleep(0.25)
                 continue
             try:
@@ -229,8 +212,9 @@ class Gateway:
         resource = self._client.resources.get(api_version=API_VERSION, kind=KIND)
         resource.scale.patch(body={"spec": {"replicas": 1}}, name=metadata["name"], namespace=metadata["namespace"],
                              content_type="application/merge-patch+json")
+        message = "a request arrived at 0 replicas: 0 -> 1 (the gateway holds it until a replica serves it)"
         self._client.resources.get(api_version="v1", kind="Event").create(
-            body=scale_from_zero_event(service, self._instance, time.time()), namespace=metadata["namespace"])
+            body=scaling_event(service, "ScaledUp", message, time.time(), self._instance), namespace=metadata["namespace"])
         log.info(f"gateway: {metadata['namespace']}/{metadata['name']}: a request arrived at 0 replicas: 0 -> 1")
 
     async def serve(self, host: str, port: int) -> web.AppRunner:

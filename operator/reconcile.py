@@ -12,8 +12,11 @@ on the objects it already made. Decisions are made here; the `Cluster` adapter d
   service costs reads only.
 - A spec that stops planning keeps the Deployment of the last plan that fit running; only a spec
   that never planned has no Deployment. Nothing here deletes anything.
-- The GPU chosen for an unset `accelerator.type` is kept while the generation stays the same, so
-  a new node type does not re-plan (and roll) every service; a spec change plans afresh.
+- The GPU chosen for an unset `accelerator.type` is kept (in `status.lastGoodPlan`) while the spec
+  stays the same apart from `replicas`, so a new node type does not re-plan (and roll) every
+  service, and a scale (the autoscaler and the gateway write `spec.replicas`, which bumps the
+  generation) applies its replicas to the same plan even when no node has a GPU left; any other
+  spec change plans afresh.
 - A write the API server refuses (say a quantity it cannot parse) becomes `ApplyFailed` with the
   API server's message.
 """
@@ -92,22 +95,32 @@ def unchanged(existing: Mapping[str, Any], manifest: Manifest) -> bool:
             and _contains(existing, manifest))
 
 
-def _kept_gpu(spec: InferenceServiceSpec, generation: int, old: Mapping[str, Any]) -> str | None:
-    """The GPU chosen earlier for this very generation of a spec without accelerator.type."""
-    previous = old.get("plan") or {}
-    if (spec.accelerator.type or old.get("observedGeneration") != generation
-            or not previous.get("fits") or not previous.get("gpu")):
+def spec_hash(spec: InferenceServiceSpec) -> str:
+    """The spec's hash without `replicas`: what a plan depends on, so a scale keeps it."""
+    fields = spec.model_dump(mode="json", by_alias=True, exclude={"replicas"})
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def last_good(spec: InferenceServiceSpec, result: Plan) -> dict[str, Any]:
+    """`status.lastGoodPlan` for a plan that fits: the spec it was made for and the GPU chosen."""
+    return {"specHash": spec_hash(spec), "gpu": str(result.gpu),
+            **({"gpuReason": result.reasons["gpu"]} if "gpu" in result.reasons else {})}
+
+
+def _kept_gpu(spec: InferenceServiceSpec, kept: Mapping[str, Any]) -> str | None:
+    """The GPU of the last plan that fit, when it was made for this spec (replicas aside) and
+    the spec does not name a type."""
+    if spec.accelerator.type or kept.get("specHash") != spec_hash(spec) or not kept.get("gpu"):
         return None
-    return str(previous["gpu"])
+    return str(kept["gpu"])
 
 
-def _plan(spec: InferenceServiceSpec, cluster: Cluster, generation: int,
-          old: Mapping[str, Any]) -> Plan:
-    kept = _kept_gpu(spec, generation, old)
-    if kept is None:
+def _plan(spec: InferenceServiceSpec, cluster: Cluster, kept: Mapping[str, Any]) -> Plan:
+    gpu = _kept_gpu(spec, kept)
+    if gpu is None:
         return plan(spec, cluster.gpu_products() if not spec.accelerator.type else [])
-    result = plan(spec, [kept])
-    why = (old.get("plan") or {}).get("reasons", {}).get("gpu")
+    result = plan(spec, [gpu])
+    why = kept.get("gpuReason")
     if not result.fits or not why:
         return result
     return result.model_copy(update={"reasons": {**result.reasons, "gpu": why}})
@@ -121,13 +134,14 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, now: datetime, *,
     name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
     generation = int(metadata.get("generation", 0))
     old = body.get("status") or {}
+    kept = old.get("lastGoodPlan") or {}
     spec: InferenceServiceSpec | None
     try:
         spec = InferenceServiceSpec.model_validate(body.get("spec", {}))
     except ValidationError as error:
         spec, result = None, _invalid(body, error)
     else:
-        result = _plan(spec, cluster, generation, old)
+        result = _plan(spec, cluster, kept)
 
     wanted = ([stamped(m) for m in render.children(name, namespace, uid, spec, result,
                                                    default_image=default_image)]
@@ -164,8 +178,10 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, now: datetime, *,
     pods: list[dict[str, Any]] = []
     if deployment is not None and _not_all_ready(deployment):
         pods = cluster.list_pods(namespace, render.selector_labels(name))
+    good = last_good(spec, result) if spec is not None and result.fits else kept or None
     return status.build(name=name, namespace=namespace, generation=generation, plan=result,
-                        spec=spec, deployment=deployment, old=old, now=now, blocked=blocked, pods=pods)
+                        spec=spec, deployment=deployment, old=old, now=now, blocked=blocked, pods=pods,
+                        last_good=good)
 
 
 def _not_all_ready(deployment: Mapping[str, Any]) -> bool:

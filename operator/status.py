@@ -186,8 +186,10 @@ def with_transition_times(new: Sequence[Mapping[str, Any]], old: Sequence[Mappin
 def build(*, name: str, namespace: str, generation: int, plan: Plan, spec: InferenceServiceSpec | None,
           deployment: Mapping[str, Any] | None, old: Mapping[str, Any],
           now: datetime, blocked: tuple[str, str] | None = None,
-          pods: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
-    """The whole `status` to write; `deployment` is the owned Deployment, if any."""
+          pods: Sequence[Mapping[str, Any]] = (),
+          last_good: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The whole `status` to write; `deployment` is the owned Deployment, if any; `last_good` is
+    `lastGoodPlan`, the record of the last plan that fit (reconcile.last_good)."""
     desired = 0
     if plan.fits and spec is not None:
         desired = spec.replicas if spec.replicas is not None else plan.replicas
@@ -211,6 +213,7 @@ def build(*, name: str, namespace: str, generation: int, plan: Plan, spec: Infer
         # The Service exists whether or not the plan fits, so the address is stable from the start.
         "url": service_url(name, namespace),
         "plan": plan_summary(plan),
+        **({"lastGoodPlan": dict(last_good)} if last_good else {}),
         # Predicted until the autoscaler reports what the engines measure.
         "latency": latency,
         "conditions": with_transition_times(fresh, old.get("conditions", []), now, generation),

@@ -308,20 +308,49 @@ def test_the_gpu_chosen_for_an_unset_type_is_kept_until_the_spec_changes() -> No
     small = {"model": {"name": "smollm2-135m"}}
     cluster = FakeCluster(gpu_products=["NVIDIA-L4", "NVIDIA-A100-SXM4-80GB"])
     first = reconcile(body(small), cluster, NOW)
-    assert first["plan"]["gpu"] == "L4"
+    assert first["plan"]["gpu"] == "L4" and first["lastGoodPlan"]["gpu"] == "L4"
     why = first["plan"]["reasons"]["gpu"]
     assert "L4: the smallest of the nodes' GPUs" in why
     writes = cluster.applies
-    # A smaller GPU type appears: the same generation keeps its GPU, rolls nothing.
+    template = copy.deepcopy(cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"])
+    # A smaller GPU type appears: the same spec keeps its GPU, rolls nothing.
     cluster.products = ["Tesla-T4", *cluster.products]
     again = reconcile(body(small, status=first), cluster, NOW)
     assert again["plan"] == first["plan"] and cluster.applies == writes
     assert merge_patch(first, again) == {}
-    # A new generation plans afresh, onto the smaller GPU.
-    changed = reconcile(body({**small, "replicas": 2}, generation=2, status=again), cluster, NOW)
-    assert changed["plan"]["gpu"] == "T4"
+    # A scale (the autoscaler or the gateway writes spec.replicas, a new generation) keeps the plan
+    # and its GPU: only the replica count changes.
+    scaled = reconcile(body({**small, "replicas": 2}, generation=2, status=again), cluster, NOW)
+    assert scaled["plan"]["gpu"] == "L4" and scaled["plan"]["reasons"]["gpu"] == why
+    deployment = cluster.objects[("Deployment", "ml", "chat")]
+    assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["template"] == template
+    # Any other spec change plans afresh, onto the smaller GPU.
+    changed = reconcile(body({**small, "replicas": 2, "load": {"requestsPerSecond": 2}}, generation=3,
+                             status=scaled), cluster, NOW)
+    assert changed["plan"]["gpu"] == "T4" and changed["lastGoodPlan"]["gpu"] == "T4"
     pod = cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "Tesla-T4"}
+
+
+def test_a_scale_with_no_gpu_left_on_the_nodes_keeps_the_plan_and_applies_the_replicas() -> None:
+    spec = {"model": {"name": "llama-2-7b"}, "replicas": 1}
+    cluster = FakeCluster(gpu_products=["NVIDIA-L4"])
+    first = reconcile(body(spec), cluster, NOW)
+    template = copy.deepcopy(cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"])
+    # The GPU pool is scaled to zero; then the autoscaler asks for three replicas.
+    cluster.products = []
+    status = reconcile(body({**spec, "replicas": 3}, generation=2, status=first), cluster, NOW)
+    assert condition(status, "Planned")["status"] == "True"
+    assert status["plan"]["gpu"] == "L4" and status["desiredReplicas"] == 3
+    deployment = cluster.objects[("Deployment", "ml", "chat")]
+    assert deployment["spec"]["replicas"] == 3 and deployment["spec"]["template"] == template
+    # A spec change other than replicas has nothing to plan for: NoGPUType, and the Deployment stays.
+    running = copy.deepcopy(deployment)
+    status = reconcile(body({**spec, "replicas": 3, "load": {"requestsPerSecond": 2}}, generation=3,
+                            status=status), cluster, NOW)
+    assert condition(status, "Planned")["reason"] == "NoGPUType"
+    assert cluster.objects[("Deployment", "ml", "chat")] == running
+    assert status["lastGoodPlan"] == first["lastGoodPlan"]
 
 
 def test_a_same_named_object_of_someone_else_is_left_alone() -> None:

@@ -43,6 +43,9 @@ ENGINE_IMAGE_ENV = "KVPILOT_ENGINE_IMAGE"
 # when it is gone.
 BLOCKED_RETRY_SECONDS = 60.0
 BLOCKED = ("NameConflict", "ApplyFailed")
+# A spec without accelerator.type that found no GPU on the nodes (the GPU pool scaled to zero, say)
+# is planned again this often: nothing watches nodes, so no event says when GPUs are back.
+NO_GPU_RETRY_SECONDS = 60.0
 
 
 def engine_image(environ: Mapping[str, str]) -> str:
@@ -141,6 +144,9 @@ def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
         # The status above is written either way; kopf calls the handler again after the delay.
         raise kopf.TemporaryError(f"{ready['reason']}: {ready['message']}",
                                   delay=BLOCKED_RETRY_SECONDS)
+    planned = next(c for c in status["conditions"] if c["type"] == "Planned")
+    if planned["reason"] == "NoGPUType":
+        raise kopf.TemporaryError(f"NoGPUType: {planned['message']}", delay=NO_GPU_RETRY_SECONDS)
 
 
 def _pod_ready(pod: Mapping[str, Any]) -> bool:

@@ -17,8 +17,8 @@ import pytest
 from kvpilot.engine.config import CAPABILITIES
 from kvpilot.operator import render
 from kvpilot.operator.cluster import WriteConflict, WriteRefused, describe
-from kvpilot.operator.handlers import (ENGINE_IMAGE_ENV, child_handler, engine_image,
-                                       reconcile_handler)
+from kvpilot.operator.handlers import (ENGINE_IMAGE_ENV, NO_GPU_RETRY_SECONDS, child_handler,
+                                       engine_image, reconcile_handler)
 from kvpilot.operator.planner import plan
 from kvpilot.operator.reconcile import RENDERED_HASH, reconcile, refresh
 from kvpilot.operator.spec import InferenceServiceSpec
@@ -465,6 +465,24 @@ def test_kopf_handler_retries_a_blocked_service_after_writing_its_status() -> No
         reconcile_handler(body=body(SPEC), patch=patch, memo=memo,
                           logger=logging.getLogger("test"))
     assert condition(patch["status"], "Ready")["reason"] == "NameConflict"
+
+
+def test_kopf_handler_plans_again_later_when_no_node_has_a_gpu() -> None:
+    cluster = FakeCluster()
+    memo = kopf.Memo(cluster=cluster, engine_image=render.DEFAULT_ENGINE_IMAGE)
+    unset = {"model": {"name": "llama-2-7b"}}
+    patch = kopf.Patch()
+    with pytest.raises(kopf.TemporaryError, match="NoGPUType") as raised:
+        reconcile_handler(body=body(unset), patch=patch, memo=memo, logger=logging.getLogger("test"))
+    assert raised.value.delay == NO_GPU_RETRY_SECONDS
+    assert condition(patch["status"], "Ready")["reason"] == "NoGPUType"
+    # The GPU pool comes back: kopf's retry plans onto it.
+    cluster.products = ["NVIDIA-L4"]
+    retried = kopf.Patch()
+    reconcile_handler(body=body(unset, status=patch["status"]), patch=retried, memo=memo,
+                      logger=logging.getLogger("test"))
+    assert retried["status"]["plan"]["gpu"] == "L4"
+    assert cluster.kinds() == ["Deployment", "PodDisruptionBudget", "Service"]
 
 
 def test_a_child_event_reconciles_its_owner_and_writes_only_a_changed_status() -> None:

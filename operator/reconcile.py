@@ -11,7 +11,9 @@ on the objects it already made. Decisions are made here; the `Cluster` adapter d
 - A child whose rendering has not changed is not written at all, so a reconcile of a converged
   service costs reads only.
 - A spec that stops planning keeps the Deployment of the last plan that fit running; only a spec
-  that never planned has no Deployment. Nothing here deletes anything.
+  that never planned has no Deployment. Nothing here deletes anything. `status.lastGoodPlan`
+  keeps that plan's spec, so its Deployment is rendered from it meanwhile (with the current
+  `replicas`): deleted by hand, it comes back.
 - The GPU chosen for an unset `accelerator.type` is kept (in `status.lastGoodPlan`) while the spec
   stays the same apart from `replicas`, so a new node type does not re-plan (and roll) every
   service, and a scale (the autoscaler and the gateway write `spec.replicas`, which bumps the
@@ -95,16 +97,36 @@ def unchanged(existing: Mapping[str, Any], manifest: Manifest) -> bool:
             and _contains(existing, manifest))
 
 
+def _planned_fields(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """What a plan depends on: the spec without `replicas` (a scale keeps the plan) and without
+    defaults (short in the status, and an operator with a new default does not count as a change)."""
+    return spec.model_dump(mode="json", by_alias=True, exclude={"replicas"}, exclude_defaults=True)
+
+
 def spec_hash(spec: InferenceServiceSpec) -> str:
-    """The spec's hash without `replicas`: what a plan depends on, so a scale keeps it."""
-    fields = spec.model_dump(mode="json", by_alias=True, exclude={"replicas"})
+    fields = _planned_fields(spec)
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def last_good(spec: InferenceServiceSpec, result: Plan) -> dict[str, Any]:
-    """`status.lastGoodPlan` for a plan that fits: the spec it was made for and the GPU chosen."""
-    return {"specHash": spec_hash(spec), "gpu": str(result.gpu),
+    """`status.lastGoodPlan` for a plan that fits: the spec it was made for (and its hash) and
+    the GPU chosen, all that rendering its Deployment again needs."""
+    return {"specHash": spec_hash(spec), "gpu": str(result.gpu), "spec": _planned_fields(spec),
             **({"gpuReason": result.reasons["gpu"]} if "gpu" in result.reasons else {})}
+
+
+def _last_good_serving(kept: Mapping[str, Any],
+                       replicas: int | None) -> tuple[InferenceServiceSpec, Plan] | None:
+    """The spec and plan of `status.lastGoodPlan` with `replicas`, to render its Deployment while
+    the spec does not plan; None without one (or one this operator cannot plan any more)."""
+    if not kept.get("spec") or not kept.get("gpu"):
+        return None
+    try:
+        spec = InferenceServiceSpec.model_validate({**kept["spec"], "replicas": replicas})
+    except ValidationError:
+        return None
+    result = plan(spec, [str(kept["gpu"])])
+    return (spec, result) if result.fits else None
 
 
 def _kept_gpu(spec: InferenceServiceSpec, kept: Mapping[str, Any]) -> str | None:
@@ -143,9 +165,11 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, now: datetime, *,
     else:
         result = _plan(spec, cluster, kept)
 
-    wanted = ([stamped(m) for m in render.children(name, namespace, uid, spec, result,
-                                                   default_image=default_image)]
-              if spec is not None else [])
+    wanted: list[Manifest] = []
+    if spec is not None:
+        serving = (spec, result) if result.fits else _last_good_serving(kept, spec.replicas)
+        wanted = [stamped(m) for m in render.children(name, namespace, uid, *(serving or (spec, result)),
+                                                      default_image=default_image)]
     found = {m["kind"]: cluster.get(m["apiVersion"], m["kind"], namespace, name) for m in wanted}
     if "Deployment" not in found:
         found["Deployment"] = cluster.get("apps/v1", "Deployment", namespace, name)

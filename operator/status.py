@@ -123,7 +123,7 @@ def conditions(plan: Plan, spec: InferenceServiceSpec | None, desired: int,
             ]
         else:
             # The spec stopped planning: the engines of the last plan that fit keep serving.
-            kept = "the Deployment of the last plan that fit keeps running unchanged"
+            kept = "the Deployment of the last plan that fit keeps running"
             _, ready_condition = _replica_conditions(
                 counts, desired, ready, current, f"{counts} (the last plan that fit)")
             conditions_ = [

@@ -243,6 +243,29 @@ def test_a_plan_that_stops_fitting_keeps_the_last_good_deployment_and_says_why()
     assert "42.8 GiB" in ready["message"]
 
 
+def test_the_last_good_deployment_deleted_by_hand_comes_back_while_the_spec_does_not_plan() -> None:
+    cluster = FakeCluster()
+    cluster.put(body(SPEC))
+    memo = kopf.Memo(cluster=cluster, engine_image=render.DEFAULT_ENGINE_IMAGE)
+    assert refresh(cluster, "ml", "chat", NOW)
+    running = copy.deepcopy(cluster.objects[("Deployment", "ml", "chat")])
+    # The spec stops planning (a model too big); then the Deployment is deleted by hand.
+    isvc = cluster.objects[("InferenceService", "ml", "chat")]
+    isvc["spec"] = {**SPEC, "model": {"name": "llama-3-70b"}, "replicas": 2}
+    isvc["metadata"]["generation"] = 2
+    assert refresh(cluster, "ml", "chat", NOW)
+    assert cluster.objects[("Deployment", "ml", "chat")]["spec"]["replicas"] == 2
+    cluster.delete("apps/v1", "Deployment", "ml", "chat")
+    child_handler(body=running, memo=memo, logger=logging.getLogger("test"))
+    # It comes back as the last plan that fit rendered it, at the spec's replicas.
+    back = cluster.objects[("Deployment", "ml", "chat")]
+    assert back["spec"] == {**running["spec"], "replicas": 2}
+    status = cluster.objects[("InferenceService", "ml", "chat")]["status"]
+    assert (condition(status, "Planned")["reason"], status["desiredReplicas"]) == ("WeightsDoNotFit", 2)
+    assert status["lastGoodPlan"]["spec"] == {"model": {"name": "llama-2-7b"},
+                                              "accelerator": {"type": "A10G"}, "load": {"requestsPerSecond": 4.0}}
+
+
 def test_an_unknown_gpu_type_after_a_good_plan_keeps_the_deployment() -> None:
     cluster = FakeCluster()
     reconcile(body(SPEC), cluster, NOW)

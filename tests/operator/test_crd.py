@@ -162,7 +162,10 @@ def test_printer_columns(crd: dict[str, Any]) -> None:
     assert columns == {
         "Model": ".spec.model.name", "GPU": ".status.plan.gpu",
         "Quant": ".status.plan.quantization", "Replicas": ".status.replicas",
-        "Ready": ".status.readyReplicas", "Status": '.status.conditions[?(@.type=="Ready")].reason',
+        "Ready-Replicas": ".status.readyReplicas",
+        # The Ready condition and its reason, as `kubectl get` shows them for built-in kinds.
+        "Ready": '.status.conditions[?(@.type=="Ready")].status',
+        "Status": '.status.conditions[?(@.type=="Ready")].reason',
         "TTFT-P95": ".status.latency.ttftP95Ms",
         "TPOT-P95": ".status.latency.tpotP95Ms", "Age": ".metadata.creationTimestamp",
         "URL": ".status.url"}

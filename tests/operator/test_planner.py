@@ -35,6 +35,16 @@ def test_llama_2_7b_on_a10g_fits_3_full_4k_sequences_and_batches_for_the_mean_co
     assert result.kv_blocks == result.kv_pool_bytes // (result.kv_bytes_per_token * 16)
 
 
+def test_llama_3_8b_at_1_request_per_second_needs_one_l4() -> None:
+    # The example: sized for every sequence at max_model_len, the planner asked for 3-4 L4s;
+    # sized for the mean context (512 in + 256 / 2 out), one L4 meets the default SLO.
+    result = plan(spec("llama-3-8b", "L4", load={"requestsPerSecond": 1, "meanPromptTokens": 512,
+                                                  "meanOutputTokens": 256}))
+    assert result.fits and result.meets_slo
+    assert result.replicas == 1
+    assert "1 replica(s) for 1 req/s" in result.reasons["replicas"]
+
+
 def test_full_memory_without_reserve_fits_4_sequences_not_the_textbook_5(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(planner.sizing, "RUNTIME_OVERHEAD_BYTES", 0)

@@ -10,6 +10,8 @@ the children go by their owner references (garbage collection). Instead of a per
 the operator watches its children (Deployments, Services and PodDisruptionBudgets labelled as
 managed by it): a change or deletion of one reconciles its owner, so Ready follows the pods within
 seconds, a child deleted by hand comes back at once, and an idle cluster costs no API requests.
+In a burst, events of one InferenceService collapse into the reconcile already waiting for it, and
+a Service or PDB event whose object is as rendered reconciles nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from kvpilot.operator.autoscale_loop import Scaler, index_entry
 from kvpilot.operator.autoscaler import INTERVAL_SECONDS
 from kvpilot.operator.cluster import KubeCluster, WriteConflict
 from kvpilot.operator.gateway import HOLD_SECONDS, Gateway
-from kvpilot.operator.reconcile import controller_of, reconcile, refresh
+from kvpilot.operator.reconcile import as_rendered, controller_of, reconcile, refresh
 from kvpilot.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from kvpilot.operator.status import merge_patch
 
@@ -54,17 +56,49 @@ def engine_image(environ: Mapping[str, str]) -> str:
 
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
+# InferenceServices with an event's reconcile waiting for the lock (guarded by _locks_guard).
+_waiting: set[tuple[str, str]] = set()
 _locks_guard = threading.Lock()
+# Logged once per reconcile that an event of a child or pod ran (bench/operator_scale.py counts it).
+REFRESHED = "Reconciled InferenceService"
+
+
+def _lock(namespace: str, name: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault((namespace, name), threading.Lock())
 
 
 @contextmanager
 def _serialized(namespace: str, name: str) -> Iterator[None]:
     """One reconcile of an InferenceService at a time: kopf runs its own handlers and the
     children's event handlers in parallel threads."""
-    with _locks_guard:
-        lock = _locks.setdefault((namespace, name), threading.Lock())
-    with lock:
+    with _lock(namespace, name):
         yield
+
+
+def _refresh(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger) -> None:
+    """Reconcile `namespace/name` for an event of a child or pod, unless such a reconcile is
+    already waiting for it: that one reads the cluster after this event happened, so it covers it
+    (a burst of events for one service, its Deployment's, pods', Service's, costs one more
+    reconcile, not one each)."""
+    key = (namespace, name)
+    with _locks_guard:
+        if key in _waiting:
+            return
+        _waiting.add(key)
+        lock = _locks.setdefault(key, threading.Lock())
+    with lock:
+        with _locks_guard:
+            # From here on this reconcile reads the cluster: a later event must queue its own.
+            _waiting.discard(key)
+        try:
+            refreshed = refresh(memo.cluster, namespace, name, datetime.now(UTC), default_image=memo.engine_image)
+        except WriteConflict as error:
+            # Whatever changed it is an event of its own, which reconciles again.
+            logger.debug(f"{namespace}/{name} changed while reconciling: {error}")
+            return
+    if refreshed:
+        logger.info(f"{REFRESHED} {namespace}/{name}")
 
 
 @kopf.on.startup()
@@ -164,25 +198,19 @@ def pod_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: A
         # A pod becoming ready or going away changes its Deployment's status, whose own event
         # reconciles; only a pod stuck before ready has something to add.
         return
-    with _serialized(namespace, name):
-        try:
-            refresh(memo.cluster, namespace, name, datetime.now(UTC), default_image=memo.engine_image)
-        except WriteConflict as error:
-            logger.debug(f"{namespace}/{name} changed while reconciling: {error}")
+    _refresh(namespace, name, memo, logger)
 
 
 @kopf.on.event("apps/v1", "deployments", labels=render.MANAGED_BY)
 @kopf.on.event("v1", "services", labels=render.MANAGED_BY)
 @kopf.on.event("policy/v1", "poddisruptionbudgets", labels=render.MANAGED_BY)
-def child_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+def child_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, type: str | None = None,
+                  **_: Any) -> None:
     owner = controller_of(body)
     if owner is None or (owner.get("apiVersion"), owner.get("kind")) != (API_VERSION, KIND):
         return
-    namespace, name = body["metadata"]["namespace"], owner["name"]
-    with _serialized(namespace, name):
-        try:
-            refresh(memo.cluster, namespace, name, datetime.now(UTC),
-                    default_image=memo.engine_image)
-        except WriteConflict as error:
-            # Whatever changed it is an event of its own, which reconciles again.
-            logger.debug(f"{namespace}/{name} changed while reconciling: {error}")
+    if type != "DELETED" and as_rendered(body):
+        # A Service or PDB as we made it (our own create or update, or a status or defaults
+        # change of another controller): the owner's status does not depend on it.
+        return
+    _refresh(body["metadata"]["namespace"], owner["name"], memo, logger)

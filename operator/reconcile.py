@@ -97,6 +97,20 @@ def unchanged(existing: Mapping[str, Any], manifest: Manifest) -> bool:
             and _contains(existing, manifest))
 
 
+# The children rendered from the owner's name, namespace and UID alone (not its spec or plan).
+_SPEC_FREE = {"Service": render.service, "PodDisruptionBudget": render.pod_disruption_budget}
+
+
+def as_rendered(child: Mapping[str, Any]) -> bool:
+    """`child` is a Service or PDB of an InferenceService whose fields of ours are as the owner
+    would render them: an event of it has nothing to reconcile (reading the owner would tell)."""
+    owner = controller_of(child)
+    rendering = _SPEC_FREE.get(str(child.get("kind")))
+    if rendering is None or owner is None or (owner.get("apiVersion"), owner.get("kind")) != (API_VERSION, KIND):
+        return False
+    return unchanged(child, stamped(rendering(owner["name"], child["metadata"]["namespace"], owner["uid"])))
+
+
 def _planned_fields(spec: InferenceServiceSpec) -> dict[str, Any]:
     """What a plan depends on: the spec without `replicas` (a scale keeps the plan) and without
     defaults (short in the status, and an operator with a new default does not count as a change)."""

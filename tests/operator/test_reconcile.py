@@ -8,6 +8,8 @@ read); it tests the reconcile logic, not Kubernetes (e2e/ does that against a re
 
 import copy
 import logging
+import threading
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -15,10 +17,10 @@ import kopf
 import pytest
 
 from kvpilot.engine.config import CAPABILITIES
-from kvpilot.operator import render
+from kvpilot.operator import handlers, render
 from kvpilot.operator.cluster import WriteConflict, WriteRefused, describe
 from kvpilot.operator.handlers import (ENGINE_IMAGE_ENV, NO_GPU_RETRY_SECONDS, child_handler,
-                                       engine_image, reconcile_handler)
+                                       engine_image, pod_handler, reconcile_handler)
 from kvpilot.operator.planner import plan
 from kvpilot.operator.reconcile import RENDERED_HASH, reconcile, refresh
 from kvpilot.operator.spec import InferenceServiceSpec
@@ -552,6 +554,74 @@ def test_a_child_event_reconciles_its_owner_and_writes_only_a_changed_status() -
     assert not refresh(cluster, "ml", "chat", NOW)
     cluster.delete("kvpilot.dev/v1alpha1", "InferenceService", "ml", "chat")
     assert not refresh(cluster, "ml", "chat", NOW)
+
+
+class ReadCounting(FakeCluster):
+    """Counts the reads of the InferenceService: one per reconcile of a child's or pod's event."""
+
+    owner_reads = 0
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        self.owner_reads += kind == "InferenceService"
+        return super().get(api_version, kind, namespace, name)
+
+
+def test_events_for_a_service_whose_reconcile_is_already_waiting_are_collapsed() -> None:
+    cluster = ReadCounting()
+    cluster.put(body(SPEC))
+    assert refresh(cluster, "ml", "chat", NOW)
+    memo = kopf.Memo(cluster=cluster, engine_image=render.DEFAULT_ENGINE_IMAGE)
+    logger = logging.getLogger("test")
+    deployment = cluster.objects[("Deployment", "ml", "chat")]
+    held = handlers._lock("ml", "chat")  # a reconcile of chat is running
+    held.acquire()
+    waiting = threading.Thread(target=child_handler, kwargs={"body": deployment, "memo": memo, "logger": logger})
+    waiting.start()
+    deadline = time.monotonic() + 5
+    while ("ml", "chat") not in handlers._waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reads = cluster.owner_reads
+    # More events while one waits: it reads the cluster after them, so they return at once.
+    more = [threading.Thread(target=child_handler, kwargs={"body": deployment, "memo": memo, "logger": logger})
+            for _ in range(3)]
+    more.append(threading.Thread(target=pod_handler, kwargs={
+        "body": _pod("chat-abc", phase="Pending"), "memo": memo, "logger": logger}))
+    for thread in more:
+        thread.start()
+        thread.join(2)
+    assert not any(thread.is_alive() for thread in more) and cluster.owner_reads == reads
+    held.release()
+    waiting.join(5)
+    assert cluster.owner_reads == reads + 1 and not handlers._waiting
+    # Once it has run, the next event reconciles again.
+    child_handler(body=deployment, memo=memo, logger=logger)
+    assert cluster.owner_reads == reads + 2
+
+
+def test_service_and_pdb_events_reconcile_only_when_they_differ_from_the_rendering() -> None:
+    cluster = ReadCounting()
+    cluster.put(body(SPEC))
+    assert refresh(cluster, "ml", "chat", NOW)
+    memo = kopf.Memo(cluster=cluster, engine_image=render.DEFAULT_ENGINE_IMAGE)
+    logger = logging.getLogger("test")
+    reads = cluster.owner_reads
+    for kind in ("Service", "PodDisruptionBudget"):
+        # Our own create's event, or another controller's defaults (a cluster IP): nothing to do.
+        child = copy.deepcopy(cluster.objects[(kind, "ml", "chat")])
+        child["spec"]["clusterIP"] = "10.0.0.7"
+        child_handler(body=child, memo=memo, logger=logger, type="ADDED")
+        child_handler(body=child, memo=memo, logger=logger, type="MODIFIED")
+    assert cluster.owner_reads == reads
+    # A port edited by hand is put back.
+    service = cluster.objects[("Service", "ml", "chat")]
+    service["spec"]["ports"][0]["port"] = 9999
+    child_handler(body=copy.deepcopy(service), memo=memo, logger=logger, type="MODIFIED")
+    assert cluster.owner_reads == reads + 1
+    assert cluster.objects[("Service", "ml", "chat")]["spec"]["ports"][0]["port"] == render.PORT
+    # Deleted: it comes back, though the deleted object was as rendered.
+    pdb = cluster.objects.pop(("PodDisruptionBudget", "ml", "chat"))
+    child_handler(body=pdb, memo=memo, logger=logger, type="DELETED")
+    assert ("PodDisruptionBudget", "ml", "chat") in cluster.objects
 
 
 def test_no_handler_makes_kopf_add_a_finalizer() -> None:

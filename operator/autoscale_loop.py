@@ -286,7 +286,9 @@ def read_prometheus(url: str, namespace: str, pods: Sequence[str],
     return reads
 
 
-_KEPT_METADATA = ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp", "labels", "ownerReferences")
+# generation: the operator reconciles from an InferenceService's entry (handlers._refresh).
+_KEPT_METADATA = ("name", "namespace", "uid", "generation", "resourceVersion", "deletionTimestamp", "labels",
+                  "ownerReferences")
 
 
 def index_entry(body: Mapping[str, Any], key_label: str | None = None) -> dict[tuple[str, str], dict[str, Any]]:

@@ -77,8 +77,9 @@ class Cluster(Protocol):
         ...
 
     def patch_status(self, api_version: str, kind: str, namespace: str, name: str,
-                     patch: Manifest) -> None:
-        """Merge-patch the status subresource (None values remove fields)."""
+                     patch: Manifest) -> str:
+        """Merge-patch the status subresource (None values remove fields); the object's new
+        resourceVersion."""
         ...
 
     def gpu_products(self) -> list[str]: ...
@@ -131,10 +132,11 @@ class KubeCluster:
         return dict(found.to_dict())
 
     def patch_status(self, api_version: str, kind: str, namespace: str, name: str,
-                     patch: Manifest) -> None:
-        self._resource(api_version, kind).status.patch(
+                     patch: Manifest) -> str:
+        patched = self._resource(api_version, kind).status.patch(
             body={"status": patch}, name=name, namespace=namespace,
             content_type="application/merge-patch+json")
+        return str(patched.metadata.resourceVersion)
 
     def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[Manifest]:
         selector = ",".join(f"{key}={value}" for key, value in sorted(labels.items()))

@@ -61,6 +61,12 @@ _waiting: set[tuple[str, str]] = set()
 _locks_guard = threading.Lock()
 # Logged once per reconcile that an event of a child or pod ran (bench/operator_scale.py counts it).
 REFRESHED = "Reconciled InferenceService"
+# The resourceVersion each InferenceService had when an event's reconcile last left it (after its
+# status write, or as read when nothing changed). Its entry in the autoscaled_services index at
+# that very version is then the object as it is (our status fields included: only reconciles,
+# which hold its lock, write them), so the next event reconciles from the index without a GET.
+# Any other write (kopf's handler, the autoscaler's status, a spec change) is another version: read.
+_known_versions: dict[tuple[str, str], str] = {}
 
 
 def _lock(namespace: str, name: str) -> threading.Lock:
@@ -76,7 +82,17 @@ def _serialized(namespace: str, name: str) -> Iterator[None]:
         yield
 
 
-def _refresh(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger) -> None:
+def _known(services: Mapping[Any, Any] | None, key: tuple[str, str]) -> dict[str, Any] | None:
+    """The InferenceService's index entry when it is at the version the last reconcile left."""
+    entry = next(iter((services or {}).get(key, ())), None)
+    version = _known_versions.get(key)
+    if entry is None or version is None or entry["metadata"].get("resourceVersion") != version:
+        return None
+    return dict(entry)
+
+
+def _refresh(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
+             services: Mapping[Any, Any] | None) -> None:
     """Reconcile `namespace/name` for an event of a child or pod, unless such a reconcile is
     already waiting for it: that one reads the cluster after this event happened, so it covers it
     (a burst of events for one service, its Deployment's, pods', Service's, costs one more
@@ -92,12 +108,17 @@ def _refresh(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger)
             # From here on this reconcile reads the cluster: a later event must queue its own.
             _waiting.discard(key)
         try:
-            refreshed = refresh(memo.cluster, namespace, name, datetime.now(UTC), default_image=memo.engine_image)
+            version = refresh(memo.cluster, namespace, name, datetime.now(UTC),
+                              default_image=memo.engine_image, known=_known(services, key))
         except WriteConflict as error:
             # Whatever changed it is an event of its own, which reconciles again.
             logger.debug(f"{namespace}/{name} changed while reconciling: {error}")
             return
-    if refreshed:
+        finally:
+            _known_versions.pop(key, None)
+        if version is not None:
+            _known_versions[key] = version
+    if version is not None:
         logger.info(f"{REFRESHED} {namespace}/{name}")
 
 
@@ -166,6 +187,8 @@ def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
                       logger: logging.Logger, **_: Any) -> None:
     metadata = body["metadata"]
     with _serialized(metadata["namespace"], metadata["name"]):
+        # kopf writes this status after the handler: a version no event's reconcile has seen.
+        _known_versions.pop((metadata["namespace"], metadata["name"]), None)
         try:
             status = reconcile(body, memo.cluster, datetime.now(UTC),
                                default_image=memo.engine_image)
@@ -189,7 +212,8 @@ def _pod_ready(pod: Mapping[str, Any]) -> bool:
 
 
 @kopf.on.event("v1", "pods", labels=render.MANAGED_BY)
-def pod_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+def pod_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
+                autoscaled_services: kopf.Index | None = None, **_: Any) -> None:
     """An engine pod changed (scheduled, crash-looping, ready): its InferenceService's status may
     have a new reason. Pods are owned by ReplicaSets, so the owner comes from the instance label."""
     namespace = body["metadata"]["namespace"]
@@ -198,14 +222,14 @@ def pod_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: A
         # A pod becoming ready or going away changes its Deployment's status, whose own event
         # reconciles; only a pod stuck before ready has something to add.
         return
-    _refresh(namespace, name, memo, logger)
+    _refresh(namespace, name, memo, logger, autoscaled_services)
 
 
 @kopf.on.event("apps/v1", "deployments", labels=render.MANAGED_BY)
 @kopf.on.event("v1", "services", labels=render.MANAGED_BY)
 @kopf.on.event("policy/v1", "poddisruptionbudgets", labels=render.MANAGED_BY)
 def child_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, type: str | None = None,
-                  **_: Any) -> None:
+                  autoscaled_services: kopf.Index | None = None, **_: Any) -> None:
     owner = controller_of(body)
     if owner is None or (owner.get("apiVersion"), owner.get("kind")) != (API_VERSION, KIND):
         return
@@ -213,4 +237,4 @@ def child_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, type
         # A Service or PDB as we made it (our own create or update, or a status or defaults
         # change of another controller): the owner's status does not depend on it.
         return
-    _refresh(body["metadata"]["namespace"], owner["name"], memo, logger)
+    _refresh(body["metadata"]["namespace"], owner["name"], memo, logger, autoscaled_services)

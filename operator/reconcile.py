@@ -228,15 +228,17 @@ def _not_all_ready(deployment: Mapping[str, Any]) -> bool:
 
 
 def refresh(cluster: Cluster, namespace: str, name: str, now: datetime, *,
-            default_image: str = render.DEFAULT_ENGINE_IMAGE) -> bool:
-    """Reconcile the InferenceService `namespace/name` as it is in the cluster now and write its
-    status if it changed (for events of its children); False when there is nothing to reconcile:
-    it is gone or being deleted."""
-    body = cluster.get(API_VERSION, KIND, namespace, name)
+            default_image: str = render.DEFAULT_ENGINE_IMAGE,
+            known: Mapping[str, Any] | None = None) -> str | None:
+    """Reconcile the InferenceService `namespace/name` and write its status if it changed (for
+    events of its children); `known` is the object as the caller knows it is now (else it is
+    read). The object's resourceVersion afterwards, None when there is nothing to reconcile: it
+    is gone or being deleted."""
+    body = known if known is not None else cluster.get(API_VERSION, KIND, namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
-        return False
+        return None
     new = reconcile(body, cluster, now, default_image=default_image)
     patch = status.merge_patch(body.get("status") or {}, new)
     if patch:
-        cluster.patch_status(API_VERSION, KIND, namespace, name, patch)
-    return True
+        return cluster.patch_status(API_VERSION, KIND, namespace, name, patch)
+    return str(body["metadata"]["resourceVersion"])

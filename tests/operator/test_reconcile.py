@@ -18,6 +18,7 @@ import pytest
 
 from kvpilot.engine.config import CAPABILITIES
 from kvpilot.operator import handlers, render
+from kvpilot.operator.autoscale_loop import index_entry
 from kvpilot.operator.cluster import WriteConflict, WriteRefused, describe
 from kvpilot.operator.handlers import (ENGINE_IMAGE_ENV, NO_GPU_RETRY_SECONDS, child_handler,
                                        engine_image, pod_handler, reconcile_handler)
@@ -93,10 +94,13 @@ class FakeCluster:
         self.objects.pop((kind, namespace, name), None)
 
     def patch_status(self, api_version: str, kind: str, namespace: str, name: str,
-                     patch: dict[str, Any]) -> None:
+                     patch: dict[str, Any]) -> str:
         self.status_patches.append(patch)
         obj = self.objects[(kind, namespace, name)]
         obj["status"] = apply_merge_patch(obj.get("status") or {}, patch)
+        self.version += 1
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        return str(self.version)
 
     def gpu_products(self) -> list[str]:
         return self.products
@@ -622,6 +626,43 @@ def test_service_and_pdb_events_reconcile_only_when_they_differ_from_the_renderi
     pdb = cluster.objects.pop(("PodDisruptionBudget", "ml", "chat"))
     child_handler(body=pdb, memo=memo, logger=logger, type="DELETED")
     assert ("PodDisruptionBudget", "ml", "chat") in cluster.objects
+
+
+def test_an_event_reconciles_from_the_index_when_it_holds_the_version_the_last_reconcile_left() -> None:
+    handlers._known_versions.clear()
+    cluster = ReadCounting()
+    cluster.put(body(SPEC))
+    assert refresh(cluster, "ml", "chat", NOW)
+    memo = kopf.Memo(cluster=cluster, engine_image=render.DEFAULT_ENGINE_IMAGE)
+    logger = logging.getLogger("test")
+
+    def index() -> dict[tuple[str, str], list[dict[str, Any]]]:
+        """kopf's autoscaled_services index, caught up with the cluster."""
+        return {key: [entry] for key, entry in index_entry(cluster.objects[("InferenceService", "ml", "chat")]).items()}
+
+    deployment = cluster.objects[("Deployment", "ml", "chat")]
+    child_handler(body=deployment, memo=memo, logger=logger, autoscaled_services=index())
+    assert cluster.owner_reads == 2  # no version known yet: read
+    deployment["status"] = {"observedGeneration": 1, "replicas": REPLICAS, "updatedReplicas": REPLICAS,
+                            "readyReplicas": REPLICAS}
+    caught_up = index()
+    child_handler(body=deployment, memo=memo, logger=logger, autoscaled_services=caught_up)
+    assert cluster.owner_reads == 2  # the index holds the version the last reconcile left
+    isvc = cluster.objects[("InferenceService", "ml", "chat")]
+    assert condition(isvc["status"], "Ready")["status"] == "True"
+    # An index that has not caught up with that reconcile's status write is not used.
+    deployment["status"] = {**deployment["status"], "readyReplicas": 1}
+    child_handler(body=deployment, memo=memo, logger=logger, autoscaled_services=caught_up)
+    assert cluster.owner_reads == 3 and condition(isvc["status"], "Ready")["status"] == "False"
+    # Someone else wrote (the autoscaler's status, a spec change): another version, read again.
+    cluster.patch_status("kvpilot.dev/v1alpha1", "InferenceService", "ml", "chat", {"autoscaler": {"unknownPods": []}})
+    deployment["status"] = {**deployment["status"], "readyReplicas": REPLICAS}
+    child_handler(body=deployment, memo=memo, logger=logger, autoscaled_services=index())
+    assert cluster.owner_reads == 4 and condition(isvc["status"], "Ready")["status"] == "True"
+    # kopf's own handler writes a status of its own: the next event reads.
+    reconcile_handler(body=copy.deepcopy(isvc), patch=kopf.Patch(), memo=memo, logger=logger)
+    child_handler(body=deployment, memo=memo, logger=logger, autoscaled_services=index())
+    assert cluster.owner_reads == 5
 
 
 def test_no_handler_makes_kopf_add_a_finalizer() -> None:

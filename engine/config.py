@@ -71,6 +71,7 @@ class EngineConfig(BaseModel):
     ngram_prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest suffix looked up in the context")
     ngram_prompt_lookup_min: int = Field(2, ge=1, description="ngram: shortest suffix looked up in the context")
     speculative_max_batch_size: int = Field(SPECULATIVE_MAX_BATCH_SIZE, ge=1, description="no speculation while more sequences than this run in a step")
+    compile_decode: bool = Field(False, description="compile the decode step of a lone sequence with torch.compile before serving (on CPU ~1.3x faster single-stream decoding; startup takes ~25 s more on 2 cores)")
 
     @model_validator(mode="after")
     def _ngram_range(self) -> EngineConfig:

@@ -1,7 +1,7 @@
 """Paged attention over a flat slot cache, in plain PyTorch (SDPA), for any device.
 
 The KV cache of one layer is a [num_slots, kv_heads, head_dim] tensor for K and one for V, where
-slot = block_id * block_size + offset. A step's tokens are laid out decodes first, then prefill
+slot = block_id * block_size + offset; each is a tensor of its own (allocate_kv_caches). A step's tokens are laid out decodes first, then prefill
 chunks. Decodes (one query token each, or the last token and its drafts when speculating) are
 attended in small padded batches of the same query count and similar context length: one batch
 padded to the longest context would gather and attend up to twice the keys. Prefill chunks are
@@ -31,6 +31,19 @@ class DecodeGroup:
     # [sequences, 1, queries, max_context] True where a query sees a real key; None: every key.
     mask: torch.Tensor | None
     num_queries: int = 1  # tokens per sequence (1 + its drafts), laid out sequence by sequence
+
+
+# One layer's K and V caches, each [num_slots, kv_heads, head_dim].
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def allocate_kv_caches(num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       device: torch.device) -> list[KVCache]:
+    """Zeroed K and V caches for each layer, every one its own allocation: a compiled forward
+    writes into them in place, and in-place writes into views of one shared tensor make
+    torch.compile copy that whole tensor back on every step."""
+    return [tuple(torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(2))
+            for _ in range(num_layers)]
 
 
 @dataclass

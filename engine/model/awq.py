@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpilot.engine.model.attention import AttentionMetadata, PrefillChunk
+from kvpilot.engine.model.attention import AttentionMetadata, KVCache, PrefillChunk, allocate_kv_caches
 from kvpilot.engine.model.layers import FusedLinear, Linear
 from kvpilot.engine.model.llama import DecoderLayer, LlamaForCausalLM
 
@@ -217,7 +217,7 @@ def apply_awq(model: LlamaForCausalLM, prompts: list[list[int]], fake_quantize: 
     return report
 
 
-def prefill_batch(model: LlamaForCausalLM, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+def prefill_batch(model: LlamaForCausalLM, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata]:
     """One flattened batch of whole prompts (each its own prefill) over a cache just large enough."""
     device = model.model.embed_tokens.weight.device
     total = sum(len(p) for p in prompts)
@@ -227,8 +227,8 @@ def prefill_batch(model: LlamaForCausalLM, prompts: list[list[int]]) -> tuple[to
         start += len(prompt)
     attn = model.model.layers[0].self_attn
     config = model.config
-    kv_caches = torch.zeros(config.num_hidden_layers, 2, total, attn.num_kv_heads, attn.head_dim,
-                            dtype=model.model.embed_tokens.weight.dtype, device=device)
+    kv_caches = allocate_kv_caches(config.num_hidden_layers, total, attn.num_kv_heads, attn.head_dim,
+                                   model.model.embed_tokens.weight.dtype, device)
     ids = torch.tensor([t for p in prompts for t in p], device=device)
     positions = torch.cat([torch.arange(len(p), device=device) for p in prompts])
     return ids, positions, kv_caches, AttentionMetadata(torch.arange(total, device=device), [], chunks)

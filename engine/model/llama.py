@@ -6,12 +6,14 @@ are; the forward takes one flattened batch of tokens from many sequences.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from kvpilot.engine.model.attention import AttentionMetadata, paged_attention, write_kv
+from kvpilot.engine.model.attention import AttentionMetadata, KVCache, paged_attention, write_kv
 from kvpilot.engine.model.layers import Embedding, FusedLinear, Linear, RMSNorm
 from kvpilot.engine.model.quantization import LinearQuantization, for_scheme
 
@@ -34,7 +36,7 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias, quantization)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias, quantization)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         qk, v = self.qkv_proj(x).split([(self.num_heads + self.num_kv_heads) * self.head_dim,
                                         self.num_kv_heads * self.head_dim], dim=-1)
@@ -42,7 +44,7 @@ class Attention(nn.Module):
         qk = _rope(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(o.reshape(n, -1))
@@ -69,7 +71,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -99,11 +101,11 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] for a flattened batch; kv_caches is [layers, 2, slots, kv_heads, dim].
-        With a cache of fewer layers than the model, only that many layers run, then the final
-        norm: the early exit a self-speculative draft takes."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] for a flattened batch; kv_caches holds each layer's K and V.
+        With caches for fewer layers than the model, only that many layers run, then the final
+        norm: the early exit a self-speculative draft takes. Callers run it in inference mode
+        (not set here: torch.compile traces this function as it is)."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(h, positions.unsqueeze(0))
         half = sin.shape[-1] // 2

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -10,7 +12,7 @@ import torch
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.scheduler import ScheduledRequest, SchedulerOutput
-from kvpilot.engine.model.attention import AttentionMetadata, PrefillChunk
+from kvpilot.engine.model.attention import AttentionMetadata, PrefillChunk, allocate_kv_caches
 from kvpilot.engine.model.llama import LlamaForCausalLM
 from kvpilot.engine.model.loader import load_config, load_model, resolve_model
 from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs
@@ -22,6 +24,11 @@ from kvpilot.engine.worker.spec_decode.ngram_proposer import NgramProposer
 from kvpilot.engine.worker.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
+
+# The compiled decode step is traced at this position: its context length (41) must equal no
+# dimension of the model (a head count of 3, say) nor be 1, or torch.compile would specialise the
+# graph to that length instead of keeping it dynamic.
+WARM_UP_POSITION = 40
 
 # Without a device to profile, the pool is sized like vLLM's CPU backend: a fixed budget.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -60,16 +67,16 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         self.proposer = self._make_proposer()
         log.info("event=engine_config device=%s dtype=%s quantization=%s speculative=%s draft_layers=%d weight_bytes=%d "
-                 "torch_threads=%d threads_from=%r kv_blocks=%d", self.device, str(self.dtype).removeprefix("torch."),
-                 self.model.quantization, config.speculative, self.draft_layers, self.weight_bytes, threads, why, self.num_blocks)
+                 "torch_threads=%d threads_from=%r kv_blocks=%d compile_decode=%s", self.device,
+                 str(self.dtype).removeprefix("torch."), self.model.quantization, config.speculative, self.draft_layers,
+                 self.weight_bytes, threads, why, self.num_blocks, config.compile_decode)
         # Unseeded sampling draws from one generator seeded by the engine's seed; seeded requests
         # get their own, kept until they finish (a preempted request continues its stream).
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self._generators: dict[str, torch.Generator] = {}
-        self.kv_caches = torch.zeros(
-            self.num_layers, 2, self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim,
-            dtype=self.dtype, device=self.device,
-        )
+        self.kv_caches = allocate_kv_caches(self.num_layers, self.num_blocks * self.block_size, self.num_kv_heads,
+                                            self.head_dim, self.dtype, self.device)
+        self._decode_forward = self._compile_decode() if config.compile_decode else None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -107,6 +114,37 @@ class ModelRunner:
                                  self.num_blocks * self.block_size, self.block_size, self.dtype, self.device)
         return None
 
+    def _compile_decode(self) -> Callable[..., torch.Tensor]:
+        """The forward compiled by torch.compile (inductor) for a lone sequence's decode step,
+        built before serving.
+
+        On CPU most of a single-sequence decode step is the dispatch of ~170 small ops per layer
+        around a few matmuls; one compiled forward fuses them into a few kernels (bench/RESULTS.md,
+        "Compiled decode"). Several sequences per step gain nothing measurable (the matmuls and
+        the attention's KV reads dominate), so only this shape is compiled. Compiling takes tens
+        of seconds, far too long to happen on a request, so it happens here, on one decode in
+        blocks no request holds yet, whose KV is overwritten before anything reads it."""
+        log.info("event=decode_compile_started")
+        started = time.monotonic()
+        forward = torch.compile(self.model.forward, dynamic=True)
+        # Inside inference mode as in execute(): the graph's guards check that its inputs are
+        # inference tensors.
+        with torch.inference_mode():
+            inputs = StepInputs(self.block_size, self.device)
+            inputs.add([0], WARM_UP_POSITION, list(range(-(-(WARM_UP_POSITION + 1) // self.block_size))), decode=True)
+            input_ids, positions, meta = inputs.build()
+            forward(input_ids, positions, self.kv_caches, meta)
+        log.info("event=decode_compiled seconds=%.1f", time.monotonic() - started)
+        return forward
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The compiled forward for a lone sequence's decode step, the eager one otherwise; a step
+        the compiled graph's guards refuse runs eagerly too, never compiles on a request."""
+        if self._decode_forward is not None and _single_decode(meta):
+            with torch.compiler.set_stance("eager_on_recompile"):
+                return self._decode_forward(input_ids, positions, self.kv_caches, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
     def _num_kv_blocks(self) -> int:
         budget = self.config.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
@@ -120,11 +158,12 @@ class ModelRunner:
             )
         return int(num_blocks)
 
+    @torch.inference_mode()
     def _profile_free_gpu_memory(self) -> int:
         """Run the largest step once, then give the KV pool what the utilization target leaves."""
         torch.cuda.reset_peak_memory_stats(self.device)
         n = self.config.max_num_batched_tokens
-        dummy_cache = torch.zeros(self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        dummy_cache = allocate_kv_caches(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.zeros(n, dtype=torch.long, device=self.device), decodes=[],
             prefills=[PrefillChunk(start=0, num_tokens=n, num_cached=0, slots=torch.zeros(n, dtype=torch.long, device=self.device))],
@@ -171,7 +210,7 @@ class ModelRunner:
 
         device = self.device
         input_ids, positions, meta = inputs.build()
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self._forward(input_ids, positions, meta)
         out = ModelRunnerOutput(prompt_logprobs={r.request_id: self._prompt_logprobs(hidden, r, row, pos, n) for r, row, pos, n in scored})
         if not sampled:
             return out
@@ -252,6 +291,12 @@ class ModelRunner:
             banned={row: ids for row, ids in banned.items() if ids},
             num_logprobs={row: p.logprobs for row, p in enumerate(params) if p.logprobs is not None},
         )
+
+
+def _single_decode(meta: AttentionMetadata) -> bool:
+    """The step is one sequence decoding one token."""
+    return (not meta.prefills and len(meta.decodes) == 1 and meta.decodes[0].num_queries == 1
+            and meta.decodes[0].slots.shape[0] == 1)
 
 
 def _is_decode(item: ScheduledRequest) -> bool:

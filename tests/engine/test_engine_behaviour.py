@@ -105,7 +105,8 @@ def test_the_default_dtype_is_bf16_where_the_cpu_has_it():
 
 def test_bfloat16_on_cpu_runs_and_agrees_on_an_easy_prompt():
     llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=16 << 20)
-    assert llm.engine.runner.kv_caches.dtype.is_floating_point and llm.engine.runner.kv_caches.element_size() == 2
+    k_cache = llm.engine.runner.kv_caches[0][0]
+    assert k_cache.dtype.is_floating_point and k_cache.element_size() == 2
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0]
     assert "Paris" in out.text
 

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
+from kvpilot.engine.model.attention import allocate_kv_caches
 from kvpilot.engine.model.llama import LlamaForCausalLM
 from kvpilot.engine.worker.spec_decode import DraftInput
 from kvpilot.engine.worker.step_inputs import StepInputs
@@ -30,7 +31,7 @@ class DraftProposer:
         self.block_size = block_size
         self.device = device
         # The model runs only as many layers as its cache holds (LlamaForCausalLM.forward).
-        self.kv_caches = torch.zeros(num_layers, 2, num_slots, *kv_shape(model), dtype=dtype, device=device)
+        self.kv_caches = allocate_kv_caches(num_layers, num_slots, *kv_shape(model), dtype, device)
         # Tokens of each request whose draft KV is computed (positions past them may hold drafts').
         self.num_computed: dict[str, int] = {}
 

@@ -28,12 +28,12 @@ VARIANTS = (("fp32", "none", "float32"), ("none", "none", "auto"), ("int8", "int
 SCHEMES = tuple(label for label, _, _ in VARIANTS)
 
 
-def decoding_engine(label: str, batch: int, max_tokens: int) -> LLMEngine:
+def decoding_engine(label: str, batch: int, max_tokens: int, compile_decode: bool = False) -> LLMEngine:
     """The embedded model under `label`'s scheme with `batch` requests (prompts of 64-127 tokens)
     prefilled and one decode step taken: every further step() is a decode step of `batch`."""
     _, scheme, dtype = next(v for v in VARIANTS if v[0] == label)
     llm = LLM(quantization=scheme, dtype=dtype, kv_cache_memory_bytes=1 << 30, max_num_seqs=max(batch, 1),
-              max_num_batched_tokens=8192)
+              max_num_batched_tokens=8192, compile_decode=compile_decode)
     engine = llm.engine
     text = engine.tokenize("Paged attention keeps the keys and values of every token in fixed-size blocks. " * 20)
     for i in range(batch):

@@ -10,11 +10,13 @@ checkpoint's integers, scales and zero points), stored in the same form.
 Kernels: on CPU, PyTorch's `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`, which take
 bf16 activations (fp32 activations are cast: these kernels are 10-100x slower on fp32). Both are
 decode kernels: their time grows with the tokens of a step as a dense GEMM's does not, so from
-INT8_DENSE_TOKENS tokens on (prefill chunks, large batches) INT8 dequantizes its plain int8 weight
-and runs the dense GEMM instead (bench/RESULTS.md, "Routing by tokens per step"). INT4's CPU layout
-is opaque, so it has no such path yet (2.2-2.9x slower than bf16 from 64 tokens). Elsewhere
-(CUDA) the weight is dequantized on the fly for each matmul: correct, and the memory saving holds,
-but not yet the speed of a low-bit kernel (no GPU was at hand to validate CUDA's int4 layout).
+INT8_DENSE_TOKENS / INT4_DENSE_TOKENS tokens on (prefill chunks, large batches) the layer
+dequantizes its weight for that matmul and runs the dense GEMM instead (bench/RESULTS.md, "Routing
+by tokens per step"): INT8 from its plain int8 weight, INT4 by unpacking PyTorch's CPU layout
+(`_unpack_cpu_int4pack`; layers whose output width is not a multiple of 64 keep the packed
+kernel). Elsewhere (CUDA) the weight is dequantized on the fly for each matmul: correct, and the
+memory saving holds, but not yet the speed of a low-bit kernel (no GPU was at hand to validate
+CUDA's int4 layout).
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ _INNER_K_TILES = 2
 # a 3072x576 layer (2 threads, bf16), the packed kernel / (dequantize + GEMM) is 0.52x at 16 tokens,
 # 0.61x at 32, 1.25x at 64, 2.2x at 256 and 2.5x at 1024.
 INT8_DENSE_TOKENS = 64
+# The same for INT4 (the embedded model's 3072x576, 576x1536, 960x576 and 576x576 layers, 2
+# threads, bf16): packed kernel / (unpack + dequantize + GEMM) is 0.3-0.5x at 64 tokens, 0.5-0.9x
+# at 128, 0.5-1.0x at 256, 1.35-1.7x at 512 and 1.7-1.9x at 1024.
+INT4_DENSE_TOKENS = 512
+# PyTorch's CPU int4 layout packs the rows of each block of 64 output channels as byte [k, r]
+# holding row r (low nibble) and row r + 32 (high nibble); a last block of fewer rows differs.
+_CPU_PACK_ROWS = 64
 
 
 class LinearQuantization(abc.ABC):
@@ -138,20 +147,31 @@ class Int4WeightOnly(LinearQuantization):
         layer.int4_shape = (out_features, in_features)
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu":
-            return _in_dtype(torch.ops.aten._weight_int4pack_mm_for_cpu(
-                _bf16(x), layer.qweight, self.group_size, layer.scales_and_zeros), x.dtype)
-        return nn.functional.linear(x, self.dequantized(layer).to(x.dtype))
+        if x.device.type != "cpu":
+            return nn.functional.linear(x, self._weight(layer, x.dtype))
+        if x.shape[0] >= INT4_DENSE_TOKENS and layer.int4_shape[0] % _CPU_PACK_ROWS == 0:
+            # Dequantized in x's dtype for this matmul only: the layer keeps only its int4 form.
+            return nn.functional.linear(x, self._weight(layer, x.dtype))
+        return _in_dtype(torch.ops.aten._weight_int4pack_mm_for_cpu(
+            _bf16(x), layer.qweight, self.group_size, layer.scales_and_zeros), x.dtype)
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
         out_features, in_features = layer.int4_shape
-        g = self.group_size
-        if layer.qweight.device.type == "cpu":
-            # The packed CPU layout is opaque: multiplying by the identity reads it back.
+        if layer.qweight.device.type == "cpu" and out_features % _CPU_PACK_ROWS:
+            # A layout with a short last block: multiplying by the identity reads it back.
             eye = torch.eye(in_features, dtype=torch.bfloat16)
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.qweight, g, layer.scales_and_zeros).float().T
-        q = _unpack_nibbles(layer.qweight, in_features).float().view(out_features, in_features // g, g)
-        scale, zero = layer.scales_and_zeros.float().unbind(-1)  # [in / group, out]
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.qweight, self.group_size,
+                                                              layer.scales_and_zeros).float().T
+        return self._weight(layer, torch.float32)
+
+    def _weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """w = (q - 8) x scale + zero, [out, in], computed in `dtype`."""
+        out_features, in_features = layer.int4_shape
+        g = self.group_size
+        q = (_unpack_cpu_int4pack(layer.qweight, out_features, in_features) if layer.qweight.device.type == "cpu"
+             else _unpack_nibbles(layer.qweight, in_features))
+        scale, zero = layer.scales_and_zeros.to(dtype).unbind(-1)  # [in / group, out]
+        q = q.view(out_features, in_features // g, g).to(dtype)
         return ((q - _INT4_MID) * scale.T[..., None] + zero.T[..., None]).view(out_features, in_features)
 
 
@@ -162,6 +182,14 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
 
 def _in_dtype(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return y if y.dtype == dtype else y.to(dtype)
+
+
+def _unpack_cpu_int4pack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The 0..15 values [out, in] of `_convert_weight_to_int4pack_for_cpu`'s output, for an output
+    width that is a multiple of 64 (tests/engine/test_quantization.py checks it against the op)."""
+    blocks = packed.view(out_features // _CPU_PACK_ROWS, in_features, _CPU_PACK_ROWS // 2)
+    rows = torch.cat([blocks & 0xF, blocks >> 4], dim=2)  # [block, in, 64]
+    return rows.permute(0, 2, 1).reshape(out_features, in_features)
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:

@@ -121,3 +121,41 @@ def test_int8_steps_of_many_tokens_take_the_dense_gemm_with_the_same_weight(monk
     reference = x.float() @ scheme.dequantized(layer).T
     for y in (dense, packed):
         assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), reference, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (960, 576), (128, 1536)])
+def test_the_cpu_int4_layout_unpacks_to_the_values_packed(shape: tuple[int, int]) -> None:
+    q = torch.randint(0, 16, shape, dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    assert torch.equal(quantization._unpack_cpu_int4pack(packed, *shape).to(torch.int32), q)
+
+
+def test_int4_steps_of_many_tokens_take_the_dense_gemm_with_the_same_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From INT4_DENSE_TOKENS tokens on, an INT4 layer unpacks its weight for a dense GEMM (faster
+    for prefill) and agrees with the packed kernel; a layer whose output width is no multiple of
+    64 (whose packed layout differs) always takes the kernel."""
+    torch.manual_seed(0)
+    scheme = Int4WeightOnly(32)
+    wide, narrow = nn.Module(), nn.Module()
+    scheme.quantize(wide, torch.randn(128, 64) * 0.05)
+    scheme.quantize(narrow, torch.randn(96, 64) * 0.05)
+    x = torch.randn(quantization.INT4_DENSE_TOKENS + 16, 64).to(torch.bfloat16)
+    calls: list[int] = []
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+    def counted(a: torch.Tensor, *rest: object) -> torch.Tensor:
+        calls.append(a.shape[0])
+        return kernel(a, *rest)
+
+    monkeypatch.setattr(quantization.torch.ops.aten, "_weight_int4pack_mm_for_cpu", counted)
+    dense = scheme.matmul(wide, x)
+    assert calls == []
+    half = quantization.INT4_DENSE_TOKENS // 2
+    packed = torch.cat([scheme.matmul(wide, x[i:i + half]) for i in range(0, x.shape[0], half)])
+    assert calls == [half, half, 16]
+    reference = x.float() @ scheme.dequantized(wide).T
+    for y in (dense, packed):
+        assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), reference, rtol=0.02, atol=0.02)
+    calls.clear()
+    scheme.matmul(narrow, x)
+    assert calls == [x.shape[0]]

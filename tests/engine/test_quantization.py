@@ -98,24 +98,37 @@ def test_a_quantized_layer_holds_no_full_precision_weight_until_it_loads():
     assert Linear(576, 1536).weight.shape == (1536, 576)  # unquantized layers as before
 
 
-def test_int8_steps_of_many_tokens_take_the_dense_gemm_with_the_same_weight(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The packed INT8 kernel serves decode-sized steps; from INT8_DENSE_TOKENS tokens on the same
-    int8 weight and scales are multiplied densely (faster for prefill), to within bf16 rounding."""
-    torch.manual_seed(0)
-    layer, scheme = nn.Module(), Int8WeightOnly()
-    scheme.quantize(layer, torch.randn(96, 64) * 0.05)
-    x = torch.randn(quantization.INT8_DENSE_TOKENS + 16, 64).to(torch.bfloat16)
+def _counting(monkeypatch: pytest.MonkeyPatch, kernel_name: str) -> list[int]:
+    """The token count of each call of the packed kernel `kernel_name` from here on."""
     calls: list[int] = []
-    kernel = torch.ops.aten._weight_int8pack_mm
+    kernel = getattr(torch.ops.aten, kernel_name)
 
-    def counted(a: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+    def counted(a: torch.Tensor, *rest: object) -> torch.Tensor:
         calls.append(a.shape[0])
         return kernel(a, *rest)
 
-    monkeypatch.setattr(quantization.torch.ops.aten, "_weight_int8pack_mm", counted)
+    monkeypatch.setattr(quantization.torch.ops.aten, kernel_name, counted)
+    return calls
+
+
+@pytest.mark.parametrize(("scheme", "kernel_name", "threshold"), [
+    (Int8WeightOnly(), "_weight_int8pack_mm", "INT8_DENSE_TOKENS"),
+    (Int4WeightOnly(32), "_weight_int4pack_mm_for_cpu", "INT4_DENSE_TOKENS"),
+], ids=["int8", "int4"])
+def test_steps_of_many_tokens_take_the_dense_gemm_with_the_same_weight(
+        monkeypatch: pytest.MonkeyPatch, scheme: quantization.LinearQuantization, kernel_name: str, threshold: str) -> None:
+    """The packed kernels serve decode-sized steps; from INT8_DENSE_TOKENS / INT4_DENSE_TOKENS
+    tokens on, the layer's low-bit weight is dequantized for a dense GEMM (faster for prefill; INT4
+    unpacks PyTorch's CPU layout), to within bf16 rounding of the packed kernel."""
+    torch.manual_seed(0)
+    layer = nn.Module()
+    scheme.quantize(layer, torch.randn(128, 64) * 0.05)
+    dense_tokens = getattr(quantization, threshold)
+    x = torch.randn(dense_tokens + 16, 64).to(torch.bfloat16)
+    calls = _counting(monkeypatch, kernel_name)
     dense = scheme.matmul(layer, x)
     assert calls == []
-    half = quantization.INT8_DENSE_TOKENS // 2
+    half = dense_tokens // 2
     packed = torch.cat([scheme.matmul(layer, x[i:i + half]) for i in range(0, x.shape[0], half)])
     assert calls == [half, half, 16]
     reference = x.float() @ scheme.dequantized(layer).T
@@ -123,39 +136,20 @@ def test_int8_steps_of_many_tokens_take_the_dense_gemm_with_the_same_weight(monk
         assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), reference, rtol=0.02, atol=0.02)
 
 
+def test_an_int4_layer_of_a_width_not_a_multiple_of_64_always_takes_the_packed_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its last block of rows is laid out otherwise, which the unpacking does not read."""
+    torch.manual_seed(0)
+    scheme, layer = Int4WeightOnly(32), nn.Module()
+    scheme.quantize(layer, torch.randn(96, 64) * 0.05)
+    x = torch.randn(quantization.INT4_DENSE_TOKENS + 16, 64).to(torch.bfloat16)
+    calls = _counting(monkeypatch, "_weight_int4pack_mm_for_cpu")
+    y = scheme.matmul(layer, x)
+    assert calls == [x.shape[0]]
+    assert torch.allclose(y.float(), x.float() @ scheme.dequantized(layer).T, rtol=0.02, atol=0.02)
+
+
 @pytest.mark.parametrize("shape", [(64, 128), (960, 576), (128, 1536)])
 def test_the_cpu_int4_layout_unpacks_to_the_values_packed(shape: tuple[int, int]) -> None:
     q = torch.randint(0, 16, shape, dtype=torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
     assert torch.equal(quantization._unpack_cpu_int4pack(packed, *shape).to(torch.int32), q)
-
-
-def test_int4_steps_of_many_tokens_take_the_dense_gemm_with_the_same_weight(monkeypatch: pytest.MonkeyPatch) -> None:
-    """From INT4_DENSE_TOKENS tokens on, an INT4 layer unpacks its weight for a dense GEMM (faster
-    for prefill) and agrees with the packed kernel; a layer whose output width is no multiple of
-    64 (whose packed layout differs) always takes the kernel."""
-    torch.manual_seed(0)
-    scheme = Int4WeightOnly(32)
-    wide, narrow = nn.Module(), nn.Module()
-    scheme.quantize(wide, torch.randn(128, 64) * 0.05)
-    scheme.quantize(narrow, torch.randn(96, 64) * 0.05)
-    x = torch.randn(quantization.INT4_DENSE_TOKENS + 16, 64).to(torch.bfloat16)
-    calls: list[int] = []
-    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
-
-    def counted(a: torch.Tensor, *rest: object) -> torch.Tensor:
-        calls.append(a.shape[0])
-        return kernel(a, *rest)
-
-    monkeypatch.setattr(quantization.torch.ops.aten, "_weight_int4pack_mm_for_cpu", counted)
-    dense = scheme.matmul(wide, x)
-    assert calls == []
-    half = quantization.INT4_DENSE_TOKENS // 2
-    packed = torch.cat([scheme.matmul(wide, x[i:i + half]) for i in range(0, x.shape[0], half)])
-    assert calls == [half, half, 16]
-    reference = x.float() @ scheme.dequantized(wide).T
-    for y in (dense, packed):
-        assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), reference, rtol=0.02, atol=0.02)
-    calls.clear()
-    scheme.matmul(narrow, x)
-    assert calls == [x.shape[0]]

@@ -570,12 +570,16 @@ class ReadCounting(FakeCluster):
         return super().get(api_version, kind, namespace, name)
 
 
-def test_events_for_a_service_whose_reconcile_is_already_waiting_are_collapsed() -> None:
+def _reconciled_chat() -> tuple[ReadCounting, kopf.Memo, logging.Logger]:
+    """A cluster where InferenceService ml/chat has been reconciled once, and a handler's memo."""
     cluster = ReadCounting()
     cluster.put(body(SPEC))
     assert refresh(cluster, "ml", "chat", NOW)
-    memo = kopf.Memo(cluster=cluster, engine_image=render.DEFAULT_ENGINE_IMAGE)
-    logger = logging.getLogger("test")
+    return cluster, kopf.Memo(cluster=cluster, engine_image=render.DEFAULT_ENGINE_IMAGE), logging.getLogger("test")
+
+
+def test_events_for_a_service_whose_reconcile_is_already_waiting_are_collapsed() -> None:
+    cluster, memo, logger = _reconciled_chat()
     deployment = cluster.objects[("Deployment", "ml", "chat")]
     held = handlers._lock("ml", "chat")  # a reconcile of chat is running
     held.acquire()
@@ -603,11 +607,7 @@ def test_events_for_a_service_whose_reconcile_is_already_waiting_are_collapsed()
 
 
 def test_service_and_pdb_events_reconcile_only_when_they_differ_from_the_rendering() -> None:
-    cluster = ReadCounting()
-    cluster.put(body(SPEC))
-    assert refresh(cluster, "ml", "chat", NOW)
-    memo = kopf.Memo(cluster=cluster, engine_image=render.DEFAULT_ENGINE_IMAGE)
-    logger = logging.getLogger("test")
+    cluster, memo, logger = _reconciled_chat()
     reads = cluster.owner_reads
     for kind in ("Service", "PodDisruptionBudget"):
         # Our own create's event, or another controller's defaults (a cluster IP): nothing to do.
@@ -630,11 +630,7 @@ def test_service_and_pdb_events_reconcile_only_when_they_differ_from_the_renderi
 
 def test_an_event_reconciles_from_the_index_when_it_holds_the_version_the_last_reconcile_left() -> None:
     handlers._known_versions.clear()
-    cluster = ReadCounting()
-    cluster.put(body(SPEC))
-    assert refresh(cluster, "ml", "chat", NOW)
-    memo = kopf.Memo(cluster=cluster, engine_image=render.DEFAULT_ENGINE_IMAGE)
-    logger = logging.getLogger("test")
+    cluster, memo, logger = _reconciled_chat()
 
     def index() -> dict[tuple[str, str], list[dict[str, Any]]]:
         """kopf's autoscaled_services index, caught up with the cluster."""

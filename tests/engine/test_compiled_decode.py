@@ -61,3 +61,9 @@ def test_serve_takes_the_flag_and_leaves_it_off_by_default() -> None:
 
     assert engine_config_from_args(build_parser().parse_args(["serve"])).compile_decode is False
     assert engine_config_from_args(build_parser().parse_args(["serve", "--compile-decode"])).compile_decode is True
+
+
+def test_a_pool_too_small_to_trace_the_decode_step_is_refused_with_its_size() -> None:
+    tokens_per_block, bytes_per_token = 16, 2 * 30 * 3 * 64 * 4  # SmolLM2-135M in fp32
+    with pytest.raises(ValueError, match="more than 40 tokens, this one holds 32"):
+        LLM(dtype="float32", compile_decode=True, block_size=tokens_per_block, kv_cache_memory_bytes=32 * bytes_per_token)

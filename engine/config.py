@@ -39,10 +39,14 @@ class EngineCapabilities(BaseModel):
     quantization: tuple[str, ...]
     speculative: tuple[str, ...]
     dtypes: tuple[str, ...]
+    # Whether quantized layers multiply with low-bit kernels on GPUs; without them each matmul
+    # dequantizes the weight to 16 bits first (CPUs have packed kernels either way).
+    low_bit_gpu_matmuls: bool = False
 
 
 # Everything this build runs; the operator can deliver each to a pod (a draft model's weights come
-# from serving.draftModel, a model source like the target's).
+# from serving.draftModel, a model source like the target's). No low-bit CUDA kernel yet: on GPUs
+# quantization saves memory, and the planner does not count on it for decode speed.
 CAPABILITIES = EngineCapabilities(quantization=QUANTIZATION_SCHEMES, speculative=SPECULATIVE_MODES, dtypes=DTYPES)
 
 

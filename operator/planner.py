@@ -104,7 +104,7 @@ class _Replica(NamedTuple):
 
     arch: Architecture
     gpu: GPU
-    weights: int  # the target's
+    decode_weight_bytes: int  # the target's weight bytes one decode step moves (sizing.decode_weight_bytes)
     kv_per_token: int  # the target's
     ops: float  # FLOP/s or OP/s of the GEMMs at this quantization
     max_num_seqs: int
@@ -228,7 +228,7 @@ def _batched_tokens(spec: InferenceServiceSpec, arch: Architecture, ops: float) 
 
 def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int,
           speculative: str) -> _Perf:
-    arch, gpu, weights, kv_per_token, ops, max_num_seqs, draft = replica
+    arch, gpu, weights, kv_per_token, ops, max_num_seqs, draft = replica  # weights: as decode reads them
     draft = draft if speculative == "draft" else None
     load = spec.load
     rate = load.requests_per_second / replicas if replicas else 0.0
@@ -310,7 +310,7 @@ def _replicas(spec: InferenceServiceSpec, replica: _Replica,
 
 
 def _memory(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str,
-            context: int, draft: _Draft | None) -> _Memory | Plan:
+            context: int, draft: _Draft | None, low_bit_gpu_matmuls: bool) -> _Memory | Plan:
     """How the GPU's memory divides for one (GPU, quantization) pair, with a draft model or none:
     a failed Plan when the weights or one full sequence do not fit."""
     serving = spec.serving
@@ -365,16 +365,18 @@ def _memory(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantizati
                  + (f" - draft model weights {_gib(draft_weights)} GiB" if draft else "")
                  + f" - reserve {_gib(reserve)} GiB"
                  + (f"; capped at {MAX_NUM_SEQS_CAP}" if fitting_mean > MAX_NUM_SEQS_CAP else ""))
-    replica = _Replica(arch, gpu, target_weights, target_kv, ops, max_num_seqs, draft)
+    replica = _Replica(arch, gpu, sizing.decode_weight_bytes(arch, quantization, low_bit_gpu_matmuls), target_kv, ops,
+                       max_num_seqs, draft)
     return _Memory(replica, pool, kv_per_token, budget, batching_reason, mean_context, kv_reason, numbers)
 
 
 def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str,
-          context: int, speculative_modes: Sequence[str], draft: _Draft | None) -> Plan:
+          context: int, capabilities: EngineCapabilities, draft: _Draft | None) -> Plan:
     """The plan for one (GPU, quantization) pair."""
     serving = spec.serving
     pinned_draft = serving.speculative == "draft"
-    memory = _memory(spec, arch, gpu, quantization, context, draft if pinned_draft else None)
+    memory = _memory(spec, arch, gpu, quantization, context, draft if pinned_draft else None,
+                     capabilities.low_bit_gpu_matmuls)
     if isinstance(memory, Plan):
         return memory
 
@@ -385,12 +387,12 @@ def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization
     def choose(draft_model: str | None) -> tuple[str, str]:
         return choose_speculative(serving.speculative, batch=perf.batch, tpot_bound=tpot_bound,
                                   temperature=spec.load.temperature, draft_model=draft_model,
-                                  supported=speculative_modes)
+                                  supported=capabilities.speculative)
 
     speculative, speculative_reason = choose(draft.source if draft else None)
     if speculative == "draft" and not pinned_draft:
         # Chosen for the target alone: the draft's weights and KV must fit beside it too.
-        with_draft = _memory(spec, arch, gpu, quantization, context, draft)
+        with_draft = _memory(spec, arch, gpu, quantization, context, draft, capabilities.low_bit_gpu_matmuls)
         if isinstance(with_draft, Plan):
             speculative, speculative_reason = choose(None)
             speculative_reason += f" (the draft model does not fit: {with_draft.reason})"
@@ -508,7 +510,7 @@ def plan(spec: InferenceServiceSpec, available_gpus: Iterable[str] = (),
             return _failed(spec, "UnsupportedByEngine",
                            "this engine runs no quantization scheme the planner can size "
                            f"(supported: {_listed(capabilities.quantization)})")
-    options = [_size(spec, arch, gpu, scheme, context, capabilities.speculative, draft)
+    options = [_size(spec, arch, gpu, scheme, context, capabilities, draft)
                for gpu in gpus for scheme in schemes]
     chosen = (next((o for o in options if o.fits and o.meets_slo), None)
               or next((o for o in options if o.fits), None))

@@ -48,15 +48,33 @@ PREFILL_COMPUTE_EFFICIENCY = 0.5
 DECODE_BANDWIDTH_EFFICIENCY = 0.8
 
 
+def _embedding_norms_body(arch: Architecture) -> tuple[int, int, int]:
+    """Parameters of the embedding, of the norms, and of the decoder layers' linear weights."""
+    embedding = arch.vocab_size * arch.hidden_size
+    norms = (2 * arch.layers + 1) * arch.hidden_size  # two per decoder layer and the final one
+    return embedding, norms, arch.parameters - embedding - norms - (0 if arch.tie_word_embeddings else embedding)
+
+
 def weight_bytes(arch: Architecture, quantization: str) -> int:
     """Bytes of the weights the engine holds for `arch` at `quantization` (see BYTES_PER_VALUE)."""
     if quantization == "none":
         return arch.parameters * BYTES_PER_VALUE
-    embedding = arch.vocab_size * arch.hidden_size
-    norms = (2 * arch.layers + 1) * arch.hidden_size  # two per decoder layer and the final one
-    body = arch.parameters - embedding - norms - (0 if arch.tie_word_embeddings else embedding)
+    embedding, norms, body = _embedding_norms_body(arch)
     head = embedding * INT8_BYTES_PER_WEIGHT + arch.vocab_size * BYTES_PER_VALUE  # + a scale per row
     return int((embedding + norms) * BYTES_PER_VALUE + head + body * BODY_BYTES_PER_WEIGHT[quantization])
+
+
+def decode_weight_bytes(arch: Architecture, quantization: str, low_bit_gpu_matmuls: bool) -> int:
+    """Bytes of weights one decode step moves on a GPU. An engine without low-bit GPU matmuls
+    (this build: `CAPABILITIES.low_bit_gpu_matmuls`) dequantizes each quantized layer's weight to a
+    16-bit copy for its matmul, written and read back beside the stored weight, so there
+    quantization buys memory, not decode speed."""
+    stored = weight_bytes(arch, quantization)
+    if quantization == "none" or low_bit_gpu_matmuls:
+        return stored
+    embedding, _, body = _embedding_norms_body(arch)
+    # The LM head is quantized too (INT8), and dequantized the same way.
+    return stored + 2 * BYTES_PER_VALUE * (body + embedding)
 
 
 def kv_bytes_per_token(arch: Architecture, bytes_per_value: int = KV_BYTES_PER_VALUE) -> int:

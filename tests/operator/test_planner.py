@@ -290,3 +290,16 @@ def test_a_checkpoint_stored_quantized_is_planned_as_stored(fuller: EngineCapabi
         {"model": stored, "accelerator": {"type": "L4"}, "serving": {"quantization": "int8"}}), capabilities=fuller)
     assert not mismatch.fits and mismatch.failure == "QuantizationMismatch"
     assert "quantized as int4 (model.quantization)" in mismatch.reason and "int8" in mismatch.reason
+
+
+def test_without_low_bit_gpu_kernels_quantization_is_not_counted_on_for_decode_speed() -> None:
+    """This engine build dequantizes each low-bit weight to 16 bits for its matmul on GPUs: a
+    decode step moves the stored weight and that copy, so a tight TPOT SLO stays unquantized (the
+    schemes would only be slower) and a pinned INT4 is predicted slower than FP16, not faster."""
+    assert not CAPABILITIES.low_bit_gpu_matmuls
+    tight = plan(spec(slo={"tpotP95Ms": 20}, serving={"speculative": "off"}, load={"requestsPerSecond": 0.1}))
+    assert tight.quantization == "none" and not tight.meets_slo
+    fp16, int4 = (plan(spec(serving={"speculative": "off", "quantization": q}, load={"requestsPerSecond": 0.1}))
+                  for q in ("none", "int4"))
+    assert int4.weight_bytes < fp16.weight_bytes / 3  # the memory saving holds
+    assert int4.predicted_tpot_ms > fp16.predicted_tpot_ms

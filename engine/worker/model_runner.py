@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -127,6 +129,9 @@ class ModelRunner:
         if self.num_blocks * self.block_size <= WARM_UP_POSITION:
             raise ValueError(f"compile_decode needs a KV pool of more than {WARM_UP_POSITION} tokens, "
                              f"this one holds {self.num_blocks * self.block_size}")
+        if self.device.type == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "clang++")):
+            raise ValueError("compile_decode needs a C++ compiler for torch.compile's CPU kernels: g++ or clang++ "
+                             "on PATH (or $CXX); install one or leave compile_decode off")
         log.info("event=decode_compile_started")
         started = time.monotonic()
         forward = torch.compile(self.model.forward, dynamic=True)

@@ -67,3 +67,10 @@ def test_a_pool_too_small_to_trace_the_decode_step_is_refused_with_its_size() ->
     tokens_per_block, bytes_per_token = 16, 2 * 30 * 3 * 64 * 4  # SmolLM2-135M in fp32
     with pytest.raises(ValueError, match="more than 40 tokens, this one holds 32"):
         LLM(dtype="float32", compile_decode=True, block_size=tokens_per_block, kv_cache_memory_bytes=32 * bytes_per_token)
+
+
+def test_without_a_cpp_compiler_it_is_refused_with_what_to_do(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ValueError, match="needs a C\\+\\+ compiler"):
+        LLM(dtype="float32", compile_decode=True, kv_cache_memory_bytes=16 << 20)

@@ -2,10 +2,11 @@
 
 The KV cache of one layer is a [num_slots, kv_heads, head_dim] tensor for K and one for V (each
 an allocation of its own: allocate_kv_caches), where slot = block_id * block_size + offset. A
-step's tokens are laid out decodes first, then prefill chunks. Decodes (one query token each, or the last token and its drafts when speculating) are
-attended in small padded batches of the same query count and similar context length: one batch
-padded to the longest context would gather and attend up to twice the keys. Prefill chunks are
-attended one sequence at a time, with a causal mask shifted by the tokens already cached.
+step's tokens are laid out decodes first, then prefill chunks. Decodes (one query token each, or
+the last token and its drafts when speculating) are attended in small padded batches of the same
+query count and similar context length: one batch padded to the longest context would gather and
+attend up to twice the keys. Prefill chunks are attended one sequence at a time, with a causal
+mask shifted by the tokens already cached.
 """
 
 from __future__ import annotations

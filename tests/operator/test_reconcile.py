@@ -612,7 +612,7 @@ def test_service_and_pdb_events_reconcile_only_when_they_differ_from_the_renderi
     for kind in ("Service", "PodDisruptionBudget"):
         # Our own create's event, or another controller's defaults (a cluster IP): nothing to do.
         child = copy.deepcopy(cluster.objects[(kind, "ml", "chat")])
-        child["spec"]["clusterIP"] = "10.0.0.7"
+        child["spec"]["clusterIP"] = "127.0.0.7"
         child_handler(body=child, memo=memo, logger=logger, type="ADDED")
         child_handler(body=child, memo=memo, logger=logger, type="MODIFIED")
     assert cluster.owner_reads == reads

@@ -12,6 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvpilot.engine.cli import COMMANDS
+
 # The checkout that holds bench/ (engine/ is kvpilot.engine in an editable install).
 CHECKOUT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    bench = sub.add_parser("bench", help="benchmarks of a source checkout's bench/ (serve: kvpilot, llama.cpp, HF side by side)")
+    bench = sub.add_parser("bench", help=COMMANDS["bench"][1])
     kinds = bench.add_subparsers(dest="benchmark", required=True)
     serve = kinds.add_parser("serve", help="streamed completions against kvpilot serve, llama.cpp's llama-server and an "
                                            "HF baseline, alternating in one run (bench/serve.py)")

@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpilot.engine.model.attention import AttentionMetadata, KVCache, PrefillChunk, allocate_kv_caches
+from kvpilot.engine.model.attention import AttentionMetadata, KVCache, allocate_kv_caches
 from kvpilot.engine.model.layers import FusedLinear, Linear
-from kvpilot.engine.model.llama import DecoderLayer, LlamaForCausalLM
+from kvpilot.engine.model.llama import DecoderLayer, LlamaForCausalLM, kv_shape
+from kvpilot.engine.worker.step_inputs import StepInputs
 
 FakeQuantize = Callable[[torch.Tensor], torch.Tensor]  # [out, in] weight -> its quantized-then-dequantized values
 
@@ -80,13 +81,8 @@ class _Group:
     clip_rows: slice  # the rows of `linear` the clipping search may clamp
 
 
-def _rows(layer: FusedLinear, shard: str) -> slice:
-    start = layer.shard_offsets[shard]
-    return slice(start, start + layer.shard_sizes[shard])
-
-
 def _row_tensors(layer: FusedLinear, shard: str) -> tuple[torch.Tensor, ...]:
-    rows = _rows(layer, shard)
+    rows = layer.rows(shard)
     return (layer.weight.data[rows],) + (() if layer.bias is None else (layer.bias.data[rows],))
 
 
@@ -99,7 +95,7 @@ def _groups(layer: DecoderLayer) -> list[_Group]:
     dims = torch.arange(attn.head_dim).repeat(attn.num_heads)
     o_source = heads // (attn.num_heads // attn.num_kv_heads) * attn.head_dim + dims
     return [
-        _Group("self_attn.qkv_proj", attn.qkv_proj, (layer.input_layernorm.weight.data,), hidden, _rows(attn.qkv_proj, "v")),
+        _Group("self_attn.qkv_proj", attn.qkv_proj, (layer.input_layernorm.weight.data,), hidden, attn.qkv_proj.rows("v")),
         _Group("self_attn.o_proj", attn.o_proj, _row_tensors(attn.qkv_proj, "v"), o_source, slice(None)),
         _Group("mlp.gate_up_proj", mlp.gate_up_proj, (layer.post_attention_layernorm.weight.data,), hidden, slice(None)),
         _Group("mlp.down_proj", mlp.down_proj, _row_tensors(mlp.gate_up_proj, "up"), torch.arange(mlp.down_proj.in_features),
@@ -167,9 +163,9 @@ def _search_clip(weight: torch.Tensor, gram: torch.Tensor, group_size: int, fake
     return best.reshape(out_features, in_features)
 
 
-def _calibrate_layer(layer: DecoderLayer, inputs: dict[str, torch.Tensor], fake_quantize: FakeQuantize, group_size: int,
+def _calibrate_layer(groups: list[_Group], inputs: dict[str, torch.Tensor], fake_quantize: FakeQuantize, group_size: int,
                      clip: bool, report: AwqReport, prefix: str) -> None:
-    for group in _groups(layer):
+    for group in groups:
         x = inputs.pop(group.name)
         gram = x.T @ x
         scales, alpha, rtn_error, error = _search_scale(group, x, gram, fake_quantize)
@@ -203,12 +199,13 @@ def apply_awq(model: LlamaForCausalLM, prompts: list[list[int]], fake_quantize: 
     captured: dict[str, torch.Tensor] = {}
     hooks = []
     for index, layer in enumerate(model.model.layers):
-        for group in _groups(layer):
+        groups = _groups(layer)
+        for group in groups:
             hooks.append(group.linear.register_forward_pre_hook(
                 lambda _module, args, name=group.name: captured.__setitem__(name, args[0].float())))
         hooks.append(layer.register_forward_hook(
-            lambda module, _args, _output, prefix=f"model.layers.{index}": _calibrate_layer(
-                module, captured, fake_quantize, group_size, clip, report, prefix)))
+            lambda _module, _args, _output, groups=groups, prefix=f"model.layers.{index}": _calibrate_layer(
+                groups, captured, fake_quantize, group_size, clip, report, prefix)))
     try:
         model(*prefill_batch(model, prompts))
     finally:
@@ -218,20 +215,15 @@ def apply_awq(model: LlamaForCausalLM, prompts: list[list[int]], fake_quantize: 
 
 
 def prefill_batch(model: LlamaForCausalLM, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata]:
-    """One flattened batch of whole prompts (each its own prefill) over a cache just large enough."""
-    device = model.model.embed_tokens.weight.device
-    total = sum(len(p) for p in prompts)
-    chunks, start = [], 0
+    """One flattened batch of whole prompts (each its own prefill) over a cache just large enough:
+    one-slot blocks, each prompt in the slots after the previous one's."""
+    weight = model.model.embed_tokens.weight
+    inputs, start = StepInputs(1, weight.device), 0
     for prompt in prompts:
-        chunks.append(PrefillChunk(start, len(prompt), 0, torch.arange(start, start + len(prompt), device=device)))
+        inputs.add(prompt, 0, list(range(start, start + len(prompt))), decode=False)
         start += len(prompt)
-    attn = model.model.layers[0].self_attn
-    config = model.config
-    kv_caches = allocate_kv_caches(config.num_hidden_layers, total, attn.num_kv_heads, attn.head_dim,
-                                   model.model.embed_tokens.weight.dtype, device)
-    ids = torch.tensor([t for p in prompts for t in p], device=device)
-    positions = torch.cat([torch.arange(len(p), device=device) for p in prompts])
-    return ids, positions, kv_caches, AttentionMetadata(torch.arange(total, device=device), [], chunks)
+    ids, positions, meta = inputs.build()
+    return ids, positions, allocate_kv_caches(len(model.model.layers), start, *kv_shape(model), weight.dtype, weight.device), meta
 
 
 def checkpoint_tensors(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
@@ -244,7 +236,7 @@ def checkpoint_tensors(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
             if isinstance(module, FusedLinear):
                 parent, _, fused = module_name.rpartition(".")
                 for shard in module.shard_sizes:
-                    out[f"{parent}.{part_of[fused, shard]}.{param_name}"] = param.data[_rows(module, shard)]
+                    out[f"{parent}.{part_of[fused, shard]}.{param_name}"] = param.data[module.rows(shard)]
             else:
                 out[f"{module_name}.{param_name}"] = param.data
     return out

@@ -89,9 +89,13 @@ class FusedLinear(Linear):
             param.weight_loader = self.shard_loader  # type: ignore[attr-defined]
             param.shards = tuple(shards)  # type: ignore[attr-defined]
 
-    def shard_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+    def rows(self, shard: str) -> slice:
+        """The rows of the fused weight (and bias) that hold `shard`."""
         start = self.shard_offsets[shard]
-        default_weight_loader(materialize(param).data[start : start + self.shard_sizes[shard]], loaded)
+        return slice(start, start + self.shard_sizes[shard])
+
+    def shard_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+        default_weight_loader(materialize(param).data[self.rows(shard)], loaded)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(list(self.shard_sizes.values()), dim=-1)

@@ -85,6 +85,12 @@ class LlamaBackbone(nn.Module):
         self.rotary_emb = LlamaRotaryEmbedding(config)
 
 
+def kv_shape(model: LlamaForCausalLM) -> tuple[int, int]:
+    """KV heads and head size of one layer's cache."""
+    attn = model.model.layers[0].self_attn
+    return attn.num_kv_heads, attn.head_dim
+
+
 class LlamaForCausalLM(nn.Module):
     # Checkpoint module -> (our fused module, its shard): the loader routes these tensors.
     packed_modules = {

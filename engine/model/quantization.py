@@ -92,12 +92,17 @@ class Int8WeightOnly(LinearQuantization):
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.shape[0] < INT8_DENSE_TOKENS:
-            return _in_dtype(torch.ops.aten._weight_int8pack_mm(_bf16(x), layer.qweight, layer.scales), x.dtype)
-        # The same weight, w = q x scale, multiplied densely (on CPU: a prefill-sized step).
-        return nn.functional.linear(x, layer.qweight.to(x.dtype) * layer.scales.to(x.dtype)[:, None])
+            return _in_dtype(torch.ops.aten._weight_int8pack_mm(_in_dtype(x, torch.bfloat16), layer.qweight, layer.scales), x.dtype)
+        # The same weight multiplied densely (on CPU: a prefill-sized step).
+        return nn.functional.linear(x, self._weight(layer, x.dtype))
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
-        return layer.qweight.float() * layer.scales.float()[:, None]
+        return self._weight(layer, torch.float32)
+
+    @staticmethod
+    def _weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """w = q x scale, [out, in], computed in `dtype`."""
+        return layer.qweight.to(dtype) * layer.scales.to(dtype)[:, None]
 
 
 class Int4WeightOnly(LinearQuantization):
@@ -147,13 +152,11 @@ class Int4WeightOnly(LinearQuantization):
         layer.int4_shape = (out_features, in_features)
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":
-            return nn.functional.linear(x, self._weight(layer, x.dtype))
-        if x.shape[0] >= INT4_DENSE_TOKENS and layer.int4_shape[0] % _CPU_PACK_ROWS == 0:
+        if x.device.type != "cpu" or (x.shape[0] >= INT4_DENSE_TOKENS and layer.int4_shape[0] % _CPU_PACK_ROWS == 0):
             # Dequantized in x's dtype for this matmul only: the layer keeps only its int4 form.
             return nn.functional.linear(x, self._weight(layer, x.dtype))
         return _in_dtype(torch.ops.aten._weight_int4pack_mm_for_cpu(
-            _bf16(x), layer.qweight, self.group_size, layer.scales_and_zeros), x.dtype)
+            _in_dtype(x, torch.bfloat16), layer.qweight, self.group_size, layer.scales_and_zeros), x.dtype)
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
         out_features, in_features = layer.int4_shape
@@ -175,12 +178,8 @@ class Int4WeightOnly(LinearQuantization):
         return ((q - _INT4_MID) * scale.T[..., None] + zero.T[..., None]).view(out_features, in_features)
 
 
-def _bf16(x: torch.Tensor) -> torch.Tensor:
-    # A no-op .to() still costs a dispatch, ~1 us; a decode step makes hundreds of these calls.
-    return x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-
-
 def _in_dtype(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # A no-op .to() still costs a dispatch, ~1 us; a decode step makes hundreds of these calls.
     return y if y.dtype == dtype else y.to(dtype)
 
 

@@ -15,13 +15,13 @@ from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from kvpilot.engine.model.attention import AttentionMetadata, PrefillChunk, allocate_kv_caches
-from kvpilot.engine.model.llama import LlamaForCausalLM
+from kvpilot.engine.model.llama import LlamaForCausalLM, kv_shape
 from kvpilot.engine.model.loader import load_config, load_model, resolve_model
 from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from kvpilot.engine.worker.cpu import cpu_threads
 from kvpilot.engine.worker.sampler import RowPenalty, Sampler, SamplingMetadata, token_logprobs
 from kvpilot.engine.worker.spec_decode import DraftInput, Proposer
-from kvpilot.engine.worker.spec_decode.draft_proposer import DraftProposer, kv_shape
+from kvpilot.engine.worker.spec_decode.draft_proposer import DraftProposer
 from kvpilot.engine.worker.spec_decode.ngram_proposer import NgramProposer
 from kvpilot.engine.worker.step_inputs import StepInputs
 
@@ -59,9 +59,8 @@ class ModelRunner:
         self.hf_config = load_config(model_path)
         self.model = load_model(model_path, self.hf_config, self.dtype, self.device, config.quantization,
                                 config.quantization_group_size)
-        attn = self.model.model.layers[0].self_attn
         self.num_layers = self.hf_config.num_hidden_layers
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.num_kv_heads, self.head_dim = kv_shape(self.model)
         self.draft_model, self.draft_layers = self._load_draft()
         # What the weights take in memory as served (quantized layers in their low-bit form).
         models = {id(m): m for m in (self.model, self.draft_model) if m is not None}.values()

@@ -59,14 +59,17 @@ class StepInputs:
         while i < len(decodes):
             start, queries, _ = decodes[i]
             run = [c for _, q, c in decodes[i : i + DECODE_GROUP_SIZE] if q == queries]
-            lengths = torch.tensor([len(c) for c in run])
+            lengths = [len(c) for c in run]
             slots = torch.nn.utils.rnn.pad_sequence(run, batch_first=True)
-            # Query j of a sequence (at position length - queries + j) sees keys up to its own position.
-            last_key = lengths.unsqueeze(1) - queries + torch.arange(queries).unsqueeze(0)  # [sequences, queries]
-            mask = torch.arange(slots.shape[1]).view(1, 1, -1) <= last_key.unsqueeze(2)
-            # Every query sees every key (one sequence, or equal lengths, one query each): SDPA
-            # without a mask is the faster kernel call, in every layer.
-            groups.append(DecodeGroup(start=start, slots=slots.to(self.device), num_queries=queries,
-                                      mask=None if bool(mask.all()) else mask.unsqueeze(1).to(self.device)))
+            # Every query sees every key exactly when each sequence has one query and all have one
+            # length (a second query does not see the key after it): then SDPA without a mask, the
+            # faster kernel call, in every layer.
+            mask = None
+            if queries > 1 or min(lengths) != max(lengths):
+                # Query j of a sequence (at position length - queries + j) sees keys up to its own position.
+                last_key = torch.tensor(lengths).unsqueeze(1) - queries + torch.arange(queries).unsqueeze(0)
+                visible = torch.arange(slots.shape[1]).view(1, 1, -1) <= last_key.unsqueeze(2)  # [sequences, queries, keys]
+                mask = visible.unsqueeze(1).to(self.device)
+            groups.append(DecodeGroup(start=start, slots=slots.to(self.device), num_queries=queries, mask=mask))
             i += len(run)
         return groups

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from kvpilot.engine.model.attention import allocate_kv_caches
-from kvpilot.engine.model.llama import LlamaForCausalLM
+from kvpilot.engine.model.llama import LlamaForCausalLM, kv_shape
 from kvpilot.engine.worker.spec_decode import DraftInput
 from kvpilot.engine.worker.step_inputs import StepInputs
 
@@ -70,9 +70,3 @@ class DraftProposer:
         input_ids, positions, meta = inputs.build()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return self.model.logits(hidden[torch.tensor(rows, device=self.device)]).argmax(dim=-1).tolist()
-
-
-def kv_shape(model: LlamaForCausalLM) -> tuple[int, int]:
-    """KV heads and head size of one layer's cache."""
-    attn = model.model.layers[0].self_attn
-    return attn.num_kv_heads, attn.head_dim

@@ -142,9 +142,9 @@ def test_load_over_the_slo_adds_engines_and_its_end_removes_them(
             timeline.dump(tmp_path / "timeline.json")
             if os.environ.get(TIMELINE_ENV):
                 timeline.dump(Path(os.environ[TIMELINE_ENV]))
-    messages = {e["reason"]: [] for e in events(k8s, namespace, name)}
+    messages: dict[str, list[str]] = {}
     for e in events(k8s, namespace, name):
-        messages[e["reason"]].append(e["message"])
+        messages.setdefault(e["reason"], []).append(e["message"])
     ups, downs = messages.get("ScaledUp", []), messages.get("ScaledDown", [])
     assert [m for m in ups if "2 -> 3" in m] and [m for m in ups if "3 -> 4" in m], ups
     assert all("unknown: " in m and broken in m for m in ups), ups

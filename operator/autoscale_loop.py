@@ -134,17 +134,15 @@ def status_patch(state: AutoscalerState, decision: Decision,
         "state": state.model_dump(mode="json", by_alias=True),
     }
     patch: dict[str, Any] = {STATUS_KEY: summary}
-    if (signals.ttft_p95_seconds is not None or signals.tpot_p95_seconds is not None
-            or signals.draft_acceptance is not None):
-        previous = dict(old_latency or {}) if (old_latency or {}).get("source") == "observed" else {}
-        latency = {"ttftP95Ms": previous.get("ttftP95Ms"), "tpotP95Ms": previous.get("tpotP95Ms"),
-                   "draftAcceptance": previous.get("draftAcceptance"), "source": "observed"}
-        if signals.ttft_p95_seconds is not None:
-            latency["ttftP95Ms"] = round(signals.ttft_p95_seconds * 1000, 1)
-        if signals.tpot_p95_seconds is not None:
-            latency["tpotP95Ms"] = round(signals.tpot_p95_seconds * 1000, 1)
-        if signals.draft_acceptance is not None:
-            latency["draftAcceptance"] = round(signals.draft_acceptance, 3)
+    observed = {
+        "ttftP95Ms": None if signals.ttft_p95_seconds is None else round(signals.ttft_p95_seconds * 1000, 1),
+        "tpotP95Ms": None if signals.tpot_p95_seconds is None else round(signals.tpot_p95_seconds * 1000, 1),
+        "draftAcceptance": None if signals.draft_acceptance is None else round(signals.draft_acceptance, 3),
+    }
+    fresh = {k: v for k, v in observed.items() if v is not None}
+    if fresh:
+        previous = (old_latency or {}) if (old_latency or {}).get("source") == "observed" else {}
+        latency = {**{k: previous.get(k) for k in observed}, **fresh, "source": "observed"}
         patch["latency"] = {k: v for k, v in latency.items() if v is not None}
     return patch
 
@@ -159,7 +157,7 @@ def scaling_event(body: Mapping[str, Any], reason: str, message: str, at: float,
     """A core/v1 Event on the InferenceService for a change of replicas (the autoscaler's, or the
     gateway's scale from zero)."""
     metadata = body["metadata"]
-    when = datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    when = _iso(at)
     return {
         "apiVersion": "v1", "kind": "Event",
         "metadata": {"generateName": f"{metadata['name']}.", "namespace": metadata["namespace"]},
@@ -179,6 +177,31 @@ def event_manifest(body: Mapping[str, Any], decision: Decision, instance: str) -
     """The Event for an autoscaler decision that changes replicas."""
     return scaling_event(body, "ScaledUp" if decision.action == "up" else "ScaledDown", decision.reason,
                          decision.at, instance)
+
+
+def indexed_services(services: Mapping[Any, Any]) -> list[Mapping[str, Any]]:
+    """Every InferenceService in the services index (a kopf index: key -> store of values)."""
+    return [value for store in services.values() for value in store]
+
+
+def indexed_children(deployments: Mapping[Any, Any], pods: Mapping[Any, Any],
+                     service: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
+    """The Deployments and engine pods the indexes hold under `service`'s key."""
+    key = (service["metadata"]["namespace"], service["metadata"]["name"])
+    return list(deployments.get(key, ())), list(pods.get(key, ()))
+
+
+def write_replicas(client: Any, body: Mapping[str, Any], replicas: int, event: Mapping[str, Any],
+                   resource_version: str | None = None) -> None:
+    """Set `body`'s replicas through its scale subresource (only at `resource_version`, when
+    given) and record `event` (a scaling_event) on it."""
+    metadata = body["metadata"]
+    patch: dict[str, Any] = {"spec": {"replicas": replicas}}
+    if resource_version is not None:
+        patch["metadata"] = {"resourceVersion": resource_version}
+    client.resources.get(api_version=API_VERSION, kind=KIND).scale.patch(
+        body=patch, name=metadata["name"], namespace=metadata["namespace"], content_type="application/merge-patch+json")
+    client.resources.get(api_version="v1", kind="Event").create(body=event, namespace=metadata["namespace"])
 
 
 def plan_max_num_seqs(status: Mapping[str, Any]) -> int | None:
@@ -273,9 +296,12 @@ def read_prometheus(url: str, namespace: str, pods: Sequence[str],
         series = body["data"]["result"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         return [PodRead(name=pod, error=f"Prometheus at {url}: {type(error).__name__}: {error}") for pod in sorted(pods)]
+    by_pod: dict[str, list[Any]] = {}
+    for one in series:
+        by_pod.setdefault(one["metric"].get("pod"), []).append(one)
     reads = []
     for pod in sorted(pods):
-        mine = [one for one in series if one["metric"].get("pod") == pod]
+        mine = by_pod.get(pod, [])
         if not mine:
             reads.append(PodRead(name=pod, error=f"no series for this pod in Prometheus at {url}"))
             continue
@@ -377,12 +403,8 @@ class Scaler:
             return None  # another writer (a replica of this operator, a reconcile) came first
         if policy.mode != "slo" or decision.replicas == decision.previous:
             return decision
-        resource.scale.patch(
-            body={"metadata": {"resourceVersion": written.metadata.resourceVersion},
-                  "spec": {"replicas": decision.replicas}},
-            name=name, namespace=namespace, content_type="application/merge-patch+json")
-        self._resource("v1", "Event").create(body=event_manifest(body, decision, self._instance),
-                                             namespace=namespace)
+        write_replicas(self.client, body, decision.replicas, event_manifest(body, decision, self._instance),
+                       written.metadata.resourceVersion)
         return decision
 
     def round(self, services: Sequence[Mapping[str, Any]],
@@ -408,13 +430,10 @@ class Scaler:
     def _snapshot(self) -> tuple[list[Mapping[str, Any]], dict[tuple[str, str], tuple[list[Any], list[Any]]]]:
         """The indexes as plain lists, taken on kopf's event loop (which updates them) before the
         round runs in a thread."""
-        services_index, deployments_index, pods_index = self._indexes
-        services = [value for store in services_index.values() for value in store]
-        children_of = {}
-        for body in services:
-            key = (body["metadata"]["namespace"], body["metadata"]["name"])
-            children_of[key] = (list(deployments_index.get(key, ())), list(pods_index.get(key, ())))
-        return services, children_of
+        services_index, deployments, pods = self._indexes
+        services = indexed_services(services_index)
+        return services, {(body["metadata"]["namespace"], body["metadata"]["name"]): indexed_children(deployments, pods, body)
+                          for body in services}
 
     async def run(self) -> None:
         """Rounds until cancelled; the blocking client calls run in a thread, off kopf's loop."""

@@ -210,10 +210,18 @@ def parse(text: str) -> EngineReading:
 HISTOGRAM_NAMES = (*TTFT_NAMES, *TPOT_NAMES)
 GAUGE_NAMES = (*WAITING_NAMES, *RUNNING_NAMES, *KV_USAGE_NAMES)
 COUNTER_NAMES = (*DRAFT_TOKENS_NAMES, *ACCEPTED_TOKENS_NAMES)
-# The series a Prometheus holds for what `parse` reads: a histogram's buckets and count, and its
-# `_created` gauge (prometheus_client exports it; a new value says the process restarted).
-SERIES_NAMES = (*(f"{h}_{part}" for h in HISTOGRAM_NAMES for part in ("bucket", "count", "created")), *GAUGE_NAMES,
-                *(f"{c}_total" for c in COUNTER_NAMES))
+# The series a Prometheus holds for what `parse` reads, each with its family and the TYPE the text
+# format gives it: a histogram's buckets and count, and its `_created` gauge (prometheus_client
+# exports it; a new value says the process restarted); the gauges; the counters, whose TYPE line
+# names them with their _total, as prometheus_client writes it.
+_SERIES: dict[str, tuple[str, str]] = {
+    **{name: family for h in HISTOGRAM_NAMES
+       for name, family in ((f"{h}_bucket", (h, "histogram")), (f"{h}_count", (h, "histogram")),
+                            (f"{h}_created", (f"{h}_created", "gauge")))},
+    **{g: (g, "gauge") for g in GAUGE_NAMES},
+    **{f"{c}_total": (f"{c}_total", "counter") for c in COUNTER_NAMES},
+}
+SERIES_NAMES = tuple(_SERIES)
 
 
 def exposition_of_series(series: Iterable[Mapping[str, Any]]) -> str:
@@ -224,11 +232,7 @@ def exposition_of_series(series: Iterable[Mapping[str, Any]]) -> str:
     for one in series:
         labels = dict(one["metric"])
         name = str(labels.pop("__name__"))
-        family = next((h for h in HISTOGRAM_NAMES if name in (f"{h}_bucket", f"{h}_count")), None)
-        kind = "histogram"
-        if family is None:
-            # A counter's TYPE line names it with its _total, as prometheus_client writes it.
-            family, kind = name, "counter" if name in (f"{c}_total" for c in COUNTER_NAMES) else "gauge"
+        family, kind = _SERIES.get(name, (name, "gauge"))
         rendered = ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(labels.items()))
         families.setdefault(family, (kind, []))[1].append(f"{name}{{{rendered}}} {one['value'][1]}")
     # The text format wants each family's samples together, after its TYPE line.

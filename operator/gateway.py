@@ -30,8 +30,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpilot.operator.autoscale_loop import children, current_replicas, engine_urls, scaling_event
-from kvpilot.operator.spec import API_VERSION, KIND
+from kvpilot.operator.autoscale_loop import (children, current_replicas, engine_urls, indexed_children, indexed_services,
+                                            scaling_event, write_replicas)
 
 # Knative's activator and KServe hold a request for up to their revision timeout (300 s by
 # default); a cold replica here must schedule, pull and load a model, which takes about that.
@@ -114,7 +114,7 @@ class Gateway:
             await self._session.close()
 
     def _services(self) -> list[Mapping[str, Any]]:
-        return [value for store in self._indexes[0].values() for value in store]
+        return indexed_services(self._indexes[0])
 
     def _service(self, key: tuple[str, str]) -> Mapping[str, Any] | None:
         return next(iter(self._indexes[0].get(key, ())), None)
@@ -122,8 +122,7 @@ class Gateway:
     def _children(self, service: Mapping[str, Any]) -> tuple[Mapping[str, Any] | None, list[Mapping[str, Any]]]:
         """Its own Deployment (None: none yet, or someone else's) and its engine pods."""
         _, deployments, pods = self._indexes
-        key = (service["metadata"]["namespace"], service["metadata"]["name"])
-        return children(service, list(deployments.get(key, ())), list(pods.get(key, ())))
+        return children(service, *indexed_children(deployments, pods, service))
 
     async def _healthz(self, _: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -209,12 +208,8 @@ class Gateway:
 
     def _write_scale(self, service: Mapping[str, Any]) -> None:
         metadata = service["metadata"]
-        resource = self._client.resources.get(api_version=API_VERSION, kind=KIND)
-        resource.scale.patch(body={"spec": {"replicas": 1}}, name=metadata["name"], namespace=metadata["namespace"],
-                             content_type="application/merge-patch+json")
         message = "a request arrived at 0 replicas: 0 -> 1 (the gateway holds it until a replica serves it)"
-        self._client.resources.get(api_version="v1", kind="Event").create(
-            body=scaling_event(service, "ScaledUp", message, time.time(), self._instance), namespace=metadata["namespace"])
+        write_replicas(self._client, service, 1, scaling_event(service, "ScaledUp", message, time.time(), self._instance))
         log.info(f"gateway: {metadata['namespace']}/{metadata['name']}: a request arrived at 0 replicas: 0 -> 1")
 
     async def serve(self, host: str, port: int) -> web.AppRunner:

@@ -20,8 +20,8 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, suppress
+from collections.abc import Mapping
+from contextlib import suppress
 from datetime import UTC, datetime
 from typing import Any
 
@@ -70,16 +70,10 @@ _known_versions: dict[tuple[str, str], str] = {}
 
 
 def _lock(namespace: str, name: str) -> threading.Lock:
-    with _locks_guard:
-        return _locks.setdefault((namespace, name), threading.Lock())
-
-
-@contextmanager
-def _serialized(namespace: str, name: str) -> Iterator[None]:
     """One reconcile of an InferenceService at a time: kopf runs its own handlers and the
     children's event handlers in parallel threads."""
-    with _lock(namespace, name):
-        yield
+    with _locks_guard:
+        return _locks.setdefault((namespace, name), threading.Lock())
 
 
 def _known(services: Mapping[Any, Any] | None, key: tuple[str, str]) -> dict[str, Any] | None:
@@ -186,7 +180,7 @@ async def stop_autoscaler(memo: kopf.Memo, **_: Any) -> None:
 def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
                       logger: logging.Logger, **_: Any) -> None:
     metadata = body["metadata"]
-    with _serialized(metadata["namespace"], metadata["name"]):
+    with _lock(metadata["namespace"], metadata["name"]):
         # kopf writes this status after the handler: a version no event's reconcile has seen.
         _known_versions.pop((metadata["namespace"], metadata["name"]), None)
         try:
@@ -233,7 +227,7 @@ def child_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, type
     owner = controller_of(body)
     if owner is None or (owner.get("apiVersion"), owner.get("kind")) != (API_VERSION, KIND):
         return
-    if type != "DELETED" and as_rendered(body):
+    if type != "DELETED" and as_rendered(body, owner):
         # A Service or PDB as we made it (our own create or update, or a status or defaults
         # change of another controller): the owner's status does not depend on it.
         return

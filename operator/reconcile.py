@@ -101,12 +101,12 @@ def unchanged(existing: Mapping[str, Any], manifest: Manifest) -> bool:
 _SPEC_FREE = {"Service": render.service, "PodDisruptionBudget": render.pod_disruption_budget}
 
 
-def as_rendered(child: Mapping[str, Any]) -> bool:
-    """`child` is a Service or PDB of an InferenceService whose fields of ours are as the owner
-    would render them: an event of it has nothing to reconcile (reading the owner would tell)."""
-    owner = controller_of(child)
+def as_rendered(child: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
+    """`child` is a Service or PDB of the InferenceService `owner` (its controller reference)
+    whose fields of ours are as the owner would render them: an event of it has nothing to
+    reconcile (reading the owner would tell)."""
     rendering = _SPEC_FREE.get(str(child.get("kind")))
-    if rendering is None or owner is None or (owner.get("apiVersion"), owner.get("kind")) != (API_VERSION, KIND):
+    if rendering is None:
         return False
     return unchanged(child, stamped(rendering(owner["name"], child["metadata"]["namespace"], owner["uid"])))
 
@@ -117,15 +117,15 @@ def _planned_fields(spec: InferenceServiceSpec) -> dict[str, Any]:
     return spec.model_dump(mode="json", by_alias=True, exclude={"replicas"}, exclude_defaults=True)
 
 
-def spec_hash(spec: InferenceServiceSpec) -> str:
-    fields = _planned_fields(spec)
+def _spec_hash(fields: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def last_good(spec: InferenceServiceSpec, result: Plan) -> dict[str, Any]:
     """`status.lastGoodPlan` for a plan that fits: the spec it was made for (and its hash) and
     the GPU chosen, all that rendering its Deployment again needs."""
-    return {"specHash": spec_hash(spec), "gpu": str(result.gpu), "spec": _planned_fields(spec),
+    fields = _planned_fields(spec)
+    return {"specHash": _spec_hash(fields), "gpu": str(result.gpu), "spec": fields,
             **({"gpuReason": result.reasons["gpu"]} if "gpu" in result.reasons else {})}
 
 
@@ -146,7 +146,7 @@ def _last_good_serving(kept: Mapping[str, Any],
 def _kept_gpu(spec: InferenceServiceSpec, kept: Mapping[str, Any]) -> str | None:
     """The GPU of the last plan that fit, when it was made for this spec (replicas aside) and
     the spec does not name a type."""
-    if spec.accelerator.type or kept.get("specHash") != spec_hash(spec) or not kept.get("gpu"):
+    if spec.accelerator.type or kept.get("specHash") != _spec_hash(_planned_fields(spec)) or not kept.get("gpu"):
         return None
     return str(kept["gpu"])
 

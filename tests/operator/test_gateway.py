@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -18,6 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from e2e.procs import free_port
 from kvpilot.operator import gateway as gw
 from kvpilot.operator.autoscale_loop import index_entry
 from kvpilot.operator.render import INSTANCE_LABEL, PORT
@@ -63,12 +63,6 @@ def test_choose_prefers_the_least_busy_engine_not_refused_lately() -> None:
     assert gw.choose(urls, {"http://a": 2, "http://b": 1}, {"http://b": 11, "http://c": 9}, now=10) == "http://c"
     assert gw.choose(urls, {}, {u: 11 for _, u in urls}, now=10) is None
     assert gw.choose([], {}, {}, now=10) is None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # Pods listen on render.PORT; each stand-in engine gets its own loopback address for it.

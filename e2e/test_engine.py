@@ -8,6 +8,7 @@ and bound to that pod IP, serves it.
 
 from __future__ import annotations
 
+import filecmp
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from e2e import kvis
 from e2e.chart import Installation
 from e2e.cluster import Cluster, is_loopback
-from e2e.local_engine import engine_argv, start_engine
+from e2e.hub_server import HubServer
+from e2e.local_engine import PodVolumes, engine_argv, start_engine
 from e2e.local_operator import LocalOperator
 from e2e.procs import Process, kvpilot_executable
 from kvpilot.engine.config import CAPABILITIES
@@ -100,6 +102,8 @@ def test_engine_behind_a_simulated_pod_answers_the_openai_client(
 @dataclass
 class PinnedEngine:
     plan: dict[str, Any]
+    deployment: dict[str, Any]
+    volumes: PodVolumes  # the pod's volumes, as folders here
     process: Process
     url: str
     model: str
@@ -109,20 +113,26 @@ class PinnedEngine:
 
 @contextmanager
 def pinned_sample(k8s: Cluster, kvpilot: Installation, apply_isvc: Any, tmp_path: Path, name: str,
-                  model: dict[str, str] | None = None, **serving: str) -> Iterator[PinnedEngine]:
-    """The sample with `serving` (and `model`) fields pinned, rolled out, and a real engine behind
-    its one pod."""
+                  model: dict[str, Any] | None = None, env: list[dict[str, str]] | None = None,
+                  **serving: str) -> Iterator[PinnedEngine]:
+    """The sample with `serving` (and `model`, `env`) fields pinned, rolled out, and a real engine
+    behind its one pod, started after the pod's init containers have run."""
     spec = kvis.sample("smollm2-135m")["spec"]
-    spec = {**spec, "model": {**spec["model"], **(model or {})}, "serving": {**spec.get("serving", {}), **serving}}
+    spec = {**spec, "model": {**spec["model"], **(model or {})}, "serving": {**spec.get("serving", {}), **serving},
+            **({"env": env} if env else {})}
     apply_isvc(name, spec)
     ns = kvpilot.watch_namespaces[0]
     ready = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=60)
     (pod,) = kvis.running_pods(k8s, ns, name)
-    process, url = start_engine(k8s.kubectl_json("get", "deployment", name, "-n", ns), pod, tmp_path / f"{name}.log")
+    deployment = k8s.kubectl_json("get", "deployment", name, "-n", ns)
+    volumes = PodVolumes(tmp_path / f"{name}-volumes")
+    volumes.run_init_containers(k8s, ns, deployment, tmp_path / f"{name}-init.log")
+    process, url = start_engine(deployment, pod, tmp_path / f"{name}.log", volumes)
     try:
         with httpx.Client(trust_env=False, timeout=120) as http:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http, max_retries=0)
-            yield PinnedEngine(ready["status"]["plan"], process, url, spec["model"]["name"], client, http)
+            yield PinnedEngine(ready["status"]["plan"], deployment, volumes, process, url, spec["model"]["name"],
+                               client, http)
     finally:
         assert process.stop() == 0, process.log_tail()
 
@@ -180,3 +190,39 @@ def test_a_checkpoint_stored_in_int4_is_served_as_stored(
                                                temperature=0)
         assert "Paris" in out.choices[0].text
         assert "quantization=int4" in engine.process.log_tail(200)
+
+
+def test_an_hf_source_is_downloaded_by_the_init_container_and_served(
+        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: Any, tmp_path: Path) -> None:
+    # The hub: a stand-in on 127.0.0.1 that serves the embedded model's folder under the hub's name
+    # and wants a token; the spec names the endpoint in its env and the token by its Secret.
+    from kvpilot.engine.model.loader import embedded_model_dir
+
+    ns, repo, token = kvpilot.watch_namespaces[0], "HuggingFaceTB/SmolLM2-135M-Instruct", "hf_e2e_token"
+    k8s.kubectl("create", "secret", "generic", "hub-token", "-n", ns, f"--from-literal=token={token}")
+    try:
+        with HubServer(repo, embedded_model_dir(), token=token) as hub, \
+                pinned_sample(k8s, kvpilot, apply_isvc, tmp_path, "smollm2-hub",
+                              model={"source": f"hf://{repo}", "tokenSecret": {"name": "hub-token"}},
+                              env=[{"name": "HF_ENDPOINT", "value": hub.url}]) as engine:
+            (init,) = engine.deployment["spec"]["template"]["spec"]["initContainers"]
+            assert init["command"] == ["kvpilot", "download"]
+            # The engine loads what the init container put into the cache volume, nothing else.
+            argv = engine.process.argv
+            served = Path(argv[argv.index("--model") + 1])
+            assert served == engine.volumes.root / "model-cache" / "hf" / f"{repo}@main", argv
+            weights = [r for r in hub.requests if r.method == "GET" and r.path.endswith("/model.safetensors")]
+            assert len(weights) == 1 and weights[0].headers["Authorization"] == f"Bearer {token}"
+            assert filecmp.cmp(served / "model.safetensors", embedded_model_dir() / "model.safetensors", shallow=False)
+            out = engine.client.completions.create(model=engine.model, prompt="The capital of France is",
+                                                   max_tokens=6, temperature=0)
+            assert "Paris" in out.choices[0].text
+            # The pod restarts on the same cache (a PVC): of the model, its download asks only where
+            # the branch points and fetches no file again (huggingface_hub's other requests, such as
+            # its agent registry, are not the model's).
+            hub.requests.clear()
+            engine.volumes.run_init_containers(k8s, ns, engine.deployment, tmp_path / "restart-init.log")
+            asked = [(r.method, r.path) for r in hub.requests if r.path.startswith(("/api/models/", f"/{repo}/"))]
+            assert asked == [("GET", f"/api/models/{repo}/revision/main")], [r.path for r in hub.requests]
+    finally:
+        k8s.kubectl("delete", "secret", "hub-token", "-n", ns, "--ignore-not-found")

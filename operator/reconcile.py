@@ -111,22 +111,29 @@ def as_rendered(child: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
     return unchanged(child, stamped(rendering(owner["name"], child["metadata"]["namespace"], owner["uid"])))
 
 
-def _planned_fields(spec: InferenceServiceSpec) -> dict[str, Any]:
+def planned_fields(spec: InferenceServiceSpec) -> dict[str, Any]:
     """What a plan depends on: the spec without `replicas` (a scale keeps the plan) and without
     defaults (short in the status, and an operator with a new default does not count as a change)."""
     return spec.model_dump(mode="json", by_alias=True, exclude={"replicas"}, exclude_defaults=True)
 
 
-def _spec_hash(fields: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+def last_good(planned: dict[str, Any], gpu: str, gpu_reason: str | None) -> dict[str, Any]:
+    """`status.lastGoodPlan` for a plan that fits: the spec it was made for (`planned_fields`)
+    and the GPU chosen (and why), all that rendering its Deployment again needs."""
+    return {"gpu": gpu, "spec": planned, **({"gpuReason": gpu_reason} if gpu_reason else {})}
 
 
-def last_good(spec: InferenceServiceSpec, result: Plan) -> dict[str, Any]:
-    """`status.lastGoodPlan` for a plan that fits: the spec it was made for (and its hash) and
-    the GPU chosen, all that rendering its Deployment again needs."""
-    fields = _planned_fields(spec)
-    return {"specHash": _spec_hash(fields), "gpu": str(result.gpu), "spec": fields,
-            **({"gpuReason": result.reasons["gpu"]} if "gpu" in result.reasons else {})}
+def _kept(old: Mapping[str, Any], planned: dict[str, Any] | None, generation: int) -> dict[str, Any]:
+    """`status.lastGoodPlan`; for a status written before it existed (by an older operator), the
+    plan that status holds when it fit and was made for this generation, so that an upgrade does
+    not re-plan (and roll onto another GPU type) every service."""
+    if old.get("lastGoodPlan"):
+        return dict(old["lastGoodPlan"])
+    previous = old.get("plan") or {}
+    if planned is None or old.get("observedGeneration") != generation or not previous.get("fits") \
+            or not previous.get("gpu"):
+        return {}
+    return last_good(planned, str(previous["gpu"]), (previous.get("reasons") or {}).get("gpu"))
 
 
 def _last_good_serving(kept: Mapping[str, Any],
@@ -143,16 +150,16 @@ def _last_good_serving(kept: Mapping[str, Any],
     return (spec, result) if result.fits else None
 
 
-def _kept_gpu(spec: InferenceServiceSpec, kept: Mapping[str, Any]) -> str | None:
+def _kept_gpu(spec: InferenceServiceSpec, planned: dict[str, Any], kept: Mapping[str, Any]) -> str | None:
     """The GPU of the last plan that fit, when it was made for this spec (replicas aside) and
     the spec does not name a type."""
-    if spec.accelerator.type or kept.get("specHash") != _spec_hash(_planned_fields(spec)) or not kept.get("gpu"):
+    if spec.accelerator.type or kept.get("spec") != planned or not kept.get("gpu"):
         return None
     return str(kept["gpu"])
 
 
-def _plan(spec: InferenceServiceSpec, cluster: Cluster, kept: Mapping[str, Any]) -> Plan:
-    gpu = _kept_gpu(spec, kept)
+def _plan(spec: InferenceServiceSpec, planned: dict[str, Any], cluster: Cluster, kept: Mapping[str, Any]) -> Plan:
+    gpu = _kept_gpu(spec, planned, kept)
     if gpu is None:
         return plan(spec, cluster.gpu_products() if not spec.accelerator.type else [])
     result = plan(spec, [gpu])
@@ -170,14 +177,17 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, now: datetime, *,
     name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
     generation = int(metadata.get("generation", 0))
     old = body.get("status") or {}
-    kept = old.get("lastGoodPlan") or {}
     spec: InferenceServiceSpec | None
+    planned: dict[str, Any] | None = None
     try:
         spec = InferenceServiceSpec.model_validate(body.get("spec", {}))
     except ValidationError as error:
         spec, result = None, _invalid(body, error)
     else:
-        result = _plan(spec, cluster, kept)
+        planned = planned_fields(spec)
+    kept = _kept(old, planned, generation)
+    if spec is not None and planned is not None:
+        result = _plan(spec, planned, cluster, kept)
 
     wanted: list[Manifest] = []
     if spec is not None:
@@ -216,7 +226,8 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, now: datetime, *,
     pods: list[dict[str, Any]] = []
     if deployment is not None and _not_all_ready(deployment):
         pods = cluster.list_pods(namespace, render.selector_labels(name))
-    good = last_good(spec, result) if spec is not None and result.fits else kept or None
+    good = (last_good(planned, str(result.gpu), result.reasons.get("gpu"))
+            if planned is not None and result.fits else kept or None)
     return status.build(name=name, namespace=namespace, generation=generation, plan=result,
                         spec=spec, deployment=deployment, old=old, now=now, blocked=blocked, pods=pods,
                         last_good=good)

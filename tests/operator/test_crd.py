@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from kvpilot.operator import status
 from kvpilot.operator.gpu_catalog import GPUS
 from kvpilot.operator.planner import plan
-from kvpilot.operator.reconcile import last_good
+from kvpilot.operator.reconcile import last_good, planned_fields
 from kvpilot.operator.spec import (API_VERSION, BLOCK_SIZES, GROUP, KIND, PLURAL, VERSION,
                                    InferenceServiceSpec)
 
@@ -302,7 +302,8 @@ def test_status_we_write_validates_against_the_schema(crd: dict[str, Any], model
     written = status.build(name="chat", namespace="ml", generation=3, plan=result, spec=spec,
                            deployment=deployment if result.fits else None, old={},
                            now=datetime(2025, 1, 1, tzinfo=UTC),
-                           last_good=last_good(spec, result) if result.fits else None)
+                           last_good=last_good(planned_fields(spec), str(result.gpu), result.reasons.get("gpu"))
+                           if result.fits else None)
     validate(written, root(crd)["properties"]["status"], "status")
 
 

@@ -361,6 +361,23 @@ def test_the_gpu_chosen_for_an_unset_type_is_kept_until_the_spec_changes() -> No
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "Tesla-T4"}
 
 
+def test_a_status_from_an_operator_before_last_good_plan_keeps_its_gpu_after_an_upgrade() -> None:
+    small = {"model": {"name": "smollm2-135m"}}
+    cluster = FakeCluster(gpu_products=["NVIDIA-L4", "NVIDIA-A100-SXM4-80GB"])
+    written = reconcile(body(small, generation=4), cluster, NOW)
+    older = {key: value for key, value in written.items() if key != "lastGoodPlan"}
+    writes = cluster.applies
+    # A smaller GPU type appears, then the upgraded operator resumes on the older status: the plan
+    # of this generation stays on its GPU and nothing rolls.
+    cluster.products = ["Tesla-T4", *cluster.products]
+    resumed = reconcile(body(small, generation=4, status=older), cluster, NOW)
+    assert resumed["plan"] == written["plan"] and cluster.applies == writes
+    assert resumed["lastGoodPlan"] == written["lastGoodPlan"]
+    # A status of another generation (the spec was edited while no operator ran) plans afresh.
+    edited = reconcile(body(small, generation=5, status=older), cluster, NOW)
+    assert edited["plan"]["gpu"] == "T4"
+
+
 def test_a_scale_with_no_gpu_left_on_the_nodes_keeps_the_plan_and_applies_the_replicas() -> None:
     spec = {"model": {"name": "llama-2-7b"}, "replicas": 1}
     cluster = FakeCluster(gpu_products=["NVIDIA-L4"])
@@ -583,22 +600,28 @@ def test_events_for_a_service_whose_reconcile_is_already_waiting_are_collapsed()
     deployment = cluster.objects[("Deployment", "ml", "chat")]
     held = handlers._lock("ml", "chat")  # a reconcile of chat is running
     held.acquire()
-    waiting = threading.Thread(target=child_handler, kwargs={"body": deployment, "memo": memo, "logger": logger})
-    waiting.start()
-    deadline = time.monotonic() + 5
-    while ("ml", "chat") not in handlers._waiting and time.monotonic() < deadline:
-        time.sleep(0.01)
-    reads = cluster.owner_reads
-    # More events while one waits: it reads the cluster after them, so they return at once.
-    more = [threading.Thread(target=child_handler, kwargs={"body": deployment, "memo": memo, "logger": logger})
-            for _ in range(3)]
-    more.append(threading.Thread(target=pod_handler, kwargs={
-        "body": _pod("chat-abc", phase="Pending"), "memo": memo, "logger": logger}))
-    for thread in more:
-        thread.start()
-        thread.join(2)
-    assert not any(thread.is_alive() for thread in more) and cluster.owner_reads == reads
-    held.release()
+    # Daemon threads, and the lock released whatever fails: a broken collapse fails this test
+    # instead of leaving handlers blocked on chat's lock for the tests after it.
+    try:
+        waiting = threading.Thread(target=child_handler, daemon=True,
+                                   kwargs={"body": deployment, "memo": memo, "logger": logger})
+        waiting.start()
+        deadline = time.monotonic() + 5
+        while ("ml", "chat") not in handlers._waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ("ml", "chat") in handlers._waiting
+        reads = cluster.owner_reads
+        # More events while one waits: it reads the cluster after them, so they return at once.
+        more = [threading.Thread(target=child_handler, daemon=True,
+                                 kwargs={"body": deployment, "memo": memo, "logger": logger}) for _ in range(3)]
+        more.append(threading.Thread(target=pod_handler, daemon=True, kwargs={
+            "body": _pod("chat-abc", phase="Pending"), "memo": memo, "logger": logger}))
+        for thread in more:
+            thread.start()
+            thread.join(2)
+        assert not any(thread.is_alive() for thread in more) and cluster.owner_reads == reads
+    finally:
+        held.release()
     waiting.join(5)
     assert cluster.owner_reads == reads + 1 and not handlers._waiting
     # Once it has run, the next event reconciles again.

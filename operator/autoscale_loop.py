@@ -184,6 +184,11 @@ def indexed_services(services: Mapping[Any, Any]) -> list[Mapping[str, Any]]:
     return [value for store in services.values() for value in store]
 
 
+def indexed_service(services: Mapping[Any, Any], key: tuple[str, str]) -> Mapping[str, Any] | None:
+    """The InferenceService `key` (namespace, name) in the services index, if it holds it."""
+    return next(iter(services.get(key, ())), None)
+
+
 def indexed_children(deployments: Mapping[Any, Any], pods: Mapping[Any, Any],
                      service: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
     """The Deployments and engine pods the indexes hold under `service`'s key."""

@@ -30,8 +30,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpilot.operator.autoscale_loop import (children, current_replicas, engine_urls, indexed_children, indexed_services,
-                                            scaling_event, write_replicas)
+from kvpilot.operator.autoscale_loop import (children, current_replicas, engine_urls, indexed_children, indexed_service,
+                                            indexed_services, scaling_event, write_replicas)
 
 # Knative's activator and KServe hold a request for up to their revision timeout (300 s by
 # default); a cold replica here must schedule, pull and load a model, which takes about that.
@@ -117,7 +117,7 @@ class Gateway:
         return indexed_services(self._indexes[0])
 
     def _service(self, key: tuple[str, str]) -> Mapping[str, Any] | None:
-        return next(iter(self._indexes[0].get(key, ())), None)
+        return indexed_service(self._indexes[0], key)
 
     def _children(self, service: Mapping[str, Any]) -> tuple[Mapping[str, Any] | None, list[Mapping[str, Any]]]:
         """Its own Deployment (None: none yet, or someone else's) and its engine pods."""

@@ -28,7 +28,7 @@ from typing import Any
 import kopf
 
 from kvpilot.operator import render
-from kvpilot.operator.autoscale_loop import Scaler, index_entry
+from kvpilot.operator.autoscale_loop import Scaler, index_entry, indexed_service
 from kvpilot.operator.autoscaler import INTERVAL_SECONDS
 from kvpilot.operator.cluster import KubeCluster, WriteConflict
 from kvpilot.operator.gateway import HOLD_SECONDS, Gateway
@@ -78,7 +78,10 @@ def _lock(namespace: str, name: str) -> threading.Lock:
 
 def _known(services: Mapping[Any, Any] | None, key: tuple[str, str]) -> dict[str, Any] | None:
     """The InferenceService's index entry when it is at the version the last reconcile left."""
-    entry = next(iter((services or {}).get(key, ())), None)
+    try:
+        entry = indexed_service(services or {}, key)
+    except RuntimeError:  # kopf's loop changed the index under this worker thread: read instead
+        return None
     version = _known_versions.get(key)
     if entry is None or version is None or entry["metadata"].get("resourceVersion") != version:
         return None

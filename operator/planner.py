@@ -228,7 +228,7 @@ def _batched_tokens(spec: InferenceServiceSpec, arch: Architecture, ops: float) 
 
 def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int,
           speculative: str) -> _Perf:
-    arch, gpu, weights, kv_per_token, ops, max_num_seqs, draft = replica  # weights: as decode reads them
+    arch, gpu, decode_bytes, kv_per_token, ops, max_num_seqs, draft = replica
     draft = draft if speculative == "draft" else None
     load = spec.load
     rate = load.requests_per_second / replicas if replicas else 0.0
@@ -251,7 +251,7 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int,
         # A mixture of experts reads only the experts its tokens route to; a dense model reads all.
         share = min(1.0, running * arch.parameters_per_token / arch.parameters)
         step = sizing.decode_step_seconds(
-            bytes_read=weights * share + running * context * kv_per_token,
+            bytes_read=decode_bytes * share + running * context * kv_per_token,
             bandwidth=gpu.bandwidth_bytes_per_s, parameters_per_token=arch.parameters_per_token,
             batch=running, ops_per_s=ops)
         tpot = step / (1 - busy)

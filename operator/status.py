@@ -128,8 +128,8 @@ def conditions(plan: Plan, spec: InferenceServiceSpec | None, desired: int,
                 counts, desired, ready, current, f"{counts} (the last plan that fit)")
             conditions_ = [
                 _condition("Planned", False, code, f"{failure}; {kept}"),
-                _condition("Progressing", False, code, f"this generation is not rolled out: "
-                           f"{failure}; {kept}"),
+                _condition("Progressing", False, code, f"this generation's plan is not rolled out (only "
+                           f"its replicas are applied): {failure}; {kept}"),
                 ready_condition,
                 _condition("Degraded", True, code, f"serving the last plan that fit, not this "
                            f"generation's: {failure}"),

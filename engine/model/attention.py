@@ -43,7 +43,8 @@ def allocate_kv_caches(num_layers: int, num_slots: int, num_kv_heads: int, head_
     """Zeroed K and V caches for each layer, every one its own allocation: a compiled forward
     writes into them in place, and in-place writes into views of one shared tensor make
     torch.compile copy that whole tensor back on every step."""
-    return [tuple(torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(2))
+    shape = (num_slots, num_kv_heads, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)]
 
 

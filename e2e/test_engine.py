@@ -110,6 +110,12 @@ class PinnedEngine:
     client: openai.OpenAI
     http: httpx.Client
 
+    def capital_of_france(self, max_tokens: int = 6, **extra_body: Any) -> str:
+        """The engine's greedy completion of "The capital of France is"."""
+        out = self.client.completions.create(model=self.model, prompt="The capital of France is", max_tokens=max_tokens,
+                                             temperature=0, extra_body=extra_body or None)
+        return out.choices[0].text
+
 
 @contextmanager
 def pinned_sample(k8s: Cluster, kvpilot: Installation, apply_isvc: Any, tmp_path: Path, name: str,
@@ -143,9 +149,7 @@ def test_a_plan_that_chose_int4_runs_a_real_int4_engine(
     with pinned_sample(k8s, kvpilot, apply_isvc, tmp_path, "smollm2-int4", quantization="int4") as engine:
         assert engine.plan["quantization"] == "int4"
         assert engine.process.argv[engine.process.argv.index("--quantization") + 1] == "int4"
-        out = engine.client.completions.create(model=engine.model, prompt="The capital of France is", max_tokens=6,
-                                               temperature=0)
-        assert "Paris" in out.choices[0].text
+        assert "Paris" in engine.capital_of_france()
         assert "quantization=int4" in engine.process.log_tail(200)
 
 
@@ -162,11 +166,10 @@ def test_a_plan_with_a_draft_model_runs_a_real_engine_that_drafts_with_it(
         assert engine.plan["speculative"] == "draft"
         argv = engine.process.argv
         assert argv[argv.index("--speculative") + 1] == "draft" and argv[argv.index("--draft-model") + 1] == str(draft)
-        out = engine.client.completions.create(model=engine.model, prompt="The capital of France is", max_tokens=24,
-                                               temperature=0, extra_body={"ignore_eos": True})
+        text = engine.capital_of_france(max_tokens=24, ignore_eos=True)
         metrics = {s.name: s.value for f in text_string_to_metric_families(engine.http.get(f"{engine.url}/metrics").text)
                    for s in f.samples}
-    assert "Paris" in out.choices[0].text
+    assert "Paris" in text
     drafted, accepted = (metrics["kvpilot_spec_decode_num_draft_tokens_total"],
                          metrics["kvpilot_spec_decode_num_accepted_tokens_total"])
     # Its own draft: most are kept (bf16 rounds one-token draft steps and the verifying pass
@@ -186,9 +189,7 @@ def test_a_checkpoint_stored_in_int4_is_served_as_stored(
         assert engine.plan["quantization"] == "int4"
         argv = engine.process.argv
         assert argv[argv.index("--model") + 1] == str(checkpoint) and argv[argv.index("--quantization") + 1] == "none"
-        out = engine.client.completions.create(model=engine.model, prompt="The capital of France is", max_tokens=6,
-                                               temperature=0)
-        assert "Paris" in out.choices[0].text
+        assert "Paris" in engine.capital_of_france()
         assert "quantization=int4" in engine.process.log_tail(200)
 
 
@@ -214,9 +215,7 @@ def test_an_hf_source_is_downloaded_by_the_init_container_and_served(
             weights = [r for r in hub.requests if r.method == "GET" and r.path.endswith("/model.safetensors")]
             assert len(weights) == 1 and weights[0].headers["Authorization"] == f"Bearer {token}"
             assert filecmp.cmp(served / "model.safetensors", embedded_model_dir() / "model.safetensors", shallow=False)
-            out = engine.client.completions.create(model=engine.model, prompt="The capital of France is",
-                                                   max_tokens=6, temperature=0)
-            assert "Paris" in out.choices[0].text
+            assert "Paris" in engine.capital_of_france()
             # The pod restarts on the same cache (a PVC): of the model, its download asks only where
             # the branch points and fetches no file again (huggingface_hub's other requests, such as
             # its agent registry, are not the model's).

@@ -17,10 +17,10 @@ from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors import safe_open
 
-from kvpilot.engine.model.compressed_tensors import int4_round_trip, weight_args
 from kvpilot.engine.model.layers import Linear
 from kvpilot.engine.model.loader import embedded_model_dir
 from kvpilot.engine.model.quantization import Int4WeightOnly
+from kvpilot.engine.quantize.writer import int4_round_trip, weight_args
 
 GROUP = 32
 ARGS = weight_args("int4", GROUP)

@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvpilot.engine.cli", "offline generation with the engine"),
     "serve": ("kvpilot.engine.cli", "the OpenAI-compatible HTTP server"),
     "eval": ("kvpilot.engine.cli", "quality of each quantization scheme against the unquantized model"),
-    "quantize": ("kvpilot.engine.quantize", "write a model folder as a compressed-tensors INT4/INT8 checkpoint (W4A16, W8A16)"),
+    "quantize": ("kvpilot.engine.quantize.cli", "write a model folder as a compressed-tensors INT4/INT8 checkpoint (W4A16, W8A16)"),
     "bench": ("kvpilot.engine.benchmarks", "benchmarks of a source checkout's bench/ (serve: kvpilot, llama.cpp, HF side by side)"),
     "download": ("kvpilot.engine.download", "download a model from the Hugging Face Hub into a local folder (an engine pod's init step)"),
     "plan": ("kvpilot.operator.cli", "size a model on a GPU: KV cache, batch limits, quantization, latency"),

@@ -18,15 +18,15 @@ from transformers import AutoTokenizer
 from transformers import LlamaForCausalLM as HFLlama
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.calibration import PASSAGES
 from kvpilot.engine.cli import main
 from kvpilot.engine.eval_tasks import CAPITALS
 from kvpilot.engine.evaluation import corpus_text
-from kvpilot.engine.model.awq import apply_awq, prefill_batch
-from kvpilot.engine.model.compressed_tensors import int4_round_trip, weight_args
 from kvpilot.engine.model.layers import Linear
 from kvpilot.engine.model.llama import LlamaForCausalLM
 from kvpilot.engine.model.loader import load_config, load_model
+from kvpilot.engine.quantize.awq import apply_awq, prefill_batch
+from kvpilot.engine.quantize.calibration import PASSAGES
+from kvpilot.engine.quantize.writer import int4_round_trip, weight_args
 from tests.engine.oracle import check_greedy
 from tests.engine.test_tiny_llama import make_tiny_llama
 

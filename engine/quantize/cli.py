@@ -1,6 +1,6 @@
 """`kvpilot quantize`: write a model folder as a compressed-tensors checkpoint (W4A16 or W8A16).
 
-Torch-free at import, like every command's parser: the work is in kvpilot.engine.model.compressed_tensors.
+Torch-free at import, like every command's parser: the work is in kvpilot.engine.quantize.writer.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from kvpilot.engine.cli import COMMANDS
 
 
 def _quantize(args: argparse.Namespace) -> int:
-    from kvpilot.engine.model.compressed_tensors import quantize_checkpoint, report_line
+    from kvpilot.engine.quantize.writer import quantize_checkpoint, report_line
 
     print(report_line(quantize_checkpoint(args.model, Path(args.output), args.scheme, args.group_size, args.method)), flush=True)
     return 0

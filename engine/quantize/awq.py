@@ -24,7 +24,7 @@ shrunk range. As upstream, q and k are not clipped (their errors pass through th
 output MSE does not see).
 
 Activations come from one forward pass of the full-precision model over the calibration prompts
-(engine/calibration.py); each layer is searched and rewritten right after it ran, so every layer
+(calibration.py); each layer is searched and rewritten right after it ran, so every layer
 sees the full-precision model's activations, as in AutoAWQ and llm-compressor, and only one layer's
 activations are held at a time.
 """

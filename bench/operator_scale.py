@@ -29,9 +29,9 @@ from e2e import kvis
 from e2e.chart import NAMESPACE, RELEASE, Installation, install
 from e2e.cluster import GPUNodeSpec, build_binaries, default_gpu_nodes, running_cluster
 from e2e.local_operator import LocalOperator
-from e2e.procs import memory_kib
 from e2e.polling import poll
-from kvpilot.operator.handlers import REFRESHED
+from e2e.procs import memory_kib
+from kvpilot.operator.controller.handlers import REFRESHED
 
 WATCHED = "bench"
 GPUS_PER_NODE = 8

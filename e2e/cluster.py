@@ -179,7 +179,7 @@ DEFAULT_FLEET: tuple[tuple[str, int], ...] = (
 
 def _catalog_gpu(name: str) -> tuple[str, str, str, float]:
     """(product, product label, resource, memory GiB) of a GPU in the operator's catalog."""
-    from kvpilot.operator.gpu_catalog import GPUS
+    from kvpilot.operator.planning.gpus import GPUS
 
     gpu = GPUS[name]
     return gpu.product, gpu.product_label, gpu.resource, gpu.memory_gib

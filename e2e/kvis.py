@@ -9,8 +9,7 @@ import yaml
 
 from e2e.cluster import Cluster
 from e2e.polling import poll
-from kvpilot.operator.render import selector
-from kvpilot.operator.spec import API_VERSION, KIND
+from kvpilot.operator.api.names import API_VERSION, KIND, selector
 
 SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
 

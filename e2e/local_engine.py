@@ -19,7 +19,8 @@ from pathlib import Path
 
 from e2e.cluster import Cluster
 from e2e.procs import Process, kvpilot_executable, start_http
-from kvpilot.operator.render import CONTAINER, Manifest
+from kvpilot.operator.api.names import CONTAINER
+from kvpilot.operator.controller.render import Manifest
 
 
 @dataclass(frozen=True)

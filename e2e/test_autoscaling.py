@@ -32,7 +32,7 @@ from e2e.load import Load, p95
 from e2e.local_operator import LocalOperator
 from e2e.pod_runner import PodRunner
 from e2e.polling import Background, poll
-from kvpilot.operator.autoscaler import WINDOW_PERIODS
+from kvpilot.operator.autoscaling.decisions import WINDOW_PERIODS
 
 MODEL = "SmolLM2-135M-Instruct"
 SLO_TTFT_MS = 20

@@ -12,8 +12,9 @@ import yaml
 
 from e2e.chart import CHART_DIR, CRD, Installation
 from e2e.cluster import Binaries, Cluster
-from kvpilot.operator import render
-from kvpilot.operator.handlers import ENGINE_IMAGE_ENV
+from kvpilot.operator.api import names
+from kvpilot.operator.controller import render
+from kvpilot.operator.controller.handlers import ENGINE_IMAGE_ENV
 
 REPO_CRDS = CHART_DIR.parent.parent / "crds"
 
@@ -100,13 +101,13 @@ def test_service_monitor_scrapes_the_engine_services(k8s_binaries: Binaries, tmp
     assert monitor["metadata"]["namespace"] == "ops" and monitor["metadata"]["labels"]["release"] == "prom"
     spec = monitor["spec"]
     assert spec["namespaceSelector"] == namespaces
-    assert spec["endpoints"] == [{"port": render.PORT_NAME, "path": "/metrics", "interval": "15s"}]
+    assert spec["endpoints"] == [{"port": names.PORT_NAME, "path": "/metrics", "interval": "15s"}]
     # It selects every engine Service the operator renders, and nothing of the operator's own.
     selector = spec["selector"]["matchLabels"]
     for name in ("chat", "llama-3-8b"):
         service = render.service(name, "ml", "uid")
         assert selector.items() <= service["metadata"]["labels"].items()
-        assert service["spec"]["ports"][0]["name"] == render.PORT_NAME
+        assert service["spec"]["ports"][0]["name"] == names.PORT_NAME
     operator = next(d for d in rendered if d["kind"] == "Deployment")
     assert not selector.items() <= operator["metadata"]["labels"].items()
 

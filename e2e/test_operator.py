@@ -17,10 +17,11 @@ from e2e.chart import Installation
 from e2e.cluster import Cluster
 from e2e.local_operator import LocalOperator
 from e2e.polling import poll
-from kvpilot.operator import render, status
-from kvpilot.operator.gpu_catalog import GPUS
-from kvpilot.operator.planner import plan
-from kvpilot.operator.spec import InferenceServiceSpec
+from kvpilot.operator.api import names
+from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.controller import render, status
+from kvpilot.operator.planning.gpus import GPUS
+from kvpilot.operator.planning.planner import plan
 
 ApplyISVC = Callable[[str, dict[str, Any]], dict[str, Any]]
 # Children come back on the events of their deletion, Ready follows the Deployment's events:
@@ -69,7 +70,7 @@ def test_inference_service_rolls_out_its_plan_on_the_right_gpus(
     service = k8s.kubectl_json("get", "service", name, "-n", ns)
     pdb = k8s.kubectl_json("get", "poddisruptionbudget", name, "-n", ns)
     assert service["spec"]["ports"][0]["port"] == 8000
-    assert service["spec"]["selector"] == render.selector_labels(name)
+    assert service["spec"]["selector"] == names.selector_labels(name)
     assert pdb["spec"]["maxUnavailable"] == 1
     for child in (deployment, service, pdb):
         (owner,) = child["metadata"]["ownerReferences"]

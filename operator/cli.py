@@ -12,13 +12,13 @@ from typing import Any, TextIO
 import kopf
 from pydantic import ValidationError
 
-from kvpilot.operator import sizing
-from kvpilot.operator.autoscaler import INTERVAL_SECONDS, WINDOW_PERIODS
-from kvpilot.operator.cluster import KubeCluster
-from kvpilot.operator.gateway import HOLD_SECONDS
-from kvpilot.operator.gpu_catalog import GPUS, find_gpu
-from kvpilot.operator.planner import Plan, plan
-from kvpilot.operator.spec import InferenceServiceSpec
+from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.autoscaling.decisions import INTERVAL_SECONDS, WINDOW_PERIODS
+from kvpilot.operator.gateway.server import HOLD_SECONDS
+from kvpilot.operator.kube.cluster import KubeCluster
+from kvpilot.operator.planning import sizing
+from kvpilot.operator.planning.gpus import GPUS, find_gpu
+from kvpilot.operator.planning.planner import Plan, plan
 
 PEERING_NAME = "kvpilot"
 
@@ -151,7 +151,7 @@ def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 
 def run_operator(args: argparse.Namespace) -> int:
     # Registers the handlers in kopf's default registry; only this command wants that.
-    importlib.import_module("kvpilot.operator.handlers")
+    importlib.import_module("kvpilot.operator.controller.handlers")
     # main() gave the root logger a plain stream handler; kopf adds its own, which would print
     # every line twice.
     root = logging.getLogger()

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from kvpilot.operator import cli
-from kvpilot.operator.planner import Plan
+from kvpilot.operator.planning.planner import Plan
 
 
 def parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""`kvpilot serve`'s server flags (tests/operator/test_contract.py parses what the operator renders)."""
+"""`kvpilot serve`'s server flags (tests/operator/controller/test_contract.py parses what the operator renders)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,56 @@
+"""The names every room of the operator shares: the API group and kind, the labels of the children
+and engine pods, the engine's port and container, the GPU resource and node-label keys. Pure constants
+and the functions that build labels and references from them; depends on nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GROUP = "kvpilot.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+
+PORT = 8000
+PORT_NAME = "http"
+CONTAINER = "engine"
+
+# The node label NVIDIA GPU feature discovery sets from the device name (spaces become dashes).
+NVIDIA_PRODUCT_LABEL = "nvidia.com/gpu.product"
+NVIDIA_GPU_RESOURCE = "nvidia.com/gpu"
+# AMD's device plugin and node labeller use their own resource and label keys.
+AMD_PRODUCT_LABEL = "amd.com/gpu.product-name"
+AMD_GPU_RESOURCE = "amd.com/gpu"
+
+# Every child carries this label: the operator watches the objects that have it.
+MANAGED_BY = {"app.kubernetes.io/managed-by": "kvpilot-operator"}
+# The label that names a child's (and an engine pod's) InferenceService.
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+
+
+def labels(name: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "kvpilot-engine",
+        INSTANCE_LABEL: name,
+        **MANAGED_BY,
+    }
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {key: labels(name)[key] for key in ("app.kubernetes.io/name", INSTANCE_LABEL)}
+
+
+def selector(name: str) -> str:
+    """The label selector as the scale subresource's `status.selector` string."""
+    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
+
+
+def service_url(name: str, namespace: str) -> str:
+    """The OpenAI base URL of the engines behind the Service, as seen inside the cluster."""
+    return f"http://{name}.{namespace}.svc.cluster.local:{PORT}/v1"
+
+
+def owner_reference(name: str, uid: str) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": name, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}

@@ -1,0 +1,259 @@
+"""The InferenceService spec as pydantic models, mirroring crds/inferenceservice.yaml.
+
+The API server validates and defaults with the CRD's schema and CEL rules; these models repeat the
+rules so that planning (and `kvpilot plan`) never sees a spec the cluster would have refused.
+tests/operator/api/test_crd.py keeps the two in step (same fields, same defaults).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+Quantization = Literal["auto", "none", "int8", "w8a8", "int4"]
+Speculative = Literal["auto", "off", "ngram", "draft"]
+
+# CEL has no bit operations, so the CRD lists the powers of two; this is the same list.
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class Architecture(BaseModel):
+    """Also the CRD's `spec.model.architecture`, hence the camelCase aliases."""
+
+    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True,
+                              extra="forbid")
+
+    layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    attention_heads: int = Field(gt=0)
+    kv_heads: int = Field(gt=0)
+    head_dim: int | None = Field(default=None, gt=0)
+    vocab_size: int = Field(gt=0)
+    parameters: int = Field(gt=0)
+    active_parameters: int | None = Field(default=None, gt=0)
+    max_context: int = Field(gt=0)
+    # config.json's tie_word_embeddings: the LM head is the embedding (counted once in parameters).
+    tie_word_embeddings: bool = False
+    source: str = ""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> Architecture:
+        if self.attention_heads % self.kv_heads:
+            raise ValueError(f"attentionHeads {self.attention_heads} is not a multiple of "
+                             f"kvHeads {self.kv_heads}")
+        return self
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.attention_heads
+
+    @property
+    def parameters_per_token(self) -> int:
+        return self.active_parameters if self.active_parameters is not None else self.parameters
+
+
+class _Camel(BaseModel):
+    # extra="ignore": objects written by a newer CRD version must still plan with this operator.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore",
+                              frozen=True)
+
+
+# Where a model's files come from (the CRD's CEL rule on model.source has the same expression):
+# hf://org/repo[@revision] (downloaded by an init container), pvc://claim[/path], or an absolute path
+# in the engine image. Repository names as the hub allows them; a revision is a branch, tag or commit.
+SOURCE_PATTERN = (r"^(hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[^@ ]+)?"
+                  r"|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|/.*)$")
+HF_SCHEME = "hf://"
+PVC_SCHEME = "pvc://"
+
+
+class HubSource(NamedTuple):
+    repo: str
+    revision: str
+
+
+def check_source(field: str, source: str | None) -> None:
+    """Raise ValueError naming `field` and the accepted forms unless `source` is unset or one."""
+    if source is not None and not re.fullmatch(SOURCE_PATTERN, source):
+        raise ValueError(f"{field} {source!r} must be hf://org/repo[@revision], pvc://claim/path or an "
+                         "absolute path in the engine image")
+
+
+def hub_source(source: str | None) -> HubSource | None:
+    """hf://org/repo[@revision] as (repo, revision); None for other sources."""
+    if source is None or not source.startswith(HF_SCHEME):
+        return None
+    repo, _, revision = source.removeprefix(HF_SCHEME).partition("@")
+    return HubSource(repo, revision or "main")
+
+
+class SecretKeyRef(_Camel):
+    name: str = Field(min_length=1)
+    key: str = Field(default="token", min_length=1)
+
+
+class ModelCacheSpec(_Camel):
+    # A PersistentVolumeClaim to download into, shared by restarts and replicas (ReadWriteMany for
+    # replicas on several nodes); unset: an emptyDir, so every new pod downloads again.
+    claim_name: str | None = Field(default=None, min_length=1)
+
+
+class ModelSpec(_Camel):
+    name: str = Field(min_length=1)
+    # Unset: the engine's --model is `name` (the embedded model's name, say). See SOURCE_PATTERN.
+    source: str | None = None
+    # For every hf:// source of the service (this one and serving.draftModel): the Secret key holding
+    # a hub token (HF_TOKEN of the downloads), for gated or private repositories; and the volume the
+    # downloads go to.
+    token_secret: SecretKeyRef | None = None
+    cache: ModelCacheSpec | None = None
+    served_model_name: str | None = None
+    architecture: Architecture | None = None
+    # The scheme the checkpoint is already quantized in (a compressed-tensors W8A16/W4A16
+    # checkpoint, e.g. written by `kvpilot quantize` or llm-compressor): the engine serves it as
+    # stored and refuses another --quantization, so the plan takes it as the scheme.
+    quantization: Literal["int8", "int4"] | None = None
+
+    @model_validator(mode="after")
+    def _source(self) -> ModelSpec:
+        check_source("model.source", self.source)
+        return self
+
+
+class AcceleratorSpec(_Camel):
+    type: str | None = None
+    count: int = Field(default=1, ge=1)
+    # Where the GPU nodes are, when they are not found by the GPU product label (GKE's
+    # cloud.google.com/gke-accelerator, Karpenter's instance labels): replaces that selector.
+    node_selector: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _selector_needs_type(self) -> AcceleratorSpec:
+        if self.node_selector and not self.type:
+            raise ValueError("accelerator.nodeSelector needs accelerator.type: the planner sizes for a known GPU")
+        return self
+
+
+class ServingSpec(_Camel):
+    max_context_length: int | None = Field(default=None, gt=0)
+    quantization: Quantization = "auto"
+    speculative: Speculative = "auto"
+    # Where the draft model's files are, in the forms of model.source; the engine loads it beside
+    # the target (unquantized, its KV cache slot for slot with the target's). Its size comes from the
+    # catalog (by the repository or folder name) or from draftModelArchitecture.
+    draft_model: str | None = None
+    draft_model_architecture: Architecture | None = None
+    num_speculative_tokens: int = Field(default=4, ge=1, le=16)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    block_size: int = 16
+
+    @model_validator(mode="after")
+    def _rules(self) -> ServingSpec:
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"blockSize {self.block_size} is not a power of two up to 1024")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("speculative 'draft' needs serving.draftModel")
+        check_source("serving.draftModel", self.draft_model)
+        if self.draft_model_architecture and not self.draft_model:
+            raise ValueError("serving.draftModelArchitecture needs serving.draftModel")
+        return self
+
+
+class SLOSpec(_Camel):
+    ttft_p95_ms: float = Field(default=2000, gt=0)
+    tpot_p95_ms: float = Field(default=100, gt=0)
+
+
+class LoadSpec(_Camel):
+    requests_per_second: float = Field(default=1, ge=0)
+    mean_prompt_tokens: int = Field(default=512, gt=0)
+    mean_output_tokens: int = Field(default=256, gt=0)
+    # The traffic's typical sampling temperature: speculation pays off only at low temperature.
+    temperature: float = Field(default=0.7, ge=0)
+
+
+class AutoscalingSpec(_Camel):
+    # slo: the operator sets replicas from the engines' metrics (operator/autoscaler.py);
+    # external: an HPA or KEDA does and the operator never writes replicas; off: nobody does.
+    mode: Literal["slo", "external", "off"] = "slo"
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    scale_up_stabilization_seconds: int = Field(default=0, ge=0)
+    scale_down_stabilization_seconds: int = Field(default=300, ge=0)
+    # Replicas added or removed by one decision, at most.
+    max_step: int = Field(default=2, ge=1)
+    # Signals within 1 +- tolerance of their targets move nothing (noise).
+    tolerance: float = Field(default=0.1, ge=0, le=0.5)
+    max_waiting_per_replica: float = Field(default=4, gt=0)
+    target_kv_cache_usage: float = Field(default=0.9, gt=0, le=1)
+    # Read the engines' series from this Prometheus (labels namespace and pod, as a ServiceMonitor
+    # gives them) instead of each pod's /metrics: for clusters where the operator cannot reach pods.
+    prometheus_url: str | None = Field(default=None, pattern=r"^https?://[^\s/]+(/\S*)?$")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"minReplicas {self.min_replicas} > maxReplicas {self.max_replicas}")
+        return self
+
+
+class ResourcesSpec(_Camel):
+    requests: dict[str, str | int] = Field(default_factory=dict)
+    limits: dict[str, str | int] = Field(default_factory=dict)
+
+
+class Toleration(_Camel):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class RolloutSpec(_Camel):
+    max_surge: int | str = 1
+    max_unavailable: int | str = 0
+
+
+class ImagePullSecret(_Camel):
+    name: str
+
+
+class InferenceServiceSpec(_Camel):
+    model: ModelSpec
+    accelerator: AcceleratorSpec = AcceleratorSpec()
+    serving: ServingSpec = ServingSpec()
+    slo: SLOSpec = SLOSpec()
+    load: LoadSpec = LoadSpec()
+    autoscaling: AutoscalingSpec = AutoscalingSpec()
+    # Written by `kubectl scale` / the autoscaler through the scale subresource; when absent the
+    # plan's replica count for the stated load is used.
+    replicas: int | None = Field(default=None, ge=0)
+    # Unset: the operator's default engine image (the chart's engine.image), so a cluster can
+    # move every InferenceService that does not pin an image with one chart upgrade.
+    image: str | None = Field(default=None, min_length=1)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    resources: ResourcesSpec = ResourcesSpec()
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    rollout: RolloutSpec = RolloutSpec()
+    # Passed through to the engine pods as written (Kubernetes' own types, validated by the API server).
+    env: list[dict[str, Any]] = Field(default_factory=list)
+    env_from: list[dict[str, Any]] = Field(default_factory=list)
+    image_pull_secrets: list[ImagePullSecret] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = None
+    topology_spread_constraints: list[dict[str, Any]] = Field(default_factory=list)
+    priority_class_name: str | None = None
+    pod_labels: dict[str, str] = Field(default_factory=dict)
+    pod_annotations: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _hub_settings_need_a_hub_source(self) -> InferenceServiceSpec:
+        if (self.model.token_secret or self.model.cache) and not any(
+                hub_source(s) for s in (self.model.source, self.serving.draft_model)):
+            raise ValueError("model.tokenSecret and model.cache apply only to hf:// sources "
+                             "(model.source or serving.draftModel)")
+        return self

@@ -1,0 +1,468 @@
+"""The SLO autoscaler's decisions (pure): desired replicas from what the engines report.
+
+One `step()` per period and InferenceService: it takes the previous `AutoscalerState` and this
+period's reads of the ready pods, and returns the new state and a `Decision`. Both are plain
+pydantic data, so the state lives in the InferenceService's status and survives an operator
+restart; the caller does the I/O (scrape, scale subresource, Event).
+
+Signals, each a ratio to its target (1.0 = at the target):
+- p95 TTFT and p95 TPOT over the last `window_seconds` (bucket increases of every pod, summed,
+  then PromQL's interpolation) against `spec.slo`, once the window holds MIN_OBSERVATIONS;
+- waiting requests per reporting replica against `maxWaitingPerReplica`: TTFT only counts
+  requests that got a first token, so a queue that builds shows here first;
+- KV-cache usage against `targetKvCacheUsage`: a full cache preempts and recomputes;
+- running sequences per replica against the plan's max_num_seqs x TARGET_BATCH_OCCUPANCY.
+Gauges are averaged over the window's reads: one read is a sample of something that moves with
+every request.
+
+Rules (each has a test in tests/operator/autoscaling/test_decisions.py):
+- the largest ratio decides; within `1 ± tolerance` nothing moves (noise);
+- up: above 1 + tolerance (for `scaleUpStabilizationSeconds`), to ceil(replicas × ratio), at
+  least one more, at most `maxStep` more; never while pods of the last scale-up are not ready
+  (more pending pods do not help a scheduler that cannot place the first ones), and once they
+  are, the window starts again (what it held was the reason for that scale-up);
+- down: each period recommends the fewest replicas n at which the observed load would still sit
+  under 1 − tolerance, taking the load per replica to grow as replicas/n. That holds for the
+  queue, KV and batch, and for the affine part of latency, but queueing makes latency convex in
+  the load: so the controller also learns `knee`, the requests per second per replica at which
+  this service went over the band (from steady windows without a backlog), and never plans a
+  rate per replica past it. Replicas go down to the largest recommendation of the last
+  `scaleDownStabilizationSeconds`, only once that long has passed since the last change, at
+  most `maxStep` at a time;
+- pods whose /metrics cannot be read are unknown: left out of the signals, named in the reason,
+  and they do not stop the others from scaling;
+- to zero (minReplicas 0) only after a stabilization window in which no request arrived at all
+  and every pod reported: a trickle too thin for a p95 still keeps one replica, and so does an
+  engine still loading for the request that woke it;
+- replicas changed by someone else (the gateway scaling from zero, `kubectl scale`) start a new
+  regime, as the controller's own changes do: the recommendations made for the old count go;
+- min/max replicas bound everything; mode `external` and `off` never change replicas (signals are
+  still computed for the status); at 0 replicas nothing reports, so nothing moves here: the
+  gateway (gateway.py) sees the demand in front of the engines and scales from zero.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.autoscaling.metrics import (
+    EngineReading,
+    Histogram,
+    counter_increase,
+    histogram_quantile,
+    increase,
+    merge,
+)
+
+QUANTILE = 0.95
+# Running sequences per replica, as a fraction of max_num_seqs, that counts as fully used: a
+# batch slot free most of the time keeps a request's wait for one short (Erlang C: 8 slots at 0.8
+# wait with probability ~0.3, for a fraction of one request's service time).
+TARGET_BATCH_OCCUPANCY = 0.8
+# A p95 of fewer requests than this is mostly their maximum: shown, but not acted on. A service
+# that slow to fill a window is not one that more replicas help; its queue would say if it were.
+MIN_OBSERVATIONS = 20
+# How often the operator reads the engines (`kvpilot operator --autoscale-interval`), and how far
+# back a window reaches, in periods: a window spans a few reads so that a p95 rests on more than
+# one period's requests.
+INTERVAL_SECONDS = 15.0
+WINDOW_PERIODS = 4
+WINDOW_SECONDS = WINDOW_PERIODS * INTERVAL_SECONDS
+# Floating-point slack for ceil(): 2 × 0.45 / 0.9 must be 1, not 1.0000000000000002 -> 2.
+_EPSILON = 1e-9
+
+Action = Literal["up", "down", "hold"]
+
+
+class _Data(BaseModel):
+    # camelCase in the status, like the rest of it; frozen: a step returns new state, never edits.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, frozen=True)
+
+
+class Policy(_Data):
+    """What the spec asks of the autoscaler, in seconds and ratios."""
+
+    mode: Literal["slo", "external", "off"] = "slo"
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    max_step: int = Field(default=2, ge=1)
+    tolerance: float = Field(default=0.1, ge=0, lt=1)
+    ttft_p95_seconds: float = Field(default=2.0, gt=0)
+    tpot_p95_seconds: float = Field(default=0.1, gt=0)
+    max_waiting_per_replica: float = Field(default=4, gt=0)
+    target_kv_cache_usage: float = Field(default=0.9, gt=0, le=1)
+    scale_up_stabilization_seconds: float = Field(default=0, ge=0)
+    scale_down_stabilization_seconds: float = Field(default=300, ge=0)
+    window_seconds: float = Field(default=WINDOW_SECONDS, gt=0)
+    # The engines' batch limit (the plan's max_num_seqs); None: no occupancy signal.
+    max_num_seqs: int | None = Field(default=None, gt=0)
+    target_batch_occupancy: float = Field(default=TARGET_BATCH_OCCUPANCY, gt=0, le=1)
+
+    @classmethod
+    def from_spec(cls, spec: InferenceServiceSpec, max_num_seqs: int | None = None,
+                  interval_seconds: float = INTERVAL_SECONDS) -> Policy:
+        a = spec.autoscaling
+        return cls(max_num_seqs=max_num_seqs, window_seconds=WINDOW_PERIODS * interval_seconds,
+                   mode=a.mode, min_replicas=a.min_replicas,
+                   max_replicas=a.max_replicas, max_step=a.max_step, tolerance=a.tolerance,
+                   ttft_p95_seconds=spec.slo.ttft_p95_ms / 1000, tpot_p95_seconds=spec.slo.tpot_p95_ms / 1000,
+                   max_waiting_per_replica=a.max_waiting_per_replica,
+                   target_kv_cache_usage=a.target_kv_cache_usage,
+                   scale_up_stabilization_seconds=a.scale_up_stabilization_seconds,
+                   scale_down_stabilization_seconds=a.scale_down_stabilization_seconds)
+
+
+class PodRead(_Data):
+    """One ready pod's /metrics this period: a reading, or why there is none."""
+
+    name: str
+    reading: EngineReading | None = None
+    error: str | None = None
+
+
+class Observation(_Data):
+    """What the caller saw this period."""
+
+    now: float  # seconds since the epoch
+    replicas: int = Field(ge=0)  # the scale subresource's spec.replicas
+    ready_replicas: int = Field(ge=0)
+    pods: tuple[PodRead, ...] = ()  # the ready pods, each read once
+
+
+class Baseline(_Data):
+    """A pod's last cumulative histograms and counters, the start of its next increase."""
+
+    ttft: Histogram | None = None
+    tpot: Histogram | None = None
+    draft_tokens: float | None = None
+    accepted_tokens: float | None = None
+
+
+class Mean(_Data):
+    """Gauge values summed over pods (and periods), with how many there were."""
+
+    total: float = 0.0
+    n: int = 0
+
+    @classmethod
+    def of(cls, values: Sequence[float | None]) -> Mean:
+        known = [v for v in values if v is not None]
+        return cls(total=sum(known), n=len(known))
+
+    def __add__(self, other: Mean) -> Mean:
+        return Mean(total=self.total + other.total, n=self.n + other.n)
+
+    def value(self) -> float | None:
+        return self.total / self.n if self.n else None
+
+
+class WindowEntry(_Data):
+    """One period ending at `at`: the increase of all pods' histograms, and the gauges read.
+    Gauges are averaged over the window like the histograms: one read of `running` is a sample
+    of a quantity that moves with every request."""
+
+    at: float
+    seconds: float = 0.0  # since the previous period
+    ttft: Histogram | None = None
+    tpot: Histogram | None = None
+    # Pods whose TTFT increase covers the whole period (they had a baseline): ttft.count over
+    # seconds x pods is the request rate per replica.
+    pods_with_baseline: int = 0
+    waiting: Mean = Mean()
+    running: Mean = Mean()
+    kv_usage: Mean = Mean()
+    # Speculative decoding: draft tokens proposed and accepted in the period, all pods.
+    draft_tokens: float = 0.0
+    accepted_tokens: float = 0.0
+
+
+class Recommendation(_Data):
+    at: float
+    replicas: int
+
+
+class Signals(_Data):
+    """The numbers a decision rests on (None: nothing observed)."""
+
+    ttft_p95_seconds: float | None = None
+    tpot_p95_seconds: float | None = None
+    ttft_observations: int = 0  # requests in the window behind each p95
+    tpot_observations: int = 0
+    waiting_per_replica: float | None = None
+    kv_cache_usage: float | None = None
+    batch_occupancy: float | None = None  # mean running / max_num_seqs
+    # Requests per second per replica (first tokens in the window): unlike latency, it grows in
+    # exact proportion to the load per replica.
+    rate_per_replica: float | None = None
+    # Accepted over proposed draft tokens in the window (speculative decoding; None: no drafts):
+    # the measured counterpart of the planner's assumed acceptance. Shown, not acted on.
+    draft_acceptance: float | None = None
+    reporting: int = 0
+    unknown: tuple[str, ...] = ()
+    # The largest ratio of a signal to its target, and which signal it is.
+    ratio: float | None = None
+    limiting: str | None = None
+
+
+class Decision(_Data):
+    at: float
+    action: Action
+    replicas: int  # desired: what the scale subresource should say
+    previous: int
+    reason: str
+    signals: Signals
+
+
+class AutoscalerState(_Data):
+    """Everything the next step needs from this one (kept in the status)."""
+
+    baselines: dict[str, Baseline] = Field(default_factory=dict)
+    window: tuple[WindowEntry, ...] = ()
+    recommendations: tuple[Recommendation, ...] = ()
+    # When the current run of scale-down recommendations started: the last change of replicas,
+    # or the first step. Scale-down waits until it is a stabilization window old.
+    observed_since: float | None = None
+    over_since: float | None = None  # first step of the current run above the band
+    # Requests per second per replica at which the signals last went over the band in a steady
+    # window, raised when a steady window is comfortable above it: where this service's latency
+    # breaks, learned. Scale-down never plans a rate per replica above it.
+    knee: float | None = None
+    # The last read in which a pod's queue was past its target (a backlog).
+    backlog_at: float | None = None
+    last_scale_up: Recommendation | None = None
+    last_decision: Decision | None = None
+
+
+def _ms(seconds: float | None) -> str:
+    return "none" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def _signals(policy: Policy, window: Sequence[WindowEntry], reads: Sequence[PodRead]) -> Signals:
+    ttft = merge(e.ttft for e in window if e.ttft is not None)
+    tpot = merge(e.tpot for e in window if e.tpot is not None)
+    readings = [p.reading for p in reads if p.reading is not None]
+    running = sum((e.running for e in window), Mean()).value()
+    replica_seconds = sum(e.seconds * e.pods_with_baseline for e in window if e.ttft is not None)
+    started = sum(e.ttft.count for e in window if e.ttft is not None)
+    drafted = sum(e.draft_tokens for e in window)
+    signals = Signals(
+        draft_acceptance=sum(e.accepted_tokens for e in window) / drafted if drafted > 0 else None,
+        ttft_p95_seconds=histogram_quantile(QUANTILE, ttft) if ttft else None,
+        tpot_p95_seconds=histogram_quantile(QUANTILE, tpot) if tpot else None,
+        ttft_observations=int(ttft.count) if ttft else 0,
+        tpot_observations=int(tpot.count) if tpot else 0,
+        waiting_per_replica=sum((e.waiting for e in window), Mean()).value(),
+        kv_cache_usage=sum((e.kv_usage for e in window), Mean()).value(),
+        batch_occupancy=running / policy.max_num_seqs if running is not None and policy.max_num_seqs else None,
+        rate_per_replica=started / replica_seconds if replica_seconds > 0 else None,
+        reporting=len(readings),
+        unknown=tuple(sorted(p.name for p in reads if p.reading is None)),
+    )
+    enough_ttft = signals.ttft_observations >= MIN_OBSERVATIONS
+    enough_tpot = signals.tpot_observations >= MIN_OBSERVATIONS
+    ratios = {
+        "TTFT": (signals.ttft_p95_seconds if enough_ttft else None, policy.ttft_p95_seconds),
+        "TPOT": (signals.tpot_p95_seconds if enough_tpot else None, policy.tpot_p95_seconds),
+        "waiting": (signals.waiting_per_replica, policy.max_waiting_per_replica),
+        "KV": (signals.kv_cache_usage, policy.target_kv_cache_usage),
+        "batch": (signals.batch_occupancy, policy.target_batch_occupancy),
+    }
+    known = {name: value / target for name, (value, target) in ratios.items() if value is not None}
+    if not known or not readings:
+        return signals
+    limiting = max(known, key=known.__getitem__)
+    return signals.model_copy(update={"ratio": known[limiting], "limiting": limiting})
+
+
+def describe(policy: Policy, s: Signals, knee: float | None) -> str:
+    """The signals as one line of numbers, for the reason of every decision."""
+    kv = "none" if s.kv_cache_usage is None else f"{s.kv_cache_usage:.0%}"
+    batch = ("" if s.batch_occupancy is None
+             else f", batch {s.batch_occupancy:.0%} full (target {policy.target_batch_occupancy:.0%})")
+    waiting = "none" if s.waiting_per_replica is None else f"{s.waiting_per_replica:.1f}"
+    text = (f"p95 TTFT {_ms(s.ttft_p95_seconds)} of {s.ttft_observations} (SLO {_ms(policy.ttft_p95_seconds)}), "
+            f"p95 TPOT {_ms(s.tpot_p95_seconds)} of {s.tpot_observations} (SLO {_ms(policy.tpot_p95_seconds)}), "
+            f"waiting {waiting}/replica (max {policy.max_waiting_per_replica:g}), "
+            f"KV {kv} (target {policy.target_kv_cache_usage:.0%}){batch}; pods reporting: {s.reporting}")
+    if s.unknown:
+        text += f", unknown: {len(s.unknown)} ({', '.join(s.unknown)})"
+    if s.rate_per_replica is not None:
+        text += f"; {s.rate_per_replica:.2f} req/s per replica"
+        if knee is not None:
+            text += f" (over the band at {knee:.2f})"
+    if s.ratio is not None:
+        text += f"; {s.limiting} at {s.ratio:.2f}x its target"
+    return text
+
+
+def _advance_window(policy: Policy, state: AutoscalerState,
+                    obs: Observation) -> tuple[dict[str, Baseline], tuple[WindowEntry, ...]]:
+    """New baselines and the window with this period's increases appended, old entries dropped."""
+    baselines: dict[str, Baseline] = {}
+    ttft: list[Histogram] = []
+    tpot: list[Histogram] = []
+    with_baseline = 0
+    drafted = accepted = 0.0
+    for pod in obs.pods:
+        before = state.baselines.get(pod.name, Baseline())
+        if pod.reading is None:
+            # Keep its baseline: its next read's increase covers the periods it missed.
+            baselines[pod.name] = before
+            continue
+        r = pod.reading
+        if r.ttft is not None:
+            ttft.append(increase(before.ttft, r.ttft))
+            with_baseline += before.ttft is not None
+        if r.tpot is not None:
+            tpot.append(increase(before.tpot, r.tpot))
+        drafted += counter_increase(before.draft_tokens, r.draft_tokens)
+        accepted += counter_increase(before.accepted_tokens, r.accepted_tokens)
+        baselines[pod.name] = Baseline(ttft=r.ttft, tpot=r.tpot, draft_tokens=r.draft_tokens,
+                                       accepted_tokens=r.accepted_tokens)
+    readings = [p.reading for p in obs.pods if p.reading is not None]
+    previous = state.last_decision.at if state.last_decision is not None else obs.now
+    entry = WindowEntry(at=obs.now, seconds=obs.now - previous, ttft=merge(ttft), tpot=merge(tpot),
+                        pods_with_baseline=with_baseline,
+                        waiting=Mean.of([r.waiting for r in readings]),
+                        running=Mean.of([r.running for r in readings]),
+                        kv_usage=Mean.of([r.kv_usage for r in readings]),
+                        draft_tokens=drafted, accepted_tokens=accepted)
+    window = tuple(e for e in state.window if e.at > obs.now - policy.window_seconds) + (entry,)
+    return baselines, window
+
+
+def _learn_knee(policy: Policy, knee: float | None, signals: Signals, window: Sequence[WindowEntry],
+                backlog_at: float | None, steady: bool) -> float | None:
+    """The rate per replica where the signals cross the band, from windows in which replicas did
+    not change (a window that straddles a change mixes two loads per replica).
+
+    An over-band window teaches only if no pod's queue was past its target from the read before
+    it on: with a long queue the rate is whatever the pods manage to serve, and while a backlog
+    drains it is lower still (a pod's queue is its own: new pods do not take over old pods'
+    queues) while the TTFT of the requests that waited in it stays high for a while; neither says
+    where this load per replica breaks."""
+    rate, ratio = signals.rate_per_replica, signals.ratio
+    if not steady or rate is None or rate <= 0 or ratio is None:
+        return knee
+    if ratio > 1 + policy.tolerance:
+        window_start = window[0].at - window[0].seconds
+        if backlog_at is not None and backlog_at >= window_start:
+            return knee
+        return rate if knee is None else min(knee, rate)
+    if knee is not None and ratio <= 1 - policy.tolerance and rate > knee:
+        return rate
+    return knee
+
+
+def _clamp(policy: Policy, replicas: int) -> int:
+    return max(policy.min_replicas, min(policy.max_replicas, replicas))
+
+
+def step(policy: Policy, state: AutoscalerState, obs: Observation) -> tuple[AutoscalerState, Decision]:
+    """One period: the new state and what to do about replicas."""
+    baselines, window = _advance_window(policy, state, obs)
+    current = obs.replicas
+    if state.last_decision is not None and state.last_decision.replicas != current:
+        state = state.model_copy(update={"recommendations": (), "observed_since": None, "over_since": None})
+    since = state.observed_since if state.observed_since is not None else obs.now
+    last_up = state.last_scale_up
+    if last_up is not None and obs.ready_replicas >= min(last_up.replicas, current):
+        # Its pods are all ready (or replicas went below it since): nothing of it is pending any
+        # more, and a pod that fails later is not "the last scale-up" holding the next one.
+        last_up = None
+        # What the window saw before they were ready (the queue they came to drain, the TTFT of
+        # requests that waited in it) is no reason for another scale-up: start it again.
+        window = window[-1:]
+    signals = _signals(policy, window, obs.pods)
+    backlog_at = state.backlog_at
+    if any((p.reading.waiting or 0) > policy.max_waiting_per_replica for p in obs.pods if p.reading):
+        backlog_at = obs.now
+    knee = _learn_knee(policy, state.knee, signals, window, backlog_at,
+                       steady=obs.now - since >= policy.window_seconds and last_up is None)
+    numbers = describe(policy, signals, knee)
+    state = state.model_copy(update={"baselines": baselines, "window": window, "observed_since": since,
+                                     "last_scale_up": last_up, "knee": knee, "backlog_at": backlog_at})
+
+    def decide(action: Action, replicas: int, why: str, **changes: object) -> tuple[AutoscalerState, Decision]:
+        if action != "hold":
+            # A change starts a new regime: earlier recommendations were made for other replicas.
+            changes.update(recommendations=(), observed_since=obs.now, over_since=None)
+        decision = Decision(at=obs.now, action=action, replicas=replicas, previous=current,
+                            reason=f"{why}: {numbers}", signals=signals)
+        return state.model_copy(update={**changes, "last_decision": decision}), decision
+
+    if policy.mode != "slo":
+        return decide("hold", current, f"autoscaling.mode is {policy.mode}: replicas are left as they are")
+    if current == 0:
+        # Nothing runs, so nothing reports: the gateway, which sees requests arrive, scales from
+        # zero. Scaled to zero by hand, it stays there (as under an HPA) until replicas are set.
+        return decide("hold", 0, "0 replicas: no engine reports load; the gateway scales up on the next request")
+    bounded = _clamp(policy, current)
+    if bounded != current:
+        action: Action = "up" if bounded > current else "down"
+        return decide(action, bounded, f"{current} replicas is outside [{policy.min_replicas}, "
+                                       f"{policy.max_replicas}]: {current} -> {bounded}")
+    if signals.ratio is None:
+        return decide("hold", current, "no signal (no pod reported metrics)")
+    ratio, tol = signals.ratio, policy.tolerance
+
+    if ratio > 1 + tol:
+        over_since = state.over_since if state.over_since is not None else obs.now
+        rec = Recommendation(at=obs.now, replicas=current)
+        held = {"over_since": over_since, "recommendations": (*state.recommendations, rec)}
+        if current >= policy.max_replicas:
+            return decide("hold", current, f"over the SLO band but at maxReplicas {policy.max_replicas}", **held)
+        waited = obs.now - over_since
+        up_window = policy.scale_up_stabilization_seconds
+        if waited < up_window:
+            return decide("hold", current,
+                          f"over the SLO band for {waited:.0f} s of the {up_window:.0f} s scale-up window", **held)
+        last = state.last_scale_up
+        if last is not None:
+            return decide("hold", current, f"over the SLO band, but the last scale-up to {last.replicas} "
+                                           f"has {obs.ready_replicas} ready: waiting for its pods", **held)
+        wanted = max(current + 1, math.ceil(current * ratio - _EPSILON))
+        desired = min(policy.max_replicas, current + policy.max_step, wanted)
+        return decide("up", desired, f"over the SLO band (> {1 + tol:.2f}x): {current} -> {desired}",
+                      last_scale_up=Recommendation(at=obs.now, replicas=desired))
+
+    # At or under the band's top: the fewest replicas at which this load stays under 1 - tolerance,
+    # in every signal and (once known) in the request rate at which this service went over.
+    load = ratio
+    if knee is not None and signals.rate_per_replica is not None:
+        load = max(load, signals.rate_per_replica / knee)
+    if load <= 1 - tol:
+        fewest = math.ceil(current * load / (1 - tol) - _EPSILON)
+        if signals.ttft_observations or signals.tpot_observations or signals.waiting_per_replica or signals.unknown:
+            # Requests came, or a pod could not say (an engine still loading for a request the
+            # gateway holds): zero only after a window in which every pod saw none.
+            fewest = max(fewest, 1)
+        recommended = min(current, max(policy.min_replicas, current - policy.max_step, fewest))
+    else:
+        recommended = current
+    down_window = policy.scale_down_stabilization_seconds
+    recent = tuple(r for r in state.recommendations if r.at > obs.now - down_window)
+    recs = (*recent, Recommendation(at=obs.now, replicas=recommended))
+    kept = {"over_since": None, "recommendations": recs}
+    if recommended >= current:
+        fewer = load * current / max(current - 1, 1)
+        why = ("within the tolerance band" if ratio > 1 - tol
+               else f"under the band, but {current - 1} replicas would not be (x{fewer:.2f})"
+               if current > policy.min_replicas else f"under the band, at minReplicas {policy.min_replicas}")
+        return decide("hold", current, why, **kept)
+    observed = obs.now - since
+    if observed < down_window:
+        return decide("hold", current, f"under the band ({recommended} replicas would do), for {observed:.0f} s "
+                                       f"of the {down_window:.0f} s scale-down window", **kept)
+    desired = max(r.replicas for r in recs)
+    if desired >= current:
+        return decide("hold", current, f"under the band now, but the last {down_window:.0f} s needed "
+                                       f"{desired} replicas", **kept)
+    return decide("down", desired, f"under the band for {down_window:.0f} s, {desired} replicas would stay "
+                                   f"under {1 - tol:.2f}x: {current} -> {desired}")

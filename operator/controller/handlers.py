@@ -1,0 +1,198 @@
+"""kopf wiring: thin handlers that run `reconcile` and write its status.
+
+Importing this module registers the handlers in kopf's default registry (`kvpilot operator`
+does); all decisions live in the pure modules, all API calls in `cluster.KubeCluster`.
+
+No handler here makes kopf put a finalizer on InferenceServices (kopf adds one only for timers,
+daemons and non-optional on.delete handlers; the autoscaler's periodic work is an asyncio task
+started on startup instead), so `kubectl delete` never waits for the operator:
+the children go by their owner references (garbage collection). Instead of a periodic resync,
+the operator watches its children (Deployments, Services and PodDisruptionBudgets labelled as
+managed by it): a change or deletion of one reconciles its owner, so Ready follows the pods within
+seconds, a child deleted by hand comes back at once, and an idle cluster costs no API requests.
+In a burst, events of one InferenceService collapse into the reconcile already waiting for it, and
+a Service or PDB event whose object is as rendered reconciles nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Mapping
+from contextlib import suppress
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from kvpilot.operator.api import names
+from kvpilot.operator.api.names import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from kvpilot.operator.autoscaling.decisions import INTERVAL_SECONDS
+from kvpilot.operator.autoscaling.loop import AutoscalingLoop
+from kvpilot.operator.controller import render
+from kvpilot.operator.controller.reconcile import (
+    as_rendered,
+    controller_of,
+    reconcile,
+    refresh,
+)
+from kvpilot.operator.controller.serial import Reconciles
+from kvpilot.operator.gateway.server import HOLD_SECONDS, Gateway
+from kvpilot.operator.kube.cluster import KubeCluster, WriteConflict
+from kvpilot.operator.kube.indexes import index_entry, pod_ready
+from kvpilot.operator.kube.merge_patch import merge_patch
+
+# kopf's bookkeeping annotations, under our own domain instead of kopf.zalando.org.
+ANNOTATION_PREFIX = GROUP
+# Set by the chart from its engine.image value: the engine image for specs without spec.image.
+ENGINE_IMAGE_ENV = "KVPILOT_ENGINE_IMAGE"
+# A blocked InferenceService (a same-named object of someone else, a write the API server refused)
+# is tried again this often: the object in the way carries no label of ours, so no event says
+# when it is gone.
+BLOCKED_RETRY_SECONDS = 60.0
+BLOCKED = ("NameConflict", "ApplyFailed")
+# A spec without accelerator.type that found no GPU on the nodes (the GPU pool scaled to zero, say)
+# is planned again this often: nothing watches nodes, so no event says when GPUs are back.
+NO_GPU_RETRY_SECONDS = 60.0
+
+
+def engine_image(environ: Mapping[str, str]) -> str:
+    """The operator's default engine image: the environment's, else the built-in one."""
+    return environ.get(ENGINE_IMAGE_ENV) or render.DEFAULT_ENGINE_IMAGE
+
+
+# Logged once per reconcile that an event of a child or pod ran (bench/operator_scale.py counts it).
+REFRESHED = "Reconciled InferenceService"
+
+
+def _refresh(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
+             services: Mapping[Any, Any] | None) -> None:
+    """Reconcile `namespace/name` for an event of a child or pod (collapsed with the other events
+    of a burst: controller/serial.py)."""
+    try:
+        version = memo.reconciles.collapsed((namespace, name), services, lambda known: refresh(
+            memo.cluster, namespace, name, datetime.now(UTC), default_image=memo.engine_image, known=known))
+    except WriteConflict as error:
+        # Whatever changed it is an event of its own, which reconciles again.
+        logger.debug(f"{namespace}/{name} changed while reconciling: {error}")
+        return
+    if version is not None:
+        logger.info(f"{REFRESHED} {namespace}/{name}")
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+    settings.posting.level = logging.WARNING
+    # Per-object memos are shallow copies of this one, so every handler sees the one client and
+    # the one set of per-service locks.
+    memo.cluster = KubeCluster.connect()
+    memo.reconciles = Reconciles()
+    # Read once here, so reconciliation stays a function of the object and this value.
+    memo.engine_image = engine_image(os.environ)
+
+
+# What the autoscaler's loop reads, indexed by kopf from the watches it runs anyway: a period
+# costs no API reads. Indexes add no finalizer (only timers, daemons and on.delete handlers do).
+@kopf.index(GROUP, VERSION, PLURAL)
+def autoscaled_services(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return index_entry(body)
+
+
+@kopf.index("apps/v1", "deployments", labels=names.MANAGED_BY)
+def engine_deployments(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return index_entry(body)
+
+
+@kopf.index("v1", "pods", labels=names.MANAGED_BY)
+def engine_pods(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return index_entry(body, key_label=names.INSTANCE_LABEL)
+
+
+@kopf.on.startup()
+async def start_autoscaler(memo: kopf.Memo, autoscaled_services: kopf.Index, engine_deployments: kopf.Index,
+                           engine_pods: kopf.Index, **_: Any) -> None:
+    """The SLO autoscaler's periodic loop (autoscaling/loop.py), as a plain asyncio task: a kopf
+    timer or daemon would put a finalizer on every InferenceService. And the gateway
+    (gateway/server.py) when asked for: it reads the same indexes. Both write through the one
+    cluster adapter `configure` built."""
+    loop = AutoscalingLoop(memo.cluster, autoscaled_services, engine_deployments, engine_pods,
+                           memo.get("autoscale_interval", INTERVAL_SECONDS))
+    memo.autoscaler = asyncio.create_task(loop.run(), name="kvpilot-autoscaler")
+    address = memo.get("gateway")
+    if address is not None:
+        gateway = Gateway(autoscaled_services, engine_deployments, engine_pods, memo.cluster,
+                          memo.get("gateway_hold_seconds", HOLD_SECONDS))
+        memo.gateway_runner = await gateway.serve(*address)
+
+
+@kopf.on.cleanup()
+async def stop_autoscaler(memo: kopf.Memo, **_: Any) -> None:
+    task = memo.get("autoscaler")
+    if task is not None:
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
+    runner = memo.get("gateway_runner")
+    if runner is not None:
+        await runner.cleanup()
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
+                      logger: logging.Logger, **_: Any) -> None:
+    metadata = body["metadata"]
+    key = (metadata["namespace"], metadata["name"])
+    with memo.reconciles.lock(key):
+        # kopf writes this status after the handler: a version no event's reconcile has seen.
+        memo.reconciles.forget(key)
+        try:
+            status = reconcile(body, memo.cluster, datetime.now(UTC),
+                               default_image=memo.engine_image)
+        except WriteConflict as error:
+            raise kopf.TemporaryError(f"changed while reconciling: {error}", delay=1) from None
+    patch.status.update(merge_patch(body.get("status") or {}, status))
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    logger.debug(f"Ready={ready['status']} ({ready['reason']}): {ready['message']}")
+    if ready["reason"] in BLOCKED:
+        # The status above is written either way; kopf calls the handler again after the delay.
+        raise kopf.TemporaryError(f"{ready['reason']}: {ready['message']}",
+                                  delay=BLOCKED_RETRY_SECONDS)
+    planned = next(c for c in status["conditions"] if c["type"] == "Planned")
+    if planned["reason"] == "NoGPUType":
+        raise kopf.TemporaryError(f"NoGPUType: {planned['message']}", delay=NO_GPU_RETRY_SECONDS)
+
+
+@kopf.on.event("v1", "pods", labels=names.MANAGED_BY)
+def pod_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
+                autoscaled_services: kopf.Index | None = None, **_: Any) -> None:
+    """An engine pod changed (scheduled, crash-looping, ready): its InferenceService's status may
+    have a new reason. Pods are owned by ReplicaSets, so the owner comes from the instance label."""
+    namespace = body["metadata"]["namespace"]
+    name = (body["metadata"].get("labels") or {}).get(names.INSTANCE_LABEL)
+    if not name or body["metadata"].get("deletionTimestamp") or pod_ready(body):
+        # A pod becoming ready or going away changes its Deployment's status, whose own event
+        # reconciles; only a pod stuck before ready has something to add.
+        return
+    _refresh(namespace, name, memo, logger, autoscaled_services)
+
+
+@kopf.on.event("apps/v1", "deployments", labels=names.MANAGED_BY)
+@kopf.on.event("v1", "services", labels=names.MANAGED_BY)
+@kopf.on.event("policy/v1", "poddisruptionbudgets", labels=names.MANAGED_BY)
+def child_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, type: str | None = None,
+                  autoscaled_services: kopf.Index | None = None, **_: Any) -> None:
+    owner = controller_of(body)
+    if owner is None or (owner.get("apiVersion"), owner.get("kind")) != (API_VERSION, KIND):
+        return
+    if type != "DELETED" and as_rendered(body, owner):
+        # A Service or PDB as we made it (our own create or update, or a status or defaults
+        # change of another controller): the owner's status does not depend on it.
+        return
+    _refresh(body["metadata"]["namespace"], owner["name"], memo, logger, autoscaled_services)

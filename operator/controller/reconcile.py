@@ -1,0 +1,258 @@
+"""One reconciliation of an InferenceService: plan, render, converge the children, report status.
+
+Level-triggered and idempotent: it derives everything from the object as it is now (and the
+status it wrote last), so create, update, resume and every child event run the same function, a
+child deleted by hand comes back on the event of its deletion, and a restarted operator converges
+on the objects it already made. Decisions are made here; the `Cluster` adapter does the I/O.
+
+- Only children this InferenceService owns (a controller owner reference with its UID) are ever
+  written. A same-named object of anyone else is left exactly as it is, nothing is written, and
+  the status says `NameConflict`.
+- A child whose rendering has not changed is not written at all, so a reconcile of a converged
+  service costs reads only.
+- A spec that stops planning keeps the Deployment of the last plan that fit running; only a spec
+  that never planned has no Deployment. Nothing here deletes anything. `status.lastGoodPlan`
+  keeps that plan's spec, so its Deployment is rendered from it meanwhile (with the current
+  `replicas`): deleted by hand, it comes back.
+- The GPU chosen for an unset `accelerator.type` is kept (in `status.lastGoodPlan`) while the spec
+  stays the same apart from `replicas`, so a new node type does not re-plan (and roll) every
+  service, and a scale (the autoscaler and the gateway write `spec.replicas`, which bumps the
+  generation) applies its replicas to the same plan even when no node has a GPU left; any other
+  spec change plans afresh.
+- A write the API server refuses (say a quantity it cannot parse) becomes `ApplyFailed` with the
+  API server's message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvpilot.operator.api import names
+from kvpilot.operator.api.names import API_VERSION, GROUP, KIND
+from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.controller import render, status
+from kvpilot.operator.kube.cluster import Cluster, Manifest, WriteRefused, describe
+from kvpilot.operator.kube.merge_patch import merge_patch
+from kvpilot.operator.planning.planner import Plan, plan
+
+# The hash of the rendered manifest, on each child: unchanged hash (and no field of ours edited by
+# hand) means nothing to write.
+RENDERED_HASH = f"{GROUP}/rendered-hash"
+
+
+def _invalid(body: Mapping[str, Any], error: ValidationError) -> Plan:
+    problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+    return Plan(fits=False, failure="InvalidSpec", reason=f"invalid spec: {problems}",
+                model=str(body.get("spec", {}).get("model", {}).get("name", "")))
+
+
+def controller_of(obj: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The owner reference with controller: true, None when nothing controls `obj`."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return next((dict(r) for r in refs if r.get("controller")), None)
+
+
+def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    controller = controller_of(obj)
+    return controller is not None and controller.get("uid") == uid
+
+
+def _owner_words(obj: Mapping[str, Any]) -> str:
+    controller = controller_of(obj)
+    if controller is None:
+        return "no controller (no controller owner reference)"
+    return (f"{controller.get('kind')} {controller.get('name')} "
+            f"(apiVersion {controller.get('apiVersion')}, uid {controller.get('uid')})")
+
+
+def stamped(manifest: Manifest) -> Manifest:
+    """`manifest` with the hash of its content in the RENDERED_HASH annotation."""
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:32]
+    metadata = manifest["metadata"]
+    return {**manifest, "metadata": {
+        **metadata, "annotations": {**metadata.get("annotations", {}), RENDERED_HASH: digest}}}
+
+
+def _contains(actual: Any, wanted: Any) -> bool:
+    """Every field of `wanted` has its value in `actual` (which may carry more: defaults, status,
+    other managers' fields). Empty wanted values match absent ones, as the API server omits them."""
+    if isinstance(wanted, Mapping):
+        actual = actual if isinstance(actual, Mapping) else {}
+        return all(_contains(actual.get(key), value) for key, value in wanted.items())
+    if isinstance(wanted, list):
+        actual = actual if isinstance(actual, list) else []
+        return len(actual) == len(wanted) and all(map(_contains, actual, wanted))
+    if actual is None:
+        return wanted in ({}, [], None)
+    return bool(actual == wanted)
+
+
+def unchanged(existing: Mapping[str, Any], manifest: Manifest) -> bool:
+    """Writing `manifest` (stamped) over `existing` would change nothing of ours."""
+    annotations = (existing.get("metadata") or {}).get("annotations") or {}
+    return (annotations.get(RENDERED_HASH) == manifest["metadata"]["annotations"][RENDERED_HASH]
+            and _contains(existing, manifest))
+
+
+# The children rendered from the owner's name, namespace and UID alone (not its spec or plan).
+_SPEC_FREE = {"Service": render.service, "PodDisruptionBudget": render.pod_disruption_budget}
+
+
+def as_rendered(child: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
+    """`child` is a Service or PDB of the InferenceService `owner` (its controller reference)
+    whose fields of ours are as the owner would render them: an event of it has nothing to
+    reconcile (reading the owner would tell)."""
+    rendering = _SPEC_FREE.get(str(child.get("kind")))
+    if rendering is None:
+        return False
+    return unchanged(child, stamped(rendering(owner["name"], child["metadata"]["namespace"], owner["uid"])))
+
+
+def planned_fields(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """What a plan depends on: the spec without `replicas` (a scale keeps the plan) and without
+    defaults (short in the status, and an operator with a new default does not count as a change)."""
+    return spec.model_dump(mode="json", by_alias=True, exclude={"replicas"}, exclude_defaults=True)
+
+
+def last_good(planned: dict[str, Any], gpu: str, gpu_reason: str | None) -> dict[str, Any]:
+    """`status.lastGoodPlan` for a plan that fits: the spec it was made for (`planned_fields`)
+    and the GPU chosen (and why), all that rendering its Deployment again needs."""
+    return {"gpu": gpu, "spec": planned, **({"gpuReason": gpu_reason} if gpu_reason else {})}
+
+
+def _kept(old: Mapping[str, Any], planned: dict[str, Any] | None, generation: int) -> dict[str, Any]:
+    """`status.lastGoodPlan`; for a status written before it existed (by an older operator), the
+    plan that status holds when it fit and was made for this generation, so that an upgrade does
+    not re-plan (and roll onto another GPU type) every service."""
+    if old.get("lastGoodPlan"):
+        return dict(old["lastGoodPlan"])
+    previous = old.get("plan") or {}
+    if planned is None or old.get("observedGeneration") != generation or not previous.get("fits") \
+            or not previous.get("gpu"):
+        return {}
+    return last_good(planned, str(previous["gpu"]), (previous.get("reasons") or {}).get("gpu"))
+
+
+def _last_good_serving(kept: Mapping[str, Any],
+                       replicas: int | None) -> tuple[InferenceServiceSpec, Plan] | None:
+    """The spec and plan of `status.lastGoodPlan` with `replicas`, to render its Deployment while
+    the spec does not plan; None without one (or one this operator cannot plan any more)."""
+    if not kept.get("spec") or not kept.get("gpu"):
+        return None
+    try:
+        spec = InferenceServiceSpec.model_validate({**kept["spec"], "replicas": replicas})
+    except ValidationError:
+        return None
+    result = plan(spec, [str(kept["gpu"])])
+    return (spec, result) if result.fits else None
+
+
+def _kept_gpu(spec: InferenceServiceSpec, planned: dict[str, Any], kept: Mapping[str, Any]) -> str | None:
+    """The GPU of the last plan that fit, when it was made for this spec (replicas aside) and
+    the spec does not name a type."""
+    if spec.accelerator.type or kept.get("spec") != planned or not kept.get("gpu"):
+        return None
+    return str(kept["gpu"])
+
+
+def _plan(spec: InferenceServiceSpec, planned: dict[str, Any], cluster: Cluster, kept: Mapping[str, Any]) -> Plan:
+    gpu = _kept_gpu(spec, planned, kept)
+    if gpu is None:
+        return plan(spec, cluster.gpu_products() if not spec.accelerator.type else [])
+    result = plan(spec, [gpu])
+    why = kept.get("gpuReason")
+    if not result.fits or not why:
+        return result
+    return result.model_copy(update={"reasons": {**result.reasons, "gpu": why}})
+
+
+def reconcile(body: Mapping[str, Any], cluster: Cluster, now: datetime, *,
+              default_image: str = render.DEFAULT_ENGINE_IMAGE) -> dict[str, Any]:
+    """Converge the children of `body` and return the status to write; `default_image` is the
+    engine image for specs that do not set one."""
+    metadata = body["metadata"]
+    name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
+    generation = int(metadata.get("generation", 0))
+    old = body.get("status") or {}
+    spec: InferenceServiceSpec | None
+    planned: dict[str, Any] | None = None
+    try:
+        spec = InferenceServiceSpec.model_validate(body.get("spec", {}))
+    except ValidationError as error:
+        spec, result = None, _invalid(body, error)
+    else:
+        planned = planned_fields(spec)
+    kept = _kept(old, planned, generation)
+    if spec is not None and planned is not None:
+        result = _plan(spec, planned, cluster, kept)
+
+    wanted: list[Manifest] = []
+    if spec is not None:
+        serving = (spec, result) if result.fits else _last_good_serving(kept, spec.replicas)
+        wanted = [stamped(m) for m in render.children(name, namespace, uid, *(serving or (spec, result)),
+                                                      default_image=default_image)]
+    found = {m["kind"]: cluster.get(m["apiVersion"], m["kind"], namespace, name) for m in wanted}
+    if "Deployment" not in found:
+        found["Deployment"] = cluster.get("apps/v1", "Deployment", namespace, name)
+
+    blocked: tuple[str, str] | None = None
+    foreign = [f"{describe(m)} exists and is controlled by {_owner_words(found[m['kind']] or {})}"
+               for m in wanted if found[m["kind"]] is not None and not owned_by(found[m["kind"]], uid)]
+    if foreign:
+        blocked = ("NameConflict", "; ".join(foreign) + ": it is left alone and nothing is "
+                   "rolled out; delete or rename it, or rename this InferenceService")
+    else:
+        refused = []
+        for manifest in wanted:
+            existing = found[manifest["kind"]]
+            try:
+                if existing is None:
+                    found[manifest["kind"]] = cluster.create(manifest)
+                elif not unchanged(existing, manifest):
+                    found[manifest["kind"]] = cluster.update(
+                        manifest, existing["metadata"]["resourceVersion"])
+            except WriteRefused as error:
+                refused.append(f"{error.what}: {error.message}")
+        if refused:
+            blocked = ("ApplyFailed", "the API server refused " + "; ".join(refused))
+
+    deployment = found["Deployment"]
+    if deployment is not None and not owned_by(deployment, uid):
+        deployment = None
+    # Pods are read only while some are not ready, to say why; a healthy service costs no list.
+    pods: list[dict[str, Any]] = []
+    if deployment is not None and _not_all_ready(deployment):
+        pods = cluster.list_pods(namespace, names.selector_labels(name))
+    good = (last_good(planned, str(result.gpu), result.reasons.get("gpu"))
+            if planned is not None and result.fits else kept or None)
+    return status.build(name=name, namespace=namespace, generation=generation, plan=result,
+                        spec=spec, deployment=deployment, old=old, now=now, blocked=blocked, pods=pods,
+                        last_good=good)
+
+
+def _not_all_ready(deployment: Mapping[str, Any]) -> bool:
+    wanted = int((deployment.get("spec") or {}).get("replicas") or 0)
+    return int((deployment.get("status") or {}).get("readyReplicas") or 0) < wanted
+
+
+def refresh(cluster: Cluster, namespace: str, name: str, now: datetime, *,
+            default_image: str = render.DEFAULT_ENGINE_IMAGE,
+            known: Mapping[str, Any] | None = None) -> str | None:
+    """Reconcile the InferenceService `namespace/name` and write its status if it changed (for
+    events of its children); `known` is the object as the caller knows it is now (else it is
+    read). The object's resourceVersion afterwards, None when there is nothing to reconcile: it
+    is gone or being deleted."""
+    body = known if known is not None else cluster.get(API_VERSION, KIND, namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return None
+    new = reconcile(body, cluster, now, default_image=default_image)
+    patch = merge_patch(body.get("status") or {}, new)
+    if patch:
+        return cluster.patch_status(API_VERSION, KIND, namespace, name, patch)
+    return str(body["metadata"]["resourceVersion"])

@@ -1,0 +1,351 @@
+"""The child objects of an InferenceService, as plain manifests (pure functions of spec and plan).
+
+Every child carries an owner reference to the InferenceService, so deleting it garbage-collects
+the children, and the same labels, which the Service, the PDB and the scale subresource's
+selector all use.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, NamedTuple
+from urllib.parse import quote
+
+from kvpilot.engine.config import EngineConfig, ServerConfig, serve_argv
+from kvpilot.operator.api.names import (
+    CONTAINER,
+    NVIDIA_GPU_RESOURCE,
+    PORT,
+    PORT_NAME,
+    labels,
+    owner_reference,
+    selector_labels,
+)
+from kvpilot.operator.api.spec import (
+    PVC_SCHEME,
+    HubSource,
+    InferenceServiceSpec,
+    hub_source,
+)
+from kvpilot.operator.planning.gpus import GPU, find_gpu
+from kvpilot.operator.planning.planner import Plan
+
+Manifest = dict[str, Any]
+
+MODEL_MOUNT = "/models"
+# The volumes of pvc:// sources: the model's, and the draft model's when it is on another claim.
+MODEL_VOLUME = "model"
+DRAFT_MODEL_VOLUME = "draft-model"
+# hf:// sources: the volume the download init containers fill and the engine reads.
+MODEL_CACHE_VOLUME = "model-cache"
+MODEL_CACHE_MOUNT = "/model-cache"
+DOWNLOAD_CONTAINER = "download"
+DRAFT_DOWNLOAD_CONTAINER = "download-draft"
+# One process streaming to disk needs little; these stay below the engine's requests, so the pod's
+# scheduling request (the larger of any init container's and the sum of the app containers') is the
+# engine's alone.
+DOWNLOAD_REQUESTS = {"cpu": "1", "memory": "1Gi"}
+# Unprivileged, fixed IDs so that files on a model PVC can be made readable to the engine.
+RUN_AS_USER = 1000
+# The engine image when neither spec.image nor the operator's configured default names one;
+# tests/operator/controller/test_render.py keeps its tag equal to the chart's appVersion.
+DEFAULT_ENGINE_IMAGE = "ghcr.io/kvpilot/kvpilot:0.1.0"
+def _metadata(name: str, namespace: str, uid: str) -> dict[str, Any]:
+    return {"name": name, "namespace": namespace, "labels": labels(name),
+            "ownerReferences": [owner_reference(name, uid)]}
+
+
+def hub_model_dir(source: HubSource) -> str:
+    """The folder an hf:// download fills and the engine loads: one per repository and revision (a
+    shared PVC holds several), the revision quoted so that a branch like refs/pr/1 stays one name."""
+    return f"{MODEL_CACHE_MOUNT}/hf/{source.repo}@{quote(source.revision, safe='')}"
+
+
+def download_args(source: HubSource) -> list[str]:
+    """The `kvpilot download` arguments of the init container (engine/download.py)."""
+    return [source.repo, "--revision", source.revision, "--local-dir", hub_model_dir(source)]
+
+
+def _container_security() -> Manifest:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}}
+
+
+class _ModelFiles(NamedTuple):
+    """Where one model source's files are in the engine container, and what puts them there."""
+
+    path: str  # --model or --draft-model
+    volumes: list[Manifest]
+    mounts: list[Manifest]  # the engine's, read-only
+    download: HubSource | None  # an hf:// source, fetched by an init container
+
+
+def _model_files(spec: InferenceServiceSpec, source: str, pvc_volume: str) -> _ModelFiles:
+    """A source's files: pvc://claim/path mounts the claim read-only (as `pvc_volume`); hf:// mounts
+    the cache volume that a download init container fills, read-only as well; a path in the image
+    (or the embedded model's name) needs nothing."""
+    hub = hub_source(source)
+    if hub is not None:
+        cache = spec.model.cache
+        volume = ({"persistentVolumeClaim": {"claimName": cache.claim_name}}
+                  if cache is not None and cache.claim_name else {"emptyDir": {}})
+        return _ModelFiles(hub_model_dir(hub), [{"name": MODEL_CACHE_VOLUME, **volume}],
+                          [{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT, "readOnly": True}], hub)
+    if not source.startswith(PVC_SCHEME):
+        return _ModelFiles(source, [], [], None)
+    claim, _, path = source.removeprefix(PVC_SCHEME).partition("/")
+    mount = f"{MODEL_MOUNT}/{claim}"
+    volume = {"name": pvc_volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+    return _ModelFiles(f"{mount}/{path}".rstrip("/"), [volume],
+                      [{"name": pvc_volume, "mountPath": mount, "readOnly": True}], None)
+
+
+def _pod_files(spec: InferenceServiceSpec, plan: Plan) -> tuple[_ModelFiles, _ModelFiles | None]:
+    """The model's files, and the draft model's when the plan runs one."""
+    model = _model_files(spec, spec.model.source or spec.model.name, MODEL_VOLUME)
+    draft = _model_files(spec, plan.draft_model, DRAFT_MODEL_VOLUME) if plan.draft_model else None
+    return model, draft
+
+
+def _volumes_and_mounts(files: list[_ModelFiles]) -> tuple[list[Manifest], list[Manifest]]:
+    """The sources' volumes and engine mounts, each mount path once: two hf:// sources share the
+    cache volume, two pvc:// sources on one claim share the first one's volume."""
+    mounts: dict[str, Manifest] = {}
+    for mount in (m for f in files for m in f.mounts):
+        mounts.setdefault(mount["mountPath"], mount)
+    used = {m["name"] for m in mounts.values()}
+    volumes: dict[str, Manifest] = {}
+    for volume in (v for f in files for v in f.volumes if v["name"] in used):
+        volumes.setdefault(volume["name"], volume)
+    return list(volumes.values()), list(mounts.values())
+
+
+def _download_container(spec: InferenceServiceSpec, source: HubSource, image: str, name: str) -> Manifest:
+    """An init container that downloads an hf:// source into the cache volume before the engine
+    starts (it resumes, verifies and skips what is complete: a restarted pod does not download
+    again when the cache is a PVC). It gets the pod's env and envFrom (HF_ENDPOINT, proxies), and the
+    token Secret as HF_TOKEN."""
+    env = [{"name": "HOME", "value": "/tmp"}, *spec.env]
+    token = spec.model.token_secret
+    if token is not None:
+        env.append({"name": "HF_TOKEN",
+                    "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}})
+    container: Manifest = {
+        "name": name,
+        "image": image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["kvpilot", "download"],
+        "args": download_args(source),
+        "env": env,
+        "resources": {"requests": dict(DOWNLOAD_REQUESTS)},
+        "securityContext": _container_security(),
+        "volumeMounts": [{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+    }
+    if spec.env_from:
+        container["envFrom"] = list(spec.env_from)
+    return container
+
+
+# Seconds the pod keeps serving after it is told to stop, before the engine starts to drain: time
+# for the endpoints controller and every kube-proxy or gateway to stop sending it new requests.
+PRESTOP_SLEEP_S = 5
+# Probe timeout: one Python process serves probes beside the engine thread, so a busy step can hold
+# an answer back for a while; Kubernetes' default of 1 s would fail healthy pods under load.
+PROBE_TIMEOUT_S = 5
+# Host memory beside the weights (they are loaded through host memory): tokenizer, Python, CUDA
+# context, transfer buffers.
+HOST_MEMORY_MARGIN_BYTES = 2 * 1024**3
+ENGINE_CPU_REQUEST = "2"
+
+
+def drain_seconds(plan: Plan) -> int:
+    """How long the engine waits for requests in flight after SIGTERM: twice the plan's predicted
+    latency of one request, at least 10 s."""
+    return max(10, math.ceil(2 * plan.predicted_latency_ms / 1000))
+
+
+def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str, draft_model: str | None = None) -> list[str]:
+    """The `kvpilot serve` arguments carrying the plan's numbers; `model` and `draft_model` are
+    where the pod holds their files.
+
+    Rendered from the engine's own config models, so every flag is one `kvpilot serve` has and
+    every value one it accepts; a plan asking for something the engine lacks raises here (a
+    pydantic ValidationError) instead of becoming a pod that exits at start.
+    """
+    server = ServerConfig(host="0.0.0.0", port=PORT,
+                          served_model_name=spec.model.served_model_name or spec.model.name,
+                          vllm_compatible_metrics=True, grace_period=float(drain_seconds(plan)))
+    gpu = find_gpu(str(plan.gpu))
+    dtype = {} if gpu is None or gpu.bf16 else {"dtype": "float16"}
+    engine = EngineConfig(
+        **dtype,
+        model=model,
+        max_model_len=plan.max_model_len,
+        max_num_seqs=plan.max_num_seqs,
+        max_num_batched_tokens=plan.max_num_batched_tokens,
+        block_size=plan.block_size,
+        gpu_memory_utilization=plan.gpu_memory_utilization,
+        # A checkpoint stored quantized runs as stored: the engine's `none` follows the checkpoint
+        # (scheme and group size), where naming the scheme would also pin a group size it may not have.
+        quantization="none" if spec.model.quantization else plan.quantization,
+        speculative=plan.speculative,
+        **({"num_speculative_tokens": plan.num_speculative_tokens} if plan.num_speculative_tokens else {}),
+        **({"draft_model": draft_model} if draft_model else {}),
+    )
+    return serve_argv(server, engine)
+
+
+def _resources(spec: InferenceServiceSpec, plan: Plan, gpu: GPU) -> Manifest:
+    # Extended resources cannot be overcommitted: requests must equal limits.
+    gpus = {gpu.resource: str(plan.gpu_count)}
+    # The weights (the draft model's too) pass through host memory on their way to the GPU: request
+    # room for them, so the scheduler does not place the pod where it would be OOM-killed while loading.
+    memory_gib = math.ceil((plan.weight_bytes + HOST_MEMORY_MARGIN_BYTES) / 1024**3)
+    defaults = {"cpu": ENGINE_CPU_REQUEST, "memory": f"{memory_gib}Gi"}
+    requests = {**defaults, **{k: str(v) for k, v in spec.resources.requests.items()}}
+    return {"requests": {**requests, **gpus},
+            "limits": {**{k: str(v) for k, v in spec.resources.limits.items()}, **gpus}}
+
+
+def _tolerations(spec: InferenceServiceSpec, gpu: GPU) -> list[Manifest]:
+    tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    if gpu.resource == NVIDIA_GPU_RESOURCE:
+        # GPU node pools are commonly tainted nvidia.com/gpu:NoSchedule (GKE, the GPU operator's
+        # examples) to keep CPU-only pods off them; the engine belongs there.
+        tolerations.append({"key": NVIDIA_GPU_RESOURCE, "operator": "Exists",
+                            "effect": "NoSchedule"})
+    return tolerations
+
+
+def _gpu_node_selector(spec: InferenceServiceSpec, gpu: GPU) -> dict[str, str]:
+    """The spec's own GPU node selector, else the product label when the GPU has one product
+    string (several need node affinity: see _affinity)."""
+    if spec.accelerator.node_selector:
+        return dict(spec.accelerator.node_selector)
+    return {gpu.product_label: gpu.product} if len(gpu.products) == 1 else {}
+
+
+def _affinity(spec: InferenceServiceSpec, gpu: GPU) -> Manifest | None:
+    """The spec's affinity, with the GPU's product strings required in every node selector term
+    (terms are alternatives: the requirement must hold in each)."""
+    if spec.accelerator.node_selector or len(gpu.products) == 1:
+        return spec.affinity
+    requirement = {"key": gpu.product_label, "operator": "In", "values": list(gpu.products)}
+    affinity = copy.deepcopy(spec.affinity or {})
+    required = affinity.setdefault("nodeAffinity", {}).setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    required["nodeSelectorTerms"] = [{**term, "matchExpressions": [*term.get("matchExpressions", []), requirement]}
+                                     for term in terms]
+    return affinity
+
+
+def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, plan: Plan, *,
+               default_image: str = DEFAULT_ENGINE_IMAGE) -> Manifest:
+    """The engines' Deployment; `default_image` is the operator's image for specs without one."""
+    gpu = find_gpu(str(plan.gpu))
+    if not plan.fits or gpu is None:
+        raise ValueError(f"no Deployment for a plan that does not fit: {plan.reason}")
+    image = spec.image or default_image
+    model, draft = _pod_files(spec, plan)
+    volumes, mounts = _volumes_and_mounts([model] + ([draft] if draft else []))
+    # One download per hf:// source, the model's first: init containers run one after the other.
+    init = [_download_container(spec, files.download, image, name)
+            for files, name in ((model, DOWNLOAD_CONTAINER), (draft, DRAFT_DOWNLOAD_CONTAINER))
+            if files is not None and files.download is not None]
+    replicas = spec.replicas if spec.replicas is not None else plan.replicas
+    http = {"port": PORT_NAME}
+    container = {
+        "name": CONTAINER,
+        "image": image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["kvpilot", "serve"],
+        "args": engine_args(spec, plan, model.path, draft.path if draft else None),
+        "ports": [{"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"}],
+        # Loading weights can take minutes: the startup probe waits for the model (/ready), and
+        # holds the liveness probe off until then.
+        "startupProbe": {"httpGet": {"path": "/ready", **http}, "periodSeconds": 10,
+                         "timeoutSeconds": PROBE_TIMEOUT_S, "failureThreshold": 90},
+        "readinessProbe": {"httpGet": {"path": "/ready", **http}, "periodSeconds": 5,
+                           "timeoutSeconds": PROBE_TIMEOUT_S, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/health", **http}, "periodSeconds": 10,
+                          "timeoutSeconds": PROBE_TIMEOUT_S, "failureThreshold": 3},
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
+        "resources": _resources(spec, plan, gpu),
+        # Caches that libraries write (Hugging Face, Triton, torch) go to the writable /tmp.
+        "env": [{"name": "HOME", "value": "/tmp"}, *spec.env],
+        "securityContext": _container_security(),
+        "volumeMounts": [*mounts, {"name": "tmp", "mountPath": "/tmp"}],
+    }
+    if spec.env_from:
+        container["envFrom"] = list(spec.env_from)
+    pod: Manifest = {
+        "metadata": {
+            # Ours last: the selector depends on them.
+            "labels": {**spec.pod_labels, **labels(name)},
+            "annotations": {**spec.pod_annotations, "prometheus.io/scrape": "true",
+                            "prometheus.io/port": str(PORT), "prometheus.io/path": "/metrics"},
+        },
+        "spec": {
+            "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER,
+                                "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
+                                "seccompProfile": {"type": "RuntimeDefault"}},
+            **({"initContainers": init} if init else {}),
+            "containers": [container],
+            "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}],
+            # preStop pause + the engine's drain + a margin for the process to exit.
+            "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + drain_seconds(plan) + 5,
+            "nodeSelector": {**spec.node_selector, **_gpu_node_selector(spec, gpu)},
+            "tolerations": _tolerations(spec, gpu),
+        },
+    }
+    optional = {"imagePullSecrets": [s.model_dump() for s in spec.image_pull_secrets],
+                "affinity": _affinity(spec, gpu), "topologySpreadConstraints": spec.topology_spread_constraints,
+                "priorityClassName": spec.priority_class_name}
+    pod["spec"].update({key: value for key, value in optional.items() if value})
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(name, namespace, uid),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(name)},
+            # spec.rollout's default surges one pod so a single replica keeps serving (see the CRD).
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxSurge": spec.rollout.max_surge,
+                                           "maxUnavailable": spec.rollout.max_unavailable}},
+            "template": pod,
+        },
+    }
+
+
+def service(name: str, namespace: str, uid: str) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(name, namespace, uid),
+        "spec": {"type": "ClusterIP", "selector": selector_labels(name),
+                 "ports": [{"name": PORT_NAME, "port": PORT, "targetPort": PORT_NAME,
+                            "protocol": "TCP"}]},
+    }
+
+
+def pod_disruption_budget(name: str, namespace: str, uid: str) -> Manifest:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(name, namespace, uid),
+        # maxUnavailable, not minAvailable: a single-replica service must not block node drains.
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+    }
+
+
+def children(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, plan: Plan, *,
+             default_image: str = DEFAULT_ENGINE_IMAGE) -> list[Manifest]:
+    """What should exist: no Deployment when the plan does not fit."""
+    objects = [service(name, namespace, uid), pod_disruption_budget(name, namespace, uid)]
+    if plan.fits:
+        objects.insert(0, deployment(name, namespace, uid, spec, plan,
+                                     default_image=default_image))
+    return objects

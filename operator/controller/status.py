@@ -1,0 +1,221 @@
+"""The InferenceService status: conditions, plan summary and replica counts (pure).
+
+Conditions follow the Kubernetes convention (type, status, reason, message, lastTransitionTime,
+observedGeneration); lastTransitionTime only moves when a condition's status flips.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from kvpilot.operator.api.names import selector, service_url
+from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.planning import sizing
+from kvpilot.operator.planning.planner import Plan
+
+CONDITION_TYPES = ("Planned", "Progressing", "Ready", "Degraded")
+
+
+def plan_summary(plan: Plan) -> dict[str, Any]:
+    """The plan as the CRD's `status.plan` (camelCase, GiB for people reading `kubectl get -o`)."""
+    summary: dict[str, Any] = {
+        "fits": plan.fits,
+        "reason": plan.reason,
+        "gpu": plan.gpu,
+        "quantization": plan.quantization,
+        "speculative": plan.speculative,
+        "assumedDraftAcceptance": plan.assumed_draft_acceptance,
+        "weightsGiB": round(plan.weight_bytes / sizing.GiB, 2),
+        "kvBytesPerToken": plan.kv_bytes_per_token,
+        "kvPoolGiB": round(plan.kv_pool_bytes / sizing.GiB, 2),
+        "kvBlocks": plan.kv_blocks,
+        "maxModelLen": plan.max_model_len,
+        "maxNumSeqs": plan.max_num_seqs,
+        "maxNumBatchedTokens": plan.max_num_batched_tokens,
+        "predictedTtftMs": plan.predicted_ttft_ms,
+        "predictedTpotMs": plan.predicted_tpot_ms,
+        "replicas": plan.replicas,
+        "meetsSlo": plan.meets_slo,
+        "reasons": dict(plan.reasons),
+    }
+    return {key: value for key, value in summary.items() if value is not None}
+
+
+def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
+    return {"type": type_, "status": "True" if ok else "False", "reason": reason,
+            "message": message}
+
+
+def _replica_conditions(counts: str, desired: int, ready: int, current: bool,
+                        ready_message: str) -> tuple[tuple[bool, str], dict[str, Any]]:
+    if desired == 0:
+        ready_condition = _condition("Ready", False, "ScaledToZero", "0 replicas requested")
+    elif ready >= desired:
+        ready_condition = _condition("Ready", True, "ReplicasReady", ready_message)
+    else:
+        ready_condition = _condition("Ready", False, "ReplicasNotReady", counts)
+    if not current:
+        progressing = True, "RollingOut"
+    elif ready < desired:
+        progressing = True, "WaitingForReady"
+    else:
+        progressing = False, "RolloutComplete"
+    return progressing, ready_condition
+
+
+# Container states that keep a pod from ever getting ready on its own, as `kubectl get pods` shows them.
+_STUCK_CONTAINER_REASONS = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
+                            "CreateContainerConfigError", "CreateContainerError")
+
+
+def pod_problem(deployment: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]) -> tuple[str, str] | None:
+    """Why engine pods are not ready, as (reason, message), from the pods first (the most specific:
+    a crash loop, an image that cannot be pulled, a pod no node can take) and then the Deployment
+    (its progress deadline passed); None when nothing says."""
+    for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("name", "")):
+        name = pod.get("metadata", {}).get("name", "?")
+        pod_status = pod.get("status") or {}
+        for container in pod_status.get("containerStatuses") or []:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in _STUCK_CONTAINER_REASONS:
+                detail = waiting.get("message") or waiting["reason"]
+                return waiting["reason"], f"pod {name}, container {container.get('name')}: {detail}"
+        for condition in pod_status.get("conditions") or []:
+            if (condition.get("type"), condition.get("status"), condition.get("reason")) == \
+                    ("PodScheduled", "False", "Unschedulable"):
+                return "Unschedulable", f"pod {name}: {condition.get('message', 'no node fits it')}"
+    for condition in ((deployment or {}).get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "Progressing" and condition.get("reason") == "ProgressDeadlineExceeded":
+            return "ProgressDeadlineExceeded", condition.get("message", "the rollout made no progress in time")
+    return None
+
+
+def conditions(plan: Plan, spec: InferenceServiceSpec | None, desired: int,
+               deployment: Mapping[str, Any] | None,
+               blocked: tuple[str, str] | None = None,
+               problem: tuple[str, str] | None = None) -> list[dict[str, Any]]:
+    """Planned / Progressing / Ready / Degraded from the plan and the Deployment's status.
+
+    `deployment` is the one this InferenceService owns, if any; when the plan does not fit it is
+    the Deployment of the last plan that did, still running. `blocked` is (reason, message) when
+    the children could not be written (NameConflict, ApplyFailed).
+    """
+    observed = (deployment or {}).get("status", {})
+    generation = (deployment or {}).get("metadata", {}).get("generation", 0)
+    ready = int(observed.get("readyReplicas", 0))
+    updated = int(observed.get("updatedReplicas", 0))
+    current = (deployment is not None and observed.get("observedGeneration", 0) >= generation
+               and updated >= desired and int(observed.get("replicas", 0)) == desired)
+    counts = f"{ready}/{desired} replicas ready"
+
+    if not plan.fits:
+        failure = plan.reason
+        code = plan.failure or "DoesNotFit"
+        if deployment is None:
+            conditions_ = [
+                _condition("Planned", False, code, failure),
+                _condition("Progressing", False, "NoDeployment",
+                           "nothing is rolled out: " + failure),
+                _condition("Ready", False, code, failure),
+                _condition("Degraded", False, "NoDeployment", "no engine pods to degrade"),
+            ]
+        else:
+            # The spec stopped planning: the engines of the last plan that fit keep serving.
+            kept = "the Deployment of the last plan that fit keeps running"
+            _, ready_condition = _replica_conditions(
+                counts, desired, ready, current, f"{counts} (the last plan that fit)")
+            conditions_ = [
+                _condition("Planned", False, code, f"{failure}; {kept}"),
+                _condition("Progressing", False, code, f"this generation's plan is not rolled out (only "
+                           f"its replicas are applied): {failure}; {kept}"),
+                ready_condition,
+                _condition("Degraded", True, code, f"serving the last plan that fit, not this "
+                           f"generation's: {failure}"),
+            ]
+    else:
+        assert spec is not None  # a plan fits only for a valid spec
+        slo = (f"predicted TTFT {plan.predicted_ttft_ms:g} ms (SLO {spec.slo.ttft_p95_ms:g}), "
+               f"TPOT {plan.predicted_tpot_ms:g} ms (SLO {spec.slo.tpot_p95_ms:g})")
+        progressing, ready_condition = _replica_conditions(counts, desired, ready, current,
+                                                           f"{counts}; {slo}")
+        if not plan.meets_slo:
+            degraded = _condition("Degraded", True, "SLOAtRisk", plan.reasons.get("replicas", slo))
+        elif current and ready < desired:
+            degraded = _condition("Degraded", True, "ReplicasUnavailable",
+                                  f"rollout finished but only {counts}")
+        else:
+            degraded = _condition("Degraded", False, "AsPlanned", slo)
+        conditions_ = [
+            _condition("Planned", True, "Planned", plan.reason),
+            _condition("Progressing", *progressing,
+                       f"{updated}/{desired} replicas updated, {counts}"),
+            ready_condition,
+            degraded,
+        ]
+
+    if problem is not None:
+        # Not ready, and the pods or the Deployment say why: that is the reason to show.
+        reason, message = problem
+        conditions_ = [_condition("Ready", False, reason, f"{c['message']}: {message}")
+                       if c["type"] == "Ready" and c["status"] == "False" and c["reason"] == "ReplicasNotReady" else c
+                       for c in conditions_]
+    if blocked is not None:
+        reason, message = blocked
+        replaced = {"Progressing": _condition("Progressing", False, reason, message),
+                    "Ready": _condition("Ready", False, reason, message)}
+        conditions_ = [replaced.get(c["type"], c) for c in conditions_]
+    return conditions_
+
+
+def with_transition_times(new: Sequence[Mapping[str, Any]], old: Sequence[Mapping[str, Any]],
+                          now: datetime, generation: int) -> list[dict[str, Any]]:
+    before = {c.get("type"): c for c in old}
+    stamped = []
+    for condition in new:
+        previous = before.get(condition["type"], {})
+        since = previous.get("lastTransitionTime")
+        if previous.get("status") != condition["status"] or not since:
+            since = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+        stamped.append({**condition, "observedGeneration": generation,
+                        "lastTransitionTime": since})
+    return stamped
+
+
+def build(*, name: str, namespace: str, generation: int, plan: Plan, spec: InferenceServiceSpec | None,
+          deployment: Mapping[str, Any] | None, old: Mapping[str, Any],
+          now: datetime, blocked: tuple[str, str] | None = None,
+          pods: Sequence[Mapping[str, Any]] = (),
+          last_good: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The whole `status` to write; `deployment` is the owned Deployment, if any; `last_good` is
+    `lastGoodPlan`, the record of the last plan that fit (reconcile.last_good)."""
+    desired = 0
+    if plan.fits and spec is not None:
+        desired = spec.replicas if spec.replicas is not None else plan.replicas
+    elif deployment is not None:
+        desired = int((deployment.get("spec") or {}).get("replicas") or 0)
+    observed = (deployment or {}).get("status", {})
+    fresh = conditions(plan, spec, desired, deployment, blocked, pod_problem(deployment, pods))
+    # The autoscaler's loop (autoscale_loop.py) writes these two; a reconcile carries them over,
+    # since the merge patch of this status would otherwise remove what it does not list.
+    latency = old.get("latency") or {}
+    if latency.get("source") != "observed":
+        latency = {"ttftP95Ms": plan.predicted_ttft_ms, "tpotP95Ms": plan.predicted_tpot_ms, "source": "predicted"}
+    carried = {"autoscaler": old["autoscaler"]} if old.get("autoscaler") else {}
+    return {
+        **carried,
+        "observedGeneration": generation,
+        "replicas": int(observed.get("replicas", 0)),
+        "readyReplicas": int(observed.get("readyReplicas", 0)),
+        "desiredReplicas": desired,
+        "selector": selector(name),
+        # The Service exists whether or not the plan fits, so the address is stable from the start.
+        "url": service_url(name, namespace),
+        "plan": plan_summary(plan),
+        **({"lastGoodPlan": dict(last_good)} if last_good else {}),
+        # Predicted until the autoscaler reports what the engines measure.
+        "latency": latency,
+        "conditions": with_transition_times(fresh, old.get("conditions", []), now, generation),
+    }
+

@@ -1,0 +1,92 @@
+"""Reading kopf's indexes: the InferenceServices, their Deployments and engine pods as the watches
+the operator runs anyway hold them, so the autoscaler, the gateway and event reconciles read the
+cluster without API requests. Pure functions over index entries (`index_entry` makes them)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvpilot.operator.api.names import INSTANCE_LABEL, PORT
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def engine_urls(pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(pod name, base URL) of the ready engine pods that are not going away. Pods that are not
+    ready yet (starting, loading the model) are no one's load: they are the pending ones."""
+    urls = []
+    for pod in pods:
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip or pod["metadata"].get("deletionTimestamp") or not pod_ready(pod):
+            continue
+        host = f"[{ip}]" if ":" in ip else ip
+        urls.append((pod["metadata"]["name"], f"http://{host}:{PORT}"))
+    return sorted(urls)
+
+
+def current_replicas(body: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> int:
+    """What the scale subresource says now: spec.replicas, or (unset: the plan's count seeds the
+    first rollout) what the Deployment was rendered with."""
+    replicas = (body.get("spec") or {}).get("replicas")
+    if replicas is not None:
+        return int(replicas)
+    return int(((deployment or {}).get("spec") or {}).get("replicas") or 0)
+
+
+def indexed_services(services: Mapping[Any, Any]) -> list[Mapping[str, Any]]:
+    """Every InferenceService in the services index (a kopf index: key -> store of values)."""
+    return [value for store in services.values() for value in store]
+
+
+def indexed_service(services: Mapping[Any, Any], key: tuple[str, str]) -> Mapping[str, Any] | None:
+    """The InferenceService `key` (namespace, name) in the services index, if it holds it."""
+    return next(iter(services.get(key, ())), None)
+
+
+def indexed_children(deployments: Mapping[Any, Any], pods: Mapping[Any, Any],
+                     service: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
+    """The Deployments and engine pods the indexes hold under `service`'s key."""
+    key = (service["metadata"]["namespace"], service["metadata"]["name"])
+    return list(deployments.get(key, ())), list(pods.get(key, ()))
+
+
+def children(body: Mapping[str, Any], deployments: Sequence[Mapping[str, Any]],
+             pods: Sequence[Mapping[str, Any]]) -> tuple[Mapping[str, Any] | None, list[Mapping[str, Any]]]:
+    """The Deployment this InferenceService controls (None: there is none, or a same-named one of
+    someone else) and its engine pods, out of one round's lists of the operator's children."""
+    metadata = body["metadata"]
+    namespace, name, uid = metadata["namespace"], metadata["name"], metadata["uid"]
+    deployment = next((d for d in deployments
+                       if (d["metadata"].get("namespace"), d["metadata"].get("name")) == (namespace, name)
+                       and any(r.get("controller") and r.get("uid") == uid
+                               for r in d["metadata"].get("ownerReferences") or [])), None)
+    if deployment is None:
+        return None, []
+    mine = [p for p in pods if p["metadata"].get("namespace") == namespace
+            and (p["metadata"].get("labels") or {}).get(INSTANCE_LABEL) == name]
+    return deployment, mine
+
+
+# generation: the operator reconciles from an InferenceService's entry (handlers._refresh).
+_KEPT_METADATA = ("name", "namespace", "uid", "generation", "resourceVersion", "deletionTimestamp", "labels",
+                  "ownerReferences")
+
+
+def index_entry(body: Mapping[str, Any], key_label: str | None = None) -> dict[tuple[str, str], dict[str, Any]]:
+    """A kopf index entry for an object the loop reads: keyed by (namespace, name), or by
+    (namespace, the value of `key_label`) for pods (their InferenceService's instance label); the
+    value a copy of what the loop uses (kopf's body is a view that later events replace)."""
+    metadata = body["metadata"]
+    key = metadata.get("name") if key_label is None else (metadata.get("labels") or {}).get(key_label)
+    if key is None:
+        return {}
+    kept = {"metadata": copy.deepcopy({k: metadata[k] for k in _KEPT_METADATA if k in metadata}),
+            "status": copy.deepcopy(dict(body.get("status") or {}))}
+    if body.get("kind") != "Pod":  # a pod's spec is large and not needed
+        kept["spec"] = copy.deepcopy(dict(body.get("spec") or {}))
+    return {(metadata["namespace"], key): kept}

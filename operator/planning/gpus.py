@@ -1,0 +1,137 @@
+"""Accelerators the planner can size for, from the vendors' public spec sheets.
+
+`memory_gib` is the marketed capacity; the planner sizes with `usable_memory_mib`, the total the
+device reports (nvidia-smi's memory.total, as printed in public nvidia-smi outputs of each part:
+T4 15360, L4 23034, A10G 23028, L40S 46068, A100 40960 / 81920, H100 81559, H200 143771, B200
+183359 MiB), which ECC and firmware reservations put a few per cent under the marketed figure on
+all but the A100. MI300X's is the marketed 192 GiB, not checked against a device. Bandwidth and
+throughput are the spec sheets' decimal GB/s and TFLOP/s, always the dense figures (the spec
+sheets' headline numbers assume 2:4 sparsity, which LLM weights lack).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from kvpilot.operator.api.names import (
+    AMD_GPU_RESOURCE,
+    AMD_PRODUCT_LABEL,
+    NVIDIA_GPU_RESOURCE,
+    NVIDIA_PRODUCT_LABEL,
+)
+
+MiB = 1024**2
+GiB = 1024**3
+
+
+
+class GPU(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    product: str  # value of `product_label` on nodes that carry this GPU
+    product_label: str = NVIDIA_PRODUCT_LABEL
+    resource: str = NVIDIA_GPU_RESOURCE
+    memory_gib: float  # nominal (datasheet)
+    # What the device reports as its total (nvidia-smi's memory.total): the planner sizes with this,
+    # a few per cent under the nominal figure (an L4 reports 23034 MiB, not 24 GiB).
+    usable_memory_mib: int
+    bandwidth_gbps: float  # GB/s
+    fp16_tflops: float  # dense FP16/BF16 tensor
+    int8_tops: float  # dense INT8 tensor
+    fp8: bool
+    source: str
+    # Turing (T4) and Volta have no bf16 arithmetic: the engine runs float16 there.
+    bf16: bool = True
+    # Other product strings of the same part (form factors whose figures are within a few per
+    # cent), which node discovery and the pods' node affinity accept too.
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def products(self) -> tuple[str, ...]:
+        return (self.product, *self.aliases)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.usable_memory_mib * MiB
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        return self.bandwidth_gbps * 1e9
+
+    @property
+    def fp16_flops(self) -> float:
+        return self.fp16_tflops * 1e12
+
+    @property
+    def int8_ops(self) -> float:
+        return self.int8_tops * 1e12
+
+
+GPUS: dict[str, GPU] = {
+    gpu.name: gpu
+    for gpu in (
+        GPU(name="T4", product="Tesla-T4", memory_gib=16, usable_memory_mib=15360, bandwidth_gbps=320,
+            fp16_tflops=65, int8_tops=130, fp8=False, bf16=False,
+            source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/"
+                   "t4-tensor-core-datasheet-951643.pdf"),
+        GPU(name="L4", product="NVIDIA-L4", memory_gib=24, usable_memory_mib=23034, bandwidth_gbps=300,
+            fp16_tflops=121, int8_tops=242.5, fp8=True,
+            source="https://resources.nvidia.com/en-us-data-center-overview/l4-gpu-datasheet "
+                   "(242 TFLOPS FP16 / 485 TOPS INT8 with sparsity, halved)"),
+        # NVIDIA publishes no A10G sheet; memory and bandwidth equal the A10's, tensor throughput
+        # is AWS's G5 figure as compared in the Baseten write-up.
+        GPU(name="A10G", product="NVIDIA-A10G", memory_gib=24, usable_memory_mib=23028, bandwidth_gbps=600,
+            fp16_tflops=70, int8_tops=140, fp8=False,
+            source="https://aws.amazon.com/ec2/instance-types/g5/ ; "
+                   "https://www.baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference/"),
+        GPU(name="L40S", product="NVIDIA-L40S", memory_gib=48, usable_memory_mib=46068, bandwidth_gbps=864,
+            fp16_tflops=362.05, int8_tops=733, fp8=True,
+            source="https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413 "
+                   "(733 TFLOPS FP16 / 1466 TOPS INT8 with sparsity, halved)"),
+        GPU(name="A100-40GB", product="NVIDIA-A100-SXM4-40GB", memory_gib=40, usable_memory_mib=40960,
+            bandwidth_gbps=1555, fp16_tflops=312, int8_tops=624, fp8=False,
+            aliases=("NVIDIA-A100-PCIE-40GB",),
+            source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+                   "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (SXM)"),
+        GPU(name="A100-80GB", product="NVIDIA-A100-SXM4-80GB", memory_gib=80, usable_memory_mib=81920,
+            bandwidth_gbps=2039, fp16_tflops=312, int8_tops=624, fp8=False,
+            # The PCIe card's 1935 GB/s is 5 % below the SXM figure planned with.
+            aliases=("NVIDIA-A100-80GB-PCIe",),
+            source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+                   "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (SXM)"),
+        GPU(name="H100-80GB", product="NVIDIA-H100-80GB-HBM3", memory_gib=80, usable_memory_mib=81559,
+            bandwidth_gbps=3350, fp16_tflops=989, int8_tops=1979, fp8=True,
+            source="https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet "
+                   "(H100 SXM; 1979 TFLOPS BF16 / 3958 TOPS INT8 with sparsity, halved)"),
+        GPU(name="H200", product="NVIDIA-H200", memory_gib=141, usable_memory_mib=143771, bandwidth_gbps=4800,
+            fp16_tflops=989, int8_tops=1979, fp8=True,
+            source="https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM, sparsity halved)"),
+        GPU(name="B200", product="NVIDIA-B200", memory_gib=180, usable_memory_mib=183359, bandwidth_gbps=8000,
+            fp16_tflops=2250, int8_tops=4500, fp8=True,
+            source="https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200: 1.4 TB, 64 TB/s, "
+                   "36 PFLOPS FP16 and 72 POPS INT8 sparse per 8 GPUs; per GPU, sparsity halved)"),
+        GPU(name="MI300X", product="AMD_Instinct_MI300X", product_label=AMD_PRODUCT_LABEL,
+            resource=AMD_GPU_RESOURCE, memory_gib=192, usable_memory_mib=196608, bandwidth_gbps=5300,
+            fp16_tflops=1307.4, int8_tops=2614.9, fp8=True,
+            source="https://www.amd.com/content/dam/amd/en/documents/instinct-tech-docs/"
+                   "data-sheets/amd-instinct-mi300x-data-sheet.pdf"),
+    )
+}
+
+# What the e2e cluster labels fake nodes with, and what node discovery maps back to catalog names.
+PRODUCT_LABELS: dict[str, str] = {name: gpu.product for name, gpu in GPUS.items()}
+
+
+def _key(name: str) -> str:
+    return name.lower().replace("_", "-").replace(" ", "-")
+
+
+_BY_KEY: dict[str, GPU] = {
+    _key(alias): gpu for gpu in GPUS.values() for alias in (gpu.name, *gpu.products)
+}
+
+
+def find_gpu(name: str) -> GPU | None:
+    """A catalog GPU by name or node product string, case-insensitively; None when unknown."""
+    return _BY_KEY.get(_key(name))

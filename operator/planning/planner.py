@@ -1,0 +1,546 @@
+"""plan(spec) -> Plan: what fits on the GPU, the engine's limits, the choices and their reasons.
+
+Pure: the spec, the catalogs, the engine's declared capabilities and (for an unset GPU type) the
+GPU products the cluster's nodes carry go in, a Plan comes out. Only quantization schemes and
+speculative modes the engine declares are ever chosen, so every plan renders into arguments the
+engine accepts. Every input that cannot be served is a Plan with fits=False, a `failure` code and a
+one-line reason carrying the numbers; nothing here raises for bad input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from pydantic import BaseModel, ConfigDict
+
+from kvpilot.engine.config import (
+    CAPABILITIES,
+    SPECULATIVE_MAX_BATCH_SIZE,
+    EngineCapabilities,
+)
+from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec, hub_source
+from kvpilot.operator.planning import sizing
+from kvpilot.operator.planning.gpus import GPU, GPUS, find_gpu
+from kvpilot.operator.planning.models import MODELS, find_model
+
+# Least lossy first: INT8 weight-only keeps the activations and rounds each weight to one of 256
+# levels, W8A8 rounds the activations too, INT4 has only 16 levels per group of weights.
+QUALITY_ORDER = ("none", "int8", "w8a8", "int4")
+
+# Beyond ~1k running sequences the scheduler's per-step bookkeeping, not the GPU, sets the pace
+# (vLLM caps max_num_seqs at 256-1024 for the same reason).
+MAX_NUM_SEQS_CAP = 1024
+# Token budget per step: at least enough to prefill a few blocks per step, at most what the
+# activation reserve is sized for without dominating small GPUs.
+MIN_BATCHED_TOKENS = 256
+MAX_BATCHED_TOKENS = 8192
+# A prefill chunk may use this share of the TPOT SLO; the rest is the decode work of the step.
+PREFILL_SHARE_OF_TPOT = 0.5
+
+# Speculation spends compute that decode leaves idle (decode is bandwidth-bound at small batch),
+# and drafts are accepted mostly when sampling is near-greedy: it pays at small batch and low
+# temperature. The engine stops speculating above this running batch, and predictions do too.
+SPECULATION_MAX_BATCH = SPECULATIVE_MAX_BATCH_SIZE
+HIGH_TEMPERATURE = 1.0
+# Draft acceptance per draft token. ngram: measured (bench/RESULTS.md, "Speculative decoding"): 0.29
+# on open-ended chat answers, the conservative choice, where answers that copy their prompt accept
+# 0.76. draft: NOT measured, an assumption taken from the literature's figures for a small draft of
+# the target's own family (Leviathan et al. 2023, EAGLE, Medusa, vLLM's speculative-decoding posts);
+# this project measured only drafts that tell nothing about it: the target's own early exit (0-2 %)
+# and the target as its own draft (100 %). Verifying k + 1 tokens costs more than a plain
+# decode step: 1.15x is an assumption for a bandwidth-bound GPU (no GPU was at hand; on this
+# project's 2-core CPU, where decode is compute-bound, it measured ~1.5x).
+ACCEPTANCE = {"ngram": 0.29, "draft": 0.7}
+VERIFY_OVERHEAD = 1.15
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    fits: bool
+    failure: str | None = None  # CamelCase code when fits is False; a condition reason
+    reason: str
+    model: str
+    gpu: str | None = None
+    gpu_count: int = 1
+    quantization: str | None = None
+    speculative: str = "off"
+    draft_model: str | None = None  # serving.draftModel, when the plan runs it
+    num_speculative_tokens: int | None = None
+    # The per-token draft acceptance the plan's TPOT assumes (status.latency shows the observed one).
+    assumed_draft_acceptance: float | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    # Both include the draft model's share when the plan runs one (the engine's own totals).
+    weight_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    draft_weight_bytes: int = 0
+    draft_kv_bytes_per_token: int = 0
+    kv_pool_bytes: int = 0
+    kv_blocks: int = 0
+    max_model_len: int = 0
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    predicted_batch: float = 0.0
+    predicted_ttft_ms: float = 0.0
+    predicted_tpot_ms: float = 0.0
+    predicted_latency_ms: float = 0.0
+    replicas: int = 0
+    meets_slo: bool = False
+    # One line per choice: model, gpu, quantization, kvCache, batching, speculative, replicas.
+    reasons: dict[str, str] = {}
+
+
+class _Draft(NamedTuple):
+    """A draft model as the engine runs it beside the target: unquantized in the target's 16-bit
+    dtype (the engine loads it so), with a KV cache of one slot per slot of the target's."""
+
+    source: str
+    arch: Architecture
+    weights: int
+    kv_per_token: int
+
+
+class _Replica(NamedTuple):
+    """What one engine replica is: the model on the GPU at one quantization, with its draft."""
+
+    arch: Architecture
+    gpu: GPU
+    decode_weight_bytes: int  # the target's weight bytes one decode step moves (sizing.decode_weight_bytes)
+    kv_per_token: int  # the target's
+    ops: float  # FLOP/s or OP/s of the GEMMs at this quantization
+    max_num_seqs: int
+    draft: _Draft | None
+
+
+class _Memory(NamedTuple):
+    """How one replica's GPU memory divides: weights, reserve, and the KV pool's sequences."""
+
+    replica: _Replica
+    pool: int
+    kv_per_token: int  # the target's and the draft's: what every KV slot holds
+    budget: int
+    batching_reason: str
+    mean_context: int
+    kv_reason: str
+    numbers: dict[str, object]
+
+
+class _Perf(NamedTuple):
+    batch: float  # concurrent sequences per replica (Little's law)
+    ttft_s: float
+    tpot_s: float
+    overload: str | None  # why the replica cannot keep up, None when it can
+
+
+def _gib(n: float) -> str:
+    return f"{n / sizing.GiB:.1f}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f}"
+
+
+def _failed(spec: InferenceServiceSpec, failure: str, reason: str, **numbers: object) -> Plan:
+    return Plan(fits=False, failure=failure, reason=reason, model=spec.model.name,
+                block_size=spec.serving.block_size,
+                gpu_memory_utilization=spec.serving.gpu_memory_utilization, **numbers)
+
+
+def _listed(options: Iterable[str]) -> str:
+    return ", ".join(options) or "nothing"
+
+
+def _unsupported_pins(spec: InferenceServiceSpec, capabilities: EngineCapabilities) -> str | None:
+    """Why the spec pins options this engine cannot run, None when it pins none."""
+    problems = [f"serving.{field} {value!r} is not one this engine runs (supported: {_listed(supported)}; "
+                "or 'auto')"
+                for field, value, supported in (
+                    ("quantization", spec.serving.quantization, capabilities.quantization),
+                    ("speculative", spec.serving.speculative, capabilities.speculative))
+                if value != "auto" and value not in supported]
+    return "; ".join(problems) or None
+
+
+def _draft(spec: InferenceServiceSpec, target: Architecture,
+           capabilities: EngineCapabilities) -> _Draft | Plan | None:
+    """The draft model a plan may run (serving.draftModel, under a mode that may choose it), a
+    failed Plan when it cannot be sized or the engine would refuse it, None when there is none."""
+    serving = spec.serving
+    source = serving.draft_model
+    if source is None or serving.speculative not in ("auto", "draft") or "draft" not in capabilities.speculative:
+        return None
+    hub = hub_source(source)
+    arch = serving.draft_model_architecture or find_model(hub.repo if hub else source.rstrip("/"))
+    if arch is None:
+        return _failed(spec, "UnknownDraftModel",
+                       f"serving.draftModel {source!r} is not a catalog model ({', '.join(MODELS)}) by its "
+                       "repository or folder name, and serving.draftModelArchitecture is not set: the "
+                       "planner needs the draft's size")
+    if arch.vocab_size != target.vocab_size:
+        return _failed(spec, "DraftVocabularyMismatch",
+                       f"serving.draftModel {source!r} has a vocabulary of {arch.vocab_size} tokens and "
+                       f"{spec.model.name} {target.vocab_size}: the engine drafts only with the target's "
+                       "tokens, so it would refuse this draft")
+    return _Draft(source, arch, sizing.weight_bytes(arch, "none"), sizing.kv_bytes_per_token(arch))
+
+
+def choose_speculative(mode: str, *, batch: float, tpot_bound: bool, temperature: float,
+                       draft_model: str | None, supported: Sequence[str]) -> tuple[str, str]:
+    """The speculative mode to run and why; `supported` are the engine's modes, and a pinned
+    `mode` is one of them (plan() refuses a spec pinning any other)."""
+    if mode != "auto":
+        return mode, f"{mode}: set in the spec"
+    if not set(supported) - {"off"}:
+        return "off", f"off: this engine runs no speculative mode (supported: {_listed(supported)})"
+    if batch > SPECULATION_MAX_BATCH:
+        return "off", (f"off: predicted batch {batch:.1f} per replica > {SPECULATION_MAX_BATCH}, "
+                       "the GPU is already busy and speculation has no spare compute to use")
+    if temperature >= HIGH_TEMPERATURE:
+        return "off", (f"off: temperature {temperature:g} >= {HIGH_TEMPERATURE:g}, "
+                       "drafts are rarely accepted")
+    if not tpot_bound:
+        return "off", "off: TTFT, not TPOT, is closest to its SLO; speculation only shortens TPOT"
+    # A draft model accepts more tokens than prompt-lookup n-grams, when there is one to run.
+    proposers = [m for m in (("draft",) if draft_model else ()) + ("ngram",) if m in supported]
+    if not proposers:
+        return "off", (f"off: speculation would pay, but this engine's modes "
+                       f"({_listed(supported)}) need a serving.draftModel, which is not set")
+    return proposers[0], (f"{proposers[0]}: predicted batch {batch:.1f} per replica <= "
+                          f"{SPECULATION_MAX_BATCH}, low temperature and a TPOT-bound SLO")
+
+
+def _batched_tokens(spec: InferenceServiceSpec, arch: Architecture, ops: float) -> tuple[int, str]:
+    """Tokens per engine step, so that a step's prefill chunk leaves room for its decodes."""
+    block = spec.serving.block_size
+    slo = spec.slo.tpot_p95_ms
+    seconds = slo / 1000 * PREFILL_SHARE_OF_TPOT
+    raw = int(seconds * ops * sizing.PREFILL_COMPUTE_EFFICIENCY / (2 * arch.parameters_per_token))
+    tokens = max(block, min(max(raw, MIN_BATCHED_TOKENS), MAX_BATCHED_TOKENS) // block * block)
+    chunk = _ms(sizing.prefill_seconds(arch.parameters_per_token, tokens, ops))
+    if raw < MIN_BATCHED_TOKENS:
+        return tokens, (f"{tokens} tokens per step (the minimum): even this chunk takes {chunk} ms "
+                        f"of the {slo:g} ms TPOT SLO")
+    if raw > MAX_BATCHED_TOKENS:
+        return tokens, (f"{tokens} tokens per step (the maximum): a chunk takes {chunk} ms, well "
+                        f"within the {slo:g} ms TPOT SLO")
+    return tokens, (f"{tokens} tokens per step: a prefill chunk that size takes {chunk} ms, "
+                    f"{PREFILL_SHARE_OF_TPOT:.0%} of the {slo:g} ms TPOT SLO")
+
+
+def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int,
+          speculative: str) -> _Perf:
+    arch, gpu, decode_bytes, kv_per_token, ops, max_num_seqs, draft = replica
+    draft = draft if speculative == "draft" else None
+    load = spec.load
+    rate = load.requests_per_second / replicas if replicas else 0.0
+    prefill = sizing.prefill_seconds(arch.parameters_per_token, load.mean_prompt_tokens, ops)
+    if draft is not None:
+        # The draft computes the prompt too, in the step that samples the first token.
+        prefill += sizing.prefill_seconds(draft.arch.parameters_per_token, load.mean_prompt_tokens,
+                                          gpu.fp16_flops)
+    busy = rate * prefill  # share of GPU time spent on prefill
+    if busy >= 1:
+        return _Perf(math.inf, math.inf, math.inf,
+                     f"prefill alone needs {busy:.1f}x the GPU at {rate:.2f} req/s per replica")
+    context = load.mean_prompt_tokens + load.mean_output_tokens / 2  # mean tokens in cache
+    k = spec.serving.num_speculative_tokens
+    tokens_per_step = (sizing.expected_tokens_per_step(ACCEPTANCE[speculative], k)
+                       if speculative != "off" else 1.0)
+
+    def latencies(batch: float) -> tuple[float, float]:
+        running = max(batch, 1.0)
+        # A mixture of experts reads only the experts its tokens route to; a dense model reads all.
+        share = min(1.0, running * arch.parameters_per_token / arch.parameters)
+        step = sizing.decode_step_seconds(
+            bytes_read=decode_bytes * share + running * context * kv_per_token,
+            bandwidth=gpu.bandwidth_bytes_per_s, parameters_per_token=arch.parameters_per_token,
+            batch=running, ops_per_s=ops)
+        tpot = step / (1 - busy)
+        if speculative != "off" and running <= SPECULATION_MAX_BATCH:
+            # A verification of k + 1 tokens per step, after the draft model's k decode steps.
+            drafting = 0.0 if draft is None else k * sizing.decode_step_seconds(
+                bytes_read=draft.weights + running * context * draft.kv_per_token,
+                bandwidth=gpu.bandwidth_bytes_per_s, parameters_per_token=draft.arch.parameters_per_token,
+                batch=running, ops_per_s=gpu.fp16_flops)
+            tpot = (step * VERIFY_OVERHEAD + drafting) / tokens_per_step / (1 - busy)
+        # M/M/1 wait for the prefill server, plus half a step to reach the next step boundary.
+        ttft = prefill * busy / (1 - busy) + step / 2 + prefill
+        return ttft, tpot
+
+    batch = 0.0
+    for _ in range(200):
+        ttft, tpot = latencies(batch)
+        following = rate * sizing.request_latency(ttft, tpot, load.mean_output_tokens)
+        if following > max_num_seqs:
+            return _Perf(following, ttft, tpot,
+                         f"{rate:.2f} req/s per replica keeps {following:.1f}+ sequences running, "
+                         f"only {max_num_seqs} fit")
+        converged = abs(following - batch) < 1e-3
+        batch = following
+        if converged:
+            break
+    ttft, tpot = latencies(batch)
+    return _Perf(batch, ttft, tpot, None)
+
+
+def _slo_miss(spec: InferenceServiceSpec, perf: _Perf) -> str | None:
+    if perf.overload:
+        return perf.overload
+    misses = []
+    if perf.ttft_s * 1000 > spec.slo.ttft_p95_ms:
+        misses.append(f"TTFT {_ms(perf.ttft_s)} ms > {spec.slo.ttft_p95_ms:g} ms")
+    if perf.tpot_s * 1000 > spec.slo.tpot_p95_ms:
+        misses.append(f"TPOT {_ms(perf.tpot_s)} ms > {spec.slo.tpot_p95_ms:g} ms")
+    return "predicted " + ", ".join(misses) if misses else None
+
+
+def _replicas(spec: InferenceServiceSpec, replica: _Replica,
+              speculative: str) -> tuple[int, _Perf, str | None]:
+    """The fewest replicas within the autoscaling bounds that meet the SLO, else the maximum."""
+    bounds = spec.autoscaling
+    if spec.load.requests_per_second == 0:
+        count = bounds.min_replicas
+        perf = _perf(spec, replica, max(count, 1), speculative)
+        return count, perf, _slo_miss(spec, perf)
+    for count in range(max(bounds.min_replicas, 1), bounds.max_replicas + 1):
+        perf = _perf(spec, replica, count, speculative)
+        miss = _slo_miss(spec, perf)
+        if miss is None:
+            return count, perf, None
+    return bounds.max_replicas, perf, miss
+
+
+def _memory(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str,
+            context: int, draft: _Draft | None, low_bit_gpu_matmuls: bool) -> _Memory | Plan:
+    """How the GPU's memory divides for one (GPU, quantization) pair, with a draft model or none:
+    a failed Plan when the weights or one full sequence do not fit."""
+    serving = spec.serving
+    target_weights = sizing.weight_bytes(arch, quantization)
+    # W8A8 runs its GEMMs on the INT8 tensor cores; weight-only schemes dequantize to FP16.
+    ops = gpu.int8_ops if quantization == "w8a8" else gpu.fp16_flops
+    target_kv = sizing.kv_bytes_per_token(arch)
+    draft_weights, draft_kv = (draft.weights, draft.kv_per_token) if draft else (0, 0)
+    # The engine gives the draft a KV slot for every slot of the target's, so each slot holds both;
+    # and it reserves the positions a draft writes ahead of each sequence (its lookahead slots).
+    weights, kv_per_token = target_weights + draft_weights, target_kv + draft_kv
+    lookahead = serving.num_speculative_tokens if draft else 0
+    budget, batching_reason = _batched_tokens(spec, arch, ops)
+    reserve = sizing.runtime_reserve_bytes(arch, budget)
+    usable = int(gpu.memory_bytes * serving.gpu_memory_utilization)
+    pool = sizing.kv_pool_bytes(gpu.memory_bytes, serving.gpu_memory_utilization, weights, reserve)
+    numbers: dict[str, object] = dict(
+        gpu=gpu.name, quantization=quantization, weight_bytes=weights, draft_weight_bytes=draft_weights,
+        kv_bytes_per_token=kv_per_token, draft_kv_bytes_per_token=draft_kv, kv_pool_bytes=max(pool, 0),
+        max_model_len=context)
+    where = (f"{serving.gpu_memory_utilization:.0%} of the {_gib(gpu.memory_bytes)} GiB {gpu.name} reports "
+             f"({_gib(usable)} GiB)")
+    weighed = f"{quantization} weights {_gib(target_weights)} GiB" + (
+        f" + draft model weights {_gib(draft_weights)} GiB" if draft else "")
+    if pool <= 0:
+        return _failed(spec, "WeightsDoNotFit",
+                       f"{spec.model.name} {weighed} + runtime reserve {_gib(reserve)} GiB exceed {where}",
+                       **numbers)
+    drafted = f" with its draft's KV and {lookahead} lookahead slots" if draft else ""
+    per_sequence = kv_per_token * sizing.blocks_per_sequence(context + lookahead, serving.block_size) \
+        * serving.block_size
+    fitting = sizing.sequences_that_fit(pool, kv_per_token, context + lookahead, serving.block_size)
+    if fitting == 0:
+        return _failed(spec, "ContextDoesNotFit",
+                       f"one {context}-token sequence{drafted} needs {_gib(per_sequence)} GiB of KV cache "
+                       f"but only {_gib(pool)} GiB is left of {where} after {weighed}", **numbers)
+    # Sized for the mean context (prompt + half the output: what a sequence holds on average over its
+    # life), as vLLM sizes its batch: the few sequences that grow long are preempted and recomputed.
+    mean_context = min(context, math.ceil(spec.load.mean_prompt_tokens + spec.load.mean_output_tokens / 2))
+    fitting_mean = sizing.sequences_that_fit(pool, kv_per_token, mean_context + lookahead, serving.block_size)
+    max_num_seqs = min(fitting_mean, MAX_NUM_SEQS_CAP)
+    if budget < max_num_seqs:
+        # Every running sequence decodes one token per step, so the budget must cover them all.
+        budget = max_num_seqs
+        batching_reason = f"{budget} tokens per step: one decode token for each of max_num_seqs"
+    kv = f"{kv_per_token / sizing.MiB:.3g} MiB/token" + (
+        f" ({target_kv / sizing.MiB:.3g} target + {draft_kv / sizing.MiB:.3g} draft)" if draft else "")
+    kv_reason = (f"{fitting_mean} sequences at the mean context of {mean_context} tokens (prompt + half "
+                 f"the output) fit, {fitting} at the full {context}{drafted}; preemption covers sequences "
+                 f"that grow long: KV {kv}, {_gib(per_sequence)} GiB per full sequence, pool {_gib(pool)} "
+                 f"GiB = {where} - weights {_gib(target_weights)} GiB"
+                 + (f" - draft model weights {_gib(draft_weights)} GiB" if draft else "")
+                 + f" - reserve {_gib(reserve)} GiB"
+                 + (f"; capped at {MAX_NUM_SEQS_CAP}" if fitting_mean > MAX_NUM_SEQS_CAP else ""))
+    replica = _Replica(arch, gpu, sizing.decode_weight_bytes(arch, quantization, low_bit_gpu_matmuls), target_kv, ops,
+                       max_num_seqs, draft)
+    return _Memory(replica, pool, kv_per_token, budget, batching_reason, mean_context, kv_reason, numbers)
+
+
+def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str,
+          context: int, capabilities: EngineCapabilities, draft: _Draft | None) -> Plan:
+    """The plan for one (GPU, quantization) pair."""
+    serving = spec.serving
+    pinned_draft = serving.speculative == "draft"
+    memory = _memory(spec, arch, gpu, quantization, context, draft if pinned_draft else None,
+                     capabilities.low_bit_gpu_matmuls)
+    if isinstance(memory, Plan):
+        return memory
+
+    replicas, perf, miss = _replicas(spec, memory.replica, "off")
+    tpot_bound = (perf.tpot_s * 1000 / spec.slo.tpot_p95_ms
+                  >= perf.ttft_s * 1000 / spec.slo.ttft_p95_ms)
+
+    def choose(draft_model: str | None) -> tuple[str, str]:
+        return choose_speculative(serving.speculative, batch=perf.batch, tpot_bound=tpot_bound,
+                                  temperature=spec.load.temperature, draft_model=draft_model,
+                                  supported=capabilities.speculative)
+
+    speculative, speculative_reason = choose(draft.source if draft else None)
+    if speculative == "draft" and not pinned_draft:
+        # Chosen for the target alone: the draft's weights and KV must fit beside it too.
+        with_draft = _memory(spec, arch, gpu, quantization, context, draft, capabilities.low_bit_gpu_matmuls)
+        if isinstance(with_draft, Plan):
+            speculative, speculative_reason = choose(None)
+            speculative_reason += f" (the draft model does not fit: {with_draft.reason})"
+        else:
+            memory = with_draft
+    if speculative == "draft" and draft is not None:
+        speculative_reason += (f"; draft model {draft.source}: {_gib(draft.weights)} GiB of weights "
+                               f"(unquantized), {draft.kv_per_token / sizing.MiB:.3g} MiB of KV per token; "
+                               f"acceptance {ACCEPTANCE['draft']:g} per token assumed (not measured)")
+    if speculative != "off":
+        replicas, perf, miss = _replicas(spec, memory.replica, speculative)
+
+    max_num_seqs, pool, mean_context = memory.replica.max_num_seqs, memory.pool, memory.mean_context
+    rate = spec.load.requests_per_second
+    if miss is None:
+        replicas_reason = (f"{replicas} replica(s) for {rate:g} req/s: {perf.batch:.1f} running "
+                           f"sequences each ({max_num_seqs} fit), TTFT {_ms(perf.ttft_s)} ms <= "
+                           f"{spec.slo.ttft_p95_ms:g} ms, TPOT {_ms(perf.tpot_s)} ms <= "
+                           f"{spec.slo.tpot_p95_ms:g} ms")
+    else:
+        replicas_reason = (f"SLO not met at maxReplicas {replicas} for {rate:g} req/s: {miss}")
+    latency = sizing.request_latency(perf.ttft_s, perf.tpot_s, spec.load.mean_output_tokens)
+    finite = math.isfinite(perf.tpot_s)
+    return Plan(
+        fits=True,
+        reason=(f"{spec.model.name} on {gpu.name} ({quantization}): {max_num_seqs} sequences of "
+                f"{mean_context} tokens on average (up to {context}) in a {_gib(pool)} GiB KV pool; "
+                + (f"predicted TTFT {_ms(perf.ttft_s)} ms, TPOT {_ms(perf.tpot_s)} ms at "
+                   f"{replicas} replica(s)" if finite else replicas_reason)),
+        model=spec.model.name,
+        gpu_count=spec.accelerator.count,
+        speculative=speculative,
+        draft_model=serving.draft_model if speculative == "draft" else None,
+        num_speculative_tokens=serving.num_speculative_tokens if speculative != "off" else None,
+        assumed_draft_acceptance=ACCEPTANCE[speculative] if speculative != "off" else None,
+        block_size=serving.block_size,
+        gpu_memory_utilization=serving.gpu_memory_utilization,
+        kv_blocks=pool // (memory.kv_per_token * serving.block_size),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=memory.budget,
+        predicted_batch=round(perf.batch, 2) if finite else 0.0,
+        predicted_ttft_ms=round(perf.ttft_s * 1000, 1) if finite else 0.0,
+        predicted_tpot_ms=round(perf.tpot_s * 1000, 1) if finite else 0.0,
+        predicted_latency_ms=round(latency * 1000, 1) if finite else 0.0,
+        replicas=replicas,
+        meets_slo=miss is None,
+        reasons={"kvCache": memory.kv_reason, "batching": memory.batching_reason,
+                 "speculative": speculative_reason, "replicas": replicas_reason},
+        **memory.numbers,
+    )
+
+
+def _gpus(spec: InferenceServiceSpec, available: Iterable[str]) -> list[GPU] | Plan:
+    wanted = spec.accelerator.type
+    if wanted:
+        gpu = find_gpu(wanted)
+        if gpu is None:
+            return _failed(spec, "UnknownGPU",
+                           f"GPU type {wanted!r} is not in the catalog ({', '.join(GPUS)})")
+        return [gpu]
+    found = {gpu.name: gpu for gpu in map(find_gpu, available) if gpu is not None}
+    if not found:
+        return _failed(spec, "NoGPUType", "spec.accelerator.type is not set and no node carries "
+                       "a known GPU product label")
+    # Smallest (cheapest) first, so the first that works wastes the least.
+    return sorted(found.values(), key=lambda g: (g.memory_gib, g.bandwidth_gbps))
+
+
+def plan(spec: InferenceServiceSpec, available_gpus: Iterable[str] = (),
+         capabilities: EngineCapabilities = CAPABILITIES) -> Plan:
+    """Plan serving `spec` on an engine with `capabilities`; `available_gpus` are node GPU
+    products, used when no type is set."""
+    unsupported = _unsupported_pins(spec, capabilities)
+    if unsupported:
+        # No GPU or model changes what the engine can run: say so before anything else.
+        return _failed(spec, "UnsupportedByEngine", unsupported)
+    explicit = spec.model.architecture
+    arch = explicit or find_model(spec.model.name)
+    if arch is None:
+        return _failed(spec, "UnknownModel",
+                       f"model {spec.model.name!r} is not in the catalog ({', '.join(MODELS)}) and "
+                       "spec.model.architecture is not set")
+    model_reason = "spec.model.architecture" if explicit else f"catalog ({arch.source})"
+    if spec.accelerator.count != 1:
+        return _failed(spec, "MultiGPUUnsupported",
+                       f"accelerator.count {spec.accelerator.count}: the engine serves one model on "
+                       "one accelerator (no tensor parallelism yet)")
+    context = spec.serving.max_context_length or arch.max_context
+    if context > arch.max_context:
+        return _failed(spec, "ContextTooLong", f"maxContextLength {context} exceeds "
+                       f"{spec.model.name}'s maximum context {arch.max_context}")
+    gpus = _gpus(spec, available_gpus)
+    if isinstance(gpus, Plan):
+        return gpus
+    draft = _draft(spec, arch, capabilities)
+    if isinstance(draft, Plan):
+        return draft
+
+    stored = spec.model.quantization
+    if stored is not None and spec.serving.quantization not in ("auto", stored):
+        return _failed(spec, "QuantizationMismatch",
+                       f"the checkpoint is quantized as {stored} (model.quantization): the engine serves it as "
+                       f"stored and cannot re-quantize it to serving.quantization {spec.serving.quantization}; "
+                       f"set serving.quantization to auto or {stored}")
+    if stored is not None or spec.serving.quantization != "auto":
+        schemes: tuple[str, ...] = (stored or spec.serving.quantization,)
+        not_run = ""
+    else:
+        # Only the schemes the engine runs, and of those only the ones sizing knows the bytes of.
+        schemes = tuple(s for s in QUALITY_ORDER if s in capabilities.quantization)
+        skipped = [s for s in QUALITY_ORDER if s not in schemes]
+        not_run = (f"; not tried: {_listed(skipped)}, which this engine does not run "
+                   f"(supported: {_listed(capabilities.quantization)})" if skipped else "")
+        if not schemes:
+            return _failed(spec, "UnsupportedByEngine",
+                           "this engine runs no quantization scheme the planner can size "
+                           f"(supported: {_listed(capabilities.quantization)})")
+    options = [_size(spec, arch, gpu, scheme, context, capabilities, draft)
+               for gpu in gpus for scheme in schemes]
+    chosen = (next((o for o in options if o.fits and o.meets_slo), None)
+              or next((o for o in options if o.fits), None))
+    if chosen is None:
+        # The most capable option tried (largest GPU, most compressed scheme) says best why not.
+        return options[-1].model_copy(update={"reason": options[-1].reason + not_run})
+
+    passed = [f"{o.gpu}/{o.quantization}: {o.reason if not o.fits else o.reasons['replicas']}"
+              for o in options[:options.index(chosen)]]
+    if stored is not None:
+        quantization_reason = f"{chosen.quantization}: the checkpoint's own (model.quantization)"
+    elif spec.serving.quantization != "auto":
+        quantization_reason = f"{chosen.quantization}: set in the spec"
+    elif chosen.meets_slo:
+        rejected = f" (rejected {'; '.join(passed)})" if passed else ""
+        quantization_reason = f"{chosen.quantization}: the least lossy scheme that fits and " \
+                              f"meets the SLO{rejected}{not_run}"
+    else:
+        quantization_reason = f"{chosen.quantization}: no scheme meets the SLO within " \
+                              "maxReplicas; this is the least lossy that fits" + not_run
+    if spec.accelerator.type:
+        gpu_reason = f"{chosen.gpu}: set in the spec"
+    else:
+        gpu_reason = (f"{chosen.gpu}: the smallest of the nodes' GPUs "
+                      f"({', '.join(g.name for g in gpus)}) that "
+                      + ("fits and meets the SLO" if chosen.meets_slo else "fits"))
+    reasons = {"model": model_reason, "gpu": gpu_reason,
+               "quantization": quantization_reason, **chosen.reasons}
+    return chosen.model_copy(update={"reasons": reasons})

@@ -1,0 +1,133 @@
+"""The serving maths as small pure functions over bytes, seconds and tokens.
+
+The rules: KV bytes per token = 2 × layers × KV heads × head dim × bytes; KV pool =
+memory × utilization − weights − reserve; prefill is compute-bound, decode bandwidth-bound;
+latency = TTFT + (N − 1) × TPOT.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvpilot.engine.config import EngineConfig
+from kvpilot.operator.api.spec import Architecture
+
+GiB = 1024**3
+MiB = 1024**2
+
+# The weights as the engine holds them (engine/model/: llama.py, quantization.py). Unquantized,
+# every parameter is one 16-bit value (a tied LM head shares the embedding's). Quantized, only the
+# decoder layers' linear weights take the scheme: the embedding and the norms stay 16-bit, and the
+# LM head is INT8 under every scheme (its own copy even when tied to the embedding).
+BYTES_PER_VALUE = 2
+# INT8: one byte per weight plus a bf16 scale per output row (2 bytes per row of thousands of
+# weights: left out). INT4: two weights per byte plus a bf16 scale and a bf16 zero per group of
+# input columns, the engine's default group, which the operator never overrides.
+INT8_BYTES_PER_WEIGHT = 1
+INT4_BYTES_PER_WEIGHT = 0.5
+INT4_GROUP = int(EngineConfig.model_fields["quantization_group_size"].default)
+INT4_SCALE_ZERO_BYTES = 2 * BYTES_PER_VALUE
+BODY_BYTES_PER_WEIGHT: dict[str, float] = {
+    "int8": INT8_BYTES_PER_WEIGHT,
+    "w8a8": INT8_BYTES_PER_WEIGHT,
+    "int4": INT4_BYTES_PER_WEIGHT + INT4_SCALE_ZERO_BYTES / INT4_GROUP,
+}
+# The KV cache stays FP16 whatever the weights are: the engine has no KV quantization.
+KV_BYTES_PER_VALUE = 2
+
+# CUDA context, cuBLAS workspaces and allocator slack: vLLM measures 0.5-1.5 GiB outside the
+# weights and the KV cache on a single GPU before any activation.
+RUNTIME_OVERHEAD_BYTES = 1 * GiB
+# Peak live activations per token in the budgeted forward pass, in units of hidden size: FP16
+# residual, norm, QKV and MLP intermediates (~12 hidden-sized tensors × 2 bytes).
+ACTIVATION_BYTES_PER_HIDDEN = 24
+
+# Fractions of the spec sheet that real kernels reach: large GEMMs in prefill sustain about half
+# of peak tensor throughput; decode streams weights at about 80% of peak bandwidth.
+PREFILL_COMPUTE_EFFICIENCY = 0.5
+DECODE_BANDWIDTH_EFFICIENCY = 0.8
+
+
+def _embedding_norms_body(arch: Architecture) -> tuple[int, int, int]:
+    """Parameters of the embedding, of the norms, and of the decoder layers' linear weights."""
+    embedding = arch.vocab_size * arch.hidden_size
+    norms = (2 * arch.layers + 1) * arch.hidden_size  # two per decoder layer and the final one
+    return embedding, norms, arch.parameters - embedding - norms - (0 if arch.tie_word_embeddings else embedding)
+
+
+def weight_bytes(arch: Architecture, quantization: str) -> int:
+    """Bytes of the weights the engine holds for `arch` at `quantization` (see BYTES_PER_VALUE)."""
+    if quantization == "none":
+        return arch.parameters * BYTES_PER_VALUE
+    embedding, norms, body = _embedding_norms_body(arch)
+    head = embedding * INT8_BYTES_PER_WEIGHT + arch.vocab_size * BYTES_PER_VALUE  # + a scale per row
+    return int((embedding + norms) * BYTES_PER_VALUE + head + body * BODY_BYTES_PER_WEIGHT[quantization])
+
+
+def decode_weight_bytes(arch: Architecture, quantization: str, low_bit_gpu_matmuls: bool) -> int:
+    """Bytes of weights one decode step moves on a GPU. An engine without low-bit GPU matmuls
+    (this build: `CAPABILITIES.low_bit_gpu_matmuls`) dequantizes each quantized layer's weight to a
+    16-bit copy for its matmul, written and read back beside the stored weight, so there
+    quantization buys memory, not decode speed."""
+    stored = weight_bytes(arch, quantization)
+    if quantization == "none" or low_bit_gpu_matmuls:
+        return stored
+    embedding, _, body = _embedding_norms_body(arch)
+    # The LM head is quantized too (INT8), and dequantized the same way.
+    return stored + 2 * BYTES_PER_VALUE * (body + embedding)
+
+
+def kv_bytes_per_token(arch: Architecture, bytes_per_value: int = KV_BYTES_PER_VALUE) -> int:
+    """2 (K and V) × layers × KV heads × head dim × bytes: GQA/MQA shrink it through KV heads."""
+    return 2 * arch.layers * arch.kv_heads * arch.head_size * bytes_per_value
+
+
+def runtime_reserve_bytes(arch: Architecture, max_num_batched_tokens: int) -> int:
+    """Memory neither weights nor KV: runtime overhead plus the peak activations of one step."""
+    activations = max_num_batched_tokens * arch.hidden_size * ACTIVATION_BYTES_PER_HIDDEN
+    return RUNTIME_OVERHEAD_BYTES + activations
+
+
+def kv_pool_bytes(memory_bytes: int, utilization: float, weights: int, reserve: int) -> int:
+    """What is left for the KV cache; negative when the weights alone do not fit."""
+    return int(memory_bytes * utilization) - weights - reserve
+
+
+def blocks_per_sequence(tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size)
+
+
+def sequences_that_fit(pool_bytes: int, kv_per_token: int, tokens_per_sequence: int,
+                       block_size: int = 1) -> int:
+    """Full-length sequences whose KV blocks fit in the pool (paged: whole blocks only)."""
+    if pool_bytes <= 0:
+        return 0
+    blocks = pool_bytes // (kv_per_token * block_size)
+    return int(blocks // blocks_per_sequence(tokens_per_sequence, block_size))
+
+
+def prefill_seconds(parameters_per_token: int, tokens: float, ops_per_s: float) -> float:
+    """Compute-bound: 2 FLOPs per parameter per prompt token."""
+    return 2 * parameters_per_token * tokens / (ops_per_s * PREFILL_COMPUTE_EFFICIENCY)
+
+
+def decode_step_seconds(*, bytes_read: float, bandwidth: float, parameters_per_token: int,
+                        batch: float, ops_per_s: float) -> float:
+    """One decode step: bandwidth-bound (weights + KV read once) until the batch is so large
+    that its 2 × params × batch FLOPs take longer."""
+    memory = bytes_read / (bandwidth * DECODE_BANDWIDTH_EFFICIENCY)
+    compute = 2 * parameters_per_token * batch / (ops_per_s * PREFILL_COMPUTE_EFFICIENCY)
+    return max(memory, compute)
+
+
+def request_latency(ttft: float, tpot: float, output_tokens: int) -> float:
+    """TTFT + (N − 1) × TPOT: the first token comes out of prefill."""
+    return ttft + (output_tokens - 1) * tpot
+
+
+def expected_tokens_per_step(acceptance: float, k: int) -> float:
+    """Tokens a speculative step yields with k drafts each accepted with probability α:
+    (1 − α^(k+1)) / (1 − α) (Leviathan et al., 2023)."""
+    if acceptance >= 1:
+        return k + 1
+    return (1 - acceptance ** (k + 1)) / (1 - acceptance)

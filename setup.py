@@ -1,0 +1,15 @@
+"""Package discovery for the two halves under one `kvpilot` namespace.
+
+pyproject.toml maps `kvpilot.engine` onto engine/ and `kvpilot.operator` onto operator/; this file
+finds every sub-package below them, so a new one ships without anyone listing it. operator/ itself
+has no __init__.py (see README, "Images and chart"), so it is named here, not found.
+"""
+
+from setuptools import find_packages, setup
+
+
+def packages(root: str) -> list[str]:
+    return [f"kvpilot.{root}", *(f"kvpilot.{root}.{sub}" for sub in find_packages(root))]
+
+
+setup(packages=packages("engine") + packages("operator"))

@@ -1,0 +1,331 @@
+"""The CRDs are valid, structural, and agree with the pydantic spec and the status we write.
+
+No API server here (the e2e suite applies the CRD to a real one), so this checks the structural
+schema rules and validates objects against the schema with a small validator for the subset of
+OpenAPI the CRD uses.
+"""
+
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+import pytest
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from kvpilot.operator.api.names import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from kvpilot.operator.api.spec import BLOCK_SIZES, InferenceServiceSpec
+from kvpilot.operator.controller import status
+from kvpilot.operator.controller.reconcile import last_good, planned_fields
+from kvpilot.operator.planning.gpus import GPUS
+from kvpilot.operator.planning.planner import plan
+
+CRDS = Path(__file__).resolve().parents[3] / "crds"
+Schema = dict[str, Any]
+
+
+def load(name: str) -> list[dict[str, Any]]:
+    return list(yaml.safe_load_all((CRDS / name).read_text()))
+
+
+@pytest.fixture(scope="module")
+def crd() -> dict[str, Any]:
+    (document,) = load("inferenceservice.yaml")
+    return document
+
+
+def version(crd: dict[str, Any]) -> dict[str, Any]:
+    (v,) = crd["spec"]["versions"]
+    return v
+
+
+def root(crd: dict[str, Any]) -> Schema:
+    return version(crd)["schema"]["openAPIV3Schema"]
+
+
+VALUE_KEYS = {"type", "format", "description", "enum", "default", "minimum", "maximum",
+              "exclusiveMinimum", "minLength", "maxLength", "pattern", "required", "properties", "items",
+              "additionalProperties", "anyOf", "x-kubernetes-validations",
+              "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields",
+              "x-kubernetes-list-type", "x-kubernetes-list-map-keys"}
+
+
+def check_structural(node: Schema, path: str) -> None:
+    """The Kubernetes structural-schema rules the CRD relies on."""
+    assert set(node) <= VALUE_KEYS, f"{path}: unexpected keys {set(node) - VALUE_KEYS}"
+    if node.get("x-kubernetes-int-or-string"):
+        assert "type" not in node
+        assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}], path
+    else:
+        assert node.get("type") in {"object", "array", "string", "integer", "number", "boolean"}, \
+            f"{path}: every node needs a type"
+        assert "anyOf" not in node, path
+    assert not ("properties" in node and "additionalProperties" in node), path
+    if "x-kubernetes-preserve-unknown-fields" in node:
+        assert node["type"] == "object" and node["x-kubernetes-preserve-unknown-fields"] is True
+    for rule in node.get("x-kubernetes-validations", []):
+        assert set(rule) <= {"rule", "message"} and rule["rule"] and rule["message"], path
+    if "x-kubernetes-list-type" in node:
+        assert node["type"] == "array"
+        if node["x-kubernetes-list-type"] == "map":
+            keys = node["x-kubernetes-list-map-keys"]
+            assert keys and set(keys) <= set(node["items"].get("required", [])), path
+    if node.get("type") == "object":
+        for name, child in node.get("properties", {}).items():
+            check_structural(child, f"{path}.{name}")
+        for name in node.get("required", []):
+            assert name in node["properties"], f"{path}: required {name} is not a property"
+        if isinstance(node.get("additionalProperties"), dict):
+            check_structural(node["additionalProperties"], f"{path}.*")
+        if "default" in node:
+            validate(node["default"], node, path)
+    if node.get("type") == "array":
+        check_structural(node["items"], f"{path}[]")
+    if node.get("type") in {"string", "integer", "number"} and "default" in node:
+        validate(node["default"], node, path)
+
+
+def validate(value: Any, node: Schema, path: str = "") -> None:
+    """Validate `value` against the OpenAPI subset used by the CRD (raises AssertionError)."""
+    if node.get("x-kubernetes-int-or-string"):
+        assert isinstance(value, int | str) and not isinstance(value, bool), path
+        return
+    kind = node["type"]
+    python = {"object": dict, "array": list, "string": str, "boolean": bool,
+              "integer": int, "number": int | float}[kind]
+    assert isinstance(value, python) and (kind == "boolean" or not isinstance(value, bool)), \
+        f"{path}: {value!r} is not {kind}"
+    if "enum" in node:
+        assert value in node["enum"], f"{path}: {value!r} not in {node['enum']}"
+    if "minimum" in node:
+        assert value > node["minimum"] if node.get("exclusiveMinimum") else value >= node["minimum"], path
+    if "maximum" in node:
+        assert value <= node["maximum"], path
+    if "minLength" in node:
+        assert len(value) >= node["minLength"], path
+    if kind == "object":
+        for name in node.get("required", []):
+            assert name in value, f"{path}: missing {name}"
+        properties = node.get("properties")
+        for key, item in value.items():
+            if properties is not None:
+                assert key in properties, f"{path}: unknown field {key} (would be pruned)"
+                validate(item, properties[key], f"{path}.{key}")
+            elif isinstance(node.get("additionalProperties"), dict):
+                validate(item, node["additionalProperties"], f"{path}.{key}")
+    if kind == "array":
+        for index, item in enumerate(value):
+            validate(item, node["items"], f"{path}[{index}]")
+
+
+def apply_defaults(value: Any, node: Schema) -> Any:
+    """What the API server's defaulting does to an object (defaults of absent fields, recursively)."""
+    if node.get("type") == "object" and isinstance(value, dict) and "properties" in node:
+        result = dict(value)
+        for name, child in node["properties"].items():
+            if name not in result and "default" in child:
+                result[name] = child["default"]
+            if name in result:
+                result[name] = apply_defaults(result[name], child)
+        return result
+    if node.get("type") == "array" and isinstance(value, list):
+        return [apply_defaults(item, node["items"]) for item in value]
+    return value
+
+
+def test_crd_identity_names_and_subresources(crd: dict[str, Any]) -> None:
+    assert crd["apiVersion"] == "apiextensions.k8s.io/v1"
+    assert crd["metadata"]["name"] == f"{PLURAL}.{GROUP}"
+    assert crd["spec"]["group"] == GROUP and crd["spec"]["scope"] == "Namespaced"
+    names = crd["spec"]["names"]
+    assert names["kind"] == KIND and names["plural"] == PLURAL
+    assert names["shortNames"] == ["kvis"] and "isvc" not in names["shortNames"]
+    v = version(crd)
+    assert (v["name"], v["served"], v["storage"]) == (VERSION, True, True)
+    assert API_VERSION == f"{GROUP}/{VERSION}"
+    assert v["subresources"]["status"] == {}
+    assert v["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
+                                          "statusReplicasPath": ".status.replicas",
+                                          "labelSelectorPath": ".status.selector"}
+
+
+def test_scale_paths_point_at_integer_and_string_fields(crd: dict[str, Any]) -> None:
+    properties = root(crd)["properties"]
+    assert properties["spec"]["properties"]["replicas"]["type"] == "integer"
+    assert properties["status"]["properties"]["replicas"]["type"] == "integer"
+    assert properties["status"]["properties"]["selector"]["type"] == "string"
+
+
+def test_printer_columns(crd: dict[str, Any]) -> None:
+    columns = {c["name"]: c["jsonPath"] for c in version(crd)["additionalPrinterColumns"]}
+    assert columns == {
+        "Model": ".spec.model.name", "GPU": ".status.plan.gpu",
+        "Quant": ".status.plan.quantization", "Replicas": ".status.replicas",
+        "Ready-Replicas": ".status.readyReplicas",
+        # The Ready condition and its reason, as `kubectl get` shows them for built-in kinds.
+        "Ready": '.status.conditions[?(@.type=="Ready")].status',
+        "Status": '.status.conditions[?(@.type=="Ready")].reason',
+        "TTFT-P95": ".status.latency.ttftP95Ms",
+        "TPOT-P95": ".status.latency.tpotP95Ms", "Age": ".metadata.creationTimestamp",
+        "URL": ".status.url"}
+    # The URL is long: only `kubectl get -o wide` shows it.
+    assert {c["name"] for c in version(crd)["additionalPrinterColumns"] if c.get("priority")} == {"URL"}
+
+
+def test_schema_is_structural(crd: dict[str, Any]) -> None:
+    check_structural(root(crd), "")
+    assert set(root(crd)["properties"]["metadata"]) == {"type"}
+
+
+def test_cel_rules_cover_what_the_schema_cannot_say(crd: dict[str, Any]) -> None:
+    spec = root(crd)["properties"]["spec"]["properties"]
+
+    def rules(section: str) -> str:
+        return " ".join(r["rule"] for r in spec[section]["x-kubernetes-validations"])
+
+    assert "self.minReplicas <= self.maxReplicas" in rules("autoscaling")
+    assert "self.ttftP95Ms > 0.0" in rules("slo") and "self.tpotP95Ms > 0.0" in rules("slo")
+    assert f"self.blockSize in [{', '.join(map(str, BLOCK_SIZES))}]" in rules("serving")
+    assert "self.speculative != 'draft'" in rules("serving") and "has(self.draftModel)" in rules("serving")
+    architecture = spec["model"]["properties"]["architecture"]["x-kubernetes-validations"]
+    assert architecture[0]["rule"] == "self.attentionHeads % self.kvHeads == 0"
+
+
+def test_the_name_must_be_able_to_name_a_service(crd: dict[str, Any]) -> None:
+    # At the schema root, CEL sees metadata.name; the Service the operator renders takes it.
+    (rule,) = root(crd)["x-kubernetes-validations"]
+    assert "DNS-1035 label" in rule["message"]
+    pattern = re.fullmatch(r"size\(self\.metadata\.name\) <= (\d+) && "
+                           r"self\.metadata\.name\.matches\('(.*)'\)", rule["rule"])
+    assert pattern is not None, rule["rule"]
+    limit, regex = int(pattern[1]), pattern[2]
+    assert (limit, regex) == (63, "^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+    def allowed(name: str) -> bool:
+        return len(name) <= limit and re.fullmatch(regex, name) is not None
+
+    assert all(map(allowed, ["db", "llama-3-8b", "a" * 63, "x1"]))
+    assert not any(map(allowed, ["7b-chat", "db.v2", "Chat", "chat-", "a" * 64, "my_model", ""]))
+
+
+@pytest.mark.parametrize("bad", [
+    {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
+    {"slo": {"ttftP95Ms": 0}},
+    {"slo": {"tpotP95Ms": -5}},
+    {"serving": {"blockSize": 24}},
+    {"serving": {"speculative": "draft"}},
+    {"accelerator": {"nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"}}},
+    {"model": {"name": "x", "architecture": {"layers": 2, "hiddenSize": 64, "attentionHeads": 6,
+                                             "kvHeads": 4, "vocabSize": 10, "parameters": 10,
+                                             "maxContext": 16}}},
+])
+def test_pydantic_spec_enforces_the_same_rules_as_cel(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        InferenceServiceSpec.model_validate({"model": {"name": "llama-2-7b"}, **bad})
+
+
+def _aliases(model: type[BaseModel]) -> dict[str, Any]:
+    return {field.alias or name: field for name, field in model.model_fields.items()}
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    candidates = [annotation, *get_args(annotation)]
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+        if get_origin(candidate) is list:
+            return _nested_model(get_args(candidate)[0])
+    return None
+
+
+def _same_fields(model: type[BaseModel], node: Schema, path: str) -> None:
+    if node.get("type") == "array":
+        node = node["items"]
+    fields = _aliases(model)
+    assert set(fields) == set(node["properties"]), path
+    for alias, field in fields.items():
+        nested = _nested_model(field.annotation)
+        if nested is not None:
+            _same_fields(nested, node["properties"][alias], f"{path}.{alias}")
+
+
+def test_crd_spec_fields_equal_the_pydantic_spec(crd: dict[str, Any]) -> None:
+    _same_fields(InferenceServiceSpec, root(crd)["properties"]["spec"], "spec")
+
+
+@pytest.mark.parametrize("minimal", [
+    {"model": {"name": "llama-2-7b"}},
+    {"model": {"name": "llama-2-7b"}, "serving": {"quantization": "int4"}, "slo": {},
+     "autoscaling": {"maxReplicas": 9}, "tolerations": [{"key": "k", "operator": "Exists"}]},
+    {"model": {"name": "llama-2-7b", "source": "hf://meta-llama/Llama-2-7b-hf",
+               "tokenSecret": {"name": "hf"}, "cache": {}}},
+])
+def test_api_server_defaults_equal_pydantic_defaults(crd: dict[str, Any],
+                                                     minimal: dict[str, Any]) -> None:
+    schema = root(crd)["properties"]["spec"]
+    defaulted = apply_defaults(minimal, schema)
+    validate(defaulted, schema, "spec")
+    assert InferenceServiceSpec.model_validate(defaulted) == \
+        InferenceServiceSpec.model_validate(minimal)
+
+
+def test_image_has_no_default_so_the_operator_supplies_one(crd: dict[str, Any]) -> None:
+    image = root(crd)["properties"]["spec"]["properties"]["image"]
+    assert "default" not in image
+    minimal = {"model": {"name": "llama-2-7b"}}
+    assert "image" not in apply_defaults(minimal, root(crd)["properties"]["spec"])
+    assert InferenceServiceSpec.model_validate(minimal).image is None
+    # An empty image would silently mean the default: both the schema and the model refuse it.
+    with pytest.raises(AssertionError):
+        validate("", image)
+    with pytest.raises(ValidationError):
+        InferenceServiceSpec.model_validate({**minimal, "image": ""})
+
+
+def test_the_accelerator_description_lists_the_catalog(crd: dict[str, Any]) -> None:
+    description = root(crd)["properties"]["spec"]["properties"]["accelerator"]["properties"][
+        "type"]["description"]
+    assert all(name in description for name in GPUS)
+
+
+@pytest.mark.parametrize("model, gpu", [("llama-2-7b", "A10G"), ("llama-3-70b", "A10G"),
+                                        ("nope", "A10G")])
+def test_status_we_write_validates_against_the_schema(crd: dict[str, Any], model: str,
+                                                      gpu: str) -> None:
+    spec = InferenceServiceSpec.model_validate({"model": {"name": model},
+                                                "accelerator": {"type": gpu}})
+    result = plan(spec)
+    deployment = {"metadata": {"generation": 2},
+                  "status": {"observedGeneration": 2, "replicas": 2, "readyReplicas": 1,
+                             "updatedReplicas": 2}}
+    written = status.build(name="chat", namespace="ml", generation=3, plan=result, spec=spec,
+                           deployment=deployment if result.fits else None, old={},
+                           now=datetime(2025, 1, 1, tzinfo=UTC),
+                           last_good=last_good(planned_fields(spec), str(result.gpu), result.reasons.get("gpu"))
+                           if result.fits else None)
+    validate(written, root(crd)["properties"]["status"], "status")
+
+
+def test_kopf_peering_crds() -> None:
+    cluster, namespaced = load("kopf-peering.yaml")
+    assert (cluster["metadata"]["name"], cluster["spec"]["scope"]) == \
+        ("clusterkopfpeerings.kopf.dev", "Cluster")
+    assert (namespaced["metadata"]["name"], namespaced["spec"]["scope"]) == \
+        ("kopfpeerings.kopf.dev", "Namespaced")
+    for crd in (cluster, namespaced):
+        (v,) = crd["spec"]["versions"]
+        assert crd["spec"]["group"] == "kopf.dev" and v["name"] == "v1"  # what kopf looks up
+        check_structural(v["schema"]["openAPIV3Schema"], crd["spec"]["names"]["kind"])
+
+
+def test_the_checkers_reject_what_an_api_server_would(crd: dict[str, Any]) -> None:
+    with pytest.raises(AssertionError, match="every node needs a type"):
+        check_structural({"type": "object", "properties": {"x": {"description": "untyped"}}}, "")
+    status_schema = root(crd)["properties"]["status"]
+    with pytest.raises(AssertionError, match="not in"):
+        validate({"conditions": [{"type": "Ready", "status": "Yes"}]}, status_schema, "status")
+    with pytest.raises(AssertionError, match="unknown field"):
+        validate({"plan": {"fitz": True}}, status_schema, "status")
+    with pytest.raises(AssertionError, match="missing"):
+        validate({"conditions": [{"type": "Ready"}]}, status_schema, "status")

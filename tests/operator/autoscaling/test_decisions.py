@@ -1,0 +1,419 @@
+"""The autoscaler's decision rules, one test each (operator/autoscaler.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpilot.engine.serving.metrics import LATENCY_BUCKETS
+from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.autoscaling.decisions import (
+    AutoscalerState,
+    Decision,
+    Observation,
+    PodRead,
+    Policy,
+    step,
+)
+from kvpilot.operator.autoscaling.metrics import EngineReading, Histogram
+
+PERIOD = 15.0
+SLO_TTFT = 2.0  # seconds, the Policy default
+SLO_TPOT = 0.1
+
+
+class Pod:
+    """An engine's cumulative metrics, as successive reads of its /metrics would show them."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.ttft: list[float] = []
+        self.tpot: list[float] = []
+        self.waiting = 0.0
+        self.kv = 0.1
+
+    def serve(self, n: int, ttft: float, tpot: float = 0.03) -> Pod:
+        self.ttft += [ttft] * n
+        self.tpot += [tpot] * n
+        return self
+
+    def read(self) -> PodRead:
+        def histogram(values: list[float]) -> Histogram:
+            return Histogram(bounds=LATENCY_BUCKETS, count=float(len(values)),
+                             counts=tuple(float(sum(v <= b for v in values)) for b in LATENCY_BUCKETS))
+        return PodRead(name=self.name, reading=EngineReading(
+            ttft=histogram(self.ttft), tpot=histogram(self.tpot), waiting=self.waiting,
+            running=1.0, kv_usage=self.kv))
+
+
+class Loop:
+    """Drives step() every PERIOD seconds with pods the test controls; replicas follow decisions
+    and (unless told otherwise) all pods are ready."""
+
+    def __init__(self, policy: Policy, replicas: int, state: AutoscalerState | None = None) -> None:
+        self.policy, self.replicas, self.now = policy, replicas, 1_000_000.0
+        self.state = state or AutoscalerState()
+        self.pods = [Pod(f"p{i}") for i in range(replicas)]
+        self.ready: int | None = None  # None: every replica is ready
+        self.broken: set[str] = set()
+
+    def tick(self, ttft: float | None = 0.2, n: int = 20, waiting: float = 0.0,
+             kv: float = 0.1, tpot: float = 0.03) -> Decision:
+        self.now += PERIOD
+        while len(self.pods) < self.replicas:
+            self.pods.append(Pod(f"p{len(self.pods)}"))
+        del self.pods[self.replicas:]
+        ready = self.replicas if self.ready is None else self.ready
+        reads = []
+        for pod in self.pods[:ready]:
+            if ttft is not None:
+                pod.serve(n, ttft, tpot)
+            pod.waiting, pod.kv = waiting, kv
+            reads.append(PodRead(name=pod.name, error="connection refused") if pod.name in self.broken
+                         else pod.read())
+        obs = Observation(now=self.now, replicas=self.replicas, ready_replicas=ready, pods=tuple(reads))
+        self.state, decision = step(self.policy, self.state, obs)
+        self.replicas = decision.replicas
+        return decision
+
+
+def test_over_the_slo_scales_up_in_proportion_bounded_by_max_step() -> None:
+    loop = Loop(Policy(max_replicas=10, max_step=3), replicas=2)
+    loop.tick(ttft=0.2)  # first read: an empty window
+    d = loop.tick(ttft=4.5)  # p95 ~4.5 s against 2 s: ratio ~2.2 -> ceil(2 x 2.2) = 5 = 2 + 3
+    assert d.action == "up" and d.replicas == 5
+    assert d.signals.limiting == "TTFT"
+    assert "p95 TTFT" in d.reason and "SLO 2000 ms" in d.reason and "2 -> 5" in d.reason
+    loop = Loop(Policy(max_replicas=10, max_step=1), replicas=2)
+    loop.tick()
+    assert loop.tick(ttft=4.5).replicas == 3
+
+
+def test_a_slightly_high_ratio_adds_at_least_one_replica() -> None:
+    loop = Loop(Policy(max_replicas=8), replicas=4)
+    d = loop.tick(ttft=None, waiting=4 * 1.15)  # 1.15x: ceil(4 x 1.15) = 5
+    assert (d.action, d.replicas) == ("up", 5)
+    loop = Loop(Policy(), replicas=1)
+    d = loop.tick(ttft=None, waiting=4 * 1.15)  # ceil(1.15) = 2
+    assert (d.action, d.replicas) == ("up", 2)
+
+
+@pytest.mark.parametrize("waiting_ratio", [0.95, 1.0, 1.09])
+def test_tolerance_band_moves_nothing(waiting_ratio: float) -> None:
+    loop = Loop(Policy(scale_down_stabilization_seconds=0), replicas=3)
+    for _ in range(10):
+        d = loop.tick(ttft=None, waiting=4 * waiting_ratio)
+        assert (d.action, d.replicas) == ("hold", 3)
+    assert "tolerance band" in d.reason
+
+
+def test_queue_per_replica_scales_up_while_ttft_still_looks_fine() -> None:
+    """Requests stuck in the queue have no TTFT yet: the queue is the early signal."""
+    loop = Loop(Policy(), replicas=2)
+    loop.tick()
+    d = loop.tick(ttft=0.3, waiting=10)
+    assert d.action == "up" and d.signals.limiting == "waiting"
+    assert d.signals.ttft_p95_seconds < SLO_TTFT
+
+
+def test_tpot_over_its_slo_scales_up() -> None:
+    loop = Loop(Policy(), replicas=1)
+    loop.tick()
+    d = loop.tick(ttft=0.3, tpot=0.3)
+    assert d.action == "up" and d.signals.limiting == "TPOT"
+
+
+def test_full_kv_cache_scales_up() -> None:
+    loop = Loop(Policy(), replicas=1)
+    assert loop.tick(ttft=None, kv=0.99).action == "hold"  # 0.99 / 0.9 = 1.10: the band's edge
+    d = loop.tick(ttft=None, kv=1.0)  # 1.11x
+    assert d.action == "up" and d.signals.limiting == "KV"
+
+
+def test_scale_up_waits_for_its_stabilization_window() -> None:
+    # A window of one read, so that the queue signal is this read's alone.
+    loop = Loop(Policy(scale_up_stabilization_seconds=30, window_seconds=PERIOD), replicas=1)
+    assert loop.tick(ttft=None, waiting=10).action == "hold"  # over for 0 s
+    assert loop.tick(ttft=None, waiting=10).action == "hold"  # 15 s
+    assert loop.tick(ttft=None, waiting=0).action == "hold"  # back in: the run restarts
+    assert loop.tick(ttft=None, waiting=10).action == "hold"
+    assert loop.tick(ttft=None, waiting=10).action == "hold"
+    assert loop.tick(ttft=None, waiting=10).action == "up"  # over for 30 s
+
+
+def test_no_new_scale_up_while_pods_of_the_last_one_are_pending() -> None:
+    loop = Loop(Policy(max_replicas=10, max_step=2), replicas=2)
+    assert loop.tick(ttft=None, waiting=10).replicas == 4
+    loop.ready = 2  # the two new pods are not ready
+    for _ in range(5):
+        d = loop.tick(ttft=None, waiting=10)
+        assert (d.action, d.replicas) == ("hold", 4)
+    assert "last scale-up to 4 has 2 ready" in d.reason
+    loop.ready = None
+    assert loop.tick(ttft=None, waiting=10).replicas == 6
+
+
+def test_a_pod_that_fails_later_does_not_hold_scale_up() -> None:
+    """Pending means pods of the last scale-up not ready yet, not any unready pod forever."""
+    loop = Loop(Policy(max_replicas=10), replicas=2)
+    assert loop.tick(ttft=None, waiting=10).replicas == 4
+    loop.tick(ttft=None, waiting=2)  # all 4 ready: the scale-up is done
+    loop.ready = 3  # one crashes afterwards
+    assert loop.tick(ttft=None, waiting=10).action == "up"
+
+
+def test_scale_down_only_after_the_stabilization_window() -> None:
+    loop = Loop(Policy(scale_down_stabilization_seconds=300, min_replicas=1), replicas=3)
+    decisions = [loop.tick(ttft=0.1, n=1, waiting=0, kv=0.05) for _ in range(25)]
+    downs = [i for i, d in enumerate(decisions) if d.action == "down"]
+    # The first step starts observing; the 21st (300 s later) may scale down.
+    assert downs[0] == 20
+    assert all(d.action == "hold" for d in decisions[:20])
+    assert "scale-down window" in decisions[5].reason
+
+
+def test_scale_down_takes_the_largest_recommendation_of_the_window() -> None:
+    policy = Policy(scale_down_stabilization_seconds=150, max_step=4, max_replicas=8, window_seconds=PERIOD)
+    loop = Loop(policy, replicas=8)
+    for i in range(10):
+        # One period with a burst that needs 6 of 8 (0.6 / 0.9 x 8 = 5.3 -> 6); otherwise 4 would
+        # do (idle enough for 1, but at most max_step fewer).
+        d = loop.tick(ttft=None, waiting=4 * (0.6 if i == 5 else 0.05), kv=0.01)
+        assert d.action == "hold"
+    d = loop.tick(ttft=None, waiting=0.2, kv=0.01)  # 150 s observed
+    assert (d.action, d.replicas) == ("down", 6)
+
+
+def test_scale_down_only_if_one_fewer_replica_would_still_meet_the_target() -> None:
+    """At 2 replicas and half the queue target, 1 replica would sit at 1.0x: not comfortable."""
+    loop = Loop(Policy(scale_down_stabilization_seconds=60, window_seconds=PERIOD), replicas=2)
+    for _ in range(20):
+        d = loop.tick(ttft=None, waiting=4 * 0.5)
+        assert (d.action, d.replicas) == ("hold", 2)
+    assert "1 replicas would not be" in d.reason and "x1.00" in d.reason
+    # 1 replica: 0.8x, under 0.9; down once the last 2-replica recommendation is 60 s old.
+    decisions = [loop.tick(ttft=None, waiting=4 * 0.4) for _ in range(5)]
+    assert [(d.action, d.replicas) for d in decisions] == [("hold", 2)] * 3 + [("down", 1), ("hold", 1)]
+
+
+def test_scale_down_moves_at_most_max_step_per_window() -> None:
+    loop = Loop(Policy(scale_down_stabilization_seconds=60, max_step=2, max_replicas=8), replicas=8)
+    replicas = [loop.tick(ttft=None, waiting=0, kv=0).replicas for _ in range(30)]
+    assert replicas[4] == 6  # 60 s observed
+    changes = [i for i in range(1, 30) if replicas[i] != replicas[i - 1]]
+    # 8 -> 6 -> 4 -> 2 -> 1, each a full window after the one before.
+    assert [replicas[i] for i in changes] == [6, 4, 2, 1]
+    assert all(b - a >= 4 for a, b in zip(changes, changes[1:]))
+
+
+def test_replicas_stay_within_min_and_max() -> None:
+    policy = Policy(min_replicas=2, max_replicas=3, scale_down_stabilization_seconds=0)
+    assert Loop(policy, replicas=5).tick().replicas == 3  # someone set 5
+    assert Loop(policy, replicas=1).tick().replicas == 2  # someone set 1
+    loop = Loop(policy, replicas=3)
+    d = loop.tick(ttft=None, waiting=40)
+    assert (d.action, d.replicas) == ("hold", 3) and "maxReplicas 3" in d.reason
+    loop = Loop(policy, replicas=2)
+    assert all(loop.tick(ttft=None, waiting=0).replicas == 2 for _ in range(5))
+
+
+def test_zero_replicas_stay_zero() -> None:
+    """Scaled to zero (by hand, or idle with minReplicas 0): no engine reports, nothing moves,
+    even below minReplicas, as an HPA leaves a target scaled to zero alone."""
+    loop = Loop(Policy(min_replicas=1), replicas=0)
+    for _ in range(5):
+        d = loop.tick(ttft=None)
+        assert (d.action, d.replicas) == ("hold", 0)
+    assert "0 replicas" in d.reason
+
+
+def test_a_pod_that_does_not_report_is_unknown_and_does_not_block_the_rest() -> None:
+    loop = Loop(Policy(max_replicas=6), replicas=3)
+    loop.broken = {"p1"}
+    loop.tick()
+    d = loop.tick(ttft=5.0)
+    assert d.action == "up" and d.replicas == 5
+    assert d.signals.unknown == ("p1",) and d.signals.reporting == 2
+    assert "unknown: 1 (p1)" in d.reason
+
+
+def test_no_pod_reporting_holds() -> None:
+    loop = Loop(Policy(), replicas=2)
+    loop.broken = {"p0", "p1"}
+    d = loop.tick(ttft=5.0)
+    assert (d.action, d.replicas) == ("hold", 2) and "no pod reported" in d.reason
+
+
+@pytest.mark.parametrize("mode", ["external", "off"])
+def test_external_and_off_never_change_replicas(mode: str) -> None:
+    loop = Loop(Policy(mode=mode, min_replicas=2, max_replicas=4), replicas=7)
+    loop.tick()
+    for _ in range(30):
+        d = loop.tick(ttft=9.0, waiting=50)
+        assert (d.action, d.replicas) == ("hold", 7)
+    assert f"mode is {mode}" in d.reason
+    # The signals are still there for the status.
+    assert d.signals.ttft_p95_seconds > SLO_TTFT
+
+
+def test_gauges_are_averaged_over_the_window() -> None:
+    """One read of a queue is a sample: a burst in one of four reads is a quarter as much."""
+    loop = Loop(Policy(window_seconds=60, max_replicas=8), replicas=2)
+    for waiting in (0, 0, 0, 10):
+        d = loop.tick(ttft=None, waiting=waiting)
+    assert (d.action, d.signals.waiting_per_replica) == ("hold", 2.5)
+    loop = Loop(Policy(window_seconds=PERIOD, max_replicas=8), replicas=2)
+    for waiting in (0, 0, 0, 10):
+        d = loop.tick(ttft=None, waiting=waiting)
+    assert d.action == "up"
+
+
+def test_rate_per_replica_where_the_slo_broke_bounds_scale_down() -> None:
+    """Latency does not grow in proportion to load (queueing is convex), so a projection from
+    latency alone would scale down into a broken SLO. Where the SLO broke, in requests per second
+    per replica (which does grow in proportion), is remembered and not planned past again."""
+    def run(overloaded_first: bool) -> tuple[Loop, list[Decision]]:
+        # A scale-up window as long as the metrics window: one replica overloaded long enough to learn.
+        loop = Loop(Policy(window_seconds=60, scale_up_stabilization_seconds=60,
+                           scale_down_stabilization_seconds=60, max_replicas=4), replicas=1)
+        if overloaded_first:
+            for _ in range(6):  # 2 req/s on one replica, steady for a whole window: TTFT 3 s
+                loop.tick(ttft=3.0, n=30)
+            assert loop.replicas == 2
+        return loop, [loop.tick(ttft=0.2, n=15, tpot=0.03) for _ in range(30)]  # 1 req/s per replica
+
+    loop, decisions = run(overloaded_first=True)
+    assert loop.state.knee == pytest.approx(2.0)
+    assert all(d.replicas == 2 for d in decisions)
+    assert "1 replicas would not be (x1.00)" in decisions[-1].reason  # 2 req/s: where it broke
+    assert "1.00 req/s per replica (over the band at 2.00)" in decisions[-1].reason
+    loop, decisions = run(overloaded_first=False)
+    assert loop.state.knee is None and decisions[-1].replicas == 1  # nothing learned: latency says 1 will do
+
+
+def test_the_knee_rises_when_a_higher_rate_is_comfortable() -> None:
+    loop = Loop(Policy(window_seconds=60, min_replicas=1, max_replicas=1), replicas=1)
+    for _ in range(6):
+        loop.tick(ttft=3.0, n=30)
+    assert loop.state.knee == pytest.approx(2.0)
+    for _ in range(3):
+        loop.tick(ttft=0.2, n=45)  # 3 req/s, comfortable, but the window still holds the slow ones
+    assert loop.state.knee == pytest.approx(2.0)
+    for _ in range(3):
+        loop.tick(ttft=0.2, n=45)
+    assert loop.state.knee == pytest.approx(3.0)
+
+
+def test_nothing_is_learned_from_a_backlog() -> None:
+    """While a pod's queue is past its target, or its requests are still being served, the rate
+    per replica is what the pods manage, not where the load breaks them."""
+    policy = Policy(window_seconds=60, min_replicas=1, max_replicas=1)
+    loop = Loop(policy, replicas=1)
+    for _ in range(8):
+        loop.tick(ttft=30.0, n=10, waiting=20)
+    assert loop.state.knee is None
+    for _ in range(4):  # the queue is gone, but the window still holds periods that had it
+        loop.tick(ttft=30.0, n=10, waiting=0)
+    assert loop.state.knee is None
+    loop.tick(ttft=30.0, n=10, waiting=0)
+    assert loop.state.knee == pytest.approx(10 / PERIOD)
+
+
+def test_after_a_scale_up_is_ready_the_old_window_is_no_reason_for_another() -> None:
+    loop = Loop(Policy(max_replicas=10), replicas=2)
+    loop.tick()
+    assert loop.tick(ttft=6.0).replicas == 4
+    # The new pods are ready; the requests served now are fast. The slow ones of before are
+    # still within 60 s, but they do not count once the scale-up is done.
+    d = loop.tick(ttft=0.2)
+    assert d.action == "hold" and d.signals.ttft_p95_seconds < 0.3
+
+
+def test_window_forgets_what_is_older_than_it() -> None:
+    loop = Loop(Policy(window_seconds=60, max_replicas=1, min_replicas=1), replicas=1)
+    loop.tick()
+    assert loop.tick(ttft=5.0).signals.ttft_p95_seconds > 4
+    for _ in range(3):
+        d = loop.tick(ttft=0.2)
+    assert d.signals.ttft_p95_seconds > 4  # the slow period is still inside the 60 s
+    d = loop.tick(ttft=0.2)
+    assert d.signals.ttft_p95_seconds < 0.3
+
+
+def test_idle_window_has_no_latency_and_a_restarted_pod_counts_from_its_new_read() -> None:
+    loop = Loop(Policy(max_replicas=1), replicas=1)
+    loop.tick(ttft=0.2, n=500)
+    assert loop.tick(ttft=None).signals.ttft_p95_seconds is None  # nothing new in the window...
+    for _ in range(4):
+        d = loop.tick(ttft=None)
+    assert d.signals.ttft_p95_seconds is None  # ...and then nothing at all
+    loop.pods[0] = Pod("p0").serve(3, 6.0)  # same pod name, new process: counts went down
+    d = loop.tick(ttft=None)
+    assert d.signals.ttft_p95_seconds > 5
+
+
+def test_scale_to_zero_only_when_idle() -> None:
+    policy = Policy(min_replicas=0, scale_down_stabilization_seconds=60)
+    loop = Loop(policy, replicas=1)
+    loop.tick()
+    loop.broken = {"p0"}  # not reporting (an engine still loading): it may be busy
+    assert all(loop.tick(ttft=None, waiting=0, kv=0).replicas == 1 for _ in range(10))
+    loop.broken = set()
+    # A trickle of requests, too thin for a p95, while every gauge reads 0 between them: 1 stays.
+    assert all(loop.tick(ttft=0.2, n=1, waiting=0, kv=0).replicas == 1 for _ in range(10))
+    decisions = [loop.tick(ttft=None, waiting=0, kv=0) for _ in range(10)]
+    assert decisions[-1].replicas == 0
+    assert min(i for i, d in enumerate(decisions) if d.replicas == 0) >= 4  # the window emptied first
+
+
+def test_replicas_set_by_someone_else_start_a_new_regime() -> None:
+    """The gateway scales from zero (or a person scales by hand): the scale-down recommendations
+    made before are not a reason to undo it at once; a full stabilization window must pass."""
+    policy = Policy(min_replicas=0, scale_down_stabilization_seconds=60)
+    loop = Loop(policy, replicas=1)
+    decisions = [loop.tick(ttft=None, waiting=0, kv=0) for _ in range(8)]
+    assert decisions[-1].replicas == 0
+    loop.replicas = 1  # the gateway, for a request that arrived
+    after = [loop.tick(ttft=None, waiting=0, kv=0) for _ in range(6)]
+    assert [d.replicas for d in after[:4]] == [1, 1, 1, 1]  # 60 s = 4 periods of 15 s
+    assert after[-1].replicas == 0  # idle for a whole window again
+
+
+def test_state_survives_a_restart_through_json() -> None:
+    """Persist the state (as the status does) every step, or not at all: same decisions."""
+    def run(persist: bool) -> list[tuple[str, int]]:
+        loop = Loop(Policy(scale_down_stabilization_seconds=60, max_replicas=6), replicas=2)
+        loads = [0.2] * 2 + [5.0] * 3 + [0.2] * 15
+        out = []
+        for i, ttft in enumerate(loads):
+            loop.ready = loop.replicas - 1 if i == 3 else None  # one step with a pending pod
+            d = loop.tick(ttft=ttft)
+            out.append((d.action, d.replicas))
+            if persist:
+                text = json.dumps(loop.state.model_dump(mode="json", by_alias=True), allow_nan=False)
+                loop.state = AutoscalerState.model_validate(json.loads(text))
+        return out
+    uninterrupted, restarted = run(False), run(True)
+    assert restarted == uninterrupted
+    assert {a for a, _ in uninterrupted} == {"up", "down", "hold"}
+
+
+def test_status_form_is_camel_case() -> None:
+    loop = Loop(Policy(), replicas=1)
+    loop.tick()
+    dumped = loop.state.model_dump(mode="json", by_alias=True)
+    assert {"baselines", "window", "lastDecision", "observedSince"} <= set(dumped)
+    assert "waitingPerReplica" in dumped["lastDecision"]["signals"]
+
+
+def test_policy_from_spec() -> None:
+    spec = InferenceServiceSpec.model_validate({
+        "model": {"name": "m"}, "slo": {"ttftP95Ms": 500, "tpotP95Ms": 40},
+        "autoscaling": {"mode": "external", "minReplicas": 0, "maxReplicas": 9, "maxStep": 3,
+                        "tolerance": 0.2, "scaleDownStabilizationSeconds": 120}})
+    policy = Policy.from_spec(spec)
+    assert (policy.ttft_p95_seconds, policy.tpot_p95_seconds) == (0.5, 0.04)
+    assert (policy.mode, policy.min_replicas, policy.max_replicas, policy.max_step) == ("external", 0, 9, 3)
+    assert (policy.tolerance, policy.scale_down_stabilization_seconds) == (0.2, 120)
+    assert Policy.from_spec(InferenceServiceSpec.model_validate({"model": {"name": "m"}})).mode == "slo"

@@ -150,8 +150,10 @@ def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 
 
 def run_operator(args: argparse.Namespace) -> int:
-    # Registers the handlers in kopf's default registry; only this command wants that.
+    # Registers the handlers in kopf's default registry; only this command wants that. The
+    # reconcile handlers first: their startup handler completes the memo the others use.
     importlib.import_module("kvpilot.operator.controller.handlers")
+    importlib.import_module("kvpilot.operator.process")
     # main() gave the root logger a plain stream handler; kopf adds its own, which would print
     # every line twice.
     root = logging.getLogger()
@@ -159,8 +161,11 @@ def run_operator(args: argparse.Namespace) -> int:
     # log_prefix: every per-object line says which InferenceService it is about.
     kopf.configure(verbose=args.verbose, log_prefix=True)
     namespaces = None if args.all_namespaces else list(args.namespaces)
+    # The operator's one client: the peering here, then every handler, the autoscaler and the
+    # gateway through kopf's memo.
+    cluster = KubeCluster.connect()
     if not args.standalone:
-        KubeCluster.connect().ensure_peering(args.peering, namespaces)
+        cluster.ensure_peering(args.peering, namespaces)
     # kopf pauses every operator that sees a live peer of the same or higher priority, so
     # replicas with equal priorities would all stand still: each draws its own, and only the
     # highest acts until its peering record lapses.
@@ -173,7 +178,7 @@ def run_operator(args: argparse.Namespace) -> int:
         peering_name=None if args.standalone else args.peering,
         priority=priority,
         liveness_endpoint=args.liveness,
-        memo=kopf.Memo(autoscale_interval=args.autoscale_interval, gateway=args.gateway,
+        memo=kopf.Memo(cluster=cluster, autoscale_interval=args.autoscale_interval, gateway=args.gateway,
                        gateway_hold_seconds=args.gateway_hold_seconds),
     )
     return 0

@@ -1,6 +1,6 @@
-"""The import graph of both halves, read from the source (ast): the engine has no import cycle, and
+"""The import graph of both halves, read from the source (ast): neither half has an import cycle,
 the model side reads checkpoints without reaching up into the runner, the server or the offline
-quantization tools. Imports inside functions count as much as those at the top of a module: a
+quantization tools, and the operator's rooms depend one way only (README's map). Imports inside functions count as much as those at the top of a module: a
 deferred import is still a dependency, and a cycle that only defers one of its edges is still one."""
 
 from __future__ import annotations
@@ -14,6 +14,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"engine": "kvpilot.engine", "operator": "kvpilot.operator"}
 # What the model side must not import: it only builds models and reads checkpoints.
 ABOVE_THE_MODEL = ("kvpilot.engine.worker", "kvpilot.engine.serving", "kvpilot.engine.quantize")
+# The operator's rooms and what each may import besides itself: api/ nothing, planning/ only api/ and
+# the engine's torch-free contract, kube/ only api/, and so on up to cli.py, which wires them all.
+ROOMS = {
+    "api": set(),
+    "planning": {"api", "kvpilot.engine.config"},
+    "kube": {"api"},
+    "controller": {"api", "planning", "kube", "kvpilot.engine.config"},
+    "autoscaling": {"api", "kube"},
+    "gateway": {"api", "kube"},
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -93,6 +103,31 @@ def test_the_engine_has_no_import_cycle() -> None:
     engine = {name: {t for t in targets if t.startswith("kvpilot.engine")}
               for name, targets in _graph().items() if name.startswith("kvpilot.engine")}
     assert _cycles(engine) == []
+
+
+def test_the_operator_has_no_import_cycle() -> None:
+    operator = {name: {t for t in targets if t.startswith("kvpilot.operator")}
+                for name, targets in _graph().items() if name.startswith("kvpilot.operator")}
+    assert _cycles(operator) == []
+
+
+def _room(module: str) -> str:
+    """`api` for kvpilot.operator.api.spec; the module itself outside the operator's rooms."""
+    parts = module.split(".")
+    return parts[2] if module.startswith("kvpilot.operator.") and parts[2] in ROOMS else module
+
+
+def test_the_operator_rooms_depend_one_way() -> None:
+    crossing = {}
+    for name, targets in _graph().items():
+        room = _room(name)
+        if room not in ROOMS:
+            continue
+        outside = sorted(t for t in targets if _room(t) != room and _room(t) not in ROOMS[room]
+                         and not any(t == allowed or t.startswith(f"{allowed}.") for allowed in ROOMS[room]))
+        if outside:
+            crossing[name] = outside
+    assert crossing == {}
 
 
 def test_the_model_side_imports_nothing_above_it() -> None:

@@ -16,11 +16,9 @@ a Service or PDB event whose object is as rendered reconciles nothing.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from collections.abc import Mapping
-from contextlib import suppress
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,8 +26,6 @@ import kopf
 
 from kvpilot.operator.api import names
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from kvpilot.operator.autoscaling.decisions import INTERVAL_SECONDS
-from kvpilot.operator.autoscaling.loop import AutoscalingLoop
 from kvpilot.operator.controller import render
 from kvpilot.operator.controller.reconcile import (
     as_rendered,
@@ -38,9 +34,8 @@ from kvpilot.operator.controller.reconcile import (
     refresh,
 )
 from kvpilot.operator.controller.serial import Reconciles
-from kvpilot.operator.gateway.server import HOLD_SECONDS, Gateway
 from kvpilot.operator.kube.cluster import KubeCluster, WriteConflict
-from kvpilot.operator.kube.indexes import index_entry, pod_ready
+from kvpilot.operator.kube.indexes import pod_ready
 from kvpilot.operator.kube.merge_patch import merge_patch
 
 # kopf's bookkeeping annotations, under our own domain instead of kopf.zalando.org.
@@ -88,58 +83,13 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
     settings.posting.level = logging.WARNING
-    # Per-object memos are shallow copies of this one, so every handler sees the one client and
-    # the one set of per-service locks.
-    memo.cluster = KubeCluster.connect()
+    # Per-object memos are shallow copies of this one, so every handler sees the one client (which
+    # `kvpilot operator` builds, else it is built here) and the one set of per-service locks.
+    if memo.get("cluster") is None:
+        memo.cluster = KubeCluster.connect()
     memo.reconciles = Reconciles()
     # Read once here, so reconciliation stays a function of the object and this value.
     memo.engine_image = engine_image(os.environ)
-
-
-# What the autoscaler's loop reads, indexed by kopf from the watches it runs anyway: a period
-# costs no API reads. Indexes add no finalizer (only timers, daemons and on.delete handlers do).
-@kopf.index(GROUP, VERSION, PLURAL)
-def autoscaled_services(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-    return index_entry(body)
-
-
-@kopf.index("apps/v1", "deployments", labels=names.MANAGED_BY)
-def engine_deployments(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-    return index_entry(body)
-
-
-@kopf.index("v1", "pods", labels=names.MANAGED_BY)
-def engine_pods(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-    return index_entry(body, key_label=names.INSTANCE_LABEL)
-
-
-@kopf.on.startup()
-async def start_autoscaler(memo: kopf.Memo, autoscaled_services: kopf.Index, engine_deployments: kopf.Index,
-                           engine_pods: kopf.Index, **_: Any) -> None:
-    """The SLO autoscaler's periodic loop (autoscaling/loop.py), as a plain asyncio task: a kopf
-    timer or daemon would put a finalizer on every InferenceService. And the gateway
-    (gateway/server.py) when asked for: it reads the same indexes. Both write through the one
-    cluster adapter `configure` built."""
-    loop = AutoscalingLoop(memo.cluster, autoscaled_services, engine_deployments, engine_pods,
-                           memo.get("autoscale_interval", INTERVAL_SECONDS))
-    memo.autoscaler = asyncio.create_task(loop.run(), name="kvpilot-autoscaler")
-    address = memo.get("gateway")
-    if address is not None:
-        gateway = Gateway(autoscaled_services, engine_deployments, engine_pods, memo.cluster,
-                          memo.get("gateway_hold_seconds", HOLD_SECONDS))
-        memo.gateway_runner = await gateway.serve(*address)
-
-
-@kopf.on.cleanup()
-async def stop_autoscaler(memo: kopf.Memo, **_: Any) -> None:
-    task = memo.get("autoscaler")
-    if task is not None:
-        task.cancel()
-        with suppress(asyncio.CancelledError):
-            await task
-    runner = memo.get("gateway_runner")
-    if runner is not None:
-        await runner.cleanup()
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)

@@ -83,6 +83,8 @@ def test_operator_peers_with_a_priority_of_its_own(recorder: Recorder) -> None:
     assert first["namespaces"] == ["ml", "prod"] and first["clusterwide"] is False
     # Equal priorities would pause both replicas; each draws its own so exactly one acts.
     assert first["priority"] != second["priority"]
+    # The client that made the peering is the one every handler, the autoscaler and the gateway use.
+    assert first["memo"].cluster is recorder
 
 
 def test_operator_cluster_wide_and_standalone(recorder: Recorder) -> None:

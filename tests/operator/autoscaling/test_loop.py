@@ -175,6 +175,7 @@ def test_the_loop_s_handlers_add_no_finalizer() -> None:
     import kopf
 
     import kvpilot.operator.controller.handlers  # noqa: F401 - registers the handlers
+    import kvpilot.operator.process  # noqa: F401
 
     registry = kopf.get_default_registry()
     indexers = {h.id for h in registry._indexing.get_all_handlers()}

@@ -1,0 +1,66 @@
+"""What the operator process runs beside the reconcile handlers (controller/handlers.py): the
+kopf indexes the autoscaler, the gateway and event reconciles read, the SLO autoscaler's loop, and
+the gateway when asked for. Importing it registers them in kopf's default registry (`kvpilot
+operator` does); all of them write through the one cluster adapter in kopf's memo.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import suppress
+from typing import Any
+
+import kopf
+
+from kvpilot.operator.api import names
+from kvpilot.operator.api.names import GROUP, PLURAL, VERSION
+from kvpilot.operator.autoscaling.decisions import INTERVAL_SECONDS
+from kvpilot.operator.autoscaling.loop import AutoscalingLoop
+from kvpilot.operator.gateway.server import HOLD_SECONDS, Gateway
+from kvpilot.operator.kube.indexes import index_entry
+
+
+# What the autoscaler's loop reads, indexed by kopf from the watches it runs anyway: a period
+# costs no API reads. Indexes add no finalizer (only timers, daemons and on.delete handlers do).
+@kopf.index(GROUP, VERSION, PLURAL)
+def autoscaled_services(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return index_entry(body)
+
+
+@kopf.index("apps/v1", "deployments", labels=names.MANAGED_BY)
+def engine_deployments(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return index_entry(body)
+
+
+@kopf.index("v1", "pods", labels=names.MANAGED_BY)
+def engine_pods(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return index_entry(body, key_label=names.INSTANCE_LABEL)
+
+
+@kopf.on.startup()
+async def start_autoscaler(memo: kopf.Memo, autoscaled_services: kopf.Index, engine_deployments: kopf.Index,
+                           engine_pods: kopf.Index, **_: Any) -> None:
+    """The SLO autoscaler's periodic loop (autoscaling/loop.py), as a plain asyncio task: a kopf
+    timer or daemon would put a finalizer on every InferenceService. And the gateway
+    (gateway/server.py) when asked for: it reads the same indexes. Both write through the one
+    cluster adapter `configure` built."""
+    loop = AutoscalingLoop(memo.cluster, autoscaled_services, engine_deployments, engine_pods,
+                           memo.get("autoscale_interval", INTERVAL_SECONDS))
+    memo.autoscaler = asyncio.create_task(loop.run(), name="kvpilot-autoscaler")
+    address = memo.get("gateway")
+    if address is not None:
+        gateway = Gateway(autoscaled_services, engine_deployments, engine_pods, memo.cluster,
+                          memo.get("gateway_hold_seconds", HOLD_SECONDS))
+        memo.gateway_runner = await gateway.serve(*address)
+
+
+@kopf.on.cleanup()
+async def stop_autoscaler(memo: kopf.Memo, **_: Any) -> None:
+    task = memo.get("autoscaler")
+    if task is not None:
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
+    runner = memo.get("gateway_runner")
+    if runner is not None:
+        await runner.cleanup()

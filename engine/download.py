@@ -1,7 +1,7 @@
 """`kvpilot download`: a model repository from the Hugging Face Hub into a local folder.
 
 An engine pod whose InferenceService has an `hf://` source runs this as its init container
-(operator/render.py renders it), into a cache volume the engine then reads. A pod restarts at any
+(operator/controller/render.py renders it), into a cache volume the engine then reads. A pod restarts at any
 moment, so the download must resume, verify and not repeat:
 
 - partial files stay in the target folder, named by the content they will hold, and the next run

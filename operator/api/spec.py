@@ -176,7 +176,7 @@ class LoadSpec(_Camel):
 
 
 class AutoscalingSpec(_Camel):
-    # slo: the operator sets replicas from the engines' metrics (operator/autoscaler.py);
+    # slo: the operator sets replicas from the engines' metrics (operator/autoscaling/);
     # external: an HPA or KEDA does and the operator never writes replicas; off: nobody does.
     mode: Literal["slo", "external", "off"] = "slo"
     min_replicas: int = Field(default=1, ge=0)

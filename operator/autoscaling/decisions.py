@@ -38,7 +38,7 @@ Rules (each has a test in tests/operator/autoscaling/test_decisions.py):
   regime, as the controller's own changes do: the recommendations made for the old count go;
 - min/max replicas bound everything; mode `external` and `off` never change replicas (signals are
   still computed for the status); at 0 replicas nothing reports, so nothing moves here: the
-  gateway (gateway.py) sees the demand in front of the engines and scales from zero.
+  gateway (operator/gateway/) sees the demand in front of the engines and scales from zero.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ decision and the observed p95 latencies to the status, and, in `slo` mode only, 
 through the scale subresource and post an Event for every change. `external` computes and shows
 the same numbers but never writes replicas, so an HPA or KEDA owns them; `off` is left alone.
 
-It runs as an asyncio task started by a kopf startup handler (handlers.py), not as a kopf timer
+It runs as an asyncio task started by a kopf startup handler (operator/process.py), not as a kopf timer
 or daemon: those make kopf put a finalizer on every InferenceService, and deleting one must never
 wait for a running operator.
 

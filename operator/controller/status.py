@@ -197,7 +197,7 @@ def build(*, name: str, namespace: str, generation: int, plan: Plan, spec: Infer
         desired = int((deployment.get("spec") or {}).get("replicas") or 0)
     observed = (deployment or {}).get("status", {})
     fresh = conditions(plan, spec, desired, deployment, blocked, pod_problem(deployment, pods))
-    # The autoscaler's loop (autoscale_loop.py) writes these two; a reconcile carries them over,
+    # The autoscaler's loop (autoscaling/loop.py) writes these two; a reconcile carries them over,
     # since the merge patch of this status would otherwise remove what it does not list.
     latency = old.get("latency") or {}
     if latency.get("source") != "observed":

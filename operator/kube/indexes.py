@@ -72,7 +72,7 @@ def children(body: Mapping[str, Any], deployments: Sequence[Mapping[str, Any]],
     return deployment, mine
 
 
-# generation: the operator reconciles from an InferenceService's entry (handlers._refresh).
+# generation: the operator reconciles from an InferenceService's entry (controller/handlers.py, through controller/serial.py).
 _KEPT_METADATA = ("name", "namespace", "uid", "generation", "resourceVersion", "deletionTimestamp", "labels",
                   "ownerReferences")
 

@@ -1,4 +1,4 @@
-"""The autoscaler's decision rules, one test each (operator/autoscaler.py)."""
+"""The autoscaler's decision rules, one test each (operator/autoscaling/decisions.py)."""
 
 from __future__ import annotations
 

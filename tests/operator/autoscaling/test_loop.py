@@ -1,5 +1,5 @@
 """The autoscaler's loop, its pure parts: which pods are read, what is written where, and how
-the status a reconcile writes keeps what the loop wrote (operator/autoscale_loop.py)."""
+the status a reconcile writes keeps what the loop wrote (operator/autoscaling/loop.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The gateway (operator/gateway.py): routing, balancing, and holding requests at zero replicas.
+"""The gateway (operator/gateway/): routing, balancing, and holding requests at zero replicas.
 
 The HTTP tests run the real aiohttp gateway on 127.0.0.1 in front of a real aiohttp "engine" on
 127.0.0.1, with the kopf indexes replaced by dicts the test edits and the Kubernetes client by a

@@ -11,8 +11,9 @@ Rows that carry a draft token (speculative decoding) are verified by rejection s
 keeps the output distribution exactly the target's: a draft proposed with probability q(d) is
 kept with probability min(1, p(d) / q(d)), and a rejected row samples from the normalised
 max(0, p - q). Prompt-lookup drafts are deterministic (q is one-hot on d), so a draft is kept
-with probability p(d) and a rejection samples from p with d removed; under greedy decoding a
-draft is kept exactly when it is the argmax.
+with probability p(d) and a rejection samples from p with d removed. p is the distribution plain
+sampling draws from: after penalties and every filter, renormalised. Under greedy decoding a draft
+is kept exactly when it is the argmax.
 """
 
 from __future__ import annotations
@@ -73,11 +74,8 @@ class Sampler:
         if not meta.all_greedy:
             probs = filtered_probs(logits, meta)
             if drafts is not None:
-                draft_ids = drafts.clamp(min=0).unsqueeze(1)
-                kept = torch.rand(drafts.shape, device=probs.device, generator=self.generator) < probs.gather(1, draft_ids).squeeze(1)
+                kept, probs = verify_drafts(probs, drafts, has_draft, self.generator)
                 accepted = torch.where(meta.greedy, accepted, kept)
-                # A rejected draft is resampled from the target with the draft's mass removed.
-                probs = torch.where(has_draft.unsqueeze(1), probs.scatter(1, draft_ids, 0.0), probs)
             noise = torch.empty_like(probs).exponential_(generator=self.generator)
             for row, generator in meta.generators.items():
                 noise[row].exponential_(generator=generator)
@@ -85,6 +83,22 @@ class Sampler:
         if accepted is not None:
             accepted &= has_draft
         return SamplerOutput(tokens, token_logprobs(raw, tokens, meta.num_logprobs) if raw is not None else {}, accepted)
+
+
+def verify_drafts(probs: torch.Tensor, drafts: torch.Tensor, has_draft: torch.Tensor,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling of deterministic drafts against normalised target rows: which drafts are
+    kept, and the rows that the rejected ones resample from.
+
+    A draft d is kept with probability p(d); a rejected one resamples from max(0, p - onehot(d)),
+    p with d removed. Where d held all of p's mass (the filters kept it alone) that residual is
+    empty and, as in standard rejection sampling, the row samples from p itself: an all-zero row
+    would make the exponential race pick token 0."""
+    draft_ids = drafts.clamp(min=0).unsqueeze(1)
+    kept = torch.rand(drafts.shape, device=probs.device, generator=generator) < probs.gather(1, draft_ids).squeeze(1)
+    residual = probs.scatter(1, draft_ids, 0.0)
+    resample = has_draft & (residual.sum(dim=-1) > 0)
+    return kept, torch.where(resample.unsqueeze(1), residual, probs)
 
 
 def token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, wanted: dict[int, int]) -> dict[int, tuple[float, list[tuple[int, float]]]]:
@@ -113,7 +127,9 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
 
 
 def filtered_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Each row's distribution after temperature, top-k, top-p and min-p; greedy rows are left unscaled."""
+    """Each row's distribution after temperature, top-k, top-p and min-p, renormalised over the
+    tokens the filters keep (rejection sampling compares drafts with these probabilities); greedy
+    rows are left unscaled."""
     temperature = torch.where(meta.greedy, torch.ones_like(meta.temperature), meta.temperature)
     logits = logits / temperature.unsqueeze(1)
     vocab = logits.shape[1]
@@ -136,4 +152,6 @@ def filtered_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     if meta.min_p is not None:
         threshold = meta.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
+    if filter_p or meta.min_p is not None:
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs

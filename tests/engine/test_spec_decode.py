@@ -16,7 +16,7 @@ from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.scheduler import Scheduler, SpecDecodingStats
 from kvpilot.engine.outputs import ModelRunnerOutput
-from kvpilot.engine.worker.sampler import Sampler, SamplingMetadata, filtered_probs
+from kvpilot.engine.worker.sampler import RowPenalty, Sampler, SamplingMetadata, verify_drafts
 from kvpilot.engine.worker.spec_decode.ngram_proposer import NgramProposer
 from tests.engine.test_exactness import assert_no_leaks
 from tests.engine.test_tiny_llama import make_tiny_llama
@@ -60,29 +60,59 @@ def test_ngram_proposes_what_followed_the_longest_latest_match():
 
 # ---- the rejection rule --------------------------------------------------------------------------
 
-def _verify_many(logits: torch.Tensor, draft: int, rows: int, **meta: object) -> Counter:
-    """Verify `draft` on `rows` copies of one distribution; the token each row emits."""
+def _sample_many(logits: torch.Tensor, rows: int, draft: int | None, penalties: dict[str, float], seed: int, **meta: object) -> Counter:
+    """The token each of `rows` copies of one distribution emits: sampled plainly when `draft` is
+    None, else verifying `draft` (the draft when kept, the resampled token when not)."""
     batch = logits.repeat(rows, 1)
-    defaults = dict(temperature=torch.full((rows,), 1.0), top_k=torch.zeros(rows, dtype=torch.long),
+    defaults = dict(temperature=torch.full((rows,), 0.8), top_k=torch.zeros(rows, dtype=torch.long),
                     top_p=torch.ones(rows), greedy=torch.zeros(rows, dtype=torch.bool), all_greedy=False)
-    metadata = SamplingMetadata(**(defaults | meta), draft_token_ids=torch.full((rows,), draft))
-    out = Sampler(torch.Generator().manual_seed(0))(batch.clone(), metadata)
-    emitted = torch.where(out.accepted, torch.full((rows,), draft), out.tokens)
+    scalar = {"top_k": torch.long, "top_p": torch.float32, "min_p": torch.float32}
+    filters = {name: torch.full((rows,), value, dtype=scalar[name]) for name, value in meta.items()}
+    output_ids = torch.tensor(PENALIZED_OUTPUT)
+    row_penalties = [RowPenalty(row, output_ids, output_ids.unique(), **penalties) for row in range(rows)] if penalties else []
+    drafts = torch.full((rows,), draft) if draft is not None else None
+    metadata = SamplingMetadata(**(defaults | filters), penalties=row_penalties, draft_token_ids=drafts)
+    out = Sampler(torch.Generator().manual_seed(seed))(batch.clone(), metadata)
+    emitted = out.tokens if drafts is None else torch.where(out.accepted, drafts, out.tokens)
     return Counter(emitted.tolist())
 
 
-@pytest.mark.parametrize("draft", [0, 3, 5], ids=["likely", "unlikely", "filtered-out"])
-def test_rejection_sampling_keeps_the_target_distribution(draft):
-    logits = torch.tensor([[2.0, 1.5, 1.0, -1.0, 0.5, -3.0]])
+# Token 1 is the likeliest, token 0 is unlikely, token 6 the least likely: a row that comes out all
+# zero after a rejection would emit 0 (argmax of zeros), which the filters mostly drop.
+TARGET_LOGITS = torch.tensor([[-0.5, 2.0, 1.5, 1.0, -1.0, 0.5, -3.0]])
+PENALIZED_OUTPUT = [1, 1, 3]  # the tokens a penalized row has generated so far
+FILTERS = {
+    "top-k": dict(top_k=5),
+    "top-p": dict(top_p=0.6),
+    "min-p": dict(min_p=0.2),
+    "top-k+top-p": dict(top_k=3, top_p=0.8),
+    "top-p+min-p": dict(top_p=0.9, min_p=0.1),
+    "top-k+top-p+min-p+penalties": dict(top_k=5, top_p=0.9, min_p=0.05),
+    "top-p-keeps-one": dict(top_p=0.3),
+}
+PENALTIES = dict(presence=0.3, frequency=0.2, repetition=1.3)
+
+
+@pytest.mark.parametrize("draft", [1, 3, 6], ids=["likely", "unlikely", "filtered-out"])
+@pytest.mark.parametrize("filters", FILTERS)
+def test_rejection_sampling_keeps_the_target_distribution(filters, draft):
+    """The tokens verification rows emit are distributed as plain sampling's, whatever the filters."""
     rows = 40_000
-    meta = dict(temperature=torch.full((rows,), 0.8), top_k=torch.full((rows,), 5, dtype=torch.long))
-    emitted = _verify_many(logits, draft, rows, **meta)
-    probs = filtered_probs(logits.clone(), SamplingMetadata(
-        temperature=torch.tensor([0.8]), top_k=torch.tensor([5]), top_p=torch.ones(1),
-        greedy=torch.zeros(1, dtype=torch.bool), all_greedy=False))[0]
-    assert emitted[5] == 0, "a token outside top-k was emitted"
-    expected = Counter({t: round(float(p) * rows) for t, p in enumerate(probs) if p > 0})
-    assert chi_square_p_value(emitted, expected) > FALSE_ALARM_RATE, (emitted, expected)
+    penalties = PENALTIES if "penalties" in filters else {}
+    plain = _sample_many(TARGET_LOGITS, rows, None, penalties, 1, **FILTERS[filters])
+    verified = _sample_many(TARGET_LOGITS, rows, draft, penalties, 2, **FILTERS[filters])
+    assert verified.keys() <= plain.keys(), f"verification emitted tokens plain sampling never does: {verified}, {plain}"
+    if len(plain) > 1:
+        assert chi_square_p_value(plain, verified) > FALSE_ALARM_RATE, (plain, verified)
+
+
+def test_a_rejected_draft_that_held_all_the_mass_resamples_from_the_target():
+    # Token 2 is all of the first row's mass: the residual p - onehot(2) is empty, so the row keeps
+    # p rather than a row of zeros (whose exponential race would pick token 0).
+    probs = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.5, 0.5], [0.2, 0.3, 0.5]])
+    drafts = torch.tensor([2, 2, -1])
+    _, rows = verify_drafts(probs, drafts, drafts >= 0, torch.Generator().manual_seed(0))
+    assert torch.equal(rows, torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.5, 0.0], [0.2, 0.3, 0.5]]))
 
 
 def test_greedy_verification_keeps_exactly_the_argmax():

@@ -189,13 +189,6 @@ class Scheduler:
             new_tokens = runner_output.sampled.get(request.request_id)
             prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
             request.spec_token_ids = runner_output.spec_token_ids.get(request.request_id, [])
-            if new_tokens and item.spec_token_ids:
-                # The step wrote KV for every draft; only the accepted ones (all sampled tokens
-                # but the last) are part of the sequence.
-                num_accepted = len(new_tokens) - 1
-                request.num_computed_tokens -= len(item.spec_token_ids) - num_accepted
-                self.kv.rollback(request, request.num_computed_tokens)
-                self.spec_decoding = self.spec_decoding.add(len(item.spec_token_ids), num_accepted)
             if not new_tokens:
                 self.kv.cache_full_blocks(request)
                 # A prefill chunk short of the prompt's end samples nothing.
@@ -204,14 +197,13 @@ class Scheduler:
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
-            appended: list[int] = []
-            finish: tuple[FinishReason, str | int | None] | None = None
-            for token in new_tokens:
-                request.token_ids.append(token)
-                appended.append(token)
-                finish = self._check_stop(request, token)
-                if finish is not None:
-                    break
+            appended, finish = self._append_until_stop(request, new_tokens)
+            if item.spec_token_ids:
+                # The step wrote KV for every draft; the sequence keeps those it appended (all its
+                # new tokens but the last), which a stop among the accepted drafts cuts short.
+                request.num_computed_tokens -= len(item.spec_token_ids) - (len(appended) - 1)
+                self.kv.rollback(request, request.num_computed_tokens)
+                self.spec_decoding = self.spec_decoding.add(len(item.spec_token_ids), len(new_tokens) - 1)
             # After the append: accepted drafts are computed tokens, and their blocks' keys hash them.
             self.kv.cache_full_blocks(request)
             if finish is not None:
@@ -221,6 +213,16 @@ class Scheduler:
                                             logprobs=logprobs[: len(appended)] if logprobs is not None else None,
                                             prompt_logprobs=prompt_logprobs))
         return outputs
+
+    def _append_until_stop(self, request: Request, new_tokens: list[int]) -> tuple[list[int], tuple[FinishReason, str | int | None] | None]:
+        """Append the step's tokens up to and including the first that stops the request: the
+        tokens appended, and why it stops (None if it goes on)."""
+        for i, token in enumerate(new_tokens):
+            request.token_ids.append(token)
+            finish = self._check_stop(request, token)
+            if finish is not None:
+                return new_tokens[: i + 1], finish
+        return new_tokens, None
 
     def _check_stop(self, request: Request, token: int) -> tuple[FinishReason, str | int | None] | None:
         params = request.params

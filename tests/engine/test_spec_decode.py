@@ -13,7 +13,7 @@ import torch
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
-from kvpilot.engine.core.request import Request
+from kvpilot.engine.core.request import FinishReason, Request
 from kvpilot.engine.core.scheduler import Scheduler, SpecDecodingStats
 from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.worker.sampler import RowPenalty, Sampler, SamplingMetadata, verify_drafts
@@ -149,6 +149,22 @@ def test_drafts_are_scheduled_verified_and_rejected_kv_rolled_back():
     assert len(scheduler.kv.block_tables["r"]) == 3  # 9 tokens in blocks of 4; the draft-only tail is gone
     assert scheduler.spec_decoding == SpecDecodingStats(1, 4, 2, (1, 1, 0, 0))
     assert request.spec_token_ids == []
+
+
+def test_a_stop_inside_the_accepted_drafts_ends_the_computed_tokens_there():
+    scheduler = Scheduler(KVCacheManager(num_blocks=8, block_size=4), max_num_seqs=4, max_num_batched_tokens=64)
+    request = Request("r", list(range(100, 108)), SamplingParams(max_tokens=10, stop_token_ids=[8]))
+    scheduler.add(request)
+    scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput(sampled={"r": [7]}, spec_token_ids={"r": [8, 9, 10, 11]}))
+    step = scheduler.schedule()
+    # Every draft accepted, but the first is a stop token: the sequence ends there.
+    scheduler.update_from_output(step, ModelRunnerOutput(sampled={"r": [8, 9, 10, 11, 12]}))
+    assert request.output_token_ids == [7, 8] and request.finish_reason is FinishReason.STOP
+    assert request.num_computed_tokens == request.num_tokens - 1
+    # 10 tokens fill 2 blocks of 4: no third block is in the prefix cache under a 2-token hash.
+    assert sum(block.block_hash is not None for block in scheduler.kv.pool.blocks) == 2
+    assert scheduler.spec_decoding == SpecDecodingStats(1, 4, 4, (1, 1, 1, 1))
+    assert scheduler.kv.pool.num_free_blocks == 8
 
 
 def test_drafts_are_cut_to_what_max_tokens_and_the_budget_allow():

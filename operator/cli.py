@@ -7,12 +7,12 @@ import importlib
 import logging
 import random
 import sys
-from typing import Any, TextIO
+from typing import Any, TextIO, get_args
 
 import kopf
 from pydantic import ValidationError
 
-from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.api.spec import InferenceServiceSpec, Quantization, Speculative
 from kvpilot.operator.autoscaling.decisions import INTERVAL_SECONDS, WINDOW_PERIODS
 from kvpilot.operator.gateway.server import HOLD_SECONDS
 from kvpilot.operator.kube.cluster import KubeCluster
@@ -29,9 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     planner.add_argument("--model", required=True, help="catalog model, e.g. llama-2-7b")
     planner.add_argument("--gpu", required=True, help=f"one of {', '.join(GPUS)}")
     planner.add_argument("--context", type=int, help="max context length (default: the model's)")
-    planner.add_argument("--quantization", default="auto",
-                         choices=["auto", "none", "int8", "w8a8", "int4"])
-    planner.add_argument("--speculative", default="auto", choices=["auto", "off", "ngram", "draft"])
+    planner.add_argument("--quantization", default="auto", choices=get_args(Quantization))
+    planner.add_argument("--speculative", default="auto", choices=get_args(Speculative))
     planner.add_argument("--draft-model")
     planner.add_argument("--gpu-memory-utilization", type=float)
     planner.add_argument("--block-size", type=int)

@@ -2,7 +2,7 @@
 
 The API server validates and defaults with the CRD's schema and CEL rules; these models repeat the
 rules so that planning (and `kvpilot plan`) never sees a spec the cluster would have refused.
-tests/operator/api/test_crd.py keeps the two in step (same fields, same defaults).
+tests/operator/api/test_crd.py keeps the two in step (same fields, types, bounds, enums, lengths, patterns and defaults).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ class AutoscalingSpec(_Camel):
     target_kv_cache_usage: float = Field(default=0.9, gt=0, le=1)
     # Read the engines' series from this Prometheus (labels namespace and pod, as a ServiceMonitor
     # gives them) instead of each pod's /metrics: for clusters where the operator cannot reach pods.
-    prometheus_url: str | None = Field(default=None, pattern=r"^https?://[^\s/]+(/\S*)?$")
+    prometheus_url: str | None = Field(default=None, max_length=2048, pattern=r"^https?://[^\s/]+(/\S*)?$")
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingSpec:

@@ -47,10 +47,10 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
 
-from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.api.spec import AutoscalingSpec, InferenceServiceSpec, SLOSpec
 from kvpilot.operator.autoscaling.metrics import (
     EngineReading,
     Histogram,
@@ -85,20 +85,21 @@ class _Data(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, frozen=True)
 
 
-class Policy(_Data):
-    """What the spec asks of the autoscaler, in seconds and ratios."""
+# The autoscaling settings the policy takes from the spec as they are, with the spec's own types,
+# bounds and defaults (one declaration: api/spec.py's AutoscalingSpec).
+_SPEC_SETTINGS = ("mode", "min_replicas", "max_replicas", "max_step", "tolerance", "max_waiting_per_replica",
+                  "target_kv_cache_usage", "scale_up_stabilization_seconds", "scale_down_stabilization_seconds")
+_SpecSettings = create_model("_SpecSettings", __base__=_Data, **{
+    name: (AutoscalingSpec.model_fields[name].annotation, AutoscalingSpec.model_fields[name])
+    for name in _SPEC_SETTINGS})
 
-    mode: Literal["slo", "external", "off"] = "slo"
-    min_replicas: int = Field(default=1, ge=0)
-    max_replicas: int = Field(default=4, ge=1)
-    max_step: int = Field(default=2, ge=1)
-    tolerance: float = Field(default=0.1, ge=0, lt=1)
-    ttft_p95_seconds: float = Field(default=2.0, gt=0)
-    tpot_p95_seconds: float = Field(default=0.1, gt=0)
-    max_waiting_per_replica: float = Field(default=4, gt=0)
-    target_kv_cache_usage: float = Field(default=0.9, gt=0, le=1)
-    scale_up_stabilization_seconds: float = Field(default=0, ge=0)
-    scale_down_stabilization_seconds: float = Field(default=300, ge=0)
+
+class Policy(_SpecSettings):  # type: ignore[misc, valid-type]
+    """What the spec asks of the autoscaler: its autoscaling settings, the SLO in seconds, and what
+    the operator adds (the window, the plan's batch limit)."""
+
+    ttft_p95_seconds: float = Field(default=SLOSpec().ttft_p95_ms / 1000, gt=0)
+    tpot_p95_seconds: float = Field(default=SLOSpec().tpot_p95_ms / 1000, gt=0)
     window_seconds: float = Field(default=WINDOW_SECONDS, gt=0)
     # The engines' batch limit (the plan's max_num_seqs); None: no occupancy signal.
     max_num_seqs: int | None = Field(default=None, gt=0)
@@ -107,15 +108,9 @@ class Policy(_Data):
     @classmethod
     def from_spec(cls, spec: InferenceServiceSpec, max_num_seqs: int | None = None,
                   interval_seconds: float = INTERVAL_SECONDS) -> Policy:
-        a = spec.autoscaling
         return cls(max_num_seqs=max_num_seqs, window_seconds=WINDOW_PERIODS * interval_seconds,
-                   mode=a.mode, min_replicas=a.min_replicas,
-                   max_replicas=a.max_replicas, max_step=a.max_step, tolerance=a.tolerance,
                    ttft_p95_seconds=spec.slo.ttft_p95_ms / 1000, tpot_p95_seconds=spec.slo.tpot_p95_ms / 1000,
-                   max_waiting_per_replica=a.max_waiting_per_replica,
-                   target_kv_cache_usage=a.target_kv_cache_usage,
-                   scale_up_stabilization_seconds=a.scale_up_stabilization_seconds,
-                   scale_down_stabilization_seconds=a.scale_down_stabilization_seconds)
+                   **{name: getattr(spec.autoscaling, name) for name in _SPEC_SETTINGS})
 
 
 class PodRead(_Data):

@@ -5,14 +5,16 @@ schema rules and validates objects against the schema with a small validator for
 OpenAPI the CRD uses.
 """
 
+import copy
 import re
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
 
 import pytest
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from kvpilot.operator.api.spec import BLOCK_SIZES, InferenceServiceSpec
@@ -239,19 +241,91 @@ def _nested_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _same_fields(model: type[BaseModel], node: Schema, path: str) -> None:
+_SCALARS = {int: "integer", float: "number", str: "string", bool: "boolean"}
+_CEL_BOUND = re.compile(r"self\.(\w+) (>=|>|<=|<) (-?[0-9.]+)")
+
+
+def _pydantic_rules(field: FieldInfo) -> dict[str, Any]:
+    """A field's type, bounds, enum, length and pattern as the spec declares them, in the CRD's
+    terms (an integer's `gt=0` is `minimum: 1`)."""
+    members = [a for a in get_args(field.annotation) if a is not type(None)] or [field.annotation]
+    if get_origin(field.annotation) is Literal:
+        members = [field.annotation]
+    rules: dict[str, Any] = {}
+    literals = [v for a in members if get_origin(a) is Literal for v in get_args(a)]
+    if literals:
+        rules["enum"] = sorted(literals)
+    scalars = {_SCALARS[a] for a in members if a in _SCALARS} | ({"string"} if literals else set())
+    if len(scalars) == 1 and len(members) == 1:
+        rules["type"] = scalars.pop()
+    step = 1 if rules.get("type") == "integer" else 0
+    for constraint in field.metadata:
+        for attr, key, shift in (("ge", "minimum", 0), ("gt", "minimum", step), ("le", "maximum", 0),
+                                 ("lt", "maximum", -step), ("min_length", "minLength", 0),
+                                 ("max_length", "maxLength", 0), ("pattern", "pattern", 0)):
+            value = getattr(constraint, attr, None)
+            if value is not None:
+                rules[key] = value + shift if shift else value
+                if attr in ("gt", "lt") and not step:
+                    rules[f"exclusive{key.title()}"] = True
+    return rules
+
+
+def _crd_rules(node: Schema, cel: list[dict[str, str]], alias: str) -> dict[str, Any]:
+    """The same for a CRD property, counting the CEL rules of its parent that bound it by a number."""
+    rules = {key: node[key] for key in ("type", "minimum", "maximum", "minLength", "maxLength", "pattern")
+             if key in node}
+    if node.get("type") in ("array", "object"):
+        rules.pop("type")
+    rules.update({key: True for key in ("exclusiveMinimum", "exclusiveMaximum") if node.get(key)})
+    if "enum" in node:
+        rules["enum"] = sorted(node["enum"])
+    for rule in cel:
+        for name, op, number in _CEL_BOUND.findall(rule["rule"]):
+            if name == alias:
+                rules["minimum" if op.startswith(">") else "maximum"] = float(number)
+                if op in (">", "<"):
+                    rules["exclusiveMinimum" if op == ">" else "exclusiveMaximum"] = True
+    return rules
+
+
+def _same_fields(model: type[BaseModel], node: Schema, path: str, differences: list[str]) -> None:
+    """Every field of `model` is a property of `node` with the same type, bounds, enum, length and
+    pattern (and the other way round); differences are collected, not raised, to list them all."""
     if node.get("type") == "array":
         node = node["items"]
     fields = _aliases(model)
-    assert set(fields) == set(node["properties"]), path
+    if set(fields) != set(node["properties"]):
+        differences.append(f"{path}: fields {sorted(set(fields) ^ set(node['properties']))} in one only")
     for alias, field in fields.items():
+        child = node["properties"].get(alias)
+        if child is None:
+            continue
         nested = _nested_model(field.annotation)
         if nested is not None:
-            _same_fields(nested, node["properties"][alias], f"{path}.{alias}")
+            _same_fields(nested, child, f"{path}.{alias}", differences)
+            continue
+        ours, theirs = _pydantic_rules(field), _crd_rules(child, node.get("x-kubernetes-validations", []), alias)
+        if ours != theirs:
+            differences.append(f"{path}.{alias}: spec.py {ours} != CRD {theirs}")
 
 
 def test_crd_spec_fields_equal_the_pydantic_spec(crd: dict[str, Any]) -> None:
-    _same_fields(InferenceServiceSpec, root(crd)["properties"]["spec"], "spec")
+    differences: list[str] = []
+    _same_fields(InferenceServiceSpec, root(crd)["properties"]["spec"], "spec", differences)
+    assert differences == []
+
+
+def test_the_field_comparison_sees_a_bound_an_enum_and_a_pattern_that_differ(crd: dict[str, Any]) -> None:
+    spec = copy.deepcopy(root(crd)["properties"]["spec"])
+    serving, autoscaling = spec["properties"]["serving"], spec["properties"]["autoscaling"]
+    autoscaling["properties"]["tolerance"]["maximum"] = 0.9
+    serving["properties"]["quantization"]["enum"].remove("w8a8")
+    autoscaling["properties"]["prometheusUrl"]["pattern"] = "^http://.*$"
+    differences: list[str] = []
+    _same_fields(InferenceServiceSpec, spec, "spec", differences)
+    assert [d.split(":")[0] for d in differences] == [
+        "spec.serving.quantization", "spec.autoscaling.tolerance", "spec.autoscaling.prometheusUrl"]
 
 
 @pytest.mark.parametrize("minimal", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from kvpilot.engine.serving.metrics import LATENCY_BUCKETS
 from kvpilot.operator.api.spec import InferenceServiceSpec
@@ -417,3 +418,16 @@ def test_policy_from_spec() -> None:
     assert (policy.mode, policy.min_replicas, policy.max_replicas, policy.max_step) == ("external", 0, 9, 3)
     assert (policy.tolerance, policy.scale_down_stabilization_seconds) == (0.2, 120)
     assert Policy.from_spec(InferenceServiceSpec.model_validate({"model": {"name": "m"}})).mode == "slo"
+
+
+def test_the_policy_takes_its_settings_from_the_spec() -> None:
+    """One declaration of each autoscaling setting: the policy's bounds and defaults are the spec's."""
+    from kvpilot.operator.api.spec import AutoscalingSpec
+
+    shared = set(Policy.model_fields) & set(AutoscalingSpec.model_fields)
+    assert len(shared) == 9
+    for name in shared:
+        ours, spec = Policy.model_fields[name], AutoscalingSpec.model_fields[name]
+        assert (ours.annotation, ours.default, ours.metadata) == (spec.annotation, spec.default, spec.metadata), name
+    with pytest.raises(ValidationError, match="less than or equal to 0.5"):
+        Policy(tolerance=0.6)  # the spec's bound (the policy once had its own, < 1)

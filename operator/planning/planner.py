@@ -115,24 +115,48 @@ class _Replica(NamedTuple):
     draft: _Draft | None
 
 
-class _Memory(NamedTuple):
-    """How one replica's GPU memory divides: weights, reserve, and the KV pool's sequences."""
-
-    replica: _Replica
-    pool: int
-    kv_per_token: int  # the target's and the draft's: what every KV slot holds
-    budget: int
-    batching_reason: str
-    mean_context: int
-    kv_reason: str
-    numbers: dict[str, object]
-
-
 class _Perf(NamedTuple):
     batch: float  # concurrent sequences per replica (Little's law)
     ttft_s: float
     tpot_s: float
     overload: str | None  # why the replica cannot keep up, None when it can
+
+
+class _Sizes(NamedTuple):
+    """The numbers of a (GPU, quantization) pair a Plan reports, whether it fits or not."""
+
+    gpu: str
+    quantization: str
+    weight_bytes: int  # the target's and the draft's
+    draft_weight_bytes: int
+    kv_bytes_per_token: int  # the target's and the draft's: what every KV slot holds
+    draft_kv_bytes_per_token: int
+    kv_pool_bytes: int
+    max_model_len: int
+
+
+class _Memory(NamedTuple):
+    """How one replica's GPU memory divides: weights, reserve, and the KV pool's sequences."""
+
+    replica: _Replica
+    sizes: _Sizes
+    budget: int
+    batching_reason: str
+    mean_context: int
+    kv_reason: str
+
+
+class _Speculation(NamedTuple):
+    """The speculative mode a (GPU, quantization) pair runs, with the memory and replicas it gives."""
+
+    mode: str
+    reason: str
+    memory: _Memory
+    replicas: int
+    perf: _Perf
+    miss: str | None
+
+
 
 
 def _gib(n: float) -> str:
@@ -143,10 +167,10 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f}"
 
 
-def _failed(spec: InferenceServiceSpec, failure: str, reason: str, **numbers: object) -> Plan:
+def _failed(spec: InferenceServiceSpec, failure: str, reason: str, sizes: _Sizes | None = None) -> Plan:
     return Plan(fits=False, failure=failure, reason=reason, model=spec.model.name,
                 block_size=spec.serving.block_size,
-                gpu_memory_utilization=spec.serving.gpu_memory_utilization, **numbers)
+                gpu_memory_utilization=spec.serving.gpu_memory_utilization, **(sizes._asdict() if sizes else {}))
 
 
 def _listed(options: Iterable[str]) -> str:
@@ -331,10 +355,9 @@ def _memory(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantizati
     reserve = sizing.runtime_reserve_bytes(arch, budget)
     usable = int(gpu.memory_bytes * serving.gpu_memory_utilization)
     pool = sizing.kv_pool_bytes(gpu.memory_bytes, serving.gpu_memory_utilization, weights, reserve)
-    numbers: dict[str, object] = dict(
-        gpu=gpu.name, quantization=quantization, weight_bytes=weights, draft_weight_bytes=draft_weights,
-        kv_bytes_per_token=kv_per_token, draft_kv_bytes_per_token=draft_kv, kv_pool_bytes=max(pool, 0),
-        max_model_len=context)
+    sizes = _Sizes(gpu=gpu.name, quantization=quantization, weight_bytes=weights, draft_weight_bytes=draft_weights,
+                   kv_bytes_per_token=kv_per_token, draft_kv_bytes_per_token=draft_kv, kv_pool_bytes=max(pool, 0),
+                   max_model_len=context)
     where = (f"{serving.gpu_memory_utilization:.0%} of the {_gib(gpu.memory_bytes)} GiB {gpu.name} reports "
              f"({_gib(usable)} GiB)")
     weighed = f"{quantization} weights {_gib(target_weights)} GiB" + (
@@ -342,7 +365,7 @@ def _memory(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantizati
     if pool <= 0:
         return _failed(spec, "WeightsDoNotFit",
                        f"{spec.model.name} {weighed} + runtime reserve {_gib(reserve)} GiB exceed {where}",
-                       **numbers)
+                       sizes)
     drafted = f" with its draft's KV and {lookahead} lookahead slots" if draft else ""
     per_sequence = kv_per_token * sizing.blocks_per_sequence(context + lookahead, serving.block_size) \
         * serving.block_size
@@ -350,7 +373,7 @@ def _memory(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantizati
     if fitting == 0:
         return _failed(spec, "ContextDoesNotFit",
                        f"one {context}-token sequence{drafted} needs {_gib(per_sequence)} GiB of KV cache "
-                       f"but only {_gib(pool)} GiB is left of {where} after {weighed}", **numbers)
+                       f"but only {_gib(pool)} GiB is left of {where} after {weighed}", sizes)
     # Sized for the mean context (prompt + half the output: what a sequence holds on average over its
     # life), as vLLM sizes its batch: the few sequences that grow long are preempted and recomputed.
     mean_context = min(context, math.ceil(spec.load.mean_prompt_tokens + spec.load.mean_output_tokens / 2))
@@ -371,19 +394,14 @@ def _memory(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantizati
                  + (f"; capped at {MAX_NUM_SEQS_CAP}" if fitting_mean > MAX_NUM_SEQS_CAP else ""))
     replica = _Replica(arch, gpu, sizing.decode_weight_bytes(arch, quantization, low_bit_gpu_matmuls), target_kv, ops,
                        max_num_seqs, draft)
-    return _Memory(replica, pool, kv_per_token, budget, batching_reason, mean_context, kv_reason, numbers)
+    return _Memory(replica, sizes, budget, batching_reason, mean_context, kv_reason)
 
 
-def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str,
-          context: int, capabilities: EngineCapabilities, draft: _Draft | None) -> Plan:
-    """The plan for one (GPU, quantization) pair."""
+def _speculation(spec: InferenceServiceSpec, memory: _Memory, low_bit_gpu_matmuls: bool,
+                 capabilities: EngineCapabilities, draft: _Draft | None) -> _Speculation:
+    """The speculative mode for a replica whose memory is `memory` (sized with the draft when the
+    spec pins one), and the replicas it then needs."""
     serving = spec.serving
-    pinned_draft = serving.speculative == "draft"
-    memory = _memory(spec, arch, gpu, quantization, context, draft if pinned_draft else None,
-                     capabilities.low_bit_gpu_matmuls)
-    if isinstance(memory, Plan):
-        return memory
-
     replicas, perf, miss = _replicas(spec, memory.replica, "off")
     tpot_bound = (perf.tpot_s * 1000 / spec.slo.tpot_p95_ms
                   >= perf.ttft_s * 1000 / spec.slo.ttft_p95_ms)
@@ -393,48 +411,67 @@ def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization
                                   temperature=spec.load.temperature, draft_model=draft_model,
                                   supported=capabilities.speculative)
 
-    speculative, speculative_reason = choose(draft.source if draft else None)
-    if speculative == "draft" and not pinned_draft:
+    mode, reason = choose(draft.source if draft else None)
+    if mode == "draft" and serving.speculative != "draft":
         # Chosen for the target alone: the draft's weights and KV must fit beside it too.
-        with_draft = _memory(spec, arch, gpu, quantization, context, draft, capabilities.low_bit_gpu_matmuls)
+        replica = memory.replica
+        with_draft = _memory(spec, replica.arch, replica.gpu, memory.sizes.quantization,
+                             memory.sizes.max_model_len, draft, low_bit_gpu_matmuls)
         if isinstance(with_draft, Plan):
-            speculative, speculative_reason = choose(None)
-            speculative_reason += f" (the draft model does not fit: {with_draft.reason})"
+            mode, reason = choose(None)
+            reason += f" (the draft model does not fit: {with_draft.reason})"
         else:
             memory = with_draft
-    if speculative == "draft" and draft is not None:
-        speculative_reason += (f"; draft model {draft.source}: {_gib(draft.weights)} GiB of weights "
-                               f"(unquantized), {draft.kv_per_token / sizing.MiB:.3g} MiB of KV per token; "
-                               f"acceptance {ACCEPTANCE['draft']:g} per token assumed (not measured)")
-    if speculative != "off":
-        replicas, perf, miss = _replicas(spec, memory.replica, speculative)
+    if mode == "draft" and draft is not None:
+        reason += (f"; draft model {draft.source}: {_gib(draft.weights)} GiB of weights "
+                   f"(unquantized), {draft.kv_per_token / sizing.MiB:.3g} MiB of KV per token; "
+                   f"acceptance {ACCEPTANCE['draft']:g} per token assumed (not measured)")
+    if mode != "off":
+        replicas, perf, miss = _replicas(spec, memory.replica, mode)
+    return _Speculation(mode, reason, memory, replicas, perf, miss)
 
-    max_num_seqs, pool, mean_context = memory.replica.max_num_seqs, memory.pool, memory.mean_context
+
+def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str,
+          context: int, capabilities: EngineCapabilities, draft: _Draft | None) -> Plan:
+    """The plan for one (GPU, quantization) pair."""
+    memory = _memory(spec, arch, gpu, quantization, context, draft if spec.serving.speculative == "draft" else None,
+                     capabilities.low_bit_gpu_matmuls)
+    if isinstance(memory, Plan):
+        return memory
+    return _fitting_plan(spec, _speculation(spec, memory, capabilities.low_bit_gpu_matmuls, capabilities, draft))
+
+
+def _fitting_plan(spec: InferenceServiceSpec, chosen: _Speculation) -> Plan:
+    """The Plan of a pair that fits, from its speculation, memory and replicas."""
+    serving, memory, perf, replicas = spec.serving, chosen.memory, chosen.perf, chosen.replicas
+    sizes, max_num_seqs = memory.sizes, memory.replica.max_num_seqs
     rate = spec.load.requests_per_second
-    if miss is None:
+    if chosen.miss is None:
         replicas_reason = (f"{replicas} replica(s) for {rate:g} req/s: {perf.batch:.1f} running "
                            f"sequences each ({max_num_seqs} fit), TTFT {_ms(perf.ttft_s)} ms <= "
                            f"{spec.slo.ttft_p95_ms:g} ms, TPOT {_ms(perf.tpot_s)} ms <= "
                            f"{spec.slo.tpot_p95_ms:g} ms")
     else:
-        replicas_reason = (f"SLO not met at maxReplicas {replicas} for {rate:g} req/s: {miss}")
+        replicas_reason = f"SLO not met at maxReplicas {replicas} for {rate:g} req/s: {chosen.miss}"
     latency = sizing.request_latency(perf.ttft_s, perf.tpot_s, spec.load.mean_output_tokens)
     finite = math.isfinite(perf.tpot_s)
+    speculating = chosen.mode != "off"
     return Plan(
         fits=True,
-        reason=(f"{spec.model.name} on {gpu.name} ({quantization}): {max_num_seqs} sequences of "
-                f"{mean_context} tokens on average (up to {context}) in a {_gib(pool)} GiB KV pool; "
+        reason=(f"{spec.model.name} on {sizes.gpu} ({sizes.quantization}): {max_num_seqs} sequences of "
+                f"{memory.mean_context} tokens on average (up to {sizes.max_model_len}) in a "
+                f"{_gib(sizes.kv_pool_bytes)} GiB KV pool; "
                 + (f"predicted TTFT {_ms(perf.ttft_s)} ms, TPOT {_ms(perf.tpot_s)} ms at "
                    f"{replicas} replica(s)" if finite else replicas_reason)),
         model=spec.model.name,
         gpu_count=spec.accelerator.count,
-        speculative=speculative,
-        draft_model=serving.draft_model if speculative == "draft" else None,
-        num_speculative_tokens=serving.num_speculative_tokens if speculative != "off" else None,
-        assumed_draft_acceptance=ACCEPTANCE[speculative] if speculative != "off" else None,
+        speculative=chosen.mode,
+        draft_model=serving.draft_model if chosen.mode == "draft" else None,
+        num_speculative_tokens=serving.num_speculative_tokens if speculating else None,
+        assumed_draft_acceptance=ACCEPTANCE[chosen.mode] if speculating else None,
         block_size=serving.block_size,
         gpu_memory_utilization=serving.gpu_memory_utilization,
-        kv_blocks=pool // (memory.kv_per_token * serving.block_size),
+        kv_blocks=sizes.kv_pool_bytes // (sizes.kv_bytes_per_token * serving.block_size),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=memory.budget,
         predicted_batch=round(perf.batch, 2) if finite else 0.0,
@@ -442,10 +479,10 @@ def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization
         predicted_tpot_ms=round(perf.tpot_s * 1000, 1) if finite else 0.0,
         predicted_latency_ms=round(latency * 1000, 1) if finite else 0.0,
         replicas=replicas,
-        meets_slo=miss is None,
+        meets_slo=chosen.miss is None,
         reasons={"kvCache": memory.kv_reason, "batching": memory.batching_reason,
-                 "speculative": speculative_reason, "replicas": replicas_reason},
-        **memory.numbers,
+                 "speculative": chosen.reason, "replicas": replicas_reason},
+        **sizes._asdict(),
     )
 
 
@@ -465,21 +502,14 @@ def _gpus(spec: InferenceServiceSpec, available: Iterable[str]) -> list[GPU] | P
     return sorted(found.values(), key=lambda g: (g.memory_gib, g.bandwidth_gbps))
 
 
-def plan(spec: InferenceServiceSpec, available_gpus: Iterable[str] = (),
-         capabilities: EngineCapabilities = CAPABILITIES) -> Plan:
-    """Plan serving `spec` on an engine with `capabilities`; `available_gpus` are node GPU
-    products, used when no type is set."""
-    unsupported = _unsupported_pins(spec, capabilities)
-    if unsupported:
-        # No GPU or model changes what the engine can run: say so before anything else.
-        return _failed(spec, "UnsupportedByEngine", unsupported)
+def _architecture(spec: InferenceServiceSpec) -> tuple[Architecture, str] | Plan:
+    """The model's architecture and where it comes from, or why it cannot be planned."""
     explicit = spec.model.architecture
     arch = explicit or find_model(spec.model.name)
     if arch is None:
         return _failed(spec, "UnknownModel",
                        f"model {spec.model.name!r} is not in the catalog ({', '.join(MODELS)}) and "
                        "spec.model.architecture is not set")
-    model_reason = "spec.model.architecture" if explicit else f"catalog ({arch.source})"
     if spec.accelerator.count != 1:
         return _failed(spec, "MultiGPUUnsupported",
                        f"accelerator.count {spec.accelerator.count}: the engine serves one model on "
@@ -488,13 +518,11 @@ def plan(spec: InferenceServiceSpec, available_gpus: Iterable[str] = (),
     if context > arch.max_context:
         return _failed(spec, "ContextTooLong", f"maxContextLength {context} exceeds "
                        f"{spec.model.name}'s maximum context {arch.max_context}")
-    gpus = _gpus(spec, available_gpus)
-    if isinstance(gpus, Plan):
-        return gpus
-    draft = _draft(spec, arch, capabilities)
-    if isinstance(draft, Plan):
-        return draft
+    return arch, "spec.model.architecture" if explicit else f"catalog ({arch.source})"
 
+
+def _schemes(spec: InferenceServiceSpec, capabilities: EngineCapabilities) -> tuple[tuple[str, ...], str] | Plan:
+    """The quantization schemes to try, least lossy first, and what was left out and why."""
     stored = spec.model.quantization
     if stored is not None and spec.serving.quantization not in ("auto", stored):
         return _failed(spec, "QuantizationMismatch",
@@ -502,45 +530,68 @@ def plan(spec: InferenceServiceSpec, available_gpus: Iterable[str] = (),
                        f"stored and cannot re-quantize it to serving.quantization {spec.serving.quantization}; "
                        f"set serving.quantization to auto or {stored}")
     if stored is not None or spec.serving.quantization != "auto":
-        schemes: tuple[str, ...] = (stored or spec.serving.quantization,)
-        not_run = ""
+        return (stored or spec.serving.quantization,), ""
+    # Only the schemes the engine runs, and of those only the ones sizing knows the bytes of.
+    schemes = tuple(s for s in QUALITY_ORDER if s in capabilities.quantization)
+    if not schemes:
+        return _failed(spec, "UnsupportedByEngine", "this engine runs no quantization scheme the planner can "
+                       f"size (supported: {_listed(capabilities.quantization)})")
+    skipped = [s for s in QUALITY_ORDER if s not in schemes]
+    return schemes, (f"; not tried: {_listed(skipped)}, which this engine does not run "
+                     f"(supported: {_listed(capabilities.quantization)})" if skipped else "")
+
+
+def _choice_reasons(spec: InferenceServiceSpec, chosen: Plan, rejected: Sequence[Plan], gpus: Sequence[GPU],
+                    not_run: str) -> dict[str, str]:
+    """Why this quantization and this GPU: what was tried before the chosen option and why not."""
+    passed = [f"{o.gpu}/{o.quantization}: {o.reason if not o.fits else o.reasons['replicas']}" for o in rejected]
+    if spec.model.quantization is not None:
+        quantization = f"{chosen.quantization}: the checkpoint's own (model.quantization)"
+    elif spec.serving.quantization != "auto":
+        quantization = f"{chosen.quantization}: set in the spec"
+    elif chosen.meets_slo:
+        tried = f" (rejected {'; '.join(passed)})" if passed else ""
+        quantization = f"{chosen.quantization}: the least lossy scheme that fits and meets the SLO{tried}{not_run}"
     else:
-        # Only the schemes the engine runs, and of those only the ones sizing knows the bytes of.
-        schemes = tuple(s for s in QUALITY_ORDER if s in capabilities.quantization)
-        skipped = [s for s in QUALITY_ORDER if s not in schemes]
-        not_run = (f"; not tried: {_listed(skipped)}, which this engine does not run "
-                   f"(supported: {_listed(capabilities.quantization)})" if skipped else "")
-        if not schemes:
-            return _failed(spec, "UnsupportedByEngine",
-                           "this engine runs no quantization scheme the planner can size "
-                           f"(supported: {_listed(capabilities.quantization)})")
-    options = [_size(spec, arch, gpu, scheme, context, capabilities, draft)
-               for gpu in gpus for scheme in schemes]
+        quantization = (f"{chosen.quantization}: no scheme meets the SLO within maxReplicas; this is the "
+                        f"least lossy that fits{not_run}")
+    if spec.accelerator.type:
+        gpu = f"{chosen.gpu}: set in the spec"
+    else:
+        gpu = (f"{chosen.gpu}: the smallest of the nodes' GPUs ({', '.join(g.name for g in gpus)}) that "
+               + ("fits and meets the SLO" if chosen.meets_slo else "fits"))
+    return {"gpu": gpu, "quantization": quantization}
+
+
+def plan(spec: InferenceServiceSpec, available_gpus: Iterable[str] = (),
+         capabilities: EngineCapabilities = CAPABILITIES) -> Plan:
+    """Plan serving `spec` on an engine with `capabilities`; `available_gpus` are node GPU
+    products, used when no type is set."""
+    unsupported = _unsupported_pins(spec, capabilities)
+    if unsupported:
+        # No GPU or model changes what the engine can run: say so before anything else.
+        return _failed(spec, "UnsupportedByEngine", unsupported)
+    found = _architecture(spec)
+    if isinstance(found, Plan):
+        return found
+    arch, model_reason = found
+    gpus = _gpus(spec, available_gpus)
+    if isinstance(gpus, Plan):
+        return gpus
+    draft = _draft(spec, arch, capabilities)
+    if isinstance(draft, Plan):
+        return draft
+    tried = _schemes(spec, capabilities)
+    if isinstance(tried, Plan):
+        return tried
+    schemes, not_run = tried
+    context = spec.serving.max_context_length or arch.max_context
+    options = [_size(spec, arch, gpu, scheme, context, capabilities, draft) for gpu in gpus for scheme in schemes]
     chosen = (next((o for o in options if o.fits and o.meets_slo), None)
               or next((o for o in options if o.fits), None))
     if chosen is None:
         # The most capable option tried (largest GPU, most compressed scheme) says best why not.
         return options[-1].model_copy(update={"reason": options[-1].reason + not_run})
-
-    passed = [f"{o.gpu}/{o.quantization}: {o.reason if not o.fits else o.reasons['replicas']}"
-              for o in options[:options.index(chosen)]]
-    if stored is not None:
-        quantization_reason = f"{chosen.quantization}: the checkpoint's own (model.quantization)"
-    elif spec.serving.quantization != "auto":
-        quantization_reason = f"{chosen.quantization}: set in the spec"
-    elif chosen.meets_slo:
-        rejected = f" (rejected {'; '.join(passed)})" if passed else ""
-        quantization_reason = f"{chosen.quantization}: the least lossy scheme that fits and " \
-                              f"meets the SLO{rejected}{not_run}"
-    else:
-        quantization_reason = f"{chosen.quantization}: no scheme meets the SLO within " \
-                              "maxReplicas; this is the least lossy that fits" + not_run
-    if spec.accelerator.type:
-        gpu_reason = f"{chosen.gpu}: set in the spec"
-    else:
-        gpu_reason = (f"{chosen.gpu}: the smallest of the nodes' GPUs "
-                      f"({', '.join(g.name for g in gpus)}) that "
-                      + ("fits and meets the SLO" if chosen.meets_slo else "fits"))
-    reasons = {"model": model_reason, "gpu": gpu_reason,
-               "quantization": quantization_reason, **chosen.reasons}
+    reasons = {"model": model_reason, **_choice_reasons(spec, chosen, options[:options.index(chosen)], gpus, not_run),
+               **chosen.reasons}
     return chosen.model_copy(update={"reasons": reasons})

@@ -3,8 +3,10 @@
 Reading: a model folder whose config.json has a `quantization_config` with `quant_method:
 compressed-tensors` and weight-only integer schemes (W8A16: 8 bits, symmetric, one scale per output
 channel; W4A16: 4 bits, one scale and optionally an integer zero point per group of input columns)
-loads without re-calibration: each quantized module's stored integers, scales and zero points go
-into the engine's low-bit buffers as they are (`LinearQuantization.load_quantized`). Formats:
+loads without re-calibration: each linear layer the checkpoint stores quantized declares the tensors
+it stores (`CompressedWeights`, a `CheckpointFormat`), so the loader fills them as any other
+parameters, and once they are in, its integers, scales and zero points go into the engine's
+low-bit buffers as they are (`LinearQuantization.load_quantized`). Formats:
 `pack-quantized` (values packed into int32, as llm-compressor writes weight-only schemes) and
 `int-quantized` / `naive-quantized` (one int8 per value).
 
@@ -13,23 +15,25 @@ Writing them is an offline tool's job: kvpilot.engine.quantize.writer (`kvpilot 
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvpilot.engine.model.layers import CheckpointFormat, Linear
 from kvpilot.engine.model.quantization import LinearQuantization, for_scheme
 
 if TYPE_CHECKING:
     from compressed_tensors.quantization import QuantizationArgs
     from transformers import PretrainedConfig
 
+    from kvpilot.engine.model.llama import LlamaForCausalLM
+
 QUANT_METHOD = "compressed-tensors"
 READ_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
-# What a quantized module stores in place of its `weight` (the int formats keep `weight`, as int8);
-# its other tensors (a bias) load as usual.
-QUANTIZED_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight")
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,29 @@ class CheckpointQuantization:
         body, _ = for_scheme(self.scheme, self.group_size or 0)  # int8 has no group
         assert body is not None
         return body
+
+    def create_weights(self, model: LlamaForCausalLM, names: set[str], path: Path) -> None:
+        """Give each linear layer that the checkpoint (tensor `names`) stores quantized the
+        parameters it stores for it; the layers it keeps at full precision stay so, except the LM
+        head, which runs at INT8 as under every scheme."""
+        stored: dict[str, set[str | None]] = {}
+        for module in quantized_modules(names):
+            if module == "lm_head" and model.config.tie_word_embeddings:
+                continue  # the output layer of tied embeddings is the embedding table
+            target, shard = model.route(f"{module}.weight")
+            stored.setdefault(target.removesuffix(".weight"), set()).add(shard)
+        linears = {name: module for name, module in model.named_modules() if isinstance(module, Linear)}
+        if unknown := sorted(stored.keys() - linears.keys()):
+            raise ValueError(f"quantized modules in {path} fit no layer of the model: {unknown[:3]}")
+        for name, layer in linears.items():
+            shards = stored.get(name, set())
+            if shards and shards != set(layer.shard_sizes):
+                raise ValueError(f"{path} quantizes some of the projections fused into {name} and not the others")
+            if shards:
+                layer.quantization = self.layer_quantization()
+                layer.load_as(CompressedWeights(self))
+            elif layer is not model.lm_head:
+                layer.quantization = None  # the checkpoint keeps this layer at full precision
 
 
 def _engine_scheme(args: QuantizationArgs) -> tuple[str, int | None]:
@@ -108,34 +135,49 @@ def quantized_modules(names: set[str]) -> set[str]:
     return {name.removesuffix(".weight_scale") for name in names if name.endswith(".weight_scale")}
 
 
-def split_name(name: str) -> tuple[str, str]:
-    """`model.layers.0.mlp.up_proj.weight_packed` -> (`model.layers.0.mlp.up_proj`, `weight_packed`)."""
-    module, _, suffix = name.rpartition(".")
-    return module, suffix
+class CompressedWeights(CheckpointFormat):
+    """A linear layer's integers, scales and zero points as a compressed-tensors checkpoint stores
+    them: each tensor is unpacked into the layer's rows as it loads, and the whole goes into the
+    layer's low-bit form as it is once all are in."""
+
+    def __init__(self, checkpoint: CheckpointQuantization) -> None:
+        self.checkpoint = checkpoint
+        self.packed = checkpoint.format == "pack-quantized"
+        self.values = "weight_packed" if self.packed else "weight"  # the int formats keep `weight`, as int8
+
+    def create_weights(self, layer: Linear) -> None:
+        # The checkpoint's `weight_shape` (packed formats) repeats the model's; _unpack checks the
+        # packed width against it instead, so the loader passes it by.
+        args = self.checkpoint.args
+        out_features, in_features = layer.out_features, layer.in_features
+        groups = 1 if args.strategy == "channel" else -(-in_features // args.group_size)
+        unpack = functools.partial(_unpack, bits=args.num_bits)
+        layer.register_parameter(self.values, layer.checkpoint_parameter(
+            out_features, in_features, dtype=torch.int8, lazy=True, decode=unpack if self.packed else _int8))
+        layer.weight_scale = layer.checkpoint_parameter(out_features, groups, dtype=torch.float32, lazy=True)
+        if not args.symmetric:  # packed along the output dimension in the packed format
+            layer.weight_zero_point = layer.checkpoint_parameter(
+                out_features, groups, dtype=torch.int8, lazy=True, decode=functools.partial(unpack, packed_dim=0) if self.packed else None)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        q, scale = (layer._parameters.pop(name).data for name in (self.values, "weight_scale"))
+        zero_point = layer._parameters.pop("weight_zero_point", None)
+        assert layer.quantization is not None
+        layer.quantization.load_quantized(layer, q, scale, None if zero_point is None else zero_point.data)
 
 
-def decode(tensors: dict[str, torch.Tensor], checkpoint: CheckpointQuantization) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A quantized module's (signed int8 values [out, in], scales, integer zero points or None)."""
+def _unpack(packed: torch.Tensor, shape: torch.Size, bits: int, packed_dim: int = 1) -> torch.Tensor:
+    """Signed values of `shape` from the int32 words they are packed into along `packed_dim`."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-    bits = checkpoint.args.num_bits
-    scale = tensors["weight_scale"]
-    zero_point = tensors.get("weight_zero_point")
-    if "weight_packed" in tensors:
-        shape = torch.Size(tensors["weight_shape"].tolist())
-        q = unpack_from_int32(tensors["weight_packed"], bits, shape)
-        if zero_point is not None:  # packed along the output dimension in this format
-            zero_point = unpack_from_int32(zero_point, bits, torch.Size((shape[0], scale.shape[-1])), packed_dim=0)
-    else:
-        q = tensors["weight"]
-        if q.dtype != torch.int8:
-            raise ValueError(f"a {checkpoint.format} weight must be int8, got {q.dtype}")
-    return q, scale, zero_point
+    words = list(shape)
+    words[packed_dim] = math.ceil(shape[packed_dim] * bits / 32)
+    if list(packed.shape) != words:
+        raise ValueError(f"packed values of shape {tuple(packed.shape)} do not hold {bits}-bit values of shape {tuple(shape)}")
+    return unpack_from_int32(packed, bits, shape, packed_dim=packed_dim)
 
 
-def join_shards(shards: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The decoded shards of a fused layer (q, k, v; gate, up) as one, rows in shard order."""
-    qs, scales, zeros = zip(*shards)
-    if len({z is None for z in zeros}) > 1:
-        raise ValueError("the shards of a fused layer mix symmetric and zero-point quantization")
-    return torch.cat(qs), torch.cat(scales), None if zeros[0] is None else torch.cat(zeros)
+def _int8(values: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    if values.dtype != torch.int8:
+        raise ValueError(f"unpacked compressed-tensors weights must be int8, got {values.dtype}")
+    return values

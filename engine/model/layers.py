@@ -1,19 +1,30 @@
 """The model's building blocks whose weights come from a checkpoint.
 
-Every parameter that a checkpoint fills carries a `weight_loader(param, loaded)`: the one place
-where checkpoint tensors meet parameters, so a layer that stores its weight differently (quantized,
-packed, fused) changes only its own loader and the model loader stays as it is. A quantized
-layer's full-precision weight is lazy: an empty placeholder that takes its memory only when its
-checkpoint tensor loads, and the loader quantizes each layer as soon as its shards are in, so a
-model whose full-precision weights do not fit in memory still loads quantized.
+Every parameter that a checkpoint fills carries a `weight_loader(param, loaded[, shard])`: the one
+place where checkpoint tensors meet parameters, so the model loader only routes tensors to
+parameters by name. What a checkpoint stores for a linear layer is its `CheckpointFormat`'s to
+declare (as vLLM's quantization methods do): a full-precision weight by default, a quantized
+checkpoint's integers and scales otherwise (kvpilot.engine.model.compressed_tensors); once all of
+it is in, the format turns it into the layer's serving form. A quantized layer's checkpoint
+parameters are lazy: empty placeholders that take their memory only when their checkpoint tensor
+loads, and the loader finishes each layer as soon as its parameters are in, so a model whose
+full-precision weights do not fit in memory still loads quantized.
 """
 
 from __future__ import annotations
+
+import abc
+import functools
+import itertools
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from kvpilot.engine.model.quantization import LinearQuantization
+
+# A checkpoint tensor -> the values of the parameter rows it fills, given their shape.
+Decode = Callable[[torch.Tensor, torch.Size], torch.Tensor]
 
 
 def materialize(param: torch.Tensor) -> torch.Tensor:
@@ -31,39 +42,82 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-def _parameter(*shape: int, lazy: bool = False) -> nn.Parameter:
+def _parameter(*shape: int, lazy: bool = False, dtype: torch.dtype | None = None) -> nn.Parameter:
     """A parameter a checkpoint tensor of `shape` fills; a lazy one is empty until then."""
-    param = nn.Parameter(torch.empty(0 if lazy else shape), requires_grad=False)
+    param = nn.Parameter(torch.empty(0 if lazy else shape, dtype=dtype), requires_grad=False)
     param.full_shape = torch.Size(shape)  # type: ignore[attr-defined]
     param.weight_loader = default_weight_loader  # type: ignore[attr-defined]
     return param
 
 
+class CheckpointFormat(abc.ABC):
+    """What a checkpoint stores for a linear layer, and how that becomes the layer's serving form."""
+
+    @abc.abstractmethod
+    def create_weights(self, layer: Linear) -> None:
+        """Register the parameters the checkpoint fills (Linear.checkpoint_parameter)."""
+
+    @abc.abstractmethod
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Turn the filled parameters into the serving form of `layer.quantization`."""
+
+
+class FullPrecision(CheckpointFormat):
+    """The weight as trained, [out, in]; a quantized layer quantizes it once it is in (and holds no
+    memory for it until then)."""
+
+    def create_weights(self, layer: Linear) -> None:
+        layer.weight = layer.checkpoint_parameter(layer.out_features, layer.in_features, lazy=layer.quantization is not None)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if layer.quantization is None:
+            return
+        weight = layer._parameters.pop("weight")  # a tied weight stays with its other owner
+        layer.quantization.quantize(layer, weight.data)
+
+
 class Linear(nn.Module):
-    """y = x W^T + b, with W as the checkpoint stores it ([out, in]); with a quantization, W is
-    loaded as usual and then replaced by its low-bit form (process_weights_after_loading)."""
+    """y = x W^T + b, with W as the checkpoint stores it ([out, in]); with a quantization, in its
+    low-bit form once loaded. `shard_sizes` names the projections fused into the layer (FusedLinear),
+    each filled from its own checkpoint tensors; a plain layer has one, None."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 quantization: LinearQuantization | None = None) -> None:
+                 quantization: LinearQuantization | None = None, shard_sizes: dict[str, int] | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = _parameter(out_features, in_features, lazy=quantization is not None)
-        self.bias = _parameter(out_features) if bias else None
+        self.shard_sizes: dict[str | None, int] = dict(shard_sizes or {None: out_features})
+        self.shard_offsets = dict(zip(self.shard_sizes, itertools.accumulate(self.shard_sizes.values(), initial=0)))
         self.quantization = quantization
+        self.checkpoint_format: CheckpointFormat = FullPrecision()
+        self.checkpoint_format.create_weights(self)
+        self.bias = self.checkpoint_parameter(out_features) if bias else None
+
+    def rows(self, shard: str | None) -> slice:
+        """The rows of the weight (and bias) that hold `shard`."""
+        start = self.shard_offsets[shard]
+        return slice(start, start + self.shard_sizes[shard])
+
+    def checkpoint_parameter(self, *shape: int, dtype: torch.dtype | None = None, lazy: bool = False,
+                             decode: Decode | None = None) -> nn.Parameter:
+        """A parameter whose rows the checkpoint fills, one tensor per shard, each through `decode`
+        first when the checkpoint stores it in another form."""
+        param = _parameter(*shape, lazy=lazy, dtype=dtype)
+        param.weight_loader = functools.partial(self.shard_loader, decode=decode)  # type: ignore[attr-defined]
+        param.shards = tuple(self.shard_sizes)  # type: ignore[attr-defined]
+        return param
+
+    def shard_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None, decode: Decode | None = None) -> None:
+        rows = materialize(param).data[self.rows(shard)]
+        default_weight_loader(rows, loaded if decode is None else decode(loaded, rows.shape))
+
+    def load_as(self, checkpoint_format: CheckpointFormat) -> None:
+        """Take the parameters `checkpoint_format` declares in place of the full-precision weight."""
+        del self.weight
+        self.checkpoint_format = checkpoint_format
+        checkpoint_format.create_weights(self)
 
     def process_weights_after_loading(self) -> None:
-        if self.quantization is None:
-            return
-        weight = self._parameters.pop("weight")  # a tied weight stays with its other owner
-        self.quantization.quantize(self, weight.data)
-
-    def load_quantized(self, quantization: LinearQuantization, q: torch.Tensor, scale: torch.Tensor,
-                       zero_point: torch.Tensor | None) -> None:
-        """Take values quantized elsewhere (a compressed-tensors checkpoint) in place of the
-        full-precision weight, which was never filled."""
-        device = self._parameters.pop("weight").device
-        self.quantization = quantization
-        quantization.load_quantized(self, q.to(device), scale.to(device), None if zero_point is None else zero_point.to(device))
+        self.checkpoint_format.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantization is None:
@@ -79,23 +133,7 @@ class FusedLinear(Linear):
 
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False,
                  quantization: LinearQuantization | None = None) -> None:
-        super().__init__(in_features, sum(shards.values()), bias, quantization)
-        self.shard_sizes = dict(shards)
-        offsets = [0]
-        for size in shards.values():
-            offsets.append(offsets[-1] + size)
-        self.shard_offsets = dict(zip(shards, offsets))
-        for param in self.parameters():
-            param.weight_loader = self.shard_loader  # type: ignore[attr-defined]
-            param.shards = tuple(shards)  # type: ignore[attr-defined]
-
-    def rows(self, shard: str) -> slice:
-        """The rows of the fused weight (and bias) that hold `shard`."""
-        start = self.shard_offsets[shard]
-        return slice(start, start + self.shard_sizes[shard])
-
-    def shard_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
-        default_weight_loader(materialize(param).data[self.rows(shard)], loaded)
+        super().__init__(in_features, sum(shards.values()), bias, quantization, shards)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(list(self.shard_sizes.values()), dim=-1)

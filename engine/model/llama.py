@@ -92,7 +92,7 @@ def kv_shape(model: LlamaForCausalLM) -> tuple[int, int]:
 
 
 class LlamaForCausalLM(nn.Module):
-    # Checkpoint module -> (our fused module, its shard): the loader routes these tensors.
+    # Checkpoint module -> (our fused module, its shard): route() maps their tensors.
     packed_modules = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
@@ -106,6 +106,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, head)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def route(cls, name: str) -> tuple[str, str | None]:
+        """The parameter a checkpoint tensor fills, and its shard when that parameter is fused:
+        `model.layers.0.self_attn.k_proj.weight` -> (`model.layers.0.self_attn.qkv_proj.weight`, `k`)."""
+        for part, (fused, shard) in cls.packed_modules.items():
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}."), shard
+        return name, None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] for a flattened batch; kv_caches holds each layer's K and V.

@@ -16,7 +16,6 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig, PreTrainedTokenizerBase
 
 from kvpilot.engine.model import compressed_tensors
-from kvpilot.engine.model.layers import Linear
 from kvpilot.engine.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -84,19 +83,11 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)
 
 
-def route(name: str, packed_modules: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
-    """The parameter a checkpoint tensor fills, and its shard when that parameter is fused."""
-    for part, (fused, shard) in packed_modules.items():
-        if f".{part}." in name:
-            return name.replace(f".{part}.", f".{fused}."), shard
-    return name, None
-
-
 def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torch.device, quantization: str = "none",
                quantization_group_size: int = 32) -> LlamaForCausalLM:
-    """Build the model on `device` in `dtype`, fill every parameter through its weight_loader, and
-    turn each linear layer into its serving form (quantized layers quantize) as soon as all its
-    shards are in, so at most one layer's full-precision weight exists beside the quantized ones.
+    """Build the model on `device` in `dtype` with the parameters its checkpoint fills, fill them,
+    and turn each linear layer into its serving form (quantized layers quantize) as soon as its
+    parameters are in, so at most one layer's full-precision weight exists beside the quantized ones.
 
     A compressed-tensors checkpoint sets the scheme (`quantization` must be `none` or match it):
     its quantized modules keep their stored values; the layers it left at full precision stay so,
@@ -104,94 +95,60 @@ def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torc
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {path}")
-    checkpoint_quantization = compressed_tensors.checkpoint_quantization(config)
-    quantization, quantization_group_size = compressed_tensors.resolve_scheme(
-        quantization, quantization_group_size, checkpoint_quantization, path)
+    checkpoint = compressed_tensors.checkpoint_quantization(config)
+    quantization, quantization_group_size = compressed_tensors.resolve_scheme(quantization, quantization_group_size, checkpoint, path)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             model = LlamaForCausalLM(config, quantization, quantization_group_size)
+            if checkpoint is not None:
+                checkpoint.create_weights(model, _tensor_names(files), path)
     finally:
         torch.set_default_dtype(default_dtype)
     model.quantization = quantization  # what runs: a quantized checkpoint's scheme when `none` was asked
-    params = dict(model.named_parameters(remove_duplicate=False))
-    wanted = {name: set(getattr(param, "shards", (None,))) for name, param in params.items()}
-    linears = {name: module for name, module in model.named_modules() if isinstance(module, Linear)}
+    _fill(model, files, path)
+    return model.eval()
+
+
+def _tensor_names(files: list[Path]) -> set[str]:
     names: set[str] = set()
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as checkpoint:
             names.update(checkpoint.keys())
-    # Quantized checkpoint module -> the names of its quantized tensors, to decode it once all are read.
-    expected: dict[str, set[str]] = {}
-    if checkpoint_quantization is not None:
-        prequantized = compressed_tensors.quantized_modules(names)
-        for name in names:
-            module, suffix = compressed_tensors.split_name(name)
-            if module in prequantized and suffix in compressed_tensors.QUANTIZED_SUFFIXES:
-                expected.setdefault(module, set()).add(suffix)
-        quantized_layers = {route(f"{module}.weight", model.packed_modules)[0].removesuffix(".weight") for module in prequantized}
-        for name, layer in linears.items():
-            if name not in quantized_layers and layer is not model.lm_head:
-                layer.quantization = None  # the checkpoint keeps this layer at full precision
-    stored: dict[str, dict[str, torch.Tensor]] = {}
-    # Layer -> its shards' decoded quantized values (q, scale, zero point).
-    shards: dict[str, dict[str | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
-    loaded: dict[str, set[str | None]] = {}
-    finished: set[str] = set()
+    return names
 
-    def finish(layer_name: str) -> None:
-        """A linear layer whose shards are all in takes its serving form."""
-        layer = linears.get(layer_name)
-        order = list(getattr(layer, "shard_sizes", [None]))
-        if layer is None or layer_name in finished or loaded.get(f"{layer_name}.weight") != set(order):
-            return
-        quantized = shards.pop(layer_name, {})
-        if quantized and set(quantized) != set(order):
-            raise ValueError(f"{path} quantizes some of the projections fused into {layer_name} and not the others")
-        if quantized:
-            assert checkpoint_quantization is not None
-            layer.load_quantized(checkpoint_quantization.layer_quantization(),
-                                 *compressed_tensors.join_shards([quantized[shard] for shard in order]))
-        else:
-            layer.process_weights_after_loading()
-        finished.add(layer_name)
-        params.pop(f"{layer_name}.weight")  # no reference here keeps a full-precision copy alive
 
+def _fill(model: LlamaForCausalLM, files: list[Path], path: Path) -> None:
+    """Every parameter from its checkpoint tensors (one per shard of a fused layer), each through its
+    weight_loader; a module whose parameters are all in takes its serving form right away."""
+    params = dict(model.named_parameters())  # a tied weight once, under its first owner's name
+    unfilled = {name: set(getattr(param, "shards", (None,))) for name, param in params.items()}
+    name_of = {id(param): name for name, param in params.items()}
+    pending = {module: {name_of[id(param)] for param in module.parameters(recurse=False)}
+               for module in model.modules() if hasattr(module, "process_weights_after_loading")}
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as checkpoint:
             for name in checkpoint.keys():
-                module, suffix = compressed_tensors.split_name(name)
-                if config.tie_word_embeddings and module == "lm_head":
-                    continue  # the output layer of tied embeddings is the embedding table
-                if suffix in expected.get(module, ()):
-                    tensors = stored.setdefault(module, {})
-                    tensors[suffix] = checkpoint.get_tensor(name)
-                    if set(tensors) != expected[module]:
-                        continue
-                    assert checkpoint_quantization is not None
-                    target, shard = route(f"{module}.weight", model.packed_modules)
-                    if target not in params:
-                        raise ValueError(f"quantized module {module} in {path} fits no layer of the model")
-                    shards.setdefault(target.removesuffix(".weight"), {})[shard] = compressed_tensors.decode(stored.pop(module), checkpoint_quantization)
+                target, shard = model.route(name)
+                param = params.get(target)
+                if param is None:
+                    continue  # a tensor the model does not take: a tied head's copy, a packed weight's shape
+                loader = param.weight_loader  # type: ignore[attr-defined]
+                tensor = checkpoint.get_tensor(name)
+                if shard is None:
+                    loader(param, tensor)
                 else:
-                    target, shard = route(name, model.packed_modules)
-                    param = params.get(target)
-                    if param is None:
-                        continue
-                    loader = param.weight_loader  # type: ignore[attr-defined]
-                    tensor = checkpoint.get_tensor(name)
-                    if shard is None:
-                        loader(param, tensor)
-                    else:
-                        loader(param, tensor, shard)
-                loaded.setdefault(target, set()).add(shard)
-                finish(target.removesuffix(".weight"))
-    if config.tie_word_embeddings:
-        loaded["lm_head.weight"] = {None}
-    missing = sorted(name for name, shards_wanted in wanted.items() if loaded.get(name, set()) != shards_wanted)
+                    loader(param, tensor, shard)
+                unfilled[target].discard(shard)
+                if unfilled[target]:
+                    continue
+                del params[target]  # its module holds it; a weight the serving form replaces is freed with it
+                for module, waiting in list(pending.items()):
+                    waiting.discard(target)
+                    if not waiting:
+                        del pending[module]
+                        module.process_weights_after_loading()  # type: ignore[operator]
+    missing = sorted(name for name, shards in unfilled.items() if shards)
     if missing:
         raise ValueError(f"weights in {path} lack {len(missing)} tensors, e.g. {missing[:3]}")
-    for name in linears.keys() - finished:
-        finish(name)
-    return model.eval()

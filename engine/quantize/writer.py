@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from kvpilot.engine.model.compressed_tensors import checkpoint_quantization
 from kvpilot.engine.model.layers import Linear
 from kvpilot.engine.model.llama import LlamaForCausalLM
-from kvpilot.engine.model.loader import load_config, load_model, load_tokenizer, resolve_model, route
+from kvpilot.engine.model.loader import load_config, load_model, load_tokenizer, resolve_model
 from kvpilot.engine.model.quantization import Int8WeightOnly
 from kvpilot.engine.quantize.awq import AwqReport, apply_awq, checkpoint_tensors
 from kvpilot.engine.quantize.calibration import PASSAGES
@@ -74,7 +74,7 @@ def _linear_weight_names(config: PretrainedConfig, names: set[str]) -> set[str]:
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     linears = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Linear) and module is not model.lm_head}
-    return {name for name in names if route(name, model.packed_modules)[0] in linears}
+    return {name for name in names if model.route(name)[0] in linears}
 
 
 def _int4_qparams(weight: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor, torch.Tensor]:

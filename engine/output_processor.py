@@ -172,11 +172,14 @@ class OutputProcessor:
         if not out.new_token_ids and out.finish_reason is None:
             return None
         checked = len(state.detokenizer.text)
-        text = state.detokenizer.append(request.output_token_ids)
+        output_ids, min_tokens = request.output_token_ids, request.params.min_tokens
+        if state.stop and len(output_ids) - len(out.new_token_ids) < min_tokens:
+            # A stop string counts only where it ends after the text of the first min_tokens
+            # tokens (as in vLLM; EOS and stop tokens are not sampled before either).
+            checked = len(state.detokenizer.append(output_ids[:min_tokens]))
+        text = state.detokenizer.append(output_ids)
         finish, stop_reason = out.finish_reason, out.stop_reason
-        # Before min_tokens, stop strings do not count (as EOS and stop tokens are not sampled).
-        searching = state.stop and request.num_output_tokens >= request.params.min_tokens
-        match = find_stop(text, state.stop, checked) if searching else None
+        match = find_stop(text, state.stop, checked) if state.stop else None
         if match is not None:
             at, stop = match
             text = text[:at]

@@ -60,6 +60,26 @@ def test_a_stop_string_in_a_running_request_is_reported_for_finishing(tokenizer)
     assert stopped == [(request, "nice")] and out.text_delta == " Paris is " and out.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("tokens_per_step", [1, 2, 7])
+def test_stop_strings_count_only_after_the_first_min_tokens(tokenizer, tokens_per_step):
+    # " Paris is nice" is the first 3 tokens: its "nice" ends in the min_tokens-th token and is
+    # ignored (as in vLLM); the one at the end stops the request.
+    processor = OutputProcessor(tokenizer)
+    request = Request("r", [1], SamplingParams(stop=["nice"], min_tokens=3))
+    processor.add_request(request)
+    tokens = tokenizer.encode(" Paris is nice and warm, nice", add_special_tokens=False)
+    text, stopped = "", []
+    for at in range(0, len(tokens), tokens_per_step):
+        new = tokens[at : at + tokens_per_step]
+        request.token_ids += new
+        (out,), stopped, _ = processor.process([EngineCoreOutput(request, new)])
+        text += out.text_delta
+        if stopped:
+            break
+    assert stopped == [(request, "nice")] and request.num_output_tokens == 7
+    assert text == " Paris is nice and warm, "
+
+
 def test_a_request_whose_output_cannot_be_made_fails_alone(tokenizer):
     class BrokenTokenizer:
         def decode(self, ids, skip_special_tokens=True):  # noqa: ANN001, ANN202

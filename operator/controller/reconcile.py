@@ -201,27 +201,7 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, now: datetime, *,
     if "Deployment" not in found:
         found["Deployment"] = cluster.get("apps/v1", "Deployment", namespace, name)
 
-    blocked: tuple[str, str] | None = None
-    foreign = [f"{describe(m)} exists and is controlled by {_owner_words(found[m['kind']] or {})}"
-               for m in wanted if found[m["kind"]] is not None and not owned_by(found[m["kind"]], uid)]
-    if foreign:
-        blocked = ("NameConflict", "; ".join(foreign) + ": it is left alone and nothing is "
-                   "rolled out; delete or rename it, or rename this InferenceService")
-    else:
-        refused = []
-        for manifest in wanted:
-            existing = found[manifest["kind"]]
-            try:
-                if existing is None:
-                    found[manifest["kind"]] = cluster.create(manifest)
-                elif not unchanged(existing, manifest):
-                    found[manifest["kind"]] = cluster.update(
-                        manifest, existing["metadata"]["resourceVersion"])
-            except WriteRefused as error:
-                refused.append(f"{error.what}: {error.message}")
-        if refused:
-            blocked = ("ApplyFailed", "the API server refused " + "; ".join(refused))
-
+    blocked = _converge(cluster, wanted, found, uid)
     deployment = found["Deployment"]
     if deployment is not None and not owned_by(deployment, uid):
         deployment = None
@@ -234,6 +214,28 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, now: datetime, *,
     return status.build(name=name, namespace=namespace, generation=generation, plan=result,
                         spec=spec, deployment=deployment, old=old, now=now, blocked=blocked, pods=pods,
                         last_good=good)
+
+
+def _converge(cluster: Cluster, wanted: list[Manifest], found: dict[str, Manifest | None],
+              uid: str) -> tuple[str, str] | None:
+    """Create or update each wanted child (`found` records what is there afterwards), unless one of
+    them belongs to someone else; (reason, message) when the children could not all be written."""
+    foreign = [f"{describe(m)} exists and is controlled by {_owner_words(found[m['kind']] or {})}"
+               for m in wanted if found[m["kind"]] is not None and not owned_by(found[m["kind"]], uid)]
+    if foreign:
+        return ("NameConflict", "; ".join(foreign) + ": it is left alone and nothing is "
+                "rolled out; delete or rename it, or rename this InferenceService")
+    refused = []
+    for manifest in wanted:
+        existing = found[manifest["kind"]]
+        try:
+            if existing is None:
+                found[manifest["kind"]] = cluster.create(manifest)
+            elif not unchanged(existing, manifest):
+                found[manifest["kind"]] = cluster.update(manifest, existing["metadata"]["resourceVersion"])
+        except WriteRefused as error:
+            refused.append(f"{error.what}: {error.message}")
+    return ("ApplyFailed", "the API server refused " + "; ".join(refused)) if refused else None
 
 
 def _not_all_ready(deployment: Mapping[str, Any]) -> bool:

@@ -241,20 +241,9 @@ def _affinity(spec: InferenceServiceSpec, gpu: GPU) -> Manifest | None:
     return affinity
 
 
-def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, plan: Plan, *,
-               default_image: str = DEFAULT_ENGINE_IMAGE) -> Manifest:
-    """The engines' Deployment; `default_image` is the operator's image for specs without one."""
-    gpu = find_gpu(str(plan.gpu))
-    if not plan.fits or gpu is None:
-        raise ValueError(f"no Deployment for a plan that does not fit: {plan.reason}")
-    image = spec.image or default_image
-    model, draft = _pod_files(spec, plan)
-    volumes, mounts = _volumes_and_mounts([model] + ([draft] if draft else []))
-    # One download per hf:// source, the model's first: init containers run one after the other.
-    init = [_download_container(spec, files.download, image, name)
-            for files, name in ((model, DOWNLOAD_CONTAINER), (draft, DRAFT_DOWNLOAD_CONTAINER))
-            if files is not None and files.download is not None]
-    replicas = spec.replicas if spec.replicas is not None else plan.replicas
+def _engine_container(spec: InferenceServiceSpec, plan: Plan, gpu: GPU, image: str, model: _ModelFiles,
+                      draft: _ModelFiles | None, mounts: list[Manifest]) -> Manifest:
+    """The engine container: `kvpilot serve` with the plan's arguments, probes and resources."""
     http = {"port": PORT_NAME}
     container = {
         "name": CONTAINER,
@@ -280,6 +269,17 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
     }
     if spec.env_from:
         container["envFrom"] = list(spec.env_from)
+    return container
+
+
+def _pod_template(name: str, spec: InferenceServiceSpec, plan: Plan, gpu: GPU, image: str) -> Manifest:
+    """The engine pod: its download init containers, the engine, volumes, scheduling."""
+    model, draft = _pod_files(spec, plan)
+    volumes, mounts = _volumes_and_mounts([model] + ([draft] if draft else []))
+    # One download per hf:// source, the model's first: init containers run one after the other.
+    init = [_download_container(spec, files.download, image, container)
+            for files, container in ((model, DOWNLOAD_CONTAINER), (draft, DRAFT_DOWNLOAD_CONTAINER))
+            if files is not None and files.download is not None]
     pod: Manifest = {
         "metadata": {
             # Ours last: the selector depends on them.
@@ -292,7 +292,7 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
                                 "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
                                 "seccompProfile": {"type": "RuntimeDefault"}},
             **({"initContainers": init} if init else {}),
-            "containers": [container],
+            "containers": [_engine_container(spec, plan, gpu, image, model, draft, mounts)],
             "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}],
             # preStop pause + the engine's drain + a margin for the process to exit.
             "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + drain_seconds(plan) + 5,
@@ -304,18 +304,27 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
                 "affinity": _affinity(spec, gpu), "topologySpreadConstraints": spec.topology_spread_constraints,
                 "priorityClassName": spec.priority_class_name}
     pod["spec"].update({key: value for key, value in optional.items() if value})
+    return pod
+
+
+def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, plan: Plan, *,
+               default_image: str = DEFAULT_ENGINE_IMAGE) -> Manifest:
+    """The engines' Deployment; `default_image` is the operator's image for specs without one."""
+    gpu = find_gpu(str(plan.gpu))
+    if not plan.fits or gpu is None:
+        raise ValueError(f"no Deployment for a plan that does not fit: {plan.reason}")
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _metadata(name, namespace, uid),
         "spec": {
-            "replicas": replicas,
+            "replicas": spec.replicas if spec.replicas is not None else plan.replicas,
             "selector": {"matchLabels": selector_labels(name)},
             # spec.rollout's default surges one pod so a single replica keeps serving (see the CRD).
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxSurge": spec.rollout.max_surge,
                                            "maxUnavailable": spec.rollout.max_unavailable}},
-            "template": pod,
+            "template": _pod_template(name, spec, plan, gpu, spec.image or default_image),
         },
     }
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvpilot.operator.api.names import selector, service_url
 from kvpilot.operator.api.spec import InferenceServiceSpec
@@ -92,6 +92,68 @@ def pod_problem(deployment: Mapping[str, Any] | None, pods: Sequence[Mapping[str
     return None
 
 
+class _Rollout(NamedTuple):
+    """What the owned Deployment's status says of the desired replicas."""
+
+    desired: int
+    ready: int
+    updated: int
+    current: bool  # the Deployment has rolled out this generation's template to all replicas
+    counts: str
+
+
+def _rollout(deployment: Mapping[str, Any] | None, desired: int) -> _Rollout:
+    observed = (deployment or {}).get("status", {})
+    generation = (deployment or {}).get("metadata", {}).get("generation", 0)
+    ready = int(observed.get("readyReplicas", 0))
+    updated = int(observed.get("updatedReplicas", 0))
+    current = (deployment is not None and observed.get("observedGeneration", 0) >= generation
+               and updated >= desired and int(observed.get("replicas", 0)) == desired)
+    return _Rollout(desired, ready, updated, current, f"{ready}/{desired} replicas ready")
+
+
+def _unplanned_conditions(plan: Plan, rollout: _Rollout, deployment: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """A spec that does not plan: nothing runs, or the Deployment of the last plan that fit does."""
+    failure, code = plan.reason, plan.failure or "DoesNotFit"
+    if deployment is None:
+        return [
+            _condition("Planned", False, code, failure),
+            _condition("Progressing", False, "NoDeployment", "nothing is rolled out: " + failure),
+            _condition("Ready", False, code, failure),
+            _condition("Degraded", False, "NoDeployment", "no engine pods to degrade"),
+        ]
+    kept = "the Deployment of the last plan that fit keeps running"
+    _, ready_condition = _replica_conditions(rollout.counts, rollout.desired, rollout.ready, rollout.current,
+                                             f"{rollout.counts} (the last plan that fit)")
+    return [
+        _condition("Planned", False, code, f"{failure}; {kept}"),
+        _condition("Progressing", False, code, f"this generation's plan is not rolled out (only "
+                   f"its replicas are applied): {failure}; {kept}"),
+        ready_condition,
+        _condition("Degraded", True, code, f"serving the last plan that fit, not this generation's: {failure}"),
+    ]
+
+
+def _planned_conditions(plan: Plan, spec: InferenceServiceSpec, rollout: _Rollout) -> list[dict[str, Any]]:
+    slo = (f"predicted TTFT {plan.predicted_ttft_ms:g} ms (SLO {spec.slo.ttft_p95_ms:g}), "
+           f"TPOT {plan.predicted_tpot_ms:g} ms (SLO {spec.slo.tpot_p95_ms:g})")
+    progressing, ready_condition = _replica_conditions(rollout.counts, rollout.desired, rollout.ready,
+                                                       rollout.current, f"{rollout.counts}; {slo}")
+    if not plan.meets_slo:
+        degraded = _condition("Degraded", True, "SLOAtRisk", plan.reasons.get("replicas", slo))
+    elif rollout.current and rollout.ready < rollout.desired:
+        degraded = _condition("Degraded", True, "ReplicasUnavailable", f"rollout finished but only {rollout.counts}")
+    else:
+        degraded = _condition("Degraded", False, "AsPlanned", slo)
+    return [
+        _condition("Planned", True, "Planned", plan.reason),
+        _condition("Progressing", *progressing, f"{rollout.updated}/{rollout.desired} replicas updated, "
+                   f"{rollout.counts}"),
+        ready_condition,
+        degraded,
+    ]
+
+
 def conditions(plan: Plan, spec: InferenceServiceSpec | None, desired: int,
                deployment: Mapping[str, Any] | None,
                blocked: tuple[str, str] | None = None,
@@ -102,59 +164,12 @@ def conditions(plan: Plan, spec: InferenceServiceSpec | None, desired: int,
     the Deployment of the last plan that did, still running. `blocked` is (reason, message) when
     the children could not be written (NameConflict, ApplyFailed).
     """
-    observed = (deployment or {}).get("status", {})
-    generation = (deployment or {}).get("metadata", {}).get("generation", 0)
-    ready = int(observed.get("readyReplicas", 0))
-    updated = int(observed.get("updatedReplicas", 0))
-    current = (deployment is not None and observed.get("observedGeneration", 0) >= generation
-               and updated >= desired and int(observed.get("replicas", 0)) == desired)
-    counts = f"{ready}/{desired} replicas ready"
-
+    rollout = _rollout(deployment, desired)
     if not plan.fits:
-        failure = plan.reason
-        code = plan.failure or "DoesNotFit"
-        if deployment is None:
-            conditions_ = [
-                _condition("Planned", False, code, failure),
-                _condition("Progressing", False, "NoDeployment",
-                           "nothing is rolled out: " + failure),
-                _condition("Ready", False, code, failure),
-                _condition("Degraded", False, "NoDeployment", "no engine pods to degrade"),
-            ]
-        else:
-            # The spec stopped planning: the engines of the last plan that fit keep serving.
-            kept = "the Deployment of the last plan that fit keeps running"
-            _, ready_condition = _replica_conditions(
-                counts, desired, ready, current, f"{counts} (the last plan that fit)")
-            conditions_ = [
-                _condition("Planned", False, code, f"{failure}; {kept}"),
-                _condition("Progressing", False, code, f"this generation's plan is not rolled out (only "
-                           f"its replicas are applied): {failure}; {kept}"),
-                ready_condition,
-                _condition("Degraded", True, code, f"serving the last plan that fit, not this "
-                           f"generation's: {failure}"),
-            ]
+        conditions_ = _unplanned_conditions(plan, rollout, deployment)
     else:
         assert spec is not None  # a plan fits only for a valid spec
-        slo = (f"predicted TTFT {plan.predicted_ttft_ms:g} ms (SLO {spec.slo.ttft_p95_ms:g}), "
-               f"TPOT {plan.predicted_tpot_ms:g} ms (SLO {spec.slo.tpot_p95_ms:g})")
-        progressing, ready_condition = _replica_conditions(counts, desired, ready, current,
-                                                           f"{counts}; {slo}")
-        if not plan.meets_slo:
-            degraded = _condition("Degraded", True, "SLOAtRisk", plan.reasons.get("replicas", slo))
-        elif current and ready < desired:
-            degraded = _condition("Degraded", True, "ReplicasUnavailable",
-                                  f"rollout finished but only {counts}")
-        else:
-            degraded = _condition("Degraded", False, "AsPlanned", slo)
-        conditions_ = [
-            _condition("Planned", True, "Planned", plan.reason),
-            _condition("Progressing", *progressing,
-                       f"{updated}/{desired} replicas updated, {counts}"),
-            ready_condition,
-            degraded,
-        ]
-
+        conditions_ = _planned_conditions(plan, spec, rollout)
     if problem is not None:
         # Not ready, and the pods or the Deployment say why: that is the reason to show.
         reason, message = problem

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
@@ -359,8 +359,29 @@ def _clamp(policy: Policy, replicas: int) -> int:
     return max(policy.min_replicas, min(policy.max_replicas, replicas))
 
 
-def step(policy: Policy, state: AutoscalerState, obs: Observation) -> tuple[AutoscalerState, Decision]:
-    """One period: the new state and what to do about replicas."""
+class _Period(NamedTuple):
+    """One period after its window advanced: what every decision of it is made from."""
+
+    policy: Policy
+    obs: Observation
+    state: AutoscalerState  # the new window, baselines, knee; the last decision still the old one
+    signals: Signals
+    numbers: str  # the signals as a decision's reason shows them
+    since: float  # when the present regime (these replicas) began to be observed
+    knee: float | None
+
+    def decide(self, action: Action, replicas: int, why: str,
+               **changes: object) -> tuple[AutoscalerState, Decision]:
+        if action != "hold":
+            # A change starts a new regime: earlier recommendations were made for other replicas.
+            changes.update(recommendations=(), observed_since=self.obs.now, over_since=None)
+        decision = Decision(at=self.obs.now, action=action, replicas=replicas, previous=self.obs.replicas,
+                            reason=f"{why}: {self.numbers}", signals=self.signals)
+        return self.state.model_copy(update={**changes, "last_decision": decision}), decision
+
+
+def _observe(policy: Policy, state: AutoscalerState, obs: Observation) -> _Period:
+    """Advance the window by this period's reads and derive the signals from it."""
     baselines, window = _advance_window(policy, state, obs)
     current = obs.replicas
     if state.last_decision is not None and state.last_decision.replicas != current:
@@ -380,58 +401,67 @@ def step(policy: Policy, state: AutoscalerState, obs: Observation) -> tuple[Auto
         backlog_at = obs.now
     knee = _learn_knee(policy, state.knee, signals, window, backlog_at,
                        steady=obs.now - since >= policy.window_seconds and last_up is None)
-    numbers = describe(policy, signals, knee)
     state = state.model_copy(update={"baselines": baselines, "window": window, "observed_since": since,
                                      "last_scale_up": last_up, "knee": knee, "backlog_at": backlog_at})
+    return _Period(policy, obs, state, signals, describe(policy, signals, knee), since, knee)
 
-    def decide(action: Action, replicas: int, why: str, **changes: object) -> tuple[AutoscalerState, Decision]:
-        if action != "hold":
-            # A change starts a new regime: earlier recommendations were made for other replicas.
-            changes.update(recommendations=(), observed_since=obs.now, over_since=None)
-        decision = Decision(at=obs.now, action=action, replicas=replicas, previous=current,
-                            reason=f"{why}: {numbers}", signals=signals)
-        return state.model_copy(update={**changes, "last_decision": decision}), decision
 
+def step(policy: Policy, state: AutoscalerState, obs: Observation) -> tuple[AutoscalerState, Decision]:
+    """One period: the new state and what to do about replicas."""
+    period = _observe(policy, state, obs)
+    current = obs.replicas
     if policy.mode != "slo":
-        return decide("hold", current, f"autoscaling.mode is {policy.mode}: replicas are left as they are")
+        return period.decide("hold", current, f"autoscaling.mode is {policy.mode}: replicas are left as they are")
     if current == 0:
         # Nothing runs, so nothing reports: the gateway, which sees requests arrive, scales from
         # zero. Scaled to zero by hand, it stays there (as under an HPA) until replicas are set.
-        return decide("hold", 0, "0 replicas: no engine reports load; the gateway scales up on the next request")
+        return period.decide("hold", 0, "0 replicas: no engine reports load; the gateway scales up on the next request")
     bounded = _clamp(policy, current)
     if bounded != current:
         action: Action = "up" if bounded > current else "down"
-        return decide(action, bounded, f"{current} replicas is outside [{policy.min_replicas}, "
-                                       f"{policy.max_replicas}]: {current} -> {bounded}")
-    if signals.ratio is None:
-        return decide("hold", current, "no signal (no pod reported metrics)")
-    ratio, tol = signals.ratio, policy.tolerance
+        return period.decide(action, bounded, f"{current} replicas is outside [{policy.min_replicas}, "
+                                              f"{policy.max_replicas}]: {current} -> {bounded}")
+    if period.signals.ratio is None:
+        return period.decide("hold", current, "no signal (no pod reported metrics)")
+    if period.signals.ratio > 1 + policy.tolerance:
+        return _over_band(period)
+    return _at_or_under_band(period)
 
-    if ratio > 1 + tol:
-        over_since = state.over_since if state.over_since is not None else obs.now
-        rec = Recommendation(at=obs.now, replicas=current)
-        held = {"over_since": over_since, "recommendations": (*state.recommendations, rec)}
-        if current >= policy.max_replicas:
-            return decide("hold", current, f"over the SLO band but at maxReplicas {policy.max_replicas}", **held)
-        waited = obs.now - over_since
-        up_window = policy.scale_up_stabilization_seconds
-        if waited < up_window:
-            return decide("hold", current,
-                          f"over the SLO band for {waited:.0f} s of the {up_window:.0f} s scale-up window", **held)
-        last = state.last_scale_up
-        if last is not None:
-            return decide("hold", current, f"over the SLO band, but the last scale-up to {last.replicas} "
-                                           f"has {obs.ready_replicas} ready: waiting for its pods", **held)
-        wanted = max(current + 1, math.ceil(current * ratio - _EPSILON))
-        desired = min(policy.max_replicas, current + policy.max_step, wanted)
-        return decide("up", desired, f"over the SLO band (> {1 + tol:.2f}x): {current} -> {desired}",
-                      last_scale_up=Recommendation(at=obs.now, replicas=desired))
 
-    # At or under the band's top: the fewest replicas at which this load stays under 1 - tolerance,
-    # in every signal and (once known) in the request rate at which this service went over.
+def _over_band(period: _Period) -> tuple[AutoscalerState, Decision]:
+    """Up by the ratio (at most maxStep), once the scale-up window has passed and the last
+    scale-up's pods are ready."""
+    policy, obs, state = period.policy, period.obs, period.state
+    current, ratio = obs.replicas, period.signals.ratio or 0.0
+    over_since = state.over_since if state.over_since is not None else obs.now
+    rec = Recommendation(at=obs.now, replicas=current)
+    held = {"over_since": over_since, "recommendations": (*state.recommendations, rec)}
+    if current >= policy.max_replicas:
+        return period.decide("hold", current, f"over the SLO band but at maxReplicas {policy.max_replicas}", **held)
+    waited = obs.now - over_since
+    up_window = policy.scale_up_stabilization_seconds
+    if waited < up_window:
+        return period.decide("hold", current,
+                             f"over the SLO band for {waited:.0f} s of the {up_window:.0f} s scale-up window", **held)
+    last = state.last_scale_up
+    if last is not None:
+        return period.decide("hold", current, f"over the SLO band, but the last scale-up to {last.replicas} "
+                                              f"has {obs.ready_replicas} ready: waiting for its pods", **held)
+    wanted = max(current + 1, math.ceil(current * ratio - _EPSILON))
+    desired = min(policy.max_replicas, current + policy.max_step, wanted)
+    return period.decide("up", desired, f"over the SLO band (> {1 + policy.tolerance:.2f}x): {current} -> {desired}",
+                         last_scale_up=Recommendation(at=obs.now, replicas=desired))
+
+
+def _at_or_under_band(period: _Period) -> tuple[AutoscalerState, Decision]:
+    """The fewest replicas at which this load stays under 1 - tolerance, in every signal and (once
+    known) in the request rate at which this service went over; down to them only when every
+    recommendation of the scale-down window agrees."""
+    policy, obs, state, signals = period.policy, period.obs, period.state, period.signals
+    current, ratio, tol = obs.replicas, signals.ratio or 0.0, policy.tolerance
     load = ratio
-    if knee is not None and signals.rate_per_replica is not None:
-        load = max(load, signals.rate_per_replica / knee)
+    if period.knee is not None and signals.rate_per_replica is not None:
+        load = max(load, signals.rate_per_replica / period.knee)
     if load <= 1 - tol:
         fewest = math.ceil(current * load / (1 - tol) - _EPSILON)
         if signals.ttft_observations or signals.tpot_observations or signals.waiting_per_replica or signals.unknown:
@@ -450,14 +480,14 @@ def step(policy: Policy, state: AutoscalerState, obs: Observation) -> tuple[Auto
         why = ("within the tolerance band" if ratio > 1 - tol
                else f"under the band, but {current - 1} replicas would not be (x{fewer:.2f})"
                if current > policy.min_replicas else f"under the band, at minReplicas {policy.min_replicas}")
-        return decide("hold", current, why, **kept)
-    observed = obs.now - since
+        return period.decide("hold", current, why, **kept)
+    observed = obs.now - period.since
     if observed < down_window:
-        return decide("hold", current, f"under the band ({recommended} replicas would do), for {observed:.0f} s "
-                                       f"of the {down_window:.0f} s scale-down window", **kept)
+        return period.decide("hold", current, f"under the band ({recommended} replicas would do), for "
+                                              f"{observed:.0f} s of the {down_window:.0f} s scale-down window", **kept)
     desired = max(r.replicas for r in recs)
     if desired >= current:
-        return decide("hold", current, f"under the band now, but the last {down_window:.0f} s needed "
-                                       f"{desired} replicas", **kept)
-    return decide("down", desired, f"under the band for {down_window:.0f} s, {desired} replicas would stay "
-                                   f"under {1 - tol:.2f}x: {current} -> {desired}")
+        return period.decide("hold", current, f"under the band now, but the last {down_window:.0f} s needed "
+                                              f"{desired} replicas", **kept)
+    return period.decide("down", desired, f"under the band for {down_window:.0f} s, {desired} replicas would stay "
+                                          f"under {1 - tol:.2f}x: {current} -> {desired}")

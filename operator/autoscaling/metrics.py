@@ -15,7 +15,9 @@ the process started, so the latencies of a window are the difference of two read
 
 Names: ours (`kvpilot_*`, engine/serving/metrics.py) first, else vLLM's (`vllm:*`), so the
 operator also scales vLLM-compatible pods. Samples of several label sets (vLLM's `engine` label,
-one series per engine core) are summed; KV usage takes the fullest.
+one series per engine core) are summed; KV usage takes the fullest. Every sample must be finite and
+in range (counts, gauges and buckets >= 0, KV usage <= 1), or the read is refused (`MetricsError`)
+and the pod is unknown for the period: a pod's bad number never reaches the others' signals.
 """
 
 from __future__ import annotations
@@ -155,19 +157,40 @@ class EngineReading(BaseModel):
     accepted_tokens: float | None = None
 
 
+def _sample_name(sample: Sample) -> str:
+    labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+    return f"{sample.name}{{{labels}}}" if labels else sample.name
+
+
+def _checked(name: str, value: float, high: float = math.inf) -> float:
+    """`value` if it is a number the autoscaler can act on: one +Inf overflowed its arithmetic
+    every period, a NaN reached the status (not JSON) and hid other signals, a negative waiting
+    count cancelled another pod's queue in the mean. Otherwise MetricsError, which makes the pod
+    unknown for the period."""
+    if not math.isfinite(value):
+        raise MetricsError(f"{name} is {value}: not finite")
+    if value < 0:
+        raise MetricsError(f"{name} is {value}: below 0")
+    if value > high:
+        raise MetricsError(f"{name} is {value}: above {high:g}")
+    return value
+
+
 def _histogram(samples: Sequence[Sample], name: str, created: float | None) -> Histogram:
     """Sum the buckets of every label set of one histogram family."""
     by_bound: dict[float, float] = {}
-    count = 0.0
     for sample in samples:
         if sample.name == f"{name}_bucket":
-            bound = float(sample.labels["le"])
-            by_bound[bound] = by_bound.get(bound, 0.0) + sample.value
-        elif sample.name == f"{name}_count":
-            count += sample.value
+            try:
+                bound = float(sample.labels["le"])
+            except (KeyError, ValueError):
+                raise MetricsError(f"{_sample_name(sample)} has no numeric le") from None
+            if math.isnan(bound) or bound == -math.inf:
+                raise MetricsError(f"{_sample_name(sample)}: le {bound} is not finite")
+            by_bound[bound] = by_bound.get(bound, 0.0) + _checked(_sample_name(sample), sample.value)
     if math.inf not in by_bound:
         raise MetricsError(f"{name} has no +Inf bucket")
-    # The +Inf bucket is the count by definition; trust it over _count if the two disagree.
+    # The +Inf bucket is the count by definition; trust it over _count, which is not read.
     count = by_bound.pop(math.inf)
     bounds = tuple(sorted(by_bound))
     return Histogram(bounds=bounds, counts=tuple(by_bound[b] for b in bounds), count=count, created=created)
@@ -186,23 +209,25 @@ def parse(text: str) -> EngineReading:
     def created_of(name: str) -> float | None:
         # The client exports _created as its own gauge family; several label sets give the newest.
         family = families.get(f"{name}_created")
-        values = [s.value for s in family.samples] if family else []
+        values = [_checked(_sample_name(s), s.value) for s in family.samples] if family else []
         return max(values) if values else None
 
     def histogram(names: Sequence[str]) -> Histogram | None:
         family = first(names, "histogram")
         return _histogram(family.samples, family.name, created_of(family.name)) if family else None
 
-    def gauge(names: Sequence[str], combine: Callable[[Iterable[float]], float], kind: str = "gauge") -> float | None:
+    def gauge(names: Sequence[str], combine: Callable[[Iterable[float]], float], kind: str = "gauge",
+              high: float = math.inf) -> float | None:
         family = first(names, kind)
         samples = [s for s in family.samples if not s.name.endswith("_created")] if family else []
         if not samples:
             return None
-        return combine(s.value for s in samples)
+        # Each label set on its own: a negative one would cancel another's requests in the sum.
+        return combine(_checked(_sample_name(s), s.value, high) for s in samples)
 
     return EngineReading(ttft=histogram(TTFT_NAMES), tpot=histogram(TPOT_NAMES),
                          waiting=gauge(WAITING_NAMES, sum), running=gauge(RUNNING_NAMES, sum),
-                         kv_usage=gauge(KV_USAGE_NAMES, max),
+                         kv_usage=gauge(KV_USAGE_NAMES, max, high=1.0),
                          draft_tokens=gauge(DRAFT_TOKENS_NAMES, sum, "counter"),
                          accepted_tokens=gauge(ACCEPTED_TOKENS_NAMES, sum, "counter"))
 

@@ -331,3 +331,29 @@ def test_observed_draft_acceptance_goes_beside_the_plan_s_assumption() -> None:
     off = InferenceServiceSpec.model_validate({"model": {"name": "llama-3-8b"}, "accelerator": {"type": "L4"},
                                                "serving": {"speculative": "off"}})
     assert "assumedDraftAcceptance" not in status.plan_summary(plan(off))
+
+
+def test_a_pod_s_untrustworthy_numbers_make_it_unknown_not_the_others_load(server: str) -> None:
+    """One pod reporting waiting=-1e6 must not cancel another pod's 20 waiting requests, and one
+    reporting NaN must not hide another's full KV cache nor put NaN into the status (invalid JSON)."""
+    def exposition(waiting: str, kv: str = "0.5") -> bytes:
+        return (f"# TYPE kvpilot_num_requests_waiting gauge\nkvpilot_num_requests_waiting {waiting}\n"
+                f"# TYPE kvpilot_kv_cache_usage_ratio gauge\nkvpilot_kv_cache_usage_ratio {kv}\n").encode()
+
+    _Handler.routes = {"/negative": (200, exposition("-1e6"), 0.0), "/queued": (200, exposition("20"), 0.0),
+                       "/nan": (200, exposition("NaN"), 0.0), "/full": (200, exposition("0", kv="1.0"), 0.0),
+                       "/inf": (200, exposition("+Inf"), 0.0)}
+
+    def period(paths: list[str]) -> Any:
+        reads = [read_metrics(path.strip("/"), f"{server}{path}") for path in paths]
+        outcome = decide(body({"replicas": 2}), deployment(2, 2), reads, NOW)
+        assert outcome is not None
+        json.dumps(status_patch(outcome[1], outcome[2], None), allow_nan=False)  # what the API server accepts
+        return outcome[2]
+
+    queued = period(["/negative", "/queued"])
+    assert queued.signals.waiting_per_replica == 20 and queued.signals.unknown == ("negative",)
+    full = period(["/nan", "/full"])
+    assert full.signals.kv_cache_usage == 1.0 and full.signals.unknown == ("nan",)
+    overflow = period(["/inf", "/queued"])
+    assert overflow.signals.waiting_per_replica == 20 and overflow.signals.unknown == ("inf",)

@@ -235,3 +235,38 @@ def test_bad_bodies_are_refused() -> None:
               'kvpilot_time_to_first_token_seconds_bucket{le="1.0"} 2\n')
     with pytest.raises(MetricsError, match=r"\+Inf"):
         parse(no_inf)
+
+
+_TTFT = "kvpilot_time_to_first_token_seconds"
+
+
+@pytest.mark.parametrize("family, kind, lines, why", [
+    ("kvpilot_num_requests_waiting", "gauge", ["kvpilot_num_requests_waiting +Inf"], "not finite"),
+    ("kvpilot_num_requests_waiting", "gauge", ["kvpilot_num_requests_waiting NaN"], "not finite"),
+    ("kvpilot_num_requests_waiting", "gauge", ["kvpilot_num_requests_waiting -1e6"], "below 0"),
+    # A negative label set would cancel another's requests in the sum: each is checked, not the sum.
+    ("vllm:num_requests_waiting", "gauge", ['vllm:num_requests_waiting{engine="0"} 20',
+                                             'vllm:num_requests_waiting{engine="1"} -20'], "below 0"),
+    ("kvpilot_num_requests_running", "gauge", ["kvpilot_num_requests_running -1"], "below 0"),
+    ("kvpilot_kv_cache_usage_ratio", "gauge", ["kvpilot_kv_cache_usage_ratio 1.5"], "above 1"),
+    ("kvpilot_kv_cache_usage_ratio", "gauge", ["kvpilot_kv_cache_usage_ratio NaN"], "not finite"),
+    # prometheus_client's TYPE line names a counter with its _total.
+    ("kvpilot_spec_decode_num_draft_tokens_total", "counter", ["kvpilot_spec_decode_num_draft_tokens_total -Inf"],
+     "not finite"),
+    ("kvpilot_spec_decode_num_accepted_tokens_total", "counter", ["kvpilot_spec_decode_num_accepted_tokens_total -3"],
+     "below 0"),
+    (_TTFT, "histogram", [f'{_TTFT}_bucket{{le="1.0"}} NaN', f'{_TTFT}_bucket{{le="+Inf"}} 3'], "not finite"),
+    (_TTFT, "histogram", [f'{_TTFT}_bucket{{le="1.0"}} 1', f'{_TTFT}_bucket{{le="+Inf"}} NaN'], "not finite"),
+    (_TTFT, "histogram", [f'{_TTFT}_bucket{{le="1.0"}} -5', f'{_TTFT}_bucket{{le="+Inf"}} 3'], "below 0"),
+    (_TTFT, "histogram", [f'{_TTFT}_bucket{{le="1.0"}} 1', f'{_TTFT}_bucket{{le="+Inf"}} -1'], "below 0"),
+    (_TTFT, "histogram", [f'{_TTFT}_bucket{{le="NaN"}} 1', f'{_TTFT}_bucket{{le="+Inf"}} 1'], "not finite"),
+    (_TTFT, "histogram", [f'{_TTFT}_bucket{{le="+Inf"}} 1', f"{_TTFT}_created NaN"], "not finite"),
+])
+def test_samples_out_of_range_refuse_the_reading(family: str, kind: str, lines: list[str], why: str) -> None:
+    """A number the autoscaler cannot trust makes the pod unknown (MetricsError, with the series
+    and why), never a reading: +Inf waiting overflowed its arithmetic, NaN reached the status, a
+    negative waiting count cancelled another pod's queue."""
+    text = f"# TYPE {family} {kind}\n" + "".join(f"{line}\n" for line in lines)
+    with pytest.raises(MetricsError, match=why) as refused:
+        parse(text)
+    assert family.split(":")[-1] in str(refused.value)

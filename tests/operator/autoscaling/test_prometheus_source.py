@@ -153,3 +153,18 @@ def test_a_prometheus_url_must_be_http(url: str) -> None:
         InferenceServiceSpec.model_validate({"model": {"name": "m"}, "autoscaling": {"prometheusUrl": url}})
     assert InferenceServiceSpec.model_validate(
         {"model": {"name": "m"}, "autoscaling": {"prometheusUrl": "http://prometheus.monitoring:9090/x"}})
+
+
+def test_a_nan_in_prometheus_makes_that_pod_unknown_not_the_service(
+        prometheus: tuple[str, list[dict[str, Any]], list[str]]) -> None:
+    """A NaN in one pod's +Inf bucket (a stale marker, a broken exporter) is that pod's problem."""
+    url, series, _ = prometheus
+    text = engine_text([0.3] * 7)
+    series += stored(text, "chat-a")
+    for one in stored(text, "chat-b"):
+        if one["metric"]["__name__"].endswith("_bucket") and one["metric"].get("le") == "+Inf":
+            one = dict(one, value=[one["value"][0], "NaN"])
+        series.append(one)
+    reads = {r.name: r for r in read_prometheus(url, NS, ["chat-a", "chat-b"])}
+    assert reads["chat-a"].reading == parse(text)
+    assert reads["chat-b"].reading is None and "not finite" in reads["chat-b"].error

@@ -202,7 +202,9 @@ class Scheduler:
                 # The step wrote KV for every draft; the sequence keeps those it appended (all its
                 # new tokens but the last), which a stop among the accepted drafts cuts short.
                 request.num_computed_tokens -= len(item.spec_token_ids) - (len(appended) - 1)
-                self.kv.rollback(request, request.num_computed_tokens)
+                # The newest token's slot stays: the next step computes it there, and a draft model
+                # has already written its K/V there (and will not again).
+                self.kv.rollback(request, request.num_tokens)
                 self.spec_decoding = self.spec_decoding.add(len(item.spec_token_ids), len(new_tokens) - 1)
             # After the append: accepted drafts are computed tokens, and their blocks' keys hash them.
             self.kv.cache_full_blocks(request)

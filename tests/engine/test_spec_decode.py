@@ -15,8 +15,11 @@ from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import FinishReason, Request
 from kvpilot.engine.core.scheduler import Scheduler, SpecDecodingStats
+from kvpilot.engine.model.attention import KVCache
 from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.worker.sampler import RowPenalty, Sampler, SamplingMetadata, verify_drafts
+from kvpilot.engine.worker.spec_decode import DraftInput
+from kvpilot.engine.worker.spec_decode.draft_proposer import DraftProposer
 from kvpilot.engine.worker.spec_decode.ngram_proposer import NgramProposer
 from tests.engine.test_exactness import assert_no_leaks
 from tests.engine.test_tiny_llama import make_tiny_llama
@@ -146,7 +149,7 @@ def test_drafts_are_scheduled_verified_and_rejected_kv_rolled_back():
     scheduler.update_from_output(step, ModelRunnerOutput(sampled={"r": [8, 9, 42]}))
     assert request.output_token_ids == [7, 8, 9, 42]
     assert request.num_computed_tokens == 9  # prompt, 7, 8, 9 (42 is computed next step)
-    assert len(scheduler.kv.block_tables["r"]) == 3  # 9 tokens in blocks of 4; the draft-only tail is gone
+    assert len(scheduler.kv.block_tables["r"]) == 3  # 10 tokens (42 has its slot) in blocks of 4; the draft-only tail is gone
     assert scheduler.spec_decoding == SpecDecodingStats(1, 4, 2, (1, 1, 0, 0))
     assert request.spec_token_ids == []
 
@@ -324,3 +327,35 @@ def test_a_sequence_as_long_as_the_pool_still_has_its_draft_lookahead(corpus_ids
     assert engine.scheduler.spec_decoding.num_drafts > 0
     assert_no_leaks(llm)
 
+
+def _fresh_draft_kv(proposer: DraftProposer, request_id: str, token_ids: list[int], block_ids: list[int]) -> list[KVCache]:
+    """The draft model's K/V of `token_ids` computed in one prefill into an empty cache, slot for slot."""
+    fresh = DraftProposer(proposer.model, len(proposer.kv_caches), 1, proposer.kv_caches[0][0].shape[0], proposer.block_size,
+                          proposer.kv_caches[0][0].dtype, proposer.device)
+    fresh.propose([DraftInput(request_id, token_ids, block_ids)])
+    return fresh.kv_caches
+
+
+def test_the_draft_models_kv_is_a_fresh_recompute_after_every_step(tiny_model, other_tiny_model):
+    # Blocks of 4 slots: the newest token often lands on a block's first slot, which the rollback of
+    # rejected drafts must not free (the draft has written that token's K/V there).
+    llm = LLM(str(tiny_model), dtype="float32", kv_cache_memory_bytes=8 << 20, block_size=4, speculative="draft",
+              draft_model=str(other_tiny_model), num_speculative_tokens=3, speculative_max_batch_size=64)
+    engine, proposer = llm.engine, llm.engine.runner.proposer
+    rng = random.Random(0)
+    for n in (5, 9, 14):
+        engine.add_request([rng.randrange(3, 16) for _ in range(n)], SamplingParams(max_tokens=40, temperature=1.0, ignore_eos=True))
+    checked = 0
+    while engine.has_unfinished():
+        engine.step()
+        for request in engine.scheduler.running:
+            block_ids = engine.kv.block_ids(request)
+            computed = min(proposer.num_computed.get(request.request_id, 0), len(block_ids) * engine.kv.block_size)
+            slots = (torch.tensor(block_ids).unsqueeze(1) * engine.kv.block_size + torch.arange(engine.kv.block_size)).flatten()[:computed]
+            fresh = _fresh_draft_kv(proposer, request.request_id, request.token_ids[:computed], block_ids)
+            for (k, v), (fresh_k, fresh_v) in zip(proposer.kv_caches, fresh):
+                torch.testing.assert_close((k[slots], v[slots]), (fresh_k[slots], fresh_v[slots]), rtol=1e-4, atol=1e-4)
+            checked += 1
+    stats = engine.scheduler.spec_decoding
+    assert checked > 30 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert_no_leaks(llm)

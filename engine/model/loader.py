@@ -103,7 +103,7 @@ def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torc
         with torch.device(device):
             model = LlamaForCausalLM(config, quantization, quantization_group_size)
             if checkpoint is not None:
-                checkpoint.create_weights(model, _tensor_names(files), path)
+                checkpoint.create_weights(model, tensor_names(files), path)
     finally:
         torch.set_default_dtype(default_dtype)
     model.quantization = quantization  # what runs: a quantized checkpoint's scheme when `none` was asked
@@ -111,7 +111,8 @@ def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torc
     return model.eval()
 
 
-def _tensor_names(files: list[Path]) -> set[str]:
+def tensor_names(files: list[Path]) -> set[str]:
+    """The names of the tensors in safetensors `files`."""
     names: set[str] = set()
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as checkpoint:

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from kvpilot.engine.model.compressed_tensors import checkpoint_quantization
 from kvpilot.engine.model.layers import Linear
 from kvpilot.engine.model.llama import LlamaForCausalLM
-from kvpilot.engine.model.loader import load_config, load_model, load_tokenizer, resolve_model
+from kvpilot.engine.model.loader import load_config, load_model, load_tokenizer, resolve_model, tensor_names
 from kvpilot.engine.model.quantization import Int8WeightOnly
 from kvpilot.engine.quantize.awq import AwqReport, apply_awq, checkpoint_tensors
 from kvpilot.engine.quantize.calibration import PASSAGES
@@ -130,8 +130,7 @@ def quantize_checkpoint(model: str | None, output: Path, scheme: str, group_size
     compressed-tensors checkpoint: body linear layers quantized, everything else as it was (with
     `awq`, the norms and projections its scales fold into rescaled). `method` defaults to awq for
     int4 and rtn for int8."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization import QuantizationScheme
 
     source = resolve_model(model)
     config = load_config(source)
@@ -142,57 +141,68 @@ def quantize_checkpoint(model: str | None, output: Path, scheme: str, group_size
     files = sorted(source.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {source}")
-    method = method or ("awq" if scheme == "int4" else "rtn")
-    if method not in METHODS:
-        raise ValueError(f"unknown quantization method {method!r}; methods: {', '.join(METHODS)}")
-    if method == "awq" and scheme != "int4":
-        raise ValueError("awq calibrates int4 checkpoints; int8 is written round-to-nearest (--method rtn)")
+    method = _method(scheme, method)
     qscheme = QuantizationScheme(targets=["Linear"], weights=weight_args(scheme, group_size), format=WRITE_FORMAT)
-    names: set[str] = set()
-    for file in files:
-        with safe_open(file, framework="pt") as checkpoint:
-            names.update(checkpoint.keys())
-    linear_weights = _linear_weight_names(config, names)
     start = time.perf_counter()
     transformed, awq = _awq_tensors(source, config, qscheme.weights) if method == "awq" else ({}, None)
     awq_seconds = time.perf_counter() - start
 
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}-"))
-    layers = fp16_bytes = stored_bytes = 0
-    weight_map: dict[str, str] = {}
     try:
-        for item in source.iterdir():
-            if item.is_file() and item.suffix != ".safetensors" and item.name != _INDEX_FILE:
-                shutil.copy2(item, tmp / item.name)
-        for file in files:
-            tensors: dict[str, torch.Tensor] = {}
-            with safe_open(file, framework="pt") as checkpoint:
-                for name in checkpoint.keys():
-                    original = checkpoint.get_tensor(name)
-                    tensor = transformed.get(name, original)
-                    if name not in linear_weights:
-                        tensors[name] = tensor.to(original.dtype)
-                        continue
-                    module = name.removesuffix(".weight")
-                    compressed = _compress(tensor, qscheme)
-                    layers += 1
-                    fp16_bytes += tensor.numel() * 2
-                    stored_bytes += sum(t.numel() * t.element_size() for t in compressed.values())
-                    tensors.update({f"{module}.{key}": value for key, value in compressed.items()})
-            save_file(tensors, tmp / file.name, metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(tensors, file.name))
-        if (source / _INDEX_FILE).is_file():
-            (tmp / _INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-        qconfig = QuantizationConfig(config_groups={"group_0": qscheme}, format=WRITE_FORMAT, quantization_status="compressed",
-                                     ignore=["lm_head"])
-        ModelCompressor(quantization_config=qconfig).update_config(str(tmp))
+        sizes = _write(source, files, tmp, _linear_weight_names(config, tensor_names(files)), transformed, qscheme)
         if output.exists():
             output.rmdir()
         tmp.rename(output)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return QuantizeReport(output, scheme, method, layers, fp16_bytes, stored_bytes, awq, awq_seconds)
+    return QuantizeReport(output, scheme, method, *sizes, awq, awq_seconds)
+
+
+def _method(scheme: str, method: str | None) -> str:
+    method = method or ("awq" if scheme == "int4" else "rtn")
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization method {method!r}; methods: {', '.join(METHODS)}")
+    if method == "awq" and scheme != "int4":
+        raise ValueError("awq calibrates int4 checkpoints; int8 is written round-to-nearest (--method rtn)")
+    return method
+
+
+def _write(source: Path, files: list[Path], folder: Path, linear_weights: set[str], transformed: dict[str, torch.Tensor],
+           qscheme: QuantizationScheme) -> tuple[int, int, int]:
+    """The checkpoint in `folder`: each of `files` with its `linear_weights` compressed (from their
+    `transformed` values where AWQ rewrote them), the source's other files, the index and the
+    quantization config. Returns the layers compressed, their fp16 bytes and their stored bytes."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    for item in source.iterdir():
+        if item.is_file() and item.suffix != ".safetensors" and item.name != _INDEX_FILE:
+            shutil.copy2(item, folder / item.name)
+    layers = fp16_bytes = stored_bytes = 0
+    weight_map: dict[str, str] = {}
+    for file in files:
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(file, framework="pt") as checkpoint:
+            for name in checkpoint.keys():
+                original = checkpoint.get_tensor(name)
+                tensor = transformed.get(name, original)
+                if name not in linear_weights:
+                    tensors[name] = tensor.to(original.dtype)
+                    continue
+                compressed = _compress(tensor, qscheme)
+                layers += 1
+                fp16_bytes += tensor.numel() * 2
+                stored_bytes += sum(t.numel() * t.element_size() for t in compressed.values())
+                tensors.update({f"{name.removesuffix('.weight')}.{key}": value for key, value in compressed.items()})
+        save_file(tensors, folder / file.name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file.name))
+    if (source / _INDEX_FILE).is_file():
+        (folder / _INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    qconfig = QuantizationConfig(config_groups={"group_0": qscheme}, format=WRITE_FORMAT, quantization_status="compressed",
+                                 ignore=["lm_head"])
+    ModelCompressor(quantization_config=qconfig).update_config(str(folder))
+    return layers, fp16_bytes, stored_bytes
 
 
 def report_line(report: QuantizeReport) -> str:

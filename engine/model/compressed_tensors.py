@@ -150,6 +150,8 @@ class CompressedWeights(CheckpointFormat):
         # packed width against it instead, so the loader passes it by.
         args = self.checkpoint.args
         out_features, in_features = layer.out_features, layer.in_features
+        # Rounded up as the format stores a short last group, so that its scales load and the INT4
+        # layer refuses the group size with its own message (it must divide the input width).
         groups = 1 if args.strategy == "channel" else -(-in_features // args.group_size)
         unpack = functools.partial(_unpack, bits=args.num_bits)
         layer.register_parameter(self.values, layer.checkpoint_parameter(

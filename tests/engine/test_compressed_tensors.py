@@ -15,6 +15,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.cli import main
@@ -228,3 +229,16 @@ def test_quantize_rewrites_a_sharded_folder_and_its_index(tmp_path, model_dir):
     assert llm.engine.runner.model.quantization == "int4"
     assert main(["quantize", str(output), "--model", str(source)]) == 2  # never over an existing checkpoint
 
+
+def test_packed_values_that_do_not_hold_the_layer_are_refused(tmp_path, model_dir):
+    # The loader takes a layer's shape from the model, not from the checkpoint's weight_shape: the
+    # packed width is checked against it instead.
+    source, output = tmp_path / "source", tmp_path / "quantized"
+    make_tiny_llama(source, model_dir, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    assert main(["quantize", str(output), "--model", str(source), "--scheme", "int4", "--method", "rtn"]) == 0
+    tensors = _tensors(output)
+    name = "model.layers.0.mlp.down_proj.weight_packed"
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, output / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="do not hold 4-bit values of shape"):
+        LLM(str(output), dtype="float32", kv_cache_memory_bytes=4 << 20, block_size=8)

@@ -16,6 +16,10 @@ from pydantic.alias_generators import to_camel
 Quantization = Literal["auto", "none", "int8", "w8a8", "int4"]
 Speculative = Literal["auto", "off", "ngram", "draft"]
 
+# The most replicas a service may ask for (spec.replicas, autoscaling.min/maxReplicas). A bound keeps
+# every planner search and every rendered Deployment finite; a fleet beyond it is several services.
+MAX_REPLICAS = 1000
+
 # CEL has no bit operations, so the CRD lists the powers of two; this is the same list.
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -179,8 +183,8 @@ class AutoscalingSpec(_Camel):
     # slo: the operator sets replicas from the engines' metrics (operator/autoscaling/);
     # external: an HPA or KEDA does and the operator never writes replicas; off: nobody does.
     mode: Literal["slo", "external", "off"] = "slo"
-    min_replicas: int = Field(default=1, ge=0)
-    max_replicas: int = Field(default=4, ge=1)
+    min_replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS)
+    max_replicas: int = Field(default=4, ge=1, le=MAX_REPLICAS)
     scale_up_stabilization_seconds: int = Field(default=0, ge=0)
     scale_down_stabilization_seconds: int = Field(default=300, ge=0)
     # Replicas added or removed by one decision, at most.
@@ -231,7 +235,7 @@ class InferenceServiceSpec(_Camel):
     autoscaling: AutoscalingSpec = AutoscalingSpec()
     # Written by `kubectl scale` / the autoscaler through the scale subresource; when absent the
     # plan's replica count for the stated load is used.
-    replicas: int | None = Field(default=None, ge=0)
+    replicas: int | None = Field(default=None, ge=0, le=MAX_REPLICAS)
     # Unset: the operator's default engine image (the chart's engine.image), so a cluster can
     # move every InferenceService that does not pin an image with one chart upgrade.
     image: str | None = Field(default=None, min_length=1)
@@ -249,6 +253,16 @@ class InferenceServiceSpec(_Camel):
     priority_class_name: str | None = None
     pod_labels: dict[str, str] = Field(default_factory=dict)
     pod_annotations: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _replicas_within_the_autoscaler_bounds(self) -> InferenceServiceSpec:
+        # In slo mode the autoscaler owns replicas within [min, max]; more is a typo or a scale
+        # that the next period would undo. In external and off modes someone else owns them.
+        if (self.autoscaling.mode == "slo" and self.replicas is not None
+                and self.replicas > self.autoscaling.max_replicas):
+            raise ValueError(f"replicas {self.replicas} > autoscaling.maxReplicas {self.autoscaling.max_replicas} "
+                             "(autoscaling.mode slo)")
+        return self
 
     @model_validator(mode="after")
     def _hub_settings_need_a_hub_source(self) -> InferenceServiceSpec:

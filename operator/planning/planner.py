@@ -203,6 +203,9 @@ def _draft(spec: InferenceServiceSpec, target: Architecture,
                        f"serving.draftModel {source!r} is not a catalog model ({', '.join(MODELS)}) by its "
                        "repository or folder name, and serving.draftModelArchitecture is not set: the "
                        "planner needs the draft's size")
+    problem = sizing.architecture_problem(arch)
+    if problem is not None:
+        return _failed(spec, "InvalidArchitecture", f"serving.draftModel {source!r}: {problem}")
     if arch.vocab_size != target.vocab_size:
         return _failed(spec, "DraftVocabularyMismatch",
                        f"serving.draftModel {source!r} has a vocabulary of {arch.vocab_size} tokens and "
@@ -323,18 +326,28 @@ def _slo_miss(spec: InferenceServiceSpec, perf: _Perf) -> str | None:
 
 def _replicas(spec: InferenceServiceSpec, replica: _Replica,
               speculative: str) -> tuple[int, _Perf, str | None]:
-    """The fewest replicas within the autoscaling bounds that meet the SLO, else the maximum."""
+    """The fewest replicas within the autoscaling bounds that meet the SLO, else the maximum.
+
+    A bisection: more replicas share the same load, so each runs a smaller batch and queues less,
+    and a count that meets the SLO is followed by counts that do too. log2(maxReplicas) + 2
+    predictions, not one per count."""
     bounds = spec.autoscaling
     if spec.load.requests_per_second == 0:
         count = bounds.min_replicas
         perf = _perf(spec, replica, max(count, 1), speculative)
         return count, perf, _slo_miss(spec, perf)
-    for count in range(max(bounds.min_replicas, 1), bounds.max_replicas + 1):
-        perf = _perf(spec, replica, count, speculative)
-        miss = _slo_miss(spec, perf)
-        if miss is None:
-            return count, perf, None
-    return bounds.max_replicas, perf, miss
+    low, high = max(bounds.min_replicas, 1), bounds.max_replicas
+    most = _perf(spec, replica, high, speculative)
+    miss = _slo_miss(spec, most)
+    if miss is not None:
+        return high, most, miss
+    while low < high:  # the SLO is met at `high`; is it at fewer?
+        middle = (low + high) // 2
+        if _slo_miss(spec, _perf(spec, replica, middle, speculative)) is None:
+            high = middle
+        else:
+            low = middle + 1
+    return high, _perf(spec, replica, high, speculative), None
 
 
 def _memory(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str,
@@ -510,6 +523,10 @@ def _architecture(spec: InferenceServiceSpec) -> tuple[Architecture, str] | Plan
         return _failed(spec, "UnknownModel",
                        f"model {spec.model.name!r} is not in the catalog ({', '.join(MODELS)}) and "
                        "spec.model.architecture is not set")
+    problem = sizing.architecture_problem(arch)
+    if problem is not None:
+        where = "spec.model.architecture" if explicit else f"the catalog's {spec.model.name}"
+        return _failed(spec, "InvalidArchitecture", f"{where}: {problem}")
     if spec.accelerator.count != 1:
         return _failed(spec, "MultiGPUUnsupported",
                        f"accelerator.count {spec.accelerator.count}: the engine serves one model on "

@@ -55,6 +55,22 @@ def _embedding_norms_body(arch: Architecture) -> tuple[int, int, int]:
     return embedding, norms, arch.parameters - embedding - norms - (0 if arch.tie_word_embeddings else embedding)
 
 
+def architecture_problem(arch: Architecture) -> str | None:
+    """Why sizing cannot use `arch` (the CRD's schema admits it, but the numbers contradict each
+    other), None when it can."""
+    if arch.head_size < 1:
+        return (f"hiddenSize {arch.hidden_size} / attentionHeads {arch.attention_heads} leaves no head dimension: "
+                "set headDim")
+    embedding, norms, body = _embedding_norms_body(arch)
+    if body <= 0:
+        tied = "" if arch.tie_word_embeddings else " and the LM head"
+        return (f"parameters {arch.parameters:,} is not more than the embedding{tied} and the norms alone "
+                f"({arch.parameters - body:,}: vocabSize x hiddenSize each)")
+    if arch.parameters_per_token > arch.parameters:
+        return f"activeParameters {arch.parameters_per_token:,} > parameters {arch.parameters:,}"
+    return None
+
+
 def weight_bytes(arch: Architecture, quantization: str) -> int:
     """Bytes of the weights the engine holds for `arch` at `quantization` (see BYTES_PER_VALUE)."""
     if quantization == "none":

@@ -160,7 +160,7 @@ def test_the_crd_and_the_spec_accept_the_same_sources_and_refuse_others_saying_w
 
 
 def test_the_crd_puts_token_and_cache_with_either_hf_source() -> None:
-    (rule,) = _crd_rules("spec")
+    rule = next(r for r in _crd_rules("spec") if "tokenSecret" in r["rule"])
     assert rule["rule"] == ("!(has(self.model.tokenSecret) || has(self.model.cache)) || "
                             "(has(self.model.source) && self.model.source.startsWith('hf://')) || "
                             "(has(self.serving) && has(self.serving.draftModel) && "

@@ -135,7 +135,7 @@ def test_replicas_come_from_the_plan_unless_scaled() -> None:
     s = spec(load={"requestsPerSecond": 4})
     p = plan(s)
     assert render.deployment("chat", "ml", UID, s, p)["spec"]["replicas"] == p.replicas == 3
-    scaled = spec(replicas=5)
+    scaled = spec(replicas=5, autoscaling={"maxReplicas": 8})  # within the autoscaler's bounds
     assert render.deployment("chat", "ml", UID, scaled, plan(scaled))["spec"]["replicas"] == 5
 
 

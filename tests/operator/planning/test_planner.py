@@ -303,3 +303,61 @@ def test_without_low_bit_gpu_kernels_quantization_is_not_counted_on_for_decode_s
                   for q in ("none", "int4"))
     assert int4.weight_bytes < fp16.weight_bytes / 3  # the memory saving holds
     assert int4.predicted_tpot_ms > fp16.predicted_tpot_ms
+
+
+ARCH = {"layers": 2, "hiddenSize": 64, "attentionHeads": 4, "kvHeads": 2, "vocabSize": 1000,
+        "parameters": 300_000, "maxContext": 2048}
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"attentionHeads": 128, "kvHeads": 64}, "hiddenSize 64 / attentionHeads 128 leaves no head dimension"),
+    ({"parameters": 100_000}, "parameters 100,000 is not more than the embedding and the LM head"),
+    ({"activeParameters": 400_000}, "activeParameters 400,000 > parameters 300,000"),
+])
+def test_an_architecture_the_crd_admits_but_sizing_cannot_use_is_invalid(change: dict[str, Any], words: str) -> None:
+    # These raised ZeroDivisionError or planned 0.00 GiB of weights (issue 24, item 8).
+    def tiny(architecture: dict[str, Any]) -> InferenceServiceSpec:
+        return InferenceServiceSpec.model_validate({"model": {"name": "tiny", "architecture": architecture},
+                                                    "accelerator": {"type": "L4"}})
+
+    result = plan(tiny({**ARCH, **change}))
+    assert (result.fits, result.failure) == (False, "InvalidArchitecture")
+    assert result.reason.startswith("spec.model.architecture: ") and words in result.reason
+    assert plan(tiny(ARCH)).fits
+
+
+def test_an_invalid_draft_architecture_is_named() -> None:
+    result = plan(spec("llama-3-8b", serving={"speculative": "draft", "draftModel": "/models/d",
+                                              "draftModelArchitecture": {**ARCH, "vocabSize": 128256,
+                                                                         "parameters": 1000}}))
+    assert result.failure == "InvalidArchitecture" and "serving.draftModel '/models/d'" in result.reason
+
+
+def test_replicas_are_searched_in_log_time_up_to_the_crd_maximum(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpilot.operator.api.spec import MAX_REPLICAS
+
+    calls = []
+    predict = planner._perf
+    monkeypatch.setattr(planner, "_perf", lambda *a, **k: calls.append(a[2]) or predict(*a, **k))
+    result = plan(spec("llama-2-7b", "L4", serving={"quantization": "none", "speculative": "off"},
+                       load={"requestsPerSecond": 30}, autoscaling={"maxReplicas": MAX_REPLICAS}))
+    assert result.fits and result.meets_slo and 1 < result.replicas < MAX_REPLICAS
+    assert len(calls) <= 12  # log2(1000) + 2, where a search count by count made result.replicas
+    # The fewest that meet the SLO: one fewer does not.
+    fewer = plan(spec("llama-2-7b", "L4", serving={"quantization": "none", "speculative": "off"},
+                      load={"requestsPerSecond": 30}, autoscaling={"maxReplicas": result.replicas - 1}))
+    assert not fewer.meets_slo
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"autoscaling": {"maxReplicas": 1001}}, "less than or equal to 1000"),
+    ({"replicas": 1_000_000, "autoscaling": {"mode": "off"}}, "less than or equal to 1000"),
+    ({"replicas": 9, "autoscaling": {"maxReplicas": 4}}, "replicas 9 > autoscaling.maxReplicas 4"),
+])
+def test_replicas_are_bounded(bad: dict[str, Any], words: str) -> None:
+    # A million replicas rendered a Deployment of a million (issue 24, item 7).
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=words):
+        spec(**bad)
+    assert spec(replicas=9, autoscaling={"mode": "external", "maxReplicas": 4}).replicas == 9

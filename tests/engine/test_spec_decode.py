@@ -21,6 +21,7 @@ from kvpilot.engine.worker.sampler import RowPenalty, Sampler, SamplingMetadata,
 from kvpilot.engine.worker.spec_decode import DraftInput
 from kvpilot.engine.worker.spec_decode.draft_proposer import DraftProposer
 from kvpilot.engine.worker.spec_decode.ngram_proposer import NgramProposer
+from tests.engine.conftest import make_prompts
 from tests.engine.test_exactness import assert_no_leaks
 from tests.engine.test_tiny_llama import make_tiny_llama
 
@@ -272,6 +273,18 @@ def test_sampled_output_has_the_same_distribution_with_speculation(tiny_model, o
     rate = stats.num_accepted_tokens / stats.num_draft_tokens
     assert (rate > 0.3) if drafts == "good" else (rate < 0.15), f"acceptance {rate:.2f} is not what {drafts} drafts make"
     assert chi_square_p_value(without, with_spec) > FALSE_ALARM_RATE
+    assert_no_leaks(llm)
+
+
+def test_speculative_sampling_under_top_p_emits_only_what_the_nucleus_holds(corpus_ids):
+    # Under top_p 0.5 the nucleus is often the draft alone: a rejection there once left nothing to
+    # sample from and emitted token 0 (<|endoftext|>, not EOS), which plain sampling never draws here.
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=64 << 20, **SPEC)
+    outputs = llm.generate(make_prompts(corpus_ids, [64] * 16), SamplingParams(max_tokens=72, temperature=1.0, top_p=0.5))
+    tokens = [t for o in outputs for t in o.outputs[0].token_ids]
+    stats = llm.engine.scheduler.spec_decoding
+    assert len(tokens) >= 1000 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert tokens.count(0) == 0, f"token 0 in {tokens.count(0)} of {len(tokens)} sampled tokens"
     assert_no_leaks(llm)
 
 

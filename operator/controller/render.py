@@ -81,15 +81,34 @@ class _ModelFiles(NamedTuple):
     download: HubSource | None  # an hf:// source, fetched by an init container
 
 
-def _model_files(spec: InferenceServiceSpec, source: str, pvc_volume: str) -> _ModelFiles:
+def download_disk_bytes(spec: InferenceServiceSpec, plan: Plan) -> tuple[int, int]:
+    """(the ephemeral storage to request, the cache emptyDir's sizeLimit) for the hf:// checkpoints
+    the pod downloads: their bytes and a margin for tokenizer and config files; the limit leaves
+    room for a checkpoint stored at 32 bits, since passing it evicts the pod."""
+    checkpoints = ((plan.checkpoint_bytes if hub_source(spec.model.source) else 0)
+                   + (plan.draft_weight_bytes if hub_source(plan.draft_model) else 0))
+    needed = int(checkpoints * 1.1) + DOWNLOAD_MARGIN_BYTES
+    return needed, 2 * needed
+
+
+def _gi(n: int) -> str:
+    return f"{math.ceil(n / 1024**3)}Gi"
+
+
+def _cache_on_pod(spec: InferenceServiceSpec) -> bool:
+    """hf:// files go to an emptyDir of the pod (no model.cache claim), so to the node's disk."""
+    return spec.model.cache is None or not spec.model.cache.claim_name
+
+
+def _model_files(spec: InferenceServiceSpec, plan: Plan, source: str, pvc_volume: str) -> _ModelFiles:
     """A source's files: pvc://claim/path mounts the claim read-only (as `pvc_volume`); hf:// mounts
     the cache volume that a download init container fills, read-only as well; a path in the image
     (or the embedded model's name) needs nothing."""
     hub = hub_source(source)
     if hub is not None:
         cache = spec.model.cache
-        volume = ({"persistentVolumeClaim": {"claimName": cache.claim_name}}
-                  if cache is not None and cache.claim_name else {"emptyDir": {}})
+        volume = ({"emptyDir": {"sizeLimit": _gi(download_disk_bytes(spec, plan)[1])}} if _cache_on_pod(spec)
+                  else {"persistentVolumeClaim": {"claimName": cache.claim_name}})
         return _ModelFiles(hub_model_dir(hub), [{"name": MODEL_CACHE_VOLUME, **volume}],
                           [{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT, "readOnly": True}], hub)
     if not source.startswith(PVC_SCHEME):
@@ -103,8 +122,8 @@ def _model_files(spec: InferenceServiceSpec, source: str, pvc_volume: str) -> _M
 
 def _pod_files(spec: InferenceServiceSpec, plan: Plan) -> tuple[_ModelFiles, _ModelFiles | None]:
     """The model's files, and the draft model's when the plan runs one."""
-    model = _model_files(spec, spec.model.source or spec.model.name, MODEL_VOLUME)
-    draft = _model_files(spec, plan.draft_model, DRAFT_MODEL_VOLUME) if plan.draft_model else None
+    model = _model_files(spec, plan, spec.model.source or spec.model.name, MODEL_VOLUME)
+    draft = _model_files(spec, plan, plan.draft_model, DRAFT_MODEL_VOLUME) if plan.draft_model else None
     return model, draft
 
 
@@ -158,6 +177,15 @@ PROBE_TIMEOUT_S = 5
 # context, transfer buffers.
 HOST_MEMORY_MARGIN_BYTES = 2 * 1024**3
 ENGINE_CPU_REQUEST = "2"
+# Beside a download's weights: tokenizer, config and the downloader's partial files.
+DOWNLOAD_MARGIN_BYTES = 1024**3
+# The startup probe's budget (its period x failureThreshold below): how long a model may load.
+STARTUP_PERIOD_S, STARTUP_FAILURES = 10, 90
+# A Deployment reports ProgressDeadlineExceeded after this long without a new ready pod: the
+# startup budget, a download at an assumed floor of 50 MB/s from the hub, and a margin, so a
+# healthy long load never shows as a failed rollout.
+DOWNLOAD_BYTES_PER_S = 50e6
+PROGRESS_MARGIN_S = 300
 
 
 def drain_seconds(plan: Plan) -> int:
@@ -204,9 +232,21 @@ def _resources(spec: InferenceServiceSpec, plan: Plan, gpu: GPU) -> Manifest:
     # room for them, so the scheduler does not place the pod where it would be OOM-killed while loading.
     memory_gib = math.ceil((plan.weight_bytes + HOST_MEMORY_MARGIN_BYTES) / 1024**3)
     defaults = {"cpu": ENGINE_CPU_REQUEST, "memory": f"{memory_gib}Gi"}
+    if _downloads(spec, plan) and _cache_on_pod(spec):
+        # The emptyDir the downloads fill is the node's disk: schedule where the weights fit.
+        defaults["ephemeral-storage"] = _gi(download_disk_bytes(spec, plan)[0])
     requests = {**defaults, **{k: str(v) for k, v in spec.resources.requests.items()}}
     return {"requests": {**requests, **gpus},
             "limits": {**{k: str(v) for k, v in spec.resources.limits.items()}, **gpus}}
+
+
+def _downloads(spec: InferenceServiceSpec, plan: Plan) -> bool:
+    return any(hub_source(source) for source in (spec.model.source, plan.draft_model))
+
+
+def progress_deadline_seconds(spec: InferenceServiceSpec, plan: Plan) -> int:
+    download = download_disk_bytes(spec, plan)[0] / DOWNLOAD_BYTES_PER_S if _downloads(spec, plan) else 0
+    return math.ceil(STARTUP_PERIOD_S * STARTUP_FAILURES + download + PROGRESS_MARGIN_S)
 
 
 def _tolerations(spec: InferenceServiceSpec, gpu: GPU) -> list[Manifest]:
@@ -254,8 +294,8 @@ def _engine_container(spec: InferenceServiceSpec, plan: Plan, gpu: GPU, image: s
         "ports": [{"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"}],
         # Loading weights can take minutes: the startup probe waits for the model (/ready), and
         # holds the liveness probe off until then.
-        "startupProbe": {"httpGet": {"path": "/ready", **http}, "periodSeconds": 10,
-                         "timeoutSeconds": PROBE_TIMEOUT_S, "failureThreshold": 90},
+        "startupProbe": {"httpGet": {"path": "/ready", **http}, "periodSeconds": STARTUP_PERIOD_S,
+                         "timeoutSeconds": PROBE_TIMEOUT_S, "failureThreshold": STARTUP_FAILURES},
         "readinessProbe": {"httpGet": {"path": "/ready", **http}, "periodSeconds": 5,
                            "timeoutSeconds": PROBE_TIMEOUT_S, "failureThreshold": 3},
         "livenessProbe": {"httpGet": {"path": "/health", **http}, "periodSeconds": 10,
@@ -288,6 +328,8 @@ def _pod_template(name: str, spec: InferenceServiceSpec, plan: Plan, gpu: GPU, i
                             "prometheus.io/port": str(PORT), "prometheus.io/path": "/metrics"},
         },
         "spec": {
+            # The engine never talks to the API server: no token of the namespace's default account.
+            "automountServiceAccountToken": False,
             "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER,
                                 "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
                                 "seccompProfile": {"type": "RuntimeDefault"}},
@@ -320,6 +362,7 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
         "spec": {
             "replicas": spec.replicas if spec.replicas is not None else plan.replicas,
             "selector": {"matchLabels": selector_labels(name)},
+            "progressDeadlineSeconds": progress_deadline_seconds(spec, plan),
             # spec.rollout's default surges one pod so a single replica keeps serving (see the CRD).
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxSurge": spec.rollout.max_surge,
@@ -345,8 +388,11 @@ def pod_disruption_budget(name: str, namespace: str, uid: str) -> Manifest:
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _metadata(name, namespace, uid),
-        # maxUnavailable, not minAvailable: a single-replica service must not block node drains.
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+        # maxUnavailable, not minAvailable: a single-replica service must not block node drains;
+        # and a pod that is not ready (crash-looping, still loading) serves nothing, so evicting it
+        # never counts against the budget.
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)},
+                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
     }
 
 

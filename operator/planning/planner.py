@@ -78,6 +78,9 @@ class Plan(BaseModel):
     kv_bytes_per_token: int = 0
     draft_weight_bytes: int = 0
     draft_kv_bytes_per_token: int = 0
+    # The model's files as its checkpoint stores them (16-bit, or model.quantization's scheme): what
+    # an hf:// download writes to the pod's disk (a draft's are its 16-bit draft_weight_bytes).
+    checkpoint_bytes: int = 0
     kv_pool_bytes: int = 0
     kv_blocks: int = 0
     max_model_len: int = 0
@@ -131,6 +134,7 @@ class _Sizes(NamedTuple):
     draft_weight_bytes: int
     kv_bytes_per_token: int  # the target's and the draft's: what every KV slot holds
     draft_kv_bytes_per_token: int
+    checkpoint_bytes: int
     kv_pool_bytes: int
     max_model_len: int
 
@@ -368,9 +372,10 @@ def _memory(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantizati
     reserve = sizing.runtime_reserve_bytes(arch, budget)
     usable = int(gpu.memory_bytes * serving.gpu_memory_utilization)
     pool = sizing.kv_pool_bytes(gpu.memory_bytes, serving.gpu_memory_utilization, weights, reserve)
+    checkpoint = sizing.weight_bytes(arch, spec.model.quantization or "none")
     sizes = _Sizes(gpu=gpu.name, quantization=quantization, weight_bytes=weights, draft_weight_bytes=draft_weights,
-                   kv_bytes_per_token=kv_per_token, draft_kv_bytes_per_token=draft_kv, kv_pool_bytes=max(pool, 0),
-                   max_model_len=context)
+                   kv_bytes_per_token=kv_per_token, draft_kv_bytes_per_token=draft_kv, checkpoint_bytes=checkpoint,
+                   kv_pool_bytes=max(pool, 0), max_model_len=context)
     where = (f"{serving.gpu_memory_utilization:.0%} of the {_gib(gpu.memory_bytes)} GiB {gpu.name} reports "
              f"({_gib(usable)} GiB)")
     weighed = f"{quantization} weights {_gib(target_weights)} GiB" + (

@@ -61,7 +61,9 @@ def test_hf_source_is_downloaded_by_an_init_container_into_the_folder_the_engine
 def test_without_a_claim_the_cache_is_an_empty_dir_and_no_token_is_asked_for() -> None:
     p = pod(spec({"source": "hf://HuggingFaceTB/SmolLM2-135M-Instruct"}))
     (init,) = p["initContainers"]
-    assert {"name": "model-cache", "emptyDir": {}} in p["volumes"]
+    # Sized as model.name says, llama-2-7b: 12.6 GiB at 16 bits x 1.1 + 1 GiB, twice (room for a
+    # 32-bit checkpoint): past 30 GiB the pod would be evicted.
+    assert {"name": "model-cache", "emptyDir": {"sizeLimit": "30Gi"}} in p["volumes"]
     assert "--revision" in init["args"] and init["args"][init["args"].index("--revision") + 1] == "main"
     assert engine_model(p) == "/model-cache/hf/HuggingFaceTB/SmolLM2-135M-Instruct@main"
     assert all(e["name"] != "HF_TOKEN" for e in init["env"])
@@ -77,8 +79,11 @@ def test_a_revision_with_slashes_stays_one_folder_name() -> None:
 def test_the_download_leaves_the_engines_requests_and_the_pods_alone() -> None:
     hub, local = pod(spec({"source": "hf://meta-llama/Llama-2-7b-hf"})), pod(spec({"source": "/opt/llama"}))
     engine = hub["containers"][0]
-    # Memory request of the weights plus the margin, as for any other source.
-    assert engine["resources"] == local["containers"][0]["resources"]
+    # Memory request of the weights plus the margin, as for any other source; and, for the
+    # emptyDir the download fills, the disk the checkpoint needs (12.6 GiB x 1.1 + 1 GiB).
+    requests = dict(engine["resources"]["requests"])
+    assert requests.pop("ephemeral-storage") == "15Gi"
+    assert {**engine["resources"], "requests": requests} == local["containers"][0]["resources"]
     assert engine["resources"]["requests"]["memory"] == "15Gi"
     # The pod's scheduling request is the larger of an init container's and the app containers':
     # the download's stays below the engine's, so it is the engine's.

@@ -76,7 +76,9 @@ def test_pod_runs_non_root_with_probes_metrics_port_and_gpu() -> None:
     assert container["startupProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert all(container[probe]["timeoutSeconds"] >= 5 for probe in ("startupProbe", "readinessProbe", "livenessProbe"))
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
-    assert container["resources"]["requests"] == {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": "1"}
+    # The hf:// download goes to an emptyDir on the node's disk: 12.6 GiB x 1.1 + 1 GiB, rounded up.
+    assert container["resources"]["requests"] == {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": "1",
+                                                  "ephemeral-storage": "15Gi"}
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -95,7 +97,8 @@ def test_pods_request_host_memory_for_the_weights_and_drain_for_the_predicted_la
     deployment = render.deployment("chat", "ml", UID, s, p)
     container, pod = engine(deployment), deployment["spec"]["template"]["spec"]
     # 12.6 GiB of FP16 weights + 2 GiB margin, rounded up; and a CPU request.
-    assert container["resources"]["requests"] == {"cpu": "2", "memory": "15Gi", "nvidia.com/gpu": "1"}
+    assert container["resources"]["requests"] == {"cpu": "2", "memory": "15Gi", "nvidia.com/gpu": "1",
+                                                  "ephemeral-storage": "15Gi"}
     drain = render.drain_seconds(p)
     assert drain >= 2 * p.predicted_latency_ms / 1000 and drain >= 10
     args = container["args"]
@@ -251,3 +254,30 @@ def test_the_accelerator_node_selector_replaces_the_product_label() -> None:
     pod = render.deployment("chat", "ml", UID, s, plan(s))["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"pool": "llm", **gke}
     assert "affinity" not in pod
+
+
+def test_engine_pods_are_hardened_for_long_loads_and_drains() -> None:
+    """Issue 24, item 12: no API token in the engine, disk for what is downloaded, evictable when
+    unhealthy, and a progress deadline past the startup budget."""
+    s = spec()
+    children = {c["kind"]: c for c in render.children("chat", "ml", UID, s, plan(s))}
+    deployment, pdb = children["Deployment"], children["PodDisruptionBudget"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    startup = engine(deployment)["startupProbe"]
+    budget = startup["periodSeconds"] * startup["failureThreshold"]
+    # The startup budget, the 14.8 GiB download at 50 MB/s (318 s) and a 300 s margin.
+    assert deployment["spec"]["progressDeadlineSeconds"] == budget + 318 + 300 > budget
+    # A model in the image: nothing to download, no disk asked for, the budget and the margin.
+    local = spec(model={"name": "llama-2-7b", "source": "/opt/llama"})
+    rendered = render.deployment("chat", "ml", UID, local, plan(local))
+    assert "ephemeral-storage" not in engine(rendered)["resources"]["requests"]
+    assert rendered["spec"]["progressDeadlineSeconds"] == budget + 300
+    # A cache claim holds the download: no emptyDir, no ephemeral storage for it.
+    claimed = spec(model={"name": "llama-2-7b", "source": "hf://meta-llama/Llama-2-7b-hf",
+                          "cache": {"claimName": "models"}})
+    rendered = render.deployment("chat", "ml", UID, claimed, plan(claimed))
+    assert "ephemeral-storage" not in engine(rendered)["resources"]["requests"]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "models"}} in \
+        rendered["spec"]["template"]["spec"]["volumes"]

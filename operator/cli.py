@@ -7,6 +7,7 @@ import importlib
 import logging
 import random
 import sys
+import urllib.parse
 from typing import Any, TextIO, get_args
 
 import kopf
@@ -14,6 +15,7 @@ from pydantic import ValidationError
 
 from kvpilot.operator.api.spec import InferenceServiceSpec, Quantization, Speculative
 from kvpilot.operator.autoscaling.decisions import INTERVAL_SECONDS, WINDOW_PERIODS
+from kvpilot.operator.autoscaling.loop import prometheus_allowed
 from kvpilot.operator.gateway.server import HOLD_SECONDS
 from kvpilot.operator.kube.cluster import KubeCluster
 from kvpilot.operator.planning import sizing
@@ -61,6 +63,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     operator.add_argument("--autoscale-interval", type=float, default=INTERVAL_SECONDS, metavar="SECONDS",
                           help="how often the SLO autoscaler reads the engines (its window is "
                                f"{WINDOW_PERIODS} periods; default %(default)s)")
+    operator.add_argument("--prometheus-url-allow", action="append", default=[], type=_url_prefix, metavar="PREFIX",
+                          help="read an InferenceService's autoscaling.prometheusUrl only when it lies under this "
+                               "URL prefix (same scheme, host and port; the prefix's path segments first); "
+                               "repeatable; by default no prometheusUrl is read")
     operator.add_argument("--gateway", metavar="HOST:PORT", type=_address,
                           help="serve the OpenAI-compatible gateway here (routes by model; holds requests "
                                "that arrive at 0 replicas until one is ready), e.g. 0.0.0.0:8000")
@@ -75,6 +81,13 @@ def _address(value: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _url_prefix(value: str) -> str:
+    if urllib.parse.urlsplit(value).scheme not in ("http", "https") or not prometheus_allowed(value, (value,)):
+        raise argparse.ArgumentTypeError(f"{value!r} is not an http(s)://host[:port][/path] prefix "
+                                         "(no user, query or fragment)")
+    return value
 
 
 def _spec(args: argparse.Namespace) -> dict[str, Any]:
@@ -177,7 +190,8 @@ def run_operator(args: argparse.Namespace) -> int:
         peering_name=None if args.standalone else args.peering,
         priority=priority,
         liveness_endpoint=args.liveness,
-        memo=kopf.Memo(cluster=cluster, autoscale_interval=args.autoscale_interval, gateway=args.gateway,
+        memo=kopf.Memo(cluster=cluster, autoscale_interval=args.autoscale_interval,
+                       prometheus_url_allow=tuple(args.prometheus_url_allow), gateway=args.gateway,
                        gateway_hold_seconds=args.gateway_hold_seconds),
     )
     return 0

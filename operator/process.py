@@ -45,7 +45,7 @@ async def start_autoscaler(memo: kopf.Memo, autoscaled_services: kopf.Index, eng
     (gateway/server.py) when asked for: it reads the same indexes. Both write through the one
     cluster adapter `configure` built."""
     loop = AutoscalingLoop(memo.cluster, autoscaled_services, engine_deployments, engine_pods,
-                           memo.get("autoscale_interval", INTERVAL_SECONDS))
+                           memo.get("autoscale_interval", INTERVAL_SECONDS), memo.get("prometheus_url_allow", ()))
     memo.autoscaler = asyncio.create_task(loop.run(), name="kvpilot-autoscaler")
     address = memo.get("gateway")
     if address is not None:

@@ -11,6 +11,12 @@ It runs as an asyncio task started by a kopf startup handler (operator/process.p
 or daemon: those make kopf put a finalizer on every InferenceService, and deleting one must never
 wait for a running operator.
 
+Each service's period is an asyncio task of its own (a new one starts only when its last one has
+ended), and every read has a total deadline and follows no redirect: an engine image or a
+`prometheusUrl` is chosen by whoever creates an InferenceService, and one that answers a byte a
+second delays only its own service, whose pods are then unknown for the period. A `prometheusUrl`
+is read only under a prefix the operator allows (`kvpilot operator --prometheus-url-allow`).
+
 What it knows of the cluster comes from kopf indexes over the watches the operator runs anyway
 (InferenceServices, its Deployments and engine pods), so a period costs no API reads; and a period
 that changes nothing (the same decision for the same numbers, no request counted) writes nothing,
@@ -32,12 +38,11 @@ import json
 import logging
 import socket
 import urllib.parse
-import urllib.request
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
+import aiohttp
 from pydantic import ValidationError
 
 from kvpilot.operator.api.names import API_VERSION, KIND
@@ -63,8 +68,9 @@ from kvpilot.operator.kube.indexes import children, current_replicas, engine_url
 from kvpilot.operator.kube.merge_patch import as_merge_patch
 
 STATUS_KEY = "autoscaler"
-# A /metrics read that takes longer than this counts the pod as unknown for the period: an engine
-# too busy to answer it is reported as such rather than stalling every other service's read.
+# A /metrics (or Prometheus) read not complete within this many seconds, all of it, counts the pod
+# as unknown for the period: an engine too busy to answer, or one that answers a byte at a time, is
+# reported as such.
 SCRAPE_TIMEOUT_SECONDS = 3.0
 # An engine's exposition is ~40 KiB; anything far larger is not one.
 MAX_METRICS_BYTES = 4 * 1024 * 1024
@@ -168,18 +174,51 @@ def decide(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, reads:
     return policy, new_state, decision
 
 
-def read_metrics(name: str, url: str, timeout: float = SCRAPE_TIMEOUT_SECONDS) -> PodRead:
-    """One pod's /metrics, or why there is none."""
+def reading_of(name: str, body: bytes) -> PodRead:
+    """One pod's reading from its /metrics body, or why there is none."""
+    if len(body) > MAX_METRICS_BYTES:
+        return PodRead(name=name, error=f"/metrics is larger than {MAX_METRICS_BYTES} bytes")
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - http to a pod IP
-            body = response.read(MAX_METRICS_BYTES + 1)
-        if len(body) > MAX_METRICS_BYTES:
-            return PodRead(name=name, error=f"/metrics is larger than {MAX_METRICS_BYTES} bytes")
         return PodRead(name=name, reading=parse(body.decode("utf-8", errors="replace")))
     except MetricsError as error:
         return PodRead(name=name, error=str(error))
-    except (OSError, ValueError) as error:  # refused, timed out, HTTP errors (URLError is an OSError)
-        return PodRead(name=name, error=f"{type(error).__name__}: {error}")
+
+
+class ReadFailed(Exception):
+    """A read that gave no body to parse, and why."""
+
+
+async def fetch(session: aiohttp.ClientSession, url: str, deadline: float | None = None) -> bytes:
+    """The body of a GET of `url`, up to MAX_METRICS_BYTES + 1 bytes, all of it within `deadline`
+    seconds (default SCRAPE_TIMEOUT_SECONDS; a socket's timeout would bound each read, not a peer
+    that sends a byte a second), and
+    no redirect followed: whoever writes a spec or runs an engine image chooses what answers, and
+    a redirect would make the operator request any address it can reach. ReadFailed says why not."""
+    deadline = SCRAPE_TIMEOUT_SECONDS if deadline is None else deadline
+    try:
+        async with asyncio.timeout(deadline), session.get(url, allow_redirects=False) as response:
+            if response.status != 200:
+                followed = " (a redirect, not followed)" if 300 <= response.status < 400 else ""
+                raise ReadFailed(f"HTTP {response.status}{followed}")
+            body = bytearray()
+            async for chunk in response.content.iter_chunked(1 << 16):
+                body += chunk
+                if len(body) > MAX_METRICS_BYTES:
+                    break
+            return bytes(body)
+    except TimeoutError:
+        raise ReadFailed(f"no complete answer within {deadline:g} s") from None
+    except (aiohttp.ClientError, OSError, ValueError) as error:  # refused, reset, a URL it cannot dial
+        raise ReadFailed(f"{type(error).__name__}: {error}") from None
+
+
+async def read_metrics(session: aiohttp.ClientSession, name: str, url: str,
+                       deadline: float | None = None) -> PodRead:
+    """One pod's /metrics, or why there is none."""
+    try:
+        return reading_of(name, await fetch(session, url, deadline))
+    except ReadFailed as error:
+        return PodRead(name=name, error=str(error))
 
 
 def prometheus_query(namespace: str, pods: Sequence[str]) -> str:
@@ -189,8 +228,8 @@ def prometheus_query(namespace: str, pods: Sequence[str]) -> str:
             f'pod=~"{"|".join(sorted(pods))}"}}')
 
 
-def read_prometheus(url: str, namespace: str, pods: Sequence[str],
-                    timeout: float = SCRAPE_TIMEOUT_SECONDS) -> list[PodRead]:
+async def read_prometheus(session: aiohttp.ClientSession, url: str, namespace: str, pods: Sequence[str],
+                          deadline: float | None = None) -> list[PodRead]:
     """Each pod's reading from the series a Prometheus at `url` holds (the same numbers as its
     /metrics, one scrape interval late); a pod without series is unknown, as is every pod when
     Prometheus cannot answer."""
@@ -198,16 +237,19 @@ def read_prometheus(url: str, namespace: str, pods: Sequence[str],
         return []
     query = urllib.parse.urlencode({"query": prometheus_query(namespace, pods)})
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/api/v1/query?{query}", timeout=timeout) as response:  # noqa: S310
-            body = json.loads(response.read(MAX_METRICS_BYTES + 1))
+        raw = await fetch(session, f"{url.rstrip('/')}/api/v1/query?{query}", deadline)
+        if len(raw) > MAX_METRICS_BYTES:
+            raise ValueError(f"the answer is larger than {MAX_METRICS_BYTES} bytes")
+        body = json.loads(raw)
         if body.get("status") != "success" or body["data"]["resultType"] != "vector":
             raise ValueError(f"Prometheus answered {str(body)[:200]}")
-        series = body["data"]["result"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        return [PodRead(name=pod, error=f"Prometheus at {url}: {type(error).__name__}: {error}") for pod in sorted(pods)]
-    by_pod: dict[str, list[Any]] = {}
-    for one in series:
-        by_pod.setdefault(one["metric"].get("pod"), []).append(one)
+        by_pod: dict[str, list[Any]] = {}
+        for one in body["data"]["result"]:
+            by_pod.setdefault(one["metric"].get("pod"), []).append(one)
+    except (ReadFailed, ValueError, LookupError, TypeError, AttributeError) as error:
+        # Whoever answers at that URL chose what it says: a malformed answer is every pod unknown.
+        why = str(error) if isinstance(error, ReadFailed) else f"{type(error).__name__}: {error}"
+        return [PodRead(name=pod, error=f"Prometheus at {url}: {why}") for pod in sorted(pods)]
     reads = []
     for pod in sorted(pods):
         mine = by_pod.get(pod, [])
@@ -218,7 +260,38 @@ def read_prometheus(url: str, namespace: str, pods: Sequence[str],
             reads.append(PodRead(name=pod, reading=parse(exposition_of_series(mine))))
         except MetricsError as error:
             reads.append(PodRead(name=pod, error=str(error)))
+        except (LookupError, TypeError, AttributeError) as error:  # a series without a value pair
+            reads.append(PodRead(name=pod, error=f"Prometheus at {url}: {type(error).__name__}: {error}"))
     return reads
+
+
+def _port(url: urllib.parse.SplitResult) -> int | None:
+    try:
+        return url.port or {"http": 80, "https": 443}.get(url.scheme)
+    except ValueError:  # not a number, or out of range
+        return None
+
+
+def _segments(path: str) -> list[str]:
+    return [segment for segment in urllib.parse.unquote(path).split("/") if segment]
+
+
+def prometheus_allowed(url: str, prefixes: Sequence[str]) -> bool:
+    """Whether `url` lies under one of the operator's allowed prefixes (`--prometheus-url-allow`):
+    the same scheme, host and port, and the prefix's path segments first. Compared parsed, not as
+    strings: `http://prometheus:9090@evil` starts with `http://prometheus:9090` but asks `evil`."""
+    target = urllib.parse.urlsplit(url)
+    path = _segments(target.path)
+    if (target.username is not None or target.query or target.fragment or not target.hostname
+            or _port(target) is None or any(segment in (".", "..") for segment in path)):
+        return False
+    for prefix in prefixes:
+        allowed = urllib.parse.urlsplit(prefix)
+        under = _segments(allowed.path)
+        if ((target.scheme, target.hostname, _port(target)) == (allowed.scheme, allowed.hostname, _port(allowed))
+                and path[:len(under)] == under):
+            return True
+    return False
 
 
 def worth_writing(old_status: Mapping[str, Any], state: AutoscalerState, decision: Decision) -> bool:
@@ -238,41 +311,72 @@ class AutoscalingLoop:
     """The loop's I/O. What it reads of the cluster comes from kopf's indexes (fed by the watches
     the operator runs anyway), so a period costs no API reads; it writes only what changed, through
     the operator's one cluster adapter. The three mappings are kopf indexes of `index_entry` values
-    (key -> store of values)."""
+    (key -> store of values). `prometheus_allow`: the URL prefixes under which a spec's
+    `prometheusUrl` may be read (`kvpilot operator --prometheus-url-allow`)."""
 
     def __init__(self, cluster: KubeCluster, services: Mapping[Any, Any], deployments: Mapping[Any, Any],
-                 pods: Mapping[Any, Any], interval: float = INTERVAL_SECONDS) -> None:
+                 pods: Mapping[Any, Any], interval: float = INTERVAL_SECONDS,
+                 prometheus_allow: Sequence[str] = ()) -> None:
         self.cluster = cluster
         self.interval = interval
+        self.prometheus_allow = tuple(prometheus_allow)
         self._indexes = services, deployments, pods
         self._instance = socket.gethostname()
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvpilot-metrics")
+        self._session: aiohttp.ClientSession | None = None
 
-    def read_all(self, body: Mapping[str, Any], targets: Sequence[tuple[str, str]]) -> list[PodRead]:
-        """The pods' readings: from the Prometheus the spec names, else from each pod's /metrics."""
+    def _http(self) -> aiohttp.ClientSession:
+        # Made on the running event loop, which it belongs to. No proxy from the environment: pod
+        # IPs are dialled directly.
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def read_all(self, body: Mapping[str, Any], targets: Sequence[tuple[str, str]]) -> list[PodRead]:
+        """The pods' readings: from the Prometheus the spec names (if the operator allows it), else
+        from each pod's /metrics, all at once."""
         prometheus = ((body.get("spec") or {}).get("autoscaling") or {}).get("prometheusUrl")
-        if prometheus:
-            return read_prometheus(prometheus, body["metadata"]["namespace"], [name for name, _ in targets])
-        return list(self._pool.map(lambda target: read_metrics(*target), targets))
+        names = [name for name, _ in targets]
+        if not prometheus:
+            return list(await asyncio.gather(*(read_metrics(self._http(), *target) for target in targets)))
+        if not prometheus_allowed(prometheus, self.prometheus_allow):
+            why = (f"prometheusUrl {prometheus} is not allowed: the operator reads Prometheus only under its "
+                   f"--prometheus-url-allow prefixes (chart autoscaler.prometheusUrlAllow): "
+                   f"{', '.join(self.prometheus_allow) or 'none'}")
+            return [PodRead(name=name, error=why) for name in sorted(names)]
+        return await read_prometheus(self._http(), prometheus, body["metadata"]["namespace"], names)
 
-    def one(self, body: Mapping[str, Any], deployments: Sequence[Mapping[str, Any]],
-            pods: Sequence[Mapping[str, Any]], now: float) -> Decision | None:
+    async def one(self, body: Mapping[str, Any], deployments: Sequence[Mapping[str, Any]],
+                  pods: Sequence[Mapping[str, Any]], now: float) -> Decision | None:
         """One period of one InferenceService; the decision, or None when nothing was written."""
-        metadata = body["metadata"]
-        namespace, name = metadata["namespace"], metadata["name"]
         deployment, engine_pods = children(body, deployments, pods)
         if prepare(body, deployment, now, self.interval) is None:
             return None
-        outcome = decide(body, deployment, self.read_all(body, metrics_targets(engine_pods)), now, self.interval)
+        reads = await self.read_all(body, metrics_targets(engine_pods))
+        outcome = decide(body, deployment, reads, now, self.interval)
         if outcome is None:
             return None
-        policy, state, decision = outcome
+        return await asyncio.to_thread(self._write, body, reads, *outcome)
+
+    def _write(self, body: Mapping[str, Any], reads: Sequence[PodRead], policy: Policy, state: AutoscalerState,
+               decision: Decision) -> Decision | None:
+        """The status, then (`slo` mode) the replicas a period decided; blocking client calls."""
+        metadata = body["metadata"]
         old_status = body.get("status") or {}
         if not worth_writing(old_status, state, decision):
             return None
+        for read in reads:
+            if read.error is not None:  # the status names the pod; why is for the operator's log
+                log.info(f"autoscaler: {metadata['namespace']}/{metadata['name']}: pod {read.name} is unknown: "
+                         f"{read.error}")
         patch = as_merge_patch(old_status, status_patch(state, decision, old_status.get("latency")))
         try:
-            written = self.cluster.patch_status(API_VERSION, KIND, namespace, name, patch, metadata["resourceVersion"])
+            written = self.cluster.patch_status(API_VERSION, KIND, metadata["namespace"], metadata["name"], patch,
+                                                metadata["resourceVersion"])
         except WriteConflict:
             return None  # another writer (a replica of this operator, a reconcile) came first
         if policy.mode != "slo" or decision.replicas == decision.previous:
@@ -280,39 +384,48 @@ class AutoscalingLoop:
         self.cluster.write_replicas(body, decision.replicas, event_manifest(body, decision, self._instance), written)
         return decision
 
-    def round(self, services: Sequence[Mapping[str, Any]],
-              children_of: Mapping[tuple[str, str], tuple[list[Any], list[Any]]]) -> None:
-        """One period over every InferenceService; one service's failure is logged and does not
-        stop the others."""
-        for body in services:
-            metadata = body["metadata"]
-            if metadata.get("deletionTimestamp"):
-                continue
-            deployments, pods = children_of[(metadata["namespace"], metadata["name"])]
-            try:
-                decision = self.one(body, deployments, pods, datetime.now(UTC).timestamp())
-            except (WriteRefused, WriteConflict, OSError) as error:
-                log.warning(f"autoscaler: {metadata['namespace']}/{metadata['name']}: {error}")
-                continue
-            except Exception:  # noqa: BLE001 - a bug met by one service must not stop all the others'
-                log.exception(f"autoscaler: {metadata['namespace']}/{metadata['name']}")
-                continue
-            if decision is not None and decision.action != "hold":
-                log.info(f"autoscaler: {metadata['namespace']}/{metadata['name']}: {decision.reason}")
+    async def period(self, body: Mapping[str, Any], deployments: Sequence[Mapping[str, Any]],
+                     pods: Sequence[Mapping[str, Any]]) -> None:
+        """`one`, with its failure logged: a bug or an API error met by one service is its own."""
+        where = f"{body['metadata']['namespace']}/{body['metadata']['name']}"
+        try:
+            decision = await self.one(body, deployments, pods, datetime.now(UTC).timestamp())
+        except (WriteRefused, WriteConflict, OSError) as error:
+            log.warning(f"autoscaler: {where}: {error}")
+            return
+        except Exception:  # noqa: BLE001 - a bug met by one service must not stop all the others'
+            log.exception(f"autoscaler: {where}")
+            return
+        if decision is not None and decision.action != "hold":
+            log.info(f"autoscaler: {where}: {decision.reason}")
 
-    def _snapshot(self) -> tuple[list[Mapping[str, Any]], dict[tuple[str, str], tuple[list[Any], list[Any]]]]:
-        """The indexes as plain lists, taken on kopf's event loop (which updates them) before the
-        round runs in a thread."""
+    def start_periods(self, running: dict[tuple[str, str], asyncio.Task[None]]) -> None:
+        """A period's task for every InferenceService whose last one has finished, from the
+        indexes as they are now (taken on kopf's event loop, which updates them): a service whose
+        engines answer slowly, or not at all, holds up only its own decisions."""
+        for key in [key for key, task in running.items() if task.done()]:
+            del running[key]
         services_index, deployments, pods = self._indexes
-        services = indexed_services(services_index)
-        return services, {(body["metadata"]["namespace"], body["metadata"]["name"]): indexed_children(deployments, pods, body)
-                          for body in services}
+        for body in indexed_services(services_index):
+            metadata = body["metadata"]
+            key = (metadata["namespace"], metadata["name"])
+            if metadata.get("deletionTimestamp") or key in running:
+                continue
+            running[key] = asyncio.create_task(self.period(body, *indexed_children(deployments, pods, body)),
+                                               name=f"kvpilot-autoscaler {'/'.join(key)}")
 
     async def run(self) -> None:
-        """Rounds until cancelled; the blocking client calls run in a thread, off kopf's loop."""
-        while True:
-            try:
-                await asyncio.to_thread(self.round, *self._snapshot())
-            except Exception:  # noqa: BLE001 - the task must outlive a bug, or autoscaling stops unseen
-                log.exception("autoscaler: round failed")
-            await asyncio.sleep(self.interval)
+        """Periods until cancelled; the blocking client calls run in threads, off kopf's loop."""
+        running: dict[tuple[str, str], asyncio.Task[None]] = {}
+        try:
+            while True:
+                try:
+                    self.start_periods(running)
+                except Exception:  # noqa: BLE001 - the task must outlive a bug, or autoscaling stops unseen
+                    log.exception("autoscaler: a round failed")
+                await asyncio.sleep(self.interval)
+        finally:
+            for task in running.values():
+                task.cancel()
+            await asyncio.gather(*running.values(), return_exceptions=True)
+            await self.close()

@@ -103,3 +103,17 @@ def test_operator_needs_a_scope() -> None:
         parser().parse_args(["operator"])
     with pytest.raises(SystemExit):
         parser().parse_args(["operator", "-A", "-n", "ml"])
+
+
+def test_operator_prometheus_allowlist_reaches_the_autoscaler(recorder: Recorder) -> None:
+    """`autoscaling.prometheusUrl` is read only under prefixes the operator's admin allows
+    (the chart's autoscaler.prometheusUrlAllow); none by default."""
+    run("operator -A")
+    assert tuple(recorder.runs[-1]["memo"].prometheus_url_allow) == ()
+    run("operator -A --prometheus-url-allow http://prometheus.monitoring:9090 "
+        "--prometheus-url-allow https://thanos.monitoring/query")
+    assert tuple(recorder.runs[-1]["memo"].prometheus_url_allow) == (
+        "http://prometheus.monitoring:9090", "https://thanos.monitoring/query")
+    for prefix in ("prometheus:9090", "ftp://p", "http://", "http://user@prometheus:9090", "http://p/?q=1"):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["operator", "-A", "--prometheus-url-allow", prefix])

@@ -81,6 +81,9 @@ collector), keep its peering record alive, and post events.
 - --peering={{ .Values.peering.name }}
 - --liveness=http://0.0.0.0:{{ .Values.livenessPort }}/healthz
 - --autoscale-interval={{ .Values.autoscaler.intervalSeconds }}
+{{- range .Values.autoscaler.prometheusUrlAllow }}
+- {{ printf "--prometheus-url-allow=%s" . | quote }}
+{{- end }}
 {{- if .Values.gateway.enabled }}
 - --gateway=0.0.0.0:{{ .Values.gateway.port }}
 - --gateway-hold-seconds={{ .Values.gateway.holdSeconds }}

@@ -33,6 +33,7 @@ from kvpilot.operator.kube.indexes import children, current_replicas, index_entr
 from kvpilot.operator.kube.merge_patch import as_merge_patch, merge_patch
 from kvpilot.operator.planning.planner import plan
 from tests.operator.autoscaling.test_decisions import Pod
+from tests.operator.autoscaling.test_loop_io import with_session
 from tests.operator.controller.test_reconcile import apply_merge_patch
 
 NOW = 1_800_000_000.0
@@ -292,14 +293,14 @@ def test_read_metrics(server: str) -> None:
     exposition = generate_latest(ServingMetrics("m", vllm_compatible=True).registry)
     _Handler.routes = {"/metrics": (200, exposition, 0.0), "/html": (200, b"<html>hi</html>", 0.0),
                        "/broken": (500, b"oops", 0.0), "/slow": (200, exposition, 1.0)}
-    good = read_metrics("a", f"{server}/metrics")
+    good = with_session(read_metrics, "a", f"{server}/metrics")
     assert good.error is None and good.reading is not None and good.reading.ttft is not None
     for path in ("/html", "/broken"):
-        bad = read_metrics("b", f"{server}{path}")
+        bad = with_session(read_metrics, "b", f"{server}{path}")
         assert bad.reading is None and bad.error
-    slow = read_metrics("c", f"{server}/slow", timeout=0.3)
-    assert slow.reading is None and "timed out" in slow.error
-    closed = read_metrics("d", "http://127.0.0.1:9/metrics", timeout=0.5)  # discard port: refused
+    slow = with_session(read_metrics, "c", f"{server}/slow", 0.3)
+    assert slow.reading is None and "within 0.3 s" in slow.error
+    closed = with_session(read_metrics, "d", "http://127.0.0.1:9/metrics", 0.5)  # discard port: refused
     assert closed.reading is None and closed.error
 
 
@@ -345,7 +346,7 @@ def test_a_pod_s_untrustworthy_numbers_make_it_unknown_not_the_others_load(serve
                        "/inf": (200, exposition("+Inf"), 0.0)}
 
     def period(paths: list[str]) -> Any:
-        reads = [read_metrics(path.strip("/"), f"{server}{path}") for path in paths]
+        reads = [with_session(read_metrics, path.strip("/"), f"{server}{path}") for path in paths]
         outcome = decide(body({"replicas": 2}), deployment(2, 2), reads, NOW)
         assert outcome is not None
         json.dumps(status_patch(outcome[1], outcome[2], None), allow_nan=False)  # what the API server accepts

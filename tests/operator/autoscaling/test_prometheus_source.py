@@ -8,6 +8,7 @@ names too) under the labels a ServiceMonitor adds, and applies the query's label
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -23,8 +24,10 @@ from pydantic import ValidationError
 
 from kvpilot.engine.serving.metrics import ServingMetrics
 from kvpilot.operator.api.spec import InferenceServiceSpec
-from kvpilot.operator.autoscaling.loop import AutoscalingLoop, prometheus_query, read_prometheus
+from kvpilot.operator.autoscaling.decisions import PodRead
+from kvpilot.operator.autoscaling.loop import AutoscalingLoop, prometheus_allowed, prometheus_query, read_prometheus
 from kvpilot.operator.autoscaling.metrics import parse
+from tests.operator.autoscaling.test_loop_io import with_session
 
 NS = "team"
 
@@ -107,7 +110,7 @@ def test_a_pod_read_through_prometheus_equals_its_metrics(prometheus: tuple[str,
                        if line.startswith(("vllm:", "# HELP vllm:", "# TYPE vllm:"))) + "\n"
     series += stored(ours, "chat-a") + stored(theirs, "chat-b") + stored(ours, "elsewhere")
     series += [dict(one, metric={**one["metric"], "namespace": "other"}) for one in stored(ours, "chat-c")]
-    reads = {r.name: r for r in read_prometheus(url, NS, ["chat-b", "chat-a", "chat-c"])}
+    reads = {r.name: r for r in with_session(read_prometheus, url, NS, ["chat-b", "chat-a", "chat-c"])}
     assert reads["chat-a"].reading == parse(ours)
     assert reads["chat-a"].reading.ttft.count == 4 and reads["chat-a"].reading.waiting == 3
     assert (reads["chat-a"].reading.draft_tokens, reads["chat-a"].reading.accepted_tokens) == (50, 20)
@@ -125,10 +128,10 @@ def test_prometheus_that_cannot_answer_makes_every_pod_unknown() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed: nothing listens there
-    reads = read_prometheus(f"http://127.0.0.1:{port}", NS, ["b", "a"], timeout=2)
+    reads = with_session(read_prometheus, f"http://127.0.0.1:{port}", NS, ["b", "a"], 2)
     assert [r.name for r in reads] == ["a", "b"]
     assert all(r.reading is None and f"Prometheus at http://127.0.0.1:{port}" in r.error for r in reads)
-    assert read_prometheus(f"http://127.0.0.1:{port}", NS, []) == []
+    assert with_session(read_prometheus, f"http://127.0.0.1:{port}", NS, []) == []
 
 
 def test_the_loop_reads_from_prometheus_when_the_spec_names_one(
@@ -136,15 +139,25 @@ def test_the_loop_reads_from_prometheus_when_the_spec_names_one(
     url, series, queries = prometheus
     text = engine_text([0.3] * 7)
     series += stored(text, "chat-a")
-    loop = AutoscalingLoop(cluster=None, services={}, deployments={}, pods={})
+    loop = AutoscalingLoop(cluster=None, services={}, deployments={}, pods={}, prometheus_allow=(url,))
     body = {"metadata": {"namespace": NS, "name": "chat"},
             "spec": {"model": {"name": "m"}, "autoscaling": {"prometheusUrl": url}}}
     # The pod's own address is not dialled (nothing listens there): Prometheus is.
-    (read,) = loop.read_all(body, [("chat-a", "http://127.0.0.1:9/metrics")])
+    (read,) = read_all(loop, body, [("chat-a", "http://127.0.0.1:9/metrics")])
     assert read.reading == parse(text) and len(queries) == 1
     body["spec"]["autoscaling"] = {}
-    (read,) = loop.read_all(body, [("chat-a", "http://127.0.0.1:9/metrics")])
-    assert read.reading is None and "Connection refused" in read.error and len(queries) == 1
+    (read,) = read_all(loop, body, [("chat-a", "http://127.0.0.1:9/metrics")])
+    assert read.reading is None and "Cannot connect" in read.error and len(queries) == 1
+
+
+def read_all(loop: AutoscalingLoop, body: dict[str, Any], targets: list[tuple[str, str]]) -> list[PodRead]:
+    """The loop's reads of one period, on an event loop of their own."""
+    async def once() -> list[PodRead]:
+        try:
+            return await loop.read_all(body, targets)
+        finally:
+            await loop.close()
+    return asyncio.run(once())
 
 
 @pytest.mark.parametrize("url", ["prometheus:9090", "ftp://p", "http://", "http://p 9090"])
@@ -165,6 +178,42 @@ def test_a_nan_in_prometheus_makes_that_pod_unknown_not_the_service(
         if one["metric"]["__name__"].endswith("_bucket") and one["metric"].get("le") == "+Inf":
             one = dict(one, value=[one["value"][0], "NaN"])
         series.append(one)
-    reads = {r.name: r for r in read_prometheus(url, NS, ["chat-a", "chat-b"])}
+    reads = {r.name: r for r in with_session(read_prometheus, url, NS, ["chat-a", "chat-b"])}
     assert reads["chat-a"].reading == parse(text)
     assert reads["chat-b"].reading is None and "not finite" in reads["chat-b"].error
+
+
+@pytest.mark.parametrize("url, allowed", [
+    ("http://prometheus.monitoring:9090", True),
+    ("http://prometheus.monitoring:9090/", True),
+    ("http://PROMETHEUS.monitoring:9090/prom/x", True),
+    ("https://thanos.monitoring/query", True),
+    ("https://thanos.monitoring:443/query/tenant-a", True),
+    ("https://thanos.monitoring/query-other", False),  # a prefix of the path, not of its segments
+    ("https://thanos.monitoring/query/../admin", False),
+    ("https://thanos.monitoring/query/%2e%2e/admin", False),
+    ("http://thanos.monitoring/query", False),  # another scheme
+    ("http://prometheus.monitoring:90901", False),
+    ("http://prometheus.monitoring:9090@evil.example", False),  # the host is evil.example
+    ("http://prometheus.monitoring:9090.evil.example", False),
+    ("http://prometheus.monitoring", False),  # port 80
+    ("http://prometheus.monitoring:9090/?x=1", False),
+])
+def test_prometheus_urls_are_allowed_by_parsed_prefix(url: str, allowed: bool) -> None:
+    prefixes = ("http://prometheus.monitoring:9090", "https://thanos.monitoring/query")
+    assert prometheus_allowed(url, prefixes) is allowed
+    assert not prometheus_allowed(url, ())
+
+
+def test_a_prometheus_the_operator_does_not_allow_is_never_dialled(
+        prometheus: tuple[str, list[dict[str, Any]], list[str]]) -> None:
+    url, series, queries = prometheus
+    series += stored(engine_text([0.3]), "chat-a")
+    body = {"metadata": {"namespace": NS, "name": "chat"},
+            "spec": {"model": {"name": "m"}, "autoscaling": {"prometheusUrl": url}}}
+    loop = AutoscalingLoop(cluster=None, services={}, deployments={}, pods={},
+                           prometheus_allow=("http://prometheus.monitoring:9090",))
+    (read,) = read_all(loop, body, [("chat-a", "http://127.0.0.1:9/metrics")])
+    assert read.reading is None and queries == []
+    assert f"prometheusUrl {url} is not allowed" in read.error
+    assert "--prometheus-url-allow" in read.error and "http://prometheus.monitoring:9090" in read.error

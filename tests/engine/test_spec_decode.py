@@ -21,6 +21,7 @@ from kvpilot.engine.worker.sampler import RowPenalty, Sampler, SamplingMetadata,
 from kvpilot.engine.worker.spec_decode import DraftInput
 from kvpilot.engine.worker.spec_decode.draft_proposer import DraftProposer
 from kvpilot.engine.worker.spec_decode.ngram_proposer import NgramProposer
+from kvpilot.engine.worker.step_inputs import StepInputs
 from tests.engine.conftest import make_prompts
 from tests.engine.test_exactness import assert_no_leaks
 from tests.engine.test_tiny_llama import make_tiny_llama
@@ -361,14 +362,57 @@ def test_the_draft_models_kv_is_a_fresh_recompute_after_every_step(tiny_model, o
     checked = 0
     while engine.has_unfinished():
         engine.step()
-        for request in engine.scheduler.running:
-            block_ids = engine.kv.block_ids(request)
-            computed = min(proposer.num_computed.get(request.request_id, 0), len(block_ids) * engine.kv.block_size)
-            slots = (torch.tensor(block_ids).unsqueeze(1) * engine.kv.block_size + torch.arange(engine.kv.block_size)).flatten()[:computed]
-            fresh = _fresh_draft_kv(proposer, request.request_id, request.token_ids[:computed], block_ids)
-            for (k, v), (fresh_k, fresh_v) in zip(proposer.kv_caches, fresh):
-                torch.testing.assert_close((k[slots], v[slots]), (fresh_k[slots], fresh_v[slots]), rtol=1e-4, atol=1e-4)
-            checked += 1
+        checked += _assert_draft_kv_is_fresh(llm)
     stats = engine.scheduler.spec_decoding
     assert checked > 30 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert_no_leaks(llm)
+
+
+def _assert_draft_kv_is_fresh(llm: LLM) -> int:
+    """Check that the draft's K/V of every running request's computed tokens is a fresh recompute;
+    the number of requests checked."""
+    engine, proposer = llm.engine, llm.engine.runner.proposer
+    bs = engine.kv.block_size
+    for request in engine.scheduler.running:
+        block_ids = engine.kv.block_ids(request)
+        computed = min(proposer.num_computed.get(request.request_id, 0), len(block_ids) * bs)
+        slots = (torch.tensor(block_ids).unsqueeze(1) * bs + torch.arange(bs)).flatten()[:computed]
+        fresh = _fresh_draft_kv(proposer, request.request_id, request.token_ids[:computed], block_ids)
+        for (k, v), (fresh_k, fresh_v) in zip(proposer.kv_caches, fresh):
+            torch.testing.assert_close((k[slots], v[slots]), (fresh_k[slots], fresh_v[slots]), rtol=1e-4, atol=1e-4)
+    return len(engine.scheduler.running)
+
+
+@pytest.mark.parametrize("failing_forward", [0, 1], ids=["catch-up", "second-draft"])
+def test_a_step_whose_draft_fails_is_rerun_request_by_request_from_a_clean_state(tiny_model, other_tiny_model, failing_forward):
+    options = dict(dtype="float32", kv_cache_memory_bytes=8 << 20, block_size=4, speculative="draft",
+                   draft_model=str(other_tiny_model), num_speculative_tokens=3, speculative_max_batch_size=64)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 16) for _ in range(n)] for n in (5, 9, 14)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in LLM(str(tiny_model), **options).generate(prompts, params)]
+    llm = LLM(str(tiny_model), **options)
+    proposer = llm.engine.runner.proposer
+    propose, argmax, forwards = proposer.propose, proposer._argmax, []
+
+    def counted(sequences: list[DraftInput]) -> dict[str, list[int]]:
+        forwards.clear()
+        return propose(sequences)
+
+    def flaky(inputs: StepInputs, rows: list[int]) -> list[int]:
+        # Drafting for more than one request fails at one forward: every batched step is rerun
+        # request by request.
+        forwards.append(rows)
+        if len(rows) > 1 and len(forwards) == failing_forward + 1:
+            raise RuntimeError("draft kernel fault")
+        return argmax(inputs, rows)
+
+    proposer.propose, proposer._argmax = counted, flaky
+    requests = [llm.engine.add_request(p, params) for p in prompts]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        _assert_draft_kv_is_fresh(llm)
+    assert [r.finish_reason.value for r in requests] == ["length"] * 3
+    assert [r.output_token_ids for r in requests] == reference
+    assert llm.engine.scheduler.spec_decoding.num_drafts > 0
     assert_no_leaks(llm)

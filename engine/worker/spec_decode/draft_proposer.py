@@ -56,7 +56,6 @@ class DraftProposer:
             start = self.num_computed.get(s.request_id, 0)
             new = s.token_ids[start:]
             last_rows.append(inputs.add(new, start, s.block_ids, decode=len(new) <= max_decode) + len(new) - 1)
-            self.num_computed[s.request_id] = len(s.token_ids)
         drafts = [[token] for token in self._argmax(inputs, last_rows)]
         # Each further draft token: every sequence feeds its last draft at the next position.
         for step in range(1, self.num_tokens):
@@ -64,6 +63,9 @@ class DraftProposer:
             rows = [inputs.add([d[-1]], len(s.token_ids) + step - 1, s.block_ids, decode=True) for s, d in zip(ordered, drafts)]
             for d, token in zip(drafts, self._argmax(inputs, rows)):
                 d.append(token)
+        # Counted only once every forward has run: a step that fails is rerun request by request
+        # (its sampled tokens perhaps different), and the rerun must compute these tokens again.
+        self.num_computed.update((s.request_id, len(s.token_ids)) for s in ordered)
         return {s.request_id: d for s, d in zip(ordered, drafts)}
 
     def _argmax(self, inputs: StepInputs, rows: list[int]) -> list[int]:

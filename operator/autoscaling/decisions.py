@@ -29,6 +29,14 @@ Rules (each has a test in tests/operator/autoscaling/test_decisions.py):
   rate per replica past it. Replicas go down to the largest recommendation of the last
   `scaleDownStabilizationSeconds`, only once that long has passed since the last change, at
   most `maxStep` at a time;
+- a window in which the engines run or queue requests but none got a first token or finished is
+  overload or blindness (reads too slow, requests longer than the window), never idleness: hold,
+  and the scale-down window starts again;
+- a regime (the window a scale-down waits for) starts when all its replicas are ready, so a
+  service woken from zero is not judged idle while its engines load; an engine started since the
+  last period counts what it served before its first read (its series' _created says when);
+- a window entry spans at most one period: an idle service writes no state, and the requests of
+  its next period are not spread over the idle hour;
 - pods whose /metrics cannot be read are unknown: left out of the signals, named in the reason,
   and they do not stop the others from scaling;
 - to zero (minReplicas 0) only after a stabilization window in which no request arrived at all
@@ -191,6 +199,7 @@ class Signals(_Data):
     tpot_observations: int = 0
     waiting_per_replica: float | None = None
     kv_cache_usage: float | None = None
+    running_per_replica: float | None = None
     batch_occupancy: float | None = None  # mean running / max_num_seqs
     # Requests per second per replica (first tokens in the window): unlike latency, it grows in
     # exact proportion to the load per replica.
@@ -254,6 +263,7 @@ def _signals(policy: Policy, window: Sequence[WindowEntry], reads: Sequence[PodR
         tpot_observations=int(tpot.count) if tpot else 0,
         waiting_per_replica=sum((e.waiting for e in window), Mean()).value(),
         kv_cache_usage=sum((e.kv_usage for e in window), Mean()).value(),
+        running_per_replica=running,
         batch_occupancy=running / policy.max_num_seqs if running is not None and policy.max_num_seqs else None,
         rate_per_replica=started / replica_seconds if replica_seconds > 0 else None,
         reporting=len(readings),
@@ -296,6 +306,10 @@ def describe(policy: Policy, s: Signals, knee: float | None) -> str:
     return text
 
 
+def _started_since(histogram: Histogram, since: float) -> bool:
+    return histogram.created is not None and histogram.created >= since
+
+
 def _advance_window(policy: Policy, state: AutoscalerState,
                     obs: Observation) -> tuple[dict[str, Baseline], tuple[WindowEntry, ...]]:
     """New baselines and the window with this period's increases appended, old entries dropped."""
@@ -304,6 +318,7 @@ def _advance_window(policy: Policy, state: AutoscalerState,
     tpot: list[Histogram] = []
     with_baseline = 0
     drafted = accepted = 0.0
+    previous = state.last_decision.at if state.last_decision is not None else obs.now
     for pod in obs.pods:
         before = state.baselines.get(pod.name, Baseline())
         if pod.reading is None:
@@ -312,17 +327,25 @@ def _advance_window(policy: Policy, state: AutoscalerState,
             continue
         r = pod.reading
         if r.ttft is not None:
-            ttft.append(increase(before.ttft, r.ttft))
-            with_baseline += before.ttft is not None
+            born = _started_since(r.ttft, previous) and before.ttft is None
+            # A pod's first read has no baseline; but an engine started since the last period
+            # (its series' _created says so) served everything it counts in this period: the
+            # requests that woke it from zero, say. Counting them as nothing read as idle.
+            ttft.append(r.ttft if born else increase(before.ttft, r.ttft))
+            with_baseline += before.ttft is not None or born
         if r.tpot is not None:
-            tpot.append(increase(before.tpot, r.tpot))
+            born = _started_since(r.tpot, previous) and before.tpot is None
+            tpot.append(r.tpot if born else increase(before.tpot, r.tpot))
         drafted += counter_increase(before.draft_tokens, r.draft_tokens)
         accepted += counter_increase(before.accepted_tokens, r.accepted_tokens)
         baselines[pod.name] = Baseline(ttft=r.ttft, tpot=r.tpot, draft_tokens=r.draft_tokens,
                                        accepted_tokens=r.accepted_tokens)
     readings = [p.reading for p in obs.pods if p.reading is not None]
-    previous = state.last_decision.at if state.last_decision is not None else obs.now
-    entry = WindowEntry(at=obs.now, seconds=obs.now - previous, ttft=merge(ttft), tpot=merge(tpot),
+    # At most one period: an idle service writes no state, so the last decision can be an hour
+    # old, while its increases (nothing counted in between, or a write would have followed) all
+    # fall in the last period. Spread over the hour they read as a rate near zero.
+    period = min(obs.now - previous, policy.window_seconds / WINDOW_PERIODS)
+    entry = WindowEntry(at=obs.now, seconds=period, ttft=merge(ttft), tpot=merge(tpot),
                         pods_with_baseline=with_baseline,
                         waiting=Mean.of([r.waiting for r in readings]),
                         running=Mean.of([r.running for r in readings]),
@@ -387,6 +410,10 @@ def _observe(policy: Policy, state: AutoscalerState, obs: Observation) -> _Perio
     if state.last_decision is not None and state.last_decision.replicas != current:
         state = state.model_copy(update={"recommendations": (), "observed_since": None, "over_since": None})
     since = state.observed_since if state.observed_since is not None else obs.now
+    if obs.ready_replicas < current:
+        # A regime starts when its pods are all ready: a service woken from zero (or scaled by
+        # hand) whose engines took longer to load than the scale-down window has not been idle.
+        since = obs.now
     last_up = state.last_scale_up
     if last_up is not None and obs.ready_replicas >= min(last_up.replicas, current):
         # Its pods are all ready (or replicas went below it since): nothing of it is pending any
@@ -453,12 +480,25 @@ def _over_band(period: _Period) -> tuple[AutoscalerState, Decision]:
                          last_scale_up=Recommendation(at=obs.now, replicas=desired))
 
 
+def _blind(signals: Signals) -> bool:
+    """A window with requests in the engines and not one of them seen to start or finish: the
+    engines are too slow to show latency (or their reads are), which is never idleness."""
+    busy = (signals.running_per_replica or 0) > 0 or (signals.waiting_per_replica or 0) > 0
+    return busy and signals.ttft_observations == 0 and signals.tpot_observations == 0
+
+
 def _at_or_under_band(period: _Period) -> tuple[AutoscalerState, Decision]:
     """The fewest replicas at which this load stays under 1 - tolerance, in every signal and (once
     known) in the request rate at which this service went over; down to them only when every
     recommendation of the scale-down window agrees."""
     policy, obs, state, signals = period.policy, period.obs, period.state, period.signals
     current, ratio, tol = obs.replicas, signals.ratio or 0.0, policy.tolerance
+    if _blind(signals):
+        # Neither the latency signals nor the load can be trusted to be low: hold, and restart the
+        # scale-down window (what it held before this did not see the load either).
+        return period.decide("hold", current, "requests are running or waiting but none got a first token or "
+                             "finished in the window: overload or a window too short to see one, not idleness",
+                             over_since=None, recommendations=(), observed_since=obs.now)
     load = ratio
     if period.knee is not None and signals.rate_per_replica is not None:
         load = max(load, signals.rate_per_replica / period.knee)

@@ -33,6 +33,8 @@ class Pod:
         self.tpot: list[float] = []
         self.waiting = 0.0
         self.kv = 0.1
+        self.running = 0.0  # an engine runs requests while it serves some, and none when idle
+        self.created: float | None = None  # the series' _created: when the engine started
 
     def serve(self, n: int, ttft: float, tpot: float = 0.03) -> Pod:
         self.ttft += [ttft] * n
@@ -41,11 +43,11 @@ class Pod:
 
     def read(self) -> PodRead:
         def histogram(values: list[float]) -> Histogram:
-            return Histogram(bounds=LATENCY_BUCKETS, count=float(len(values)),
+            return Histogram(bounds=LATENCY_BUCKETS, count=float(len(values)), created=self.created,
                              counts=tuple(float(sum(v <= b for v in values)) for b in LATENCY_BUCKETS))
         return PodRead(name=self.name, reading=EngineReading(
             ttft=histogram(self.ttft), tpot=histogram(self.tpot), waiting=self.waiting,
-            running=1.0, kv_usage=self.kv))
+            running=self.running, kv_usage=self.kv))
 
 
 class Loop:
@@ -60,7 +62,7 @@ class Loop:
         self.broken: set[str] = set()
 
     def tick(self, ttft: float | None = 0.2, n: int = 20, waiting: float = 0.0,
-             kv: float = 0.1, tpot: float = 0.03) -> Decision:
+             kv: float = 0.1, tpot: float = 0.03, running: float | None = None) -> Decision:
         self.now += PERIOD
         while len(self.pods) < self.replicas:
             self.pods.append(Pod(f"p{len(self.pods)}"))
@@ -71,6 +73,7 @@ class Loop:
             if ttft is not None:
                 pod.serve(n, ttft, tpot)
             pod.waiting, pod.kv = waiting, kv
+            pod.running = running if running is not None else 1.0 if ttft is not None and n else 0.0
             reads.append(PodRead(name=pod.name, error="connection refused") if pod.name in self.broken
                          else pod.read())
         obs = Observation(now=self.now, replicas=self.replicas, ready_replicas=ready, pods=tuple(reads))
@@ -104,7 +107,7 @@ def test_a_slightly_high_ratio_adds_at_least_one_replica() -> None:
 def test_tolerance_band_moves_nothing(waiting_ratio: float) -> None:
     loop = Loop(Policy(scale_down_stabilization_seconds=0), replicas=3)
     for _ in range(10):
-        d = loop.tick(ttft=None, waiting=4 * waiting_ratio)
+        d = loop.tick(waiting=4 * waiting_ratio)
         assert (d.action, d.replicas) == ("hold", 3)
     assert "tolerance band" in d.reason
 
@@ -180,9 +183,9 @@ def test_scale_down_takes_the_largest_recommendation_of_the_window() -> None:
     for i in range(10):
         # One period with a burst that needs 6 of 8 (0.6 / 0.9 x 8 = 5.3 -> 6); otherwise 4 would
         # do (idle enough for 1, but at most max_step fewer).
-        d = loop.tick(ttft=None, waiting=4 * (0.6 if i == 5 else 0.05), kv=0.01)
+        d = loop.tick(waiting=4 * (0.6 if i == 5 else 0.05), kv=0.01)
         assert d.action == "hold"
-    d = loop.tick(ttft=None, waiting=0.2, kv=0.01)  # 150 s observed
+    d = loop.tick(waiting=0.2, kv=0.01)  # 150 s observed
     assert (d.action, d.replicas) == ("down", 6)
 
 
@@ -190,11 +193,11 @@ def test_scale_down_only_if_one_fewer_replica_would_still_meet_the_target() -> N
     """At 2 replicas and half the queue target, 1 replica would sit at 1.0x: not comfortable."""
     loop = Loop(Policy(scale_down_stabilization_seconds=60, window_seconds=PERIOD), replicas=2)
     for _ in range(20):
-        d = loop.tick(ttft=None, waiting=4 * 0.5)
+        d = loop.tick(waiting=4 * 0.5)
         assert (d.action, d.replicas) == ("hold", 2)
     assert "1 replicas would not be" in d.reason and "x1.00" in d.reason
     # 1 replica: 0.8x, under 0.9; down once the last 2-replica recommendation is 60 s old.
-    decisions = [loop.tick(ttft=None, waiting=4 * 0.4) for _ in range(5)]
+    decisions = [loop.tick(waiting=4 * 0.4) for _ in range(5)]
     assert [(d.action, d.replicas) for d in decisions] == [("hold", 2)] * 3 + [("down", 1), ("hold", 1)]
 
 
@@ -431,3 +434,49 @@ def test_the_policy_takes_its_settings_from_the_spec() -> None:
         assert (ours.annotation, ours.default, ours.metadata) == (spec.annotation, spec.default, spec.metadata), name
     with pytest.raises(ValidationError, match="less than or equal to 0.5"):
         Policy(tolerance=0.6)  # the spec's bound (the policy once had its own, < 1)
+
+
+@pytest.mark.parametrize("busy", [{"waiting": 1.0}, {"running": 3.0}, {"waiting": 0.5, "running": 1.0}])
+def test_a_window_in_which_busy_engines_finish_nothing_never_scales_down(busy: dict[str, float]) -> None:
+    """Issue 24, item 6: under sustained overload (or reads too slow to show it) a window can hold
+    no first token and no finished request while the engines run and queue requests: that is
+    never idleness. Before, the queue and KV read as low and replicas went 4 -> 3 -> 2."""
+    loop = Loop(Policy(scale_down_stabilization_seconds=30, max_replicas=4), replicas=4)
+    for _ in range(12):
+        d = loop.tick(ttft=None, kv=0.05, **busy)
+        assert (d.action, d.replicas) == ("hold", 4), d.reason
+    assert "none got a first token or finished in the window" in d.reason
+    # Once requests finish again and the load is low, the 30 s scale-down window starts from there.
+    decisions = [loop.tick(kv=0.05, waiting=0.0) for _ in range(2)]
+    assert [d.action for d in decisions] == ["hold", "down"]
+
+
+def test_an_idle_hour_does_not_dilute_the_next_period_s_rate() -> None:
+    """Issue 24, item 4: an idle service writes no state, so the saved last decision is an hour
+    old when 150 requests arrive in 15 s: 10 req/s per replica, not 0.042."""
+    loop = Loop(Policy(), replicas=1)
+    loop.tick(ttft=None)
+    loop.now += 3600 - PERIOD
+    d = loop.tick(n=150)
+    assert d.signals.rate_per_replica == pytest.approx(150 / PERIOD)
+
+
+def test_a_service_woken_from_zero_is_not_scaled_back_while_its_engine_loads() -> None:
+    """Issue 24, item 1: the gateway woke it (0 -> 1); the engine took 6 minutes to load (longer
+    than the 300 s scale-down window) and served the 3 requests that woke it before the first read.
+    Before: down 1 -> 0 at that first read."""
+    policy = Policy(min_replicas=0, scale_down_stabilization_seconds=300)
+    loop = Loop(policy, replicas=0)
+    assert loop.tick(ttft=None).action == "hold"  # asleep
+    loop.replicas, loop.ready = 1, 0  # the gateway's scale; the pod is loading
+    for _ in range(24):  # 6 minutes
+        d = loop.tick(ttft=None)
+        assert (d.action, d.replicas) == ("hold", 1)
+    loop.ready = None
+    loop.pods[0].created = loop.now  # the engine started this period: its series are new
+    d = loop.tick(n=3)
+    assert (d.action, d.replicas) == ("hold", 1) and d.signals.ttft_observations == 3
+    # Idle from then on: zero follows once the 300 s scale-down window holds no period that needed
+    # the replica (the requests stay in the 60 s signal window for 4 periods, then 20 more periods).
+    decisions = [loop.tick(ttft=None, kv=0) for _ in range(23)]
+    assert [d.action for d in decisions] == ["hold"] * 22 + ["down"] and decisions[-1].replicas == 0

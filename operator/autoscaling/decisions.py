@@ -32,8 +32,8 @@ Rules (each has a test in tests/operator/autoscaling/test_decisions.py):
 - a window in which the engines run or queue requests but none got a first token or finished is
   overload or blindness (reads too slow, requests longer than the window), never idleness: hold,
   and the scale-down window starts again;
-- a regime (the window a scale-down waits for) starts when all its replicas are ready, so a
-  service woken from zero is not judged idle while its engines load; an engine started since the
+- a regime (the window a scale-down waits for) starts once a replica is ready, so a service
+  woken from zero is not judged idle while its engine loads; an engine started since the
   last period counts what it served before its first read (its series' _created says when);
 - a window entry spans at most one period: an idle service writes no state, and the requests of
   its next period are not spread over the idle hour;
@@ -410,9 +410,10 @@ def _observe(policy: Policy, state: AutoscalerState, obs: Observation) -> _Perio
     if state.last_decision is not None and state.last_decision.replicas != current:
         state = state.model_copy(update={"recommendations": (), "observed_since": None, "over_since": None})
     since = state.observed_since if state.observed_since is not None else obs.now
-    if obs.ready_replicas < current:
-        # A regime starts when its pods are all ready: a service woken from zero (or scaled by
-        # hand) whose engines took longer to load than the scale-down window has not been idle.
+    if obs.ready_replicas == 0:
+        # A regime starts when a replica is ready: a service woken from zero whose engine took
+        # longer to load than the scale-down window has not been idle. (Not "all ready": a pod
+        # that never schedules must not hold a service at a size its load no longer needs.)
         since = obs.now
     last_up = state.last_scale_up
     if last_up is not None and obs.ready_replicas >= min(last_up.replicas, current):

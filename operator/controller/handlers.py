@@ -32,6 +32,7 @@ from kvpilot.operator.controller.reconcile import (
     controller_of,
     reconcile,
     refresh,
+    retry_reason,
 )
 from kvpilot.operator.controller.serial import Reconciles
 from kvpilot.operator.kube.cluster import KubeCluster, WriteConflict
@@ -64,16 +65,34 @@ REFRESHED = "Reconciled InferenceService"
 def _refresh(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
              services: Mapping[Any, Any] | None) -> None:
     """Reconcile `namespace/name` for an event of a child or pod (collapsed with the other events
-    of a burst: controller/serial.py)."""
+    of a burst: controller/serial.py). kopf does not retry event handlers: a reconcile that
+    failed, or wrote a status no event will change, is run again later from here."""
+    key = (namespace, name)
+
+    def again() -> None:
+        _refresh(namespace, name, memo, logger, None)
+
     try:
-        version = memo.reconciles.collapsed((namespace, name), services, lambda known: refresh(
+        result = memo.reconciles.collapsed(key, services, lambda known: refresh(
             memo.cluster, namespace, name, datetime.now(UTC), default_image=memo.engine_image, known=known))
     except WriteConflict as error:
         # Whatever changed it is an event of its own, which reconciles again.
         logger.debug(f"{namespace}/{name} changed while reconciling: {error}")
         return
-    if version is not None:
-        logger.info(f"{REFRESHED} {namespace}/{name}")
+    except Exception as error:  # noqa: BLE001 - the API server failing (500, 429, a timeout) must not end the retries
+        delay = memo.reconciles.retry(key, again)
+        if delay is not None:
+            logger.warning(f"reconcile of {namespace}/{name} failed, again in {delay:g} s: {error}")
+        return
+    if result is None:
+        return
+    logger.info(f"{REFRESHED} {namespace}/{name}")
+    retry = retry_reason(result.status)
+    if retry is None:
+        memo.reconciles.succeeded(key)
+        return
+    delay = BLOCKED_RETRY_SECONDS if retry[0] in BLOCKED else NO_GPU_RETRY_SECONDS
+    memo.reconciles.retry(key, again, delay)
 
 
 @kopf.on.startup()
@@ -110,13 +129,12 @@ def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
     patch.status.update(merge_patch(body.get("status") or {}, status))
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     logger.debug(f"Ready={ready['status']} ({ready['reason']}): {ready['message']}")
-    if ready["reason"] in BLOCKED:
+    retry = retry_reason(status)
+    if retry is not None:
         # The status above is written either way; kopf calls the handler again after the delay.
-        raise kopf.TemporaryError(f"{ready['reason']}: {ready['message']}",
-                                  delay=BLOCKED_RETRY_SECONDS)
-    planned = next(c for c in status["conditions"] if c["type"] == "Planned")
-    if planned["reason"] == "NoGPUType":
-        raise kopf.TemporaryError(f"NoGPUType: {planned['message']}", delay=NO_GPU_RETRY_SECONDS)
+        reason, message = retry
+        raise kopf.TemporaryError(f"{reason}: {message}",
+                                  delay=BLOCKED_RETRY_SECONDS if reason in BLOCKED else NO_GPU_RETRY_SECONDS)
 
 
 @kopf.on.event("v1", "pods", labels=names.MANAGED_BY)

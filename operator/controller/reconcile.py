@@ -29,7 +29,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
@@ -44,6 +44,8 @@ from kvpilot.operator.planning.planner import Plan, plan
 # The hash of the rendered manifest, on each child: unchanged hash (and no field of ours edited by
 # hand) means nothing to write.
 RENDERED_HASH = f"{GROUP}/rendered-hash"
+# Reasons of a status that no event will change: the reconcile is retried after a delay instead.
+RETRIED = ("NameConflict", "ApplyFailed", "NoGPUType")
 
 
 def _invalid(body: Mapping[str, Any], error: ValidationError) -> Plan:
@@ -243,18 +245,34 @@ def _not_all_ready(deployment: Mapping[str, Any]) -> bool:
     return int((deployment.get("status") or {}).get("readyReplicas") or 0) < wanted
 
 
+class Refreshed(NamedTuple):
+    version: str  # the object's resourceVersion afterwards
+    status: dict[str, Any]  # the status it now has
+
+
 def refresh(cluster: Cluster, namespace: str, name: str, now: datetime, *,
             default_image: str = render.DEFAULT_ENGINE_IMAGE,
-            known: Mapping[str, Any] | None = None) -> str | None:
+            known: Mapping[str, Any] | None = None) -> Refreshed | None:
     """Reconcile the InferenceService `namespace/name` and write its status if it changed (for
     events of its children); `known` is the object as the caller knows it is now (else it is
-    read). The object's resourceVersion afterwards, None when there is nothing to reconcile: it
-    is gone or being deleted."""
+    read). None when there is nothing to reconcile: it is gone or being deleted."""
     body = known if known is not None else cluster.get(API_VERSION, KIND, namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return None
     new = reconcile(body, cluster, now, default_image=default_image)
     patch = merge_patch(body.get("status") or {}, new)
     if patch:
-        return cluster.patch_status(API_VERSION, KIND, namespace, name, patch)
-    return str(body["metadata"]["resourceVersion"])
+        return Refreshed(cluster.patch_status(API_VERSION, KIND, namespace, name, patch), new)
+    return Refreshed(str(body["metadata"]["resourceVersion"]), new)
+
+
+def retry_reason(status: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(reason, message) when a reconcile that wrote `status` must run again later by itself:
+    nothing watched will change when the way is clear (an object of someone else in the way, a
+    write the API server refused, no GPU node yet)."""
+    conditions = {c["type"]: c for c in status.get("conditions", [])}
+    ready, planned = conditions.get("Ready", {}), conditions.get("Planned", {})
+    for condition in (ready, planned):
+        if condition.get("reason") in RETRIED:
+            return condition["reason"], condition.get("message", "")
+    return None

@@ -19,7 +19,7 @@ import pytest
 from kvpilot.engine.config import CAPABILITIES
 from kvpilot.operator.api import names
 from kvpilot.operator.api.spec import InferenceServiceSpec
-from kvpilot.operator.controller import render
+from kvpilot.operator.controller import handlers, render
 from kvpilot.operator.controller.handlers import (
     ENGINE_IMAGE_ENV,
     NO_GPU_RETRY_SECONDS,
@@ -28,7 +28,7 @@ from kvpilot.operator.controller.handlers import (
     pod_handler,
     reconcile_handler,
 )
-from kvpilot.operator.controller.reconcile import RENDERED_HASH, reconcile, refresh
+from kvpilot.operator.controller.reconcile import RENDERED_HASH, owned_by, reconcile, refresh
 from kvpilot.operator.controller.serial import Reconciles
 from kvpilot.operator.kube.cluster import WriteConflict, WriteRefused, describe
 from kvpilot.operator.kube.indexes import index_entry
@@ -773,3 +773,53 @@ def test_pods_are_not_listed_while_all_replicas_are_ready() -> None:
     before = getattr(cluster, "pod_lists", 0)
     assert condition(reconcile(body(SPEC), cluster, NOW), "Ready")["status"] == "True"
     assert getattr(cluster, "pod_lists", 0) == before
+
+
+class Failing(ReadCounting):
+    """An API server that answers `failures` reads with an error (a 500, a 429), then recovers."""
+
+    failures = 0
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        if self.failures:
+            self.failures -= 1
+            raise OSError("500 Internal Server Error")
+        return super().get(api_version, kind, namespace, name)
+
+
+def _eventually(condition: Any, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(condition())
+
+
+def test_an_event_reconcile_that_meets_api_errors_is_retried_until_it_succeeds() -> None:
+    """Issue 24, item 9: kopf never retries an event handler, so a Deployment deleted by hand while
+    the API server failed stayed deleted."""
+    cluster = Failing()
+    cluster.put(body(SPEC))
+    assert refresh(cluster, "ml", "chat", NOW)
+    memo = kopf.Memo(cluster=cluster, reconciles=Reconciles(first_retry_seconds=0.02),
+                     engine_image=render.DEFAULT_ENGINE_IMAGE)
+    deployment = cluster.objects.pop(("Deployment", "ml", "chat"))
+    cluster.failures = 3
+    child_handler(body=deployment, memo=memo, logger=logging.getLogger("test"), type="DELETED")
+    assert ("Deployment", "ml", "chat") not in cluster.objects  # the first try met the error
+    assert _eventually(lambda: ("Deployment", "ml", "chat") in cluster.objects)
+    assert cluster.failures == 0
+
+
+def test_a_conflict_met_by_an_event_reconcile_is_tried_again_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24, item 9: NameConflict reached through an event stayed until the next spec change;
+    the object in the way carries none of our labels, so no event says when it is gone."""
+    monkeypatch.setattr(handlers, "BLOCKED_RETRY_SECONDS", 0.05)
+    cluster, memo, logger = _reconciled_chat()
+    ours = cluster.objects.pop(("Service", "ml", "chat"))
+    cluster.put({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "chat", "namespace": "ml"}, "spec": {}})
+    child_handler(body=ours, memo=memo, logger=logger, type="DELETED")
+    isvc = cluster.objects[("InferenceService", "ml", "chat")]
+    assert condition(isvc["status"], "Ready")["reason"] == "NameConflict"
+    del cluster.objects[("Service", "ml", "chat")]  # its owner deletes it
+    assert _eventually(lambda: condition(isvc["status"], "Ready")["reason"] != "NameConflict")
+    assert owned_by(cluster.objects[("Service", "ml", "chat")], isvc["metadata"]["uid"])

@@ -31,6 +31,7 @@ ALLOWED = [
     ("patch", "kopfpeerings.kopf.dev", None),
     ("create", "events", None),
     ("watch", "pods", None),
+    ("watch", "replicasets.apps", None),  # which pods are the service's own
     ("list", "nodes", ""),
     ("watch", "customresourcedefinitions.apiextensions.k8s.io", ""),
     ("watch", "namespaces", ""),

@@ -32,6 +32,13 @@ def engine_deployments(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[
     return index_entry(body)
 
 
+# The Deployment controller gives a ReplicaSet its pod template's labels (managed-by among them):
+# the link by uid from an engine pod to its service's Deployment (kube/indexes.py, `children`).
+@kopf.index("apps/v1", "replicasets", labels=names.MANAGED_BY)
+def engine_replicasets(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return index_entry(body, key_label=names.INSTANCE_LABEL)
+
+
 @kopf.index("v1", "pods", labels=names.MANAGED_BY)
 def engine_pods(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
     return index_entry(body, key_label=names.INSTANCE_LABEL)
@@ -39,17 +46,17 @@ def engine_pods(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, An
 
 @kopf.on.startup()
 async def start_autoscaler(memo: kopf.Memo, autoscaled_services: kopf.Index, engine_deployments: kopf.Index,
-                           engine_pods: kopf.Index, **_: Any) -> None:
+                           engine_replicasets: kopf.Index, engine_pods: kopf.Index, **_: Any) -> None:
     """The SLO autoscaler's periodic loop (autoscaling/loop.py), as a plain asyncio task: a kopf
     timer or daemon would put a finalizer on every InferenceService. And the gateway
     (gateway/server.py) when asked for: it reads the same indexes. Both write through the one
     cluster adapter `configure` built."""
-    loop = AutoscalingLoop(memo.cluster, autoscaled_services, engine_deployments, engine_pods,
+    loop = AutoscalingLoop(memo.cluster, autoscaled_services, engine_deployments, engine_replicasets, engine_pods,
                            memo.get("autoscale_interval", INTERVAL_SECONDS), memo.get("prometheus_url_allow", ()))
     memo.autoscaler = asyncio.create_task(loop.run(), name="kvpilot-autoscaler")
     address = memo.get("gateway")
     if address is not None:
-        gateway = Gateway(autoscaled_services, engine_deployments, engine_pods, memo.cluster,
+        gateway = Gateway(autoscaled_services, engine_deployments, engine_replicasets, engine_pods, memo.cluster,
                           memo.get("gateway_hold_seconds", HOLD_SECONDS))
         memo.gateway_runner = await gateway.serve(*address)
 

@@ -310,17 +310,17 @@ def worth_writing(old_status: Mapping[str, Any], state: AutoscalerState, decisio
 class AutoscalingLoop:
     """The loop's I/O. What it reads of the cluster comes from kopf's indexes (fed by the watches
     the operator runs anyway), so a period costs no API reads; it writes only what changed, through
-    the operator's one cluster adapter. The three mappings are kopf indexes of `index_entry` values
+    the operator's one cluster adapter. The four mappings are kopf indexes of `index_entry` values
     (key -> store of values). `prometheus_allow`: the URL prefixes under which a spec's
     `prometheusUrl` may be read (`kvpilot operator --prometheus-url-allow`)."""
 
     def __init__(self, cluster: KubeCluster, services: Mapping[Any, Any], deployments: Mapping[Any, Any],
-                 pods: Mapping[Any, Any], interval: float = INTERVAL_SECONDS,
+                 replicasets: Mapping[Any, Any], pods: Mapping[Any, Any], interval: float = INTERVAL_SECONDS,
                  prometheus_allow: Sequence[str] = ()) -> None:
         self.cluster = cluster
         self.interval = interval
         self.prometheus_allow = tuple(prometheus_allow)
-        self._indexes = services, deployments, pods
+        self._indexes = services, deployments, replicasets, pods
         self._instance = socket.gethostname()
         self._session: aiohttp.ClientSession | None = None
 
@@ -351,9 +351,10 @@ class AutoscalingLoop:
         return await read_prometheus(self._http(), prometheus, body["metadata"]["namespace"], names)
 
     async def one(self, body: Mapping[str, Any], deployments: Sequence[Mapping[str, Any]],
-                  pods: Sequence[Mapping[str, Any]], now: float) -> Decision | None:
+                  replicasets: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]],
+                  now: float) -> Decision | None:
         """One period of one InferenceService; the decision, or None when nothing was written."""
-        deployment, engine_pods = children(body, deployments, pods)
+        deployment, engine_pods = children(body, deployments, replicasets, pods)
         if prepare(body, deployment, now, self.interval) is None:
             return None
         reads = await self.read_all(body, metrics_targets(engine_pods))
@@ -385,11 +386,11 @@ class AutoscalingLoop:
         return decision
 
     async def period(self, body: Mapping[str, Any], deployments: Sequence[Mapping[str, Any]],
-                     pods: Sequence[Mapping[str, Any]]) -> None:
+                     replicasets: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]) -> None:
         """`one`, with its failure logged: a bug or an API error met by one service is its own."""
         where = f"{body['metadata']['namespace']}/{body['metadata']['name']}"
         try:
-            decision = await self.one(body, deployments, pods, datetime.now(UTC).timestamp())
+            decision = await self.one(body, deployments, replicasets, pods, datetime.now(UTC).timestamp())
         except (WriteRefused, WriteConflict, OSError) as error:
             log.warning(f"autoscaler: {where}: {error}")
             return
@@ -405,14 +406,14 @@ class AutoscalingLoop:
         engines answer slowly, or not at all, holds up only its own decisions."""
         for key in [key for key, task in running.items() if task.done()]:
             del running[key]
-        services_index, deployments, pods = self._indexes
+        services_index, deployments, replicasets, pods = self._indexes
         for body in indexed_services(services_index):
             metadata = body["metadata"]
             key = (metadata["namespace"], metadata["name"])
             if metadata.get("deletionTimestamp") or key in running:
                 continue
-            running[key] = asyncio.create_task(self.period(body, *indexed_children(deployments, pods, body)),
-                                               name=f"kvpilot-autoscaler {'/'.join(key)}")
+            lists = indexed_children(deployments, replicasets, pods, body)
+            running[key] = asyncio.create_task(self.period(body, *lists), name=f"kvpilot-autoscaler {'/'.join(key)}")
 
     async def run(self) -> None:
         """Periods until cancelled; the blocking client calls run in threads, off kopf's loop."""

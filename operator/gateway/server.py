@@ -74,13 +74,13 @@ class _Held:
 
 
 class Gateway:
-    """The HTTP side. `services`, `deployments` and `pods` are the autoscaler's kopf indexes;
+    """The HTTP side. `services`, `deployments`, `replicasets` and `pods` are the autoscaler's kopf indexes;
     `cluster` (the operator's one adapter, blocking: used from a thread) writes the scale
     subresource and the Event when a service wakes from zero."""
 
-    def __init__(self, services: Mapping[Any, Any], deployments: Mapping[Any, Any], pods: Mapping[Any, Any],
-                 cluster: KubeCluster, hold_seconds: float = HOLD_SECONDS) -> None:
-        self._indexes = services, deployments, pods
+    def __init__(self, services: Mapping[Any, Any], deployments: Mapping[Any, Any], replicasets: Mapping[Any, Any],
+                 pods: Mapping[Any, Any], cluster: KubeCluster, hold_seconds: float = HOLD_SECONDS) -> None:
+        self._indexes = services, deployments, replicasets, pods
         self._cluster = cluster
         self.hold_seconds = hold_seconds
         self._held: dict[tuple[str, str], _Held] = {}
@@ -102,9 +102,10 @@ class Gateway:
         return indexed_service(self._indexes[0], key)
 
     def _children(self, service: Mapping[str, Any]) -> tuple[Mapping[str, Any] | None, list[Mapping[str, Any]]]:
-        """Its own Deployment (None: none yet, or someone else's) and its engine pods."""
-        _, deployments, pods = self._indexes
-        return children(service, *indexed_children(deployments, pods, service))
+        """Its own Deployment (None: none yet, or someone else's) and its engine pods (its own
+        ReplicaSets' pods only, not any that carries their labels)."""
+        _, deployments, replicasets, pods = self._indexes
+        return children(service, *indexed_children(deployments, replicasets, pods, service))
 
     async def _healthz(self, _: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -1,6 +1,6 @@
-"""Reading kopf's indexes: the InferenceServices, their Deployments and engine pods as the watches
-the operator runs anyway hold them, so the autoscaler, the gateway and event reconciles read the
-cluster without API requests. Pure functions over index entries (`index_entry` makes them)."""
+"""Reading kopf's indexes: the InferenceServices, their Deployments, ReplicaSets and engine pods as
+the watches the operator runs anyway hold them, so the autoscaler, the gateway and event reconciles
+read the cluster without API requests. Pure functions over index entries (`index_entry` makes them)."""
 
 from __future__ import annotations
 
@@ -48,27 +48,39 @@ def indexed_service(services: Mapping[Any, Any], key: tuple[str, str]) -> Mappin
     return next(iter(services.get(key, ())), None)
 
 
-def indexed_children(deployments: Mapping[Any, Any], pods: Mapping[Any, Any],
-                     service: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
-    """The Deployments and engine pods the indexes hold under `service`'s key."""
+def indexed_children(deployments: Mapping[Any, Any], replicasets: Mapping[Any, Any], pods: Mapping[Any, Any],
+                     service: Mapping[str, Any]) -> tuple[list[Any], list[Any], list[Any]]:
+    """The Deployments, ReplicaSets and engine pods the indexes hold under `service`'s key."""
     key = (service["metadata"]["namespace"], service["metadata"]["name"])
-    return list(deployments.get(key, ())), list(pods.get(key, ()))
+    return list(deployments.get(key, ())), list(replicasets.get(key, ())), list(pods.get(key, ()))
+
+
+def _controlled_by(child: Mapping[str, Any], uids: set[str]) -> bool:
+    return any(r.get("controller") and r.get("uid") in uids for r in child["metadata"].get("ownerReferences") or [])
 
 
 def children(body: Mapping[str, Any], deployments: Sequence[Mapping[str, Any]],
+             replicasets: Sequence[Mapping[str, Any]],
              pods: Sequence[Mapping[str, Any]]) -> tuple[Mapping[str, Any] | None, list[Mapping[str, Any]]]:
     """The Deployment this InferenceService controls (None: there is none, or a same-named one of
-    someone else) and its engine pods, out of one round's lists of the operator's children."""
+    someone else) and its engine pods, out of one round's lists of the operator's children.
+
+    Anyone who can create a pod can give it the labels the indexes select by, so a pod counts
+    (its metrics, gateway traffic) only through the controller references Kubernetes keeps, by uid:
+    pod -> ReplicaSet -> this Deployment. Those are indexed (the pod template's labels, managed-by
+    among them, are the ReplicaSet's too) rather than matched by name (`<deployment>-<pod-template-
+    hash>`): a pod chooses its owner reference's name and its labels, and nothing checks them."""
     metadata = body["metadata"]
-    namespace, name, uid = metadata["namespace"], metadata["name"], metadata["uid"]
+    namespace, name = metadata["namespace"], metadata["name"]
     deployment = next((d for d in deployments
                        if (d["metadata"].get("namespace"), d["metadata"].get("name")) == (namespace, name)
-                       and any(r.get("controller") and r.get("uid") == uid
-                               for r in d["metadata"].get("ownerReferences") or [])), None)
+                       and _controlled_by(d, {metadata["uid"]})), None)
     if deployment is None:
         return None, []
+    owned = {rs["metadata"]["uid"] for rs in replicasets
+             if rs["metadata"].get("namespace") == namespace and _controlled_by(rs, {deployment["metadata"]["uid"]})}
     mine = [p for p in pods if p["metadata"].get("namespace") == namespace
-            and (p["metadata"].get("labels") or {}).get(INSTANCE_LABEL) == name]
+            and (p["metadata"].get("labels") or {}).get(INSTANCE_LABEL) == name and _controlled_by(p, owned)]
     return deployment, mine
 
 
@@ -79,7 +91,8 @@ _KEPT_METADATA = ("name", "namespace", "uid", "generation", "resourceVersion", "
 
 def index_entry(body: Mapping[str, Any], key_label: str | None = None) -> dict[tuple[str, str], dict[str, Any]]:
     """A kopf index entry for an object the loop reads: keyed by (namespace, name), or by
-    (namespace, the value of `key_label`) for pods (their InferenceService's instance label); the
+    (namespace, the value of `key_label`) for ReplicaSets and pods (their InferenceService's
+    instance label); the
     value a copy of what the loop uses (kopf's body is a view that later events replace)."""
     metadata = body["metadata"]
     key = metadata.get("name") if key_label is None else (metadata.get("labels") or {}).get(key_label)
@@ -87,6 +100,6 @@ def index_entry(body: Mapping[str, Any], key_label: str | None = None) -> dict[t
         return {}
     kept = {"metadata": copy.deepcopy({k: metadata[k] for k in _KEPT_METADATA if k in metadata}),
             "status": copy.deepcopy(dict(body.get("status") or {}))}
-    if body.get("kind") != "Pod":  # a pod's spec is large and not needed
+    if body.get("kind") not in ("Pod", "ReplicaSet"):  # their specs (pods, a pod template) are large and not needed
         kept["spec"] = copy.deepcopy(dict(body.get("spec") or {}))
     return {(metadata["namespace"], key): kept}

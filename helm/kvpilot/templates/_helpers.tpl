@@ -62,6 +62,11 @@ collector), keep its peering record alive, and post events.
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch]
+# The engine pods' ReplicaSets, read only: a pod counts (metrics, gateway traffic) only when its
+# ReplicaSet is controlled by the service's own Deployment, not for carrying its labels.
+- apiGroups: [apps]
+  resources: [replicasets]
+  verbs: [list, watch]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]

@@ -65,20 +65,46 @@ def test_only_ready_pods_that_stay_are_read() -> None:
                                      ("v6", "http://[::1]:8000/metrics")]
 
 
+def child(name: str, namespace: str, owner: str | None, instance: str | None = None, uid: str | None = None,
+          controller: bool = True) -> dict[str, Any]:
+    """An object as the indexes hold it, controlled by the object whose uid is `owner`."""
+    refs = [{"controller": controller, "uid": owner}] if owner else []
+    labels = {"app.kubernetes.io/instance": instance} if instance else {}
+    return {"metadata": {"name": name, "namespace": namespace, "uid": uid or f"uid-{namespace}-{name}",
+                         "ownerReferences": refs, "labels": labels}}
+
+
 def test_a_service_s_children_from_one_round_s_lists() -> None:
-    def child(kind_name: str, namespace: str, uid: str | None, instance: str | None = None) -> dict[str, Any]:
-        refs = [{"controller": True, "uid": uid}] if uid else []
-        labels = {"app.kubernetes.io/instance": instance} if instance else {}
-        return {"metadata": {"name": kind_name, "namespace": namespace, "ownerReferences": refs, "labels": labels}}
-    mine = child("chat", "ml", "u-1")
+    mine = child("chat", "ml", "u-1", uid="dep-1")
     deployments = [child("chat", "other", "u-9"), child("chat", "ml", "someone-else"), mine]
-    pods = [child("chat-a", "ml", None, "chat"), child("chat-b", "other", None, "chat"),
-            child("summarize-a", "ml", None, "summarize")]
-    deployment, engine_pods = children(body(), deployments, pods)
+    replicasets = [child("chat-5d8f", "ml", "dep-1", "chat", uid="rs-1")]
+    pods = [child("chat-a", "ml", "rs-1", "chat"), child("chat-b", "other", "rs-1", "chat"),
+            child("summarize-a", "ml", "rs-1", "summarize")]
+    deployment, engine_pods = children(body(), deployments, replicasets, pods)
     assert deployment is mine
     assert [p["metadata"]["name"] for p in engine_pods] == ["chat-a"]
     # A same-named Deployment someone else controls is not scaled on, nor are its pods read.
-    assert children(body(), deployments[:2], pods) == (None, [])
+    assert children(body(), deployments[:2], replicasets, pods) == (None, [])
+
+
+def test_only_pods_of_the_service_s_own_replicasets_count() -> None:
+    """Anyone who can create a pod can give it the two labels the index selects; a pod counts
+    (metrics, gateway traffic) only through the ownership chain Kubernetes keeps: its controller
+    is a ReplicaSet whose controller is the service's own Deployment, by uid."""
+    deployments = [child("chat", "ml", "u-1", uid="dep-1"), child("other", "ml", "u-2", uid="dep-2")]
+    replicasets = [child("chat-new", "ml", "dep-1", "chat", uid="rs-1"),
+                   child("chat-old", "ml", "dep-1", "chat", uid="rs-0"),  # mid-rollout: its pods still serve
+                   child("chat-fake", "ml", "dep-2", "chat", uid="rs-9"),  # another Deployment's
+                   child("chat-adopted", "ml", "dep-1", "chat", uid="rs-8", controller=False),
+                   child("chat-orphan", "ml", None, "chat", uid="rs-7")]
+    pods = [child("chat-new-1", "ml", "rs-1", "chat"), child("chat-old-1", "ml", "rs-0", "chat"),
+            child("stray-labels-only", "ml", None, "chat"), child("stray-foreign-rs", "ml", "rs-9", "chat"),
+            child("stray-not-controlled", "ml", "rs-8", "chat"), child("stray-orphan-rs", "ml", "rs-7", "chat"),
+            child("stray-no-controller-ref", "ml", "rs-1", "chat", controller=False),
+            child("stray-owned-by-the-deployment", "ml", "dep-1", "chat"),
+            child("stray-unknown-rs", "ml", "rs-404", "chat")]
+    _, engine_pods = children(body(), deployments, replicasets, pods)
+    assert sorted(p["metadata"]["name"] for p in engine_pods) == ["chat-new-1", "chat-old-1"]
 
 
 def test_replicas_now_are_the_spec_s_else_the_rendered_plan_s() -> None:
@@ -166,6 +192,12 @@ def test_index_entries_copy_what_the_loop_reads() -> None:
     assert value["status"]["podIP"] == "127.0.0.9"
     assert index_entry({"kind": "Pod", "metadata": {"name": "stray", "namespace": "ml"}},
                        key_label="app.kubernetes.io/instance") == {}
+    replicaset = {"kind": "ReplicaSet", "metadata": {"name": "chat-5d8f", "namespace": "ml", "uid": "rs-1",
+                                                   "labels": {"app.kubernetes.io/instance": "chat"},
+                                                   "ownerReferences": [{"controller": True, "uid": "dep-1"}]},
+                  "spec": {"template": {"spec": {"containers": [{}]}}}, "status": {"readyReplicas": 1}}
+    (value,) = index_entry(replicaset, key_label="app.kubernetes.io/instance").values()
+    assert "spec" not in value and value["metadata"] == replicaset["metadata"]  # a pod template is large
     service = body({"replicas": 2})
     assert index_entry(service) == {("ml", "chat"): {k: service[k] for k in ("metadata", "spec", "status")}}
 
@@ -180,7 +212,7 @@ def test_the_loop_s_handlers_add_no_finalizer() -> None:
 
     registry = kopf.get_default_registry()
     indexers = {h.id for h in registry._indexing.get_all_handlers()}
-    assert indexers == {"autoscaled_services", "engine_deployments", "engine_pods"}
+    assert indexers == {"autoscaled_services", "engine_deployments", "engine_replicasets", "engine_pods"}
     assert list(registry._spawning.get_all_handlers()) == []
     assert not any(h.requires_finalizer for h in registry._changing.get_all_handlers())
     activities = {h.id for h in registry._activities.get_all_handlers()}

@@ -125,17 +125,21 @@ class Recorder:
         return next(((at, patch) for who, at, patch in self.patches if who == name), None)
 
 
-def service(name: str, ip: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """An InferenceService, its Deployment and one ready engine pod at `ip`, as the indexes hold them."""
+def service(name: str, ip: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """An InferenceService, its Deployment, their ReplicaSet and one ready engine pod at `ip`, as
+    the indexes hold them."""
     uid = f"uid-{name}"
     body = {"metadata": {"name": name, "namespace": "ml", "uid": uid, "resourceVersion": "7"},
             "spec": {"model": {"name": "llama-2-7b"}, "replicas": 1}, "status": {}}
     deployment = {"metadata": {"name": name, "namespace": "ml", "uid": f"dep-{name}",
                                "ownerReferences": [{"controller": True, "uid": uid}]},
                   "spec": {"replicas": 1}, "status": {"readyReplicas": 1}}
-    pod = {"metadata": {"name": f"{name}-0", "namespace": "ml", "labels": {"app.kubernetes.io/instance": name}},
+    replicaset = {"metadata": {"name": f"{name}-5d8f", "namespace": "ml", "uid": f"rs-{name}",
+                               "ownerReferences": [{"controller": True, "uid": f"dep-{name}"}]}}
+    pod = {"metadata": {"name": f"{name}-0", "namespace": "ml", "labels": {"app.kubernetes.io/instance": name},
+                        "ownerReferences": [{"controller": True, "uid": f"rs-{name}"}]},
            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
-    return body, deployment, pod
+    return body, deployment, replicaset, pod
 
 
 def test_a_trickling_engine_holds_up_only_its_own_service(
@@ -147,9 +151,8 @@ def test_a_trickling_engine_holds_up_only_its_own_service(
     monkeypatch.setattr(loop_module, "SCRAPE_TIMEOUT_SECONDS", deadline)
     slow, quick = service("slow", engines(trickle)), service("quick", engines(answer))
     cluster = Recorder()
-    loop = AutoscalingLoop(cluster, {("ml", s[0]["metadata"]["name"]): [s[0]] for s in (slow, quick)},
-                           {("ml", s[0]["metadata"]["name"]): [s[1]] for s in (slow, quick)},
-                           {("ml", s[0]["metadata"]["name"]): [s[2]] for s in (slow, quick)}, interval=0.3)
+    indexes = [{("ml", s[0]["metadata"]["name"]): [s[i]] for s in (slow, quick)} for i in range(4)]
+    loop = AutoscalingLoop(cluster, *indexes, interval=0.3)
 
     async def watch() -> float:
         started = time.monotonic()

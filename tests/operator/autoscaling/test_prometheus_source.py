@@ -139,7 +139,7 @@ def test_the_loop_reads_from_prometheus_when_the_spec_names_one(
     url, series, queries = prometheus
     text = engine_text([0.3] * 7)
     series += stored(text, "chat-a")
-    loop = AutoscalingLoop(cluster=None, services={}, deployments={}, pods={}, prometheus_allow=(url,))
+    loop = AutoscalingLoop(cluster=None, services={}, deployments={}, replicasets={}, pods={}, prometheus_allow=(url,))
     body = {"metadata": {"namespace": NS, "name": "chat"},
             "spec": {"model": {"name": "m"}, "autoscaling": {"prometheusUrl": url}}}
     # The pod's own address is not dialled (nothing listens there): Prometheus is.
@@ -211,7 +211,7 @@ def test_a_prometheus_the_operator_does_not_allow_is_never_dialled(
     series += stored(engine_text([0.3]), "chat-a")
     body = {"metadata": {"namespace": NS, "name": "chat"},
             "spec": {"model": {"name": "m"}, "autoscaling": {"prometheusUrl": url}}}
-    loop = AutoscalingLoop(cluster=None, services={}, deployments={}, pods={},
+    loop = AutoscalingLoop(cluster=None, services={}, deployments={}, replicasets={}, pods={},
                            prometheus_allow=("http://prometheus.monitoring:9090",))
     (read,) = read_all(loop, body, [("chat-a", "http://127.0.0.1:9/metrics")])
     assert read.reading is None and queries == []

@@ -36,13 +36,22 @@ def service(name: str = "chat", model: str = "SmolLM2", replicas: int | None = 1
 
 
 def deployment(name: str = "chat", replicas: int = 1, uid: str = UID) -> dict[str, Any]:
-    return {"kind": "Deployment", "metadata": {"name": name, "namespace": NS,
+    return {"kind": "Deployment", "metadata": {"name": name, "namespace": NS, "uid": f"dep-{uid}",
                                                "ownerReferences": [{"controller": True, "uid": uid}]},
             "spec": {"replicas": replicas}}
 
 
-def pod(name: str, ip: str, ready: bool = True, owner: str = "chat") -> dict[str, Any]:
-    return {"kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": {INSTANCE_LABEL: owner}},
+def replicaset(name: str = "chat-5d8f", owner: str = f"dep-{UID}", instance: str = "chat") -> dict[str, Any]:
+    """The ReplicaSet the Deployment controller makes (owner: the Deployment's uid), with the pod
+    template's labels."""
+    return {"kind": "ReplicaSet", "metadata": {"name": name, "namespace": NS, "uid": f"rs-{name}",
+                                               "labels": {INSTANCE_LABEL: instance},
+                                               "ownerReferences": [{"controller": True, "uid": owner}]}}
+
+
+def pod(name: str, ip: str, ready: bool = True, owner: str = "chat", replicaset: str = "chat-5d8f") -> dict[str, Any]:
+    return {"kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": {INSTANCE_LABEL: owner},
+                                        "ownerReferences": [{"controller": True, "uid": f"rs-{replicaset}"}]},
             "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
 
 
@@ -75,12 +84,15 @@ class Indexes:
     def __init__(self) -> None:
         self.services: dict[Any, list[Any]] = {}
         self.deployments: dict[Any, list[Any]] = {}
+        self.replicasets: dict[Any, list[Any]] = {}
         self.pods: dict[Any, list[Any]] = {}
 
     def put(self, *objects: dict[str, Any]) -> None:
         for obj in objects:
-            index = {"InferenceService": self.services, "Deployment": self.deployments, "Pod": self.pods}[obj["kind"]]
-            for key, value in index_entry(obj, INSTANCE_LABEL if obj["kind"] == "Pod" else None).items():
+            index = {"InferenceService": self.services, "Deployment": self.deployments,
+                     "ReplicaSet": self.replicasets, "Pod": self.pods}[obj["kind"]]
+            by_instance = obj["kind"] in ("ReplicaSet", "Pod")
+            for key, value in index_entry(obj, INSTANCE_LABEL if by_instance else None).items():
                 index[key] = [v for v in index.get(key, []) if v["metadata"]["name"] != obj["metadata"]["name"]]
                 index[key].append(value)
 
@@ -131,7 +143,8 @@ def run(scenario: Scenario, hold_seconds: float = 20.0, on_scale: Callable[[Inde
     recorder = Recorder(lambda n: (on_scale or (lambda ix, m: ix.put(service(replicas=m))))(indexes, n))
 
     async def main() -> None:
-        gateway = gw.Gateway(indexes.services, indexes.deployments, indexes.pods, recorder, hold_seconds)
+        gateway = gw.Gateway(indexes.services, indexes.deployments, indexes.replicasets, indexes.pods, recorder,
+                             hold_seconds)
         port = free_port()
         runner = await gateway.serve("127.0.0.1", port)
         try:
@@ -151,7 +164,7 @@ async def complete(http: aiohttp.ClientSession, base: str, model: str = "SmolLM2
 
 def test_requests_stream_through_to_the_least_busy_ready_engine() -> None:
     async def scenario(ix: Indexes, rec: Recorder, base: str, http: aiohttp.ClientSession) -> None:
-        ix.put(service(), deployment(replicas=2), pod("p0", POD_IPS[0]), pod("p1", POD_IPS[1]),
+        ix.put(service(), deployment(replicas=2), replicaset(), pod("p0", POD_IPS[0]), pod("p1", POD_IPS[1]),
                pod("p2", "127.77.0.3", ready=False))
         engines = [await start_engine(ip, f"e{i}") for i, ip in enumerate(POD_IPS)]
         try:
@@ -178,7 +191,7 @@ def test_a_request_at_zero_replicas_scales_to_one_and_is_held_until_an_engine_se
         await asyncio.sleep(0.5)
         assert not any(t.done() for t in held)  # held, not refused
         assert len(rec.scales) == 1 and rec.scales[0] == {"spec": {"replicas": 1}}  # once for all three
-        ix.put(deployment(replicas=1), pod("p0", POD_IPS[0]))  # Ready before its engine listens
+        ix.put(deployment(replicas=1), replicaset(), pod("p0", POD_IPS[0]))  # Ready before its engine listens
         await asyncio.sleep(1.0)
         assert not any(t.done() for t in held)
         engine = await start_engine(POD_IPS[0], "e0")
@@ -230,3 +243,21 @@ def test_no_deployment_yet_is_not_zero_replicas() -> None:
         assert status == 503 and not rec.scales
 
     run(scenario, hold_seconds=0.5)
+
+
+def test_a_pod_that_only_carries_the_labels_gets_no_traffic() -> None:
+    """Anyone who can create a pod in the namespace can give it the labels the operator selects:
+    traffic goes only to pods of the service's own Deployment (pod -> ReplicaSet -> Deployment,
+    controller references by uid)."""
+    async def scenario(ix: Indexes, rec: Recorder, base: str, http: aiohttp.ClientSession) -> None:
+        ix.put(service(), deployment(replicas=1), replicaset(), replicaset("chat-fake", owner="dep-someone-else"),
+               pod("p0", POD_IPS[0]), pod("stray", POD_IPS[1], replicaset="chat-fake"))
+        engines = [await start_engine(POD_IPS[0], "ours"), await start_engine(POD_IPS[1], "stray")]
+        try:
+            results = await asyncio.gather(*(complete(http, base) for _ in range(4)))
+        finally:
+            for e in engines:
+                await e.cleanup()
+        assert [(status, name) for status, name, _ in results] == [(200, "ours")] * 4
+
+    run(scenario)

@@ -186,11 +186,26 @@ class ModelRunner:
         log.info("gpu memory: total=%d peak=%d kv_budget=%d", total, peak, budget)
         return budget
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: sample for each request that reached its last known token (verifying its
         draft tokens, if it has some), score the prompt tokens of requests that asked for prompt
-        logprobs, and propose drafts for the next step."""
+        logprobs, and propose drafts for the next step. A step that raises leaves the seeded
+        requests' generators as they were: the engine reruns it request by request, and a seeded
+        request must draw the same tokens as if the step had not failed."""
+        scheduled = {s.request.request_id for s in scheduler_output.scheduled}
+        states = {rid: g.get_state() for rid, g in self._generators.items() if rid in scheduled}
+        try:
+            return self._run_step(scheduler_output)
+        except Exception:
+            # Generators the failed attempt created go; the others go back to where they stood.
+            for rid in scheduled - states.keys():
+                self._generators.pop(rid, None)
+            for rid, state in states.items():
+                self._generators[rid].set_state(state)
+            raise
+
+    @torch.inference_mode()
+    def _run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in scheduler_output.finished_request_ids:
             self._generators.pop(request_id, None)
         if self.proposer is not None:

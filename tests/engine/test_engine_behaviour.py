@@ -7,6 +7,7 @@ import torch
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.config import cpu_has_native_bf16
+from kvpilot.engine.worker.sampler import SamplerOutput, SamplingMetadata
 from tests.engine.conftest import make_prompts
 
 
@@ -134,4 +135,27 @@ def test_a_request_whose_step_fails_is_dropped_alone(llm):
     assert good.finish_reason.value == "length" and len(good.output_token_ids) == 6
     reference = llm.generate(["The capital of France is"], SamplingParams(max_tokens=6, temperature=0))[0].outputs[0]
     assert good.output_token_ids == reference.token_ids
+    assert_all_blocks_free(llm)
+
+
+def test_a_failed_steps_rerun_samples_a_seeded_request_as_if_nothing_had_failed(llm):
+    seeded = SamplingParams(max_tokens=10, temperature=1.5, seed=7)
+    alone = llm.generate(["Once upon a time"], seeded)[0].outputs[0].token_ids
+    runner = llm.engine.runner
+    sampler = runner.sampler
+
+    def flaky(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        # Every batched step fails after sampling has drawn from the seeded generator: each is rerun
+        # request by request.
+        out = sampler(logits, meta)
+        if logits.shape[0] > 1:
+            raise RuntimeError("fault after sampling")
+        return out
+
+    runner.sampler = flaky
+    try:
+        outputs = llm.generate(["Once upon a time", "The capital of France is"], [seeded, SamplingParams(max_tokens=10, temperature=0)])
+    finally:
+        runner.sampler = sampler
+    assert outputs[0].outputs[0].token_ids == alone
     assert_all_blocks_free(llm)

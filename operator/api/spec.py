@@ -220,6 +220,9 @@ class Toleration(_Camel):
 class RolloutSpec(_Camel):
     max_surge: int | str = 1
     max_unavailable: int | str = 0
+    # The most a stopping engine waits for its requests in flight (the drain is sized for the
+    # longest request it accepts, which for long contexts can be far longer than anyone waits).
+    max_drain_seconds: int = Field(default=600, ge=0, le=3600)
 
 
 class ImagePullSecret(_Camel):

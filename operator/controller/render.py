@@ -188,10 +188,12 @@ DOWNLOAD_BYTES_PER_S = 50e6
 PROGRESS_MARGIN_S = 300
 
 
-def drain_seconds(plan: Plan) -> int:
-    """How long the engine waits for requests in flight after SIGTERM: twice the plan's predicted
-    latency of one request, at least 10 s."""
-    return max(10, math.ceil(2 * plan.predicted_latency_ms / 1000))
+def drain_seconds(spec: InferenceServiceSpec, plan: Plan) -> int:
+    """How long the engine waits for requests in flight after SIGTERM: long enough for the longest
+    request it accepts (its first token, then max_model_len tokens at the predicted TPOT; a mean
+    request's time would cut every long stream), at least 10 s, at most rollout.maxDrainSeconds."""
+    longest = (plan.predicted_ttft_ms + plan.max_model_len * plan.predicted_tpot_ms) / 1000
+    return min(spec.rollout.max_drain_seconds, max(10, math.ceil(longest)))
 
 
 def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str, draft_model: str | None = None) -> list[str]:
@@ -204,7 +206,7 @@ def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str, draft_model:
     """
     server = ServerConfig(host="0.0.0.0", port=PORT,
                           served_model_name=spec.model.served_model_name or spec.model.name,
-                          vllm_compatible_metrics=True, grace_period=float(drain_seconds(plan)))
+                          vllm_compatible_metrics=True, grace_period=float(drain_seconds(spec, plan)))
     gpu = find_gpu(str(plan.gpu))
     dtype = {} if gpu is None or gpu.bf16 else {"dtype": "float16"}
     engine = EngineConfig(
@@ -337,7 +339,7 @@ def _pod_template(name: str, spec: InferenceServiceSpec, plan: Plan, gpu: GPU, i
             "containers": [_engine_container(spec, plan, gpu, image, model, draft, mounts)],
             "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}],
             # preStop pause + the engine's drain + a margin for the process to exit.
-            "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + drain_seconds(plan) + 5,
+            "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + drain_seconds(spec, plan) + 5,
             "nodeSelector": {**spec.node_selector, **_gpu_node_selector(spec, gpu)},
             "tolerations": _tolerations(spec, gpu),
         },

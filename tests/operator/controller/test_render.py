@@ -1,3 +1,4 @@
+import math
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ def test_engine_args_carry_the_plans_numbers() -> None:
         "--port", "8000",
         "--served-model-name", "llama-2-7b",
         "--vllm-compatible-metrics",
-        "--grace-period", repr(float(render.drain_seconds(p))),
+        "--grace-period", repr(float(render.drain_seconds(s, p))),
         "--model", "/model-cache/hf/meta-llama/Llama-2-7b-hf@main",  # the download's folder
         "--block-size", "16",
         "--max-num-seqs", str(p.max_num_seqs),
@@ -99,7 +100,7 @@ def test_pods_request_host_memory_for_the_weights_and_drain_for_the_predicted_la
     # 12.6 GiB of FP16 weights + 2 GiB margin, rounded up; and a CPU request.
     assert container["resources"]["requests"] == {"cpu": "2", "memory": "15Gi", "nvidia.com/gpu": "1",
                                                   "ephemeral-storage": "15Gi"}
-    drain = render.drain_seconds(p)
+    drain = render.drain_seconds(s, p)
     assert drain >= 2 * p.predicted_latency_ms / 1000 and drain >= 10
     args = container["args"]
     assert float(args[args.index("--grace-period") + 1]) == drain
@@ -281,3 +282,16 @@ def test_engine_pods_are_hardened_for_long_loads_and_drains() -> None:
     assert "ephemeral-storage" not in engine(rendered)["resources"]["requests"]
     assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "models"}} in \
         rendered["spec"]["template"]["spec"]["volumes"]
+
+
+def test_the_drain_covers_the_longest_request_the_engine_accepts_up_to_the_spec_s_cap() -> None:
+    """Issue 24, item 10: sized for a mean request (2 x the predicted latency: ~20 s for
+    llama-3-8b on an H100), a scale-down or rollout cut a full-length generation."""
+    s = spec(model={"name": "llama-3-8b"}, accelerator={"type": "H100-80GB"})
+    p = plan(s)
+    longest = (p.predicted_ttft_ms + p.max_model_len * p.predicted_tpot_ms) / 1000
+    assert render.drain_seconds(s, p) == math.ceil(longest) > 2 * p.predicted_latency_ms / 1000
+    pod = render.deployment("chat", "ml", UID, s, p)["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == render.PRESTOP_SLEEP_S + math.ceil(longest) + 5
+    capped = spec(model={"name": "llama-3-8b"}, accelerator={"type": "H100-80GB"}, rollout={"maxDrainSeconds": 30})
+    assert render.drain_seconds(capped, plan(capped)) == 30

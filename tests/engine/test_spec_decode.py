@@ -254,6 +254,13 @@ def other_tiny_model(tmp_path_factory, model_dir) -> Path:
     return folder
 
 
+def _quoting_prompt(folder: Path, base: list[int]) -> list[int]:
+    """The model's own continuation of `base`, then `base` again: n-gram drafts copy what it said before."""
+    greedy = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=8 << 20).generate(
+        [base], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+    return base + greedy + base
+
+
 @pytest.mark.parametrize("proposer, drafts", [("ngram", "good"), ("ngram", "poor"), ("draft", "good"), ("draft", "poor")])
 def test_sampled_output_has_the_same_distribution_with_speculation(tiny_model, other_tiny_model, proposer, drafts):
     rng = random.Random(0)
@@ -261,10 +268,7 @@ def test_sampled_output_has_the_same_distribution_with_speculation(tiny_model, o
     temperature = 0.7 if drafts == "good" else 1.5  # flatter: fewer drafts match what is sampled
     prompt, options = base, dict(speculative=proposer, speculative_max_batch_size=512)
     if proposer == "ngram" and drafts == "good":
-        # The model's own continuation, then the same start again: drafts copy what it said before.
-        greedy = LLM(str(tiny_model), dtype="float32", kv_cache_memory_bytes=8 << 20).generate(
-            [base], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
-        prompt = base + greedy + base
+        prompt = _quoting_prompt(tiny_model, base)
     if proposer == "draft":
         options["draft_model"] = str(tiny_model if drafts == "good" else other_tiny_model)
     params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True)
@@ -274,6 +278,22 @@ def test_sampled_output_has_the_same_distribution_with_speculation(tiny_model, o
     rate = stats.num_accepted_tokens / stats.num_draft_tokens
     assert (rate > 0.3) if drafts == "good" else (rate < 0.15), f"acceptance {rate:.2f} is not what {drafts} drafts make"
     assert chi_square_p_value(without, with_spec) > FALSE_ALARM_RATE
+    assert_no_leaks(llm)
+
+
+def test_sampled_output_under_top_p_and_min_p_has_the_same_distribution_with_speculation(tiny_model):
+    # The filters cut a good part of the target's mass here: a draft must be kept with the
+    # probability plain sampling gives it after the cut, renormalised. The draft model is the target
+    # itself, so its drafts are the target's argmax, the token the cut favours most. After this
+    # prompt the filtered target still has several continuations (after `base` alone, one).
+    rng = random.Random(0)
+    prompt = _quoting_prompt(tiny_model, [rng.randrange(3, 16) for _ in range(12)])
+    options = dict(speculative="draft", draft_model=str(tiny_model), speculative_max_batch_size=512)
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_p=0.6, min_p=0.2, ignore_eos=True)
+    without, _ = _sample(tiny_model, prompt, params, 3000, seed=1)
+    with_spec, llm = _sample(tiny_model, prompt, params, 3000, seed=2, **options)
+    assert llm.engine.scheduler.spec_decoding.num_accepted_tokens > 0
+    assert chi_square_p_value(without, with_spec) > FALSE_ALARM_RATE, (without, with_spec)
     assert_no_leaks(llm)
 
 

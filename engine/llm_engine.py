@@ -32,8 +32,9 @@ class LLMEngine:
         self.model_path = resolve_model(self.config.model)
         self.model_name = self.config.model or EMBEDDED_MODEL
         self.tokenizer = load_tokenizer(self.model_path)
-        eos_token_ids = self._eos_token_ids(load_config(self.model_path))
-        self.runner = ModelRunner(self.config, self.model_path, eos_token_ids)
+        hf_config = load_config(self.model_path)
+        eos_token_ids = self._eos_token_ids(hf_config)
+        self.runner = ModelRunner(self.config, self.model_path, hf_config, eos_token_ids)
         # A draft model writes KV this far past a sequence's tokens, in slots reserved for it.
         self.num_lookahead_tokens = self.config.num_speculative_tokens if self.config.speculative == "draft" else 0
         self.max_model_len = self._max_model_len()

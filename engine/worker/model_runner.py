@@ -8,8 +8,10 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+from transformers import PretrainedConfig
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.request import Request
@@ -47,8 +49,18 @@ def kv_budget_after_profile(total_bytes: int, utilization: float, peak_bytes: in
     return budget
 
 
+class _Batch(NamedTuple):
+    """One step's forward inputs, and which of their rows sample and score."""
+
+    inputs: StepInputs
+    sample_rows: list[int]  # rows whose logits sample: a request's last known token and each draft
+    sampled: list[ScheduledRequest]  # requests that sample, with the drafts they verify
+    scored: list[tuple[Request, int, int, int]]  # (request, first row, first position, tokens) to score
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: Path, eos_token_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(self, config: EngineConfig, model_path: Path, hf_config: PretrainedConfig | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.config = config
         self.eos_token_ids = eos_token_ids  # banned while a request is short of its min_tokens
         self.device = config.torch_device()
@@ -56,7 +68,8 @@ class ModelRunner:
         torch.set_num_threads(threads)
         self.dtype = config.torch_dtype(self.device)
         self.block_size = config.block_size
-        self.hf_config = load_config(model_path)
+        # The engine reads the model's config once and hands it over; read here when run alone.
+        self.hf_config = hf_config if hf_config is not None else load_config(model_path)
         self.model = load_model(model_path, self.hf_config, self.dtype, self.device, config.quantization,
                                 config.quantization_group_size)
         self.num_layers = self.hf_config.num_hidden_layers
@@ -206,49 +219,65 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._forget(scheduler_output)
+        batch = self._batch(scheduler_output)
+        hidden = self._forward(*batch.inputs.build())
+        out = ModelRunnerOutput(prompt_logprobs={r.request_id: self._prompt_logprobs(hidden, r, row, pos, n)
+                                                 for r, row, pos, n in batch.scored})
+        if not batch.sampled:
+            return out
+        speculate = self.proposer is not None and len(scheduler_output.scheduled) <= self.config.speculative_max_batch_size
+        to_draft = self._sample(hidden, batch, out, speculate)
+        if speculate:
+            out.spec_token_ids = self.proposer.propose(to_draft)
+        return out
+
+    def _forget(self, scheduler_output: SchedulerOutput) -> None:
+        """Drop what finished requests kept; a preempted request is recomputed from scratch, and so
+        is its draft's KV."""
         for request_id in scheduler_output.finished_request_ids:
             self._generators.pop(request_id, None)
         if self.proposer is not None:
-            # A preempted request is recomputed from scratch, and so is its draft's KV.
-            self.proposer.forget([*scheduler_output.finished_request_ids, *(r.request_id for r in scheduler_output.preempted)])
+            self.proposer.forget([*scheduler_output.finished_request_ids,
+                                  *(r.request_id for r in scheduler_output.preempted)])
+
+    def _batch(self, scheduler_output: SchedulerOutput) -> _Batch:
+        """The step's tokens in one flattened batch, with the rows that sample and score."""
         # Decodes first, by query count (1 + drafts) and context length, so that each decode group
         # has one query count and pads to similar lengths.
         order = sorted(scheduler_output.scheduled, key=lambda s: (not _is_decode(s), s.num_tokens, s.request.num_computed_tokens))
-        inputs = StepInputs(self.block_size, self.device)
-        sample_rows: list[int] = []
-        sampled: list[ScheduledRequest] = []  # requests that sample, with the drafts they verify
-        scored: list[tuple[Request, int, int, int]] = []  # (request, first row, first position, tokens) to score
+        batch = _Batch(StepInputs(self.block_size, self.device), [], [], [])
         for item in order:
             request, n = item.request, item.num_tokens
             start = request.num_computed_tokens
             drafts = item.spec_token_ids
-            row = inputs.add(request.token_ids[start : start + n - len(drafts)] + drafts, start, item.block_ids, _is_decode(item))
+            row = batch.inputs.add(request.token_ids[start : start + n - len(drafts)] + drafts, start, item.block_ids,
+                                   _is_decode(item))
             if request.params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
-                scored.append((request, row, start, n))
+                batch.scored.append((request, row, start, n))
             if start + n == request.num_tokens + len(drafts):
                 # The last known token's row samples the next token; each draft's row, the one after it.
-                sample_rows.extend(range(row + n - 1 - len(drafts), row + n))
-                sampled.append(item)
+                batch.sample_rows.extend(range(row + n - 1 - len(drafts), row + n))
+                batch.sampled.append(item)
+        return batch
 
+    def _sample(self, hidden: torch.Tensor, batch: _Batch, out: ModelRunnerOutput,
+                speculate: bool) -> list[DraftInput]:
+        """Sample every sampling row (verifying drafts), record each request's new tokens in `out`,
+        and return what the proposer drafts from next."""
         device = self.device
-        input_ids, positions, meta = inputs.build()
-        hidden = self._forward(input_ids, positions, meta)
-        out = ModelRunnerOutput(prompt_logprobs={r.request_id: self._prompt_logprobs(hidden, r, row, pos, n) for r, row, pos, n in scored})
-        if not sampled:
-            return out
-        logits = self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)])
-        rows = [item.request for item in sampled for _ in range(len(item.spec_token_ids) + 1)]
-        draft_rows = [token for item in sampled for token in (*item.spec_token_ids, -1)]
+        logits = self.model.logits(hidden[torch.tensor(batch.sample_rows, dtype=torch.long, device=device)])
+        rows = [item.request for item in batch.sampled for _ in range(len(item.spec_token_ids) + 1)]
+        draft_rows = [token for item in batch.sampled for token in (*item.spec_token_ids, -1)]
         meta = self._sampling_metadata(rows)
-        if len(draft_rows) > len(sampled):
+        if len(draft_rows) > len(batch.sampled):
             meta.draft_token_ids = torch.tensor(draft_rows, dtype=torch.long, device=device)
         result = self.sampler(logits, meta)
         tokens = result.tokens.tolist()
         accepted = result.accepted.tolist() if result.accepted is not None else None
         row = 0
         to_draft: list[DraftInput] = []
-        speculate = self.proposer is not None and len(scheduler_output.scheduled) <= self.config.speculative_max_batch_size
-        for item in sampled:
+        for item in batch.sampled:
             request, drafts = item.request, item.spec_token_ids
             # Drafts up to the first rejection, then the token sampled at that row (the resampled
             # token, or after all drafts the bonus token).
@@ -264,9 +293,7 @@ class ModelRunner:
             if speculate and params.speculable and request.num_output_tokens + len(new_tokens) >= params.min_tokens:
                 to_draft.append(DraftInput(request.request_id, request.token_ids + new_tokens, item.block_ids))
             row += len(drafts) + 1
-        if speculate:
-            out.spec_token_ids = self.proposer.propose(to_draft)
-        return out
+        return to_draft
 
     def _prompt_logprobs(self, hidden: torch.Tensor, request: Request, row: int, position: int, num_tokens: int) -> tuple[int, list[TokenLogprobs]]:
         """Scores of the prompt tokens that a chunk of `num_tokens` rows from `row` (positions from

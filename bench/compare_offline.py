@@ -77,11 +77,17 @@ def _check_origin(tree: Path) -> str:
 
     paths = list(kvpilot.engine.__path__)
     if not inside(kvpilot.engine.__file__) or not paths or not all(inside(p) for p in paths):
-        raise SystemExit(f"compare_offline: kvpilot.engine was imported from {kvpilot.engine.__file__} "
-                         f"(__path__ {paths}), not from {tree}; PYTHONPATH={os.environ.get('PYTHONPATH')!r}")
-    strays = sorted(f"{name} ({module.__file__})" for name, module in list(sys.modules.items())
-                    if name.startswith(("kvpilot.engine.", "kvpilot.operator.")) and getattr(module, "__file__", None)
-                    and not inside(module.__file__))
+        raise SystemExit(
+            f"compare_offline: kvpilot.engine was imported from {kvpilot.engine.__file__} "
+            f"(__path__ {paths}), not from {tree}; PYTHONPATH={os.environ.get('PYTHONPATH')!r}"
+        )
+    strays = sorted(
+        f"{name} ({module.__file__})"
+        for name, module in list(sys.modules.items())
+        if name.startswith(("kvpilot.engine.", "kvpilot.operator."))
+        and getattr(module, "__file__", None)
+        and not inside(module.__file__)
+    )
     if strays:
         raise SystemExit(f"compare_offline: modules from outside {tree}: {', '.join(strays)}")
     return str(Path(kvpilot.engine.__file__).resolve())
@@ -104,9 +110,14 @@ def child(args: argparse.Namespace) -> int:
     _check_origin(tree)  # again: the engine's lazily imported modules too
     output_tokens = sum(len(t) for t in tokens)
     result = {
-        "engine": engine_file, "seconds": seconds, "output_tokens": output_tokens,
-        "tokens_per_second": output_tokens / seconds, "workload_digest": workload, "outputs_digest": _digest(tokens),
-        "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg(),
+        "engine": engine_file,
+        "seconds": seconds,
+        "output_tokens": output_tokens,
+        "tokens_per_second": output_tokens / seconds,
+        "workload_digest": workload,
+        "outputs_digest": _digest(tokens),
+        "torch_threads": torch.get_num_threads(),
+        "load_average": os.getloadavg(),
     }
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
@@ -126,7 +137,9 @@ def child_vocab_size(args: argparse.Namespace) -> int:
                 raise  # the module exists but one of its imports is missing: a real failure
             continue
         _check_origin(Path(args.tree))
-        print(RESULT_PREFIX + json.dumps({"vocab_size": int(loader.load_config(loader.embedded_model_dir()).vocab_size)}))
+        print(
+            RESULT_PREFIX + json.dumps({"vocab_size": int(loader.load_config(loader.embedded_model_dir()).vocab_size)})
+        )
         return 0
     raise SystemExit("compare_offline: no model loader in this tree; pass --vocab-size")
 
@@ -149,8 +162,9 @@ def _git(*args: str) -> str:
 def export_revision(rev: str, dest: Path) -> str:
     """Extract engine/ and operator/ of git revision `rev` into `dest`; return the commit id."""
     commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}")
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", commit, *TREE_PATHS],
-                             check=True, capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", "--format=tar", commit, *TREE_PATHS], check=True, capture_output=True
+    ).stdout
     dest.mkdir(parents=True)
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(dest, filter="data")
@@ -180,16 +194,21 @@ def _side(name: str, spec: str, tmp: Path) -> Side:
 
 
 def _run_child(side: Side, argv: list[str], log: Path) -> dict[str, object]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(side.pkgroot), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(side.pkgroot), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
     cmd = [sys.executable, "-m", "bench.compare_offline", "--tree", str(side.tree), *argv]
     with log.open("w") as out:
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     text = log.read_text(errors="replace")
-    results = [line[len(RESULT_PREFIX):] for line in text.splitlines() if line.startswith(RESULT_PREFIX)]
+    results = [line[len(RESULT_PREFIX) :] for line in text.splitlines() if line.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not results:
         tail = "\n".join(text.splitlines()[-30:])
-        raise SystemExit(f"compare_offline: the {side.name} side ({side.label}) failed with exit code "
-                         f"{proc.returncode}; log {log}:\n{tail}")
+        raise SystemExit(
+            f"compare_offline: the {side.name} side ({side.label}) failed with exit code "
+            f"{proc.returncode}; log {log}:\n{tail}"
+        )
     return json.loads(results[-1])
 
 
@@ -199,7 +218,9 @@ def _table(report: dict[str, object]) -> str:
     for r in rounds:  # type: ignore[union-attr]
         b, a = r["before"]["tokens_per_second"], r["after"]["tokens_per_second"]
         lines.append(f"{r['round']:>5}  {'/'.join(r['order']):<13}  {b:12.1f}  {a:12.1f}  {a / b:12.3f}")
-    lines.append(f"{'median':>5}  {'':<13}  {report['median_before']:12.1f}  {report['median_after']:12.1f}  {report['ratio']:12.3f}")
+    lines.append(
+        f"{'median':>5}  {'':<13}  {report['median_before']:12.1f}  {report['median_after']:12.1f}  {report['ratio']:12.3f}"
+    )
     return "\n".join(lines)
 
 
@@ -223,18 +244,31 @@ def compare(args: argparse.Namespace) -> int:
         vocab = args.vocab_size
         if vocab is None:
             vocab = int(_run_child(sides["before"], ["--child-vocab-size"], tmp / "vocab.log")["vocab_size"])
-        workload = ["--num-requests", str(args.num_requests), "--seed", str(args.bench_seed), "--vocab-size", str(vocab),
-                    *(["--threads", str(args.threads)] if args.threads else [])]
-        print(f"workload: bench/offline.py's, {args.num_requests} requests, seed {args.bench_seed}, vocab {vocab}; "
-              f"{args.rounds} rounds; logs in {tmp}", flush=True)
+        workload = [
+            "--num-requests",
+            str(args.num_requests),
+            "--seed",
+            str(args.bench_seed),
+            "--vocab-size",
+            str(vocab),
+            *(["--threads", str(args.threads)] if args.threads else []),
+        ]
+        print(
+            f"workload: bench/offline.py's, {args.num_requests} requests, seed {args.bench_seed}, vocab {vocab}; "
+            f"{args.rounds} rounds; logs in {tmp}",
+            flush=True,
+        )
         rounds = []
         for i in range(1, args.rounds + 1):
             order = list(SIDES) if i % 2 else list(reversed(SIDES))  # ABBA: neither side always goes first
             measured = {}
             for name in order:
                 measured[name] = _run_child(sides[name], ["--child", *workload], tmp / f"round{i}-{name}.log")
-                print(f"round {i} {name:6s}: {measured[name]['seconds']:7.1f} s  {measured[name]['output_tokens']:6d} tokens  "
-                      f"{measured[name]['tokens_per_second']:7.1f} tok/s  (load {measured[name]['load_average'][0]:.1f})", flush=True)
+                print(
+                    f"round {i} {name:6s}: {measured[name]['seconds']:7.1f} s  {measured[name]['output_tokens']:6d} tokens  "
+                    f"{measured[name]['tokens_per_second']:7.1f} tok/s  (load {measured[name]['load_average'][0]:.1f})",
+                    flush=True,
+                )
             rounds.append({"round": i, "order": order, **measured})
         digests = {r[s]["workload_digest"] for r in rounds for s in SIDES}
         if len(digests) != 1:
@@ -243,13 +277,24 @@ def compare(args: argparse.Namespace) -> int:
         ratio = medians["after"] / medians["before"]
         report: dict[str, object] = {
             "command": "python -m bench.compare_offline " + " ".join(sys.argv[1:]),
-            "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-                        "torch_threads": rounds[0]["before"]["torch_threads"]},
-            "workload": {"num_requests": args.num_requests, "seed": args.bench_seed, "vocab_size": vocab,
-                         "digest": digests.pop()},
-            "before": {"label": sides["before"].label}, "after": {"label": sides["after"].label},
+            "machine": {
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+                "torch_threads": rounds[0]["before"]["torch_threads"],
+            },
+            "workload": {
+                "num_requests": args.num_requests,
+                "seed": args.bench_seed,
+                "vocab_size": vocab,
+                "digest": digests.pop(),
+            },
+            "before": {"label": sides["before"].label},
+            "after": {"label": sides["after"].label},
             "rounds": rounds,
-            "median_before": medians["before"], "median_after": medians["after"], "ratio": ratio,
+            "median_before": medians["before"],
+            "median_after": medians["after"],
+            "ratio": ratio,
             "same_outputs": len({r[s]["outputs_digest"] for r in rounds for s in SIDES}) == 1,
             "max_slowdown_percent": args.max_slowdown,
             "within_max_slowdown": ratio >= 1 - args.max_slowdown / 100,
@@ -263,9 +308,11 @@ def compare(args: argparse.Namespace) -> int:
         print(_markdown(report))
         print()
         change = (ratio - 1) * 100
-        print(f"after/before = {ratio:.3f} ({'+' if change >= 0 else ''}{change:.1f} % tokens/s); "
-              f"{'within' if report['within_max_slowdown'] else 'NOT within'} the {args.max_slowdown:g} % slowdown budget; "
-              f"greedy outputs {'identical' if report['same_outputs'] else 'DIFFER'} across sides and rounds")
+        print(
+            f"after/before = {ratio:.3f} ({'+' if change >= 0 else ''}{change:.1f} % tokens/s); "
+            f"{'within' if report['within_max_slowdown'] else 'NOT within'} the {args.max_slowdown:g} % slowdown budget; "
+            f"greedy outputs {'identical' if report['same_outputs'] else 'DIFFER'} across sides and rounds"
+        )
         print(f"wrote {output}")
         return 0
     finally:
@@ -278,16 +325,26 @@ def compare(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.compare_offline", description=__doc__.splitlines()[0])
     parser.add_argument("--before", help="git revision of the 'before' side (e.g. 0dc9ed5)")
-    parser.add_argument("--after", default=str(REPO),
-                        help="source tree (a directory with engine/ and operator/) or git revision of the 'after' side "
-                             "(default: this working tree)")
+    parser.add_argument(
+        "--after",
+        default=str(REPO),
+        help="source tree (a directory with engine/ and operator/) or git revision of the 'after' side "
+        "(default: this working tree)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="before/after pairs, alternating the order (default: 3)")
     parser.add_argument("--num-requests", type=int, default=64, help="as bench.offline (default: 64)")
     parser.add_argument("--seed", dest="bench_seed", type=int, default=0, help="as bench.offline (default: 0)")
-    parser.add_argument("--vocab-size", type=int, help="prompt token id range (default: the embedded model's, read "
-                                                       "with the 'before' tree's loader)")
-    parser.add_argument("--threads", type=int, help="torch threads in each run (default: torch's default, as bench.offline)")
-    parser.add_argument("--max-slowdown", type=float, default=5.0, help="budget in percent for the verdict line (default: 5)")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        help="prompt token id range (default: the embedded model's, read with the 'before' tree's loader)",
+    )
+    parser.add_argument(
+        "--threads", type=int, help="torch threads in each run (default: torch's default, as bench.offline)"
+    )
+    parser.add_argument(
+        "--max-slowdown", type=float, default=5.0, help="budget in percent for the verdict line (default: 5)"
+    )
     parser.add_argument("--output", default="bench/out/compare_offline.json")
     parser.add_argument("--keep", action="store_true", help="keep the exported trees and the logs")
     # The child side (run by the parent).

@@ -82,8 +82,12 @@ def build_app(model_path: str | None) -> FastAPI:
         def generate() -> None:
             with torch.inference_mode():
                 model.generate(
-                    torch.tensor([ids]), max_new_tokens=body.max_tokens, min_new_tokens=body.max_tokens if body.ignore_eos else 0,
-                    do_sample=False, pad_token_id=tokenizer.eos_token_id, streamer=_QueueStreamer(loop, queue),
+                    torch.tensor([ids]),
+                    max_new_tokens=body.max_tokens,
+                    min_new_tokens=body.max_tokens if body.ignore_eos else 0,
+                    do_sample=False,
+                    pad_token_id=tokenizer.eos_token_id,
+                    streamer=_QueueStreamer(loop, queue),
                     stopping_criteria=StoppingCriteriaList([_Cancelled(cancelled)]),
                 )
 
@@ -100,8 +104,12 @@ def build_app(model_path: str | None) -> FastAPI:
             async for token in tokens(body, cancelled):
                 count += 1
                 finish = "length" if count == body.max_tokens else None
-                chunk = CompletionResponse(id=request_id, created=created, model=name,
-                                           choices=[CompletionChoice(index=0, text=tokenizer.decode([token]), finish_reason=finish)])
+                chunk = CompletionResponse(
+                    id=request_id,
+                    created=created,
+                    model=name,
+                    choices=[CompletionChoice(index=0, text=tokenizer.decode([token]), finish_reason=finish)],
+                )
                 yield f"data: {chunk.model_dump_json()}\n\n"
             usage = Usage(prompt_tokens=num_prompt, completion_tokens=count, total_tokens=num_prompt + count)
             yield f"data: {CompletionResponse(id=request_id, created=created, model=name, choices=[], usage=usage).model_dump_json()}\n\n"
@@ -112,12 +120,26 @@ def build_app(model_path: str | None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: BaselineRequest) -> Response:
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        num_prompt = len(body.prompt) if isinstance(body.prompt, list) else len(tokenizer.encode(body.prompt, add_special_tokens=False))
+        num_prompt = (
+            len(body.prompt)
+            if isinstance(body.prompt, list)
+            else len(tokenizer.encode(body.prompt, add_special_tokens=False))
+        )
         if body.stream:
             return StreamingResponse(events(body, request_id, num_prompt), media_type="text/event-stream")
         out = [t async for t in tokens(body, threading.Event())]
-        response = CompletionResponse(id=request_id, model=name, choices=[CompletionChoice(index=0, text=tokenizer.decode(out), finish_reason="length" if len(out) == body.max_tokens else "stop")],
-                                      usage=Usage(prompt_tokens=num_prompt, completion_tokens=len(out), total_tokens=num_prompt + len(out)))
+        response = CompletionResponse(
+            id=request_id,
+            model=name,
+            choices=[
+                CompletionChoice(
+                    index=0,
+                    text=tokenizer.decode(out),
+                    finish_reason="length" if len(out) == body.max_tokens else "stop",
+                )
+            ],
+            usage=Usage(prompt_tokens=num_prompt, completion_tokens=len(out), total_tokens=num_prompt + len(out)),
+        )
         return JSONResponse(response.model_dump())
 
     return app

@@ -69,7 +69,9 @@ def main() -> None:
             aligned += ((low / step - (low / step).round()).abs() < 1e-2).sum().item()
     print(f"{len(names)} linear weights, {groups} groups of {GROUP}")
     print(f"groups whose weights lie on their min-max 16-level grid: {on_grid / groups:.1%}")
-    print(f"groups whose minimum is a multiple of their step (an integer zero point can hold it): {aligned / groups:.1%}")
+    print(
+        f"groups whose minimum is a multiple of their step (an integer zero point can hold it): {aligned / groups:.1%}"
+    )
     print("| grid | relative RMS weight error |")
     print("| --- | ---: |")
     for label, error in errors.items():

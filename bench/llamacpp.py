@@ -64,15 +64,24 @@ def embedded_gguf() -> Path:
 
 def cmake_configure_args(source: Path, build: Path, generator: str | None) -> list[str]:
     """The configure step: CPU only, tuned for this CPU, static, the server and nothing that downloads."""
-    args = ["-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-            "-DLLAMA_BUILD_SERVER=ON", "-DGGML_NATIVE=ON",
-            # One self-contained binary: no libllama.so next to it to keep in step.
-            "-DBUILD_SHARED_LIBS=OFF",
-            # The web UI would otherwise be fetched from a bucket at build time; the bench needs only the API.
-            "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-            # Loopback only: no TLS, so no dependency on OpenSSL headers.
-            "-DLLAMA_OPENSSL=OFF",
-            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
+    args = [
+        "-S",
+        str(source),
+        "-B",
+        str(build),
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DLLAMA_BUILD_SERVER=ON",
+        "-DGGML_NATIVE=ON",
+        # One self-contained binary: no libllama.so next to it to keep in step.
+        "-DBUILD_SHARED_LIBS=OFF",
+        # The web UI would otherwise be fetched from a bucket at build time; the bench needs only the API.
+        "-DLLAMA_BUILD_UI=OFF",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",
+        # Loopback only: no TLS, so no dependency on OpenSSL headers.
+        "-DLLAMA_OPENSSL=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+    ]
     if generator:
         args[:0] = ["-G", generator]
     return args
@@ -109,8 +118,20 @@ def _sdist(version: str, into: Path) -> Path:
         return archive
     _step(f"downloading the llama-cpp-python {version} sdist from PyPI (~75 MB)")
     into.mkdir(parents=True, exist_ok=True)
-    _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-          f"llama-cpp-python=={version}", "-d", str(into)])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-binary",
+            ":all:",
+            "--no-deps",
+            f"llama-cpp-python=={version}",
+            "-d",
+            str(into),
+        ]
+    )
     if not archive.is_file():
         raise RuntimeError(f"pip did not leave {archive.name} in {into}")
     return archive
@@ -158,8 +179,9 @@ def build(version: str = DEFAULT_VERSION, jobs: int = 2) -> Path:
     return binary
 
 
-def server_argv(binary: Path, model: Path, host: str, port: int, *, threads: int = 2, slots: int = 64,
-                context: int = 32768) -> list[str]:
+def server_argv(
+    binary: Path, model: Path, host: str, port: int, *, threads: int = 2, slots: int = 64, context: int = 32768
+) -> list[str]:
     """llama-server for the serving benchmark.
 
     `-cb` with `slots` parallel sequences is its continuous batching; `--kv-unified` makes `context`
@@ -167,15 +189,34 @@ def server_argv(binary: Path, model: Path, host: str, port: int, *, threads: int
     context/slots tokens, and a long prompt fails). Threads are given for both decode and batch
     (prompt) work so that neither side uses more cores than the other.
     """
-    return [str(binary), "-m", str(model), "--host", host, "--port", str(port),
-            "-t", str(threads), "-tb", str(threads), "-cb", "-np", str(slots), "-c", str(context), "--kv-unified"]
+    return [
+        str(binary),
+        "-m",
+        str(model),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-cb",
+        "-np",
+        str(slots),
+        "-c",
+        str(context),
+        "--kv-unified",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.llamacpp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build llama-server into the cache (reused when present)")
-    b.add_argument("--version", default=DEFAULT_VERSION, help=f"llama-cpp-python sdist version (default: {DEFAULT_VERSION})")
+    b.add_argument(
+        "--version", default=DEFAULT_VERSION, help=f"llama-cpp-python sdist version (default: {DEFAULT_VERSION})"
+    )
     b.add_argument("--jobs", type=int, default=2, help="parallel compile jobs (default: 2)")
     args = parser.parse_args(argv)
     print(build(args.version, args.jobs))

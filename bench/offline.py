@@ -86,7 +86,14 @@ def run_hf(requests: list[BenchRequest], batch_size: int) -> BenchResult:
         mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch])
         longest = max(r.output_len for r in batch)
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False, pad_token_id=pad)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         useful += sum(r.output_len for r in batch)  # tokens past a request's own length are waste
         print(f"  hf batch {i // batch_size + 1}: {time.perf_counter() - start:.1f}s", flush=True)
     return BenchResult(f"hf-generate-batch{batch_size}", time.perf_counter() - start, useful)
@@ -101,8 +108,11 @@ def embedded_vocab_size() -> int:
 
 def run(args: argparse.Namespace) -> int:
     requests = make_requests(args.num_requests, args.bench_seed, embedded_vocab_size())
-    print(f"{len(requests)} requests, {sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
-          f"{sum(r.output_len for r in requests)} output tokens, torch threads {torch.get_num_threads()}", flush=True)
+    print(
+        f"{len(requests)} requests, {sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
+        f"{sum(r.output_len for r in requests)} output tokens, torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
     results = [run_engine(requests)]
     print(f"  kvpilot: {results[0].seconds:.1f}s", flush=True)
     results += [run_hf(requests, int(b)) for b in args.hf_batch_size.split(",")]
@@ -113,24 +123,44 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvpilot / best HF ({best_hf.system}): {ratio:.2f}x")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__},
-        "requests": len(requests), "seed": args.bench_seed,
-        "results": [asdict(r) | {"tokens_per_second": r.tokens_per_second} for r in results],
-        "speedup_vs_best_hf": ratio,
-    }, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "machine": {
+                    "platform": platform.platform(),
+                    "cpus": torch.get_num_threads(),
+                    "torch": torch.__version__,
+                },
+                "requests": len(requests),
+                "seed": args.bench_seed,
+                "results": [asdict(r) | {"tokens_per_second": r.tokens_per_second} for r in results],
+                "speedup_vs_best_hf": ratio,
+            },
+            indent=2,
+        )
+    )
     return 0
 
 
 def add_bench_offline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=64, help="requests in the workload (default: 64)")
-    parser.add_argument("--hf-batch-size", default="16,64", help="comma-separated HF static batch sizes; the best is the baseline (default: 16,64)")
-    parser.add_argument("--seed", dest="bench_seed", type=int, default=0, help="seed of the prompts and output lengths (default: 0)")
-    parser.add_argument("--output", default="bench/out/offline.json", help="JSON results (default: bench/out/offline.json)")
+    parser.add_argument(
+        "--hf-batch-size",
+        default="16,64",
+        help="comma-separated HF static batch sizes; the best is the baseline (default: 16,64)",
+    )
+    parser.add_argument(
+        "--seed", dest="bench_seed", type=int, default=0, help="seed of the prompts and output lengths (default: 0)"
+    )
+    parser.add_argument(
+        "--output", default="bench/out/offline.json", help="JSON results (default: bench/out/offline.json)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.offline", description="engine vs HuggingFace generate, output tokens/s")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.offline", description="engine vs HuggingFace generate, output tokens/s"
+    )
     add_bench_offline_args(parser)
     return parser
 

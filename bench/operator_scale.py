@@ -48,10 +48,16 @@ def gpu_nodes(count: int) -> list[GPUNodeSpec]:
 
 
 def audit_policy(path: Path, subject: str) -> Path:
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
-        "rules": [{"level": "Metadata", "users": [subject]}, {"level": "None"}],
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "audit.k8s.io/v1",
+                "kind": "Policy",
+                "omitStages": ["RequestReceived"],
+                "rules": [{"level": "Metadata", "users": [subject]}, {"level": "None"}],
+            }
+        )
+    )
     return path
 
 
@@ -104,8 +110,12 @@ def run(count: int, steady_s: float, output: Path) -> dict[str, Any]:
         try:
             setup_s = time.monotonic() - started
             rss_idle = memory_kib(process.pid)
-            spec = {"model": {"name": "llama-3-8b"}, "accelerator": {"type": "H100-80GB"},
-                    "serving": {"maxContextLength": 8192}, "replicas": 1}
+            spec = {
+                "model": {"name": "llama-3-8b"},
+                "accelerator": {"type": "H100-80GB"},
+                "serving": {"maxContextLength": 8192},
+                "replicas": 1,
+            }
             manifests = [kvis.manifest(f"svc-{i:03d}", WATCHED, spec) for i in range(count)]
 
             t0, wall0 = time.monotonic(), time.time()
@@ -145,7 +155,7 @@ def run(count: int, steady_s: float, output: Path) -> dict[str, Any]:
     result = {
         "command": " ".join([Path(sys.executable).name, "-m", "bench.operator_scale", *sys.argv[1:]]),
         "machine": f"{platform.node()}: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
-                   f"load average {os.getloadavg()[0]:.1f} at the end",
+        f"load average {os.getloadavg()[0]:.1f} at the end",
         "inference_services": count,
         "gpu_nodes": len(gpu_nodes(count)),
         "cluster_and_operator_setup_s": round(setup_s, 1),
@@ -153,17 +163,26 @@ def run(count: int, steady_s: float, output: Path) -> dict[str, Any]:
         "first_ready_s": round(first_ready_s or 0, 1),
         "all_ready_s": round(all_ready_s, 1),
         "ready_progress": progress[:: max(1, len(progress) // 20)],
-        "burst": {"requests": sum(burst.values()), "reconciles": burst_reconciles,
-                  "requests_per_reconcile": round(sum(burst.values()) / max(1, burst_reconciles), 2),
-                  "by_kind": dict(burst.most_common())},
-        "steady": {"seconds": steady_s, "requests": sum(steady.values()), "reconciles": steady_reconciles,
-                   "requests_per_reconcile": round(sum(steady.values()) / max(1, steady_reconciles), 2),
-                   "requests_per_s": round(sum(steady.values()) / steady_s, 1),
-                   "by_kind": dict(steady.most_common())},
-        "operator_rss_mib": {"idle": round(rss_idle["VmRSS"] / 1024, 1),
-                             "all_ready": round(rss_ready["VmRSS"] / 1024, 1),
-                             "end": round(rss_end["VmRSS"] / 1024, 1),
-                             "peak": round(rss_end["VmHWM"] / 1024, 1)},
+        "burst": {
+            "requests": sum(burst.values()),
+            "reconciles": burst_reconciles,
+            "requests_per_reconcile": round(sum(burst.values()) / max(1, burst_reconciles), 2),
+            "by_kind": dict(burst.most_common()),
+        },
+        "steady": {
+            "seconds": steady_s,
+            "requests": sum(steady.values()),
+            "reconciles": steady_reconciles,
+            "requests_per_reconcile": round(sum(steady.values()) / max(1, steady_reconciles), 2),
+            "requests_per_s": round(sum(steady.values()) / steady_s, 1),
+            "by_kind": dict(steady.most_common()),
+        },
+        "operator_rss_mib": {
+            "idle": round(rss_idle["VmRSS"] / 1024, 1),
+            "all_ready": round(rss_ready["VmRSS"] / 1024, 1),
+            "end": round(rss_end["VmRSS"] / 1024, 1),
+            "peak": round(rss_end["VmHWM"] / 1024, 1),
+        },
         "total_s": round(time.monotonic() - started, 1),
         "operator_logs": str(workdir),
     }
@@ -175,8 +194,9 @@ def run(count: int, steady_s: float, output: Path) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--count", type=int, default=200)
-    parser.add_argument("--steady-s", type=float, default=45.0,
-                        help="seconds to measure after all are Ready (idle: nothing changes)")
+    parser.add_argument(
+        "--steady-s", type=float, default=45.0, help="seconds to measure after all are Ready (idle: nothing changes)"
+    )
     parser.add_argument("--output", type=Path, default=Path("bench/out/operator_scale.json"))
     args = parser.parse_args()
     print(json.dumps(run(args.count, args.steady_s, args.output), indent=2))

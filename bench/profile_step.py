@@ -31,16 +31,81 @@ GROUPS: tuple[tuple[str, frozenset[str], tuple[str, ...]], ...] = (
     ("attention", frozenset({"softmax", "_softmax", "baddbmm"}), ("scaled_dot_product", "attention")),
     ("linear", frozenset({"linear", "addmm", "mm", "bmm", "matmul"}), ("pack_mm",)),
     ("KV gather/write", frozenset(), ("index_select", "index_put", "index_copy", "gather", "scatter")),
-    ("sampling", frozenset({"argmax", "topk", "sort", "multinomial", "exponential_", "log_softmax", "cumsum",
-                            "max", "div_"}), ()),
-    ("copies/casts/views", frozenset({"copy_", "to", "_to_copy", "contiguous", "clone", "cat", "stack", "empty",
-                                      "empty_like", "zeros", "full", "arange", "lift_fresh", "as_strided", "view",
-                                      "reshape", "_reshape_alias", "slice", "select", "unsqueeze", "transpose",
-                                      "permute", "expand", "narrow", "split", "split_with_sizes", "chunk", "t",
-                                      "unbind", "detach", "item", "_local_scalar_dense", "resize_"}), ()),
-    ("norms/elementwise/rope", frozenset({"mul", "add", "rsqrt", "pow", "mean", "silu", "neg", "sub", "div", "cos",
-                                          "sin", "where", "masked_fill", "embedding", "exp", "sum", "clamp", "mul_",
-                                          "add_", "rms_norm", "_fused_rms_norm"}), ()),
+    (
+        "sampling",
+        frozenset({"argmax", "topk", "sort", "multinomial", "exponential_", "log_softmax", "cumsum", "max", "div_"}),
+        (),
+    ),
+    (
+        "copies/casts/views",
+        frozenset(
+            {
+                "copy_",
+                "to",
+                "_to_copy",
+                "contiguous",
+                "clone",
+                "cat",
+                "stack",
+                "empty",
+                "empty_like",
+                "zeros",
+                "full",
+                "arange",
+                "lift_fresh",
+                "as_strided",
+                "view",
+                "reshape",
+                "_reshape_alias",
+                "slice",
+                "select",
+                "unsqueeze",
+                "transpose",
+                "permute",
+                "expand",
+                "narrow",
+                "split",
+                "split_with_sizes",
+                "chunk",
+                "t",
+                "unbind",
+                "detach",
+                "item",
+                "_local_scalar_dense",
+                "resize_",
+            }
+        ),
+        (),
+    ),
+    (
+        "norms/elementwise/rope",
+        frozenset(
+            {
+                "mul",
+                "add",
+                "rsqrt",
+                "pow",
+                "mean",
+                "silu",
+                "neg",
+                "sub",
+                "div",
+                "cos",
+                "sin",
+                "where",
+                "masked_fill",
+                "embedding",
+                "exp",
+                "sum",
+                "clamp",
+                "mul_",
+                "add_",
+                "rms_norm",
+                "_fused_rms_norm",
+            }
+        ),
+        (),
+    ),
 )
 
 
@@ -75,14 +140,23 @@ def profile_one(label: str, batch: int, steps: int, compile_decode: bool) -> dic
         profiled_ms = (time.perf_counter() - start) / steps * 1000
     groups: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
-        group = group_of(event.key) if event.key.startswith("aten::") else next(
-            (g for prefix, g in COMPILED_GROUPS if event.key.startswith(prefix)), None)
+        group = (
+            group_of(event.key)
+            if event.key.startswith("aten::")
+            else next((g for prefix, g in COMPILED_GROUPS if event.key.startswith(prefix)), None)
+        )
         if group is not None:
             groups[group] += event.self_cpu_time_total / 1000 / steps
     groups["Python and the rest"] = max(0.0, profiled_ms - sum(groups.values()))
     scale = step_ms / profiled_ms
-    return {"scheme": label, "batch": batch, "compile_decode": compile_decode, "step_ms": round(step_ms, 2), "profiled_step_ms": round(profiled_ms, 2),
-            "split_ms": {k: round(v * scale, 2) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])}}
+    return {
+        "scheme": label,
+        "batch": batch,
+        "compile_decode": compile_decode,
+        "step_ms": round(step_ms, 2),
+        "profiled_step_ms": round(profiled_ms, 2),
+        "split_ms": {k: round(v * scale, 2) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+    }
 
 
 def main() -> int:

@@ -32,13 +32,20 @@ def decoding_engine(label: str, batch: int, max_tokens: int, compile_decode: boo
     """The embedded model under `label`'s scheme with `batch` requests (prompts of 64-127 tokens)
     prefilled and one decode step taken: every further step() is a decode step of `batch`."""
     _, scheme, dtype = next(v for v in VARIANTS if v[0] == label)
-    llm = LLM(quantization=scheme, dtype=dtype, kv_cache_memory_bytes=1 << 30, max_num_seqs=max(batch, 1),
-              max_num_batched_tokens=8192, compile_decode=compile_decode)
+    llm = LLM(
+        quantization=scheme,
+        dtype=dtype,
+        kv_cache_memory_bytes=1 << 30,
+        max_num_seqs=max(batch, 1),
+        max_num_batched_tokens=8192,
+        compile_decode=compile_decode,
+    )
     engine = llm.engine
     text = engine.tokenize("Paged attention keeps the keys and values of every token in fixed-size blocks. " * 20)
     for i in range(batch):
-        engine.add_request(text[i % 17 : i % 17 + 64 + i % 64],
-                           SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        engine.add_request(
+            text[i % 17 : i % 17 + 64 + i % 64], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        )
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()  # prefill, untimed
     engine.step()  # one decode step to warm up
@@ -70,18 +77,38 @@ def main() -> int:
             for scheme in order:
                 tps, weights[scheme] = decode_tokens_per_second(scheme, batch, args.steps)
                 runs.setdefault(str(batch), {}).setdefault(scheme, []).append(tps)
-                print(f"batch {batch:3d} round {rnd + 1} {scheme:5s}: {tps:8.1f} decode tok/s  (load {os.getloadavg()[0]:.1f})", flush=True)
+                print(
+                    f"batch {batch:3d} round {rnd + 1} {scheme:5s}: {tps:8.1f} decode tok/s  (load {os.getloadavg()[0]:.1f})",
+                    flush=True,
+                )
     print("\n| batch | " + " | ".join(f"{s} tok/s" for s in SCHEMES) + " | int8 / none | int4 / none | int4 / fp32 |")
     print("| ---: | " + " | ".join("---:" for _ in SCHEMES) + " | ---: | ---: | ---: |")
     medians = {b: {s: statistics.median(v) for s, v in per.items()} for b, per in runs.items()}
     for b, m in medians.items():
-        print(f"| {b} | " + " | ".join(f"{m[s]:.1f}" for s in SCHEMES) + f" | {m['int8'] / m['none']:.2f}x | {m['int4'] / m['none']:.2f}x | {m['int4'] / m['fp32']:.2f}x |")
+        print(
+            f"| {b} | "
+            + " | ".join(f"{m[s]:.1f}" for s in SCHEMES)
+            + f" | {m['int8'] / m['none']:.2f}x | {m['int4'] / m['none']:.2f}x | {m['int4'] / m['fp32']:.2f}x |"
+        )
     print("\nweights: " + ", ".join(f"{s} {weights[s] / 2**20:.1f} MiB" for s in SCHEMES))
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps({
-        "command": "python -m bench.quantization", "args": vars(args), "runs": runs, "medians": medians, "weight_bytes": weights,
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
-    }, indent=2))
+    Path(args.output).write_text(
+        json.dumps(
+            {
+                "command": "python -m bench.quantization",
+                "args": vars(args),
+                "runs": runs,
+                "medians": medians,
+                "weight_bytes": weights,
+                "machine": {
+                    "platform": platform.platform(),
+                    "torch": torch.__version__,
+                    "threads": torch.get_num_threads(),
+                },
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

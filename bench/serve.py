@@ -57,24 +57,36 @@ _FIRST_PLAIN_TOKEN = 1000
 
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rates", default="0.25,0.5,1,2,4,8", help="request rates to sweep, requests/s (default: 0.25,0.5,1,2,4,8)")
+    parser.add_argument(
+        "--rates", default="0.25,0.5,1,2,4,8", help="request rates to sweep, requests/s (default: 0.25,0.5,1,2,4,8)"
+    )
     parser.add_argument("--concurrency", help="closed loop instead: requests kept in flight per level, e.g. 1,16,64")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate (default: 30)")
     parser.add_argument("--min-requests", type=int, default=8, help="requests per rate at least (default: 8)")
     parser.add_argument("--input-len", type=int, default=64, help="mean prompt tokens (default: 64)")
     parser.add_argument("--output-len", type=int, default=16, help="mean output tokens (default: 16)")
-    parser.add_argument("--range-ratio", type=float, default=0.25, help="lengths are uniform in mean*(1±ratio) (default: 0.25)")
+    parser.add_argument(
+        "--range-ratio", type=float, default=0.25, help="lengths are uniform in mean*(1±ratio) (default: 0.25)"
+    )
     parser.add_argument("--output-range-ratio", type=float, help="the same for output lengths (default: --range-ratio)")
     parser.add_argument("--seed", dest="bench_seed", type=int, default=0)
-    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO and sweep limit on TTFT (default: 2000)")
+    parser.add_argument(
+        "--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO and sweep limit on TTFT (default: 2000)"
+    )
     parser.add_argument("--slo-tpot-ms", type=float, default=500.0, help="goodput SLO on TPOT (default: 500)")
-    parser.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
-                        help=f"comma list of {', '.join(BACKENDS)} (default: {','.join(DEFAULT_BACKENDS)})")
+    parser.add_argument(
+        "--backends",
+        default=",".join(DEFAULT_BACKENDS),
+        help=f"comma list of {', '.join(BACKENDS)} (default: {','.join(DEFAULT_BACKENDS)})",
+    )
     parser.add_argument("--base-url", help="bench this running server instead of starting the backends")
     parser.add_argument("--model-name", default="SmolLM2-135M-Instruct", help="`model` sent with each request")
     parser.add_argument("--server-args", default="", help="extra arguments for the kvpilot serve it starts")
-    parser.add_argument("--llamacpp-version", default=llamacpp.DEFAULT_VERSION,
-                        help=f"llama-cpp-python version whose llama-server to run (default: {llamacpp.DEFAULT_VERSION})")
+    parser.add_argument(
+        "--llamacpp-version",
+        default=llamacpp.DEFAULT_VERSION,
+        help=f"llama-cpp-python version whose llama-server to run (default: {llamacpp.DEFAULT_VERSION})",
+    )
     parser.add_argument("--llamacpp-threads", type=int, default=2, help="llama-server -t/-tb (default: 2)")
     parser.add_argument("--full-sweep", action="store_true", help="run every rate even after the SLO is missed")
     parser.add_argument("--request-timeout", type=float, default=300.0)
@@ -102,16 +114,22 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else math.nan
 
 
-def make_workload(n: int, input_len: int, output_len: int, ratio: float, seed: int, vocab: int,
-                  output_ratio: float | None = None) -> list[WorkItem]:
+def make_workload(
+    n: int, input_len: int, output_len: int, ratio: float, seed: int, vocab: int, output_ratio: float | None = None
+) -> list[WorkItem]:
     rng = random.Random(seed)
 
     def length(mean: int, ratio: float) -> int:
         return max(1, rng.randint(int(mean * (1 - ratio)), int(mean * (1 + ratio))))
 
     out_ratio = ratio if output_ratio is None else output_ratio
-    return [WorkItem([rng.randrange(_FIRST_PLAIN_TOKEN, vocab) for _ in range(length(input_len, ratio))],
-                     length(output_len, out_ratio)) for _ in range(n)]
+    return [
+        WorkItem(
+            [rng.randrange(_FIRST_PLAIN_TOKEN, vocab) for _ in range(length(input_len, ratio))],
+            length(output_len, out_ratio),
+        )
+        for _ in range(n)
+    ]
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -133,8 +151,15 @@ def carries_tokens(chunk: dict[str, object]) -> bool:
 
 
 async def _one(client, url: str, model: str, item: WorkItem) -> RequestResult:  # noqa: ANN001 - httpx.AsyncClient
-    body = {"model": model, "prompt": item.prompt, "max_tokens": item.output_len, "ignore_eos": True, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": item.prompt,
+        "max_tokens": item.output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     times: list[float] = []
     tokens = 0
@@ -154,11 +179,18 @@ async def _one(client, url: str, model: str, item: WorkItem) -> RequestResult:  
         return RequestResult(ok=False, error=repr(err))
     if not times:
         return RequestResult(ok=False, error="no tokens")
-    return RequestResult(ok=True, ttft=times[0] - start, e2e=times[-1] - start, itl=[b - a for a, b in zip(times, times[1:])],
-                         output_tokens=tokens or len(times))
+    return RequestResult(
+        ok=True,
+        ttft=times[0] - start,
+        e2e=times[-1] - start,
+        itl=[b - a for a, b in zip(times, times[1:])],
+        output_tokens=tokens or len(times),
+    )
 
 
-async def run_rate(base_url: str, model: str, items: list[WorkItem], arrivals: list[float], timeout: float) -> tuple[list[RequestResult], float]:
+async def run_rate(
+    base_url: str, model: str, items: list[WorkItem], arrivals: list[float], timeout: float
+) -> tuple[list[RequestResult], float]:
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -173,8 +205,9 @@ async def run_rate(base_url: str, model: str, items: list[WorkItem], arrivals: l
         return list(results), time.perf_counter() - start
 
 
-async def run_concurrency(base_url: str, model: str, items: list[WorkItem], concurrency: int, duration: float,
-                          timeout: float) -> tuple[list[RequestResult], float]:
+async def run_concurrency(
+    base_url: str, model: str, items: list[WorkItem], concurrency: int, duration: float, timeout: float
+) -> tuple[list[RequestResult], float]:
     """`concurrency` clients, each sending the workload's next request as soon as its last one
     finished, until `duration` has passed (requests in flight then are completed and counted)."""
     import httpx
@@ -211,7 +244,9 @@ def _ms(stats: dict[str, float]) -> dict[str, float]:
     return {k: v * 1000 for k, v in stats.items()}
 
 
-def summarize(rate: float, results: list[RequestResult], duration: float, slo_ttft: float, slo_tpot: float) -> dict[str, object]:
+def summarize(
+    rate: float, results: list[RequestResult], duration: float, slo_ttft: float, slo_tpot: float
+) -> dict[str, object]:
     ok = [r for r in results if r.ok]
     good = [r for r in ok if r.ttft <= slo_ttft and (math.isnan(r.tpot) or r.tpot <= slo_tpot)]
     return {
@@ -241,14 +276,27 @@ def sustains(summary: dict[str, object], slo_ttft_ms: float) -> bool:
 def backend_command(backend: str, port: int, args: argparse.Namespace) -> tuple[list[str], str]:
     """The argv that serves `backend` on 127.0.0.1:`port`, and the path that answers 200 once it is ready."""
     if backend == "kvpilot":
-        return [sys.executable, "-m", "kvpilot.engine.cli", "serve", "--host", LOOPBACK, "--port", str(port),
-                *args.server_args.split()], "/ready"
+        return [
+            sys.executable,
+            "-m",
+            "kvpilot.engine.cli",
+            "serve",
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(port),
+            *args.server_args.split(),
+        ], "/ready"
     if backend == "llamacpp":
         binary = llamacpp.server_binary(args.llamacpp_version)
         if not binary.is_file():
-            raise ValueError(f"{binary} is not built: run .venv/bin/python -m bench.llamacpp build "
-                             f"--version {args.llamacpp_version} first (once; about 8 minutes on 2 cores)")
-        return llamacpp.server_argv(binary, llamacpp.embedded_gguf(), LOOPBACK, port, threads=args.llamacpp_threads), "/health"
+            raise ValueError(
+                f"{binary} is not built: run .venv/bin/python -m bench.llamacpp build "
+                f"--version {args.llamacpp_version} first (once; about 8 minutes on 2 cores)"
+            )
+        return llamacpp.server_argv(
+            binary, llamacpp.embedded_gguf(), LOOPBACK, port, threads=args.llamacpp_threads
+        ), "/health"
     if backend == "hf":
         return [sys.executable, "-m", "bench.hf_server", "--host", LOOPBACK, "--port", str(port)], "/health"
     raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
@@ -262,8 +310,16 @@ class _Server:
         self.base_url = f"http://{LOOPBACK}:{self.port}"
         cmd, ready_path = backend_command(backend, self.port, args)
         self.log_path = log_dir / f"{backend}-server.log"
-        self.process = start_http(cmd, self.log_path, self.base_url + ready_path, timeout_s, cwd=_REPO, append=False,
-                                  interval_s=0.2, grace_s=60.0)
+        self.process = start_http(
+            cmd,
+            self.log_path,
+            self.base_url + ready_path,
+            timeout_s,
+            cwd=_REPO,
+            append=False,
+            interval_s=0.2,
+            grace_s=60.0,
+        )
 
     def stop(self) -> None:
         self.process.stop(grace_s=60.0)
@@ -273,8 +329,11 @@ def _machine() -> dict[str, object]:
     import torch
 
     return {
-        "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "load_average_at_start": os.getloadavg(),
     }
@@ -286,7 +345,9 @@ def _vocab_size(model: str | None) -> int:
     return int(load_config(resolve_model(model)).vocab_size)
 
 
-def sweep(targets: dict[str, str], args: argparse.Namespace, levels: list[float], workload: list[WorkItem]) -> dict[str, list[dict[str, object]]]:
+def sweep(
+    targets: dict[str, str], args: argparse.Namespace, levels: list[float], workload: list[WorkItem]
+) -> dict[str, list[dict[str, object]]]:
     """Run every level (a rate, or a concurrency with `--concurrency`) against every backend,
     alternating backends within a level so that a change in background load on a shared machine
     hits both alike."""
@@ -301,21 +362,28 @@ def sweep(targets: dict[str, str], args: argparse.Namespace, levels: list[float]
         arrivals = None if closed_loop else poisson_arrivals(n, level, args.bench_seed + i)
         for label in list(active):
             if arrivals is None:
-                outcome, duration = asyncio.run(run_concurrency(targets[label], args.model_name, workload, int(level),
-                                                                args.duration, args.request_timeout))
+                outcome, duration = asyncio.run(
+                    run_concurrency(
+                        targets[label], args.model_name, workload, int(level), args.duration, args.request_timeout
+                    )
+                )
             else:
-                outcome, duration = asyncio.run(run_rate(targets[label], args.model_name, workload[:n], arrivals,
-                                                         args.request_timeout))
+                outcome, duration = asyncio.run(
+                    run_rate(targets[label], args.model_name, workload[:n], arrivals, args.request_timeout)
+                )
             summary = summarize(level, outcome, duration, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
             if closed_loop:
                 summary["concurrency"] = summary.pop("rate")
             summary["load_average"] = os.getloadavg()
             results[label].append(summary)
-            print(f"{label:8s} {'concurrency' if closed_loop else 'rate'}={level:<5g} n={len(outcome):<3d} "
-                  f"ok={summary['completed']:<3d} "
-                  f"ttft p50/p95={summary['ttft_ms']['p50']:.0f}/{summary['ttft_ms']['p95']:.0f} ms "
-                  f"tpot p50={summary['tpot_ms']['p50']:.0f} ms  out={summary['output_throughput']:.1f} tok/s "
-                  f"goodput={summary['goodput']:.2f} req/s", flush=True)
+            print(
+                f"{label:8s} {'concurrency' if closed_loop else 'rate'}={level:<5g} n={len(outcome):<3d} "
+                f"ok={summary['completed']:<3d} "
+                f"ttft p50/p95={summary['ttft_ms']['p50']:.0f}/{summary['ttft_ms']['p95']:.0f} ms "
+                f"tpot p50={summary['tpot_ms']['p50']:.0f} ms  out={summary['output_throughput']:.1f} tok/s "
+                f"goodput={summary['goodput']:.2f} req/s",
+                flush=True,
+            )
             if not closed_loop and not args.full_sweep and not sustains(summary, args.slo_ttft_ms):
                 active.remove(label)
     return results
@@ -332,7 +400,9 @@ def plot(results: dict[str, list[dict[str, object]]], slo_ttft_ms: float, path: 
     for color, (backend, summaries) in zip(("tab:blue", "tab:orange", "tab:green"), results.items()):
         rates = [s[key] for s in summaries]
         axes[0].plot(rates, [s["ttft_ms"]["p95"] for s in summaries], "o-", color=color, label=f"{backend} p95")
-        axes[0].plot(rates, [s["ttft_ms"]["p50"] for s in summaries], "o--", color=color, alpha=0.5, label=f"{backend} p50")
+        axes[0].plot(
+            rates, [s["ttft_ms"]["p50"] for s in summaries], "o--", color=color, alpha=0.5, label=f"{backend} p50"
+        )
         axes[1].plot(rates, [s["tpot_ms"]["p95"] for s in summaries], "o-", color=color, label=f"{backend} p95")
         axes[2].plot(rates, [s["output_throughput"] for s in summaries], "o-", color=color, label=backend)
     axes[0].axhline(slo_ttft_ms, color="red", linestyle=":", label="SLO")
@@ -357,8 +427,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown backends {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
     # Closed loop: enough distinct requests that no level runs out and reuses prompts early.
     n_max = max(args.min_requests, round(max(levels) * args.duration * (4 if args.concurrency else 1)))
-    workload = make_workload(n_max, args.input_len, args.output_len, args.range_ratio, args.bench_seed, _vocab_size(None),
-                             args.output_range_ratio)
+    workload = make_workload(
+        n_max,
+        args.input_len,
+        args.output_len,
+        args.range_ratio,
+        args.bench_seed,
+        _vocab_size(None),
+        args.output_range_ratio,
+    )
     output = Path(args.output)
     report: dict[str, object] = {
         "command": getattr(args, "invocation", None) or "python -m bench.serve " + " ".join(sys.argv[1:]),
@@ -392,8 +469,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.serve",
-                                     description="load generator: Poisson arrivals against kvpilot serve, llama.cpp and an HF baseline")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.serve",
+        description="load generator: Poisson arrivals against kvpilot serve, llama.cpp and an HF baseline",
+    )
     add_bench_serve_args(parser)
     return parser
 

@@ -30,7 +30,7 @@ PASSAGE = (
     "the mayor, Tobias Wren, ordered a levee built along the east bank. Today Alder Bend has "
     "3,400 residents, a museum in the old mill and a festival every June that celebrates the ferry."
 )
-CODE = '''def moving_average(values, window):
+CODE = """def moving_average(values, window):
     if window <= 0:
         raise ValueError("window must be positive")
     totals = []
@@ -42,7 +42,7 @@ CODE = '''def moving_average(values, window):
         if i >= window - 1:
             totals.append(running / window)
     return totals
-'''
+"""
 # Answers that repeat their input: editing, extraction, quoting.
 COPY_HEAVY = [
     f"Repeat the following text word for word:\n\n{PASSAGE}",
@@ -106,10 +106,16 @@ def run(args: argparse.Namespace) -> int:
 
     modes = ["off", *args.modes]
     draft = {"draft_layers": args.draft_layers} if "draft" in modes else {}
-    engines = {mode: LLMEngine(speculative=mode, num_speculative_tokens=args.num_speculative_tokens,
-                               speculative_max_batch_size=max(args.batch_sizes), kv_cache_memory_bytes=1 << 30,
-                               **(draft if mode == "draft" else {}))
-               for mode in modes}
+    engines = {
+        mode: LLMEngine(
+            speculative=mode,
+            num_speculative_tokens=args.num_speculative_tokens,
+            speculative_max_batch_size=max(args.batch_sizes),
+            kv_cache_memory_bytes=1 << 30,
+            **(draft if mode == "draft" else {}),
+        )
+        for mode in modes
+    }
     print(f"torch threads {torch.get_num_threads()}, dtype {engines['off'].runner.dtype}", flush=True)
     runs: list[Run] = []
     for set_name, texts in PROMPT_SETS.items():
@@ -118,40 +124,71 @@ def run(args: argparse.Namespace) -> int:
             batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
             for round_ in range(args.rounds):
                 outputs = {}
-                for mode in (modes if round_ % 2 == 0 else modes[::-1]):
+                for mode in modes if round_ % 2 == 0 else modes[::-1]:
                     engine = engines[mode]
                     before = engine.scheduler.spec_decoding
                     seconds, tokens, tpots = run_batch(engine, batch_prompts, args.max_tokens)
                     after = engine.scheduler.spec_decoding
                     outputs[mode] = tokens
-                    runs.append(Run(set_name, batch, mode, seconds, sum(map(len, tokens)), 1000 * statistics.mean(tpots),
-                                    after.num_draft_tokens - before.num_draft_tokens,
-                                    after.num_accepted_tokens - before.num_accepted_tokens, after.num_drafts - before.num_drafts))
-                    print(f"  {set_name} batch {batch} round {round_} {mode}: {seconds:.1f}s "
-                          f"{runs[-1].tokens_per_second:.1f} tok/s TPOT {runs[-1].tpot_ms:.1f} ms", flush=True)
+                    runs.append(
+                        Run(
+                            set_name,
+                            batch,
+                            mode,
+                            seconds,
+                            sum(map(len, tokens)),
+                            1000 * statistics.mean(tpots),
+                            after.num_draft_tokens - before.num_draft_tokens,
+                            after.num_accepted_tokens - before.num_accepted_tokens,
+                            after.num_drafts - before.num_drafts,
+                        )
+                    )
+                    print(
+                        f"  {set_name} batch {batch} round {round_} {mode}: {seconds:.1f}s "
+                        f"{runs[-1].tokens_per_second:.1f} tok/s TPOT {runs[-1].tpot_ms:.1f} ms",
+                        flush=True,
+                    )
                 # In bf16 a verification step (several rows) and a decode step (one row) may round a
                 # near-tie differently, so greedy outputs can part; the share that stays equal is reported.
-                for run_ in runs[-len(modes):]:
+                for run_ in runs[-len(modes) :]:
                     run_.same_outputs = sum(a == b for a, b in zip(outputs["off"], outputs[run_.speculative])) / batch
     summary = summarise(runs)
     for line in summary["table"]:
         print(line)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
-        "args": vars(args), "runs": [asdict(r) | {"tokens_per_second": r.tokens_per_second} for r in runs], **summary,
-    }, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "machine": {
+                    "platform": platform.platform(),
+                    "torch_threads": torch.get_num_threads(),
+                    "torch": torch.__version__,
+                },
+                "args": vars(args),
+                "runs": [asdict(r) | {"tokens_per_second": r.tokens_per_second} for r in runs],
+                **summary,
+            },
+            indent=2,
+        )
+    )
     return 0
 
 
 def summarise(runs: list[Run]) -> dict:
     """Medians over rounds, each mode against speculation off; speedup = tokens/s over off's."""
-    table = ["| prompts | batch | mode | off tok/s | mode tok/s | speedup | TPOT off / mode (ms) | acceptance | tokens per verify step | same output |",
-             "| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+    table = [
+        "| prompts | batch | mode | off tok/s | mode tok/s | speedup | TPOT off / mode (ms) | acceptance | tokens per verify step | same output |",
+        "| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+    ]
     rows = []
-    for set_name, batch, mode in dict.fromkeys((r.prompt_set, r.batch, r.speculative) for r in runs if r.speculative != "off"):
-        pick = {m: [r for r in runs if (r.prompt_set, r.batch, r.speculative) == (set_name, batch, m)] for m in ("off", mode)}
+    for set_name, batch, mode in dict.fromkeys(
+        (r.prompt_set, r.batch, r.speculative) for r in runs if r.speculative != "off"
+    ):
+        pick = {
+            m: [r for r in runs if (r.prompt_set, r.batch, r.speculative) == (set_name, batch, m)]
+            for m in ("off", mode)
+        }
         tps = {m: statistics.median(r.tokens_per_second for r in rs) for m, rs in pick.items()}
         tpot = {m: statistics.median(r.tpot_ms for r in rs) for m, rs in pick.items()}
         drafted = sum(r.draft_tokens for r in pick[mode])
@@ -160,17 +197,39 @@ def summarise(runs: list[Run]) -> dict:
         acceptance = accepted / drafted if drafted else 0.0
         per_step = (accepted + steps) / steps if steps else 1.0
         same = statistics.mean(r.same_outputs for r in pick[mode])
-        rows.append({"prompt_set": set_name, "batch": batch, "mode": mode, "tokens_per_second": tps, "tpot_ms": tpot,
-                     "same_outputs": same, "speedup": tps[mode] / tps["off"], "acceptance": acceptance, "tokens_per_verify_step": per_step})
-        table.append(f"| {set_name} | {batch} | {mode} | {tps['off']:.1f} | {tps[mode]:.1f} | {tps[mode] / tps['off']:.2f}x | "
-                     f"{tpot['off']:.1f} / {tpot[mode]:.1f} | {acceptance:.2f} | {per_step:.2f} | {same:.0%} |")
+        rows.append(
+            {
+                "prompt_set": set_name,
+                "batch": batch,
+                "mode": mode,
+                "tokens_per_second": tps,
+                "tpot_ms": tpot,
+                "same_outputs": same,
+                "speedup": tps[mode] / tps["off"],
+                "acceptance": acceptance,
+                "tokens_per_verify_step": per_step,
+            }
+        )
+        table.append(
+            f"| {set_name} | {batch} | {mode} | {tps['off']:.1f} | {tps[mode]:.1f} | {tps[mode] / tps['off']:.2f}x | "
+            f"{tpot['off']:.1f} / {tpot[mode]:.1f} | {acceptance:.2f} | {per_step:.2f} | {same:.0%} |"
+        )
     return {"summary": rows, "table": table}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.spec_decode", description="n-gram speculative decoding on and off")
-    parser.add_argument("--modes", type=lambda s: s.split(","), default=["ngram"], help="speculative modes to compare with off (default: ngram)")
-    parser.add_argument("--draft-layers", type=int, default=8, help="draft mode: the target's layers the draft runs (default: 8)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.spec_decode", description="n-gram speculative decoding on and off"
+    )
+    parser.add_argument(
+        "--modes",
+        type=lambda s: s.split(","),
+        default=["ngram"],
+        help="speculative modes to compare with off (default: ngram)",
+    )
+    parser.add_argument(
+        "--draft-layers", type=int, default=8, help="draft mode: the target's layers the draft runs (default: 8)"
+    )
     parser.add_argument("--batch-sizes", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8, 32])
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per setting (default: 3)")
     parser.add_argument("--max-tokens", type=int, default=160, help="output tokens per request at most (default: 160)")

@@ -59,13 +59,20 @@ def install(
     values_file = cluster.state_dir / f"helm-values-{release}.yaml"
     values_file.write_text(yaml.safe_dump({"watchNamespaces": list(watch_namespaces), **(values or {})}))
     cluster.helm(
-        "install", release, str(CHART_DIR), "--namespace", namespace, "--create-namespace",
-        "--values", str(values_file), "--wait", f"--timeout={timeout_s}s",
+        "install",
+        release,
+        str(CHART_DIR),
+        "--namespace",
+        namespace,
+        "--create-namespace",
+        "--values",
+        str(values_file),
+        "--wait",
+        f"--timeout={timeout_s}s",
         timeout=timeout_s + 30,
     )
     cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD}", "--timeout=60s", timeout=70)
     # Established comes a moment before the API server can list the new resource (429 "storage
     # is (re)initializing"); wait for that too, so the operator's first list succeeds.
-    poll(lambda: cluster.kubectl("get", CRD, "-A", check=False, timeout=10).returncode == 0, 60.0,
-         f"{CRD} served")
+    poll(lambda: cluster.kubectl("get", CRD, "-A", check=False, timeout=10).returncode == 0, 60.0, f"{CRD} served")
     return Installation(release=release, namespace=namespace, watch_namespaces=tuple(watch_namespaces))

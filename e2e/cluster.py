@@ -58,6 +58,7 @@ DEFAULT_POD_CIDR = "127.2.0.0/16"  # kwok's fallback pool for nodes without a po
 SERVICE_CIDR = "127.3.0.0/16"  # Service ClusterIPs (nothing dials them: there is no kube-proxy)
 LOOPBACK = ipaddress.IPv4Network("127.0.0.0/8")
 
+
 def k8s_version(go_mod: Path = E2E_DIR / "k8s-bins" / "kubernetes" / "go.mod") -> str:
     """The Kubernetes release the binaries are built from, e.g. v1.37.2."""
     for line in go_mod.read_text().splitlines():
@@ -115,9 +116,7 @@ class Binaries:
     def check(self) -> Binaries:
         missing = self.missing()
         if missing:
-            raise ClusterError(
-                f"missing binaries in {self.bin_dir}: {', '.join(missing)} (run {BUILD_SCRIPT})"
-            )
+            raise ClusterError(f"missing binaries in {self.bin_dir}: {', '.join(missing)} (run {BUILD_SCRIPT})")
         return self
 
 
@@ -176,6 +175,7 @@ DEFAULT_FLEET: tuple[tuple[str, int], ...] = (
     ("A100-80GB", 8),
     ("H100-80GB", 8),
 )
+
 
 def _catalog_gpu(name: str) -> tuple[str, str, str, float]:
     """(product, product label, resource, memory GiB) of a GPU in the operator's catalog."""
@@ -423,9 +423,7 @@ class Cluster:
         doc = yaml.safe_dump_all([dict(o) for o in objects], sort_keys=False)
         return self.kubectl("apply", "-f", "-", input=doc, timeout=timeout).stdout
 
-    def helm(
-        self, *args: str, check: bool = True, timeout: float = 300.0
-    ) -> subprocess.CompletedProcess[str]:
+    def helm(self, *args: str, check: bool = True, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
         # Helm's own state (repositories, cache) stays inside this cluster's state dir.
         home = self.state_dir / "helm"
         return self._run(
@@ -439,9 +437,7 @@ class Cluster:
             },
         )
 
-    def kwokctl(
-        self, *args: str, check: bool = True, timeout: float = 60.0
-    ) -> subprocess.CompletedProcess[str]:
+    def kwokctl(self, *args: str, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         return self._run([str(self.binaries.kwokctl), *args, "--name", self.name], check=check, timeout=timeout)
 
     # -- diagnostics
@@ -614,9 +610,12 @@ def _kwokctl_create(cluster: Cluster, config_path: Path, timeout_s: float) -> No
     """Run `kwokctl create cluster`, failing fast when one of the components it started dies."""
     argv = [
         str(cluster.binaries.kwokctl),
-        "--config", str(config_path),
-        "create", "cluster",
-        "--name", cluster.name,
+        "--config",
+        str(config_path),
+        "create",
+        "cluster",
+        "--name",
+        cluster.name,
         "--kubeconfig=",  # never touch ~/.kube/config
         f"--timeout={int(timeout_s)}s",
         "--wait=0s",
@@ -656,8 +655,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def reap_stale_clusters(binaries: Binaries, state_root: Path | None = None,
-                        prefix: str = "kvpilot-e2e") -> list[str]:
+def reap_stale_clusters(binaries: Binaries, state_root: Path | None = None, prefix: str = "kvpilot-e2e") -> list[str]:
     """Delete clusters left behind by test runs that were killed (SIGKILL skips teardown).
 
     A cluster named by unique_name() carries the PID of the process that started it; when that
@@ -771,8 +769,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     state_root = args.state_root or default_state_root()
     if args.cmd == "up":
         cluster = start_cluster(build_binaries(), name=args.name or unique_name("kvpilot"), state_root=state_root)
-        print(f"cluster {cluster.name} is up; stop it with: python -m e2e.cluster down --name {cluster.name}",
-              file=sys.stderr)
+        print(
+            f"cluster {cluster.name} is up; stop it with: python -m e2e.cluster down --name {cluster.name}",
+            file=sys.stderr,
+        )
         print(cluster.kubeconfig)
         return 0
     bin_dir = Binaries(Path(os.environ.get("KVPILOT_BIN_DIR", ""))) if os.environ.get("KVPILOT_BIN_DIR") else None

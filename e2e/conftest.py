@@ -80,5 +80,6 @@ def apply_isvc(k8s: Cluster, kvpilot: Installation) -> Iterator[Callable[[str, d
 
     yield apply
     for name in applied:
-        k8s.kubectl("delete", "inferenceservice", name, "-n", kvpilot.watch_namespaces[0], "--ignore-not-found",
-                    "--wait=false")
+        k8s.kubectl(
+            "delete", "inferenceservice", name, "-n", kvpilot.watch_namespaces[0], "--ignore-not-found", "--wait=false"
+        )

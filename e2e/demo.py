@@ -53,10 +53,12 @@ def _record(state: dict[str, Any], role: str, process: Process) -> None:
 
 
 def _chat(url: str, model: str, prompt: str) -> str:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 32,
-                       "temperature": 0}).encode()
-    request = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 32, "temperature": 0}
+    ).encode()
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     # No proxy from the environment: the engine is on loopback.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(request, timeout=120) as response:
@@ -94,8 +96,7 @@ def up() -> int:
         kvis.wait_condition(cluster, NAMESPACE, name, "Ready", "True", timeout_s=120)
         deployment = cluster.kubectl_json("get", "deployment", name, "-n", NAMESPACE)
         pod = kvis.running_pods(cluster, NAMESPACE, name)[0]
-        print(f"starting the engine for pod {pod['metadata']['name']} on {pod['status']['podIP']} ...",
-              file=sys.stderr)
+        print(f"starting the engine for pod {pod['metadata']['name']} on {pod['status']['podIP']} ...", file=sys.stderr)
         engine, url = start_engine(deployment, pod, ROOT / ENGINE_LOG)
         _record(state, "engine", engine)
         # Through the operator's gateway, as a client in the cluster would reach it.
@@ -106,14 +107,15 @@ def up() -> int:
         raise
 
     kubectl = f"{cluster.binaries.kubectl} --kubeconfig {cluster.kubeconfig}"
-    request = json.dumps({"model": model, "messages": [{"role": "user", "content": "Write a haiku about GPUs."}],
-                          "max_tokens": 48})
+    request = json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": "Write a haiku about GPUs."}], "max_tokens": 48}
+    )
     print(cluster.kubectl("get", "kvis,deploy,svc,pods", "-n", NAMESPACE, "-o", "wide").stdout)
-    print(f"""InferenceService {NAMESPACE}/{name}: {status['plan']['reason']}
-  in-cluster URL  {status['url']}
+    print(f"""InferenceService {NAMESPACE}/{name}: {status["plan"]["reason"]}
+  in-cluster URL  {status["url"]}
   gateway         {operator.gateway_url}/v1  (the operator's OpenAI endpoint: routes by model, wakes services at 0 replicas)
   engine          {url}/v1  (kvpilot serve on the pod's loopback IP; log {engine.log})
-  operator        pid {state['processes']['operator']['pid']}, log {state['processes']['operator']['log']}
+  operator        pid {state["processes"]["operator"]["pid"]}, log {state["processes"]["operator"]["log"]}
   first answer    {answer!r}
 
 Try it:
@@ -133,14 +135,17 @@ def down() -> int:
     alive: dict[str, int] = {}
     for role, process in state["processes"].items():
         alive.update(stop_pids({role: process["pid"]}, marker=process["marker"], grace_s=30.0))
-    Cluster(name=state["cluster"], binaries=Binaries(Path(state["bin_dir"])),
-            state_dir=ROOT / state["cluster"]).delete()
+    Cluster(
+        name=state["cluster"], binaries=Binaries(Path(state["bin_dir"])), state_dir=ROOT / state["cluster"]
+    ).delete()
     if alive:
         print(f"still alive after SIGKILL: {alive}", file=sys.stderr)
         return 1
     _clear()
-    print(f"demo stopped: {', '.join(state['processes']) or 'no processes'} and cluster {state['cluster']}",
-          file=sys.stderr)
+    print(
+        f"demo stopped: {', '.join(state['processes']) or 'no processes'} and cluster {state['cluster']}",
+        file=sys.stderr,
+    )
     return 0
 
 

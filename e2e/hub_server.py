@@ -171,7 +171,7 @@ class HubServer:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+            def log_message(self, format: str, *args: Any) -> None:
                 pass  # the test reads hub.requests instead
 
             def do_HEAD(self) -> None:
@@ -216,9 +216,19 @@ class HubServer:
                         sibling.update({"size": f.size, "blobId": f.blob_id})
                         if f.sha256:
                             sibling["lfs"] = {"sha256": f.sha256, "size": f.size, "pointerSize": 134}
-                self._json({"_id": commit[:24], "id": hub.repo, "modelId": hub.repo, "sha": commit,
-                            "private": False, "gated": "manual" if hub.gated else False,
-                            "disabled": False, "tags": [], "siblings": siblings})
+                self._json(
+                    {
+                        "_id": commit[:24],
+                        "id": hub.repo,
+                        "modelId": hub.repo,
+                        "sha": commit,
+                        "private": False,
+                        "gated": "manual" if hub.gated else False,
+                        "disabled": False,
+                        "tags": [],
+                        "siblings": siblings,
+                    }
+                )
 
             def _tree(self, revision: str) -> None:
                 if self._commit(revision) is None:
@@ -236,8 +246,12 @@ class HubServer:
                 if commit is None:
                     return self._error(404, f"Invalid rev id: {revision}", code="RevisionNotFound")
                 if hub.gated and not authorized:
-                    return self._error(401, f"Access to model {hub.repo} is restricted. You must have "
-                                            "access to it and be authenticated to access it.", code="GatedRepo")
+                    return self._error(
+                        401,
+                        f"Access to model {hub.repo} is restricted. You must have "
+                        "access to it and be authenticated to access it.",
+                        code="GatedRepo",
+                    )
                 f = hub.files.get(name)
                 if f is None:
                     return self._error(404, f"Entry not found: {name}", code="EntryNotFound")

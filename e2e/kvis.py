@@ -21,8 +21,7 @@ def sample(name: str) -> dict[str, Any]:
 
 
 def manifest(name: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace},
-            "spec": spec}
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace}, "spec": spec}
 
 
 def get(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
@@ -35,8 +34,15 @@ def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
     return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == type_), {})
 
 
-def wait_condition(cluster: Cluster, namespace: str, name: str, type_: str, status: str,
-                   timeout_s: float = 60.0, generation: int | None = None) -> dict[str, Any]:
+def wait_condition(
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    type_: str,
+    status: str,
+    timeout_s: float = 60.0,
+    generation: int | None = None,
+) -> dict[str, Any]:
     """Wait until condition `type_` has `status` (for `generation`, when given); return the object."""
     last: dict[str, Any] = {}
 
@@ -54,8 +60,12 @@ def wait_condition(cluster: Cluster, namespace: str, name: str, type_: str, stat
         raise TimeoutError(f"{exc}; status: {last.get('status')}") from None
 
 
-def children(cluster: Cluster, namespace: str, name: str,
-             kinds: str = "deployments,replicasets,pods,services,poddisruptionbudgets") -> list[dict[str, Any]]:
+def children(
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    kinds: str = "deployments,replicasets,pods,services,poddisruptionbudgets",
+) -> list[dict[str, Any]]:
     """Every object of `kinds` carrying the engine labels of InferenceService `name`."""
     items: list[dict[str, Any]] = cluster.kubectl_json("get", kinds, "-n", namespace, "-l", selector(name))["items"]
     return items
@@ -63,5 +73,10 @@ def children(cluster: Cluster, namespace: str, name: str,
 
 def running_pods(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
     pods = children(cluster, namespace, name, "pods")
-    return [p for p in pods if p.get("status", {}).get("phase") == "Running" and p["status"].get("podIP")
-            and not p["metadata"].get("deletionTimestamp")]
+    return [
+        p
+        for p in pods
+        if p.get("status", {}).get("phase") == "Running"
+        and p["status"].get("podIP")
+        and not p["metadata"].get("deletionTimestamp")
+    ]

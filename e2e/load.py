@@ -40,8 +40,16 @@ def p95(values: Sequence[float]) -> float | None:
 class Load(Background):
     """Use as a context manager; `rate` may change while it runs (0 stops the arrivals)."""
 
-    def __init__(self, targets: Callable[[], Sequence[str]], model: str, rate: float, *, max_in_flight: int = 16,
-                 prompt: str = "Write a short story about a lighthouse keeper and a storm.", max_tokens: int = 32) -> None:
+    def __init__(
+        self,
+        targets: Callable[[], Sequence[str]],
+        model: str,
+        rate: float,
+        *,
+        max_in_flight: int = 16,
+        prompt: str = "Write a short story about a lighthouse keeper and a storm.",
+        max_tokens: int = 32,
+    ) -> None:
         super().__init__("load")
         self.targets, self.model, self.rate = targets, model, rate
         self.max_in_flight, self.prompt, self.max_tokens = max_in_flight, prompt, max_tokens
@@ -83,8 +91,14 @@ class Load(Background):
 
     def _one(self, target: str) -> None:
         start = time.monotonic()
-        body = {"model": self.model, "prompt": self.prompt, "max_tokens": self.max_tokens, "stream": True,
-                "ignore_eos": True, "temperature": 0.8}
+        body = {
+            "model": self.model,
+            "prompt": self.prompt,
+            "max_tokens": self.max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0.8,
+        }
         ttft = error = None
         try:
             with self._http.stream("POST", f"{target}/v1/completions", json=body) as response:

@@ -40,26 +40,33 @@ class PodVolumes:
         for mount in sorted(container.get("volumeMounts", []), key=lambda m: -len(m["mountPath"])):
             mount_path = mount["mountPath"].rstrip("/")
             if value == mount_path or value.startswith(f"{mount_path}/"):
-                return str(self.root / mount["name"]) + value[len(mount_path):]
+                return str(self.root / mount["name"]) + value[len(mount_path) :]
         return value
 
-    def run_init_containers(self, cluster: Cluster, namespace: str, deployment: Manifest, log: Path,
-                            timeout_s: float = 600.0) -> None:
+    def run_init_containers(
+        self, cluster: Cluster, namespace: str, deployment: Manifest, log: Path, timeout_s: float = 600.0
+    ) -> None:
         """Each init container of the pod template to completion, in order, with its env (values
         and Secret keys) over this process's; a failing one raises with its output."""
         template = deployment["spec"]["template"]["spec"]
         for volume in template.get("volumes", []):
             (self.root / volume["name"]).mkdir(parents=True, exist_ok=True)
         for container in template.get("initContainers", []):
-            env = {**os.environ, **{e["name"]: self.path(container, _env_value(cluster, namespace, e))
-                                    for e in container.get("env", [])}}
-            done = subprocess.run(container_argv(container, self), env=env, capture_output=True, text=True,
-                                  timeout=timeout_s, check=False)
+            env = {
+                **os.environ,
+                **{
+                    e["name"]: self.path(container, _env_value(cluster, namespace, e)) for e in container.get("env", [])
+                },
+            }
+            done = subprocess.run(
+                container_argv(container, self), env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+            )
             with log.open("a") as out:
                 out.write(done.stdout + done.stderr)
             if done.returncode != 0:
-                raise RuntimeError(f"init container {container['name']} exited with {done.returncode}:\n"
-                                   f"{done.stderr[-4000:]}")
+                raise RuntimeError(
+                    f"init container {container['name']} exited with {done.returncode}:\n{done.stderr[-4000:]}"
+                )
 
 
 def container_argv(container: Manifest, volumes: PodVolumes | None = None) -> list[str]:
@@ -109,8 +116,9 @@ def base_url(argv: list[str]) -> str:
     return f"http://{_flag(argv, '--host')}:{_flag(argv, '--port')}"
 
 
-def start_engine(deployment: Manifest, pod: Manifest, log: Path, volumes: PodVolumes | None = None,
-                 ready_timeout_s: float = 300.0) -> tuple[Process, str]:
+def start_engine(
+    deployment: Manifest, pod: Manifest, log: Path, volumes: PodVolumes | None = None, ready_timeout_s: float = 300.0
+) -> tuple[Process, str]:
     """Start the engine for `pod` (its volumes under `volumes` when given) and wait until it serves
     /ready; return it and its base URL."""
     argv = engine_argv(deployment, pod["status"]["podIP"], volumes)

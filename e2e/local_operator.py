@@ -20,11 +20,11 @@ from e2e.procs import LOOPBACK, Process, free_port, kvpilot_executable, start_ht
 CONTAINER = "operator"
 
 
-def service_account_kubeconfig(cluster: Cluster, installation: Installation, path: Path,
-                               duration: str = "24h") -> Path:
+def service_account_kubeconfig(cluster: Cluster, installation: Installation, path: Path, duration: str = "24h") -> Path:
     """A kubeconfig for the API server of `cluster` that authenticates as the chart's ServiceAccount."""
-    token = cluster.kubectl("create", "token", installation.service_account, "-n", installation.namespace,
-                            f"--duration={duration}").stdout.strip()
+    token = cluster.kubectl(
+        "create", "token", installation.service_account, "-n", installation.namespace, f"--duration={duration}"
+    ).stdout.strip()
     admin = cluster.kubectl_json("config", "view", "--raw", "--minify", "--flatten")
     server = admin["clusters"][0]
     user = installation.subject
@@ -48,8 +48,11 @@ def operator_argv(deployment: dict[str, Any], liveness_port: int, gateway_port: 
     container = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == CONTAINER)
     if container["command"] != ["kvpilot"]:
         raise ValueError(f"unexpected operator command {container['command']}")
-    args = [f"--gateway={LOOPBACK}:{gateway_port}" if a.startswith("--gateway=") else a
-            for a in container["args"] if not a.startswith("--liveness")]
+    args = [
+        f"--gateway={LOOPBACK}:{gateway_port}" if a.startswith("--gateway=") else a
+        for a in container["args"]
+        if not a.startswith("--liveness")
+    ]
     return [kvpilot_executable(), *args, f"--liveness=http://{LOOPBACK}:{liveness_port}/healthz"]
 
 
@@ -74,8 +77,9 @@ class LocalOperator:
 
     def start(self, timeout_s: float = 60.0) -> Process:
         self.prepare_kubeconfig()
-        deployment = self.cluster.kubectl_json("get", "deployment", self.installation.fullname,
-                                               "-n", self.installation.namespace)
+        deployment = self.cluster.kubectl_json(
+            "get", "deployment", self.installation.fullname, "-n", self.installation.namespace
+        )
         port, gateway_port = free_port(), free_port()
         self.gateway_url = f"http://{LOOPBACK}:{gateway_port}"
         self.starts += 1

@@ -87,8 +87,10 @@ class PodRunner(Background):
             self.errors.append(f"engine of {engine.pod} exited with {code}:\n{engine.process.log_tail()}")
 
     def _sync(self) -> None:
-        running = {p["metadata"]["name"]: p["status"]["podIP"]
-                   for p in kvis.running_pods(self.cluster, self.namespace, self.name)}
+        running = {
+            p["metadata"]["name"]: p["status"]["podIP"]
+            for p in kvis.running_pods(self.cluster, self.namespace, self.name)
+        }
         with self._lock:
             gone = [e for pod, e in self._engines.items() if pod not in running]
             for engine in gone:
@@ -124,6 +126,13 @@ class PodRunner(Background):
     def snapshot(self) -> dict[str, Any]:
         """What the runner holds, for a failing test's message."""
         with self._lock:
-            return {"engines": {p: {"url": e.url, "ready": e.ready, "pid": e.process.pid} for p, e in self._engines.items()},
-                    "left_alone": sorted(self._left_alone), "last_error": self.last_error, "started": self.started, "stopped": self.stopped,
-                    "errors": self.errors}
+            return {
+                "engines": {
+                    p: {"url": e.url, "ready": e.ready, "pid": e.process.pid} for p, e in self._engines.items()
+                },
+                "left_alone": sorted(self._left_alone),
+                "last_error": self.last_error,
+                "started": self.started,
+                "stopped": self.stopped,
+                "errors": self.errors,
+            }

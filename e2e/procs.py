@@ -125,21 +125,42 @@ class Process:
         return self.popen.returncode
 
 
-def start(argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None, *,
-          cwd: Path | str | None = None, append: bool = True) -> Process:
+def start(
+    argv: Sequence[str],
+    log: Path,
+    env: Mapping[str, str] | None = None,
+    *,
+    cwd: Path | str | None = None,
+    append: bool = True,
+) -> Process:
     """Start `argv` with stdout and stderr into `log` (appended to, or truncated when not `append`),
     stdin from /dev/null, in its own session. `env` replaces the environment (None: inherit it)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab" if append else "wb") as out:
-        popen = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT,
-                                 env=dict(os.environ if env is None else env), cwd=cwd,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        popen = subprocess.Popen(
+            list(argv),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ if env is None else env),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     return Process(argv=list(argv), log=log, popen=popen)
 
 
-def start_http(argv: Sequence[str], log: Path, ready_url: str, timeout_s: float,
-               env: Mapping[str, str] | None = None, *, cwd: Path | str | None = None, append: bool = True,
-               interval_s: float = 0.5, grace_s: float = 20.0) -> Process:
+def start_http(
+    argv: Sequence[str],
+    log: Path,
+    ready_url: str,
+    timeout_s: float,
+    env: Mapping[str, str] | None = None,
+    *,
+    cwd: Path | str | None = None,
+    append: bool = True,
+    interval_s: float = 0.5,
+    grace_s: float = 20.0,
+) -> Process:
     """`start`, then wait until `ready_url` answers 200. When the process exits first or does not
     come up within `timeout_s` (or the wait is interrupted), it is stopped and ProcessError (or the
     interruption) propagates."""

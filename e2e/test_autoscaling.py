@@ -36,8 +36,10 @@ from kvpilot.operator.autoscaling.decisions import WINDOW_PERIODS
 
 MODEL = "SmolLM2-135M-Instruct"
 SLO_TTFT_MS = 20
-PROMPT = ("Summarise the following notes for a colleague who missed the meeting. " +
-          "The team reviewed the release plan, the open bugs, the test coverage and the rollout schedule. " * 6)
+PROMPT = (
+    "Summarise the following notes for a colleague who missed the meeting. "
+    + "The team reviewed the release plan, the open bugs, the test coverage and the rollout schedule. " * 6
+)
 WINDOW_S = WINDOW_PERIODS * AUTOSCALE_INTERVAL_S
 # Where to also write the scale-up/scale-down cycle's timeline (bench/autoscale_plot.py plots it).
 TIMELINE_ENV = "KVPILOT_AUTOSCALE_TIMELINE"
@@ -48,8 +50,13 @@ def autoscaled_spec(mode: str, min_replicas: int) -> dict[str, Any]:
     spec["slo"] = {"ttftP95Ms": SLO_TTFT_MS, "tpotP95Ms": 200}
     # n-gram drafts over the load's repetitive prompt: the engines report draft counters too.
     spec["serving"] = {**spec.get("serving", {}), "speculative": "ngram"}
-    spec["autoscaling"] = {"mode": mode, "minReplicas": min_replicas, "maxReplicas": 4, "maxStep": 1,
-                           "scaleDownStabilizationSeconds": 10}
+    spec["autoscaling"] = {
+        "mode": mode,
+        "minReplicas": min_replicas,
+        "maxReplicas": 4,
+        "maxStep": 1,
+        "scaleDownStabilizationSeconds": 10,
+    }
     return spec
 
 
@@ -59,8 +66,13 @@ def replicas(k8s: Cluster, namespace: str, name: str) -> int:
 
 def events(k8s: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = k8s.kubectl_json(
-        "get", "events", "-n", namespace, "--field-selector",
-        f"involvedObject.name={name},involvedObject.kind=InferenceService")["items"]
+        "get",
+        "events",
+        "-n",
+        namespace,
+        "--field-selector",
+        f"involvedObject.name={name},involvedObject.kind=InferenceService",
+    )["items"]
     return items
 
 
@@ -84,38 +96,55 @@ class Timeline(Background):
                 continue
             recent = [r.ttft_s for r in self.load.since(now - WINDOW_S) if r.ttft_s is not None]
             client_p95 = p95(recent)
-            self.samples.append({
-                "t": round(now - self.start, 2), "rate": self.load.rate, "replicas": wanted,
-                "engines": len(self.runner.serving()),
-                "clientTtftP95Ms": None if client_p95 is None else round(client_p95 * 1000, 1),
-                "operatorTtftP95Ms": status.get("latency", {}).get("ttftP95Ms"),
-                "decision": status.get("autoscaler", {}).get("lastDecision", {}).get("action"),
-            })
+            self.samples.append(
+                {
+                    "t": round(now - self.start, 2),
+                    "rate": self.load.rate,
+                    "replicas": wanted,
+                    "engines": len(self.runner.serving()),
+                    "clientTtftP95Ms": None if client_p95 is None else round(client_p95 * 1000, 1),
+                    "operatorTtftP95Ms": status.get("latency", {}).get("ttftP95Ms"),
+                    "decision": status.get("autoscaler", {}).get("lastDecision", {}).get("action"),
+                }
+            )
 
     def dump(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"intervalSeconds": AUTOSCALE_INTERVAL_S, "windowSeconds": WINDOW_S, "samples": self.samples},
-                                   indent=1))
+        path.write_text(
+            json.dumps(
+                {"intervalSeconds": AUTOSCALE_INTERVAL_S, "windowSeconds": WINDOW_S, "samples": self.samples}, indent=1
+            )
+        )
 
 
 @pytest.fixture()
-def service(k8s: Cluster, kvpilot: Installation, operator: LocalOperator,
-            apply_isvc: Callable[[str, dict[str, Any]], dict[str, Any]],
-            request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str, PodRunner]]:
+def service(
+    k8s: Cluster,
+    kvpilot: Installation,
+    operator: LocalOperator,
+    apply_isvc: Callable[[str, dict[str, Any]], dict[str, Any]],
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+) -> Iterator[tuple[str, str, PodRunner]]:
     name, mode, min_replicas = request.param
     namespace = kvpilot.watch_namespaces[0]
     apply_isvc(name, autoscaled_spec(mode, min_replicas))
     kvis.wait_condition(k8s, namespace, name, "Ready", "True", timeout_s=60)
     with PodRunner(k8s, namespace, name, tmp_path) as runner:
-        poll(lambda: len(runner.serving()) == max(min_replicas, 1) or None, 180, f"engines for {name}'s first pods",
-             interval_s=1.0)
+        poll(
+            lambda: len(runner.serving()) == max(min_replicas, 1) or None,
+            180,
+            f"engines for {name}'s first pods",
+            interval_s=1.0,
+        )
         yield namespace, name, runner
         assert not runner.errors, runner.snapshot()
 
 
 @pytest.mark.parametrize("service", [("scaled-slo", "slo", 2)], indirect=True)
 def test_load_over_the_slo_adds_engines_and_its_end_removes_them(
-        k8s: Cluster, service: tuple[str, str, PodRunner], tmp_path: Path) -> None:
+    k8s: Cluster, service: tuple[str, str, PodRunner], tmp_path: Path
+) -> None:
     namespace, name, runner = service
     # One pod's engine stops answering before the load (its pod stays Running and Ready): it is
     # unknown to the autoscaler, which must scale on what the other pods report.
@@ -128,8 +157,11 @@ def test_load_over_the_slo_adds_engines_and_its_end_removes_them(
             # takes a share of the load.
             poll(lambda: replicas(k8s, namespace, name) == 4 or None, 240, "a scale-up to 4", interval_s=1.0)
             poll(lambda: len(runner.serving()) == 3 or None, 180, "engines for the new pods", interval_s=1.0)
-            poll(lambda: len({r.target for r in load.since(0) if r.error is None}) == 3 or None, 60,
-                 "requests answered by three engines")
+            poll(
+                lambda: len({r.target for r in load.since(0) if r.error is None}) == 3 or None,
+                60,
+                "requests answered by three engines",
+            )
             time.sleep(WINDOW_S)  # a window at four replicas, for the record
 
             # No load: after the stabilization window, back to minReplicas one step at a time, and
@@ -165,11 +197,18 @@ def test_load_over_the_slo_adds_engines_and_its_end_removes_them(
 
 @pytest.mark.parametrize("service", [("scaled-external", "external", 1)], indirect=True)
 def test_external_mode_reports_the_signals_and_never_writes_replicas(
-        k8s: Cluster, service: tuple[str, str, PodRunner]) -> None:
+    k8s: Cluster, service: tuple[str, str, PodRunner]
+) -> None:
     namespace, name, runner = service
     with Load(lambda: list(runner.serving().values()), MODEL, rate=4.0, prompt=PROMPT, max_tokens=16):
-        poll(lambda: kvis.get(k8s, namespace, name).get("status", {}).get("latency", {}).get("source") == "observed"
-             or None, 120, "observed latency in the status", interval_s=1.0)
+        poll(
+            lambda: (
+                kvis.get(k8s, namespace, name).get("status", {}).get("latency", {}).get("source") == "observed" or None
+            ),
+            120,
+            "observed latency in the status",
+            interval_s=1.0,
+        )
         time.sleep(3 * WINDOW_S)  # over the SLO for several windows
     status = kvis.get(k8s, namespace, name)["status"]
     assert status["latency"]["ttftP95Ms"] > SLO_TTFT_MS, status["latency"]
@@ -183,24 +222,34 @@ def test_external_mode_reports_the_signals_and_never_writes_replicas(
 
 @pytest.mark.parametrize("service", [("scaled-zero", "slo", 0)], indirect=True)
 def test_an_idle_service_scales_to_zero_and_the_gateway_holds_the_next_request(
-        k8s: Cluster, operator: LocalOperator, service: tuple[str, str, PodRunner]) -> None:
+    k8s: Cluster, operator: LocalOperator, service: tuple[str, str, PodRunner]
+) -> None:
     namespace, name, runner = service
-    client = openai.OpenAI(base_url=f"{operator.gateway_url}/v1", api_key="unused", timeout=300,
-                           http_client=openai.DefaultHttpxClient(trust_env=False))
+    client = openai.OpenAI(
+        base_url=f"{operator.gateway_url}/v1",
+        api_key="unused",
+        timeout=300,
+        http_client=openai.DefaultHttpxClient(trust_env=False),
+    )
     assert MODEL in [m.id for m in client.models.list()]
     first = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)
     assert first.choices[0].text
 
     # Idle for the stabilization window: 1 -> 0, and the pod and its engine go.
     poll(lambda: replicas(k8s, namespace, name) == 0 or None, 120, "the scale-down to 0", interval_s=1.0)
-    poll(lambda: not kvis.running_pods(k8s, namespace, name) and not runner.engines() or None, 60,
-         "no pod and no engine left", interval_s=1.0)
+    poll(
+        lambda: not kvis.running_pods(k8s, namespace, name) and not runner.engines() or None,
+        60,
+        "no pod and no engine left",
+        interval_s=1.0,
+    )
 
     # The next request is held by the gateway, which scales to 1; it is answered once the new
     # pod's engine has loaded the model.
     started = time.monotonic()
-    woken = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
-                                           max_tokens=8, temperature=0)
+    woken = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0
+    )
     held_s = time.monotonic() - started
     assert woken.choices[0].message.content
     # The gateway probes the new pod's /ready itself and may forward before the runner's next poll

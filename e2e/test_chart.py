@@ -20,17 +20,22 @@ REPO_CRDS = CHART_DIR.parent.parent / "crds"
 
 
 def _helm(binaries: Binaries, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {"HELM_CACHE_HOME": str(tmp_path / "cache"), "HELM_CONFIG_HOME": str(tmp_path / "config"),
-           "HELM_DATA_HOME": str(tmp_path / "data"), "PATH": "/usr/bin:/bin"}
-    return subprocess.run([str(binaries.helm), *args], capture_output=True, text=True, env=env, check=True,
-                          timeout=60)
+    env = {
+        "HELM_CACHE_HOME": str(tmp_path / "cache"),
+        "HELM_CONFIG_HOME": str(tmp_path / "config"),
+        "HELM_DATA_HOME": str(tmp_path / "data"),
+        "PATH": "/usr/bin:/bin",
+    }
+    return subprocess.run([str(binaries.helm), *args], capture_output=True, text=True, env=env, check=True, timeout=60)
 
 
 def _docs(text: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(text) if d]
 
 
-@pytest.mark.parametrize("values", [[], ["--set", "watchNamespaces={ml,prod}"]], ids=["all-namespaces", "two-namespaces"])
+@pytest.mark.parametrize(
+    "values", [[], ["--set", "watchNamespaces={ml,prod}"]], ids=["all-namespaces", "two-namespaces"]
+)
 def test_chart_lints_and_renders(k8s_binaries: Binaries, tmp_path: Path, values: list[str]) -> None:
     lint = _helm(k8s_binaries, tmp_path, "lint", "--strict", str(CHART_DIR), *values)
     assert "1 chart(s) linted, 0 chart(s) failed" in lint.stdout
@@ -39,18 +44,37 @@ def test_chart_lints_and_renders(k8s_binaries: Binaries, tmp_path: Path, values:
     operator = next(d for d in rendered if d["kind"] == "Deployment")
     args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
     if values:
-        assert kinds == sorted([
-            ("CustomResourceDefinition", ""), ("Service", "ops"),
-            ("ServiceAccount", "ops"), ("Deployment", "ops"), ("ClusterRole", ""), ("ClusterRoleBinding", ""),
-            ("Role", "ml"), ("RoleBinding", "ml"), ("KopfPeering", "ml"),
-            ("Role", "prod"), ("RoleBinding", "prod"), ("KopfPeering", "prod")])
+        assert kinds == sorted(
+            [
+                ("CustomResourceDefinition", ""),
+                ("Service", "ops"),
+                ("ServiceAccount", "ops"),
+                ("Deployment", "ops"),
+                ("ClusterRole", ""),
+                ("ClusterRoleBinding", ""),
+                ("Role", "ml"),
+                ("RoleBinding", "ml"),
+                ("KopfPeering", "ml"),
+                ("Role", "prod"),
+                ("RoleBinding", "prod"),
+                ("KopfPeering", "prod"),
+            ]
+        )
         assert args[:3] == ["operator", "--namespace=ml", "--namespace=prod"]
     else:
-        assert kinds == sorted([("CustomResourceDefinition", ""), ("Service", "ops"), ("ServiceAccount", "ops"),
-                                ("Deployment", "ops"),
-                                ("ClusterRole", ""),
-                                ("ClusterRole", ""), ("ClusterRoleBinding", ""), ("ClusterRoleBinding", ""),
-                                ("ClusterKopfPeering", "")])
+        assert kinds == sorted(
+            [
+                ("CustomResourceDefinition", ""),
+                ("Service", "ops"),
+                ("ServiceAccount", "ops"),
+                ("Deployment", "ops"),
+                ("ClusterRole", ""),
+                ("ClusterRole", ""),
+                ("ClusterRoleBinding", ""),
+                ("ClusterRoleBinding", ""),
+                ("ClusterKopfPeering", ""),
+            ]
+        )
         assert args[:2] == ["operator", "--all-namespaces"]
     assert "--peering=kvpilot" in args
     assert "--gateway=0.0.0.0:8000" in args and "--autoscale-interval=15" in args
@@ -86,13 +110,23 @@ def test_engine_image_value_reaches_the_operator(k8s_binaries: Binaries, tmp_pat
     assert chosen[ENGINE_IMAGE_ENV] == "mirror.example/kvpilot:1.2.3"
 
 
-@pytest.mark.parametrize("values, namespaces", [([], {"any": True}),
-                                                (["--set", "watchNamespaces={ml,prod}"], {"matchNames": ["ml", "prod"]})],
-                         ids=["all-namespaces", "two-namespaces"])
-def test_service_monitor_scrapes_the_engine_services(k8s_binaries: Binaries, tmp_path: Path, values: list[str],
-                                                     namespaces: dict[str, Any]) -> None:
-    enabled = ["--set", "serviceMonitor.enabled=true", "--set", "serviceMonitor.interval=15s",
-               "--set", "serviceMonitor.labels.release=prom", *values]
+@pytest.mark.parametrize(
+    "values, namespaces",
+    [([], {"any": True}), (["--set", "watchNamespaces={ml,prod}"], {"matchNames": ["ml", "prod"]})],
+    ids=["all-namespaces", "two-namespaces"],
+)
+def test_service_monitor_scrapes_the_engine_services(
+    k8s_binaries: Binaries, tmp_path: Path, values: list[str], namespaces: dict[str, Any]
+) -> None:
+    enabled = [
+        "--set",
+        "serviceMonitor.enabled=true",
+        "--set",
+        "serviceMonitor.interval=15s",
+        "--set",
+        "serviceMonitor.labels.release=prom",
+        *values,
+    ]
     lint = _helm(k8s_binaries, tmp_path, "lint", "--strict", str(CHART_DIR), *enabled)
     assert "1 chart(s) linted, 0 chart(s) failed" in lint.stdout
     rendered = _template(k8s_binaries, tmp_path, *enabled)
@@ -137,17 +171,22 @@ def test_helm_upgrade_upgrades_the_inference_service_crd(k8s: Cluster, kvpilot: 
     crd_file = newer / "files" / "inferenceservice.yaml"
     crd = yaml.safe_load(crd_file.read_text())
     crd["spec"]["versions"][0]["additionalPrinterColumns"].append(
-        {"name": "Upgraded", "type": "string", "jsonPath": ".spec.model.name", "priority": 1})
+        {"name": "Upgraded", "type": "string", "jsonPath": ".spec.model.name", "priority": 1}
+    )
     crd_file.unlink()
     crd_file.write_text(yaml.safe_dump(crd, sort_keys=False))
     values = ["--reuse-values", "--wait", "--timeout=120s"]
     try:
         k8s.helm("upgrade", kvpilot.release, str(newer), "-n", kvpilot.namespace, *values, timeout=150)
-        columns = [c["name"] for c in k8s.kubectl_json("get", "crd", CRD)["spec"]["versions"][0]["additionalPrinterColumns"]]
+        columns = [
+            c["name"] for c in k8s.kubectl_json("get", "crd", CRD)["spec"]["versions"][0]["additionalPrinterColumns"]
+        ]
         assert "Upgraded" in columns
     finally:
         k8s.helm("upgrade", kvpilot.release, str(CHART_DIR), "-n", kvpilot.namespace, *values, timeout=150)
-    columns = [c["name"] for c in k8s.kubectl_json("get", "crd", CRD)["spec"]["versions"][0]["additionalPrinterColumns"]]
+    columns = [
+        c["name"] for c in k8s.kubectl_json("get", "crd", CRD)["spec"]["versions"][0]["additionalPrinterColumns"]
+    ]
     assert "Upgraded" not in columns
 
 
@@ -161,8 +200,9 @@ def test_helm_install_creates_crd_operator_and_rbac(k8s: Cluster, kvpilot: Insta
     k8s.kubectl("wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev", "--timeout=30s")
 
     # The operator Deployment rolls out (kwok runs its pod), under the chart's ServiceAccount.
-    k8s.kubectl("rollout", "status", f"deployment/{kvpilot.fullname}", "-n", kvpilot.namespace,
-                "--timeout=60s", timeout=70)
+    k8s.kubectl(
+        "rollout", "status", f"deployment/{kvpilot.fullname}", "-n", kvpilot.namespace, "--timeout=60s", timeout=70
+    )
     deployment = k8s.kubectl_json("get", "deployment", kvpilot.fullname, "-n", kvpilot.namespace)
     pod = deployment["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == kvpilot.service_account
@@ -176,19 +216,25 @@ def test_helm_install_creates_crd_operator_and_rbac(k8s: Cluster, kvpilot: Insta
         k8s.kubectl("get", "role,rolebinding", kvpilot.fullname, "-n", ns)
         k8s.kubectl("get", "kopfpeering", "kvpilot", "-n", ns)
     binding = k8s.kubectl_json("get", "rolebinding", kvpilot.fullname, "-n", kvpilot.watch_namespaces[0])
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": kvpilot.service_account,
-                                    "namespace": kvpilot.namespace}]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": kvpilot.service_account, "namespace": kvpilot.namespace}
+    ]
     notes = k8s.helm("get", "notes", kvpilot.release, "-n", kvpilot.namespace).stdout
     assert "kind: InferenceService" in notes and "kubectl get kvis" in notes
 
 
-@pytest.mark.parametrize("values, message", [
-    (["--set", "replicaCount=0"], "replicaCount"),
-    (["--set", "logLevel=verbose"], "logLevel"),
-    (["--set", "watchNamespaces={Not_A_Namespace}"], "watchNamespaces"),
-    (["--set", "typoKey=1"], "typoKey"),
-])
-def test_values_schema_refuses_bad_values(k8s_binaries: Binaries, tmp_path: Path, values: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (["--set", "replicaCount=0"], "replicaCount"),
+        (["--set", "logLevel=verbose"], "logLevel"),
+        (["--set", "watchNamespaces={Not_A_Namespace}"], "watchNamespaces"),
+        (["--set", "typoKey=1"], "typoKey"),
+    ],
+)
+def test_values_schema_refuses_bad_values(
+    k8s_binaries: Binaries, tmp_path: Path, values: list[str], message: str
+) -> None:
     with pytest.raises(subprocess.CalledProcessError) as refused:
         _helm(k8s_binaries, tmp_path, "template", "kvpilot", str(CHART_DIR), "-n", "ops", *values)
     assert message in refused.value.stderr
@@ -196,7 +242,11 @@ def test_values_schema_refuses_bad_values(k8s_binaries: Binaries, tmp_path: Path
 
 def test_several_operator_replicas_get_a_disruption_budget(k8s_binaries: Binaries, tmp_path: Path) -> None:
     assert not [d for d in _template(k8s_binaries, tmp_path) if d["kind"] == "PodDisruptionBudget"]
-    (pdb,) = [d for d in _template(k8s_binaries, tmp_path, "--set", "replicaCount=2") if d["kind"] == "PodDisruptionBudget"]
-    operator = next(d for d in _template(k8s_binaries, tmp_path, "--set", "replicaCount=2") if d["kind"] == "Deployment")
+    (pdb,) = [
+        d for d in _template(k8s_binaries, tmp_path, "--set", "replicaCount=2") if d["kind"] == "PodDisruptionBudget"
+    ]
+    operator = next(
+        d for d in _template(k8s_binaries, tmp_path, "--set", "replicaCount=2") if d["kind"] == "Deployment"
+    )
     assert pdb["spec"]["minAvailable"] == 1
     assert pdb["spec"]["selector"]["matchLabels"] == operator["spec"]["selector"]["matchLabels"]

@@ -20,8 +20,9 @@ from e2e.polling import poll
 
 
 def _wait_pod(k8s: Cluster, ns: str, name: str, timeout_s: float = 60.0) -> dict[str, Any]:
-    k8s.kubectl("wait", "-n", ns, "--for=condition=Ready", f"pod/{name}", f"--timeout={int(timeout_s)}s",
-                timeout=timeout_s + 10)
+    k8s.kubectl(
+        "wait", "-n", ns, "--for=condition=Ready", f"pod/{name}", f"--timeout={int(timeout_s)}s", timeout=timeout_s + 10
+    )
     pod: dict[str, Any] = k8s.kubectl_json("get", "pod", "-n", ns, name)
     return pod
 
@@ -49,8 +50,12 @@ def namespace(k8s: Cluster, request: pytest.FixtureRequest) -> Any:
     ns = "t-" + request.node.name.lower().replace("_", "-")[:50]
     k8s.kubectl("create", "namespace", ns)
     # the ServiceAccount admission plugin needs the namespace's default ServiceAccount
-    poll(lambda: k8s.kubectl("get", "serviceaccount", "default", "-n", ns, check=False).returncode == 0, 30,
-         f"the default ServiceAccount in {ns}", interval_s=0.2)
+    poll(
+        lambda: k8s.kubectl("get", "serviceaccount", "default", "-n", ns, check=False).returncode == 0,
+        30,
+        f"the default ServiceAccount in {ns}",
+        interval_s=0.2,
+    )
     yield ns
     k8s.kubectl("delete", "namespace", ns, "--wait=false")
 
@@ -64,8 +69,7 @@ def test_api_server_answers(k8s: Cluster) -> None:
     server = k8s.kubectl("config", "view", "--minify", "-o", "jsonpath={.clusters[0].cluster.server}").stdout
     assert server.startswith("https://127.0.0.1:"), server
     # RBAC is on: an unprivileged ServiceAccount may not list nodes
-    denied = k8s.kubectl("auth", "can-i", "list", "nodes", "--as=system:serviceaccount:default:default",
-                         check=False)
+    denied = k8s.kubectl("auth", "can-i", "list", "nodes", "--as=system:serviceaccount:default:default", check=False)
     assert denied.stdout.strip() == "no"
 
 
@@ -105,6 +109,7 @@ def test_pod_schedules_onto_requested_gpu_with_loopback_ip(k8s: Cluster, namespa
 
     # the real scheduler enforces GPU capacity: 9 GPUs fit on no node
     k8s.apply(_gpu_pod("too-big", namespace, "NVIDIA-H100-80GB-HBM3", gpus=9))
+
     def unschedulable() -> dict[str, Any] | None:
         pod = k8s.kubectl_json("get", "pod", "-n", namespace, "too-big")
         conds = {c["type"]: c for c in pod["status"].get("conditions", [])}
@@ -141,17 +146,26 @@ def test_controller_manager_runs_deployments(k8s: Cluster, namespace: str) -> No
     # A Service gets a loopback ClusterIP, but the API server refuses loopback addresses in
     # EndpointSlices ("may not be in the loopback range"), so a Service over these pods has no
     # endpoints: anything that needs the engines' addresses must read the Pods' status.podIP.
-    k8s.apply({
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": "engine", "namespace": namespace},
-        "spec": {"selector": {"app": "engine"}, "ports": [{"port": 8000, "targetPort": 8000}]},
-    })
+    k8s.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "engine", "namespace": namespace},
+            "spec": {"selector": {"app": "engine"}, "ports": [{"port": 8000, "targetPort": 8000}]},
+        }
+    )
     svc = k8s.kubectl_json("get", "service", "-n", namespace, "engine")
     assert is_loopback(svc["spec"]["clusterIP"])
+
     def failed_endpoint_slices() -> list[str]:
-        events = k8s.kubectl_json("get", "events", "-n", namespace,
-                                  "--field-selector", "involvedObject.kind=Service,involvedObject.name=engine")
+        events = k8s.kubectl_json(
+            "get",
+            "events",
+            "-n",
+            namespace,
+            "--field-selector",
+            "involvedObject.kind=Service,involvedObject.name=engine",
+        )
         return [e["message"] for e in events["items"] if e["reason"] == "FailedToUpdateEndpointSlices"]
 
     messages = poll(failed_endpoint_slices, 30, "a FailedToUpdateEndpointSlices event for Service engine")

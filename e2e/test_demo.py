@@ -28,27 +28,29 @@ def test_down_removes_everything_up_wrote(tmp_path: Path, monkeypatch: pytest.Mo
     (root / demo.OPERATOR_DIR / "operator-1.log").write_text("log\n")
     (root / demo.ENGINE_LOG).write_text("log\n")
     # A cluster whose directory is already gone and no processes: down has only files to remove.
-    (root / "state.json").write_text(json.dumps(
-        {"cluster": "kvpilot-demo", "bin_dir": str(tmp_path / "bin"), "processes": {}}))
+    (root / "state.json").write_text(
+        json.dumps({"cluster": "kvpilot-demo", "bin_dir": str(tmp_path / "bin"), "processes": {}})
+    )
     assert demo.down() == 0
     assert not root.exists()
     assert demo.down() == 0  # nothing up: says so, fails nothing
 
 
-def test_down_leaves_a_root_with_other_files_in_place(tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_down_leaves_a_root_with_other_files_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # KVPILOT_DEMO_STATE may name a directory that holds more than the demo.
     monkeypatch.setattr(demo, "ROOT", tmp_path)
     monkeypatch.setattr(demo, "STATE_FILE", tmp_path / "state.json")
     (tmp_path / "notes.txt").write_text("mine\n")
-    (tmp_path / "state.json").write_text(json.dumps(
-        {"cluster": "kvpilot-demo", "bin_dir": str(tmp_path / "bin"), "processes": {}}))
+    (tmp_path / "state.json").write_text(
+        json.dumps({"cluster": "kvpilot-demo", "bin_dir": str(tmp_path / "bin"), "processes": {}})
+    )
     assert demo.down() == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
 def test_the_operator_kubeconfig_is_made_for_the_cluster_at_hand(
-        k8s: Cluster, kvpilot: Installation, tmp_path: Path) -> None:
+    k8s: Cluster, kvpilot: Installation, tmp_path: Path
+) -> None:
     local = LocalOperator(k8s, kvpilot, tmp_path)
     # What a previous cluster left in its place: another CA, another port, another token.
     stale = yaml.safe_load(Path(k8s.kubeconfig).read_text())

@@ -35,8 +35,7 @@ from kvpilot.engine.config import CAPABILITIES
 def smollm2(k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: Any) -> dict[str, Any]:
     obj = kvis.sample("smollm2-135m")
     apply_isvc(obj["metadata"]["name"], obj["spec"])
-    return kvis.wait_condition(k8s, kvpilot.watch_namespaces[0], obj["metadata"]["name"], "Ready", "True",
-                               timeout_s=60)
+    return kvis.wait_condition(k8s, kvpilot.watch_namespaces[0], obj["metadata"]["name"], "Ready", "True", timeout_s=60)
 
 
 @pytest.fixture()
@@ -52,7 +51,8 @@ def engine(k8s: Cluster, smollm2: dict[str, Any], tmp_path: Path) -> Iterator[tu
 
 
 def test_engine_behind_a_simulated_pod_answers_the_openai_client(
-        k8s: Cluster, smollm2: dict[str, Any], engine: tuple[Process, str, dict[str, Any]]) -> None:
+    k8s: Cluster, smollm2: dict[str, Any], engine: tuple[Process, str, dict[str, Any]]
+) -> None:
     process, url, pod = engine
     ns, name = smollm2["metadata"]["namespace"], smollm2["metadata"]["name"]
     pod_ip = pod["status"]["podIP"]
@@ -70,9 +70,14 @@ def test_engine_behind_a_simulated_pod_answers_the_openai_client(
     assert plan["quantization"] in CAPABILITIES.quantization and plan["speculative"] in CAPABILITIES.speculative
     # A small TPOT-bound load at temperature 0.7: the planner speculates with n-gram drafts.
     assert plan["speculative"] == "ngram" and argv[argv.index("--num-speculative-tokens") + 1] == "4"
-    for flag, value in [("--max-num-seqs", plan["maxNumSeqs"]), ("--max-model-len", plan["maxModelLen"]),
-                        ("--max-num-batched-tokens", plan["maxNumBatchedTokens"]), ("--block-size", 16),
-                        ("--quantization", plan["quantization"]), ("--speculative", plan["speculative"])]:
+    for flag, value in [
+        ("--max-num-seqs", plan["maxNumSeqs"]),
+        ("--max-model-len", plan["maxModelLen"]),
+        ("--max-num-batched-tokens", plan["maxNumBatchedTokens"]),
+        ("--block-size", 16),
+        ("--quantization", plan["quantization"]),
+        ("--speculative", plan["speculative"]),
+    ]:
         assert argv[argv.index(flag) + 1] == str(value), flag
 
     # The status names the Service's in-cluster URL; the client here dials the pod IP behind it
@@ -83,20 +88,28 @@ def test_engine_behind_a_simulated_pod_answers_the_openai_client(
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http, max_retries=0)
         assert [m.id for m in client.models.list().data] == [served]
         chat = client.chat.completions.create(
-            model=served, messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=16, temperature=0)
+            model=served,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16,
+            temperature=0,
+        )
         assert chat.choices[0].message.content and chat.usage is not None
         assert 0 < chat.usage.completion_tokens <= 16
-        stream = client.completions.create(model=served, prompt="The sky is", max_tokens=8, temperature=0,
-                                           stream=True)
+        stream = client.completions.create(model=served, prompt="The sky is", max_tokens=8, temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in stream if c.choices)
         # An answer that copies its prompt: the engine verifies n-gram drafts and accepts some.
         text = "one two three four five six seven eight nine ten eleven twelve"
         copy = client.completions.create(model=served, prompt=f"{text}\n{text}\n{text}\n", max_tokens=24, temperature=0)
         assert copy.choices[0].text
-        metrics = {s.name: s.value for f in text_string_to_metric_families(http.get(f"{url}/metrics").text) for s in f.samples}
+        metrics = {
+            s.name: s.value for f in text_string_to_metric_families(http.get(f"{url}/metrics").text) for s in f.samples
+        }
     assert metrics["kvpilot_spec_decode_num_drafts_total"] > 0
-    assert 0 < metrics["kvpilot_spec_decode_num_accepted_tokens_total"] <= metrics["kvpilot_spec_decode_num_draft_tokens_total"]
+    assert (
+        0
+        < metrics["kvpilot_spec_decode_num_accepted_tokens_total"]
+        <= metrics["kvpilot_spec_decode_num_draft_tokens_total"]
+    )
 
 
 @dataclass
@@ -112,20 +125,36 @@ class PinnedEngine:
 
     def capital_of_france(self, max_tokens: int = 6, **extra_body: Any) -> str:
         """The engine's greedy completion of "The capital of France is"."""
-        out = self.client.completions.create(model=self.model, prompt="The capital of France is", max_tokens=max_tokens,
-                                             temperature=0, extra_body=extra_body or None)
+        out = self.client.completions.create(
+            model=self.model,
+            prompt="The capital of France is",
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body=extra_body or None,
+        )
         return out.choices[0].text
 
 
 @contextmanager
-def pinned_sample(k8s: Cluster, kvpilot: Installation, apply_isvc: Any, tmp_path: Path, name: str,
-                  model: dict[str, Any] | None = None, env: list[dict[str, str]] | None = None,
-                  **serving: str) -> Iterator[PinnedEngine]:
+def pinned_sample(
+    k8s: Cluster,
+    kvpilot: Installation,
+    apply_isvc: Any,
+    tmp_path: Path,
+    name: str,
+    model: dict[str, Any] | None = None,
+    env: list[dict[str, str]] | None = None,
+    **serving: str,
+) -> Iterator[PinnedEngine]:
     """The sample with `serving` (and `model`, `env`) fields pinned, rolled out, and a real engine
     behind its one pod, started after the pod's init containers have run."""
     spec = kvis.sample("smollm2-135m")["spec"]
-    spec = {**spec, "model": {**spec["model"], **(model or {})}, "serving": {**spec.get("serving", {}), **serving},
-            **({"env": env} if env else {})}
+    spec = {
+        **spec,
+        "model": {**spec["model"], **(model or {})},
+        "serving": {**spec.get("serving", {}), **serving},
+        **({"env": env} if env else {}),
+    }
     apply_isvc(name, spec)
     ns = kvpilot.watch_namespaces[0]
     ready = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=60)
@@ -137,14 +166,16 @@ def pinned_sample(k8s: Cluster, kvpilot: Installation, apply_isvc: Any, tmp_path
     try:
         with httpx.Client(trust_env=False, timeout=120) as http:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http, max_retries=0)
-            yield PinnedEngine(ready["status"]["plan"], deployment, volumes, process, url, spec["model"]["name"],
-                               client, http)
+            yield PinnedEngine(
+                ready["status"]["plan"], deployment, volumes, process, url, spec["model"]["name"], client, http
+            )
     finally:
         assert process.stop() == 0, process.log_tail()
 
 
 def test_a_plan_that_chose_int4_runs_a_real_int4_engine(
-        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: Any, tmp_path: Path) -> None:
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: Any, tmp_path: Path
+) -> None:
     # The sample, pinned to INT4 (the planner picks it under `auto` only where BF16 misses the SLO).
     with pinned_sample(k8s, kvpilot, apply_isvc, tmp_path, "smollm2-int4", quantization="int4") as engine:
         assert engine.plan["quantization"] == "int4"
@@ -154,38 +185,61 @@ def test_a_plan_that_chose_int4_runs_a_real_int4_engine(
 
 
 def test_a_plan_with_a_draft_model_runs_a_real_engine_that_drafts_with_it(
-        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: Any, tmp_path: Path) -> None:
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: Any, tmp_path: Path
+) -> None:
     # The draft: the embedded model's own weights, at a path (a model baked into the image), under
     # its catalog name so the planner knows its architecture. A target that is its own draft.
     from kvpilot.engine.model.loader import embedded_model_dir
 
     draft = tmp_path / "SmolLM2-135M-Instruct"
     draft.symlink_to(embedded_model_dir())
-    with pinned_sample(k8s, kvpilot, apply_isvc, tmp_path, "smollm2-draft", speculative="draft",
-                       draftModel=str(draft)) as engine:
+    with pinned_sample(
+        k8s, kvpilot, apply_isvc, tmp_path, "smollm2-draft", speculative="draft", draftModel=str(draft)
+    ) as engine:
         assert engine.plan["speculative"] == "draft"
         argv = engine.process.argv
         assert argv[argv.index("--speculative") + 1] == "draft" and argv[argv.index("--draft-model") + 1] == str(draft)
         text = engine.capital_of_france(max_tokens=24, ignore_eos=True)
-        metrics = {s.name: s.value for f in text_string_to_metric_families(engine.http.get(f"{engine.url}/metrics").text)
-                   for s in f.samples}
+        metrics = {
+            s.name: s.value
+            for f in text_string_to_metric_families(engine.http.get(f"{engine.url}/metrics").text)
+            for s in f.samples
+        }
     assert "Paris" in text
-    drafted, accepted = (metrics["kvpilot_spec_decode_num_draft_tokens_total"],
-                         metrics["kvpilot_spec_decode_num_accepted_tokens_total"])
+    drafted, accepted = (
+        metrics["kvpilot_spec_decode_num_draft_tokens_total"],
+        metrics["kvpilot_spec_decode_num_accepted_tokens_total"],
+    )
     # Its own draft: most are kept (bf16 rounds one-token draft steps and the verifying pass
     # differently, and drafts past max_tokens are not kept); an unrelated draft keeps few.
     assert drafted > 0 and accepted >= 0.6 * drafted, (drafted, accepted)
 
 
 def test_a_checkpoint_stored_in_int4_is_served_as_stored(
-        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: Any, tmp_path: Path) -> None:
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: Any, tmp_path: Path
+) -> None:
     # A W4A16 compressed-tensors checkpoint (`kvpilot quantize`, group 64 so that it differs from
     # the engine's default group 32), at a path baked into the image, declared model.quantization.
     checkpoint = tmp_path / "SmolLM2-135M-Instruct-w4a16"
-    subprocess.run([kvpilot_executable(), "quantize", str(checkpoint), "--scheme", "int4", "--group-size", "64",
-                    "--method", "rtn"], check=True, capture_output=True, timeout=600)
-    with pinned_sample(k8s, kvpilot, apply_isvc, tmp_path, "smollm2-w4a16",
-                       model={"source": str(checkpoint), "quantization": "int4"}) as engine:
+    subprocess.run(
+        [
+            kvpilot_executable(),
+            "quantize",
+            str(checkpoint),
+            "--scheme",
+            "int4",
+            "--group-size",
+            "64",
+            "--method",
+            "rtn",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    with pinned_sample(
+        k8s, kvpilot, apply_isvc, tmp_path, "smollm2-w4a16", model={"source": str(checkpoint), "quantization": "int4"}
+    ) as engine:
         assert engine.plan["quantization"] == "int4"
         argv = engine.process.argv
         assert argv[argv.index("--model") + 1] == str(checkpoint) and argv[argv.index("--quantization") + 1] == "none"
@@ -194,7 +248,8 @@ def test_a_checkpoint_stored_in_int4_is_served_as_stored(
 
 
 def test_an_hf_source_is_downloaded_by_the_init_container_and_served(
-        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: Any, tmp_path: Path) -> None:
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: Any, tmp_path: Path
+) -> None:
     # The hub: a stand-in on 127.0.0.1 that serves the embedded model's folder under the hub's name
     # and wants a token; the spec names the endpoint in its env and the token by its Secret.
     from kvpilot.engine.model.loader import embedded_model_dir
@@ -202,10 +257,18 @@ def test_an_hf_source_is_downloaded_by_the_init_container_and_served(
     ns, repo, token = kvpilot.watch_namespaces[0], "HuggingFaceTB/SmolLM2-135M-Instruct", "hf_e2e_token"
     k8s.kubectl("create", "secret", "generic", "hub-token", "-n", ns, f"--from-literal=token={token}")
     try:
-        with HubServer(repo, embedded_model_dir(), token=token) as hub, \
-                pinned_sample(k8s, kvpilot, apply_isvc, tmp_path, "smollm2-hub",
-                              model={"source": f"hf://{repo}", "tokenSecret": {"name": "hub-token"}},
-                              env=[{"name": "HF_ENDPOINT", "value": hub.url}]) as engine:
+        with (
+            HubServer(repo, embedded_model_dir(), token=token) as hub,
+            pinned_sample(
+                k8s,
+                kvpilot,
+                apply_isvc,
+                tmp_path,
+                "smollm2-hub",
+                model={"source": f"hf://{repo}", "tokenSecret": {"name": "hub-token"}},
+                env=[{"name": "HF_ENDPOINT", "value": hub.url}],
+            ) as engine,
+        ):
             (init,) = engine.deployment["spec"]["template"]["spec"]["initContainers"]
             assert init["command"] == ["kvpilot", "download"]
             # The engine loads what the init container put into the cache volume, nothing else.

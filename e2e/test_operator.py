@@ -46,10 +46,18 @@ def _arg(deployment: dict[str, Any], flag: str) -> str:
 
 
 def test_inference_service_rolls_out_its_plan_on_the_right_gpus(
-        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
+) -> None:
     ns, name = kvpilot.watch_namespaces[0], "llama-3-8b-l4"
-    apply_isvc(name, {"model": {"name": "llama-3-8b"}, "accelerator": {"type": "L4"},
-                      "serving": {"maxContextLength": 8192}, "replicas": 2})
+    apply_isvc(
+        name,
+        {
+            "model": {"name": "llama-3-8b"},
+            "accelerator": {"type": "L4"},
+            "serving": {"maxContextLength": 8192},
+            "replicas": 2,
+        },
+    )
     obj = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
 
     # The plan, recomputed here from the spec as the API server stored it (with its defaults).
@@ -88,7 +96,8 @@ def test_inference_service_rolls_out_its_plan_on_the_right_gpus(
 
 
 def test_unset_gpu_type_is_planned_for_a_gpu_the_nodes_have(
-        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
+) -> None:
     ns, name = kvpilot.watch_namespaces[0], "mistral-any-gpu"
     apply_isvc(name, {"model": {"name": "mistral-7b"}, "replicas": 1})
     obj = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
@@ -100,17 +109,33 @@ def test_unset_gpu_type_is_planned_for_a_gpu_the_nodes_have(
 
 
 def test_lifecycle_generation_repair_restart_and_garbage_collection(
-        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
+) -> None:
     ns, name = kvpilot.watch_namespaces[0], "llama-2-7b-a10g"
-    apply_isvc(name, {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"},
-                      "serving": {"maxContextLength": 4096}, "replicas": 1})
+    apply_isvc(
+        name,
+        {
+            "model": {"name": "llama-2-7b"},
+            "accelerator": {"type": "A10G"},
+            "serving": {"maxContextLength": 4096},
+            "replicas": 1,
+        },
+    )
     kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S, generation=1)
     deployment_uid = k8s.kubectl_json("get", "deployment", name, "-n", ns)["metadata"]["uid"]
 
     # A spec change is a new generation; the operator re-plans, rolls the Deployment in place and
     # reports the generation it acted on.
-    k8s.kubectl("patch", "inferenceservice", name, "-n", ns, "--type=merge",
-                "-p", json.dumps({"spec": {"serving": {"maxContextLength": 2048}}}))
+    k8s.kubectl(
+        "patch",
+        "inferenceservice",
+        name,
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"serving": {"maxContextLength": 2048}}}),
+    )
     assert kvis.get(k8s, ns, name)["metadata"]["generation"] == 2
     obj = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S, generation=2)
     assert {c["observedGeneration"] for c in obj["status"]["conditions"]} == {2}
@@ -124,8 +149,14 @@ def test_lifecycle_generation_repair_restart_and_garbage_collection(
     for kind in ("deployment", "service", "poddisruptionbudget"):
         k8s.kubectl("delete", kind, name, "-n", ns)
     deleted = time.monotonic()
-    poll(lambda: {o["kind"] for o in kvis.children(k8s, ns, name, "deployments,services,poddisruptionbudgets")}
-              == {"Deployment", "Service", "PodDisruptionBudget"}, CONVERGE_S, "children recreated")
+    poll(
+        lambda: (
+            {o["kind"] for o in kvis.children(k8s, ns, name, "deployments,services,poddisruptionbudgets")}
+            == {"Deployment", "Service", "PodDisruptionBudget"}
+        ),
+        CONVERGE_S,
+        "children recreated",
+    )
     print(f"children back {time.monotonic() - deleted:.1f} s after their deletion")
     # Ready follows the new Deployment's pods by its events, within seconds: no resync period
     # (it was 15 s) stands between the rollout completing and the status saying so.
@@ -138,8 +169,11 @@ def test_lifecycle_generation_repair_restart_and_garbage_collection(
     before = _uids(k8s, ns, name)
     generation = k8s.kubectl_json("get", "deployment", name, "-n", ns)["metadata"]["generation"]
     restarted = operator.restart()
-    poll(lambda: f"[{ns}/{name}] Resuming is processed" in restarted.log.read_text(), CONVERGE_S,
-              "the restarted operator resumed the InferenceService")
+    poll(
+        lambda: f"[{ns}/{name}] Resuming is processed" in restarted.log.read_text(),
+        CONVERGE_S,
+        "the restarted operator resumed the InferenceService",
+    )
     assert _uids(k8s, ns, name) == before
     assert k8s.kubectl_json("get", "deployment", name, "-n", ns)["metadata"]["generation"] == generation
     assert kvis.condition(kvis.get(k8s, ns, name), "Ready")["status"] == "True"
@@ -157,7 +191,8 @@ def _rolled_out(k8s: Cluster, apply_isvc: ApplyISVC, ns: str, name: str, gpu: st
 
 
 def test_a_spec_that_stops_planning_keeps_the_last_good_deployment_with_the_numbers(
-        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
+) -> None:
     ns, name = kvpilot.watch_namespaces[0], "too-big"
     _rolled_out(k8s, apply_isvc, ns, name, "L4")
     running = k8s.kubectl_json("get", "deployment", name, "-n", ns)
@@ -170,8 +205,16 @@ def test_a_spec_that_stops_planning_keeps_the_last_good_deployment_with_the_numb
         assert len(kvis.running_pods(k8s, ns, name)) == 1
 
     # Now 70B on one L4 (24 GiB marketed, 22.5 GiB reported): even INT4 weights do not fit.
-    k8s.kubectl("patch", "inferenceservice", name, "-n", ns, "--type=merge",
-                "-p", json.dumps({"spec": {"model": {"name": "llama-2-70b"}}}))
+    k8s.kubectl(
+        "patch",
+        "inferenceservice",
+        name,
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"model": {"name": "llama-2-70b"}}}),
+    )
     obj = kvis.wait_condition(k8s, ns, name, "Planned", "False", timeout_s=CONVERGE_S, generation=2)
     planned = kvis.condition(obj, "Planned")
     assert planned["reason"] == "WeightsDoNotFit", planned
@@ -185,8 +228,16 @@ def test_a_spec_that_stops_planning_keeps_the_last_good_deployment_with_the_numb
     assert kvis.condition(obj, "Degraded")["reason"] == "WeightsDoNotFit"
 
     # A GPU type that does not exist: the same.
-    k8s.kubectl("patch", "inferenceservice", name, "-n", ns, "--type=merge", "-p", json.dumps(
-        {"spec": {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "L5"}}}))
+    k8s.kubectl(
+        "patch",
+        "inferenceservice",
+        name,
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "L5"}}}),
+    )
     obj = kvis.wait_condition(k8s, ns, name, "Planned", "False", timeout_s=CONVERGE_S, generation=3)
     assert kvis.condition(obj, "Planned")["reason"] == "UnknownGPU"
     unchanged()
@@ -200,10 +251,17 @@ def test_a_spec_that_stops_planning_keeps_the_last_good_deployment_with_the_numb
 
 
 def test_a_same_named_object_of_someone_else_is_never_adopted(
-        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
+) -> None:
     ns, name = kvpilot.watch_namespaces[0], "db"
-    k8s.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
-               "spec": {"selector": {"app": "postgres"}, "ports": [{"port": 5432}]}})
+    k8s.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"selector": {"app": "postgres"}, "ports": [{"port": 5432}]},
+        }
+    )
     theirs = k8s.kubectl_json("get", "service", name, "-n", ns)
     apply_isvc(name, {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}, "replicas": 1})
     obj = kvis.wait_condition(k8s, ns, name, "Ready", "False", timeout_s=CONVERGE_S)
@@ -227,20 +285,27 @@ def test_a_same_named_object_of_someone_else_is_never_adopted(
 
 
 def test_a_write_the_api_server_refuses_is_in_the_status(
-        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
+) -> None:
     ns = kvpilot.watch_namespaces[0]
     base = {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}, "replicas": 1}
     # The CRD takes any string in both places; the Deployment's schema does not. The API server
     # answers the quantity with a 500 (it cannot convert the applied object), the label with a 422.
-    cases = {"bad-quantity": ({"resources": {"requests": {"cpu": "lots"}}},
-                              "quantities must match the regular expression"),
-             "bad-node-label": ({"nodeSelector": {"pool": "not a label!"}},
-                                'spec.template.spec.nodeSelector: Invalid value: "not a label!"')}
+    cases = {
+        "bad-quantity": ({"resources": {"requests": {"cpu": "lots"}}}, "quantities must match the regular expression"),
+        "bad-node-label": (
+            {"nodeSelector": {"pool": "not a label!"}},
+            'spec.template.spec.nodeSelector: Invalid value: "not a label!"',
+        ),
+    }
     for name, (extra, _) in cases.items():
         apply_isvc(name, {**base, **extra})
     for name, (_, words) in cases.items():
-        poll(lambda: kvis.condition(kvis.get(k8s, ns, name), "Ready").get("reason") == "ApplyFailed",
-             CONVERGE_S, f"{name}: ApplyFailed")
+        poll(
+            lambda: kvis.condition(kvis.get(k8s, ns, name), "Ready").get("reason") == "ApplyFailed",
+            CONVERGE_S,
+            f"{name}: ApplyFailed",
+        )
         ready = kvis.condition(kvis.get(k8s, ns, name), "Ready")
         assert ready["status"] == "False"
         assert ready["message"].startswith(f"the API server refused Deployment {ns}/{name}: "), ready
@@ -249,7 +314,8 @@ def test_a_write_the_api_server_refuses_is_in_the_status(
 
 
 def test_deleting_an_inference_service_does_not_wait_for_the_operator(
-        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
+) -> None:
     ns, name = kvpilot.watch_namespaces[0], "orphan-free"
     apply_isvc(name, {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}, "replicas": 1})
     obj = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
@@ -285,61 +351,102 @@ def _requests(k8s: Cluster, verbs: set[str]) -> int:
     """Requests with `verbs` to the operator's kinds so far, from the API server's metrics: the
     objects themselves and the InferenceServices' status (kube-controller-manager writes the
     other kinds' status only)."""
-    return int(sum(value for name, labels, value in _metrics(k8s)
-                   if name == "apiserver_request_total" and labels.get("resource") in OPERATOR_KINDS
-                   and labels.get("verb") in verbs
-                   and (not labels.get("subresource")
-                        or (labels["resource"], labels["subresource"]) == ("inferenceservices", "status"))))
+    return int(
+        sum(
+            value
+            for name, labels, value in _metrics(k8s)
+            if name == "apiserver_request_total"
+            and labels.get("resource") in OPERATOR_KINDS
+            and labels.get("verb") in verbs
+            and (
+                not labels.get("subresource")
+                or (labels["resource"], labels["subresource"]) == ("inferenceservices", "status")
+            )
+        )
+    )
 
 
 def _service_account_requests(k8s: Cluster) -> int:
     """Every request of a service account outside kube-system so far: here, only the operator's
     (API priority and fairness sorts them into the `service-accounts` flow schema)."""
-    return int(sum(value for name, labels, value in _metrics(k8s)
-                   if name == "apiserver_flowcontrol_dispatched_requests_total"
-                   and labels.get("flow_schema") == "service-accounts"))
+    return int(
+        sum(
+            value
+            for name, labels, value in _metrics(k8s)
+            if name == "apiserver_flowcontrol_dispatched_requests_total"
+            and labels.get("flow_schema") == "service-accounts"
+        )
+    )
 
 
 def test_an_idle_inference_service_costs_no_writes(
-        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
+) -> None:
     ns, name = kvpilot.watch_namespaces[0], "idle"
     _rolled_out(k8s, apply_isvc, ns, name, "A10G")
 
     def quiet() -> bool:
         # The children of earlier tests' InferenceServices are garbage-collected by now.
-        rest = k8s.kubectl_json("get", "deployments,services,poddisruptionbudgets", "-n", ns,
-                                "-l", "app.kubernetes.io/managed-by=kvpilot-operator")["items"]
+        rest = k8s.kubectl_json(
+            "get",
+            "deployments,services,poddisruptionbudgets",
+            "-n",
+            ns,
+            "-l",
+            "app.kubernetes.io/managed-by=kvpilot-operator",
+        )["items"]
         return {o["metadata"]["labels"]["app.kubernetes.io/instance"] for o in rest} == {name}
 
     poll(quiet, CONVERGE_S, "only the idle InferenceService's children left")
     # The SLO autoscaler records its first decision once, within a period of the service appearing.
-    poll(lambda: "autoscaler" in k8s.kubectl_json("get", "inferenceservice", name, "-n", ns).get("status", {}),
-         CONVERGE_S, "the autoscaler's first decision in the status")
+    poll(
+        lambda: "autoscaler" in k8s.kubectl_json("get", "inferenceservice", name, "-n", ns).get("status", {}),
+        CONVERGE_S,
+        "the autoscaler's first decision in the status",
+    )
     time.sleep(5)  # the last events of the rollout
     writes, reads = _requests(k8s, WRITES), _requests(k8s, {"GET", "LIST"})
     operator_requests = _service_account_requests(k8s)
     assert operator_requests > 0  # the metric does see the operator
     time.sleep(30)  # two periods of the resync timer this operator no longer has
-    print(f"idle 30 s: {_requests(k8s, WRITES) - writes} writes and "
-          f"{_requests(k8s, {'GET', 'LIST'}) - reads} reads of the operator's kinds; "
-          f"{_service_account_requests(k8s) - operator_requests} requests of the operator in all")
+    print(
+        f"idle 30 s: {_requests(k8s, WRITES) - writes} writes and "
+        f"{_requests(k8s, {'GET', 'LIST'}) - reads} reads of the operator's kinds; "
+        f"{_service_account_requests(k8s) - operator_requests} requests of the operator in all"
+    )
     assert _requests(k8s, WRITES) == writes
     # At most kopf's own upkeep (its peering record's keep-alive, a watch the API server ended).
     assert _service_account_requests(k8s) - operator_requests <= 3
 
 
 def test_pod_settings_reach_the_pods_through_the_api_server(
-        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
+) -> None:
     ns, name = kvpilot.watch_namespaces[0], "passthrough"
-    env = [{"name": "KVPILOT_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm", "key": "api-key", "optional": True}}}]
-    apply_isvc(name, {
-        "model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}, "replicas": 1,
-        "env": env, "imagePullSecrets": [{"name": "registry"}], "podLabels": {"team": "ml"},
-        "podAnnotations": {"owner": "ml"}, "rollout": {"maxSurge": 0, "maxUnavailable": 1},
-        "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
-                                       "whenUnsatisfiable": "ScheduleAnyway",
-                                       "labelSelector": {"matchLabels": {"team": "ml"}}}],
-    })
+    env = [
+        {"name": "KVPILOT_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm", "key": "api-key", "optional": True}}}
+    ]
+    apply_isvc(
+        name,
+        {
+            "model": {"name": "llama-2-7b"},
+            "accelerator": {"type": "A10G"},
+            "replicas": 1,
+            "env": env,
+            "imagePullSecrets": [{"name": "registry"}],
+            "podLabels": {"team": "ml"},
+            "podAnnotations": {"owner": "ml"},
+            "rollout": {"maxSurge": 0, "maxUnavailable": 1},
+            "topologySpreadConstraints": [
+                {
+                    "maxSkew": 1,
+                    "topologyKey": "kubernetes.io/hostname",
+                    "whenUnsatisfiable": "ScheduleAnyway",
+                    "labelSelector": {"matchLabels": {"team": "ml"}},
+                }
+            ],
+        },
+    )
     obj = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
     assert kvis.condition(obj, "Ready")["reason"] == "ReplicasReady"
     deployment = k8s.kubectl_json("get", "deployment", name, "-n", ns)
@@ -358,10 +465,19 @@ def test_pod_settings_reach_the_pods_through_the_api_server(
 
 
 def test_a_pod_no_node_can_take_makes_ready_say_unschedulable(
-        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC) -> None:
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
+) -> None:
     ns, name = kvpilot.watch_namespaces[0], "nowhere"
-    apply_isvc(name, {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}, "replicas": 1,
-                      "nodeSelector": {"pool": "does-not-exist"}})
+    apply_isvc(
+        name,
+        {
+            "model": {"name": "llama-2-7b"},
+            "accelerator": {"type": "A10G"},
+            "replicas": 1,
+            "nodeSelector": {"pool": "does-not-exist"},
+        },
+    )
+
     # The scheduler marks the pod Unschedulable; the pod's event reconciles its InferenceService.
     def unschedulable() -> dict[str, Any] | None:
         found = kvis.get(k8s, ns, name)

@@ -74,7 +74,8 @@ def test_chart_denies(k8s: Cluster, kvpilot: Installation, verb: str, resource: 
 
 
 def test_operator_runs_as_the_chart_service_account_and_is_never_refused(
-        k8s: Cluster, kvpilot: Installation, operator: LocalOperator) -> None:
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator
+) -> None:
     config: dict[str, Any] = yaml.safe_load(operator.kubeconfig.read_text())
     (user,) = config["users"]
     assert set(user["user"]) == {"token"}  # no client certificate, no admin fallback
@@ -87,7 +88,8 @@ def test_operator_runs_as_the_chart_service_account_and_is_never_refused(
 
 
 def test_inference_services_outside_the_watched_namespaces_are_left_alone(
-        k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: Any) -> None:
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: Any
+) -> None:
     # One InferenceService in a namespace the chart does not grant, one in the watched namespace
     # as the witness that the operator is acting meanwhile.
     outside = "kvpilot-e2e-unwatched"

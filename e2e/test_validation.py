@@ -26,38 +26,90 @@ def _with(path: str, value: Any) -> dict[str, Any]:
     return spec
 
 
-LLAMA_ARCH = {"layers": 32, "hiddenSize": 4096, "attentionHeads": 32, "vocabSize": 32000,
-              "parameters": 6_738_415_616, "maxContext": 4096}
+LLAMA_ARCH = {
+    "layers": 32,
+    "hiddenSize": 4096,
+    "attentionHeads": 32,
+    "vocabSize": 32000,
+    "parameters": 6_738_415_616,
+    "maxContext": 4096,
+}
 
 # (id, spec, what the API server must say)
 INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("no-model", {"accelerator": {"type": "A10G"}}, "spec.model: Required value"),
-    ("empty-model-name", _with("model.name", ""), "spec.model.name: Invalid value: \"\": spec.model.name in body should be at least 1 chars long"),
-    ("unknown-quantization", _with("serving.quantization", "fp3"), 'spec.serving.quantization: Unsupported value: "fp3"'),
+    (
+        "empty-model-name",
+        _with("model.name", ""),
+        'spec.model.name: Invalid value: "": spec.model.name in body should be at least 1 chars long',
+    ),
+    (
+        "unknown-quantization",
+        _with("serving.quantization", "fp3"),
+        'spec.serving.quantization: Unsupported value: "fp3"',
+    ),
     ("block-size-not-power-of-two", _with("serving.blockSize", 24), "blockSize must be a power of two up to 1024"),
     ("draft-without-draft-model", _with("serving.speculative", "draft"), "speculative 'draft' needs draftModel"),
-    ("min-above-max-replicas", _with("autoscaling", {"minReplicas": 5, "maxReplicas": 2}), "minReplicas must be <= maxReplicas"),
+    (
+        "min-above-max-replicas",
+        _with("autoscaling", {"minReplicas": 5, "maxReplicas": 2}),
+        "minReplicas must be <= maxReplicas",
+    ),
     ("zero-ttft-slo", _with("slo.ttftP95Ms", 0), "ttftP95Ms must be positive"),
     ("negative-tpot-slo", _with("slo.tpotP95Ms", -5), "tpotP95Ms must be positive"),
-    ("gpu-memory-utilization-above-1", _with("serving.gpuMemoryUtilization", 1.5), "spec.serving.gpuMemoryUtilization: Invalid value: 1.5: spec.serving.gpuMemoryUtilization in body should be less than or equal to 1"),
-    ("node-selector-without-gpu-type", {"model": {"name": "llama-2-7b"},
-                                        "accelerator": {"nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"}}},
-     "accelerator.nodeSelector needs accelerator.type"),
+    (
+        "gpu-memory-utilization-above-1",
+        _with("serving.gpuMemoryUtilization", 1.5),
+        "spec.serving.gpuMemoryUtilization: Invalid value: 1.5: spec.serving.gpuMemoryUtilization in body should be less than or equal to 1",
+    ),
+    (
+        "node-selector-without-gpu-type",
+        {
+            "model": {"name": "llama-2-7b"},
+            "accelerator": {"nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"}},
+        },
+        "accelerator.nodeSelector needs accelerator.type",
+    ),
     ("zero-gpus", _with("accelerator.count", 0), "spec.accelerator.count in body should be greater than or equal to 1"),
     ("negative-replicas", _with("replicas", -1), "spec.replicas in body should be greater than or equal to 0"),
     ("a-million-replicas", _with("replicas", 1_000_000), "spec.replicas in body should be less than or equal to 1000"),
-    ("max-replicas-above-1000", _with("autoscaling.maxReplicas", 1001), "spec.autoscaling.maxReplicas in body should be less than or equal to 1000"),
-    ("replicas-above-max-in-slo-mode", {**GOOD, "replicas": 9, "autoscaling": {"maxReplicas": 4}}, "replicas must be <= autoscaling.maxReplicas in autoscaling mode slo"),
-    ("kv-heads-not-dividing-heads", _with("model.architecture", {**LLAMA_ARCH, "kvHeads": 5}), "attentionHeads must be a multiple of kvHeads"),
-    ("architecture-missing-fields", _with("model.architecture", {"layers": 32}), "spec.model.architecture.hiddenSize: Required value"),
-    ("model-name-not-a-string", _with("model.name", 7), 'spec.model.name: Invalid value: "integer": spec.model.name in body must be of type string'),
-    ("bad-toleration-operator", _with("tolerations", [{"key": "gpu", "operator": "Maybe"}]), 'spec.tolerations[0].operator: Unsupported value: "Maybe"'),
+    (
+        "max-replicas-above-1000",
+        _with("autoscaling.maxReplicas", 1001),
+        "spec.autoscaling.maxReplicas in body should be less than or equal to 1000",
+    ),
+    (
+        "replicas-above-max-in-slo-mode",
+        {**GOOD, "replicas": 9, "autoscaling": {"maxReplicas": 4}},
+        "replicas must be <= autoscaling.maxReplicas in autoscaling mode slo",
+    ),
+    (
+        "kv-heads-not-dividing-heads",
+        _with("model.architecture", {**LLAMA_ARCH, "kvHeads": 5}),
+        "attentionHeads must be a multiple of kvHeads",
+    ),
+    (
+        "architecture-missing-fields",
+        _with("model.architecture", {"layers": 32}),
+        "spec.model.architecture.hiddenSize: Required value",
+    ),
+    (
+        "model-name-not-a-string",
+        _with("model.name", 7),
+        'spec.model.name: Invalid value: "integer": spec.model.name in body must be of type string',
+    ),
+    (
+        "bad-toleration-operator",
+        _with("tolerations", [{"key": "gpu", "operator": "Maybe"}]),
+        'spec.tolerations[0].operator: Unsupported value: "Maybe"',
+    ),
 ]
 
 
 @pytest.mark.parametrize("spec, message", [(s, m) for _, s, m in INVALID], ids=[i for i, _, _ in INVALID])
-def test_invalid_spec_is_rejected_with_a_clear_message(k8s: Cluster, kvpilot: Installation,
-                                                       spec: dict[str, Any], message: str) -> None:
+def test_invalid_spec_is_rejected_with_a_clear_message(
+    k8s: Cluster, kvpilot: Installation, spec: dict[str, Any], message: str
+) -> None:
     ns = kvpilot.watch_namespaces[0]
     obj = kvis.manifest("invalid", ns, spec)
     result = k8s.kubectl("create", "-f", "-", input=yaml.safe_dump(obj), check=False)
@@ -70,15 +122,18 @@ def test_invalid_spec_is_rejected_with_a_clear_message(k8s: Cluster, kvpilot: In
 def test_the_valid_base_spec_is_accepted_with_defaults(k8s: Cluster, kvpilot: Installation) -> None:
     # Without this, a typo in GOOD would make every case above pass for the wrong reason.
     ns = kvpilot.watch_namespaces[0]
-    out = k8s.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-",
-                      input=yaml.safe_dump(kvis.manifest("valid", ns, GOOD)))
+    out = k8s.kubectl(
+        "create", "--dry-run=server", "-o", "json", "-f", "-", input=yaml.safe_dump(kvis.manifest("valid", ns, GOOD))
+    )
     stored = yaml.safe_load(out.stdout)["spec"]
     assert stored["serving"]["blockSize"] == 16 and stored["autoscaling"]["maxReplicas"] == 4
 
 
-NAME_RULE = ("metadata.name must be a DNS-1035 label (at most 63 characters: lower-case letters, digits "
-             "and '-', starting with a letter and ending with a letter or digit), because the "
-             "InferenceService's Service takes its name")
+NAME_RULE = (
+    "metadata.name must be a DNS-1035 label (at most 63 characters: lower-case letters, digits "
+    "and '-', starting with a letter and ending with a letter or digit), because the "
+    "InferenceService's Service takes its name"
+)
 
 
 # Names Kubernetes takes for a custom resource (a DNS-1123 subdomain) that no Service could have.

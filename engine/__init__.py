@@ -21,10 +21,10 @@ __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
     from kvpilot.engine.config import EngineConfig
+    from kvpilot.engine.core.sampling_params import SamplingParams
     from kvpilot.engine.llm import LLM
     from kvpilot.engine.llm_engine import LLMEngine
     from kvpilot.engine.outputs import CompletionOutput, RequestOutput
-    from kvpilot.engine.core.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> object:

@@ -20,8 +20,10 @@ CHECKOUT = Path(__file__).resolve().parents[1]
 
 def _bench_module(name: str):  # noqa: ANN202 - a module
     if not (CHECKOUT / "bench" / f"{name}.py").exists():
-        raise ValueError(f"`kvpilot bench {name}` runs bench/{name}.py of a source checkout; "
-                         f"this installation ({CHECKOUT}) has none: install kvpilot from a checkout with `make install`")
+        raise ValueError(
+            f"`kvpilot bench {name}` runs bench/{name}.py of a source checkout; "
+            f"this installation ({CHECKOUT}) has none: install kvpilot from a checkout with `make install`"
+        )
     if str(CHECKOUT) not in sys.path:
         sys.path.insert(0, str(CHECKOUT))
     import importlib
@@ -37,8 +39,11 @@ def _serve(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench = sub.add_parser("bench", help=COMMANDS["bench"][1])
     kinds = bench.add_subparsers(dest="benchmark", required=True)
-    serve = kinds.add_parser("serve", help="streamed completions against kvpilot serve, llama.cpp's llama-server and an "
-                                           "HF baseline, alternating in one run (bench/serve.py)")
+    serve = kinds.add_parser(
+        "serve",
+        help="streamed completions against kvpilot serve, llama.cpp's llama-server and an "
+        "HF baseline, alternating in one run (bench/serve.py)",
+    )
     try:
         _bench_module("serve").add_bench_serve_args(serve)
     except ValueError as error:
@@ -50,4 +55,5 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def _fails_with(error: ValueError):  # noqa: ANN202 - a command function
     def fail(_: argparse.Namespace) -> int:
         raise error
+
     return fail

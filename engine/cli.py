@@ -20,9 +20,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvpilot.engine.cli", "offline generation with the engine"),
     "serve": ("kvpilot.engine.cli", "the OpenAI-compatible HTTP server"),
     "eval": ("kvpilot.engine.cli", "quality of each quantization scheme against the unquantized model"),
-    "quantize": ("kvpilot.engine.quantize.cli", "write a model folder as a compressed-tensors INT4/INT8 checkpoint (W4A16, W8A16)"),
-    "bench": ("kvpilot.engine.benchmarks", "benchmarks of a source checkout's bench/ (serve: kvpilot, llama.cpp, HF side by side)"),
-    "download": ("kvpilot.engine.download", "download a model from the Hugging Face Hub into a local folder (an engine pod's init step)"),
+    "quantize": (
+        "kvpilot.engine.quantize.cli",
+        "write a model folder as a compressed-tensors INT4/INT8 checkpoint (W4A16, W8A16)",
+    ),
+    "bench": (
+        "kvpilot.engine.benchmarks",
+        "benchmarks of a source checkout's bench/ (serve: kvpilot, llama.cpp, HF side by side)",
+    ),
+    "download": (
+        "kvpilot.engine.download",
+        "download a model from the Hugging Face Hub into a local folder (an engine pod's init step)",
+    ),
     "plan": ("kvpilot.operator.cli", "size a model on a GPU: KV cache, batch limits, quantization, latency"),
     "operator": ("kvpilot.operator.cli", "run the InferenceService operator (kopf)"),
 }
@@ -43,11 +52,19 @@ def _generate(args: argparse.Namespace) -> int:
     from kvpilot.engine import LLM, SamplingParams
 
     llm = LLM(**engine_config_from_args(args).model_dump())
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.sampling_seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.sampling_seed
+    )
     prompts = args.prompt or ["Write a haiku about paged attention."]
-    outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params) if args.chat else llm.generate(prompts, params)
+    outputs = (
+        llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        if args.chat
+        else llm.generate(prompts, params)
+    )
     for prompt, out in zip(prompts, outputs):
-        print(f"### {prompt}\n{out.outputs[0].text}\n[{len(out.outputs[0].token_ids)} tokens, finish: {out.outputs[0].finish_reason}]")
+        print(
+            f"### {prompt}\n{out.outputs[0].text}\n[{len(out.outputs[0].token_ids)} tokens, finish: {out.outputs[0].finish_reason}]"
+        )
     return 0
 
 
@@ -80,8 +97,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     gen.set_defaults(func=_generate)
 
     ev = sub.add_parser("eval", help=COMMANDS["eval"][1])
-    ev.add_argument("--schemes", default="none,int8,int4", help="comma-separated; the first is the reference (default: none,int8,int4)")
-    ev.add_argument("--num-tokens", type=int, default=24_576, help="tokens of text to score per scheme (default: 24576)")
+    ev.add_argument(
+        "--schemes",
+        default="none,int8,int4",
+        help="comma-separated; the first is the reference (default: none,int8,int4)",
+    )
+    ev.add_argument(
+        "--num-tokens", type=int, default=24_576, help="tokens of text to score per scheme (default: 24576)"
+    )
     ev.add_argument("--output", default="bench/out/eval.json", help="JSON results ('' for none)")
     add_flags(ev, EngineConfig)
     ev.set_defaults(func=_eval)
@@ -114,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command or "").parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         return args.func(args)
     except ValueError as err:

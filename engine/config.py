@@ -56,32 +56,59 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model: str | None = Field(None, description="a local HF Llama folder (default: the embedded SmolLM2-135M-Instruct)")
-    dtype: DType = Field("auto", description="weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
+    dtype: DType = Field(
+        "auto", description="weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with native bf16, else float32"
+    )
     device: str = Field("auto", description="cpu, cuda, cuda:N; auto: CUDA when available")
     block_size: int = Field(16, ge=1, description="tokens per KV block (a power of two)")
     max_num_seqs: int = Field(64, ge=1, description="sequences in the running batch at most")
     max_num_batched_tokens: int = Field(512, ge=1, description="tokens computed per step at most (chunked prefill)")
-    max_model_len: int | None = Field(None, ge=1, description="context length; default: the model's, capped by the KV pool")
+    max_model_len: int | None = Field(
+        None, ge=1, description="context length; default: the model's, capped by the KV pool"
+    )
     enable_prefix_caching: bool = Field(True, description="share KV blocks between requests with the same prefix")
-    kv_cache_memory_bytes: int | None = Field(None, ge=1, description="KV pool size; default: 1 GiB on CPU, profiled on CUDA")
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="share of GPU memory for weights, activations and KV")
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1, description="KV pool size; default: 1 GiB on CPU, profiled on CUDA"
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="share of GPU memory for weights, activations and KV"
+    )
     seed: int = Field(0, description="seed of unseeded sampling")
-    quantization: Quantization = Field("none", description="weight-only quantization: int8 per channel, int4 group-wise (LM head int8)")
-    quantization_group_size: int = Field(32, ge=16, description="int4: input columns per scale and zero (must divide every layer's input width)")
-    speculative: Speculative = Field("off", description="speculative decoding: ngram proposes the tokens that followed the latest match of the context's last n tokens (prompt lookup); draft runs a smaller model")
+    quantization: Quantization = Field(
+        "none", description="weight-only quantization: int8 per channel, int4 group-wise (LM head int8)"
+    )
+    quantization_group_size: int = Field(
+        32, ge=16, description="int4: input columns per scale and zero (must divide every layer's input width)"
+    )
+    speculative: Speculative = Field(
+        "off",
+        description="speculative decoding: ngram proposes the tokens that followed the latest match of the context's last n tokens (prompt lookup); draft runs a smaller model",
+    )
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="draft tokens verified per step and sequence")
-    draft_model: str | None = Field(None, description="draft: a local HF Llama folder (or the embedded model's name) with the target's vocabulary; default: the target's own first draft_layers layers")
-    draft_layers: int | None = Field(None, ge=1, description="draft without draft_model: the target's layers the draft runs (default: a quarter)")
+    draft_model: str | None = Field(
+        None,
+        description="draft: a local HF Llama folder (or the embedded model's name) with the target's vocabulary; default: the target's own first draft_layers layers",
+    )
+    draft_layers: int | None = Field(
+        None, ge=1, description="draft without draft_model: the target's layers the draft runs (default: a quarter)"
+    )
     ngram_prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest suffix looked up in the context")
     ngram_prompt_lookup_min: int = Field(2, ge=1, description="ngram: shortest suffix looked up in the context")
-    speculative_max_batch_size: int = Field(SPECULATIVE_MAX_BATCH_SIZE, ge=1, description="no speculation while more sequences than this run in a step")
-    compile_decode: bool = Field(False, description="compile the decode step of a lone sequence with torch.compile before serving (on CPU ~1.3x faster single-stream decoding; startup takes ~25 s more on 2 cores)")
+    speculative_max_batch_size: int = Field(
+        SPECULATIVE_MAX_BATCH_SIZE, ge=1, description="no speculation while more sequences than this run in a step"
+    )
+    compile_decode: bool = Field(
+        False,
+        description="compile the decode step of a lone sequence with torch.compile before serving (on CPU ~1.3x faster single-stream decoding; startup takes ~25 s more on 2 cores)",
+    )
 
     @model_validator(mode="after")
     def _ngram_range(self) -> EngineConfig:
         if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
-            raise ValueError(f"ngram_prompt_lookup_min ({self.ngram_prompt_lookup_min}) exceeds "
-                             f"ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max})")
+            raise ValueError(
+                f"ngram_prompt_lookup_min ({self.ngram_prompt_lookup_min}) exceeds "
+                f"ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max})"
+            )
         return self
 
     @field_validator("block_size")
@@ -91,14 +118,14 @@ class EngineConfig(BaseModel):
             raise ValueError(f"block_size must be a power of two, got {v}")
         return v
 
-    def torch_device(self) -> "torch.device":
+    def torch_device(self) -> torch.device:
         import torch
 
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def torch_dtype(self, device: "torch.device") -> "torch.dtype":
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
         import torch
 
         if self.dtype == "auto":
@@ -129,17 +156,29 @@ class ServerConfig(BaseModel):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
     served_model_name: str | None = Field(None, description="the name clients send as `model` (default: --model)")
-    api_key: str | None = Field(None, description="require `Authorization: Bearer <key>` on /v1/* (default: $KVPILOT_API_KEY)")
-    max_waiting_requests: int = Field(256, ge=1, description="sequences waiting to be scheduled beyond which requests get 429")
-    vllm_compatible_metrics: bool = Field(False, description="also export vllm:* metric names (dashboards, Gateway API Inference Extension)")
+    api_key: str | None = Field(
+        None, description="require `Authorization: Bearer <key>` on /v1/* (default: $KVPILOT_API_KEY)"
+    )
+    max_waiting_requests: int = Field(
+        256, ge=1, description="sequences waiting to be scheduled beyond which requests get 429"
+    )
+    vllm_compatible_metrics: bool = Field(
+        False, description="also export vllm:* metric names (dashboards, Gateway API Inference Extension)"
+    )
     grace_period: float = Field(25.0, ge=0, description="seconds in-flight requests get to finish after SIGTERM")
     # Limits that keep one request from hurting the others (each refused with a 4xx).
     max_request_body_bytes: int = Field(16 << 20, ge=1024, description="request bodies larger than this get 413")
-    max_prompt_chars: int = Field(1_000_000, ge=1, description="characters of one prompt or conversation, checked before tokenizing")
+    max_prompt_chars: int = Field(
+        1_000_000, ge=1, description="characters of one prompt or conversation, checked before tokenizing"
+    )
     max_stop_strings: int = Field(16, ge=0, description="stop strings per request")
     max_stop_string_chars: int = Field(1024, ge=1, description="characters of one stop string")
-    stream_write_timeout: float = Field(60.0, gt=0, description="seconds a stream may wait on a client that stopped reading before it is aborted")
-    engine_step_timeout: float = Field(300.0, gt=0, description="seconds one engine step may take before /health reports the engine stuck")
+    stream_write_timeout: float = Field(
+        60.0, gt=0, description="seconds a stream may wait on a client that stopped reading before it is aborted"
+    )
+    engine_step_timeout: float = Field(
+        300.0, gt=0, description="seconds one engine step may take before /health reports the engine stuck"
+    )
 
 
 def _flag(name: str) -> str:
@@ -159,7 +198,9 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
         kind = _value_type(field.annotation)
         help_text = f"{field.description or ''} (default: {field.default})".strip()
         if kind is bool:
-            parser.add_argument(_flag(name), action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+            parser.add_argument(
+                _flag(name), action=argparse.BooleanOptionalAction, default=field.default, help=help_text
+            )
         elif typing.get_origin(kind) is typing.Literal:
             parser.add_argument(_flag(name), choices=typing.get_args(kind), default=field.default, help=help_text)
         else:

@@ -40,8 +40,7 @@ from pathlib import Path
 
 import httpx2
 from huggingface_hub import HfApi
-from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, RepositoryNotFoundError,
-                                    RevisionNotFoundError)
+from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.file_download import hf_hub_url, http_get
 from huggingface_hub.utils import build_hf_headers, disable_progress_bars
 from pydantic import BaseModel
@@ -146,16 +145,16 @@ def _resolve(api: HfApi, repo: str, revision: str, include: Sequence[str]) -> tu
     if info.sha is None or info.siblings is None:
         raise DownloadError(f"the hub's answer for {repo}@{revision} has no commit or file list")
     if not any(wanted(s.rfilename, ("*.safetensors",)) for s in info.siblings):
-        raise DownloadError(f"{repo}@{revision} has no *.safetensors weights at its top level: "
-                            "the engine loads only safetensors")
+        raise DownloadError(
+            f"{repo}@{revision} has no *.safetensors weights at its top level: the engine loads only safetensors"
+        )
     files = []
     for s in info.siblings:
         if not wanted(s.rfilename, include):
             continue
         if s.size is None or s.blob_id is None:  # nothing to verify against: refuse, not trust
             raise DownloadError(f"the hub gave no size or hash for {s.rfilename} of {repo}@{revision}")
-        files.append(HubFile(path=s.rfilename, size=s.size, blob_id=s.blob_id,
-                             sha256=s.lfs.sha256 if s.lfs else None))
+        files.append(HubFile(path=s.rfilename, size=s.size, blob_id=s.blob_id, sha256=s.lfs.sha256 if s.lfs else None))
     return info.sha, files
 
 
@@ -167,12 +166,14 @@ def _fetch(file: HubFile, url: str, headers: dict[str, str], local_dir: Path, pa
         partial.unlink()
         resume = 0
     started = time.monotonic()
-    log.info("%s: downloading %d bytes%s", file.path, file.size - resume,
-             f" (resuming after {resume})" if resume else "")
+    log.info(
+        "%s: downloading %d bytes%s", file.path, file.size - resume, f" (resuming after {resume})" if resume else ""
+    )
     with partial.open("ab") as out:
         try:
-            http_get(url, out, resume_size=resume, headers=headers, expected_size=file.size,
-                     displayed_filename=file.path)
+            http_get(
+                url, out, resume_size=resume, headers=headers, expected_size=file.size, displayed_filename=file.path
+            )
         except HfHubHTTPError:  # an OSError too, but the hub's answer: explained by the caller
             raise
         except OSError as err:  # huggingface_hub's size check; the partial file is kept to resume
@@ -181,8 +182,10 @@ def _fetch(file: HubFile, url: str, headers: dict[str, str], local_dir: Path, pa
     if problem is not None:
         # Restarting from zero is the only cure for a corrupt prefix: do not resume from it.
         partial.unlink()
-        raise DownloadError(f"{file.path}: downloaded content does not match the hub's hash ({problem}); "
-                            "deleted, the next run downloads it again")
+        raise DownloadError(
+            f"{file.path}: downloaded content does not match the hub's hash ({problem}); "
+            "deleted, the next run downloads it again"
+        )
     target = local_dir / file.path
     target.unlink(missing_ok=True)
     os.replace(partial, target)
@@ -190,9 +193,16 @@ def _fetch(file: HubFile, url: str, headers: dict[str, str], local_dir: Path, pa
     log.info("%s: verified, %.1f MB/s", file.path, (file.size - resume) / max(seconds, 1e-6) / 1e6)
 
 
-def download(repo: str, local_dir: Path, *, revision: str = "main", endpoint: str = DEFAULT_ENDPOINT,
-             token: str | None = None, include: Sequence[str] = DEFAULT_INCLUDE,
-             max_workers: int = 4) -> Path:
+def download(
+    repo: str,
+    local_dir: Path,
+    *,
+    revision: str = "main",
+    endpoint: str = DEFAULT_ENDPOINT,
+    token: str | None = None,
+    include: Sequence[str] = DEFAULT_INCLUDE,
+    max_workers: int = 4,
+) -> Path:
     """`repo` at `revision` into `local_dir` (see the module's docstring); returns `local_dir`."""
     state = local_dir / STATE_DIR
     partial_dir = state / "partial"
@@ -208,10 +218,15 @@ def download(repo: str, local_dir: Path, *, revision: str = "main", endpoint: st
             commit, files = _resolve(api, repo, revision, include)
         except (httpx2.TransportError, HfHubHTTPError) as err:
             unreachable = isinstance(err, httpx2.TransportError) or (
-                err.response is not None and err.response.status_code >= 500)
+                err.response is not None and err.response.status_code >= 500
+            )
             if complete and unreachable and marker is not None:
-                log.warning("%s: the hub cannot be reached (%s): using the complete download of "
-                            "commit %s", repo, err, marker.commit)
+                log.warning(
+                    "%s: the hub cannot be reached (%s): using the complete download of commit %s",
+                    repo,
+                    err,
+                    marker.commit,
+                )
                 return local_dir
             raise
         if complete and marker is not None and marker.commit == commit:
@@ -220,13 +235,26 @@ def download(repo: str, local_dir: Path, *, revision: str = "main", endpoint: st
         # From here the folder changes: without a marker, a run cut short is never taken as complete.
         (state / MARKER).unlink(missing_ok=True)
         todo = [f for f in files if _needs_download(local_dir / f.path, f)]
-        log.info("%s@%s: commit %s, %d files, %d to download (%d bytes)", repo, revision, commit,
-                 len(files), len(todo), sum(f.size for f in todo))
+        log.info(
+            "%s@%s: commit %s, %d files, %d to download (%d bytes)",
+            repo,
+            revision,
+            commit,
+            len(files),
+            len(todo),
+            sum(f.size for f in todo),
+        )
         headers = build_hf_headers(token=token or False, library_name="kvpilot")
         with ThreadPoolExecutor(max_workers=max_workers) as pool:
             # list(): re-raises the first failure here.
-            list(pool.map(lambda f: _fetch(f, hf_hub_url(repo, f.path, revision=commit, endpoint=endpoint),
-                                           headers, local_dir, partial_dir), todo))
+            list(
+                pool.map(
+                    lambda f: _fetch(
+                        f, hf_hub_url(repo, f.path, revision=commit, endpoint=endpoint), headers, local_dir, partial_dir
+                    ),
+                    todo,
+                )
+            )
         # Files of the previous commit that this one no longer has (a moved branch).
         for name in set(marker.files if marker else ()) - {f.path for f in files}:
             (local_dir / name).unlink(missing_ok=True)
@@ -256,13 +284,17 @@ def explain(err: Exception, repo: str, revision: str, endpoint: str, token: str 
     given = "the token in HF_TOKEN" if token else "no token (HF_TOKEN is not set)"
     if isinstance(err, GatedRepoError):
         why = "the token in HF_TOKEN has no access to it" if token else "HF_TOKEN is not set"
-        return (f"{repo} is gated and {why}: accept its terms on the hub with an account and give that "
-                "account's token as HF_TOKEN (in an InferenceService: spec.model.tokenSecret)")
+        return (
+            f"{repo} is gated and {why}: accept its terms on the hub with an account and give that "
+            "account's token as HF_TOKEN (in an InferenceService: spec.model.tokenSecret)"
+        )
     if isinstance(err, RevisionNotFoundError):
         return f"{repo} has no revision {revision!r}"
     if isinstance(err, RepositoryNotFoundError):
-        return (f"{repo} was not found at {endpoint}, or it is private and {given} gives access "
-                "(in an InferenceService: spec.model.tokenSecret)")
+        return (
+            f"{repo} was not found at {endpoint}, or it is private and {given} gives access "
+            "(in an InferenceService: spec.model.tokenSecret)"
+        )
     if isinstance(err, HfHubHTTPError) and err.response is not None and err.response.status_code in (401, 403):
         return f"the hub refused {given} for {repo}: {err.server_message or err}"
     if isinstance(err, httpx2.TransportError):
@@ -278,11 +310,17 @@ def _main(args: argparse.Namespace) -> int:
     token = os.environ.get("HF_TOKEN") or None
     include = tuple(p for p in args.include.split(",") if p)
     try:
-        download(args.repo, Path(args.local_dir), revision=args.revision, endpoint=endpoint,
-                 token=token, include=include, max_workers=args.max_workers)
+        download(
+            args.repo,
+            Path(args.local_dir),
+            revision=args.revision,
+            endpoint=endpoint,
+            token=token,
+            include=include,
+            max_workers=args.max_workers,
+        )
     except (DownloadError, HfHubHTTPError, httpx2.TransportError) as err:
-        print(f"kvpilot download: error: {explain(err, args.repo, args.revision, endpoint, token)}",
-              file=sys.stderr)
+        print(f"kvpilot download: error: {explain(err, args.repo, args.revision, endpoint, token)}", file=sys.stderr)
         return 1
     print(args.local_dir)
     return 0
@@ -290,15 +328,19 @@ def _main(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = sub.add_parser(
-        "download", help=COMMANDS["download"][1],
+        "download",
+        help=COMMANDS["download"][1],
         description="Download a model repository from the Hugging Face Hub (HF_ENDPOINT, default "
-                    f"{DEFAULT_ENDPOINT}; token from HF_TOKEN) into a folder the engine loads; "
-                    "resumes, verifies each file's hash, and does nothing when already complete.")
+        f"{DEFAULT_ENDPOINT}; token from HF_TOKEN) into a folder the engine loads; "
+        "resumes, verifies each file's hash, and does nothing when already complete.",
+    )
     parser.add_argument("repo", help="org/name on the hub")
     parser.add_argument("--revision", default="main", help="branch, tag or commit (default: main)")
     parser.add_argument("--local-dir", required=True, help="the folder to download into")
-    parser.add_argument("--include", default=",".join(DEFAULT_INCLUDE),
-                        help="comma-separated patterns of top-level files to fetch "
-                             f"(default: {','.join(DEFAULT_INCLUDE)})")
+    parser.add_argument(
+        "--include",
+        default=",".join(DEFAULT_INCLUDE),
+        help=f"comma-separated patterns of top-level files to fetch (default: {','.join(DEFAULT_INCLUDE)})",
+    )
     parser.add_argument("--max-workers", type=int, default=4, help="files downloaded at once (default: 4)")
     parser.set_defaults(func=_main)

@@ -76,26 +76,38 @@ def evaluate(schemes: list[str], num_tokens: int, engine_options: dict[str, obje
         start = time.perf_counter()
         llm = LLM(**{**engine_options, "quantization": scheme})
         ids = llm.engine.tokenize(corpus_text())[:num_tokens]
-        windows = [ids[i : i + WINDOW_TOKENS] for i in range(0, len(ids) - 1, WINDOW_TOKENS) if len(ids[i : i + WINDOW_TOKENS]) > 1]
+        windows = [
+            ids[i : i + WINDOW_TOKENS]
+            for i in range(0, len(ids) - 1, WINDOW_TOKENS)
+            if len(ids[i : i + WINDOW_TOKENS]) > 1
+        ]
         logprobs, top1 = _score_windows(llm, windows)
         agreement = None
         if reference_top1 is None:
             reference_top1 = top1
         else:
             agreement = sum(a == b for a, b in zip(top1, reference_top1)) / len(top1)
-        results.append(SchemeQuality(
-            scheme=scheme, weight_bytes=llm.engine.runner.weight_bytes, perplexity=math.exp(-sum(logprobs) / len(logprobs)),
-            scored_tokens=len(logprobs), greedy_agreement=agreement, task_accuracy=_task_accuracy(llm),
-            seconds=time.perf_counter() - start,
-        ))
+        results.append(
+            SchemeQuality(
+                scheme=scheme,
+                weight_bytes=llm.engine.runner.weight_bytes,
+                perplexity=math.exp(-sum(logprobs) / len(logprobs)),
+                scored_tokens=len(logprobs),
+                greedy_agreement=agreement,
+                task_accuracy=_task_accuracy(llm),
+                seconds=time.perf_counter() - start,
+            )
+        )
         print(_row(results[-1]), flush=True)
     return results
 
 
 def _row(r: SchemeQuality) -> str:
     agreement = "-" if r.greedy_agreement is None else f"{r.greedy_agreement:.1%}"
-    return (f"| {r.scheme} | {r.weight_bytes / 2**20:.1f} MiB | {r.perplexity:.3f} | {r.scored_tokens} | {agreement} | "
-            f"{r.task_accuracy:.1%} | {r.seconds:.0f} s |")
+    return (
+        f"| {r.scheme} | {r.weight_bytes / 2**20:.1f} MiB | {r.perplexity:.3f} | {r.scored_tokens} | {agreement} | "
+        f"{r.task_accuracy:.1%} | {r.seconds:.0f} s |"
+    )
 
 
 def run(schemes: list[str], num_tokens: int, config: EngineConfig, output: Path | None) -> int:
@@ -108,5 +120,7 @@ def run(schemes: list[str], num_tokens: int, config: EngineConfig, output: Path 
     results = evaluate(schemes, num_tokens, options)
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps({"num_tokens": num_tokens, "engine": options, "results": [asdict(r) for r in results]}, indent=2))
+        output.write_text(
+            json.dumps({"num_tokens": num_tokens, "engine": options, "results": [asdict(r) for r in results]}, indent=2)
+        )
     return 0

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpilot.engine.config import EngineConfig
-from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.sampling_params import SamplingParams
+from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 Prompt = str | list[int]
 ChatMessages = list[dict[str, str]]
@@ -58,7 +58,10 @@ class LLM:
                 for request in group:
                     self.engine.abort(request.request_id)
             raise
-        return [_to_output(prompt, group, finals, prompt_logprobs.get(group[0].request_id)) for prompt, group in zip(prompts, groups)]
+        return [
+            _to_output(prompt, group, finals, prompt_logprobs.get(group[0].request_id))
+            for prompt, group in zip(prompts, groups)
+        ]
 
     def chat(
         self,
@@ -70,8 +73,12 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
 
-def _to_output(prompt: Prompt, group: list[Request], finals: dict[str, CompletionOutput],
-               prompt_logprobs: list[PositionLogprobs | None] | None) -> RequestOutput:
+def _to_output(
+    prompt: Prompt,
+    group: list[Request],
+    finals: dict[str, CompletionOutput],
+    prompt_logprobs: list[PositionLogprobs | None] | None,
+) -> RequestOutput:
     first = group[0]
     return RequestOutput(
         request_id=first.request_id,

@@ -40,9 +40,14 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.vocab_size = self.runner.hf_config.vocab_size
         self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,
-                                   num_lookahead_tokens=self.num_lookahead_tokens)
+        self.scheduler = Scheduler(
+            self.kv,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=eos_token_ids,
+            num_lookahead_tokens=self.num_lookahead_tokens,
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -81,10 +86,18 @@ class LLMEngine:
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Prompt token ids of a conversation, ending with the assistant's turn to speak."""
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        return list(
+            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         if not token_ids:
@@ -140,13 +153,13 @@ class LLMEngine:
             out = self.runner.execute(scheduler_output)
             self._failed_steps = 0
             return out, []
-        except Exception as batch_error:  # noqa: BLE001 - isolated below, or raised as fatal
+        except Exception as batch_error:
             merged, failures = ModelRunnerOutput(), []
             for item in scheduler_output.scheduled:
                 alone = SchedulerOutput(scheduled=[item], finished_request_ids=scheduler_output.finished_request_ids)
                 try:
                     out = self.runner.execute(alone)
-                except Exception as err:  # noqa: BLE001 - this request's own failure
+                except Exception as err:
                     log.exception("event=request_failed request=%s", item.request.request_id)
                     failures.append((item.request, f"the engine could not run this request: {err!r}"))
                     continue

@@ -143,7 +143,9 @@ class OutputProcessor:
         self._states.pop(request.request_id, None)
         return _step_output(request, [], "", FinishReason.ABORT, None, error=error)
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[StepOutput], list[tuple[Request, str]], list[Request]]:
+    def process(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[StepOutput], list[tuple[Request, str]], list[Request]]:
         """The step's outputs; the still-running requests that a stop string has ended and those
         whose output could not be made (the caller finishes both kinds in the scheduler)."""
         step_outputs: list[StepOutput] = []
@@ -152,7 +154,7 @@ class OutputProcessor:
         for out in outputs:
             try:
                 output = self._process_one(out, stopped)
-            except Exception as err:  # noqa: BLE001 - one request's bad output must not end the others
+            except Exception as err:
                 log.exception("event=output_failed request=%s", out.request.request_id)
                 failed.append(out.request)
                 step_outputs.append(self.fail(out.request, f"cannot make this request's output: {err!r}"))
@@ -191,13 +193,17 @@ class OutputProcessor:
             text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
         delta = state.deltas.next(text, finish is not None)
         output = _step_output(
-            request, out.new_token_ids, delta, finish, stop_reason,
+            request,
+            out.new_token_ids,
+            delta,
+            finish,
+            stop_reason,
             logprobs=[self._position(e) for e in out.logprobs] if out.logprobs is not None else None,
-            prompt_logprobs=self._prompt_logprobs(request, state))
+            prompt_logprobs=self._prompt_logprobs(request, state),
+        )
         if finish is not None:
             del self._states[request.request_id]
         return output
-
 
     def _prompt_logprobs(self, request: Request, state: _RequestState) -> list[PositionLogprobs | None] | None:
         if request.params.prompt_logprobs is None or state.prompt_logprobs_sent:
@@ -207,12 +213,24 @@ class OutputProcessor:
         return [None] + [self._position(scores[p]) for p in range(1, request.num_prompt_tokens)]
 
 
-def _step_output(request: Request, new_token_ids: list[int], delta: str, finish: FinishReason | None,
-                 stop_reason: str | int | None, **extra: object) -> StepOutput:
+def _step_output(
+    request: Request,
+    new_token_ids: list[int],
+    delta: str,
+    finish: FinishReason | None,
+    stop_reason: str | int | None,
+    **extra: object,
+) -> StepOutput:
     return StepOutput(
-        request_id=request.request_id, new_token_ids=new_token_ids, text_delta=delta,
-        num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
+        request_id=request.request_id,
+        new_token_ids=new_token_ids,
+        text_delta=delta,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=request.num_output_tokens,
         num_cached_tokens=request.num_cached_tokens,
-        finish_reason=finish.value if finish is not None else None, stop_reason=stop_reason,
-        arrival_time=request.arrival_time, first_token_time=request.first_token_time, **extra,
+        finish_reason=finish.value if finish is not None else None,
+        stop_reason=stop_reason,
+        arrival_time=request.arrival_time,
+        first_token_time=request.first_token_time,
+        **extra,
     )

@@ -26,8 +26,7 @@ PEERING_NAME = "kvpilot"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    planner = subparsers.add_parser(
-        "plan", help="size a model on a GPU: KV cache, batch limits, quantization, latency")
+    planner = subparsers.add_parser("plan", help="size a model on a GPU: KV cache, batch limits, quantization, latency")
     planner.add_argument("--model", required=True, help="catalog model, e.g. llama-2-7b")
     planner.add_argument("--gpu", required=True, help=f"one of {', '.join(GPUS)}")
     planner.add_argument("--context", type=int, help="max context length (default: the model's)")
@@ -49,29 +48,50 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
     operator = subparsers.add_parser("operator", help="run the InferenceService operator (kopf)")
     scope = operator.add_mutually_exclusive_group(required=True)
-    scope.add_argument("-n", "--namespace", action="append", dest="namespaces",
-                       help="watch this namespace (repeatable)")
+    scope.add_argument(
+        "-n", "--namespace", action="append", dest="namespaces", help="watch this namespace (repeatable)"
+    )
     scope.add_argument("-A", "--all-namespaces", action="store_true")
-    operator.add_argument("--peering", default=PEERING_NAME,
-                          help="kopf peering object shared by the operator's replicas")
-    operator.add_argument("--priority", type=int,
-                          help="peering priority (default: random, see below)")
-    operator.add_argument("--standalone", action="store_true",
-                          help="no peering: only for a single replica or local development")
-    operator.add_argument("--liveness", metavar="URL",
-                          help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
-    operator.add_argument("--autoscale-interval", type=float, default=INTERVAL_SECONDS, metavar="SECONDS",
-                          help="how often the SLO autoscaler reads the engines (its window is "
-                               f"{WINDOW_PERIODS} periods; default %(default)s)")
-    operator.add_argument("--prometheus-url-allow", action="append", default=[], type=_url_prefix, metavar="PREFIX",
-                          help="read an InferenceService's autoscaling.prometheusUrl only when it lies under this "
-                               "URL prefix (same scheme, host and port; the prefix's path segments first); "
-                               "repeatable; by default no prometheusUrl is read")
-    operator.add_argument("--gateway", metavar="HOST:PORT", type=_address,
-                          help="serve the OpenAI-compatible gateway here (routes by model; holds requests "
-                               "that arrive at 0 replicas until one is ready), e.g. 0.0.0.0:8000")
-    operator.add_argument("--gateway-hold-seconds", type=float, default=HOLD_SECONDS, metavar="SECONDS",
-                          help="how long the gateway holds a request for a replica (default %(default)s)")
+    operator.add_argument(
+        "--peering", default=PEERING_NAME, help="kopf peering object shared by the operator's replicas"
+    )
+    operator.add_argument("--priority", type=int, help="peering priority (default: random, see below)")
+    operator.add_argument(
+        "--standalone", action="store_true", help="no peering: only for a single replica or local development"
+    )
+    operator.add_argument("--liveness", metavar="URL", help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    operator.add_argument(
+        "--autoscale-interval",
+        type=float,
+        default=INTERVAL_SECONDS,
+        metavar="SECONDS",
+        help="how often the SLO autoscaler reads the engines (its window is "
+        f"{WINDOW_PERIODS} periods; default %(default)s)",
+    )
+    operator.add_argument(
+        "--prometheus-url-allow",
+        action="append",
+        default=[],
+        type=_url_prefix,
+        metavar="PREFIX",
+        help="read an InferenceService's autoscaling.prometheusUrl only when it lies under this "
+        "URL prefix (same scheme, host and port; the prefix's path segments first); "
+        "repeatable; by default no prometheusUrl is read",
+    )
+    operator.add_argument(
+        "--gateway",
+        metavar="HOST:PORT",
+        type=_address,
+        help="serve the OpenAI-compatible gateway here (routes by model; holds requests "
+        "that arrive at 0 replicas until one is ready), e.g. 0.0.0.0:8000",
+    )
+    operator.add_argument(
+        "--gateway-hold-seconds",
+        type=float,
+        default=HOLD_SECONDS,
+        metavar="SECONDS",
+        help="how long the gateway holds a request for a replica (default %(default)s)",
+    )
     operator.add_argument("-v", "--verbose", action="store_true")
     operator.set_defaults(func=run_operator)
 
@@ -85,8 +105,9 @@ def _address(value: str) -> tuple[str, int]:
 
 def _url_prefix(value: str) -> str:
     if urllib.parse.urlsplit(value).scheme not in ("http", "https") or not prometheus_allowed(value, (value,)):
-        raise argparse.ArgumentTypeError(f"{value!r} is not an http(s)://host[:port][/path] prefix "
-                                         "(no user, query or fragment)")
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not an http(s)://host[:port][/path] prefix (no user, query or fragment)"
+        )
     return value
 
 
@@ -97,13 +118,21 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": {"name": args.model},
         "accelerator": {"type": args.gpu},
-        "serving": given(maxContextLength=args.context, quantization=args.quantization,
-                         speculative=args.speculative, draftModel=args.draft_model,
-                         gpuMemoryUtilization=args.gpu_memory_utilization,
-                         blockSize=args.block_size),
+        "serving": given(
+            maxContextLength=args.context,
+            quantization=args.quantization,
+            speculative=args.speculative,
+            draftModel=args.draft_model,
+            gpuMemoryUtilization=args.gpu_memory_utilization,
+            blockSize=args.block_size,
+        ),
         "slo": given(ttftP95Ms=args.ttft_ms, tpotP95Ms=args.tpot_ms),
-        "load": given(requestsPerSecond=args.rps, meanPromptTokens=args.prompt_tokens,
-                      meanOutputTokens=args.output_tokens, temperature=args.temperature),
+        "load": given(
+            requestsPerSecond=args.rps,
+            meanPromptTokens=args.prompt_tokens,
+            meanOutputTokens=args.output_tokens,
+            temperature=args.temperature,
+        ),
         "autoscaling": given(minReplicas=args.min_replicas, maxReplicas=args.max_replicas),
     }
 
@@ -114,29 +143,42 @@ def format_plan(result: Plan, spec: InferenceServiceSpec) -> str:
     rows: list[tuple[str, str]] = [("model", result.model)]
     gpu = find_gpu(result.gpu) if result.gpu else None
     if gpu is not None:
-        rows.append(("gpu", f"{gpu.name} ({gpu.memory_gib:g} GiB, {gpu.usable_memory_mib} MiB reported, {gpu.bandwidth_gbps:g} GB/s, "
-                            f"{gpu.fp16_tflops:g} FP16 TFLOPS)"))
+        rows.append(
+            (
+                "gpu",
+                f"{gpu.name} ({gpu.memory_gib:g} GiB, {gpu.usable_memory_mib} MiB reported, {gpu.bandwidth_gbps:g} GB/s, "
+                f"{gpu.fp16_tflops:g} FP16 TFLOPS)",
+            )
+        )
     rows.append(("fits", "yes" if result.fits else f"NO ({result.failure})"))
     if result.quantization:
-        rows += [("quantization", result.quantization),
-                 ("weights", f"{result.weight_bytes / gib:.1f} GiB")]
+        rows += [("quantization", result.quantization), ("weights", f"{result.weight_bytes / gib:.1f} GiB")]
     if result.kv_bytes_per_token:
         rows.append(("KV per token", f"{result.kv_bytes_per_token / sizing.MiB:.3g} MiB"))
     if result.fits:
         rows += [
-            ("KV pool", f"{result.kv_pool_bytes / gib:.1f} GiB ({result.kv_blocks} blocks of "
-                        f"{result.block_size} tokens)"),
+            (
+                "KV pool",
+                f"{result.kv_pool_bytes / gib:.1f} GiB ({result.kv_blocks} blocks of {result.block_size} tokens)",
+            ),
             ("max model len", str(result.max_model_len)),
             ("max num seqs", f"{result.max_num_seqs} (sequences at the mean context that fit)"),
             ("max batched tokens", str(result.max_num_batched_tokens)),
-            ("speculative", result.speculative + (f" (k={result.num_speculative_tokens})"
-                                                  if result.num_speculative_tokens else "")),
+            (
+                "speculative",
+                result.speculative + (f" (k={result.num_speculative_tokens})" if result.num_speculative_tokens else ""),
+            ),
             ("predicted TTFT", f"{result.predicted_ttft_ms:g} ms (SLO {spec.slo.ttft_p95_ms:g})"),
             ("predicted TPOT", f"{result.predicted_tpot_ms:g} ms (SLO {spec.slo.tpot_p95_ms:g})"),
-            ("predicted latency", f"{result.predicted_latency_ms:g} ms for "
-                                  f"{spec.load.mean_output_tokens} output tokens"),
-            ("replicas", f"{result.replicas} for {spec.load.requests_per_second:g} req/s "
-                         f"({'meets' if result.meets_slo else 'MISSES'} the SLO)"),
+            (
+                "predicted latency",
+                f"{result.predicted_latency_ms:g} ms for {spec.load.mean_output_tokens} output tokens",
+            ),
+            (
+                "replicas",
+                f"{result.replicas} for {spec.load.requests_per_second:g} req/s "
+                f"({'meets' if result.meets_slo else 'MISSES'} the SLO)",
+            ),
         ]
     width = max(len(label) for label, _ in rows)
     lines = [f"{label:<{width}}  {value}" for label, value in rows]
@@ -181,8 +223,7 @@ def run_operator(args: argparse.Namespace) -> int:
     # kopf pauses every operator that sees a live peer of the same or higher priority, so
     # replicas with equal priorities would all stand still: each draws its own, and only the
     # highest acts until its peering record lapses.
-    priority = args.priority if args.priority is not None else random.SystemRandom().randrange(
-        1, 2**31)
+    priority = args.priority if args.priority is not None else random.SystemRandom().randrange(1, 2**31)
     kopf.run(
         clusterwide=args.all_namespaces,
         namespaces=namespaces or (),
@@ -190,9 +231,12 @@ def run_operator(args: argparse.Namespace) -> int:
         peering_name=None if args.standalone else args.peering,
         priority=priority,
         liveness_endpoint=args.liveness,
-        memo=kopf.Memo(cluster=cluster, autoscale_interval=args.autoscale_interval,
-                       prometheus_url_allow=tuple(args.prometheus_url_allow), gateway=args.gateway,
-                       gateway_hold_seconds=args.gateway_hold_seconds),
+        memo=kopf.Memo(
+            cluster=cluster,
+            autoscale_interval=args.autoscale_interval,
+            prometheus_url_allow=tuple(args.prometheus_url_allow),
+            gateway=args.gateway,
+            gateway_hold_seconds=args.gateway_hold_seconds,
+        ),
     )
     return 0
-

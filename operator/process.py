@@ -45,19 +45,38 @@ def engine_pods(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, An
 
 
 @kopf.on.startup()
-async def start_autoscaler(memo: kopf.Memo, autoscaled_services: kopf.Index, engine_deployments: kopf.Index,
-                           engine_replicasets: kopf.Index, engine_pods: kopf.Index, **_: Any) -> None:
+async def start_autoscaler(
+    memo: kopf.Memo,
+    autoscaled_services: kopf.Index,
+    engine_deployments: kopf.Index,
+    engine_replicasets: kopf.Index,
+    engine_pods: kopf.Index,
+    **_: Any,
+) -> None:
     """The SLO autoscaler's periodic loop (autoscaling/loop.py), as a plain asyncio task: a kopf
     timer or daemon would put a finalizer on every InferenceService. And the gateway
     (gateway/server.py) when asked for: it reads the same indexes. Both write through the one
     cluster adapter `configure` built."""
-    loop = AutoscalingLoop(memo.cluster, autoscaled_services, engine_deployments, engine_replicasets, engine_pods,
-                           memo.get("autoscale_interval", INTERVAL_SECONDS), memo.get("prometheus_url_allow", ()))
+    loop = AutoscalingLoop(
+        memo.cluster,
+        autoscaled_services,
+        engine_deployments,
+        engine_replicasets,
+        engine_pods,
+        memo.get("autoscale_interval", INTERVAL_SECONDS),
+        memo.get("prometheus_url_allow", ()),
+    )
     memo.autoscaler = asyncio.create_task(loop.run(), name="kvpilot-autoscaler")
     address = memo.get("gateway")
     if address is not None:
-        gateway = Gateway(autoscaled_services, engine_deployments, engine_replicasets, engine_pods, memo.cluster,
-                          memo.get("gateway_hold_seconds", HOLD_SECONDS))
+        gateway = Gateway(
+            autoscaled_services,
+            engine_deployments,
+            engine_replicasets,
+            engine_pods,
+            memo.cluster,
+            memo.get("gateway_hold_seconds", HOLD_SECONDS),
+        )
         memo.gateway_runner = await gateway.serve(*address)
 
 

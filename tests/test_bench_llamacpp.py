@@ -41,7 +41,10 @@ def test_configure_builds_the_server_natively_and_downloads_nothing() -> None:
 def _fake_sdist(path: Path, version: str) -> None:
     path.parent.mkdir(parents=True)
     with tarfile.open(path, "w:gz") as tar:
-        for name in (f"llama_cpp_python-{version}/vendor/llama.cpp/CMakeLists.txt", f"llama_cpp_python-{version}/setup.py"):
+        for name in (
+            f"llama_cpp_python-{version}/vendor/llama.cpp/CMakeLists.txt",
+            f"llama_cpp_python-{version}/setup.py",
+        ):
             info = tarfile.TarInfo(name)
             info.size = 2
             tar.addfile(info, io.BytesIO(b"#\n"))
@@ -70,7 +73,9 @@ def test_build_runs_niced_once_and_then_reuses_the_cache(cache: Path, monkeypatc
     configure, compile_ = commands
     for argv in commands:
         assert argv[:3] == ["nice", "-n", "19"]
-    assert ["-S", str(source), "-B", str(root / "build")] == configure[configure.index("-S"):configure.index("-S") + 4]
+    assert ["-S", str(source), "-B", str(root / "build")] == configure[
+        configure.index("-S") : configure.index("-S") + 4
+    ]
     assert compile_[-4:] == ["--target", "llama-server", "-j", "2"]
 
     commands.clear()
@@ -139,6 +144,7 @@ def test_only_chunks_with_text_count_as_tokens() -> None:
     usage chunk are no token arrivals; kvpilot's last token with its finish reason is one."""
     assert serve.carries_tokens({"choices": [{"text": " by", "index": 0, "finish_reason": None}]})
     assert serve.carries_tokens({"choices": [{"text": " radius", "index": 0, "finish_reason": "length"}]})
-    assert not serve.carries_tokens({"choices": [{"text": "", "index": 0, "finish_reason": "length"}],
-                                     "usage": {"completion_tokens": 5}})
+    assert not serve.carries_tokens(
+        {"choices": [{"text": "", "index": 0, "finish_reason": "length"}], "usage": {"completion_tokens": 5}}
+    )
     assert not serve.carries_tokens({"choices": [], "usage": {"completion_tokens": 5}})

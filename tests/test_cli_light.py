@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OPERATOR_MODULES = sorted("kvpilot.operator." + ".".join(p.relative_to(ROOT / "operator").with_suffix("").parts).removesuffix(".__init__")
-                          for p in (ROOT / "operator").rglob("*.py"))
+OPERATOR_MODULES = sorted(
+    "kvpilot.operator." + ".".join(p.relative_to(ROOT / "operator").with_suffix("").parts).removesuffix(".__init__")
+    for p in (ROOT / "operator").rglob("*.py")
+)
 ENGINE_CONTRACT = {"kvpilot.engine", "kvpilot.engine.config", "kvpilot.engine.cli"}
 HEAVY = ("torch", "transformers", "fastapi")
 
@@ -22,8 +24,7 @@ def _imported_after(code: str) -> set[str]:
     operator/ does not shadow the stdlib module `operator`, which nearly everything imports.
     """
     script = f"import json, sys\n{code}\nprint(json.dumps(sorted(sys.modules)))"
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            cwd=ROOT)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     return set(json.loads(result.stdout.splitlines()[-1]))
 
@@ -54,8 +55,7 @@ def test_download_imports_neither_torch_nor_the_operator() -> None:
 def test_operator_imports_only_the_engines_contract() -> None:
     assert {"kvpilot.operator.planning.planner", "kvpilot.operator.controller.handlers"} <= set(OPERATOR_MODULES)
     imports = "; ".join(f"import {m}" for m in OPERATOR_MODULES)
-    loaded = _imported_after(
-        f"from kvpilot.engine.cli import build_parser; build_parser('plan'); {imports}")
+    loaded = _imported_after(f"from kvpilot.engine.cli import build_parser; build_parser('plan'); {imports}")
     assert not _top(loaded, HEAVY)
     assert {m for m in loaded if m.startswith("kvpilot.engine")} <= ENGINE_CONTRACT
 
@@ -64,15 +64,20 @@ def test_operator_image_copies_only_the_contract() -> None:
     # No Docker here: check the Dockerfile's lines against the contract instead. setup.py finds the
     # packages that are there, so the image's wheel holds the operator and these three modules.
     dockerfile = (ROOT / "operator" / "Dockerfile").read_text()
-    contract = " ".join(f"engine/{m.removeprefix('kvpilot.engine').lstrip('.') or '__init__'}.py"
-                        for m in sorted(ENGINE_CONTRACT))
+    contract = " ".join(
+        f"engine/{m.removeprefix('kvpilot.engine').lstrip('.') or '__init__'}.py" for m in sorted(ENGINE_CONTRACT)
+    )
     assert f"COPY {contract} engine/\n" in dockerfile
     assert "COPY pyproject.toml setup.py README.md ./\n" in dockerfile
     assert "COPY pyproject.toml setup.py README.md ./\n" in (ROOT / "engine" / "Dockerfile").read_text()
 
 
 def test_bench_serve_is_a_command_of_the_checkout() -> None:
-    result = subprocess.run([sys.executable, "-m", "kvpilot.engine.cli", "bench", "serve", "--help"],
-                            capture_output=True, text=True, cwd="/")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvpilot.engine.cli", "bench", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
     assert result.returncode == 0, result.stderr
     assert "--concurrency" in result.stdout and "--backends" in result.stdout

@@ -100,14 +100,20 @@ def test_every_module_of_both_halves_is_found() -> None:
 
 
 def test_the_engine_has_no_import_cycle() -> None:
-    engine = {name: {t for t in targets if t.startswith("kvpilot.engine")}
-              for name, targets in _graph().items() if name.startswith("kvpilot.engine")}
+    engine = {
+        name: {t for t in targets if t.startswith("kvpilot.engine")}
+        for name, targets in _graph().items()
+        if name.startswith("kvpilot.engine")
+    }
     assert _cycles(engine) == []
 
 
 def test_the_operator_has_no_import_cycle() -> None:
-    operator = {name: {t for t in targets if t.startswith("kvpilot.operator")}
-                for name, targets in _graph().items() if name.startswith("kvpilot.operator")}
+    operator = {
+        name: {t for t in targets if t.startswith("kvpilot.operator")}
+        for name, targets in _graph().items()
+        if name.startswith("kvpilot.operator")
+    }
     assert _cycles(operator) == []
 
 
@@ -123,16 +129,24 @@ def test_the_operator_rooms_depend_one_way() -> None:
         room = _room(name)
         if room not in ROOMS:
             continue
-        outside = sorted(t for t in targets if _room(t) != room and _room(t) not in ROOMS[room]
-                         and not any(t == allowed or t.startswith(f"{allowed}.") for allowed in ROOMS[room]))
+        outside = sorted(
+            t
+            for t in targets
+            if _room(t) != room
+            and _room(t) not in ROOMS[room]
+            and not any(t == allowed or t.startswith(f"{allowed}.") for allowed in ROOMS[room])
+        )
         if outside:
             crossing[name] = outside
     assert crossing == {}
 
 
 def test_the_model_side_imports_nothing_above_it() -> None:
-    upward = {name: sorted(t for t in targets if t.startswith(ABOVE_THE_MODEL))
-              for name, targets in _graph().items() if name.startswith("kvpilot.engine.model")}
+    upward = {
+        name: sorted(t for t in targets if t.startswith(ABOVE_THE_MODEL))
+        for name, targets in _graph().items()
+        if name.startswith("kvpilot.engine.model")
+    }
     assert {name: targets for name, targets in upward.items() if targets} == {}
 
 

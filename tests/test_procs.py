@@ -77,7 +77,9 @@ def test_not_ready_in_time_is_stopped(tmp_path: Path) -> None:
 
 def test_stop_escalates_to_sigkill(tmp_path: Path) -> None:
     log = tmp_path / "stubborn.log"
-    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    )
     process = start([sys.executable, "-c", code], log, append=False)
     try:
         poll(lambda: "ready" in process.log_text(), 30, "the SIGTERM handler", interval_s=0.05)

@@ -48,16 +48,45 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
             shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(ROOT / name, source / name)
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(work / "dist"), str(source)], capture_output=True, text=True, cwd=work)
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(work / "dist"),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=work,
+    )
     assert built.returncode == 0, built.stderr
     (wheel,) = (work / "dist").glob("kvpilot-*.whl")
     env = work / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
     (purelib,) = env.glob("lib/python3.*/site-packages")
     (purelib / "dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(env / "bin" / "python"), "install",
-                              "--no-deps", "-q", str(wheel)], capture_output=True, text=True, cwd=work)
+    install = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(env / "bin" / "python"),
+            "install",
+            "--no-deps",
+            "-q",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=work,
+    )
     assert install.returncode == 0, install.stderr
     return wheel, env / "bin"
 
@@ -70,16 +99,21 @@ def run(bin_dir: Path, *argv: str) -> subprocess.CompletedProcess[str]:
 def test_the_wheel_ships_every_module_of_both_halves(installed: tuple[Path, Path]) -> None:
     wheel, _ = installed
     with zipfile.ZipFile(wheel) as archive:
-        shipped = {name.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
-                   for name in archive.namelist() if name.endswith(".py")}
+        shipped = {
+            name.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+            for name in archive.namelist()
+            if name.endswith(".py")
+        }
     assert checkout_modules() - shipped == set()
 
 
 def test_every_module_imports_from_the_installed_wheel(installed: tuple[Path, Path]) -> None:
     _, bin_dir = installed
-    script = ("import importlib, json, sys\n"
-              "where = {m: importlib.import_module(m).__file__ for m in sys.argv[1:]}\n"
-              "print(json.dumps(where))")
+    script = (
+        "import importlib, json, sys\n"
+        "where = {m: importlib.import_module(m).__file__ for m in sys.argv[1:]}\n"
+        "print(json.dumps(where))"
+    )
     result = run(bin_dir, "python", "-c", script, *sorted(checkout_modules()))
     assert result.returncode == 0, result.stderr
     where = json.loads(result.stdout.splitlines()[-1])

@@ -10,9 +10,8 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
-
 
 # A block's key in the prefix cache: the 32-byte SHA-256 digest below.
 BlockHash = bytes
@@ -48,7 +47,9 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], cache_salt: s
             header = b"\x00\x01" + len(salt).to_bytes(8, "little") + salt
     else:
         if cache_salt is not None:
-            raise ValueError("cache_salt is mixed into the first block only; later blocks inherit it from the parent key")
+            raise ValueError(
+                "cache_salt is mixed into the first block only; later blocks inherit it from the parent key"
+            )
         if len(parent) != 32:
             raise ValueError(f"a parent key is a 32-byte SHA-256 digest, got {len(parent)} bytes")
         header = b"\x01" + parent

@@ -41,8 +41,9 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached: list[Block] | None = None,
-                       num_lookahead_tokens: int = 0) -> bool:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached: list[Block] | None = None, num_lookahead_tokens: int = 0
+    ) -> bool:
         """Make room for `num_new_tokens` (+ `num_lookahead_tokens`) more tokens of KV; False (and no
         change) if blocks run out. `cached` is given on admission: the result of find_cached_prefix."""
         table = self.block_tables.get(request.request_id, [])

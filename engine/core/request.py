@@ -21,8 +21,14 @@ class FinishReason(str, enum.Enum):
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None,
-                 cache_salt: str | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
         self.request_id = request_id
         # Mixed into the prefix-cache key of the first block: requests share cached KV only with
         # requests of the same salt (one salt per tenant keeps tenants' caches apart).

@@ -6,7 +6,6 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 
@@ -37,14 +36,31 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1", self.max_tokens)
-        _check(math.isfinite(self.temperature) and self.temperature >= 0.0, "temperature", "must be a finite number >= 0", self.temperature)
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            "max_tokens",
+            "must be an integer >= 1",
+            self.max_tokens,
+        )
+        _check(
+            math.isfinite(self.temperature) and self.temperature >= 0.0,
+            "temperature",
+            "must be a finite number >= 0",
+            self.temperature,
+        )
         _check(self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or a positive integer", self.top_k)
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
         _check(self.n >= 1, "n", "must be >= 1", self.n)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings", self.stop)
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers", self.stop_token_ids)
-        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be between 0 and max_tokens", self.min_tokens)
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be non-negative integers",
+            self.stop_token_ids,
+        )
+        _check(
+            0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be between 0 and max_tokens", self.min_tokens
+        )
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
         _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]", self.repetition_penalty)
@@ -71,8 +87,7 @@ class SamplingParams:
         if self.n == 1:
             return [self]
         return [
-            dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i)
-            for i in range(self.n)
+            dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i) for i in range(self.n)
         ]
 
 

@@ -79,8 +79,12 @@ class SpecDecodingStats:
         per_position = list(self.accepted_per_position) + [0] * (num_draft_tokens - len(self.accepted_per_position))
         for position in range(num_accepted):
             per_position[position] += 1
-        return SpecDecodingStats(self.num_drafts + 1, self.num_draft_tokens + num_draft_tokens,
-                                 self.num_accepted_tokens + num_accepted, tuple(per_position))
+        return SpecDecodingStats(
+            self.num_drafts + 1,
+            self.num_draft_tokens + num_draft_tokens,
+            self.num_accepted_tokens + num_accepted,
+            tuple(per_position),
+        )
 
 
 @dataclass(frozen=True)
@@ -99,8 +103,16 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, *,
-                 max_model_len: int | None = None, eos_token_ids: Collection[int] = (), num_lookahead_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        *,
+        max_model_len: int | None = None,
+        eos_token_ids: Collection[int] = (),
+        num_lookahead_tokens: int = 0,
+    ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -176,7 +188,9 @@ class Scheduler:
             room = min(room, self.max_model_len - request.num_tokens)
         return room
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         """Advance each scheduled request by the tokens it computed and append what was sampled for
         it (a list: a verification step yields several); finish requests that hit a stop."""
         now = time.monotonic()
@@ -211,12 +225,20 @@ class Scheduler:
             if finish is not None:
                 self._finish(request, *finish)
             logprobs = runner_output.logprobs.get(request.request_id)
-            outputs.append(EngineCoreOutput(request, appended, *(finish or (None, None)),
-                                            logprobs=logprobs[: len(appended)] if logprobs is not None else None,
-                                            prompt_logprobs=prompt_logprobs))
+            outputs.append(
+                EngineCoreOutput(
+                    request,
+                    appended,
+                    *(finish or (None, None)),
+                    logprobs=logprobs[: len(appended)] if logprobs is not None else None,
+                    prompt_logprobs=prompt_logprobs,
+                )
+            )
         return outputs
 
-    def _append_until_stop(self, request: Request, new_tokens: list[int]) -> tuple[list[int], tuple[FinishReason, str | int | None] | None]:
+    def _append_until_stop(
+        self, request: Request, new_tokens: list[int]
+    ) -> tuple[list[int], tuple[FinishReason, str | int | None] | None]:
         """Append the step's tokens up to and including the first that stops the request: the
         tokens appended, and why it stops (None if it goes on)."""
         for i, token in enumerate(new_tokens):
@@ -236,7 +258,9 @@ class Scheduler:
             return FinishReason.LENGTH, None
         return None
 
-    def finish_requests(self, requests: Iterable[Request], reason: FinishReason, stop_reason: str | int | None = None) -> None:
+    def finish_requests(
+        self, requests: Iterable[Request], reason: FinishReason, stop_reason: str | int | None = None
+    ) -> None:
         """Finish running or waiting requests (stopped by a stop string, or aborted) and free their blocks."""
         for request in requests:
             if not request.is_finished:
@@ -264,7 +288,12 @@ class Scheduler:
         pool = self.kv.pool
         first, self._first_scheduled = tuple(self._first_scheduled), []
         return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=pool.usage,
-            num_preemptions=self.num_preemptions, prefix_cache_queries=pool.stats.queries,
-            prefix_cache_hits=pool.stats.hits, first_scheduled=first, spec_decoding=self.spec_decoding,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=pool.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=pool.stats.queries,
+            prefix_cache_hits=pool.stats.hits,
+            first_scheduled=first,
+            spec_decoding=self.spec_decoding,
         )

@@ -38,14 +38,17 @@ class DecodeGroup:
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-def allocate_kv_caches(num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       device: torch.device) -> list[KVCache]:
+def allocate_kv_caches(
+    num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> list[KVCache]:
     """Zeroed K and V caches for each layer, every one its own allocation: a compiled forward
     writes into them in place, and in-place writes into views of one shared tensor make
     torch.compile copy that whole tensor back on every step."""
     shape = (num_slots, num_kv_heads, head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)]
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]
 
 
 @dataclass
@@ -55,12 +58,21 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     k_cache.index_copy_(0, slot_mapping, k)
     v_cache.index_copy_(0, slot_mapping, v)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
     """q: [T, heads, dim]; k, v: [T, kv_heads, dim] (already written to the cache). Returns [T, heads, dim].
 
     On CPU, attention computes in fp32 whatever the cache dtype: PyTorch's CPU SDPA in bf16 is
@@ -86,10 +98,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             keys, values = _gather(k_cache, chunk.slots, compute), _gather(v_cache, chunk.slots, compute)
             mask = _shifted_causal_mask(chunk.num_tokens, chunk.num_cached, q.device)
             causal = False
-        out[rows] = F.scaled_dot_product_attention(
-            query, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=causal, enable_gqa=True,
-        ).squeeze(0).transpose(0, 1)
+        out[rows] = (
+            F.scaled_dot_product_attention(
+                query,
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                is_causal=causal,
+                enable_gqa=True,
+            )
+            .squeeze(0)
+            .transpose(0, 1)
+        )
     return out
 
 

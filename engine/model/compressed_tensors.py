@@ -83,8 +83,10 @@ def _engine_scheme(args: QuantizationArgs) -> tuple[str, int | None]:
             return "int8", None
         if args.num_bits == 4 and args.strategy == "group":
             return "int4", args.group_size
-    raise ValueError(f"compressed-tensors weights {args.model_dump()} are not supported: the engine runs 8-bit symmetric "
-                     "per-channel (W8A16) and 4-bit group-wise (W4A16, symmetric or with zero points) integer weights")
+    raise ValueError(
+        f"compressed-tensors weights {args.model_dump()} are not supported: the engine runs 8-bit symmetric "
+        "per-channel (W8A16) and 4-bit group-wise (W4A16, symmetric or with zero points) integer weights"
+    )
 
 
 def checkpoint_quantization(config: PretrainedConfig) -> CheckpointQuantization | None:
@@ -95,8 +97,10 @@ def checkpoint_quantization(config: PretrainedConfig) -> CheckpointQuantization 
     raw = raw if isinstance(raw, dict) else raw.to_dict()
     method = raw.get("quant_method")
     if method != QUANT_METHOD:
-        raise ValueError(f"checkpoints quantized with {method!r} are not supported; the engine loads {QUANT_METHOD} checkpoints "
-                         "(W4A16, W8A16, as llm-compressor writes them) and quantizes full-precision ones itself")
+        raise ValueError(
+            f"checkpoints quantized with {method!r} are not supported; the engine loads {QUANT_METHOD} checkpoints "
+            "(W4A16, W8A16, as llm-compressor writes them) and quantizes full-precision ones itself"
+        )
     for unsupported in ("sparsity_config", "transform_config", "kv_cache_scheme"):
         if raw.get(unsupported):
             raise ValueError(f"compressed-tensors checkpoints with a {unsupported} are not supported")
@@ -106,18 +110,26 @@ def checkpoint_quantization(config: PretrainedConfig) -> CheckpointQuantization 
     found: set[tuple[str, int | None, str]] = set()
     for name, group in parsed.config_groups.items():
         if group.input_activations is not None or group.output_activations is not None or group.weights is None:
-            raise ValueError(f"compressed-tensors group {name!r} quantizes activations; the engine runs weight-only schemes (W4A16, W8A16)")
+            raise ValueError(
+                f"compressed-tensors group {name!r} quantizes activations; the engine runs weight-only schemes (W4A16, W8A16)"
+            )
         fmt = group.format or parsed.format
         if fmt not in READ_FORMATS:
-            raise ValueError(f"compressed-tensors format {fmt!r} is not supported; supported: {', '.join(READ_FORMATS)}")
+            raise ValueError(
+                f"compressed-tensors format {fmt!r} is not supported; supported: {', '.join(READ_FORMATS)}"
+            )
         found.add((*_engine_scheme(group.weights), fmt))
     if len(found) != 1:
-        raise ValueError(f"a checkpoint mixing quantization schemes or formats ({sorted(found, key=str)}) is not supported")
-    (scheme, group_size, fmt), = found
+        raise ValueError(
+            f"a checkpoint mixing quantization schemes or formats ({sorted(found, key=str)}) is not supported"
+        )
+    ((scheme, group_size, fmt),) = found
     return CheckpointQuantization(scheme, group_size, next(iter(parsed.config_groups.values())).weights, fmt)
 
 
-def resolve_scheme(requested: str, group_size: int, checkpoint: CheckpointQuantization | None, path: Path) -> tuple[str, int]:
+def resolve_scheme(
+    requested: str, group_size: int, checkpoint: CheckpointQuantization | None, path: Path
+) -> tuple[str, int]:
     """The scheme to run: the requested one for a full-precision model; the checkpoint's for a
     quantized one, where `none` (the default) follows the checkpoint and anything else must match."""
     if checkpoint is None:
@@ -125,8 +137,10 @@ def resolve_scheme(requested: str, group_size: int, checkpoint: CheckpointQuanti
     matches = requested == checkpoint.scheme and (checkpoint.group_size is None or checkpoint.group_size == group_size)
     if requested != "none" and not matches:
         asked = requested + (f" group {group_size}" if requested == "int4" else "")
-        raise ValueError(f"{path} is a {QUANT_METHOD} {checkpoint.describe()} checkpoint, but --quantization {asked} was asked: "
-                         "leave --quantization unset (none) to run the checkpoint's scheme, or quantize a full-precision model")
+        raise ValueError(
+            f"{path} is a {QUANT_METHOD} {checkpoint.describe()} checkpoint, but --quantization {asked} was asked: "
+            "leave --quantization unset (none) to run the checkpoint's scheme, or quantize a full-precision model"
+        )
     return checkpoint.scheme, checkpoint.group_size or group_size
 
 
@@ -154,12 +168,21 @@ class CompressedWeights(CheckpointFormat):
         # layer refuses the group size with its own message (it must divide the input width).
         groups = 1 if args.strategy == "channel" else -(-in_features // args.group_size)
         unpack = functools.partial(_unpack, bits=args.num_bits)
-        layer.register_parameter(self.values, layer.checkpoint_parameter(
-            out_features, in_features, dtype=torch.int8, lazy=True, decode=unpack if self.packed else _int8))
+        layer.register_parameter(
+            self.values,
+            layer.checkpoint_parameter(
+                out_features, in_features, dtype=torch.int8, lazy=True, decode=unpack if self.packed else _int8
+            ),
+        )
         layer.weight_scale = layer.checkpoint_parameter(out_features, groups, dtype=torch.float32, lazy=True)
         if not args.symmetric:  # packed along the output dimension in the packed format
             layer.weight_zero_point = layer.checkpoint_parameter(
-                out_features, groups, dtype=torch.int8, lazy=True, decode=functools.partial(unpack, packed_dim=0) if self.packed else None)
+                out_features,
+                groups,
+                dtype=torch.int8,
+                lazy=True,
+                decode=functools.partial(unpack, packed_dim=0) if self.packed else None,
+            )
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         q, scale = (layer._parameters.pop(name).data for name in (self.values, "weight_scale"))
@@ -175,7 +198,9 @@ def _unpack(packed: torch.Tensor, shape: torch.Size, bits: int, packed_dim: int 
     words = list(shape)
     words[packed_dim] = math.ceil(shape[packed_dim] * bits / 32)
     if list(packed.shape) != words:
-        raise ValueError(f"packed values of shape {tuple(packed.shape)} do not hold {bits}-bit values of shape {tuple(shape)}")
+        raise ValueError(
+            f"packed values of shape {tuple(packed.shape)} do not hold {bits}-bit values of shape {tuple(shape)}"
+        )
     return unpack_from_int32(packed, bits, shape, packed_dim=packed_dim)
 
 

@@ -38,7 +38,9 @@ def materialize(param: torch.Tensor) -> torch.Tensor:
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     materialize(param)
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit a parameter of shape {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit a parameter of shape {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -67,7 +69,9 @@ class FullPrecision(CheckpointFormat):
     memory for it until then)."""
 
     def create_weights(self, layer: Linear) -> None:
-        layer.weight = layer.checkpoint_parameter(layer.out_features, layer.in_features, lazy=layer.quantization is not None)
+        layer.weight = layer.checkpoint_parameter(
+            layer.out_features, layer.in_features, lazy=layer.quantization is not None
+        )
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         if layer.quantization is None:
@@ -81,8 +85,14 @@ class Linear(nn.Module):
     low-bit form once loaded. `shard_sizes` names the projections fused into the layer (FusedLinear),
     each filled from its own checkpoint tensors; a plain layer has one, None."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 quantization: LinearQuantization | None = None, shard_sizes: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        quantization: LinearQuantization | None = None,
+        shard_sizes: dict[str, int] | None = None,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.shard_sizes: dict[str | None, int] = dict(shard_sizes or {None: out_features})
@@ -97,8 +107,9 @@ class Linear(nn.Module):
         start = self.shard_offsets[shard]
         return slice(start, start + self.shard_sizes[shard])
 
-    def checkpoint_parameter(self, *shape: int, dtype: torch.dtype | None = None, lazy: bool = False,
-                             decode: Decode | None = None) -> nn.Parameter:
+    def checkpoint_parameter(
+        self, *shape: int, dtype: torch.dtype | None = None, lazy: bool = False, decode: Decode | None = None
+    ) -> nn.Parameter:
         """A parameter whose rows the checkpoint fills, one tensor per shard, each through `decode`
         first when the checkpoint stores it in another form."""
         param = _parameter(*shape, lazy=lazy, dtype=dtype)
@@ -106,7 +117,9 @@ class Linear(nn.Module):
         param.shards = tuple(self.shard_sizes)  # type: ignore[attr-defined]
         return param
 
-    def shard_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None, decode: Decode | None = None) -> None:
+    def shard_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None, decode: Decode | None = None
+    ) -> None:
         rows = materialize(param).data[self.rows(shard)]
         default_weight_loader(rows, loaded if decode is None else decode(loaded, rows.shape))
 
@@ -131,8 +144,13 @@ class FusedLinear(Linear):
     read and one kernel launch instead of several. The checkpoint keeps them apart, so each shard
     loads into its rows: weight_loader(param, loaded, shard)."""
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False,
-                 quantization: LinearQuantization | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        shards: dict[str, int],
+        bias: bool = False,
+        quantization: LinearQuantization | None = None,
+    ) -> None:
         super().__init__(in_features, sum(shards.values()), bias, quantization, shards)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:

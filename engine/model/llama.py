@@ -36,10 +36,13 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias, quantization)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias, quantization)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
         n = x.shape[0]
-        qk, v = self.qkv_proj(x).split([(self.num_heads + self.num_kv_heads) * self.head_dim,
-                                        self.num_kv_heads * self.head_dim], dim=-1)
+        qk, v = self.qkv_proj(x).split(
+            [(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1
+        )
         # RoPE on q and k as one tensor of heads: one set of ops per layer instead of two.
         qk = _rope(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -71,7 +74,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -94,8 +99,11 @@ def kv_shape(model: LlamaForCausalLM) -> tuple[int, int]:
 class LlamaForCausalLM(nn.Module):
     # Checkpoint module -> (our fused module, its shard): route() maps their tensors.
     packed_modules = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
     }
 
     def __init__(self, config: LlamaConfig, quantization: str = "none", quantization_group_size: int = 32) -> None:
@@ -116,7 +124,9 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(f".{part}.", f".{fused}."), shard
         return name, None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] for a flattened batch; kv_caches holds each layer's K and V.
         With caches for fewer layers than the model, only that many layers run, then the final
         norm: the early exit a self-speculative draft takes. Callers run it in inference mode

@@ -75,7 +75,9 @@ def embedded_model_dir() -> Path:
 def load_config(path: Path) -> LlamaConfig:
     config = AutoConfig.from_pretrained(path)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise ValueError(
+            f"model type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     return config
 
 
@@ -83,8 +85,14 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torch.device, quantization: str = "none",
-               quantization_group_size: int = 32) -> LlamaForCausalLM:
+def load_model(
+    path: Path,
+    config: LlamaConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str = "none",
+    quantization_group_size: int = 32,
+) -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` with the parameters its checkpoint fills, fill them,
     and turn each linear layer into its serving form (quantized layers quantize) as soon as its
     parameters are in, so at most one layer's full-precision weight exists beside the quantized ones.
@@ -96,7 +104,9 @@ def load_model(path: Path, config: LlamaConfig, dtype: torch.dtype, device: torc
     if not files:
         raise ValueError(f"no *.safetensors weights in {path}")
     checkpoint = compressed_tensors.checkpoint_quantization(config)
-    quantization, quantization_group_size = compressed_tensors.resolve_scheme(quantization, quantization_group_size, checkpoint, path)
+    quantization, quantization_group_size = compressed_tensors.resolve_scheme(
+        quantization, quantization_group_size, checkpoint, path
+    )
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -126,8 +136,11 @@ def _fill(model: LlamaForCausalLM, files: list[Path], path: Path) -> None:
     params = dict(model.named_parameters())  # a tied weight once, under its first owner's name
     unfilled = {name: set(getattr(param, "shards", (None,))) for name, param in params.items()}
     name_of = {id(param): name for name, param in params.items()}
-    pending = {module: {name_of[id(param)] for param in module.parameters(recurse=False)}
-               for module in model.modules() if hasattr(module, "process_weights_after_loading")}
+    pending = {
+        module: {name_of[id(param)] for param in module.parameters(recurse=False)}
+        for module in model.modules()
+        if hasattr(module, "process_weights_after_loading")
+    }
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as checkpoint:
             for name in checkpoint.keys():

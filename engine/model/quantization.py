@@ -61,7 +61,9 @@ class LinearQuantization(abc.ABC):
         """The weight the buffers stand for, [out, in], fp32."""
 
     @abc.abstractmethod
-    def load_quantized(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
+    def load_quantized(
+        self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None
+    ) -> None:
         """Store weights quantized elsewhere, in compressed-tensors' terms: w = (q - zero_point) x
         scale, with q signed ([out, in], int8) and one scale (and integer zero point) per output
         channel ([out, 1]) or per group of input columns ([out, in / group])."""
@@ -82,7 +84,9 @@ class Int8WeightOnly(LinearQuantization):
         q = torch.round(weight.float() / scale.float()).clamp(-127, 127).to(torch.int8)
         self.load_quantized(layer, q, scale, None)
 
-    def load_quantized(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
+    def load_quantized(
+        self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None
+    ) -> None:
         if zero_point is not None and zero_point.any():
             raise ValueError("int8 weights with zero points are not supported (only symmetric int8)")
         if scale.shape != (q.shape[0], 1):
@@ -92,7 +96,9 @@ class Int8WeightOnly(LinearQuantization):
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.shape[0] < INT8_DENSE_TOKENS:
-            return _in_dtype(torch.ops.aten._weight_int8pack_mm(_in_dtype(x, torch.bfloat16), layer.qweight, layer.scales), x.dtype)
+            return _in_dtype(
+                torch.ops.aten._weight_int8pack_mm(_in_dtype(x, torch.bfloat16), layer.qweight, layer.scales), x.dtype
+            )
         # The same weight multiplied densely (on CPU: a prefill-sized step).
         return nn.functional.linear(x, self._weight(layer, x.dtype))
 
@@ -126,53 +132,80 @@ class Int4WeightOnly(LinearQuantization):
         w = weight.float().view(out_features, in_features // g, g)
         low, high = w.amin(dim=-1), w.amax(dim=-1)
         scale = (high - low).clamp(min=1e-8) / 15
-        q = torch.round((w - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(out_features, in_features)
+        q = (
+            torch.round((w - low[..., None]) / scale[..., None])
+            .clamp(0, 15)
+            .to(torch.int32)
+            .view(out_features, in_features)
+        )
         self._store(layer, q, scale, low + _INT4_MID * scale)
 
-    def load_quantized(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
+    def load_quantized(
+        self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None
+    ) -> None:
         out_features, in_features = q.shape
         self._check_width(in_features)
         if scale.shape != (out_features, in_features // self.group_size):
-            raise ValueError(f"int4 with group size {self.group_size} needs scales of shape "
-                             f"{(out_features, in_features // self.group_size)}, got {tuple(scale.shape)}")
+            raise ValueError(
+                f"int4 with group size {self.group_size} needs scales of shape "
+                f"{(out_features, in_features // self.group_size)}, got {tuple(scale.shape)}"
+            )
         # (q - zp) x s = ((q + 8) - 8) x s + (-zp x s): the kernel's unsigned values and float zero.
         # The kernel reads bf16, so the zero (and a scale stored in another dtype) is rounded to
         # bf16: within |zp| x s / 256 <= s / 32 of the checkpoint's value, 1/32 of a step.
-        zero = torch.zeros_like(scale, dtype=torch.float32) if zero_point is None else -zero_point.float() * scale.float()
+        zero = (
+            torch.zeros_like(scale, dtype=torch.float32) if zero_point is None else -zero_point.float() * scale.float()
+        )
         self._store(layer, q.to(torch.int32) + _INT4_MID, scale.float(), zero)
 
     def _store(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
         """q: [out, in] in 0..15; scale, zero: [out, in / group]; w = (q - 8) x scale + zero."""
         out_features, in_features = q.shape
         device = q.device
-        layer.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.cpu(), _INNER_K_TILES).to(device)
-                              if device.type == "cpu" else _pack_nibbles(q))
+        layer.register_buffer(
+            "qweight",
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.cpu(), _INNER_K_TILES).to(device)
+            if device.type == "cpu"
+            else _pack_nibbles(q),
+        )
         # [in / group, out, 2]: the layout PyTorch's kernel reads.
-        layer.register_buffer("scales_and_zeros", torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16).contiguous())
+        layer.register_buffer(
+            "scales_and_zeros", torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16).contiguous()
+        )
         layer.int4_shape = (out_features, in_features)
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or (x.shape[0] >= INT4_DENSE_TOKENS and layer.int4_shape[0] % _CPU_PACK_ROWS == 0):
             # Dequantized in x's dtype for this matmul only: the layer keeps only its int4 form.
             return nn.functional.linear(x, self._weight(layer, x.dtype))
-        return _in_dtype(torch.ops.aten._weight_int4pack_mm_for_cpu(
-            _in_dtype(x, torch.bfloat16), layer.qweight, self.group_size, layer.scales_and_zeros), x.dtype)
+        return _in_dtype(
+            torch.ops.aten._weight_int4pack_mm_for_cpu(
+                _in_dtype(x, torch.bfloat16), layer.qweight, self.group_size, layer.scales_and_zeros
+            ),
+            x.dtype,
+        )
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
         out_features, in_features = layer.int4_shape
         if layer.qweight.device.type == "cpu" and out_features % _CPU_PACK_ROWS:
             # A layout with a short last block: multiplying by the identity reads it back.
             eye = torch.eye(in_features, dtype=torch.bfloat16)
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.qweight, self.group_size,
-                                                              layer.scales_and_zeros).float().T
+            return (
+                torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.qweight, self.group_size, layer.scales_and_zeros)
+                .float()
+                .T
+            )
         return self._weight(layer, torch.float32)
 
     def _weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """w = (q - 8) x scale + zero, [out, in], computed in `dtype`."""
         out_features, in_features = layer.int4_shape
         g = self.group_size
-        q = (_unpack_cpu_int4pack(layer.qweight, out_features, in_features) if layer.qweight.device.type == "cpu"
-             else _unpack_nibbles(layer.qweight, in_features))
+        q = (
+            _unpack_cpu_int4pack(layer.qweight, out_features, in_features)
+            if layer.qweight.device.type == "cpu"
+            else _unpack_nibbles(layer.qweight, in_features)
+        )
         scale, zero = layer.scales_and_zeros.to(dtype).unbind(-1)  # [in / group, out]
         q = q.view(out_features, in_features // g, g).to(dtype)
         return ((q - _INT4_MID) * scale.T[..., None] + zero.T[..., None]).view(out_features, in_features)

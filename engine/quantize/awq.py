@@ -95,11 +95,20 @@ def _groups(layer: DecoderLayer) -> list[_Group]:
     dims = torch.arange(attn.head_dim).repeat(attn.num_heads)
     o_source = heads // (attn.num_heads // attn.num_kv_heads) * attn.head_dim + dims
     return [
-        _Group("self_attn.qkv_proj", attn.qkv_proj, (layer.input_layernorm.weight.data,), hidden, attn.qkv_proj.rows("v")),
+        _Group(
+            "self_attn.qkv_proj", attn.qkv_proj, (layer.input_layernorm.weight.data,), hidden, attn.qkv_proj.rows("v")
+        ),
         _Group("self_attn.o_proj", attn.o_proj, _row_tensors(attn.qkv_proj, "v"), o_source, slice(None)),
-        _Group("mlp.gate_up_proj", mlp.gate_up_proj, (layer.post_attention_layernorm.weight.data,), hidden, slice(None)),
-        _Group("mlp.down_proj", mlp.down_proj, _row_tensors(mlp.gate_up_proj, "up"), torch.arange(mlp.down_proj.in_features),
-               slice(None)),
+        _Group(
+            "mlp.gate_up_proj", mlp.gate_up_proj, (layer.post_attention_layernorm.weight.data,), hidden, slice(None)
+        ),
+        _Group(
+            "mlp.down_proj",
+            mlp.down_proj,
+            _row_tensors(mlp.gate_up_proj, "up"),
+            torch.arange(mlp.down_proj.in_features),
+            slice(None),
+        ),
     ]
 
 
@@ -110,7 +119,9 @@ def _output_error(delta: torch.Tensor, gram: torch.Tensor, tokens: int) -> float
     return ((delta @ gram) * delta).sum().item() / (tokens * delta.shape[0])
 
 
-def _search_scale(group: _Group, x: torch.Tensor, gram: torch.Tensor, fake_quantize: FakeQuantize) -> tuple[torch.Tensor, float, float, float]:
+def _search_scale(
+    group: _Group, x: torch.Tensor, gram: torch.Tensor, fake_quantize: FakeQuantize
+) -> tuple[torch.Tensor, float, float, float]:
     """The scales of the previous operation's channels with the least output error; their alpha,
     the error at alpha 0 (round-to-nearest) and theirs."""
     weight = group.linear.weight.data.float()
@@ -142,7 +153,9 @@ def _apply_scale(group: _Group, scales: torch.Tensor) -> None:
         tensor.div_(scales.view(-1, *[1] * (tensor.dim() - 1)))
 
 
-def _search_clip(weight: torch.Tensor, gram: torch.Tensor, group_size: int, fake_quantize: FakeQuantize) -> torch.Tensor:
+def _search_clip(
+    weight: torch.Tensor, gram: torch.Tensor, group_size: int, fake_quantize: FakeQuantize
+) -> torch.Tensor:
     """`weight` with each (row, group) clamped to the shrink of its range that gives the least
     error of that group's share of the output (upstream AWQ's per-group objective; the group's
     diagonal block of the Gram matrix gives it)."""
@@ -163,8 +176,15 @@ def _search_clip(weight: torch.Tensor, gram: torch.Tensor, group_size: int, fake
     return best.reshape(out_features, in_features)
 
 
-def _calibrate_layer(groups: list[_Group], inputs: dict[str, torch.Tensor], fake_quantize: FakeQuantize, group_size: int,
-                     clip: bool, report: AwqReport, prefix: str) -> None:
+def _calibrate_layer(
+    groups: list[_Group],
+    inputs: dict[str, torch.Tensor],
+    fake_quantize: FakeQuantize,
+    group_size: int,
+    clip: bool,
+    report: AwqReport,
+    prefix: str,
+) -> None:
     for group in groups:
         x = inputs.pop(group.name)
         gram = x.T @ x
@@ -190,8 +210,9 @@ def _calibrate_layer(groups: list[_Group], inputs: dict[str, torch.Tensor], fake
 
 
 @torch.inference_mode()
-def apply_awq(model: LlamaForCausalLM, prompts: list[list[int]], fake_quantize: FakeQuantize, group_size: int,
-              clip: bool = True) -> AwqReport:
+def apply_awq(
+    model: LlamaForCausalLM, prompts: list[list[int]], fake_quantize: FakeQuantize, group_size: int, clip: bool = True
+) -> AwqReport:
     """Rescale (and clip) the full-precision `model`'s linear layers in place for INT4 with the
     given quantizer, calibrated on `prompts` (token ids). Without clipping the model computes the
     same function as before, up to float rounding."""
@@ -201,11 +222,18 @@ def apply_awq(model: LlamaForCausalLM, prompts: list[list[int]], fake_quantize: 
     for index, layer in enumerate(model.model.layers):
         groups = _groups(layer)
         for group in groups:
-            hooks.append(group.linear.register_forward_pre_hook(
-                lambda _module, args, name=group.name: captured.__setitem__(name, args[0].float())))
-        hooks.append(layer.register_forward_hook(
-            lambda _module, _args, _output, groups=groups, prefix=f"model.layers.{index}": _calibrate_layer(
-                groups, captured, fake_quantize, group_size, clip, report, prefix)))
+            hooks.append(
+                group.linear.register_forward_pre_hook(
+                    lambda _module, args, name=group.name: captured.__setitem__(name, args[0].float())
+                )
+            )
+        hooks.append(
+            layer.register_forward_hook(
+                lambda _module, _args, _output, groups=groups, prefix=f"model.layers.{index}": _calibrate_layer(
+                    groups, captured, fake_quantize, group_size, clip, report, prefix
+                )
+            )
+        )
     try:
         model(*prefill_batch(model, prompts))
     finally:
@@ -214,7 +242,9 @@ def apply_awq(model: LlamaForCausalLM, prompts: list[list[int]], fake_quantize: 
     return report
 
 
-def prefill_batch(model: LlamaForCausalLM, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata]:
+def prefill_batch(
+    model: LlamaForCausalLM, prompts: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata]:
     """One flattened batch of whole prompts (each its own prefill) over a cache just large enough:
     one-slot blocks, each prompt in the slots after the previous one's."""
     weight = model.model.embed_tokens.weight
@@ -223,7 +253,12 @@ def prefill_batch(model: LlamaForCausalLM, prompts: list[list[int]]) -> tuple[to
         inputs.add(prompt, 0, list(range(start, start + len(prompt))), decode=False)
         start += len(prompt)
     ids, positions, meta = inputs.build()
-    return ids, positions, allocate_kv_caches(len(model.model.layers), start, *kv_shape(model), weight.dtype, weight.device), meta
+    return (
+        ids,
+        positions,
+        allocate_kv_caches(len(model.model.layers), start, *kv_shape(model), weight.dtype, weight.device),
+        meta,
+    )
 
 
 def checkpoint_tensors(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:

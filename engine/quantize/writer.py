@@ -73,7 +73,11 @@ def _linear_weight_names(config: PretrainedConfig, names: set[str]) -> set[str]:
     """The checkpoint tensors that the engine's body linear layers load (not the LM head)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    linears = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Linear) and module is not model.lm_head}
+    linears = {
+        f"{name}.weight"
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and module is not model.lm_head
+    }
     return {name for name in names if model.route(name)[0] in linears}
 
 
@@ -87,7 +91,9 @@ def _int4_qparams(weight: torch.Tensor, args: QuantizationArgs) -> tuple[torch.T
     if in_features % g:
         raise ValueError(f"int4 group size {g} does not divide a layer's input width {in_features}")
     groups = weight.view(out_features, in_features // g, g)
-    scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), args.model_copy(update={"scale_dtype": torch.bfloat16}))
+    scale, zero_point = calculate_qparams(
+        groups.amin(-1), groups.amax(-1), args.model_copy(update={"scale_dtype": torch.bfloat16})
+    )
     return scale.to(torch.bfloat16), zero_point
 
 
@@ -115,7 +121,9 @@ def _compress(weight: torch.Tensor, scheme: QuantizationScheme) -> dict[str, tor
     return dict(PackedQuantizationCompressor.compress(state, scheme))
 
 
-def _awq_tensors(source: Path, config: PretrainedConfig, args: QuantizationArgs) -> tuple[dict[str, torch.Tensor], AwqReport]:
+def _awq_tensors(
+    source: Path, config: PretrainedConfig, args: QuantizationArgs
+) -> tuple[dict[str, torch.Tensor], AwqReport]:
     """The full-precision model's tensors after AWQ's scale and clipping search for this INT4
     checkpoint's quantizer, under their checkpoint names."""
     model = load_model(source, config, torch.float32, torch.device("cpu"))
@@ -125,7 +133,9 @@ def _awq_tensors(source: Path, config: PretrainedConfig, args: QuantizationArgs)
     return checkpoint_tensors(model), report
 
 
-def quantize_checkpoint(model: str | None, output: Path, scheme: str, group_size: int, method: str | None = None) -> QuantizeReport:
+def quantize_checkpoint(
+    model: str | None, output: Path, scheme: str, group_size: int, method: str | None = None
+) -> QuantizeReport:
     """Write `model` (a supported full-precision folder, or the embedded model) to `output` as a
     compressed-tensors checkpoint: body linear layers quantized, everything else as it was (with
     `awq`, the norms and projections its scales fold into rescaled). `method` defaults to awq for
@@ -168,8 +178,14 @@ def _method(scheme: str, method: str | None) -> str:
     return method
 
 
-def _write(source: Path, files: list[Path], folder: Path, linear_weights: set[str], transformed: dict[str, torch.Tensor],
-           qscheme: QuantizationScheme) -> tuple[int, int, int]:
+def _write(
+    source: Path,
+    files: list[Path],
+    folder: Path,
+    linear_weights: set[str],
+    transformed: dict[str, torch.Tensor],
+    qscheme: QuantizationScheme,
+) -> tuple[int, int, int]:
     """The checkpoint in `folder`: each of `files` with its `linear_weights` compressed (from their
     `transformed` values where AWQ rewrote them), the source's other files, the index and the
     quantization config. Returns the layers compressed, their fp16 bytes and their stored bytes."""
@@ -198,20 +214,27 @@ def _write(source: Path, files: list[Path], folder: Path, linear_weights: set[st
         save_file(tensors, folder / file.name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file.name))
     if (source / _INDEX_FILE).is_file():
-        (folder / _INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-    qconfig = QuantizationConfig(config_groups={"group_0": qscheme}, format=WRITE_FORMAT, quantization_status="compressed",
-                                 ignore=["lm_head"])
+        (folder / _INDEX_FILE).write_text(
+            json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
+        )
+    qconfig = QuantizationConfig(
+        config_groups={"group_0": qscheme}, format=WRITE_FORMAT, quantization_status="compressed", ignore=["lm_head"]
+    )
     ModelCompressor(quantization_config=qconfig).update_config(str(folder))
     return layers, fp16_bytes, stored_bytes
 
 
 def report_line(report: QuantizeReport) -> str:
-    line = (f"wrote {report.output}: {report.layers} linear layers at {report.scheme} ({report.method}), "
-            f"{report.stored_bytes / 2**20:.1f} MiB stored vs {report.fp16_bytes / 2**20:.1f} MiB at fp16 "
-            f"({report.stored_bytes / report.fp16_bytes:.3f}x)")
+    line = (
+        f"wrote {report.output}: {report.layers} linear layers at {report.scheme} ({report.method}), "
+        f"{report.stored_bytes / 2**20:.1f} MiB stored vs {report.fp16_bytes / 2**20:.1f} MiB at fp16 "
+        f"({report.stored_bytes / report.fp16_bytes:.3f}x)"
+    )
     if report.awq is not None:
         groups = report.awq.groups
         ratio = sum(g.awq_error / g.rtn_error for g in groups) / len(groups)
-        line += (f"; awq on {report.awq.tokens} calibration tokens in {report.awq_seconds:.0f} s: layer output error "
-                 f"{ratio:.2f}x round-to-nearest's (mean over {len(groups)} layer groups)")
+        line += (
+            f"; awq on {report.awq.tokens} calibration tokens in {report.awq_seconds:.0f} s: layer output error "
+            f"{ratio:.2f}x round-to-nearest's (mean over {len(groups)} layer groups)"
+        )
     return line

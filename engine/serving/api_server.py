@@ -19,10 +19,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 
+import jinja2
 import prometheus_client
 import uvicorn
 from fastapi import FastAPI, Request
-import jinja2
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -45,6 +45,7 @@ from kvpilot.engine.serving.responses import SSE_HEADERS, ChatCompletionFormat, 
 
 log = logging.getLogger(__name__)
 
+
 class _ApiKeyMiddleware:
     """Bearer-token check on /v1/*, ahead of routing, so that no body is parsed for a stranger."""
 
@@ -56,7 +57,9 @@ class _ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
-                error = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.", code="invalid_api_key")
+                error = APIError(
+                    401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.", code="invalid_api_key"
+                )
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -92,7 +95,9 @@ class _BodyLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
     def _too_large(self) -> APIError:
-        return APIError(413, f"the request body is larger than max_request_body_bytes={self.limit}", code="request_too_large")
+        return APIError(
+            413, f"the request body is larger than max_request_body_bytes={self.limit}", code="request_too_large"
+        )
 
 
 class _StreamingResponse(StreamingResponse):
@@ -114,7 +119,11 @@ class _StreamingResponse(StreamingResponse):
         try:
             await super().stream_response(timed_send)
         except _ClientStalled:
-            log.warning("event=stream_aborted id=%s reason=client_not_reading write_timeout_s=%g", self.request_id, self.write_timeout)
+            log.warning(
+                "event=stream_aborted id=%s reason=client_not_reading write_timeout_s=%g",
+                self.request_id,
+                self.write_timeout,
+            )
             await self.body_iterator.aclose()  # type: ignore[attr-defined] - runs its finally: the engine drops the request
 
 
@@ -213,8 +222,14 @@ class OpenAIServer:
             return JSONResponse({"status": "engine failed"}, status_code=503)
         running = self.engine.step_seconds()
         if running is not None and running > self.settings.engine_step_timeout:
-            return JSONResponse({"status": "engine stuck", "step_seconds": round(running, 1),
-                                 "engine_step_timeout": self.settings.engine_step_timeout}, status_code=503)
+            return JSONResponse(
+                {
+                    "status": "engine stuck",
+                    "step_seconds": round(running, 1),
+                    "engine_step_timeout": self.settings.engine_step_timeout,
+                },
+                status_code=503,
+            )
         return JSONResponse({"status": "ok"})
 
     async def ready(self) -> JSONResponse:
@@ -225,11 +240,15 @@ class OpenAIServer:
         return JSONResponse({"status": "ready"})
 
     async def metrics_endpoint(self) -> Response:
-        return Response(prometheus_client.generate_latest(self.metrics.registry), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+        return Response(
+            prometheus_client.generate_latest(self.metrics.registry), media_type=prometheus_client.CONTENT_TYPE_LATEST
+        )
 
     async def models(self) -> ModelList:
         max_len = self.engine.max_model_len if self.engine.ready else None
-        return ModelList(data=[ModelCard(id=self.settings.served_model_name, created=self.started, max_model_len=max_len)])
+        return ModelList(
+            data=[ModelCard(id=self.settings.served_model_name, created=self.started, max_model_len=max_len)]
+        )
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
@@ -249,10 +268,18 @@ class OpenAIServer:
         echo_texts = first_tokens = None
         if body.echo:
             echo_texts, first_tokens = await asyncio.to_thread(
-                lambda: ([p if isinstance(p, str) else self.engine.detokenize(p) for p in texts_or_ids],
-                         [self.engine.detokenize(ids[:1]) for ids in prompts]))
-        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.settings.served_model_name, n=body.n,
-                               echo_texts=echo_texts, first_tokens=first_tokens)
+                lambda: (
+                    [p if isinstance(p, str) else self.engine.detokenize(p) for p in texts_or_ids],
+                    [self.engine.detokenize(ids[:1]) for ids in prompts],
+                )
+            )
+        fmt = CompletionFormat(
+            f"cmpl-{uuid.uuid4().hex}",
+            self.settings.served_model_name,
+            n=body.n,
+            echo_texts=echo_texts,
+            first_tokens=first_tokens,
+        )
         return await self._generate(request, body, prompts, body.max_tokens, "prompt", fmt, arrival)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -264,10 +291,14 @@ class OpenAIServer:
         try:
             ids = await asyncio.to_thread(self.engine.apply_chat_template, messages)
         except jinja2.TemplateError as err:  # the template's own words about a conversation it refuses
-            raise APIError(400, f"the model's chat template refuses this conversation: {err}", param="messages") from err
-        except Exception as err:  # noqa: BLE001 - anything else says nothing a client can act on
+            raise APIError(
+                400, f"the model's chat template refuses this conversation: {err}", param="messages"
+            ) from err
+        except Exception as err:
             log.warning("event=chat_template_failed error=%r", err)
-            raise APIError(400, "the conversation cannot be rendered with the model's chat template", param="messages") from err
+            raise APIError(
+                400, "the conversation cannot be rendered with the model's chat template", param="messages"
+            ) from err
         fmt = ChatCompletionFormat(f"chatcmpl-{uuid.uuid4().hex}", self.settings.served_model_name)
         return await self._generate(request, body, [ids], body.requested_max_tokens, "messages", fmt, arrival)
 
@@ -277,37 +308,70 @@ class OpenAIServer:
         if self.draining:
             raise APIError(503, "the server is shutting down; retry on another replica", retry_after=RETRY_AFTER_S)
         if not self.engine.ready:
-            raise APIError(503, "the model is not loaded" + ("" if self.engine.alive else ": the engine failed"), retry_after=RETRY_AFTER_S)
+            raise APIError(
+                503,
+                "the model is not loaded" + ("" if self.engine.alive else ": the engine failed"),
+                retry_after=RETRY_AFTER_S,
+            )
         if body.model != self.settings.served_model_name:
-            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.settings.served_model_name}`.",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{body.model}` does not exist; this server serves `{self.settings.served_model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
         unsupported = body.unsupported_field()
         if unsupported:
-            raise APIError(400, f"`{unsupported}` is not supported by this server", param=unsupported, code="unsupported_parameter")
+            raise APIError(
+                400, f"`{unsupported}` is not supported by this server", param=unsupported, code="unsupported_parameter"
+            )
 
-    def _check_sizes(self, num_prompts: int, body: CompletionRequest | ChatCompletionRequest, prompt_param: str) -> None:
+    def _check_sizes(
+        self, num_prompts: int, body: CompletionRequest | ChatCompletionRequest, prompt_param: str
+    ) -> None:
         """Limits that need no tokenizing, checked before any: sequences and stop strings."""
         limits = self.settings
         sequences = num_prompts * body.n
         if sequences > limits.max_waiting_requests:
             # It could never be admitted: a client error, not a reason to retry.
-            raise APIError(400, f"{num_prompts} prompt(s) x n={body.n} is {sequences} sequences, more than "
-                                f"max_waiting_requests={limits.max_waiting_requests}", param="n" if body.n > 1 else prompt_param,
-                           code="too_many_sequences")
+            raise APIError(
+                400,
+                f"{num_prompts} prompt(s) x n={body.n} is {sequences} sequences, more than "
+                f"max_waiting_requests={limits.max_waiting_requests}",
+                param="n" if body.n > 1 else prompt_param,
+                code="too_many_sequences",
+            )
         stops = body.stop_strings
         if len(stops) > limits.max_stop_strings:
-            raise APIError(400, f"{len(stops)} stop strings, more than max_stop_strings={limits.max_stop_strings}", param="stop")
+            raise APIError(
+                400, f"{len(stops)} stop strings, more than max_stop_strings={limits.max_stop_strings}", param="stop"
+            )
         longest = max(map(len, stops), default=0)
         if longest > limits.max_stop_string_chars:
-            raise APIError(400, f"a stop string of {longest} characters, more than max_stop_string_chars="
-                                f"{limits.max_stop_string_chars}", param="stop")
+            raise APIError(
+                400,
+                f"a stop string of {longest} characters, more than max_stop_string_chars="
+                f"{limits.max_stop_string_chars}",
+                param="stop",
+            )
 
     def _check_chars(self, num_chars: int, prompt_param: str) -> None:
         if num_chars > self.settings.max_prompt_chars:
-            raise APIError(400, f"the {prompt_param} has {num_chars} characters, more than max_prompt_chars="
-                                f"{self.settings.max_prompt_chars}", param=prompt_param, code="prompt_too_long")
+            raise APIError(
+                400,
+                f"the {prompt_param} has {num_chars} characters, more than max_prompt_chars="
+                f"{self.settings.max_prompt_chars}",
+                param=prompt_param,
+                code="prompt_too_long",
+            )
 
-    def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], max_tokens: int | None, prompt_param: str) -> list[SamplingParams]:
+    def _sampling_params(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        prompt_param: str,
+    ) -> list[SamplingParams]:
         max_len = self.engine.max_model_len
         sequences = []
         for prompt in prompts:
@@ -324,10 +388,20 @@ class OpenAIServer:
                 )
             try:
                 params = SamplingParams(
-                    max_tokens=wanted, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed,
-                    stop=body.stop_strings, stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, n=body.n,
-                    min_tokens=min(body.min_tokens, wanted), presence_penalty=body.presence_penalty,
-                    frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty, min_p=body.min_p,
+                    max_tokens=wanted,
+                    temperature=body.temperature,
+                    top_k=body.top_k,
+                    top_p=body.top_p,
+                    seed=body.seed,
+                    stop=body.stop_strings,
+                    stop_token_ids=list(body.stop_token_ids or []),
+                    ignore_eos=body.ignore_eos,
+                    n=body.n,
+                    min_tokens=min(body.min_tokens, wanted),
+                    presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty,
+                    repetition_penalty=body.repetition_penalty,
+                    min_p=body.min_p,
                     logprobs=body.num_logprobs,
                     prompt_logprobs=body.num_logprobs if isinstance(body, CompletionRequest) and body.echo else None,
                 )
@@ -336,8 +410,16 @@ class OpenAIServer:
             sequences += params.per_sequence()
         return sequences
 
-    async def _generate(self, request: Request, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
-                        max_tokens: int | None, prompt_param: str, fmt: Format, arrival: float) -> Response:
+    async def _generate(
+        self,
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        prompt_param: str,
+        fmt: Format,
+        arrival: float,
+    ) -> Response:
         params = self._sampling_params(body, prompts, max_tokens, prompt_param)
         sequences = [(prompts[i // body.n], p) for i, p in enumerate(params)]
         try:
@@ -348,15 +430,26 @@ class OpenAIServer:
             raise APIError(503, str(err), retry_after=RETRY_AFTER_S) from err
         except ValueError as err:
             raise APIError(400, str(err), param=prompt_param) from err
-        log.debug("event=request id=%s prompts=%d prompt_tokens=%d n=%d stream=%s", fmt.request_id, len(prompts),
-                  sum(map(len, prompts)), body.n, body.stream)
+        log.debug(
+            "event=request id=%s prompts=%d prompt_tokens=%d n=%d stream=%s",
+            fmt.request_id,
+            len(prompts),
+            sum(map(len, prompts)),
+            body.n,
+            body.stream,
+        )
         if body.stream:
             events = self._stream_events(stream, fmt, prompts, body)
             return _StreamingResponse(events, self.settings.stream_write_timeout, fmt.request_id)
         return await self._complete(request, stream, fmt, prompts, body.n)
 
-    async def _stream_events(self, stream: GenerationStream, fmt: Format, prompts: list[list[int]],
-                             body: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[str]:
+    async def _stream_events(
+        self,
+        stream: GenerationStream,
+        fmt: Format,
+        prompts: list[list[int]],
+        body: CompletionRequest | ChatCompletionRequest,
+    ) -> AsyncIterator[str]:
         finals: list[SequenceUpdate] = []
         try:
             try:
@@ -380,7 +473,9 @@ class OpenAIServer:
             # However the stream ends (done, client gone, server cancelling), free the KV blocks now.
             stream.close()
 
-    async def _complete(self, request: Request, stream: GenerationStream, fmt: Format, prompts: list[list[int]], n: int) -> Response:
+    async def _complete(
+        self, request: Request, stream: GenerationStream, fmt: Format, prompts: list[list[int]], n: int
+    ) -> Response:
         async def collect() -> list[SequenceUpdate]:
             finals = []
             whole: dict[int, SequenceUpdate] = {}
@@ -434,8 +529,15 @@ def serve(config: EngineConfig, settings: ServerConfig) -> int:
     server = OpenAIServer(config, settings)
     settings = server.settings
     app = server.build_app()
-    uv_config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                               timeout_graceful_shutdown=5, lifespan="on")
+    uv_config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
     uv_server: _DrainingServer
 
     def begin_drain() -> None:
@@ -448,8 +550,14 @@ def serve(config: EngineConfig, settings: ServerConfig) -> int:
     uv_server = _DrainingServer(uv_config, begin_drain)
     server.on_exit_requested(request_exit)
     loop = asyncio.new_event_loop()
-    log.info("event=start model=%s host=%s port=%d api_key=%s max_waiting_requests=%d", settings.served_model_name,
-             settings.host, settings.port, "set" if settings.api_key else "unset", settings.max_waiting_requests)
+    log.info(
+        "event=start model=%s host=%s port=%d api_key=%s max_waiting_requests=%d",
+        settings.served_model_name,
+        settings.host,
+        settings.port,
+        "set" if settings.api_key else "unset",
+        settings.max_waiting_requests,
+    )
     try:
         loop.run_until_complete(uv_server.serve())
     finally:

@@ -12,21 +12,21 @@ submission that would take that count past max_waiting_requests is refused at on
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-import dataclasses
 from dataclasses import dataclass
 
 from kvpilot.engine.config import EngineConfig
-from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.serving.metrics import ServingMetrics
 from kvpilot.engine.core.request import Request
-from kvpilot.engine.core.scheduler import SchedulerStats
-from kvpilot.engine.outputs import PositionLogprobs
 from kvpilot.engine.core.sampling_params import SamplingParams
+from kvpilot.engine.core.scheduler import SchedulerStats
+from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.outputs import PositionLogprobs
+from kvpilot.engine.serving.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,12 @@ class SequenceUpdate:
     def then(self, later: SequenceUpdate) -> SequenceUpdate:
         """This update followed by a later one of the same sequence, as one update."""
         logprobs = self.logprobs if later.logprobs is None else (self.logprobs or []) + later.logprobs
-        return dataclasses.replace(later, text=self.text + later.text, logprobs=logprobs,
-                                   prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
+        return dataclasses.replace(
+            later,
+            text=self.text + later.text,
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+        )
 
 
 @dataclass
@@ -218,8 +222,13 @@ class AsyncEngine:
 
     # ---- the asyncio side --------------------------------------------------------------------
 
-    async def submit(self, request_id: str, sequences: list[tuple[list[int], SamplingParams]], arrival_time: float,
-                     cache_salt: str | None = None) -> GenerationStream:
+    async def submit(
+        self,
+        request_id: str,
+        sequences: list[tuple[list[int], SamplingParams]],
+        arrival_time: float,
+        cache_salt: str | None = None,
+    ) -> GenerationStream:
         """Queue sequences for generation. Raises QueueFullError, or ValueError for input the
         engine refuses (its message is meant for the client)."""
         if not self.ready:
@@ -286,7 +295,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self._engine = LLMEngine(self.config)
-        except BaseException as err:  # noqa: BLE001 - any load failure makes the process unready
+        except BaseException as err:
             if not isinstance(err, ValueError):  # a ValueError is a bad setting, its message says all
                 log.exception("event=engine_load_failed")
             self._error = self._load_error = err
@@ -294,11 +303,15 @@ class AsyncEngine:
             return
         self._publish_state(self._engine.stats(), {})
         self._loaded.set()
-        log.info("event=engine_loaded model=%s max_model_len=%d kv_blocks=%d",
-                 self._engine.model_name, self._engine.max_model_len, self._engine.runner.num_blocks)
+        log.info(
+            "event=engine_loaded model=%s max_model_len=%d kv_blocks=%d",
+            self._engine.model_name,
+            self._engine.max_model_len,
+            self._engine.runner.num_blocks,
+        )
         try:
             self._loop_forever(self._engine)
-        except BaseException as err:  # noqa: BLE001 - fail every stream, then let the process exit
+        except BaseException as err:
             log.exception("event=engine_crashed")
             self._error = err
             self._fail_everything(EngineUnavailableError(f"the engine crashed: {err!r}"))
@@ -307,7 +320,9 @@ class AsyncEngine:
 
     def _fail_everything(self, error: EngineUnavailableError) -> None:
         """Tell every stream and every pending submission; later submissions are refused by submit()."""
-        failed: list[tuple[GenerationStream, SequenceUpdate | BaseException]] = [(s, error) for s in set(self._streams.values())]
+        failed: list[tuple[GenerationStream, SequenceUpdate | BaseException]] = [
+            (s, error) for s in set(self._streams.values())
+        ]
         commands = self._in_hand
         self._drain_inbox(commands)
         for command in commands:
@@ -350,8 +365,11 @@ class AsyncEngine:
             for engine_id, (prompt, params) in zip(stream.engine_ids, command.sequences):
                 # Queue time and TTFT start when the server received the request, not when this
                 # thread got round to it (it may have been busy with a step).
-                added.append(engine.add_request(prompt, params, engine_id, arrival_time=command.arrival_time,
-                                                cache_salt=command.cache_salt))
+                added.append(
+                    engine.add_request(
+                        prompt, params, engine_id, arrival_time=command.arrival_time, cache_salt=command.cache_salt
+                    )
+                )
         except ValueError as err:
             for request in added:
                 engine.abort(request.request_id)
@@ -395,11 +413,20 @@ class AsyncEngine:
             if output.error is not None:
                 outbox.append((stream, RequestFailedError(output.error)))
             else:
-                outbox.append((stream, SequenceUpdate(
-                    index=self._index[engine_id], text=output.text_delta, num_output_tokens=output.num_output_tokens,
-                    finish_reason=output.finish_reason, num_cached_tokens=output.num_cached_tokens,
-                    logprobs=output.logprobs, prompt_logprobs=output.prompt_logprobs,
-                )))
+                outbox.append(
+                    (
+                        stream,
+                        SequenceUpdate(
+                            index=self._index[engine_id],
+                            text=output.text_delta,
+                            num_output_tokens=output.num_output_tokens,
+                            finish_reason=output.finish_reason,
+                            num_cached_tokens=output.num_cached_tokens,
+                            logprobs=output.logprobs,
+                            prompt_logprobs=output.prompt_logprobs,
+                        ),
+                    )
+                )
             if output.finished:
                 self.metrics.on_finished(output, now)
                 del self._streams[engine_id], self._index[engine_id]

@@ -40,9 +40,48 @@ from kvpilot.engine.outputs import StepOutput
 # over GPU inter-token gaps of a few ms as well as CPU e2e latencies of several minutes (a long
 # generation on a CPU pod). Above the top bucket a quantile only says "more than 1200 s".
 LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
-    0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0,
-    60.0, 90.0, 120.0, 180.0, 240.0, 300.0, 450.0, 600.0, 900.0, 1200.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    3.0,
+    4.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    45.0,
+    60.0,
+    90.0,
+    120.0,
+    180.0,
+    240.0,
+    300.0,
+    450.0,
+    600.0,
+    900.0,
+    1200.0,
 )
 
 
@@ -56,47 +95,97 @@ class MetricSpec:
 
 
 SPECS = {
-    "ttft": MetricSpec(Histogram, "time_to_first_token_seconds", "time_to_first_token_seconds",
-                       "Time from arrival to the first output token, per sequence."),
-    "tpot": MetricSpec(Histogram, "time_per_output_token_seconds", "request_time_per_output_token_seconds",
-                       "Mean time per output token after the first, per finished sequence."),
-    "itl": MetricSpec(Histogram, "inter_token_latency_seconds", "inter_token_latency_seconds",
-                      "Time between two consecutive output tokens of a sequence."),
-    "e2e": MetricSpec(Histogram, "e2e_request_latency_seconds", "e2e_request_latency_seconds",
-                      "Time from arrival to finish, per finished sequence."),
-    "queue": MetricSpec(Histogram, "request_queue_time_seconds", "request_queue_time_seconds",
-                        "Time from arrival to first being scheduled, per sequence."),
-    "running": MetricSpec(Gauge, "num_requests_running", "num_requests_running",
-                          "Sequences in the running batch."),
-    "waiting": MetricSpec(Gauge, "num_requests_waiting", "num_requests_waiting",
-                          "Sequences waiting to be scheduled (new or preempted)."),
-    "kv_usage": MetricSpec(Gauge, "kv_cache_usage_ratio", "kv_cache_usage_perc",
-                           "Fraction of KV-cache blocks held by requests (0..1); cached blocks that no request holds count as free."),
-    "prompt_tokens": MetricSpec(Counter, "prompt_tokens", "prompt_tokens",
-                                "Prompt tokens of admitted sequences."),
-    "generation_tokens": MetricSpec(Counter, "generation_tokens", "generation_tokens",
-                                    "Output tokens generated."),
-    "finished": MetricSpec(Counter, "request_success", "request_success",
-                           "Sequences finished, by reason (stop, length, abort).", ("finished_reason",)),
-    "preemptions": MetricSpec(Counter, "num_preemptions", "num_preemptions",
-                              "Sequences preempted for lack of KV blocks (recomputed later)."),
-    "prefix_queries": MetricSpec(Counter, "prefix_cache_queries", "prefix_cache_queries",
-                                 "Prompt tokens looked up in the prefix cache."),
-    "prefix_hits": MetricSpec(Counter, "prefix_cache_hits", "prefix_cache_hits",
-                              "Prompt tokens served from the prefix cache."),
-    "spec_drafts": MetricSpec(Counter, "spec_decode_num_drafts", "spec_decode_num_drafts",
-                              "Speculative verification steps: one per sequence and step that verified drafts."),
-    "spec_draft_tokens": MetricSpec(Counter, "spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens",
-                                    "Draft tokens proposed and verified."),
-    "spec_accepted": MetricSpec(Counter, "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
-                                "Draft tokens accepted (mean accepted length: accepted / drafts)."),
-    "spec_accepted_per_pos": MetricSpec(Counter, "spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_accepted_tokens_per_pos",
-                                        "Draft tokens accepted, by position in the draft (0 = first).", ("position",)),
-    "spec_emitted": MetricSpec(Counter, "spec_decode_num_emitted_tokens", None,
-                               "Tokens emitted by verification steps: accepted drafts plus one sampled token per step."),
-    "rejected": MetricSpec(Counter, "requests_rejected", None,
-                           "HTTP requests refused with 429 because the waiting queue was full."),
+    "ttft": MetricSpec(
+        Histogram,
+        "time_to_first_token_seconds",
+        "time_to_first_token_seconds",
+        "Time from arrival to the first output token, per sequence.",
+    ),
+    "tpot": MetricSpec(
+        Histogram,
+        "time_per_output_token_seconds",
+        "request_time_per_output_token_seconds",
+        "Mean time per output token after the first, per finished sequence.",
+    ),
+    "itl": MetricSpec(
+        Histogram,
+        "inter_token_latency_seconds",
+        "inter_token_latency_seconds",
+        "Time between two consecutive output tokens of a sequence.",
+    ),
+    "e2e": MetricSpec(
+        Histogram,
+        "e2e_request_latency_seconds",
+        "e2e_request_latency_seconds",
+        "Time from arrival to finish, per finished sequence.",
+    ),
+    "queue": MetricSpec(
+        Histogram,
+        "request_queue_time_seconds",
+        "request_queue_time_seconds",
+        "Time from arrival to first being scheduled, per sequence.",
+    ),
+    "running": MetricSpec(Gauge, "num_requests_running", "num_requests_running", "Sequences in the running batch."),
+    "waiting": MetricSpec(
+        Gauge, "num_requests_waiting", "num_requests_waiting", "Sequences waiting to be scheduled (new or preempted)."
+    ),
+    "kv_usage": MetricSpec(
+        Gauge,
+        "kv_cache_usage_ratio",
+        "kv_cache_usage_perc",
+        "Fraction of KV-cache blocks held by requests (0..1); cached blocks that no request holds count as free.",
+    ),
+    "prompt_tokens": MetricSpec(Counter, "prompt_tokens", "prompt_tokens", "Prompt tokens of admitted sequences."),
+    "generation_tokens": MetricSpec(Counter, "generation_tokens", "generation_tokens", "Output tokens generated."),
+    "finished": MetricSpec(
+        Counter,
+        "request_success",
+        "request_success",
+        "Sequences finished, by reason (stop, length, abort).",
+        ("finished_reason",),
+    ),
+    "preemptions": MetricSpec(
+        Counter, "num_preemptions", "num_preemptions", "Sequences preempted for lack of KV blocks (recomputed later)."
+    ),
+    "prefix_queries": MetricSpec(
+        Counter, "prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+    ),
+    "prefix_hits": MetricSpec(
+        Counter, "prefix_cache_hits", "prefix_cache_hits", "Prompt tokens served from the prefix cache."
+    ),
+    "spec_drafts": MetricSpec(
+        Counter,
+        "spec_decode_num_drafts",
+        "spec_decode_num_drafts",
+        "Speculative verification steps: one per sequence and step that verified drafts.",
+    ),
+    "spec_draft_tokens": MetricSpec(
+        Counter, "spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens proposed and verified."
+    ),
+    "spec_accepted": MetricSpec(
+        Counter,
+        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens",
+        "Draft tokens accepted (mean accepted length: accepted / drafts).",
+    ),
+    "spec_accepted_per_pos": MetricSpec(
+        Counter,
+        "spec_decode_num_accepted_tokens_per_pos",
+        "spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft (0 = first).",
+        ("position",),
+    ),
+    "spec_emitted": MetricSpec(
+        Counter,
+        "spec_decode_num_emitted_tokens",
+        None,
+        "Tokens emitted by verification steps: accepted drafts plus one sampled token per step.",
+    ),
+    "rejected": MetricSpec(
+        Counter, "requests_rejected", None, "HTTP requests refused with 429 because the waiting queue was full."
+    ),
 }
+
 
 class _Family:
     """One logical metric, exported under one or two names."""
@@ -196,10 +285,15 @@ class ServingMetrics:
         self._family("waiting").set(stats.num_waiting)
         self._family("kv_usage").set(stats.kv_cache_usage)
         spec = stats.spec_decoding
-        totals = [("preemptions", "", stats.num_preemptions), ("prefix_queries", "", stats.prefix_cache_queries),
-                  ("prefix_hits", "", stats.prefix_cache_hits), ("spec_drafts", "", spec.num_drafts),
-                  ("spec_draft_tokens", "", spec.num_draft_tokens), ("spec_accepted", "", spec.num_accepted_tokens),
-                  ("spec_emitted", "", spec.num_accepted_tokens + spec.num_drafts)]
+        totals = [
+            ("preemptions", "", stats.num_preemptions),
+            ("prefix_queries", "", stats.prefix_cache_queries),
+            ("prefix_hits", "", stats.prefix_cache_hits),
+            ("spec_drafts", "", spec.num_drafts),
+            ("spec_draft_tokens", "", spec.num_draft_tokens),
+            ("spec_accepted", "", spec.num_accepted_tokens),
+            ("spec_emitted", "", spec.num_accepted_tokens + spec.num_drafts),
+        ]
         totals += [("spec_accepted_per_pos", str(pos), n) for pos, n in enumerate(spec.accepted_per_position)]
         for key, position, total in totals:
             seen = self._seen.get((key, position), 0)

@@ -23,7 +23,9 @@ def _valid_unicode(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise ValueError(f"the text has an invalid character at position {err.start} (a lone UTF-16 surrogate)") from None
+        raise ValueError(
+            f"the text has an invalid character at position {err.start} (a lone UTF-16 surrogate)"
+        ) from None
     return text
 
 

@@ -51,8 +51,15 @@ class Format(abc.ABC):
 
 
 class CompletionFormat(Format):
-    def __init__(self, request_id: str, model: str, *, n: int = 1, echo_texts: list[str] | None = None,
-                 first_tokens: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        *,
+        n: int = 1,
+        echo_texts: list[str] | None = None,
+        first_tokens: list[str] | None = None,
+    ) -> None:
         super().__init__(request_id, model)
         self.n = n
         self.echo_texts = echo_texts  # each prompt's text, when the request asked for echo
@@ -76,35 +83,64 @@ class CompletionFormat(Format):
         return CompletionChoice(index=update.index, text=text, logprobs=logprobs, finish_reason=update.finish_reason)
 
     def chunk(self, update: SequenceUpdate) -> BaseModel:
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=[self._choice(update)])
+        return CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=[self._choice(update)]
+        )
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage)
 
     def response(self, finals: list[SequenceUpdate], usage: Usage) -> BaseModel:
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                  choices=[self._choice(u) for u in finals], usage=usage)
+        return CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=[self._choice(u) for u in finals],
+            usage=usage,
+        )
 
 
 class ChatCompletionFormat(Format):
     def preamble(self, num_choices: int) -> list[BaseModel]:
-        return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]) for i in range(num_choices)]
+        return [
+            self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+            for i in range(num_choices)
+        ]
 
     def chunk(self, update: SequenceUpdate) -> BaseModel:
         delta = ChatDelta(content=update.text) if update.text else ChatDelta()
-        return self._chunk([ChatChunkChoice(index=update.index, delta=delta, logprobs=_chat_logprobs(update.logprobs),
-                                            finish_reason=update.finish_reason)])
+        return self._chunk(
+            [
+                ChatChunkChoice(
+                    index=update.index,
+                    delta=delta,
+                    logprobs=_chat_logprobs(update.logprobs),
+                    finish_reason=update.finish_reason,
+                )
+            ]
+        )
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._chunk([], usage)
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
+        return ChatCompletionChunk(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
 
     def response(self, finals: list[SequenceUpdate], usage: Usage) -> BaseModel:
-        choices = [ChatChoice(index=u.index, message=AssistantMessage(content=u.text), logprobs=_chat_logprobs(u.logprobs),
-                              finish_reason=u.finish_reason) for u in finals]
-        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
+        choices = [
+            ChatChoice(
+                index=u.index,
+                message=AssistantMessage(content=u.text),
+                logprobs=_chat_logprobs(u.logprobs),
+                finish_reason=u.finish_reason,
+            )
+            for u in finals
+        ]
+        return ChatCompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
 
 
 def _top(logprob: Logprob) -> TopLogprob:
@@ -114,9 +150,11 @@ def _top(logprob: Logprob) -> TopLogprob:
 def _chat_logprobs(positions: list[PositionLogprobs] | None) -> ChatLogprobs | None:
     if positions is None:
         return None
-    return ChatLogprobs(content=[
-        ChatTokenLogprob(**_top(p.chosen).model_dump(), top_logprobs=[_top(t) for t in p.top]) for p in positions
-    ])
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(**_top(p.chosen).model_dump(), top_logprobs=[_top(t) for t in p.top]) for p in positions
+        ]
+    )
 
 
 def _completion_logprobs(positions: list[PositionLogprobs | None], offset: int, first_token: str) -> CompletionLogprobs:
@@ -136,7 +174,9 @@ def _completion_logprobs(positions: list[PositionLogprobs | None], offset: int, 
         token_logprobs.append(position.chosen.logprob)
         top_logprobs.append({t.token: t.logprob for t in position.top})
         offset += len(position.chosen.token)
-    return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=text_offset)
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=text_offset
+    )
 
 
 def sse(payload: BaseModel) -> str:
@@ -148,5 +188,9 @@ def usage(prompts: list[list[int]], finals: list[SequenceUpdate], n: int) -> Usa
     completion_tokens = sum(u.num_output_tokens for u in finals)
     # The prefix cache serves each prompt's first sequence; its siblings always share the prompt.
     cached = sum(u.num_cached_tokens for u in finals if u.index % n == 0)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )

@@ -43,7 +43,9 @@ def _cgroup_cpus() -> float | None:
     return None
 
 
-def cpu_threads(affinity: int | None = None, quota: float | None = None, env: dict[str, str] | None = None) -> tuple[int, str]:
+def cpu_threads(
+    affinity: int | None = None, quota: float | None = None, env: dict[str, str] | None = None
+) -> tuple[int, str]:
     """The thread count for torch and why: OMP_NUM_THREADS if set, else the CPUs this process may
     run on, capped by the cgroup quota (rounded up: a quota of 1.5 CPUs keeps two threads busy)."""
     env = os.environ if env is None else env

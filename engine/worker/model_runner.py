@@ -59,8 +59,13 @@ class _Batch(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: Path, hf_config: PretrainedConfig | None = None,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: Path,
+        hf_config: PretrainedConfig | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
         self.config = config
         self.eos_token_ids = eos_token_ids  # banned while a request is short of its min_tokens
         self.device = config.torch_device()
@@ -70,8 +75,9 @@ class ModelRunner:
         self.block_size = config.block_size
         # The engine reads the model's config once and hands it over; read here when run alone.
         self.hf_config = hf_config if hf_config is not None else load_config(model_path)
-        self.model = load_model(model_path, self.hf_config, self.dtype, self.device, config.quantization,
-                                config.quantization_group_size)
+        self.model = load_model(
+            model_path, self.hf_config, self.dtype, self.device, config.quantization, config.quantization_group_size
+        )
         self.num_layers = self.hf_config.num_hidden_layers
         self.num_kv_heads, self.head_dim = kv_shape(self.model)
         self.draft_model, self.draft_layers = self._load_draft()
@@ -80,16 +86,32 @@ class ModelRunner:
         self.weight_bytes = sum(t.numel() * t.element_size() for m in models for t in (*m.parameters(), *m.buffers()))
         self.num_blocks = self._num_kv_blocks()
         self.proposer = self._make_proposer()
-        log.info("event=engine_config device=%s dtype=%s quantization=%s speculative=%s draft_layers=%d weight_bytes=%d "
-                 "torch_threads=%d threads_from=%r kv_blocks=%d compile_decode=%s", self.device,
-                 str(self.dtype).removeprefix("torch."), self.model.quantization, config.speculative, self.draft_layers,
-                 self.weight_bytes, threads, why, self.num_blocks, config.compile_decode)
+        log.info(
+            "event=engine_config device=%s dtype=%s quantization=%s speculative=%s draft_layers=%d weight_bytes=%d "
+            "torch_threads=%d threads_from=%r kv_blocks=%d compile_decode=%s",
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.model.quantization,
+            config.speculative,
+            self.draft_layers,
+            self.weight_bytes,
+            threads,
+            why,
+            self.num_blocks,
+            config.compile_decode,
+        )
         # Unseeded sampling draws from one generator seeded by the engine's seed; seeded requests
         # get their own, kept until they finish (a preempted request continues its stream).
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self._generators: dict[str, torch.Generator] = {}
-        self.kv_caches = allocate_kv_caches(self.num_layers, self.num_blocks * self.block_size, self.num_kv_heads,
-                                            self.head_dim, self.dtype, self.device)
+        self.kv_caches = allocate_kv_caches(
+            self.num_layers,
+            self.num_blocks * self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.device,
+        )
         self._decode_forward = self._compile_decode() if config.compile_decode else None
 
     @property
@@ -114,18 +136,29 @@ class ModelRunner:
         path = resolve_model(config.draft_model)
         hf_config = load_config(path)
         if hf_config.vocab_size != self.hf_config.vocab_size:
-            raise ValueError(f"draft model {config.draft_model!r} has a vocabulary of {hf_config.vocab_size} tokens, "
-                             f"the target {self.hf_config.vocab_size}: drafts must be the target's tokens")
+            raise ValueError(
+                f"draft model {config.draft_model!r} has a vocabulary of {hf_config.vocab_size} tokens, "
+                f"the target {self.hf_config.vocab_size}: drafts must be the target's tokens"
+            )
         model = load_model(path, hf_config, self.dtype, self.device)
         return model, min(config.draft_layers or hf_config.num_hidden_layers, hf_config.num_hidden_layers)
 
     def _make_proposer(self) -> Proposer | None:
         config = self.config
         if config.speculative == "ngram":
-            return NgramProposer(config.num_speculative_tokens, config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
+            return NgramProposer(
+                config.num_speculative_tokens, config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max
+            )
         if config.speculative == "draft":
-            return DraftProposer(self.draft_model, self.draft_layers, config.num_speculative_tokens,
-                                 self.num_blocks * self.block_size, self.block_size, self.dtype, self.device)
+            return DraftProposer(
+                self.draft_model,
+                self.draft_layers,
+                config.num_speculative_tokens,
+                self.num_blocks * self.block_size,
+                self.block_size,
+                self.dtype,
+                self.device,
+            )
         return None
 
     def _compile_decode(self) -> Callable[..., torch.Tensor]:
@@ -139,11 +172,15 @@ class ModelRunner:
         of seconds, far too long to happen on a request, so it happens here, on one decode in
         blocks no request holds yet, whose KV is overwritten before anything reads it."""
         if self.num_blocks * self.block_size <= WARM_UP_POSITION:
-            raise ValueError(f"compile_decode needs a KV pool of more than {WARM_UP_POSITION} tokens, "
-                             f"this one holds {self.num_blocks * self.block_size}")
+            raise ValueError(
+                f"compile_decode needs a KV pool of more than {WARM_UP_POSITION} tokens, "
+                f"this one holds {self.num_blocks * self.block_size}"
+            )
         if self.device.type == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "clang++")):
-            raise ValueError("compile_decode needs a C++ compiler for torch.compile's CPU kernels: g++ or clang++ "
-                             "on PATH (or $CXX); install one or leave compile_decode off")
+            raise ValueError(
+                "compile_decode needs a C++ compiler for torch.compile's CPU kernels: g++ or clang++ "
+                "on PATH (or $CXX); install one or leave compile_decode off"
+            )
         log.info("event=decode_compile_started")
         started = time.monotonic()
         forward = torch.compile(self.model.forward, dynamic=True)
@@ -183,12 +220,21 @@ class ModelRunner:
         """Run the largest step once, then give the KV pool what the utilization target leaves."""
         torch.cuda.reset_peak_memory_stats(self.device)
         n = self.config.max_num_batched_tokens
-        dummy_cache = allocate_kv_caches(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.zeros(n, dtype=torch.long, device=self.device), decodes=[],
-            prefills=[PrefillChunk(start=0, num_tokens=n, num_cached=0, slots=torch.zeros(n, dtype=torch.long, device=self.device))],
+        dummy_cache = allocate_kv_caches(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
         )
-        hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), torch.arange(n, device=self.device), dummy_cache, meta)
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(n, dtype=torch.long, device=self.device),
+            decodes=[],
+            prefills=[
+                PrefillChunk(
+                    start=0, num_tokens=n, num_cached=0, slots=torch.zeros(n, dtype=torch.long, device=self.device)
+                )
+            ],
+        )
+        hidden = self.model(
+            torch.zeros(n, dtype=torch.long, device=self.device), torch.arange(n, device=self.device), dummy_cache, meta
+        )
         # Every sequence samples a row, and a speculating one a row per draft too.
         rows_per_sequence = 1 + (self.config.num_speculative_tokens if self.config.speculative != "off" else 0)
         self.model.logits(hidden[-self.config.max_num_seqs * rows_per_sequence :])
@@ -222,11 +268,16 @@ class ModelRunner:
         self._forget(scheduler_output)
         batch = self._batch(scheduler_output)
         hidden = self._forward(*batch.inputs.build())
-        out = ModelRunnerOutput(prompt_logprobs={r.request_id: self._prompt_logprobs(hidden, r, row, pos, n)
-                                                 for r, row, pos, n in batch.scored})
+        out = ModelRunnerOutput(
+            prompt_logprobs={
+                r.request_id: self._prompt_logprobs(hidden, r, row, pos, n) for r, row, pos, n in batch.scored
+            }
+        )
         if not batch.sampled:
             return out
-        speculate = self.proposer is not None and len(scheduler_output.scheduled) <= self.config.speculative_max_batch_size
+        speculate = (
+            self.proposer is not None and len(scheduler_output.scheduled) <= self.config.speculative_max_batch_size
+        )
         to_draft = self._sample(hidden, batch, out, speculate)
         if speculate:
             out.spec_token_ids = self.proposer.propose(to_draft)
@@ -238,21 +289,25 @@ class ModelRunner:
         for request_id in scheduler_output.finished_request_ids:
             self._generators.pop(request_id, None)
         if self.proposer is not None:
-            self.proposer.forget([*scheduler_output.finished_request_ids,
-                                  *(r.request_id for r in scheduler_output.preempted)])
+            self.proposer.forget(
+                [*scheduler_output.finished_request_ids, *(r.request_id for r in scheduler_output.preempted)]
+            )
 
     def _batch(self, scheduler_output: SchedulerOutput) -> _Batch:
         """The step's tokens in one flattened batch, with the rows that sample and score."""
         # Decodes first, by query count (1 + drafts) and context length, so that each decode group
         # has one query count and pads to similar lengths.
-        order = sorted(scheduler_output.scheduled, key=lambda s: (not _is_decode(s), s.num_tokens, s.request.num_computed_tokens))
+        order = sorted(
+            scheduler_output.scheduled, key=lambda s: (not _is_decode(s), s.num_tokens, s.request.num_computed_tokens)
+        )
         batch = _Batch(StepInputs(self.block_size, self.device), [], [], [])
         for item in order:
             request, n = item.request, item.num_tokens
             start = request.num_computed_tokens
             drafts = item.spec_token_ids
-            row = batch.inputs.add(request.token_ids[start : start + n - len(drafts)] + drafts, start, item.block_ids,
-                                   _is_decode(item))
+            row = batch.inputs.add(
+                request.token_ids[start : start + n - len(drafts)] + drafts, start, item.block_ids, _is_decode(item)
+            )
             if request.params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
                 batch.scored.append((request, row, start, n))
             if start + n == request.num_tokens + len(drafts):
@@ -261,8 +316,7 @@ class ModelRunner:
                 batch.sampled.append(item)
         return batch
 
-    def _sample(self, hidden: torch.Tensor, batch: _Batch, out: ModelRunnerOutput,
-                speculate: bool) -> list[DraftInput]:
+    def _sample(self, hidden: torch.Tensor, batch: _Batch, out: ModelRunnerOutput, speculate: bool) -> list[DraftInput]:
         """Sample every sampling row (verifying drafts), record each request's new tokens in `out`,
         and return what the proposer drafts from next."""
         device = self.device
@@ -295,7 +349,9 @@ class ModelRunner:
             row += len(drafts) + 1
         return to_draft
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, request: Request, row: int, position: int, num_tokens: int) -> tuple[int, list[TokenLogprobs]]:
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, request: Request, row: int, position: int, num_tokens: int
+    ) -> tuple[int, list[TokenLogprobs]]:
         """Scores of the prompt tokens that a chunk of `num_tokens` rows from `row` (positions from
         `position`) predicts: position p scores token p + 1, up to the prompt's last token."""
         count = min(position + num_tokens, request.num_prompt_tokens - 1) - position
@@ -324,7 +380,9 @@ class ModelRunner:
             if p.penalized:
                 output_ids = torch.tensor(request.output_token_ids, dtype=torch.long, device=device)
                 seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.long, device=device)
-                penalties.append(RowPenalty(row, output_ids, seen, p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
+                penalties.append(
+                    RowPenalty(row, output_ids, seen, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+                )
             if request.num_output_tokens < p.min_tokens:
                 banned[row] = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
         min_p = [p.min_p for p in params]
@@ -344,10 +402,17 @@ class ModelRunner:
 
 def _single_decode(meta: AttentionMetadata) -> bool:
     """The step is one sequence decoding one token."""
-    return (not meta.prefills and len(meta.decodes) == 1 and meta.decodes[0].num_queries == 1
-            and meta.decodes[0].slots.shape[0] == 1)
+    return (
+        not meta.prefills
+        and len(meta.decodes) == 1
+        and meta.decodes[0].num_queries == 1
+        and meta.decodes[0].slots.shape[0] == 1
+    )
 
 
 def _is_decode(item: ScheduledRequest) -> bool:
     """The request computes only its last token (and the drafts after it)."""
-    return item.num_tokens == 1 + len(item.spec_token_ids) and item.request.num_computed_tokens == item.request.num_tokens - 1
+    return (
+        item.num_tokens == 1 + len(item.spec_token_ids)
+        and item.request.num_computed_tokens == item.request.num_tokens - 1
+    )

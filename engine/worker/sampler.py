@@ -82,11 +82,14 @@ class Sampler:
             tokens = torch.where(meta.greedy, tokens, (probs / noise).argmax(dim=-1))
         if accepted is not None:
             accepted &= has_draft
-        return SamplerOutput(tokens, token_logprobs(raw, tokens, meta.num_logprobs) if raw is not None else {}, accepted)
+        return SamplerOutput(
+            tokens, token_logprobs(raw, tokens, meta.num_logprobs) if raw is not None else {}, accepted
+        )
 
 
-def verify_drafts(probs: torch.Tensor, drafts: torch.Tensor, has_draft: torch.Tensor,
-                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_drafts(
+    probs: torch.Tensor, drafts: torch.Tensor, has_draft: torch.Tensor, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling of deterministic drafts against normalised target rows: which drafts are
     kept, and the rows that the rejected ones resample from.
 
@@ -101,7 +104,9 @@ def verify_drafts(probs: torch.Tensor, drafts: torch.Tensor, has_draft: torch.Te
     return kept, torch.where(resample.unsqueeze(1), residual, probs)
 
 
-def token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, wanted: dict[int, int]) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+def token_logprobs(
+    logprobs: torch.Tensor, tokens: torch.Tensor, wanted: dict[int, int]
+) -> dict[int, tuple[float, list[tuple[int, float]]]]:
     """For each row in `wanted`: the logprob of its token and its top `wanted[row]` alternatives."""
     k = max(wanted.values())
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)

@@ -39,7 +39,9 @@ class StepInputs:
         if decode:
             self._decodes.append((row, len(tokens), context_slots))
         else:
-            self._prefills.append(PrefillChunk(start=row, num_tokens=len(tokens), num_cached=start, slots=context_slots.to(self.device)))
+            self._prefills.append(
+                PrefillChunk(start=row, num_tokens=len(tokens), num_cached=start, slots=context_slots.to(self.device))
+            )
         self._slot_mapping.append(context_slots[start:])
         self.input_ids.extend(tokens)
         self.positions.extend(range(start, end))
@@ -47,10 +49,16 @@ class StepInputs:
 
     def build(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         device = self.device
-        meta = AttentionMetadata(slot_mapping=torch.cat(self._slot_mapping).to(device), decodes=self._decode_groups(),
-                                 prefills=self._prefills)
-        return (torch.tensor(self.input_ids, dtype=torch.long, device=device),
-                torch.tensor(self.positions, dtype=torch.long, device=device), meta)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(self._slot_mapping).to(device),
+            decodes=self._decode_groups(),
+            prefills=self._prefills,
+        )
+        return (
+            torch.tensor(self.input_ids, dtype=torch.long, device=device),
+            torch.tensor(self.positions, dtype=torch.long, device=device),
+            meta,
+        )
 
     def _decode_groups(self) -> list[DecodeGroup]:
         """Runs of up to DECODE_GROUP_SIZE consecutive decodes with one query count."""
@@ -68,7 +76,9 @@ class StepInputs:
             if queries > 1 or min(lengths) != max(lengths):
                 # Query j of a sequence (at position length - queries + j) sees keys up to its own position.
                 last_key = torch.tensor(lengths).unsqueeze(1) - queries + torch.arange(queries).unsqueeze(0)
-                visible = torch.arange(slots.shape[1]).view(1, 1, -1) <= last_key.unsqueeze(2)  # [sequences, queries, keys]
+                visible = torch.arange(slots.shape[1]).view(1, 1, -1) <= last_key.unsqueeze(
+                    2
+                )  # [sequences, queries, keys]
                 mask = visible.unsqueeze(1).to(self.device)
             groups.append(DecodeGroup(start=start, slots=slots.to(self.device), num_queries=queries, mask=mask))
             i += len(run)

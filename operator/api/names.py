@@ -52,5 +52,11 @@ def service_url(name: str, namespace: str) -> str:
 
 
 def owner_reference(name: str, uid: str) -> dict[str, Any]:
-    return {"apiVersion": API_VERSION, "kind": KIND, "name": name, "uid": uid,
-            "controller": True, "blockOwnerDeletion": True}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }

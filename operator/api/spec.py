@@ -27,8 +27,7 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 class Architecture(BaseModel):
     """Also the CRD's `spec.model.architecture`, hence the camelCase aliases."""
 
-    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True,
-                              extra="forbid")
+    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
     layers: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
@@ -46,8 +45,7 @@ class Architecture(BaseModel):
     @model_validator(mode="after")
     def _heads_divide(self) -> Architecture:
         if self.attention_heads % self.kv_heads:
-            raise ValueError(f"attentionHeads {self.attention_heads} is not a multiple of "
-                             f"kvHeads {self.kv_heads}")
+            raise ValueError(f"attentionHeads {self.attention_heads} is not a multiple of kvHeads {self.kv_heads}")
         return self
 
     @property
@@ -61,15 +59,16 @@ class Architecture(BaseModel):
 
 class _Camel(BaseModel):
     # extra="ignore": objects written by a newer CRD version must still plan with this operator.
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore",
-                              frozen=True)
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True)
 
 
 # Where a model's files come from (the CRD's CEL rule on model.source has the same expression):
 # hf://org/repo[@revision] (downloaded by an init container), pvc://claim[/path], or an absolute path
 # in the engine image. Repository names as the hub allows them; a revision is a branch, tag or commit.
-SOURCE_PATTERN = (r"^(hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[^@ ]+)?"
-                  r"|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|/.*)$")
+SOURCE_PATTERN = (
+    r"^(hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[^@ ]+)?"
+    r"|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|/.*)$"
+)
 HF_SCHEME = "hf://"
 PVC_SCHEME = "pvc://"
 
@@ -82,8 +81,10 @@ class HubSource(NamedTuple):
 def check_source(field: str, source: str | None) -> None:
     """Raise ValueError naming `field` and the accepted forms unless `source` is unset or one."""
     if source is not None and not re.fullmatch(SOURCE_PATTERN, source):
-        raise ValueError(f"{field} {source!r} must be hf://org/repo[@revision], pvc://claim/path or an "
-                         "absolute path in the engine image")
+        raise ValueError(
+            f"{field} {source!r} must be hf://org/repo[@revision], pvc://claim/path or an "
+            "absolute path in the engine image"
+        )
 
 
 def hub_source(source: str | None) -> HubSource | None:
@@ -261,16 +262,23 @@ class InferenceServiceSpec(_Camel):
     def _replicas_within_the_autoscaler_bounds(self) -> InferenceServiceSpec:
         # In slo mode the autoscaler owns replicas within [min, max]; more is a typo or a scale
         # that the next period would undo. In external and off modes someone else owns them.
-        if (self.autoscaling.mode == "slo" and self.replicas is not None
-                and self.replicas > self.autoscaling.max_replicas):
-            raise ValueError(f"replicas {self.replicas} > autoscaling.maxReplicas {self.autoscaling.max_replicas} "
-                             "(autoscaling.mode slo)")
+        if (
+            self.autoscaling.mode == "slo"
+            and self.replicas is not None
+            and self.replicas > self.autoscaling.max_replicas
+        ):
+            raise ValueError(
+                f"replicas {self.replicas} > autoscaling.maxReplicas {self.autoscaling.max_replicas} "
+                "(autoscaling.mode slo)"
+            )
         return self
 
     @model_validator(mode="after")
     def _hub_settings_need_a_hub_source(self) -> InferenceServiceSpec:
         if (self.model.token_secret or self.model.cache) and not any(
-                hub_source(s) for s in (self.model.source, self.serving.draft_model)):
-            raise ValueError("model.tokenSecret and model.cache apply only to hf:// sources "
-                             "(model.source or serving.draftModel)")
+            hub_source(s) for s in (self.model.source, self.serving.draft_model)
+        ):
+            raise ValueError(
+                "model.tokenSecret and model.cache apply only to hf:// sources (model.source or serving.draftModel)"
+            )
         return self

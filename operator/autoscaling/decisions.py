@@ -95,11 +95,25 @@ class _Data(BaseModel):
 
 # The autoscaling settings the policy takes from the spec as they are, with the spec's own types,
 # bounds and defaults (one declaration: api/spec.py's AutoscalingSpec).
-_SPEC_SETTINGS = ("mode", "min_replicas", "max_replicas", "max_step", "tolerance", "max_waiting_per_replica",
-                  "target_kv_cache_usage", "scale_up_stabilization_seconds", "scale_down_stabilization_seconds")
-_SpecSettings = create_model("_SpecSettings", __base__=_Data, **{
-    name: (AutoscalingSpec.model_fields[name].annotation, AutoscalingSpec.model_fields[name])
-    for name in _SPEC_SETTINGS})
+_SPEC_SETTINGS = (
+    "mode",
+    "min_replicas",
+    "max_replicas",
+    "max_step",
+    "tolerance",
+    "max_waiting_per_replica",
+    "target_kv_cache_usage",
+    "scale_up_stabilization_seconds",
+    "scale_down_stabilization_seconds",
+)
+_SpecSettings = create_model(
+    "_SpecSettings",
+    __base__=_Data,
+    **{
+        name: (AutoscalingSpec.model_fields[name].annotation, AutoscalingSpec.model_fields[name])
+        for name in _SPEC_SETTINGS
+    },
+)
 
 
 class Policy(_SpecSettings):  # type: ignore[misc, valid-type]
@@ -114,11 +128,16 @@ class Policy(_SpecSettings):  # type: ignore[misc, valid-type]
     target_batch_occupancy: float = Field(default=TARGET_BATCH_OCCUPANCY, gt=0, le=1)
 
     @classmethod
-    def from_spec(cls, spec: InferenceServiceSpec, max_num_seqs: int | None = None,
-                  interval_seconds: float = INTERVAL_SECONDS) -> Policy:
-        return cls(max_num_seqs=max_num_seqs, window_seconds=WINDOW_PERIODS * interval_seconds,
-                   ttft_p95_seconds=spec.slo.ttft_p95_ms / 1000, tpot_p95_seconds=spec.slo.tpot_p95_ms / 1000,
-                   **{name: getattr(spec.autoscaling, name) for name in _SPEC_SETTINGS})
+    def from_spec(
+        cls, spec: InferenceServiceSpec, max_num_seqs: int | None = None, interval_seconds: float = INTERVAL_SECONDS
+    ) -> Policy:
+        return cls(
+            max_num_seqs=max_num_seqs,
+            window_seconds=WINDOW_PERIODS * interval_seconds,
+            ttft_p95_seconds=spec.slo.ttft_p95_ms / 1000,
+            tpot_p95_seconds=spec.slo.tpot_p95_ms / 1000,
+            **{name: getattr(spec.autoscaling, name) for name in _SPEC_SETTINGS},
+        )
 
 
 class PodRead(_Data):
@@ -288,13 +307,18 @@ def _signals(policy: Policy, window: Sequence[WindowEntry], reads: Sequence[PodR
 def describe(policy: Policy, s: Signals, knee: float | None) -> str:
     """The signals as one line of numbers, for the reason of every decision."""
     kv = "none" if s.kv_cache_usage is None else f"{s.kv_cache_usage:.0%}"
-    batch = ("" if s.batch_occupancy is None
-             else f", batch {s.batch_occupancy:.0%} full (target {policy.target_batch_occupancy:.0%})")
+    batch = (
+        ""
+        if s.batch_occupancy is None
+        else f", batch {s.batch_occupancy:.0%} full (target {policy.target_batch_occupancy:.0%})"
+    )
     waiting = "none" if s.waiting_per_replica is None else f"{s.waiting_per_replica:.1f}"
-    text = (f"p95 TTFT {_ms(s.ttft_p95_seconds)} of {s.ttft_observations} (SLO {_ms(policy.ttft_p95_seconds)}), "
-            f"p95 TPOT {_ms(s.tpot_p95_seconds)} of {s.tpot_observations} (SLO {_ms(policy.tpot_p95_seconds)}), "
-            f"waiting {waiting}/replica (max {policy.max_waiting_per_replica:g}), "
-            f"KV {kv} (target {policy.target_kv_cache_usage:.0%}){batch}; pods reporting: {s.reporting}")
+    text = (
+        f"p95 TTFT {_ms(s.ttft_p95_seconds)} of {s.ttft_observations} (SLO {_ms(policy.ttft_p95_seconds)}), "
+        f"p95 TPOT {_ms(s.tpot_p95_seconds)} of {s.tpot_observations} (SLO {_ms(policy.tpot_p95_seconds)}), "
+        f"waiting {waiting}/replica (max {policy.max_waiting_per_replica:g}), "
+        f"KV {kv} (target {policy.target_kv_cache_usage:.0%}){batch}; pods reporting: {s.reporting}"
+    )
     if s.unknown:
         text += f", unknown: {len(s.unknown)} ({', '.join(s.unknown)})"
     if s.rate_per_replica is not None:
@@ -310,8 +334,9 @@ def _started_since(histogram: Histogram, since: float) -> bool:
     return histogram.created is not None and histogram.created >= since
 
 
-def _advance_window(policy: Policy, state: AutoscalerState,
-                    obs: Observation) -> tuple[dict[str, Baseline], tuple[WindowEntry, ...]]:
+def _advance_window(
+    policy: Policy, state: AutoscalerState, obs: Observation
+) -> tuple[dict[str, Baseline], tuple[WindowEntry, ...]]:
     """New baselines and the window with this period's increases appended, old entries dropped."""
     baselines: dict[str, Baseline] = {}
     ttft: list[Histogram] = []
@@ -338,25 +363,38 @@ def _advance_window(policy: Policy, state: AutoscalerState,
             tpot.append(r.tpot if born else increase(before.tpot, r.tpot))
         drafted += counter_increase(before.draft_tokens, r.draft_tokens)
         accepted += counter_increase(before.accepted_tokens, r.accepted_tokens)
-        baselines[pod.name] = Baseline(ttft=r.ttft, tpot=r.tpot, draft_tokens=r.draft_tokens,
-                                       accepted_tokens=r.accepted_tokens)
+        baselines[pod.name] = Baseline(
+            ttft=r.ttft, tpot=r.tpot, draft_tokens=r.draft_tokens, accepted_tokens=r.accepted_tokens
+        )
     readings = [p.reading for p in obs.pods if p.reading is not None]
     # At most one period: an idle service writes no state, so the last decision can be an hour
     # old, while its increases (nothing counted in between, or a write would have followed) all
     # fall in the last period. Spread over the hour they read as a rate near zero.
     period = min(obs.now - previous, policy.window_seconds / WINDOW_PERIODS)
-    entry = WindowEntry(at=obs.now, seconds=period, ttft=merge(ttft), tpot=merge(tpot),
-                        pods_with_baseline=with_baseline,
-                        waiting=Mean.of([r.waiting for r in readings]),
-                        running=Mean.of([r.running for r in readings]),
-                        kv_usage=Mean.of([r.kv_usage for r in readings]),
-                        draft_tokens=drafted, accepted_tokens=accepted)
+    entry = WindowEntry(
+        at=obs.now,
+        seconds=period,
+        ttft=merge(ttft),
+        tpot=merge(tpot),
+        pods_with_baseline=with_baseline,
+        waiting=Mean.of([r.waiting for r in readings]),
+        running=Mean.of([r.running for r in readings]),
+        kv_usage=Mean.of([r.kv_usage for r in readings]),
+        draft_tokens=drafted,
+        accepted_tokens=accepted,
+    )
     window = tuple(e for e in state.window if e.at > obs.now - policy.window_seconds) + (entry,)
     return baselines, window
 
 
-def _learn_knee(policy: Policy, knee: float | None, signals: Signals, window: Sequence[WindowEntry],
-                backlog_at: float | None, steady: bool) -> float | None:
+def _learn_knee(
+    policy: Policy,
+    knee: float | None,
+    signals: Signals,
+    window: Sequence[WindowEntry],
+    backlog_at: float | None,
+    steady: bool,
+) -> float | None:
     """The rate per replica where the signals cross the band, from windows in which replicas did
     not change (a window that straddles a change mixes two loads per replica).
 
@@ -393,13 +431,18 @@ class _Period(NamedTuple):
     since: float  # when the present regime (these replicas) began to be observed
     knee: float | None
 
-    def decide(self, action: Action, replicas: int, why: str,
-               **changes: object) -> tuple[AutoscalerState, Decision]:
+    def decide(self, action: Action, replicas: int, why: str, **changes: object) -> tuple[AutoscalerState, Decision]:
         if action != "hold":
             # A change starts a new regime: earlier recommendations were made for other replicas.
             changes.update(recommendations=(), observed_since=self.obs.now, over_since=None)
-        decision = Decision(at=self.obs.now, action=action, replicas=replicas, previous=self.obs.replicas,
-                            reason=f"{why}: {self.numbers}", signals=self.signals)
+        decision = Decision(
+            at=self.obs.now,
+            action=action,
+            replicas=replicas,
+            previous=self.obs.replicas,
+            reason=f"{why}: {self.numbers}",
+            signals=self.signals,
+        )
         return self.state.model_copy(update={**changes, "last_decision": decision}), decision
 
 
@@ -427,10 +470,24 @@ def _observe(policy: Policy, state: AutoscalerState, obs: Observation) -> _Perio
     backlog_at = state.backlog_at
     if any((p.reading.waiting or 0) > policy.max_waiting_per_replica for p in obs.pods if p.reading):
         backlog_at = obs.now
-    knee = _learn_knee(policy, state.knee, signals, window, backlog_at,
-                       steady=obs.now - since >= policy.window_seconds and last_up is None)
-    state = state.model_copy(update={"baselines": baselines, "window": window, "observed_since": since,
-                                     "last_scale_up": last_up, "knee": knee, "backlog_at": backlog_at})
+    knee = _learn_knee(
+        policy,
+        state.knee,
+        signals,
+        window,
+        backlog_at,
+        steady=obs.now - since >= policy.window_seconds and last_up is None,
+    )
+    state = state.model_copy(
+        update={
+            "baselines": baselines,
+            "window": window,
+            "observed_since": since,
+            "last_scale_up": last_up,
+            "knee": knee,
+            "backlog_at": backlog_at,
+        }
+    )
     return _Period(policy, obs, state, signals, describe(policy, signals, knee), since, knee)
 
 
@@ -447,8 +504,11 @@ def step(policy: Policy, state: AutoscalerState, obs: Observation) -> tuple[Auto
     bounded = _clamp(policy, current)
     if bounded != current:
         action: Action = "up" if bounded > current else "down"
-        return period.decide(action, bounded, f"{current} replicas is outside [{policy.min_replicas}, "
-                                              f"{policy.max_replicas}]: {current} -> {bounded}")
+        return period.decide(
+            action,
+            bounded,
+            f"{current} replicas is outside [{policy.min_replicas}, {policy.max_replicas}]: {current} -> {bounded}",
+        )
     if period.signals.ratio is None:
         return period.decide("hold", current, "no signal (no pod reported metrics)")
     if period.signals.ratio > 1 + policy.tolerance:
@@ -469,16 +529,26 @@ def _over_band(period: _Period) -> tuple[AutoscalerState, Decision]:
     waited = obs.now - over_since
     up_window = policy.scale_up_stabilization_seconds
     if waited < up_window:
-        return period.decide("hold", current,
-                             f"over the SLO band for {waited:.0f} s of the {up_window:.0f} s scale-up window", **held)
+        return period.decide(
+            "hold", current, f"over the SLO band for {waited:.0f} s of the {up_window:.0f} s scale-up window", **held
+        )
     last = state.last_scale_up
     if last is not None:
-        return period.decide("hold", current, f"over the SLO band, but the last scale-up to {last.replicas} "
-                                              f"has {obs.ready_replicas} ready: waiting for its pods", **held)
+        return period.decide(
+            "hold",
+            current,
+            f"over the SLO band, but the last scale-up to {last.replicas} "
+            f"has {obs.ready_replicas} ready: waiting for its pods",
+            **held,
+        )
     wanted = max(current + 1, math.ceil(current * ratio - _EPSILON))
     desired = min(policy.max_replicas, current + policy.max_step, wanted)
-    return period.decide("up", desired, f"over the SLO band (> {1 + policy.tolerance:.2f}x): {current} -> {desired}",
-                         last_scale_up=Recommendation(at=obs.now, replicas=desired))
+    return period.decide(
+        "up",
+        desired,
+        f"over the SLO band (> {1 + policy.tolerance:.2f}x): {current} -> {desired}",
+        last_scale_up=Recommendation(at=obs.now, replicas=desired),
+    )
 
 
 def _blind(signals: Signals) -> bool:
@@ -497,9 +567,15 @@ def _at_or_under_band(period: _Period) -> tuple[AutoscalerState, Decision]:
     if _blind(signals):
         # Neither the latency signals nor the load can be trusted to be low: hold, and restart the
         # scale-down window (what it held before this did not see the load either).
-        return period.decide("hold", current, "requests are running or waiting but none got a first token or "
-                             "finished in the window: overload or a window too short to see one, not idleness",
-                             over_since=None, recommendations=(), observed_since=obs.now)
+        return period.decide(
+            "hold",
+            current,
+            "requests are running or waiting but none got a first token or "
+            "finished in the window: overload or a window too short to see one, not idleness",
+            over_since=None,
+            recommendations=(),
+            observed_since=obs.now,
+        )
     load = ratio
     if period.knee is not None and signals.rate_per_replica is not None:
         load = max(load, signals.rate_per_replica / period.knee)
@@ -518,17 +594,31 @@ def _at_or_under_band(period: _Period) -> tuple[AutoscalerState, Decision]:
     kept = {"over_since": None, "recommendations": recs}
     if recommended >= current:
         fewer = load * current / max(current - 1, 1)
-        why = ("within the tolerance band" if ratio > 1 - tol
-               else f"under the band, but {current - 1} replicas would not be (x{fewer:.2f})"
-               if current > policy.min_replicas else f"under the band, at minReplicas {policy.min_replicas}")
+        why = (
+            "within the tolerance band"
+            if ratio > 1 - tol
+            else f"under the band, but {current - 1} replicas would not be (x{fewer:.2f})"
+            if current > policy.min_replicas
+            else f"under the band, at minReplicas {policy.min_replicas}"
+        )
         return period.decide("hold", current, why, **kept)
     observed = obs.now - period.since
     if observed < down_window:
-        return period.decide("hold", current, f"under the band ({recommended} replicas would do), for "
-                                              f"{observed:.0f} s of the {down_window:.0f} s scale-down window", **kept)
+        return period.decide(
+            "hold",
+            current,
+            f"under the band ({recommended} replicas would do), for "
+            f"{observed:.0f} s of the {down_window:.0f} s scale-down window",
+            **kept,
+        )
     desired = max(r.replicas for r in recs)
     if desired >= current:
-        return period.decide("hold", current, f"under the band now, but the last {down_window:.0f} s needed "
-                                              f"{desired} replicas", **kept)
-    return period.decide("down", desired, f"under the band for {down_window:.0f} s, {desired} replicas would stay "
-                                          f"under {1 - tol:.2f}x: {current} -> {desired}")
+        return period.decide(
+            "hold", current, f"under the band now, but the last {down_window:.0f} s needed {desired} replicas", **kept
+        )
+    return period.decide(
+        "down",
+        desired,
+        f"under the band for {down_window:.0f} s, {desired} replicas would stay "
+        f"under {1 - tol:.2f}x: {current} -> {desired}",
+    )

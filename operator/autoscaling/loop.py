@@ -102,17 +102,20 @@ def due(state: AutoscalerState, now: float, interval: float = INTERVAL_SECONDS) 
     return last is None or now - last.at >= _DUE_FRACTION * interval
 
 
-def status_patch(state: AutoscalerState, decision: Decision,
-                 old_latency: Mapping[str, Any] | None) -> dict[str, Any]:
+def status_patch(state: AutoscalerState, decision: Decision, old_latency: Mapping[str, Any] | None) -> dict[str, Any]:
     """The status fields one period writes: the decision for people (`kubectl get -o yaml`), the
     state for the next period, and the observed p95s (and draft acceptance, when the engines
     speculate) beside the plan's predicted ones (`status.plan.predictedTtftMs`,
     `assumedDraftAcceptance`). A window without requests keeps the last observed values."""
     signals = decision.signals
     summary: dict[str, Any] = {
-        "lastDecision": {"time": iso(decision.at), "action": decision.action,
-                         "replicas": decision.replicas, "previous": decision.previous,
-                         "reason": decision.reason},
+        "lastDecision": {
+            "time": iso(decision.at),
+            "action": decision.action,
+            "replicas": decision.replicas,
+            "previous": decision.previous,
+            "reason": decision.reason,
+        },
         "unknownPods": list(signals.unknown),
         "state": state.model_dump(mode="json", by_alias=True),
     }
@@ -132,8 +135,9 @@ def status_patch(state: AutoscalerState, decision: Decision,
 
 def event_manifest(body: Mapping[str, Any], decision: Decision, instance: str) -> dict[str, Any]:
     """The Event for an autoscaler decision that changes replicas."""
-    return scaling_event(body, "ScaledUp" if decision.action == "up" else "ScaledDown", decision.reason,
-                         decision.at, instance)
+    return scaling_event(
+        body, "ScaledUp" if decision.action == "up" else "ScaledDown", decision.reason, decision.at, instance
+    )
 
 
 def plan_max_num_seqs(status: Mapping[str, Any]) -> int | None:
@@ -141,8 +145,9 @@ def plan_max_num_seqs(status: Mapping[str, Any]) -> int | None:
     return int(value) if value else None
 
 
-def prepare(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, now: float,
-            interval: float = INTERVAL_SECONDS) -> tuple[Policy, AutoscalerState] | None:
+def prepare(
+    body: Mapping[str, Any], deployment: Mapping[str, Any] | None, now: float, interval: float = INTERVAL_SECONDS
+) -> tuple[Policy, AutoscalerState] | None:
     """The policy and saved state of a service the autoscaler has a period to run for; None when
     it has not (mode off, an invalid spec, no Deployment of its own yet, or not due), before any
     pod is read."""
@@ -159,8 +164,13 @@ def prepare(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, now: 
     return Policy.from_spec(spec, max_num_seqs=plan_max_num_seqs(status), interval_seconds=interval), state
 
 
-def decide(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, reads: Sequence[PodRead],
-           now: float, interval: float = INTERVAL_SECONDS) -> tuple[Policy, AutoscalerState, Decision] | None:
+def decide(
+    body: Mapping[str, Any],
+    deployment: Mapping[str, Any] | None,
+    reads: Sequence[PodRead],
+    now: float,
+    interval: float = INTERVAL_SECONDS,
+) -> tuple[Policy, AutoscalerState, Decision] | None:
     """One period for one InferenceService, from what was read (None: see `prepare`)."""
     prepared = prepare(body, deployment, now, interval)
     if prepared is None:
@@ -168,8 +178,7 @@ def decide(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, reads:
     policy, state = prepared
     assert deployment is not None  # prepare() said so
     ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
-    obs = Observation(now=now, replicas=current_replicas(body, deployment), ready_replicas=ready,
-                      pods=tuple(reads))
+    obs = Observation(now=now, replicas=current_replicas(body, deployment), ready_replicas=ready, pods=tuple(reads))
     new_state, decision = step(policy, state, obs)
     return policy, new_state, decision
 
@@ -212,8 +221,7 @@ async def fetch(session: aiohttp.ClientSession, url: str, deadline: float | None
         raise ReadFailed(f"{type(error).__name__}: {error}") from None
 
 
-async def read_metrics(session: aiohttp.ClientSession, name: str, url: str,
-                       deadline: float | None = None) -> PodRead:
+async def read_metrics(session: aiohttp.ClientSession, name: str, url: str, deadline: float | None = None) -> PodRead:
     """One pod's /metrics, or why there is none."""
     try:
         return reading_of(name, await fetch(session, url, deadline))
@@ -224,12 +232,12 @@ async def read_metrics(session: aiohttp.ClientSession, name: str, url: str,
 def prometheus_query(namespace: str, pods: Sequence[str]) -> str:
     """The instant query for the series `parse` reads, of these pods: the labels a
     ServiceMonitor or PodMonitor gives them (`namespace`, `pod`)."""
-    return (f'{{__name__=~"{"|".join(SERIES_NAMES)}",namespace="{namespace}",'
-            f'pod=~"{"|".join(sorted(pods))}"}}')
+    return f'{{__name__=~"{"|".join(SERIES_NAMES)}",namespace="{namespace}",pod=~"{"|".join(sorted(pods))}"}}'
 
 
-async def read_prometheus(session: aiohttp.ClientSession, url: str, namespace: str, pods: Sequence[str],
-                          deadline: float | None = None) -> list[PodRead]:
+async def read_prometheus(
+    session: aiohttp.ClientSession, url: str, namespace: str, pods: Sequence[str], deadline: float | None = None
+) -> list[PodRead]:
     """Each pod's reading from the series a Prometheus at `url` holds (the same numbers as its
     /metrics, one scrape interval late); a pod without series is unknown, as is every pod when
     Prometheus cannot answer."""
@@ -282,14 +290,23 @@ def prometheus_allowed(url: str, prefixes: Sequence[str]) -> bool:
     strings: `http://prometheus:9090@evil` starts with `http://prometheus:9090` but asks `evil`."""
     target = urllib.parse.urlsplit(url)
     path = _segments(target.path)
-    if (target.username is not None or target.query or target.fragment or not target.hostname
-            or _port(target) is None or any(segment in (".", "..") for segment in path)):
+    if (
+        target.username is not None
+        or target.query
+        or target.fragment
+        or not target.hostname
+        or _port(target) is None
+        or any(segment in (".", "..") for segment in path)
+    ):
         return False
     for prefix in prefixes:
         allowed = urllib.parse.urlsplit(prefix)
         under = _segments(allowed.path)
-        if ((target.scheme, target.hostname, _port(target)) == (allowed.scheme, allowed.hostname, _port(allowed))
-                and path[:len(under)] == under):
+        if (target.scheme, target.hostname, _port(target)) == (
+            allowed.scheme,
+            allowed.hostname,
+            _port(allowed),
+        ) and path[: len(under)] == under:
             return True
     return False
 
@@ -302,9 +319,12 @@ def worth_writing(old_status: Mapping[str, Any], state: AutoscalerState, decisio
         return True
     saved = saved_state(old_status)
     last = saved.last_decision
-    return (last is None or (last.action, last.replicas, last.previous, last.reason)
-            != (decision.action, decision.replicas, decision.previous, decision.reason)
-            or saved.baselines != state.baselines)
+    return (
+        last is None
+        or (last.action, last.replicas, last.previous, last.reason)
+        != (decision.action, decision.replicas, decision.previous, decision.reason)
+        or saved.baselines != state.baselines
+    )
 
 
 class AutoscalingLoop:
@@ -314,9 +334,16 @@ class AutoscalingLoop:
     (key -> store of values). `prometheus_allow`: the URL prefixes under which a spec's
     `prometheusUrl` may be read (`kvpilot operator --prometheus-url-allow`)."""
 
-    def __init__(self, cluster: KubeCluster, services: Mapping[Any, Any], deployments: Mapping[Any, Any],
-                 replicasets: Mapping[Any, Any], pods: Mapping[Any, Any], interval: float = INTERVAL_SECONDS,
-                 prometheus_allow: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        cluster: KubeCluster,
+        services: Mapping[Any, Any],
+        deployments: Mapping[Any, Any],
+        replicasets: Mapping[Any, Any],
+        pods: Mapping[Any, Any],
+        interval: float = INTERVAL_SECONDS,
+        prometheus_allow: Sequence[str] = (),
+    ) -> None:
         self.cluster = cluster
         self.interval = interval
         self.prometheus_allow = tuple(prometheus_allow)
@@ -344,15 +371,22 @@ class AutoscalingLoop:
         if not prometheus:
             return list(await asyncio.gather(*(read_metrics(self._http(), *target) for target in targets)))
         if not prometheus_allowed(prometheus, self.prometheus_allow):
-            why = (f"prometheusUrl {prometheus} is not allowed: the operator reads Prometheus only under its "
-                   f"--prometheus-url-allow prefixes (chart autoscaler.prometheusUrlAllow): "
-                   f"{', '.join(self.prometheus_allow) or 'none'}")
+            why = (
+                f"prometheusUrl {prometheus} is not allowed: the operator reads Prometheus only under its "
+                f"--prometheus-url-allow prefixes (chart autoscaler.prometheusUrlAllow): "
+                f"{', '.join(self.prometheus_allow) or 'none'}"
+            )
             return [PodRead(name=name, error=why) for name in sorted(names)]
         return await read_prometheus(self._http(), prometheus, body["metadata"]["namespace"], names)
 
-    async def one(self, body: Mapping[str, Any], deployments: Sequence[Mapping[str, Any]],
-                  replicasets: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]],
-                  now: float) -> Decision | None:
+    async def one(
+        self,
+        body: Mapping[str, Any],
+        deployments: Sequence[Mapping[str, Any]],
+        replicasets: Sequence[Mapping[str, Any]],
+        pods: Sequence[Mapping[str, Any]],
+        now: float,
+    ) -> Decision | None:
         """One period of one InferenceService; the decision, or None when nothing was written."""
         deployment, engine_pods = children(body, deployments, replicasets, pods)
         if prepare(body, deployment, now, self.interval) is None:
@@ -363,8 +397,14 @@ class AutoscalingLoop:
             return None
         return await asyncio.to_thread(self._write, body, reads, *outcome)
 
-    def _write(self, body: Mapping[str, Any], reads: Sequence[PodRead], policy: Policy, state: AutoscalerState,
-               decision: Decision) -> Decision | None:
+    def _write(
+        self,
+        body: Mapping[str, Any],
+        reads: Sequence[PodRead],
+        policy: Policy,
+        state: AutoscalerState,
+        decision: Decision,
+    ) -> Decision | None:
         """The status, then (`slo` mode) the replicas a period decided; blocking client calls."""
         metadata = body["metadata"]
         old_status = body.get("status") or {}
@@ -372,12 +412,14 @@ class AutoscalingLoop:
             return None
         for read in reads:
             if read.error is not None:  # the status names the pod; why is for the operator's log
-                log.info(f"autoscaler: {metadata['namespace']}/{metadata['name']}: pod {read.name} is unknown: "
-                         f"{read.error}")
+                log.info(
+                    f"autoscaler: {metadata['namespace']}/{metadata['name']}: pod {read.name} is unknown: {read.error}"
+                )
         patch = as_merge_patch(old_status, status_patch(state, decision, old_status.get("latency")))
         try:
-            written = self.cluster.patch_status(API_VERSION, KIND, metadata["namespace"], metadata["name"], patch,
-                                                metadata["resourceVersion"])
+            written = self.cluster.patch_status(
+                API_VERSION, KIND, metadata["namespace"], metadata["name"], patch, metadata["resourceVersion"]
+            )
         except WriteConflict:
             return None  # another writer (a replica of this operator, a reconcile) came first
         if policy.mode != "slo" or decision.replicas == decision.previous:
@@ -385,8 +427,13 @@ class AutoscalingLoop:
         self.cluster.write_replicas(body, decision.replicas, event_manifest(body, decision, self._instance), written)
         return decision
 
-    async def period(self, body: Mapping[str, Any], deployments: Sequence[Mapping[str, Any]],
-                     replicasets: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]) -> None:
+    async def period(
+        self,
+        body: Mapping[str, Any],
+        deployments: Sequence[Mapping[str, Any]],
+        replicasets: Sequence[Mapping[str, Any]],
+        pods: Sequence[Mapping[str, Any]],
+    ) -> None:
         """`one`, with its failure logged: a bug or an API error met by one service is its own."""
         where = f"{body['metadata']['namespace']}/{body['metadata']['name']}"
         try:
@@ -394,7 +441,7 @@ class AutoscalingLoop:
         except (WriteRefused, WriteConflict, OSError) as error:
             log.warning(f"autoscaler: {where}: {error}")
             return
-        except Exception:  # noqa: BLE001 - a bug met by one service must not stop all the others'
+        except Exception:
             log.exception(f"autoscaler: {where}")
             return
         if decision is not None and decision.action != "hold":
@@ -422,7 +469,7 @@ class AutoscalingLoop:
             while True:
                 try:
                     self.start_periods(running)
-                except Exception:  # noqa: BLE001 - the task must outlive a bug, or autoscaling stops unseen
+                except Exception:
                     log.exception("autoscaler: a round failed")
                 await asyncio.sleep(self.interval)
         finally:

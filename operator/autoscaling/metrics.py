@@ -35,8 +35,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # in order of preference. vLLM before 0.9 named TPOT `vllm:time_per_output_token_seconds` (a
 # per-token gap, close enough to scale on) and KV usage `vllm:gpu_cache_usage_perc` (0..1 too).
 TTFT_NAMES = ("kvpilot_time_to_first_token_seconds", "vllm:time_to_first_token_seconds")
-TPOT_NAMES = ("kvpilot_time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds",
-              "vllm:time_per_output_token_seconds")
+TPOT_NAMES = (
+    "kvpilot_time_per_output_token_seconds",
+    "vllm:request_time_per_output_token_seconds",
+    "vllm:time_per_output_token_seconds",
+)
 WAITING_NAMES = ("kvpilot_num_requests_waiting", "vllm:num_requests_waiting")
 RUNNING_NAMES = ("kvpilot_num_requests_running", "vllm:num_requests_running")
 KV_USAGE_NAMES = ("kvpilot_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
@@ -107,16 +110,21 @@ def increase(before: Histogram | None, after: Histogram) -> Histogram:
     the whole increase, as Prometheus' `rate()` does; no earlier read means no window yet, an
     empty one."""
     if before is None:
-        return Histogram(bounds=after.bounds, counts=(0.0,) * len(after.bounds), count=0.0,
-                         created=after.created)
-    reset = (before.bounds != after.bounds
-             or (before.created is not None and after.created is not None and before.created != after.created)
-             or after.count < before.count
-             or any(a < b for a, b in zip(after.counts, before.counts, strict=True)))
+        return Histogram(bounds=after.bounds, counts=(0.0,) * len(after.bounds), count=0.0, created=after.created)
+    reset = (
+        before.bounds != after.bounds
+        or (before.created is not None and after.created is not None and before.created != after.created)
+        or after.count < before.count
+        or any(a < b for a, b in zip(after.counts, before.counts, strict=True))
+    )
     if reset:
         return after
-    return Histogram(bounds=after.bounds, count=after.count - before.count, created=after.created,
-                     counts=tuple(a - b for a, b in zip(after.counts, before.counts, strict=True)))
+    return Histogram(
+        bounds=after.bounds,
+        count=after.count - before.count,
+        created=after.created,
+        counts=tuple(a - b for a, b in zip(after.counts, before.counts, strict=True)),
+    )
 
 
 def counter_increase(before: float | None, after: float | None) -> float:
@@ -136,8 +144,11 @@ def merge(histograms: Iterable[Histogram]) -> Histogram | None:
         if total is None:
             total = histogram.model_copy(update={"created": None})
         elif histogram.bounds == total.bounds:
-            total = Histogram(bounds=total.bounds, count=total.count + histogram.count,
-                              counts=tuple(a + b for a, b in zip(total.counts, histogram.counts, strict=True)))
+            total = Histogram(
+                bounds=total.bounds,
+                count=total.count + histogram.count,
+                counts=tuple(a + b for a, b in zip(total.counts, histogram.counts, strict=True)),
+            )
     return total
 
 
@@ -216,8 +227,9 @@ def parse(text: str) -> EngineReading:
         family = first(names, "histogram")
         return _histogram(family.samples, family.name, created_of(family.name)) if family else None
 
-    def gauge(names: Sequence[str], combine: Callable[[Iterable[float]], float], kind: str = "gauge",
-              high: float = math.inf) -> float | None:
+    def gauge(
+        names: Sequence[str], combine: Callable[[Iterable[float]], float], kind: str = "gauge", high: float = math.inf
+    ) -> float | None:
         family = first(names, kind)
         samples = [s for s in family.samples if not s.name.endswith("_created")] if family else []
         if not samples:
@@ -225,11 +237,15 @@ def parse(text: str) -> EngineReading:
         # Each label set on its own: a negative one would cancel another's requests in the sum.
         return combine(_checked(_sample_name(s), s.value, high) for s in samples)
 
-    return EngineReading(ttft=histogram(TTFT_NAMES), tpot=histogram(TPOT_NAMES),
-                         waiting=gauge(WAITING_NAMES, sum), running=gauge(RUNNING_NAMES, sum),
-                         kv_usage=gauge(KV_USAGE_NAMES, max, high=1.0),
-                         draft_tokens=gauge(DRAFT_TOKENS_NAMES, sum, "counter"),
-                         accepted_tokens=gauge(ACCEPTED_TOKENS_NAMES, sum, "counter"))
+    return EngineReading(
+        ttft=histogram(TTFT_NAMES),
+        tpot=histogram(TPOT_NAMES),
+        waiting=gauge(WAITING_NAMES, sum),
+        running=gauge(RUNNING_NAMES, sum),
+        kv_usage=gauge(KV_USAGE_NAMES, max, high=1.0),
+        draft_tokens=gauge(DRAFT_TOKENS_NAMES, sum, "counter"),
+        accepted_tokens=gauge(ACCEPTED_TOKENS_NAMES, sum, "counter"),
+    )
 
 
 HISTOGRAM_NAMES = (*TTFT_NAMES, *TPOT_NAMES)
@@ -240,9 +256,15 @@ COUNTER_NAMES = (*DRAFT_TOKENS_NAMES, *ACCEPTED_TOKENS_NAMES)
 # exports it; a new value says the process restarted); the gauges; the counters, whose TYPE line
 # names them with their _total, as prometheus_client writes it.
 _SERIES: dict[str, tuple[str, str]] = {
-    **{name: family for h in HISTOGRAM_NAMES
-       for name, family in ((f"{h}_bucket", (h, "histogram")), (f"{h}_count", (h, "histogram")),
-                            (f"{h}_created", (f"{h}_created", "gauge")))},
+    **{
+        name: family
+        for h in HISTOGRAM_NAMES
+        for name, family in (
+            (f"{h}_bucket", (h, "histogram")),
+            (f"{h}_count", (h, "histogram")),
+            (f"{h}_created", (f"{h}_created", "gauge")),
+        )
+    },
     **{g: (g, "gauge") for g in GAUGE_NAMES},
     **{f"{c}_total": (f"{c}_total", "counter") for c in COUNTER_NAMES},
 }
@@ -261,8 +283,10 @@ def exposition_of_series(series: Iterable[Mapping[str, Any]]) -> str:
         rendered = ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(labels.items()))
         families.setdefault(family, (kind, []))[1].append(f"{name}{{{rendered}}} {one['value'][1]}")
     # The text format wants each family's samples together, after its TYPE line.
-    return "".join(f"# TYPE {family} {kind}\n" + "".join(f"{line}\n" for line in lines)
-                   for family, (kind, lines) in families.items())
+    return "".join(
+        f"# TYPE {family} {kind}\n" + "".join(f"{line}\n" for line in lines)
+        for family, (kind, lines) in families.items()
+    )
 
 
 def _escape(value: str) -> str:

@@ -62,8 +62,9 @@ def engine_image(environ: Mapping[str, str]) -> str:
 REFRESHED = "Reconciled InferenceService"
 
 
-def _refresh(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
-             services: Mapping[Any, Any] | None) -> None:
+def _refresh(
+    namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger, services: Mapping[Any, Any] | None
+) -> None:
     """Reconcile `namespace/name` for an event of a child or pod (collapsed with the other events
     of a burst: controller/serial.py). kopf does not retry event handlers: a reconcile that
     failed, or wrote a status no event will change, is run again later from here."""
@@ -73,8 +74,13 @@ def _refresh(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
         _refresh(namespace, name, memo, logger, None)
 
     try:
-        result = memo.reconciles.collapsed(key, services, lambda known: refresh(
-            memo.cluster, namespace, name, datetime.now(UTC), default_image=memo.engine_image, known=known))
+        result = memo.reconciles.collapsed(
+            key,
+            services,
+            lambda known: refresh(
+                memo.cluster, namespace, name, datetime.now(UTC), default_image=memo.engine_image, known=known
+            ),
+        )
     except WriteConflict as error:
         # Whatever changed it is an event of its own, which reconciles again.
         logger.debug(f"{namespace}/{name} changed while reconciling: {error}")
@@ -97,10 +103,10 @@ def _refresh(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
-        prefix=ANNOTATION_PREFIX)
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
     settings.posting.level = logging.WARNING
     # Per-object memos are shallow copies of this one, so every handler sees the one client (which
     # `kvpilot operator` builds, else it is built here) and the one set of per-service locks.
@@ -114,16 +120,14 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
-def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
-                      logger: logging.Logger, **_: Any) -> None:
+def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     metadata = body["metadata"]
     key = (metadata["namespace"], metadata["name"])
     with memo.reconciles.lock(key):
         # kopf writes this status after the handler: a version no event's reconcile has seen.
         memo.reconciles.forget(key)
         try:
-            status = reconcile(body, memo.cluster, datetime.now(UTC),
-                               default_image=memo.engine_image)
+            status = reconcile(body, memo.cluster, datetime.now(UTC), default_image=memo.engine_image)
         except WriteConflict as error:
             raise kopf.TemporaryError(f"changed while reconciling: {error}", delay=1) from None
     patch.status.update(merge_patch(body.get("status") or {}, status))
@@ -133,13 +137,15 @@ def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
     if retry is not None:
         # The status above is written either way; kopf calls the handler again after the delay.
         reason, message = retry
-        raise kopf.TemporaryError(f"{reason}: {message}",
-                                  delay=BLOCKED_RETRY_SECONDS if reason in BLOCKED else NO_GPU_RETRY_SECONDS)
+        raise kopf.TemporaryError(
+            f"{reason}: {message}", delay=BLOCKED_RETRY_SECONDS if reason in BLOCKED else NO_GPU_RETRY_SECONDS
+        )
 
 
 @kopf.on.event("v1", "pods", labels=names.MANAGED_BY)
-def pod_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
-                autoscaled_services: kopf.Index | None = None, **_: Any) -> None:
+def pod_handler(
+    body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, autoscaled_services: kopf.Index | None = None, **_: Any
+) -> None:
     """An engine pod changed (scheduled, crash-looping, ready): its InferenceService's status may
     have a new reason. Pods are owned by ReplicaSets, so the owner comes from the instance label."""
     namespace = body["metadata"]["namespace"]
@@ -154,8 +160,14 @@ def pod_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
 @kopf.on.event("apps/v1", "deployments", labels=names.MANAGED_BY)
 @kopf.on.event("v1", "services", labels=names.MANAGED_BY)
 @kopf.on.event("policy/v1", "poddisruptionbudgets", labels=names.MANAGED_BY)
-def child_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, type: str | None = None,
-                  autoscaled_services: kopf.Index | None = None, **_: Any) -> None:
+def child_handler(
+    body: kopf.Body,
+    memo: kopf.Memo,
+    logger: logging.Logger,
+    type: str | None = None,
+    autoscaled_services: kopf.Index | None = None,
+    **_: Any,
+) -> None:
     owner = controller_of(body)
     if owner is None or (owner.get("apiVersion"), owner.get("kind")) != (API_VERSION, KIND):
         return

@@ -50,8 +50,12 @@ RETRIED = ("NameConflict", "ApplyFailed", "NoGPUType")
 
 def _invalid(body: Mapping[str, Any], error: ValidationError) -> Plan:
     problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
-    return Plan(fits=False, failure="InvalidSpec", reason=f"invalid spec: {problems}",
-                model=str(body.get("spec", {}).get("model", {}).get("name", "")))
+    return Plan(
+        fits=False,
+        failure="InvalidSpec",
+        reason=f"invalid spec: {problems}",
+        model=str(body.get("spec", {}).get("model", {}).get("name", "")),
+    )
 
 
 def controller_of(obj: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -69,16 +73,20 @@ def _owner_words(obj: Mapping[str, Any]) -> str:
     controller = controller_of(obj)
     if controller is None:
         return "no controller (no controller owner reference)"
-    return (f"{controller.get('kind')} {controller.get('name')} "
-            f"(apiVersion {controller.get('apiVersion')}, uid {controller.get('uid')})")
+    return (
+        f"{controller.get('kind')} {controller.get('name')} "
+        f"(apiVersion {controller.get('apiVersion')}, uid {controller.get('uid')})"
+    )
 
 
 def stamped(manifest: Manifest) -> Manifest:
     """`manifest` with the hash of its content in the RENDERED_HASH annotation."""
     digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:32]
     metadata = manifest["metadata"]
-    return {**manifest, "metadata": {
-        **metadata, "annotations": {**metadata.get("annotations", {}), RENDERED_HASH: digest}}}
+    return {
+        **manifest,
+        "metadata": {**metadata, "annotations": {**metadata.get("annotations", {}), RENDERED_HASH: digest}},
+    }
 
 
 def _contains(actual: Any, wanted: Any) -> bool:
@@ -98,8 +106,9 @@ def _contains(actual: Any, wanted: Any) -> bool:
 def unchanged(existing: Mapping[str, Any], manifest: Manifest) -> bool:
     """Writing `manifest` (stamped) over `existing` would change nothing of ours."""
     annotations = (existing.get("metadata") or {}).get("annotations") or {}
-    return (annotations.get(RENDERED_HASH) == manifest["metadata"]["annotations"][RENDERED_HASH]
-            and _contains(existing, manifest))
+    return annotations.get(RENDERED_HASH) == manifest["metadata"]["annotations"][RENDERED_HASH] and _contains(
+        existing, manifest
+    )
 
 
 # The children rendered from the owner's name, namespace and UID alone (not its spec or plan).
@@ -135,14 +144,17 @@ def _kept(old: Mapping[str, Any], planned: dict[str, Any] | None, generation: in
     if old.get("lastGoodPlan"):
         return dict(old["lastGoodPlan"])
     previous = old.get("plan") or {}
-    if planned is None or old.get("observedGeneration") != generation or not previous.get("fits") \
-            or not previous.get("gpu"):
+    if (
+        planned is None
+        or old.get("observedGeneration") != generation
+        or not previous.get("fits")
+        or not previous.get("gpu")
+    ):
         return {}
     return last_good(planned, str(previous["gpu"]), (previous.get("reasons") or {}).get("gpu"))
 
 
-def _last_good_serving(kept: Mapping[str, Any],
-                       replicas: int | None) -> tuple[InferenceServiceSpec, Plan] | None:
+def _last_good_serving(kept: Mapping[str, Any], replicas: int | None) -> tuple[InferenceServiceSpec, Plan] | None:
     """The spec and plan of `status.lastGoodPlan` with `replicas`, to render its Deployment while
     the spec does not plan; None without one (or one this operator cannot plan any more)."""
     if not kept.get("spec") or not kept.get("gpu"):
@@ -174,8 +186,9 @@ def _plan(spec: InferenceServiceSpec, planned: dict[str, Any], cluster: Cluster,
     return result.model_copy(update={"reasons": {**result.reasons, "gpu": why}})
 
 
-def reconcile(body: Mapping[str, Any], cluster: Cluster, now: datetime, *,
-              default_image: str = render.DEFAULT_ENGINE_IMAGE) -> dict[str, Any]:
+def reconcile(
+    body: Mapping[str, Any], cluster: Cluster, now: datetime, *, default_image: str = render.DEFAULT_ENGINE_IMAGE
+) -> dict[str, Any]:
     """Converge the children of `body` and return the status to write; `default_image` is the
     engine image for specs that do not set one."""
     metadata = body["metadata"]
@@ -197,8 +210,10 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, now: datetime, *,
     wanted: list[Manifest] = []
     if spec is not None:
         serving = (spec, result) if result.fits else _last_good_serving(kept, spec.replicas)
-        wanted = [stamped(m) for m in render.children(name, namespace, uid, *(serving or (spec, result)),
-                                                      default_image=default_image)]
+        wanted = [
+            stamped(m)
+            for m in render.children(name, namespace, uid, *(serving or (spec, result)), default_image=default_image)
+        ]
     found = {m["kind"]: cluster.get(m["apiVersion"], m["kind"], namespace, name) for m in wanted}
     if "Deployment" not in found:
         found["Deployment"] = cluster.get("apps/v1", "Deployment", namespace, name)
@@ -211,22 +226,42 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, now: datetime, *,
     pods: list[dict[str, Any]] = []
     if deployment is not None and _not_all_ready(deployment):
         pods = cluster.list_pods(namespace, names.selector_labels(name))
-    good = (last_good(planned, str(result.gpu), result.reasons.get("gpu"))
-            if planned is not None and result.fits else kept or None)
-    return status.build(name=name, namespace=namespace, generation=generation, plan=result,
-                        spec=spec, deployment=deployment, old=old, now=now, blocked=blocked, pods=pods,
-                        last_good=good)
+    good = (
+        last_good(planned, str(result.gpu), result.reasons.get("gpu"))
+        if planned is not None and result.fits
+        else kept or None
+    )
+    return status.build(
+        name=name,
+        namespace=namespace,
+        generation=generation,
+        plan=result,
+        spec=spec,
+        deployment=deployment,
+        old=old,
+        now=now,
+        blocked=blocked,
+        pods=pods,
+        last_good=good,
+    )
 
 
-def _converge(cluster: Cluster, wanted: list[Manifest], found: dict[str, Manifest | None],
-              uid: str) -> tuple[str, str] | None:
+def _converge(
+    cluster: Cluster, wanted: list[Manifest], found: dict[str, Manifest | None], uid: str
+) -> tuple[str, str] | None:
     """Create or update each wanted child (`found` records what is there afterwards), unless one of
     them belongs to someone else; (reason, message) when the children could not all be written."""
-    foreign = [f"{describe(m)} exists and is controlled by {_owner_words(found[m['kind']] or {})}"
-               for m in wanted if found[m["kind"]] is not None and not owned_by(found[m["kind"]], uid)]
+    foreign = [
+        f"{describe(m)} exists and is controlled by {_owner_words(found[m['kind']] or {})}"
+        for m in wanted
+        if found[m["kind"]] is not None and not owned_by(found[m["kind"]], uid)
+    ]
     if foreign:
-        return ("NameConflict", "; ".join(foreign) + ": it is left alone and nothing is "
-                "rolled out; delete or rename it, or rename this InferenceService")
+        return (
+            "NameConflict",
+            "; ".join(foreign) + ": it is left alone and nothing is "
+            "rolled out; delete or rename it, or rename this InferenceService",
+        )
     refused = []
     for manifest in wanted:
         existing = found[manifest["kind"]]
@@ -250,9 +285,15 @@ class Refreshed(NamedTuple):
     status: dict[str, Any]  # the status it now has
 
 
-def refresh(cluster: Cluster, namespace: str, name: str, now: datetime, *,
-            default_image: str = render.DEFAULT_ENGINE_IMAGE,
-            known: Mapping[str, Any] | None = None) -> Refreshed | None:
+def refresh(
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    now: datetime,
+    *,
+    default_image: str = render.DEFAULT_ENGINE_IMAGE,
+    known: Mapping[str, Any] | None = None,
+) -> Refreshed | None:
     """Reconcile the InferenceService `namespace/name` and write its status if it changed (for
     events of its children); `known` is the object as the caller knows it is now (else it is
     read). None when there is nothing to reconcile: it is gone or being deleted."""

@@ -51,9 +51,15 @@ RUN_AS_USER = 1000
 # The engine image when neither spec.image nor the operator's configured default names one;
 # tests/operator/controller/test_render.py keeps its tag equal to the chart's appVersion.
 DEFAULT_ENGINE_IMAGE = "ghcr.io/kvpilot/kvpilot:0.1.0"
+
+
 def _metadata(name: str, namespace: str, uid: str) -> dict[str, Any]:
-    return {"name": name, "namespace": namespace, "labels": labels(name),
-            "ownerReferences": [owner_reference(name, uid)]}
+    return {
+        "name": name,
+        "namespace": namespace,
+        "labels": labels(name),
+        "ownerReferences": [owner_reference(name, uid)],
+    }
 
 
 def hub_model_dir(source: HubSource) -> str:
@@ -68,8 +74,7 @@ def download_args(source: HubSource) -> list[str]:
 
 
 def _container_security() -> Manifest:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]}}
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
 
 
 class _ModelFiles(NamedTuple):
@@ -85,8 +90,9 @@ def download_disk_bytes(spec: InferenceServiceSpec, plan: Plan) -> tuple[int, in
     """(the ephemeral storage to request, the cache emptyDir's sizeLimit) for the hf:// checkpoints
     the pod downloads: their bytes and a margin for tokenizer and config files; the limit leaves
     room for a checkpoint stored at 32 bits, since passing it evicts the pod."""
-    checkpoints = ((plan.checkpoint_bytes if hub_source(spec.model.source) else 0)
-                   + (plan.draft_weight_bytes if hub_source(plan.draft_model) else 0))
+    checkpoints = (plan.checkpoint_bytes if hub_source(spec.model.source) else 0) + (
+        plan.draft_weight_bytes if hub_source(plan.draft_model) else 0
+    )
     needed = int(checkpoints * 1.1) + DOWNLOAD_MARGIN_BYTES
     return needed, 2 * needed
 
@@ -107,17 +113,25 @@ def _model_files(spec: InferenceServiceSpec, plan: Plan, source: str, pvc_volume
     hub = hub_source(source)
     if hub is not None:
         cache = spec.model.cache
-        volume = ({"emptyDir": {"sizeLimit": _gi(download_disk_bytes(spec, plan)[1])}} if _cache_on_pod(spec)
-                  else {"persistentVolumeClaim": {"claimName": cache.claim_name}})
-        return _ModelFiles(hub_model_dir(hub), [{"name": MODEL_CACHE_VOLUME, **volume}],
-                          [{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT, "readOnly": True}], hub)
+        volume = (
+            {"emptyDir": {"sizeLimit": _gi(download_disk_bytes(spec, plan)[1])}}
+            if _cache_on_pod(spec)
+            else {"persistentVolumeClaim": {"claimName": cache.claim_name}}
+        )
+        return _ModelFiles(
+            hub_model_dir(hub),
+            [{"name": MODEL_CACHE_VOLUME, **volume}],
+            [{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT, "readOnly": True}],
+            hub,
+        )
     if not source.startswith(PVC_SCHEME):
         return _ModelFiles(source, [], [], None)
     claim, _, path = source.removeprefix(PVC_SCHEME).partition("/")
     mount = f"{MODEL_MOUNT}/{claim}"
     volume = {"name": pvc_volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
-    return _ModelFiles(f"{mount}/{path}".rstrip("/"), [volume],
-                      [{"name": pvc_volume, "mountPath": mount, "readOnly": True}], None)
+    return _ModelFiles(
+        f"{mount}/{path}".rstrip("/"), [volume], [{"name": pvc_volume, "mountPath": mount, "readOnly": True}], None
+    )
 
 
 def _pod_files(spec: InferenceServiceSpec, plan: Plan) -> tuple[_ModelFiles, _ModelFiles | None]:
@@ -148,8 +162,7 @@ def _download_container(spec: InferenceServiceSpec, source: HubSource, image: st
     env = [{"name": "HOME", "value": "/tmp"}, *spec.env]
     token = spec.model.token_secret
     if token is not None:
-        env.append({"name": "HF_TOKEN",
-                    "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}})
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}})
     container: Manifest = {
         "name": name,
         "image": image,
@@ -159,8 +172,10 @@ def _download_container(spec: InferenceServiceSpec, source: HubSource, image: st
         "env": env,
         "resources": {"requests": dict(DOWNLOAD_REQUESTS)},
         "securityContext": _container_security(),
-        "volumeMounts": [{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT},
-                         {"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [
+            {"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
     }
     if spec.env_from:
         container["envFrom"] = list(spec.env_from)
@@ -204,9 +219,13 @@ def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str, draft_model:
     every value one it accepts; a plan asking for something the engine lacks raises here (a
     pydantic ValidationError) instead of becoming a pod that exits at start.
     """
-    server = ServerConfig(host="0.0.0.0", port=PORT,
-                          served_model_name=spec.model.served_model_name or spec.model.name,
-                          vllm_compatible_metrics=True, grace_period=float(drain_seconds(spec, plan)))
+    server = ServerConfig(
+        host="0.0.0.0",
+        port=PORT,
+        served_model_name=spec.model.served_model_name or spec.model.name,
+        vllm_compatible_metrics=True,
+        grace_period=float(drain_seconds(spec, plan)),
+    )
     gpu = find_gpu(str(plan.gpu))
     dtype = {} if gpu is None or gpu.bf16 else {"dtype": "float16"}
     engine = EngineConfig(
@@ -238,8 +257,10 @@ def _resources(spec: InferenceServiceSpec, plan: Plan, gpu: GPU) -> Manifest:
         # The emptyDir the downloads fill is the node's disk: schedule where the weights fit.
         defaults["ephemeral-storage"] = _gi(download_disk_bytes(spec, plan)[0])
     requests = {**defaults, **{k: str(v) for k, v in spec.resources.requests.items()}}
-    return {"requests": {**requests, **gpus},
-            "limits": {**{k: str(v) for k, v in spec.resources.limits.items()}, **gpus}}
+    return {
+        "requests": {**requests, **gpus},
+        "limits": {**{k: str(v) for k, v in spec.resources.limits.items()}, **gpus},
+    }
 
 
 def _downloads(spec: InferenceServiceSpec, plan: Plan) -> bool:
@@ -256,8 +277,7 @@ def _tolerations(spec: InferenceServiceSpec, gpu: GPU) -> list[Manifest]:
     if gpu.resource == NVIDIA_GPU_RESOURCE:
         # GPU node pools are commonly tainted nvidia.com/gpu:NoSchedule (GKE, the GPU operator's
         # examples) to keep CPU-only pods off them; the engine belongs there.
-        tolerations.append({"key": NVIDIA_GPU_RESOURCE, "operator": "Exists",
-                            "effect": "NoSchedule"})
+        tolerations.append({"key": NVIDIA_GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
     return tolerations
 
 
@@ -278,13 +298,21 @@ def _affinity(spec: InferenceServiceSpec, gpu: GPU) -> Manifest | None:
     affinity = copy.deepcopy(spec.affinity or {})
     required = affinity.setdefault("nodeAffinity", {}).setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
     terms = required.get("nodeSelectorTerms") or [{}]
-    required["nodeSelectorTerms"] = [{**term, "matchExpressions": [*term.get("matchExpressions", []), requirement]}
-                                     for term in terms]
+    required["nodeSelectorTerms"] = [
+        {**term, "matchExpressions": [*term.get("matchExpressions", []), requirement]} for term in terms
+    ]
     return affinity
 
 
-def _engine_container(spec: InferenceServiceSpec, plan: Plan, gpu: GPU, image: str, model: _ModelFiles,
-                      draft: _ModelFiles | None, mounts: list[Manifest]) -> Manifest:
+def _engine_container(
+    spec: InferenceServiceSpec,
+    plan: Plan,
+    gpu: GPU,
+    image: str,
+    model: _ModelFiles,
+    draft: _ModelFiles | None,
+    mounts: list[Manifest],
+) -> Manifest:
     """The engine container: `kvpilot serve` with the plan's arguments, probes and resources."""
     http = {"port": PORT_NAME}
     container = {
@@ -296,12 +324,24 @@ def _engine_container(spec: InferenceServiceSpec, plan: Plan, gpu: GPU, image: s
         "ports": [{"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"}],
         # Loading weights can take minutes: the startup probe waits for the model (/ready), and
         # holds the liveness probe off until then.
-        "startupProbe": {"httpGet": {"path": "/ready", **http}, "periodSeconds": STARTUP_PERIOD_S,
-                         "timeoutSeconds": PROBE_TIMEOUT_S, "failureThreshold": STARTUP_FAILURES},
-        "readinessProbe": {"httpGet": {"path": "/ready", **http}, "periodSeconds": 5,
-                           "timeoutSeconds": PROBE_TIMEOUT_S, "failureThreshold": 3},
-        "livenessProbe": {"httpGet": {"path": "/health", **http}, "periodSeconds": 10,
-                          "timeoutSeconds": PROBE_TIMEOUT_S, "failureThreshold": 3},
+        "startupProbe": {
+            "httpGet": {"path": "/ready", **http},
+            "periodSeconds": STARTUP_PERIOD_S,
+            "timeoutSeconds": PROBE_TIMEOUT_S,
+            "failureThreshold": STARTUP_FAILURES,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", **http},
+            "periodSeconds": 5,
+            "timeoutSeconds": PROBE_TIMEOUT_S,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", **http},
+            "periodSeconds": 10,
+            "timeoutSeconds": PROBE_TIMEOUT_S,
+            "failureThreshold": 3,
+        },
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
         "resources": _resources(spec, plan, gpu),
         # Caches that libraries write (Hugging Face, Triton, torch) go to the writable /tmp.
@@ -319,22 +359,32 @@ def _pod_template(name: str, spec: InferenceServiceSpec, plan: Plan, gpu: GPU, i
     model, draft = _pod_files(spec, plan)
     volumes, mounts = _volumes_and_mounts([model] + ([draft] if draft else []))
     # One download per hf:// source, the model's first: init containers run one after the other.
-    init = [_download_container(spec, files.download, image, container)
-            for files, container in ((model, DOWNLOAD_CONTAINER), (draft, DRAFT_DOWNLOAD_CONTAINER))
-            if files is not None and files.download is not None]
+    init = [
+        _download_container(spec, files.download, image, container)
+        for files, container in ((model, DOWNLOAD_CONTAINER), (draft, DRAFT_DOWNLOAD_CONTAINER))
+        if files is not None and files.download is not None
+    ]
     pod: Manifest = {
         "metadata": {
             # Ours last: the selector depends on them.
             "labels": {**spec.pod_labels, **labels(name)},
-            "annotations": {**spec.pod_annotations, "prometheus.io/scrape": "true",
-                            "prometheus.io/port": str(PORT), "prometheus.io/path": "/metrics"},
+            "annotations": {
+                **spec.pod_annotations,
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(PORT),
+                "prometheus.io/path": "/metrics",
+            },
         },
         "spec": {
             # The engine never talks to the API server: no token of the namespace's default account.
             "automountServiceAccountToken": False,
-            "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER,
-                                "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
-                                "seccompProfile": {"type": "RuntimeDefault"}},
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": RUN_AS_USER,
+                "runAsGroup": RUN_AS_USER,
+                "fsGroup": RUN_AS_USER,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
             **({"initContainers": init} if init else {}),
             "containers": [_engine_container(spec, plan, gpu, image, model, draft, mounts)],
             "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}],
@@ -344,15 +394,25 @@ def _pod_template(name: str, spec: InferenceServiceSpec, plan: Plan, gpu: GPU, i
             "tolerations": _tolerations(spec, gpu),
         },
     }
-    optional = {"imagePullSecrets": [s.model_dump() for s in spec.image_pull_secrets],
-                "affinity": _affinity(spec, gpu), "topologySpreadConstraints": spec.topology_spread_constraints,
-                "priorityClassName": spec.priority_class_name}
+    optional = {
+        "imagePullSecrets": [s.model_dump() for s in spec.image_pull_secrets],
+        "affinity": _affinity(spec, gpu),
+        "topologySpreadConstraints": spec.topology_spread_constraints,
+        "priorityClassName": spec.priority_class_name,
+    }
     pod["spec"].update({key: value for key, value in optional.items() if value})
     return pod
 
 
-def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, plan: Plan, *,
-               default_image: str = DEFAULT_ENGINE_IMAGE) -> Manifest:
+def deployment(
+    name: str,
+    namespace: str,
+    uid: str,
+    spec: InferenceServiceSpec,
+    plan: Plan,
+    *,
+    default_image: str = DEFAULT_ENGINE_IMAGE,
+) -> Manifest:
     """The engines' Deployment; `default_image` is the operator's image for specs without one."""
     gpu = find_gpu(str(plan.gpu))
     if not plan.fits or gpu is None:
@@ -366,9 +426,10 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
             "selector": {"matchLabels": selector_labels(name)},
             "progressDeadlineSeconds": progress_deadline_seconds(spec, plan),
             # spec.rollout's default surges one pod so a single replica keeps serving (see the CRD).
-            "strategy": {"type": "RollingUpdate",
-                         "rollingUpdate": {"maxSurge": spec.rollout.max_surge,
-                                           "maxUnavailable": spec.rollout.max_unavailable}},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": spec.rollout.max_surge, "maxUnavailable": spec.rollout.max_unavailable},
+            },
             "template": _pod_template(name, spec, plan, gpu, spec.image or default_image),
         },
     }
@@ -379,9 +440,11 @@ def service(name: str, namespace: str, uid: str) -> Manifest:
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(name, namespace, uid),
-        "spec": {"type": "ClusterIP", "selector": selector_labels(name),
-                 "ports": [{"name": PORT_NAME, "port": PORT, "targetPort": PORT_NAME,
-                            "protocol": "TCP"}]},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [{"name": PORT_NAME, "port": PORT, "targetPort": PORT_NAME, "protocol": "TCP"}],
+        },
     }
 
 
@@ -393,16 +456,25 @@ def pod_disruption_budget(name: str, namespace: str, uid: str) -> Manifest:
         # maxUnavailable, not minAvailable: a single-replica service must not block node drains;
         # and a pod that is not ready (crash-looping, still loading) serves nothing, so evicting it
         # never counts against the budget.
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)},
-                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(name)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
     }
 
 
-def children(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, plan: Plan, *,
-             default_image: str = DEFAULT_ENGINE_IMAGE) -> list[Manifest]:
+def children(
+    name: str,
+    namespace: str,
+    uid: str,
+    spec: InferenceServiceSpec,
+    plan: Plan,
+    *,
+    default_image: str = DEFAULT_ENGINE_IMAGE,
+) -> list[Manifest]:
     """What should exist: no Deployment when the plan does not fit."""
     objects = [service(name, namespace, uid), pod_disruption_budget(name, namespace, uid)]
     if plan.fits:
-        objects.insert(0, deployment(name, namespace, uid, spec, plan,
-                                     default_image=default_image))
+        objects.insert(0, deployment(name, namespace, uid, spec, plan, default_image=default_image))
     return objects

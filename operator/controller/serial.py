@@ -57,8 +57,12 @@ class Reconciles:
             return None
         return dict(entry)
 
-    def collapsed(self, key: Key, services: Mapping[Any, Any] | None,
-                  reconcile: Callable[[dict[str, Any] | None], Refreshed | None]) -> Refreshed | None:
+    def collapsed(
+        self,
+        key: Key,
+        services: Mapping[Any, Any] | None,
+        reconcile: Callable[[dict[str, Any] | None], Refreshed | None],
+    ) -> Refreshed | None:
         """Run `reconcile(known entry or None)` for an event of `key`, unless one is already waiting
         (then None at once). The resourceVersion it left (None: nothing reconciled) is
         remembered; a WriteConflict propagates (whatever changed is an event of its own)."""
@@ -105,5 +109,3 @@ class Reconciles:
         with self._guard:
             self._retries.pop(key, None)
         action()
-
-

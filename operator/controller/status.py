@@ -44,12 +44,12 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
-    return {"type": type_, "status": "True" if ok else "False", "reason": reason,
-            "message": message}
+    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
 
 
-def _replica_conditions(counts: str, desired: int, ready: int, current: bool,
-                        ready_message: str) -> tuple[tuple[bool, str], dict[str, Any]]:
+def _replica_conditions(
+    counts: str, desired: int, ready: int, current: bool, ready_message: str
+) -> tuple[tuple[bool, str], dict[str, Any]]:
     if desired == 0:
         ready_condition = _condition("Ready", False, "ScaledToZero", "0 replicas requested")
     elif ready >= desired:
@@ -66,8 +66,14 @@ def _replica_conditions(counts: str, desired: int, ready: int, current: bool,
 
 
 # Container states that keep a pod from ever getting ready on its own, as `kubectl get pods` shows them.
-_STUCK_CONTAINER_REASONS = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
-                            "CreateContainerConfigError", "CreateContainerError")
+_STUCK_CONTAINER_REASONS = (
+    "CrashLoopBackOff",
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "InvalidImageName",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+)
 
 
 def pod_problem(deployment: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]) -> tuple[str, str] | None:
@@ -83,8 +89,11 @@ def pod_problem(deployment: Mapping[str, Any] | None, pods: Sequence[Mapping[str
                 detail = waiting.get("message") or waiting["reason"]
                 return waiting["reason"], f"pod {name}, container {container.get('name')}: {detail}"
         for condition in pod_status.get("conditions") or []:
-            if (condition.get("type"), condition.get("status"), condition.get("reason")) == \
-                    ("PodScheduled", "False", "Unschedulable"):
+            if (condition.get("type"), condition.get("status"), condition.get("reason")) == (
+                "PodScheduled",
+                "False",
+                "Unschedulable",
+            ):
                 return "Unschedulable", f"pod {name}: {condition.get('message', 'no node fits it')}"
     for condition in ((deployment or {}).get("status") or {}).get("conditions") or []:
         if condition.get("type") == "Progressing" and condition.get("reason") == "ProgressDeadlineExceeded":
@@ -107,8 +116,12 @@ def _rollout(deployment: Mapping[str, Any] | None, desired: int) -> _Rollout:
     generation = (deployment or {}).get("metadata", {}).get("generation", 0)
     ready = int(observed.get("readyReplicas", 0))
     updated = int(observed.get("updatedReplicas", 0))
-    current = (deployment is not None and observed.get("observedGeneration", 0) >= generation
-               and updated >= desired and int(observed.get("replicas", 0)) == desired)
+    current = (
+        deployment is not None
+        and observed.get("observedGeneration", 0) >= generation
+        and updated >= desired
+        and int(observed.get("replicas", 0)) == desired
+    )
     return _Rollout(desired, ready, updated, current, f"{ready}/{desired} replicas ready")
 
 
@@ -123,22 +136,30 @@ def _unplanned_conditions(plan: Plan, rollout: _Rollout, deployment: Mapping[str
             _condition("Degraded", False, "NoDeployment", "no engine pods to degrade"),
         ]
     kept = "the Deployment of the last plan that fit keeps running"
-    _, ready_condition = _replica_conditions(rollout.counts, rollout.desired, rollout.ready, rollout.current,
-                                             f"{rollout.counts} (the last plan that fit)")
+    _, ready_condition = _replica_conditions(
+        rollout.counts, rollout.desired, rollout.ready, rollout.current, f"{rollout.counts} (the last plan that fit)"
+    )
     return [
         _condition("Planned", False, code, f"{failure}; {kept}"),
-        _condition("Progressing", False, code, f"this generation's plan is not rolled out (only "
-                   f"its replicas are applied): {failure}; {kept}"),
+        _condition(
+            "Progressing",
+            False,
+            code,
+            f"this generation's plan is not rolled out (only its replicas are applied): {failure}; {kept}",
+        ),
         ready_condition,
         _condition("Degraded", True, code, f"serving the last plan that fit, not this generation's: {failure}"),
     ]
 
 
 def _planned_conditions(plan: Plan, spec: InferenceServiceSpec, rollout: _Rollout) -> list[dict[str, Any]]:
-    slo = (f"predicted TTFT {plan.predicted_ttft_ms:g} ms (SLO {spec.slo.ttft_p95_ms:g}), "
-           f"TPOT {plan.predicted_tpot_ms:g} ms (SLO {spec.slo.tpot_p95_ms:g})")
-    progressing, ready_condition = _replica_conditions(rollout.counts, rollout.desired, rollout.ready,
-                                                       rollout.current, f"{rollout.counts}; {slo}")
+    slo = (
+        f"predicted TTFT {plan.predicted_ttft_ms:g} ms (SLO {spec.slo.ttft_p95_ms:g}), "
+        f"TPOT {plan.predicted_tpot_ms:g} ms (SLO {spec.slo.tpot_p95_ms:g})"
+    )
+    progressing, ready_condition = _replica_conditions(
+        rollout.counts, rollout.desired, rollout.ready, rollout.current, f"{rollout.counts}; {slo}"
+    )
     if not plan.meets_slo:
         degraded = _condition("Degraded", True, "SLOAtRisk", plan.reasons.get("replicas", slo))
     elif rollout.current and rollout.ready < rollout.desired:
@@ -147,17 +168,22 @@ def _planned_conditions(plan: Plan, spec: InferenceServiceSpec, rollout: _Rollou
         degraded = _condition("Degraded", False, "AsPlanned", slo)
     return [
         _condition("Planned", True, "Planned", plan.reason),
-        _condition("Progressing", *progressing, f"{rollout.updated}/{rollout.desired} replicas updated, "
-                   f"{rollout.counts}"),
+        _condition(
+            "Progressing", *progressing, f"{rollout.updated}/{rollout.desired} replicas updated, {rollout.counts}"
+        ),
         ready_condition,
         degraded,
     ]
 
 
-def conditions(plan: Plan, spec: InferenceServiceSpec | None, desired: int,
-               deployment: Mapping[str, Any] | None,
-               blocked: tuple[str, str] | None = None,
-               problem: tuple[str, str] | None = None) -> list[dict[str, Any]]:
+def conditions(
+    plan: Plan,
+    spec: InferenceServiceSpec | None,
+    desired: int,
+    deployment: Mapping[str, Any] | None,
+    blocked: tuple[str, str] | None = None,
+    problem: tuple[str, str] | None = None,
+) -> list[dict[str, Any]]:
     """Planned / Progressing / Ready / Degraded from the plan and the Deployment's status.
 
     `deployment` is the one this InferenceService owns, if any; when the plan does not fit it is
@@ -173,19 +199,25 @@ def conditions(plan: Plan, spec: InferenceServiceSpec | None, desired: int,
     if problem is not None:
         # Not ready, and the pods or the Deployment say why: that is the reason to show.
         reason, message = problem
-        conditions_ = [_condition("Ready", False, reason, f"{c['message']}: {message}")
-                       if c["type"] == "Ready" and c["status"] == "False" and c["reason"] == "ReplicasNotReady" else c
-                       for c in conditions_]
+        conditions_ = [
+            _condition("Ready", False, reason, f"{c['message']}: {message}")
+            if c["type"] == "Ready" and c["status"] == "False" and c["reason"] == "ReplicasNotReady"
+            else c
+            for c in conditions_
+        ]
     if blocked is not None:
         reason, message = blocked
-        replaced = {"Progressing": _condition("Progressing", False, reason, message),
-                    "Ready": _condition("Ready", False, reason, message)}
+        replaced = {
+            "Progressing": _condition("Progressing", False, reason, message),
+            "Ready": _condition("Ready", False, reason, message),
+        }
         conditions_ = [replaced.get(c["type"], c) for c in conditions_]
     return conditions_
 
 
-def with_transition_times(new: Sequence[Mapping[str, Any]], old: Sequence[Mapping[str, Any]],
-                          now: datetime, generation: int) -> list[dict[str, Any]]:
+def with_transition_times(
+    new: Sequence[Mapping[str, Any]], old: Sequence[Mapping[str, Any]], now: datetime, generation: int
+) -> list[dict[str, Any]]:
     before = {c.get("type"): c for c in old}
     stamped = []
     for condition in new:
@@ -193,16 +225,24 @@ def with_transition_times(new: Sequence[Mapping[str, Any]], old: Sequence[Mappin
         since = previous.get("lastTransitionTime")
         if previous.get("status") != condition["status"] or not since:
             since = now.strftime("%Y-%m-%dT%H:%M:%SZ")
-        stamped.append({**condition, "observedGeneration": generation,
-                        "lastTransitionTime": since})
+        stamped.append({**condition, "observedGeneration": generation, "lastTransitionTime": since})
     return stamped
 
 
-def build(*, name: str, namespace: str, generation: int, plan: Plan, spec: InferenceServiceSpec | None,
-          deployment: Mapping[str, Any] | None, old: Mapping[str, Any],
-          now: datetime, blocked: tuple[str, str] | None = None,
-          pods: Sequence[Mapping[str, Any]] = (),
-          last_good: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def build(
+    *,
+    name: str,
+    namespace: str,
+    generation: int,
+    plan: Plan,
+    spec: InferenceServiceSpec | None,
+    deployment: Mapping[str, Any] | None,
+    old: Mapping[str, Any],
+    now: datetime,
+    blocked: tuple[str, str] | None = None,
+    pods: Sequence[Mapping[str, Any]] = (),
+    last_good: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The whole `status` to write; `deployment` is the owned Deployment, if any; `last_good` is
     `lastGoodPlan`, the record of the last plan that fit (reconcile.last_good)."""
     desired = 0
@@ -233,4 +273,3 @@ def build(*, name: str, namespace: str, generation: int, plan: Plan, spec: Infer
         "latency": latency,
         "conditions": with_transition_times(fresh, old.get("conditions", []), now, generation),
     }
-

@@ -50,16 +50,31 @@ RETRY_AFTER_SECONDS = 10
 REFUSED_BACKOFF_SECONDS = 1.0
 MAX_BODY_BYTES = 16 << 20  # the engine's own default limit
 # Headers that describe one hop, not the request (RFC 9110 7.6.1), and those aiohttp sets itself.
-_HOP_HEADERS = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
-                "host", "content-length"}
+_HOP_HEADERS = {
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+}
 
 log = logging.getLogger(__name__)
 
 
 def _error(status: int, message: str, code: str | None = None, retry_after: int | None = None) -> web.Response:
     """An OpenAI-shaped error, as the engine writes them."""
-    body = {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "service_unavailable",
-                      "param": "model" if status == 404 else None, "code": code}}
+    body = {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error" if status < 500 else "service_unavailable",
+            "param": "model" if status == 404 else None,
+            "code": code,
+        }
+    }
     headers = {"Retry-After": str(retry_after)} if retry_after else None
     return web.json_response(body, status=status, headers=headers)
 
@@ -78,8 +93,15 @@ class Gateway:
     `cluster` (the operator's one adapter, blocking: used from a thread) writes the scale
     subresource and the Event when a service wakes from zero."""
 
-    def __init__(self, services: Mapping[Any, Any], deployments: Mapping[Any, Any], replicasets: Mapping[Any, Any],
-                 pods: Mapping[Any, Any], cluster: KubeCluster, hold_seconds: float = HOLD_SECONDS) -> None:
+    def __init__(
+        self,
+        services: Mapping[Any, Any],
+        deployments: Mapping[Any, Any],
+        replicasets: Mapping[Any, Any],
+        pods: Mapping[Any, Any],
+        cluster: KubeCluster,
+        hold_seconds: float = HOLD_SECONDS,
+    ) -> None:
         self._indexes = services, deployments, replicasets, pods
         self._cluster = cluster
         self.hold_seconds = hold_seconds
@@ -87,8 +109,14 @@ class Gateway:
         self._instance = socket.gethostname()
         self._session: aiohttp.ClientSession | None = None
         self.app = web.Application(client_max_size=MAX_BODY_BYTES)
-        self.app.add_routes([web.get("/healthz", self._healthz), web.get("/v1/models", self._models),
-                             web.post("/v1/completions", self._forward), web.post("/v1/chat/completions", self._forward)])
+        self.app.add_routes(
+            [
+                web.get("/healthz", self._healthz),
+                web.get("/v1/models", self._models),
+                web.post("/v1/completions", self._forward),
+                web.post("/v1/chat/completions", self._forward),
+            ]
+        )
         self.app.on_cleanup.append(self._close)
 
     async def _close(self, _: web.Application) -> None:
@@ -112,8 +140,9 @@ class Gateway:
 
     async def _models(self, _: web.Request) -> web.Response:
         models = sorted({m for s in self._services() if (m := served_model(s))})
-        return web.json_response({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "kvpilot"}
-                                                             for m in models]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "kvpilot"} for m in models]}
+        )
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -148,19 +177,26 @@ class Gateway:
             except aiohttp.ClientConnectorError:
                 # Nothing was sent: the engine is not listening (yet). Another one, or later.
                 held.refused_until[url] = time.monotonic() + REFUSED_BACKOFF_SECONDS
-        return _error(503, f"no replica of {'/'.join(key)} became ready within {self.hold_seconds:g} s",
-                      retry_after=RETRY_AFTER_SECONDS)
+        return _error(
+            503,
+            f"no replica of {'/'.join(key)} became ready within {self.hold_seconds:g} s",
+            retry_after=RETRY_AFTER_SECONDS,
+        )
 
-    async def _proxy(self, request: web.Request, url: str, raw: bytes, headers: Mapping[str, str],
-                     held: _Held) -> web.StreamResponse:
+    async def _proxy(
+        self, request: web.Request, url: str, raw: bytes, headers: Mapping[str, str], held: _Held
+    ) -> web.StreamResponse:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
-                                                  auto_decompress=False)
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5), auto_decompress=False
+            )
         held.in_flight[url] = held.in_flight.get(url, 0) + 1
         try:
             async with self._session.post(f"{url}{request.path}", data=raw, headers=headers) as upstream:
-                response = web.StreamResponse(status=upstream.status, headers={
-                    k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS})
+                response = web.StreamResponse(
+                    status=upstream.status,
+                    headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS},
+                )
                 await response.prepare(request)
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
@@ -192,7 +228,9 @@ class Gateway:
     def _write_scale(self, service: Mapping[str, Any]) -> None:
         metadata = service["metadata"]
         message = "a request arrived at 0 replicas: 0 -> 1 (the gateway holds it until a replica serves it)"
-        self._cluster.write_replicas(service, 1, scaling_event(service, "ScaledUp", message, time.time(), self._instance))
+        self._cluster.write_replicas(
+            service, 1, scaling_event(service, "ScaledUp", message, time.time(), self._instance)
+        )
         log.info(f"gateway: {metadata['namespace']}/{metadata['name']}: a request arrived at 0 replicas: 0 -> 1")
 
     async def serve(self, host: str, port: int) -> web.AppRunner:

@@ -90,8 +90,15 @@ class Cluster(Protocol):
         at that version any more."""
         ...
 
-    def patch_status(self, api_version: str, kind: str, namespace: str, name: str,
-                     patch: Manifest, resource_version: str | None = None) -> str:
+    def patch_status(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: Manifest,
+        resource_version: str | None = None,
+    ) -> str:
         """Merge-patch the status subresource (None values remove fields), only onto
         `resource_version` when given (else WriteConflict); the object's new resourceVersion."""
         ...
@@ -120,12 +127,14 @@ class KubeCluster:
         return self._client.resources.get(api_version=api_version, kind=kind)
 
     def _apply(self, manifest: Manifest, resource_version: str) -> Manifest:
-        body = {**manifest, "metadata": {**manifest["metadata"],
-                                         "resourceVersion": resource_version}}
+        body = {**manifest, "metadata": {**manifest["metadata"], "resourceVersion": resource_version}}
         with _translated(describe(manifest)):
             result = self._resource(manifest["apiVersion"], manifest["kind"]).server_side_apply(
-                body=body, namespace=manifest["metadata"].get("namespace"),
-                field_manager=FIELD_MANAGER, force_conflicts=True)
+                body=body,
+                namespace=manifest["metadata"].get("namespace"),
+                field_manager=FIELD_MANAGER,
+                force_conflicts=True,
+            )
         return dict(result.to_dict())
 
     def create(self, manifest: Manifest) -> Manifest:
@@ -141,18 +150,27 @@ class KubeCluster:
             return None
         return dict(found.to_dict())
 
-    def patch_status(self, api_version: str, kind: str, namespace: str, name: str,
-                     patch: Manifest, resource_version: str | None = None) -> str:
+    def patch_status(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: Manifest,
+        resource_version: str | None = None,
+    ) -> str:
         body: Manifest = {"status": patch}
         if resource_version is not None:
             body["metadata"] = {"resourceVersion": resource_version}
         with _translated(f"{kind} {namespace}/{name} status"):
             patched = self._resource(api_version, kind).status.patch(
-                body=body, name=name, namespace=namespace, content_type="application/merge-patch+json")
+                body=body, name=name, namespace=namespace, content_type="application/merge-patch+json"
+            )
         return str(patched.metadata.resourceVersion)
 
-    def write_replicas(self, body: Mapping[str, Any], replicas: int, event: Manifest,
-                       resource_version: str | None = None) -> None:
+    def write_replicas(
+        self, body: Mapping[str, Any], replicas: int, event: Manifest, resource_version: str | None = None
+    ) -> None:
         """Set the InferenceService `body`'s replicas through its scale subresource (only at
         `resource_version`, when given: else WriteConflict) and post `event` on it."""
         metadata = body["metadata"]
@@ -161,8 +179,11 @@ class KubeCluster:
             patch["metadata"] = {"resourceVersion": resource_version}
         with _translated(f"{KIND} {metadata['namespace']}/{metadata['name']} scale"):
             self._resource(API_VERSION, KIND).scale.patch(
-                body=patch, name=metadata["name"], namespace=metadata["namespace"],
-                content_type="application/merge-patch+json")
+                body=patch,
+                name=metadata["name"],
+                namespace=metadata["namespace"],
+                content_type="application/merge-patch+json",
+            )
             self._resource("v1", "Event").create(body=event, namespace=metadata["namespace"])
 
     def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[Manifest]:
@@ -172,13 +193,15 @@ class KubeCluster:
 
     def gpu_products(self) -> list[str]:
         nodes = self._resource("v1", "Node").get().to_dict().get("items", [])
-        return sorted({
-            labels[key]
-            for node in nodes
-            for labels in [node.get("metadata", {}).get("labels") or {}]
-            for key in (NVIDIA_PRODUCT_LABEL, AMD_PRODUCT_LABEL)
-            if key in labels
-        })
+        return sorted(
+            {
+                labels[key]
+                for node in nodes
+                for labels in [node.get("metadata", {}).get("labels") or {}]
+                for key in (NVIDIA_PRODUCT_LABEL, AMD_PRODUCT_LABEL)
+                if key in labels
+            }
+        )
 
     def ensure_peering(self, name: str, namespaces: list[str] | None) -> None:
         """Create the kopf peering object(s) replicas coordinate through, if missing:
@@ -187,8 +210,11 @@ class KubeCluster:
         Looks before creating: where the Helm chart made them, the operator's role has no
         `create` on peerings, and the API server authorizes a create before checking existence.
         """
-        targets = ([("ClusterKopfPeering", None)] if namespaces is None
-                   else [("KopfPeering", namespace) for namespace in namespaces])
+        targets = (
+            [("ClusterKopfPeering", None)]
+            if namespaces is None
+            else [("KopfPeering", namespace) for namespace in namespaces]
+        )
         for kind, namespace in targets:
             resource = self._resource(PEERING_API_VERSION, kind)
             try:
@@ -199,7 +225,7 @@ class KubeCluster:
             metadata = {"name": name, **({"namespace": namespace} if namespace else {})}
             try:
                 resource.create(
-                    body={"apiVersion": PEERING_API_VERSION, "kind": kind, "metadata": metadata},
-                    namespace=namespace)
+                    body={"apiVersion": PEERING_API_VERSION, "kind": kind, "metadata": metadata}, namespace=namespace
+                )
             except ConflictError:
                 pass  # another replica, or the Helm chart, created it first

@@ -21,15 +21,23 @@ def scaling_event(body: Mapping[str, Any], reason: str, message: str, at: float,
     metadata = body["metadata"]
     when = iso(at)
     return {
-        "apiVersion": "v1", "kind": "Event",
+        "apiVersion": "v1",
+        "kind": "Event",
         "metadata": {"generateName": f"{metadata['name']}.", "namespace": metadata["namespace"]},
-        "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": metadata["name"],
-                           "namespace": metadata["namespace"], "uid": metadata["uid"]},
+        "involvedObject": {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": metadata["name"],
+            "namespace": metadata["namespace"],
+            "uid": metadata["uid"],
+        },
         "type": "Normal",
         "reason": reason,
         "message": message[:1024],  # the API server refuses longer messages
         "source": {"component": EVENT_COMPONENT},
-        "reportingComponent": EVENT_COMPONENT, "reportingInstance": instance,
-        "firstTimestamp": when, "lastTimestamp": when,
+        "reportingComponent": EVENT_COMPONENT,
+        "reportingInstance": instance,
+        "firstTimestamp": when,
+        "lastTimestamp": when,
         "count": 1,
     }

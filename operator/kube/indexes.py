@@ -48,8 +48,9 @@ def indexed_service(services: Mapping[Any, Any], key: tuple[str, str]) -> Mappin
     return next(iter(services.get(key, ())), None)
 
 
-def indexed_children(deployments: Mapping[Any, Any], replicasets: Mapping[Any, Any], pods: Mapping[Any, Any],
-                     service: Mapping[str, Any]) -> tuple[list[Any], list[Any], list[Any]]:
+def indexed_children(
+    deployments: Mapping[Any, Any], replicasets: Mapping[Any, Any], pods: Mapping[Any, Any], service: Mapping[str, Any]
+) -> tuple[list[Any], list[Any], list[Any]]:
     """The Deployments, ReplicaSets and engine pods the indexes hold under `service`'s key."""
     key = (service["metadata"]["namespace"], service["metadata"]["name"])
     return list(deployments.get(key, ())), list(replicasets.get(key, ())), list(pods.get(key, ()))
@@ -59,9 +60,12 @@ def _controlled_by(child: Mapping[str, Any], uids: set[str]) -> bool:
     return any(r.get("controller") and r.get("uid") in uids for r in child["metadata"].get("ownerReferences") or [])
 
 
-def children(body: Mapping[str, Any], deployments: Sequence[Mapping[str, Any]],
-             replicasets: Sequence[Mapping[str, Any]],
-             pods: Sequence[Mapping[str, Any]]) -> tuple[Mapping[str, Any] | None, list[Mapping[str, Any]]]:
+def children(
+    body: Mapping[str, Any],
+    deployments: Sequence[Mapping[str, Any]],
+    replicasets: Sequence[Mapping[str, Any]],
+    pods: Sequence[Mapping[str, Any]],
+) -> tuple[Mapping[str, Any] | None, list[Mapping[str, Any]]]:
     """The Deployment this InferenceService controls (None: there is none, or a same-named one of
     someone else) and its engine pods, out of one round's lists of the operator's children.
 
@@ -72,21 +76,43 @@ def children(body: Mapping[str, Any], deployments: Sequence[Mapping[str, Any]],
     hash>`): a pod chooses its owner reference's name and its labels, and nothing checks them."""
     metadata = body["metadata"]
     namespace, name = metadata["namespace"], metadata["name"]
-    deployment = next((d for d in deployments
-                       if (d["metadata"].get("namespace"), d["metadata"].get("name")) == (namespace, name)
-                       and _controlled_by(d, {metadata["uid"]})), None)
+    deployment = next(
+        (
+            d
+            for d in deployments
+            if (d["metadata"].get("namespace"), d["metadata"].get("name")) == (namespace, name)
+            and _controlled_by(d, {metadata["uid"]})
+        ),
+        None,
+    )
     if deployment is None:
         return None, []
-    owned = {rs["metadata"]["uid"] for rs in replicasets
-             if rs["metadata"].get("namespace") == namespace and _controlled_by(rs, {deployment["metadata"]["uid"]})}
-    mine = [p for p in pods if p["metadata"].get("namespace") == namespace
-            and (p["metadata"].get("labels") or {}).get(INSTANCE_LABEL) == name and _controlled_by(p, owned)]
+    owned = {
+        rs["metadata"]["uid"]
+        for rs in replicasets
+        if rs["metadata"].get("namespace") == namespace and _controlled_by(rs, {deployment["metadata"]["uid"]})
+    }
+    mine = [
+        p
+        for p in pods
+        if p["metadata"].get("namespace") == namespace
+        and (p["metadata"].get("labels") or {}).get(INSTANCE_LABEL) == name
+        and _controlled_by(p, owned)
+    ]
     return deployment, mine
 
 
 # generation: the operator reconciles from an InferenceService's entry (controller/handlers.py, through controller/serial.py).
-_KEPT_METADATA = ("name", "namespace", "uid", "generation", "resourceVersion", "deletionTimestamp", "labels",
-                  "ownerReferences")
+_KEPT_METADATA = (
+    "name",
+    "namespace",
+    "uid",
+    "generation",
+    "resourceVersion",
+    "deletionTimestamp",
+    "labels",
+    "ownerReferences",
+)
 
 
 def index_entry(body: Mapping[str, Any], key_label: str | None = None) -> dict[tuple[str, str], dict[str, Any]]:
@@ -98,8 +124,10 @@ def index_entry(body: Mapping[str, Any], key_label: str | None = None) -> dict[t
     key = metadata.get("name") if key_label is None else (metadata.get("labels") or {}).get(key_label)
     if key is None:
         return {}
-    kept = {"metadata": copy.deepcopy({k: metadata[k] for k in _KEPT_METADATA if k in metadata}),
-            "status": copy.deepcopy(dict(body.get("status") or {}))}
+    kept = {
+        "metadata": copy.deepcopy({k: metadata[k] for k in _KEPT_METADATA if k in metadata}),
+        "status": copy.deepcopy(dict(body.get("status") or {})),
+    }
     if body.get("kind") not in ("Pod", "ReplicaSet"):  # their specs (pods, a pod template) are large and not needed
         kept["spec"] = copy.deepcopy(dict(body.get("spec") or {}))
     return {(metadata["namespace"], key): kept}

@@ -24,7 +24,6 @@ MiB = 1024**2
 GiB = 1024**3
 
 
-
 class GPU(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -71,51 +70,133 @@ class GPU(BaseModel):
 GPUS: dict[str, GPU] = {
     gpu.name: gpu
     for gpu in (
-        GPU(name="T4", product="Tesla-T4", memory_gib=16, usable_memory_mib=15360, bandwidth_gbps=320,
-            fp16_tflops=65, int8_tops=130, fp8=False, bf16=False,
+        GPU(
+            name="T4",
+            product="Tesla-T4",
+            memory_gib=16,
+            usable_memory_mib=15360,
+            bandwidth_gbps=320,
+            fp16_tflops=65,
+            int8_tops=130,
+            fp8=False,
+            bf16=False,
             source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/"
-                   "t4-tensor-core-datasheet-951643.pdf"),
-        GPU(name="L4", product="NVIDIA-L4", memory_gib=24, usable_memory_mib=23034, bandwidth_gbps=300,
-            fp16_tflops=121, int8_tops=242.5, fp8=True,
+            "t4-tensor-core-datasheet-951643.pdf",
+        ),
+        GPU(
+            name="L4",
+            product="NVIDIA-L4",
+            memory_gib=24,
+            usable_memory_mib=23034,
+            bandwidth_gbps=300,
+            fp16_tflops=121,
+            int8_tops=242.5,
+            fp8=True,
             source="https://resources.nvidia.com/en-us-data-center-overview/l4-gpu-datasheet "
-                   "(242 TFLOPS FP16 / 485 TOPS INT8 with sparsity, halved)"),
+            "(242 TFLOPS FP16 / 485 TOPS INT8 with sparsity, halved)",
+        ),
         # NVIDIA publishes no A10G sheet; memory and bandwidth equal the A10's, tensor throughput
         # is AWS's G5 figure as compared in the Baseten write-up.
-        GPU(name="A10G", product="NVIDIA-A10G", memory_gib=24, usable_memory_mib=23028, bandwidth_gbps=600,
-            fp16_tflops=70, int8_tops=140, fp8=False,
+        GPU(
+            name="A10G",
+            product="NVIDIA-A10G",
+            memory_gib=24,
+            usable_memory_mib=23028,
+            bandwidth_gbps=600,
+            fp16_tflops=70,
+            int8_tops=140,
+            fp8=False,
             source="https://aws.amazon.com/ec2/instance-types/g5/ ; "
-                   "https://www.baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference/"),
-        GPU(name="L40S", product="NVIDIA-L40S", memory_gib=48, usable_memory_mib=46068, bandwidth_gbps=864,
-            fp16_tflops=362.05, int8_tops=733, fp8=True,
+            "https://www.baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference/",
+        ),
+        GPU(
+            name="L40S",
+            product="NVIDIA-L40S",
+            memory_gib=48,
+            usable_memory_mib=46068,
+            bandwidth_gbps=864,
+            fp16_tflops=362.05,
+            int8_tops=733,
+            fp8=True,
             source="https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413 "
-                   "(733 TFLOPS FP16 / 1466 TOPS INT8 with sparsity, halved)"),
-        GPU(name="A100-40GB", product="NVIDIA-A100-SXM4-40GB", memory_gib=40, usable_memory_mib=40960,
-            bandwidth_gbps=1555, fp16_tflops=312, int8_tops=624, fp8=False,
+            "(733 TFLOPS FP16 / 1466 TOPS INT8 with sparsity, halved)",
+        ),
+        GPU(
+            name="A100-40GB",
+            product="NVIDIA-A100-SXM4-40GB",
+            memory_gib=40,
+            usable_memory_mib=40960,
+            bandwidth_gbps=1555,
+            fp16_tflops=312,
+            int8_tops=624,
+            fp8=False,
             aliases=("NVIDIA-A100-PCIE-40GB",),
             source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
-                   "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (SXM)"),
-        GPU(name="A100-80GB", product="NVIDIA-A100-SXM4-80GB", memory_gib=80, usable_memory_mib=81920,
-            bandwidth_gbps=2039, fp16_tflops=312, int8_tops=624, fp8=False,
+            "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (SXM)",
+        ),
+        GPU(
+            name="A100-80GB",
+            product="NVIDIA-A100-SXM4-80GB",
+            memory_gib=80,
+            usable_memory_mib=81920,
+            bandwidth_gbps=2039,
+            fp16_tflops=312,
+            int8_tops=624,
+            fp8=False,
             # The PCIe card's 1935 GB/s is 5 % below the SXM figure planned with.
             aliases=("NVIDIA-A100-80GB-PCIe",),
             source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
-                   "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (SXM)"),
-        GPU(name="H100-80GB", product="NVIDIA-H100-80GB-HBM3", memory_gib=80, usable_memory_mib=81559,
-            bandwidth_gbps=3350, fp16_tflops=989, int8_tops=1979, fp8=True,
+            "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (SXM)",
+        ),
+        GPU(
+            name="H100-80GB",
+            product="NVIDIA-H100-80GB-HBM3",
+            memory_gib=80,
+            usable_memory_mib=81559,
+            bandwidth_gbps=3350,
+            fp16_tflops=989,
+            int8_tops=1979,
+            fp8=True,
             source="https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet "
-                   "(H100 SXM; 1979 TFLOPS BF16 / 3958 TOPS INT8 with sparsity, halved)"),
-        GPU(name="H200", product="NVIDIA-H200", memory_gib=141, usable_memory_mib=143771, bandwidth_gbps=4800,
-            fp16_tflops=989, int8_tops=1979, fp8=True,
-            source="https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM, sparsity halved)"),
-        GPU(name="B200", product="NVIDIA-B200", memory_gib=180, usable_memory_mib=183359, bandwidth_gbps=8000,
-            fp16_tflops=2250, int8_tops=4500, fp8=True,
+            "(H100 SXM; 1979 TFLOPS BF16 / 3958 TOPS INT8 with sparsity, halved)",
+        ),
+        GPU(
+            name="H200",
+            product="NVIDIA-H200",
+            memory_gib=141,
+            usable_memory_mib=143771,
+            bandwidth_gbps=4800,
+            fp16_tflops=989,
+            int8_tops=1979,
+            fp8=True,
+            source="https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM, sparsity halved)",
+        ),
+        GPU(
+            name="B200",
+            product="NVIDIA-B200",
+            memory_gib=180,
+            usable_memory_mib=183359,
+            bandwidth_gbps=8000,
+            fp16_tflops=2250,
+            int8_tops=4500,
+            fp8=True,
             source="https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200: 1.4 TB, 64 TB/s, "
-                   "36 PFLOPS FP16 and 72 POPS INT8 sparse per 8 GPUs; per GPU, sparsity halved)"),
-        GPU(name="MI300X", product="AMD_Instinct_MI300X", product_label=AMD_PRODUCT_LABEL,
-            resource=AMD_GPU_RESOURCE, memory_gib=192, usable_memory_mib=196608, bandwidth_gbps=5300,
-            fp16_tflops=1307.4, int8_tops=2614.9, fp8=True,
+            "36 PFLOPS FP16 and 72 POPS INT8 sparse per 8 GPUs; per GPU, sparsity halved)",
+        ),
+        GPU(
+            name="MI300X",
+            product="AMD_Instinct_MI300X",
+            product_label=AMD_PRODUCT_LABEL,
+            resource=AMD_GPU_RESOURCE,
+            memory_gib=192,
+            usable_memory_mib=196608,
+            bandwidth_gbps=5300,
+            fp16_tflops=1307.4,
+            int8_tops=2614.9,
+            fp8=True,
             source="https://www.amd.com/content/dam/amd/en/documents/instinct-tech-docs/"
-                   "data-sheets/amd-instinct-mi300x-data-sheet.pdf"),
+            "data-sheets/amd-instinct-mi300x-data-sheet.pdf",
+        ),
     )
 }
 
@@ -127,9 +208,7 @@ def _key(name: str) -> str:
     return name.lower().replace("_", "-").replace(" ", "-")
 
 
-_BY_KEY: dict[str, GPU] = {
-    _key(alias): gpu for gpu in GPUS.values() for alias in (gpu.name, *gpu.products)
-}
+_BY_KEY: dict[str, GPU] = {_key(alias): gpu for gpu in GPUS.values() for alias in (gpu.name, *gpu.products)}
 
 
 def find_gpu(name: str) -> GPU | None:

@@ -161,8 +161,6 @@ class _Speculation(NamedTuple):
     miss: str | None
 
 
-
-
 def _gib(n: float) -> str:
     return f"{n / sizing.GiB:.1f}"
 
@@ -172,9 +170,15 @@ def _ms(seconds: float) -> str:
 
 
 def _failed(spec: InferenceServiceSpec, failure: str, reason: str, sizes: _Sizes | None = None) -> Plan:
-    return Plan(fits=False, failure=failure, reason=reason, model=spec.model.name,
-                block_size=spec.serving.block_size,
-                gpu_memory_utilization=spec.serving.gpu_memory_utilization, **(sizes._asdict() if sizes else {}))
+    return Plan(
+        fits=False,
+        failure=failure,
+        reason=reason,
+        model=spec.model.name,
+        block_size=spec.serving.block_size,
+        gpu_memory_utilization=spec.serving.gpu_memory_utilization,
+        **(sizes._asdict() if sizes else {}),
+    )
 
 
 def _listed(options: Iterable[str]) -> str:
@@ -183,17 +187,18 @@ def _listed(options: Iterable[str]) -> str:
 
 def _unsupported_pins(spec: InferenceServiceSpec, capabilities: EngineCapabilities) -> str | None:
     """Why the spec pins options this engine cannot run, None when it pins none."""
-    problems = [f"serving.{field} {value!r} is not one this engine runs (supported: {_listed(supported)}; "
-                "or 'auto')"
-                for field, value, supported in (
-                    ("quantization", spec.serving.quantization, capabilities.quantization),
-                    ("speculative", spec.serving.speculative, capabilities.speculative))
-                if value != "auto" and value not in supported]
+    problems = [
+        f"serving.{field} {value!r} is not one this engine runs (supported: {_listed(supported)}; or 'auto')"
+        for field, value, supported in (
+            ("quantization", spec.serving.quantization, capabilities.quantization),
+            ("speculative", spec.serving.speculative, capabilities.speculative),
+        )
+        if value != "auto" and value not in supported
+    ]
     return "; ".join(problems) or None
 
 
-def _draft(spec: InferenceServiceSpec, target: Architecture,
-           capabilities: EngineCapabilities) -> _Draft | Plan | None:
+def _draft(spec: InferenceServiceSpec, target: Architecture, capabilities: EngineCapabilities) -> _Draft | Plan | None:
     """The draft model a plan may run (serving.draftModel, under a mode that may choose it), a
     failed Plan when it cannot be sized or the engine would refuse it, None when there is none."""
     serving = spec.serving
@@ -203,23 +208,30 @@ def _draft(spec: InferenceServiceSpec, target: Architecture,
     hub = hub_source(source)
     arch = serving.draft_model_architecture or find_model(hub.repo if hub else source.rstrip("/"))
     if arch is None:
-        return _failed(spec, "UnknownDraftModel",
-                       f"serving.draftModel {source!r} is not a catalog model ({', '.join(MODELS)}) by its "
-                       "repository or folder name, and serving.draftModelArchitecture is not set: the "
-                       "planner needs the draft's size")
+        return _failed(
+            spec,
+            "UnknownDraftModel",
+            f"serving.draftModel {source!r} is not a catalog model ({', '.join(MODELS)}) by its "
+            "repository or folder name, and serving.draftModelArchitecture is not set: the "
+            "planner needs the draft's size",
+        )
     problem = sizing.architecture_problem(arch)
     if problem is not None:
         return _failed(spec, "InvalidArchitecture", f"serving.draftModel {source!r}: {problem}")
     if arch.vocab_size != target.vocab_size:
-        return _failed(spec, "DraftVocabularyMismatch",
-                       f"serving.draftModel {source!r} has a vocabulary of {arch.vocab_size} tokens and "
-                       f"{spec.model.name} {target.vocab_size}: the engine drafts only with the target's "
-                       "tokens, so it would refuse this draft")
+        return _failed(
+            spec,
+            "DraftVocabularyMismatch",
+            f"serving.draftModel {source!r} has a vocabulary of {arch.vocab_size} tokens and "
+            f"{spec.model.name} {target.vocab_size}: the engine drafts only with the target's "
+            "tokens, so it would refuse this draft",
+        )
     return _Draft(source, arch, sizing.weight_bytes(arch, "none"), sizing.kv_bytes_per_token(arch))
 
 
-def choose_speculative(mode: str, *, batch: float, tpot_bound: bool, temperature: float,
-                       draft_model: str | None, supported: Sequence[str]) -> tuple[str, str]:
+def choose_speculative(
+    mode: str, *, batch: float, tpot_bound: bool, temperature: float, draft_model: str | None, supported: Sequence[str]
+) -> tuple[str, str]:
     """The speculative mode to run and why; `supported` are the engine's modes, and a pinned
     `mode` is one of them (plan() refuses a spec pinning any other)."""
     if mode != "auto":
@@ -227,20 +239,25 @@ def choose_speculative(mode: str, *, batch: float, tpot_bound: bool, temperature
     if not set(supported) - {"off"}:
         return "off", f"off: this engine runs no speculative mode (supported: {_listed(supported)})"
     if batch > SPECULATION_MAX_BATCH:
-        return "off", (f"off: predicted batch {batch:.1f} per replica > {SPECULATION_MAX_BATCH}, "
-                       "the GPU is already busy and speculation has no spare compute to use")
+        return "off", (
+            f"off: predicted batch {batch:.1f} per replica > {SPECULATION_MAX_BATCH}, "
+            "the GPU is already busy and speculation has no spare compute to use"
+        )
     if temperature >= HIGH_TEMPERATURE:
-        return "off", (f"off: temperature {temperature:g} >= {HIGH_TEMPERATURE:g}, "
-                       "drafts are rarely accepted")
+        return "off", (f"off: temperature {temperature:g} >= {HIGH_TEMPERATURE:g}, drafts are rarely accepted")
     if not tpot_bound:
         return "off", "off: TTFT, not TPOT, is closest to its SLO; speculation only shortens TPOT"
     # A draft model accepts more tokens than prompt-lookup n-grams, when there is one to run.
     proposers = [m for m in (("draft",) if draft_model else ()) + ("ngram",) if m in supported]
     if not proposers:
-        return "off", (f"off: speculation would pay, but this engine's modes "
-                       f"({_listed(supported)}) need a serving.draftModel, which is not set")
-    return proposers[0], (f"{proposers[0]}: predicted batch {batch:.1f} per replica <= "
-                          f"{SPECULATION_MAX_BATCH}, low temperature and a TPOT-bound SLO")
+        return "off", (
+            f"off: speculation would pay, but this engine's modes "
+            f"({_listed(supported)}) need a serving.draftModel, which is not set"
+        )
+    return proposers[0], (
+        f"{proposers[0]}: predicted batch {batch:.1f} per replica <= "
+        f"{SPECULATION_MAX_BATCH}, low temperature and a TPOT-bound SLO"
+    )
 
 
 def _batched_tokens(spec: InferenceServiceSpec, arch: Architecture, ops: float) -> tuple[int, str]:
@@ -252,17 +269,20 @@ def _batched_tokens(spec: InferenceServiceSpec, arch: Architecture, ops: float) 
     tokens = max(block, min(max(raw, MIN_BATCHED_TOKENS), MAX_BATCHED_TOKENS) // block * block)
     chunk = _ms(sizing.prefill_seconds(arch.parameters_per_token, tokens, ops))
     if raw < MIN_BATCHED_TOKENS:
-        return tokens, (f"{tokens} tokens per step (the minimum): even this chunk takes {chunk} ms "
-                        f"of the {slo:g} ms TPOT SLO")
+        return tokens, (
+            f"{tokens} tokens per step (the minimum): even this chunk takes {chunk} ms of the {slo:g} ms TPOT SLO"
+        )
     if raw > MAX_BATCHED_TOKENS:
-        return tokens, (f"{tokens} tokens per step (the maximum): a chunk takes {chunk} ms, well "
-                        f"within the {slo:g} ms TPOT SLO")
-    return tokens, (f"{tokens} tokens per step: a prefill chunk that size takes {chunk} ms, "
-                    f"{PREFILL_SHARE_OF_TPOT:.0%} of the {slo:g} ms TPOT SLO")
+        return tokens, (
+            f"{tokens} tokens per step (the maximum): a chunk takes {chunk} ms, well within the {slo:g} ms TPOT SLO"
+        )
+    return tokens, (
+        f"{tokens} tokens per step: a prefill chunk that size takes {chunk} ms, "
+        f"{PREFILL_SHARE_OF_TPOT:.0%} of the {slo:g} ms TPOT SLO"
+    )
 
 
-def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int,
-          speculative: str) -> _Perf:
+def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculative: str) -> _Perf:
     arch, gpu, decode_bytes, kv_per_token, ops, max_num_seqs, draft = replica
     draft = draft if speculative == "draft" else None
     load = spec.load
@@ -270,16 +290,15 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int,
     prefill = sizing.prefill_seconds(arch.parameters_per_token, load.mean_prompt_tokens, ops)
     if draft is not None:
         # The draft computes the prompt too, in the step that samples the first token.
-        prefill += sizing.prefill_seconds(draft.arch.parameters_per_token, load.mean_prompt_tokens,
-                                          gpu.fp16_flops)
+        prefill += sizing.prefill_seconds(draft.arch.parameters_per_token, load.mean_prompt_tokens, gpu.fp16_flops)
     busy = rate * prefill  # share of GPU time spent on prefill
     if busy >= 1:
-        return _Perf(math.inf, math.inf, math.inf,
-                     f"prefill alone needs {busy:.1f}x the GPU at {rate:.2f} req/s per replica")
+        return _Perf(
+            math.inf, math.inf, math.inf, f"prefill alone needs {busy:.1f}x the GPU at {rate:.2f} req/s per replica"
+        )
     context = load.mean_prompt_tokens + load.mean_output_tokens / 2  # mean tokens in cache
     k = spec.serving.num_speculative_tokens
-    tokens_per_step = (sizing.expected_tokens_per_step(ACCEPTANCE[speculative], k)
-                       if speculative != "off" else 1.0)
+    tokens_per_step = sizing.expected_tokens_per_step(ACCEPTANCE[speculative], k) if speculative != "off" else 1.0
 
     def latencies(batch: float) -> tuple[float, float]:
         running = max(batch, 1.0)
@@ -287,15 +306,26 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int,
         share = min(1.0, running * arch.parameters_per_token / arch.parameters)
         step = sizing.decode_step_seconds(
             bytes_read=decode_bytes * share + running * context * kv_per_token,
-            bandwidth=gpu.bandwidth_bytes_per_s, parameters_per_token=arch.parameters_per_token,
-            batch=running, ops_per_s=ops)
+            bandwidth=gpu.bandwidth_bytes_per_s,
+            parameters_per_token=arch.parameters_per_token,
+            batch=running,
+            ops_per_s=ops,
+        )
         tpot = step / (1 - busy)
         if speculative != "off" and running <= SPECULATION_MAX_BATCH:
             # A verification of k + 1 tokens per step, after the draft model's k decode steps.
-            drafting = 0.0 if draft is None else k * sizing.decode_step_seconds(
-                bytes_read=draft.weights + running * context * draft.kv_per_token,
-                bandwidth=gpu.bandwidth_bytes_per_s, parameters_per_token=draft.arch.parameters_per_token,
-                batch=running, ops_per_s=gpu.fp16_flops)
+            drafting = (
+                0.0
+                if draft is None
+                else k
+                * sizing.decode_step_seconds(
+                    bytes_read=draft.weights + running * context * draft.kv_per_token,
+                    bandwidth=gpu.bandwidth_bytes_per_s,
+                    parameters_per_token=draft.arch.parameters_per_token,
+                    batch=running,
+                    ops_per_s=gpu.fp16_flops,
+                )
+            )
             tpot = (step * VERIFY_OVERHEAD + drafting) / tokens_per_step / (1 - busy)
         # M/M/1 wait for the prefill server, plus half a step to reach the next step boundary.
         ttft = prefill * busy / (1 - busy) + step / 2 + prefill
@@ -306,9 +336,12 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int,
         ttft, tpot = latencies(batch)
         following = rate * sizing.request_latency(ttft, tpot, load.mean_output_tokens)
         if following > max_num_seqs:
-            return _Perf(following, ttft, tpot,
-                         f"{rate:.2f} req/s per replica keeps {following:.1f}+ sequences running, "
-                         f"only {max_num_seqs} fit")
+            return _Perf(
+                following,
+                ttft,
+                tpot,
+                f"{rate:.2f} req/s per replica keeps {following:.1f}+ sequences running, only {max_num_seqs} fit",
+            )
         converged = abs(following - batch) < 1e-3
         batch = following
         if converged:
@@ -328,8 +361,7 @@ def _slo_miss(spec: InferenceServiceSpec, perf: _Perf) -> str | None:
     return "predicted " + ", ".join(misses) if misses else None
 
 
-def _replicas(spec: InferenceServiceSpec, replica: _Replica,
-              speculative: str) -> tuple[int, _Perf, str | None]:
+def _replicas(spec: InferenceServiceSpec, replica: _Replica, speculative: str) -> tuple[int, _Perf, str | None]:
     """The fewest replicas within the autoscaling bounds that meet the SLO, else the maximum.
 
     A bisection: more replicas share the same load, so each runs a smaller batch and queues less,
@@ -354,8 +386,15 @@ def _replicas(spec: InferenceServiceSpec, replica: _Replica,
     return high, _perf(spec, replica, high, speculative), None
 
 
-def _memory(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str,
-            context: int, draft: _Draft | None, low_bit_gpu_matmuls: bool) -> _Memory | Plan:
+def _memory(
+    spec: InferenceServiceSpec,
+    arch: Architecture,
+    gpu: GPU,
+    quantization: str,
+    context: int,
+    draft: _Draft | None,
+    low_bit_gpu_matmuls: bool,
+) -> _Memory | Plan:
     """How the GPU's memory divides for one (GPU, quantization) pair, with a draft model or none:
     a failed Plan when the weights or one full sequence do not fit."""
     serving = spec.serving
@@ -373,25 +412,44 @@ def _memory(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantizati
     usable = int(gpu.memory_bytes * serving.gpu_memory_utilization)
     pool = sizing.kv_pool_bytes(gpu.memory_bytes, serving.gpu_memory_utilization, weights, reserve)
     checkpoint = sizing.weight_bytes(arch, spec.model.quantization or "none")
-    sizes = _Sizes(gpu=gpu.name, quantization=quantization, weight_bytes=weights, draft_weight_bytes=draft_weights,
-                   kv_bytes_per_token=kv_per_token, draft_kv_bytes_per_token=draft_kv, checkpoint_bytes=checkpoint,
-                   kv_pool_bytes=max(pool, 0), max_model_len=context)
-    where = (f"{serving.gpu_memory_utilization:.0%} of the {_gib(gpu.memory_bytes)} GiB {gpu.name} reports "
-             f"({_gib(usable)} GiB)")
+    sizes = _Sizes(
+        gpu=gpu.name,
+        quantization=quantization,
+        weight_bytes=weights,
+        draft_weight_bytes=draft_weights,
+        kv_bytes_per_token=kv_per_token,
+        draft_kv_bytes_per_token=draft_kv,
+        checkpoint_bytes=checkpoint,
+        kv_pool_bytes=max(pool, 0),
+        max_model_len=context,
+    )
+    where = (
+        f"{serving.gpu_memory_utilization:.0%} of the {_gib(gpu.memory_bytes)} GiB {gpu.name} reports "
+        f"({_gib(usable)} GiB)"
+    )
     weighed = f"{quantization} weights {_gib(target_weights)} GiB" + (
-        f" + draft model weights {_gib(draft_weights)} GiB" if draft else "")
+        f" + draft model weights {_gib(draft_weights)} GiB" if draft else ""
+    )
     if pool <= 0:
-        return _failed(spec, "WeightsDoNotFit",
-                       f"{spec.model.name} {weighed} + runtime reserve {_gib(reserve)} GiB exceed {where}",
-                       sizes)
+        return _failed(
+            spec,
+            "WeightsDoNotFit",
+            f"{spec.model.name} {weighed} + runtime reserve {_gib(reserve)} GiB exceed {where}",
+            sizes,
+        )
     drafted = f" with its draft's KV and {lookahead} lookahead slots" if draft else ""
-    per_sequence = kv_per_token * sizing.blocks_per_sequence(context + lookahead, serving.block_size) \
-        * serving.block_size
+    per_sequence = (
+        kv_per_token * sizing.blocks_per_sequence(context + lookahead, serving.block_size) * serving.block_size
+    )
     fitting = sizing.sequences_that_fit(pool, kv_per_token, context + lookahead, serving.block_size)
     if fitting == 0:
-        return _failed(spec, "ContextDoesNotFit",
-                       f"one {context}-token sequence{drafted} needs {_gib(per_sequence)} GiB of KV cache "
-                       f"but only {_gib(pool)} GiB is left of {where} after {weighed}", sizes)
+        return _failed(
+            spec,
+            "ContextDoesNotFit",
+            f"one {context}-token sequence{drafted} needs {_gib(per_sequence)} GiB of KV cache "
+            f"but only {_gib(pool)} GiB is left of {where} after {weighed}",
+            sizes,
+        )
     # Sized for the mean context (prompt + half the output: what a sequence holds on average over its
     # life), as vLLM sizes its batch: the few sequences that grow long are preempted and recomputed.
     mean_context = min(context, math.ceil(spec.load.mean_prompt_tokens + spec.load.mean_output_tokens / 2))
@@ -402,58 +460,100 @@ def _memory(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantizati
         budget = max_num_seqs
         batching_reason = f"{budget} tokens per step: one decode token for each of max_num_seqs"
     kv = f"{kv_per_token / sizing.MiB:.3g} MiB/token" + (
-        f" ({target_kv / sizing.MiB:.3g} target + {draft_kv / sizing.MiB:.3g} draft)" if draft else "")
-    kv_reason = (f"{fitting_mean} sequences at the mean context of {mean_context} tokens (prompt + half "
-                 f"the output) fit, {fitting} at the full {context}{drafted}; preemption covers sequences "
-                 f"that grow long: KV {kv}, {_gib(per_sequence)} GiB per full sequence, pool {_gib(pool)} "
-                 f"GiB = {where} - weights {_gib(target_weights)} GiB"
-                 + (f" - draft model weights {_gib(draft_weights)} GiB" if draft else "")
-                 + f" - reserve {_gib(reserve)} GiB"
-                 + (f"; capped at {MAX_NUM_SEQS_CAP}" if fitting_mean > MAX_NUM_SEQS_CAP else ""))
-    replica = _Replica(arch, gpu, sizing.decode_weight_bytes(arch, quantization, low_bit_gpu_matmuls), target_kv, ops,
-                       max_num_seqs, draft)
+        f" ({target_kv / sizing.MiB:.3g} target + {draft_kv / sizing.MiB:.3g} draft)" if draft else ""
+    )
+    kv_reason = (
+        f"{fitting_mean} sequences at the mean context of {mean_context} tokens (prompt + half "
+        f"the output) fit, {fitting} at the full {context}{drafted}; preemption covers sequences "
+        f"that grow long: KV {kv}, {_gib(per_sequence)} GiB per full sequence, pool {_gib(pool)} "
+        f"GiB = {where} - weights {_gib(target_weights)} GiB"
+        + (f" - draft model weights {_gib(draft_weights)} GiB" if draft else "")
+        + f" - reserve {_gib(reserve)} GiB"
+        + (f"; capped at {MAX_NUM_SEQS_CAP}" if fitting_mean > MAX_NUM_SEQS_CAP else "")
+    )
+    replica = _Replica(
+        arch,
+        gpu,
+        sizing.decode_weight_bytes(arch, quantization, low_bit_gpu_matmuls),
+        target_kv,
+        ops,
+        max_num_seqs,
+        draft,
+    )
     return _Memory(replica, sizes, budget, batching_reason, mean_context, kv_reason)
 
 
-def _speculation(spec: InferenceServiceSpec, memory: _Memory, low_bit_gpu_matmuls: bool,
-                 capabilities: EngineCapabilities, draft: _Draft | None) -> _Speculation:
+def _speculation(
+    spec: InferenceServiceSpec,
+    memory: _Memory,
+    low_bit_gpu_matmuls: bool,
+    capabilities: EngineCapabilities,
+    draft: _Draft | None,
+) -> _Speculation:
     """The speculative mode for a replica whose memory is `memory` (sized with the draft when the
     spec pins one), and the replicas it then needs."""
     serving = spec.serving
     replicas, perf, miss = _replicas(spec, memory.replica, "off")
-    tpot_bound = (perf.tpot_s * 1000 / spec.slo.tpot_p95_ms
-                  >= perf.ttft_s * 1000 / spec.slo.ttft_p95_ms)
+    tpot_bound = perf.tpot_s * 1000 / spec.slo.tpot_p95_ms >= perf.ttft_s * 1000 / spec.slo.ttft_p95_ms
 
     def choose(draft_model: str | None) -> tuple[str, str]:
-        return choose_speculative(serving.speculative, batch=perf.batch, tpot_bound=tpot_bound,
-                                  temperature=spec.load.temperature, draft_model=draft_model,
-                                  supported=capabilities.speculative)
+        return choose_speculative(
+            serving.speculative,
+            batch=perf.batch,
+            tpot_bound=tpot_bound,
+            temperature=spec.load.temperature,
+            draft_model=draft_model,
+            supported=capabilities.speculative,
+        )
 
     mode, reason = choose(draft.source if draft else None)
     if mode == "draft" and serving.speculative != "draft":
         # Chosen for the target alone: the draft's weights and KV must fit beside it too.
         replica = memory.replica
-        with_draft = _memory(spec, replica.arch, replica.gpu, memory.sizes.quantization,
-                             memory.sizes.max_model_len, draft, low_bit_gpu_matmuls)
+        with_draft = _memory(
+            spec,
+            replica.arch,
+            replica.gpu,
+            memory.sizes.quantization,
+            memory.sizes.max_model_len,
+            draft,
+            low_bit_gpu_matmuls,
+        )
         if isinstance(with_draft, Plan):
             mode, reason = choose(None)
             reason += f" (the draft model does not fit: {with_draft.reason})"
         else:
             memory = with_draft
     if mode == "draft" and draft is not None:
-        reason += (f"; draft model {draft.source}: {_gib(draft.weights)} GiB of weights "
-                   f"(unquantized), {draft.kv_per_token / sizing.MiB:.3g} MiB of KV per token; "
-                   f"acceptance {ACCEPTANCE['draft']:g} per token assumed (not measured)")
+        reason += (
+            f"; draft model {draft.source}: {_gib(draft.weights)} GiB of weights "
+            f"(unquantized), {draft.kv_per_token / sizing.MiB:.3g} MiB of KV per token; "
+            f"acceptance {ACCEPTANCE['draft']:g} per token assumed (not measured)"
+        )
     if mode != "off":
         replicas, perf, miss = _replicas(spec, memory.replica, mode)
     return _Speculation(mode, reason, memory, replicas, perf, miss)
 
 
-def _size(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str,
-          context: int, capabilities: EngineCapabilities, draft: _Draft | None) -> Plan:
+def _size(
+    spec: InferenceServiceSpec,
+    arch: Architecture,
+    gpu: GPU,
+    quantization: str,
+    context: int,
+    capabilities: EngineCapabilities,
+    draft: _Draft | None,
+) -> Plan:
     """The plan for one (GPU, quantization) pair."""
-    memory = _memory(spec, arch, gpu, quantization, context, draft if spec.serving.speculative == "draft" else None,
-                     capabilities.low_bit_gpu_matmuls)
+    memory = _memory(
+        spec,
+        arch,
+        gpu,
+        quantization,
+        context,
+        draft if spec.serving.speculative == "draft" else None,
+        capabilities.low_bit_gpu_matmuls,
+    )
     if isinstance(memory, Plan):
         return memory
     return _fitting_plan(spec, _speculation(spec, memory, capabilities.low_bit_gpu_matmuls, capabilities, draft))
@@ -465,10 +565,12 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: _Speculation) -> Plan:
     sizes, max_num_seqs = memory.sizes, memory.replica.max_num_seqs
     rate = spec.load.requests_per_second
     if chosen.miss is None:
-        replicas_reason = (f"{replicas} replica(s) for {rate:g} req/s: {perf.batch:.1f} running "
-                           f"sequences each ({max_num_seqs} fit), TTFT {_ms(perf.ttft_s)} ms <= "
-                           f"{spec.slo.ttft_p95_ms:g} ms, TPOT {_ms(perf.tpot_s)} ms <= "
-                           f"{spec.slo.tpot_p95_ms:g} ms")
+        replicas_reason = (
+            f"{replicas} replica(s) for {rate:g} req/s: {perf.batch:.1f} running "
+            f"sequences each ({max_num_seqs} fit), TTFT {_ms(perf.ttft_s)} ms <= "
+            f"{spec.slo.ttft_p95_ms:g} ms, TPOT {_ms(perf.tpot_s)} ms <= "
+            f"{spec.slo.tpot_p95_ms:g} ms"
+        )
     else:
         replicas_reason = f"SLO not met at maxReplicas {replicas} for {rate:g} req/s: {chosen.miss}"
     latency = sizing.request_latency(perf.ttft_s, perf.tpot_s, spec.load.mean_output_tokens)
@@ -476,11 +578,16 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: _Speculation) -> Plan:
     speculating = chosen.mode != "off"
     return Plan(
         fits=True,
-        reason=(f"{spec.model.name} on {sizes.gpu} ({sizes.quantization}): {max_num_seqs} sequences of "
-                f"{memory.mean_context} tokens on average (up to {sizes.max_model_len}) in a "
-                f"{_gib(sizes.kv_pool_bytes)} GiB KV pool; "
-                + (f"predicted TTFT {_ms(perf.ttft_s)} ms, TPOT {_ms(perf.tpot_s)} ms at "
-                   f"{replicas} replica(s)" if finite else replicas_reason)),
+        reason=(
+            f"{spec.model.name} on {sizes.gpu} ({sizes.quantization}): {max_num_seqs} sequences of "
+            f"{memory.mean_context} tokens on average (up to {sizes.max_model_len}) in a "
+            f"{_gib(sizes.kv_pool_bytes)} GiB KV pool; "
+            + (
+                f"predicted TTFT {_ms(perf.ttft_s)} ms, TPOT {_ms(perf.tpot_s)} ms at {replicas} replica(s)"
+                if finite
+                else replicas_reason
+            )
+        ),
         model=spec.model.name,
         gpu_count=spec.accelerator.count,
         speculative=chosen.mode,
@@ -498,8 +605,12 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: _Speculation) -> Plan:
         predicted_latency_ms=round(latency * 1000, 1) if finite else 0.0,
         replicas=replicas,
         meets_slo=chosen.miss is None,
-        reasons={"kvCache": memory.kv_reason, "batching": memory.batching_reason,
-                 "speculative": chosen.reason, "replicas": replicas_reason},
+        reasons={
+            "kvCache": memory.kv_reason,
+            "batching": memory.batching_reason,
+            "speculative": chosen.reason,
+            "replicas": replicas_reason,
+        },
         **sizes._asdict(),
     )
 
@@ -509,13 +620,13 @@ def _gpus(spec: InferenceServiceSpec, available: Iterable[str]) -> list[GPU] | P
     if wanted:
         gpu = find_gpu(wanted)
         if gpu is None:
-            return _failed(spec, "UnknownGPU",
-                           f"GPU type {wanted!r} is not in the catalog ({', '.join(GPUS)})")
+            return _failed(spec, "UnknownGPU", f"GPU type {wanted!r} is not in the catalog ({', '.join(GPUS)})")
         return [gpu]
     found = {gpu.name: gpu for gpu in map(find_gpu, available) if gpu is not None}
     if not found:
-        return _failed(spec, "NoGPUType", "spec.accelerator.type is not set and no node carries "
-                       "a known GPU product label")
+        return _failed(
+            spec, "NoGPUType", "spec.accelerator.type is not set and no node carries a known GPU product label"
+        )
     # Smallest (cheapest) first, so the first that works wastes the least.
     return sorted(found.values(), key=lambda g: (g.memory_gib, g.bandwidth_gbps))
 
@@ -525,21 +636,30 @@ def _architecture(spec: InferenceServiceSpec) -> tuple[Architecture, str] | Plan
     explicit = spec.model.architecture
     arch = explicit or find_model(spec.model.name)
     if arch is None:
-        return _failed(spec, "UnknownModel",
-                       f"model {spec.model.name!r} is not in the catalog ({', '.join(MODELS)}) and "
-                       "spec.model.architecture is not set")
+        return _failed(
+            spec,
+            "UnknownModel",
+            f"model {spec.model.name!r} is not in the catalog ({', '.join(MODELS)}) and "
+            "spec.model.architecture is not set",
+        )
     problem = sizing.architecture_problem(arch)
     if problem is not None:
         where = "spec.model.architecture" if explicit else f"the catalog's {spec.model.name}"
         return _failed(spec, "InvalidArchitecture", f"{where}: {problem}")
     if spec.accelerator.count != 1:
-        return _failed(spec, "MultiGPUUnsupported",
-                       f"accelerator.count {spec.accelerator.count}: the engine serves one model on "
-                       "one accelerator (no tensor parallelism yet)")
+        return _failed(
+            spec,
+            "MultiGPUUnsupported",
+            f"accelerator.count {spec.accelerator.count}: the engine serves one model on "
+            "one accelerator (no tensor parallelism yet)",
+        )
     context = spec.serving.max_context_length or arch.max_context
     if context > arch.max_context:
-        return _failed(spec, "ContextTooLong", f"maxContextLength {context} exceeds "
-                       f"{spec.model.name}'s maximum context {arch.max_context}")
+        return _failed(
+            spec,
+            "ContextTooLong",
+            f"maxContextLength {context} exceeds {spec.model.name}'s maximum context {arch.max_context}",
+        )
     return arch, "spec.model.architecture" if explicit else f"catalog ({arch.source})"
 
 
@@ -547,24 +667,36 @@ def _schemes(spec: InferenceServiceSpec, capabilities: EngineCapabilities) -> tu
     """The quantization schemes to try, least lossy first, and what was left out and why."""
     stored = spec.model.quantization
     if stored is not None and spec.serving.quantization not in ("auto", stored):
-        return _failed(spec, "QuantizationMismatch",
-                       f"the checkpoint is quantized as {stored} (model.quantization): the engine serves it as "
-                       f"stored and cannot re-quantize it to serving.quantization {spec.serving.quantization}; "
-                       f"set serving.quantization to auto or {stored}")
+        return _failed(
+            spec,
+            "QuantizationMismatch",
+            f"the checkpoint is quantized as {stored} (model.quantization): the engine serves it as "
+            f"stored and cannot re-quantize it to serving.quantization {spec.serving.quantization}; "
+            f"set serving.quantization to auto or {stored}",
+        )
     if stored is not None or spec.serving.quantization != "auto":
         return (stored or spec.serving.quantization,), ""
     # Only the schemes the engine runs, and of those only the ones sizing knows the bytes of.
     schemes = tuple(s for s in QUALITY_ORDER if s in capabilities.quantization)
     if not schemes:
-        return _failed(spec, "UnsupportedByEngine", "this engine runs no quantization scheme the planner can "
-                       f"size (supported: {_listed(capabilities.quantization)})")
+        return _failed(
+            spec,
+            "UnsupportedByEngine",
+            "this engine runs no quantization scheme the planner can "
+            f"size (supported: {_listed(capabilities.quantization)})",
+        )
     skipped = [s for s in QUALITY_ORDER if s not in schemes]
-    return schemes, (f"; not tried: {_listed(skipped)}, which this engine does not run "
-                     f"(supported: {_listed(capabilities.quantization)})" if skipped else "")
+    return schemes, (
+        f"; not tried: {_listed(skipped)}, which this engine does not run "
+        f"(supported: {_listed(capabilities.quantization)})"
+        if skipped
+        else ""
+    )
 
 
-def _choice_reasons(spec: InferenceServiceSpec, chosen: Plan, rejected: Sequence[Plan], gpus: Sequence[GPU],
-                    not_run: str) -> dict[str, str]:
+def _choice_reasons(
+    spec: InferenceServiceSpec, chosen: Plan, rejected: Sequence[Plan], gpus: Sequence[GPU], not_run: str
+) -> dict[str, str]:
     """Why this quantization and this GPU: what was tried before the chosen option and why not."""
     passed = [f"{o.gpu}/{o.quantization}: {o.reason if not o.fits else o.reasons['replicas']}" for o in rejected]
     if spec.model.quantization is not None:
@@ -575,18 +707,22 @@ def _choice_reasons(spec: InferenceServiceSpec, chosen: Plan, rejected: Sequence
         tried = f" (rejected {'; '.join(passed)})" if passed else ""
         quantization = f"{chosen.quantization}: the least lossy scheme that fits and meets the SLO{tried}{not_run}"
     else:
-        quantization = (f"{chosen.quantization}: no scheme meets the SLO within maxReplicas; this is the "
-                        f"least lossy that fits{not_run}")
+        quantization = (
+            f"{chosen.quantization}: no scheme meets the SLO within maxReplicas; this is the "
+            f"least lossy that fits{not_run}"
+        )
     if spec.accelerator.type:
         gpu = f"{chosen.gpu}: set in the spec"
     else:
-        gpu = (f"{chosen.gpu}: the smallest of the nodes' GPUs ({', '.join(g.name for g in gpus)}) that "
-               + ("fits and meets the SLO" if chosen.meets_slo else "fits"))
+        gpu = f"{chosen.gpu}: the smallest of the nodes' GPUs ({', '.join(g.name for g in gpus)}) that " + (
+            "fits and meets the SLO" if chosen.meets_slo else "fits"
+        )
     return {"gpu": gpu, "quantization": quantization}
 
 
-def plan(spec: InferenceServiceSpec, available_gpus: Iterable[str] = (),
-         capabilities: EngineCapabilities = CAPABILITIES) -> Plan:
+def plan(
+    spec: InferenceServiceSpec, available_gpus: Iterable[str] = (), capabilities: EngineCapabilities = CAPABILITIES
+) -> Plan:
     """Plan serving `spec` on an engine with `capabilities`; `available_gpus` are node GPU
     products, used when no type is set."""
     unsupported = _unsupported_pins(spec, capabilities)
@@ -609,11 +745,13 @@ def plan(spec: InferenceServiceSpec, available_gpus: Iterable[str] = (),
     schemes, not_run = tried
     context = spec.serving.max_context_length or arch.max_context
     options = [_size(spec, arch, gpu, scheme, context, capabilities, draft) for gpu in gpus for scheme in schemes]
-    chosen = (next((o for o in options if o.fits and o.meets_slo), None)
-              or next((o for o in options if o.fits), None))
+    chosen = next((o for o in options if o.fits and o.meets_slo), None) or next((o for o in options if o.fits), None)
     if chosen is None:
         # The most capable option tried (largest GPU, most compressed scheme) says best why not.
         return options[-1].model_copy(update={"reason": options[-1].reason + not_run})
-    reasons = {"model": model_reason, **_choice_reasons(spec, chosen, options[:options.index(chosen)], gpus, not_run),
-               **chosen.reasons}
+    reasons = {
+        "model": model_reason,
+        **_choice_reasons(spec, chosen, options[: options.index(chosen)], gpus, not_run),
+        **chosen.reasons,
+    }
     return chosen.model_copy(update={"reasons": reasons})

@@ -59,13 +59,17 @@ def architecture_problem(arch: Architecture) -> str | None:
     """Why sizing cannot use `arch` (the CRD's schema admits it, but the numbers contradict each
     other), None when it can."""
     if arch.head_size < 1:
-        return (f"hiddenSize {arch.hidden_size} / attentionHeads {arch.attention_heads} leaves no head dimension: "
-                "set headDim")
+        return (
+            f"hiddenSize {arch.hidden_size} / attentionHeads {arch.attention_heads} leaves no head dimension: "
+            "set headDim"
+        )
     embedding, norms, body = _embedding_norms_body(arch)
     if body <= 0:
         tied = "" if arch.tie_word_embeddings else " and the LM head"
-        return (f"parameters {arch.parameters:,} is not more than the embedding{tied} and the norms alone "
-                f"({arch.parameters - body:,}: vocabSize x hiddenSize each)")
+        return (
+            f"parameters {arch.parameters:,} is not more than the embedding{tied} and the norms alone "
+            f"({arch.parameters - body:,}: vocabSize x hiddenSize each)"
+        )
     if arch.parameters_per_token > arch.parameters:
         return f"activeParameters {arch.parameters_per_token:,} > parameters {arch.parameters:,}"
     return None
@@ -113,8 +117,7 @@ def blocks_per_sequence(tokens: int, block_size: int) -> int:
     return math.ceil(tokens / block_size)
 
 
-def sequences_that_fit(pool_bytes: int, kv_per_token: int, tokens_per_sequence: int,
-                       block_size: int = 1) -> int:
+def sequences_that_fit(pool_bytes: int, kv_per_token: int, tokens_per_sequence: int, block_size: int = 1) -> int:
     """Full-length sequences whose KV blocks fit in the pool (paged: whole blocks only)."""
     if pool_bytes <= 0:
         return 0
@@ -127,8 +130,9 @@ def prefill_seconds(parameters_per_token: int, tokens: float, ops_per_s: float) 
     return 2 * parameters_per_token * tokens / (ops_per_s * PREFILL_COMPUTE_EFFICIENCY)
 
 
-def decode_step_seconds(*, bytes_read: float, bandwidth: float, parameters_per_token: int,
-                        batch: float, ops_per_s: float) -> float:
+def decode_step_seconds(
+    *, bytes_read: float, bandwidth: float, parameters_per_token: int, batch: float, ops_per_s: float
+) -> float:
     """One decode step: bandwidth-bound (weights + KV read once) until the batch is so large
     that its 2 × params × batch FLOPs take longer."""
     memory = bytes_read / (bandwidth * DECODE_BANDWIDTH_EFFICIENCY)

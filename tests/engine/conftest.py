@@ -49,8 +49,12 @@ def hf_greedy(hf_model: PreTrainedModel):
         if key not in cache:
             with torch.inference_mode():
                 out = hf_model.generate(
-                    torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                    output_logits=True, return_dict_in_generate=True, pad_token_id=hf_model.config.eos_token_id,
+                    torch.tensor([prompt]),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    pad_token_id=hf_model.config.eos_token_id,
                 )
             cache[key] = Reference(out.sequences[0, len(prompt) :].tolist(), [l[0] for l in out.logits])
         return cache[key]

@@ -9,7 +9,9 @@ import torch
 NEAR_TIE_LOGIT_GAP = 1e-3
 
 
-def check_greedy(engine_tokens: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor], label: str) -> str | None:
+def check_greedy(
+    engine_tokens: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor], label: str
+) -> str | None:
     """Raise AssertionError unless the engine's tokens equal the reference or diverge at a proven near-tie.
 
     Returns a report of an accepted near-tie divergence, None on an exact match.

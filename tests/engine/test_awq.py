@@ -34,8 +34,14 @@ GROUP = 32
 ROUND_TRIP = functools.partial(int4_round_trip, args=weight_args("int4", GROUP))
 ARCHS = {
     # Grouped queries: o_proj's scales are shared by the query heads of a kv head.
-    "gqa-biases": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-                       attention_bias=True, mlp_bias=True),
+    "gqa-biases": dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        mlp_bias=True,
+    ),
     "mha": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16),
 }
 
@@ -73,16 +79,20 @@ def _logits(model: LlamaForCausalLM, prompts: list[list[int]]) -> torch.Tensor:
 def _linear_inputs(model: LlamaForCausalLM, prompts: list[list[int]]) -> dict[str, torch.Tensor]:
     """What each body linear layer reads on `prompts`."""
     captured: dict[str, torch.Tensor] = {}
-    hooks = [module.register_forward_pre_hook(lambda _m, args, name=name: captured.__setitem__(name, args[0].clone()))
-             for name, module in model.named_modules() if isinstance(module, Linear) and module is not model.lm_head]
+    hooks = [
+        module.register_forward_pre_hook(lambda _m, args, name=name: captured.__setitem__(name, args[0].clone()))
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and module is not model.lm_head
+    ]
     _logits(model, prompts)
     for hook in hooks:
         hook.remove()
     return captured
 
 
-def _decoder_layer_outputs(model: LlamaForCausalLM, prompts: list[list[int]],
-                           inputs: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _decoder_layer_outputs(
+    model: LlamaForCausalLM, prompts: list[list[int]], inputs: list[torch.Tensor] | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each decoder layer's input and output on `prompts`; given `inputs`, each layer reads those
     instead of the previous layer's output, so its error is its own."""
     seen: list[torch.Tensor] = []
@@ -93,9 +103,14 @@ def _decoder_layer_outputs(model: LlamaForCausalLM, prompts: list[list[int]],
         seen.append(args[0].clone())
         return args
 
-    hooks = [hook for index, layer in enumerate(model.model.layers) for hook in (
-        layer.register_forward_pre_hook(lambda m, args, index=index: feed(m, args, index)),
-        layer.register_forward_hook(lambda _m, _args, output: outputs.append(output.clone())))]
+    hooks = [
+        hook
+        for index, layer in enumerate(model.model.layers)
+        for hook in (
+            layer.register_forward_pre_hook(lambda m, args, index=index: feed(m, args, index)),
+            layer.register_forward_hook(lambda _m, _args, output: outputs.append(output.clone())),
+        )
+    ]
     _logits(model, prompts)
     for hook in hooks:
         hook.remove()
@@ -107,7 +122,9 @@ def test_calibration_text_is_not_what_eval_scores():
     eval_phrases = {tuple(words[i : i + 8]) for i in range(len(words) - 7)}
     for passage in PASSAGES:
         passage_words = passage.split()
-        shared = [p for p in (tuple(passage_words[i : i + 8]) for i in range(len(passage_words) - 7)) if p in eval_phrases]
+        shared = [
+            p for p in (tuple(passage_words[i : i + 8]) for i in range(len(passage_words) - 7)) if p in eval_phrases
+        ]
         assert not shared, shared[:3]
         assert not re.search(r"\bcapital\b", passage, re.IGNORECASE)
         assert not any(re.search(rf"\b{re.escape(city)}\b", passage) for _, city in CAPITALS)
@@ -199,13 +216,22 @@ def test_awq_checkpoint_is_plain_w4a16_and_reloads_to_identical_outputs(tmp_path
     (group,) = QuantizationConfig.model_validate(raw).config_groups.values()
     assert raw["format"] == "pack-quantized" and raw["ignore"] == ["lm_head"]
     assert (group.weights.num_bits, group.weights.group_size, group.weights.symmetric) == (4, GROUP, False)
-    with safe_open(output / "model.safetensors", framework="pt") as stored, safe_open(source / "model.safetensors", framework="pt") as src:
+    with (
+        safe_open(output / "model.safetensors", framework="pt") as stored,
+        safe_open(source / "model.safetensors", framework="pt") as src,
+    ):
         names = set(stored.keys())
         # The scales folded into the norms (and v's and up's biases); nothing but the format's tensors added.
-        assert not torch.equal(stored.get_tensor("model.layers.0.input_layernorm.weight"), src.get_tensor("model.layers.0.input_layernorm.weight"))
-        assert not torch.equal(stored.get_tensor("model.layers.1.mlp.up_proj.bias"), src.get_tensor("model.layers.1.mlp.up_proj.bias"))
-        assert {n for n in names if not n.endswith(("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"))} == \
-               {n for n in src.keys() if not (n.endswith("proj.weight"))}
+        assert not torch.equal(
+            stored.get_tensor("model.layers.0.input_layernorm.weight"),
+            src.get_tensor("model.layers.0.input_layernorm.weight"),
+        )
+        assert not torch.equal(
+            stored.get_tensor("model.layers.1.mlp.up_proj.bias"), src.get_tensor("model.layers.1.mlp.up_proj.bias")
+        )
+        assert {
+            n for n in names if not n.endswith(("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"))
+        } == {n for n in src.keys() if not (n.endswith("proj.weight"))}
 
     # A reader other than the engine (compressed-tensors' decompressor, HF's Llama) computes what the engine serves.
     hf = _read_back_with_compressed_tensors(output, tmp_path / "decompressed")
@@ -216,9 +242,15 @@ def test_awq_checkpoint_is_plain_w4a16_and_reloads_to_identical_outputs(tmp_path
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     for prompt, tokens in zip(prompts, first):
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True)
-        check_greedy(tokens, ref.sequences[0, len(prompt):].tolist(), [l[0] for l in ref.logits], "awq checkpoint")
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=16,
+                min_new_tokens=16,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        check_greedy(tokens, ref.sequences[0, len(prompt) :].tolist(), [l[0] for l in ref.logits], "awq checkpoint")
     again = LLM(str(output), dtype="float32", kv_cache_memory_bytes=4 << 20, block_size=8)
     assert [o.outputs[0].token_ids for o in again.generate(prompts, params)] == first
 

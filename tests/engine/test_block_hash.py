@@ -26,8 +26,7 @@ def test_first_block_without_salt():
     expected = hashlib.sha256(b"\x00" + b"\x00" + uint32_le(*tokens)).digest()
     assert hash_block(None, tokens) == expected
     assert isinstance(expected, bytes) and len(expected) == 32
-    assert expected.hex() == hashlib.sha256(
-        bytes.fromhex("0000" "01000000" "02000000" "03000000" "00000100")).hexdigest()
+    assert expected.hex() == hashlib.sha256(bytes.fromhex("000001000000020000000300000000000100")).hexdigest()
 
 
 def test_chained_block():
@@ -116,4 +115,6 @@ def test_same_salt_hits():
     assert [b.block_id for b in hits] == kv.block_ids(owner)[:3]
     # Unsalted requests still share with each other.
     first = cached(kv, "u1", [200 + t for t in tokens], None)
-    assert [b.block_id for b in kv.find_cached_prefix(req("u2", [200 + t for t in tokens], None))] == kv.block_ids(first)[:3]
+    assert [b.block_id for b in kv.find_cached_prefix(req("u2", [200 + t for t in tokens], None))] == kv.block_ids(
+        first
+    )[:3]

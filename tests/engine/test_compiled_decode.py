@@ -30,7 +30,9 @@ def compiled() -> tuple[LLM, list[int]]:
     return llm, calls
 
 
-def test_a_lone_sequence_decodes_through_the_compiled_graph_with_hf_greedy_output(compiled, corpus_ids, hf_greedy) -> None:
+def test_a_lone_sequence_decodes_through_the_compiled_graph_with_hf_greedy_output(
+    compiled, corpus_ids, hf_greedy
+) -> None:
     llm, calls = compiled
     before = calls[0]
     for i, prompt in enumerate(make_prompts(corpus_ids, [5, 31, 150, 400])):
@@ -66,7 +68,12 @@ def test_serve_takes_the_flag_and_leaves_it_off_by_default() -> None:
 def test_a_pool_too_small_to_trace_the_decode_step_is_refused_with_its_size() -> None:
     tokens_per_block, bytes_per_token = 16, 2 * 30 * 3 * 64 * 4  # SmolLM2-135M in fp32
     with pytest.raises(ValueError, match="more than 40 tokens, this one holds 32"):
-        LLM(dtype="float32", compile_decode=True, block_size=tokens_per_block, kv_cache_memory_bytes=32 * bytes_per_token)
+        LLM(
+            dtype="float32",
+            compile_decode=True,
+            block_size=tokens_per_block,
+            kv_cache_memory_bytes=32 * bytes_per_token,
+        )
 
 
 def test_without_a_cpp_compiler_it_is_refused_with_what_to_do(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,12 @@ import pytest
 import torch
 from compressed_tensors.compressors import ModelCompressor
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme, apply_quantization_config
+from compressed_tensors.quantization import (
+    QuantizationArgs,
+    QuantizationConfig,
+    QuantizationScheme,
+    apply_quantization_config,
+)
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors import safe_open
@@ -38,7 +43,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> di
     written = {}
     for scheme in ("int4", "int8"):
         written[scheme] = root / scheme
-        assert main(["quantize", str(written[scheme]), "--scheme", scheme, "--group-size", "32", "--method", "rtn"]) == 0
+        assert (
+            main(["quantize", str(written[scheme]), "--scheme", scheme, "--group-size", "32", "--method", "rtn"]) == 0
+        )
     return written
 
 
@@ -68,7 +75,12 @@ def test_quantize_writes_what_compressed_tensors_reads(scheme, checkpoints, mode
     assert config.quantization_status == "compressed" and config.ignore == ["lm_head"]
     (group,) = config.config_groups.values()
     expected = (4, "group", 32, False) if scheme == "int4" else (8, "channel", None, True)
-    assert (group.weights.num_bits, group.weights.strategy, group.weights.group_size, group.weights.symmetric) == expected
+    assert (
+        group.weights.num_bits,
+        group.weights.strategy,
+        group.weights.group_size,
+        group.weights.symmetric,
+    ) == expected
     assert group.input_activations is None
 
     stored, source = _tensors(folder), _tensors(model_dir)
@@ -79,8 +91,14 @@ def test_quantize_writes_what_compressed_tensors_reads(scheme, checkpoints, mode
     # step, plus the bf16 rounding of the scale (2^-8 of it) times the largest level (15 or 127).
     module = "model.layers.3.mlp.down_proj"
     local = {k.removeprefix(f"{module}."): v for k, v in stored.items() if k.startswith(f"{module}.")}
-    weight = PackedQuantizationCompressor.decompress({**local, "weight_scale": local["weight_scale"].float()}, group)["weight"]
-    step = local["weight_scale"].float().repeat_interleave(32, dim=1) if scheme == "int4" else local["weight_scale"].float()
+    weight = PackedQuantizationCompressor.decompress({**local, "weight_scale": local["weight_scale"].float()}, group)[
+        "weight"
+    ]
+    step = (
+        local["weight_scale"].float().repeat_interleave(32, dim=1)
+        if scheme == "int4"
+        else local["weight_scale"].float()
+    )
     levels = 15 if scheme == "int4" else 127
     error = (weight - source[f"{module}.weight"]).abs()
     assert (error <= step * (0.5 + levels / 256) + 1e-7).all()
@@ -111,7 +129,8 @@ def test_int4_checkpoint_loads_the_values_it_stores(checkpoints):
     assert llm.engine.runner.model.quantization == "int4"
     stored = _tensors(checkpoints["int4"])
     (group,) = QuantizationConfig.model_validate(
-        json.loads((checkpoints["int4"] / "config.json").read_text())["quantization_config"]).config_groups.values()
+        json.loads((checkpoints["int4"] / "config.json").read_text())["quantization_config"]
+    ).config_groups.values()
     layers = _linears(llm)
     for fused, parts in {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.down_proj": ("down_proj",)}.items():
         name = f"model.layers.7.{fused}"
@@ -119,7 +138,11 @@ def test_int4_checkpoint_loads_the_values_it_stores(checkpoints):
         for part in parts:
             module = f"model.layers.7.{fused.split('.')[0]}.{part}"
             local = {k.removeprefix(f"{module}."): v for k, v in stored.items() if k.startswith(f"{module}.")}
-            refs.append(PackedQuantizationCompressor.decompress({**local, "weight_scale": local["weight_scale"].float()}, group)["weight"])
+            refs.append(
+                PackedQuantizationCompressor.decompress(
+                    {**local, "weight_scale": local["weight_scale"].float()}, group
+                )["weight"]
+            )
             steps.append(local["weight_scale"].float().repeat_interleave(32, dim=1))
         ref, step = torch.cat(refs), torch.cat(steps)
         engine = layers[name].quantization.dequantized(layers[name])
@@ -132,7 +155,9 @@ def test_int4_checkpoint_loads_the_values_it_stores(checkpoints):
     assert "Paris" in again.generate(PROMPTS[:1], GREEDY)[0].outputs[0].text
 
 
-def _compress_with_compressed_tensors(hf_model, folder: Path, weights: QuantizationArgs, fmt: str) -> dict[str, torch.Tensor]:
+def _compress_with_compressed_tensors(
+    hf_model, folder: Path, weights: QuantizationArgs, fmt: str
+) -> dict[str, torch.Tensor]:
     """llm-compressor's save path, without llm-compressor: attach the scheme, set min-max scales,
     compress with ModelCompressor, save. Returns each quantized module's fake-quantized weight."""
     scheme = QuantizationScheme(targets=["Linear"], weights=weights)
@@ -148,7 +173,9 @@ def _compress_with_compressed_tensors(hf_model, folder: Path, weights: Quantizat
         module.weight_scale.data.copy_(scale.view_as(module.weight_scale))
         if hasattr(module, "weight_zero_point"):
             module.weight_zero_point.data.copy_(zero_point.view_as(module.weight_zero_point))
-        reference[name] = fake_quantize(w, module.weight_scale, getattr(module, "weight_zero_point", None), weights).float()
+        reference[name] = fake_quantize(
+            w, module.weight_scale, getattr(module, "weight_zero_point", None), weights
+        ).float()
     compressor = ModelCompressor.from_pretrained_model(hf_model, quantization_format=fmt)
     compressor.compress_model(hf_model)
     hf_model.save_pretrained(folder)
@@ -156,32 +183,56 @@ def _compress_with_compressed_tensors(hf_model, folder: Path, weights: Quantizat
     return reference
 
 
-@pytest.mark.parametrize("weights, fmt", [
-    (QuantizationArgs(num_bits=4, symmetric=True, strategy="group", group_size=64), "pack-quantized"),  # W4A16, smaller group
-    (QuantizationArgs(num_bits=4, symmetric=False, strategy="group", group_size=32), "pack-quantized"),  # W4A16_ASYM
-    (QuantizationArgs(num_bits=8, symmetric=True, strategy="channel"), "pack-quantized"),  # W8A16
-    (QuantizationArgs(num_bits=8, symmetric=True, strategy="channel"), "int-quantized"),  # one int8 per value
-], ids=["w4a16-sym-g64", "w4a16-asym-g32", "w8a16", "w8a16-int-quantized"])
+@pytest.mark.parametrize(
+    "weights, fmt",
+    [
+        (
+            QuantizationArgs(num_bits=4, symmetric=True, strategy="group", group_size=64),
+            "pack-quantized",
+        ),  # W4A16, smaller group
+        (
+            QuantizationArgs(num_bits=4, symmetric=False, strategy="group", group_size=32),
+            "pack-quantized",
+        ),  # W4A16_ASYM
+        (QuantizationArgs(num_bits=8, symmetric=True, strategy="channel"), "pack-quantized"),  # W8A16
+        (QuantizationArgs(num_bits=8, symmetric=True, strategy="channel"), "int-quantized"),  # one int8 per value
+    ],
+    ids=["w4a16-sym-g64", "w4a16-asym-g32", "w8a16", "w8a16-int-quantized"],
+)
 def test_checkpoint_made_by_compressed_tensors_loads(weights, fmt, tmp_path, model_dir):
     # Biases too: they stay full precision beside the quantized weights of their module.
-    hf_model = make_tiny_llama(tmp_path, model_dir, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                               tie_word_embeddings=False, attention_bias=True, mlp_bias=True)
+    hf_model = make_tiny_llama(
+        tmp_path,
+        model_dir,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        mlp_bias=True,
+    )
     reference = _compress_with_compressed_tensors(hf_model, tmp_path, weights, fmt)
     stored = _tensors(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["format"] == fmt
     values = "weight_packed" if fmt == "pack-quantized" else "weight"
-    assert stored[f"model.layers.0.mlp.down_proj.{values}"].dtype == (torch.int32 if fmt == "pack-quantized" else torch.int8)
+    assert stored[f"model.layers.0.mlp.down_proj.{values}"].dtype == (
+        torch.int32 if fmt == "pack-quantized" else torch.int8
+    )
     llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory_bytes=4 << 20, block_size=8)
     assert llm.engine.runner.model.quantization == ("int8" if weights.num_bits == 8 else "int4")
     layers = _linears(llm)
     for layer in range(2):
-        for fused, parts in {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
-                             "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}.items():
+        for fused, parts in {
+            "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+            "self_attn.o_proj": ("o_proj",),
+            "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+            "mlp.down_proj": ("down_proj",),
+        }.items():
             name = f"model.layers.{layer}.{fused}"
             ref = torch.cat([reference[f"model.layers.{layer}.{fused.split('.')[0]}.{part}"] for part in parts])
             engine = layers[name].quantization.dequantized(layers[name])
             # The kernel reads bf16: scales and zeros round to it, and the read-back weight too.
-            assert torch.allclose(engine, ref, rtol=2 ** -7, atol=ref.abs().max() * 2 ** -6), name
+            assert torch.allclose(engine, ref, rtol=2**-7, atol=ref.abs().max() * 2**-6), name
             bias = torch.cat([stored[f"model.layers.{layer}.{fused.split('.')[0]}.{part}.bias"] for part in parts])
             assert torch.equal(layers[name].bias, bias), name
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -189,7 +240,9 @@ def test_checkpoint_made_by_compressed_tensors_loads(weights, fmt, tmp_path, mod
 
 
 def test_a_mismatched_quantization_flag_is_a_clear_error(checkpoints, capsys):
-    with pytest.raises(ValueError, match="compressed-tensors int4 group 32 checkpoint, but --quantization int8 was asked"):
+    with pytest.raises(
+        ValueError, match="compressed-tensors int4 group 32 checkpoint, but --quantization int8 was asked"
+    ):
         LLM(str(checkpoints["int4"]), quantization="int8", kv_cache_memory_bytes=SMALL_KV)
     with pytest.raises(ValueError, match="--quantization int4 group 64 was asked"):
         LLM(str(checkpoints["int4"]), quantization="int4", quantization_group_size=64, kv_cache_memory_bytes=SMALL_KV)
@@ -197,16 +250,52 @@ def test_a_mismatched_quantization_flag_is_a_clear_error(checkpoints, capsys):
     assert "compressed-tensors int8 checkpoint, but --quantization int4 group 32 was asked" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("quantization_config, message", [
-    ({"quant_method": "gptq", "bits": 4}, "quantized with 'gptq' are not supported"),
-    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {
-        "targets": ["Linear"], "weights": {"num_bits": 8, "strategy": "channel"},
-        "input_activations": {"num_bits": 8, "strategy": "token", "dynamic": True}}}}, "quantizes activations"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
-        "targets": ["Linear"], "weights": {"num_bits": 8, "strategy": "group", "group_size": 128}}}}, "are not supported"),
-    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
-        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}}, "not supported"),
-])
+@pytest.mark.parametrize(
+    "quantization_config, message",
+    [
+        ({"quant_method": "gptq", "bits": 4}, "quantized with 'gptq' are not supported"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "int-quantized",
+                "config_groups": {
+                    "group_0": {
+                        "targets": ["Linear"],
+                        "weights": {"num_bits": 8, "strategy": "channel"},
+                        "input_activations": {"num_bits": 8, "strategy": "token", "dynamic": True},
+                    }
+                },
+            },
+            "quantizes activations",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {
+                    "group_0": {
+                        "targets": ["Linear"],
+                        "weights": {"num_bits": 8, "strategy": "group", "group_size": 128},
+                    }
+                },
+            },
+            "are not supported",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {
+                    "group_0": {
+                        "targets": ["Linear"],
+                        "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                    }
+                },
+            },
+            "not supported",
+        ),
+    ],
+)
 def test_unsupported_quantized_checkpoints_are_refused(quantization_config, message):
     with pytest.raises(ValueError, match=message):
         checkpoint_quantization(SimpleNamespace(quantization_config=quantization_config))
@@ -215,7 +304,9 @@ def test_unsupported_quantized_checkpoints_are_refused(quantization_config, mess
 
 def test_quantize_rewrites_a_sharded_folder_and_its_index(tmp_path, model_dir):
     source, output = tmp_path / "source", tmp_path / "quantized"
-    hf_model = make_tiny_llama(source, model_dir, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    hf_model = make_tiny_llama(
+        source, model_dir, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False
+    )
     (source / "model.safetensors").unlink()
     hf_model.save_pretrained(source, max_shard_size="2MB")  # several files and an index instead
     shards = sorted(p.name for p in source.glob("*.safetensors"))

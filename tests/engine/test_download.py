@@ -57,14 +57,19 @@ def partial_files(folder: Path) -> list[Path]:
     return sorted((folder / STATE_DIR / "partial").iterdir())
 
 
-def test_a_download_is_verified_and_marked_with_its_commit(downloaded: tuple[Path, list[str]],
-                                                           server: HubServer, model_dir: Path) -> None:
+def test_a_download_is_verified_and_marked_with_its_commit(
+    downloaded: tuple[Path, list[str]], server: HubServer, model_dir: Path
+) -> None:
     target, requests = downloaded
     names = sorted(p.name for p in model_dir.iterdir())
     assert sorted(p.name for p in target.iterdir() if p.name != STATE_DIR) == names
     assert all(filecmp.cmp(model_dir / name, target / name, shallow=False) for name in names)
-    assert marker(target) == Marker(repo=REPO, revision="main", commit=server.commit,
-                                    files={name: (model_dir / name).stat().st_size for name in names})
+    assert marker(target) == Marker(
+        repo=REPO,
+        revision="main",
+        commit=server.commit,
+        files={name: (model_dir / name).stat().st_size for name in names},
+    )
     # One question to resolve the revision, then each file once, by the commit it resolved to.
     assert requests[0] == f"GET /api/models/{REPO}/revision/main"
     assert sorted(requests[1:]) == sorted(f"GET /{REPO}/resolve/{server.commit}/{name}" for name in names)
@@ -85,8 +90,9 @@ def test_a_complete_download_is_not_fetched_again(downloaded: tuple[Path, list[s
     assert marker(target).commit == hub.commit
 
 
-def test_the_engine_generates_from_the_downloaded_folder(downloaded: tuple[Path, list[str]], hf_greedy,
-                                                          corpus_ids: list[int]) -> None:
+def test_the_engine_generates_from_the_downloaded_folder(
+    downloaded: tuple[Path, list[str]], hf_greedy, corpus_ids: list[int]
+) -> None:
     target, _ = downloaded
     prompt = corpus_ids[:24]
     llm = LLM(str(target), kv_cache_memory_bytes=16 << 20, max_model_len=64, dtype="float32")
@@ -112,12 +118,21 @@ def test_a_killed_download_resumes_where_it_stopped(hub: HubServer, tmp_path: Pa
     target = tmp_path / "model"
     env = {**os.environ, "HF_ENDPOINT": hub.url}
     env.pop("HF_TOKEN", None)
-    process = start([kvpilot_executable(), "download", REPO, "--local-dir", str(target)], tmp_path / "download.log", env)
+    process = start(
+        [kvpilot_executable(), "download", REPO, "--local-dir", str(target)], tmp_path / "download.log", env
+    )
     try:
         assert held.wait(timeout=60), process.log_tail()
         # The small files are in place; the weights are partly on disk.
-        poll(lambda: (target / "tokenizer.json").exists() and (target / "config.json").exists()
-             and any(p.stat().st_size > 0 for p in partial_files(target)), 30, "files on disk")
+        poll(
+            lambda: (
+                (target / "tokenizer.json").exists()
+                and (target / "config.json").exists()
+                and any(p.stat().st_size > 0 for p in partial_files(target))
+            ),
+            30,
+            "files on disk",
+        )
         process.popen.kill()  # SIGKILL, as when a node dies: nothing is cleaned up
         process.popen.wait()
     finally:
@@ -137,10 +152,12 @@ def test_a_killed_download_resumes_where_it_stopped(hub: HubServer, tmp_path: Pa
     assert marker(target) is not None and partial_files(target) == []
 
 
-@pytest.mark.parametrize("name, include, kind", [("tokenizer.json", SMALL, "git blob sha1"),
-                                                 (WEIGHTS, ("*.safetensors",), "sha256")])
-def test_corrupt_content_is_refused_and_not_kept(hub: HubServer, tmp_path: Path, model_dir: Path,
-                                                 name: str, include: tuple[str, ...], kind: str) -> None:
+@pytest.mark.parametrize(
+    "name, include, kind", [("tokenizer.json", SMALL, "git blob sha1"), (WEIGHTS, ("*.safetensors",), "sha256")]
+)
+def test_corrupt_content_is_refused_and_not_kept(
+    hub: HubServer, tmp_path: Path, model_dir: Path, name: str, include: tuple[str, ...], kind: str
+) -> None:
     hub.corrupt(name)
     with pytest.raises(DownloadError, match=f"{name}: downloaded content does not match the hub's hash \\({kind} "):
         download(REPO, tmp_path, endpoint=hub.url, include=include)
@@ -168,7 +185,8 @@ def _run(*args: str) -> int:
 
 
 def test_a_token_is_sent_and_a_gated_repo_without_one_fails_clearly(
-        hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     hub.token, hub.gated = "hf_test_token", True
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.delenv("HF_TOKEN", raising=False)
@@ -191,8 +209,9 @@ def test_a_token_is_sent_and_a_gated_repo_without_one_fails_clearly(
     assert marker(tmp_path) is not None
 
 
-def test_an_unknown_repository_or_revision_says_so(hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_unknown_repository_or_revision_says_so(
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     assert _run("--local-dir", str(tmp_path), "--revision", "v9") == 1
@@ -204,8 +223,9 @@ def test_an_unknown_repository_or_revision_says_so(hub: HubServer, tmp_path: Pat
     assert "cannot reach the hub at http://127.0.0.1:" in capsys.readouterr().err
 
 
-def test_huggingface_hubs_own_snapshot_download_works_against_the_stand_in(hub: HubServer, tmp_path: Path,
-                                                                         model_dir: Path) -> None:
+def test_huggingface_hubs_own_snapshot_download_works_against_the_stand_in(
+    hub: HubServer, tmp_path: Path, model_dir: Path
+) -> None:
     # The stand-in answers what huggingface_hub itself asks (tree listing, HEAD with ETag and
     # X-Repo-Commit), so other tools can be tested against it too.
     folder = snapshot_download(REPO, local_dir=tmp_path, endpoint=hub.url, allow_patterns=list(SMALL), token=False)

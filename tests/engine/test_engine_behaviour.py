@@ -53,9 +53,16 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm, corpus_ids):
     prompt = corpus_ids[:40]
     alone = llm.generate([prompt], params)[0].outputs[0].token_ids
     others = make_prompts(corpus_ids, [12, 90, 200, 33])
-    mixed = llm.generate(others[:2] + [prompt] + others[2:], [SamplingParams(max_tokens=30, temperature=1.0)] * 2 + [params] + [SamplingParams(max_tokens=30, temperature=1.0)] * 2)
+    mixed = llm.generate(
+        others[:2] + [prompt] + others[2:],
+        [SamplingParams(max_tokens=30, temperature=1.0)] * 2
+        + [params]
+        + [SamplingParams(max_tokens=30, temperature=1.0)] * 2,
+    )
     assert mixed[2].outputs[0].token_ids == alone
-    different_seed = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=99))
+    different_seed = llm.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=99)
+    )
     assert different_seed[0].outputs[0].token_ids != alone
     assert_all_blocks_free(llm)
 
@@ -63,7 +70,9 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm, corpus_ids):
 def test_stop_string_cuts_text(llm, tokenizer):
     greedy = llm.generate(["The capital of France is"], SamplingParams(max_tokens=20, temperature=0))[0].outputs[0]
     assert "Paris" in greedy.text
-    stopped = llm.generate(["The capital of France is"], SamplingParams(max_tokens=20, temperature=0, stop=["Paris"]))[0].outputs[0]
+    stopped = llm.generate(["The capital of France is"], SamplingParams(max_tokens=20, temperature=0, stop=["Paris"]))[
+        0
+    ].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == "Paris"
     assert stopped.text == greedy.text[: greedy.text.index("Paris")]
 
@@ -71,12 +80,16 @@ def test_stop_string_cuts_text(llm, tokenizer):
 def test_stop_token_ids_and_ignore_eos(llm):
     greedy = llm.generate(["The capital of France is"], SamplingParams(max_tokens=10, temperature=0))[0].outputs[0]
     stop_at = greedy.token_ids[3]
-    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]))[0].outputs[0]
+    out = llm.generate(
+        ["The capital of France is"], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at])
+    )[0].outputs[0]
     assert out.token_ids == greedy.token_ids[: greedy.token_ids.index(stop_at) + 1] and out.stop_reason == stop_at
     chat = [{"role": "user", "content": "Say OK."}]
     short = llm.chat(chat, SamplingParams(max_tokens=200, temperature=0))[0].outputs[0]
     assert short.finish_reason == "stop" and len(short.token_ids) < 200  # ended by EOS
-    long = llm.chat(chat, SamplingParams(max_tokens=len(short.token_ids) + 5, temperature=0, ignore_eos=True))[0].outputs[0]
+    long = llm.chat(chat, SamplingParams(max_tokens=len(short.token_ids) + 5, temperature=0, ignore_eos=True))[
+        0
+    ].outputs[0]
     assert long.finish_reason == "length" and len(long.token_ids) == len(short.token_ids) + 5
 
 
@@ -116,7 +129,7 @@ def test_a_request_whose_step_fails_is_dropped_alone(llm):
     engine = llm.engine
     execute = engine.runner.execute
 
-    def flaky(scheduler_output):  # noqa: ANN001, ANN202 - fails whenever the poisoned request is in the step
+    def flaky(scheduler_output):
         if any(item.request.params.max_tokens == 13 for item in scheduler_output.scheduled):
             raise RuntimeError("kernel fault")
         return execute(scheduler_output)
@@ -154,7 +167,9 @@ def test_a_failed_steps_rerun_samples_a_seeded_request_as_if_nothing_had_failed(
 
     runner.sampler = flaky
     try:
-        outputs = llm.generate(["Once upon a time", "The capital of France is"], [seeded, SamplingParams(max_tokens=10, temperature=0)])
+        outputs = llm.generate(
+            ["Once upon a time", "The capital of France is"], [seeded, SamplingParams(max_tokens=10, temperature=0)]
+        )
     finally:
         runner.sampler = sampler
     assert outputs[0].outputs[0].token_ids == alone

@@ -48,11 +48,16 @@ def test_chunked_prefill_small_budget(corpus_ids, hf_greedy):
 
 def test_prefix_caching_shared_prefix(corpus_ids, hf_greedy):
     prefix = corpus_ids[:256]
-    prompts = [prefix + corpus_ids[300 + 9 * i : 300 + 9 * i + n] for i, n in enumerate([1, 3, 5, 8, 13, 21, 34, 55, 2, 4, 16, 40])]
+    prompts = [
+        prefix + corpus_ids[300 + 9 * i : 300 + 9 * i + n]
+        for i, n in enumerate([1, 3, 5, 8, 13, 21, 34, 55, 2, 4, 16, 40])
+    ]
     llm = LLM(max_num_batched_tokens=128, kv_cache_memory_bytes=64 << 20, dtype="float32")
     generate_and_check(llm, prompts, hf_greedy)
     stats = llm.engine.kv.pool.stats
-    assert stats.hits >= 11 * 256, f"12 prompts share 256 tokens, yet only {stats.hits} of {stats.queries} tokens hit the cache"
+    assert stats.hits >= 11 * 256, (
+        f"12 prompts share 256 tokens, yet only {stats.hits} of {stats.queries} tokens hit the cache"
+    )
     # Again, now that every prompt is cached whole: the last token is still recomputed for its logits.
     generate_and_check(llm, prompts, hf_greedy)
     assert_no_leaks(llm)
@@ -61,8 +66,12 @@ def test_prefix_caching_shared_prefix(corpus_ids, hf_greedy):
 
 def test_preemption_under_tiny_pool(corpus_ids, hf_greedy):
     num_blocks = 40  # 640 tokens: the 12 prompts together need ~2100
-    llm = LLM(max_model_len=512, kv_cache_memory_bytes=num_blocks * 16 * KV_BYTES_PER_TOKEN, max_num_batched_tokens=256,
-              dtype="float32")
+    llm = LLM(
+        max_model_len=512,
+        kv_cache_memory_bytes=num_blocks * 16 * KV_BYTES_PER_TOKEN,
+        max_num_batched_tokens=256,
+        dtype="float32",
+    )
     assert llm.engine.kv.pool.num_blocks == num_blocks
     generate_and_check(llm, make_prompts(corpus_ids, LENGTHS), hf_greedy)
     assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
@@ -75,7 +84,9 @@ def test_text_prompt_and_chat(chat, tokenizer, hf_greedy):
     params = SamplingParams(max_tokens=24, temperature=0.0)
     if chat:
         messages = [{"role": "user", "content": "Name three primary colours."}]
-        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        ids = list(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
         out = llm.chat(messages, params)[0]
     else:
         ids = tokenizer.encode("The capital of France is", add_special_tokens=False)

@@ -59,5 +59,7 @@ def test_penalties_reduce_repetition(llm):
     token, count = Counter(plain.token_ids).most_common(1)[0]
     assert count >= 5  # greedy decoding loops on this prompt
     for params in (dict(frequency_penalty=2.0), dict(presence_penalty=2.0), dict(repetition_penalty=2.0)):
-        out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, **params))[0].outputs[0]
+        out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, **params))[
+            0
+        ].outputs[0]
         assert out.token_ids.count(token) < count, params

@@ -47,7 +47,9 @@ def test_a_stop_string_overrides_a_length_finish_and_cuts_the_text(tokenizer):
     processor = OutputProcessor(tokenizer)
     request = _request(tokenizer, " Paris is nice", stop=["is", "Par"])
     processor.add_request(request)
-    (out,), stopped, failed = processor.process([EngineCoreOutput(request, request.output_token_ids, FinishReason.LENGTH)])
+    (out,), stopped, failed = processor.process(
+        [EngineCoreOutput(request, request.output_token_ids, FinishReason.LENGTH)]
+    )
     assert (out.text_delta, out.finish_reason, out.stop_reason) == (" ", "stop", "Par")
     assert stopped == [] and failed == []  # already finished by the scheduler: nothing more to finish
 
@@ -82,7 +84,7 @@ def test_stop_strings_count_only_after_the_first_min_tokens(tokenizer, tokens_pe
 
 def test_a_request_whose_output_cannot_be_made_fails_alone(tokenizer):
     class BrokenTokenizer:
-        def decode(self, ids, skip_special_tokens=True):  # noqa: ANN001, ANN202
+        def decode(self, ids, skip_special_tokens=True):
             if 666 in ids:
                 raise OverflowError("out of range integral type conversion attempted")
             return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -92,7 +94,9 @@ def test_a_request_whose_output_cannot_be_made_fails_alone(tokenizer):
     bad.token_ids.append(666)
     processor.add_request(good)
     processor.add_request(bad)
-    outputs, stopped, failed = processor.process([EngineCoreOutput(bad, [666]), EngineCoreOutput(good, good.output_token_ids)])
+    outputs, stopped, failed = processor.process(
+        [EngineCoreOutput(bad, [666]), EngineCoreOutput(good, good.output_token_ids)]
+    )
     assert failed == [bad] and stopped == []
     by_id = {o.request_id: o for o in outputs}
     assert by_id["bad"].finish_reason == "abort" and "OverflowError" in by_id["bad"].error

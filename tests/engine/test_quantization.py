@@ -22,7 +22,9 @@ def _layer_bytes(layer: Linear) -> int:
     return sum(t.numel() * t.element_size() for t in (*layer.parameters(), *layer.buffers()))
 
 
-@pytest.mark.parametrize("scheme", [Int8WeightOnly(), Int4WeightOnly(32), Int4WeightOnly(64)], ids=["int8", "int4-g32", "int4-g64"])
+@pytest.mark.parametrize(
+    "scheme", [Int8WeightOnly(), Int4WeightOnly(32), Int4WeightOnly(64)], ids=["int8", "int4-g32", "int4-g64"]
+)
 def test_quantized_matmul_matches_its_dequantized_weight(scheme):
     torch.manual_seed(0)
     weight = torch.randn(960, 576) * 0.05
@@ -111,12 +113,17 @@ def _counting(monkeypatch: pytest.MonkeyPatch, kernel_name: str) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize(("scheme", "kernel_name", "threshold"), [
-    (Int8WeightOnly(), "_weight_int8pack_mm", "INT8_DENSE_TOKENS"),
-    (Int4WeightOnly(32), "_weight_int4pack_mm_for_cpu", "INT4_DENSE_TOKENS"),
-], ids=["int8", "int4"])
+@pytest.mark.parametrize(
+    ("scheme", "kernel_name", "threshold"),
+    [
+        (Int8WeightOnly(), "_weight_int8pack_mm", "INT8_DENSE_TOKENS"),
+        (Int4WeightOnly(32), "_weight_int4pack_mm_for_cpu", "INT4_DENSE_TOKENS"),
+    ],
+    ids=["int8", "int4"],
+)
 def test_steps_of_many_tokens_take_the_dense_gemm_with_the_same_weight(
-        monkeypatch: pytest.MonkeyPatch, scheme: quantization.LinearQuantization, kernel_name: str, threshold: str) -> None:
+    monkeypatch: pytest.MonkeyPatch, scheme: quantization.LinearQuantization, kernel_name: str, threshold: str
+) -> None:
     """The packed kernels serve decode-sized steps; from INT8_DENSE_TOKENS / INT4_DENSE_TOKENS
     tokens on, the layer's low-bit weight is dequantized for a dense GEMM (faster for prefill; INT4
     unpacks PyTorch's CPU layout), to within bf16 rounding of the packed kernel."""
@@ -129,14 +136,16 @@ def test_steps_of_many_tokens_take_the_dense_gemm_with_the_same_weight(
     dense = scheme.matmul(layer, x)
     assert calls == []
     half = dense_tokens // 2
-    packed = torch.cat([scheme.matmul(layer, x[i:i + half]) for i in range(0, x.shape[0], half)])
+    packed = torch.cat([scheme.matmul(layer, x[i : i + half]) for i in range(0, x.shape[0], half)])
     assert calls == [half, half, 16]
     reference = x.float() @ scheme.dequantized(layer).T
     for y in (dense, packed):
         assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), reference, rtol=0.02, atol=0.02)
 
 
-def test_an_int4_layer_of_a_width_not_a_multiple_of_64_always_takes_the_packed_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_int4_layer_of_a_width_not_a_multiple_of_64_always_takes_the_packed_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Its last block of rows is laid out otherwise, which the unpacking does not read."""
     torch.manual_seed(0)
     scheme, layer = Int4WeightOnly(32), nn.Module()

@@ -10,8 +10,11 @@ from kvpilot.engine.worker.sampler import RowPenalty, Sampler, SamplingMetadata,
 def metadata(*params: SamplingParams, seeded: dict[int, torch.Generator] | None = None) -> SamplingMetadata:
     greedy = [p.greedy for p in params]
     return SamplingMetadata(
-        temperature=torch.tensor([p.temperature for p in params]), top_k=torch.tensor([p.top_k for p in params]),
-        top_p=torch.tensor([p.top_p for p in params]), greedy=torch.tensor(greedy), all_greedy=all(greedy),
+        temperature=torch.tensor([p.temperature for p in params]),
+        top_k=torch.tensor([p.top_k for p in params]),
+        top_p=torch.tensor([p.top_p for p in params]),
+        greedy=torch.tensor(greedy),
+        all_greedy=all(greedy),
         generators=seeded or {},
     )
 
@@ -51,7 +54,9 @@ def test_top_k_and_top_p_keep_the_right_tokens():
 
 def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]] * 3000))
-    tokens = Sampler(torch.Generator().manual_seed(3))(logits, metadata(*[SamplingParams(temperature=1.0)] * 3000)).tokens
+    tokens = Sampler(torch.Generator().manual_seed(3))(
+        logits, metadata(*[SamplingParams(temperature=1.0)] * 3000)
+    ).tokens
     freq = torch.bincount(tokens, minlength=3).float() / len(tokens)
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.04), freq
 
@@ -72,10 +77,13 @@ def test_tiny_temperature_is_greedy_not_an_overflow():
 def test_a_seeded_row_samples_the_same_whatever_its_neighbours():
     params = SamplingParams(temperature=1.0, seed=7)
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
-    alone = Sampler(torch.Generator().manual_seed(0))(logits, metadata(params, seeded={0: torch.Generator().manual_seed(7)})).tokens
+    alone = Sampler(torch.Generator().manual_seed(0))(
+        logits, metadata(params, seeded={0: torch.Generator().manual_seed(7)})
+    ).tokens
     batch = torch.cat([torch.randn(3, 50), logits])
     mixed = Sampler(torch.Generator().manual_seed(99))(
-        batch, metadata(*[SamplingParams(temperature=1.0)] * 3, params, seeded={3: torch.Generator().manual_seed(7)})).tokens
+        batch, metadata(*[SamplingParams(temperature=1.0)] * 3, params, seeded={3: torch.Generator().manual_seed(7)})
+    ).tokens
     assert mixed[3] == alone[0]
 
 

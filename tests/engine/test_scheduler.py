@@ -14,7 +14,11 @@ def make(num_blocks: int = 64, seqs: int = 8, budget: int = 32, block_size: int 
 def run_step(s: Scheduler) -> list[tuple[str, int]]:
     """Schedule, then pretend the model ran: advance computed tokens and append a token where due."""
     out = s.schedule()
-    due = {i.request.request_id: [7] for i in out.scheduled if i.request.num_computed_tokens + i.num_tokens == i.request.num_tokens}
+    due = {
+        i.request.request_id: [7]
+        for i in out.scheduled
+        if i.request.num_computed_tokens + i.num_tokens == i.request.num_tokens
+    }
     s.update_from_output(out, ModelRunnerOutput(sampled=due))
     return [(i.request.request_id, i.num_tokens) for i in out.scheduled]
 
@@ -90,7 +94,10 @@ def test_length_and_eos_finish_in_update_from_output():
     s.add(long)
     s.add(eos)
     outs = s.update_from_output(s.schedule(), ModelRunnerOutput(sampled={"long": [2, 2, 2, 2], "eos": [3, 2]}))
-    assert [(o.new_token_ids, o.finish_reason) for o in outs] == [([2, 2, 2], FinishReason.LENGTH), ([3, 2], FinishReason.STOP)]
+    assert [(o.new_token_ids, o.finish_reason) for o in outs] == [
+        ([2, 2, 2], FinishReason.LENGTH),
+        ([3, 2], FinishReason.STOP),
+    ]
 
 
 def test_stats_report_first_scheduling_once():

@@ -46,10 +46,15 @@ def chi_square_p_value(counts_a: Counter, counts_b: Counter) -> float:
             statistic += (observed - expected) ** 2 / expected
     df = len(table) - 1
     assert df >= 1, "the samples fall into a single cell: nothing to compare"
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(df / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)
+        )
+    )
 
 
 # ---- the proposer --------------------------------------------------------------------------------
+
 
 def test_ngram_proposes_what_followed_the_longest_latest_match():
     proposer = NgramProposer(num_tokens=3, min_n=2, max_n=3)
@@ -65,16 +70,26 @@ def test_ngram_proposes_what_followed_the_longest_latest_match():
 
 # ---- the rejection rule --------------------------------------------------------------------------
 
-def _sample_many(logits: torch.Tensor, rows: int, draft: int | None, penalties: dict[str, float], seed: int, **meta: object) -> Counter:
+
+def _sample_many(
+    logits: torch.Tensor, rows: int, draft: int | None, penalties: dict[str, float], seed: int, **meta: object
+) -> Counter:
     """The token each of `rows` copies of one distribution emits: sampled plainly when `draft` is
     None, else verifying `draft` (the draft when kept, the resampled token when not)."""
     batch = logits.repeat(rows, 1)
-    defaults = dict(temperature=torch.full((rows,), 0.8), top_k=torch.zeros(rows, dtype=torch.long),
-                    top_p=torch.ones(rows), greedy=torch.zeros(rows, dtype=torch.bool), all_greedy=False)
+    defaults = dict(
+        temperature=torch.full((rows,), 0.8),
+        top_k=torch.zeros(rows, dtype=torch.long),
+        top_p=torch.ones(rows),
+        greedy=torch.zeros(rows, dtype=torch.bool),
+        all_greedy=False,
+    )
     scalar = {"top_k": torch.long, "top_p": torch.float32, "min_p": torch.float32}
     filters = {name: torch.full((rows,), value, dtype=scalar[name]) for name, value in meta.items()}
     output_ids = torch.tensor(PENALIZED_OUTPUT)
-    row_penalties = [RowPenalty(row, output_ids, output_ids.unique(), **penalties) for row in range(rows)] if penalties else []
+    row_penalties = (
+        [RowPenalty(row, output_ids, output_ids.unique(), **penalties) for row in range(rows)] if penalties else []
+    )
     drafts = torch.full((rows,), draft) if draft is not None else None
     metadata = SamplingMetadata(**(defaults | filters), penalties=row_penalties, draft_token_ids=drafts)
     out = Sampler(torch.Generator().manual_seed(seed))(batch.clone(), metadata)
@@ -106,7 +121,9 @@ def test_rejection_sampling_keeps_the_target_distribution(filters, draft):
     penalties = PENALTIES if "penalties" in filters else {}
     plain = _sample_many(TARGET_LOGITS, rows, None, penalties, 1, **FILTERS[filters])
     verified = _sample_many(TARGET_LOGITS, rows, draft, penalties, 2, **FILTERS[filters])
-    assert verified.keys() <= plain.keys(), f"verification emitted tokens plain sampling never does: {verified}, {plain}"
+    assert verified.keys() <= plain.keys(), (
+        f"verification emitted tokens plain sampling never does: {verified}, {plain}"
+    )
     if len(plain) > 1:
         assert chi_square_p_value(plain, verified) > FALSE_ALARM_RATE, (plain, verified)
 
@@ -122,15 +139,21 @@ def test_a_rejected_draft_that_held_all_the_mass_resamples_from_the_target():
 
 def test_greedy_verification_keeps_exactly_the_argmax():
     logits = torch.tensor([[0.1, 3.0, 2.9], [0.1, 3.0, 2.9], [5.0, 0.0, 0.0]])
-    meta = SamplingMetadata(temperature=torch.zeros(3), top_k=torch.zeros(3, dtype=torch.long), top_p=torch.ones(3),
-                            greedy=torch.ones(3, dtype=torch.bool), all_greedy=True,
-                            draft_token_ids=torch.tensor([1, 2, -1]))
+    meta = SamplingMetadata(
+        temperature=torch.zeros(3),
+        top_k=torch.zeros(3, dtype=torch.long),
+        top_p=torch.ones(3),
+        greedy=torch.ones(3, dtype=torch.bool),
+        all_greedy=True,
+        draft_token_ids=torch.tensor([1, 2, -1]),
+    )
     out = Sampler(torch.Generator())(logits, meta)
     assert out.accepted.tolist() == [True, False, False]
     assert out.tokens.tolist() == [1, 1, 0]
 
 
 # ---- the scheduler's side ------------------------------------------------------------------------
+
 
 def _decoding_request(prompt_len: int, max_tokens: int) -> tuple[Scheduler, Request]:
     scheduler = Scheduler(KVCacheManager(num_blocks=8, block_size=4), max_num_seqs=4, max_num_batched_tokens=64)
@@ -151,7 +174,9 @@ def test_drafts_are_scheduled_verified_and_rejected_kv_rolled_back():
     scheduler.update_from_output(step, ModelRunnerOutput(sampled={"r": [8, 9, 42]}))
     assert request.output_token_ids == [7, 8, 9, 42]
     assert request.num_computed_tokens == 9  # prompt, 7, 8, 9 (42 is computed next step)
-    assert len(scheduler.kv.block_tables["r"]) == 3  # 10 tokens (42 has its slot) in blocks of 4; the draft-only tail is gone
+    assert (
+        len(scheduler.kv.block_tables["r"]) == 3
+    )  # 10 tokens (42 has its slot) in blocks of 4; the draft-only tail is gone
     assert scheduler.spec_decoding == SpecDecodingStats(1, 4, 2, (1, 1, 0, 0))
     assert request.spec_token_ids == []
 
@@ -160,7 +185,9 @@ def test_a_stop_inside_the_accepted_drafts_ends_the_computed_tokens_there():
     scheduler = Scheduler(KVCacheManager(num_blocks=8, block_size=4), max_num_seqs=4, max_num_batched_tokens=64)
     request = Request("r", list(range(100, 108)), SamplingParams(max_tokens=10, stop_token_ids=[8]))
     scheduler.add(request)
-    scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput(sampled={"r": [7]}, spec_token_ids={"r": [8, 9, 10, 11]}))
+    scheduler.update_from_output(
+        scheduler.schedule(), ModelRunnerOutput(sampled={"r": [7]}, spec_token_ids={"r": [8, 9, 10, 11]})
+    )
     step = scheduler.schedule()
     # Every draft accepted, but the first is a stop token: the sequence ends there.
     scheduler.update_from_output(step, ModelRunnerOutput(sampled={"r": [8, 9, 10, 11, 12]}))
@@ -210,14 +237,25 @@ def test_greedy_output_is_the_same_with_and_without_speculation(corpus_ids, prop
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     num_blocks = 16  # 256 tokens; the three sequences grow to ~440
     options = dict(dtype="float32", max_num_batched_tokens=64, max_model_len=240)
-    plain = [o.outputs[0].token_ids for o in LLM(**options, kv_cache_memory_bytes=num_blocks * 16 * 30 * KV_BYTES_PER_LAYER).generate(prompts, params)]
-    llm = LLM(**options, kv_cache_memory_bytes=num_blocks * 16 * (30 + DRAFT_LAYERS[proposer]) * KV_BYTES_PER_LAYER, **PROPOSERS[proposer])
+    plain = [
+        o.outputs[0].token_ids
+        for o in LLM(**options, kv_cache_memory_bytes=num_blocks * 16 * 30 * KV_BYTES_PER_LAYER).generate(
+            prompts, params
+        )
+    ]
+    llm = LLM(
+        **options,
+        kv_cache_memory_bytes=num_blocks * 16 * (30 + DRAFT_LAYERS[proposer]) * KV_BYTES_PER_LAYER,
+        **PROPOSERS[proposer],
+    )
     assert llm.engine.kv.pool.num_blocks == num_blocks
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
     stats = llm.engine.scheduler.spec_decoding
     assert stats.num_draft_tokens > 0 and llm.engine.scheduler.num_preemptions > 0 and llm.engine.kv.pool.stats.hits > 0
     acceptance = stats.num_accepted_tokens / stats.num_draft_tokens
-    assert {"ngram": acceptance > 0.3, "draft-model": acceptance == 1.0, "early-exit": acceptance < 0.3}[proposer], acceptance
+    assert {"ngram": acceptance > 0.3, "draft-model": acceptance == 1.0, "early-exit": acceptance < 0.3}[proposer], (
+        acceptance
+    )
     assert_no_leaks(llm)
 
 
@@ -234,13 +272,30 @@ def test_draft_settings_that_cannot_work_are_refused(tmp_path, model_dir):
 def tiny_model(tmp_path_factory, model_dir) -> Path:
     """A random Llama with a 16-token vocabulary: cheap enough to draw thousands of samples."""
     folder = tmp_path_factory.mktemp("tiny16")
-    make_tiny_llama(folder, model_dir, vocab_size=16, initializer_range=0.5, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    make_tiny_llama(
+        folder,
+        model_dir,
+        vocab_size=16,
+        initializer_range=0.5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     return folder
 
 
 def _sample(folder: Path, prompt: list[int], params: SamplingParams, n: int, **options: object) -> tuple[Counter, LLM]:
-    llm = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=64 << 20, max_num_seqs=512, max_num_batched_tokens=4096,
-              ngram_prompt_lookup_min=1, ngram_prompt_lookup_max=3, num_speculative_tokens=3, **options)
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        kv_cache_memory_bytes=64 << 20,
+        max_num_seqs=512,
+        max_num_batched_tokens=4096,
+        ngram_prompt_lookup_min=1,
+        ngram_prompt_lookup_max=3,
+        num_speculative_tokens=3,
+        **options,
+    )
     outputs = llm.generate([prompt] * n, params)
     return Counter(tuple(o.outputs[0].token_ids) for o in outputs), llm
 
@@ -249,19 +304,33 @@ def _sample(folder: Path, prompt: list[int], params: SamplingParams, n: int, **o
 def other_tiny_model(tmp_path_factory, model_dir) -> Path:
     """Another random model on the same 16 tokens: a draft that knows nothing of the target."""
     folder = tmp_path_factory.mktemp("tiny16-other")
-    make_tiny_llama(folder, model_dir, vocab_size=16, initializer_range=0.5, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=16, intermediate_size=96)
+    make_tiny_llama(
+        folder,
+        model_dir,
+        vocab_size=16,
+        initializer_range=0.5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+    )
     return folder
 
 
 def _quoting_prompt(folder: Path, base: list[int]) -> list[int]:
     """The model's own continuation of `base`, then `base` again: n-gram drafts copy what it said before."""
-    greedy = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=8 << 20).generate(
-        [base], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+    greedy = (
+        LLM(str(folder), dtype="float32", kv_cache_memory_bytes=8 << 20)
+        .generate([base], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+    )
     return base + greedy + base
 
 
-@pytest.mark.parametrize("proposer, drafts", [("ngram", "good"), ("ngram", "poor"), ("draft", "good"), ("draft", "poor")])
+@pytest.mark.parametrize(
+    "proposer, drafts", [("ngram", "good"), ("ngram", "poor"), ("draft", "good"), ("draft", "poor")]
+)
 def test_sampled_output_has_the_same_distribution_with_speculation(tiny_model, other_tiny_model, proposer, drafts):
     rng = random.Random(0)
     base = [rng.randrange(3, 16) for _ in range(12)]
@@ -276,7 +345,9 @@ def test_sampled_output_has_the_same_distribution_with_speculation(tiny_model, o
     with_spec, llm = _sample(tiny_model, prompt, params, 3000, seed=2, **options)
     stats = llm.engine.scheduler.spec_decoding
     rate = stats.num_accepted_tokens / stats.num_draft_tokens
-    assert (rate > 0.3) if drafts == "good" else (rate < 0.15), f"acceptance {rate:.2f} is not what {drafts} drafts make"
+    assert (rate > 0.3) if drafts == "good" else (rate < 0.15), (
+        f"acceptance {rate:.2f} is not what {drafts} drafts make"
+    )
     assert chi_square_p_value(without, with_spec) > FALSE_ALARM_RATE
     assert_no_leaks(llm)
 
@@ -301,7 +372,9 @@ def test_speculative_sampling_under_top_p_emits_only_what_the_nucleus_holds(corp
     # Under top_p 0.5 the nucleus is often the draft alone: a rejection there once left nothing to
     # sample from and emitted token 0 (<|endoftext|>, not EOS), which plain sampling never draws here.
     llm = LLM(dtype="float32", kv_cache_memory_bytes=64 << 20, **SPEC)
-    outputs = llm.generate(make_prompts(corpus_ids, [64] * 16), SamplingParams(max_tokens=72, temperature=1.0, top_p=0.5))
+    outputs = llm.generate(
+        make_prompts(corpus_ids, [64] * 16), SamplingParams(max_tokens=72, temperature=1.0, top_p=0.5)
+    )
     tokens = [t for o in outputs for t in o.outputs[0].token_ids]
     stats = llm.engine.scheduler.spec_decoding
     assert len(tokens) >= 1000 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
@@ -317,7 +390,9 @@ def test_requests_that_cannot_speculate_share_steps_with_those_that_do(corpus_id
     with_logprobs = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     outs = llm.generate([prompt] * 3, [greedy, penalized, with_logprobs])
     alone = LLM(dtype="float32", kv_cache_memory_bytes=64 << 20)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone.generate([prompt] * 3, [greedy, penalized, with_logprobs])]
+    assert [o.outputs[0].token_ids for o in outs] == [
+        o.outputs[0].token_ids for o in alone.generate([prompt] * 3, [greedy, penalized, with_logprobs])
+    ]
     assert len(outs[2].outputs[0].logprobs) == 24
     assert llm.engine.scheduler.spec_decoding.num_drafts > 0
     assert_no_leaks(llm)
@@ -339,7 +414,9 @@ def test_aborts_mid_speculation_free_every_block(corpus_ids):
 
     engine.runner.execute = execute_then_abort
     for i in range(4):
-        engine.add_request(corpus_ids[i * 50 : i * 50 + 120], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+        engine.add_request(
+            corpus_ids[i * 50 : i * 50 + 120], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        )
     while engine.has_unfinished():
         engine.step()
     assert aborted and all(aborted), "no request was aborted while its drafts were verified"
@@ -362,10 +439,19 @@ def test_a_sequence_as_long_as_the_pool_still_has_its_draft_lookahead(corpus_ids
     assert_no_leaks(llm)
 
 
-def _fresh_draft_kv(proposer: DraftProposer, request_id: str, token_ids: list[int], block_ids: list[int]) -> list[KVCache]:
+def _fresh_draft_kv(
+    proposer: DraftProposer, request_id: str, token_ids: list[int], block_ids: list[int]
+) -> list[KVCache]:
     """The draft model's K/V of `token_ids` computed in one prefill into an empty cache, slot for slot."""
-    fresh = DraftProposer(proposer.model, len(proposer.kv_caches), 1, proposer.kv_caches[0][0].shape[0], proposer.block_size,
-                          proposer.kv_caches[0][0].dtype, proposer.device)
+    fresh = DraftProposer(
+        proposer.model,
+        len(proposer.kv_caches),
+        1,
+        proposer.kv_caches[0][0].shape[0],
+        proposer.block_size,
+        proposer.kv_caches[0][0].dtype,
+        proposer.device,
+    )
     fresh.propose([DraftInput(request_id, token_ids, block_ids)])
     return fresh.kv_caches
 
@@ -373,12 +459,22 @@ def _fresh_draft_kv(proposer: DraftProposer, request_id: str, token_ids: list[in
 def test_the_draft_models_kv_is_a_fresh_recompute_after_every_step(tiny_model, other_tiny_model):
     # Blocks of 4 slots: the newest token often lands on a block's first slot, which the rollback of
     # rejected drafts must not free (the draft has written that token's K/V there).
-    llm = LLM(str(tiny_model), dtype="float32", kv_cache_memory_bytes=8 << 20, block_size=4, speculative="draft",
-              draft_model=str(other_tiny_model), num_speculative_tokens=3, speculative_max_batch_size=64)
+    llm = LLM(
+        str(tiny_model),
+        dtype="float32",
+        kv_cache_memory_bytes=8 << 20,
+        block_size=4,
+        speculative="draft",
+        draft_model=str(other_tiny_model),
+        num_speculative_tokens=3,
+        speculative_max_batch_size=64,
+    )
     engine, proposer = llm.engine, llm.engine.runner.proposer
     rng = random.Random(0)
     for n in (5, 9, 14):
-        engine.add_request([rng.randrange(3, 16) for _ in range(n)], SamplingParams(max_tokens=40, temperature=1.0, ignore_eos=True))
+        engine.add_request(
+            [rng.randrange(3, 16) for _ in range(n)], SamplingParams(max_tokens=40, temperature=1.0, ignore_eos=True)
+        )
     checked = 0
     while engine.has_unfinished():
         engine.step()
@@ -404,9 +500,18 @@ def _assert_draft_kv_is_fresh(llm: LLM) -> int:
 
 
 @pytest.mark.parametrize("failing_forward", [0, 1], ids=["catch-up", "second-draft"])
-def test_a_step_whose_draft_fails_is_rerun_request_by_request_from_a_clean_state(tiny_model, other_tiny_model, failing_forward):
-    options = dict(dtype="float32", kv_cache_memory_bytes=8 << 20, block_size=4, speculative="draft",
-                   draft_model=str(other_tiny_model), num_speculative_tokens=3, speculative_max_batch_size=64)
+def test_a_step_whose_draft_fails_is_rerun_request_by_request_from_a_clean_state(
+    tiny_model, other_tiny_model, failing_forward
+):
+    options = dict(
+        dtype="float32",
+        kv_cache_memory_bytes=8 << 20,
+        block_size=4,
+        speculative="draft",
+        draft_model=str(other_tiny_model),
+        num_speculative_tokens=3,
+        speculative_max_batch_size=64,
+    )
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 16) for _ in range(n)] for n in (5, 9, 14)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)

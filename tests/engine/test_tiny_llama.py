@@ -14,20 +14,46 @@ from tests.engine.oracle import check_greedy
 
 VARIANTS = {
     # Llama-3.1 style rope scaling with 4:1 GQA.
-    "llama3-rope-gqa": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-                            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama3-rope-gqa": dict(
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     # Linear scaling, multi-head attention, untied head.
-    "linear-rope-mha": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16, tie_word_embeddings=False,
-                            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    "linear-rope-mha": dict(
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    ),
 }
 
 
 def make_tiny_llama(folder: Path, tokenizer_dir: Path, **arch: object) -> LlamaForCausalLM:
-    config = LlamaConfig(**{
-        "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "max_position_embeddings": 512,
-        # Wide weights give peaked logits: random models with tiny weights are all near-ties.
-        "initializer_range": 0.3, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, **arch,
-    })
+    config = LlamaConfig(
+        **{
+            "vocab_size": 49152,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "max_position_embeddings": 512,
+            # Wide weights give peaked logits: random models with tiny weights are all near-ties.
+            "initializer_range": 0.3,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "pad_token_id": 2,
+            **arch,
+        }
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(folder)
@@ -45,9 +71,20 @@ def test_tiny_llama_matches_hf(variant, tmp_path, model_dir, corpus_ids):
     outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True)
-        check_greedy(out.outputs[0].token_ids, ref.sequences[0, len(prompt):].tolist(), [l[0] for l in ref.logits], f"{variant} {len(prompt)}")
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=20,
+                min_new_tokens=20,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        check_greedy(
+            out.outputs[0].token_ids,
+            ref.sequences[0, len(prompt) :].tolist(),
+            [l[0] for l in ref.logits],
+            f"{variant} {len(prompt)}",
+        )
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks
 
 

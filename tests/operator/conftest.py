@@ -12,6 +12,9 @@ def fuller() -> EngineCapabilities:
     """A hypothetical engine build running every scheme and mode the CRD names, with low-bit GPU
     kernels: the planner's search among them is tested against it, independently of what today's
     engine runs."""
-    return EngineCapabilities(quantization=("none", "int8", "w8a8", "int4"),
-                              speculative=("off", "ngram", "draft"), dtypes=CAPABILITIES.dtypes,
-                              low_bit_gpu_matmuls=True)
+    return EngineCapabilities(
+        quantization=("none", "int8", "w8a8", "int4"),
+        speculative=("off", "ngram", "draft"),
+        dtypes=CAPABILITIES.dtypes,
+        low_bit_gpu_matmuls=True,
+    )

@@ -30,7 +30,11 @@ def test_plan_prints_a_readable_table() -> None:
     assert "KV per token        0.5 MiB" in text
     assert "quantization        none" in text
     assert "predicted TTFT" in text and "predicted TPOT" in text
-    assert "why:" in text and "kvCache: 21 sequences at the mean context of 640 tokens (prompt + half the output) fit, 3 at the full 4096" in text
+    assert (
+        "why:" in text
+        and "kvCache: 21 sequences at the mean context of 640 tokens (prompt + half the output) fit, 3 at the full 4096"
+        in text
+    )
 
 
 def test_plan_json_is_the_plan() -> None:
@@ -51,8 +55,9 @@ def test_plan_exit_codes_for_no_fit_and_invalid_input(capsys: pytest.CaptureFixt
     assert code == 2 and "must be hf://org/repo[@revision]" in capsys.readouterr().err  # not a source
     code, text = run("plan --model llama-2-7b --gpu A10G --speculative draft --draft-model pvc://models/my-draft")
     assert code == 1 and "NO (UnknownDraftModel)" in text and "serving.draftModelArchitecture" in text
-    code, text = run("plan --model llama-2-7b --gpu A10G --speculative draft "
-                     "--draft-model hf://TinyLlama/TinyLlama-1.1B-Chat-v1.0")
+    code, text = run(
+        "plan --model llama-2-7b --gpu A10G --speculative draft --draft-model hf://TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+    )
     assert code == 0 and "speculative         draft (k=4)" in text
 
 
@@ -110,10 +115,14 @@ def test_operator_prometheus_allowlist_reaches_the_autoscaler(recorder: Recorder
     (the chart's autoscaler.prometheusUrlAllow); none by default."""
     run("operator -A")
     assert tuple(recorder.runs[-1]["memo"].prometheus_url_allow) == ()
-    run("operator -A --prometheus-url-allow http://prometheus.monitoring:9090 "
-        "--prometheus-url-allow https://thanos.monitoring/query")
+    run(
+        "operator -A --prometheus-url-allow http://prometheus.monitoring:9090 "
+        "--prometheus-url-allow https://thanos.monitoring/query"
+    )
     assert tuple(recorder.runs[-1]["memo"].prometheus_url_allow) == (
-        "http://prometheus.monitoring:9090", "https://thanos.monitoring/query")
+        "http://prometheus.monitoring:9090",
+        "https://thanos.monitoring/query",
+    )
     for prefix in ("prometheus:9090", "ftp://p", "http://", "http://user@prometheus:9090", "http://p/?q=1"):
         with pytest.raises(SystemExit):
             parser().parse_args(["operator", "-A", "--prometheus-url-allow", prefix])

@@ -68,7 +68,9 @@ class Server:
 
     def async_client(self, **kwargs: object) -> openai.AsyncOpenAI:
         kwargs.setdefault("http_client", openai.DefaultAsyncHttpxClient(trust_env=False))
-        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused", timeout=120, **kwargs)
+        return openai.AsyncOpenAI(
+            base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused", timeout=120, **kwargs
+        )
 
     def log(self) -> str:
         return self.process.log_text()
@@ -78,7 +80,8 @@ class Server:
         text = self.http.get("/metrics").text
         return {
             (s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
         }
 
     def metric(self, name: str, **labels: str) -> float:
@@ -96,10 +99,30 @@ class Server:
 def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None, api_key: str | None = None) -> Server:
     """`kvpilot serve` on a free loopback port with a small KV pool, once it answers /ready."""
     port = free_port()
-    cmd = [sys.executable, "-m", "kvpilot.engine.cli", "serve", "--host", LOOPBACK, "--port", str(port),
-           "--kv-cache-memory-bytes", str(KV_BYTES), "--dtype", DTYPE, *args]
-    process = start_http(cmd, tmp_path / f"serve-{port}.log", f"http://{LOOPBACK}:{port}/ready", STARTUP_TIMEOUT_S,
-                         {**os.environ, **(env or {})}, cwd=REPO, interval_s=0.2)
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvpilot.engine.cli",
+        "serve",
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--kv-cache-memory-bytes",
+        str(KV_BYTES),
+        "--dtype",
+        DTYPE,
+        *args,
+    ]
+    process = start_http(
+        cmd,
+        tmp_path / f"serve-{port}.log",
+        f"http://{LOOPBACK}:{port}/ready",
+        STARTUP_TIMEOUT_S,
+        {**os.environ, **(env or {})},
+        cwd=REPO,
+        interval_s=0.2,
+    )
     return Server(process, port, api_key)
 
 

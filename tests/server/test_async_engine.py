@@ -8,17 +8,19 @@ import time
 
 import pytest
 
-from kvpilot.engine.serving.async_engine import AsyncEngine, EngineUnavailableError
 from kvpilot.engine.config import EngineConfig, ServerConfig
-from kvpilot.engine.serving.api_server import OpenAIServer
-from kvpilot.engine.serving.metrics import ServingMetrics
 from kvpilot.engine.core.sampling_params import SamplingParams
+from kvpilot.engine.serving.api_server import OpenAIServer
+from kvpilot.engine.serving.async_engine import AsyncEngine, EngineUnavailableError
+from kvpilot.engine.serving.metrics import ServingMetrics
 from tests.server.conftest import DTYPE, KV_BYTES
 
 
 def test_engine_crash_fails_streams_and_later_submissions() -> None:
     async def scenario() -> None:
-        engine = AsyncEngine(EngineConfig(kv_cache_memory_bytes=KV_BYTES, dtype=DTYPE), ServingMetrics("m"), max_waiting_requests=8)
+        engine = AsyncEngine(
+            EngineConfig(kv_cache_memory_bytes=KV_BYTES, dtype=DTYPE), ServingMetrics("m"), max_waiting_requests=8
+        )
         engine.start()
         assert await engine.wait_loaded() is None
 
@@ -67,7 +69,9 @@ def test_engine_crash_makes_the_server_exit_non_zero() -> None:
 
 def test_a_stuck_engine_step_is_reported_by_health() -> None:
     async def scenario() -> None:
-        server = OpenAIServer(EngineConfig(kv_cache_memory_bytes=KV_BYTES, dtype=DTYPE), ServerConfig(engine_step_timeout=0.5))
+        server = OpenAIServer(
+            EngineConfig(kv_cache_memory_bytes=KV_BYTES, dtype=DTYPE), ServerConfig(engine_step_timeout=0.5)
+        )
         async with server.lifespan(server.build_app()):
             assert await server.engine.wait_loaded() is None
             engine = server.engine.llm_engine

@@ -17,8 +17,17 @@ KEY = "test-secret-key"
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # One running sequence and two waiting ones at most: the fourth concurrent request is refused.
-    srv = start_server(tmp_path_factory.mktemp("limited"), "--api-key", KEY, "--max-num-seqs", "1",
-                       "--max-waiting-requests", "2", "--vllm-compatible-metrics", api_key=KEY)
+    srv = start_server(
+        tmp_path_factory.mktemp("limited"),
+        "--api-key",
+        KEY,
+        "--max-num-seqs",
+        "1",
+        "--max-waiting-requests",
+        "2",
+        "--vllm-compatible-metrics",
+        api_key=KEY,
+    )
     yield srv
     code = srv.terminate()
     assert code == 0, f"kvpilot serve exited with {code}:\n{srv.log()}"
@@ -69,7 +78,9 @@ def test_queue_full_gets_429_with_retry_after(limited: Server) -> None:
 
 
 def test_vllm_compatible_metric_names(limited: Server) -> None:
-    limited.client().completions.create(model=MODEL, prompt="Hello there", max_tokens=3, extra_body={"ignore_eos": True})
+    limited.client().completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=3, extra_body={"ignore_eos": True}
+    )
     samples = limited.metrics()
     pairs = {
         "vllm:num_requests_running": "kvpilot_num_requests_running",

@@ -25,15 +25,24 @@ def test_counts_equal_requests_served(server: Server) -> None:
     prompts = [f"Tell me fact number {i} about the sea." for i in range(6)]
     max_tokens = 4
 
-    async def one(client, i: int, prompt: str) -> int:  # noqa: ANN001
+    async def one(client, i: int, prompt: str) -> int:
         # Half stream, half not: both paths must report.
         extra = {"ignore_eos": True}
         if i % 2:
-            stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                                     stream=True, stream_options={"include_usage": True}, extra_body=extra)
+            stream = await client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=extra,
+            )
             chunks = [c async for c in stream]
             return chunks[-1].usage.prompt_tokens
-        out = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra)
+        out = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra
+        )
         return out.usage.prompt_tokens
 
     async def run_all() -> list[int]:
@@ -65,12 +74,16 @@ def test_counts_equal_requests_served(server: Server) -> None:
 def test_every_metric_carries_the_model_label(server: Server) -> None:
     names = {name for name, _ in server.metrics()}
     assert not any(name.startswith("vllm:") for name in names), "vLLM names only with --vllm-compatible-metrics"
-    for (name, labels) in server.metrics():
+    for name, labels in server.metrics():
         if name.startswith("kvpilot_"):
             assert ("model", MODEL) in labels, name
     expected = {
-        "kvpilot_num_requests_running", "kvpilot_num_requests_waiting", "kvpilot_kv_cache_usage_ratio",
-        "kvpilot_num_preemptions_total", "kvpilot_prefix_cache_hits_total", "kvpilot_requests_rejected_total",
+        "kvpilot_num_requests_running",
+        "kvpilot_num_requests_waiting",
+        "kvpilot_kv_cache_usage_ratio",
+        "kvpilot_num_preemptions_total",
+        "kvpilot_prefix_cache_hits_total",
+        "kvpilot_requests_rejected_total",
     }
     assert expected <= names
 
@@ -109,13 +122,19 @@ VLLM_METRICS = {
     "vllm:spec_decode_num_accepted_tokens_per_pos": ("counter", {"model_name", "position"}),
 }
 # Names older vLLM releases exported and 0.33.0 does not: a dashboard must not find them here.
-VLLM_REMOVED = ("vllm:time_per_output_token_seconds", "vllm:gpu_cache_usage_perc",
-                "vllm:gpu_prefix_cache_queries", "vllm:gpu_prefix_cache_hits")
+VLLM_REMOVED = (
+    "vllm:time_per_output_token_seconds",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:gpu_prefix_cache_queries",
+    "vllm:gpu_prefix_cache_hits",
+)
 
 
 def scrape(metrics: ServingMetrics) -> dict[str, tuple[str, list]]:
     text = generate_latest(metrics.registry).decode()
-    return {f.name: (f.type, f.samples) for f in text_string_to_metric_families(text) if not f.name.endswith("_created")}
+    return {
+        f.name: (f.type, f.samples) for f in text_string_to_metric_families(text) if not f.name.endswith("_created")
+    }
 
 
 def test_vllm_names_types_and_labels_match_vllm() -> None:
@@ -123,16 +142,34 @@ def test_vllm_names_types_and_labels_match_vllm() -> None:
     # One sequence: admitted, scheduled, three tokens, finished by length; then the engine's state.
     metrics.on_admitted(7)
     metrics.on_scheduled(0.25)
-    step = dict(request_id="r", text_delta="", num_prompt_tokens=7, num_cached_tokens=0, stop_reason=None,
-                arrival_time=100.0, first_token_time=100.5)
+    step = dict(
+        request_id="r",
+        text_delta="",
+        num_prompt_tokens=7,
+        num_cached_tokens=0,
+        stop_reason=None,
+        arrival_time=100.0,
+        first_token_time=100.5,
+    )
     for i, now in enumerate((100.5, 100.6, 100.7)):
-        output = StepOutput(new_token_ids=[i], num_output_tokens=i + 1, finish_reason="length" if i == 2 else None, **step)
+        output = StepOutput(
+            new_token_ids=[i], num_output_tokens=i + 1, finish_reason="length" if i == 2 else None, **step
+        )
         metrics.on_tokens(output, now)
     metrics.on_finished(output, 100.7)
     # Two verification steps of 3 drafts: 2 then 3 accepted.
     spec = SpecDecodingStats().add(3, 2).add(3, 3)
-    metrics.set_state(SchedulerStats(num_running=1, num_waiting=2, kv_cache_usage=0.5, num_preemptions=3,
-                                     prefix_cache_queries=7, prefix_cache_hits=4, spec_decoding=spec))
+    metrics.set_state(
+        SchedulerStats(
+            num_running=1,
+            num_waiting=2,
+            kv_cache_usage=0.5,
+            num_preemptions=3,
+            prefix_cache_queries=7,
+            prefix_cache_hits=4,
+            spec_decoding=spec,
+        )
+    )
     families = scrape(metrics)
 
     vllm_names = {name for name in families if name.startswith("vllm:")}
@@ -145,18 +182,26 @@ def test_vllm_names_types_and_labels_match_vllm() -> None:
             assert set(sample.labels) - {"le"} == labels, (name, sample.labels)
             assert sample.labels["model_name"] == "m", name
     # Every vllm: series carries the same value as its kvpilot_ twin.
-    ours = {"vllm:request_time_per_output_token_seconds": "kvpilot_time_per_output_token_seconds",
-            "vllm:kv_cache_usage_perc": "kvpilot_kv_cache_usage_ratio"}
+    ours = {
+        "vllm:request_time_per_output_token_seconds": "kvpilot_time_per_output_token_seconds",
+        "vllm:kv_cache_usage_perc": "kvpilot_kv_cache_usage_ratio",
+    }
     for name in VLLM_METRICS:
         twin = ours.get(name, name.replace("vllm:", "kvpilot_"))
-        theirs = {(s.name.replace(name, twin), frozenset((k, v) for k, v in s.labels.items() if k != "model_name"), s.value)
-                  for s in families[name][1]}
-        mine = {(s.name, frozenset((k, v) for k, v in s.labels.items() if k != "model"), s.value) for s in families[twin][1]}
+        theirs = {
+            (s.name.replace(name, twin), frozenset((k, v) for k, v in s.labels.items() if k != "model_name"), s.value)
+            for s in families[name][1]
+        }
+        mine = {
+            (s.name, frozenset((k, v) for k, v in s.labels.items() if k != "model"), s.value) for s in families[twin][1]
+        }
         assert theirs == mine, name
 
     def value(sample_name: str, **labels: str) -> float:
         family = next(f for f in families if sample_name in (f, f"{f}_total", f"{f}_count", f"{f}_sum", f"{f}_bucket"))
-        return next(s.value for s in families[family][1] if s.name == sample_name and labels.items() <= s.labels.items())
+        return next(
+            s.value for s in families[family][1] if s.name == sample_name and labels.items() <= s.labels.items()
+        )
 
     assert value("vllm:request_time_per_output_token_seconds_count") == 1
     assert abs(value("vllm:request_time_per_output_token_seconds_sum") - 0.1) < 1e-9  # (100.7 - 100.5) / 2

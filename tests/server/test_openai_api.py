@@ -37,9 +37,16 @@ def test_completion_equals_offline(server: Server, llm: LLM) -> None:
 
 def test_completion_stream_equals_offline(server: Server, llm: LLM) -> None:
     ref = llm.generate(PROMPT, greedy(12))[0].outputs[0]
-    chunks = list(server.client().completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        server.client().completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text_chunks = [c for c in chunks if c.choices]
     assert len(text_chunks) > 1, "a 12-token answer must arrive in several chunks"
     assert "".join(c.choices[0].text for c in text_chunks) == ref.text
@@ -52,7 +59,9 @@ def test_completion_token_id_and_batch_prompts(server: Server, llm: LLM) -> None
     prompts = [PROMPT, "Water boils at"]
     refs = llm.generate(prompts, greedy(6))
     ids = llm.tokenizer.encode(prompts[1], add_special_tokens=False)
-    out = server.client().completions.create(model=MODEL, prompt=[prompts[0]] + [prompts[1]], max_tokens=6, temperature=0)
+    out = server.client().completions.create(
+        model=MODEL, prompt=[prompts[0]] + [prompts[1]], max_tokens=6, temperature=0
+    )
     assert [c.index for c in out.choices] == [0, 1]
     assert [c.text for c in out.choices] == [r.outputs[0].text for r in refs]
     by_ids = server.client().completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
@@ -89,10 +98,14 @@ def test_stop_string_cuts_and_never_leaks(server: Server, llm: LLM) -> None:
     assert stop.strip(), f"pick a visible stop string from {full!r}"
     expected = full[: full.find(stop)]
     client = server.client()
-    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop, "never-there"])
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop, "never-there"]
+    )
     assert out.choices[0].text == expected
     assert out.choices[0].finish_reason == "stop"
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, stream=True))
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, stream=True)
+    )
     streamed = [c.choices[0].text for c in chunks]
     assert "".join(streamed) == expected
     # No prefix of the stop string was sent early and then "taken back".
@@ -112,7 +125,9 @@ def test_n2_with_seed_is_reproducible_and_equals_offline(server: Server, llm: LL
     assert first.usage.prompt_tokens == len(llm.tokenizer.encode(PROMPT, add_special_tokens=False))
     assert first.usage.completion_tokens == 12
 
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=7, n=2, stream=True))
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=7, n=2, stream=True)
+    )
     streamed = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(2)]
     assert streamed == ref
 
@@ -121,7 +136,7 @@ def test_32_concurrent_streams_each_get_their_own_answer(server: Server, llm: LL
     prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(32)]
     refs = [o.outputs[0].text for o in llm.generate(prompts, greedy(6))]
 
-    async def one(client, prompt: str) -> str:  # noqa: ANN001
+    async def one(client, prompt: str) -> str:
         stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True)
         pieces = [chunk.choices[0].text async for chunk in stream]
         return "".join(pieces)

@@ -14,12 +14,19 @@ import pytest
 from tests.server.conftest import MODEL, REPO, free_port, start_server, wait_until
 
 
-def test_sigterm_drains_in_flight_requests(tmp_path) -> None:  # noqa: ANN001
+def test_sigterm_drains_in_flight_requests(tmp_path) -> None:
     # The key comes from the environment here (the flag is covered in test_limits).
     server = start_server(tmp_path, "--grace-period", "60", env={"KVPILOT_API_KEY": "k"}, api_key="k")
     try:
-        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "ignore_eos": True, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": MODEL,
+            "prompt": "Once upon a time",
+            "max_tokens": 12,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with httpx.Client(base_url=server.base_url, headers={"Authorization": "Bearer k"}, timeout=60) as http:
             with http.stream("POST", "/v1/completions", json=body) as response:
                 events = (line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: "))
@@ -42,15 +49,31 @@ def test_sigterm_drains_in_flight_requests(tmp_path) -> None:  # noqa: ANN001
         server.terminate()
 
 
-def test_model_that_cannot_load_exits_nonzero(tmp_path) -> None:  # noqa: ANN001
+def test_model_that_cannot_load_exits_nonzero(tmp_path) -> None:
     missing = tmp_path / "no-such-model"
-    proc = subprocess.run([sys.executable, "-m", "kvpilot.engine.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
-                           "--model", str(missing)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvpilot.engine.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
+            "--model",
+            str(missing),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "model_load_failed" in proc.stderr and str(missing) in proc.stderr
 
 
-def test_grace_period_cuts_requests_that_run_too_long(tmp_path) -> None:  # noqa: ANN001
+def test_grace_period_cuts_requests_that_run_too_long(tmp_path) -> None:
     server = start_server(tmp_path, "--grace-period", "1")
     try:
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True}

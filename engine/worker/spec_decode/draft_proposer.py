@@ -24,8 +24,16 @@ from kvpilot.engine.worker.step_inputs import StepInputs
 
 
 class DraftProposer:
-    def __init__(self, model: LlamaForCausalLM, num_layers: int, num_tokens: int, num_slots: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_layers: int,
+        num_tokens: int,
+        num_slots: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.model = model
         self.num_tokens = num_tokens
         self.block_size = block_size
@@ -60,7 +68,10 @@ class DraftProposer:
         # Each further draft token: every sequence feeds its last draft at the next position.
         for step in range(1, self.num_tokens):
             inputs = StepInputs(self.block_size, self.device)
-            rows = [inputs.add([d[-1]], len(s.token_ids) + step - 1, s.block_ids, decode=True) for s, d in zip(ordered, drafts)]
+            rows = [
+                inputs.add([d[-1]], len(s.token_ids) + step - 1, s.block_ids, decode=True)
+                for s, d in zip(ordered, drafts)
+            ]
             for d, token in zip(drafts, self._argmax(inputs, rows)):
                 d.append(token)
         # Counted only once every forward has run: a step that fails is rerun request by request

@@ -46,11 +46,29 @@ def root(crd: dict[str, Any]) -> Schema:
     return version(crd)["schema"]["openAPIV3Schema"]
 
 
-VALUE_KEYS = {"type", "format", "description", "enum", "default", "minimum", "maximum",
-              "exclusiveMinimum", "minLength", "maxLength", "pattern", "required", "properties", "items",
-              "additionalProperties", "anyOf", "x-kubernetes-validations",
-              "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields",
-              "x-kubernetes-list-type", "x-kubernetes-list-map-keys"}
+VALUE_KEYS = {
+    "type",
+    "format",
+    "description",
+    "enum",
+    "default",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "required",
+    "properties",
+    "items",
+    "additionalProperties",
+    "anyOf",
+    "x-kubernetes-validations",
+    "x-kubernetes-int-or-string",
+    "x-kubernetes-preserve-unknown-fields",
+    "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
+}
 
 
 def check_structural(node: Schema, path: str) -> None:
@@ -60,8 +78,9 @@ def check_structural(node: Schema, path: str) -> None:
         assert "type" not in node
         assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}], path
     else:
-        assert node.get("type") in {"object", "array", "string", "integer", "number", "boolean"}, \
+        assert node.get("type") in {"object", "array", "string", "integer", "number", "boolean"}, (
             f"{path}: every node needs a type"
+        )
         assert "anyOf" not in node, path
     assert not ("properties" in node and "additionalProperties" in node), path
     if "x-kubernetes-preserve-unknown-fields" in node:
@@ -94,10 +113,12 @@ def validate(value: Any, node: Schema, path: str = "") -> None:
         assert isinstance(value, int | str) and not isinstance(value, bool), path
         return
     kind = node["type"]
-    python = {"object": dict, "array": list, "string": str, "boolean": bool,
-              "integer": int, "number": int | float}[kind]
-    assert isinstance(value, python) and (kind == "boolean" or not isinstance(value, bool)), \
+    python = {"object": dict, "array": list, "string": str, "boolean": bool, "integer": int, "number": int | float}[
+        kind
+    ]
+    assert isinstance(value, python) and (kind == "boolean" or not isinstance(value, bool)), (
         f"{path}: {value!r} is not {kind}"
+    )
     if "enum" in node:
         assert value in node["enum"], f"{path}: {value!r} not in {node['enum']}"
     if "minimum" in node:
@@ -147,9 +168,11 @@ def test_crd_identity_names_and_subresources(crd: dict[str, Any]) -> None:
     assert (v["name"], v["served"], v["storage"]) == (VERSION, True, True)
     assert API_VERSION == f"{GROUP}/{VERSION}"
     assert v["subresources"]["status"] == {}
-    assert v["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
-                                          "statusReplicasPath": ".status.replicas",
-                                          "labelSelectorPath": ".status.selector"}
+    assert v["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
 
 
 def test_scale_paths_point_at_integer_and_string_fields(crd: dict[str, Any]) -> None:
@@ -162,15 +185,19 @@ def test_scale_paths_point_at_integer_and_string_fields(crd: dict[str, Any]) -> 
 def test_printer_columns(crd: dict[str, Any]) -> None:
     columns = {c["name"]: c["jsonPath"] for c in version(crd)["additionalPrinterColumns"]}
     assert columns == {
-        "Model": ".spec.model.name", "GPU": ".status.plan.gpu",
-        "Quant": ".status.plan.quantization", "Replicas": ".status.replicas",
+        "Model": ".spec.model.name",
+        "GPU": ".status.plan.gpu",
+        "Quant": ".status.plan.quantization",
+        "Replicas": ".status.replicas",
         "Ready-Replicas": ".status.readyReplicas",
         # The Ready condition and its reason, as `kubectl get` shows them for built-in kinds.
         "Ready": '.status.conditions[?(@.type=="Ready")].status',
         "Status": '.status.conditions[?(@.type=="Ready")].reason',
         "TTFT-P95": ".status.latency.ttftP95Ms",
-        "TPOT-P95": ".status.latency.tpotP95Ms", "Age": ".metadata.creationTimestamp",
-        "URL": ".status.url"}
+        "TPOT-P95": ".status.latency.tpotP95Ms",
+        "Age": ".metadata.creationTimestamp",
+        "URL": ".status.url",
+    }
     # The URL is long: only `kubectl get -o wide` shows it.
     assert {c["name"] for c in version(crd)["additionalPrinterColumns"] if c.get("priority")} == {"URL"}
 
@@ -198,8 +225,11 @@ def test_the_name_must_be_able_to_name_a_service(crd: dict[str, Any]) -> None:
     # At the schema root, CEL sees metadata.name; the Service the operator renders takes it.
     (rule,) = root(crd)["x-kubernetes-validations"]
     assert "DNS-1035 label" in rule["message"]
-    pattern = re.fullmatch(r"size\(self\.metadata\.name\) <= (\d+) && "
-                           r"self\.metadata\.name\.matches\('(.*)'\)", rule["rule"])
+    pattern = re.fullmatch(
+        r"size\(self\.metadata\.name\) <= (\d+) && "
+        r"self\.metadata\.name\.matches\('(.*)'\)",
+        rule["rule"],
+    )
     assert pattern is not None, rule["rule"]
     limit, regex = int(pattern[1]), pattern[2]
     assert (limit, regex) == (63, "^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -211,17 +241,31 @@ def test_the_name_must_be_able_to_name_a_service(crd: dict[str, Any]) -> None:
     assert not any(map(allowed, ["7b-chat", "db.v2", "Chat", "chat-", "a" * 64, "my_model", ""]))
 
 
-@pytest.mark.parametrize("bad", [
-    {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
-    {"slo": {"ttftP95Ms": 0}},
-    {"slo": {"tpotP95Ms": -5}},
-    {"serving": {"blockSize": 24}},
-    {"serving": {"speculative": "draft"}},
-    {"accelerator": {"nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"}}},
-    {"model": {"name": "x", "architecture": {"layers": 2, "hiddenSize": 64, "attentionHeads": 6,
-                                             "kvHeads": 4, "vocabSize": 10, "parameters": 10,
-                                             "maxContext": 16}}},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
+        {"slo": {"ttftP95Ms": 0}},
+        {"slo": {"tpotP95Ms": -5}},
+        {"serving": {"blockSize": 24}},
+        {"serving": {"speculative": "draft"}},
+        {"accelerator": {"nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"}}},
+        {
+            "model": {
+                "name": "x",
+                "architecture": {
+                    "layers": 2,
+                    "hiddenSize": 64,
+                    "attentionHeads": 6,
+                    "kvHeads": 4,
+                    "vocabSize": 10,
+                    "parameters": 10,
+                    "maxContext": 16,
+                },
+            }
+        },
+    ],
+)
 def test_pydantic_spec_enforces_the_same_rules_as_cel(bad: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):
         InferenceServiceSpec.model_validate({"model": {"name": "llama-2-7b"}, **bad})
@@ -260,9 +304,15 @@ def _pydantic_rules(field: FieldInfo) -> dict[str, Any]:
         rules["type"] = scalars.pop()
     step = 1 if rules.get("type") == "integer" else 0
     for constraint in field.metadata:
-        for attr, key, shift in (("ge", "minimum", 0), ("gt", "minimum", step), ("le", "maximum", 0),
-                                 ("lt", "maximum", -step), ("min_length", "minLength", 0),
-                                 ("max_length", "maxLength", 0), ("pattern", "pattern", 0)):
+        for attr, key, shift in (
+            ("ge", "minimum", 0),
+            ("gt", "minimum", step),
+            ("le", "maximum", 0),
+            ("lt", "maximum", -step),
+            ("min_length", "minLength", 0),
+            ("max_length", "maxLength", 0),
+            ("pattern", "pattern", 0),
+        ):
             value = getattr(constraint, attr, None)
             if value is not None:
                 rules[key] = value + shift if shift else value
@@ -273,8 +323,9 @@ def _pydantic_rules(field: FieldInfo) -> dict[str, Any]:
 
 def _crd_rules(node: Schema, cel: list[dict[str, str]], alias: str) -> dict[str, Any]:
     """The same for a CRD property, counting the CEL rules of its parent that bound it by a number."""
-    rules = {key: node[key] for key in ("type", "minimum", "maximum", "minLength", "maxLength", "pattern")
-             if key in node}
+    rules = {
+        key: node[key] for key in ("type", "minimum", "maximum", "minLength", "maxLength", "pattern") if key in node
+    }
     if node.get("type") in ("array", "object"):
         rules.pop("type")
     rules.update({key: True for key in ("exclusiveMinimum", "exclusiveMaximum") if node.get(key)})
@@ -325,23 +376,38 @@ def test_the_field_comparison_sees_a_bound_an_enum_and_a_pattern_that_differ(crd
     differences: list[str] = []
     _same_fields(InferenceServiceSpec, spec, "spec", differences)
     assert [d.split(":")[0] for d in differences] == [
-        "spec.serving.quantization", "spec.autoscaling.tolerance", "spec.autoscaling.prometheusUrl"]
+        "spec.serving.quantization",
+        "spec.autoscaling.tolerance",
+        "spec.autoscaling.prometheusUrl",
+    ]
 
 
-@pytest.mark.parametrize("minimal", [
-    {"model": {"name": "llama-2-7b"}},
-    {"model": {"name": "llama-2-7b"}, "serving": {"quantization": "int4"}, "slo": {},
-     "autoscaling": {"maxReplicas": 9}, "tolerations": [{"key": "k", "operator": "Exists"}]},
-    {"model": {"name": "llama-2-7b", "source": "hf://meta-llama/Llama-2-7b-hf",
-               "tokenSecret": {"name": "hf"}, "cache": {}}},
-])
-def test_api_server_defaults_equal_pydantic_defaults(crd: dict[str, Any],
-                                                     minimal: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "minimal",
+    [
+        {"model": {"name": "llama-2-7b"}},
+        {
+            "model": {"name": "llama-2-7b"},
+            "serving": {"quantization": "int4"},
+            "slo": {},
+            "autoscaling": {"maxReplicas": 9},
+            "tolerations": [{"key": "k", "operator": "Exists"}],
+        },
+        {
+            "model": {
+                "name": "llama-2-7b",
+                "source": "hf://meta-llama/Llama-2-7b-hf",
+                "tokenSecret": {"name": "hf"},
+                "cache": {},
+            }
+        },
+    ],
+)
+def test_api_server_defaults_equal_pydantic_defaults(crd: dict[str, Any], minimal: dict[str, Any]) -> None:
     schema = root(crd)["properties"]["spec"]
     defaulted = apply_defaults(minimal, schema)
     validate(defaulted, schema, "spec")
-    assert InferenceServiceSpec.model_validate(defaulted) == \
-        InferenceServiceSpec.model_validate(minimal)
+    assert InferenceServiceSpec.model_validate(defaulted) == InferenceServiceSpec.model_validate(minimal)
 
 
 def test_image_has_no_default_so_the_operator_supplies_one(crd: dict[str, Any]) -> None:
@@ -358,35 +424,36 @@ def test_image_has_no_default_so_the_operator_supplies_one(crd: dict[str, Any]) 
 
 
 def test_the_accelerator_description_lists_the_catalog(crd: dict[str, Any]) -> None:
-    description = root(crd)["properties"]["spec"]["properties"]["accelerator"]["properties"][
-        "type"]["description"]
+    description = root(crd)["properties"]["spec"]["properties"]["accelerator"]["properties"]["type"]["description"]
     assert all(name in description for name in GPUS)
 
 
-@pytest.mark.parametrize("model, gpu", [("llama-2-7b", "A10G"), ("llama-3-70b", "A10G"),
-                                        ("nope", "A10G")])
-def test_status_we_write_validates_against_the_schema(crd: dict[str, Any], model: str,
-                                                      gpu: str) -> None:
-    spec = InferenceServiceSpec.model_validate({"model": {"name": model},
-                                                "accelerator": {"type": gpu}})
+@pytest.mark.parametrize("model, gpu", [("llama-2-7b", "A10G"), ("llama-3-70b", "A10G"), ("nope", "A10G")])
+def test_status_we_write_validates_against_the_schema(crd: dict[str, Any], model: str, gpu: str) -> None:
+    spec = InferenceServiceSpec.model_validate({"model": {"name": model}, "accelerator": {"type": gpu}})
     result = plan(spec)
-    deployment = {"metadata": {"generation": 2},
-                  "status": {"observedGeneration": 2, "replicas": 2, "readyReplicas": 1,
-                             "updatedReplicas": 2}}
-    written = status.build(name="chat", namespace="ml", generation=3, plan=result, spec=spec,
-                           deployment=deployment if result.fits else None, old={},
-                           now=datetime(2025, 1, 1, tzinfo=UTC),
-                           last_good=last_good(planned_fields(spec), str(result.gpu), result.reasons.get("gpu"))
-                           if result.fits else None)
+    deployment = {
+        "metadata": {"generation": 2},
+        "status": {"observedGeneration": 2, "replicas": 2, "readyReplicas": 1, "updatedReplicas": 2},
+    }
+    written = status.build(
+        name="chat",
+        namespace="ml",
+        generation=3,
+        plan=result,
+        spec=spec,
+        deployment=deployment if result.fits else None,
+        old={},
+        now=datetime(2025, 1, 1, tzinfo=UTC),
+        last_good=last_good(planned_fields(spec), str(result.gpu), result.reasons.get("gpu")) if result.fits else None,
+    )
     validate(written, root(crd)["properties"]["status"], "status")
 
 
 def test_kopf_peering_crds() -> None:
     cluster, namespaced = load("kopf-peering.yaml")
-    assert (cluster["metadata"]["name"], cluster["spec"]["scope"]) == \
-        ("clusterkopfpeerings.kopf.dev", "Cluster")
-    assert (namespaced["metadata"]["name"], namespaced["spec"]["scope"]) == \
-        ("kopfpeerings.kopf.dev", "Namespaced")
+    assert (cluster["metadata"]["name"], cluster["spec"]["scope"]) == ("clusterkopfpeerings.kopf.dev", "Cluster")
+    assert (namespaced["metadata"]["name"], namespaced["spec"]["scope"]) == ("kopfpeerings.kopf.dev", "Namespaced")
     for crd in (cluster, namespaced):
         (v,) = crd["spec"]["versions"]
         assert crd["spec"]["group"] == "kopf.dev" and v["name"] == "v1"  # what kopf looks up

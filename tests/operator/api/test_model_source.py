@@ -20,7 +20,8 @@ CRD = Path(__file__).resolve().parents[3] / "crds" / "inferenceservice.yaml"
 
 def spec(model: dict[str, Any], **overrides: Any) -> InferenceServiceSpec:
     return InferenceServiceSpec.model_validate(
-        {"model": {"name": "llama-2-7b", **model}, "accelerator": {"type": "A10G"}, **overrides})
+        {"model": {"name": "llama-2-7b", **model}, "accelerator": {"type": "A10G"}, **overrides}
+    )
 
 
 def pod(s: InferenceServiceSpec) -> dict[str, Any]:
@@ -33,8 +34,15 @@ def engine_model(pod_spec: dict[str, Any]) -> str:
 
 
 def test_hf_source_is_downloaded_by_an_init_container_into_the_folder_the_engine_loads() -> None:
-    p = pod(spec({"source": "hf://meta-llama/Llama-2-7b-hf@v1.0", "tokenSecret": {"name": "hf"},
-                  "cache": {"claimName": "models"}}))
+    p = pod(
+        spec(
+            {
+                "source": "hf://meta-llama/Llama-2-7b-hf@v1.0",
+                "tokenSecret": {"name": "hf"},
+                "cache": {"claimName": "models"},
+            }
+        )
+    )
     (init,) = p["initContainers"]
     engine = p["containers"][0]
     assert init["command"] == ["kvpilot", "download"]
@@ -42,8 +50,11 @@ def test_hf_source_is_downloaded_by_an_init_container_into_the_folder_the_engine
     args = build_parser("download").parse_args(["download", *init["args"]])
     assert (args.repo, args.revision) == ("meta-llama/Llama-2-7b-hf", "v1.0")
     assert engine_model(p) == args.local_dir == "/model-cache/hf/meta-llama/Llama-2-7b-hf@v1.0"
-    assert (init["image"], init["imagePullPolicy"]) == (engine["image"], engine["imagePullPolicy"]) == \
-        ("reg/kvpilot:1", "IfNotPresent")
+    assert (
+        (init["image"], init["imagePullPolicy"])
+        == (engine["image"], engine["imagePullPolicy"])
+        == ("reg/kvpilot:1", "IfNotPresent")
+    )
     # The named claim holds the download; the init container writes it, the engine only reads.
     volumes = {v["name"]: v for v in p["volumes"]}
     assert volumes["model-cache"] == {"name": "model-cache", "persistentVolumeClaim": {"claimName": "models"}}
@@ -89,14 +100,20 @@ def test_the_download_leaves_the_engines_requests_and_the_pods_alone() -> None:
     # the download's stays below the engine's, so it is the engine's.
     requests = hub["initContainers"][0]["resources"]["requests"]
     assert float(requests["cpu"]) < float(engine["resources"]["requests"]["cpu"])
-    assert int(requests["memory"].removesuffix("Gi")) < int(engine["resources"]["requests"]["memory"].removesuffix("Gi"))
+    assert int(requests["memory"].removesuffix("Gi")) < int(
+        engine["resources"]["requests"]["memory"].removesuffix("Gi")
+    )
     assert "limits" not in hub["initContainers"][0]["resources"]
 
 
 def test_pod_env_reaches_the_download_and_the_token_secret_comes_last() -> None:
-    p = pod(spec({"source": "hf://org/model", "tokenSecret": {"name": "hf", "key": "HF_TOKEN"}},
-                 env=[{"name": "HF_ENDPOINT", "value": "http://mirror.example"}],
-                 envFrom=[{"secretRef": {"name": "proxy"}}]))
+    p = pod(
+        spec(
+            {"source": "hf://org/model", "tokenSecret": {"name": "hf", "key": "HF_TOKEN"}},
+            env=[{"name": "HF_ENDPOINT", "value": "http://mirror.example"}],
+            envFrom=[{"secretRef": {"name": "proxy"}}],
+        )
+    )
     init = p["initContainers"][0]
     names = [e["name"] for e in init["env"]]
     assert names == ["HOME", "HF_ENDPOINT", "HF_TOKEN"]
@@ -104,11 +121,14 @@ def test_pod_env_reaches_the_download_and_the_token_secret_comes_last() -> None:
     assert init["envFrom"] == [{"secretRef": {"name": "proxy"}}]
 
 
-@pytest.mark.parametrize("model, expected, volume", [
-    ({"source": "pvc://weights/llama-2-7b"}, "/models/weights/llama-2-7b", "model"),
-    ({"source": "/opt/models/llama"}, "/opt/models/llama", None),
-    ({}, "llama-2-7b", None),
-])
+@pytest.mark.parametrize(
+    "model, expected, volume",
+    [
+        ({"source": "pvc://weights/llama-2-7b"}, "/models/weights/llama-2-7b", "model"),
+        ({"source": "/opt/models/llama"}, "/opt/models/llama", None),
+        ({}, "llama-2-7b", None),
+    ],
+)
 def test_other_sources_need_no_download(model: dict[str, Any], expected: str, volume: str | None) -> None:
     p = pod(spec(model))
     assert "initContainers" not in p
@@ -116,11 +136,33 @@ def test_other_sources_need_no_download(model: dict[str, Any], expected: str, vo
     assert [v["name"] for v in p["volumes"]] == ([volume] if volume else []) + ["tmp"]
 
 
-GOOD = ["hf://org/repo", "hf://org/repo@main", "hf://Org-1/re.po_2@0123abc", "hf://org/repo@refs/pr/1",
-        "pvc://weights", "pvc://weights/llama/7b", "pvc://my.claim-1/x", "/opt/models/llama"]
-BAD = ["s3://bucket/model", "gs://b/m", "hf://repo-without-org", "hf://org/repo@", "hf://org/repo@a@b",
-       "hf://org/re po", "hf:///repo", "hf://-org/repo", "pvc://Weights/x", "pvc:///x", "pvc://",
-       "meta-llama/Llama-2-7b-hf", "models/llama", "", "https://huggingface.co/org/repo"]
+GOOD = [
+    "hf://org/repo",
+    "hf://org/repo@main",
+    "hf://Org-1/re.po_2@0123abc",
+    "hf://org/repo@refs/pr/1",
+    "pvc://weights",
+    "pvc://weights/llama/7b",
+    "pvc://my.claim-1/x",
+    "/opt/models/llama",
+]
+BAD = [
+    "s3://bucket/model",
+    "gs://b/m",
+    "hf://repo-without-org",
+    "hf://org/repo@",
+    "hf://org/repo@a@b",
+    "hf://org/re po",
+    "hf:///repo",
+    "hf://-org/repo",
+    "pvc://Weights/x",
+    "pvc:///x",
+    "pvc://",
+    "meta-llama/Llama-2-7b-hf",
+    "models/llama",
+    "",
+    "https://huggingface.co/org/repo",
+]
 
 
 @pytest.mark.parametrize("extra", [{"tokenSecret": {"name": "hf"}}, {"cache": {"claimName": "c"}}])
@@ -139,8 +181,11 @@ def _crd_rules(section: str) -> list[dict[str, str]]:
     crd = yaml.safe_load(CRD.read_text())
     (version,) = crd["spec"]["versions"]
     spec_schema = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    return spec_schema["x-kubernetes-validations"] if section == "spec" else \
-        spec_schema["properties"][section]["x-kubernetes-validations"]
+    return (
+        spec_schema["x-kubernetes-validations"]
+        if section == "spec"
+        else spec_schema["properties"][section]["x-kubernetes-validations"]
+    )
 
 
 @pytest.mark.parametrize("field", ["model.source", "serving.draftModel"])
@@ -150,7 +195,10 @@ def test_the_crd_and_the_spec_accept_the_same_sources_and_refuse_others_saying_w
     match = re.fullmatch(rf"!has\(self\.{name}\) \|\| self\.{name}\.matches\('(.*)'\)", source_rule["rule"])
     assert match is not None, source_rule["rule"]
     assert match[1] == SOURCE_PATTERN
-    assert source_rule["message"] == f"{field} must be hf://org/repo[@revision], pvc://claim/path or an absolute path in the engine image"
+    assert (
+        source_rule["message"]
+        == f"{field} must be hf://org/repo[@revision], pvc://claim/path or an absolute path in the engine image"
+    )
 
     def valid(source: str) -> InferenceServiceSpec:
         return spec({"source": source}) if section == "model" else spec({}, serving={"draftModel": source})
@@ -166,8 +214,10 @@ def test_the_crd_and_the_spec_accept_the_same_sources_and_refuse_others_saying_w
 
 def test_the_crd_puts_token_and_cache_with_either_hf_source() -> None:
     rule = next(r for r in _crd_rules("spec") if "tokenSecret" in r["rule"])
-    assert rule["rule"] == ("!(has(self.model.tokenSecret) || has(self.model.cache)) || "
-                            "(has(self.model.source) && self.model.source.startsWith('hf://')) || "
-                            "(has(self.serving) && has(self.serving.draftModel) && "
-                            "self.serving.draftModel.startsWith('hf://'))")
+    assert rule["rule"] == (
+        "!(has(self.model.tokenSecret) || has(self.model.cache)) || "
+        "(has(self.model.source) && self.model.source.startsWith('hf://')) || "
+        "(has(self.serving) && has(self.serving.draftModel) && "
+        "self.serving.draftModel.startsWith('hf://'))"
+    )
     assert "apply only to hf:// sources" in rule["message"]

@@ -43,11 +43,23 @@ class Pod:
 
     def read(self) -> PodRead:
         def histogram(values: list[float]) -> Histogram:
-            return Histogram(bounds=LATENCY_BUCKETS, count=float(len(values)), created=self.created,
-                             counts=tuple(float(sum(v <= b for v in values)) for b in LATENCY_BUCKETS))
-        return PodRead(name=self.name, reading=EngineReading(
-            ttft=histogram(self.ttft), tpot=histogram(self.tpot), waiting=self.waiting,
-            running=self.running, kv_usage=self.kv))
+            return Histogram(
+                bounds=LATENCY_BUCKETS,
+                count=float(len(values)),
+                created=self.created,
+                counts=tuple(float(sum(v <= b for v in values)) for b in LATENCY_BUCKETS),
+            )
+
+        return PodRead(
+            name=self.name,
+            reading=EngineReading(
+                ttft=histogram(self.ttft),
+                tpot=histogram(self.tpot),
+                waiting=self.waiting,
+                running=self.running,
+                kv_usage=self.kv,
+            ),
+        )
 
 
 class Loop:
@@ -61,12 +73,19 @@ class Loop:
         self.ready: int | None = None  # None: every replica is ready
         self.broken: set[str] = set()
 
-    def tick(self, ttft: float | None = 0.2, n: int = 20, waiting: float = 0.0,
-             kv: float = 0.1, tpot: float = 0.03, running: float | None = None) -> Decision:
+    def tick(
+        self,
+        ttft: float | None = 0.2,
+        n: int = 20,
+        waiting: float = 0.0,
+        kv: float = 0.1,
+        tpot: float = 0.03,
+        running: float | None = None,
+    ) -> Decision:
         self.now += PERIOD
         while len(self.pods) < self.replicas:
             self.pods.append(Pod(f"p{len(self.pods)}"))
-        del self.pods[self.replicas:]
+        del self.pods[self.replicas :]
         ready = self.replicas if self.ready is None else self.ready
         reads = []
         for pod in self.pods[:ready]:
@@ -74,8 +93,7 @@ class Loop:
                 pod.serve(n, ttft, tpot)
             pod.waiting, pod.kv = waiting, kv
             pod.running = running if running is not None else 1.0 if ttft is not None and n else 0.0
-            reads.append(PodRead(name=pod.name, error="connection refused") if pod.name in self.broken
-                         else pod.read())
+            reads.append(PodRead(name=pod.name, error="connection refused") if pod.name in self.broken else pod.read())
         obs = Observation(now=self.now, replicas=self.replicas, ready_replicas=ready, pods=tuple(reads))
         self.state, decision = step(self.policy, self.state, obs)
         self.replicas = decision.replicas
@@ -277,10 +295,18 @@ def test_rate_per_replica_where_the_slo_broke_bounds_scale_down() -> None:
     """Latency does not grow in proportion to load (queueing is convex), so a projection from
     latency alone would scale down into a broken SLO. Where the SLO broke, in requests per second
     per replica (which does grow in proportion), is remembered and not planned past again."""
+
     def run(overloaded_first: bool) -> tuple[Loop, list[Decision]]:
         # A scale-up window as long as the metrics window: one replica overloaded long enough to learn.
-        loop = Loop(Policy(window_seconds=60, scale_up_stabilization_seconds=60,
-                           scale_down_stabilization_seconds=60, max_replicas=4), replicas=1)
+        loop = Loop(
+            Policy(
+                window_seconds=60,
+                scale_up_stabilization_seconds=60,
+                scale_down_stabilization_seconds=60,
+                max_replicas=4,
+            ),
+            replicas=1,
+        )
         if overloaded_first:
             for _ in range(6):  # 2 req/s on one replica, steady for a whole window: TTFT 3 s
                 loop.tick(ttft=3.0, n=30)
@@ -386,6 +412,7 @@ def test_replicas_set_by_someone_else_start_a_new_regime() -> None:
 
 def test_state_survives_a_restart_through_json() -> None:
     """Persist the state (as the status does) every step, or not at all: same decisions."""
+
     def run(persist: bool) -> list[tuple[str, int]]:
         loop = Loop(Policy(scale_down_stabilization_seconds=60, max_replicas=6), replicas=2)
         loads = [0.2] * 2 + [5.0] * 3 + [0.2] * 15
@@ -398,6 +425,7 @@ def test_state_survives_a_restart_through_json() -> None:
                 text = json.dumps(loop.state.model_dump(mode="json", by_alias=True), allow_nan=False)
                 loop.state = AutoscalerState.model_validate(json.loads(text))
         return out
+
     uninterrupted, restarted = run(False), run(True)
     assert restarted == uninterrupted
     assert {a for a, _ in uninterrupted} == {"up", "down", "hold"}
@@ -412,10 +440,20 @@ def test_status_form_is_camel_case() -> None:
 
 
 def test_policy_from_spec() -> None:
-    spec = InferenceServiceSpec.model_validate({
-        "model": {"name": "m"}, "slo": {"ttftP95Ms": 500, "tpotP95Ms": 40},
-        "autoscaling": {"mode": "external", "minReplicas": 0, "maxReplicas": 9, "maxStep": 3,
-                        "tolerance": 0.2, "scaleDownStabilizationSeconds": 120}})
+    spec = InferenceServiceSpec.model_validate(
+        {
+            "model": {"name": "m"},
+            "slo": {"ttftP95Ms": 500, "tpotP95Ms": 40},
+            "autoscaling": {
+                "mode": "external",
+                "minReplicas": 0,
+                "maxReplicas": 9,
+                "maxStep": 3,
+                "tolerance": 0.2,
+                "scaleDownStabilizationSeconds": 120,
+            },
+        }
+    )
     policy = Policy.from_spec(spec)
     assert (policy.ttft_p95_seconds, policy.tpot_p95_seconds) == (0.5, 0.04)
     assert (policy.mode, policy.min_replicas, policy.max_replicas, policy.max_step) == ("external", 0, 9, 3)

@@ -43,15 +43,23 @@ def pod(name: str, ip: str | None = "127.0.0.9", ready: bool = True, deleting: b
     metadata: dict[str, Any] = {"name": name}
     if deleting:
         metadata["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    return {"metadata": metadata, "status": {
-        **({"podIP": ip} if ip else {}),
-        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+    return {
+        "metadata": metadata,
+        "status": {
+            **({"podIP": ip} if ip else {}),
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
 
 
 def body(spec: dict[str, Any] | None = None, status_: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "chat", "namespace": "ml", "uid": "u-1", "resourceVersion": "7"},
-            "spec": {"model": {"name": "llama-2-7b"}, **(spec or {})}, "status": status_ or {}}
+    return {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "chat", "namespace": "ml", "uid": "u-1", "resourceVersion": "7"},
+        "spec": {"model": {"name": "llama-2-7b"}, **(spec or {})},
+        "status": status_ or {},
+    }
 
 
 def deployment(replicas: int, ready: int) -> dict[str, Any]:
@@ -59,27 +67,52 @@ def deployment(replicas: int, ready: int) -> dict[str, Any]:
 
 
 def test_only_ready_pods_that_stay_are_read() -> None:
-    pods = [pod("b"), pod("a"), pod("starting", ready=False), pod("no-ip", ip=None),
-            pod("leaving", deleting=True), pod("v6", ip="::1")]
-    assert metrics_targets(pods) == [("a", "http://127.0.0.9:8000/metrics"), ("b", "http://127.0.0.9:8000/metrics"),
-                                     ("v6", "http://[::1]:8000/metrics")]
+    pods = [
+        pod("b"),
+        pod("a"),
+        pod("starting", ready=False),
+        pod("no-ip", ip=None),
+        pod("leaving", deleting=True),
+        pod("v6", ip="::1"),
+    ]
+    assert metrics_targets(pods) == [
+        ("a", "http://127.0.0.9:8000/metrics"),
+        ("b", "http://127.0.0.9:8000/metrics"),
+        ("v6", "http://[::1]:8000/metrics"),
+    ]
 
 
-def child(name: str, namespace: str, owner: str | None, instance: str | None = None, uid: str | None = None,
-          controller: bool = True) -> dict[str, Any]:
+def child(
+    name: str,
+    namespace: str,
+    owner: str | None,
+    instance: str | None = None,
+    uid: str | None = None,
+    controller: bool = True,
+) -> dict[str, Any]:
     """An object as the indexes hold it, controlled by the object whose uid is `owner`."""
     refs = [{"controller": controller, "uid": owner}] if owner else []
     labels = {"app.kubernetes.io/instance": instance} if instance else {}
-    return {"metadata": {"name": name, "namespace": namespace, "uid": uid or f"uid-{namespace}-{name}",
-                         "ownerReferences": refs, "labels": labels}}
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": uid or f"uid-{namespace}-{name}",
+            "ownerReferences": refs,
+            "labels": labels,
+        }
+    }
 
 
 def test_a_service_s_children_from_one_round_s_lists() -> None:
     mine = child("chat", "ml", "u-1", uid="dep-1")
     deployments = [child("chat", "other", "u-9"), child("chat", "ml", "someone-else"), mine]
     replicasets = [child("chat-5d8f", "ml", "dep-1", "chat", uid="rs-1")]
-    pods = [child("chat-a", "ml", "rs-1", "chat"), child("chat-b", "other", "rs-1", "chat"),
-            child("summarize-a", "ml", "rs-1", "summarize")]
+    pods = [
+        child("chat-a", "ml", "rs-1", "chat"),
+        child("chat-b", "other", "rs-1", "chat"),
+        child("summarize-a", "ml", "rs-1", "summarize"),
+    ]
     deployment, engine_pods = children(body(), deployments, replicasets, pods)
     assert deployment is mine
     assert [p["metadata"]["name"] for p in engine_pods] == ["chat-a"]
@@ -92,17 +125,24 @@ def test_only_pods_of_the_service_s_own_replicasets_count() -> None:
     (metrics, gateway traffic) only through the ownership chain Kubernetes keeps: its controller
     is a ReplicaSet whose controller is the service's own Deployment, by uid."""
     deployments = [child("chat", "ml", "u-1", uid="dep-1"), child("other", "ml", "u-2", uid="dep-2")]
-    replicasets = [child("chat-new", "ml", "dep-1", "chat", uid="rs-1"),
-                   child("chat-old", "ml", "dep-1", "chat", uid="rs-0"),  # mid-rollout: its pods still serve
-                   child("chat-fake", "ml", "dep-2", "chat", uid="rs-9"),  # another Deployment's
-                   child("chat-adopted", "ml", "dep-1", "chat", uid="rs-8", controller=False),
-                   child("chat-orphan", "ml", None, "chat", uid="rs-7")]
-    pods = [child("chat-new-1", "ml", "rs-1", "chat"), child("chat-old-1", "ml", "rs-0", "chat"),
-            child("stray-labels-only", "ml", None, "chat"), child("stray-foreign-rs", "ml", "rs-9", "chat"),
-            child("stray-not-controlled", "ml", "rs-8", "chat"), child("stray-orphan-rs", "ml", "rs-7", "chat"),
-            child("stray-no-controller-ref", "ml", "rs-1", "chat", controller=False),
-            child("stray-owned-by-the-deployment", "ml", "dep-1", "chat"),
-            child("stray-unknown-rs", "ml", "rs-404", "chat")]
+    replicasets = [
+        child("chat-new", "ml", "dep-1", "chat", uid="rs-1"),
+        child("chat-old", "ml", "dep-1", "chat", uid="rs-0"),  # mid-rollout: its pods still serve
+        child("chat-fake", "ml", "dep-2", "chat", uid="rs-9"),  # another Deployment's
+        child("chat-adopted", "ml", "dep-1", "chat", uid="rs-8", controller=False),
+        child("chat-orphan", "ml", None, "chat", uid="rs-7"),
+    ]
+    pods = [
+        child("chat-new-1", "ml", "rs-1", "chat"),
+        child("chat-old-1", "ml", "rs-0", "chat"),
+        child("stray-labels-only", "ml", None, "chat"),
+        child("stray-foreign-rs", "ml", "rs-9", "chat"),
+        child("stray-not-controlled", "ml", "rs-8", "chat"),
+        child("stray-orphan-rs", "ml", "rs-7", "chat"),
+        child("stray-no-controller-ref", "ml", "rs-1", "chat", controller=False),
+        child("stray-owned-by-the-deployment", "ml", "dep-1", "chat"),
+        child("stray-unknown-rs", "ml", "rs-404", "chat"),
+    ]
     _, engine_pods = children(body(), deployments, replicasets, pods)
     assert sorted(p["metadata"]["name"] for p in engine_pods) == ["chat-new-1", "chat-old-1"]
 
@@ -131,8 +171,12 @@ def test_a_decision_goes_to_the_status_with_its_numbers() -> None:
     assert first is not None
     for p in pods:
         p.serve(40, 6.0)
-    outcome = decide(body({"replicas": 2}, status_patch(first[1], first[2], None)), deployment(2, 2),
-                     [p.read() for p in pods] + [PodRead(name="p2", error="timed out")], NOW + 15)
+    outcome = decide(
+        body({"replicas": 2}, status_patch(first[1], first[2], None)),
+        deployment(2, 2),
+        [p.read() for p in pods] + [PodRead(name="p2", error="timed out")],
+        NOW + 15,
+    )
     assert outcome is not None
     policy, state, decision = outcome
     assert decision.action == "up" and decision.replicas == 4
@@ -181,21 +225,41 @@ def test_an_idle_period_writes_nothing() -> None:
 
 
 def test_index_entries_copy_what_the_loop_reads() -> None:
-    engine_pod = {"kind": "Pod", "metadata": {"name": "chat-1", "namespace": "ml", "labels":
-                                              {"app.kubernetes.io/instance": "chat"}, "managedFields": [{}]},
-                  "spec": {"containers": [{}]}, "status": {"podIP": "127.0.0.9"}}
+    engine_pod = {
+        "kind": "Pod",
+        "metadata": {
+            "name": "chat-1",
+            "namespace": "ml",
+            "labels": {"app.kubernetes.io/instance": "chat"},
+            "managedFields": [{}],
+        },
+        "spec": {"containers": [{}]},
+        "status": {"podIP": "127.0.0.9"},
+    }
     entry = index_entry(engine_pod, key_label="app.kubernetes.io/instance")
     assert list(entry) == [("ml", "chat")]
     (value,) = entry.values()
     assert "spec" not in value and "managedFields" not in value["metadata"]
     engine_pod["status"]["podIP"] = "127.0.0.10"  # kopf's body changes later: the entry does not
     assert value["status"]["podIP"] == "127.0.0.9"
-    assert index_entry({"kind": "Pod", "metadata": {"name": "stray", "namespace": "ml"}},
-                       key_label="app.kubernetes.io/instance") == {}
-    replicaset = {"kind": "ReplicaSet", "metadata": {"name": "chat-5d8f", "namespace": "ml", "uid": "rs-1",
-                                                   "labels": {"app.kubernetes.io/instance": "chat"},
-                                                   "ownerReferences": [{"controller": True, "uid": "dep-1"}]},
-                  "spec": {"template": {"spec": {"containers": [{}]}}}, "status": {"readyReplicas": 1}}
+    assert (
+        index_entry(
+            {"kind": "Pod", "metadata": {"name": "stray", "namespace": "ml"}}, key_label="app.kubernetes.io/instance"
+        )
+        == {}
+    )
+    replicaset = {
+        "kind": "ReplicaSet",
+        "metadata": {
+            "name": "chat-5d8f",
+            "namespace": "ml",
+            "uid": "rs-1",
+            "labels": {"app.kubernetes.io/instance": "chat"},
+            "ownerReferences": [{"controller": True, "uid": "dep-1"}],
+        },
+        "spec": {"template": {"spec": {"containers": [{}]}}},
+        "status": {"readyReplicas": 1},
+    }
     (value,) = index_entry(replicaset, key_label="app.kubernetes.io/instance").values()
     assert "spec" not in value and value["metadata"] == replicaset["metadata"]  # a pod template is large
     service = body({"replicas": 2})
@@ -207,7 +271,7 @@ def test_the_loop_s_handlers_add_no_finalizer() -> None:
     InferenceService never waits for the operator."""
     import kopf
 
-    import kvpilot.operator.controller.handlers  # noqa: F401 - registers the handlers
+    import kvpilot.operator.controller.handlers
     import kvpilot.operator.process  # noqa: F401
 
     registry = kopf.get_default_registry()
@@ -227,24 +291,31 @@ def test_observed_latency_stays_when_a_window_has_no_requests() -> None:
     assert "latency" not in status_patch(state, decision, {"ttftP95Ms": 900.0, "source": "observed"})
 
 
-@pytest.mark.parametrize("spec, deployed", [
-    ({"autoscaling": {"mode": "off"}}, True),  # off: left alone entirely
-    ({"replicas": 1}, False),  # no Deployment of ours yet: nothing to scale
-    ({"model": {"name": ""}}, True),  # an invalid spec
-])
+@pytest.mark.parametrize(
+    "spec, deployed",
+    [
+        ({"autoscaling": {"mode": "off"}}, True),  # off: left alone entirely
+        ({"replicas": 1}, False),  # no Deployment of ours yet: nothing to scale
+        ({"model": {"name": ""}}, True),  # an invalid spec
+    ],
+)
 def test_services_the_loop_leaves_alone(spec: dict[str, Any], deployed: bool) -> None:
     assert decide(body(spec), deployment(1, 1) if deployed else None, [Pod("p0").read()], NOW) is None
 
 
 def test_external_mode_decides_hold_and_still_reports() -> None:
     pods = [Pod("p0")]
-    first = decide(body({"autoscaling": {"mode": "external"}, "replicas": 1}), deployment(1, 1),
-                   [p.read() for p in pods], NOW)
+    first = decide(
+        body({"autoscaling": {"mode": "external"}, "replicas": 1}), deployment(1, 1), [p.read() for p in pods], NOW
+    )
     assert first is not None
     pods[0].serve(40, 9.0)
-    outcome = decide(body({"autoscaling": {"mode": "external"}, "replicas": 1},
-                          status_patch(first[1], first[2], None)),
-                     deployment(1, 1), [p.read() for p in pods], NOW + 15)
+    outcome = decide(
+        body({"autoscaling": {"mode": "external"}, "replicas": 1}, status_patch(first[1], first[2], None)),
+        deployment(1, 1),
+        [p.read() for p in pods],
+        NOW + 15,
+    )
     assert outcome is not None
     policy, _, decision = outcome
     assert policy.mode == "external" and (decision.action, decision.replicas) == ("hold", 1)
@@ -266,13 +337,22 @@ def test_event_for_a_change() -> None:
     first = decide(body({"replicas": 1}), deployment(1, 1), [p.read() for p in pods], NOW)
     assert first is not None
     pods[0].serve(40, 6.0)
-    outcome = decide(body({"replicas": 1}, status_patch(first[1], first[2], None)), deployment(1, 1),
-                     [p.read() for p in pods], NOW + 15)
+    outcome = decide(
+        body({"replicas": 1}, status_patch(first[1], first[2], None)),
+        deployment(1, 1),
+        [p.read() for p in pods],
+        NOW + 15,
+    )
     assert outcome is not None
     event = event_manifest(body(), outcome[2], "operator-0")
     assert event["reason"] == "ScaledUp" and event["type"] == "Normal"
-    assert event["involvedObject"] == {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
-                                       "name": "chat", "namespace": "ml", "uid": "u-1"}
+    assert event["involvedObject"] == {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceService",
+        "name": "chat",
+        "namespace": "ml",
+        "uid": "u-1",
+    }
     assert event["message"] == outcome[2].reason
     assert event["metadata"] == {"generateName": "chat.", "namespace": "ml"}
 
@@ -281,25 +361,47 @@ def test_a_reconcile_keeps_what_the_loop_wrote() -> None:
     """The reconcile writes the whole status as a merge patch, which removes what it does not list."""
     spec = InferenceServiceSpec.model_validate({"model": {"name": "llama-2-7b"}, "accelerator": {"type": "L4"}})
     result = plan(spec, [])
-    looped = {"autoscaler": {"lastDecision": {"action": "hold"}, "state": {"window": []}},
-              "latency": {"ttftP95Ms": 812.5, "tpotP95Ms": 31.0, "source": "observed"}}
-    new = status.build(name="chat", namespace="ml", generation=1, plan=result, spec=spec, deployment=None,
-                       old=looped, now=datetime(2026, 1, 1, tzinfo=UTC))
+    looped = {
+        "autoscaler": {"lastDecision": {"action": "hold"}, "state": {"window": []}},
+        "latency": {"ttftP95Ms": 812.5, "tpotP95Ms": 31.0, "source": "observed"},
+    }
+    new = status.build(
+        name="chat",
+        namespace="ml",
+        generation=1,
+        plan=result,
+        spec=spec,
+        deployment=None,
+        old=looped,
+        now=datetime(2026, 1, 1, tzinfo=UTC),
+    )
     assert new["autoscaler"] == looped["autoscaler"] and new["latency"] == looped["latency"]
     assert merge_patch(looped, new).keys().isdisjoint({"autoscaler", "latency"})
-    fresh = status.build(name="chat", namespace="ml", generation=1, plan=result, spec=spec, deployment=None,
-                         old={}, now=datetime(2026, 1, 1, tzinfo=UTC))
+    fresh = status.build(
+        name="chat",
+        namespace="ml",
+        generation=1,
+        plan=result,
+        spec=spec,
+        deployment=None,
+        old={},
+        now=datetime(2026, 1, 1, tzinfo=UTC),
+    )
     assert "autoscaler" not in fresh
-    assert fresh["latency"] == {"ttftP95Ms": result.predicted_ttft_ms, "tpotP95Ms": result.predicted_tpot_ms,
-                                "source": "predicted"}
+    assert fresh["latency"] == {
+        "ttftP95Ms": result.predicted_ttft_ms,
+        "tpotP95Ms": result.predicted_tpot_ms,
+        "source": "predicted",
+    }
 
 
 # ---- reading /metrics over HTTP, on 127.0.0.1 only ------------------------------------------
 
+
 class _Handler(BaseHTTPRequestHandler):
     routes: dict[str, tuple[int, bytes, float]] = {}
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         code, payload, delay = self.routes[self.path]
         time.sleep(delay)
         self.send_response(code)
@@ -323,8 +425,12 @@ def server() -> Iterator[str]:
 
 def test_read_metrics(server: str) -> None:
     exposition = generate_latest(ServingMetrics("m", vllm_compatible=True).registry)
-    _Handler.routes = {"/metrics": (200, exposition, 0.0), "/html": (200, b"<html>hi</html>", 0.0),
-                       "/broken": (500, b"oops", 0.0), "/slow": (200, exposition, 1.0)}
+    _Handler.routes = {
+        "/metrics": (200, exposition, 0.0),
+        "/html": (200, b"<html>hi</html>", 0.0),
+        "/broken": (500, b"oops", 0.0),
+        "/slow": (200, exposition, 1.0),
+    }
     good = with_session(read_metrics, "a", f"{server}/metrics")
     assert good.error is None and good.reading is not None and good.reading.ttft is not None
     for path in ("/html", "/broken"):
@@ -340,6 +446,7 @@ def test_observed_draft_acceptance_goes_beside_the_plan_s_assumption() -> None:
     """Engines that speculate export draft and accepted token counters; the window's ratio of
     their increases goes to status.latency.draftAcceptance, next to status.plan's assumed one.
     A restarted pod's counters (lower than before) count from zero, as `increase()` does."""
+
     def engine(drafted: int, accepted: int) -> str:
         metrics = ServingMetrics("m")
         metrics._family("spec_draft_tokens").inc(drafted)
@@ -350,32 +457,43 @@ def test_observed_draft_acceptance_goes_beside_the_plan_s_assumption() -> None:
     outcome = decide(body({"replicas": 2}), deployment(2, 2), reads, NOW)
     assert outcome is not None and outcome[2].signals.draft_acceptance is None  # first read: no window yet
     saved = status_patch(outcome[1], outcome[2], None)
-    reads = [PodRead(name="a", reading=parse(engine(300, 90))),  # +200 proposed, +60 accepted
-             PodRead(name="b", reading=parse(engine(40, 30)))]  # restarted: 40 and 30 since
+    reads = [
+        PodRead(name="a", reading=parse(engine(300, 90))),  # +200 proposed, +60 accepted
+        PodRead(name="b", reading=parse(engine(40, 30))),
+    ]  # restarted: 40 and 30 since
     outcome = decide(body({"replicas": 2}, saved), deployment(2, 2), reads, NOW + 15)
     assert outcome is not None
     assert outcome[2].signals.draft_acceptance == pytest.approx(90 / 240)
     assert status_patch(outcome[1], outcome[2], None)["latency"] == {"draftAcceptance": 0.375, "source": "observed"}
 
-    spec = InferenceServiceSpec.model_validate({"model": {"name": "llama-3-8b"}, "accelerator": {"type": "L4"},
-                                                "serving": {"speculative": "ngram"}})
+    spec = InferenceServiceSpec.model_validate(
+        {"model": {"name": "llama-3-8b"}, "accelerator": {"type": "L4"}, "serving": {"speculative": "ngram"}}
+    )
     summary = status.plan_summary(plan(spec))
     assert summary["speculative"] == "ngram" and summary["assumedDraftAcceptance"] == 0.29
-    off = InferenceServiceSpec.model_validate({"model": {"name": "llama-3-8b"}, "accelerator": {"type": "L4"},
-                                               "serving": {"speculative": "off"}})
+    off = InferenceServiceSpec.model_validate(
+        {"model": {"name": "llama-3-8b"}, "accelerator": {"type": "L4"}, "serving": {"speculative": "off"}}
+    )
     assert "assumedDraftAcceptance" not in status.plan_summary(plan(off))
 
 
 def test_a_pod_s_untrustworthy_numbers_make_it_unknown_not_the_others_load(server: str) -> None:
     """One pod reporting waiting=-1e6 must not cancel another pod's 20 waiting requests, and one
     reporting NaN must not hide another's full KV cache nor put NaN into the status (invalid JSON)."""
-    def exposition(waiting: str, kv: str = "0.5") -> bytes:
-        return (f"# TYPE kvpilot_num_requests_waiting gauge\nkvpilot_num_requests_waiting {waiting}\n"
-                f"# TYPE kvpilot_kv_cache_usage_ratio gauge\nkvpilot_kv_cache_usage_ratio {kv}\n").encode()
 
-    _Handler.routes = {"/negative": (200, exposition("-1e6"), 0.0), "/queued": (200, exposition("20"), 0.0),
-                       "/nan": (200, exposition("NaN"), 0.0), "/full": (200, exposition("0", kv="1.0"), 0.0),
-                       "/inf": (200, exposition("+Inf"), 0.0)}
+    def exposition(waiting: str, kv: str = "0.5") -> bytes:
+        return (
+            f"# TYPE kvpilot_num_requests_waiting gauge\nkvpilot_num_requests_waiting {waiting}\n"
+            f"# TYPE kvpilot_kv_cache_usage_ratio gauge\nkvpilot_kv_cache_usage_ratio {kv}\n"
+        ).encode()
+
+    _Handler.routes = {
+        "/negative": (200, exposition("-1e6"), 0.0),
+        "/queued": (200, exposition("20"), 0.0),
+        "/nan": (200, exposition("NaN"), 0.0),
+        "/full": (200, exposition("0", kv="1.0"), 0.0),
+        "/inf": (200, exposition("+Inf"), 0.0),
+    }
 
     def period(paths: list[str]) -> Any:
         reads = [with_session(read_metrics, path.strip("/"), f"{server}{path}") for path in paths]

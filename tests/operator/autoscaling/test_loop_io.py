@@ -30,9 +30,11 @@ T = TypeVar("T")
 
 def with_session(read: Callable[..., Awaitable[T]], *args: Any) -> T:
     """`read(session, *args)` on an event loop and client session of its own."""
+
     async def once() -> T:
         async with aiohttp.ClientSession() as session:
             return await read(session, *args)
+
     return asyncio.run(once())
 
 
@@ -48,7 +50,7 @@ class _Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         self.server.respond(self)
 
     def log_message(self, *args: Any) -> None:
@@ -113,8 +115,15 @@ class Recorder:
     def __init__(self) -> None:
         self.patches: list[tuple[str, float, dict[str, Any]]] = []
 
-    def patch_status(self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any],
-                     resource_version: str | None = None) -> str:
+    def patch_status(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: dict[str, Any],
+        resource_version: str | None = None,
+    ) -> str:
         self.patches.append((name, time.monotonic(), patch))
         return "8"
 
@@ -129,22 +138,46 @@ def service(name: str, ip: str) -> tuple[dict[str, Any], dict[str, Any], dict[st
     """An InferenceService, its Deployment, their ReplicaSet and one ready engine pod at `ip`, as
     the indexes hold them."""
     uid = f"uid-{name}"
-    body = {"metadata": {"name": name, "namespace": "ml", "uid": uid, "resourceVersion": "7"},
-            "spec": {"model": {"name": "llama-2-7b"}, "replicas": 1}, "status": {}}
-    deployment = {"metadata": {"name": name, "namespace": "ml", "uid": f"dep-{name}",
-                               "ownerReferences": [{"controller": True, "uid": uid}]},
-                  "spec": {"replicas": 1}, "status": {"readyReplicas": 1}}
-    replicaset = {"metadata": {"name": f"{name}-5d8f", "namespace": "ml", "uid": f"rs-{name}",
-                               "ownerReferences": [{"controller": True, "uid": f"dep-{name}"}]}}
-    pod = {"metadata": {"name": f"{name}-0", "namespace": "ml", "labels": {"app.kubernetes.io/instance": name},
-                        "ownerReferences": [{"controller": True, "uid": f"rs-{name}"}]},
-           "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
+    body = {
+        "metadata": {"name": name, "namespace": "ml", "uid": uid, "resourceVersion": "7"},
+        "spec": {"model": {"name": "llama-2-7b"}, "replicas": 1},
+        "status": {},
+    }
+    deployment = {
+        "metadata": {
+            "name": name,
+            "namespace": "ml",
+            "uid": f"dep-{name}",
+            "ownerReferences": [{"controller": True, "uid": uid}],
+        },
+        "spec": {"replicas": 1},
+        "status": {"readyReplicas": 1},
+    }
+    replicaset = {
+        "metadata": {
+            "name": f"{name}-5d8f",
+            "namespace": "ml",
+            "uid": f"rs-{name}",
+            "ownerReferences": [{"controller": True, "uid": f"dep-{name}"}],
+        }
+    }
+    pod = {
+        "metadata": {
+            "name": f"{name}-0",
+            "namespace": "ml",
+            "labels": {"app.kubernetes.io/instance": name},
+            "ownerReferences": [{"controller": True, "uid": f"rs-{name}"}],
+        },
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]},
+    }
     return body, deployment, replicaset, pod
 
 
 def test_a_trickling_engine_holds_up_only_its_own_service(
-        engines: Callable[[Callable[[BaseHTTPRequestHandler], None]], str], monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+    engines: Callable[[Callable[[BaseHTTPRequestHandler], None]], str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """`slow`'s engine sends its /metrics one byte at a time: past the read's total deadline the
     pod is unknown with the reason, and `quick` (listed after it) is decided on at once."""
     deadline = 1.0
@@ -182,6 +215,7 @@ def redirect_to(location: str) -> Callable[[BaseHTTPRequestHandler], None]:
         handler.send_header("Location", location)
         handler.send_header("Content-Length", "0")
         handler.end_headers()
+
     return respond
 
 
@@ -197,7 +231,8 @@ def test_redirects_are_not_followed(engines: Callable[[Callable[[BaseHTTPRequest
 
 
 def test_a_trickling_prometheus_is_cut_at_the_deadline(
-        engines: Callable[[Callable[[BaseHTTPRequestHandler], None]], str]) -> None:
+    engines: Callable[[Callable[[BaseHTTPRequestHandler], None]], str],
+) -> None:
     started = time.monotonic()
     reads = with_session(read_prometheus, f"http://{engines(trickle)}:{PORT}", "ml", ["b", "a"], 1.0)
     assert time.monotonic() - started < 2.0

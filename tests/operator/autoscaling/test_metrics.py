@@ -23,12 +23,14 @@ from kvpilot.operator.autoscaling.metrics import (
 
 def histogram_of(values: list[float], bounds: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
     """What an exporter with these buckets reports after observing `values`."""
-    return Histogram(bounds=bounds, counts=tuple(float(sum(v <= b for v in values)) for b in bounds),
-                     count=float(len(values)))
+    return Histogram(
+        bounds=bounds, counts=tuple(float(sum(v <= b for v in values)) for b in bounds), count=float(len(values))
+    )
 
 
-def exposition_of(values: list[float], name: str = "kvpilot_time_to_first_token_seconds",
-                  buckets: tuple[float, ...] = LATENCY_BUCKETS) -> str:
+def exposition_of(
+    values: list[float], name: str = "kvpilot_time_to_first_token_seconds", buckets: tuple[float, ...] = LATENCY_BUCKETS
+) -> str:
     """prometheus_client's own text for a histogram that observed `values`."""
     registry = CollectorRegistry()
     histogram = PromHistogram(name, "test", registry=registry, buckets=buckets)
@@ -38,6 +40,7 @@ def exposition_of(values: list[float], name: str = "kvpilot_time_to_first_token_
 
 
 # ---- histogram_quantile --------------------------------------------------------------------
+
 
 def test_prometheus_documented_example() -> None:
     """promql/promqltest/testdata/histograms.test, series start="positive" at 50m:
@@ -108,6 +111,7 @@ def test_exponential_distribution_within_its_bucket(q: float) -> None:
 
 # ---- windows: increase between reads -------------------------------------------------------
 
+
 def test_increase_is_the_difference_of_two_reads() -> None:
     first = [0.05] * 10
     later = first + [3.0] * 5
@@ -166,6 +170,7 @@ def test_histogram_is_plain_json_for_the_status() -> None:
 
 # ---- parsing --------------------------------------------------------------------------------
 
+
 def test_parses_what_the_engine_exports() -> None:
     metrics = ServingMetrics("m")
     reading = parse(generate_latest(metrics.registry).decode())
@@ -179,8 +184,10 @@ def test_parses_vllm_names_alone() -> None:
     """A vLLM pod exports only vllm:* names: keep just those lines of the engine's vLLM-compatible
     output (checked against vLLM's exporter in engine/serving/metrics.py)."""
     text = generate_latest(ServingMetrics("m", vllm_compatible=True).registry).decode()
-    vllm_only = "\n".join(line for line in text.splitlines()
-                          if line.startswith(("vllm:", "# HELP vllm:", "# TYPE vllm:"))) + "\n"
+    vllm_only = (
+        "\n".join(line for line in text.splitlines() if line.startswith(("vllm:", "# HELP vllm:", "# TYPE vllm:")))
+        + "\n"
+    )
     assert "kvpilot_" not in vllm_only
     reading = parse(vllm_only)
     assert reading.ttft is not None and reading.tpot is not None
@@ -195,8 +202,10 @@ def test_our_names_win_over_vllm_names() -> None:
 
 
 def test_older_vllm_names() -> None:
-    text = (exposition_of([0.02] * 3, name="vllm:time_per_output_token_seconds")
-            + "# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model_name=\"m\"} 0.5\n")
+    text = (
+        exposition_of([0.02] * 3, name="vllm:time_per_output_token_seconds")
+        + '# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model_name="m"} 0.5\n'
+    )
     reading = parse(text)
     assert reading.tpot is not None and reading.tpot.count == 3
     assert reading.kv_usage == 0.5
@@ -204,23 +213,28 @@ def test_older_vllm_names() -> None:
 
 def test_label_sets_are_summed_and_kv_takes_the_fullest() -> None:
     """vLLM labels each engine core's series with `engine`."""
-    text = "\n".join([
-        "# TYPE vllm:time_to_first_token_seconds histogram",
-        'vllm:time_to_first_token_seconds_bucket{engine="0",le="1.0"} 2',
-        'vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf"} 3',
-        'vllm:time_to_first_token_seconds_count{engine="0"} 3',
-        'vllm:time_to_first_token_seconds_sum{engine="0"} 4',
-        'vllm:time_to_first_token_seconds_bucket{engine="1",le="1.0"} 5',
-        'vllm:time_to_first_token_seconds_bucket{engine="1",le="+Inf"} 5',
-        'vllm:time_to_first_token_seconds_count{engine="1"} 5',
-        'vllm:time_to_first_token_seconds_sum{engine="1"} 2',
-        "# TYPE vllm:num_requests_waiting gauge",
-        'vllm:num_requests_waiting{engine="0"} 2',
-        'vllm:num_requests_waiting{engine="1"} 3',
-        "# TYPE vllm:kv_cache_usage_perc gauge",
-        'vllm:kv_cache_usage_perc{engine="0"} 0.25',
-        'vllm:kv_cache_usage_perc{engine="1"} 0.75',
-    ]) + "\n"
+    text = (
+        "\n".join(
+            [
+                "# TYPE vllm:time_to_first_token_seconds histogram",
+                'vllm:time_to_first_token_seconds_bucket{engine="0",le="1.0"} 2',
+                'vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf"} 3',
+                'vllm:time_to_first_token_seconds_count{engine="0"} 3',
+                'vllm:time_to_first_token_seconds_sum{engine="0"} 4',
+                'vllm:time_to_first_token_seconds_bucket{engine="1",le="1.0"} 5',
+                'vllm:time_to_first_token_seconds_bucket{engine="1",le="+Inf"} 5',
+                'vllm:time_to_first_token_seconds_count{engine="1"} 5',
+                'vllm:time_to_first_token_seconds_sum{engine="1"} 2',
+                "# TYPE vllm:num_requests_waiting gauge",
+                'vllm:num_requests_waiting{engine="0"} 2',
+                'vllm:num_requests_waiting{engine="1"} 3',
+                "# TYPE vllm:kv_cache_usage_perc gauge",
+                'vllm:kv_cache_usage_perc{engine="0"} 0.25',
+                'vllm:kv_cache_usage_perc{engine="1"} 0.75',
+            ]
+        )
+        + "\n"
+    )
     reading = parse(text)
     assert reading.ttft == Histogram(bounds=(1.0,), counts=(7.0,), count=8.0)
     assert reading.waiting == 5
@@ -231,8 +245,9 @@ def test_label_sets_are_summed_and_kv_takes_the_fullest() -> None:
 def test_bad_bodies_are_refused() -> None:
     with pytest.raises(MetricsError):
         parse("<html>not metrics</html>\n")
-    no_inf = ("# TYPE kvpilot_time_to_first_token_seconds histogram\n"
-              'kvpilot_time_to_first_token_seconds_bucket{le="1.0"} 2\n')
+    no_inf = (
+        '# TYPE kvpilot_time_to_first_token_seconds histogram\nkvpilot_time_to_first_token_seconds_bucket{le="1.0"} 2\n'
+    )
     with pytest.raises(MetricsError, match=r"\+Inf"):
         parse(no_inf)
 
@@ -240,28 +255,43 @@ def test_bad_bodies_are_refused() -> None:
 _TTFT = "kvpilot_time_to_first_token_seconds"
 
 
-@pytest.mark.parametrize("family, kind, lines, why", [
-    ("kvpilot_num_requests_waiting", "gauge", ["kvpilot_num_requests_waiting +Inf"], "not finite"),
-    ("kvpilot_num_requests_waiting", "gauge", ["kvpilot_num_requests_waiting NaN"], "not finite"),
-    ("kvpilot_num_requests_waiting", "gauge", ["kvpilot_num_requests_waiting -1e6"], "below 0"),
-    # A negative label set would cancel another's requests in the sum: each is checked, not the sum.
-    ("vllm:num_requests_waiting", "gauge", ['vllm:num_requests_waiting{engine="0"} 20',
-                                             'vllm:num_requests_waiting{engine="1"} -20'], "below 0"),
-    ("kvpilot_num_requests_running", "gauge", ["kvpilot_num_requests_running -1"], "below 0"),
-    ("kvpilot_kv_cache_usage_ratio", "gauge", ["kvpilot_kv_cache_usage_ratio 1.5"], "above 1"),
-    ("kvpilot_kv_cache_usage_ratio", "gauge", ["kvpilot_kv_cache_usage_ratio NaN"], "not finite"),
-    # prometheus_client's TYPE line names a counter with its _total.
-    ("kvpilot_spec_decode_num_draft_tokens_total", "counter", ["kvpilot_spec_decode_num_draft_tokens_total -Inf"],
-     "not finite"),
-    ("kvpilot_spec_decode_num_accepted_tokens_total", "counter", ["kvpilot_spec_decode_num_accepted_tokens_total -3"],
-     "below 0"),
-    (_TTFT, "histogram", [f'{_TTFT}_bucket{{le="1.0"}} NaN', f'{_TTFT}_bucket{{le="+Inf"}} 3'], "not finite"),
-    (_TTFT, "histogram", [f'{_TTFT}_bucket{{le="1.0"}} 1', f'{_TTFT}_bucket{{le="+Inf"}} NaN'], "not finite"),
-    (_TTFT, "histogram", [f'{_TTFT}_bucket{{le="1.0"}} -5', f'{_TTFT}_bucket{{le="+Inf"}} 3'], "below 0"),
-    (_TTFT, "histogram", [f'{_TTFT}_bucket{{le="1.0"}} 1', f'{_TTFT}_bucket{{le="+Inf"}} -1'], "below 0"),
-    (_TTFT, "histogram", [f'{_TTFT}_bucket{{le="NaN"}} 1', f'{_TTFT}_bucket{{le="+Inf"}} 1'], "not finite"),
-    (_TTFT, "histogram", [f'{_TTFT}_bucket{{le="+Inf"}} 1', f"{_TTFT}_created NaN"], "not finite"),
-])
+@pytest.mark.parametrize(
+    "family, kind, lines, why",
+    [
+        ("kvpilot_num_requests_waiting", "gauge", ["kvpilot_num_requests_waiting +Inf"], "not finite"),
+        ("kvpilot_num_requests_waiting", "gauge", ["kvpilot_num_requests_waiting NaN"], "not finite"),
+        ("kvpilot_num_requests_waiting", "gauge", ["kvpilot_num_requests_waiting -1e6"], "below 0"),
+        # A negative label set would cancel another's requests in the sum: each is checked, not the sum.
+        (
+            "vllm:num_requests_waiting",
+            "gauge",
+            ['vllm:num_requests_waiting{engine="0"} 20', 'vllm:num_requests_waiting{engine="1"} -20'],
+            "below 0",
+        ),
+        ("kvpilot_num_requests_running", "gauge", ["kvpilot_num_requests_running -1"], "below 0"),
+        ("kvpilot_kv_cache_usage_ratio", "gauge", ["kvpilot_kv_cache_usage_ratio 1.5"], "above 1"),
+        ("kvpilot_kv_cache_usage_ratio", "gauge", ["kvpilot_kv_cache_usage_ratio NaN"], "not finite"),
+        # prometheus_client's TYPE line names a counter with its _total.
+        (
+            "kvpilot_spec_decode_num_draft_tokens_total",
+            "counter",
+            ["kvpilot_spec_decode_num_draft_tokens_total -Inf"],
+            "not finite",
+        ),
+        (
+            "kvpilot_spec_decode_num_accepted_tokens_total",
+            "counter",
+            ["kvpilot_spec_decode_num_accepted_tokens_total -3"],
+            "below 0",
+        ),
+        (_TTFT, "histogram", [f'{_TTFT}_bucket{{le="1.0"}} NaN', f'{_TTFT}_bucket{{le="+Inf"}} 3'], "not finite"),
+        (_TTFT, "histogram", [f'{_TTFT}_bucket{{le="1.0"}} 1', f'{_TTFT}_bucket{{le="+Inf"}} NaN'], "not finite"),
+        (_TTFT, "histogram", [f'{_TTFT}_bucket{{le="1.0"}} -5', f'{_TTFT}_bucket{{le="+Inf"}} 3'], "below 0"),
+        (_TTFT, "histogram", [f'{_TTFT}_bucket{{le="1.0"}} 1', f'{_TTFT}_bucket{{le="+Inf"}} -1'], "below 0"),
+        (_TTFT, "histogram", [f'{_TTFT}_bucket{{le="NaN"}} 1', f'{_TTFT}_bucket{{le="+Inf"}} 1'], "not finite"),
+        (_TTFT, "histogram", [f'{_TTFT}_bucket{{le="+Inf"}} 1', f"{_TTFT}_created NaN"], "not finite"),
+    ],
+)
 def test_samples_out_of_range_refuse_the_reading(family: str, kind: str, lines: list[str], why: str) -> None:
     """A number the autoscaler cannot trust makes the pod unknown (MetricsError, with the series
     and why), never a reading: +Inf waiting overflowed its arithmetic, NaN reached the status, a

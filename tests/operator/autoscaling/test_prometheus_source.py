@@ -46,10 +46,21 @@ def engine_text(ttfts: list[float], waiting: int = 0, vllm: bool = False, drafte
 
 def stored(text: str, pod: str) -> list[dict[str, Any]]:
     """Every sample of an exposition as Prometheus stores it after scraping the pod."""
-    return [{"metric": {"__name__": sample.name, **sample.labels, "namespace": NS, "pod": pod,
-                        "job": f"{NS}/chat", "instance": f"{pod}:8000"},
-             "value": [1_700_000_000.0, repr(float(sample.value)) if sample.value != float("inf") else "+Inf"]}
-            for family in text_string_to_metric_families(text) for sample in family.samples]
+    return [
+        {
+            "metric": {
+                "__name__": sample.name,
+                **sample.labels,
+                "namespace": NS,
+                "pod": pod,
+                "job": f"{NS}/chat",
+                "instance": f"{pod}:8000",
+            },
+            "value": [1_700_000_000.0, repr(float(sample.value)) if sample.value != float("inf") else "+Inf"],
+        }
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    ]
 
 
 MATCHER = re.compile(r'(\w+)(=~|=)"((?:[^"\\]|\\.)*)"')
@@ -77,13 +88,14 @@ def prometheus() -> Iterator[tuple[str, list[dict[str, Any]], list[str]]]:
     queries: list[str] = []
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:
             url = urlparse(self.path)
             assert url.path == "/prom/api/v1/query"
             query = parse_qs(url.query)["query"][0]
             queries.append(query)
-            body = json.dumps({"status": "success",
-                               "data": {"resultType": "vector", "result": select(query, series)}}).encode()
+            body = json.dumps(
+                {"status": "success", "data": {"resultType": "vector", "result": select(query, series)}}
+            ).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -103,11 +115,19 @@ def prometheus() -> Iterator[tuple[str, list[dict[str, Any]], list[str]]]:
         server.server_close()
 
 
-def test_a_pod_read_through_prometheus_equals_its_metrics(prometheus: tuple[str, list[dict[str, Any]], list[str]]) -> None:
+def test_a_pod_read_through_prometheus_equals_its_metrics(
+    prometheus: tuple[str, list[dict[str, Any]], list[str]],
+) -> None:
     url, series, queries = prometheus
     ours = engine_text([0.05, 0.2, 0.2, 1.5], waiting=3, drafted=50, accepted=20)
-    theirs = "\n".join(line for line in engine_text([0.4] * 5, vllm=True, drafted=8, accepted=2).splitlines()
-                       if line.startswith(("vllm:", "# HELP vllm:", "# TYPE vllm:"))) + "\n"
+    theirs = (
+        "\n".join(
+            line
+            for line in engine_text([0.4] * 5, vllm=True, drafted=8, accepted=2).splitlines()
+            if line.startswith(("vllm:", "# HELP vllm:", "# TYPE vllm:"))
+        )
+        + "\n"
+    )
     series += stored(ours, "chat-a") + stored(theirs, "chat-b") + stored(ours, "elsewhere")
     series += [dict(one, metric={**one["metric"], "namespace": "other"}) for one in stored(ours, "chat-c")]
     reads = {r.name: r for r in with_session(read_prometheus, url, NS, ["chat-b", "chat-a", "chat-c"])}
@@ -125,6 +145,7 @@ def test_a_pod_read_through_prometheus_equals_its_metrics(prometheus: tuple[str,
 
 def test_prometheus_that_cannot_answer_makes_every_pod_unknown() -> None:
     import socket
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed: nothing listens there
@@ -135,13 +156,16 @@ def test_prometheus_that_cannot_answer_makes_every_pod_unknown() -> None:
 
 
 def test_the_loop_reads_from_prometheus_when_the_spec_names_one(
-        prometheus: tuple[str, list[dict[str, Any]], list[str]]) -> None:
+    prometheus: tuple[str, list[dict[str, Any]], list[str]],
+) -> None:
     url, series, queries = prometheus
     text = engine_text([0.3] * 7)
     series += stored(text, "chat-a")
     loop = AutoscalingLoop(cluster=None, services={}, deployments={}, replicasets={}, pods={}, prometheus_allow=(url,))
-    body = {"metadata": {"namespace": NS, "name": "chat"},
-            "spec": {"model": {"name": "m"}, "autoscaling": {"prometheusUrl": url}}}
+    body = {
+        "metadata": {"namespace": NS, "name": "chat"},
+        "spec": {"model": {"name": "m"}, "autoscaling": {"prometheusUrl": url}},
+    }
     # The pod's own address is not dialled (nothing listens there): Prometheus is.
     (read,) = read_all(loop, body, [("chat-a", "http://127.0.0.1:9/metrics")])
     assert read.reading == parse(text) and len(queries) == 1
@@ -152,11 +176,13 @@ def test_the_loop_reads_from_prometheus_when_the_spec_names_one(
 
 def read_all(loop: AutoscalingLoop, body: dict[str, Any], targets: list[tuple[str, str]]) -> list[PodRead]:
     """The loop's reads of one period, on an event loop of their own."""
+
     async def once() -> list[PodRead]:
         try:
             return await loop.read_all(body, targets)
         finally:
             await loop.close()
+
     return asyncio.run(once())
 
 
@@ -165,11 +191,13 @@ def test_a_prometheus_url_must_be_http(url: str) -> None:
     with pytest.raises(ValidationError, match="prometheus"):
         InferenceServiceSpec.model_validate({"model": {"name": "m"}, "autoscaling": {"prometheusUrl": url}})
     assert InferenceServiceSpec.model_validate(
-        {"model": {"name": "m"}, "autoscaling": {"prometheusUrl": "http://prometheus.monitoring:9090/x"}})
+        {"model": {"name": "m"}, "autoscaling": {"prometheusUrl": "http://prometheus.monitoring:9090/x"}}
+    )
 
 
 def test_a_nan_in_prometheus_makes_that_pod_unknown_not_the_service(
-        prometheus: tuple[str, list[dict[str, Any]], list[str]]) -> None:
+    prometheus: tuple[str, list[dict[str, Any]], list[str]],
+) -> None:
     """A NaN in one pod's +Inf bucket (a stale marker, a broken exporter) is that pod's problem."""
     url, series, _ = prometheus
     text = engine_text([0.3] * 7)
@@ -183,22 +211,25 @@ def test_a_nan_in_prometheus_makes_that_pod_unknown_not_the_service(
     assert reads["chat-b"].reading is None and "not finite" in reads["chat-b"].error
 
 
-@pytest.mark.parametrize("url, allowed", [
-    ("http://prometheus.monitoring:9090", True),
-    ("http://prometheus.monitoring:9090/", True),
-    ("http://PROMETHEUS.monitoring:9090/prom/x", True),
-    ("https://thanos.monitoring/query", True),
-    ("https://thanos.monitoring:443/query/tenant-a", True),
-    ("https://thanos.monitoring/query-other", False),  # a prefix of the path, not of its segments
-    ("https://thanos.monitoring/query/../admin", False),
-    ("https://thanos.monitoring/query/%2e%2e/admin", False),
-    ("http://thanos.monitoring/query", False),  # another scheme
-    ("http://prometheus.monitoring:90901", False),
-    ("http://prometheus.monitoring:9090@evil.example", False),  # the host is evil.example
-    ("http://prometheus.monitoring:9090.evil.example", False),
-    ("http://prometheus.monitoring", False),  # port 80
-    ("http://prometheus.monitoring:9090/?x=1", False),
-])
+@pytest.mark.parametrize(
+    "url, allowed",
+    [
+        ("http://prometheus.monitoring:9090", True),
+        ("http://prometheus.monitoring:9090/", True),
+        ("http://PROMETHEUS.monitoring:9090/prom/x", True),
+        ("https://thanos.monitoring/query", True),
+        ("https://thanos.monitoring:443/query/tenant-a", True),
+        ("https://thanos.monitoring/query-other", False),  # a prefix of the path, not of its segments
+        ("https://thanos.monitoring/query/../admin", False),
+        ("https://thanos.monitoring/query/%2e%2e/admin", False),
+        ("http://thanos.monitoring/query", False),  # another scheme
+        ("http://prometheus.monitoring:90901", False),
+        ("http://prometheus.monitoring:9090@evil.example", False),  # the host is evil.example
+        ("http://prometheus.monitoring:9090.evil.example", False),
+        ("http://prometheus.monitoring", False),  # port 80
+        ("http://prometheus.monitoring:9090/?x=1", False),
+    ],
+)
 def test_prometheus_urls_are_allowed_by_parsed_prefix(url: str, allowed: bool) -> None:
     prefixes = ("http://prometheus.monitoring:9090", "https://thanos.monitoring/query")
     assert prometheus_allowed(url, prefixes) is allowed
@@ -206,13 +237,22 @@ def test_prometheus_urls_are_allowed_by_parsed_prefix(url: str, allowed: bool) -
 
 
 def test_a_prometheus_the_operator_does_not_allow_is_never_dialled(
-        prometheus: tuple[str, list[dict[str, Any]], list[str]]) -> None:
+    prometheus: tuple[str, list[dict[str, Any]], list[str]],
+) -> None:
     url, series, queries = prometheus
     series += stored(engine_text([0.3]), "chat-a")
-    body = {"metadata": {"namespace": NS, "name": "chat"},
-            "spec": {"model": {"name": "m"}, "autoscaling": {"prometheusUrl": url}}}
-    loop = AutoscalingLoop(cluster=None, services={}, deployments={}, replicasets={}, pods={},
-                           prometheus_allow=("http://prometheus.monitoring:9090",))
+    body = {
+        "metadata": {"namespace": NS, "name": "chat"},
+        "spec": {"model": {"name": "m"}, "autoscaling": {"prometheusUrl": url}},
+    }
+    loop = AutoscalingLoop(
+        cluster=None,
+        services={},
+        deployments={},
+        replicasets={},
+        pods={},
+        prometheus_allow=("http://prometheus.monitoring:9090",),
+    )
     (read,) = read_all(loop, body, [("chat-a", "http://127.0.0.1:9/metrics")])
     assert read.reading is None and queries == []
     assert f"prometheusUrl {url} is not allowed" in read.error

@@ -90,9 +90,16 @@ class Engine:
                     self.running.remove(seq)
 
     def read(self) -> PodRead:
-        return PodRead(name=self.name, reading=EngineReading(
-            ttft=self.ttft.cumulative(), tpot=self.tpot.cumulative(), waiting=float(len(self.waiting)),
-            running=float(len(self.running)), kv_usage=0.7 * len(self.running) / MAX_SEQS))
+        return PodRead(
+            name=self.name,
+            reading=EngineReading(
+                ttft=self.ttft.cumulative(),
+                tpot=self.tpot.cumulative(),
+                waiting=float(len(self.waiting)),
+                running=float(len(self.running)),
+                kv_usage=0.7 * len(self.running) / MAX_SEQS,
+            ),
+        )
 
 
 def step_up_and_away(t: float) -> float:
@@ -104,8 +111,9 @@ def step_up_and_away(t: float) -> float:
     return 0.0
 
 
-def simulate(policy: Policy, offered_load: Callable[[float], float], duration: float,
-             seed: int = 3) -> tuple[list[tuple[float, float]], list[tuple[float, int]]]:
+def simulate(
+    policy: Policy, offered_load: Callable[[float], float], duration: float, seed: int = 3
+) -> tuple[list[tuple[float, float]], list[tuple[float, int]]]:
     """(arrival, TTFT) of every request, and (time, replicas) after every decision."""
     rng = random.Random(seed)
     engines = [Engine("pod-0", ready_at=0.0)]
@@ -125,8 +133,9 @@ def simulate(policy: Policy, offered_load: Callable[[float], float], duration: f
         if now >= next_tick:
             next_tick += INTERVAL_SECONDS
             serving = [e for e in engines if not e.draining]
-            obs = Observation(now=now, replicas=len(serving), ready_replicas=len(ready),
-                              pods=tuple(e.read() for e in ready))
+            obs = Observation(
+                now=now, replicas=len(serving), ready_replicas=len(ready), pods=tuple(e.read() for e in ready)
+            )
             state, decision = step(policy, state, obs)
             while len(serving) < decision.replicas:
                 serving.append(Engine(f"pod-{made}", ready_at=now + STARTUP))
@@ -134,7 +143,8 @@ def simulate(policy: Policy, offered_load: Callable[[float], float], duration: f
                 made += 1
             # A ReplicaSet removes pods that are not ready first, then the newest.
             for engine in sorted(serving, key=lambda e: (e.ready_at <= now, -e.ready_at))[
-                    :len(serving) - decision.replicas]:
+                : len(serving) - decision.replicas
+            ]:
                 engine.draining = True
             replicas_at.append((now, decision.replicas))
     return ttfts, replicas_at
@@ -155,8 +165,15 @@ def p95(values: list[float]) -> float:
 
 
 def test_load_step_up_then_away() -> None:
-    policy = Policy(min_replicas=1, max_replicas=8, max_step=2, ttft_p95_seconds=2.0, tpot_p95_seconds=0.1,
-                    scale_down_stabilization_seconds=300, max_num_seqs=MAX_SEQS)
+    policy = Policy(
+        min_replicas=1,
+        max_replicas=8,
+        max_step=2,
+        ttft_p95_seconds=2.0,
+        tpot_p95_seconds=0.1,
+        scale_down_stabilization_seconds=300,
+        max_num_seqs=MAX_SEQS,
+    )
     ttfts, replicas_at = simulate(policy, step_up_and_away, duration=2700.0)
     replicas = [r for _, r in replicas_at]
 

@@ -39,42 +39,65 @@ PARSER = build_parser("serve")
 DOWNLOAD = build_parser("download")
 # A catalog draft with each vocabulary (the engine drafts only with the target's tokens; the
 # largest Qwen drafts for the 72B).
-DRAFTS = {32000: "hf://TinyLlama/TinyLlama-1.1B-Chat-v1.0", 128256: "hf://meta-llama/Llama-3.2-1B-Instruct",
-          152064: "hf://Qwen/Qwen2.5-7B-Instruct", 49152: "hf://HuggingFaceTB/SmolLM2-135M-Instruct"}
+DRAFTS = {
+    32000: "hf://TinyLlama/TinyLlama-1.1B-Chat-v1.0",
+    128256: "hf://meta-llama/Llama-3.2-1B-Instruct",
+    152064: "hf://Qwen/Qwen2.5-7B-Instruct",
+    49152: "hf://HuggingFaceTB/SmolLM2-135M-Instruct",
+}
 # The model's own context and a short one, so that the large models fit on more GPUs; the short
 # one also moves block size and memory share off their defaults.
-SERVINGS: list[dict[str, Any]] = [{}, {"maxContextLength": 2048, "blockSize": 32,
-                                       "gpuMemoryUtilization": 0.85}]
+SERVINGS: list[dict[str, Any]] = [{}, {"maxContextLength": 2048, "blockSize": 32, "gpuMemoryUtilization": 0.85}]
 # Every value a spec may pin, and auto with a draft model to choose.
-SPECULATION: list[dict[str, Any]] = [{"speculative": mode, **({"draftModel": True} if mode == "draft" else {})}
-                                     for mode in get_args(Speculative)] + [{"speculative": "auto", "draftModel": True}]
+SPECULATION: list[dict[str, Any]] = [
+    {"speculative": mode, **({"draftModel": True} if mode == "draft" else {})} for mode in get_args(Speculative)
+] + [{"speculative": "auto", "draftModel": True}]
 # Plan fields the rendered engine flags must carry; any further field the two models share (a
 # speculative knob the engine grows, say) is compared too. Where the model and the draft model are
 # in the pod is render's to say, checked apart.
-CARRIED = {"max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-           "gpu_memory_utilization", "quantization", "speculative"}
+CARRIED = {
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "gpu_memory_utilization",
+    "quantization",
+    "speculative",
+}
 SHARED = (set(Plan.model_fields) & set(EngineConfig.model_fields)) - {"model", "draft_model"}
 
 
 def _specs(model: str) -> list[InferenceServiceSpec]:
     draft = DRAFTS[MODELS[model].vocab_size]
-    return [InferenceServiceSpec.model_validate({
-        "model": {"name": model}, "accelerator": {"type": gpu},
-        "serving": {**serving, "quantization": quantization, **speculation,
-                    **({"draftModel": draft} if "draftModel" in speculation else {})}})
-        for gpu, serving, quantization, speculation in product(
-            GPUS, SERVINGS, get_args(Quantization), SPECULATION)]
+    return [
+        InferenceServiceSpec.model_validate(
+            {
+                "model": {"name": model},
+                "accelerator": {"type": gpu},
+                "serving": {
+                    **serving,
+                    "quantization": quantization,
+                    **speculation,
+                    **({"draftModel": draft} if "draftModel" in speculation else {}),
+                },
+            }
+        )
+        for gpu, serving, quantization, speculation in product(GPUS, SERVINGS, get_args(Quantization), SPECULATION)
+    ]
 
 
 def _unsupported_pins(spec: InferenceServiceSpec) -> list[str]:
     """What the plan's reason must say for each value the spec pins that the engine lacks: the
     value, and the supported list."""
-    return [text
-            for field, value in (("quantization", spec.serving.quantization),
-                                 ("speculative", spec.serving.speculative))
-            if value != "auto" and value not in getattr(CAPABILITIES, field)
-            for text in (f"serving.{field} {value!r} is not one this engine",
-                         f"(supported: {', '.join(getattr(CAPABILITIES, field))}; or 'auto')")]
+    return [
+        text
+        for field, value in (("quantization", spec.serving.quantization), ("speculative", spec.serving.speculative))
+        if value != "auto" and value not in getattr(CAPABILITIES, field)
+        for text in (
+            f"serving.{field} {value!r} is not one this engine",
+            f"(supported: {', '.join(getattr(CAPABILITIES, field))}; or 'auto')",
+        )
+    ]
 
 
 def _parse(args: list[str]) -> argparse.Namespace | str:
@@ -105,13 +128,16 @@ def _broken_contract(spec: InferenceServiceSpec, result: Plan) -> str | None:
     got = {name: getattr(engine, name) for name in wanted}
     if got != wanted or engine.model != spec.model.name:
         return f"{args} parse to {got}, model {engine.model!r}; the plan has {wanted}"
-    if (server.host, server.port, server.served_model_name) != ("0.0.0.0", names.PORT,
-                                                                 spec.model.name):
+    if (server.host, server.port, server.served_model_name) != ("0.0.0.0", names.PORT, spec.model.name):
         return f"{args} serve {server.served_model_name!r} on {server.host}:{server.port}"
     # A draft model is where its download init container puts it (the catalog drafts are hf://).
-    downloads = {parsed.repo: parsed.local_dir for parsed in (
-        DOWNLOAD.parse_args(["download", *init["args"]])
-        for init in deployment["spec"]["template"]["spec"].get("initContainers", []))}
+    downloads = {
+        parsed.repo: parsed.local_dir
+        for parsed in (
+            DOWNLOAD.parse_args(["download", *init["args"]])
+            for init in deployment["spec"]["template"]["spec"].get("initContainers", [])
+        )
+    }
     if result.speculative == "draft":
         draft = hub_source(spec.serving.draft_model)
         if draft is None or engine.draft_model is None or downloads.get(draft.repo) != engine.draft_model:
@@ -127,17 +153,20 @@ def test_the_plan_fields_that_reach_the_engine_are_all_compared() -> None:
 
 def test_serve_accepts_the_operators_rendered_args() -> None:
     # The CRD's defaults (quantization and speculative auto), as `kubectl apply` leaves them.
-    spec = InferenceServiceSpec.model_validate({
-        "model": {"name": "llama-2-7b", "source": "hf://meta-llama/Llama-2-7b-hf"},
-        "accelerator": {"type": "A10G"}, "serving": {"maxContextLength": 4096}})
+    spec = InferenceServiceSpec.model_validate(
+        {
+            "model": {"name": "llama-2-7b", "source": "hf://meta-llama/Llama-2-7b-hf"},
+            "accelerator": {"type": "A10G"},
+            "serving": {"maxContextLength": 4096},
+        }
+    )
     p = plan(spec)
     args = PARSER.parse_args(["serve", *render.engine_args(spec, p, "meta-llama/Llama-2-7b-hf")])
     config = engine_config_from_args(args)
     assert (args.host, args.port, args.served_model_name) == ("0.0.0.0", 8000, "llama-2-7b")
     assert config.model == "meta-llama/Llama-2-7b-hf"
     assert config.max_model_len == 4096
-    assert (config.max_num_seqs, config.max_num_batched_tokens) == (p.max_num_seqs,
-                                                                    p.max_num_batched_tokens)
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (p.max_num_seqs, p.max_num_batched_tokens)
     assert (config.quantization, config.speculative) == (p.quantization, p.speculative)
 
 
@@ -151,16 +180,16 @@ def test_every_plan_that_fits_renders_arguments_kvpilot_serve_accepts(model: str
         pins = _unsupported_pins(spec)
         if pins:
             if result.failure != "UnsupportedByEngine" or not all(p in result.reason for p in pins):
-                problems.append(f"{where}: plans {result.failure}: {result.reason!r}, "
-                                f"not UnsupportedByEngine saying {pins}")
+                problems.append(
+                    f"{where}: plans {result.failure}: {result.reason!r}, not UnsupportedByEngine saying {pins}"
+                )
             continue
         if not result.fits:
             if result.failure == "UnsupportedByEngine":
                 problems.append(f"{where}: pins nothing unsupported but {result.reason}")
             continue
         fitting += 1
-        if result.quantization not in CAPABILITIES.quantization or \
-                result.speculative not in CAPABILITIES.speculative:
+        if result.quantization not in CAPABILITIES.quantization or result.speculative not in CAPABILITIES.speculative:
             problems.append(f"{where}: chose {result.quantization}/{result.speculative}")
         broken = _broken_contract(spec, result)
         if broken:

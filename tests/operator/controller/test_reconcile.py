@@ -56,8 +56,7 @@ class FakeCluster:
         """Store `obj` as an object someone made (a user, another controller)."""
         self.version += 1
         stored = copy.deepcopy(obj)
-        stored["metadata"] = {"generation": 1, **stored["metadata"],
-                              "resourceVersion": str(self.version)}
+        stored["metadata"] = {"generation": 1, **stored["metadata"], "resourceVersion": str(self.version)}
         self.objects[self.key(obj)] = stored
         return stored
 
@@ -72,16 +71,23 @@ class FakeCluster:
             generation += 1
         self.version += 1
         self.objects[self.key(manifest)] = stored = {
-            **copy.deepcopy(manifest), "status": previous.get("status", {}),
-            "metadata": {**copy.deepcopy(manifest["metadata"]), "generation": generation,
-                         "resourceVersion": str(self.version)}}
+            **copy.deepcopy(manifest),
+            "status": previous.get("status", {}),
+            "metadata": {
+                **copy.deepcopy(manifest["metadata"]),
+                "generation": generation,
+                "resourceVersion": str(self.version),
+            },
+        }
         return copy.deepcopy(stored)
 
     def list_pods(self, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
         self.pod_lists = getattr(self, "pod_lists", 0) + 1
-        return [copy.deepcopy(o) for (kind, ns, _), o in sorted(self.objects.items())
-                if kind == "Pod" and ns == namespace
-                and labels.items() <= o.get("metadata", {}).get("labels", {}).items()]
+        return [
+            copy.deepcopy(o)
+            for (kind, ns, _), o in sorted(self.objects.items())
+            if kind == "Pod" and ns == namespace and labels.items() <= o.get("metadata", {}).get("labels", {}).items()
+        ]
 
     def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
         if self.key(manifest) in self.objects:
@@ -101,8 +107,7 @@ class FakeCluster:
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         self.objects.pop((kind, namespace, name), None)
 
-    def patch_status(self, api_version: str, kind: str, namespace: str, name: str,
-                     patch: dict[str, Any]) -> str:
+    def patch_status(self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> str:
         self.status_patches.append(patch)
         obj = self.objects[(kind, namespace, name)]
         obj["status"] = apply_merge_patch(obj.get("status") or {}, patch)
@@ -124,17 +129,20 @@ def apply_merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> dict[str
         if value is None:
             result.pop(key, None)
         elif isinstance(value, dict):
-            result[key] = apply_merge_patch(result.get(key) if isinstance(result.get(key), dict)
-                                            else {}, value)
+            result[key] = apply_merge_patch(result.get(key) if isinstance(result.get(key), dict) else {}, value)
         else:
             result[key] = value
     return result
 
 
 def body(spec: dict[str, Any], generation: int = 1, status: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "chat", "namespace": "ml", "uid": "uid-1", "generation": generation},
-            "spec": spec, "status": status or {}}
+    return {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "chat", "namespace": "ml", "uid": "uid-1", "generation": generation},
+        "spec": spec,
+        "status": status or {},
+    }
 
 
 SPEC = {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}, "load": {"requestsPerSecond": 4}}
@@ -160,16 +168,23 @@ def test_creates_deployment_service_and_pdb_and_reports_progress() -> None:
     assert condition(status, "Planned")["status"] == "True"
     assert condition(status, "Progressing")["reason"] == "RollingOut"
     ready = condition(status, "Ready")
-    assert (ready["status"], ready["reason"], ready["message"]) == \
-        ("False", "ReplicasNotReady", f"0/{REPLICAS} replicas ready")
+    assert (ready["status"], ready["reason"], ready["message"]) == (
+        "False",
+        "ReplicasNotReady",
+        f"0/{REPLICAS} replicas ready",
+    )
 
 
 def test_ready_when_the_deployment_reports_ready_replicas() -> None:
     cluster = FakeCluster()
     first = reconcile(body(SPEC), cluster, NOW)
     deployment = cluster.objects[("Deployment", "ml", "chat")]
-    deployment["status"] = {"observedGeneration": 1, "replicas": REPLICAS, "updatedReplicas": REPLICAS,
-                            "readyReplicas": REPLICAS}
+    deployment["status"] = {
+        "observedGeneration": 1,
+        "replicas": REPLICAS,
+        "updatedReplicas": REPLICAS,
+        "readyReplicas": REPLICAS,
+    }
     later = NOW + timedelta(minutes=3)
     second = reconcile(body(SPEC, status=first), cluster, later)
     ready = condition(second, "Ready")
@@ -209,8 +224,7 @@ def test_unchanged_children_are_not_written_and_changed_ones_are() -> None:
     # A field of ours edited by hand is put back.
     deployment["spec"]["replicas"] = 7
     reconcile(body(SPEC), cluster, NOW)
-    assert cluster.applies == 4 and cluster.objects[("Deployment", "ml", "chat")]["spec"][
-        "replicas"] == REPLICAS
+    assert cluster.applies == 4 and cluster.objects[("Deployment", "ml", "chat")]["spec"]["replicas"] == REPLICAS
     # A field the spec no longer asks for (a nodeSelector key) goes: the rendering changed.
     selected = {**SPEC, "nodeSelector": {"pool": "gpu"}}
     reconcile(body(selected, generation=2), cluster, NOW)
@@ -231,7 +245,11 @@ def test_a_plan_that_stops_fitting_keeps_the_last_good_deployment_and_says_why()
     reconcile(body(SPEC), cluster, NOW)
     running = copy.deepcopy(cluster.objects[("Deployment", "ml", "chat")])
     cluster.objects[("Deployment", "ml", "chat")]["status"] = running["status"] = {
-        "observedGeneration": 1, "replicas": REPLICAS, "updatedReplicas": REPLICAS, "readyReplicas": REPLICAS}
+        "observedGeneration": 1,
+        "replicas": REPLICAS,
+        "updatedReplicas": REPLICAS,
+        "readyReplicas": REPLICAS,
+    }
     too_big = {**SPEC, "model": {"name": "llama-3-70b"}}
     status = reconcile(body(too_big, generation=2), cluster, NOW)
     # The engines of the last plan that fit keep serving, untouched.
@@ -276,8 +294,11 @@ def test_the_last_good_deployment_deleted_by_hand_comes_back_while_the_spec_does
     assert back["spec"] == {**running["spec"], "replicas": 2}
     status = cluster.objects[("InferenceService", "ml", "chat")]["status"]
     assert (condition(status, "Planned")["reason"], status["desiredReplicas"]) == ("WeightsDoNotFit", 2)
-    assert status["lastGoodPlan"]["spec"] == {"model": {"name": "llama-2-7b"},
-                                              "accelerator": {"type": "A10G"}, "load": {"requestsPerSecond": 4.0}}
+    assert status["lastGoodPlan"]["spec"] == {
+        "model": {"name": "llama-2-7b"},
+        "accelerator": {"type": "A10G"},
+        "load": {"requestsPerSecond": 4.0},
+    }
 
 
 def test_an_unknown_gpu_type_after_a_good_plan_keeps_the_deployment() -> None:
@@ -323,8 +344,7 @@ def test_pinning_what_the_engine_does_not_run_is_not_ready_and_rolls_out_nothing
 
 def test_invalid_spec_is_a_condition_not_a_crash() -> None:
     cluster = FakeCluster()
-    status = reconcile(body({**SPEC, "autoscaling": {"minReplicas": 3, "maxReplicas": 1}}),
-                       cluster, NOW)
+    status = reconcile(body({**SPEC, "autoscaling": {"minReplicas": 3, "maxReplicas": 1}}), cluster, NOW)
     planned = condition(status, "Planned")
     assert (planned["status"], planned["reason"]) == ("False", "InvalidSpec")
     assert "minReplicas 3 > maxReplicas 1" in planned["message"]
@@ -362,8 +382,9 @@ def test_the_gpu_chosen_for_an_unset_type_is_kept_until_the_spec_changes() -> No
     deployment = cluster.objects[("Deployment", "ml", "chat")]
     assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["template"] == template
     # Any other spec change plans afresh, onto the smaller GPU.
-    changed = reconcile(body({**small, "replicas": 2, "load": {"requestsPerSecond": 2}}, generation=3,
-                             status=scaled), cluster, NOW)
+    changed = reconcile(
+        body({**small, "replicas": 2, "load": {"requestsPerSecond": 2}}, generation=3, status=scaled), cluster, NOW
+    )
     assert changed["plan"]["gpu"] == "T4" and changed["lastGoodPlan"]["gpu"] == "T4"
     pod = cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "Tesla-T4"}
@@ -400,8 +421,9 @@ def test_a_scale_with_no_gpu_left_on_the_nodes_keeps_the_plan_and_applies_the_re
     assert deployment["spec"]["replicas"] == 3 and deployment["spec"]["template"] == template
     # A spec change other than replicas has nothing to plan for: NoGPUType, and the Deployment stays.
     running = copy.deepcopy(deployment)
-    status = reconcile(body({**spec, "replicas": 3, "load": {"requestsPerSecond": 2}}, generation=3,
-                            status=status), cluster, NOW)
+    status = reconcile(
+        body({**spec, "replicas": 3, "load": {"requestsPerSecond": 2}}, generation=3, status=status), cluster, NOW
+    )
     assert condition(status, "Planned")["reason"] == "NoGPUType"
     assert cluster.objects[("Deployment", "ml", "chat")] == running
     assert status["lastGoodPlan"] == first["lastGoodPlan"]
@@ -409,9 +431,14 @@ def test_a_scale_with_no_gpu_left_on_the_nodes_keeps_the_plan_and_applies_the_re
 
 def test_a_same_named_object_of_someone_else_is_left_alone() -> None:
     cluster = FakeCluster()
-    theirs = cluster.put({"apiVersion": "v1", "kind": "Service",
-                          "metadata": {"name": "chat", "namespace": "ml"},
-                          "spec": {"ports": [{"port": 5432}], "selector": {"app": "db"}}})
+    theirs = cluster.put(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "chat", "namespace": "ml"},
+            "spec": {"ports": [{"port": 5432}], "selector": {"app": "db"}},
+        }
+    )
     status = reconcile(body(SPEC), cluster, NOW)
     assert cluster.objects == {("Service", "ml", "chat"): theirs}  # untouched, nothing created
     assert cluster.applies == 0
@@ -422,10 +449,24 @@ def test_a_same_named_object_of_someone_else_is_left_alone() -> None:
     assert condition(status, "Planned")["status"] == "True"
 
     # Owned by another controller (or another InferenceService of the same name: another UID).
-    other = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {
-        "name": "chat", "namespace": "ml", "ownerReferences": [
-            {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService", "name": "chat",
-             "uid": "uid-0", "controller": True}]}, "spec": {"replicas": 1}}
+    other = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": "chat",
+            "namespace": "ml",
+            "ownerReferences": [
+                {
+                    "apiVersion": "kvpilot.dev/v1alpha1",
+                    "kind": "InferenceService",
+                    "name": "chat",
+                    "uid": "uid-0",
+                    "controller": True,
+                }
+            ],
+        },
+        "spec": {"replicas": 1},
+    }
     cluster = FakeCluster()
     theirs = cluster.put(other)
     status = reconcile(body(SPEC), cluster, NOW)
@@ -445,8 +486,10 @@ def test_a_same_named_object_of_someone_else_is_left_alone() -> None:
 
 def test_a_write_the_api_server_refuses_is_in_the_status() -> None:
     cluster = FakeCluster()
-    message = ('Deployment.apps "chat" is invalid: spec.template.spec.containers[0].resources.'
-               'requests[cpu]: Invalid value: "lots": quantities must match the regular expression')
+    message = (
+        'Deployment.apps "chat" is invalid: spec.template.spec.containers[0].resources.'
+        'requests[cpu]: Invalid value: "lots": quantities must match the regular expression'
+    )
     cluster.refuse["Deployment"] = (422, message)
     status = reconcile(body({**SPEC, "resources": {"requests": {"cpu": "lots"}}}), cluster, NOW)
     ready = condition(status, "Ready")
@@ -483,11 +526,9 @@ def test_kopf_handler_writes_the_status_into_the_patch() -> None:
     memo = kopf.Memo(cluster=cluster, reconciles=Reconciles(), engine_image="mirror.example/kvpilot:1.2.3")
     reconcile_handler(body=body(SPEC), patch=patch, memo=memo, logger=logging.getLogger("test"))
     assert patch["status"]["plan"]["gpu"] == "A10G"
-    assert {c["type"] for c in patch["status"]["conditions"]} == {
-        "Planned", "Progressing", "Ready", "Degraded"}
+    assert {c["type"] for c in patch["status"]["conditions"]} == {"Planned", "Progressing", "Ready", "Degraded"}
     assert cluster.kinds() == ["Deployment", "PodDisruptionBudget", "Service"]
-    (engine,) = cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"]["spec"][
-        "containers"]
+    (engine,) = cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"]["spec"]["containers"]
     assert engine["image"] == "mirror.example/kvpilot:1.2.3"
 
 
@@ -496,13 +537,13 @@ def test_kopf_handler_patches_only_what_changed_and_removes_what_is_gone() -> No
     memo = kopf.Memo(cluster=cluster, reconciles=Reconciles(), engine_image=render.DEFAULT_ENGINE_IMAGE)
     first = reconcile(body(SPEC), cluster, NOW)
     patch = kopf.Patch()
-    reconcile_handler(body=body(SPEC, status=first), patch=patch, memo=memo,
-                      logger=logging.getLogger("test"))
+    reconcile_handler(body=body(SPEC, status=first), patch=patch, memo=memo, logger=logging.getLogger("test"))
     assert patch == {}  # nothing changed: nothing to write
     patch = kopf.Patch()
     too_big = {**SPEC, "model": {"name": "llama-3-70b"}}
-    reconcile_handler(body=body(too_big, generation=2, status=first), patch=patch, memo=memo,
-                      logger=logging.getLogger("test"))
+    reconcile_handler(
+        body=body(too_big, generation=2, status=first), patch=patch, memo=memo, logger=logging.getLogger("test")
+    )
     # The failed plan gives no reasons for choices it did not make: the old plan's are removed
     # (a merge patch keeps every key it does not name).
     assert patch["status"]["plan"]["reasons"]["kvCache"] is None
@@ -511,13 +552,18 @@ def test_kopf_handler_patches_only_what_changed_and_removes_what_is_gone() -> No
 
 def test_kopf_handler_retries_a_blocked_service_after_writing_its_status() -> None:
     cluster = FakeCluster()
-    cluster.put({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-                 "metadata": {"name": "chat", "namespace": "ml"}, "spec": {}})
+    cluster.put(
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": {"name": "chat", "namespace": "ml"},
+            "spec": {},
+        }
+    )
     patch = kopf.Patch()
     memo = kopf.Memo(cluster=cluster, reconciles=Reconciles(), engine_image=render.DEFAULT_ENGINE_IMAGE)
     with pytest.raises(kopf.TemporaryError, match="NameConflict"):
-        reconcile_handler(body=body(SPEC), patch=patch, memo=memo,
-                          logger=logging.getLogger("test"))
+        reconcile_handler(body=body(SPEC), patch=patch, memo=memo, logger=logging.getLogger("test"))
     assert condition(patch["status"], "Ready")["reason"] == "NameConflict"
 
 
@@ -533,8 +579,9 @@ def test_kopf_handler_plans_again_later_when_no_node_has_a_gpu() -> None:
     # The GPU pool comes back: kopf's retry plans onto it.
     cluster.products = ["NVIDIA-L4"]
     retried = kopf.Patch()
-    reconcile_handler(body=body(unset, status=patch["status"]), patch=retried, memo=memo,
-                      logger=logging.getLogger("test"))
+    reconcile_handler(
+        body=body(unset, status=patch["status"]), patch=retried, memo=memo, logger=logging.getLogger("test")
+    )
     assert retried["status"]["plan"]["gpu"] == "L4"
     assert cluster.kinds() == ["Deployment", "PodDisruptionBudget", "Service"]
 
@@ -546,13 +593,19 @@ def test_a_child_event_reconciles_its_owner_and_writes_only_a_changed_status() -
     assert refresh(cluster, "ml", "chat", NOW)
     assert cluster.kinds() == ["Deployment", "PodDisruptionBudget", "Service"]
     assert len(cluster.status_patches) == 1
-    assert condition(cluster.objects[("InferenceService", "ml", "chat")]["status"],
-                     "Ready")["reason"] == "ReplicasNotReady"
+    assert (
+        condition(cluster.objects[("InferenceService", "ml", "chat")]["status"], "Ready")["reason"]
+        == "ReplicasNotReady"
+    )
 
     # The Deployment reports its pods ready: its event makes the InferenceService Ready.
     deployment = cluster.objects[("Deployment", "ml", "chat")]
-    deployment["status"] = {"observedGeneration": 1, "replicas": REPLICAS, "updatedReplicas": REPLICAS,
-                            "readyReplicas": REPLICAS}
+    deployment["status"] = {
+        "observedGeneration": 1,
+        "replicas": REPLICAS,
+        "updatedReplicas": REPLICAS,
+        "readyReplicas": REPLICAS,
+    }
     child_handler(body=deployment, memo=memo, logger=logging.getLogger("test"))
     isvc = cluster.objects[("InferenceService", "ml", "chat")]
     assert condition(isvc["status"], "Ready")["status"] == "True"
@@ -566,16 +619,23 @@ def test_a_child_event_reconciles_its_owner_and_writes_only_a_changed_status() -
     cluster.delete("apps/v1", "Deployment", "ml", "chat")
     child_handler(body=deployment, memo=memo, logger=logging.getLogger("test"))
     assert ("Deployment", "ml", "chat") in cluster.objects
-    assert condition(cluster.objects[("InferenceService", "ml", "chat")]["status"],
-                     "Ready")["status"] == "False"  # its new pods are not ready yet
+    assert (
+        condition(cluster.objects[("InferenceService", "ml", "chat")]["status"], "Ready")["status"] == "False"
+    )  # its new pods are not ready yet
     patches = len(cluster.status_patches)
 
     # Not ours (no owner, or another kind of owner): nothing happens.
-    stray = {"metadata": {"name": "x", "namespace": "ml", "ownerReferences": [
-        {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "x", "uid": "u", "controller": True}]}}
+    stray = {
+        "metadata": {
+            "name": "x",
+            "namespace": "ml",
+            "ownerReferences": [
+                {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "x", "uid": "u", "controller": True}
+            ],
+        }
+    }
     child_handler(body=stray, memo=memo, logger=logging.getLogger("test"))
-    child_handler(body={"metadata": {"name": "x", "namespace": "ml"}}, memo=memo,
-                  logger=logging.getLogger("test"))
+    child_handler(body={"metadata": {"name": "x", "namespace": "ml"}}, memo=memo, logger=logging.getLogger("test"))
     assert len(cluster.status_patches) == patches
 
     # An owner that is gone, or being deleted, is not reconciled (its children go by GC).
@@ -600,7 +660,11 @@ def _reconciled_chat() -> tuple[ReadCounting, kopf.Memo, logging.Logger]:
     cluster = ReadCounting()
     cluster.put(body(SPEC))
     assert refresh(cluster, "ml", "chat", NOW)
-    return cluster, kopf.Memo(cluster=cluster, reconciles=Reconciles(), engine_image=render.DEFAULT_ENGINE_IMAGE), logging.getLogger("test")
+    return (
+        cluster,
+        kopf.Memo(cluster=cluster, reconciles=Reconciles(), engine_image=render.DEFAULT_ENGINE_IMAGE),
+        logging.getLogger("test"),
+    )
 
 
 def test_events_for_a_service_whose_reconcile_is_already_waiting_are_collapsed() -> None:
@@ -611,8 +675,9 @@ def test_events_for_a_service_whose_reconcile_is_already_waiting_are_collapsed()
     # Daemon threads, and the lock released whatever fails: a broken collapse fails this test
     # instead of leaving handlers blocked on chat's lock for the tests after it.
     try:
-        waiting = threading.Thread(target=child_handler, daemon=True,
-                                   kwargs={"body": deployment, "memo": memo, "logger": logger})
+        waiting = threading.Thread(
+            target=child_handler, daemon=True, kwargs={"body": deployment, "memo": memo, "logger": logger}
+        )
         waiting.start()
         deadline = time.monotonic() + 5
         while ("ml", "chat") not in memo.reconciles.waiting and time.monotonic() < deadline:
@@ -620,10 +685,19 @@ def test_events_for_a_service_whose_reconcile_is_already_waiting_are_collapsed()
         assert ("ml", "chat") in memo.reconciles.waiting
         reads = cluster.owner_reads
         # More events while one waits: it reads the cluster after them, so they return at once.
-        more = [threading.Thread(target=child_handler, daemon=True,
-                                 kwargs={"body": deployment, "memo": memo, "logger": logger}) for _ in range(3)]
-        more.append(threading.Thread(target=pod_handler, daemon=True, kwargs={
-            "body": _pod("chat-abc", phase="Pending"), "memo": memo, "logger": logger}))
+        more = [
+            threading.Thread(
+                target=child_handler, daemon=True, kwargs={"body": deployment, "memo": memo, "logger": logger}
+            )
+            for _ in range(3)
+        ]
+        more.append(
+            threading.Thread(
+                target=pod_handler,
+                daemon=True,
+                kwargs={"body": _pod("chat-abc", phase="Pending"), "memo": memo, "logger": logger},
+            )
+        )
         for thread in more:
             thread.start()
             thread.join(2)
@@ -669,8 +743,12 @@ def test_an_event_reconciles_from_the_index_when_it_holds_the_version_the_last_r
     deployment = cluster.objects[("Deployment", "ml", "chat")]
     child_handler(body=deployment, memo=memo, logger=logger, autoscaled_services=index())
     assert cluster.owner_reads == 2  # no version known yet: read
-    deployment["status"] = {"observedGeneration": 1, "replicas": REPLICAS, "updatedReplicas": REPLICAS,
-                            "readyReplicas": REPLICAS}
+    deployment["status"] = {
+        "observedGeneration": 1,
+        "replicas": REPLICAS,
+        "updatedReplicas": REPLICAS,
+        "readyReplicas": REPLICAS,
+    }
     caught_up = index()
     child_handler(body=deployment, memo=memo, logger=logger, autoscaled_services=caught_up)
     assert cluster.owner_reads == 2  # the index holds the version the last reconcile left
@@ -706,44 +784,91 @@ def test_merge_patch_turns_the_old_status_into_the_new() -> None:
     old = {"a": 1, "plan": {"gpu": "L4", "fits": True}, "conditions": [{"type": "Ready"}]}
     new = {"a": 1, "plan": {"fits": False}, "conditions": [{"type": "Ready", "status": "True"}]}
     patch = merge_patch(old, new)
-    assert patch == {"plan": {"gpu": None, "fits": False},
-                     "conditions": [{"type": "Ready", "status": "True"}]}
+    assert patch == {"plan": {"gpu": None, "fits": False}, "conditions": [{"type": "Ready", "status": "True"}]}
     assert apply_merge_patch(old, patch) == new
     assert merge_patch(new, new) == {}
 
 
 def test_spec_image_wins_over_the_operators_default() -> None:
     cluster = FakeCluster()
-    reconcile(body({**SPEC, "image": "registry.example/kvpilot:pinned"}), cluster, NOW,
-              default_image="mirror.example/kvpilot:1.2.3")
-    (engine,) = cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"]["spec"][
-        "containers"]
+    reconcile(
+        body({**SPEC, "image": "registry.example/kvpilot:pinned"}),
+        cluster,
+        NOW,
+        default_image="mirror.example/kvpilot:1.2.3",
+    )
+    (engine,) = cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"]["spec"]["containers"]
     assert engine["image"] == "registry.example/kvpilot:pinned"
 
 
 def test_operator_default_engine_image_comes_from_the_environment() -> None:
-    assert engine_image({ENGINE_IMAGE_ENV: "mirror.example/kvpilot:1.2.3"}) == \
-        "mirror.example/kvpilot:1.2.3"
+    assert engine_image({ENGINE_IMAGE_ENV: "mirror.example/kvpilot:1.2.3"}) == "mirror.example/kvpilot:1.2.3"
     # Unset or empty (a chart value left blank) falls back to the built-in image.
     assert engine_image({}) == engine_image({ENGINE_IMAGE_ENV: ""}) == render.DEFAULT_ENGINE_IMAGE
 
 
 def _pod(name: str, **status: Any) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": "ml", "labels": names.labels("chat")}, "status": status}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "ml", "labels": names.labels("chat")},
+        "status": status,
+    }
 
 
-@pytest.mark.parametrize(("pod_status", "reason", "words"), [
-    ({"containerStatuses": [{"name": "engine", "state": {"waiting": {"reason": "CrashLoopBackOff",
-                                                                     "message": "back-off 5m0s restarting failed container"}}}]},
-     "CrashLoopBackOff", "back-off 5m0s"),
-    ({"containerStatuses": [{"name": "engine", "state": {"waiting": {"reason": "ImagePullBackOff",
-                                                                     "message": "Back-off pulling image \"typo/kvpilot\""}}}]},
-     "ImagePullBackOff", "typo/kvpilot"),
-    ({"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                      "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]},
-     "Unschedulable", "Insufficient nvidia.com/gpu"),
-])
+@pytest.mark.parametrize(
+    ("pod_status", "reason", "words"),
+    [
+        (
+            {
+                "containerStatuses": [
+                    {
+                        "name": "engine",
+                        "state": {
+                            "waiting": {
+                                "reason": "CrashLoopBackOff",
+                                "message": "back-off 5m0s restarting failed container",
+                            }
+                        },
+                    }
+                ]
+            },
+            "CrashLoopBackOff",
+            "back-off 5m0s",
+        ),
+        (
+            {
+                "containerStatuses": [
+                    {
+                        "name": "engine",
+                        "state": {
+                            "waiting": {
+                                "reason": "ImagePullBackOff",
+                                "message": 'Back-off pulling image "typo/kvpilot"',
+                            }
+                        },
+                    }
+                ]
+            },
+            "ImagePullBackOff",
+            "typo/kvpilot",
+        ),
+        (
+            {
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
+                    }
+                ]
+            },
+            "Unschedulable",
+            "Insufficient nvidia.com/gpu",
+        ),
+    ],
+)
 def test_ready_says_why_pods_are_not_ready(pod_status: dict[str, Any], reason: str, words: str) -> None:
     cluster = FakeCluster()
     reconcile(body(SPEC), cluster, NOW)
@@ -757,8 +882,16 @@ def test_progress_deadline_exceeded_is_the_reason_when_pods_say_nothing() -> Non
     cluster = FakeCluster()
     reconcile(body(SPEC), cluster, NOW)
     deployment = cluster.objects[("Deployment", "ml", "chat")]
-    deployment["status"] = {"conditions": [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
-                                            "message": 'ReplicaSet "chat-abc" has timed out progressing.'}]}
+    deployment["status"] = {
+        "conditions": [
+            {
+                "type": "Progressing",
+                "status": "False",
+                "reason": "ProgressDeadlineExceeded",
+                "message": 'ReplicaSet "chat-abc" has timed out progressing.',
+            }
+        ]
+    }
     ready = condition(reconcile(body(SPEC), cluster, NOW), "Ready")
     assert ready["reason"] == "ProgressDeadlineExceeded" and "timed out" in ready["message"]
 
@@ -768,8 +901,12 @@ def test_pods_are_not_listed_while_all_replicas_are_ready() -> None:
     reconcile(body(SPEC), cluster, NOW)
     deployment = cluster.objects[("Deployment", "ml", "chat")]
     replicas = deployment["spec"]["replicas"]
-    deployment["status"] = {"readyReplicas": replicas, "replicas": replicas, "updatedReplicas": replicas,
-                            "observedGeneration": deployment["metadata"]["generation"]}
+    deployment["status"] = {
+        "readyReplicas": replicas,
+        "replicas": replicas,
+        "updatedReplicas": replicas,
+        "observedGeneration": deployment["metadata"]["generation"],
+    }
     before = getattr(cluster, "pod_lists", 0)
     assert condition(reconcile(body(SPEC), cluster, NOW), "Ready")["status"] == "True"
     assert getattr(cluster, "pod_lists", 0) == before
@@ -800,8 +937,9 @@ def test_an_event_reconcile_that_meets_api_errors_is_retried_until_it_succeeds()
     cluster = Failing()
     cluster.put(body(SPEC))
     assert refresh(cluster, "ml", "chat", NOW)
-    memo = kopf.Memo(cluster=cluster, reconciles=Reconciles(first_retry_seconds=0.02),
-                     engine_image=render.DEFAULT_ENGINE_IMAGE)
+    memo = kopf.Memo(
+        cluster=cluster, reconciles=Reconciles(first_retry_seconds=0.02), engine_image=render.DEFAULT_ENGINE_IMAGE
+    )
     deployment = cluster.objects.pop(("Deployment", "ml", "chat"))
     cluster.failures = 3
     child_handler(body=deployment, memo=memo, logger=logging.getLogger("test"), type="DELETED")

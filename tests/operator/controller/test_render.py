@@ -17,8 +17,11 @@ CHART = Path(__file__).resolve().parents[3] / "helm" / "kvpilot" / "Chart.yaml"
 
 
 def spec(**overrides: Any) -> InferenceServiceSpec:
-    body: dict[str, Any] = {"model": {"name": "llama-2-7b", "source": "hf://meta-llama/Llama-2-7b-hf"},
-                            "accelerator": {"type": "A10G"}, **overrides}
+    body: dict[str, Any] = {
+        "model": {"name": "llama-2-7b", "source": "hf://meta-llama/Llama-2-7b-hf"},
+        "accelerator": {"type": "A10G"},
+        **overrides,
+    }
     return InferenceServiceSpec.model_validate(body)
 
 
@@ -35,19 +38,31 @@ def test_engine_args_carry_the_plans_numbers() -> None:
     assert container["command"] == ["kvpilot", "serve"]
     # The engine's serve_argv orders them: server flags, then engine flags, in field order.
     assert container["args"] == [
-        "--host", "0.0.0.0",
-        "--port", "8000",
-        "--served-model-name", "llama-2-7b",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+        "--served-model-name",
+        "llama-2-7b",
         "--vllm-compatible-metrics",
-        "--grace-period", repr(float(render.drain_seconds(s, p))),
-        "--model", "/model-cache/hf/meta-llama/Llama-2-7b-hf@main",  # the download's folder
-        "--block-size", "16",
-        "--max-num-seqs", str(p.max_num_seqs),
-        "--max-num-batched-tokens", str(p.max_num_batched_tokens),
-        "--max-model-len", "4096",
-        "--gpu-memory-utilization", "0.9",
-        "--quantization", "none",
-        "--speculative", "off",
+        "--grace-period",
+        repr(float(render.drain_seconds(s, p))),
+        "--model",
+        "/model-cache/hf/meta-llama/Llama-2-7b-hf@main",  # the download's folder
+        "--block-size",
+        "16",
+        "--max-num-seqs",
+        str(p.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(p.max_num_batched_tokens),
+        "--max-model-len",
+        "4096",
+        "--gpu-memory-utilization",
+        "0.9",
+        "--quantization",
+        "none",
+        "--speculative",
+        "off",
     ]
     assert p.max_num_seqs == 21  # at the mean context of 640 tokens (3 at the full 4096)
 
@@ -63,10 +78,11 @@ def test_a_plan_the_engine_cannot_run_is_refused_not_rendered(fuller: EngineCapa
 
 
 def test_pod_runs_non_root_with_probes_metrics_port_and_gpu() -> None:
-    s = spec(resources={"requests": {"cpu": "4", "memory": "32Gi"}},
-             nodeSelector={"pool": "gpu"},
-             tolerations=[{"key": "dedicated", "operator": "Equal", "value": "llm",
-                           "effect": "NoSchedule"}])
+    s = spec(
+        resources={"requests": {"cpu": "4", "memory": "32Gi"}},
+        nodeSelector={"pool": "gpu"},
+        tolerations=[{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}],
+    )
     deployment = render.deployment("chat", "ml", UID, s, plan(s))
     pod = deployment["spec"]["template"]["spec"]
     container = engine(deployment)
@@ -78,16 +94,19 @@ def test_pod_runs_non_root_with_probes_metrics_port_and_gpu() -> None:
     assert all(container[probe]["timeoutSeconds"] >= 5 for probe in ("startupProbe", "readinessProbe", "livenessProbe"))
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
     # The hf:// download goes to an emptyDir on the node's disk: 12.6 GiB x 1.1 + 1 GiB, rounded up.
-    assert container["resources"]["requests"] == {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": "1",
-                                                  "ephemeral-storage": "15Gi"}
+    assert container["resources"]["requests"] == {
+        "cpu": "4",
+        "memory": "32Gi",
+        "nvidia.com/gpu": "1",
+        "ephemeral-storage": "15Gi",
+    }
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
     assert {"name": "tmp", "emptyDir": {}} in pod["volumes"]
     assert pod["nodeSelector"] == {"pool": "gpu", "nvidia.com/gpu.product": "NVIDIA-A10G"}
-    assert {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"} \
-        in pod["tolerations"]
+    assert {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"} in pod["tolerations"]
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/path"] == "/metrics"
 
@@ -98,8 +117,12 @@ def test_pods_request_host_memory_for_the_weights_and_drain_for_the_predicted_la
     deployment = render.deployment("chat", "ml", UID, s, p)
     container, pod = engine(deployment), deployment["spec"]["template"]["spec"]
     # 12.6 GiB of FP16 weights + 2 GiB margin, rounded up; and a CPU request.
-    assert container["resources"]["requests"] == {"cpu": "2", "memory": "15Gi", "nvidia.com/gpu": "1",
-                                                  "ephemeral-storage": "15Gi"}
+    assert container["resources"]["requests"] == {
+        "cpu": "2",
+        "memory": "15Gi",
+        "nvidia.com/gpu": "1",
+        "ephemeral-storage": "15Gi",
+    }
     drain = render.drain_seconds(s, p)
     assert drain >= 2 * p.predicted_latency_ms / 1000 and drain >= 10
     args = container["args"]
@@ -109,7 +132,10 @@ def test_pods_request_host_memory_for_the_weights_and_drain_for_the_predicted_la
 
 
 def test_gpus_without_bf16_run_float16() -> None:
-    t4, a10g = spec(accelerator={"type": "T4"}, model={"name": "llama-3-8b"}, serving={"maxContextLength": 2048}), spec()
+    t4, a10g = (
+        spec(accelerator={"type": "T4"}, model={"name": "llama-3-8b"}, serving={"maxContextLength": 2048}),
+        spec(),
+    )
     t4_args = engine(render.deployment("chat", "ml", UID, t4, plan(t4)))["args"]
     assert t4_args[t4_args.index("--dtype") + 1] == "float16"
     assert "--dtype" not in engine(render.deployment("chat", "ml", UID, a10g, plan(a10g)))["args"]  # auto: bf16
@@ -118,16 +144,17 @@ def test_gpus_without_bf16_run_float16() -> None:
 def test_engine_image_is_the_specs_else_the_operators_default() -> None:
     unset, pinned = spec(), spec(image="registry.example/kvpilot:pinned")
     configured = "mirror.example/kvpilot:1.2.3"
-    assert engine(render.deployment("chat", "ml", UID, unset, plan(unset),
-                                    default_image=configured))["image"] == configured
-    assert engine(render.deployment("chat", "ml", UID, pinned, plan(pinned),
-                                    default_image=configured))["image"] == \
-        "registry.example/kvpilot:pinned"
-    (deployment, *_) = render.children("chat", "ml", UID, unset, plan(unset),
-                                       default_image=configured)
+    assert (
+        engine(render.deployment("chat", "ml", UID, unset, plan(unset), default_image=configured))["image"]
+        == configured
+    )
+    assert (
+        engine(render.deployment("chat", "ml", UID, pinned, plan(pinned), default_image=configured))["image"]
+        == "registry.example/kvpilot:pinned"
+    )
+    (deployment, *_) = render.children("chat", "ml", UID, unset, plan(unset), default_image=configured)
     assert engine(deployment)["image"] == configured
-    assert engine(render.deployment("chat", "ml", UID, unset, plan(unset)))["image"] == \
-        render.DEFAULT_ENGINE_IMAGE
+    assert engine(render.deployment("chat", "ml", UID, unset, plan(unset)))["image"] == render.DEFAULT_ENGINE_IMAGE
 
 
 def test_built_in_engine_image_is_the_charts_app_version() -> None:
@@ -156,11 +183,12 @@ def test_pvc_source_is_mounted_read_only() -> None:
     s = spec(model={"name": "llama-2-7b", "source": "pvc://weights/llama-2-7b"})
     deployment = render.deployment("chat", "ml", UID, s, plan(s))
     container = engine(deployment)
-    assert container["args"][container["args"].index("--model") + 1] == \
-        "/models/weights/llama-2-7b"
+    assert container["args"][container["args"].index("--model") + 1] == "/models/weights/llama-2-7b"
     assert container["volumeMounts"][0] == {"name": "model", "mountPath": "/models/weights", "readOnly": True}
-    assert deployment["spec"]["template"]["spec"]["volumes"][0] == \
-        {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}
+    assert deployment["spec"]["template"]["spec"]["volumes"][0] == {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "weights", "readOnly": True},
+    }
 
 
 def test_children_are_owned_labelled_and_selected_consistently() -> None:
@@ -170,16 +198,25 @@ def test_children_are_owned_labelled_and_selected_consistently() -> None:
     for obj in objects:
         assert obj["metadata"]["namespace"] == "ml" and obj["metadata"]["name"] == "chat"
         (owner,) = obj["metadata"]["ownerReferences"]
-        assert owner == {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
-                         "name": "chat", "uid": UID, "controller": True,
-                         "blockOwnerDeletion": True}
+        assert owner == {
+            "apiVersion": "kvpilot.dev/v1alpha1",
+            "kind": "InferenceService",
+            "name": "chat",
+            "uid": UID,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
     deployment, service, pdb = objects
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
-    for selector in (deployment["spec"]["selector"]["matchLabels"], service["spec"]["selector"],
-                     pdb["spec"]["selector"]["matchLabels"]):
+    for selector in (
+        deployment["spec"]["selector"]["matchLabels"],
+        service["spec"]["selector"],
+        pdb["spec"]["selector"]["matchLabels"],
+    ):
         assert selector.items() <= pod_labels.items()
-    assert names.selector("chat") == ",".join(f"{k}={v}" for k, v in sorted(
-        deployment["spec"]["selector"]["matchLabels"].items()))
+    assert names.selector("chat") == ",".join(
+        f"{k}={v}" for k, v in sorted(deployment["spec"]["selector"]["matchLabels"].items())
+    )
     assert service["spec"]["ports"][0]["targetPort"] == "http"
 
 
@@ -187,25 +224,30 @@ def test_no_deployment_for_a_plan_that_does_not_fit() -> None:
     s = spec(model={"name": "llama-3-70b"})
     p = plan(s)
     assert not p.fits
-    assert [o["kind"] for o in render.children("big", "ml", UID, s, p)] == [
-        "Service", "PodDisruptionBudget"]
+    assert [o["kind"] for o in render.children("big", "ml", UID, s, p)] == ["Service", "PodDisruptionBudget"]
 
 
 def test_amd_gpus_use_amd_resource_and_label() -> None:
     s = spec(accelerator={"type": "MI300X"})
     deployment = render.deployment("chat", "ml", UID, s, plan(s))
     assert engine(deployment)["resources"]["limits"] == {"amd.com/gpu": "1"}
-    assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {
-        "amd.com/gpu.product-name": "AMD_Instinct_MI300X"}
+    assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {"amd.com/gpu.product-name": "AMD_Instinct_MI300X"}
 
 
 def test_pod_settings_pass_through_and_rollout_surges_by_default() -> None:
     env = [{"name": "KVPILOT_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm", "key": "api-key"}}}]
     affinity = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}
     spread = [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}]
-    s = spec(env=env, envFrom=[{"secretRef": {"name": "hf-token"}}], imagePullSecrets=[{"name": "registry"}],
-             affinity=affinity, topologySpreadConstraints=spread, priorityClassName="inference",
-             podLabels={"team": "ml", "app.kubernetes.io/instance": "hijack"}, podAnnotations={"owner": "ml"})
+    s = spec(
+        env=env,
+        envFrom=[{"secretRef": {"name": "hf-token"}}],
+        imagePullSecrets=[{"name": "registry"}],
+        affinity=affinity,
+        topologySpreadConstraints=spread,
+        priorityClassName="inference",
+        podLabels={"team": "ml", "app.kubernetes.io/instance": "hijack"},
+        podAnnotations={"owner": "ml"},
+    )
     deployment = render.deployment("chat", "ml", UID, s, plan(s))
     pod = deployment["spec"]["template"]
     container = engine(deployment)
@@ -214,14 +256,22 @@ def test_pod_settings_pass_through_and_rollout_surges_by_default() -> None:
     assert pod["spec"]["affinity"] == affinity and pod["spec"]["topologySpreadConstraints"] == spread
     assert pod["spec"]["priorityClassName"] == "inference"
     # The operator's labels win: the Deployment's selector depends on them.
-    assert pod["metadata"]["labels"]["team"] == "ml" and pod["metadata"]["labels"]["app.kubernetes.io/instance"] == "chat"
+    assert (
+        pod["metadata"]["labels"]["team"] == "ml" and pod["metadata"]["labels"]["app.kubernetes.io/instance"] == "chat"
+    )
     assert pod["metadata"]["annotations"]["owner"] == "ml"
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     full_nodes = spec(rollout={"maxSurge": 0, "maxUnavailable": 1})
-    assert render.deployment("chat", "ml", UID, full_nodes, plan(full_nodes))["spec"]["strategy"]["rollingUpdate"] == \
-        {"maxSurge": 0, "maxUnavailable": 1}
+    assert render.deployment("chat", "ml", UID, full_nodes, plan(full_nodes))["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": 0,
+        "maxUnavailable": 1,
+    }
     plain = engine(render.deployment("chat", "ml", UID, spec(), plan(spec())))
-    assert "envFrom" not in plain and "priorityClassName" not in render.deployment("chat", "ml", UID, spec(), plan(spec()))["spec"]["template"]["spec"]
+    assert (
+        "envFrom" not in plain
+        and "priorityClassName"
+        not in render.deployment("chat", "ml", UID, spec(), plan(spec()))["spec"]["template"]["spec"]
+    )
 
 
 def test_a_gpu_with_several_product_strings_is_required_by_node_affinity() -> None:
@@ -229,15 +279,28 @@ def test_a_gpu_with_several_product_strings_is_required_by_node_affinity() -> No
     pod = render.deployment("chat", "ml", UID, s, plan(s))["spec"]["template"]["spec"]
     assert "nvidia.com/gpu.product" not in pod["nodeSelector"]
     (term,) = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert term["matchExpressions"] == [{"key": "nvidia.com/gpu.product", "operator": "In",
-                                         "values": ["NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"]}]
+    assert term["matchExpressions"] == [
+        {
+            "key": "nvidia.com/gpu.product",
+            "operator": "In",
+            "values": ["NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"],
+        }
+    ]
     # A user's own alternatives each keep the GPU requirement.
-    zones = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
-        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]}]}}}
+    zones = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]},
+                ]
+            }
+        }
+    }
     user = spec(accelerator={"type": "A100-80GB"}, affinity=zones)
     terms = render.deployment("chat", "ml", UID, user, plan(user))["spec"]["template"]["spec"]["affinity"][
-        "nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        "nodeAffinity"
+    ]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert [len(t["matchExpressions"]) for t in terms] == [2, 2]
     assert all(t["matchExpressions"][1]["key"] == "nvidia.com/gpu.product" for t in terms)
     assert user.affinity == zones  # the spec itself is not changed
@@ -276,12 +339,14 @@ def test_engine_pods_are_hardened_for_long_loads_and_drains() -> None:
     assert "ephemeral-storage" not in engine(rendered)["resources"]["requests"]
     assert rendered["spec"]["progressDeadlineSeconds"] == budget + 300
     # A cache claim holds the download: no emptyDir, no ephemeral storage for it.
-    claimed = spec(model={"name": "llama-2-7b", "source": "hf://meta-llama/Llama-2-7b-hf",
-                          "cache": {"claimName": "models"}})
+    claimed = spec(
+        model={"name": "llama-2-7b", "source": "hf://meta-llama/Llama-2-7b-hf", "cache": {"claimName": "models"}}
+    )
     rendered = render.deployment("chat", "ml", UID, claimed, plan(claimed))
     assert "ephemeral-storage" not in engine(rendered)["resources"]["requests"]
-    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "models"}} in \
-        rendered["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "models"}} in rendered["spec"]["template"][
+        "spec"
+    ]["volumes"]
 
 
 def test_the_drain_covers_the_longest_request_the_engine_accepts_up_to_the_spec_s_cap() -> None:

@@ -26,33 +26,63 @@ NS = "team"
 UID = "uid-1"
 
 
-def service(name: str = "chat", model: str = "SmolLM2", replicas: int | None = 1, served: str | None = None,
-            namespace: str = NS, uid: str = UID) -> dict[str, Any]:
+def service(
+    name: str = "chat",
+    model: str = "SmolLM2",
+    replicas: int | None = 1,
+    served: str | None = None,
+    namespace: str = NS,
+    uid: str = UID,
+) -> dict[str, Any]:
     spec: dict[str, Any] = {"model": {"name": model, **({"servedModelName": served} if served else {})}}
     if replicas is not None:
         spec["replicas"] = replicas
-    return {"kind": "InferenceService", "metadata": {"name": name, "namespace": namespace, "uid": uid,
-                                                     "resourceVersion": "1"}, "spec": spec}
+    return {
+        "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": namespace, "uid": uid, "resourceVersion": "1"},
+        "spec": spec,
+    }
 
 
 def deployment(name: str = "chat", replicas: int = 1, uid: str = UID) -> dict[str, Any]:
-    return {"kind": "Deployment", "metadata": {"name": name, "namespace": NS, "uid": f"dep-{uid}",
-                                               "ownerReferences": [{"controller": True, "uid": uid}]},
-            "spec": {"replicas": replicas}}
+    return {
+        "kind": "Deployment",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "uid": f"dep-{uid}",
+            "ownerReferences": [{"controller": True, "uid": uid}],
+        },
+        "spec": {"replicas": replicas},
+    }
 
 
 def replicaset(name: str = "chat-5d8f", owner: str = f"dep-{UID}", instance: str = "chat") -> dict[str, Any]:
     """The ReplicaSet the Deployment controller makes (owner: the Deployment's uid), with the pod
     template's labels."""
-    return {"kind": "ReplicaSet", "metadata": {"name": name, "namespace": NS, "uid": f"rs-{name}",
-                                               "labels": {INSTANCE_LABEL: instance},
-                                               "ownerReferences": [{"controller": True, "uid": owner}]}}
+    return {
+        "kind": "ReplicaSet",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "uid": f"rs-{name}",
+            "labels": {INSTANCE_LABEL: instance},
+            "ownerReferences": [{"controller": True, "uid": owner}],
+        },
+    }
 
 
 def pod(name: str, ip: str, ready: bool = True, owner: str = "chat", replicaset: str = "chat-5d8f") -> dict[str, Any]:
-    return {"kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": {INSTANCE_LABEL: owner},
-                                        "ownerReferences": [{"controller": True, "uid": f"rs-{replicaset}"}]},
-            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+    return {
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "labels": {INSTANCE_LABEL: owner},
+            "ownerReferences": [{"controller": True, "uid": f"rs-{replicaset}"}],
+        },
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
 
 
 def test_route_by_served_model_name() -> None:
@@ -89,8 +119,12 @@ class Indexes:
 
     def put(self, *objects: dict[str, Any]) -> None:
         for obj in objects:
-            index = {"InferenceService": self.services, "Deployment": self.deployments,
-                     "ReplicaSet": self.replicasets, "Pod": self.pods}[obj["kind"]]
+            index = {
+                "InferenceService": self.services,
+                "Deployment": self.deployments,
+                "ReplicaSet": self.replicasets,
+                "Pod": self.pods,
+            }[obj["kind"]]
             by_instance = obj["kind"] in ("ReplicaSet", "Pod")
             for key, value in index_entry(obj, INSTANCE_LABEL if by_instance else None).items():
                 index[key] = [v for v in index.get(key, []) if v["metadata"]["name"] != obj["metadata"]["name"]]
@@ -105,8 +139,9 @@ class Recorder:
         self.events: list[dict[str, Any]] = []
         self._on_scale = on_scale
 
-    def write_replicas(self, body: dict[str, Any], replicas: int, event: dict[str, Any],
-                       resource_version: str | None = None) -> None:
+    def write_replicas(
+        self, body: dict[str, Any], replicas: int, event: dict[str, Any], resource_version: str | None = None
+    ) -> None:
         self.scales.append({"spec": {"replicas": replicas}})
         self.events.append(event)
         self._on_scale(replicas)
@@ -115,6 +150,7 @@ class Recorder:
 async def start_engine(ip: str, name: str) -> web.AppRunner:
     """A stand-in engine on ip:names.PORT: streams three chunks naming itself, slowly enough that
     concurrent requests overlap."""
+
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Engine": name})
@@ -136,15 +172,18 @@ async def start_engine(ip: str, name: str) -> web.AppRunner:
 Scenario = Callable[[Indexes, Recorder, str, aiohttp.ClientSession], Awaitable[None]]
 
 
-def run(scenario: Scenario, hold_seconds: float = 20.0, on_scale: Callable[[Indexes, int], None] | None = None) -> Recorder:
+def run(
+    scenario: Scenario, hold_seconds: float = 20.0, on_scale: Callable[[Indexes, int], None] | None = None
+) -> Recorder:
     """The gateway on 127.0.0.1 over fresh indexes; `on_scale` plays the cluster's answer to a
     scale write (default: the InferenceService's replicas change, nothing else)."""
     indexes = Indexes()
     recorder = Recorder(lambda n: (on_scale or (lambda ix, m: ix.put(service(replicas=m))))(indexes, n))
 
     async def main() -> None:
-        gateway = gw.Gateway(indexes.services, indexes.deployments, indexes.replicasets, indexes.pods, recorder,
-                             hold_seconds)
+        gateway = gw.Gateway(
+            indexes.services, indexes.deployments, indexes.replicasets, indexes.pods, recorder, hold_seconds
+        )
         port = free_port()
         runner = await gateway.serve("127.0.0.1", port)
         try:
@@ -164,8 +203,14 @@ async def complete(http: aiohttp.ClientSession, base: str, model: str = "SmolLM2
 
 def test_requests_stream_through_to_the_least_busy_ready_engine() -> None:
     async def scenario(ix: Indexes, rec: Recorder, base: str, http: aiohttp.ClientSession) -> None:
-        ix.put(service(), deployment(replicas=2), replicaset(), pod("p0", POD_IPS[0]), pod("p1", POD_IPS[1]),
-               pod("p2", "127.77.0.3", ready=False))
+        ix.put(
+            service(),
+            deployment(replicas=2),
+            replicaset(),
+            pod("p0", POD_IPS[0]),
+            pod("p1", POD_IPS[1]),
+            pod("p2", "127.77.0.3", ready=False),
+        )
         engines = [await start_engine(ip, f"e{i}") for i, ip in enumerate(POD_IPS)]
         try:
             results = await asyncio.gather(*(complete(http, base) for _ in range(4)))
@@ -237,6 +282,7 @@ def test_bad_requests_get_openai_errors() -> None:
 
 def test_no_deployment_yet_is_not_zero_replicas() -> None:
     """A service the operator has not rolled out yet: held, but never 'scaled from zero'."""
+
     async def scenario(ix: Indexes, rec: Recorder, base: str, http: aiohttp.ClientSession) -> None:
         ix.put(service(replicas=0))
         status, _, _ = await complete(http, base)
@@ -249,9 +295,16 @@ def test_a_pod_that_only_carries_the_labels_gets_no_traffic() -> None:
     """Anyone who can create a pod in the namespace can give it the labels the operator selects:
     traffic goes only to pods of the service's own Deployment (pod -> ReplicaSet -> Deployment,
     controller references by uid)."""
+
     async def scenario(ix: Indexes, rec: Recorder, base: str, http: aiohttp.ClientSession) -> None:
-        ix.put(service(), deployment(replicas=1), replicaset(), replicaset("chat-fake", owner="dep-someone-else"),
-               pod("p0", POD_IPS[0]), pod("stray", POD_IPS[1], replicaset="chat-fake"))
+        ix.put(
+            service(),
+            deployment(replicas=1),
+            replicaset(),
+            replicaset("chat-fake", owner="dep-someone-else"),
+            pod("p0", POD_IPS[0]),
+            pod("stray", POD_IPS[1], replicaset="chat-fake"),
+        )
         engines = [await start_engine(POD_IPS[0], "ours"), await start_engine(POD_IPS[1], "stray")]
         try:
             results = await asyncio.gather(*(complete(http, base) for _ in range(4)))

@@ -1,10 +1,19 @@
 from kvpilot.operator.planning.gpus import GPUS, PRODUCT_LABELS, find_gpu
 from kvpilot.operator.planning.models import MODELS, find_model
 
-REQUIRED_GPUS = {"T4", "L4", "A10G", "L40S", "A100-40GB", "A100-80GB", "H100-80GB", "H200", "B200",
-                 "MI300X"}
-REQUIRED_MODELS = {"llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b",
-                   "mistral-7b", "mixtral-8x7b", "qwen2.5-7b", "qwen2.5-72b", "smollm2-135m"}
+REQUIRED_GPUS = {"T4", "L4", "A10G", "L40S", "A100-40GB", "A100-80GB", "H100-80GB", "H200", "B200", "MI300X"}
+REQUIRED_MODELS = {
+    "llama-2-7b",
+    "llama-2-13b",
+    "llama-2-70b",
+    "llama-3-8b",
+    "llama-3-70b",
+    "mistral-7b",
+    "mixtral-8x7b",
+    "qwen2.5-7b",
+    "qwen2.5-72b",
+    "smollm2-135m",
+}
 
 
 def test_gpu_catalog_covers_the_issue_and_cites_sources() -> None:

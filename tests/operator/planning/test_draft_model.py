@@ -22,10 +22,12 @@ TINYLLAMA = "hf://TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 LLAMA_3_2_1B = "hf://meta-llama/Llama-3.2-1B-Instruct"
 
 
-def spec(model: str = "llama-2-7b", gpu: str = "A10G", model_fields: dict[str, Any] | None = None,
-         **overrides: Any) -> InferenceServiceSpec:
-    return InferenceServiceSpec.model_validate({"model": {"name": model, **(model_fields or {})},
-                                                "accelerator": {"type": gpu}, **overrides})
+def spec(
+    model: str = "llama-2-7b", gpu: str = "A10G", model_fields: dict[str, Any] | None = None, **overrides: Any
+) -> InferenceServiceSpec:
+    return InferenceServiceSpec.model_validate(
+        {"model": {"name": model, **(model_fields or {})}, "accelerator": {"type": gpu}, **overrides}
+    )
 
 
 def drafting(draft: str = TINYLLAMA, **serving: Any) -> dict[str, Any]:
@@ -45,6 +47,7 @@ def engine_flags(pod_spec: dict[str, Any]) -> Any:
 
 
 # The planner's memory arithmetic, by hand.
+
 
 def test_the_draft_takes_its_weights_and_its_kv_slots_out_of_the_target_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     # Nothing reserved beside weights and KV, so every byte below is accounted for.
@@ -104,8 +107,9 @@ def test_a_draft_that_does_not_fit_is_a_clear_no_when_pinned_and_left_out_when_a
     assert auto.fits and auto.speculative == "ngram" and auto.draft_model is None and auto.draft_weight_bytes == 0
     assert "(the draft model does not fit: one 4096-token sequence" in auto.reasons["speculative"]
     # With room for it, auto runs the draft it was given.
-    roomy = plan(spec(gpu="H100-80GB", serving={"draftModel": TINYLLAMA},
-                      load={"requestsPerSecond": 0.2, "temperature": 0}))
+    roomy = plan(
+        spec(gpu="H100-80GB", serving={"draftModel": TINYLLAMA}, load={"requestsPerSecond": 0.2, "temperature": 0})
+    )
     assert roomy.speculative == "draft" and roomy.draft_weight_bytes == 1_100_048_384 * 2
 
 
@@ -124,6 +128,7 @@ def test_the_drafts_time_counts_in_the_predicted_tpot() -> None:
 
 # What the engine allocates, against the planner.
 
+
 def test_the_planners_draft_bytes_are_what_the_engine_allocates(tmp_path: Path) -> None:
     """A small INT4 target and a small draft of its vocabulary, loaded by the engine's model runner
     with a draft: its weight bytes and its KV bytes per slot are the planner's (RoPE's frequency
@@ -138,31 +143,68 @@ def test_the_planners_draft_bytes_are_what_the_engine_allocates(tmp_path: Path) 
         config = LlamaConfig(vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False, **shape)
         model = LlamaForCausalLM(config)
         model.save_pretrained(folder)
-        return Architecture(layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-                            attention_heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
-                            vocab_size=512, parameters=sum(p.numel() for p in model.parameters()), max_context=256)
+        return Architecture(
+            layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            attention_heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads,
+            vocab_size=512,
+            parameters=sum(p.numel() for p in model.parameters()),
+            max_context=256,
+        )
 
-    target = make(tmp_path / "target", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2)
-    draft = make(tmp_path / "draft", hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                 num_attention_heads=2, num_key_value_heads=1)
+    target = make(
+        tmp_path / "target",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    draft = make(
+        tmp_path / "draft",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     budget = 1 << 20
-    runner = ModelRunner(EngineConfig(model=str(tmp_path / "target"), dtype="bfloat16", device="cpu",
-                                      quantization="int4", speculative="draft", draft_model=str(tmp_path / "draft"),
-                                      kv_cache_memory_bytes=budget), tmp_path / "target")
+    runner = ModelRunner(
+        EngineConfig(
+            model=str(tmp_path / "target"),
+            dtype="bfloat16",
+            device="cpu",
+            quantization="int4",
+            speculative="draft",
+            draft_model=str(tmp_path / "draft"),
+            kv_cache_memory_bytes=budget,
+        ),
+        tmp_path / "target",
+    )
     kv_per_token = sizing.kv_bytes_per_token(target) + sizing.kv_bytes_per_token(draft)
     assert runner.kv_bytes_per_token == kv_per_token
     assert runner.num_blocks == budget // (kv_per_token * 16)
-    rope = sum(t.numel() * t.element_size() for m in (runner.model, runner.draft_model)
-               for t in m.model.rotary_emb.buffers())
+    rope = sum(
+        t.numel() * t.element_size() for m in (runner.model, runner.draft_model) for t in m.model.rotary_emb.buffers()
+    )
     assert runner.weight_bytes - rope == sizing.weight_bytes(target, "int4") + sizing.weight_bytes(draft, "none")
 
 
 # Delivering the draft's files into the pod.
 
+
 def test_an_hf_draft_is_downloaded_by_its_own_init_container_into_the_shared_cache() -> None:
-    p = pod(spec(model_fields={"source": "hf://meta-llama/Llama-2-7b-hf", "tokenSecret": {"name": "hf"},
-                               "cache": {"claimName": "models"}}, serving=drafting()))
+    p = pod(
+        spec(
+            model_fields={
+                "source": "hf://meta-llama/Llama-2-7b-hf",
+                "tokenSecret": {"name": "hf"},
+                "cache": {"claimName": "models"},
+            },
+            serving=drafting(),
+        )
+    )
     model_init, draft_init = p["initContainers"]
     assert (model_init["name"], draft_init["name"]) == ("download", "download-draft")
     download = build_parser("download")
@@ -174,38 +216,50 @@ def test_an_hf_draft_is_downloaded_by_its_own_init_container_into_the_shared_cac
     assert engine.draft_model == "/model-cache/hf/TinyLlama/TinyLlama-1.1B-Chat-v1.0@main"
     assert (engine.speculative, engine.num_speculative_tokens) == ("draft", 4)
     # One cache volume (the claim), mounted once in the engine; both downloads get the token.
-    assert [v for v in p["volumes"] if v["name"] == "model-cache"] == \
-        [{"name": "model-cache", "persistentVolumeClaim": {"claimName": "models"}}]
+    assert [v for v in p["volumes"] if v["name"] == "model-cache"] == [
+        {"name": "model-cache", "persistentVolumeClaim": {"claimName": "models"}}
+    ]
     assert p["containers"][0]["volumeMounts"] == [
-        {"name": "model-cache", "mountPath": "/model-cache", "readOnly": True}, {"name": "tmp", "mountPath": "/tmp"}]
+        {"name": "model-cache", "mountPath": "/model-cache", "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
     token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
     assert token in model_init["env"] and token in draft_init["env"]
     assert draft_init["command"] == ["kvpilot", "download"] and draft_init["image"] == "reg/kvpilot:1"
 
 
 def test_an_hf_draft_beside_a_model_on_a_claim_gets_the_cache_and_the_token() -> None:
-    p = pod(spec(model_fields={"source": "pvc://weights/llama-2-7b", "tokenSecret": {"name": "hf"}},
-                 serving=drafting()))
+    p = pod(
+        spec(model_fields={"source": "pvc://weights/llama-2-7b", "tokenSecret": {"name": "hf"}}, serving=drafting())
+    )
     (init,) = p["initContainers"]
     assert init["name"] == "download-draft"
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in init["env"]
     assert p["volumes"] == [
         {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}},
         # Only the draft is downloaded: TinyLlama's 2.0 GiB x 1.1 + 1 GiB, twice for a 32-bit checkpoint.
-        {"name": "model-cache", "emptyDir": {"sizeLimit": "7Gi"}}, {"name": "tmp", "emptyDir": {}}]
+        {"name": "model-cache", "emptyDir": {"sizeLimit": "7Gi"}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
     engine = engine_flags(p)
-    assert (engine.model, engine.draft_model) == \
-        ("/models/weights/llama-2-7b", "/model-cache/hf/TinyLlama/TinyLlama-1.1B-Chat-v1.0@main")
+    assert (engine.model, engine.draft_model) == (
+        "/models/weights/llama-2-7b",
+        "/model-cache/hf/TinyLlama/TinyLlama-1.1B-Chat-v1.0@main",
+    )
 
 
-@pytest.mark.parametrize("draft, volumes, draft_path", [
-    # The model's claim: its volume and mount serve the draft too.
-    ("pvc://weights/tinyllama-1.1b", ["model"], "/models/weights/tinyllama-1.1b"),
-    ("pvc://drafts/tinyllama-1.1b", ["model", "draft-model"], "/models/drafts/tinyllama-1.1b"),
-    ("/opt/models/tinyllama-1.1b", ["model"], "/opt/models/tinyllama-1.1b"),
-])
-def test_a_draft_on_a_claim_or_in_the_image_is_mounted_or_used_as_it_is(draft: str, volumes: list[str],
-                                                                        draft_path: str) -> None:
+@pytest.mark.parametrize(
+    "draft, volumes, draft_path",
+    [
+        # The model's claim: its volume and mount serve the draft too.
+        ("pvc://weights/tinyllama-1.1b", ["model"], "/models/weights/tinyllama-1.1b"),
+        ("pvc://drafts/tinyllama-1.1b", ["model", "draft-model"], "/models/drafts/tinyllama-1.1b"),
+        ("/opt/models/tinyllama-1.1b", ["model"], "/opt/models/tinyllama-1.1b"),
+    ],
+)
+def test_a_draft_on_a_claim_or_in_the_image_is_mounted_or_used_as_it_is(
+    draft: str, volumes: list[str], draft_path: str
+) -> None:
     p = pod(spec(model_fields={"source": "pvc://weights/llama-2-7b"}, serving=drafting(draft)))
     assert "initContainers" not in p
     assert [v["name"] for v in p["volumes"]] == [*volumes, "tmp"]
@@ -214,13 +268,20 @@ def test_a_draft_on_a_claim_or_in_the_image_is_mounted_or_used_as_it_is(draft: s
     assert all(m.get("readOnly") for path, m in mounts.items() if path != "/tmp")
     assert engine_flags(p).draft_model == draft_path
     if "draft-model" in volumes:
-        assert p["volumes"][1] == {"name": "draft-model", "persistentVolumeClaim": {"claimName": "drafts", "readOnly": True}}
+        assert p["volumes"][1] == {
+            "name": "draft-model",
+            "persistentVolumeClaim": {"claimName": "drafts", "readOnly": True},
+        }
         assert mounts["/models/drafts"]["name"] == "draft-model"
 
 
 def test_a_draft_the_plan_does_not_run_is_not_delivered() -> None:
-    p = pod(spec(model_fields={"source": "hf://meta-llama/Llama-2-7b-hf"},
-                 serving={"speculative": "ngram", "draftModel": TINYLLAMA}))
+    p = pod(
+        spec(
+            model_fields={"source": "hf://meta-llama/Llama-2-7b-hf"},
+            serving={"speculative": "ngram", "draftModel": TINYLLAMA},
+        )
+    )
     assert [c["name"] for c in p["initContainers"]] == ["download"]
     engine = engine_flags(p)
     assert (engine.speculative, engine.draft_model) == ("ngram", None)
@@ -228,14 +289,29 @@ def test_a_draft_the_plan_does_not_run_is_not_delivered() -> None:
 
 # Specs that cannot run a draft: refused by the schema, or planned as a clear no.
 
-@pytest.mark.parametrize("serving, message", [
-    ({"speculative": "draft"}, "speculative 'draft' needs serving.draftModel"),
-    (drafting("tinyllama-1.1b"), "serving.draftModel 'tinyllama-1.1b' must be hf://org/repo[@revision]"),
-    (drafting("s3://bucket/draft"), "must be hf://org/repo[@revision], pvc://claim/path or an absolute path"),
-    ({"draftModelArchitecture": {"layers": 1, "hiddenSize": 64, "attentionHeads": 1, "kvHeads": 1,
-                                 "vocabSize": 32000, "parameters": 1, "maxContext": 1}},
-     "serving.draftModelArchitecture needs serving.draftModel"),
-])
+
+@pytest.mark.parametrize(
+    "serving, message",
+    [
+        ({"speculative": "draft"}, "speculative 'draft' needs serving.draftModel"),
+        (drafting("tinyllama-1.1b"), "serving.draftModel 'tinyllama-1.1b' must be hf://org/repo[@revision]"),
+        (drafting("s3://bucket/draft"), "must be hf://org/repo[@revision], pvc://claim/path or an absolute path"),
+        (
+            {
+                "draftModelArchitecture": {
+                    "layers": 1,
+                    "hiddenSize": 64,
+                    "attentionHeads": 1,
+                    "kvHeads": 1,
+                    "vocabSize": 32000,
+                    "parameters": 1,
+                    "maxContext": 1,
+                }
+            },
+            "serving.draftModelArchitecture needs serving.draftModel",
+        ),
+    ],
+)
 def test_the_spec_refuses_what_the_crd_refuses(serving: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=re.escape(message)):
         spec(serving=serving)
@@ -248,10 +324,15 @@ def test_the_crd_has_the_draft_rules() -> None:
     (version,) = crd["spec"]["versions"]
     serving = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["serving"]
     rules = {r["rule"]: r["message"] for r in serving["x-kubernetes-validations"]}
-    assert rules["!has(self.draftModelArchitecture) || has(self.draftModel)"] == \
-        "serving.draftModelArchitecture needs serving.draftModel"
+    assert (
+        rules["!has(self.draftModelArchitecture) || has(self.draftModel)"]
+        == "serving.draftModelArchitecture needs serving.draftModel"
+    )
     model = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["model"]
-    assert serving["properties"]["draftModelArchitecture"]["properties"] == model["properties"]["architecture"]["properties"]
+    assert (
+        serving["properties"]["draftModelArchitecture"]["properties"]
+        == model["properties"]["architecture"]["properties"]
+    )
 
 
 def test_a_draft_not_in_the_catalog_needs_its_architecture() -> None:
@@ -270,8 +351,12 @@ def test_a_draft_not_in_the_catalog_needs_its_architecture() -> None:
 
 
 def test_catalog_drafts_are_found_by_repository_or_folder_name() -> None:
-    for source in (TINYLLAMA, "hf://TinyLlama/TinyLlama-1.1B-Chat-v1.0@v1.0", "pvc://weights/tinyllama-1.1b/",
-                   "/opt/TinyLlama-1.1B-Chat-v1.0"):
+    for source in (
+        TINYLLAMA,
+        "hf://TinyLlama/TinyLlama-1.1B-Chat-v1.0@v1.0",
+        "pvc://weights/tinyllama-1.1b/",
+        "/opt/TinyLlama-1.1B-Chat-v1.0",
+    ):
         assert plan(spec(serving=drafting(source))).draft_weight_bytes == 2 * MODELS["tinyllama-1.1b"].parameters
 
 

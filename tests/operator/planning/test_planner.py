@@ -38,32 +38,36 @@ def test_llama_2_7b_on_a10g_fits_3_full_4k_sequences_and_batches_for_the_mean_co
 def test_llama_3_8b_at_1_request_per_second_needs_one_l4() -> None:
     # The issue's example: sized for every sequence at max_model_len, the planner asked for 3-4 L4s;
     # sized for the mean context (512 in + 256 / 2 out), one L4 meets the default SLO.
-    result = plan(spec("llama-3-8b", "L4", load={"requestsPerSecond": 1, "meanPromptTokens": 512,
-                                                  "meanOutputTokens": 256}))
+    result = plan(
+        spec("llama-3-8b", "L4", load={"requestsPerSecond": 1, "meanPromptTokens": 512, "meanOutputTokens": 256})
+    )
     assert result.fits and result.meets_slo
     assert result.replicas == 1
     assert "1 replica(s) for 1 req/s" in result.reasons["replicas"]
 
 
-def test_full_memory_without_reserve_fits_4_sequences_not_the_textbook_5(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_full_memory_without_reserve_fits_4_sequences_not_the_textbook_5(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(planner.sizing, "RUNTIME_OVERHEAD_BYTES", 0)
     monkeypatch.setattr(planner.sizing, "ACTIVATION_BYTES_PER_HIDDEN", 0)
-    result = plan(spec(serving={"maxContextLength": 4096, "gpuMemoryUtilization": 1.0,
-                                "quantization": "none"}))
+    result = plan(spec(serving={"maxContextLength": 4096, "gpuMemoryUtilization": 1.0, "quantization": "none"}))
     # 22.49 GiB reported - 12.55 GiB of weights = 9.94 GiB: 4 whole 2 GiB sequences (the textbook's
     # 5 counts the marketed 24 GB).
     assert "4 at the full 4096" in result.reasons["kvCache"]
 
 
 def test_70b_on_one_80gb_gpu_gets_int4_when_int8_leaves_too_little_kv(fuller: EngineCapabilities) -> None:
-    result = plan(spec("llama-2-70b", "H100-80GB", autoscaling={"maxReplicas": 1}, load={"requestsPerSecond": 4}),
-                  capabilities=fuller)
+    result = plan(
+        spec("llama-2-70b", "H100-80GB", autoscaling={"maxReplicas": 1}, load={"requestsPerSecond": 4}),
+        capabilities=fuller,
+    )
     assert result.fits and result.quantization == "int4"
     reason = result.reasons["quantization"]
     assert "none" in reason and "128.5 GiB" in reason  # FP16 weights cannot fit 80 GiB
     assert "int8" in reason and "only 31 fit" in reason  # INT8 leaves room for 31 mean-context sequences
-    assert plan(spec("llama-2-70b", "H100-80GB", autoscaling={"maxReplicas": 1}), capabilities=fuller).quantization == "int8"
+    assert (
+        plan(spec("llama-2-70b", "H100-80GB", autoscaling={"maxReplicas": 1}), capabilities=fuller).quantization
+        == "int8"
+    )
     assert round(result.weight_bytes / GiB, 1) == 40.6  # test_sizing: INT4 group 32, embedding and head wide
     assert result.meets_slo
 
@@ -85,8 +89,10 @@ def test_7b_on_h100_with_loose_slo_stays_unquantized() -> None:
 
 def test_tight_slo_on_slow_gpu_picks_a_quantized_scheme(fuller: EngineCapabilities) -> None:
     # FP16 Llama-2-7B decodes at ~28 ms/token on an A10G; a 20 ms TPOT SLO needs fewer bytes.
-    result = plan(spec(slo={"tpotP95Ms": 20}, serving={"speculative": "off"},
-                       load={"requestsPerSecond": 0.1}), capabilities=fuller)
+    result = plan(
+        spec(slo={"tpotP95Ms": 20}, serving={"speculative": "off"}, load={"requestsPerSecond": 0.1}),
+        capabilities=fuller,
+    )
     assert result.quantization in ("int8", "w8a8", "int4")
     assert result.predicted_tpot_ms <= 20
     assert "none" in result.reasons["quantization"]
@@ -99,36 +105,54 @@ def test_explicit_quantization_is_respected(fuller: EngineCapabilities) -> None:
 
 
 @pytest.mark.parametrize("batch, expected", [(1.0, "ngram"), (64.0, "off")])
-def test_speculation_on_at_batch_1_off_at_batch_64(batch: float, expected: str,
-                                                    fuller: EngineCapabilities) -> None:
-    chosen, reason = choose_speculative("auto", batch=batch, tpot_bound=True, temperature=0.2,
-                                        draft_model=None, supported=fuller.speculative)
+def test_speculation_on_at_batch_1_off_at_batch_64(batch: float, expected: str, fuller: EngineCapabilities) -> None:
+    chosen, reason = choose_speculative(
+        "auto", batch=batch, tpot_bound=True, temperature=0.2, draft_model=None, supported=fuller.speculative
+    )
     assert chosen == expected
     assert f"{batch:.1f}" in reason
 
 
-def test_speculation_off_at_high_temperature_or_ttft_bound_and_draft_when_given(
-        fuller: EngineCapabilities) -> None:
+def test_speculation_off_at_high_temperature_or_ttft_bound_and_draft_when_given(fuller: EngineCapabilities) -> None:
     modes = fuller.speculative
-    assert choose_speculative("auto", batch=1, tpot_bound=True, temperature=1.2,
-                              draft_model=None, supported=modes)[0] == "off"
-    assert choose_speculative("auto", batch=1, tpot_bound=False, temperature=0.0,
-                              draft_model=None, supported=modes)[0] == "off"
-    assert choose_speculative("auto", batch=1, tpot_bound=True, temperature=0.0,
-                              draft_model="hf://TinyLlama/TinyLlama-1.1B", supported=modes)[0] == "draft"
-    assert choose_speculative("off", batch=1, tpot_bound=True, temperature=0.0,
-                              draft_model=None, supported=modes)[0] == "off"
+    assert (
+        choose_speculative("auto", batch=1, tpot_bound=True, temperature=1.2, draft_model=None, supported=modes)[0]
+        == "off"
+    )
+    assert (
+        choose_speculative("auto", batch=1, tpot_bound=False, temperature=0.0, draft_model=None, supported=modes)[0]
+        == "off"
+    )
+    assert (
+        choose_speculative(
+            "auto",
+            batch=1,
+            tpot_bound=True,
+            temperature=0.0,
+            draft_model="hf://TinyLlama/TinyLlama-1.1B",
+            supported=modes,
+        )[0]
+        == "draft"
+    )
+    assert (
+        choose_speculative("off", batch=1, tpot_bound=True, temperature=0.0, draft_model=None, supported=modes)[0]
+        == "off"
+    )
 
 
-def test_plan_turns_speculation_on_at_low_load_and_off_at_high_load(
-        fuller: EngineCapabilities) -> None:
-    light = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0}),
-                 capabilities=fuller)
+def test_plan_turns_speculation_on_at_low_load_and_off_at_high_load(fuller: EngineCapabilities) -> None:
+    light = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0}), capabilities=fuller)
     assert light.speculative == "ngram" and light.num_speculative_tokens == 4
     assert light.predicted_batch < planner.SPECULATION_MAX_BATCH
-    heavy = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 30, "temperature": 0},
-                      serving={"maxContextLength": 1024}, autoscaling={"maxReplicas": 1}),
-                 capabilities=fuller)
+    heavy = plan(
+        spec(
+            gpu="H100-80GB",
+            load={"requestsPerSecond": 30, "temperature": 0},
+            serving={"maxContextLength": 1024},
+            autoscaling={"maxReplicas": 1},
+        ),
+        capabilities=fuller,
+    )
     assert heavy.speculative == "off"
     assert heavy.predicted_batch > 32
     assert "predicted batch" in heavy.reasons["speculative"]
@@ -136,12 +160,10 @@ def test_plan_turns_speculation_on_at_low_load_and_off_at_high_load(
 
 def test_replicas_grow_with_load_within_bounds() -> None:
     one = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 1}))
-    many = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 40},
-                     autoscaling={"maxReplicas": 8}))
+    many = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 40}, autoscaling={"maxReplicas": 8}))
     assert one.replicas == 1
     assert 1 < many.replicas <= 8 and many.meets_slo
-    capped = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 400},
-                       autoscaling={"maxReplicas": 2}))
+    capped = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 400}, autoscaling={"maxReplicas": 2}))
     assert capped.fits and capped.replicas == 2 and not capped.meets_slo
     assert "SLO not met at maxReplicas 2" in capped.reasons["replicas"]
 
@@ -167,16 +189,28 @@ def test_context_leaving_room_for_no_sequence_is_a_no_fit(fuller: EngineCapabili
     assert not result.fits and result.failure == "ContextDoesNotFit"
     assert result.quantization == "int4"
     assert "one 32768-token sequence needs 4.0 GiB of KV cache" in result.reason
-    shorter = plan(spec("mixtral-8x7b", "A100-40GB", serving={"gpuMemoryUtilization": 0.8, "maxContextLength": 8192}),
-                   capabilities=fuller)
+    shorter = plan(
+        spec("mixtral-8x7b", "A100-40GB", serving={"gpuMemoryUtilization": 0.8, "maxContextLength": 8192}),
+        capabilities=fuller,
+    )
     assert shorter.fits and shorter.quantization == "int4"
 
 
 def test_explicit_architecture_wins_over_the_catalog() -> None:
-    tiny = {"layers": 2, "hiddenSize": 64, "attentionHeads": 4, "kvHeads": 2, "vocabSize": 1000,
-            "parameters": 1_000_000, "maxContext": 512}
-    result = plan(InferenceServiceSpec.model_validate(
-        {"model": {"name": "llama-2-7b", "architecture": tiny}, "accelerator": {"type": "A10G"}}))
+    tiny = {
+        "layers": 2,
+        "hiddenSize": 64,
+        "attentionHeads": 4,
+        "kvHeads": 2,
+        "vocabSize": 1000,
+        "parameters": 1_000_000,
+        "maxContext": 512,
+    }
+    result = plan(
+        InferenceServiceSpec.model_validate(
+            {"model": {"name": "llama-2-7b", "architecture": tiny}, "accelerator": {"type": "A10G"}}
+        )
+    )
     assert result.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
     assert result.max_model_len == 512
     assert result.reasons["model"] == "spec.model.architecture"
@@ -193,8 +227,7 @@ def test_unset_gpu_picks_the_smallest_node_gpu_that_works(fuller: EngineCapabili
 
 def test_every_fitting_plan_carries_a_reason_per_choice() -> None:
     result = plan(spec())
-    assert set(result.reasons) == {"model", "gpu", "quantization", "kvCache", "batching",
-                                   "speculative", "replicas"}
+    assert set(result.reasons) == {"model", "gpu", "quantization", "kvCache", "batching", "speculative", "replicas"}
     assert all(result.reasons.values())
     assert result.max_num_batched_tokens >= result.max_num_seqs
     assert result.max_num_batched_tokens % 16 == 0
@@ -206,23 +239,24 @@ def test_plan_is_json_serialisable() -> None:
 
 
 # What the CRD lets a spec pin that the engine build under test does not run.
-UNDECLARED = ([("quantization", q) for q in get_args(Quantization)
-               if q not in ("auto", *CAPABILITIES.quantization)]
-              + [("speculative", m) for m in get_args(Speculative)
-                 if m not in ("auto", *CAPABILITIES.speculative)])
+UNDECLARED = [("quantization", q) for q in get_args(Quantization) if q not in ("auto", *CAPABILITIES.quantization)] + [
+    ("speculative", m) for m in get_args(Speculative) if m not in ("auto", *CAPABILITIES.speculative)
+]
 # The specs that a fuller engine serves with a quantized scheme, or with speculation.
 SEARCHING = [
     spec("llama-2-70b", "H100-80GB", autoscaling={"maxReplicas": 1}),
     spec(slo={"tpotP95Ms": 20}, load={"requestsPerSecond": 0.1}),
     spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0}),
-    spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0},
-         serving={"draftModel": "hf://TinyLlama/TinyLlama-1.1B-Chat-v1.0"}),
+    spec(
+        gpu="H100-80GB",
+        load={"requestsPerSecond": 0.2, "temperature": 0},
+        serving={"draftModel": "hf://TinyLlama/TinyLlama-1.1B-Chat-v1.0"},
+    ),
 ]
 
 
 @pytest.mark.parametrize("body", SEARCHING, ids=["70b-h100", "tight-tpot", "idle-h100", "draft"])
-def test_auto_chooses_only_what_the_engine_declares(body: InferenceServiceSpec,
-                                                    fuller: EngineCapabilities) -> None:
+def test_auto_chooses_only_what_the_engine_declares(body: InferenceServiceSpec, fuller: EngineCapabilities) -> None:
     searched = plan(body, capabilities=fuller)
     assert (searched.quantization, searched.speculative) != ("none", "off")  # a real search
     result = plan(body)
@@ -233,24 +267,24 @@ def test_auto_chooses_only_what_the_engine_declares(body: InferenceServiceSpec,
 
 def test_reasons_say_which_options_the_engine_lacks() -> None:
     minimal = EngineCapabilities(quantization=("none",), speculative=("off",), dtypes=("auto",))
-    idle = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0}),
-                capabilities=minimal)
+    idle = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0}), capabilities=minimal)
     assert (idle.quantization, idle.speculative) == ("none", "off")
     assert idle.reasons["speculative"] == "off: this engine runs no speculative mode (supported: off)"
     assert idle.reasons["quantization"].endswith(
-        "not tried: int8, w8a8, int4, which this engine does not run (supported: none)")
+        "not tried: int8, w8a8, int4, which this engine does not run (supported: none)"
+    )
     # A 70B model needs INT4 on one 80 GiB GPU: the no-fit says why nothing smaller was tried.
     big = plan(spec("llama-2-70b", "H100-80GB"), capabilities=minimal)
     assert (big.fits, big.failure, big.quantization) == (False, "WeightsDoNotFit", "none")
     assert "128.5 GiB" in big.reason and "not tried: int8, w8a8, int4" in big.reason
-    draft_only = choose_speculative("auto", batch=1, tpot_bound=True, temperature=0,
-                                    draft_model=None, supported=("off", "draft"))
+    draft_only = choose_speculative(
+        "auto", batch=1, tpot_bound=True, temperature=0, draft_model=None, supported=("off", "draft")
+    )
     assert draft_only[0] == "off" and "serving.draftModel" in draft_only[1]
 
 
 @pytest.mark.parametrize("field, value", UNDECLARED, ids=[f"{f}={v}" for f, v in UNDECLARED])
-def test_pinning_what_the_engine_does_not_run_is_unsupported_by_engine(field: str,
-                                                                       value: str) -> None:
+def test_pinning_what_the_engine_does_not_run_is_unsupported_by_engine(field: str, value: str) -> None:
     result = plan(spec(gpu="H100-80GB", serving={field: value}))
     assert (result.fits, result.failure) == (False, "UnsupportedByEngine")
     supported = ", ".join(getattr(CAPABILITIES, field))
@@ -260,8 +294,7 @@ def test_pinning_what_the_engine_does_not_run_is_unsupported_by_engine(field: st
 
 def test_both_unsupported_pins_are_named_and_no_sizeable_scheme_is_a_no_fit() -> None:
     minimal = EngineCapabilities(quantization=("none",), speculative=("off",), dtypes=("auto",))
-    both = plan(spec(serving={"quantization": "int4", "speculative": "ngram"}),
-                capabilities=minimal)
+    both = plan(spec(serving={"quantization": "int4", "speculative": "ngram"}), capabilities=minimal)
     assert both.failure == "UnsupportedByEngine"
     assert "'int4'" in both.reason and "'ngram'" in both.reason
     # A scheme the engine declares but sizing has no byte count for is never chosen.
@@ -282,12 +315,18 @@ def test_a_checkpoint_stored_quantized_is_planned_as_stored(fuller: EngineCapabi
         result = plan(InferenceServiceSpec.model_validate(body), capabilities=fuller)
         assert result.fits and result.quantization == "int4"
         assert result.reasons["quantization"] == "int4: the checkpoint's own (model.quantization)"
-        assert result.weight_bytes == plan(spec("llama-3-8b", "L4", serving={"quantization": "int4"}),
-                                           capabilities=fuller).weight_bytes
+        assert (
+            result.weight_bytes
+            == plan(spec("llama-3-8b", "L4", serving={"quantization": "int4"}), capabilities=fuller).weight_bytes
+        )
         args = engine_args(InferenceServiceSpec.model_validate(body), result, "/models/llama")
         assert args[args.index("--quantization") + 1] == "none"
-    mismatch = plan(InferenceServiceSpec.model_validate(
-        {"model": stored, "accelerator": {"type": "L4"}, "serving": {"quantization": "int8"}}), capabilities=fuller)
+    mismatch = plan(
+        InferenceServiceSpec.model_validate(
+            {"model": stored, "accelerator": {"type": "L4"}, "serving": {"quantization": "int8"}}
+        ),
+        capabilities=fuller,
+    )
     assert not mismatch.fits and mismatch.failure == "QuantizationMismatch"
     assert "quantized as int4 (model.quantization)" in mismatch.reason and "int8" in mismatch.reason
 
@@ -299,26 +338,39 @@ def test_without_low_bit_gpu_kernels_quantization_is_not_counted_on_for_decode_s
     assert not CAPABILITIES.low_bit_gpu_matmuls
     tight = plan(spec(slo={"tpotP95Ms": 20}, serving={"speculative": "off"}, load={"requestsPerSecond": 0.1}))
     assert tight.quantization == "none" and not tight.meets_slo
-    fp16, int4 = (plan(spec(serving={"speculative": "off", "quantization": q}, load={"requestsPerSecond": 0.1}))
-                  for q in ("none", "int4"))
+    fp16, int4 = (
+        plan(spec(serving={"speculative": "off", "quantization": q}, load={"requestsPerSecond": 0.1}))
+        for q in ("none", "int4")
+    )
     assert int4.weight_bytes < fp16.weight_bytes / 3  # the memory saving holds
     assert int4.predicted_tpot_ms > fp16.predicted_tpot_ms
 
 
-ARCH = {"layers": 2, "hiddenSize": 64, "attentionHeads": 4, "kvHeads": 2, "vocabSize": 1000,
-        "parameters": 300_000, "maxContext": 2048}
+ARCH = {
+    "layers": 2,
+    "hiddenSize": 64,
+    "attentionHeads": 4,
+    "kvHeads": 2,
+    "vocabSize": 1000,
+    "parameters": 300_000,
+    "maxContext": 2048,
+}
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"attentionHeads": 128, "kvHeads": 64}, "hiddenSize 64 / attentionHeads 128 leaves no head dimension"),
-    ({"parameters": 100_000}, "parameters 100,000 is not more than the embedding and the LM head"),
-    ({"activeParameters": 400_000}, "activeParameters 400,000 > parameters 300,000"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"attentionHeads": 128, "kvHeads": 64}, "hiddenSize 64 / attentionHeads 128 leaves no head dimension"),
+        ({"parameters": 100_000}, "parameters 100,000 is not more than the embedding and the LM head"),
+        ({"activeParameters": 400_000}, "activeParameters 400,000 > parameters 300,000"),
+    ],
+)
 def test_an_architecture_the_crd_admits_but_sizing_cannot_use_is_invalid(change: dict[str, Any], words: str) -> None:
     # These raised ZeroDivisionError or planned 0.00 GiB of weights (issue 24, item 8).
     def tiny(architecture: dict[str, Any]) -> InferenceServiceSpec:
-        return InferenceServiceSpec.model_validate({"model": {"name": "tiny", "architecture": architecture},
-                                                    "accelerator": {"type": "L4"}})
+        return InferenceServiceSpec.model_validate(
+            {"model": {"name": "tiny", "architecture": architecture}, "accelerator": {"type": "L4"}}
+        )
 
     result = plan(tiny({**ARCH, **change}))
     assert (result.fits, result.failure) == (False, "InvalidArchitecture")
@@ -327,9 +379,16 @@ def test_an_architecture_the_crd_admits_but_sizing_cannot_use_is_invalid(change:
 
 
 def test_an_invalid_draft_architecture_is_named() -> None:
-    result = plan(spec("llama-3-8b", serving={"speculative": "draft", "draftModel": "/models/d",
-                                              "draftModelArchitecture": {**ARCH, "vocabSize": 128256,
-                                                                         "parameters": 1000}}))
+    result = plan(
+        spec(
+            "llama-3-8b",
+            serving={
+                "speculative": "draft",
+                "draftModel": "/models/d",
+                "draftModelArchitecture": {**ARCH, "vocabSize": 128256, "parameters": 1000},
+            },
+        )
+    )
     assert result.failure == "InvalidArchitecture" and "serving.draftModel '/models/d'" in result.reason
 
 
@@ -339,21 +398,38 @@ def test_replicas_are_searched_in_log_time_up_to_the_crd_maximum(monkeypatch: py
     calls = []
     predict = planner._perf
     monkeypatch.setattr(planner, "_perf", lambda *a, **k: calls.append(a[2]) or predict(*a, **k))
-    result = plan(spec("llama-2-7b", "L4", serving={"quantization": "none", "speculative": "off"},
-                       load={"requestsPerSecond": 30}, autoscaling={"maxReplicas": MAX_REPLICAS}))
+    result = plan(
+        spec(
+            "llama-2-7b",
+            "L4",
+            serving={"quantization": "none", "speculative": "off"},
+            load={"requestsPerSecond": 30},
+            autoscaling={"maxReplicas": MAX_REPLICAS},
+        )
+    )
     assert result.fits and result.meets_slo and 1 < result.replicas < MAX_REPLICAS
     assert len(calls) <= 12  # log2(1000) + 2, where a search count by count made result.replicas
     # The fewest that meet the SLO: one fewer does not.
-    fewer = plan(spec("llama-2-7b", "L4", serving={"quantization": "none", "speculative": "off"},
-                      load={"requestsPerSecond": 30}, autoscaling={"maxReplicas": result.replicas - 1}))
+    fewer = plan(
+        spec(
+            "llama-2-7b",
+            "L4",
+            serving={"quantization": "none", "speculative": "off"},
+            load={"requestsPerSecond": 30},
+            autoscaling={"maxReplicas": result.replicas - 1},
+        )
+    )
     assert not fewer.meets_slo
 
 
-@pytest.mark.parametrize("bad, words", [
-    ({"autoscaling": {"maxReplicas": 1001}}, "less than or equal to 1000"),
-    ({"replicas": 1_000_000, "autoscaling": {"mode": "off"}}, "less than or equal to 1000"),
-    ({"replicas": 9, "autoscaling": {"maxReplicas": 4}}, "replicas 9 > autoscaling.maxReplicas 4"),
-])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ({"autoscaling": {"maxReplicas": 1001}}, "less than or equal to 1000"),
+        ({"replicas": 1_000_000, "autoscaling": {"mode": "off"}}, "less than or equal to 1000"),
+        ({"replicas": 9, "autoscaling": {"maxReplicas": 4}}, "replicas 9 > autoscaling.maxReplicas 4"),
+    ],
+)
 def test_replicas_are_bounded(bad: dict[str, Any], words: str) -> None:
     # A million replicas rendered a Deployment of a million (issue 24, item 7).
     from pydantic import ValidationError

@@ -76,19 +76,36 @@ def test_weight_bytes_are_what_the_engine_allocates(tmp_path: Path, quantization
 
     from kvpilot.engine.model.loader import load_config, load_model
 
-    hf = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                     tie_word_embeddings=tied)
+    hf = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+    )
     reference = LlamaForCausalLM(hf)
     reference.save_pretrained(tmp_path)
-    arch = Architecture(layers=2, hidden_size=256, attention_heads=4, kv_heads=2, vocab_size=512,
-                        parameters=sum(p.numel() for p in reference.parameters()), max_context=256,
-                        tie_word_embeddings=tied)
+    arch = Architecture(
+        layers=2,
+        hidden_size=256,
+        attention_heads=4,
+        kv_heads=2,
+        vocab_size=512,
+        parameters=sum(p.numel() for p in reference.parameters()),
+        max_context=256,
+        tie_word_embeddings=tied,
+    )
     model = load_model(tmp_path, load_config(tmp_path), torch.bfloat16, torch.device("cpu"), quantization)
     held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     rope = sum(t.numel() * t.element_size() for t in model.model.rotary_emb.buffers())
-    row_scales = sum(m.scales.numel() * m.scales.element_size() for m in model.model.layers.modules()
-                     if isinstance(getattr(m, "scales", None), torch.Tensor))
+    row_scales = sum(
+        m.scales.numel() * m.scales.element_size()
+        for m in model.model.layers.modules()
+        if isinstance(getattr(m, "scales", None), torch.Tensor)
+    )
     assert sizing.weight_bytes(arch, quantization) == held - rope - row_scales
 
 
@@ -99,13 +116,13 @@ def test_latency_is_ttft_plus_n_minus_1_tpot() -> None:
 
 def test_decode_is_bandwidth_bound_at_batch_1_and_compute_bound_at_huge_batch() -> None:
     weights = sizing.weight_bytes(LLAMA_2_7B, "none")
-    one = sizing.decode_step_seconds(bytes_read=weights, bandwidth=2e12,
-                                     parameters_per_token=LLAMA_2_7B.parameters, batch=1,
-                                     ops_per_s=300e12)
+    one = sizing.decode_step_seconds(
+        bytes_read=weights, bandwidth=2e12, parameters_per_token=LLAMA_2_7B.parameters, batch=1, ops_per_s=300e12
+    )
     assert one == weights / (2e12 * sizing.DECODE_BANDWIDTH_EFFICIENCY)
-    huge = sizing.decode_step_seconds(bytes_read=weights, bandwidth=2e12,
-                                      parameters_per_token=LLAMA_2_7B.parameters, batch=4096,
-                                      ops_per_s=300e12)
+    huge = sizing.decode_step_seconds(
+        bytes_read=weights, bandwidth=2e12, parameters_per_token=LLAMA_2_7B.parameters, batch=4096, ops_per_s=300e12
+    )
     assert huge == 2 * LLAMA_2_7B.parameters * 4096 / (300e12 * sizing.PREFILL_COMPUTE_EFFICIENCY)
 
 

@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench demo demo-down
+.PHONY: install serve test lint bench demo demo-down
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -21,7 +21,13 @@ serve: $(STAMP)
 	@echo 'when ready, try: curl -s 127.0.0.1:8000/v1/chat/completions -H "Content-Type: application/json" -d '"'"'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'"'"
 	$(VENV)/bin/kvpilot serve --host 127.0.0.1 --port 8000
 
-test: $(STAMP)
+# ruff's lint and format check (pyproject's [tool.ruff]); `ruff format .` fixes the format.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# Lint first (seconds): a style slip fails before the long suite starts.
+test: lint
 	$(PY) -m pytest tests e2e
 
 # The benchmarks are scripts in bench/ (see bench/RESULTS.md); this one is engine vs HF generate offline.

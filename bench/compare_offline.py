@@ -219,7 +219,8 @@ def _table(report: dict[str, object]) -> str:
         b, a = r["before"]["tokens_per_second"], r["after"]["tokens_per_second"]
         lines.append(f"{r['round']:>5}  {'/'.join(r['order']):<13}  {b:12.1f}  {a:12.1f}  {a / b:12.3f}")
     lines.append(
-        f"{'median':>5}  {'':<13}  {report['median_before']:12.1f}  {report['median_after']:12.1f}  {report['ratio']:12.3f}"
+        f"{'median':>5}  {'':<13}  {report['median_before']:12.1f}  {report['median_after']:12.1f}  "
+        f"{report['ratio']:12.3f}"
     )
     return "\n".join(lines)
 
@@ -265,7 +266,8 @@ def compare(args: argparse.Namespace) -> int:
             for name in order:
                 measured[name] = _run_child(sides[name], ["--child", *workload], tmp / f"round{i}-{name}.log")
                 print(
-                    f"round {i} {name:6s}: {measured[name]['seconds']:7.1f} s  {measured[name]['output_tokens']:6d} tokens  "
+                    f"round {i} {name:6s}: {measured[name]['seconds']:7.1f} s  "
+                    f"{measured[name]['output_tokens']:6d} tokens  "
                     f"{measured[name]['tokens_per_second']:7.1f} tok/s  (load {measured[name]['load_average'][0]:.1f})",
                     flush=True,
                 )
@@ -310,7 +312,8 @@ def compare(args: argparse.Namespace) -> int:
         change = (ratio - 1) * 100
         print(
             f"after/before = {ratio:.3f} ({'+' if change >= 0 else ''}{change:.1f} % tokens/s); "
-            f"{'within' if report['within_max_slowdown'] else 'NOT within'} the {args.max_slowdown:g} % slowdown budget; "
+            f"{'within' if report['within_max_slowdown'] else 'NOT within'} the {args.max_slowdown:g} % "
+            "slowdown budget; "
             f"greedy outputs {'identical' if report['same_outputs'] else 'DIFFER'} across sides and rounds"
         )
         print(f"wrote {output}")

@@ -112,7 +112,8 @@ def build_app(model_path: str | None) -> FastAPI:
                 )
                 yield f"data: {chunk.model_dump_json()}\n\n"
             usage = Usage(prompt_tokens=num_prompt, completion_tokens=count, total_tokens=num_prompt + count)
-            yield f"data: {CompletionResponse(id=request_id, created=created, model=name, choices=[], usage=usage).model_dump_json()}\n\n"
+            final = CompletionResponse(id=request_id, created=created, model=name, choices=[], usage=usage)
+            yield f"data: {final.model_dump_json()}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             cancelled.set()  # a client that left stops the generation at its next token

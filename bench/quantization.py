@@ -78,7 +78,8 @@ def main() -> int:
                 tps, weights[scheme] = decode_tokens_per_second(scheme, batch, args.steps)
                 runs.setdefault(str(batch), {}).setdefault(scheme, []).append(tps)
                 print(
-                    f"batch {batch:3d} round {rnd + 1} {scheme:5s}: {tps:8.1f} decode tok/s  (load {os.getloadavg()[0]:.1f})",
+                    f"batch {batch:3d} round {rnd + 1} {scheme:5s}: {tps:8.1f} decode tok/s  "
+                    f"(load {os.getloadavg()[0]:.1f})",
                     flush=True,
                 )
     print("\n| batch | " + " | ".join(f"{s} tok/s" for s in SCHEMES) + " | int8 / none | int4 / none | int4 / fp32 |")

@@ -1,14 +1,16 @@
 """A serving load generator in the manner of vLLM's `bench serve`.
 
-    .venv/bin/python -m bench.serve [--backends kvpilot,llamacpp,hf] [--rates 0.25,0.5,1,2,4,8] ...   # from the repository root
+    # from the repository root:
+    .venv/bin/python -m bench.serve [--backends kvpilot,llamacpp,hf] [--rates 0.25,0.5,1,2,4,8] ...
     .venv/bin/python -m bench.serve --concurrency 1,16,64 ...   # closed loop instead of rates
 
 For each request rate, requests arrive as a Poisson process and stream from /v1/completions; with
-`--concurrency`, each level keeps that many requests in flight (a client sends its next request
-when its last one finished) for `--duration` seconds. The prompts (random token ids) and output
-lengths come from a fixed seed, so every backend and every level sees the same requests. Per rate it reports TTFT, TPOT, ITL and end-to-end latency
-(p50/p95/p99), request and output-token throughput, and goodput: requests per second that met the
-SLO (TTFT and TPOT both within bounds). It writes JSON and a PNG of latency against request rate.
+`--concurrency`, each level keeps that many requests in flight (a client sends its next request when
+its last one finished) for `--duration` seconds. The prompts (random token ids) and output lengths
+come from a fixed seed, so every backend and every level sees the same requests. Per rate it reports
+TTFT, TPOT, ITL and end-to-end latency (p50/p95/p99), request and output-token throughput, and
+goodput: requests per second that met the SLO (TTFT and TPOT both within bounds). It writes JSON
+and a PNG of latency against request rate.
 
 By default it starts both `kvpilot serve` and the HuggingFace baseline (one request at a time,
 bench.hf_server) on 127.0.0.1, runs them one after the other at each rate, and stops

@@ -20,8 +20,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvpilot.engine import LLMEngine
 
 PASSAGE = (
     "The river town of Alder Bend was founded in 1823 by Mara Quill, a ferry keeper who charged "
@@ -78,7 +82,9 @@ class Run:
         return self.output_tokens / self.seconds
 
 
-def run_batch(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], list[float]]:
+def run_batch(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int
+) -> tuple[float, list[list[int]], list[float]]:
     """Generate all prompts together; (seconds, output tokens per prompt, TPOT per prompt)."""
     from kvpilot.engine import SamplingParams
 
@@ -178,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
 def summarise(runs: list[Run]) -> dict:
     """Medians over rounds, each mode against speculation off; speedup = tokens/s over off's."""
     table = [
-        "| prompts | batch | mode | off tok/s | mode tok/s | speedup | TPOT off / mode (ms) | acceptance | tokens per verify step | same output |",
+        "| prompts | batch | mode | off tok/s | mode tok/s | speedup | TPOT off / mode (ms) | acceptance "
+        "| tokens per verify step | same output |",
         "| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     rows = []

@@ -56,7 +56,7 @@ def _chat(url: str, model: str, prompt: str) -> str:
     body = json.dumps(
         {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 32, "temperature": 0}
     ).encode()
-    request = urllib.request.Request(
+    request = urllib.request.Request(  # noqa: S310 - http to an engine on loopback
         f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
     )
     # No proxy from the environment: the engine is on loopback.
@@ -113,7 +113,8 @@ def up() -> int:
     print(cluster.kubectl("get", "kvis,deploy,svc,pods", "-n", NAMESPACE, "-o", "wide").stdout)
     print(f"""InferenceService {NAMESPACE}/{name}: {status["plan"]["reason"]}
   in-cluster URL  {status["url"]}
-  gateway         {operator.gateway_url}/v1  (the operator's OpenAI endpoint: routes by model, wakes services at 0 replicas)
+  gateway         {operator.gateway_url}/v1  (the operator's OpenAI endpoint: routes by model,
+                  wakes services at 0 replicas)
   engine          {url}/v1  (kvpilot serve on the pod's loopback IP; log {engine.log})
   operator        pid {state["processes"]["operator"]["pid"]}, log {state["processes"]["operator"]["log"]}
   first answer    {answer!r}

@@ -302,7 +302,7 @@ def test_a_write_the_api_server_refuses_is_in_the_status(
         apply_isvc(name, {**base, **extra})
     for name, (_, words) in cases.items():
         poll(
-            lambda: kvis.condition(kvis.get(k8s, ns, name), "Ready").get("reason") == "ApplyFailed",
+            lambda name=name: kvis.condition(kvis.get(k8s, ns, name), "Ready").get("reason") == "ApplyFailed",
             CONVERGE_S,
             f"{name}: ApplyFailed",
         )

@@ -84,7 +84,9 @@ def test_operator_runs_as_the_chart_service_account_and_is_never_refused(
     # By now the other scenarios have made the operator create, patch, delete and watch; the API
     # server never refused it (kopf logs a refused request with its status code).
     log = operator.log()
-    assert "Forbidden" not in log and " 403" not in log, [l for l in log.splitlines() if "403" in l or "Forbidden" in l]
+    assert "Forbidden" not in log and " 403" not in log, [
+        line for line in log.splitlines() if "403" in line or "Forbidden" in line
+    ]
 
 
 def test_inference_services_outside_the_watched_namespaces_are_left_alone(

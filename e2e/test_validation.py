@@ -60,7 +60,8 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     (
         "gpu-memory-utilization-above-1",
         _with("serving.gpuMemoryUtilization", 1.5),
-        "spec.serving.gpuMemoryUtilization: Invalid value: 1.5: spec.serving.gpuMemoryUtilization in body should be less than or equal to 1",
+        "spec.serving.gpuMemoryUtilization: Invalid value: 1.5: "
+        "spec.serving.gpuMemoryUtilization in body should be less than or equal to 1",
     ),
     (
         "node-selector-without-gpu-type",

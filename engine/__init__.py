@@ -20,11 +20,12 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
-    from kvpilot.engine.config import EngineConfig
-    from kvpilot.engine.core.sampling_params import SamplingParams
-    from kvpilot.engine.llm import LLM
-    from kvpilot.engine.llm_engine import LLMEngine
-    from kvpilot.engine.outputs import CompletionOutput, RequestOutput
+    # For type checkers only: at run time __getattr__ imports these on first use.
+    from kvpilot.engine.config import EngineConfig  # noqa: F401
+    from kvpilot.engine.core.sampling_params import SamplingParams  # noqa: F401
+    from kvpilot.engine.llm import LLM  # noqa: F401
+    from kvpilot.engine.llm_engine import LLMEngine  # noqa: F401
+    from kvpilot.engine.outputs import CompletionOutput, RequestOutput  # noqa: F401
 
 
 def __getattr__(name: str) -> object:

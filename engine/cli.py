@@ -62,8 +62,9 @@ def _generate(args: argparse.Namespace) -> int:
         else llm.generate(prompts, params)
     )
     for prompt, out in zip(prompts, outputs):
+        completion = out.outputs[0]
         print(
-            f"### {prompt}\n{out.outputs[0].text}\n[{len(out.outputs[0].token_ids)} tokens, finish: {out.outputs[0].finish_reason}]"
+            f"### {prompt}\n{completion.text}\n[{len(completion.token_ids)} tokens, finish: {completion.finish_reason}]"
         )
     return 0
 

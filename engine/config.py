@@ -82,12 +82,14 @@ class EngineConfig(BaseModel):
     )
     speculative: Speculative = Field(
         "off",
-        description="speculative decoding: ngram proposes the tokens that followed the latest match of the context's last n tokens (prompt lookup); draft runs a smaller model",
+        description="speculative decoding: ngram proposes the tokens that followed the latest match of the context's "
+        "last n tokens (prompt lookup); draft runs a smaller model",
     )
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="draft tokens verified per step and sequence")
     draft_model: str | None = Field(
         None,
-        description="draft: a local HF Llama folder (or the embedded model's name) with the target's vocabulary; default: the target's own first draft_layers layers",
+        description="draft: a local HF Llama folder (or the embedded model's name) with the target's vocabulary; "
+        "default: the target's own first draft_layers layers",
     )
     draft_layers: int | None = Field(
         None, ge=1, description="draft without draft_model: the target's layers the draft runs (default: a quarter)"
@@ -99,7 +101,8 @@ class EngineConfig(BaseModel):
     )
     compile_decode: bool = Field(
         False,
-        description="compile the decode step of a lone sequence with torch.compile before serving (on CPU ~1.3x faster single-stream decoding; startup takes ~25 s more on 2 cores)",
+        description="compile the decode step of a lone sequence with torch.compile before serving (on CPU ~1.3x "
+        "faster single-stream decoding; startup takes ~25 s more on 2 cores)",
     )
 
     @model_validator(mode="after")

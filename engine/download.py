@@ -221,12 +221,8 @@ def download(
                 err.response is not None and err.response.status_code >= 500
             )
             if complete and unreachable and marker is not None:
-                log.warning(
-                    "%s: the hub cannot be reached (%s): using the complete download of commit %s",
-                    repo,
-                    err,
-                    marker.commit,
-                )
+                why = f"the hub cannot be reached ({err})"
+                log.warning("%s: %s: using the complete download of commit %s", repo, why, marker.commit)
                 return local_dir
             raise
         if complete and marker is not None and marker.commit == commit:
@@ -235,14 +231,9 @@ def download(
         # From here the folder changes: without a marker, a run cut short is never taken as complete.
         (state / MARKER).unlink(missing_ok=True)
         todo = [f for f in files if _needs_download(local_dir / f.path, f)]
+        size = sum(f.size for f in todo)
         log.info(
-            "%s@%s: commit %s, %d files, %d to download (%d bytes)",
-            repo,
-            revision,
-            commit,
-            len(files),
-            len(todo),
-            sum(f.size for f in todo),
+            "%s@%s: commit %s, %d files, %d to download (%d bytes)", repo, revision, commit, len(files), len(todo), size
         )
         headers = build_hf_headers(token=token or False, library_name="kvpilot")
         with ThreadPoolExecutor(max_workers=max_workers) as pool:
@@ -255,18 +246,23 @@ def download(
                     todo,
                 )
             )
-        # Files of the previous commit that this one no longer has (a moved branch).
-        for name in set(marker.files if marker else ()) - {f.path for f in files}:
-            (local_dir / name).unlink(missing_ok=True)
-        # Partial files left by earlier runs for content this commit does not have.
-        for leftover in partial_dir.iterdir():
-            leftover.unlink()
         new = Marker(repo=repo, revision=revision, commit=commit, files={f.path: f.size for f in files})
-        tmp = state / f"{MARKER}.tmp"
-        tmp.write_text(new.model_dump_json(indent=1))
-        os.replace(tmp, state / MARKER)
+        _settle(state, local_dir, marker, new)
         log.info("%s@%s: commit %s complete in %s", repo, revision, commit, local_dir)
         return local_dir
+
+
+def _settle(state: Path, local_dir: Path, old: Marker | None, new: Marker) -> None:
+    """Remove what the folder no longer holds for `new`, then mark it complete."""
+    # Files of the previous commit that this one no longer has (a moved branch).
+    for name in set(old.files if old else ()) - set(new.files):
+        (local_dir / name).unlink(missing_ok=True)
+    # Partial files left by earlier runs for content this commit does not have.
+    for leftover in (state / "partial").iterdir():
+        leftover.unlink()
+    tmp = state / f"{MARKER}.tmp"
+    tmp.write_text(new.model_dump_json(indent=1))
+    os.replace(tmp, state / MARKER)
 
 
 def _needs_download(path: Path, file: HubFile) -> bool:

@@ -67,7 +67,8 @@ class LLMEngine:
         if wanted > capacity:
             raise ValueError(
                 f"max_model_len {wanted} exceeds the KV pool of {capacity} tokens ({self.runner.num_blocks} blocks of "
-                f"{self.config.block_size}, less {self.num_lookahead_tokens} lookahead slots); raise kv_cache_memory_bytes or lower max_model_len"
+                f"{self.config.block_size}, less {self.num_lookahead_tokens} lookahead slots); "
+                "raise kv_cache_memory_bytes or lower max_model_len"
             )
         return wanted
 

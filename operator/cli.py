@@ -26,6 +26,7 @@ PEERING_NAME = "kvpilot"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    # One piece: the commands' flags, one declaration each, read as the help reads.
     planner = subparsers.add_parser("plan", help="size a model on a GPU: KV cache, batch limits, quantization, latency")
     planner.add_argument("--model", required=True, help="catalog model, e.g. llama-2-7b")
     planner.add_argument("--gpu", required=True, help=f"one of {', '.join(GPUS)}")
@@ -146,7 +147,8 @@ def format_plan(result: Plan, spec: InferenceServiceSpec) -> str:
         rows.append(
             (
                 "gpu",
-                f"{gpu.name} ({gpu.memory_gib:g} GiB, {gpu.usable_memory_mib} MiB reported, {gpu.bandwidth_gbps:g} GB/s, "
+                f"{gpu.name} ({gpu.memory_gib:g} GiB, {gpu.usable_memory_mib} MiB reported, "
+                f"{gpu.bandwidth_gbps:g} GB/s, "
                 f"{gpu.fp16_tflops:g} FP16 TFLOPS)",
             )
         )

@@ -111,7 +111,8 @@ def checkpoint_quantization(config: PretrainedConfig) -> CheckpointQuantization 
     for name, group in parsed.config_groups.items():
         if group.input_activations is not None or group.output_activations is not None or group.weights is None:
             raise ValueError(
-                f"compressed-tensors group {name!r} quantizes activations; the engine runs weight-only schemes (W4A16, W8A16)"
+                f"compressed-tensors group {name!r} quantizes activations; "
+                "the engine runs weight-only schemes (W4A16, W8A16)"
             )
         fmt = group.format or parsed.format
         if fmt not in READ_FORMATS:

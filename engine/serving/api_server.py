@@ -4,9 +4,9 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (behind 
 one is set); GET /health (process alive), GET /ready (model loaded and not draining), GET /metrics.
 
 Errors are answered in OpenAI's shape (errors.py), responses are shaped in responses.py, and the
-engine runs in its own thread behind async_engine.py. Shutdown drains: the first SIGTERM or SIGINT turns readiness false and refuses new
-requests with 503, in-flight requests run to completion within the grace period, then the process
-exits 0; a second signal exits at once.
+engine runs in its own thread behind async_engine.py. Shutdown drains: the first SIGTERM or SIGINT
+turns readiness false and refuses new requests with 503, in-flight requests run to completion within
+the grace period, then the process exits 0; a second signal exits at once.
 """
 
 from __future__ import annotations
@@ -381,7 +381,8 @@ class OpenAIServer:
                 raise APIError(
                     400,
                     f"This model's maximum context length is {max_len} tokens. However, you requested "
-                    f"{len(prompt) + wanted} tokens ({len(prompt)} in the {prompt_param}, {wanted} for the completion). "
+                    f"{len(prompt) + wanted} tokens ({len(prompt)} in the {prompt_param}, "
+                    f"{wanted} for the completion). "
                     f"Please reduce the length of the {prompt_param} or max_tokens.",
                     param="max_tokens" if max_tokens is not None and len(prompt) < max_len else prompt_param,
                     code="context_length_exceeded",

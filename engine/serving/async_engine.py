@@ -444,7 +444,7 @@ class AsyncEngine:
         with self._lock:
             self._num_queued -= n
 
-    def _call(self, fn, *args) -> None:  # noqa: ANN001 - a thin wrapper of call_soon_threadsafe
+    def _call(self, fn: Callable[..., object], *args: object) -> None:
         assert self._loop is not None
         try:
             self._loop.call_soon_threadsafe(fn, *args)

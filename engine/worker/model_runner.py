@@ -167,10 +167,11 @@ class ModelRunner:
 
         On CPU most of a single-sequence decode step is the dispatch of ~170 small ops per layer
         around a few matmuls; one compiled forward fuses them into a few kernels (bench/RESULTS.md,
-        "The single stream with a compiled decode step"). Several sequences per step gain nothing measurable (the matmuls and
-        the attention's KV reads dominate), so only this shape is compiled. Compiling takes tens
-        of seconds, far too long to happen on a request, so it happens here, on one decode in
-        blocks no request holds yet, whose KV is overwritten before anything reads it."""
+        "The single stream with a compiled decode step"). Several sequences per step gain nothing
+        measurable (the matmuls and the attention's KV reads dominate), so only this shape is
+        compiled. Compiling takes tens of seconds, far too long to happen on a request, so it
+        happens here, on one decode in blocks no request holds yet, whose KV is overwritten before
+        anything reads it."""
         if self.num_blocks * self.block_size <= WARM_UP_POSITION:
             raise ValueError(
                 f"compile_decode needs a KV pool of more than {WARM_UP_POSITION} tokens, "

@@ -2,7 +2,8 @@
 
 The API server validates and defaults with the CRD's schema and CEL rules; these models repeat the
 rules so that planning (and `kvpilot plan`) never sees a spec the cluster would have refused.
-tests/operator/api/test_crd.py keeps the two in step (same fields, types, bounds, enums, lengths, patterns and defaults).
+tests/operator/api/test_crd.py keeps the two in step (same fields, types, bounds, enums, lengths,
+patterns and defaults).
 """
 
 from __future__ import annotations

@@ -513,6 +513,18 @@ def step(policy: Policy, state: AutoscalerState, obs: Observation) -> tuple[Auto
         return period.decide("hold", current, "no signal (no pod reported metrics)")
     if period.signals.ratio > 1 + policy.tolerance:
         return _over_band(period)
+    if _blind(period.signals):
+        # Neither the latency signals nor the load can be trusted to be low: hold, and restart the
+        # scale-down window (what it held before this did not see the load either).
+        return period.decide(
+            "hold",
+            current,
+            "requests are running or waiting but none got a first token or "
+            "finished in the window: overload or a window too short to see one, not idleness",
+            over_since=None,
+            recommendations=(),
+            observed_since=obs.now,
+        )
     return _at_or_under_band(period)
 
 
@@ -564,18 +576,6 @@ def _at_or_under_band(period: _Period) -> tuple[AutoscalerState, Decision]:
     recommendation of the scale-down window agrees."""
     policy, obs, state, signals = period.policy, period.obs, period.state, period.signals
     current, ratio, tol = obs.replicas, signals.ratio or 0.0, policy.tolerance
-    if _blind(signals):
-        # Neither the latency signals nor the load can be trusted to be low: hold, and restart the
-        # scale-down window (what it held before this did not see the load either).
-        return period.decide(
-            "hold",
-            current,
-            "requests are running or waiting but none got a first token or "
-            "finished in the window: overload or a window too short to see one, not idleness",
-            over_since=None,
-            recommendations=(),
-            observed_since=obs.now,
-        )
     load = ratio
     if period.knee is not None and signals.rate_per_replica is not None:
         load = max(load, signals.rate_per_replica / period.knee)

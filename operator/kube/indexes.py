@@ -102,7 +102,8 @@ def children(
     return deployment, mine
 
 
-# generation: the operator reconciles from an InferenceService's entry (controller/handlers.py, through controller/serial.py).
+# generation: the operator reconciles from an InferenceService's entry (controller/handlers.py,
+# through controller/serial.py).
 _KEPT_METADATA = (
     "name",
     "namespace",

@@ -282,6 +282,17 @@ def _batched_tokens(spec: InferenceServiceSpec, arch: Architecture, ops: float) 
     )
 
 
+def _draft_step_seconds(draft: _Draft, gpu: GPU, running: float, context: float) -> float:
+    """One decode step of the draft model for `running` sequences of `context` tokens."""
+    return sizing.decode_step_seconds(
+        bytes_read=draft.weights + running * context * draft.kv_per_token,
+        bandwidth=gpu.bandwidth_bytes_per_s,
+        parameters_per_token=draft.arch.parameters_per_token,
+        batch=running,
+        ops_per_s=gpu.fp16_flops,
+    )
+
+
 def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculative: str) -> _Perf:
     arch, gpu, decode_bytes, kv_per_token, ops, max_num_seqs, draft = replica
     draft = draft if speculative == "draft" else None
@@ -314,18 +325,7 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculat
         tpot = step / (1 - busy)
         if speculative != "off" and running <= SPECULATION_MAX_BATCH:
             # A verification of k + 1 tokens per step, after the draft model's k decode steps.
-            drafting = (
-                0.0
-                if draft is None
-                else k
-                * sizing.decode_step_seconds(
-                    bytes_read=draft.weights + running * context * draft.kv_per_token,
-                    bandwidth=gpu.bandwidth_bytes_per_s,
-                    parameters_per_token=draft.arch.parameters_per_token,
-                    batch=running,
-                    ops_per_s=gpu.fp16_flops,
-                )
-            )
+            drafting = 0.0 if draft is None else k * _draft_step_seconds(draft, gpu, running, context)
             tpot = (step * VERIFY_OVERHEAD + drafting) / tokens_per_step / (1 - busy)
         # M/M/1 wait for the prefill server, plus half a step to reach the next step boundary.
         ttft = prefill * busy / (1 - busy) + step / 2 + prefill
@@ -386,6 +386,34 @@ def _replicas(spec: InferenceServiceSpec, replica: _Replica, speculative: str) -
     return high, _perf(spec, replica, high, speculative), None
 
 
+def _sizes(
+    spec: InferenceServiceSpec,
+    arch: Architecture,
+    gpu: GPU,
+    quantization: str,
+    context: int,
+    draft: _Draft | None,
+    reserve: int,
+) -> _Sizes:
+    """What one replica holds: the target's (and the draft's) weights and KV per token, and the KV
+    pool left of the GPU; a pool of 0 when the weights do not fit."""
+    draft_weights, draft_kv = (draft.weights, draft.kv_per_token) if draft else (0, 0)
+    # The engine gives the draft a KV slot for every slot of the target's, so each slot holds both.
+    weights = sizing.weight_bytes(arch, quantization) + draft_weights
+    pool = sizing.kv_pool_bytes(gpu.memory_bytes, spec.serving.gpu_memory_utilization, weights, reserve)
+    return _Sizes(
+        gpu=gpu.name,
+        quantization=quantization,
+        weight_bytes=weights,
+        draft_weight_bytes=draft_weights,
+        kv_bytes_per_token=sizing.kv_bytes_per_token(arch) + draft_kv,
+        draft_kv_bytes_per_token=draft_kv,
+        checkpoint_bytes=sizing.weight_bytes(arch, spec.model.quantization or "none"),
+        kv_pool_bytes=max(pool, 0),
+        max_model_len=context,
+    )
+
+
 def _memory(
     spec: InferenceServiceSpec,
     arch: Architecture,
@@ -397,32 +425,18 @@ def _memory(
 ) -> _Memory | Plan:
     """How the GPU's memory divides for one (GPU, quantization) pair, with a draft model or none:
     a failed Plan when the weights or one full sequence do not fit."""
+    # One piece: the numbers and the reasons that quote them (a dozen of them) are made side by side.
     serving = spec.serving
-    target_weights = sizing.weight_bytes(arch, quantization)
     # W8A8 runs its GEMMs on the INT8 tensor cores; weight-only schemes dequantize to FP16.
     ops = gpu.int8_ops if quantization == "w8a8" else gpu.fp16_flops
-    target_kv = sizing.kv_bytes_per_token(arch)
-    draft_weights, draft_kv = (draft.weights, draft.kv_per_token) if draft else (0, 0)
-    # The engine gives the draft a KV slot for every slot of the target's, so each slot holds both;
-    # and it reserves the positions a draft writes ahead of each sequence (its lookahead slots).
-    weights, kv_per_token = target_weights + draft_weights, target_kv + draft_kv
-    lookahead = serving.num_speculative_tokens if draft else 0
     budget, batching_reason = _batched_tokens(spec, arch, ops)
     reserve = sizing.runtime_reserve_bytes(arch, budget)
+    sizes = _sizes(spec, arch, gpu, quantization, context, draft, reserve)
+    target_weights, draft_weights = sizes.weight_bytes - sizes.draft_weight_bytes, sizes.draft_weight_bytes
+    kv_per_token, draft_kv = sizes.kv_bytes_per_token, sizes.draft_kv_bytes_per_token
+    target_kv, pool = kv_per_token - draft_kv, sizes.kv_pool_bytes
+    lookahead = serving.num_speculative_tokens if draft else 0
     usable = int(gpu.memory_bytes * serving.gpu_memory_utilization)
-    pool = sizing.kv_pool_bytes(gpu.memory_bytes, serving.gpu_memory_utilization, weights, reserve)
-    checkpoint = sizing.weight_bytes(arch, spec.model.quantization or "none")
-    sizes = _Sizes(
-        gpu=gpu.name,
-        quantization=quantization,
-        weight_bytes=weights,
-        draft_weight_bytes=draft_weights,
-        kv_bytes_per_token=kv_per_token,
-        draft_kv_bytes_per_token=draft_kv,
-        checkpoint_bytes=checkpoint,
-        kv_pool_bytes=max(pool, 0),
-        max_model_len=context,
-    )
     where = (
         f"{serving.gpu_memory_utilization:.0%} of the {_gib(gpu.memory_bytes)} GiB {gpu.name} reports "
         f"({_gib(usable)} GiB)"
@@ -431,6 +445,7 @@ def _memory(
         f" + draft model weights {_gib(draft_weights)} GiB" if draft else ""
     )
     if pool <= 0:
+        # The draft's lookahead slots (the positions it writes ahead of each sequence) count below.
         return _failed(
             spec,
             "WeightsDoNotFit",
@@ -471,15 +486,8 @@ def _memory(
         + f" - reserve {_gib(reserve)} GiB"
         + (f"; capped at {MAX_NUM_SEQS_CAP}" if fitting_mean > MAX_NUM_SEQS_CAP else "")
     )
-    replica = _Replica(
-        arch,
-        gpu,
-        sizing.decode_weight_bytes(arch, quantization, low_bit_gpu_matmuls),
-        target_kv,
-        ops,
-        max_num_seqs,
-        draft,
-    )
+    decode_bytes = sizing.decode_weight_bytes(arch, quantization, low_bit_gpu_matmuls)
+    replica = _Replica(arch, gpu, decode_bytes, target_kv, ops, max_num_seqs, draft)
     return _Memory(replica, sizes, budget, batching_reason, mean_context, kv_reason)
 
 

@@ -56,7 +56,7 @@ def hf_greedy(hf_model: PreTrainedModel):
                     return_dict_in_generate=True,
                     pad_token_id=hf_model.config.eos_token_id,
                 )
-            cache[key] = Reference(out.sequences[0, len(prompt) :].tolist(), [l[0] for l in out.logits])
+            cache[key] = Reference(out.sequences[0, len(prompt) :].tolist(), [step[0] for step in out.logits])
         return cache[key]
 
     return run

@@ -151,7 +151,7 @@ def test_folded_scales_leave_the_unquantized_function_unchanged(arch, tmp_path, 
 
 def _round_to_nearest(model: LlamaForCausalLM) -> LlamaForCausalLM:
     """The model with each body linear weight replaced by what an INT4 checkpoint stores for it."""
-    for name, module in model.named_modules():
+    for module in model.modules():
         if isinstance(module, Linear) and module is not model.lm_head:
             module.weight.data = ROUND_TRIP(module.weight.data)
     return model
@@ -250,7 +250,9 @@ def test_awq_checkpoint_is_plain_w4a16_and_reloads_to_identical_outputs(tmp_path
                 output_logits=True,
                 return_dict_in_generate=True,
             )
-        check_greedy(tokens, ref.sequences[0, len(prompt) :].tolist(), [l[0] for l in ref.logits], "awq checkpoint")
+        check_greedy(
+            tokens, ref.sequences[0, len(prompt) :].tolist(), [step[0] for step in ref.logits], "awq checkpoint"
+        )
     again = LLM(str(output), dtype="float32", kv_cache_memory_bytes=4 << 20, block_size=8)
     assert [o.outputs[0].token_ids for o in again.generate(prompts, params)] == first
 

@@ -28,7 +28,7 @@ def generate_and_check(llm: LLM, prompts: list[list[int]], hf_greedy) -> None:
         if report:
             reports.append(report)
     for report in reports:
-        warnings.warn(report)
+        warnings.warn(report, stacklevel=2)
 
 
 def assert_no_leaks(llm: LLM) -> None:

@@ -469,7 +469,7 @@ def test_the_draft_models_kv_is_a_fresh_recompute_after_every_step(tiny_model, o
         num_speculative_tokens=3,
         speculative_max_batch_size=64,
     )
-    engine, proposer = llm.engine, llm.engine.runner.proposer
+    engine = llm.engine
     rng = random.Random(0)
     for n in (5, 9, 14):
         engine.add_request(

@@ -82,7 +82,7 @@ def test_tiny_llama_matches_hf(variant, tmp_path, model_dir, corpus_ids):
         check_greedy(
             out.outputs[0].token_ids,
             ref.sequences[0, len(prompt) :].tolist(),
-            [l[0] for l in ref.logits],
+            [step[0] for step in ref.logits],
             f"{variant} {len(prompt)}",
         )
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks

@@ -187,8 +187,8 @@ def test_load_step_up_then_away() -> None:
     assert min(busy) >= 4
     assert busy[-1] <= 5
 
-    # The SLO holds in most minutes once the new pods are ready and the queue built before is gone: p95 TTFT of each minute's
-    # requests (the true latencies, not the controller's estimate).
+    # The SLO holds in most minutes once the new pods are ready and the queue built before is gone:
+    # p95 TTFT of each minute's requests (the true latencies, not the controller's estimate).
     minutes = [[ttft for arrival, ttft in ttfts if start <= arrival < start + 60] for start in range(600, 1500, 60)]
     kept = [p95(m) <= policy.ttft_p95_seconds for m in minutes]
     assert sum(kept) >= 0.9 * len(kept), [round(p95(m), 2) for m in minutes]

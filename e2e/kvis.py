@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,13 @@ def manifest(name: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:
 def get(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
     found: dict[str, Any] = cluster.kubectl_json("get", "inferenceservice", name, "-n", namespace)
     return found
+
+
+def patch_spec(cluster: Cluster, namespace: str, name: str, spec: dict[str, Any]) -> None:
+    """Merge `spec` into the InferenceService's spec, as `kubectl patch --type=merge` does."""
+    cluster.kubectl(
+        "patch", "inferenceservice", name, "-n", namespace, "--type=merge", "-p", json.dumps({"spec": spec})
+    )
 
 
 def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:

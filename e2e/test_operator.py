@@ -6,7 +6,6 @@ refused writes, puts no finalizer on InferenceServices and costs nothing while i
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable
@@ -126,16 +125,7 @@ def test_lifecycle_generation_repair_restart_and_garbage_collection(
 
     # A spec change is a new generation; the operator re-plans, rolls the Deployment in place and
     # reports the generation it acted on.
-    k8s.kubectl(
-        "patch",
-        "inferenceservice",
-        name,
-        "-n",
-        ns,
-        "--type=merge",
-        "-p",
-        json.dumps({"spec": {"serving": {"maxContextLength": 2048}}}),
-    )
+    kvis.patch_spec(k8s, ns, name, {"serving": {"maxContextLength": 2048}})
     assert kvis.get(k8s, ns, name)["metadata"]["generation"] == 2
     obj = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S, generation=2)
     assert {c["observedGeneration"] for c in obj["status"]["conditions"]} == {2}
@@ -205,16 +195,7 @@ def test_a_spec_that_stops_planning_keeps_the_last_good_deployment_with_the_numb
         assert len(kvis.running_pods(k8s, ns, name)) == 1
 
     # Now 70B on one L4 (24 GiB marketed, 22.5 GiB reported): even INT4 weights do not fit.
-    k8s.kubectl(
-        "patch",
-        "inferenceservice",
-        name,
-        "-n",
-        ns,
-        "--type=merge",
-        "-p",
-        json.dumps({"spec": {"model": {"name": "llama-2-70b"}}}),
-    )
+    kvis.patch_spec(k8s, ns, name, {"model": {"name": "llama-2-70b"}})
     obj = kvis.wait_condition(k8s, ns, name, "Planned", "False", timeout_s=CONVERGE_S, generation=2)
     planned = kvis.condition(obj, "Planned")
     assert planned["reason"] == "WeightsDoNotFit", planned
@@ -228,16 +209,7 @@ def test_a_spec_that_stops_planning_keeps_the_last_good_deployment_with_the_numb
     assert kvis.condition(obj, "Degraded")["reason"] == "WeightsDoNotFit"
 
     # A GPU type that does not exist: the same.
-    k8s.kubectl(
-        "patch",
-        "inferenceservice",
-        name,
-        "-n",
-        ns,
-        "--type=merge",
-        "-p",
-        json.dumps({"spec": {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "L5"}}}),
-    )
+    kvis.patch_spec(k8s, ns, name, {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "L5"}})
     obj = kvis.wait_condition(k8s, ns, name, "Planned", "False", timeout_s=CONVERGE_S, generation=3)
     assert kvis.condition(obj, "Planned")["reason"] == "UnknownGPU"
     unchanged()

@@ -31,6 +31,7 @@ ALLOWED = [
     ("patch", "kopfpeerings.kopf.dev", None),
     ("create", "events", None),
     ("watch", "pods", None),
+    ("patch", "pods", None),  # the deletion cost the autoscaler sets before a scale-down
     ("watch", "replicasets.apps", None),  # which pods are the service's own
     ("list", "nodes", ""),
     ("watch", "customresourcedefinitions.apiextensions.k8s.io", ""),

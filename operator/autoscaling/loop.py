@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import socket
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -311,6 +312,16 @@ def prometheus_allowed(url: str, prefixes: Sequence[str]) -> bool:
     return False
 
 
+def deletion_costs(reads: Sequence[PodRead]) -> dict[str, int]:
+    """controller.kubernetes.io/pod-deletion-cost per pod before a scale-down, so the ReplicaSet
+    removes the pods with the least work first: a pod that could not be read (a broken engine)
+    first of all, then idle ones, and the one with the most requests running and waiting last."""
+    return {
+        read.name: -1 if read.reading is None else math.ceil((read.reading.running or 0) + (read.reading.waiting or 0))
+        for read in reads
+    }
+
+
 def worth_writing(old_status: Mapping[str, Any], state: AutoscalerState, decision: Decision) -> bool:
     """False for a period that changes nothing: the same decision for the same reason (numbers
     included) as the one in the status, and no pod counted a request since (the same baselines).
@@ -424,6 +435,8 @@ class AutoscalingLoop:
             return None  # another writer (a replica of this operator, a reconcile) came first
         if policy.mode != "slo" or decision.replicas == decision.previous:
             return decision
+        if decision.action == "down":
+            self.cluster.set_deletion_costs(metadata["namespace"], deletion_costs(reads))
         self.cluster.write_replicas(body, decision.replicas, event_manifest(body, decision, self._instance), written)
         return decision
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Protocol
 
 from kubernetes import config
@@ -28,6 +28,7 @@ from kvpilot.operator.api.names import AMD_PRODUCT_LABEL, API_VERSION, KIND, NVI
 Manifest = dict[str, Any]
 
 FIELD_MANAGER = "kvpilot-operator"
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 PEERING_API_VERSION = "kopf.dev/v1"
 # An apply that carries a resourceVersion changes only the object at that version, and creates the
 # object when there is none (a create ignores the version). No object is ever at version "1" (the
@@ -167,6 +168,18 @@ class KubeCluster:
                 body=body, name=name, namespace=namespace, content_type="application/merge-patch+json"
             )
         return str(patched.metadata.resourceVersion)
+
+    def set_deletion_costs(self, namespace: str, costs: Mapping[str, int]) -> None:
+        """Annotate pods with controller.kubernetes.io/pod-deletion-cost (the ReplicaSet removes
+        the lowest first); a pod gone meanwhile is no matter."""
+        for name, cost in costs.items():
+            with _translated(f"Pod {namespace}/{name}"), suppress(NotFoundError):
+                self._resource("v1", "Pod").patch(
+                    body={"metadata": {"annotations": {DELETION_COST: str(cost)}}},
+                    name=name,
+                    namespace=namespace,
+                    content_type="application/merge-patch+json",
+                )
 
     def write_replicas(
         self, body: Mapping[str, Any], replicas: int, event: Manifest, resource_version: str | None = None

@@ -58,10 +58,11 @@ collector), keep its peering record alive, and post events.
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch]
-# Engine pods, read only: their states explain a service that is not Ready.
+# Engine pods: their states explain a service that is not Ready; before a scale-down the autoscaler
+# annotates them with a deletion cost (patch), so the ReplicaSet removes the idlest first.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch]
+  verbs: [get, list, watch, patch]
 # The engine pods' ReplicaSets, read only: a pod counts (metrics, gateway traffic) only when its
 # ReplicaSet is controlled by the service's own Deployment, not for carrying its labels.
 - apiGroups: [apps]

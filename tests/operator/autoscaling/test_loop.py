@@ -16,8 +16,9 @@ from prometheus_client import generate_latest
 
 from kvpilot.engine.serving.metrics import ServingMetrics
 from kvpilot.operator.api.spec import InferenceServiceSpec
-from kvpilot.operator.autoscaling.decisions import AutoscalerState, PodRead
+from kvpilot.operator.autoscaling.decisions import AutoscalerState, Decision, PodRead, Policy, Signals
 from kvpilot.operator.autoscaling.loop import (
+    AutoscalingLoop,
     decide,
     due,
     event_manifest,
@@ -27,7 +28,7 @@ from kvpilot.operator.autoscaling.loop import (
     status_patch,
     worth_writing,
 )
-from kvpilot.operator.autoscaling.metrics import parse
+from kvpilot.operator.autoscaling.metrics import EngineReading, parse
 from kvpilot.operator.controller import status
 from kvpilot.operator.kube.indexes import children, current_replicas, index_entry
 from kvpilot.operator.kube.merge_patch import as_merge_patch, merge_patch
@@ -508,3 +509,32 @@ def test_a_pod_s_untrustworthy_numbers_make_it_unknown_not_the_others_load(serve
     assert full.signals.kv_cache_usage == 1.0 and full.signals.unknown == ("nan",)
     overflow = period(["/inf", "/queued"])
     assert overflow.signals.waiting_per_replica == 20 and overflow.signals.unknown == ("inf",)
+
+
+@pytest.mark.parametrize("action, replicas", [("down", 1), ("up", 4)])
+def test_a_scale_down_marks_the_pods_with_the_least_work_to_go_first(action: str, replicas: int) -> None:
+    """Issue 24, item 10: the ReplicaSet removed any pod, cutting streams on busy ones while idle
+    ones stayed; before a scale-down each pod now carries a deletion cost of its work."""
+    calls: list[Any] = []
+
+    class Cluster:
+        def patch_status(self, *args: Any, **kwargs: Any) -> str:
+            calls.append("status")
+            return "8"
+
+        def set_deletion_costs(self, namespace: str, costs: dict[str, int]) -> None:
+            calls.append(("costs", namespace, dict(costs)))
+
+        def write_replicas(self, body: Any, replicas: int, event: Any, resource_version: str | None = None) -> None:
+            calls.append(("replicas", replicas, resource_version))
+
+    reads = [
+        PodRead(name="busy", reading=EngineReading(running=5, waiting=2.5)),
+        PodRead(name="idle", reading=EngineReading(running=0, waiting=0)),
+        PodRead(name="broken", error="connection refused"),
+    ]
+    loop = AutoscalingLoop(Cluster(), {}, {}, {}, {})  # type: ignore[arg-type]
+    decision = Decision(at=NOW, action=action, replicas=replicas, previous=3, reason="r", signals=Signals())
+    loop._write(body(), reads, Policy(), AutoscalerState(), decision)
+    costs = [("costs", "ml", {"busy": 8, "idle": 0, "broken": -1})] if action == "down" else []
+    assert calls == ["status", *costs, ("replicas", replicas, "8")]

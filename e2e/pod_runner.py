@@ -9,6 +9,12 @@ and the operator's autoscaler reads real /metrics from the pod IPs it knows.
 
 Every engine gets OMP_NUM_THREADS=1: a pod requests its own cores, and here the engines of all
 pods share the machine's two.
+
+kwok now and then hands two pods created together the same IP (measured: a CI run where two
+replicas of one Deployment both got 127.1.2.1, so the second engine could not bind and the first
+answered for both pods). No real cluster does that, and every test here addresses engines by pod
+IP, so the runner deletes the later pod of such a pair (its ReplicaSet makes another, with an IP of
+its own) instead of running a second engine on a taken address; `duplicates` counts them.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from e2e.procs import Process, http_ok, start
 @dataclass
 class Engine:
     pod: str
+    ip: str
     url: str
     process: Process
     ready: bool = False
@@ -49,6 +56,7 @@ class PodRunner(Background):
         self.last_error: str | None = None
         self.started = 0
         self.stopped = 0
+        self.duplicates: list[str] = []  # pods deleted for an IP another pod already had
 
     def close(self) -> None:
         with self._lock:
@@ -78,7 +86,7 @@ class PodRunner(Background):
         env = {**self.cluster.env(), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         process = start(argv, self.log_dir / f"engine-{pod}.log", env)
         self.started += 1
-        return Engine(pod=pod, url=base_url(argv), process=process)
+        return Engine(pod=pod, ip=ip, url=base_url(argv), process=process)
 
     def _stop_engine(self, engine: Engine) -> None:
         code = engine.process.stop()
@@ -100,7 +108,15 @@ class PodRunner(Background):
             self._stop_engine(engine)
         if new:
             deployment = self.cluster.kubectl_json("get", "deployment", self.name, "-n", self.namespace)
+        with self._lock:
+            taken = {e.ip for e in self._engines.values()}
         for pod, ip in new:
+            if ip in taken:
+                if pod not in self.duplicates:
+                    self.cluster.kubectl("delete", "pod", pod, "-n", self.namespace, "--wait=false", check=False)
+                    self.duplicates.append(pod)
+                continue
+            taken.add(ip)
             engine = self._start_engine(deployment, pod, ip)
             with self._lock:
                 self._engines[pod] = engine
@@ -131,6 +147,7 @@ class PodRunner(Background):
                     p: {"url": e.url, "ready": e.ready, "pid": e.process.pid} for p, e in self._engines.items()
                 },
                 "left_alone": sorted(self._left_alone),
+                "duplicates": list(self.duplicates),
                 "last_error": self.last_error,
                 "started": self.started,
                 "stopped": self.stopped,

@@ -518,3 +518,44 @@ def test_a_service_woken_from_zero_is_not_scaled_back_while_its_engine_loads() -
     # the replica (the requests stay in the 60 s signal window for 4 periods, then 20 more periods).
     decisions = [loop.tick(ttft=None, kv=0) for _ in range(23)]
     assert [d.action for d in decisions] == ["hold"] * 22 + ["down"] and decisions[-1].replicas == 0
+
+
+def test_the_state_in_the_status_is_compact_and_reads_back_the_same() -> None:
+    """Issue 24, item 11: each pod's baseline carried its histograms' 42 bucket bounds twice (1,246
+    bytes a pod; 400 pods, half a megabyte of status): the bounds are listed once per state and
+    whole counts go as per-bucket integers."""
+    from kvpilot.operator.autoscaling.decisions import BOUNDS_KEY
+
+    loop = Loop(Policy(max_replicas=400), replicas=40)
+    for _ in range(5):
+        loop.tick()
+    dumped = loop.state.model_dump(mode="json", by_alias=True)
+    per_pod = len(json.dumps(dumped["baselines"])) / 40
+    assert per_pod < 500, per_pod
+    assert len(dumped[BOUNDS_KEY]) == 1 and dumped["baselines"]["p0"]["ttft"]["bounds"] == 0
+    assert AutoscalerState.model_validate(json.loads(json.dumps(dumped))) == loop.state
+    # A state written before the compact form (bounds in every histogram) still reads.
+    verbose = json.loads(json.dumps(loop.state.model_dump(mode="json", by_alias=True, round_trip=True)))
+    verbose = _expanded(verbose)
+    assert AutoscalerState.model_validate(verbose) == loop.state
+    # Counts that are not whole (a rate from an exporter that averages) keep their cumulative form.
+    pod = loop.pods[0]
+    pod.ttft = [0.2] * 3
+    fractional = loop.state.model_copy(
+        update={
+            "baselines": {
+                "p0": loop.state.baselines["p0"].model_copy(
+                    update={"ttft": pod.read().reading.ttft.model_copy(update={"count": 2.5})}
+                )
+            }
+        }
+    )
+    again = AutoscalerState.model_validate(json.loads(json.dumps(fractional.model_dump(mode="json", by_alias=True))))
+    assert again == fractional
+
+
+def _expanded(state: dict) -> dict:
+    """A dumped state in the form an older operator wrote: every histogram with its own bounds."""
+    from kvpilot.operator.autoscaling.decisions import BOUNDS_KEY, _unshare_bounds
+
+    return _unshare_bounds({k: v for k, v in state.items() if k != BOUNDS_KEY}, state[BOUNDS_KEY])

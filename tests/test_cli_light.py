@@ -8,11 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.test_imports import modules
+
 ROOT = Path(__file__).resolve().parents[1]
-OPERATOR_MODULES = sorted(
-    "kvpilot.operator." + ".".join(p.relative_to(ROOT / "operator").with_suffix("").parts).removesuffix(".__init__")
-    for p in (ROOT / "operator").rglob("*.py")
-)
+OPERATOR_MODULES = sorted(m for m in modules() if m.startswith("kvpilot.operator"))
 ENGINE_CONTRACT = {"kvpilot.engine", "kvpilot.engine.config", "kvpilot.engine.cli"}
 HEAVY = ("torch", "transformers", "fastapi")
 

@@ -27,7 +27,7 @@ ROOMS = {
 }
 
 
-def _modules() -> dict[str, Path]:
+def modules() -> dict[str, Path]:
     """Every module of both halves by its dotted name, found by walking their folders."""
     found = {}
     for folder, package in PACKAGES.items():
@@ -55,8 +55,8 @@ def _imported(name: str, path: Path, modules: set[str]) -> Iterator[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    modules = _modules()
-    return {name: set(_imported(name, path, set(modules))) - {name} for name, path in modules.items()}
+    found = modules()
+    return {name: set(_imported(name, path, set(found))) - {name} for name, path in found.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -20,19 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_imports import PACKAGES, modules
+
 ROOT = Path(__file__).resolve().parents[1]
-HALVES = {"engine": "kvpilot.engine", "operator": "kvpilot.operator"}
-SOURCES = ("pyproject.toml", "setup.py", "README.md", *HALVES)
-
-
-def checkout_modules() -> set[str]:
-    """Every module of the checkout's two halves, by its import name."""
-    modules = set()
-    for folder, package in HALVES.items():
-        for path in (ROOT / folder).rglob("*.py"):
-            parts = path.relative_to(ROOT / folder).with_suffix("").parts
-            modules.add(".".join((package, *parts)).removesuffix(".__init__"))
-    return modules
+SOURCES = ("pyproject.toml", "setup.py", "README.md", *PACKAGES)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +95,7 @@ def test_the_wheel_ships_every_module_of_both_halves(installed: tuple[Path, Path
             for name in archive.namelist()
             if name.endswith(".py")
         }
-    assert checkout_modules() - shipped == set()
+    assert set(modules()) - shipped == set()
 
 
 def test_every_module_imports_from_the_installed_wheel(installed: tuple[Path, Path]) -> None:
@@ -114,7 +105,7 @@ def test_every_module_imports_from_the_installed_wheel(installed: tuple[Path, Pa
         "where = {m: importlib.import_module(m).__file__ for m in sys.argv[1:]}\n"
         "print(json.dumps(where))"
     )
-    result = run(bin_dir, "python", "-c", script, *sorted(checkout_modules()))
+    result = run(bin_dir, "python", "-c", script, *sorted(modules()))
     assert result.returncode == 0, result.stderr
     where = json.loads(result.stdout.splitlines()[-1])
     outside = {m: f for m, f in where.items() if not f.startswith(str(bin_dir.parent))}

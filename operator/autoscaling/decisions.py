@@ -397,8 +397,14 @@ def describe(policy: Policy, s: Signals, knee: float | None) -> str:
     return text
 
 
-def _started_since(histogram: Histogram, since: float) -> bool:
-    return histogram.created is not None and histogram.created >= since
+def _period_increase(before: Histogram | None, after: Histogram, since: float) -> tuple[Histogram, bool]:
+    """A pod's observations in the period that began at `since`, and whether they cover all of it
+    (its rate counts). A pod's first read has no baseline; but an engine started since then (its
+    series' _created says so) served everything it counts in this period: the requests that woke it
+    from zero, say. Counting them as nothing read as idle."""
+    if before is None and after.created is not None and after.created >= since:
+        return after, True
+    return increase(before, after), before is not None
 
 
 def _advance_window(
@@ -419,15 +425,11 @@ def _advance_window(
             continue
         r = pod.reading
         if r.ttft is not None:
-            born = _started_since(r.ttft, previous) and before.ttft is None
-            # A pod's first read has no baseline; but an engine started since the last period
-            # (its series' _created says so) served everything it counts in this period: the
-            # requests that woke it from zero, say. Counting them as nothing read as idle.
-            ttft.append(r.ttft if born else increase(before.ttft, r.ttft))
-            with_baseline += before.ttft is not None or born
+            increased, whole_period = _period_increase(before.ttft, r.ttft, previous)
+            ttft.append(increased)
+            with_baseline += whole_period
         if r.tpot is not None:
-            born = _started_since(r.tpot, previous) and before.tpot is None
-            tpot.append(r.tpot if born else increase(before.tpot, r.tpot))
+            tpot.append(_period_increase(before.tpot, r.tpot, previous)[0])
         drafted += counter_increase(before.draft_tokens, r.draft_tokens)
         accepted += counter_increase(before.accepted_tokens, r.accepted_tokens)
         baselines[pod.name] = Baseline(

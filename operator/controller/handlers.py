@@ -62,6 +62,11 @@ def engine_image(environ: Mapping[str, str]) -> str:
 REFRESHED = "Reconciled InferenceService"
 
 
+def _retry_seconds(reason: str) -> float:
+    """How long a status no event will change waits before its reconcile runs again."""
+    return BLOCKED_RETRY_SECONDS if reason in BLOCKED else NO_GPU_RETRY_SECONDS
+
+
 def _refresh(
     namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger, services: Mapping[Any, Any] | None
 ) -> None:
@@ -97,8 +102,7 @@ def _refresh(
     if retry is None:
         memo.reconciles.succeeded(key)
         return
-    delay = BLOCKED_RETRY_SECONDS if retry[0] in BLOCKED else NO_GPU_RETRY_SECONDS
-    memo.reconciles.retry(key, again, delay)
+    memo.reconciles.retry(key, again, _retry_seconds(retry[0]))
 
 
 @kopf.on.startup()
@@ -137,9 +141,7 @@ def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logge
     if retry is not None:
         # The status above is written either way; kopf calls the handler again after the delay.
         reason, message = retry
-        raise kopf.TemporaryError(
-            f"{reason}: {message}", delay=BLOCKED_RETRY_SECONDS if reason in BLOCKED else NO_GPU_RETRY_SECONDS
-        )
+        raise kopf.TemporaryError(f"{reason}: {message}", delay=_retry_seconds(reason))
 
 
 @kopf.on.event("v1", "pods", labels=names.MANAGED_BY)

@@ -14,7 +14,9 @@ kwok now and then hands two pods created together the same IP (measured: a CI ru
 replicas of one Deployment both got 127.1.2.1, so the second engine could not bind and the first
 answered for both pods). No real cluster does that, and every test here addresses engines by pod
 IP, so the runner deletes the later pod of such a pair (its ReplicaSet makes another, with an IP of
-its own) instead of running a second engine on a taken address; `duplicates` counts them.
+its own) instead of running a second engine on a taken address; `duplicates` counts them. A pod whose
+engine a test broke still holds its address (measured: a CI run where a new pod got the broken pod's
+IP, its engine answered the broken pod's /metrics, and the autoscaler saw no unknown pod).
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ class PodRunner(Background):
         if new:
             deployment = self.cluster.kubectl_json("get", "deployment", self.name, "-n", self.namespace)
         with self._lock:
-            taken = {e.ip for e in self._engines.values()}
+            # A broken pod's address is still its own: an engine started there would answer for it.
+            taken = {e.ip for e in self._engines.values()} | {running[p] for p in self._left_alone if p in running}
         for pod, ip in new:
             if ip in taken:
                 if pod not in self.duplicates:

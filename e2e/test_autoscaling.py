@@ -178,9 +178,10 @@ def test_load_over_the_slo_adds_engines_and_its_end_removes_them(
     for e in events(k8s, namespace, name):
         messages.setdefault(e["reason"], []).append(e["message"])
     ups, downs = messages.get("ScaledUp", []), messages.get("ScaledDown", [])
-    assert [m for m in ups if "2 -> 3" in m] and [m for m in ups if "3 -> 4" in m], ups
-    assert all("unknown: " in m and broken in m for m in ups), ups
-    assert [m for m in downs if "4 -> 3" in m] and [m for m in downs if "3 -> 2" in m], downs
+    # Joined, not repr'd: pytest cuts a long repr in its middle, where the telling part is.
+    assert [m for m in ups if "2 -> 3" in m] and [m for m in ups if "3 -> 4" in m], "\n".join(ups)
+    assert all("unknown: " in m and broken in m for m in ups), (broken, runner.snapshot(), "\n".join(ups))
+    assert [m for m in downs if "4 -> 3" in m] and [m for m in downs if "3 -> 2" in m], "\n".join(downs)
     left = {p["metadata"]["name"] for p in kvis.running_pods(k8s, namespace, name)}
     status = kvis.get(k8s, namespace, name)["status"]
     assert status["autoscaler"]["unknownPods"] == sorted(left & {broken})  # unless its pod was removed

@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "plan": ("kvpilot.operator.cli", "size a model on a GPU: KV cache, batch limits, quantization, latency"),
     "operator": ("kvpilot.operator.cli", "run the InferenceService operator (kopf)"),
+    "gateway": ("kvpilot.operator.cli", "run the gateway: routes by namespace and model, wakes services from zero"),
 }
 
 

@@ -1,8 +1,9 @@
-"""`kvpilot plan` and `kvpilot operator`, registered into the engine's `kvpilot` command."""
+"""`kvpilot plan`, `kvpilot operator` and `kvpilot gateway`, registered into the engine's `kvpilot` command."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import logging
 import random
@@ -16,7 +17,8 @@ from pydantic import ValidationError
 from kvpilot.operator.api.spec import InferenceServiceSpec, Quantization, Speculative
 from kvpilot.operator.autoscaling.decisions import INTERVAL_SECONDS, WINDOW_PERIODS
 from kvpilot.operator.autoscaling.loop import prometheus_allowed
-from kvpilot.operator.gateway.server import HOLD_SECONDS
+from kvpilot.operator.gateway import main as gateway_main
+from kvpilot.operator.gateway.limits import Limits
 from kvpilot.operator.kube.cluster import KubeCluster
 from kvpilot.operator.planning import sizing
 from kvpilot.operator.planning.gpus import GPUS, find_gpu
@@ -79,22 +81,51 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "URL prefix (same scheme, host and port; the prefix's path segments first); "
         "repeatable; by default no prometheusUrl is read",
     )
-    operator.add_argument(
-        "--gateway",
-        metavar="HOST:PORT",
-        type=_address,
-        help="serve the OpenAI-compatible gateway here (routes by model; holds requests "
-        "that arrive at 0 replicas until one is ready), e.g. 0.0.0.0:8000",
-    )
-    operator.add_argument(
-        "--gateway-hold-seconds",
-        type=float,
-        default=HOLD_SECONDS,
-        metavar="SECONDS",
-        help="how long the gateway holds a request for a replica (default %(default)s)",
-    )
     operator.add_argument("-v", "--verbose", action="store_true")
     operator.set_defaults(func=run_operator)
+    register_gateway(subparsers)
+
+
+# Seconds a stopping gateway lets its streams run (the chart's grace period covers it).
+DRAIN_SECONDS = 600.0
+
+
+def register_gateway(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    gateway = subparsers.add_parser(
+        "gateway",
+        help="run the OpenAI-compatible gateway: /namespaces/<namespace>/v1/... routes by the body's model "
+        "within that namespace, holds requests while a service the autoscaler scaled to zero wakes",
+    )
+    gateway.add_argument("--listen", type=_address, default=("0.0.0.0", 8000), metavar="HOST:PORT")
+    gateway.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=DRAIN_SECONDS,
+        metavar="SECONDS",
+        help="on SIGTERM, how long streams in flight may finish (default %(default)s)",
+    )
+    # One flag per bound (gateway/limits.py), named after it, its default the model's.
+    for name, field in Limits.model_fields.items():
+        gateway.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=field.annotation,
+            default=field.default,
+            dest=name,
+            help="(default %(default)s)",
+        )
+    gateway.add_argument("-v", "--verbose", action="store_true")
+    gateway.set_defaults(func=run_gateway)
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    try:
+        limits = Limits.model_validate({name: getattr(args, name) for name in Limits.model_fields})
+    except ValidationError as error:
+        print(f"kvpilot gateway: {error}", file=sys.stderr)
+        return 2
+    asyncio.run(gateway_main.run(*args.listen, limits, args.drain_seconds))
+    return 0
 
 
 def _address(value: str) -> tuple[str, int]:
@@ -217,8 +248,8 @@ def run_operator(args: argparse.Namespace) -> int:
     # log_prefix: every per-object line says which InferenceService it is about.
     kopf.configure(verbose=args.verbose, log_prefix=True)
     namespaces = None if args.all_namespaces else list(args.namespaces)
-    # The operator's one client: the peering here, then every handler, the autoscaler and the
-    # gateway through kopf's memo.
+    # The operator's one client: the peering here, then every handler and the autoscaler through
+    # kopf's memo.
     cluster = KubeCluster.connect()
     if not args.standalone:
         cluster.ensure_peering(args.peering, namespaces)
@@ -237,8 +268,6 @@ def run_operator(args: argparse.Namespace) -> int:
             cluster=cluster,
             autoscale_interval=args.autoscale_interval,
             prometheus_url_allow=tuple(args.prometheus_url_allow),
-            gateway=args.gateway,
-            gateway_hold_seconds=args.gateway_hold_seconds,
         ),
     )
     return 0

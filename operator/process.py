@@ -1,7 +1,7 @@
 """What the operator process runs beside the reconcile handlers (controller/handlers.py): the
-kopf indexes the autoscaler, the gateway and event reconciles read, the SLO autoscaler's loop, and
-the gateway when asked for. Importing it registers them in kopf's default registry (`kvpilot
-operator` does); all of them write through the one cluster adapter in kopf's memo.
+kopf indexes the autoscaler and event reconciles read, and the SLO autoscaler's loop. Importing it
+registers them in kopf's default registry (`kvpilot operator` does); all of them write through the
+one cluster adapter in kopf's memo. The gateway is a process of its own (`kvpilot gateway`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from kvpilot.operator.api import names
 from kvpilot.operator.api.names import GROUP, PLURAL, VERSION
 from kvpilot.operator.autoscaling.decisions import INTERVAL_SECONDS
 from kvpilot.operator.autoscaling.loop import AutoscalingLoop
-from kvpilot.operator.gateway.server import HOLD_SECONDS, Gateway
 from kvpilot.operator.kube.indexes import index_entry
 
 
@@ -54,9 +53,10 @@ async def start_autoscaler(
     **_: Any,
 ) -> None:
     """The SLO autoscaler's periodic loop (autoscaling/loop.py), as a plain asyncio task: a kopf
-    timer or daemon would put a finalizer on every InferenceService. And the gateway
-    (gateway/server.py) when asked for: it reads the same indexes. Both write through the one
-    cluster adapter `configure` built."""
+    timer or daemon would put a finalizer on every InferenceService. Once: a startup handler that
+    kopf runs again (after a failure of another) must not start a second loop."""
+    if memo.get("autoscaler") is not None:
+        return
     loop = AutoscalingLoop(
         memo.cluster,
         autoscaled_services,
@@ -67,17 +67,6 @@ async def start_autoscaler(
         memo.get("prometheus_url_allow", ()),
     )
     memo.autoscaler = asyncio.create_task(loop.run(), name="kvpilot-autoscaler")
-    address = memo.get("gateway")
-    if address is not None:
-        gateway = Gateway(
-            autoscaled_services,
-            engine_deployments,
-            engine_replicasets,
-            engine_pods,
-            memo.cluster,
-            memo.get("gateway_hold_seconds", HOLD_SECONDS),
-        )
-        memo.gateway_runner = await gateway.serve(*address)
 
 
 @kopf.on.cleanup()
@@ -87,6 +76,3 @@ async def stop_autoscaler(memo: kopf.Memo, **_: Any) -> None:
         task.cancel()
         with suppress(asyncio.CancelledError):
             await task
-    runner = memo.get("gateway_runner")
-    if runner is not None:
-        await runner.cleanup()

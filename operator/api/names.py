@@ -60,3 +60,7 @@ def owner_reference(name: str, uid: str) -> dict[str, Any]:
         "controller": True,
         "blockOwnerDeletion": True,
     }
+
+# In status.autoscaler: when the SLO autoscaler set the present 0 replicas (kept while they stay 0).
+# The gateway wakes only such a zero, never a `kubectl scale --replicas=0` or one in mode off/external.
+SCALED_TO_ZERO_AT = "scaledToZeroAt"

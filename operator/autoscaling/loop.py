@@ -46,7 +46,7 @@ from typing import Any
 import aiohttp
 from pydantic import ValidationError
 
-from kvpilot.operator.api.names import API_VERSION, KIND
+from kvpilot.operator.api.names import API_VERSION, KIND, SCALED_TO_ZERO_AT
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.autoscaling.decisions import (
     INTERVAL_SECONDS,
@@ -103,7 +103,9 @@ def due(state: AutoscalerState, now: float, interval: float = INTERVAL_SECONDS) 
     return last is None or now - last.at >= _DUE_FRACTION * interval
 
 
-def status_patch(state: AutoscalerState, decision: Decision, old_latency: Mapping[str, Any] | None) -> dict[str, Any]:
+def status_patch(
+    state: AutoscalerState, decision: Decision, old_latency: Mapping[str, Any] | None, zeroed_at: str | None = None
+) -> dict[str, Any]:
     """The status fields one period writes: the decision for people (`kubectl get -o yaml`), the
     state for the next period, and the observed p95s (and draft acceptance, when the engines
     speculate) beside the plan's predicted ones (`status.plan.predictedTtftMs`,
@@ -120,6 +122,10 @@ def status_patch(state: AutoscalerState, decision: Decision, old_latency: Mappin
         "unknownPods": list(signals.unknown),
         "state": state.model_dump(mode="json", by_alias=True),
     }
+    # The gateway wakes only a zero of the autoscaler's (names.SCALED_TO_ZERO_AT): set by its own
+    # scale to 0, kept (`zeroed_at`, the status's) while replicas stay 0, gone with any other count.
+    if decision.replicas == 0 and (decision.action == "down" or zeroed_at):
+        summary[SCALED_TO_ZERO_AT] = iso(decision.at) if decision.action == "down" else zeroed_at
     patch: dict[str, Any] = {STATUS_KEY: summary}
     observed = {
         "ttftP95Ms": None if signals.ttft_p95_seconds is None else round(signals.ttft_p95_seconds * 1000, 1),
@@ -426,7 +432,12 @@ class AutoscalingLoop:
                 log.info(
                     f"autoscaler: {metadata['namespace']}/{metadata['name']}: pod {read.name} is unknown: {read.error}"
                 )
-        patch = as_merge_patch(old_status, status_patch(state, decision, old_status.get("latency")))
+        patch = as_merge_patch(
+            old_status,
+            status_patch(
+                state, decision, old_status.get("latency"), (old_status.get(STATUS_KEY) or {}).get(SCALED_TO_ZERO_AT)
+            ),
+        )
         try:
             written = self.cluster.patch_status(
                 API_VERSION, KIND, metadata["namespace"], metadata["name"], patch, metadata["resourceVersion"]

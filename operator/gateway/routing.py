@@ -1,10 +1,30 @@
-"""Where the gateway sends a request: the InferenceService a model name addresses, and the engine
-among its ready pods. Pure functions."""
+"""Where the gateway sends a request: the InferenceService a namespace and model name address, the
+engine among its ready pods, and whether a request may wake a service at zero. Pure functions.
+
+A request addresses its tenant in the path, `/namespaces/<namespace>/v1/...`, and its model by the
+body's `model` within that namespace only: a same-named model elsewhere is never seen, named,
+woken or sent the request (and its `Authorization` header).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
+
+from kvpilot.operator.api.names import SCALED_TO_ZERO_AT
+from kvpilot.operator.kube.indexes import current_replicas
+
+# An engine gets up to this many times its plan's max_num_seqs at once: the batch plus an equal
+# queue in the engine, where the autoscaler reads it (waiting requests); beyond that a request waits
+# in the gateway (held, bounded) rather than in a client pool the autoscaler cannot see.
+ENGINE_QUEUE_FACTOR = 2
+# Without a plan in the status (an older operator, a service not planned yet).
+DEFAULT_ENGINE_CAPACITY = 256
+# An engine that refused a connection or timed out connecting is passed over for this long,
+# doubling with each failure in a row up to the maximum.
+BACKOFF_SECONDS = 0.5
+MAX_BACKOFF_SECONDS = 10.0
 
 
 def served_model(service: Mapping[str, Any]) -> str | None:
@@ -12,29 +32,102 @@ def served_model(service: Mapping[str, Any]) -> str | None:
     return model.get("servedModelName") or model.get("name")
 
 
-def route(model: str, services: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
-    """(namespace, name) of the InferenceService serving `model`; LookupError with what a client
-    can act on when none or several do."""
+def served_in(namespace: str, services: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The model names served in `namespace` (nothing of any other)."""
+    return sorted(
+        {
+            m
+            for s in services
+            if s["metadata"]["namespace"] == namespace and not s["metadata"].get("deletionTimestamp")
+            if (m := served_model(s))
+        }
+    )
+
+
+def route(namespace: str, model: str, services: Sequence[Mapping[str, Any]]) -> str:
+    """The name of the InferenceService in `namespace` serving `model`; LookupError with what a
+    client can act on (in its own namespace only) when none or several do."""
     matches = sorted(
-        (s["metadata"]["namespace"], s["metadata"]["name"])
+        s["metadata"]["name"]
         for s in services
-        if served_model(s) == model and not s["metadata"].get("deletionTimestamp")
+        if s["metadata"]["namespace"] == namespace
+        and served_model(s) == model
+        and not s["metadata"].get("deletionTimestamp")
     )
     if not matches:
-        served = sorted({m for s in services if (m := served_model(s))})
-        raise LookupError(f"The model `{model}` does not exist; served here: {', '.join(served) or 'none'}")
+        served = ", ".join(served_in(namespace, services)) or "none"
+        raise LookupError(f"The model `{model}` does not exist in namespace {namespace}; served there: {served}")
     if len(matches) > 1:
         raise LookupError(
-            f"The model `{model}` is served by several InferenceServices "
-            f"({', '.join('/'.join(m) for m in matches)}): give them distinct servedModelName"
+            f"The model `{model}` is served by several InferenceServices in namespace {namespace} "
+            f"({', '.join(matches)}): give them distinct servedModelName"
         )
     return matches[0]
 
 
-def choose(
-    urls: Sequence[tuple[str, str]], in_flight: Mapping[str, int], refused_until: Mapping[str, float], now: float
-) -> str | None:
-    """The base URL with the fewest requests in flight among those not refused lately (None: no
-    engine to try now)."""
-    candidates = [url for _, url in urls if refused_until.get(url, 0.0) <= now]
-    return min(candidates, key=lambda url: in_flight.get(url, 0), default=None)
+def engine_capacity(service: Mapping[str, Any]) -> int:
+    """Requests one engine of `service` is sent at once (see ENGINE_QUEUE_FACTOR)."""
+    seqs = ((service.get("status") or {}).get("plan") or {}).get("maxNumSeqs")
+    return ENGINE_QUEUE_FACTOR * int(seqs) if seqs else DEFAULT_ENGINE_CAPACITY
+
+
+@dataclass
+class Engines:
+    """Per InferenceService: requests in flight per engine URL, and the engines passed over after
+    failures to connect (failures in a row, and until when)."""
+
+    in_flight: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
+    backoff_until: dict[str, float] = field(default_factory=dict)
+
+    def failed(self, url: str, now: float) -> None:
+        count = self.failures.get(url, 0) + 1
+        self.failures[url] = count
+        self.backoff_until[url] = now + min(BACKOFF_SECONDS * 2 ** (count - 1), MAX_BACKOFF_SECONDS)
+
+    def succeeded(self, url: str) -> None:
+        self.failures.pop(url, None)
+        self.backoff_until.pop(url, None)
+
+    def forget_except(self, urls: Sequence[str]) -> None:
+        """Drop what is kept about engines that are gone (nothing in flight there any more)."""
+        keep = set(urls)
+        for table in (self.failures, self.backoff_until):
+            for url in [u for u in table if u not in keep]:
+                del table[url]
+        for url in [u for u, n in self.in_flight.items() if n == 0 and u not in keep]:
+            del self.in_flight[url]
+
+    def idle(self) -> bool:
+        return not any(self.in_flight.values())
+
+
+def choose(urls: Sequence[tuple[str, str]], engines: Engines, capacity: int, now: float) -> str | None:
+    """The base URL with the fewest requests in flight among the engines not backed off and below
+    `capacity` (None: no engine to try now)."""
+    candidates = [
+        url
+        for _, url in urls
+        if engines.backoff_until.get(url, 0.0) <= now and engines.in_flight.get(url, 0) < capacity
+    ]
+    return min(candidates, key=lambda url: engines.in_flight.get(url, 0), default=None)
+
+
+def wake_refusal(service: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> str | None:
+    """Why a request may not scale `service` from zero (None: it may). Only a zero the SLO
+    autoscaler set (mode slo, minReplicas 0, its marker in the status) is undone by traffic: never
+    one of mode off or external, nor a `kubectl scale --replicas=0`."""
+    spec = service.get("spec") or {}
+    autoscaling = spec.get("autoscaling") or {}
+    mode = autoscaling.get("mode", "slo")
+    if deployment is None:
+        return "it has no Deployment yet"
+    if current_replicas(service, deployment) != 0:
+        return "it is not at 0 replicas"
+    if mode != "slo":
+        return f"autoscaling.mode is {mode}: only the owner of its replicas scales it"
+    if autoscaling.get("minReplicas", 1) != 0:
+        return "autoscaling.minReplicas is not 0: it was scaled to zero by hand"
+    if not ((service.get("status") or {}).get("autoscaler") or {}).get(SCALED_TO_ZERO_AT):
+        return "it was scaled to zero by hand, not by the autoscaler"
+    return None

@@ -1,19 +1,23 @@
 """The gateway: one OpenAI-compatible endpoint in front of every InferenceService, and the
 component that holds a request arriving at zero replicas until a replica serves it.
 
-It runs inside the operator (`kvpilot operator --gateway HOST:PORT`, the chart's `gateway.*`
-values), as KubeAI's proxy does, and reads the same kopf indexes as the autoscaler's loop, so
-routing costs no API reads. A request's `model` names the InferenceService (its
-`model.servedModelName`, else `model.name`); it goes to the ready engine pod with the fewest
-requests in flight through this gateway. When none is ready:
-- at 0 replicas (scaled to zero by the autoscaler, `autoscaling.minReplicas: 0`), the gateway sets
-  1 through the scale subresource, posts an Event, and holds the request;
-- while pods start, it holds the request too;
-until an engine accepts the connection or `hold_seconds` pass (then 503 with Retry-After). A
-connection refused before anything was sent (an engine still loading, or gone) is retried on
-another pod or after a short wait, never answered with an error while the hold lasts.
+It is its own process (`kvpilot gateway`, the chart's gateway Deployment) and reads what its
+watches hold (gateway/watch.py): the InferenceServices, their Deployments, ReplicaSets and pods,
+so routing costs no API reads. A client addresses a namespace in the path and a model in the body:
+`POST /namespaces/<namespace>/v1/chat/completions` with `"model": "<servedModelName or model.name>"`
+(routing.py). The request goes to the ready engine pod with the fewest requests in flight through
+this gateway, up to twice its plan's max_num_seqs. When none can take it, it is held:
+- at 0 replicas that the SLO autoscaler set (routing.wake_refusal), the gateway sets 1 through the
+  scale subresource and posts an Event; any other zero is a 503 at once;
+- while pods start, or every engine is full, it waits;
+until an engine takes it or the hold ends (503 with Retry-After). What it holds is bounded
+(limits.py): bodies by size, bytes and count per namespace or service and in all, each read within
+a deadline and parsed one at a time.
 
-Routing decisions are pure functions in routing.py (tests/operator/gateway/).
+Faults: a failure to connect (nothing sent) is retried on another pod, the failed one backed off
+(doubling); any failure after that is an OpenAI-shaped 502, never retried (the engine may have
+generated already). A client that leaves cancels its request, held or forwarded (the engine sees
+the connection close and aborts it).
 """
 
 from __future__ import annotations
@@ -23,15 +27,17 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
-from kvpilot.operator.gateway.routing import choose, route, served_model
-from kvpilot.operator.kube.cluster import KubeCluster
+from kvpilot.operator.gateway.body import BadBody, model_of
+from kvpilot.operator.gateway.headers import client_response_headers, upstream_request_headers
+from kvpilot.operator.gateway.limits import RETRY_AFTER_SECONDS, Admission, Limits, Refusal
+from kvpilot.operator.gateway.routing import Engines, choose, engine_capacity, route, served_in, wake_refusal
 from kvpilot.operator.kube.events import scaling_event
 from kvpilot.operator.kube.indexes import (
     children,
@@ -42,56 +48,57 @@ from kvpilot.operator.kube.indexes import (
     indexed_services,
 )
 
-# Knative's activator and KServe hold a request for up to their revision timeout (300 s by
-# default); a cold replica here must schedule, pull and load a model, which takes about that.
-HOLD_SECONDS = 300.0
-RETRY_AFTER_SECONDS = 10
-# How long a refused engine is passed over before it is tried again.
-REFUSED_BACKOFF_SECONDS = 1.0
-MAX_BODY_BYTES = 16 << 20  # the engine's own default limit
-# Headers that describe one hop, not the request (RFC 9110 7.6.1), and those aiohttp sets itself.
-_HOP_HEADERS = {
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "host",
-    "content-length",
-}
+# How often a held request looks again for an engine.
+POLL_SECONDS = 0.25
+# Pooled connections to engines are closed after this idle time, shorter than the engine's own
+# keep-alive (uvicorn: 5 s), so a request is never written onto a connection the engine is closing.
+UPSTREAM_KEEPALIVE_SECONDS = 3.0
+# How long after a scale write the gateway waits for its watch to see it before writing again.
+SCALE_SETTLE_SECONDS = 10.0
+PREFIX = "/namespaces/{namespace}/v1"
 
 log = logging.getLogger(__name__)
 
 
-def _error(status: int, message: str, code: str | None = None, retry_after: int | None = None) -> web.Response:
+class Scaler(Protocol):
+    def write_replicas(
+        self, body: Mapping[str, Any], replicas: int, event: dict[str, Any], resource_version: str | None = None
+    ) -> None: ...
+
+
+def error(status: int, message: str, code: str | None = None, retry_after: int | None = None) -> web.Response:
     """An OpenAI-shaped error, as the engine writes them."""
-    body = {
-        "error": {
-            "message": message,
-            "type": "invalid_request_error" if status < 500 else "service_unavailable",
-            "param": "model" if status == 404 else None,
-            "code": code,
-        }
-    }
+    kind = "invalid_request_error" if status < 500 else "service_unavailable" if status == 503 else "upstream_error"
+    body = {"error": {"message": message, "type": kind, "param": "model" if status == 404 else None, "code": code}}
     headers = {"Retry-After": str(retry_after)} if retry_after else None
     return web.json_response(body, status=status, headers=headers)
 
 
-@dataclass
-class _Held:
-    """Per InferenceService: requests in flight per engine, and engines that refused lately."""
+class _Answer(Exception):
+    """Stop here and answer this."""
 
-    in_flight: dict[str, int] = field(default_factory=dict)
-    refused_until: dict[str, float] = field(default_factory=dict)
-    scaling: asyncio.Lock = field(default_factory=asyncio.Lock)
+    def __init__(self, response: web.Response) -> None:
+        super().__init__(response.status)
+        self.response = response
+
+
+def _refused(refusal: Refusal | None) -> None:
+    if refusal is not None:
+        raise _Answer(error(refusal.status, refusal.message, "overloaded", RETRY_AFTER_SECONDS))
+
+
+class _Taken:
+    """Body bytes a request has taken from the admission counters (given back when it ends)."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace, self.count = namespace, 0
 
 
 class Gateway:
-    """The HTTP side. `services`, `deployments`, `replicasets` and `pods` are the autoscaler's kopf indexes;
-    `cluster` (the operator's one adapter, blocking: used from a thread) writes the scale
-    subresource and the Event when a service wakes from zero."""
+    """The HTTP side. `services`, `deployments`, `replicasets` and `pods` are what the watches hold
+    (key -> list of index entries, kube/indexes.py); `scaler` (blocking: used from a thread) writes
+    the scale subresource and the Event when a service wakes from zero; `synced` says whether the
+    watches have listed everything once (the readiness probe)."""
 
     def __init__(
         self,
@@ -99,22 +106,30 @@ class Gateway:
         deployments: Mapping[Any, Any],
         replicasets: Mapping[Any, Any],
         pods: Mapping[Any, Any],
-        cluster: KubeCluster,
-        hold_seconds: float = HOLD_SECONDS,
+        scaler: Scaler,
+        limits: Limits | None = None,
+        synced: Callable[[], bool] = lambda: True,
     ) -> None:
         self._indexes = services, deployments, replicasets, pods
-        self._cluster = cluster
-        self.hold_seconds = hold_seconds
-        self._held: dict[tuple[str, str], _Held] = {}
+        self._scaler = scaler
+        self.limits = limits or Limits()
+        self.admission = Admission(self.limits)
+        self._synced = synced
+        self.draining = False
+        self._engines: dict[tuple[str, str], Engines] = {}
+        self._waking: dict[tuple[str, str], asyncio.Lock] = {}
+        self._parsing = asyncio.Lock()
         self._instance = socket.gethostname()
         self._session: aiohttp.ClientSession | None = None
-        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
+        self.app = web.Application(client_max_size=self.limits.max_body_bytes)
         self.app.add_routes(
             [
                 web.get("/healthz", self._healthz),
-                web.get("/v1/models", self._models),
-                web.post("/v1/completions", self._forward),
-                web.post("/v1/chat/completions", self._forward),
+                web.get("/readyz", self._readyz),
+                web.get(f"{PREFIX}/models", self._models),
+                web.post(f"{PREFIX}/completions", self._forward),
+                web.post(f"{PREFIX}/chat/completions", self._forward),
+                web.route("*", "/v1/{tail:.*}", self._unaddressed),
             ]
         )
         self.app.on_cleanup.append(self._close)
@@ -123,8 +138,23 @@ class Gateway:
         if self._session is not None:
             await self._session.close()
 
-    def _services(self) -> list[Mapping[str, Any]]:
-        return indexed_services(self._indexes[0])
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            limits = self.limits
+            self._session = aiohttp.ClientSession(
+                # No pool limit of aiohttp's (100 by default): how many requests an engine gets at
+                # once is its plan's (routing.engine_capacity).
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_SECONDS),
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=limits.upstream_connect_seconds, sock_read=limits.upstream_idle_seconds
+                ),
+                auto_decompress=False,
+            )
+        return self._session
+
+    def busy(self) -> bool:
+        """Whether any request is held or forwarded."""
+        return bool(self.admission.held) or any(not engines.idle() for engines in self._engines.values())
 
     def _service(self, key: tuple[str, str]) -> Mapping[str, Any] | None:
         return indexed_service(self._indexes[0], key)
@@ -138,103 +168,206 @@ class Gateway:
     async def _healthz(self, _: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
-    async def _models(self, _: web.Request) -> web.Response:
-        models = sorted({m for s in self._services() if (m := served_model(s))})
+    async def _readyz(self, _: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        if not self._synced():
+            return web.json_response({"status": "the watches have not listed everything yet"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        namespace = request.match_info["namespace"]
+        models = served_in(namespace, indexed_services(self._indexes[0]))
         return web.json_response(
-            {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "kvpilot"} for m in models]}
+            {"object": "list", "data": [{"id": m, "object": "model", "owned_by": namespace} for m in models]}
         )
+
+    async def _unaddressed(self, _: web.Request) -> web.Response:
+        return error(404, "address a namespace: /namespaces/<namespace>/v1/... (README, 'Gateway')", "not_found")
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
+        taken = _Taken(request.match_info["namespace"])
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", "request_too_large")
+            raw = await self._read(request, taken)
+            async with self._parsing:  # one parse at a time: its transient copy is bounded too
+                model = await asyncio.to_thread(model_of, raw)
+            name = route(taken.namespace, model, indexed_services(self._indexes[0]))
+            return await self._dispatch(request, (taken.namespace, name), raw)
+        except BadBody as bad:
+            return error(400, str(bad))
+        except LookupError as missing:
+            return error(404, str(missing), "model_not_found")
+        except _Answer as answer:
+            return answer.response
+        finally:
+            self.admission.give_bytes(taken.namespace, taken.count)
+
+    async def _read(self, request: web.Request, taken: _Taken) -> bytes:
+        """The body, decoded, within the size limit, the byte budgets and the read deadline."""
+        limits = self.limits
+        declared = request.content_length
+        too_large = error(413, f"the request body is larger than {limits.max_body_bytes} bytes", "request_too_large")
+        if declared is not None and declared > limits.max_body_bytes:
+            too_large.force_close()
+            raise _Answer(too_large)
+        _refused(self.admission.take_bytes(taken.namespace, declared or 0))
+        taken.count = declared or 0
+        chunks: list[bytes] = []
+        size = 0
         try:
-            body = json.loads(raw)
-            model = body["model"]
-        except (ValueError, KeyError, TypeError):
-            return _error(400, "the body must be a JSON object with a `model`")
-        services = self._services()
+            async with asyncio.timeout(limits.body_read_seconds):
+                async for chunk in request.content.iter_chunked(1 << 16):
+                    size += len(chunk)
+                    if size > limits.max_body_bytes:
+                        too_large.force_close()
+                        raise _Answer(too_large)
+                    if size > taken.count:  # chunked, or decoded larger than sent
+                        _refused(self.admission.take_bytes(taken.namespace, size - taken.count))
+                        taken.count = size
+                    chunks.append(chunk)
+        except TimeoutError:
+            late = error(408, f"the request body did not arrive within {limits.body_read_seconds:g} s", "timeout")
+            late.force_close()
+            raise _Answer(late) from None
+        return b"".join(chunks)
+
+    async def _dispatch(self, request: web.Request, key: tuple[str, str], raw: bytes) -> web.StreamResponse:
+        engines = self._engines.setdefault(key, Engines())
+        headers = upstream_request_headers(request.headers.items(), request.remote)
+        deadline = time.monotonic() + self.limits.hold_seconds
+        held = False
         try:
-            key = route(str(model), services)
-        except LookupError as error:
-            return _error(404, str(error), "model_not_found")
-        held = self._held.setdefault(key, _Held())
-        deadline = time.monotonic() + self.hold_seconds
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-        while time.monotonic() < deadline:
-            service = self._service(key)
-            if service is None:
-                return _error(404, f"the InferenceService {'/'.join(key)} is gone", "model_not_found")
-            _, pods = self._children(service)
-            url = choose(engine_urls(pods), held.in_flight, held.refused_until, time.monotonic())
-            if url is None:
-                await self._scale_from_zero(key, held)  # a no-op unless the service is at 0
-                await asyncio.sleep(0.25)
-                continue
-            try:
-                return await self._proxy(request, url, raw, headers, held)
-            except aiohttp.ClientConnectorError:
-                # Nothing was sent: the engine is not listening (yet). Another one, or later.
-                held.refused_until[url] = time.monotonic() + REFUSED_BACKOFF_SECONDS
-        return _error(
-            503,
-            f"no replica of {'/'.join(key)} became ready within {self.hold_seconds:g} s",
-            retry_after=RETRY_AFTER_SECONDS,
-        )
+            while True:
+                service = self._service(key)
+                if service is None:
+                    raise _Answer(error(404, f"the InferenceService {'/'.join(key)} is gone", "model_not_found"))
+                deployment, pods = self._children(service)
+                urls = engine_urls(pods)
+                engines.forget_except([url for _, url in urls])
+                url = choose(urls, engines, engine_capacity(service), time.monotonic())
+                if url is not None:
+                    if held:
+                        self.admission.release(key)
+                        held = False
+                    answered = await self._proxy(request, url, raw, headers, engines)
+                    if answered is not None:
+                        return answered
+                    continue
+                if not held:
+                    _refused(self.admission.hold(key))
+                    held = True
+                await self._wait(key, service, deployment, deadline)
+        finally:
+            if held:
+                self.admission.release(key)
+            if engines.idle() and self._service(key) is None:
+                self._engines.pop(key, None)
+
+    async def _wait(
+        self, key: tuple[str, str], service: Mapping[str, Any], deployment: Mapping[str, Any] | None, deadline: float
+    ) -> None:
+        """One round of holding a request for which no engine is free: wake the service when it
+        is at a zero the autoscaler set; answer when it may not be woken, the hold is over, or the
+        gateway is stopping."""
+        where = "/".join(key)
+        if self.draining:
+            raise _Answer(error(503, "the gateway is restarting: send it again", "restarting", RETRY_AFTER_SECONDS))
+        if deployment is not None and current_replicas(service, deployment) == 0:
+            why = wake_refusal(service, deployment)
+            if why is not None:
+                raise _Answer(error(503, f"{where} is at 0 replicas and the gateway does not wake it: {why}"))
+            await self._scale_from_zero(key)
+        if time.monotonic() >= deadline:
+            raise _Answer(
+                error(
+                    503,
+                    f"no replica of {where} could take the request within {self.limits.hold_seconds:g} s",
+                    "no_replica",
+                    RETRY_AFTER_SECONDS,
+                )
+            )
+        await asyncio.sleep(POLL_SECONDS)
 
     async def _proxy(
-        self, request: web.Request, url: str, raw: bytes, headers: Mapping[str, str], held: _Held
-    ) -> web.StreamResponse:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5), auto_decompress=False
-            )
-        held.in_flight[url] = held.in_flight.get(url, 0) + 1
+        self, request: web.Request, url: str, raw: bytes, headers: list[tuple[str, str]], engines: Engines
+    ) -> web.StreamResponse | None:
+        """The engine's answer relayed, or None when nothing reached it (try another)."""
+        engines.in_flight[url] = engines.in_flight.get(url, 0) + 1
         try:
-            async with self._session.post(f"{url}{request.path}", data=raw, headers=headers) as upstream:
-                response = web.StreamResponse(
-                    status=upstream.status,
-                    headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS},
+            try:
+                upstream = await self._client().post(
+                    url + request.path.removeprefix(f"/namespaces/{request.match_info['namespace']}"),
+                    data=raw,
+                    headers=headers,
+                    allow_redirects=False,
                 )
-                await response.prepare(request)
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-                await response.write_eof()
-                return response
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+                engines.failed(url, time.monotonic())
+                return None
+            except (aiohttp.ClientError, TimeoutError) as failure:
+                # Bytes may have reached the engine, which may be generating: never sent twice.
+                return error(502, f"the engine failed before answering ({type(failure).__name__})", "upstream_error")
+            engines.succeeded(url)
+            async with upstream:
+                return await self._relay(request, upstream)
         finally:
-            held.in_flight[url] -= 1
+            engines.in_flight[url] -= 1
 
-    def _at_zero(self, key: tuple[str, str]) -> Mapping[str, Any] | None:
-        """The InferenceService while it has its Deployment and 0 replicas, else None."""
-        service = self._service(key)
-        if service is None:
-            return None
-        deployment, _ = self._children(service)
-        return service if deployment is not None and current_replicas(service, deployment) == 0 else None
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        response = web.StreamResponse(
+            status=upstream.status, headers=CIMultiDict(client_response_headers(upstream.headers.items()))
+        )
+        await response.prepare(request)
+        try:
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+        except (aiohttp.ClientError, TimeoutError) as failure:
+            # The engine stopped mid-answer: the client must see a failure, not a short success.
+            log.info(f"gateway: {request.path}: the engine failed mid-answer: {type(failure).__name__}")
+            if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                message = f"the engine failed mid-answer ({type(failure).__name__})"
+                event = {"error": {"message": message, "type": "upstream_error", "code": "upstream_error"}}
+                await response.write(f"data: {json.dumps(event)}\n\n".encode())
+            if request.transport is not None:
+                request.transport.close()  # no last chunk: the client sees the answer cut
+            return response
+        await response.write_eof()
+        return response
 
-    async def _scale_from_zero(self, key: tuple[str, str], held: _Held) -> None:
+    async def _scale_from_zero(self, key: tuple[str, str]) -> None:
         """0 -> 1, once for all the requests held at the time."""
-        async with held.scaling:
-            service = self._at_zero(key)
-            if service is None:
+        async with self._waking.setdefault(key, asyncio.Lock()):
+            if self._waking_refused(key):
                 return
+            service = self._service(key)
+            assert service is not None
             await asyncio.to_thread(self._write_scale, service)
-            # The index catches up through the watch; until then no held request may write again.
-            deadline = time.monotonic() + 10.0
-            while self._at_zero(key) is not None and time.monotonic() < deadline:
-                await asyncio.sleep(0.25)
+            # The watch catches up; until then no held request may write again.
+            deadline = time.monotonic() + SCALE_SETTLE_SECONDS
+            while not self._waking_refused(key) and time.monotonic() < deadline:
+                await asyncio.sleep(POLL_SECONDS)
+
+    def _waking_refused(self, key: tuple[str, str]) -> bool:
+        service = self._service(key)
+        return service is None or wake_refusal(service, self._children(service)[0]) is not None
 
     def _write_scale(self, service: Mapping[str, Any]) -> None:
         metadata = service["metadata"]
         message = "a request arrived at 0 replicas: 0 -> 1 (the gateway holds it until a replica serves it)"
-        self._cluster.write_replicas(
+        self._scaler.write_replicas(
             service, 1, scaling_event(service, "ScaledUp", message, time.time(), self._instance)
         )
         log.info(f"gateway: {metadata['namespace']}/{metadata['name']}: a request arrived at 0 replicas: 0 -> 1")
 
     async def serve(self, host: str, port: int) -> web.AppRunner:
-        runner = web.AppRunner(self.app, access_log=None)
+        runner = web.AppRunner(
+            self.app,
+            access_log=None,
+            # A client that leaves cancels its handler: a held request is never forwarded, a
+            # forwarded one's connection to the engine closes (the engine aborts it).
+            handler_cancellation=True,
+            keepalive_timeout=self.limits.keepalive_seconds,
+        )
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
         return runner

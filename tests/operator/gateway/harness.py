@@ -1,0 +1,260 @@
+"""What the gateway's tests share: the objects the watches would hold, those watches' stand-in
+(dicts the test edits), the cluster's stand-in (a recorder of scale writes), stand-in engines
+(real aiohttp servers on loopback addresses at names.PORT) and the gateway itself on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from e2e.procs import free_port
+from kvpilot.operator.api.names import INSTANCE_LABEL, PORT, SCALED_TO_ZERO_AT
+from kvpilot.operator.gateway import server as gw
+from kvpilot.operator.gateway.limits import Limits
+from kvpilot.operator.kube.indexes import index_entry
+
+NS = "team"
+UID = "uid-1"
+# Pods listen on names.PORT; each stand-in engine gets its own loopback address for it.
+POD_IPS = ("127.77.0.1", "127.77.0.2", "127.77.0.3")
+
+
+def service(
+    name: str = "chat",
+    model: str = "SmolLM2",
+    replicas: int | None = 1,
+    served: str | None = None,
+    namespace: str = NS,
+    uid: str = UID,
+    autoscaling: dict[str, Any] | None = None,
+    status: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {"model": {"name": model, **({"servedModelName": served} if served else {})}}
+    if replicas is not None:
+        spec["replicas"] = replicas
+    if autoscaling is not None:
+        spec["autoscaling"] = autoscaling
+    return {
+        "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": namespace, "uid": uid, "resourceVersion": "1"},
+        "spec": spec,
+        "status": status or {},
+    }
+
+
+def asleep(**changes: Any) -> dict[str, Any]:
+    """A service the SLO autoscaler scaled to zero (minReplicas 0, its marker in the status)."""
+    return service(
+        **{
+            "replicas": 0,
+            "autoscaling": {"mode": "slo", "minReplicas": 0},
+            "status": {"autoscaler": {SCALED_TO_ZERO_AT: "2026-01-01T00:00:00Z"}},
+            **changes,
+        }
+    )
+
+
+def deployment(name: str = "chat", replicas: int = 1, uid: str = UID, namespace: str = NS) -> dict[str, Any]:
+    return {
+        "kind": "Deployment",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": f"dep-{uid}",
+            "ownerReferences": [{"controller": True, "uid": uid}],
+        },
+        "spec": {"replicas": replicas},
+    }
+
+
+def replicaset(
+    name: str = "chat-5d8f", owner: str = f"dep-{UID}", instance: str = "chat", namespace: str = NS
+) -> dict[str, Any]:
+    """The ReplicaSet the Deployment controller makes (owner: the Deployment's uid), with the pod
+    template's labels."""
+    return {
+        "kind": "ReplicaSet",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": f"rs-{namespace}-{name}",
+            "labels": {INSTANCE_LABEL: instance},
+            "ownerReferences": [{"controller": True, "uid": owner}],
+        },
+    }
+
+
+def pod(
+    name: str,
+    ip: str,
+    ready: bool = True,
+    owner: str = "chat",
+    replicaset: str = "chat-5d8f",
+    namespace: str = NS,
+) -> dict[str, Any]:
+    return {
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {INSTANCE_LABEL: owner},
+            "ownerReferences": [{"controller": True, "uid": f"rs-{namespace}-{replicaset}"}],
+        },
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
+
+
+def serving(ips: tuple[str, ...] = POD_IPS[:1], namespace: str = NS, **changes: Any) -> list[dict[str, Any]]:
+    """A service with a Deployment of len(ips) replicas whose pods are ready at `ips`."""
+    return [
+        service(namespace=namespace, **changes),
+        deployment(replicas=len(ips), namespace=namespace, uid=changes.get("uid", UID)),
+        replicaset(namespace=namespace, owner=f"dep-{changes.get('uid', UID)}"),
+        *(pod(f"p{i}", ip, namespace=namespace) for i, ip in enumerate(ips)),
+    ]
+
+
+class Indexes:
+    """What the watches would hold, keyed as kube/indexes.py keys them."""
+
+    def __init__(self) -> None:
+        self.services: dict[Any, list[Any]] = {}
+        self.deployments: dict[Any, list[Any]] = {}
+        self.replicasets: dict[Any, list[Any]] = {}
+        self.pods: dict[Any, list[Any]] = {}
+
+    def put(self, *objects: dict[str, Any]) -> None:
+        for obj in objects:
+            index = {
+                "InferenceService": self.services,
+                "Deployment": self.deployments,
+                "ReplicaSet": self.replicasets,
+                "Pod": self.pods,
+            }[obj["kind"]]
+            by_instance = obj["kind"] in ("ReplicaSet", "Pod")
+            for key, value in index_entry(obj, INSTANCE_LABEL if by_instance else None).items():
+                index[key] = [v for v in index.get(key, []) if v["metadata"]["name"] != obj["metadata"]["name"]]
+                index[key].append(value)
+
+    def as_json(self) -> dict[str, list[Any]]:
+        return {
+            kind: [[list(key), values] for key, values in index.items()]
+            for kind, index in (
+                ("services", self.services),
+                ("deployments", self.deployments),
+                ("replicasets", self.replicasets),
+                ("pods", self.pods),
+            )
+        }
+
+
+class Recorder:
+    """The cluster adapter's stand-in: records scale writes and Events; `on_scale` plays the cluster."""
+
+    def __init__(self, on_scale: Callable[[int], None]) -> None:
+        self.scales: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self._on_scale = on_scale
+
+    def write_replicas(
+        self, body: dict[str, Any], replicas: int, event: dict[str, Any], resource_version: str | None = None
+    ) -> None:
+        self.scales.append({"service": body["metadata"]["name"], "spec": {"replicas": replicas}})
+        self.events.append(event)
+        self._on_scale(replicas)
+
+
+class Engine:
+    """A stand-in engine on ip:names.PORT: streams `chunks` SSE chunks naming itself, `delay`
+    seconds apart, and records what it was sent and how many requests it had at once."""
+
+    def __init__(self, name: str, chunks: int = 3, delay: float = 0.1) -> None:
+        self.name, self.chunks, self.delay = name, chunks, delay
+        self.requests: list[dict[str, Any]] = []
+        self.now = self.peak = 0
+        self.runner: web.AppRunner | None = None
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append({"headers": dict(request.headers), "body": body})
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        try:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Engine": self.name})
+            await response.prepare(request)
+            for i in range(self.chunks):
+                chunk = {"engine": self.name, "i": i, "model": body["model"]}
+                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await asyncio.sleep(self.delay)
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        finally:
+            self.now -= 1
+
+    async def start(self, ip: str) -> Engine:
+        app = web.Application(client_max_size=64 << 20)
+        app.add_routes(
+            [web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.completions)]
+        )
+        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, ip, PORT).start()
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+Scenario = Callable[[Indexes, Recorder, str, aiohttp.ClientSession], Awaitable[None]]
+
+
+def run(
+    scenario: Scenario,
+    limits: Limits | None = None,
+    on_scale: Callable[[Indexes, int], None] | None = None,
+    **limit_changes: Any,
+) -> Recorder:
+    """The gateway on 127.0.0.1 over fresh indexes; `on_scale` plays the cluster's answer to a
+    scale write (default: the InferenceService's replicas change, nothing else)."""
+    indexes = Indexes()
+
+    def scaled(replicas: int) -> None:
+        if on_scale is not None:
+            on_scale(indexes, replicas)
+            return
+        (body,) = indexes.services[(NS, "chat")]
+        indexes.put({**body, "kind": "InferenceService", "spec": {**body["spec"], "replicas": replicas}})
+
+    recorder = Recorder(scaled)
+    chosen = (limits or Limits(hold_seconds=20.0)).model_copy(update=limit_changes)
+
+    async def main() -> None:
+        gateway = gw.Gateway(indexes.services, indexes.deployments, indexes.replicasets, indexes.pods, recorder, chosen)
+        port = free_port()
+        runner = await gateway.serve("127.0.0.1", port)
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+                await scenario(indexes, recorder, f"http://127.0.0.1:{port}", http)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+    return recorder
+
+
+def url(base: str, namespace: str = NS, path: str = "completions") -> str:
+    return f"{base}/namespaces/{namespace}/v1/{path}"
+
+
+async def complete(
+    http: aiohttp.ClientSession, base: str, model: str = "SmolLM2", namespace: str = NS, **headers: str
+) -> tuple[int, str, Any]:
+    body = {"model": model, "prompt": "hi", "stream": True}
+    async with http.post(url(base, namespace), json=body, headers=headers) as r:
+        return r.status, r.headers.get("X-Engine", ""), await r.text()

@@ -9,7 +9,7 @@ class BadBody(ValueError):
     """The body is not an OpenAI request the gateway can route; the message says why."""
 
 
-def model_of(raw: bytes) -> str:
+def model_of(raw: bytes | bytearray) -> str:
     """The `model` of a JSON request body. The parsed body is dropped at once: only the raw bytes
     go on to the engine (bounded, see limits.py), never a second, larger copy as Python objects."""
     try:

@@ -27,7 +27,15 @@ async def run(host: str, port: int, limits: Limits, drain_seconds: float) -> Non
     cluster = KubeCluster.connect()  # loads the credentials the watches' client uses too
     watches = Watches(DynamicClient(ApiClient()), asyncio.get_running_loop()).start()
     services, deployments, replicasets, pods = (index.entries for index in watches.indexes)
-    gateway = Gateway(services, deployments, replicasets, pods, cluster, limits, watches.synced)
+    try:
+        gateway = Gateway(services, deployments, replicasets, pods, cluster, limits, watches.synced)
+        await serve_until_stopped(gateway, host, port, drain_seconds)
+    finally:
+        watches.stop()
+
+
+async def serve_until_stopped(gateway: Gateway, host: str, port: int, drain_seconds: float) -> None:
+    """Serve until SIGTERM or SIGINT, then drain (see above) and close."""
     runner = await gateway.serve(host, port)
     log.info(f"gateway: listening on {host}:{port}")
     stop = asyncio.Event()
@@ -40,4 +48,3 @@ async def run(host: str, port: int, limits: Limits, drain_seconds: float) -> Non
         await asyncio.sleep(POLL_SECONDS)
     log.info(f"gateway: stopping ({'streams cut' if gateway.busy() else 'nothing in flight'})")
     await runner.cleanup()
-    watches.stop()

@@ -202,7 +202,7 @@ class Gateway:
         finally:
             self.admission.give_bytes(taken.namespace, taken.count)
 
-    async def _read(self, request: web.Request, taken: _Taken) -> bytes:
+    async def _read(self, request: web.Request, taken: _Taken) -> bytearray:
         """The body, decoded, within the size limit, the byte budgets and the read deadline."""
         limits = self.limits
         declared = request.content_length
@@ -212,26 +212,29 @@ class Gateway:
             raise _Answer(too_large)
         _refused(self.admission.take_bytes(taken.namespace, declared or 0))
         taken.count = declared or 0
-        chunks: list[bytes] = []
+        # One buffer, the declared size when known: no list of chunks joined into a second copy.
+        body = bytearray(declared or 0)
         size = 0
         try:
             async with asyncio.timeout(limits.body_read_seconds):
-                async for chunk in request.content.iter_chunked(1 << 16):
-                    size += len(chunk)
-                    if size > limits.max_body_bytes:
+                while chunk := await request.content.readany():
+                    end = size + len(chunk)
+                    if end > limits.max_body_bytes:
                         too_large.force_close()
                         raise _Answer(too_large)
-                    if size > taken.count:  # chunked, or decoded larger than sent
-                        _refused(self.admission.take_bytes(taken.namespace, size - taken.count))
-                        taken.count = size
-                    chunks.append(chunk)
+                    if end > taken.count:  # chunked, or decoded larger than sent
+                        _refused(self.admission.take_bytes(taken.namespace, end - taken.count))
+                        taken.count = end
+                    body[size:end] = chunk
+                    size = end
         except TimeoutError:
             late = error(408, f"the request body did not arrive within {limits.body_read_seconds:g} s", "timeout")
             late.force_close()
             raise _Answer(late) from None
-        return b"".join(chunks)
+        del body[size:]  # a body shorter than declared
+        return body
 
-    async def _dispatch(self, request: web.Request, key: tuple[str, str], raw: bytes) -> web.StreamResponse:
+    async def _dispatch(self, request: web.Request, key: tuple[str, str], raw: bytearray) -> web.StreamResponse:
         engines = self._engines.setdefault(key, Engines())
         headers = upstream_request_headers(request.headers.items(), request.remote)
         deadline = time.monotonic() + self.limits.hold_seconds
@@ -289,7 +292,7 @@ class Gateway:
         await asyncio.sleep(POLL_SECONDS)
 
     async def _proxy(
-        self, request: web.Request, url: str, raw: bytes, headers: list[tuple[str, str]], engines: Engines
+        self, request: web.Request, url: str, raw: bytearray, headers: list[tuple[str, str]], engines: Engines
     ) -> web.StreamResponse | None:
         """The engine's answer relayed, or None when nothing reached it (try another)."""
         engines.in_flight[url] = engines.in_flight.get(url, 0) + 1

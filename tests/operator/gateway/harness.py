@@ -176,7 +176,7 @@ class Engine:
     def __init__(self, name: str, chunks: int = 3, delay: float = 0.1) -> None:
         self.name, self.chunks, self.delay = name, chunks, delay
         self.requests: list[dict[str, Any]] = []
-        self.now = self.peak = 0
+        self.now = self.peak = self.cancelled = 0
         self.runner: web.AppRunner | None = None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -193,6 +193,9 @@ class Engine:
                 await asyncio.sleep(self.delay)
             await response.write(b"data: [DONE]\n\n")
             return response
+        except asyncio.CancelledError:  # the gateway closed the connection: the request is aborted
+            self.cancelled += 1
+            raise
         finally:
             self.now -= 1
 

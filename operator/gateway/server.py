@@ -370,6 +370,8 @@ class Gateway:
             # forwarded one's connection to the engine closes (the engine aborts it).
             handler_cancellation=True,
             keepalive_timeout=self.limits.keepalive_seconds,
+            # A stopping gateway has drained already (main.py): what still runs is cut at once.
+            shutdown_timeout=0.5,
         )
         await runner.setup()
         await web.TCPSite(runner, host, port).start()

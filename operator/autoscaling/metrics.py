@@ -16,8 +16,9 @@ the process started, so the latencies of a window are the difference of two read
 Names: ours (`kvpilot_*`, engine/serving/metrics.py) first, else vLLM's (`vllm:*`), so the
 operator also scales vLLM-compatible pods. Samples of several label sets (vLLM's `engine` label,
 one series per engine core) are summed; KV usage takes the fullest. Every sample must be finite and
-in range (counts, gauges and buckets >= 0, KV usage <= 1), or the read is refused (`MetricsError`)
-and the pod is unknown for the period: a pod's bad number never reaches the others' signals.
+in range (counts, gauges and buckets >= 0, KV usage <= 1), and a body must hold at least one of the
+series read, or the read is refused (`MetricsError`) and the pod is unknown for the period: a pod's
+bad number, or its silence, never reaches the others' signals.
 """
 
 from __future__ import annotations
@@ -237,7 +238,7 @@ def parse(text: str) -> EngineReading:
         # Each label set on its own: a negative one would cancel another's requests in the sum.
         return combine(_checked(_sample_name(s), s.value, high) for s in samples)
 
-    return EngineReading(
+    reading = EngineReading(
         ttft=histogram(TTFT_NAMES),
         tpot=histogram(TPOT_NAMES),
         waiting=gauge(WAITING_NAMES, sum),
@@ -246,6 +247,15 @@ def parse(text: str) -> EngineReading:
         draft_tokens=gauge(DRAFT_TOKENS_NAMES, sum, "counter"),
         accepted_tokens=gauge(ACCEPTED_TOKENS_NAMES, sum, "counter"),
     )
+    if all(value is None for value in (reading.ttft, reading.tpot, reading.waiting, reading.running, reading.kv_usage)):
+        # An empty 200 (an engine cut off mid-answer, another exporter on the port) says nothing
+        # about load: counted as a reading, it was a reporting, idle pod (deletion cost 0, not
+        # unknown), and the status named no unknown pod.
+        raise MetricsError(
+            "none of the series the autoscaler reads (TTFT, TPOT, waiting, running, KV usage; kvpilot_* or "
+            "vllm:* names) is there: not an engine's /metrics"
+        )
+    return reading
 
 
 HISTOGRAM_NAMES = (*TTFT_NAMES, *TPOT_NAMES)

@@ -252,6 +252,23 @@ def test_bad_bodies_are_refused() -> None:
         parse(no_inf)
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        "",
+        # What an engine that hung mid-answer had sent when its connection was closed cleanly.
+        "# HELP kvpilot_num_requests_waiting Requests wa",
+        # Another exporter on the engine's port.
+        "# TYPE process_cpu_seconds counter\nprocess_cpu_seconds_total 12.5\n",
+    ],
+)
+def test_a_body_without_any_series_the_autoscaler_reads_is_refused(body: str) -> None:
+    """Parsed as a reading, such a pod counted as reporting and idle: the status named no unknown
+    pod, and its deletion cost said idle (0) instead of unknown (-1)."""
+    with pytest.raises(MetricsError, match="none of the series the autoscaler reads"):
+        parse(body)
+
+
 _TTFT = "kvpilot_time_to_first_token_seconds"
 
 

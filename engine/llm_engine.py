@@ -16,6 +16,7 @@ from kvpilot.engine.core.scheduler import Scheduler, SchedulerOutput, SchedulerS
 from kvpilot.engine.model.loader import EMBEDDED_MODEL, load_config, load_tokenizer, resolve_model
 from kvpilot.engine.output_processor import OutputProcessor
 from kvpilot.engine.outputs import ModelRunnerOutput, StepOutput
+from kvpilot.engine.worker.grammar import Grammars
 from kvpilot.engine.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_path)
         hf_config = load_config(self.model_path)
         eos_token_ids = self._eos_token_ids(hf_config)
-        self.runner = ModelRunner(self.config, self.model_path, hf_config, eos_token_ids)
+        # Structured outputs end where the grammar allows one of these, as any request ends.
+        self.grammars = Grammars(self.tokenizer, hf_config.vocab_size, eos_token_ids)
+        self.runner = ModelRunner(self.config, self.model_path, hf_config, eos_token_ids, self.grammars)
         # A draft model writes KV this far past a sequence's tokens, in slots reserved for it.
         self.num_lookahead_tokens = self.config.num_speculative_tokens if self.config.speculative == "draft" else 0
         self.max_model_len = self._max_model_len()
@@ -108,6 +111,8 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # a bad schema is refused here, not in a step
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

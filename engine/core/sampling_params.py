@@ -6,6 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from kvpilot.engine.core.structured_output import StructuredOutput
+
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 
@@ -28,6 +30,7 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens whose probability is below min_p x the most likely token's
     logprobs: int | None = None  # per output token: its log-probability and this many top alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    structured: StructuredOutput | None = None  # what the output must match (a JSON schema, a regex...)
 
     @property
     def penalized(self) -> bool:
@@ -79,8 +82,15 @@ class SamplingParams:
         """Whether drafts may be verified for this sequence. Penalties and logprobs change or report
         per position, which verification of several positions at once does not model; a seeded
         sampled sequence must draw the same tokens whatever the load, and speculation switches on
-        and off with the batch size."""
-        return not self.penalized and self.logprobs is None and (self.seed is None or self.greedy)
+        and off with the batch size. A structured output masks each position by the grammar state
+        the tokens before it reach, which drafts verified together do not get: those requests do
+        not speculate."""
+        return (
+            not self.penalized
+            and self.logprobs is None
+            and (self.seed is None or self.greedy)
+            and self.structured is None
+        )
 
     def per_sequence(self) -> list[SamplingParams]:
         """n completions of one prompt are n sequences; seeded ones get distinct, reproducible seeds."""

@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvpilot.engine.config import EngineConfig, ServerConfig
 from kvpilot.engine.core.sampling_params import SamplingParams
+from kvpilot.engine.core.structured_output import StructuredOutput
 from kvpilot.engine.model.loader import EMBEDDED_MODEL
 from kvpilot.engine.serving.async_engine import (
     AsyncEngine,
@@ -371,6 +372,7 @@ class OpenAIServer:
         prompts: list[list[int]],
         max_tokens: int | None,
         prompt_param: str,
+        structured: StructuredOutput | None,
     ) -> list[SamplingParams]:
         max_len = self.engine.max_model_len
         sequences = []
@@ -405,6 +407,7 @@ class OpenAIServer:
                     min_p=body.min_p,
                     logprobs=body.num_logprobs,
                     prompt_logprobs=body.num_logprobs if isinstance(body, CompletionRequest) and body.echo else None,
+                    structured=structured,
                 )
             except ValueError as err:
                 raise APIError(400, str(err)) from err
@@ -421,7 +424,14 @@ class OpenAIServer:
         fmt: Format,
         arrival: float,
     ) -> Response:
-        params = self._sampling_params(body, prompts, max_tokens, prompt_param)
+        structured, structured_param = body.structured_output()
+        params = self._sampling_params(body, prompts, max_tokens, prompt_param, structured)
+        if structured is not None:
+            try:
+                # Off the event loop and the engine thread; the engine finds it in the cache.
+                await asyncio.to_thread(self.engine.compile_grammar, structured)
+            except ValueError as err:
+                raise APIError(400, str(err), param=structured_param, code="invalid_structured_output") from err
         sequences = [(prompts[i // body.n], p) for i, p in enumerate(params)]
         try:
             stream = await self.engine.submit(fmt.request_id, sequences, arrival, cache_salt=body.cache_salt)

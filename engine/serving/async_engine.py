@@ -24,6 +24,7 @@ from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.sampling_params import SamplingParams
 from kvpilot.engine.core.scheduler import SchedulerStats
+from kvpilot.engine.core.structured_output import StructuredOutput
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.outputs import PositionLogprobs
 from kvpilot.engine.serving.metrics import ServingMetrics
@@ -216,6 +217,11 @@ class AsyncEngine:
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         return self.llm_engine.apply_chat_template(messages)
+
+    def compile_grammar(self, structured: StructuredOutput) -> None:
+        """Compile (and cache) a structured output's grammar; ValueError for one that cannot be.
+        Called from a worker thread, so that the engine thread finds it compiled."""
+        self.llm_engine.grammars.compile(structured)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.llm_engine.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from kvpilot.engine.core.structured_output import StructuredOutput
+
 _MAX_SEED = 2**63 - 1
 # At most this many top alternatives per token, as OpenAI's API allows.
 MAX_TOP_LOGPROBS = 20
@@ -61,6 +63,66 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
+class JsonSchemaFormat(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    # Without a schema, any JSON value (as OpenAI's API has it).
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: free text, any JSON object, or JSON that matches a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_asked(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("`json_schema` is required with type json_schema, and only with it")
+        return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        if self.type == "json_schema":
+            assert self.json_schema is not None
+            return StructuredOutput.json_schema(self.json_schema.json_schema)
+        return None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's structured_outputs: exactly one constraint. Unknown keys are refused, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: dict[str, Any] | Annotated[str, Field(min_length=1)] | None = Field(None, alias="json")
+    regex: Annotated[str, Field(min_length=1)] | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: Annotated[str, Field(min_length=1)] | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [name for name in ("json_", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar and json_object")
+        return self
+
+    def structured_output(self) -> StructuredOutput:
+        if self.json_ is not None:
+            return StructuredOutput.json_schema(self.json_)
+        if self.choice is not None:
+            return StructuredOutput.choice(self.choice)
+        if self.regex is not None:
+            return StructuredOutput("regex", self.regex)
+        if self.grammar is not None:
+            return StructuredOutput("grammar", self.grammar)
+        return StructuredOutput("json_object")
+
+
 class _GenerationRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -87,6 +149,12 @@ class _GenerationRequest(_Request):
     stop_token_ids: list[TokenId] | None = None
     # Prefix-cache isolation: requests share cached KV only with requests of the same salt.
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def structured_output(self) -> tuple[StructuredOutput | None, str]:
+        """What the output must match, and the parameter that asked for it."""
+        so = self.structured_outputs
+        return (so.structured_output() if so is not None else None), "structured_outputs"
 
     @property
     def stop_strings(self) -> list[str]:
@@ -150,6 +218,18 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> ChatCompletionRequest:
+        if self.structured_outputs is not None and self.response_format not in (None, ResponseFormat(type="text")):
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
+
+    def structured_output(self) -> tuple[StructuredOutput | None, str]:
+        if self.response_format is not None and self.response_format.type != "text":
+            return self.response_format.structured_output(), "response_format"
+        return super().structured_output()
 
     @property
     def num_logprobs(self) -> int | None:

@@ -21,6 +21,7 @@ from kvpilot.engine.model.llama import LlamaForCausalLM, kv_shape
 from kvpilot.engine.model.loader import load_config, load_model, resolve_model
 from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from kvpilot.engine.worker.cpu import cpu_threads
+from kvpilot.engine.worker.grammar import GrammarMatchers, Grammars
 from kvpilot.engine.worker.sampler import RowPenalty, Sampler, SamplingMetadata, token_logprobs
 from kvpilot.engine.worker.spec_decode import DraftInput, Proposer
 from kvpilot.engine.worker.spec_decode.draft_proposer import DraftProposer
@@ -65,9 +66,12 @@ class ModelRunner:
         model_path: Path,
         hf_config: PretrainedConfig | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
+        grammars: Grammars | None = None,
     ) -> None:
         self.config = config
         self.eos_token_ids = eos_token_ids  # banned while a request is short of its min_tokens
+        # Requests with a structured output sample under their grammar's mask (none without a tokenizer).
+        self.matchers = GrammarMatchers(grammars) if grammars is not None else None
         self.device = config.torch_device()
         threads, why = cpu_threads()
         torch.set_num_threads(threads)
@@ -289,6 +293,8 @@ class ModelRunner:
         is its draft's KV."""
         for request_id in scheduler_output.finished_request_ids:
             self._generators.pop(request_id, None)
+        if self.matchers is not None:
+            self.matchers.forget(scheduler_output.finished_request_ids)
         if self.proposer is not None:
             self.proposer.forget(
                 [*scheduler_output.finished_request_ids, *(r.request_id for r in scheduler_output.preempted)]
@@ -398,6 +404,7 @@ class ModelRunner:
             penalties=penalties,
             banned={row: ids for row, ids in banned.items() if ids},
             num_logprobs={row: p.logprobs for row, p in enumerate(params) if p.logprobs is not None},
+            token_bitmask=self.matchers.bitmask(requests, device) if self.matchers is not None else None,
         )
 
 

@@ -1,6 +1,7 @@
 """Next tokens from logits for a whole batch at once.
 
-Per row: penalties and banned tokens (min_tokens) change the logits, then greedy takes the argmax,
+Per row: penalties, banned tokens (min_tokens) and a structured output's grammar (a token bitmask)
+change the logits, then greedy takes the argmax,
 and sampling applies temperature, top-k, top-p and min-p and draws with the exponential race
 (argmax of p / E, E ~ Exp(1)), a categorical draw that vectorises over rows. Rows of seeded
 requests draw their noise from the request's own generator, so a seeded request samples the same
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import xgrammar
 
 
 @dataclass
@@ -49,6 +51,9 @@ class SamplingMetadata:
     num_logprobs: dict[int, int] = field(default_factory=dict)  # row -> top alternatives wanted
     # [rows] long: the draft token each row verifies, -1 for rows that only sample; None: no drafts.
     draft_token_ids: torch.Tensor | None = None
+    # Rows constrained by a grammar: a [rows, ceil(vocab / 32)] int32 bitmask of the allowed tokens,
+    # and the rows it applies to.
+    token_bitmask: tuple[torch.Tensor, list[int]] | None = None
 
 
 @dataclass
@@ -129,6 +134,9 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
             row -= p.frequency * counts + p.presence * (counts > 0).to(row.dtype)
     for r, ids in meta.banned.items():
         logits[r, ids] = float("-inf")
+    if meta.token_bitmask is not None:
+        bitmask, rows = meta.token_bitmask
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
 
 
 def filtered_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -34,20 +34,37 @@ DType = Literal[DTYPES]  # type: ignore[valid-type]
 
 
 class EngineCapabilities(BaseModel):
+    """What a runtime runs (this engine's is CAPABILITIES; vLLM's is in the operator's
+    planning/runtimes.py): the planner chooses only among these."""
+
     model_config = ConfigDict(frozen=True)
 
-    quantization: tuple[str, ...]
+    quantization: tuple[str, ...]  # schemes it applies to a 16-bit checkpoint as it loads it
     speculative: tuple[str, ...]
     dtypes: tuple[str, ...]
+    # The schemes of pre-quantized checkpoints it reads (the operator's model.quantization).
+    checkpoint_quantization: tuple[str, ...] = ()
+    tensor_parallel_sizes: tuple[int, ...] = (1,)
+    # KV block sizes its attention kernels take; None: any power of two.
+    block_sizes: tuple[int, ...] | None = None
     # Whether quantized layers multiply with low-bit kernels on GPUs; without them each matmul
     # dequantizes the weight to 16 bits first (CPUs have packed kernels either way).
     low_bit_gpu_matmuls: bool = False
+    # Whether quantization covers the LM head too (this engine: INT8 under every scheme); else
+    # only the decoder layers' linear weights are quantized.
+    quantized_lm_head: bool = True
 
 
 # Everything this build runs; the operator can deliver each to a pod (a draft model's weights come
 # from serving.draftModel, a model source like the target's). No low-bit CUDA kernel yet: on GPUs
-# quantization saves memory, and the planner does not count on it for decode speed.
-CAPABILITIES = EngineCapabilities(quantization=QUANTIZATION_SCHEMES, speculative=SPECULATIVE_MODES, dtypes=DTYPES)
+# quantization saves memory, and the planner does not count on it for decode speed. One
+# accelerator per engine: no tensor parallelism.
+CAPABILITIES = EngineCapabilities(
+    quantization=QUANTIZATION_SCHEMES,
+    speculative=SPECULATIVE_MODES,
+    dtypes=DTYPES,
+    checkpoint_quantization=("int8", "int4"),
+)
 
 
 class EngineConfig(BaseModel):

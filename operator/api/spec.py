@@ -14,8 +14,13 @@ from typing import Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-Quantization = Literal["auto", "none", "int8", "w8a8", "int4"]
+Quantization = Literal["auto", "none", "int8", "fp8", "w8a8", "int4"]
 Speculative = Literal["auto", "off", "ngram", "draft"]
+# What runs the model in the pods (operator/planning/runtimes.py declares what each runs).
+Runtime = Literal["kvpilot", "vllm"]
+# How a checkpoint may already be quantized (model.quantization): compressed-tensors W8A16, FP8,
+# W8A8 and W4A16 (int8, fp8, w8a8, int4), or AutoAWQ / GPTQ 4-bit files.
+CheckpointQuantization = Literal["int8", "fp8", "w8a8", "int4", "awq", "gptq"]
 
 # The most replicas a service may ask for (spec.replicas, autoscaling.min/maxReplicas). A bound keeps
 # every planner search and every rendered Deployment finite; a fleet beyond it is several services.
@@ -118,10 +123,11 @@ class ModelSpec(_Camel):
     cache: ModelCacheSpec | None = None
     served_model_name: str | None = None
     architecture: Architecture | None = None
-    # The scheme the checkpoint is already quantized in (a compressed-tensors W8A16/W4A16
-    # checkpoint, e.g. written by `kvpilot quantize` or llm-compressor): the engine serves it as
-    # stored and refuses another --quantization, so the plan takes it as the scheme.
-    quantization: Literal["int8", "int4"] | None = None
+    # The scheme the checkpoint is already quantized in (a compressed-tensors checkpoint, e.g.
+    # written by `kvpilot quantize` or llm-compressor; AWQ or GPTQ files): the runtime serves it as
+    # stored and refuses another --quantization, so the plan takes it as the scheme. Which of these
+    # a runtime reads is in its capabilities (runtimes.py).
+    quantization: CheckpointQuantization | None = None
 
     @model_validator(mode="after")
     def _source(self) -> ModelSpec:
@@ -131,7 +137,9 @@ class ModelSpec(_Camel):
 
 class AcceleratorSpec(_Camel):
     type: str | None = None
-    count: int = Field(default=1, ge=1)
+    # GPUs per replica (the tensor-parallel size); unset: the planner picks the smallest that fits
+    # and meets the SLO among the runtime's sizes (1 for kvpilot).
+    count: int | None = Field(default=None, ge=1)
     # Where the GPU nodes are, when they are not found by the GPU product label (GKE's
     # cloud.google.com/gke-accelerator, Karpenter's instance labels): replaces that selector.
     node_selector: dict[str, str] = Field(default_factory=dict)
@@ -233,6 +241,7 @@ class ImagePullSecret(_Camel):
 
 class InferenceServiceSpec(_Camel):
     model: ModelSpec
+    runtime: Runtime = "kvpilot"
     accelerator: AcceleratorSpec = AcceleratorSpec()
     serving: ServingSpec = ServingSpec()
     slo: SLOSpec = SLOSpec()

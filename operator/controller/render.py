@@ -28,8 +28,10 @@ from kvpilot.operator.api.spec import (
     InferenceServiceSpec,
     hub_source,
 )
+from kvpilot.operator.controller.vllm_args import vllm_args
 from kvpilot.operator.planning.gpus import GPU, find_gpu
 from kvpilot.operator.planning.planner import Plan
+from kvpilot.operator.planning.runtimes import VLLM_IMAGE
 
 Manifest = dict[str, Any]
 
@@ -194,8 +196,15 @@ HOST_MEMORY_MARGIN_BYTES = 2 * 1024**3
 ENGINE_CPU_REQUEST = "2"
 # Beside a download's weights: tokenizer, config and the downloader's partial files.
 DOWNLOAD_MARGIN_BYTES = 1024**3
-# The startup probe's budget (its period x failureThreshold below): how long a model may load.
-STARTUP_PERIOD_S, STARTUP_FAILURES = 10, 90
+# The startup probe's budget (its period x failureThreshold below): how long a model may load. vLLM
+# answers nothing until its engine is up (weights loaded, CUDA graphs captured, on every GPU of a
+# tensor-parallel group): a 70B load from a network volume takes tens of minutes.
+STARTUP_PERIOD_S = 10
+STARTUP_FAILURES = {"kvpilot": 90, "vllm": 180}
+# Tensor parallelism shares tensors between the GPUs' worker processes through /dev/shm, which a
+# container's default 64 MiB cannot hold: a memory-backed emptyDir replaces it.
+SHM_VOLUME = "dshm"
+SHM_SIZE = "16Gi"
 # A Deployment reports ProgressDeadlineExceeded after this long without a new ready pod: the
 # startup budget, a download at an assumed floor of 50 MB/s from the hub, and a margin, so a
 # healthy long load never shows as a failed rollout.
@@ -269,7 +278,7 @@ def _downloads(spec: InferenceServiceSpec, plan: Plan) -> bool:
 
 def progress_deadline_seconds(spec: InferenceServiceSpec, plan: Plan) -> int:
     download = download_disk_bytes(spec, plan)[0] / DOWNLOAD_BYTES_PER_S if _downloads(spec, plan) else 0
-    return math.ceil(STARTUP_PERIOD_S * STARTUP_FAILURES + download + PROGRESS_MARGIN_S)
+    return math.ceil(STARTUP_PERIOD_S * STARTUP_FAILURES[spec.runtime] + download + PROGRESS_MARGIN_S)
 
 
 def _tolerations(spec: InferenceServiceSpec, gpu: GPU) -> list[Manifest]:
@@ -304,6 +313,19 @@ def _affinity(spec: InferenceServiceSpec, gpu: GPU) -> Manifest | None:
     return affinity
 
 
+def _runtime_command(
+    spec: InferenceServiceSpec, plan: Plan, model: _ModelFiles, draft: _ModelFiles | None
+) -> tuple[list[str], list[str], str, list[Manifest]]:
+    """The runtime's command, arguments, readiness path and environment."""
+    draft_path = draft.path if draft else None
+    if spec.runtime == "vllm":
+        # The files are local (image, PVC or the download's cache): vLLM never asks the hub, and
+        # sends no usage report from the cluster.
+        env = [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "VLLM_NO_USAGE_STATS", "value": "1"}]
+        return ["vllm", "serve"], vllm_args(spec, plan, model.path, draft_path), "/health", env
+    return ["kvpilot", "serve"], engine_args(spec, plan, model.path, draft_path), "/ready", []
+
+
 def _engine_container(
     spec: InferenceServiceSpec,
     plan: Plan,
@@ -313,25 +335,26 @@ def _engine_container(
     draft: _ModelFiles | None,
     mounts: list[Manifest],
 ) -> Manifest:
-    """The engine container: `kvpilot serve` with the plan's arguments, probes and resources."""
+    """The engine container: the runtime serving the plan's arguments, probes and resources."""
     http = {"port": PORT_NAME}
+    command, args, ready, env = _runtime_command(spec, plan, model, draft)
     container = {
         "name": CONTAINER,
         "image": image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": ["kvpilot", "serve"],
-        "args": engine_args(spec, plan, model.path, draft.path if draft else None),
+        "command": command,
+        "args": args,
         "ports": [{"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"}],
-        # Loading weights can take minutes: the startup probe waits for the model (/ready), and
-        # holds the liveness probe off until then.
+        # Loading weights can take minutes: the startup probe waits for the model, and holds the
+        # liveness probe off until then.
         "startupProbe": {
-            "httpGet": {"path": "/ready", **http},
+            "httpGet": {"path": ready, **http},
             "periodSeconds": STARTUP_PERIOD_S,
             "timeoutSeconds": PROBE_TIMEOUT_S,
-            "failureThreshold": STARTUP_FAILURES,
+            "failureThreshold": STARTUP_FAILURES[spec.runtime],
         },
         "readinessProbe": {
-            "httpGet": {"path": "/ready", **http},
+            "httpGet": {"path": ready, **http},
             "periodSeconds": 5,
             "timeoutSeconds": PROBE_TIMEOUT_S,
             "failureThreshold": 3,
@@ -345,22 +368,29 @@ def _engine_container(
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
         "resources": _resources(spec, plan, gpu),
         # Caches that libraries write (Hugging Face, Triton, torch) go to the writable /tmp.
-        "env": [{"name": "HOME", "value": "/tmp"}, *spec.env],
+        "env": [{"name": "HOME", "value": "/tmp"}, *env, *spec.env],
         "securityContext": _container_security(),
-        "volumeMounts": [*mounts, {"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [
+            *mounts,
+            {"name": "tmp", "mountPath": "/tmp"},
+            *([{"name": SHM_VOLUME, "mountPath": "/dev/shm"}] if plan.gpu_count > 1 else []),
+        ],
     }
     if spec.env_from:
         container["envFrom"] = list(spec.env_from)
     return container
 
 
-def _pod_template(name: str, spec: InferenceServiceSpec, plan: Plan, gpu: GPU, image: str) -> Manifest:
-    """The engine pod: its download init containers, the engine, volumes, scheduling."""
+def _pod_template(name: str, spec: InferenceServiceSpec, plan: Plan, gpu: GPU, default_image: str) -> Manifest:
+    """The engine pod: its download init containers, the engine, volumes, scheduling. The downloads
+    run `kvpilot download`: from the engine's image, or the operator's for vLLM's image lacks it."""
     model, draft = _pod_files(spec, plan)
     volumes, mounts = _volumes_and_mounts([model] + ([draft] if draft else []))
     # One download per hf:// source, the model's first: init containers run one after the other.
+    image = spec.image or (VLLM_IMAGE if spec.runtime == "vllm" else default_image)
+    downloader = default_image if spec.runtime == "vllm" else image
     init = [
-        _download_container(spec, files.download, image, container)
+        _download_container(spec, files.download, downloader, container)
         for files, container in ((model, DOWNLOAD_CONTAINER), (draft, DRAFT_DOWNLOAD_CONTAINER))
         if files is not None and files.download is not None
     ]
@@ -387,7 +417,15 @@ def _pod_template(name: str, spec: InferenceServiceSpec, plan: Plan, gpu: GPU, i
             },
             **({"initContainers": init} if init else {}),
             "containers": [_engine_container(spec, plan, gpu, image, model, draft, mounts)],
-            "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}],
+            "volumes": [
+                *volumes,
+                {"name": "tmp", "emptyDir": {}},
+                *(
+                    [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}}]
+                    if plan.gpu_count > 1
+                    else []
+                ),
+            ],
             # preStop pause + the engine's drain + a margin for the process to exit.
             "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + drain_seconds(spec, plan) + 5,
             "nodeSelector": {**spec.node_selector, **_gpu_node_selector(spec, gpu)},
@@ -430,7 +468,7 @@ def deployment(
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxSurge": spec.rollout.max_surge, "maxUnavailable": spec.rollout.max_unavailable},
             },
-            "template": _pod_template(name, spec, plan, gpu, spec.image or default_image),
+            "template": _pod_template(name, spec, plan, gpu, default_image),
         },
     }
 

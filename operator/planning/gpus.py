@@ -7,6 +7,15 @@ T4 15360, L4 23034, A10G 23028, L40S 46068, A100 40960 / 81920, H100 81559, H200
 all but the A100. MI300X's is the marketed 192 GiB, not checked against a device. Bandwidth and
 throughput are the spec sheets' decimal GB/s and TFLOP/s, always the dense figures (the spec
 sheets' headline numbers assume 2:4 sparsity, which LLM weights lack).
+
+Tensor parallelism all-reduces over the GPUs' interconnect: `link_gbps` is one GPU's bandwidth in
+one direction (half the spec sheets' bidirectional NVLink / Infinity Fabric figure; PCIe x16 for
+cards without NVLink: 16 GB/s Gen3, 32 GB/s Gen4), and `link_latency_us` the fixed cost of one
+all-reduce call: 10 us over NVLink / Infinity Fabric and 30 us over PCIe, ASSUMED from published
+nccl-tests small-message all-reduce times (8 GPUs), not measured here (no GPU was at hand).
+`max_per_node` is the most GPUs of the type one node carries (8 on DGX/HGX boards and on the largest
+cloud instances of every type here: p5/p4d, g6e/g6/g5.48xlarge, g4dn.metal, a3/a2-highgpu-8g,
+g2-standard-96): the largest tensor-parallel group, which must stay within one node.
 """
 
 from __future__ import annotations
@@ -40,8 +49,12 @@ class GPU(BaseModel):
     int8_tops: float  # dense INT8 tensor
     fp8: bool
     source: str
+    link: str  # the interconnect tensor parallelism all-reduces over
+    link_gbps: float  # GB/s, one direction
+    link_latency_us: float
     # Turing (T4) and Volta have no bf16 arithmetic: the engine runs float16 there.
     bf16: bool = True
+    max_per_node: int = 8
     # Other product strings of the same part (form factors whose figures are within a few per
     # cent), which node discovery and the pods' node affinity accept too.
     aliases: tuple[str, ...] = ()
@@ -66,12 +79,19 @@ class GPU(BaseModel):
     def int8_ops(self) -> float:
         return self.int8_tops * 1e12
 
+    @property
+    def link_bytes_per_s(self) -> float:
+        return self.link_gbps * 1e9
+
 
 GPUS: dict[str, GPU] = {
     gpu.name: gpu
     for gpu in (
         GPU(
             name="T4",
+            link="PCIe Gen3 x16",
+            link_gbps=16,
+            link_latency_us=30,
             product="Tesla-T4",
             memory_gib=16,
             usable_memory_mib=15360,
@@ -85,6 +105,9 @@ GPUS: dict[str, GPU] = {
         ),
         GPU(
             name="L4",
+            link="PCIe Gen4 x16",
+            link_gbps=32,
+            link_latency_us=30,
             product="NVIDIA-L4",
             memory_gib=24,
             usable_memory_mib=23034,
@@ -99,6 +122,9 @@ GPUS: dict[str, GPU] = {
         # is AWS's G5 figure as compared in the Baseten write-up.
         GPU(
             name="A10G",
+            link="PCIe Gen4 x16",
+            link_gbps=32,
+            link_latency_us=30,
             product="NVIDIA-A10G",
             memory_gib=24,
             usable_memory_mib=23028,
@@ -111,6 +137,9 @@ GPUS: dict[str, GPU] = {
         ),
         GPU(
             name="L40S",
+            link="PCIe Gen4 x16",
+            link_gbps=32,
+            link_latency_us=30,
             product="NVIDIA-L40S",
             memory_gib=48,
             usable_memory_mib=46068,
@@ -123,6 +152,9 @@ GPUS: dict[str, GPU] = {
         ),
         GPU(
             name="A100-40GB",
+            link="NVLink 3 (600 GB/s)",
+            link_gbps=300,
+            link_latency_us=10,
             product="NVIDIA-A100-SXM4-40GB",
             memory_gib=40,
             usable_memory_mib=40960,
@@ -136,6 +168,9 @@ GPUS: dict[str, GPU] = {
         ),
         GPU(
             name="A100-80GB",
+            link="NVLink 3 (600 GB/s)",
+            link_gbps=300,
+            link_latency_us=10,
             product="NVIDIA-A100-SXM4-80GB",
             memory_gib=80,
             usable_memory_mib=81920,
@@ -150,6 +185,9 @@ GPUS: dict[str, GPU] = {
         ),
         GPU(
             name="H100-80GB",
+            link="NVLink 4 (900 GB/s)",
+            link_gbps=450,
+            link_latency_us=10,
             product="NVIDIA-H100-80GB-HBM3",
             memory_gib=80,
             usable_memory_mib=81559,
@@ -162,6 +200,9 @@ GPUS: dict[str, GPU] = {
         ),
         GPU(
             name="H200",
+            link="NVLink 4 (900 GB/s)",
+            link_gbps=450,
+            link_latency_us=10,
             product="NVIDIA-H200",
             memory_gib=141,
             usable_memory_mib=143771,
@@ -173,6 +214,9 @@ GPUS: dict[str, GPU] = {
         ),
         GPU(
             name="B200",
+            link="NVLink 5 (1.8 TB/s)",
+            link_gbps=900,
+            link_latency_us=10,
             product="NVIDIA-B200",
             memory_gib=180,
             usable_memory_mib=183359,
@@ -185,6 +229,9 @@ GPUS: dict[str, GPU] = {
         ),
         GPU(
             name="MI300X",
+            link="Infinity Fabric (896 GB/s)",
+            link_gbps=448,
+            link_latency_us=10,
             product="AMD_Instinct_MI300X",
             product_label=AMD_PRODUCT_LABEL,
             resource=AMD_GPU_RESOURCE,

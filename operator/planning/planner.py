@@ -1,10 +1,16 @@
 """plan(spec) -> Plan: what fits on the GPU, the engine's limits, the choices and their reasons.
 
-Pure: the spec, the catalogs, the engine's declared capabilities and (for an unset GPU type) the
-GPU products the cluster's nodes carry go in, a Plan comes out. Only quantization schemes and
-speculative modes the engine declares are ever chosen, so every plan renders into arguments the
-engine accepts. Every input that cannot be served is a Plan with fits=False, a `failure` code and a
-one-line reason carrying the numbers; nothing here raises for bad input.
+Pure: the spec, the catalogs, the runtime's declared capabilities (runtimes.py) and (for an unset
+GPU type) the GPU products the cluster's nodes carry go in, a Plan comes out. Only quantization
+schemes, speculative modes and tensor-parallel sizes the runtime declares are ever chosen, so every
+plan renders into arguments the runtime accepts. Every input that cannot be served is a Plan with
+fits=False, a `failure` code and a one-line reason carrying the numbers; nothing here raises for bad
+input.
+
+Tensor parallelism: a replica of TP GPUs is planned as one device with TP times the memory,
+bandwidth and throughput of one (the weights and the KV heads split evenly, which the head counts
+dividing by TP guarantees), TP times the runtime reserve (each GPU has its own), and two all-reduces
+of the step's hidden states per layer over the GPUs' link added to every step.
 """
 
 from __future__ import annotations
@@ -15,19 +21,16 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-from kvpilot.engine.config import (
-    CAPABILITIES,
-    SPECULATIVE_MAX_BATCH_SIZE,
-    EngineCapabilities,
-)
+from kvpilot.engine.config import SPECULATIVE_MAX_BATCH_SIZE, EngineCapabilities
 from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec, hub_source
 from kvpilot.operator.planning import sizing
 from kvpilot.operator.planning.gpus import GPU, GPUS, find_gpu
 from kvpilot.operator.planning.models import MODELS, find_model
+from kvpilot.operator.planning.runtimes import RUNTIMES
 
 # Least lossy first: INT8 weight-only keeps the activations and rounds each weight to one of 256
 # levels, W8A8 rounds the activations too, INT4 has only 16 levels per group of weights.
-QUALITY_ORDER = ("none", "int8", "w8a8", "int4")
+QUALITY_ORDER = ("none", "int8", "fp8", "w8a8", "int4")
 
 # Beyond ~1k running sequences the scheduler's per-step bookkeeping, not the GPU, sets the pace
 # (vLLM caps max_num_seqs at 256-1024 for the same reason).
@@ -63,8 +66,9 @@ class Plan(BaseModel):
     failure: str | None = None  # CamelCase code when fits is False; a condition reason
     reason: str
     model: str
+    runtime: str = "kvpilot"
     gpu: str | None = None
-    gpu_count: int = 1
+    gpu_count: int = 1  # per replica: the tensor-parallel size
     quantization: str | None = None
     speculative: str = "off"
     draft_model: str | None = None  # serving.draftModel, when the plan runs it
@@ -75,13 +79,13 @@ class Plan(BaseModel):
     gpu_memory_utilization: float = 0.9
     # Both include the draft model's share when the plan runs one (the engine's own totals).
     weight_bytes: int = 0
-    kv_bytes_per_token: int = 0
+    kv_bytes_per_token: int = 0  # all KV heads' (each GPU holds 1/gpu_count of them)
     draft_weight_bytes: int = 0
     draft_kv_bytes_per_token: int = 0
     # The model's files as its checkpoint stores them (16-bit, or model.quantization's scheme): what
     # an hf:// download writes to the pod's disk (a draft's are its 16-bit draft_weight_bytes).
     checkpoint_bytes: int = 0
-    kv_pool_bytes: int = 0
+    kv_pool_bytes: int = 0  # all GPUs' of a replica together
     kv_blocks: int = 0
     max_model_len: int = 0
     max_num_seqs: int = 0
@@ -107,10 +111,11 @@ class _Draft(NamedTuple):
 
 
 class _Replica(NamedTuple):
-    """What one engine replica is: the model on the GPU at one quantization, with its draft."""
+    """What one engine replica is: the model on its GPUs at one quantization, with its draft."""
 
     arch: Architecture
-    gpu: GPU
+    gpu: GPU  # the tensor-parallel group as one device (_group)
+    tp: int
     decode_weight_bytes: int  # the target's weight bytes one decode step moves (sizing.decode_weight_bytes)
     kv_per_token: int  # the target's
     ops: float  # FLOP/s or OP/s of the GEMMs at this quantization
@@ -175,6 +180,7 @@ def _failed(spec: InferenceServiceSpec, failure: str, reason: str, sizes: _Sizes
         failure=failure,
         reason=reason,
         model=spec.model.name,
+        runtime=spec.runtime,
         block_size=spec.serving.block_size,
         gpu_memory_utilization=spec.serving.gpu_memory_utilization,
         **(sizes._asdict() if sizes else {}),
@@ -186,15 +192,32 @@ def _listed(options: Iterable[str]) -> str:
 
 
 def _unsupported_pins(spec: InferenceServiceSpec, capabilities: EngineCapabilities) -> str | None:
-    """Why the spec pins options this engine cannot run, None when it pins none."""
+    """Why the spec pins options its runtime cannot run, None when it pins none."""
+    runtime = f"runtime {spec.runtime}"
     problems = [
-        f"serving.{field} {value!r} is not one this engine runs (supported: {_listed(supported)}; or 'auto')"
-        for field, value, supported in (
-            ("quantization", spec.serving.quantization, capabilities.quantization),
-            ("speculative", spec.serving.speculative, capabilities.speculative),
+        f"{field} {value!r} is not one {runtime} runs (supported: {_listed(supported)}{auto})"
+        for field, value, supported, auto in (
+            (
+                "serving.quantization",
+                spec.serving.quantization,
+                (*capabilities.quantization, *((spec.model.quantization,) if spec.model.quantization else ())),
+                "; or 'auto'",
+            ),
+            ("serving.speculative", spec.serving.speculative, capabilities.speculative, "; or 'auto'"),
+            ("model.quantization", spec.model.quantization, capabilities.checkpoint_quantization, ""),
         )
-        if value != "auto" and value not in supported
+        if value not in (None, "auto") and value not in supported
     ]
+    block = spec.serving.block_size
+    if capabilities.block_sizes is not None and block not in capabilities.block_sizes:
+        problems.append(f"serving.blockSize {block}: {runtime} runs {_listed(map(str, capabilities.block_sizes))}")
+    count = spec.accelerator.count
+    if count is not None and count not in capabilities.tensor_parallel_sizes:
+        others = [n for n, c in RUNTIMES.items() if count in c.tensor_parallel_sizes]
+        problems.append(
+            f"accelerator.count {count}: {runtime} runs {_listed(map(str, capabilities.tensor_parallel_sizes))} "
+            "GPU(s) per replica" + (f"; runtime: {others[0]} runs tensor parallelism over {count}" if others else "")
+        )
     return "; ".join(problems) or None
 
 
@@ -237,7 +260,7 @@ def choose_speculative(
     if mode != "auto":
         return mode, f"{mode}: set in the spec"
     if not set(supported) - {"off"}:
-        return "off", f"off: this engine runs no speculative mode (supported: {_listed(supported)})"
+        return "off", f"off: this runtime runs no speculative mode (supported: {_listed(supported)})"
     if batch > SPECULATION_MAX_BATCH:
         return "off", (
             f"off: predicted batch {batch:.1f} per replica > {SPECULATION_MAX_BATCH}, "
@@ -293,12 +316,19 @@ def _draft_step_seconds(draft: _Draft, gpu: GPU, running: float, context: float)
     )
 
 
+def _allreduces_seconds(arch: Architecture, gpu: GPU, tp: int, tokens: float) -> float:
+    """The two all-reduces per layer (after attention, after the MLP) of a step over `tokens`."""
+    hidden_bytes = tokens * arch.hidden_size * sizing.BYTES_PER_VALUE
+    return 2 * arch.layers * sizing.allreduce_seconds(hidden_bytes, tp, gpu.link_bytes_per_s, gpu.link_latency_us / 1e6)
+
+
 def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculative: str) -> _Perf:
-    arch, gpu, decode_bytes, kv_per_token, ops, max_num_seqs, draft = replica
+    arch, gpu, tp, decode_bytes, kv_per_token, ops, max_num_seqs, draft = replica
     draft = draft if speculative == "draft" else None
     load = spec.load
     rate = load.requests_per_second / replicas if replicas else 0.0
     prefill = sizing.prefill_seconds(arch.parameters_per_token, load.mean_prompt_tokens, ops)
+    prefill += _allreduces_seconds(arch, gpu, tp, load.mean_prompt_tokens)
     if draft is not None:
         # The draft computes the prompt too, in the step that samples the first token.
         prefill += sizing.prefill_seconds(draft.arch.parameters_per_token, load.mean_prompt_tokens, gpu.fp16_flops)
@@ -321,7 +351,7 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculat
             parameters_per_token=arch.parameters_per_token,
             batch=running,
             ops_per_s=ops,
-        )
+        ) + _allreduces_seconds(arch, gpu, tp, running)
         tpot = step / (1 - busy)
         if speculative != "off" and running <= SPECULATION_MAX_BATCH:
             # A verification of k + 1 tokens per step, after the draft model's k decode steps.
@@ -394,12 +424,13 @@ def _sizes(
     context: int,
     draft: _Draft | None,
     reserve: int,
+    runtime: EngineCapabilities,
 ) -> _Sizes:
     """What one replica holds: the target's (and the draft's) weights and KV per token, and the KV
-    pool left of the GPU; a pool of 0 when the weights do not fit."""
+    pool left of its GPUs; a pool of 0 when the weights do not fit."""
     draft_weights, draft_kv = (draft.weights, draft.kv_per_token) if draft else (0, 0)
     # The engine gives the draft a KV slot for every slot of the target's, so each slot holds both.
-    weights = sizing.weight_bytes(arch, quantization) + draft_weights
+    weights = sizing.weight_bytes(arch, quantization, runtime.quantized_lm_head) + draft_weights
     pool = sizing.kv_pool_bytes(gpu.memory_bytes, spec.serving.gpu_memory_utilization, weights, reserve)
     return _Sizes(
         gpu=gpu.name,
@@ -408,38 +439,57 @@ def _sizes(
         draft_weight_bytes=draft_weights,
         kv_bytes_per_token=sizing.kv_bytes_per_token(arch) + draft_kv,
         draft_kv_bytes_per_token=draft_kv,
-        checkpoint_bytes=sizing.weight_bytes(arch, spec.model.quantization or "none"),
+        checkpoint_bytes=sizing.weight_bytes(arch, spec.model.quantization or "none", runtime.quantized_lm_head),
         kv_pool_bytes=max(pool, 0),
         max_model_len=context,
+    )
+
+
+def _group(gpu: GPU, tp: int) -> GPU:
+    """TP GPUs of one type as one device: TP times the memory, bandwidth and throughput."""
+    if tp == 1:
+        return gpu
+    return gpu.model_copy(
+        update={
+            "usable_memory_mib": gpu.usable_memory_mib * tp,
+            "bandwidth_gbps": gpu.bandwidth_gbps * tp,
+            "fp16_tflops": gpu.fp16_tflops * tp,
+            "int8_tops": gpu.int8_tops * tp,
+        }
     )
 
 
 def _memory(
     spec: InferenceServiceSpec,
     arch: Architecture,
-    gpu: GPU,
+    device: tuple[GPU, int],
     quantization: str,
     context: int,
     draft: _Draft | None,
-    low_bit_gpu_matmuls: bool,
+    runtime: EngineCapabilities,
 ) -> _Memory | Plan:
-    """How the GPU's memory divides for one (GPU, quantization) pair, with a draft model or none:
-    a failed Plan when the weights or one full sequence do not fit."""
+    """How the memory of a replica's GPUs (a GPU type and the tensor-parallel size) divides at one
+    quantization, with a draft model or none: a failed Plan when the weights or one full sequence
+    do not fit."""
     # One piece: the numbers and the reasons that quote them (a dozen of them) are made side by side.
     serving = spec.serving
-    # W8A8 runs its GEMMs on the INT8 tensor cores; weight-only schemes dequantize to FP16.
-    ops = gpu.int8_ops if quantization == "w8a8" else gpu.fp16_flops
+    tp = device[1]
+    gpu = _group(*device)
+    # W8A8 (INT8 or FP8) runs its GEMMs on the 8-bit tensor cores (FP8 and INT8 peak alike on the
+    # GPUs with FP8); weight-only schemes multiply in 16 bits.
+    ops = gpu.int8_ops if quantization in ("w8a8", "fp8") else gpu.fp16_flops
     budget, batching_reason = _batched_tokens(spec, arch, ops)
-    reserve = sizing.runtime_reserve_bytes(arch, budget)
-    sizes = _sizes(spec, arch, gpu, quantization, context, draft, reserve)
+    reserve = sizing.runtime_reserve_bytes(arch, budget) * tp
+    sizes = _sizes(spec, arch, gpu, quantization, context, draft, reserve, runtime)
     target_weights, draft_weights = sizes.weight_bytes - sizes.draft_weight_bytes, sizes.draft_weight_bytes
     kv_per_token, draft_kv = sizes.kv_bytes_per_token, sizes.draft_kv_bytes_per_token
     target_kv, pool = kv_per_token - draft_kv, sizes.kv_pool_bytes
     lookahead = serving.num_speculative_tokens if draft else 0
     usable = int(gpu.memory_bytes * serving.gpu_memory_utilization)
     where = (
-        f"{serving.gpu_memory_utilization:.0%} of the {_gib(gpu.memory_bytes)} GiB {gpu.name} reports "
-        f"({_gib(usable)} GiB)"
+        f"{serving.gpu_memory_utilization:.0%} of the {_gib(gpu.memory_bytes)} GiB "
+        + (f"{tp} x {gpu.name} report" if tp > 1 else f"{gpu.name} reports")
+        + f" ({_gib(usable)} GiB)"
     )
     weighed = f"{quantization} weights {_gib(target_weights)} GiB" + (
         f" + draft model weights {_gib(draft_weights)} GiB" if draft else ""
@@ -486,15 +536,15 @@ def _memory(
         + f" - reserve {_gib(reserve)} GiB"
         + (f"; capped at {MAX_NUM_SEQS_CAP}" if fitting_mean > MAX_NUM_SEQS_CAP else "")
     )
-    decode_bytes = sizing.decode_weight_bytes(arch, quantization, low_bit_gpu_matmuls)
-    replica = _Replica(arch, gpu, decode_bytes, target_kv, ops, max_num_seqs, draft)
+    decode_bytes = sizing.decode_weight_bytes(arch, quantization, runtime)
+    replica = _Replica(arch, gpu, tp, decode_bytes, target_kv, ops, max_num_seqs, draft)
     return _Memory(replica, sizes, budget, batching_reason, mean_context, kv_reason)
 
 
 def _speculation(
     spec: InferenceServiceSpec,
     memory: _Memory,
-    low_bit_gpu_matmuls: bool,
+    device: tuple[GPU, int],
     capabilities: EngineCapabilities,
     draft: _Draft | None,
 ) -> _Speculation:
@@ -519,13 +569,7 @@ def _speculation(
         # Chosen for the target alone: the draft's weights and KV must fit beside it too.
         replica = memory.replica
         with_draft = _memory(
-            spec,
-            replica.arch,
-            replica.gpu,
-            memory.sizes.quantization,
-            memory.sizes.max_model_len,
-            draft,
-            low_bit_gpu_matmuls,
+            spec, replica.arch, device, memory.sizes.quantization, memory.sizes.max_model_len, draft, capabilities
         )
         if isinstance(with_draft, Plan):
             mode, reason = choose(None)
@@ -546,25 +590,28 @@ def _speculation(
 def _size(
     spec: InferenceServiceSpec,
     arch: Architecture,
-    gpu: GPU,
+    device: tuple[GPU, int],
     quantization: str,
     context: int,
     capabilities: EngineCapabilities,
     draft: _Draft | None,
 ) -> Plan:
-    """The plan for one (GPU, quantization) pair."""
+    """The plan for one (GPU type, tensor-parallel size, quantization)."""
+    gpu, tp = device
+    if quantization == "fp8" and spec.model.quantization is None and not gpu.fp8:
+        return _failed(
+            spec,
+            "UnsupportedOnGPU",
+            f"{gpu.name} has no FP8 tensor cores, which quantization fp8 runs on (GPUs with them: "
+            f"{', '.join(g.name for g in GPUS.values() if g.fp8)})",
+            _sizes(spec, arch, _group(gpu, tp), quantization, context, None, 0, capabilities),
+        )
     memory = _memory(
-        spec,
-        arch,
-        gpu,
-        quantization,
-        context,
-        draft if spec.serving.speculative == "draft" else None,
-        capabilities.low_bit_gpu_matmuls,
+        spec, arch, device, quantization, context, draft if spec.serving.speculative == "draft" else None, capabilities
     )
     if isinstance(memory, Plan):
-        return memory
-    return _fitting_plan(spec, _speculation(spec, memory, capabilities.low_bit_gpu_matmuls, capabilities, draft))
+        return memory.model_copy(update={"gpu_count": tp})
+    return _fitting_plan(spec, _speculation(spec, memory, device, capabilities, draft))
 
 
 def _fitting_plan(spec: InferenceServiceSpec, chosen: _Speculation) -> Plan:
@@ -597,7 +644,8 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: _Speculation) -> Plan:
             )
         ),
         model=spec.model.name,
-        gpu_count=spec.accelerator.count,
+        runtime=spec.runtime,
+        gpu_count=memory.replica.tp,
         speculative=chosen.mode,
         draft_model=serving.draft_model if chosen.mode == "draft" else None,
         num_speculative_tokens=serving.num_speculative_tokens if speculating else None,
@@ -654,13 +702,6 @@ def _architecture(spec: InferenceServiceSpec) -> tuple[Architecture, str] | Plan
     if problem is not None:
         where = "spec.model.architecture" if explicit else f"the catalog's {spec.model.name}"
         return _failed(spec, "InvalidArchitecture", f"{where}: {problem}")
-    if spec.accelerator.count != 1:
-        return _failed(
-            spec,
-            "MultiGPUUnsupported",
-            f"accelerator.count {spec.accelerator.count}: the engine serves one model on "
-            "one accelerator (no tensor parallelism yet)",
-        )
     context = spec.serving.max_context_length or arch.max_context
     if context > arch.max_context:
         return _failed(
@@ -678,35 +719,71 @@ def _schemes(spec: InferenceServiceSpec, capabilities: EngineCapabilities) -> tu
         return _failed(
             spec,
             "QuantizationMismatch",
-            f"the checkpoint is quantized as {stored} (model.quantization): the engine serves it as "
+            f"the checkpoint is quantized as {stored} (model.quantization): the runtime serves it as "
             f"stored and cannot re-quantize it to serving.quantization {spec.serving.quantization}; "
             f"set serving.quantization to auto or {stored}",
         )
     if stored is not None or spec.serving.quantization != "auto":
         return (stored or spec.serving.quantization,), ""
-    # Only the schemes the engine runs, and of those only the ones sizing knows the bytes of.
+    # Only the schemes the runtime applies on load, and of those only the ones sizing knows the bytes of.
     schemes = tuple(s for s in QUALITY_ORDER if s in capabilities.quantization)
     if not schemes:
         return _failed(
             spec,
-            "UnsupportedByEngine",
-            "this engine runs no quantization scheme the planner can "
+            "UnsupportedByRuntime",
+            f"runtime {spec.runtime} runs no quantization scheme the planner can "
             f"size (supported: {_listed(capabilities.quantization)})",
         )
     skipped = [s for s in QUALITY_ORDER if s not in schemes]
     return schemes, (
-        f"; not tried: {_listed(skipped)}, which this engine does not run "
+        f"; not tried: {_listed(skipped)}, which runtime {spec.runtime} does not apply on load "
         f"(supported: {_listed(capabilities.quantization)})"
         if skipped
         else ""
     )
 
 
+def _tensor_parallel_sizes(
+    spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, capabilities: EngineCapabilities
+) -> tuple[list[int], str]:
+    """The tensor-parallel sizes to try on `gpu`, smallest first, and what rules the others out:
+    the runtime's sizes (or the pinned accelerator.count), within one node, dividing the heads."""
+    sizes = [spec.accelerator.count] if spec.accelerator.count else list(capabilities.tensor_parallel_sizes)
+    usable, ruled_out = [], []
+    for tp in sizes:
+        if tp > gpu.max_per_node:
+            ruled_out.append(f"TP {tp} > the {gpu.max_per_node} {gpu.name} GPUs a node holds")
+        elif arch.attention_heads % tp or arch.kv_heads % tp:
+            ruled_out.append(
+                f"TP {tp} does not divide {arch.attention_heads} attention heads and {arch.kv_heads} KV heads"
+            )
+        else:
+            usable.append(tp)
+    return usable, "; ".join(ruled_out)
+
+
+def _tp_reason(spec: InferenceServiceSpec, chosen: Plan, smaller: Sequence[Plan], ruled_out: str) -> str:
+    """Why this many GPUs per replica, and why not fewer."""
+    tp = chosen.gpu_count
+    if spec.accelerator.count:
+        return f"{tp}: set in the spec (accelerator.count)"
+    sizes = ", ".join(map(str, RUNTIMES[spec.runtime].tensor_parallel_sizes))
+    why = "fits and meets the SLO" if chosen.meets_slo else "fits"
+    text = f"{tp}: the smallest of runtime {spec.runtime}'s sizes ({sizes}) on {chosen.gpu} that {why}"
+    if tp > 1:
+        text += f", over {find_gpu(str(chosen.gpu)).link}"  # type: ignore[union-attr]
+    rejected = [f"TP {o.gpu_count}: {o.reason if not o.fits else o.reasons['replicas']}" for o in smaller]
+    return text + (f" (rejected {'; '.join(rejected)})" if rejected else "") + (f"; {ruled_out}" if ruled_out else "")
+
+
 def _choice_reasons(
     spec: InferenceServiceSpec, chosen: Plan, rejected: Sequence[Plan], gpus: Sequence[GPU], not_run: str
 ) -> dict[str, str]:
     """Why this quantization and this GPU: what was tried before the chosen option and why not."""
-    passed = [f"{o.gpu}/{o.quantization}: {o.reason if not o.fits else o.reasons['replicas']}" for o in rejected]
+    passed = [
+        f"{o.gpu}/{o.quantization}/TP {o.gpu_count}: {o.reason if not o.fits else o.reasons['replicas']}"
+        for o in rejected
+    ]
     if spec.model.quantization is not None:
         quantization = f"{chosen.quantization}: the checkpoint's own (model.quantization)"
     elif spec.serving.quantization != "auto":
@@ -728,15 +805,39 @@ def _choice_reasons(
     return {"gpu": gpu, "quantization": quantization}
 
 
+def _options(
+    spec: InferenceServiceSpec,
+    arch: Architecture,
+    gpus: Sequence[GPU],
+    schemes: Sequence[str],
+    capabilities: EngineCapabilities,
+    draft: _Draft | None,
+) -> tuple[list[Plan], dict[str, str]]:
+    """A plan for every GPU type, scheme and tensor-parallel size, in the order of preference
+    (cheapest GPU, least lossy scheme, fewest GPUs per replica), and per GPU type the sizes ruled out."""
+    context = spec.serving.max_context_length or arch.max_context
+    options: list[Plan] = []
+    ruled_out: dict[str, str] = {}
+    for gpu in gpus:
+        sizes, ruled_out[gpu.name] = _tensor_parallel_sizes(spec, arch, gpu, capabilities)
+        if not sizes:
+            options.append(
+                _failed(spec, "NoTensorParallelSize", f"{spec.model.name} on {gpu.name}: {ruled_out[gpu.name]}")
+            )
+        options += [_size(spec, arch, (gpu, tp), q, context, capabilities, draft) for q in schemes for tp in sizes]
+    return options, ruled_out
+
+
 def plan(
-    spec: InferenceServiceSpec, available_gpus: Iterable[str] = (), capabilities: EngineCapabilities = CAPABILITIES
+    spec: InferenceServiceSpec, available_gpus: Iterable[str] = (), capabilities: EngineCapabilities | None = None
 ) -> Plan:
-    """Plan serving `spec` on an engine with `capabilities`; `available_gpus` are node GPU
+    """Plan serving `spec` on its runtime (or one with `capabilities`); `available_gpus` are node GPU
     products, used when no type is set."""
+    capabilities = capabilities or RUNTIMES[spec.runtime]
     unsupported = _unsupported_pins(spec, capabilities)
     if unsupported:
-        # No GPU or model changes what the engine can run: say so before anything else.
-        return _failed(spec, "UnsupportedByEngine", unsupported)
+        # No GPU or model changes what the runtime can run: say so before anything else.
+        return _failed(spec, "UnsupportedByRuntime", unsupported)
     found = _architecture(spec)
     if isinstance(found, Plan):
         return found
@@ -751,15 +852,21 @@ def plan(
     if isinstance(tried, Plan):
         return tried
     schemes, not_run = tried
-    context = spec.serving.max_context_length or arch.max_context
-    options = [_size(spec, arch, gpu, scheme, context, capabilities, draft) for gpu in gpus for scheme in schemes]
+    options, ruled_out = _options(spec, arch, gpus, schemes, capabilities, draft)
     chosen = next((o for o in options if o.fits and o.meets_slo), None) or next((o for o in options if o.fits), None)
     if chosen is None:
-        # The most capable option tried (largest GPU, most compressed scheme) says best why not.
-        return options[-1].model_copy(update={"reason": options[-1].reason + not_run})
+        # The most capable option tried (largest GPU, most compressed scheme, most GPUs) says best why not.
+        last = options[-1]
+        hint = ""
+        if last.failure in ("WeightsDoNotFit", "ContextDoesNotFit") and capabilities.tensor_parallel_sizes == (1,):
+            hint = "; runtime: vllm splits a replica over up to 8 GPUs (tensor parallelism)"
+        return last.model_copy(update={"reason": last.reason + not_run + hint})
+    earlier = options[: options.index(chosen)]
+    smaller = [o for o in earlier if (o.gpu, o.quantization) == (chosen.gpu, chosen.quantization)]
     reasons = {
         "model": model_reason,
-        **_choice_reasons(spec, chosen, options[: options.index(chosen)], gpus, not_run),
+        **_choice_reasons(spec, chosen, earlier, gpus, not_run),
+        "tensorParallel": _tp_reason(spec, chosen, smaller, ruled_out[str(chosen.gpu)]),
         **chosen.reasons,
     }
     return chosen.model_copy(update={"reasons": reasons})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.config import EngineCapabilities, EngineConfig
 from kvpilot.operator.api.spec import Architecture
 
 GiB = 1024**3
@@ -27,10 +27,17 @@ INT8_BYTES_PER_WEIGHT = 1
 INT4_BYTES_PER_WEIGHT = 0.5
 INT4_GROUP = int(EngineConfig.model_fields["quantization_group_size"].default)
 INT4_SCALE_ZERO_BYTES = 2 * BYTES_PER_VALUE
+# AWQ and GPTQ checkpoints: 4-bit weights with a 16-bit scale and a packed 4-bit zero per group of
+# 128 (their common group size). FP8: one byte per weight and a scale per tensor or row.
+CHECKPOINT_INT4_GROUP = 128
+AWQ_GPTQ_SCALE_ZERO_BYTES = BYTES_PER_VALUE + 0.5
 BODY_BYTES_PER_WEIGHT: dict[str, float] = {
     "int8": INT8_BYTES_PER_WEIGHT,
     "w8a8": INT8_BYTES_PER_WEIGHT,
+    "fp8": INT8_BYTES_PER_WEIGHT,
     "int4": INT4_BYTES_PER_WEIGHT + INT4_SCALE_ZERO_BYTES / INT4_GROUP,
+    "awq": INT4_BYTES_PER_WEIGHT + AWQ_GPTQ_SCALE_ZERO_BYTES / CHECKPOINT_INT4_GROUP,
+    "gptq": INT4_BYTES_PER_WEIGHT + AWQ_GPTQ_SCALE_ZERO_BYTES / CHECKPOINT_INT4_GROUP,
 }
 # The KV cache stays FP16 whatever the weights are: the engine has no KV quantization.
 KV_BYTES_PER_VALUE = 2
@@ -75,22 +82,34 @@ def architecture_problem(arch: Architecture) -> str | None:
     return None
 
 
-def weight_bytes(arch: Architecture, quantization: str) -> int:
-    """Bytes of the weights the engine holds for `arch` at `quantization` (see BYTES_PER_VALUE)."""
+def weight_bytes(arch: Architecture, quantization: str, quantized_lm_head: bool = True) -> int:
+    """Bytes of the weights the engine holds for `arch` at `quantization` (see BYTES_PER_VALUE); a
+    runtime that leaves the LM head unquantized (vLLM) holds it in 16 bits, untied or not."""
     if quantization == "none":
         return arch.parameters * BYTES_PER_VALUE
     embedding, norms, body = _embedding_norms_body(arch)
-    head = embedding * INT8_BYTES_PER_WEIGHT + arch.vocab_size * BYTES_PER_VALUE  # + a scale per row
+    if quantized_lm_head:
+        head = embedding * INT8_BYTES_PER_WEIGHT + arch.vocab_size * BYTES_PER_VALUE  # + a scale per row
+    else:
+        head = 0 if arch.tie_word_embeddings else embedding * BYTES_PER_VALUE
     return int((embedding + norms) * BYTES_PER_VALUE + head + body * BODY_BYTES_PER_WEIGHT[quantization])
 
 
-def decode_weight_bytes(arch: Architecture, quantization: str, low_bit_gpu_matmuls: bool) -> int:
-    """Bytes of weights one decode step moves on a GPU. An engine without low-bit GPU matmuls
+def allreduce_seconds(bytes_per_gpu: float, gpus: int, link_bytes_per_s: float, latency_s: float) -> float:
+    """One ring all-reduce of a `bytes_per_gpu` tensor over `gpus`: each GPU sends and receives
+    2 (n - 1) / n of it over its link, after a fixed per-call latency; free on one GPU."""
+    if gpus == 1:
+        return 0.0
+    return latency_s + 2 * (gpus - 1) / gpus * bytes_per_gpu / link_bytes_per_s
+
+
+def decode_weight_bytes(arch: Architecture, quantization: str, runtime: EngineCapabilities) -> int:
+    """Bytes of weights one decode step moves on a GPU. A runtime without low-bit GPU matmuls
     (this build: `CAPABILITIES.low_bit_gpu_matmuls`) dequantizes each quantized layer's weight to a
     16-bit copy for its matmul, written and read back beside the stored weight, so there
     quantization buys memory, not decode speed."""
-    stored = weight_bytes(arch, quantization)
-    if quantization == "none" or low_bit_gpu_matmuls:
+    stored = weight_bytes(arch, quantization, runtime.quantized_lm_head)
+    if quantization == "none" or runtime.low_bit_gpu_matmuls:
         return stored
     embedding, _, body = _embedding_norms_body(arch)
     # The LM head is quantized too (INT8), and dequantized the same way.

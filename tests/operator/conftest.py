@@ -16,5 +16,6 @@ def fuller() -> EngineCapabilities:
         quantization=("none", "int8", "w8a8", "int4"),
         speculative=("off", "ngram", "draft"),
         dtypes=CAPABILITIES.dtypes,
+        checkpoint_quantization=("int8", "fp8", "w8a8", "int4", "awq", "gptq"),
         low_bit_gpu_matmuls=True,
     )

@@ -94,7 +94,7 @@ def _unsupported_pins(spec: InferenceServiceSpec) -> list[str]:
         for field, value in (("quantization", spec.serving.quantization), ("speculative", spec.serving.speculative))
         if value != "auto" and value not in getattr(CAPABILITIES, field)
         for text in (
-            f"serving.{field} {value!r} is not one this engine",
+            f"serving.{field} {value!r} is not one runtime kvpilot runs",
             f"(supported: {', '.join(getattr(CAPABILITIES, field))}; or 'auto')",
         )
     ]
@@ -179,13 +179,13 @@ def test_every_plan_that_fits_renders_arguments_kvpilot_serve_accepts(model: str
         where = f"{model} on {spec.accelerator.type} {spec.serving.model_dump(exclude_none=True)}"
         pins = _unsupported_pins(spec)
         if pins:
-            if result.failure != "UnsupportedByEngine" or not all(p in result.reason for p in pins):
+            if result.failure != "UnsupportedByRuntime" or not all(p in result.reason for p in pins):
                 problems.append(
-                    f"{where}: plans {result.failure}: {result.reason!r}, not UnsupportedByEngine saying {pins}"
+                    f"{where}: plans {result.failure}: {result.reason!r}, not UnsupportedByRuntime saying {pins}"
                 )
             continue
         if not result.fits:
-            if result.failure == "UnsupportedByEngine":
+            if result.failure == "UnsupportedByRuntime":
                 problems.append(f"{where}: pins nothing unsupported but {result.reason}")
             continue
         fitting += 1

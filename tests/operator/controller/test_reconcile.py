@@ -324,10 +324,10 @@ def test_pinning_what_the_engine_does_not_run_is_not_ready_and_rolls_out_nothing
     status = reconcile(body(pinned), fresh, NOW)
     assert fresh.kinds() == ["PodDisruptionBudget", "Service"]
     ready = condition(status, "Ready")
-    assert (ready["status"], ready["reason"]) == ("False", "UnsupportedByEngine")
+    assert (ready["status"], ready["reason"]) == ("False", "UnsupportedByRuntime")
     assert "serving.quantization 'w8a8'" in ready["message"]
     assert f"supported: {', '.join(CAPABILITIES.quantization)}" in ready["message"]
-    assert condition(status, "Planned")["reason"] == "UnsupportedByEngine"
+    assert condition(status, "Planned")["reason"] == "UnsupportedByRuntime"
     assert (status["plan"]["fits"], status["desiredReplicas"]) == (False, 0)
 
     # Pinning it on a running service rolls out nothing: its engines keep the last good plan.
@@ -337,7 +337,7 @@ def test_pinning_what_the_engine_does_not_run_is_not_ready_and_rolls_out_nothing
     status = reconcile(body(pinned, generation=2), cluster, NOW)
     assert cluster.objects[("Deployment", "ml", "chat")] == running
     planned = condition(status, "Planned")
-    assert (planned["status"], planned["reason"]) == ("False", "UnsupportedByEngine")
+    assert (planned["status"], planned["reason"]) == ("False", "UnsupportedByRuntime")
     assert "serving.quantization 'w8a8'" in planned["message"]
     assert status["desiredReplicas"] == REPLICAS
 

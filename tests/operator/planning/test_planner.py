@@ -179,7 +179,8 @@ def test_unknown_model_unknown_gpu_and_bad_inputs_are_results_not_exceptions() -
     too_long = plan(spec(serving={"maxContextLength": 8192}))
     assert too_long.failure == "ContextTooLong" and "4096" in too_long.reason
     multi = plan(spec(accelerator={"type": "A10G", "count": 2}))
-    assert multi.failure == "MultiGPUUnsupported"
+    assert multi.failure == "UnsupportedByRuntime"
+    assert "accelerator.count 2: runtime kvpilot runs 1 GPU(s) per replica; runtime: vllm" in multi.reason
 
 
 def test_context_leaving_room_for_no_sequence_is_a_no_fit(fuller: EngineCapabilities) -> None:
@@ -227,7 +228,16 @@ def test_unset_gpu_picks_the_smallest_node_gpu_that_works(fuller: EngineCapabili
 
 def test_every_fitting_plan_carries_a_reason_per_choice() -> None:
     result = plan(spec())
-    assert set(result.reasons) == {"model", "gpu", "quantization", "kvCache", "batching", "speculative", "replicas"}
+    assert set(result.reasons) == {
+        "model",
+        "gpu",
+        "quantization",
+        "kvCache",
+        "batching",
+        "speculative",
+        "replicas",
+        "tensorParallel",
+    }
     assert all(result.reasons.values())
     assert result.max_num_batched_tokens >= result.max_num_seqs
     assert result.max_num_batched_tokens % 16 == 0
@@ -262,21 +272,22 @@ def test_auto_chooses_only_what_the_engine_declares(body: InferenceServiceSpec, 
     result = plan(body)
     assert result.quantization in CAPABILITIES.quantization
     assert result.speculative in CAPABILITIES.speculative
-    assert result.failure != "UnsupportedByEngine"
+    assert result.failure != "UnsupportedByRuntime"
 
 
 def test_reasons_say_which_options_the_engine_lacks() -> None:
     minimal = EngineCapabilities(quantization=("none",), speculative=("off",), dtypes=("auto",))
     idle = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0}), capabilities=minimal)
     assert (idle.quantization, idle.speculative) == ("none", "off")
-    assert idle.reasons["speculative"] == "off: this engine runs no speculative mode (supported: off)"
+    assert idle.reasons["speculative"] == "off: this runtime runs no speculative mode (supported: off)"
     assert idle.reasons["quantization"].endswith(
-        "not tried: int8, w8a8, int4, which this engine does not run (supported: none)"
+        "not tried: int8, fp8, w8a8, int4, which runtime kvpilot does not apply on load (supported: none)"
     )
     # A 70B model needs INT4 on one 80 GiB GPU: the no-fit says why nothing smaller was tried.
     big = plan(spec("llama-2-70b", "H100-80GB"), capabilities=minimal)
     assert (big.fits, big.failure, big.quantization) == (False, "WeightsDoNotFit", "none")
-    assert "128.5 GiB" in big.reason and "not tried: int8, w8a8, int4" in big.reason
+    assert "128.5 GiB" in big.reason and "not tried: int8, fp8, w8a8, int4" in big.reason
+    assert big.reason.endswith("runtime: vllm splits a replica over up to 8 GPUs (tensor parallelism)")
     draft_only = choose_speculative(
         "auto", batch=1, tpot_bound=True, temperature=0, draft_model=None, supported=("off", "draft")
     )
@@ -286,7 +297,7 @@ def test_reasons_say_which_options_the_engine_lacks() -> None:
 @pytest.mark.parametrize("field, value", UNDECLARED, ids=[f"{f}={v}" for f, v in UNDECLARED])
 def test_pinning_what_the_engine_does_not_run_is_unsupported_by_engine(field: str, value: str) -> None:
     result = plan(spec(gpu="H100-80GB", serving={field: value}))
-    assert (result.fits, result.failure) == (False, "UnsupportedByEngine")
+    assert (result.fits, result.failure) == (False, "UnsupportedByRuntime")
     supported = ", ".join(getattr(CAPABILITIES, field))
     assert f"serving.{field} {value!r}" in result.reason
     assert f"(supported: {supported}; or 'auto')" in result.reason
@@ -295,12 +306,12 @@ def test_pinning_what_the_engine_does_not_run_is_unsupported_by_engine(field: st
 def test_both_unsupported_pins_are_named_and_no_sizeable_scheme_is_a_no_fit() -> None:
     minimal = EngineCapabilities(quantization=("none",), speculative=("off",), dtypes=("auto",))
     both = plan(spec(serving={"quantization": "int4", "speculative": "ngram"}), capabilities=minimal)
-    assert both.failure == "UnsupportedByEngine"
+    assert both.failure == "UnsupportedByRuntime"
     assert "'int4'" in both.reason and "'ngram'" in both.reason
     # A scheme the engine declares but sizing has no byte count for is never chosen.
-    unknown = EngineCapabilities(quantization=("fp8",), speculative=("off",), dtypes=("auto",))
+    unknown = EngineCapabilities(quantization=("nvfp4",), speculative=("off",), dtypes=("auto",))
     result = plan(spec(), capabilities=unknown)
-    assert result.failure == "UnsupportedByEngine" and "supported: fp8" in result.reason
+    assert result.failure == "UnsupportedByRuntime" and "supported: nvfp4" in result.reason
 
 
 def test_a_checkpoint_stored_quantized_is_planned_as_stored(fuller: EngineCapabilities) -> None:

@@ -37,6 +37,7 @@ from multidict import CIMultiDict
 from kvpilot.operator.gateway.body import BadBody, model_of
 from kvpilot.operator.gateway.headers import client_response_headers, upstream_request_headers
 from kvpilot.operator.gateway.limits import RETRY_AFTER_SECONDS, Admission, Limits, Refusal
+from kvpilot.operator.gateway.metrics import GatewayMetrics
 from kvpilot.operator.gateway.routing import Engines, choose, engine_capacity, route, served_in, wake_refusal
 from kvpilot.operator.kube.events import scaling_event
 from kvpilot.operator.kube.indexes import (
@@ -88,10 +89,11 @@ def _refused(refusal: Refusal | None) -> None:
 
 
 class _Taken:
-    """Body bytes a request has taken from the admission counters (given back when it ends)."""
+    """Body bytes a request has taken from the admission counters (given back when it ends), and
+    the service it was routed to (for its metrics)."""
 
     def __init__(self, namespace: str) -> None:
-        self.namespace, self.count = namespace, 0
+        self.namespace, self.count, self.service = namespace, 0, ""
 
 
 class Gateway:
@@ -121,11 +123,15 @@ class Gateway:
         self._parsing = asyncio.Lock()
         self._instance = socket.gethostname()
         self._session: aiohttp.ClientSession | None = None
+        self.metrics = GatewayMetrics(
+            lambda: dict(self.admission.held), self._in_flight, lambda: dict(self.admission.body_bytes)
+        )
         self.app = web.Application(client_max_size=self.limits.max_body_bytes)
         self.app.add_routes(
             [
                 web.get("/healthz", self._healthz),
                 web.get("/readyz", self._readyz),
+                web.get("/metrics", self._metrics),
                 web.get(f"{PREFIX}/models", self._models),
                 web.post(f"{PREFIX}/completions", self._forward),
                 web.post(f"{PREFIX}/chat/completions", self._forward),
@@ -151,6 +157,13 @@ class Gateway:
                 auto_decompress=False,
             )
         return self._session
+
+    def _in_flight(self) -> dict[tuple[str, str], int]:
+        counts = {key: sum(engines.in_flight.values()) for key, engines in self._engines.items()}
+        return {key: count for key, count in counts.items() if count}
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition(), content_type="text/plain", charset="utf-8")
 
     def busy(self) -> bool:
         """Whether any request is held or forwarded."""
@@ -186,21 +199,30 @@ class Gateway:
         return error(404, "address a namespace: /namespaces/<namespace>/v1/... (README, 'Gateway')", "not_found")
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
+        started = time.monotonic()
         taken = _Taken(request.match_info["namespace"])
+        code = 499  # unless an answer is given: the client left
+        try:
+            response = await self._answer(request, taken)
+            code = response.status
+            return response
+        finally:
+            self.admission.give_bytes(taken.namespace, taken.count)
+            self.metrics.answered((taken.namespace, taken.service), code, time.monotonic() - started)
+
+    async def _answer(self, request: web.Request, taken: _Taken) -> web.StreamResponse:
         try:
             raw = await self._read(request, taken)
             async with self._parsing:  # one parse at a time: its transient copy is bounded too
                 model = await asyncio.to_thread(model_of, raw)
-            name = route(taken.namespace, model, indexed_services(self._indexes[0]))
-            return await self._dispatch(request, (taken.namespace, name), raw)
+            taken.service = route(taken.namespace, model, indexed_services(self._indexes[0]))
+            return await self._dispatch(request, (taken.namespace, taken.service), raw)
         except BadBody as bad:
             return error(400, str(bad))
         except LookupError as missing:
             return error(404, str(missing), "model_not_found")
         except _Answer as answer:
             return answer.response
-        finally:
-            self.admission.give_bytes(taken.namespace, taken.count)
 
     async def _read(self, request: web.Request, taken: _Taken) -> bytearray:
         """The body, decoded, within the size limit, the byte budgets and the read deadline."""

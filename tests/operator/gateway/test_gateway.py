@@ -266,3 +266,32 @@ def test_the_autoscaler_marks_its_own_zero_and_keeps_the_mark_only_while_replica
     assert mark("hold", 0, 0, zeroed) == zeroed
     assert mark("hold", 1, 1, zeroed) is None  # woken: the mark goes
     assert mark("hold", 0, 0, None) is None  # a zero someone else set
+
+
+def test_the_gateway_exports_what_it_holds_and_forwards_and_each_requests_latency() -> None:
+    async def scenario(ix: Indexes, rec: Recorder, base: str, http: aiohttp.ClientSession) -> None:
+        ix.put(*serving(POD_IPS[:1]), pod("p0", POD_IPS[0], ready=False))
+        held = [asyncio.create_task(complete(http, base)) for _ in range(3)]
+        await asyncio.sleep(0.5)
+        text = await (await http.get(f"{base}/metrics")).text()
+        assert 'kvpilot_gateway_held_requests{namespace="team",service="chat"} 3.0' in text
+        engine = await Engine("e0", chunks=5, delay=0.2).start(POD_IPS[0])
+        ix.put(pod("p0", POD_IPS[0]))
+        try:
+            await asyncio.sleep(0.6)
+            text = await (await http.get(f"{base}/metrics")).text()
+            assert 'kvpilot_gateway_in_flight_requests{namespace="team",service="chat"} 3.0' in text
+            assert "kvpilot_gateway_held_requests{" not in text
+            await asyncio.gather(*held)
+            await complete(http, base, model="nope")
+        finally:
+            await engine.stop()
+        text = await (await http.get(f"{base}/metrics")).text()
+        assert 'kvpilot_gateway_requests_total{code="200",namespace="team",service="chat"} 3.0' in text
+        assert 'kvpilot_gateway_requests_total{code="404",namespace="team",service=""} 1.0' in text
+        # Held for about half a second, then a second of streaming: in the 2.5 s bucket, not the 1 s.
+        bucket = 'kvpilot_gateway_request_duration_seconds_bucket{code="200",le="%s",namespace="team",service="chat"}'
+        assert f"{bucket % '1.0'} 0.0" in text and f"{bucket % '2.5'} 3.0" in text
+        assert "kvpilot_gateway_in_flight_requests{" not in text
+
+    run(scenario)

@@ -28,6 +28,9 @@ class Result:
     target: str
     ttft_s: float | None
     error: str | None = None
+    # The stream's finish_reason: "length" for one served whole (ignore_eos, max_tokens); None for
+    # one cut short, "abort" or an error event for one the engine gave up on.
+    finish_reason: str | None = None
 
 
 def p95(values: Sequence[float]) -> float | None:
@@ -100,17 +103,24 @@ class Load(Background):
             "temperature": 0.8,
         }
         ttft = error = None
+        finish_reason = None
         try:
             with self._http.stream("POST", f"{target}/v1/completions", json=body) as response:
                 if response.status_code != 200:
                     error = f"HTTP {response.status_code}: {response.read()[:200]!r}"
                 else:
                     for line in response.iter_lines():
-                        if ttft is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                        if not line.startswith("data: {"):
+                            continue
+                        choices = json.loads(line[6:]).get("choices") or [{}]
+                        if ttft is None and choices[0].get("text"):
                             ttft = time.monotonic() - start
+                        finish_reason = choices[0].get("finish_reason") or finish_reason
         except httpx.HTTPError as err:
             error = f"{type(err).__name__}: {err}"
         finally:
             self._in_flight.release()
         with self._lock:
-            self.results.append(Result(start=start, target=target, ttft_s=ttft, error=error))
+            self.results.append(
+                Result(start=start, target=target, ttft_s=ttft, error=error, finish_reason=finish_reason)
+            )

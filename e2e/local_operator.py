@@ -20,20 +20,25 @@ from e2e.procs import LOOPBACK, Process, free_port, kvpilot_executable, start_ht
 CONTAINER = "operator"
 
 
-def service_account_kubeconfig(cluster: Cluster, installation: Installation, path: Path, duration: str = "24h") -> Path:
-    """A kubeconfig for the API server of `cluster` that authenticates as the chart's ServiceAccount."""
+def service_account_kubeconfig(
+    cluster: Cluster, installation: Installation, path: Path, duration: str = "24h", server: str | None = None
+) -> Path:
+    """A kubeconfig for the API server of `cluster` that authenticates as the chart's ServiceAccount;
+    `server`: another address to reach it by (a plain-HTTP proxy in front of it, fault_proxy.py)."""
     token = cluster.kubectl(
         "create", "token", installation.service_account, "-n", installation.namespace, f"--duration={duration}"
     ).stdout.strip()
     admin = cluster.kubectl_json("config", "view", "--raw", "--minify", "--flatten")
-    server = admin["clusters"][0]
+    entry = admin["clusters"][0]
+    if server is not None:
+        entry = {"name": entry["name"], "cluster": {"server": server}}
     user = installation.subject
     config = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [server],
+        "clusters": [entry],
         "users": [{"name": user, "user": {"token": token}}],
-        "contexts": [{"name": user, "context": {"cluster": server["name"], "user": user}}],
+        "contexts": [{"name": user, "context": {"cluster": entry["name"], "user": user}}],
         "current-context": user,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -68,12 +73,14 @@ class LocalOperator:
         self.starts = 0
         # Where the chart's gateway listens, from the last start on.
         self.gateway_url = ""
+        # Another address of the API server for the next starts (a fault proxy); None: its own.
+        self.api_server: str | None = None
 
     def prepare_kubeconfig(self) -> Path:
         """Write the ServiceAccount kubeconfig for this cluster, over whatever is there: a fresh
         token and the cluster's own CA and address (a kubeconfig left in `workdir` may be from
         another cluster, say a demo brought down and up again)."""
-        return service_account_kubeconfig(self.cluster, self.installation, self.kubeconfig)
+        return service_account_kubeconfig(self.cluster, self.installation, self.kubeconfig, server=self.api_server)
 
     def start(self, timeout_s: float = 60.0) -> Process:
         self.prepare_kubeconfig()

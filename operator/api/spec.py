@@ -235,6 +235,12 @@ class RolloutSpec(_Camel):
     max_drain_seconds: int = Field(default=600, ge=0, le=3600)
 
 
+class RoutingSpec(_Camel):
+    # How the gateway picks an engine: the least loaded, or the one a hash of the prompt's
+    # beginning names (consistent hashing with bounded loads: shared prefixes hit one KV cache).
+    strategy: Literal["LeastLoad", "PrefixHash"] = "LeastLoad"
+
+
 class ImagePullSecret(_Camel):
     name: str
 
@@ -258,6 +264,7 @@ class InferenceServiceSpec(_Camel):
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
     rollout: RolloutSpec = RolloutSpec()
+    routing: RoutingSpec = RoutingSpec()
     # Passed through to the engine pods as written (Kubernetes' own types, validated by the API server).
     env: list[dict[str, Any]] = Field(default_factory=list)
     env_from: list[dict[str, Any]] = Field(default_factory=list)

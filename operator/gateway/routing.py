@@ -8,6 +8,10 @@ woken or sent the request (and its `Authorization` header).
 
 from __future__ import annotations
 
+import bisect
+import functools
+import hashlib
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +29,11 @@ DEFAULT_ENGINE_CAPACITY = 256
 # doubling with each failure in a row up to the maximum.
 BACKOFF_SECONDS = 0.5
 MAX_BACKOFF_SECONDS = 10.0
+# PrefixHash: points per engine on the hash ring (an even spread of keys), and how far above the
+# mean load (requests in flight, this one included) an engine may go before its keys spill to the
+# next engine on the ring (consistent hashing with bounded loads, as KubeAI's CHWBL).
+VIRTUAL_NODES = 100
+LOAD_FACTOR = 1.25
 
 
 def served_model(service: Mapping[str, Any]) -> str | None:
@@ -102,15 +111,59 @@ class Engines:
         return not any(self.in_flight.values())
 
 
-def choose(urls: Sequence[tuple[str, str]], engines: Engines, capacity: int, now: float) -> str | None:
-    """The base URL with the fewest requests in flight among the engines not backed off and below
-    `capacity` (None: no engine to try now)."""
-    candidates = [
+def _usable(urls: Sequence[tuple[str, str]], engines: Engines, capacity: int, now: float) -> list[str]:
+    """The engines not backed off and below `capacity`."""
+    return [
         url
         for _, url in urls
         if engines.backoff_until.get(url, 0.0) <= now and engines.in_flight.get(url, 0) < capacity
     ]
-    return min(candidates, key=lambda url: engines.in_flight.get(url, 0), default=None)
+
+
+def choose(urls: Sequence[tuple[str, str]], engines: Engines, capacity: int, now: float) -> str | None:
+    """The base URL with the fewest requests in flight among the engines not backed off and below
+    `capacity` (None: no engine to try now)."""
+    return min(_usable(urls, engines, capacity, now), key=lambda url: engines.in_flight.get(url, 0), default=None)
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+@functools.lru_cache(maxsize=1024)
+def _ring(urls: tuple[str, ...]) -> tuple[tuple[int, str], ...]:
+    return tuple(sorted((_hash(f"{url}#{i}"), url) for url in urls for i in range(VIRTUAL_NODES)))
+
+
+def choose_by_prefix(
+    urls: Sequence[tuple[str, str]], engines: Engines, capacity: int, now: float, prefix: str
+) -> str | None:
+    """The engine `prefix` hashes to on a ring of every ready engine, or the next one clockwise
+    whose load stays within LOAD_FACTOR x the mean (None: no engine to try now). An engine that
+    comes or goes moves only the keys next to its points; the rest keep their engine and its cache."""
+    usable = set(_usable(urls, engines, capacity, now))
+    if not usable:
+        return None
+    load = engines.in_flight
+    bound = math.ceil(LOAD_FACTOR * (sum(load.get(url, 0) for url in usable) + 1) / len(usable))
+    ring = _ring(tuple(sorted(url for _, url in urls)))
+    start = bisect.bisect(ring, (_hash(prefix), ""))
+    for offset in range(len(ring)):
+        url = ring[(start + offset) % len(ring)][1]
+        if url in usable and load.get(url, 0) + 1 <= bound:
+            return url
+    return choose(urls, engines, capacity, now)
+
+
+def pick(
+    service: Mapping[str, Any], urls: Sequence[tuple[str, str]], engines: Engines, now: float, prefix: str
+) -> str | None:
+    """The engine for a request to `service` by its routing.strategy."""
+    capacity = engine_capacity(service)
+    strategy = (((service.get("spec") or {}).get("routing")) or {}).get("strategy", "LeastLoad")
+    if strategy == "PrefixHash":
+        return choose_by_prefix(urls, engines, capacity, now, prefix)
+    return choose(urls, engines, capacity, now)
 
 
 def wake_refusal(service: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> str | None:

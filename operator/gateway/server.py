@@ -34,11 +34,11 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kvpilot.operator.gateway.body import BadBody, model_of
+from kvpilot.operator.gateway.body import BadBody, read_body
 from kvpilot.operator.gateway.headers import client_response_headers, upstream_request_headers
 from kvpilot.operator.gateway.limits import RETRY_AFTER_SECONDS, Admission, Limits, Refusal
 from kvpilot.operator.gateway.metrics import GatewayMetrics
-from kvpilot.operator.gateway.routing import Engines, choose, engine_capacity, route, served_in, wake_refusal
+from kvpilot.operator.gateway.routing import Engines, pick, route, served_in, wake_refusal
 from kvpilot.operator.kube.events import scaling_event
 from kvpilot.operator.kube.indexes import (
     children,
@@ -214,9 +214,9 @@ class Gateway:
         try:
             raw = await self._read(request, taken)
             async with self._parsing:  # one parse at a time: its transient copy is bounded too
-                model = await asyncio.to_thread(model_of, raw)
-            taken.service = route(taken.namespace, model, indexed_services(self._indexes[0]))
-            return await self._dispatch(request, (taken.namespace, taken.service), raw)
+                routed = await asyncio.to_thread(read_body, raw)
+            taken.service = route(taken.namespace, routed.model, indexed_services(self._indexes[0]))
+            return await self._dispatch(request, (taken.namespace, taken.service), raw, routed.prefix)
         except BadBody as bad:
             return error(400, str(bad))
         except LookupError as missing:
@@ -256,7 +256,9 @@ class Gateway:
         del body[size:]  # a body shorter than declared
         return body
 
-    async def _dispatch(self, request: web.Request, key: tuple[str, str], raw: bytearray) -> web.StreamResponse:
+    async def _dispatch(
+        self, request: web.Request, key: tuple[str, str], raw: bytearray, prefix: str
+    ) -> web.StreamResponse:
         engines = self._engines.setdefault(key, Engines())
         headers = upstream_request_headers(request.headers.items(), request.remote)
         deadline = time.monotonic() + self.limits.hold_seconds
@@ -269,7 +271,7 @@ class Gateway:
                 deployment, pods = self._children(service)
                 urls = engine_urls(pods)
                 engines.forget_except([url for _, url in urls])
-                url = choose(urls, engines, engine_capacity(service), time.monotonic())
+                url = pick(service, urls, engines, time.monotonic(), prefix)
                 if url is not None:
                     if held:
                         self.admission.release(key)

@@ -19,6 +19,7 @@ import pytest
 from e2e import kvis
 from e2e.chart import Installation, install
 from e2e.cluster import Binaries, Cluster, build_binaries, reap_stale_clusters, start_cluster
+from e2e.local_gateway import LocalGateway
 from e2e.local_operator import LocalOperator
 
 # The namespace the chart's operator watches; every InferenceService of the tests lives here.
@@ -60,6 +61,17 @@ def kvpilot(k8s: Cluster) -> Installation:
 def operator(k8s: Cluster, kvpilot: Installation, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalOperator]:
     """The chart's operator as a local process under the chart's ServiceAccount (logs kept in tmp)."""
     local = LocalOperator(k8s, kvpilot, tmp_path_factory.mktemp("operator"))
+    local.start()
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+@pytest.fixture(scope="session")
+def gateway(k8s: Cluster, kvpilot: Installation, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
+    """The chart's gateway as a local process under the gateway's own ServiceAccount."""
+    local = LocalGateway(k8s, kvpilot, tmp_path_factory.mktemp("gateway"))
     local.start()
     try:
         yield local

@@ -29,6 +29,7 @@ from e2e import kvis
 from e2e.chart import install
 from e2e.cluster import Binaries, Cluster, build_binaries, start_cluster, stop_pids
 from e2e.local_engine import start_engine
+from e2e.local_gateway import LocalGateway
 from e2e.local_operator import LocalOperator
 from e2e.procs import Process
 
@@ -37,8 +38,9 @@ STATE_FILE = ROOT / "state.json"
 CLUSTER = "kvpilot-demo"
 NAMESPACE = "demo"
 SAMPLE = "smollm2-135m"
-# Under ROOT: the operator's kubeconfig and logs, the engine's log.
+# Under ROOT: the operator's and the gateway's kubeconfigs and logs, the engine's log.
 OPERATOR_DIR = "operator"
+GATEWAY_DIR = "gateway"
 ENGINE_LOG = "engine.log"
 
 
@@ -69,6 +71,7 @@ def _clear() -> None:
     """Remove what `up` writes under ROOT besides the cluster's own directory (which
     `Cluster.delete` removes): nothing of one demo may be taken for the next one's."""
     shutil.rmtree(ROOT / OPERATOR_DIR, ignore_errors=True)
+    shutil.rmtree(ROOT / GATEWAY_DIR, ignore_errors=True)
     for path in (ROOT / ENGINE_LOG, STATE_FILE):
         path.unlink(missing_ok=True)
     with contextlib.suppress(OSError):
@@ -88,6 +91,9 @@ def up() -> int:
         installation = install(cluster, [NAMESPACE])
         operator = LocalOperator(cluster, installation, ROOT / OPERATOR_DIR)
         _record(state, "operator", operator.start())
+        gateway = LocalGateway(cluster, installation, ROOT / GATEWAY_DIR)
+        _record(state, "gateway", gateway.start())
+        addressed = f"{gateway.url}/namespaces/{NAMESPACE}"
 
         isvc = kvis.sample(SAMPLE)
         name, model = isvc["metadata"]["name"], isvc["spec"]["model"]["name"]
@@ -99,8 +105,8 @@ def up() -> int:
         print(f"starting the engine for pod {pod['metadata']['name']} on {pod['status']['podIP']} ...", file=sys.stderr)
         engine, url = start_engine(deployment, pod, ROOT / ENGINE_LOG)
         _record(state, "engine", engine)
-        # Through the operator's gateway, as a client in the cluster would reach it.
-        answer = _chat(operator.gateway_url, model, "In one sentence, what is Kubernetes?")
+        # Through the gateway, as a client in the cluster would reach it.
+        answer = _chat(addressed, model, "In one sentence, what is Kubernetes?")
         status = kvis.get(cluster, NAMESPACE, name)["status"]
     except BaseException:
         down()
@@ -113,14 +119,14 @@ def up() -> int:
     print(cluster.kubectl("get", "kvis,deploy,svc,pods", "-n", NAMESPACE, "-o", "wide").stdout)
     print(f"""InferenceService {NAMESPACE}/{name}: {status["plan"]["reason"]}
   in-cluster URL  {status["url"]}
-  gateway         {operator.gateway_url}/v1  (the operator's OpenAI endpoint: routes by model,
-                  wakes services at 0 replicas)
+  gateway         {addressed}/v1  (`kvpilot gateway`: routes by namespace and model,
+                  wakes services the autoscaler scaled to 0; log {state["processes"]["gateway"]["log"]})
   engine          {url}/v1  (kvpilot serve on the pod's loopback IP; log {engine.log})
   operator        pid {state["processes"]["operator"]["pid"]}, log {state["processes"]["operator"]["log"]}
   first answer    {answer!r}
 
 Try it:
-  curl -s {operator.gateway_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{request}'
+  curl -s {addressed}/v1/chat/completions -H 'Content-Type: application/json' -d '{request}'
   {kubectl} get kvis -A -o wide
   {kubectl} get kvis {name} -n {NAMESPACE} -o yaml
 

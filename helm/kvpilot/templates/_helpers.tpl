@@ -90,10 +90,6 @@ collector), keep its peering record alive, and post events.
 {{- range .Values.autoscaler.prometheusUrlAllow }}
 - {{ printf "--prometheus-url-allow=%s" . | quote }}
 {{- end }}
-{{- if .Values.gateway.enabled }}
-- --gateway=0.0.0.0:{{ .Values.gateway.port }}
-- --gateway-hold-seconds={{ .Values.gateway.holdSeconds }}
-{{- end }}
 {{- if eq .Values.logLevel "debug" }}
 - --verbose
 {{- end }}

@@ -57,6 +57,8 @@ UPSTREAM_KEEPALIVE_SECONDS = 3.0
 # How long after a scale write the gateway waits for its watch to see it before writing again.
 SCALE_SETTLE_SECONDS = 10.0
 PREFIX = "/namespaces/{namespace}/v1"
+# How often per-service state (in-flight counts, backoffs, wake locks) of deleted services is dropped.
+PRUNE_SECONDS = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +123,7 @@ class Gateway:
         self._engines: dict[tuple[str, str], Engines] = {}
         self._waking: dict[tuple[str, str], asyncio.Lock] = {}
         self._parsing = asyncio.Lock()
+        self._pruned_at = time.monotonic()
         self._instance = socket.gethostname()
         self._session: aiohttp.ClientSession | None = None
         self.metrics = GatewayMetrics(
@@ -287,8 +290,18 @@ class Gateway:
         finally:
             if held:
                 self.admission.release(key)
-            if engines.idle() and self._service(key) is None:
-                self._engines.pop(key, None)
+            self._prune()
+
+    def _prune(self) -> None:
+        """Forget, now and then, what was kept for services that are gone (and hold nothing)."""
+        now = time.monotonic()
+        if now - self._pruned_at < PRUNE_SECONDS:
+            return
+        self._pruned_at = now
+        for key in [k for k, engines in self._engines.items() if engines.idle() and self._service(k) is None]:
+            del self._engines[key]
+        for key in [k for k, lock in self._waking.items() if not lock.locked() and self._service(k) is None]:
+            del self._waking[key]
 
     async def _wait(
         self, key: tuple[str, str], service: Mapping[str, Any], deployment: Mapping[str, Any] | None, deadline: float

@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from kvpilot.operator.gateway import routing
+from kvpilot.operator.gateway import server as gw
 from kvpilot.operator.gateway.limits import RETRY_AFTER_SECONDS
 
 from .harness import (
@@ -293,5 +294,35 @@ def test_the_gateway_exports_what_it_holds_and_forwards_and_each_requests_latenc
         bucket = 'kvpilot_gateway_request_duration_seconds_bucket{code="200",le="%s",namespace="team",service="chat"}'
         assert f"{bucket % '1.0'} 0.0" in text and f"{bucket % '2.5'} 3.0" in text
         assert "kvpilot_gateway_in_flight_requests{" not in text
+
+    run(scenario)
+
+
+def test_what_is_kept_for_a_deleted_service_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding 7: per-service state was never pruned."""
+    monkeypatch.setattr(gw, "PRUNE_SECONDS", 0.0)
+    gateways: list[gw.Gateway] = []
+    original = gw.Gateway.__init__
+
+    def remember(self: gw.Gateway, *args: object, **kwargs: object) -> None:
+        original(self, *args, **kwargs)  # type: ignore[arg-type]
+        gateways.append(self)
+
+    monkeypatch.setattr(gw.Gateway, "__init__", remember)
+
+    async def scenario(ix: Indexes, rec: Recorder, base: str, http: aiohttp.ClientSession) -> None:
+        ix.put(*serving(POD_IPS[:1]))
+        ix.put(*serving(POD_IPS[1:2], namespace="gone", uid="u2"))
+        engines = [await Engine("e0").start(POD_IPS[0]), await Engine("e1").start(POD_IPS[1])]
+        try:
+            assert (await complete(http, base, namespace="gone"))[0] == 200
+            (gateway,) = gateways
+            assert ("gone", "chat") in gateway._engines
+            del ix.services[("gone", "chat")]
+            assert (await complete(http, base))[0] == 200
+        finally:
+            for e in engines:
+                await e.stop()
+        assert list(gateway._engines) == [(NS, "chat")]
 
     run(scenario)

@@ -3,10 +3,10 @@
 The operator's kubeconfig points at it (plain HTTP on loopback; it dials the API server over TLS
 with the cluster's CA and passes the operator's bearer token through), everything else talks to
 the API server directly. Passing, it streams requests and answers through unchanged, watches
-included. `faulty = True` cuts every stream it holds (the operator's watches end, as when an API
-server goes away) and answers every request, alternately, 500 (a Status "etcdserver: request
-timed out", as an overloaded API server gives) and 429 with Retry-After: 1 (API priority and
-fairness), until it is set back.
+included. After `fail()` it answers every new request, alternately, 500 (a Status "etcdserver:
+request timed out", as an overloaded API server gives) and 429 with Retry-After: 1 (API priority
+and fairness), and with `cut_streams` it ends the streams it holds too (the operator's watches),
+until `recover()`.
 
 Every request is recorded (`requests`): when, method, path, the answer's status, and the body of
 writes, so a test can see each status and scale write the operator tried, answered or not.
@@ -66,7 +66,7 @@ def _status_body(code: int, reason: str, message: str) -> str:
 
 
 class ApiFaultProxy(AioServer):
-    """`url` for the operator's kubeconfig; `faulty` toggles the faults; `requests` the record."""
+    """`url` for the operator's kubeconfig; `fail()` and `recover()`; `requests`, the record."""
 
     def __init__(self, upstream: str, ca_data: str) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -86,11 +86,16 @@ class ApiFaultProxy(AioServer):
     def faulty(self) -> bool:
         return self._faulty
 
-    @faulty.setter
-    def faulty(self, on: bool) -> None:
-        self._faulty = on
-        if on:
+    def fail(self, cut_streams: bool) -> None:
+        """Answer every new request 500 or 429 from now on. `cut_streams`: also end the streams
+        (watches) it holds, as when the API server goes away; else they keep flowing, as from an
+        API server whose watch cache still serves while etcd times out."""
+        self._faulty = True
+        if cut_streams:
             self.call(self._cut_streams)
+
+    def recover(self) -> None:
+        self._faulty = False
 
     def _cut_streams(self) -> None:
         for task in list(self._open):

@@ -8,10 +8,11 @@ Three autoscaled InferenceServices, each with real `kvpilot serve` engines behin
 - `faults-nan` (2..3): one pod's /metrics reports NaN for its queue and KV usage.
 
 The operator talks to the API server through a proxy (fault_proxy.py). Once `faults-scaled` has
-scaled up, the proxy cuts the operator's watches and answers every request 500 or 429 for
-FAULT_S; meanwhile someone deletes `faults-hang`'s Service and loosens `faults-scaled`'s SLO, so
-that the operator has work waiting when the API server comes back, and `faults-scaled`'s load
-turns into fewer, longer streams that a scale-down meets in flight.
+scaled up, the proxy answers every request 500 or 429 for FAULT_S: for the first half the
+operator's watches keep flowing, and someone deletes `faults-hang`'s Service (the operator sees it
+and its reconcile fails: only a retry brings the Service back); then the watches are cut too, and
+someone loosens `faults-scaled`'s SLO (seen only once the watches are back), which turns its load
+into fewer, longer streams that a scale-down meets in flight.
 
 Afterwards: every InferenceService is reconciled to its rendered state (the operator's own
 reconcile, run against the live objects, would write nothing), replicas never went outside
@@ -57,11 +58,12 @@ SCALED, HANG, NAN = "faults-scaled", "faults-hang", "faults-nan"
 BOUNDS = {SCALED: (1, 3), HANG: (2, 3), NAN: (2, 3)}
 TIGHT_SLO = {"ttftP95Ms": 20, "tpotP95Ms": 200}  # not met under load by one thread's prefill
 LOOSE_SLO = {"ttftP95Ms": 600000, "tpotP95Ms": 600000}  # met by anything these engines do
-FAULT_S = 20.0
-# The most time between two of `faults-scaled`'s periods: one period is AUTOSCALE_INTERVAL_S, this
-# leaves room for a busy 2-core machine; a period that waited on another service's hanging
-# /metrics (one byte a second, never complete) would never end at all.
-MAX_PERIOD_GAP_S = 5 * AUTOSCALE_INTERVAL_S
+FAULT_S = 24.0
+# The most time between two status writes of a service whose engines answer: a period is
+# AUTOSCALE_INTERVAL_S, plus at most the 3 s read deadline (the NaN stand-in copies a busy engine's
+# /metrics), plus room for a busy 2-core machine (6.1 s measured beside a CPU burner). A period
+# that waited on another service's hanging /metrics (a byte a second, never complete) never ends.
+MAX_PERIOD_GAP_S = 15.0
 TIMELINE_ENV = "KVPILOT_FAULTS_TIMELINE"
 
 
@@ -206,7 +208,7 @@ def proxied_operator(k8s: Cluster, operator: LocalOperator) -> Iterator[ApiFault
         try:
             yield proxy
         finally:
-            proxy.faulty = False
+            proxy.recover()
             operator.stop()
             operator.api_server = None
             operator.start()
@@ -285,17 +287,22 @@ def test_faults_leave_every_service_reconciled_bounded_and_its_streams_whole(
             poll(lambda: _replicas(k8s, namespace, SCALED) >= 2 or None, 240, "faults-scaled scaled up", interval_s=1.0)
             mark("faults-scaled scaled up")
 
-            proxy.faulty = True
-            mark("API fault: the operator's streams cut, every request answered 500 or 429")
+            # First the watches keep flowing: the operator sees the deletion at once, and every
+            # request of the reconcile it starts fails.
+            proxy.fail(cut_streams=False)
+            mark("API fault: every new request answered 500 or 429, the operator's watches kept")
             k8s.kubectl("delete", "service", HANG, "-n", namespace)
             mark("faults-hang's Service deleted by hand")
+            time.sleep(FAULT_S / 2)
+            proxy.fail(cut_streams=True)
+            mark("API outage: the operator's watches cut too")
             kvis.patch_spec(k8s, namespace, SCALED, {"slo": LOOSE_SLO})
             mark("faults-scaled's SLO loosened")
             # Fewer, longer streams: a scale-down now meets requests in flight.
             loads[SCALED].max_tokens, loads[SCALED].rate = 64, 1.0
             mark("load on faults-scaled: 1 req/s of 64-token streams")
-            time.sleep(FAULT_S)
-            proxy.faulty = False
+            time.sleep(FAULT_S / 2)
+            proxy.recover()
             mark("API fault over")
 
             poll(lambda: _all_reconciled(k8s, namespace) or None, 120, "every service reconciled", interval_s=1.0)
@@ -361,6 +368,8 @@ def test_faults_leave_every_service_reconciled_bounded_and_its_streams_whole(
     # The faulty pods are unknown, and named so in the status.
     assert unknown == {name: [broken[name]] for name in (HANG, NAN)}, (unknown, broken)
     log = operator.log()
+    # The deletion reached the operator during the fault, its reconcile failed and was retried.
+    assert f"reconcile of {namespace}/{HANG} failed, again in" in log, log[-3000:]
     assert re.search(rf"pod {broken[HANG]} is unknown: no complete answer within", log), log[-3000:]
     assert re.search(rf"pod {broken[NAN]} is unknown: .*not finite", log), log[-3000:]
     assert all(s.served >= 3 for s in stand_ins), [s.served for s in stand_ins]

@@ -61,6 +61,11 @@ def owner_reference(name: str, uid: str) -> dict[str, Any]:
         "blockOwnerDeletion": True,
     }
 
+
 # In status.autoscaler: when the SLO autoscaler set the present 0 replicas (kept while they stay 0).
 # The gateway wakes only such a zero, never a `kubectl scale --replicas=0` or one in mode off/external.
 SCALED_TO_ZERO_AT = "scaledToZeroAt"
+
+# In status.auth: the SHA-256 (hex) of the service's API key. The gateway checks a request's bearer
+# token against it before reading its body and before any wake, without reading the Secret.
+API_KEY_SHA256 = "apiKeySha256"

@@ -34,6 +34,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from kvpilot.operator.gateway.auth import admits, namespace_admits, token_digest
 from kvpilot.operator.gateway.body import BadBody, read_body
 from kvpilot.operator.gateway.headers import client_response_headers, upstream_request_headers
 from kvpilot.operator.gateway.limits import RETRY_AFTER_SECONDS, Admission, Limits, Refusal
@@ -75,6 +76,13 @@ def error(status: int, message: str, code: str | None = None, retry_after: int |
     body = {"error": {"message": message, "type": kind, "param": "model" if status == 404 else None, "code": code}}
     headers = {"Retry-After": str(retry_after)} if retry_after else None
     return web.json_response(body, status=status, headers=headers)
+
+
+def _unauthorized() -> web.Response:
+    response = error(401, "a valid API key is required: Authorization: Bearer <key>", "invalid_api_key")
+    response.headers["WWW-Authenticate"] = "Bearer"
+    response.force_close()  # the body may be unread
+    return response
 
 
 class _Answer(Exception):
@@ -214,11 +222,18 @@ class Gateway:
             self.metrics.answered((taken.namespace, taken.service), code, time.monotonic() - started)
 
     async def _answer(self, request: web.Request, taken: _Taken) -> web.StreamResponse:
+        digest = token_digest(request.headers.get("Authorization"))
         try:
+            if not namespace_admits(taken.namespace, indexed_services(self._indexes[0]), digest):
+                return _unauthorized()  # before a byte of the body is read
             raw = await self._read(request, taken)
             async with self._parsing:  # one parse at a time: its transient copy is bounded too
                 routed = await asyncio.to_thread(read_body, raw)
-            taken.service = route(taken.namespace, routed.model, indexed_services(self._indexes[0]))
+            services = indexed_services(self._indexes[0])
+            taken.service = route(taken.namespace, routed.model, services)
+            service = self._service((taken.namespace, taken.service))
+            if service is None or not admits(service, digest):
+                return _unauthorized()  # before any wake
             return await self._dispatch(request, (taken.namespace, taken.service), raw, routed.prefix)
         except BadBody as bad:
             return error(400, str(bad))

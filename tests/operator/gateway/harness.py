@@ -111,11 +111,15 @@ def pod(
 
 def serving(ips: tuple[str, ...] = POD_IPS[:1], namespace: str = NS, **changes: Any) -> list[dict[str, Any]]:
     """A service with a Deployment of len(ips) replicas whose pods are ready at `ips`."""
+    name, uid = changes.get("name", "chat"), changes.get("uid", UID)
     return [
         service(namespace=namespace, **changes),
-        deployment(replicas=len(ips), namespace=namespace, uid=changes.get("uid", UID)),
-        replicaset(namespace=namespace, owner=f"dep-{changes.get('uid', UID)}"),
-        *(pod(f"p{i}", ip, namespace=namespace) for i, ip in enumerate(ips)),
+        deployment(name, replicas=len(ips), namespace=namespace, uid=uid),
+        replicaset(f"{name}-5d8f", namespace=namespace, owner=f"dep-{uid}", instance=name),
+        *(
+            pod(f"{name}-p{i}", ip, owner=name, replicaset=f"{name}-5d8f", namespace=namespace)
+            for i, ip in enumerate(ips)
+        ),
     ]
 
 

@@ -39,7 +39,7 @@ def standalone(tmp_path: Path) -> Iterator[tuple[Process, str]]:
     pod never gets ready: every admitted request is held."""
     indexes = Indexes()
     indexes.put(*serving(POD_IPS[:1]))
-    indexes.put(pod("p0", POD_IPS[0], ready=False))
+    indexes.put(pod("chat-p0", POD_IPS[0], ready=False))
     (tmp_path / "indexes.json").write_text(json.dumps(indexes.as_json()))
     (tmp_path / "limits.json").write_text(Limits(hold_seconds=8).model_dump_json())
     port = free_port()
@@ -147,13 +147,14 @@ def test_an_engine_gets_at_most_twice_its_plans_max_num_seqs_and_the_rest_wait()
 
 def test_held_requests_are_bounded_per_service_and_in_all() -> None:
     async def scenario(ix: Indexes, rec: Recorder, base: str, http: aiohttp.ClientSession) -> None:
-        ix.put(*serving(POD_IPS[:1]), pod("p0", POD_IPS[0], ready=False))
+        ix.put(*serving(POD_IPS[:1]), pod("chat-p0", POD_IPS[0], ready=False))
         held = [asyncio.create_task(complete(http, base)) for _ in range(2)]
         await asyncio.sleep(0.5)
         status, _, text = await complete(http, base)
         assert status == 429 and "2 requests to team/chat wait for an engine already" in text
         ix.put(
-            *serving(POD_IPS[1:2], namespace="other", uid="u2"), pod("p0", POD_IPS[1], ready=False, namespace="other")
+            *serving(POD_IPS[1:2], namespace="other", uid="u2"),
+            pod("chat-p0", POD_IPS[1], ready=False, namespace="other"),
         )
         other = asyncio.create_task(complete(http, base, namespace="other"))
         await asyncio.sleep(0.3)
@@ -194,13 +195,13 @@ def test_a_client_that_leaves_cancels_its_held_or_forwarded_request() -> None:
     """Finding 5: requests whose clients left while held were still forwarded and generated."""
 
     async def scenario(ix: Indexes, rec: Recorder, base: str, http: aiohttp.ClientSession) -> None:
-        ix.put(*serving(POD_IPS[:1]), pod("p0", POD_IPS[0], ready=False))
+        ix.put(*serving(POD_IPS[:1]), pod("chat-p0", POD_IPS[0], ready=False))
         held = asyncio.create_task(complete(http, base))
         await asyncio.sleep(0.5)
         held.cancel()  # the client goes away while its request is held
         await asyncio.sleep(0.3)
         engine = await Engine("e0", chunks=20, delay=0.1).start(POD_IPS[0])
-        ix.put(pod("p0", POD_IPS[0]))
+        ix.put(pod("chat-p0", POD_IPS[0]))
         try:
             await asyncio.sleep(1.0)
             assert engine.requests == []  # the abandoned request never reached it

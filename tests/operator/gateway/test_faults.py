@@ -161,7 +161,7 @@ def test_a_sigterm_answers_held_requests_503_and_cuts_a_stream_visibly(tmp_path:
     indexes = Indexes()
     indexes.put(*serving(POD_IPS[:1]))
     indexes.put(
-        *serving(POD_IPS[1:2], namespace="cold", uid="u2"), pod("p0", POD_IPS[1], ready=False, namespace="cold")
+        *serving(POD_IPS[1:2], namespace="cold", uid="u2"), pod("chat-p0", POD_IPS[1], ready=False, namespace="cold")
     )
     (tmp_path / "indexes.json").write_text(json.dumps(indexes.as_json()))
     (tmp_path / "limits.json").write_text(Limits().model_dump_json())

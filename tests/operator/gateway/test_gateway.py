@@ -271,13 +271,13 @@ def test_the_autoscaler_marks_its_own_zero_and_keeps_the_mark_only_while_replica
 
 def test_the_gateway_exports_what_it_holds_and_forwards_and_each_requests_latency() -> None:
     async def scenario(ix: Indexes, rec: Recorder, base: str, http: aiohttp.ClientSession) -> None:
-        ix.put(*serving(POD_IPS[:1]), pod("p0", POD_IPS[0], ready=False))
+        ix.put(*serving(POD_IPS[:1]), pod("chat-p0", POD_IPS[0], ready=False))
         held = [asyncio.create_task(complete(http, base)) for _ in range(3)]
         await asyncio.sleep(0.5)
         text = await (await http.get(f"{base}/metrics")).text()
         assert 'kvpilot_gateway_held_requests{namespace="team",service="chat"} 3.0' in text
         engine = await Engine("e0", chunks=5, delay=0.2).start(POD_IPS[0])
-        ix.put(pod("p0", POD_IPS[0]))
+        ix.put(pod("chat-p0", POD_IPS[0]))
         try:
             await asyncio.sleep(0.6)
             text = await (await http.get(f"{base}/metrics")).text()

@@ -232,5 +232,6 @@ def _step_output(
         stop_reason=stop_reason,
         arrival_time=request.arrival_time,
         first_token_time=request.first_token_time,
+        queue_time=None if request.first_scheduled_time is None else request.first_scheduled_time - request.queued_time,
         **extra,
     )

@@ -36,6 +36,8 @@ class StepOutput:
     stop_reason: str | int | None  # the stop string or stop token that ended it
     arrival_time: float
     first_token_time: float | None
+    # Engine queue -> first scheduled (a preempted request's later waits not counted); None until then.
+    queue_time: float | None = None
     logprobs: list[PositionLogprobs] | None = None  # one per new token, when asked for
     # On a sequence's first output, when asked for: one per prompt token (None for the first).
     prompt_logprobs: list[PositionLogprobs | None] | None = None

@@ -46,6 +46,9 @@ class Request:
         self.stop_reason: str | int | None = None
         self.num_preemptions = 0
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        # When the engine queued it (vLLM's QUEUED event), later than arrival_time by the time the
+        # request spent in the server (tokenizing, the engine thread's inbox).
+        self.queued_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
 

@@ -399,7 +399,7 @@ class AsyncEngine:
                 self._unqueue(1)
             last = engine.abort(engine_id)
             if last is not None:
-                self.metrics.on_finished(last, now)
+                self.metrics.on_finished(last, now, by_client=True)
 
     def _step(self, engine: LLMEngine, unscheduled: dict[str, Request]) -> None:
         self._step_started = time.monotonic()

@@ -3,15 +3,28 @@
 The engine thread (the only thread that sees requests change) records almost everything; the
 event loop counts 429s and serves the registry on /metrics. prometheus-client is thread-safe.
 
-Latencies are per sequence (an n=2 request is two sequences):
+Latencies are per sequence (an n=2 request is two sequences). Under kvpilot_ names:
   queue time   arrival at the server -> first scheduled
   TTFT         arrival -> first output token
-  ITL          gap between consecutive output tokens of one sequence
+  ITL          gap between consecutive output tokens of one sequence (tokens that arrive together,
+               speculative decoding, share their step's gap)
   TPOT         (finish - first token) / (output tokens - 1), for sequences with >= 2 tokens
   e2e          arrival -> finish
 TTFT, queue time and ITL are observed as they happen, so a client that gives up still counts;
 TPOT and e2e only for sequences that finished normally (stop or length), so an abort does not
 pass for a fast answer.
+
+Under vllm: names the meanings are vLLM's own (vllm/v1/metrics/stats.py, IterationStats, and the
+output processor that feeds it, in vLLM 0.33.0), which differ:
+  ITL          one observation per engine step that gave a sequence tokens after its first: the
+               time since its previous such step, however many tokens the step gave
+  queue time   engine queue (the engine thread took the request) -> first scheduled, observed
+               when the sequence finishes
+  TPOT         (last token - first token) / (output tokens - 1), 0 for a 1-token sequence,
+               observed for every sequence the engine finishes, including those it aborts
+  e2e, request_success
+               every sequence the engine finishes (stop, length, or aborted by the engine: a
+               failed request), none that the client aborted (vLLM's abort path records no stats)
 
 With vllm_compatible, the same observations are also exported under the names vLLM's dashboards
 and the Gateway API Inference Extension's endpoint picker read, with vLLM's `model_name` label.
@@ -213,7 +226,7 @@ class ServingMetrics:
         self._metrics: dict[str, list[Counter | Gauge | Histogram]] = {}
         # Each (metric, labels) child once: prometheus_client's labels() takes a lock and builds
         # a key on every call, and the engine thread updates several metrics per request per step.
-        self._families: dict[tuple[str, tuple[str, ...]], _Family] = {}
+        self._families: dict[tuple[str, tuple[str, ...], int | None, int | None], _Family] = {}
         for key, spec in SPECS.items():
             names = [(f"kvpilot_{spec.name}", "model")]
             if vllm_compatible and spec.vllm_name:
@@ -225,7 +238,8 @@ class ServingMetrics:
                 self._family(key)
         for reason in FinishReason:
             self._family("finished", finished_reason=reason.value)
-        self._last_token_time: dict[str, float] = {}
+        # Sequence -> when a step first gave it tokens, and when one last did.
+        self._token_times: dict[str, tuple[float, float]] = {}
         # The engine keeps cumulative totals; counters advance by the difference.
         self._seen: dict[tuple[str, str], int] = {}
 
@@ -236,10 +250,24 @@ class ServingMetrics:
         return spec.kind(name, spec.doc, **kwargs)
 
     def _family(self, key: str, **labels: str) -> _Family:
+        """Both names of a metric where they mean the same."""
+        return self._side(key, slice(None), **labels)
+
+    def _ours(self, key: str, **labels: str) -> _Family:
+        """The kvpilot_ name alone, where vLLM's meaning differs."""
+        return self._side(key, slice(0, 1), **labels)
+
+    def _vllms(self, key: str, **labels: str) -> _Family:
+        """The vllm: name alone (nothing without vllm_compatible)."""
+        return self._side(key, slice(1, None), **labels)
+
+    def _side(self, key: str, names: slice, **labels: str) -> _Family:
         values = tuple(labels.values())
-        family = self._families.get((key, values))
+        cache_key = (key, values, names.start, names.stop)
+        family = self._families.get(cache_key)
         if family is None:
-            family = self._families[key, values] = _Family([m.labels(self._model, *values) for m in self._metrics[key]])
+            children = self._metrics[key][names]
+            family = self._families[cache_key] = _Family([m.labels(self._model, *values) for m in children])
         return family
 
     # ---- events, in the order a sequence meets them ----------------------------------------
@@ -251,32 +279,47 @@ class ServingMetrics:
         self._family("rejected").inc()
 
     def on_scheduled(self, queue_seconds: float) -> None:
-        self._family("queue").observe(queue_seconds)
+        self._ours("queue").observe(queue_seconds)
 
     def on_tokens(self, output: StepOutput, now: float) -> None:
+        """A step gave the sequence tokens (`now`: when the step ended)."""
         num_tokens = len(output.new_token_ids)
         self._family("generation_tokens").inc(num_tokens)
-        last = self._last_token_time.get(output.request_id)
-        if last is None:
+        times = self._token_times.get(output.request_id)
+        if times is None:
             assert output.first_token_time is not None
             self._family("ttft").observe(output.first_token_time - output.arrival_time)
-        else:
-            # Tokens that arrive together (speculative decoding) share the gap.
-            gap = (now - last) / num_tokens
-            itl = self._family("itl")
-            for _ in range(num_tokens):
-                itl.observe(gap)
-        self._last_token_time[output.request_id] = now
-
-    def on_finished(self, output: StepOutput, now: float) -> None:
-        self._last_token_time.pop(output.request_id, None)
-        reason = FinishReason(output.finish_reason or FinishReason.ABORT)
-        self._family("finished", finished_reason=reason.value).inc()
-        if reason is FinishReason.ABORT:
+            self._token_times[output.request_id] = (now, now)
             return
-        self._family("e2e").observe(now - output.arrival_time)
-        if output.num_output_tokens >= 2 and output.first_token_time is not None:
-            self._family("tpot").observe((now - output.first_token_time) / (output.num_output_tokens - 1))
+        gap = now - times[1]
+        self._vllms("itl").observe(gap)
+        itl = self._ours("itl")
+        for _ in range(num_tokens):
+            itl.observe(gap / num_tokens)
+        self._token_times[output.request_id] = (times[0], now)
+
+    def on_finished(self, output: StepOutput, now: float, by_client: bool = False) -> None:
+        """The sequence's last output; `by_client`: the client aborted it (a disconnect, a closed
+        stream, a drain that ran out of time), not the engine."""
+        token_times = self._token_times.pop(output.request_id, None)
+        reason = FinishReason(output.finish_reason or FinishReason.ABORT)
+        self._ours("finished", finished_reason=reason.value).inc()
+        if reason is not FinishReason.ABORT:
+            self._ours("e2e").observe(now - output.arrival_time)
+            if output.num_output_tokens >= 2 and output.first_token_time is not None:
+                self._ours("tpot").observe((now - output.first_token_time) / (output.num_output_tokens - 1))
+        if not by_client:
+            self._finished_as_vllm(output, reason, now, token_times)
+
+    def _finished_as_vllm(
+        self, output: StepOutput, reason: FinishReason, now: float, token_times: tuple[float, float] | None
+    ) -> None:
+        self._vllms("finished", finished_reason=reason.value).inc()
+        self._vllms("e2e").observe(now - output.arrival_time)
+        if output.queue_time is not None:
+            self._vllms("queue").observe(output.queue_time)
+        decode = token_times[1] - token_times[0] if token_times is not None else 0.0
+        self._vllms("tpot").observe(decode / (output.num_output_tokens - 1) if output.num_output_tokens > 1 else 0.0)
 
     # ---- engine state, after every step ----------------------------------------------------
 

@@ -87,16 +87,17 @@ def test_vllm_compatible_metric_names(limited: Server) -> None:
         "vllm:num_requests_waiting": "kvpilot_num_requests_waiting",
         "vllm:kv_cache_usage_perc": "kvpilot_kv_cache_usage_ratio",
         "vllm:time_to_first_token_seconds_count": "kvpilot_time_to_first_token_seconds_count",
-        "vllm:request_time_per_output_token_seconds_count": "kvpilot_time_per_output_token_seconds_count",
         "vllm:inter_token_latency_seconds_count": "kvpilot_inter_token_latency_seconds_count",
         "vllm:e2e_request_latency_seconds_count": "kvpilot_e2e_request_latency_seconds_count",
-        "vllm:request_queue_time_seconds_count": "kvpilot_request_queue_time_seconds_count",
         "vllm:prompt_tokens_total": "kvpilot_prompt_tokens_total",
         "vllm:generation_tokens_total": "kvpilot_generation_tokens_total",
         "vllm:num_preemptions_total": "kvpilot_num_preemptions_total",
         "vllm:prefix_cache_queries_total": "kvpilot_prefix_cache_queries_total",
         "vllm:prefix_cache_hits_total": "kvpilot_prefix_cache_hits_total",
     }
+    # TPOT and queue time are left out: vLLM counts 1-token sequences in TPOT and observes queue
+    # time only for sequences the engine finished, so the streams the previous test closed and its
+    # 1-token request count differently (test_metrics.py checks each meaning).
     for vllm_name, ours in pairs.items():
         theirs = samples[(vllm_name, frozenset({"model_name": MODEL}.items()))]
         assert theirs == samples[(ours, frozenset({"model": MODEL}.items()))], vllm_name

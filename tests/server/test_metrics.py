@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.engine.core.sampling_params import SamplingParams
 from kvpilot.engine.core.scheduler import SchedulerStats, SpecDecodingStats
 from kvpilot.engine.outputs import StepOutput
 from kvpilot.engine.serving.metrics import LATENCY_BUCKETS, ServingMetrics
@@ -150,6 +152,7 @@ def test_vllm_names_types_and_labels_match_vllm() -> None:
         stop_reason=None,
         arrival_time=100.0,
         first_token_time=100.5,
+        queue_time=0.25,  # queued by the engine at arrival: both queue times agree
     )
     for i, now in enumerate((100.5, 100.6, 100.7)):
         output = StepOutput(
@@ -181,7 +184,8 @@ def test_vllm_names_types_and_labels_match_vllm() -> None:
         for sample in families[name][1]:
             assert set(sample.labels) - {"le"} == labels, (name, sample.labels)
             assert sample.labels["model_name"] == "m", name
-    # Every vllm: series carries the same value as its kvpilot_ twin.
+    # Every vllm: series carries the same value as its kvpilot_ twin (for this sequence, where
+    # vLLM's meanings and ours agree: one token per step, queued at arrival, finished normally).
     ours = {
         "vllm:request_time_per_output_token_seconds": "kvpilot_time_per_output_token_seconds",
         "vllm:kv_cache_usage_perc": "kvpilot_kv_cache_usage_ratio",
@@ -218,3 +222,89 @@ def test_vllm_names_types_and_labels_match_vllm() -> None:
 
 def test_no_vllm_names_unless_asked() -> None:
     assert not any(name.startswith("vllm:") for name in scrape(ServingMetrics("m")))
+
+
+def _step(
+    metrics: ServingMetrics, now: float, tokens: int, total: int, finish: str | None = None, **kw: object
+) -> StepOutput:
+    output = StepOutput(
+        request_id=kw.pop("request_id", "r"),
+        new_token_ids=list(range(tokens)),
+        text_delta="",
+        num_prompt_tokens=7,
+        num_output_tokens=total,
+        num_cached_tokens=0,
+        finish_reason=finish,
+        stop_reason=None,
+        arrival_time=100.0,
+        first_token_time=kw.pop("first_token_time", 101.0),
+        **kw,
+    )
+    metrics.on_tokens(output, now)
+    return output
+
+
+def _sample(metrics: ServingMetrics, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return sample.value
+    raise KeyError(name)
+
+
+def test_vllm_itl_is_one_observation_per_step() -> None:
+    """A verification step that gives three tokens 0.3 s after the previous step: vLLM observes
+    0.3 once; ours is three gaps of 0.1."""
+    metrics = ServingMetrics("m", vllm_compatible=True)
+    _step(metrics, 101.0, 1, 1)
+    _step(metrics, 101.3, 3, 4)
+    assert _sample(metrics, "vllm:inter_token_latency_seconds_count") == 1
+    assert abs(_sample(metrics, "vllm:inter_token_latency_seconds_sum") - 0.3) < 1e-9
+    assert _sample(metrics, "kvpilot_inter_token_latency_seconds_count") == 3
+    assert abs(_sample(metrics, "kvpilot_inter_token_latency_seconds_sum") - 0.3) < 1e-9
+
+
+def test_vllm_queue_time_runs_from_the_engine_queue_to_scheduled(llm) -> None:
+    """A request that reached the server 5 s before the engine queued it: vLLM's queue time leaves
+    those 5 s out (observed when the sequence finishes), ours counts them (when it is scheduled)."""
+    engine = llm.engine
+    request = engine.add_request([1, 2, 3], SamplingParams(max_tokens=1), arrival_time=time.monotonic() - 5.0)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    (output,) = [o for o in outputs if o.request_id == request.request_id]
+    assert output.queue_time is not None and 0.0 <= output.queue_time < 5.0
+    assert request.first_scheduled_time - request.arrival_time >= 5.0
+    metrics = ServingMetrics("m", vllm_compatible=True)
+    metrics.on_scheduled(request.first_scheduled_time - request.arrival_time)
+    metrics.on_tokens(output, time.monotonic())
+    metrics.on_finished(output, time.monotonic())
+    assert _sample(metrics, "vllm:request_queue_time_seconds_sum") == output.queue_time
+    assert _sample(metrics, "kvpilot_request_queue_time_seconds_sum") >= 5.0
+
+
+def test_vllm_tpot_counts_one_token_sequences_as_zero() -> None:
+    metrics = ServingMetrics("m", vllm_compatible=True)
+    metrics.on_finished(_step(metrics, 101.0, 1, 1, "length", queue_time=0.1), 101.0)
+    assert _sample(metrics, "vllm:request_time_per_output_token_seconds_count") == 1
+    assert _sample(metrics, "vllm:request_time_per_output_token_seconds_sum") == 0.0
+    assert _sample(metrics, "kvpilot_time_per_output_token_seconds_count") == 0
+
+
+def test_vllm_records_engine_aborts_and_not_client_aborts() -> None:
+    """A sequence the engine aborts (it failed) counts in vLLM's TPOT, e2e, queue time and
+    request_success like any it finishes; one the client aborts, nowhere under vllm: names (vLLM's
+    abort path records no stats). Ours: neither in TPOT or e2e, both in request_success{abort}."""
+    metrics = ServingMetrics("m", vllm_compatible=True)
+    _step(metrics, 101.0, 1, 1, queue_time=0.1)
+    metrics.on_finished(_step(metrics, 101.4, 1, 3, "abort", queue_time=0.1), 101.4)
+    _step(metrics, 101.0, 1, 1, request_id="gone", queue_time=0.1)
+    metrics.on_finished(_step(metrics, 101.2, 1, 2, "abort", request_id="gone", queue_time=0.1), 101.2, by_client=True)
+    assert _sample(metrics, "vllm:request_time_per_output_token_seconds_count") == 1
+    assert abs(_sample(metrics, "vllm:request_time_per_output_token_seconds_sum") - 0.2) < 1e-9  # 0.4 s / 2
+    assert _sample(metrics, "vllm:e2e_request_latency_seconds_count") == 1
+    assert _sample(metrics, "vllm:request_queue_time_seconds_count") == 1
+    assert _sample(metrics, "vllm:request_success_total", finished_reason="abort") == 1
+    assert _sample(metrics, "kvpilot_time_per_output_token_seconds_count") == 0
+    assert _sample(metrics, "kvpilot_e2e_request_latency_seconds_count") == 0
+    assert _sample(metrics, "kvpilot_request_success_total", finished_reason="abort") == 2

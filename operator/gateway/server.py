@@ -201,7 +201,10 @@ class Gateway:
 
     async def _models(self, request: web.Request) -> web.Response:
         namespace = request.match_info["namespace"]
-        models = served_in(namespace, indexed_services(self._indexes[0]))
+        digest = token_digest(request.headers.get("Authorization"))
+        # Only the models the caller's key opens (all of them where no service asks for one).
+        services = [s for s in indexed_services(self._indexes[0]) if admits(s, digest)]
+        models = served_in(namespace, services)
         return web.json_response(
             {"object": "list", "data": [{"id": m, "object": "model", "owned_by": namespace} for m in models]}
         )
@@ -229,8 +232,7 @@ class Gateway:
             raw = await self._read(request, taken)
             async with self._parsing:  # one parse at a time: its transient copy is bounded too
                 routed = await asyncio.to_thread(read_body, raw)
-            services = indexed_services(self._indexes[0])
-            taken.service = route(taken.namespace, routed.model, services)
+            taken.service = route(taken.namespace, routed.model, indexed_services(self._indexes[0]))
             service = self._service((taken.namespace, taken.service))
             if service is None or not admits(service, digest):
                 return _unauthorized()  # before any wake

@@ -12,7 +12,7 @@ import aiohttp
 
 from kvpilot.operator.gateway.auth import token_digest
 
-from .harness import NS, POD_IPS, Engine, Indexes, Recorder, asleep, complete, deployment, run, serving
+from .harness import NS, POD_IPS, Engine, Indexes, Recorder, asleep, complete, deployment, run, serving, url
 
 KEY = "sk-team-0123456789abcdef"
 LOCKED = {"auth": {"apiKeySha256": hashlib.sha256(KEY.encode()).hexdigest()}}
@@ -60,9 +60,13 @@ def test_a_keyed_service_is_never_woken_without_its_key() -> None:
             # The namespace has an open service: the body is read, and the keyed one still refuses.
             status, _, _ = await complete(http, base)
             open_status, name, _ = await complete(http, base, model="other")
+            anonymous = await (await http.get(url(base, path="models"))).json()
+            keyed = await (await http.get(url(base, path="models"), headers={"Authorization": f"Bearer {KEY}"})).json()
         finally:
             await engine.stop()
         assert status == 401 and not rec.scales
         assert (open_status, name) == (200, "open")
+        assert [m["id"] for m in anonymous["data"]] == ["other"]  # the keyed model is not shown
+        assert [m["id"] for m in keyed["data"]] == ["SmolLM2", "other"]
 
     run(scenario)

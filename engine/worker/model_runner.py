@@ -162,6 +162,7 @@ class ModelRunner:
                 self.block_size,
                 self.dtype,
                 self.device,
+                config.max_num_batched_tokens,
             )
         return None
 

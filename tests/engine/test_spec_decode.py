@@ -21,7 +21,6 @@ from kvpilot.engine.worker.sampler import RowPenalty, Sampler, SamplingMetadata,
 from kvpilot.engine.worker.spec_decode import DraftInput
 from kvpilot.engine.worker.spec_decode.draft_proposer import DraftProposer
 from kvpilot.engine.worker.spec_decode.ngram_proposer import NgramProposer
-from kvpilot.engine.worker.step_inputs import StepInputs
 from tests.engine.conftest import make_prompts
 from tests.engine.test_exactness import assert_no_leaks
 from tests.engine.test_tiny_llama import make_tiny_llama
@@ -451,6 +450,7 @@ def _fresh_draft_kv(
         proposer.block_size,
         proposer.kv_caches[0][0].dtype,
         proposer.device,
+        len(token_ids),  # the whole sequence in one prefill
     )
     fresh.propose([DraftInput(request_id, token_ids, block_ids)])
     return fresh.kv_caches
@@ -524,13 +524,13 @@ def test_a_step_whose_draft_fails_is_rerun_request_by_request_from_a_clean_state
         forwards.clear()
         return propose(sequences)
 
-    def flaky(inputs: StepInputs, rows: list[int]) -> list[int]:
+    def flaky(hidden: torch.Tensor, rows: list[int]) -> list[int]:
         # Drafting for more than one request fails at one forward: every batched step is rerun
         # request by request.
         forwards.append(rows)
         if len(rows) > 1 and len(forwards) == failing_forward + 1:
             raise RuntimeError("draft kernel fault")
-        return argmax(inputs, rows)
+        return argmax(hidden, rows)
 
     proposer.propose, proposer._argmax = counted, flaky
     requests = [llm.engine.add_request(p, params) for p in prompts]
@@ -540,4 +540,38 @@ def test_a_step_whose_draft_fails_is_rerun_request_by_request_from_a_clean_state
     assert [r.finish_reason.value for r in requests] == ["length"] * 3
     assert [r.output_token_ids for r in requests] == reference
     assert llm.engine.scheduler.spec_decoding.num_drafts > 0
+    assert_no_leaks(llm)
+
+
+def test_the_draft_catch_up_stays_within_the_token_budget(tiny_model):
+    """Prompts of 40 and 37 tokens under max_num_batched_tokens=16: the draft model catches up in
+    forwards of at most 16 tokens over several steps (it drafts once caught up), its KV computed
+    in chunks is right (the target as its own draft gets every draft accepted), and the output is
+    plain greedy decoding's."""
+    options = dict(dtype="float32", kv_cache_memory_bytes=8 << 20, block_size=4, max_num_batched_tokens=16)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 16) for _ in range(n)] for n in (40, 37)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in LLM(str(tiny_model), **options).generate(prompts, params)]
+    llm = LLM(
+        str(tiny_model),
+        speculative="draft",
+        draft_model=str(tiny_model),
+        num_speculative_tokens=3,
+        speculative_max_batch_size=64,
+        **options,
+    )
+    draft = llm.engine.runner.proposer.model
+    assert draft is not llm.engine.runner.model
+    forward, sizes = draft.forward, []
+
+    def counted(input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+        sizes.append(input_ids.shape[0])
+        return forward(input_ids, *args)
+
+    draft.forward = counted
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
+    stats = llm.engine.scheduler.spec_decoding
+    assert sizes and max(sizes) <= 16, sizes
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
     assert_no_leaks(llm)

@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.request import Request
+from kvpilot.engine.core.sampling_params import MAX_LOGPROBS
 from kvpilot.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from kvpilot.engine.model.attention import AttentionMetadata, PrefillChunk, allocate_kv_caches
 from kvpilot.engine.model.llama import LlamaForCausalLM, kv_shape
@@ -221,35 +222,49 @@ class ModelRunner:
             )
         return int(num_blocks)
 
-    @torch.inference_mode()
     def _profile_free_gpu_memory(self) -> int:
         """Run the largest step once, then give the KV pool what the utilization target leaves."""
         torch.cuda.reset_peak_memory_stats(self.device)
-        n = self.config.max_num_batched_tokens
-        dummy_cache = allocate_kv_caches(
-            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
-        )
-        meta = AttentionMetadata(
-            slot_mapping=torch.zeros(n, dtype=torch.long, device=self.device),
-            decodes=[],
-            prefills=[
-                PrefillChunk(
-                    start=0, num_tokens=n, num_cached=0, slots=torch.zeros(n, dtype=torch.long, device=self.device)
-                )
-            ],
-        )
-        hidden = self.model(
-            torch.zeros(n, dtype=torch.long, device=self.device), torch.arange(n, device=self.device), dummy_cache, meta
-        )
-        # Every sequence samples a row, and a speculating one a row per draft too.
-        rows_per_sequence = 1 + (self.config.num_speculative_tokens if self.config.speculative != "off" else 0)
-        self.model.logits(hidden[-self.config.max_num_seqs * rows_per_sequence :])
-        del dummy_cache, hidden
+        self.run_profile_step()
         total = torch.cuda.get_device_properties(self.device).total_memory
         peak = torch.cuda.max_memory_allocated(self.device)
         budget = kv_budget_after_profile(total, self.config.gpu_memory_utilization, peak)
         log.info("gpu memory: total=%d peak=%d kv_budget=%d", total, peak, budget)
         return budget
+
+    @torch.inference_mode()
+    def run_profile_step(self) -> None:
+        """The largest step the engine can run, on dummy inputs, with everything a real step holds
+        at once: the target's forward over max_num_batched_tokens tokens, the logits of every row
+        that samples and the sampler's [rows, vocab] buffers under every filter at once (sorting,
+        top-p's cumulative sums, logprobs, draft verification, the exponential race), then, with
+        the target's hidden states still held as they are while drafting, the draft model's
+        forward over a catch-up of max_num_batched_tokens tokens."""
+        config = self.config
+        n = config.max_num_batched_tokens
+        hidden = self._dummy_forward(self.model, self.num_layers, n)
+        # Every sequence samples a row, and a speculating one a row per draft too.
+        rows_per_sequence = 1 + (config.num_speculative_tokens if config.speculative != "off" else 0)
+        rows = min(config.max_num_seqs * rows_per_sequence, n)
+        logits = self.model.logits(hidden[-rows:])
+        # A sampler of its own: the engine's is not made yet, and profiling must not draw from its generator.
+        Sampler(torch.Generator(self.device))(
+            logits, _worst_case_sampling(rows, config.speculative != "off", self.device)
+        )
+        del logits
+        if self.draft_model is not None:
+            draft_hidden = self._dummy_forward(self.draft_model, self.draft_layers, n)
+            self.draft_model.logits(draft_hidden[-config.max_num_seqs :])
+
+    def _dummy_forward(self, model: LlamaForCausalLM, num_layers: int, n: int) -> torch.Tensor:
+        """A prefill of n tokens into a one-block cache (every token writes slot 0)."""
+        heads, head_dim = kv_shape(model)
+        cache = allocate_kv_caches(num_layers, self.block_size, heads, head_dim, self.dtype, self.device)
+        zeros = torch.zeros(n, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=zeros, decodes=[], prefills=[PrefillChunk(start=0, num_tokens=n, num_cached=0, slots=zeros)]
+        )
+        return model(zeros, torch.arange(n, device=self.device), cache, meta)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: sample for each request that reached its last known token (verifying its
@@ -407,6 +422,21 @@ class ModelRunner:
             num_logprobs={row: p.logprobs for row, p in enumerate(params) if p.logprobs is not None},
             token_bitmask=self.matchers.bitmask(requests, device) if self.matchers is not None else None,
         )
+
+
+def _worst_case_sampling(rows: int, drafts: bool, device: torch.device) -> SamplingMetadata:
+    """Sampling settings under which the sampler allocates the most: every row sampled under
+    top-k, top-p and min-p, asking for the most logprobs, and verifying a draft when speculating."""
+    return SamplingMetadata(
+        temperature=torch.ones(rows, device=device),
+        top_k=torch.full((rows,), 50, dtype=torch.long, device=device),
+        top_p=torch.full((rows,), 0.9, device=device),
+        greedy=torch.zeros(rows, dtype=torch.bool, device=device),
+        all_greedy=False,
+        min_p=torch.full((rows,), 0.05, device=device),
+        num_logprobs=dict.fromkeys(range(rows), MAX_LOGPROBS),
+        draft_token_ids=torch.zeros(rows, dtype=torch.long, device=device) if drafts else None,
+    )
 
 
 def _single_decode(meta: AttentionMetadata) -> bool:

@@ -104,6 +104,7 @@ class _Taken:
 
     def __init__(self, namespace: str) -> None:
         self.namespace, self.count, self.service = namespace, 0, ""
+        self.known = False  # a namespace with InferenceServices: its name may label metrics
 
 
 class Gateway:
@@ -222,12 +223,18 @@ class Gateway:
             return response
         finally:
             self.admission.give_bytes(taken.namespace, taken.count)
-            self.metrics.answered((taken.namespace, taken.service), code, time.monotonic() - started)
+            # Any path names a namespace: only real ones become series, or a scan would grow them unbounded.
+            key = (taken.namespace, taken.service) if taken.known else ("", "")
+            self.metrics.answered(key, code, time.monotonic() - started)
 
     async def _answer(self, request: web.Request, taken: _Taken) -> web.StreamResponse:
         digest = token_digest(request.headers.get("Authorization"))
+        services = indexed_services(self._indexes[0])
+        taken.known = any(s["metadata"]["namespace"] == taken.namespace for s in services)
         try:
-            if not namespace_admits(taken.namespace, indexed_services(self._indexes[0]), digest):
+            if not taken.known:  # nothing to read a body for
+                return error(404, f"no model is served in namespace {taken.namespace}", "model_not_found")
+            if not namespace_admits(taken.namespace, services, digest):
                 return _unauthorized()  # before a byte of the body is read
             raw = await self._read(request, taken)
             async with self._parsing:  # one parse at a time: its transient copy is bounded too

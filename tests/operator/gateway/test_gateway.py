@@ -326,3 +326,16 @@ def test_what_is_kept_for_a_deleted_service_is_dropped(monkeypatch: pytest.Monke
         assert list(gateway._engines) == [(NS, "chat")]
 
     run(scenario)
+
+
+def test_a_namespace_without_models_is_a_404_before_the_body_and_adds_no_series() -> None:
+    async def scenario(ix: Indexes, rec: Recorder, base: str, http: aiohttp.ClientSession) -> None:
+        ix.put(service(), deployment())
+        for i in range(5):  # a scan of namespace names
+            async with http.post(url(base, namespace=f"guess-{i}"), data=b"x" * 1024) as r:
+                assert r.status == 404 and "no model is served in namespace" in (await r.json())["error"]["message"]
+        text = await (await http.get(f"{base}/metrics")).text()
+        assert "guess-" not in text
+        assert 'kvpilot_gateway_requests_total{code="404",namespace="",service=""} 5.0' in text
+
+    run(scenario)

@@ -12,6 +12,7 @@ import urllib.parse
 from typing import Any, TextIO, get_args
 
 import kopf
+from kubernetes.config.config_exception import ConfigException
 from pydantic import ValidationError
 
 from kvpilot.operator.api.spec import InferenceServiceSpec, Quantization, Speculative
@@ -124,7 +125,14 @@ def run_gateway(args: argparse.Namespace) -> int:
     except ValidationError as error:
         print(f"kvpilot gateway: {error}", file=sys.stderr)
         return 2
-    asyncio.run(gateway_main.run(*args.listen, limits, args.drain_seconds))
+    try:
+        asyncio.run(gateway_main.run(*args.listen, limits, args.drain_seconds))
+    except ConfigException as error:
+        print(f"kvpilot gateway: no credentials for the Kubernetes API: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # the address is taken, or not this machine's
+        print(f"kvpilot gateway: cannot listen on {args.listen[0]}:{args.listen[1]}: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -16,7 +16,9 @@ by tokens per step"): INT8 from its plain int8 weight, INT4 by unpacking PyTorch
 (`_unpack_cpu_int4pack`; layers whose output width is not a multiple of 64 keep the packed
 kernel). Elsewhere (CUDA) the weight is dequantized on the fly for each matmul: correct, and the
 memory saving holds, but not yet the speed of a low-bit kernel (no GPU was at hand to validate
-CUDA's int4 layout).
+CUDA's int4 layout). There no kernel reads the scales, so they stay fp32 (a checkpoint's scales
+are not rounded to bf16), and every dequantization computes in fp32 and rounds once to the
+activations' dtype.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class Int8WeightOnly(LinearQuantization):
         if scale.shape != (q.shape[0], 1):
             raise ValueError(f"int8 needs one scale per output channel, got scales of shape {tuple(scale.shape)}")
         layer.register_buffer("qweight", q.to(torch.int8).contiguous())
-        layer.register_buffer("scales", scale.view(-1).to(torch.bfloat16))
+        layer.register_buffer("scales", scale.view(-1).to(_scale_dtype(q.device)))
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.shape[0] < INT8_DENSE_TOKENS:
@@ -107,8 +109,8 @@ class Int8WeightOnly(LinearQuantization):
 
     @staticmethod
     def _weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-        """w = q x scale, [out, in], computed in `dtype`."""
-        return layer.qweight.to(dtype) * layer.scales.to(dtype)[:, None]
+        """w = q x scale, [out, in], computed in fp32 and rounded once to `dtype`."""
+        return _in_dtype(layer.qweight.float() * layer.scales.float()[:, None], dtype)
 
 
 class Int4WeightOnly(LinearQuantization):
@@ -151,8 +153,8 @@ class Int4WeightOnly(LinearQuantization):
                 f"{(out_features, in_features // self.group_size)}, got {tuple(scale.shape)}"
             )
         # (q - zp) x s = ((q + 8) - 8) x s + (-zp x s): the kernel's unsigned values and float zero.
-        # The kernel reads bf16, so the zero (and a scale stored in another dtype) is rounded to
-        # bf16: within |zp| x s / 256 <= s / 32 of the checkpoint's value, 1/32 of a step.
+        # The CPU kernel reads bf16, so there the zero (and a scale stored in another dtype) is
+        # rounded to bf16: within |zp| x s / 256 <= s / 32 of the checkpoint's value, 1/32 of a step.
         zero = (
             torch.zeros_like(scale, dtype=torch.float32) if zero_point is None else -zero_point.float() * scale.float()
         )
@@ -161,18 +163,17 @@ class Int4WeightOnly(LinearQuantization):
     def _store(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
         """q: [out, in] in 0..15; scale, zero: [out, in / group]; w = (q - 8) x scale + zero."""
         out_features, in_features = q.shape
-        device = q.device
+        kernel = _has_kernels(q.device)
         layer.register_buffer(
             "qweight",
-            torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.cpu(), _INNER_K_TILES).to(device)
-            if device.type == "cpu"
-            else _pack_nibbles(q),
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES) if kernel else _pack_nibbles(q),
         )
         # [in / group, out, 2]: the layout PyTorch's kernel reads.
         layer.register_buffer(
-            "scales_and_zeros", torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16).contiguous()
+            "scales_and_zeros", torch.stack([scale.T, zero.T], dim=-1).to(_scale_dtype(q.device)).contiguous()
         )
         layer.int4_shape = (out_features, in_features)
+        layer.int4_kernel_layout = kernel
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or (x.shape[0] >= INT4_DENSE_TOKENS and layer.int4_shape[0] % _CPU_PACK_ROWS == 0):
@@ -187,7 +188,7 @@ class Int4WeightOnly(LinearQuantization):
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
         out_features, in_features = layer.int4_shape
-        if layer.qweight.device.type == "cpu" and out_features % _CPU_PACK_ROWS:
+        if layer.int4_kernel_layout and out_features % _CPU_PACK_ROWS:
             # A layout with a short last block: multiplying by the identity reads it back.
             eye = torch.eye(in_features, dtype=torch.bfloat16)
             return (
@@ -198,17 +199,30 @@ class Int4WeightOnly(LinearQuantization):
         return self._weight(layer, torch.float32)
 
     def _weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-        """w = (q - 8) x scale + zero, [out, in], computed in `dtype`."""
+        """w = (q - 8) x scale + zero, [out, in], computed in fp32 and rounded once to `dtype`
+        (in bf16, (q - 8) x scale and + zero would each round)."""
         out_features, in_features = layer.int4_shape
         g = self.group_size
         q = (
             _unpack_cpu_int4pack(layer.qweight, out_features, in_features)
-            if layer.qweight.device.type == "cpu"
+            if layer.int4_kernel_layout
             else _unpack_nibbles(layer.qweight, in_features)
         )
-        scale, zero = layer.scales_and_zeros.to(dtype).unbind(-1)  # [in / group, out]
-        q = q.view(out_features, in_features // g, g).to(dtype)
-        return ((q - _INT4_MID) * scale.T[..., None] + zero.T[..., None]).view(out_features, in_features)
+        scale, zero = layer.scales_and_zeros.float().unbind(-1)  # [in / group, out]
+        q = q.view(out_features, in_features // g, g).float()
+        w = (q - _INT4_MID) * scale.T[..., None] + zero.T[..., None]
+        return _in_dtype(w.view(out_features, in_features), dtype)
+
+
+def _has_kernels(device: torch.device) -> bool:
+    """PyTorch's packed int8 and int4 matmuls exist on CPU: they read bf16 scales and, for int4,
+    their own packed layout. Elsewhere the weight is dequantized for each matmul."""
+    return device.type == "cpu"
+
+
+def _scale_dtype(device: torch.device) -> torch.dtype:
+    """bf16 where a kernel reads the scales; fp32 where only the dequantization does."""
+    return torch.bfloat16 if _has_kernels(device) else torch.float32
 
 
 def _in_dtype(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

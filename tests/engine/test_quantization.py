@@ -162,3 +162,48 @@ def test_the_cpu_int4_layout_unpacks_to_the_values_packed(shape: tuple[int, int]
     q = torch.randint(0, 16, shape, dtype=torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
     assert torch.equal(quantization._unpack_cpu_int4pack(packed, *shape).to(torch.int32), q)
+
+
+def _bf16_error_bound(exact: torch.Tensor) -> torch.Tensor:
+    """How far from `exact` (float64) its correct rounding to bf16 lies, plus fp32 noise."""
+    return (exact.to(torch.bfloat16).double() - exact).abs() + 1e-6 * exact.abs()
+
+
+def test_dequantization_without_kernels_keeps_fp32_scales_and_rounds_once(monkeypatch):
+    """Where no kernel reads the scales (CUDA), a checkpoint's fp32 scales stay fp32, and the weight
+    the matmul uses is (q - zp) x s computed in fp32 then rounded once to the activations' bf16:
+    every value as close to the exact one as its correct rounding (the bf16 computation, two
+    roundings, is not). Run on CPU tensors, with the kernel-less layout."""
+    monkeypatch.setattr(quantization, "_has_kernels", lambda device: False)
+    gen = torch.Generator().manual_seed(0)
+    out_features, in_features, group = 96, 256, 32
+    q = torch.randint(-8, 8, (out_features, in_features), generator=gen, dtype=torch.int8)
+    scale = torch.rand(out_features, in_features // group, generator=gen) * 0.02 + 1e-3
+    zero_point = torch.randint(-4, 5, scale.shape, generator=gen)
+    int4, layer = Int4WeightOnly(group), torch.nn.Module()
+    int4.load_quantized(layer, q, scale, zero_point)
+    assert layer.scales_and_zeros.dtype == torch.float32
+    exact = (
+        (q.double().view(out_features, -1, group) - zero_point.double()[..., None]) * scale.double()[..., None]
+    ).view(out_features, in_features)
+    bound = _bf16_error_bound(exact)
+    assert bool(((int4._weight(layer, torch.bfloat16).double() - exact).abs() <= bound).all())
+    torch.testing.assert_close(int4.dequantized(layer).double(), exact, rtol=1e-6, atol=1e-7)
+    # The bf16 computation this replaces: (q - 8) x s and + z each rounded.
+    s16, z16 = scale.bfloat16(), (-zero_point * scale).bfloat16()
+    q16 = (q.float() + 8).bfloat16().view(out_features, -1, group)
+    twice = ((q16 - 8) * s16[..., None] + z16[..., None]).view(out_features, in_features).double()
+    assert bool(((twice - exact).abs() > bound).any())
+
+    int8, layer8 = Int8WeightOnly(), torch.nn.Module()
+    channel_scale = torch.rand(out_features, 1, generator=gen) * 0.02 + 1e-3
+    int8.load_quantized(layer8, q, channel_scale, None)
+    assert layer8.scales.dtype == torch.float32
+    exact8 = q.double() * channel_scale.double()
+    assert bool(((int8._weight(layer8, torch.bfloat16).double() - exact8).abs() <= _bf16_error_bound(exact8)).all())
+
+
+def test_scales_stay_bf16_where_the_cpu_kernels_read_them():
+    layer = torch.nn.Module()
+    Int4WeightOnly(32).load_quantized(layer, torch.zeros(64, 64, dtype=torch.int8), torch.ones(64, 2), None)
+    assert layer.scales_and_zeros.dtype == torch.bfloat16 and layer.int4_kernel_layout

@@ -57,6 +57,8 @@ POLL_SECONDS = 0.25
 UPSTREAM_KEEPALIVE_SECONDS = 3.0
 # How long after a scale write the gateway waits for its watch to see it before writing again.
 SCALE_SETTLE_SECONDS = 10.0
+# After a failed scale write, before the next try.
+WAKE_RETRY_SECONDS = 2.0
 PREFIX = "/namespaces/{namespace}/v1"
 # How often per-service state (in-flight counts, backoffs, wake locks) of deleted services is dropped.
 PRUNE_SECONDS = 60.0
@@ -405,7 +407,14 @@ class Gateway:
                 return
             service = self._service(key)
             assert service is not None
-            await asyncio.to_thread(self._write_scale, service)
+            try:
+                await asyncio.to_thread(self._write_scale, service)
+            # Whatever refused the write (the API server away, a conflict, a 403): not woken yet;
+            # the requests stay held and a later round writes again.
+            except Exception as failure:  # noqa: BLE001
+                log.warning(f"gateway: {'/'.join(key)}: the scale to 1 failed: {type(failure).__name__}: {failure}")
+                await asyncio.sleep(WAKE_RETRY_SECONDS)
+                return
             # The watch catches up; until then no held request may write again.
             deadline = time.monotonic() + SCALE_SETTLE_SECONDS
             while not self._waking_refused(key) and time.monotonic() < deadline:

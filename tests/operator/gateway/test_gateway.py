@@ -339,3 +339,28 @@ def test_a_namespace_without_models_is_a_404_before_the_body_and_adds_no_series(
         assert 'kvpilot_gateway_requests_total{code="404",namespace="",service=""} 5.0' in text
 
     run(scenario)
+
+
+def test_a_scale_write_that_fails_is_tried_again_while_the_request_is_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gw, "WAKE_RETRY_SECONDS", 0.2)
+    failures = [RuntimeError("the API server is away")] * 2
+
+    def flaky(ix: Indexes, replicas: int) -> None:
+        if failures:
+            raise failures.pop()
+        (body,) = ix.services[(NS, "chat")]
+        ix.put({**body, "kind": "InferenceService", "spec": {**body["spec"], "replicas": replicas}})
+
+    async def scenario(ix: Indexes, rec: Recorder, base: str, http: aiohttp.ClientSession) -> None:
+        ix.put(asleep(), deployment(replicas=0))
+        held = asyncio.create_task(complete(http, base))
+        await asyncio.sleep(1.5)
+        assert len(rec.scales) == 3 and not held.done()  # two refused writes, then one that took
+        ix.put(deployment(replicas=1), replicaset(), pod("p0", POD_IPS[0]))
+        engine = await Engine("e0").start(POD_IPS[0])
+        try:
+            assert (await held)[0] == 200
+        finally:
+            await engine.stop()
+
+    run(scenario, on_scale=flaky)

@@ -29,6 +29,7 @@ from e2e.chart import Installation
 from e2e.cluster import Cluster
 from e2e.conftest import AUTOSCALE_INTERVAL_S
 from e2e.load import Load, p95
+from e2e.local_gateway import LocalGateway
 from e2e.local_operator import LocalOperator
 from e2e.pod_runner import PodRunner
 from e2e.polling import Background, poll
@@ -223,11 +224,11 @@ def test_external_mode_reports_the_signals_and_never_writes_replicas(
 
 @pytest.mark.parametrize("service", [("scaled-zero", "slo", 0)], indirect=True)
 def test_an_idle_service_scales_to_zero_and_the_gateway_holds_the_next_request(
-    k8s: Cluster, operator: LocalOperator, service: tuple[str, str, PodRunner]
+    k8s: Cluster, operator: LocalOperator, gateway: LocalGateway, service: tuple[str, str, PodRunner]
 ) -> None:
     namespace, name, runner = service
     client = openai.OpenAI(
-        base_url=f"{operator.gateway_url}/v1",
+        base_url=gateway.base_url(namespace),
         api_key="unused",
         timeout=300,
         http_client=openai.DefaultHttpxClient(trust_env=False),

@@ -598,7 +598,7 @@ def _size(
 ) -> Plan:
     """The plan for one (GPU type, tensor-parallel size, quantization)."""
     gpu, tp = device
-    if quantization == "fp8" and spec.model.quantization is None and not gpu.fp8:
+    if quantization == "fp8" and not gpu.fp8:
         return _failed(
             spec,
             "UnsupportedOnGPU",
@@ -743,6 +743,13 @@ def _schemes(spec: InferenceServiceSpec, capabilities: EngineCapabilities) -> tu
     )
 
 
+def _heads_problem(arch: Architecture, tp: int) -> str | None:
+    """Why `tp` GPUs cannot split `arch`'s attention, None when its heads divide evenly."""
+    if arch.attention_heads % tp or arch.kv_heads % tp:
+        return f"TP {tp} does not divide {arch.attention_heads} attention heads and {arch.kv_heads} KV heads"
+    return None
+
+
 def _tensor_parallel_sizes(
     spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, capabilities: EngineCapabilities
 ) -> tuple[list[int], str]:
@@ -753,10 +760,8 @@ def _tensor_parallel_sizes(
     for tp in sizes:
         if tp > gpu.max_per_node:
             ruled_out.append(f"TP {tp} > the {gpu.max_per_node} {gpu.name} GPUs a node holds")
-        elif arch.attention_heads % tp or arch.kv_heads % tp:
-            ruled_out.append(
-                f"TP {tp} does not divide {arch.attention_heads} attention heads and {arch.kv_heads} KV heads"
-            )
+        elif _heads_problem(arch, tp):
+            ruled_out.append(str(_heads_problem(arch, tp)))
         else:
             usable.append(tp)
     return usable, "; ".join(ruled_out)
@@ -805,6 +810,31 @@ def _choice_reasons(
     return {"gpu": gpu, "quantization": quantization}
 
 
+def _option(
+    spec: InferenceServiceSpec,
+    arch: Architecture,
+    device: tuple[GPU, int],
+    quantization: str,
+    context: int,
+    capabilities: EngineCapabilities,
+    draft: _Draft | None,
+) -> Plan:
+    """One option's plan; the runtime splits a draft over the target's GPUs, so a draft whose heads
+    the tensor-parallel size does not divide is left out (or, pinned, makes the option fail)."""
+    gpu, tp = device
+    problem = _heads_problem(draft.arch, tp) if draft is not None else None
+    if problem is None:
+        return _size(spec, arch, device, quantization, context, capabilities, draft)
+    if spec.serving.speculative != "draft":
+        return _size(spec, arch, device, quantization, context, capabilities, None)
+    failed = _failed(
+        spec,
+        "NoTensorParallelSize",
+        f"serving.draftModel {draft.source}: {problem}, and the runtime splits the draft over the target's GPUs",  # type: ignore[union-attr]
+    )
+    return failed.model_copy(update={"gpu": gpu.name, "quantization": quantization, "gpu_count": tp})
+
+
 def _options(
     spec: InferenceServiceSpec,
     arch: Architecture,
@@ -824,7 +854,7 @@ def _options(
             options.append(
                 _failed(spec, "NoTensorParallelSize", f"{spec.model.name} on {gpu.name}: {ruled_out[gpu.name]}")
             )
-        options += [_size(spec, arch, (gpu, tp), q, context, capabilities, draft) for q in schemes for tp in sizes]
+        options += [_option(spec, arch, (gpu, tp), q, context, capabilities, draft) for q in schemes for tp in sizes]
     return options, ruled_out
 
 

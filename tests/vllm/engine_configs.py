@@ -1,0 +1,80 @@
+"""Run by the vLLM venv (tests/vllm/env.py), never imported by the project: each stdin line is a
+case {"id", "argv", "models": {path in argv: config.json}}; each stdout line is what vLLM's own
+`serve` parser, `validate_parsed_serve_args` and `create_engine_config` made of it, or the error.
+
+The model folders hold only the config.json synthesized by the test (`--skip-tokenizer-init`), so
+nothing is downloaded and no weights are read.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.cli.serve import ServeSubcommand
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+SERVE = ServeSubcommand()
+PARSER = FlexibleArgumentParser(prog="vllm")
+SERVE.subparser_init(PARSER.add_subparsers())
+
+
+def numbers(argv: list[str]) -> dict[str, Any]:
+    """What `vllm serve ARGV` configures, up to where it would start the engine."""
+    args = PARSER.parse_args(["serve", *argv, "--skip-tokenizer-init"])
+    if args.model_tag is not None:  # as `vllm serve` does: the positional model wins
+        args.model = args.model_tag
+    SERVE.validate(args)
+    config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
+    speculative = config.speculative_config
+    return {
+        "model": config.model_config.model,
+        "served_model_name": args.served_model_name,
+        "host": args.host,
+        "port": args.port,
+        "max_model_len": config.model_config.max_model_len,
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        "block_size": config.cache_config.block_size,
+        "enable_prefix_caching": config.cache_config.enable_prefix_caching,
+        "kv_cache_memory_bytes": config.cache_config.kv_cache_memory_bytes,
+        "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+        "quantization": config.model_config.quantization,
+        "dtype": str(config.model_config.dtype).removeprefix("torch."),
+        "speculative_method": speculative.method if speculative else None,
+        "num_speculative_tokens": speculative.num_speculative_tokens if speculative else None,
+        "draft_model": speculative.model if speculative and speculative.method == "draft_model" else None,
+    }
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        for line in sys.stdin:
+            case = json.loads(line)
+            argv = list(case["argv"])
+            folders = {}
+            for index, (path, config) in enumerate(case["models"].items()):
+                folder = Path(scratch) / f"{case['id']}-{index}"
+                folder.mkdir()
+                (folder / "config.json").write_text(json.dumps(config))
+                folders[path] = str(folder)
+            # Where the pod holds the files -> the folder holding the synthesized config.json.
+            for path, folder in folders.items():
+                argv = [arg.replace(path, folder) for arg in argv]
+            try:
+                result: dict[str, Any] = {"id": case["id"], "ok": True, **numbers(argv)}
+                result["model"] = next((p for p, f in folders.items() if f == result["model"]), result["model"])
+                result["draft_model"] = next(
+                    (p for p, f in folders.items() if f == result["draft_model"]), result["draft_model"]
+                )
+            except (Exception, SystemExit) as error:  # noqa: BLE001 - each case's refusal is the test's to report
+                result = {"id": case["id"], "ok": False, "error": f"{type(error).__name__}: {error}"}
+            print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

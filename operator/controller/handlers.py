@@ -16,9 +16,10 @@ a Service or PDB event whose object is as rendered reconciles nothing.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -105,8 +106,20 @@ def _refresh(
     memo.reconciles.retry(key, again, _retry_seconds(retry[0]))
 
 
+class ApiRetryDelays:
+    """kopf's delays between retries of a failed API request (5xx, 429, connection errors), never
+    running out. kopf gives up after as many retries as a sized sequence holds (its default: 8, about
+    54 s), and then its watchers, and with them the operator, exit: measured with the fault-injection
+    proxy, 75 s of 500s ended the process 10 s after the API server recovered. An unsized iterable
+    it retries for ever, so an outage only pauses the operator."""
+
+    def __iter__(self) -> Iterator[float]:
+        return itertools.chain((1, 1, 2, 3, 5, 8, 13), itertools.repeat(21))
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.networking.error_backoffs = ApiRetryDelays()
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"

@@ -32,8 +32,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvpilot.engine.download",
         "download a model from the Hugging Face Hub into a local folder (an engine pod's init step)",
     ),
-    "plan": ("kvpilot.operator.cli", "size a model on a GPU: KV cache, batch limits, quantization, latency"),
+    "plan": (
+        "kvpilot.operator.cli",
+        "size a model on a GPU (or a manifest): KV cache, batch limits, quantization, tensor parallelism, latency",
+    ),
     "operator": ("kvpilot.operator.cli", "run the InferenceService operator (kopf)"),
+    "render": ("kvpilot.operator.cli", "print the objects the operator would apply for an InferenceService manifest"),
     "gateway": ("kvpilot.operator.cli", "run the gateway: routes by namespace and model, wakes services from zero"),
 }
 

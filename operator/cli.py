@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import json
 import logging
 import random
 import sys
@@ -12,12 +13,15 @@ import urllib.parse
 from typing import Any, TextIO, get_args
 
 import kopf
+import yaml
 from kubernetes.config.config_exception import ConfigException
 from pydantic import ValidationError
 
-from kvpilot.operator.api.spec import InferenceServiceSpec, Quantization, Speculative
+from kvpilot.operator.api import names
+from kvpilot.operator.api.spec import InferenceServiceSpec, Quantization, Runtime, Speculative
 from kvpilot.operator.autoscaling.decisions import INTERVAL_SECONDS, WINDOW_PERIODS
 from kvpilot.operator.autoscaling.loop import prometheus_allowed
+from kvpilot.operator.controller import render
 from kvpilot.operator.gateway import main as gateway_main
 from kvpilot.operator.gateway.limits import Limits
 from kvpilot.operator.kube.cluster import KubeCluster
@@ -30,9 +34,18 @@ PEERING_NAME = "kvpilot"
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     # One piece: the commands' flags, one declaration each, read as the help reads.
-    planner = subparsers.add_parser("plan", help="size a model on a GPU: KV cache, batch limits, quantization, latency")
-    planner.add_argument("--model", required=True, help="catalog model, e.g. llama-2-7b")
-    planner.add_argument("--gpu", required=True, help=f"one of {', '.join(GPUS)}")
+    planner = subparsers.add_parser(
+        "plan",
+        help="size a model on a GPU (or a manifest): KV cache, batch limits, quantization, tensor parallelism, latency",
+    )
+    source = planner.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="catalog model, e.g. llama-2-7b")
+    source.add_argument(
+        "-f", "--filename", type=argparse.FileType(), help="plan an InferenceService manifest as the operator would"
+    )
+    planner.add_argument("--gpu", help=f"one of {', '.join(GPUS)} (with --model; required there)")
+    planner.add_argument("--runtime", choices=get_args(Runtime), help="kvpilot (default) or vllm")
+    planner.add_argument("--gpus", type=int, help="GPUs per replica (tensor-parallel size; default: the planner's)")
     planner.add_argument("--context", type=int, help="max context length (default: the model's)")
     planner.add_argument("--quantization", default="auto", choices=get_args(Quantization))
     planner.add_argument("--speculative", default="auto", choices=get_args(Speculative))
@@ -47,8 +60,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     planner.add_argument("--tpot-ms", type=float, help="TPOT p95 SLO")
     planner.add_argument("--min-replicas", type=int)
     planner.add_argument("--max-replicas", type=int)
-    planner.add_argument("--json", action="store_true", help="print the plan as JSON")
+    planner.add_argument("--json", action="store_true", help="print the plan as JSON, with the runtime's argv as args")
     planner.set_defaults(func=run_plan)
+
+    renderer = subparsers.add_parser(
+        "render", help="print the objects the operator would apply for an InferenceService manifest (as helm template)"
+    )
+    renderer.add_argument("-f", "--filename", type=argparse.FileType(), required=True, help="InferenceService manifest")
+    renderer.add_argument(
+        "--engine-image",
+        default=render.DEFAULT_ENGINE_IMAGE,
+        help="the operator's engine image (the chart's engine.image)",
+    )
+    renderer.set_defaults(func=run_render)
 
     operator = subparsers.add_parser("operator", help="run the InferenceService operator (kopf)")
     scope = operator.add_mutually_exclusive_group(required=True)
@@ -151,13 +175,33 @@ def _url_prefix(value: str) -> str:
     return value
 
 
+def _manifest(file: TextIO) -> dict[str, Any]:
+    """An InferenceService manifest read from YAML; ValueError naming what is wrong."""
+    try:
+        manifest = yaml.safe_load(file)
+    except yaml.YAMLError as error:
+        raise ValueError(f"{file.name}: not YAML: {error}") from None
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("kind") != names.KIND
+        or not isinstance(manifest.get("spec"), dict)
+    ):
+        raise ValueError(f"{file.name}: not an {names.KIND} manifest (kind: {names.KIND}, with a spec)")
+    return manifest
+
+
 def _spec(args: argparse.Namespace) -> dict[str, Any]:
     def given(**fields: Any) -> dict[str, Any]:
         return {key: value for key, value in fields.items() if value is not None}
 
+    if args.filename is not None:
+        return _manifest(args.filename)["spec"]
+    if not args.gpu:
+        raise ValueError("--gpu is required with --model")
     return {
         "model": {"name": args.model},
-        "accelerator": {"type": args.gpu},
+        **given(runtime=args.runtime),
+        "accelerator": given(type=args.gpu, count=args.gpus),
         "serving": given(
             maxContextLength=args.context,
             quantization=args.quantization,
@@ -229,18 +273,51 @@ def format_plan(result: Plan, spec: InferenceServiceSpec) -> str:
     return "\n".join(lines)
 
 
+def _runtime_args(spec: InferenceServiceSpec, result: Plan) -> list[str]:
+    """The engine container's arguments the operator would render for this plan."""
+    deployment = render.deployment("plan", "default", "", spec, result)
+    return list(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
 def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Exit 0 when the model fits, 1 when it does not, 2 for invalid arguments."""
     try:
         spec = InferenceServiceSpec.model_validate(_spec(args))
-    except ValidationError as error:
+    except (ValidationError, ValueError) as error:
         print(f"kvpilot plan: {error}", file=sys.stderr)
         return 2
     result = plan(spec)
     if args.json:
-        out.write(result.model_dump_json(indent=2) + "\n")
+        body = result.model_dump(mode="json") | ({"args": _runtime_args(spec, result)} if result.fits else {})
+        out.write(json.dumps(body, indent=2) + "\n")
     else:
         out.write(format_plan(result, spec) + "\n")
+    return 0 if result.fits else 1
+
+
+def run_render(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """The objects `reconcile` would apply for the manifest (on a cluster whose nodes carry no GPU
+    label: set accelerator.type); exit 1 when the plan does not fit (only the Service and PDB then),
+    2 for an invalid manifest."""
+    try:
+        manifest = _manifest(args.filename)
+        spec = InferenceServiceSpec.model_validate(manifest["spec"])
+    except (ValidationError, ValueError) as error:
+        print(f"kvpilot render: {error}", file=sys.stderr)
+        return 2
+    metadata = manifest.get("metadata") or {}
+    result = plan(spec)
+    objects = render.children(
+        str(metadata.get("name", "unnamed")),
+        str(metadata.get("namespace", "default")),
+        str(metadata.get("uid", "")),
+        spec,
+        result,
+        default_image=args.engine_image,
+    )
+    if not result.fits:
+        print(f"kvpilot render: no Deployment: {result.failure}: {result.reason}", file=sys.stderr)
+    yaml.safe_dump_all(objects, out, sort_keys=False)
     return 0 if result.fits else 1
 
 

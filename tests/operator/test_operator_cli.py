@@ -2,11 +2,15 @@
 
 import argparse
 import io
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kvpilot.operator import cli
+from kvpilot.operator.controller import render
 from kvpilot.operator.planning.planner import Plan
 
 
@@ -19,7 +23,7 @@ def parser() -> argparse.ArgumentParser:
 def run(argv: str) -> tuple[int, str]:
     args = parser().parse_args(argv.split())
     out = io.StringIO()
-    code = args.func(args, out=out) if args.func is cli.run_plan else args.func(args)
+    code = args.func(args, out=out) if args.func in (cli.run_plan, cli.run_render) else args.func(args)
     return code, out.getvalue()
 
 
@@ -126,3 +130,58 @@ def test_operator_prometheus_allowlist_reaches_the_autoscaler(recorder: Recorder
     for prefix in ("prometheus:9090", "ftp://p", "http://", "http://user@prometheus:9090", "http://p/?q=1"):
         with pytest.raises(SystemExit):
             parser().parse_args(["operator", "-A", "--prometheus-url-allow", prefix])
+
+
+VLLM_70B = """
+apiVersion: kvpilot.dev/v1alpha1
+kind: InferenceService
+metadata: {name: big, namespace: team-a}
+spec:
+  runtime: vllm
+  model: {name: llama-3-70b, source: "hf://meta-llama/Meta-Llama-3-70B-Instruct"}
+  accelerator: {type: H100-80GB}
+"""
+
+
+def test_plan_runtime_vllm_splits_a_70b_model_and_json_carries_the_vllm_argv() -> None:
+    code, text = run("plan --model llama-3-70b --gpu H100-80GB --runtime vllm --json")
+    assert code == 0
+    body = json.loads(text)
+    assert body["runtime"] == "vllm" and body["gpu_count"] in (2, 4)
+    assert "--tensor-parallel-size=" + str(body["gpu_count"]) in body["args"]
+    assert f"--kv-cache-memory-bytes={body['kv_pool_bytes'] // body['gpu_count']}" in body["args"]
+    assert body["reasons"]["tensorParallel"].startswith(f"{body['gpu_count']}: the smallest")
+    # Our own engine refuses more than one GPU, and says which runtime runs it.
+    code, text = run("plan --model llama-3-70b --gpu H100-80GB --gpus 2")
+    assert code == 1 and "UnsupportedByRuntime" in text and "runtime: vllm runs tensor parallelism over 2" in text
+
+
+def test_plan_and_render_read_a_manifest_as_the_operator_would(tmp_path: Path) -> None:
+    manifest = tmp_path / "big.yaml"
+    manifest.write_text(VLLM_70B)
+    code, text = run(f"plan -f {manifest} --json")
+    assert code == 0 and json.loads(text)["runtime"] == "vllm"
+    out = io.StringIO()
+    args = parser().parse_args(["render", "-f", str(manifest)])
+    assert args.func(args, out=out) == 0
+    objects = list(yaml.safe_load_all(out.getvalue()))
+    assert [o["kind"] for o in objects] == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert {o["metadata"]["namespace"] for o in objects} == {"team-a"}
+    pod = objects[0]["spec"]["template"]["spec"]
+    (engine,) = pod["containers"]
+    assert engine["image"] == "vllm/vllm-openai:v0.33.0" and engine["command"] == ["vllm", "serve"]
+    assert engine["args"][0] == "/model-cache/hf/meta-llama/Meta-Llama-3-70B-Instruct@main"
+    gpus = engine["resources"]["limits"]["nvidia.com/gpu"]
+    assert int(gpus) > 1 and f"--tensor-parallel-size={gpus}" in engine["args"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in engine["volumeMounts"]
+    # The download runs `kvpilot download` from the operator's image: vLLM's has no such command.
+    assert pod["initContainers"][0]["image"] == render.DEFAULT_ENGINE_IMAGE
+
+
+def test_render_refuses_what_is_not_an_inference_service(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = tmp_path / "pod.yaml"
+    manifest.write_text("kind: Pod\nspec: {}\n")
+    args = parser().parse_args(["render", "-f", str(manifest)])
+    assert args.func(args, out=io.StringIO()) == 2 and "not an InferenceService manifest" in capsys.readouterr().err
+    code, _ = run("plan --model llama-2-7b")
+    assert code == 2 and "--gpu is required with --model" in capsys.readouterr().err

@@ -23,7 +23,9 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "fits": plan.fits,
         "reason": plan.reason,
+        "runtime": plan.runtime,
         "gpu": plan.gpu,
+        "gpuCount": plan.gpu_count,
         "quantization": plan.quantization,
         "speculative": plan.speculative,
         "assumedDraftAcceptance": plan.assumed_draft_acceptance,

@@ -186,7 +186,9 @@ def test_printer_columns(crd: dict[str, Any]) -> None:
     columns = {c["name"]: c["jsonPath"] for c in version(crd)["additionalPrinterColumns"]}
     assert columns == {
         "Model": ".spec.model.name",
+        "Runtime": ".spec.runtime",
         "GPU": ".status.plan.gpu",
+        "GPUs": ".status.plan.gpuCount",
         "Quant": ".status.plan.quantization",
         "Replicas": ".status.replicas",
         "Ready-Replicas": ".status.readyReplicas",

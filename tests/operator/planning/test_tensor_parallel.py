@@ -1,0 +1,73 @@
+"""Tensor parallelism in the planner: the runtime's sizes, the smallest that fits and meets the
+SLO, per-GPU memory, the all-reduce cost, and the heads and node bounds that rule a size out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.planning import sizing
+from kvpilot.operator.planning.gpus import GPUS
+from kvpilot.operator.planning.planner import plan
+
+
+def spec(model: str, gpu: str, runtime: str = "vllm", **fields: Any) -> InferenceServiceSpec:
+    accelerator = {"type": gpu, **fields.pop("accelerator", {})}
+    return InferenceServiceSpec.model_validate(
+        {"runtime": runtime, "model": {"name": model}, "accelerator": accelerator, **fields}
+    )
+
+
+def test_a_70b_model_on_h100s_is_split_over_the_fewest_gpus_that_hold_it_and_says_why() -> None:
+    result = plan(spec("llama-3-70b", "H100-80GB", serving={"quantization": "none"}))
+    assert result.fits and result.quantization == "none" and result.gpu_count in (2, 4)
+    why = result.reasons["tensorParallel"]
+    assert why.startswith(f"{result.gpu_count}: the smallest of runtime vllm's sizes (1, 2, 4, 8) on H100-80GB")
+    assert "NVLink" in why and "rejected TP 1: llama-3-70b none weights 131.4 GiB" in why
+    # Per GPU: the weights and the KV pool divide by the TP size; each GPU keeps its own reserve.
+    per_gpu_weights = result.weight_bytes / result.gpu_count
+    assert per_gpu_weights + result.kv_pool_bytes / result.gpu_count < GPUS["H100-80GB"].memory_bytes * 0.9
+
+
+def test_a_70b_model_on_an_l4_pool_is_split_or_refused_with_the_numbers() -> None:
+    result = plan(spec("llama-3-70b", "L4"))
+    assert result.fits and result.gpu_count == 8, result.reason
+    assert "PCIe" in result.reasons["tensorParallel"] and "TP 4:" in result.reasons["tensorParallel"]
+    refused = plan(spec("llama-3-70b", "L4", accelerator={"count": 2}))
+    assert not refused.fits and refused.failure == "WeightsDoNotFit"
+    assert "of the 45.0 GiB 2 x L4 report" in refused.reason
+
+
+def test_an_8b_model_keeps_one_gpu_where_it_fits() -> None:
+    for gpu in ("L4", "A100-80GB", "H100-80GB"):
+        result = plan(spec("llama-3-8b", gpu))
+        assert result.fits and result.gpu_count == 1 and result.reasons["tensorParallel"].startswith("1: the smallest")
+
+
+def test_heads_that_do_not_divide_rule_a_size_out() -> None:
+    # Qwen2.5-7B: 28 attention heads, 4 KV heads. TP 8 divides neither.
+    pinned = plan(spec("qwen2.5-7b", "L4", accelerator={"count": 8}))
+    assert not pinned.fits and pinned.failure == "NoTensorParallelSize"
+    assert "TP 8 does not divide 28 attention heads and 4 KV heads" in pinned.reason
+    # Unpinned, the planner never reaches for it, and says so.
+    tight = plan(spec("qwen2.5-7b", "T4", serving={"quantization": "none"}))
+    assert tight.gpu_count in (1, 2, 4)
+    assert "TP 8 does not divide 28 attention heads and 4 KV heads" in tight.reasons["tensorParallel"]
+
+
+def test_the_all_reduce_is_paid_on_every_step_and_costs_more_over_pcie() -> None:
+    tp2 = sizing.allreduce_seconds(4096 * 2 * 8, 2, GPUS["H100-80GB"].link_bytes_per_s, 10e-6)
+    pcie = sizing.allreduce_seconds(4096 * 2 * 8, 2, GPUS["L4"].link_bytes_per_s, 30e-6)
+    assert sizing.allreduce_seconds(1e6, 1, 1e9, 1e-5) == 0 and pcie > tp2 > 10e-6
+    # Two GPUs double the bandwidth but add two all-reduces per layer: TPOT falls by less than half,
+    # and the pool gains a second GPU's memory less a second reserve.
+    one = plan(spec("llama-3-8b", "H100-80GB", accelerator={"count": 1}))
+    two = plan(spec("llama-3-8b", "H100-80GB", accelerator={"count": 2}))
+    assert two.predicted_tpot_ms > one.predicted_tpot_ms / 2  # the all-reduces eat into the split
+    assert two.kv_pool_bytes > 2 * one.kv_pool_bytes - 2 * sizing.GiB
+
+
+def test_our_engine_refuses_more_than_one_gpu_and_names_the_runtime_that_runs_it() -> None:
+    result = plan(spec("llama-3-70b", "H100-80GB", runtime="kvpilot", accelerator={"count": 4}))
+    assert (result.fits, result.failure) == (False, "UnsupportedByRuntime")
+    assert "runtime: vllm runs tensor parallelism over 4" in result.reason

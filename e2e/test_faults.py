@@ -48,6 +48,7 @@ from e2e.metrics_stand_in import MetricsStandIn, Mode
 from e2e.pod_runner import PodRunner
 from e2e.polling import Background, poll
 from kvpilot.operator.controller.reconcile import reconcile
+from kvpilot.operator.kube.cluster import gpu_nodes
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = (
@@ -113,9 +114,8 @@ class LiveCluster:
     def patch_status(self, *args: Any, **kwargs: Any) -> str:
         raise AssertionError("reconcile() does not write the status")
 
-    def gpu_products(self) -> list[str]:
-        nodes = self.k8s.kubectl_json("get", "nodes")["items"]
-        return sorted({n["metadata"]["labels"].get("nvidia.com/gpu.product", "") for n in nodes} - {""})
+    def gpu_nodes(self) -> dict[str, int]:
+        return gpu_nodes(self.k8s.kubectl_json("get", "nodes")["items"])
 
     def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
         selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))

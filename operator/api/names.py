@@ -22,6 +22,8 @@ NVIDIA_GPU_RESOURCE = "nvidia.com/gpu"
 # AMD's device plugin and node labeller use their own resource and label keys.
 AMD_PRODUCT_LABEL = "amd.com/gpu.product-name"
 AMD_GPU_RESOURCE = "amd.com/gpu"
+# What a node labels its GPU count with (NVIDIA's GPU feature discovery); else its allocatable GPUs.
+NVIDIA_GPU_COUNT_LABEL = "nvidia.com/gpu.count"
 
 # Every child carries this label: the operator watches the objects that have it.
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kvpilot-operator"}

@@ -40,6 +40,7 @@ from kvpilot.operator.controller import render, status
 from kvpilot.operator.kube.cluster import Cluster, Manifest, WriteRefused, describe
 from kvpilot.operator.kube.merge_patch import merge_patch
 from kvpilot.operator.planning.planner import Plan, plan
+from kvpilot.operator.planning.runtimes import RUNTIMES
 
 # The hash of the rendered manifest, on each child: unchanged hash (and no field of ours edited by
 # hand) means nothing to write.
@@ -177,9 +178,13 @@ def _kept_gpu(spec: InferenceServiceSpec, planned: dict[str, Any], kept: Mapping
 
 def _plan(spec: InferenceServiceSpec, planned: dict[str, Any], cluster: Cluster, kept: Mapping[str, Any]) -> Plan:
     gpu = _kept_gpu(spec, planned, kept)
+    # The nodes are read when they choose the GPU type, or bound the tensor-parallel size the
+    # planner picks (a runtime with more than one, no accelerator.count).
+    splits = spec.accelerator.count is None and len(RUNTIMES[spec.runtime].tensor_parallel_sizes) > 1
+    nodes = cluster.gpu_nodes() if (gpu is None and not spec.accelerator.type) or splits else {}
     if gpu is None:
-        return plan(spec, cluster.gpu_products() if not spec.accelerator.type else [])
-    result = plan(spec, [gpu])
+        return plan(spec, list(nodes) if not spec.accelerator.type else [], gpus_per_node=nodes)
+    result = plan(spec, [gpu], gpus_per_node=nodes)
     why = kept.get("gpuReason")
     if not result.fits or not why:
         return result

@@ -23,7 +23,15 @@ from kubernetes.config.config_exception import ConfigException
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ConflictError, DynamicApiError, NotFoundError
 
-from kvpilot.operator.api.names import AMD_PRODUCT_LABEL, API_VERSION, KIND, NVIDIA_PRODUCT_LABEL
+from kvpilot.operator.api.names import (
+    AMD_GPU_RESOURCE,
+    AMD_PRODUCT_LABEL,
+    API_VERSION,
+    KIND,
+    NVIDIA_GPU_COUNT_LABEL,
+    NVIDIA_GPU_RESOURCE,
+    NVIDIA_PRODUCT_LABEL,
+)
 
 Manifest = dict[str, Any]
 
@@ -104,11 +112,37 @@ class Cluster(Protocol):
         `resource_version` when given (else WriteConflict); the object's new resourceVersion."""
         ...
 
-    def gpu_products(self) -> list[str]: ...
+    def gpu_nodes(self) -> dict[str, int]:
+        """The nodes' GPU products (their product labels), each with the most GPUs one node of it
+        carries (the GPU count label, else the node's allocatable GPUs)."""
+        ...
 
     def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[Manifest]:
         """The pods in `namespace` that carry all of `labels`."""
         ...
+
+
+def _count(value: Any) -> int:
+    try:
+        return max(int(str(value)), 0)
+    except ValueError:
+        return 0
+
+
+def gpu_nodes(nodes: list[Manifest]) -> dict[str, int]:
+    """Node manifests -> {GPU product: the most GPUs one node of it carries}."""
+    found: dict[str, int] = {}
+    for node in nodes:
+        labels = node.get("metadata", {}).get("labels") or {}
+        allocatable = node.get("status", {}).get("allocatable") or {}
+        for product, count_label, resource in (
+            (NVIDIA_PRODUCT_LABEL, NVIDIA_GPU_COUNT_LABEL, NVIDIA_GPU_RESOURCE),
+            (AMD_PRODUCT_LABEL, None, AMD_GPU_RESOURCE),
+        ):
+            if product in labels:
+                count = _count((count_label and labels.get(count_label)) or allocatable.get(resource, 0))
+                found[labels[product]] = max(found.get(labels[product], 0), count)
+    return found
 
 
 class KubeCluster:
@@ -204,17 +238,8 @@ class KubeCluster:
         found = self._resource("v1", "Pod").get(namespace=namespace, label_selector=selector)
         return list(found.to_dict().get("items", []))
 
-    def gpu_products(self) -> list[str]:
-        nodes = self._resource("v1", "Node").get().to_dict().get("items", [])
-        return sorted(
-            {
-                labels[key]
-                for node in nodes
-                for labels in [node.get("metadata", {}).get("labels") or {}]
-                for key in (NVIDIA_PRODUCT_LABEL, AMD_PRODUCT_LABEL)
-                if key in labels
-            }
-        )
+    def gpu_nodes(self) -> dict[str, int]:
+        return gpu_nodes(self._resource("v1", "Node").get().to_dict().get("items", []))
 
     def ensure_peering(self, name: str, namespaces: list[str] | None) -> None:
         """Create the kopf peering object(s) replicas coordinate through, if missing:

@@ -16,7 +16,7 @@ of the step's hidden states per layer over the GPUs' link added to every step.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
@@ -751,15 +751,17 @@ def _heads_problem(arch: Architecture, tp: int) -> str | None:
 
 
 def _tensor_parallel_sizes(
-    spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, capabilities: EngineCapabilities
+    spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, capabilities: EngineCapabilities, per_node: int | None
 ) -> tuple[list[int], str]:
     """The tensor-parallel sizes to try on `gpu`, smallest first, and what rules the others out:
-    the runtime's sizes (or the pinned accelerator.count), within one node, dividing the heads."""
+    the runtime's sizes (or the pinned accelerator.count), within one node (the most GPUs the
+    cluster's nodes of the type carry, else the catalog's), dividing the heads."""
     sizes = [spec.accelerator.count] if spec.accelerator.count else list(capabilities.tensor_parallel_sizes)
+    most, where = (per_node, "the cluster's nodes carry") if per_node else (gpu.max_per_node, "a node holds")
     usable, ruled_out = [], []
     for tp in sizes:
-        if tp > gpu.max_per_node:
-            ruled_out.append(f"TP {tp} > the {gpu.max_per_node} {gpu.name} GPUs a node holds")
+        if tp > most:
+            ruled_out.append(f"TP {tp} > the {most} {gpu.name} GPUs {where}")
         elif _heads_problem(arch, tp):
             ruled_out.append(str(_heads_problem(arch, tp)))
         else:
@@ -842,6 +844,7 @@ def _options(
     schemes: Sequence[str],
     capabilities: EngineCapabilities,
     draft: _Draft | None,
+    per_node: Mapping[str, int],
 ) -> tuple[list[Plan], dict[str, str]]:
     """A plan for every GPU type, scheme and tensor-parallel size, in the order of preference
     (cheapest GPU, least lossy scheme, fewest GPUs per replica), and per GPU type the sizes ruled out."""
@@ -849,7 +852,7 @@ def _options(
     options: list[Plan] = []
     ruled_out: dict[str, str] = {}
     for gpu in gpus:
-        sizes, ruled_out[gpu.name] = _tensor_parallel_sizes(spec, arch, gpu, capabilities)
+        sizes, ruled_out[gpu.name] = _tensor_parallel_sizes(spec, arch, gpu, capabilities, per_node.get(gpu.name))
         if not sizes:
             options.append(
                 _failed(spec, "NoTensorParallelSize", f"{spec.model.name} on {gpu.name}: {ruled_out[gpu.name]}")
@@ -859,10 +862,14 @@ def _options(
 
 
 def plan(
-    spec: InferenceServiceSpec, available_gpus: Iterable[str] = (), capabilities: EngineCapabilities | None = None
+    spec: InferenceServiceSpec,
+    available_gpus: Iterable[str] = (),
+    capabilities: EngineCapabilities | None = None,
+    gpus_per_node: Mapping[str, int] | None = None,
 ) -> Plan:
     """Plan serving `spec` on its runtime (or one with `capabilities`); `available_gpus` are node GPU
-    products, used when no type is set."""
+    products, used when no type is set; `gpus_per_node` the most GPUs one node of a product (or
+    catalog name) carries, which bounds tensor parallelism (else the catalog's figure)."""
     capabilities = capabilities or RUNTIMES[spec.runtime]
     unsupported = _unsupported_pins(spec, capabilities)
     if unsupported:
@@ -882,14 +889,20 @@ def plan(
     if isinstance(tried, Plan):
         return tried
     schemes, not_run = tried
-    options, ruled_out = _options(spec, arch, gpus, schemes, capabilities, draft)
+    per_node: dict[str, int] = {}
+    for product, count in (gpus_per_node or {}).items():
+        known = find_gpu(product)
+        if known is not None and count > 0:
+            per_node[known.name] = max(per_node.get(known.name, 0), count)
+    options, ruled_out = _options(spec, arch, gpus, schemes, capabilities, draft, per_node)
     chosen = next((o for o in options if o.fits and o.meets_slo), None) or next((o for o in options if o.fits), None)
     if chosen is None:
-        # The most capable option tried (largest GPU, most compressed scheme, most GPUs) says best why not.
-        last = options[-1]
-        hint = ""
+        # The most capable option tried (largest GPU, most compressed scheme, most GPUs) says best why
+        # not, unless the GPU lacks the scheme's kernels altogether.
+        last = next((o for o in reversed(options) if o.failure != "UnsupportedOnGPU"), options[-1])
+        hint = f"; {ruled_out[str(last.gpu)]}" if ruled_out.get(str(last.gpu)) else ""
         if last.failure in ("WeightsDoNotFit", "ContextDoesNotFit") and capabilities.tensor_parallel_sizes == (1,):
-            hint = "; runtime: vllm splits a replica over up to 8 GPUs (tensor parallelism)"
+            hint += "; runtime: vllm splits a replica over up to 8 GPUs (tensor parallelism)"
         return last.model_copy(update={"reason": last.reason + not_run + hint})
     earlier = options[: options.index(chosen)]
     smaller = [o for o in earlier if (o.gpu, o.quantization) == (chosen.gpu, chosen.quantization)]

@@ -115,8 +115,9 @@ class FakeCluster:
         obj["metadata"]["resourceVersion"] = str(self.version)
         return str(self.version)
 
-    def gpu_products(self) -> list[str]:
-        return self.products
+    def gpu_nodes(self) -> dict[str, int]:
+        # Eight GPUs a node, as on the catalog's largest machines.
+        return {product: 8 for product in self.products}
 
     def kinds(self) -> list[str]:
         return sorted(kind for kind, _, _ in self.objects if kind != "InferenceService")

@@ -14,7 +14,7 @@ from kvpilot.operator.planning.planner import plan
 def spec(model: str, gpu: str, runtime: str = "vllm", **fields: Any) -> InferenceServiceSpec:
     accelerator = {"type": gpu, **fields.pop("accelerator", {})}
     return InferenceServiceSpec.model_validate(
-        {"runtime": runtime, "model": {"name": model}, "accelerator": accelerator, **fields}
+        {"runtime": runtime, "model": {"name": model}, "accelerator": accelerator} | fields
     )
 
 
@@ -71,3 +71,34 @@ def test_our_engine_refuses_more_than_one_gpu_and_names_the_runtime_that_runs_it
     result = plan(spec("llama-3-70b", "H100-80GB", runtime="kvpilot", accelerator={"count": 4}))
     assert (result.fits, result.failure) == (False, "UnsupportedByRuntime")
     assert "runtime: vllm runs tensor parallelism over 4" in result.reason
+
+
+def test_the_nodes_gpu_count_bounds_the_size_below_the_catalog() -> None:
+    # A10G: 24 GB each. A 70B model in INT4-AWQ needs more than 2 of them; the catalog's machines
+    # hold 8, this cluster's (g5.12xlarge) 4.
+    body = InferenceServiceSpec.model_validate(
+        {"runtime": "vllm", "model": {"name": "llama-3-70b", "quantization": "awq"}, "accelerator": {"type": "A10G"}}
+    )
+    assert plan(body).gpu_count == 4
+    narrow = plan(body, gpus_per_node={"NVIDIA-A10G": 2})
+    assert not narrow.fits and narrow.gpu_count == 2
+    # In 16 bits it needs more than 4: the no-fit says how much, and why not 8.
+    wide = plan(spec("llama-3-70b", "A10G"), gpus_per_node={"NVIDIA-A10G": 4})
+    assert (wide.fits, wide.failure, wide.gpu_count) == (False, "WeightsDoNotFit", 4)
+    assert "4 x A10G" in wide.reason and wide.reason.endswith("TP 8 > the 4 A10G GPUs the cluster's nodes carry")
+
+
+def test_node_gpu_counts_come_from_the_count_label_else_allocatable() -> None:
+    from kvpilot.operator.kube.cluster import gpu_nodes
+
+    def node(labels: dict[str, str], allocatable: dict[str, str]) -> dict[str, Any]:
+        return {"metadata": {"labels": labels}, "status": {"allocatable": allocatable}}
+
+    nodes = [
+        node({"nvidia.com/gpu.product": "NVIDIA-L4", "nvidia.com/gpu.count": "4"}, {"nvidia.com/gpu": "3"}),
+        node({"nvidia.com/gpu.product": "NVIDIA-L4"}, {"nvidia.com/gpu": "8"}),
+        node({"nvidia.com/gpu.product": "NVIDIA-A10G", "nvidia.com/gpu.count": "not-a-number"}, {}),
+        node({"amd.com/gpu.product-name": "AMD_Instinct_MI300X"}, {"amd.com/gpu": "8"}),
+        node({"kubernetes.io/os": "linux"}, {"cpu": "96"}),
+    ]
+    assert gpu_nodes(nodes) == {"NVIDIA-L4": 8, "NVIDIA-A10G": 0, "AMD_Instinct_MI300X": 8}

@@ -11,7 +11,6 @@ over `maxWaitingPerReplica`.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -32,10 +31,9 @@ from kvpilot.operator.api import names
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.planning.models import MODELS
 from kvpilot.operator.planning.planner import plan
-from tests.operator.controller.test_vllm_contract import config_json
 from tests.vllm import env
+from tests.vllm.model_configs import config_json
 
-ROOT = Path(__file__).resolve().parents[1]
 SPEC: dict[str, Any] = {
     "runtime": "vllm",
     "model": {"name": "llama-3-70b"},
@@ -49,18 +47,7 @@ BUSY = [{"running": 8, "waiting": 24, "kv_usage": 0.5, "ttfts": [0.2, 0.3], "itl
 
 def _vllm_exposition(steps: list[dict[str, Any]]) -> str:
     case = {"argv": ["--tensor-parallel-size=2"], "config": config_json(MODELS["llama-3-70b"]), "steps": steps}
-    run = subprocess.run(
-        [str(env.vllm_python()), "-m", "tests.vllm.exposition"],
-        input=json.dumps(case),
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env.ENV},
-        cwd=ROOT,
-        timeout=600,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout
+    return env.run("exposition", json.dumps(case), timeout_s=600)
 
 
 class VllmPods:

@@ -65,3 +65,21 @@ def vllm_python() -> Path:
             done.touch()
         (_site_packages(root) / "zz_kvpilot_project_venv.pth").write_text(f"{_site_packages(Path(sys.prefix))}\n")
     return root / "bin" / "python"
+
+
+def run(module: str, stdin: str, timeout_s: float = 1800) -> str:
+    """`python -m module` of tests/vllm/ in the vLLM venv, fed `stdin`; its stdout (AssertionError
+    with the end of its stderr when it fails)."""
+    done = subprocess.run(
+        [vllm_python(), "-m", f"tests.vllm.{module}"],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **ENV},
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=timeout_s,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"tests.vllm.{module} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return done.stdout

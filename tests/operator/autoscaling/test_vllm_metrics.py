@@ -5,18 +5,14 @@ builds), after engine steps this test chooses, never from text written by hand."
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
 from kvpilot.operator.autoscaling.metrics import parse
 from kvpilot.operator.planning.models import MODELS
-from tests.operator.controller.test_vllm_contract import config_json
 from tests.vllm import env
+from tests.vllm.model_configs import config_json
 
-ROOT = Path(__file__).resolve().parents[3]
 STEPS = [
     {
         "running": 3,
@@ -49,18 +45,7 @@ def exposition() -> str:
         "config": config_json(MODELS["smollm2-135m"]),
         "steps": STEPS,
     }
-    run = subprocess.run(
-        [str(env.vllm_python()), "-m", "tests.vllm.exposition"],
-        input=json.dumps(case),
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env.ENV},
-        cwd=ROOT,
-        timeout=600,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout
+    return env.run("exposition", json.dumps(case), timeout_s=600)
 
 
 def test_a_vllm_exposition_gives_the_autoscaler_every_signal(exposition: str) -> None:

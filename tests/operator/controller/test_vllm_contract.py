@@ -13,24 +13,18 @@ catalog architecture (and the draft's), offline.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from itertools import product
-from pathlib import Path
 from typing import Any
 
-import pytest
-
 from kvpilot.operator.api import names
-from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
+from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import render
 from kvpilot.operator.planning.gpus import GPUS, find_gpu
 from kvpilot.operator.planning.models import MODELS
 from kvpilot.operator.planning.planner import Plan, plan
 from kvpilot.operator.planning.runtimes import VLLM_CAPABILITIES
 from tests.vllm import env
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.vllm.model_configs import config_json
 
 # A catalog draft per vocabulary (vLLM drafts with the target's tokens), as test_contract's.
 DRAFTS = {32000: "tinyllama-1.1b", 128256: "llama-3.2-1b", 152064: "qwen2.5-7b", 49152: "smollm2-135m"}
@@ -59,61 +53,6 @@ VLLM_QUANTIZATION = {
     "stored:awq": {"awq", "awq_marlin"},
     "stored:gptq": {"gptq", "gptq_marlin", "auto_gptq"},
 }
-
-
-def _quantization_config(stored: str) -> dict[str, Any]:
-    """config.json's quantization_config of a checkpoint stored as `stored`."""
-    if stored in ("awq", "gptq"):
-        return {"quant_method": stored, "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"} | (
-            {"desc_act": False, "sym": True} if stored == "gptq" else {}
-        )
-    kind, bits, activations, form = {
-        "int8": ("int", 8, None, "pack-quantized"),
-        "int4": ("int", 4, None, "pack-quantized"),
-        "w8a8": ("int", 8, "int", "int-quantized"),
-        "fp8": ("float", 8, "float", "float-quantized"),
-    }[stored]
-    weights = {"num_bits": bits, "type": kind, "symmetric": True, "strategy": "group" if bits == 4 else "channel"}
-    if bits == 4:
-        weights["group_size"] = 128
-    group: dict[str, Any] = {"targets": ["Linear"], "weights": weights}
-    if activations:
-        group["input_activations"] = {
-            "num_bits": 8,
-            "type": activations,
-            "symmetric": True,
-            "dynamic": True,
-            "strategy": "token",
-        }
-    return {
-        "quant_method": "compressed-tensors",
-        "format": form,
-        "config_groups": {"group_0": group},
-        "ignore": ["lm_head"],
-    }
-
-
-def config_json(arch: Architecture, stored: str | None = None) -> dict[str, Any]:
-    """A Llama config.json with the catalog architecture's shapes (sizes are all vLLM's config
-    builder reads; a mixture of experts is planned by its active parameters, not its layout)."""
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": arch.hidden_size,
-        "intermediate_size": 4 * arch.hidden_size,
-        "num_attention_heads": arch.attention_heads,
-        "num_key_value_heads": arch.kv_heads,
-        "head_dim": arch.head_size,
-        "num_hidden_layers": arch.layers,
-        "vocab_size": arch.vocab_size,
-        "max_position_embeddings": arch.max_context,
-        "tie_word_embeddings": arch.tie_word_embeddings,
-        "rms_norm_eps": 1e-5,
-        "torch_dtype": "bfloat16",
-    }
-    if stored is not None:
-        config["quantization_config"] = _quantization_config(stored)
-    return config
 
 
 def _spec(
@@ -193,12 +132,7 @@ def _mismatches(expected: dict[str, Any], got: dict[str, Any], gpu: str) -> list
     return wrong
 
 
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    return str(env.vllm_python())
-
-
-def test_every_vllm_plan_that_fits_is_a_command_line_vllm_configures_as_planned(vllm_python: str) -> None:
+def test_every_vllm_plan_that_fits_is_a_command_line_vllm_configures_as_planned() -> None:
     cases = _cases()
     lines, expected = [], {}
     for index, (spec, result) in enumerate(cases):
@@ -209,18 +143,9 @@ def test_every_vllm_plan_that_fits_is_a_command_line_vllm_configures_as_planned(
             models[result.draft_model] = config_json(MODELS[result.draft_model.rpartition("/")[2]])
         lines.append(json.dumps({"id": str(index), "argv": container["args"], "models": models}))
         expected[str(index)] = (spec, result, container["args"])
-    run = subprocess.run(
-        [vllm_python, "-m", "tests.vllm.engine_configs"],
-        input="\n".join(lines) + "\n",
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env.ENV},
-        cwd=ROOT,
-        timeout=1800,
-        check=False,
-    )
-    answers = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(answers) == len(cases), run.stderr[-3000:]
+    out = env.run("engine_configs", "\n".join(lines) + "\n")
+    answers = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(answers) == len(cases), out[-3000:]
     broken = []
     for answer in answers:
         spec, result, args = expected[answer["id"]]

@@ -47,17 +47,13 @@ def service_account_kubeconfig(
     return path
 
 
-def operator_argv(deployment: dict[str, Any], liveness_port: int, gateway_port: int) -> list[str]:
-    """The chart Deployment's operator command line, runnable here: the liveness probe and the
-    gateway (when the chart enables it) listen on loopback ports of this machine."""
+def operator_argv(deployment: dict[str, Any], liveness_port: int) -> list[str]:
+    """The chart Deployment's operator command line, runnable here: the liveness probe listens on
+    a loopback port of this machine."""
     container = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == CONTAINER)
     if container["command"] != ["kvpilot"]:
         raise ValueError(f"unexpected operator command {container['command']}")
-    args = [
-        f"--gateway={LOOPBACK}:{gateway_port}" if a.startswith("--gateway=") else a
-        for a in container["args"]
-        if not a.startswith("--liveness")
-    ]
+    args = [a for a in container["args"] if not a.startswith("--liveness")]
     return [kvpilot_executable(), *args, f"--liveness=http://{LOOPBACK}:{liveness_port}/healthz"]
 
 
@@ -71,8 +67,6 @@ class LocalOperator:
         self.kubeconfig = workdir / "operator-kubeconfig.yaml"
         self.process: Process | None = None
         self.starts = 0
-        # Where the chart's gateway listens, from the last start on.
-        self.gateway_url = ""
         # Another address of the API server for the next starts (a fault proxy); None: its own.
         self.api_server: str | None = None
 
@@ -87,11 +81,10 @@ class LocalOperator:
         deployment = self.cluster.kubectl_json(
             "get", "deployment", self.installation.fullname, "-n", self.installation.namespace
         )
-        port, gateway_port = free_port(), free_port()
-        self.gateway_url = f"http://{LOOPBACK}:{gateway_port}"
+        port = free_port()
         self.starts += 1
         self.process = start_http(
-            operator_argv(deployment, port, gateway_port),
+            operator_argv(deployment, port),
             self.workdir / f"operator-{self.starts}.log",
             f"http://{LOOPBACK}:{port}/healthz",
             timeout_s,

@@ -88,3 +88,16 @@ def running_pods(cluster: Cluster, namespace: str, name: str) -> list[dict[str, 
         and p["status"].get("podIP")
         and not p["metadata"].get("deletionTimestamp")
     ]
+
+
+def events(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
+    """The Events about InferenceService `namespace/name` (the operator's and the gateway's)."""
+    items: list[dict[str, Any]] = cluster.kubectl_json(
+        "get",
+        "events",
+        "-n",
+        namespace,
+        "--field-selector",
+        f"involvedObject.name={name},involvedObject.kind=InferenceService",
+    )["items"]
+    return items

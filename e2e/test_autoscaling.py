@@ -65,18 +65,6 @@ def replicas(k8s: Cluster, namespace: str, name: str) -> int:
     return int(k8s.kubectl_json("get", "deployment", name, "-n", namespace)["spec"]["replicas"])
 
 
-def events(k8s: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = k8s.kubectl_json(
-        "get",
-        "events",
-        "-n",
-        namespace,
-        "--field-selector",
-        f"involvedObject.name={name},involvedObject.kind=InferenceService",
-    )["items"]
-    return items
-
-
 class Timeline(Background):
     """One sample a second of load, replicas, engines up and p95 TTFT (the clients' over the last
     window, and the operator's from its status), for the failure messages and the bench plot."""
@@ -176,7 +164,7 @@ def test_load_over_the_slo_adds_engines_and_its_end_removes_them(
             if os.environ.get(TIMELINE_ENV):
                 timeline.dump(Path(os.environ[TIMELINE_ENV]))
     messages: dict[str, list[str]] = {}
-    for e in events(k8s, namespace, name):
+    for e in kvis.events(k8s, namespace, name):
         messages.setdefault(e["reason"], []).append(e["message"])
     ups, downs = messages.get("ScaledUp", []), messages.get("ScaledDown", [])
     # Joined, not repr'd: pytest cuts a long repr in its middle, where the telling part is.
@@ -219,7 +207,7 @@ def test_external_mode_reports_the_signals_and_never_writes_replicas(
     decision = status["autoscaler"]["lastDecision"]
     assert decision["action"] == "hold" and "autoscaling.mode is external" in decision["reason"], decision
     assert replicas(k8s, namespace, name) == 1
-    assert not [e for e in events(k8s, namespace, name) if e["reason"] in ("ScaledUp", "ScaledDown")]
+    assert not [e for e in kvis.events(k8s, namespace, name) if e["reason"] in ("ScaledUp", "ScaledDown")]
 
 
 @pytest.mark.parametrize("service", [("scaled-zero", "slo", 0)], indirect=True)
@@ -258,6 +246,6 @@ def test_an_idle_service_scales_to_zero_and_the_gateway_holds_the_next_request(
     # marks that engine ready: count the engines started, not the ones seen ready.
     assert replicas(k8s, namespace, name) == 1 and len(runner.engines()) == 1, runner.snapshot()
     assert held_s > 1.0, held_s  # an engine started for it: seconds, not a refusal
-    reasons = [(e["reason"], e["message"]) for e in events(k8s, namespace, name)]
+    reasons = [(e["reason"], e["message"]) for e in kvis.events(k8s, namespace, name)]
     assert any(r == "ScaledDown" and "1 -> 0" in m for r, m in reasons), reasons
     assert any(r == "ScaledUp" and "a request arrived at 0 replicas: 0 -> 1" in m for r, m in reasons), reasons

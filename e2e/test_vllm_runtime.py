@@ -134,14 +134,7 @@ def test_a_vllm_service_is_split_over_gpus_rolls_out_and_is_scaled_on_vllm_metri
             return int(k8s.kubectl_json("get", "deployment", name, "-n", namespace)["spec"]["replicas"]) == 2 or None
 
         poll(scaled, 120, "the autoscaler's scale-up to 2 on vLLM's queue", interval_s=1.0)
-    events = k8s.kubectl_json(
-        "get",
-        "events",
-        "-n",
-        namespace,
-        "--field-selector",
-        f"involvedObject.name={name},involvedObject.kind=InferenceService,reason=ScaledUp",
-    )["items"]
+    events = [e for e in kvis.events(k8s, namespace, name) if e["reason"] == "ScaledUp"]
     assert any("1 -> 2" in e["message"] and "waiting 24.0/replica" in e["message"] for e in events), [
         e["message"] for e in events
     ]

@@ -596,8 +596,21 @@ def _size(
     capabilities: EngineCapabilities,
     draft: _Draft | None,
 ) -> Plan:
-    """The plan for one (GPU type, tensor-parallel size, quantization)."""
+    """The plan for one (GPU type, tensor-parallel size, quantization). The runtime splits a draft
+    over the target's GPUs, so a draft whose heads the size does not divide is left out (or, pinned,
+    makes the option fail)."""
     gpu, tp = device
+    problem = _heads_problem(draft.arch, tp) if draft is not None else None
+    if problem is not None:
+        if spec.serving.speculative == "draft":
+            failed = _failed(
+                spec,
+                "NoTensorParallelSize",
+                f"serving.draftModel {draft.source}: {problem}, and the runtime splits the draft over the "  # type: ignore[union-attr]
+                "target's GPUs",
+            )
+            return failed.model_copy(update={"gpu": gpu.name, "quantization": quantization, "gpu_count": tp})
+        draft = None
     if quantization == "fp8" and not gpu.fp8:
         return _failed(
             spec,
@@ -812,31 +825,6 @@ def _choice_reasons(
     return {"gpu": gpu, "quantization": quantization}
 
 
-def _option(
-    spec: InferenceServiceSpec,
-    arch: Architecture,
-    device: tuple[GPU, int],
-    quantization: str,
-    context: int,
-    capabilities: EngineCapabilities,
-    draft: _Draft | None,
-) -> Plan:
-    """One option's plan; the runtime splits a draft over the target's GPUs, so a draft whose heads
-    the tensor-parallel size does not divide is left out (or, pinned, makes the option fail)."""
-    gpu, tp = device
-    problem = _heads_problem(draft.arch, tp) if draft is not None else None
-    if problem is None:
-        return _size(spec, arch, device, quantization, context, capabilities, draft)
-    if spec.serving.speculative != "draft":
-        return _size(spec, arch, device, quantization, context, capabilities, None)
-    failed = _failed(
-        spec,
-        "NoTensorParallelSize",
-        f"serving.draftModel {draft.source}: {problem}, and the runtime splits the draft over the target's GPUs",  # type: ignore[union-attr]
-    )
-    return failed.model_copy(update={"gpu": gpu.name, "quantization": quantization, "gpu_count": tp})
-
-
 def _options(
     spec: InferenceServiceSpec,
     arch: Architecture,
@@ -857,7 +845,7 @@ def _options(
             options.append(
                 _failed(spec, "NoTensorParallelSize", f"{spec.model.name} on {gpu.name}: {ruled_out[gpu.name]}")
             )
-        options += [_option(spec, arch, (gpu, tp), q, context, capabilities, draft) for q in schemes for tp in sizes]
+        options += [_size(spec, arch, (gpu, tp), q, context, capabilities, draft) for q in schemes for tp in sizes]
     return options, ruled_out
 
 

@@ -102,3 +102,13 @@ def test_node_gpu_counts_come_from_the_count_label_else_allocatable() -> None:
         node({"kubernetes.io/os": "linux"}, {"cpu": "96"}),
     ]
     assert gpu_nodes(nodes) == {"NVIDIA-L4": 8, "NVIDIA-A10G": 0, "AMD_Instinct_MI300X": 8}
+
+
+def test_a_draft_whose_heads_the_size_does_not_divide_is_left_out_or_refused_when_pinned() -> None:
+    draft = {"draftModel": "hf://Qwen/Qwen2.5-7B-Instruct"}  # 28 attention heads, 4 KV heads
+    fields: dict[str, Any] = {"accelerator": {"count": 8}, "load": {"requestsPerSecond": 0.1, "temperature": 0}}
+    pinned = plan(spec("qwen2.5-72b", "L4", serving={**draft, "speculative": "draft"}, **fields))
+    assert (pinned.fits, pinned.failure) == (False, "NoTensorParallelSize")
+    assert "serving.draftModel hf://Qwen/Qwen2.5-7B-Instruct: TP 8 does not divide 28 attention heads" in pinned.reason
+    chosen = plan(spec("qwen2.5-72b", "L4", serving={**draft, "speculative": "auto"}, **fields))
+    assert chosen.fits and chosen.gpu_count == 8 and chosen.speculative != "draft" and chosen.draft_model is None

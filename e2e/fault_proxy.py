@@ -31,20 +31,10 @@ from aiohttp import web
 
 from e2e.aio_server import AioServer
 from e2e.procs import LOOPBACK, free_port
+from kvpilot.operator.gateway.headers import HOP_BY_HOP
 
-# Hop-by-hop headers (RFC 9110 7.6.1) and the framing aiohttp sets itself for each leg.
-_NOT_FORWARDED = {
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "host",
-    "content-length",
-}
+# Hop-by-hop headers (the gateway's list) and the framing aiohttp sets itself for each leg.
+_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length"}
 _WRITES = {"POST", "PUT", "PATCH", "DELETE"}
 _MAX_RECORDED_BODY = 64 * 1024
 

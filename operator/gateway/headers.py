@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-_HOP = frozenset(
+HOP_BY_HOP = frozenset(
     {
         "connection",
         "keep-alive",
@@ -40,7 +40,7 @@ def _named_by_connection(items: Iterable[tuple[str, str]]) -> set[str]:
 
 def _kept(items: Iterable[tuple[str, str]], dropped: frozenset[str]) -> list[tuple[str, str]]:
     pairs = list(items)
-    drop = _HOP | dropped | _named_by_connection(pairs)
+    drop = HOP_BY_HOP | dropped | _named_by_connection(pairs)
     return [(name, value) for name, value in pairs if name.lower() not in drop]
 
 

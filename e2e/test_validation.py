@@ -49,7 +49,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         'spec.serving.quantization: Unsupported value: "fp3"',
     ),
     ("block-size-not-power-of-two", _with("serving.blockSize", 24), "blockSize must be a power of two up to 1024"),
-    ("draft-without-draft-model", _with("serving.speculative", "draft"), "speculative 'draft' needs draftModel"),
+    (
+        "draft-without-draft-model",
+        _with("serving.speculative", "draft"),
+        "speculative 'draft' or 'eagle' needs draftModel",
+    ),
     (
         "min-above-max-replicas",
         _with("autoscaling", {"minReplicas": 5, "maxReplicas": 2}),

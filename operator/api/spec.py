@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 Quantization = Literal["auto", "none", "int8", "fp8", "w8a8", "int4"]
-Speculative = Literal["auto", "off", "ngram", "draft"]
+# eagle: serving.draftModel is an EAGLE head (trained on the target's hidden states), pinned only.
+Speculative = Literal["auto", "off", "ngram", "draft", "eagle"]
 # What runs the model in the pods (operator/planning/runtimes.py declares what each runs).
 Runtime = Literal["kvpilot", "vllm"]
 # How a checkpoint may already be quantized (model.quantization): compressed-tensors W8A16, FP8,
@@ -168,8 +169,8 @@ class ServingSpec(_Camel):
     def _rules(self) -> ServingSpec:
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"blockSize {self.block_size} is not a power of two up to 1024")
-        if self.speculative == "draft" and not self.draft_model:
-            raise ValueError("speculative 'draft' needs serving.draftModel")
+        if self.speculative in ("draft", "eagle") and not self.draft_model:
+            raise ValueError(f"speculative {self.speculative!r} needs serving.draftModel")
         check_source("serving.draftModel", self.draft_model)
         if self.draft_model_architecture and not self.draft_model:
             raise ValueError("serving.draftModelArchitecture needs serving.draftModel")

@@ -33,8 +33,9 @@ def speculative_config(plan: Plan, draft_model: str | None) -> dict[str, object]
             "prompt_lookup_max": NGRAM_MAX,
             "prompt_lookup_min": NGRAM_MIN,
         }
-    if plan.speculative == "draft":
-        return {"method": "draft_model", "model": draft_model, "num_speculative_tokens": plan.num_speculative_tokens}
+    if plan.speculative in ("draft", "eagle"):
+        method = "draft_model" if plan.speculative == "draft" else "eagle"
+        return {"method": method, "model": draft_model, "num_speculative_tokens": plan.num_speculative_tokens}
     return None
 
 

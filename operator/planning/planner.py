@@ -55,7 +55,11 @@ HIGH_TEMPERATURE = 1.0
 # and the target as its own draft (100 %). Verifying k + 1 tokens costs more than a plain
 # decode step: 1.15x is an assumption for a bandwidth-bound GPU (no GPU was at hand; on this
 # project's 2-core CPU, where decode is compute-bound, it measured ~1.5x).
-ACCEPTANCE = {"ngram": 0.29, "draft": 0.7}
+# eagle: NOT measured either, the EAGLE papers' per-token acceptance for chat (~0.75-0.8 at
+# temperature 0); a head of one decoder layer drafts for a fraction of a draft model's cost.
+ACCEPTANCE = {"ngram": 0.29, "draft": 0.7, "eagle": 0.75}
+# The modes that run serving.draftModel beside the target (auto chooses only "draft").
+DRAFTED = ("draft", "eagle")
 VERIFY_OVERHEAD = 1.15
 
 
@@ -226,7 +230,8 @@ def _draft(spec: InferenceServiceSpec, target: Architecture, capabilities: Engin
     failed Plan when it cannot be sized or the engine would refuse it, None when there is none."""
     serving = spec.serving
     source = serving.draft_model
-    if source is None or serving.speculative not in ("auto", "draft") or "draft" not in capabilities.speculative:
+    mode = "draft" if serving.speculative == "auto" else serving.speculative
+    if source is None or mode not in DRAFTED or mode not in capabilities.speculative:
         return None
     hub = hub_source(source)
     arch = serving.draft_model_architecture or find_model(hub.repo if hub else source.rstrip("/"))
@@ -324,7 +329,7 @@ def _allreduces_seconds(arch: Architecture, gpu: GPU, tp: int, tokens: float) ->
 
 def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculative: str) -> _Perf:
     arch, gpu, tp, decode_bytes, kv_per_token, ops, max_num_seqs, draft = replica
-    draft = draft if speculative == "draft" else None
+    draft = draft if speculative in DRAFTED else None
     load = spec.load
     rate = load.requests_per_second / replicas if replicas else 0.0
     prefill = sizing.prefill_seconds(arch.parameters_per_token, load.mean_prompt_tokens, ops)
@@ -576,11 +581,11 @@ def _speculation(
             reason += f" (the draft model does not fit: {with_draft.reason})"
         else:
             memory = with_draft
-    if mode == "draft" and draft is not None:
+    if mode in DRAFTED and draft is not None:
         reason += (
-            f"; draft model {draft.source}: {_gib(draft.weights)} GiB of weights "
-            f"(unquantized), {draft.kv_per_token / sizing.MiB:.3g} MiB of KV per token; "
-            f"acceptance {ACCEPTANCE['draft']:g} per token assumed (not measured)"
+            f"; {'EAGLE head' if mode == 'eagle' else 'draft model'} {draft.source}: {_gib(draft.weights)} GiB of "
+            f"weights (unquantized), {draft.kv_per_token / sizing.MiB:.3g} MiB of KV per token; "
+            f"acceptance {ACCEPTANCE[mode]:g} per token assumed (not measured)"
         )
     if mode != "off":
         replicas, perf, miss = _replicas(spec, memory.replica, mode)
@@ -602,7 +607,7 @@ def _size(
     gpu, tp = device
     problem = _heads_problem(draft.arch, tp) if draft is not None else None
     if problem is not None:
-        if spec.serving.speculative == "draft":
+        if spec.serving.speculative in DRAFTED:
             failed = _failed(
                 spec,
                 "NoTensorParallelSize",
@@ -620,7 +625,7 @@ def _size(
             _sizes(spec, arch, _group(gpu, tp), quantization, context, None, 0, capabilities),
         )
     memory = _memory(
-        spec, arch, device, quantization, context, draft if spec.serving.speculative == "draft" else None, capabilities
+        spec, arch, device, quantization, context, draft if spec.serving.speculative in DRAFTED else None, capabilities
     )
     if isinstance(memory, Plan):
         return memory.model_copy(update={"gpu_count": tp})
@@ -660,7 +665,7 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: _Speculation) -> Plan:
         runtime=spec.runtime,
         gpu_count=memory.replica.tp,
         speculative=chosen.mode,
-        draft_model=serving.draft_model if chosen.mode == "draft" else None,
+        draft_model=serving.draft_model if chosen.mode in DRAFTED else None,
         num_speculative_tokens=serving.num_speculative_tokens if speculating else None,
         assumed_draft_acceptance=ACCEPTANCE[chosen.mode] if speculating else None,
         block_size=serving.block_size,

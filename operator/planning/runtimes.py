@@ -17,11 +17,11 @@ VLLM_IMAGE = f"vllm/vllm-openai:v{VLLM_VERSION}"
 # activation scales; the planner offers it only on GPUs with FP8 tensor cores), and it reads
 # compressed-tensors (W8A16, FP8, W8A8, W4A16), AWQ and GPTQ checkpoints, choosing their kernels
 # itself. Its quantized layers multiply with low-bit kernels (Marlin, Machete, CUTLASS), and it keeps
-# the embedding and the LM head in 16 bits. Speculation: prompt n-grams and a draft model (EAGLE
-# needs a purpose-trained head the spec has no field for).
+# the embedding and the LM head in 16 bits. Speculation: prompt n-grams, a draft model, and an EAGLE
+# head (serving.draftModel under `speculative: eagle`).
 VLLM_CAPABILITIES = EngineCapabilities(
     quantization=("none", "fp8"),
-    speculative=("off", "ngram", "draft"),
+    speculative=("off", "ngram", "draft", "eagle"),
     dtypes=("auto", "bfloat16", "float16"),
     checkpoint_quantization=("int8", "fp8", "w8a8", "int4", "awq", "gptq"),
     tensor_parallel_sizes=(1, 2, 4, 8),

@@ -47,7 +47,7 @@ def numbers(argv: list[str]) -> dict[str, Any]:
         "dtype": str(config.model_config.dtype).removeprefix("torch."),
         "speculative_method": speculative.method if speculative else None,
         "num_speculative_tokens": speculative.num_speculative_tokens if speculative else None,
-        "draft_model": speculative.model if speculative and speculative.method == "draft_model" else None,
+        "draft_model": speculative.model if speculative and speculative.method != "ngram" else None,
     }
 
 

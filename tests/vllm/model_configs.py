@@ -61,3 +61,11 @@ def config_json(arch: Architecture, stored: str | None = None) -> dict[str, Any]
     if stored is not None:
         config["quantization_config"] = _quantization_config(stored)
     return config
+
+
+def eagle_head(target: Architecture) -> Architecture:
+    """An EAGLE head for `target`: one of its decoder layers with its embedding and LM head (as
+    the published EAGLE-LLaMA heads are shaped)."""
+    tables = (1 if target.tie_word_embeddings else 2) * target.vocab_size * target.hidden_size
+    per_layer = (target.parameters - tables) // target.layers
+    return target.model_copy(update={"layers": 1, "parameters": tables + per_layer, "active_parameters": None})

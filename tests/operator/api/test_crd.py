@@ -218,7 +218,7 @@ def test_cel_rules_cover_what_the_schema_cannot_say(crd: dict[str, Any]) -> None
     assert "self.minReplicas <= self.maxReplicas" in rules("autoscaling")
     assert "self.ttftP95Ms > 0.0" in rules("slo") and "self.tpotP95Ms > 0.0" in rules("slo")
     assert f"self.blockSize in [{', '.join(map(str, BLOCK_SIZES))}]" in rules("serving")
-    assert "self.speculative != 'draft'" in rules("serving") and "has(self.draftModel)" in rules("serving")
+    assert "self.speculative in ['draft', 'eagle']" in rules("serving") and "has(self.draftModel)" in rules("serving")
     architecture = spec["model"]["properties"]["architecture"]["x-kubernetes-validations"]
     assert architecture[0]["rule"] == "self.attentionHeads % self.kvHeads == 0"
 

@@ -50,7 +50,8 @@ DRAFTS = {
 SERVINGS: list[dict[str, Any]] = [{}, {"maxContextLength": 2048, "blockSize": 32, "gpuMemoryUtilization": 0.85}]
 # Every value a spec may pin, and auto with a draft model to choose.
 SPECULATION: list[dict[str, Any]] = [
-    {"speculative": mode, **({"draftModel": True} if mode == "draft" else {})} for mode in get_args(Speculative)
+    {"speculative": mode, **({"draftModel": True} if mode in ("draft", "eagle") else {})}
+    for mode in get_args(Speculative)
 ] + [{"speculative": "auto", "draftModel": True}]
 # Plan fields the rendered engine flags must carry; any further field the two models share (a
 # speculative knob the engine grows, say) is compared too. Where the model and the draft model are

@@ -24,7 +24,7 @@ from kvpilot.operator.planning.models import MODELS
 from kvpilot.operator.planning.planner import Plan, plan
 from kvpilot.operator.planning.runtimes import VLLM_CAPABILITIES
 from tests.vllm import env
-from tests.vllm.model_configs import config_json
+from tests.vllm.model_configs import config_json, eagle_head
 
 # A catalog draft per vocabulary (vLLM drafts with the target's tokens), as test_contract's.
 DRAFTS = {32000: "tinyllama-1.1b", 128256: "llama-3.2-1b", 152064: "qwen2.5-7b", 49152: "smollm2-135m"}
@@ -36,6 +36,7 @@ SPECULATION: list[dict[str, Any]] = [
     {"speculative": "off"},
     {"speculative": "ngram"},
     {"speculative": "draft"},
+    {"speculative": "eagle"},
     {"speculative": "auto", "draft": True},
 ]
 TENSOR_PARALLEL = [None, *VLLM_CAPABILITIES.tensor_parallel_sizes]
@@ -63,9 +64,12 @@ def _spec(
     tp: int | None,
     serving: dict[str, Any],
 ) -> InferenceServiceSpec:
-    draft = DRAFTS[MODELS[model].vocab_size]
     quantization, stored = scheme
-    drafting = speculation["speculative"] == "draft" or speculation.get("draft")
+    drafts = {
+        "draft": (f"/drafts/{DRAFTS[MODELS[model].vocab_size]}", MODELS[DRAFTS[MODELS[model].vocab_size]]),
+        "eagle": (f"/eagle/{model}", eagle_head(MODELS[model])),
+    }
+    mode = "draft" if speculation.get("draft") else speculation["speculative"]
     return InferenceServiceSpec.model_validate(
         {
             "runtime": "vllm",
@@ -76,11 +80,8 @@ def _spec(
                 "quantization": quantization,
                 "speculative": speculation["speculative"],
                 **(
-                    {
-                        "draftModel": f"/drafts/{draft}",
-                        "draftModelArchitecture": MODELS[draft].model_dump(by_alias=True),
-                    }
-                    if drafting
+                    {"draftModel": drafts[mode][0], "draftModelArchitecture": drafts[mode][1].model_dump(by_alias=True)}
+                    if mode in drafts
                     else {}
                 ),
             },
@@ -114,7 +115,9 @@ def _expected(spec: InferenceServiceSpec, result: Plan) -> dict[str, Any]:
         "kv_cache_memory_bytes": result.kv_pool_bytes // result.gpu_count,
         "tensor_parallel_size": result.gpu_count,
         "quantization": VLLM_QUANTIZATION[scheme],
-        "speculative_method": {"off": None, "ngram": "ngram", "draft": "draft_model"}[result.speculative],
+        "speculative_method": {"off": None, "ngram": "ngram", "draft": "draft_model", "eagle": "eagle"}[
+            result.speculative
+        ],
         "num_speculative_tokens": result.num_speculative_tokens,
         "draft_model": result.draft_model,
     }
@@ -140,7 +143,9 @@ def test_every_vllm_plan_that_fits_is_a_command_line_vllm_configures_as_planned(
         assert container["command"] == ["vllm", "serve"], container["command"]
         models = {str(spec.model.source): config_json(MODELS[spec.model.name], spec.model.quantization)}
         if result.draft_model:
-            models[result.draft_model] = config_json(MODELS[result.draft_model.rpartition("/")[2]])
+            head = spec.serving.draft_model_architecture
+            assert head is not None
+            models[result.draft_model] = config_json(head)
         lines.append(json.dumps({"id": str(index), "argv": container["args"], "models": models}))
         expected[str(index)] = (spec, result, container["args"])
     out = env.run("engine_configs", "\n".join(lines) + "\n")

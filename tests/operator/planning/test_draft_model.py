@@ -294,6 +294,7 @@ def test_a_draft_the_plan_does_not_run_is_not_delivered() -> None:
     "serving, message",
     [
         ({"speculative": "draft"}, "speculative 'draft' needs serving.draftModel"),
+        ({"speculative": "eagle"}, "speculative 'eagle' needs serving.draftModel"),
         (drafting("tinyllama-1.1b"), "serving.draftModel 'tinyllama-1.1b' must be hf://org/repo[@revision]"),
         (drafting("s3://bucket/draft"), "must be hf://org/repo[@revision], pvc://claim/path or an absolute path"),
         (

@@ -296,7 +296,9 @@ def test_reasons_say_which_options_the_engine_lacks() -> None:
 
 @pytest.mark.parametrize("field, value", UNDECLARED, ids=[f"{f}={v}" for f, v in UNDECLARED])
 def test_pinning_what_the_engine_does_not_run_is_unsupported_by_engine(field: str, value: str) -> None:
-    result = plan(spec(gpu="H100-80GB", serving={field: value}))
+    # eagle names its head in serving.draftModel, which the schema requires.
+    head = {"draftModel": "hf://yuhuili/EAGLE-LLaMA3-Instruct-8B"} if value == "eagle" else {}
+    result = plan(spec(gpu="H100-80GB", serving={field: value, **head}))
     assert (result.fits, result.failure) == (False, "UnsupportedByRuntime")
     supported = ", ".join(getattr(CAPABILITIES, field))
     assert f"serving.{field} {value!r}" in result.reason

@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.controller.vllm_args import vllm_args
 from kvpilot.operator.planning import sizing
 from kvpilot.operator.planning.gpus import GPUS
+from kvpilot.operator.planning.models import MODELS
 from kvpilot.operator.planning.planner import plan
 
 
@@ -112,3 +114,20 @@ def test_a_draft_whose_heads_the_size_does_not_divide_is_left_out_or_refused_whe
     assert "serving.draftModel hf://Qwen/Qwen2.5-7B-Instruct: TP 8 does not divide 28 attention heads" in pinned.reason
     chosen = plan(spec("qwen2.5-72b", "L4", serving={**draft, "speculative": "auto"}, **fields))
     assert chosen.fits and chosen.gpu_count == 8 and chosen.speculative != "draft" and chosen.draft_model is None
+
+
+def test_an_eagle_head_is_planned_beside_the_target_on_vllm() -> None:
+    from tests.vllm.model_configs import eagle_head
+
+    head = eagle_head(MODELS["llama-3-8b"])
+    serving = {
+        "speculative": "eagle",
+        "draftModel": "hf://yuhuili/EAGLE-LLaMA3-Instruct-8B",
+        "draftModelArchitecture": head.model_dump(by_alias=True),
+    }
+    result = plan(spec("llama-3-8b", "H100-80GB", serving=serving))
+    assert result.fits and result.speculative == "eagle" and result.draft_model == serving["draftModel"]
+    assert result.assumed_draft_acceptance == 0.75 and "EAGLE head hf://yuhuili" in result.reasons["speculative"]
+    assert result.draft_weight_bytes == head.parameters * 2  # 16-bit, beside the target's
+    args = vllm_args(spec("llama-3-8b", "H100-80GB", serving=serving), result, "/m", "/e")
+    assert '--speculative-config={"method":"eagle","model":"/e","num_speculative_tokens":4}' in args

@@ -56,7 +56,10 @@ def autoscaled_spec(mode: str, min_replicas: int) -> dict[str, Any]:
         "minReplicas": min_replicas,
         "maxReplicas": 4,
         "maxStep": 1,
-        "scaleDownStabilizationSeconds": 10,
+        # A service that may reach zero waits longer: kwok's pod is Ready at once while its engine
+        # loads (15-20 s on a busy 2-core machine), so a 10 s window counted from readiness could
+        # take it to 0 before the test's first request arrives.
+        "scaleDownStabilizationSeconds": 30 if min_replicas == 0 else 10,
     }
     return spec
 

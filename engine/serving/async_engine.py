@@ -308,6 +308,9 @@ class AsyncEngine:
             self._loaded.set()
             return
         self._publish_state(self._engine.stats(), {})
+        self.metrics.on_engine_loaded(
+            self.config.block_size, self._engine.runner.num_blocks, self.config.enable_prefix_caching
+        )
         self._loaded.set()
         log.info(
             "event=engine_loaded model=%s max_model_len=%d kv_blocks=%d",

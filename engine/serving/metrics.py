@@ -223,6 +223,7 @@ class ServingMetrics:
     def __init__(self, model: str, vllm_compatible: bool = False) -> None:
         self.registry = CollectorRegistry()
         self._model = model
+        self._vllm_compatible = vllm_compatible
         self._metrics: dict[str, list[Counter | Gauge | Histogram]] = {}
         # Each (metric, labels) child once: prometheus_client's labels() takes a lock and builds
         # a key on every call, and the engine thread updates several metrics per request per step.
@@ -320,6 +321,23 @@ class ServingMetrics:
             self._vllms("queue").observe(output.queue_time)
         decode = token_times[1] - token_times[0] if token_times is not None else 0.0
         self._vllms("tpot").observe(decode / (output.num_output_tokens - 1) if output.num_output_tokens > 1 else 0.0)
+
+    def on_engine_loaded(self, block_size: int, num_gpu_blocks: int, enable_prefix_caching: bool) -> None:
+        """vLLM's `vllm:cache_config_info` (a gauge of 1 whose labels carry the KV cache's shape),
+        which endpoint pickers (the Gateway API Inference Extension's) read to size their prefix
+        index; vLLM labels it with its CacheConfig's fields and the engine index."""
+        if not self._vllm_compatible:
+            return
+        info = {
+            "block_size": str(block_size),
+            "num_gpu_blocks": str(num_gpu_blocks),
+            "enable_prefix_caching": str(enable_prefix_caching),
+            "engine": "0",
+        }
+        gauge = Gauge(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info), registry=self.registry
+        )
+        gauge.labels(**info).set(1)
 
     # ---- engine state, after every step ----------------------------------------------------
 

@@ -104,3 +104,7 @@ def test_vllm_compatible_metric_names(limited: Server) -> None:
     assert samples[("vllm:time_to_first_token_seconds_count", frozenset({"model_name": MODEL}.items()))] >= 1
     success = ("vllm:request_success_total", frozenset({"model_name": MODEL, "finished_reason": "length"}.items()))
     assert samples[success] >= 1
+    # The KV cache's shape, as vLLM labels it, for endpoint pickers.
+    (info,) = [labels for name, labels in samples if name == "vllm:cache_config_info"]
+    shape = dict(info)
+    assert shape["block_size"] == "16" and int(shape["num_gpu_blocks"]) > 0 and shape["engine"] == "0"

@@ -308,3 +308,13 @@ def test_vllm_records_engine_aborts_and_not_client_aborts() -> None:
     assert _sample(metrics, "kvpilot_time_per_output_token_seconds_count") == 0
     assert _sample(metrics, "kvpilot_e2e_request_latency_seconds_count") == 0
     assert _sample(metrics, "kvpilot_request_success_total", finished_reason="abort") == 2
+
+
+def test_vllm_cache_config_info_carries_the_kv_cache_shape() -> None:
+    metrics = ServingMetrics("m", vllm_compatible=True)
+    metrics.on_engine_loaded(block_size=16, num_gpu_blocks=4096, enable_prefix_caching=True)
+    labels = {"block_size": "16", "num_gpu_blocks": "4096", "enable_prefix_caching": "True", "engine": "0"}
+    assert _sample(metrics, "vllm:cache_config_info", **labels) == 1
+    plain = ServingMetrics("m")
+    plain.on_engine_loaded(block_size=16, num_gpu_blocks=4096, enable_prefix_caching=True)
+    assert "cache_config_info" not in generate_latest(plain.registry).decode()

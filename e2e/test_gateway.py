@@ -138,7 +138,8 @@ def test_the_gateway_routes_by_namespace_and_never_wakes_a_zero_it_does_not_own(
         assert time.monotonic() - started < 10
         deployment = k8s.kubectl_json("get", "deployment", "gw-off", "-n", namespace)
         assert deployment["spec"]["replicas"] == 0
-        reasons = [e["reason"] for e in k8s.kubectl_json("get", "events", "-n", namespace)["items"]]
+        # gw-off's own: other tests' services in this namespace scale up and down (ScaledUp Events).
+        reasons = [e["reason"] for e in kvis.events(k8s, namespace, "gw-off")]
         assert "ScaledUp" not in reasons
     finally:
         k8s.kubectl("delete", "namespace", OTHER, "--wait=false", check=False)

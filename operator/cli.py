@@ -235,6 +235,11 @@ def format_plan(result: Plan, spec: InferenceServiceSpec) -> str:
                 f"{gpu.fp16_tflops:g} FP16 TFLOPS)",
             )
         )
+    rows.append(("runtime", result.runtime))
+    if result.fits:
+        rows.append(
+            ("gpus per replica", f"{result.gpu_count}" + (" (tensor parallel)" if result.gpu_count > 1 else ""))
+        )
     rows.append(("fits", "yes" if result.fits else f"NO ({result.failure})"))
     if result.quantization:
         rows += [("quantization", result.quantization), ("weights", f"{result.weight_bytes / gib:.1f} GiB")]

@@ -30,6 +30,7 @@ def run(argv: str) -> tuple[int, str]:
 def test_plan_prints_a_readable_table() -> None:
     code, text = run("plan --model llama-2-7b --gpu A10G --context 4096")
     assert code == 0
+    assert "runtime             kvpilot" in text and "gpus per replica    1\n" in text
     assert "max num seqs        21 (sequences at the mean context that fit)" in text
     assert "KV per token        0.5 MiB" in text
     assert "quantization        none" in text
@@ -148,6 +149,8 @@ def test_plan_runtime_vllm_splits_a_70b_model_and_json_carries_the_vllm_argv() -
     assert code == 0
     body = json.loads(text)
     assert body["runtime"] == "vllm" and body["gpu_count"] in (2, 4)
+    _, table = run("plan --model llama-3-70b --gpu H100-80GB --runtime vllm")
+    assert f"gpus per replica    {body['gpu_count']} (tensor parallel)" in table
     assert "--tensor-parallel-size=" + str(body["gpu_count"]) in body["args"]
     assert f"--kv-cache-memory-bytes={body['kv_pool_bytes'] // body['gpu_count']}" in body["args"]
     assert body["reasons"]["tensorParallel"].startswith(f"{body['gpu_count']}: the smallest")

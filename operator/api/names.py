@@ -71,3 +71,19 @@ SCALED_TO_ZERO_AT = "scaledToZeroAt"
 # In status.auth: the SHA-256 (hex) of the service's API key. The gateway checks a request's bearer
 # token against it before reading its body and before any wake, without reading the Secret.
 API_KEY_SHA256 = "apiKeySha256"
+
+# The engine pods' label that llm-d's endpoint picker reads to choose which metric names it scrapes
+# (vllm, sglang, trtllm-serve, ...; unset means vllm). Both runtimes serve vLLM's names: vLLM itself,
+# and our engine, which the operator always starts with --vllm-compatible-metrics.
+ENGINE_TYPE_LABEL = "llm-d.ai/engine-type"
+ENGINE_TYPE = "vllm"
+
+
+def child_metadata(name: str, namespace: str, uid: str) -> dict[str, Any]:
+    """The metadata of every child of an InferenceService: its labels and controller reference."""
+    return {
+        "name": name,
+        "namespace": namespace,
+        "labels": labels(name),
+        "ownerReferences": [owner_reference(name, uid)],
+    }

@@ -267,19 +267,15 @@ def test_draft_settings_that_cannot_work_are_refused(tmp_path, model_dir):
         LLM(speculative="draft", draft_model=str(other))
 
 
+# The shape of the 16-token models below (the target and the unrelated draft).
+TINY16 = dict(vocab_size=16, initializer_range=0.5, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory, model_dir) -> Path:
     """A random Llama with a 16-token vocabulary: cheap enough to draw thousands of samples."""
     folder = tmp_path_factory.mktemp("tiny16")
-    make_tiny_llama(
-        folder,
-        model_dir,
-        vocab_size=16,
-        initializer_range=0.5,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
+    make_tiny_llama(folder, model_dir, **TINY16)
     return folder
 
 
@@ -303,16 +299,7 @@ def _sample(folder: Path, prompt: list[int], params: SamplingParams, n: int, **o
 def other_tiny_model(tmp_path_factory, model_dir) -> Path:
     """Another random model on the same 16 tokens: a draft that knows nothing of the target."""
     folder = tmp_path_factory.mktemp("tiny16-other")
-    make_tiny_llama(
-        folder,
-        model_dir,
-        vocab_size=16,
-        initializer_range=0.5,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=96,
-    )
+    make_tiny_llama(folder, model_dir, **TINY16, intermediate_size=96)
     return folder
 
 

@@ -28,6 +28,7 @@ import kopf
 from kvpilot.operator.api import names
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from kvpilot.operator.controller import render
+from kvpilot.operator.controller.last_handled import DigestDiffBaseStorage
 from kvpilot.operator.controller.reconcile import (
     as_rendered,
     controller_of,
@@ -121,7 +122,7 @@ class ApiRetryDelays:
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.networking.error_backoffs = ApiRetryDelays()
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    settings.persistence.diffbase_storage = DigestDiffBaseStorage(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
     settings.posting.level = logging.WARNING

@@ -12,13 +12,14 @@ on the objects it already made. Decisions are made here; the `Cluster` adapter d
   service costs reads only.
 - A spec that stops planning keeps the Deployment of the last plan that fit running; only a spec
   that never planned has no Deployment. Nothing here deletes anything. `status.lastGoodPlan`
-  keeps that plan's spec, so its Deployment is rendered from it meanwhile (with the current
-  `replicas`): deleted by hand, it comes back.
+  keeps what that plan was made from (the PLANNED fields), so its Deployment is rendered from them
+  meanwhile (with the rest of the current spec: replicas, env, placement): deleted by hand, it
+  comes back.
 - The GPU chosen for an unset `accelerator.type` is kept (in `status.lastGoodPlan`) while the spec
-  stays the same apart from `replicas`, so a new node type does not re-plan (and roll) every
+  stays the same in what a plan depends on, so a new node type does not re-plan (and roll) every
   service, and a scale (the autoscaler and the gateway write `spec.replicas`, which bumps the
-  generation) applies its replicas to the same plan even when no node has a GPU left; any other
-  spec change plans afresh.
+  generation) applies its replicas to the same plan even when no node has a GPU left; a change
+  of what a plan depends on plans afresh.
 - A write the API server refuses (say a quantity it cannot parse) becomes `ApplyFailed` with the
   API server's message.
 """
@@ -126,10 +127,22 @@ def as_rendered(child: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
     return unchanged(child, stamped(rendering(owner["name"], child["metadata"]["namespace"], owner["uid"])))
 
 
+# The spec fields a plan depends on, and the image, which belongs to the runtime the plan chose.
+# Not `replicas` (a scale keeps the plan), nor where and how the pods run (env, placement, labels:
+# often the bulk of a spec), which the Deployment takes from the spec as it is even while the spec
+# does not plan.
+PLANNED = ("model", "runtime", "accelerator", "serving", "slo", "load", "autoscaling", "image")
+
+
 def planned_fields(spec: InferenceServiceSpec) -> dict[str, Any]:
-    """What a plan depends on: the spec without `replicas` (a scale keeps the plan) and without
-    defaults (short in the status, and an operator with a new default does not count as a change)."""
-    return spec.model_dump(mode="json", by_alias=True, exclude={"replicas"}, exclude_defaults=True)
+    """What a plan depends on (PLANNED), without defaults (short in the status, and an operator
+    with a new default does not count as a change)."""
+    return spec.model_dump(mode="json", by_alias=True, include=set(PLANNED), exclude_defaults=True)
+
+
+def _planned_part(kept_spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The PLANNED fields of a `lastGoodPlan.spec` (an older operator kept the whole spec)."""
+    return {key: value for key, value in kept_spec.items() if key in PLANNED}
 
 
 def last_good(planned: dict[str, Any], gpu: str, gpu_reason: str | None) -> dict[str, Any]:
@@ -155,13 +168,15 @@ def _kept(old: Mapping[str, Any], planned: dict[str, Any] | None, generation: in
     return last_good(planned, str(previous["gpu"]), (previous.get("reasons") or {}).get("gpu"))
 
 
-def _last_good_serving(kept: Mapping[str, Any], replicas: int | None) -> tuple[InferenceServiceSpec, Plan] | None:
-    """The spec and plan of `status.lastGoodPlan` with `replicas`, to render its Deployment while
-    the spec does not plan; None without one (or one this operator cannot plan any more)."""
+def _last_good_serving(kept: Mapping[str, Any], spec: InferenceServiceSpec) -> tuple[InferenceServiceSpec, Plan] | None:
+    """The spec to render the Deployment from while `spec` does not plan: the planned fields of
+    `status.lastGoodPlan`, the rest (replicas, env, placement) of `spec`; and its plan. None
+    without a last good plan (or one this operator cannot plan any more)."""
     if not kept.get("spec") or not kept.get("gpu"):
         return None
+    current = spec.model_dump(mode="json", by_alias=True, exclude=set(PLANNED), exclude_defaults=True)
     try:
-        spec = InferenceServiceSpec.model_validate({**kept["spec"], "replicas": replicas})
+        spec = InferenceServiceSpec.model_validate({**current, **_planned_part(kept["spec"])})
     except ValidationError:
         return None
     result = plan(spec, [str(kept["gpu"])])
@@ -171,7 +186,7 @@ def _last_good_serving(kept: Mapping[str, Any], replicas: int | None) -> tuple[I
 def _kept_gpu(spec: InferenceServiceSpec, planned: dict[str, Any], kept: Mapping[str, Any]) -> str | None:
     """The GPU of the last plan that fit, when it was made for this spec (replicas aside) and
     the spec does not name a type."""
-    if spec.accelerator.type or kept.get("spec") != planned or not kept.get("gpu"):
+    if spec.accelerator.type or _planned_part(kept.get("spec") or {}) != planned or not kept.get("gpu"):
         return None
     return str(kept["gpu"])
 
@@ -214,7 +229,7 @@ def reconcile(
 
     wanted: list[Manifest] = []
     if spec is not None:
-        serving = (spec, result) if result.fits else _last_good_serving(kept, spec.replicas)
+        serving = (spec, result) if result.fits else _last_good_serving(kept, spec)
         wanted = [
             stamped(m)
             for m in render.children(name, namespace, uid, *(serving or (spec, result)), default_image=default_image)

@@ -962,3 +962,38 @@ def test_a_conflict_met_by_an_event_reconcile_is_tried_again_later(monkeypatch: 
     del cluster.objects[("Service", "ml", "chat")]  # its owner deletes it
     assert _eventually(lambda: condition(isvc["status"], "Ready")["reason"] != "NameConflict")
     assert owned_by(cluster.objects[("Service", "ml", "chat")], isvc["metadata"]["uid"])
+
+
+def test_last_good_plan_keeps_only_what_planning_needs_and_pods_follow_the_spec_meanwhile() -> None:
+    """lastGoodPlan held a copy of the whole spec (env, placement: often its bulk), a second copy of
+    it in every status. It keeps the fields a plan depends on; while the spec does not plan, the
+    Deployment runs the last good plan with the rest of the spec as it is now."""
+    env = [{"name": f"VAR_{i}", "value": "x" * 100} for i in range(200)]
+    placed = {**SPEC, "env": env, "nodeSelector": {"pool": "a"}, "podLabels": {"team": "a"}}
+    cluster = FakeCluster()
+    first = reconcile(body(placed), cluster, NOW)
+    assert first["lastGoodPlan"]["spec"] == {
+        "model": {"name": "llama-2-7b"},
+        "accelerator": {"type": "A10G"},
+        "load": {"requestsPerSecond": 4.0},
+    }
+    assert len(str(first["lastGoodPlan"])) < 300 < len(str(env)) // 50
+    # The model becomes too big and the node selector changes: the last good model keeps running,
+    # on the nodes the spec names now.
+    too_big = {**placed, "model": {"name": "llama-3-70b"}, "nodeSelector": {"pool": "b"}}
+    status = reconcile(body(too_big, generation=2, status=first), cluster, NOW)
+    assert condition(status, "Planned")["reason"] == "WeightsDoNotFit"
+    pod = cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"]["pool"] == "b"
+    assert "llama-2-7b" in str(pod["containers"][0]) and "llama-3-70b" not in str(pod["containers"][0])
+    assert status["lastGoodPlan"] == first["lastGoodPlan"]
+
+
+def test_a_whole_spec_kept_by_an_older_operator_still_keeps_its_gpu() -> None:
+    small = {"model": {"name": "smollm2-135m"}, "env": [{"name": "A", "value": "1"}]}
+    cluster = FakeCluster(gpu_products=["NVIDIA-L4", "NVIDIA-A100-SXM4-80GB"])
+    written = reconcile(body(small, generation=4), cluster, NOW)
+    older = {**written, "lastGoodPlan": {**written["lastGoodPlan"], "spec": small}}
+    cluster.products = ["Tesla-T4", *cluster.products]
+    resumed = reconcile(body(small, generation=5, status=older), cluster, NOW)
+    assert resumed["plan"]["gpu"] == written["plan"]["gpu"] != "T4"

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from openai.types import Completion
 
 from e2e.procs import memory_kib
 from kvpilot.engine import LLM, SamplingParams
@@ -130,25 +131,20 @@ def test_stop_strings_are_capped_and_long_ones_are_cheap(server: Server) -> None
     # At the limits (16 strings of 1024 characters) a request runs as any other; the hold-back check
     # costs little per delta (tests/engine/test_output_processor.py bounds it for 100k-character stops).
     stops = [("ab" * 512)[:1020] + str(i) for i in range(16)]
-    out = server.client().completions.create(
-        model=MODEL,
-        prompt="Count: one two",
-        max_tokens=16,
-        n=4,
-        temperature=1.0,
-        seed=1,
-        stop=stops,
-        extra_body={"ignore_eos": True},
-    )
-    plain = server.client().completions.create(
-        model=MODEL,
-        prompt="Count: one two",
-        max_tokens=16,
-        n=4,
-        temperature=1.0,
-        seed=1,
-        extra_body={"ignore_eos": True},
-    )
+
+    def sample(**stop: list[str]) -> Completion:
+        return server.client().completions.create(
+            model=MODEL,
+            prompt="Count: one two",
+            max_tokens=16,
+            n=4,
+            temperature=1.0,
+            seed=1,
+            extra_body={"ignore_eos": True},
+            **stop,
+        )
+
+    out, plain = sample(stop=stops), sample()
     assert [c.text for c in out.choices] == [c.text for c in plain.choices]
     assert all(c.finish_reason == "length" for c in out.choices)
 
@@ -235,18 +231,15 @@ def test_null_means_default_for_every_optional_field(server: Server) -> None:
 
 
 def test_penalties_min_p_and_min_tokens_are_honoured(server: Server, llm: LLM) -> None:
-    params = dict(max_tokens=10, temperature=0, presence_penalty=1.5, frequency_penalty=0.5, min_tokens=10)
-    ref = llm.generate("one one one one one", SamplingParams(repetition_penalty=1.3, **params))[0].outputs[0]
+    params = dict(max_tokens=10, temperature=0, presence_penalty=1.5, frequency_penalty=0.5)
+    ref = llm.generate("one one one one one", SamplingParams(repetition_penalty=1.3, min_tokens=10, **params))[0]
     out = server.client().completions.create(
         model=MODEL,
         prompt="one one one one one",
-        max_tokens=10,
-        temperature=0,
-        presence_penalty=1.5,
-        frequency_penalty=0.5,
         extra_body={"repetition_penalty": 1.3, "min_tokens": 10, "min_p": 0.1},
+        **params,
     )
-    assert out.choices[0].text == ref.text and out.usage.completion_tokens == 10
+    assert out.choices[0].text == ref.outputs[0].text and out.usage.completion_tokens == 10
 
 
 def test_logprobs_give_hf_top_tokens(server: Server, hf_model, tokenizer) -> None:

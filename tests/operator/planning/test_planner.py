@@ -411,28 +411,23 @@ def test_replicas_are_searched_in_log_time_up_to_the_crd_maximum(monkeypatch: py
     calls = []
     predict = planner._perf
     monkeypatch.setattr(planner, "_perf", lambda *a, **k: calls.append(a[2]) or predict(*a, **k))
-    result = plan(
-        spec(
-            "llama-2-7b",
-            "L4",
-            serving={"quantization": "none", "speculative": "off"},
-            load={"requestsPerSecond": 30},
-            autoscaling={"maxReplicas": MAX_REPLICAS},
+
+    def at_most(replicas: int) -> Plan:
+        return plan(
+            spec(
+                "llama-2-7b",
+                "L4",
+                serving={"quantization": "none", "speculative": "off"},
+                load={"requestsPerSecond": 30},
+                autoscaling={"maxReplicas": replicas},
+            )
         )
-    )
+
+    result = at_most(MAX_REPLICAS)
     assert result.fits and result.meets_slo and 1 < result.replicas < MAX_REPLICAS
     assert len(calls) <= 12  # log2(1000) + 2, where a search count by count made result.replicas
     # The fewest that meet the SLO: one fewer does not.
-    fewer = plan(
-        spec(
-            "llama-2-7b",
-            "L4",
-            serving={"quantization": "none", "speculative": "off"},
-            load={"requestsPerSecond": 30},
-            autoscaling={"maxReplicas": result.replicas - 1},
-        )
-    )
-    assert not fewer.meets_slo
+    assert not at_most(result.replicas - 1).meets_slo
 
 
 @pytest.mark.parametrize(

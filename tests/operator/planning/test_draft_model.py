@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvpilot.engine.cli import build_parser, engine_config_from_args
-from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
+from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import render
 from kvpilot.operator.planning import planner, sizing
 from kvpilot.operator.planning.models import MODELS
@@ -134,34 +134,12 @@ def test_the_planners_draft_bytes_are_what_the_engine_allocates(tmp_path: Path) 
     with a draft: its weight bytes and its KV bytes per slot are the planner's (RoPE's frequency
     tables aside), and so is its block count for a given KV budget."""
     pytest.importorskip("torch")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from kvpilot.engine.config import EngineConfig
     from kvpilot.engine.worker.model_runner import ModelRunner
+    from tests.operator.planning.small_llama import TWO_LAYERS, small_llama
 
-    def make(folder: Path, **shape: int) -> Architecture:
-        config = LlamaConfig(vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False, **shape)
-        model = LlamaForCausalLM(config)
-        model.save_pretrained(folder)
-        return Architecture(
-            layers=config.num_hidden_layers,
-            hidden_size=config.hidden_size,
-            attention_heads=config.num_attention_heads,
-            kv_heads=config.num_key_value_heads,
-            vocab_size=512,
-            parameters=sum(p.numel() for p in model.parameters()),
-            max_context=256,
-        )
-
-    target = make(
-        tmp_path / "target",
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    draft = make(
+    target = small_llama(tmp_path / "target", **TWO_LAYERS)
+    draft = small_llama(
         tmp_path / "draft",
         hidden_size=128,
         intermediate_size=256,

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.operator.api.spec import Architecture
 from kvpilot.operator.planning import sizing
 from kvpilot.operator.planning.models import MODELS
 
@@ -72,32 +71,10 @@ def test_weight_bytes_are_what_the_engine_allocates(tmp_path: Path, quantization
     weight bytes. Left out by the planner, and here: RoPE's frequency table and INT8's per-row
     scales of the decoder layers (2 bytes per row of `in_features` weights)."""
     torch = pytest.importorskip("torch")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from kvpilot.engine.model.loader import load_config, load_model
+    from tests.operator.planning.small_llama import TWO_LAYERS, small_llama
 
-    hf = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=tied,
-    )
-    reference = LlamaForCausalLM(hf)
-    reference.save_pretrained(tmp_path)
-    arch = Architecture(
-        layers=2,
-        hidden_size=256,
-        attention_heads=4,
-        kv_heads=2,
-        vocab_size=512,
-        parameters=sum(p.numel() for p in reference.parameters()),
-        max_context=256,
-        tie_word_embeddings=tied,
-    )
+    arch = small_llama(tmp_path, tied, **TWO_LAYERS)
     model = load_model(tmp_path, load_config(tmp_path), torch.bfloat16, torch.device("cpu"), quantization)
     held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     rope = sum(t.numel() * t.element_size() for t in model.model.rotary_emb.buffers())

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from kvpilot.operator.api import names
 from kvpilot.operator.api.spec import InferenceServiceSpec, Quantization, Runtime, Speculative
 from kvpilot.operator.autoscaling.decisions import INTERVAL_SECONDS, WINDOW_PERIODS
+from kvpilot.operator.autoscaling.gateways import GatewayPods
 from kvpilot.operator.autoscaling.loop import prometheus_allowed
 from kvpilot.operator.controller import render
 from kvpilot.operator.gateway import main as gateway_main
@@ -106,6 +107,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "URL prefix (same scheme, host and port; the prefix's path segments first); "
         "repeatable; by default no prometheusUrl is read",
     )
+    operator.add_argument(
+        "--gateway-pods",
+        type=_gateway_pods,
+        metavar="NAMESPACE:SELECTOR",
+        help="the gateway's pods (e.g. kvpilot-system:app.kubernetes.io/name=kvpilot-gateway): the autoscaler "
+        "reads what they hold for each service as waiting work; by default no gateway is read",
+    )
     operator.add_argument("-v", "--verbose", action="store_true")
     operator.set_defaults(func=run_operator)
     register_gateway(subparsers)
@@ -173,6 +181,13 @@ def _url_prefix(value: str) -> str:
             f"{value!r} is not an http(s)://host[:port][/path] prefix (no user, query or fragment)"
         )
     return value
+
+
+def _gateway_pods(value: str) -> GatewayPods:
+    try:
+        return GatewayPods.parse(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _manifest(file: TextIO) -> dict[str, Any]:
@@ -358,6 +373,7 @@ def run_operator(args: argparse.Namespace) -> int:
             cluster=cluster,
             autoscale_interval=args.autoscale_interval,
             prometheus_url_allow=tuple(args.prometheus_url_allow),
+            gateway_pods=args.gateway_pods,
         ),
     )
     return 0

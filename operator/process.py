@@ -65,6 +65,7 @@ async def start_autoscaler(
         engine_pods,
         memo.get("autoscale_interval", INTERVAL_SECONDS),
         memo.get("prometheus_url_allow", ()),
+        memo.get("gateway_pods"),
     )
     memo.autoscaler = asyncio.create_task(loop.run(), name="kvpilot-autoscaler")
 

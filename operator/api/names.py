@@ -33,14 +33,14 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 
 def labels(name: str) -> dict[str, str]:
     return {
-        "app.kubernetes.io/name": "kvpilot-engine",
+        APP_NAME_LABEL: "kvpilot-engine",
         INSTANCE_LABEL: name,
         **MANAGED_BY,
     }
 
 
 def selector_labels(name: str) -> dict[str, str]:
-    return {key: labels(name)[key] for key in ("app.kubernetes.io/name", INSTANCE_LABEL)}
+    return {key: labels(name)[key] for key in (APP_NAME_LABEL, INSTANCE_LABEL)}
 
 
 def selector(name: str) -> str:
@@ -71,6 +71,23 @@ SCALED_TO_ZERO_AT = "scaledToZeroAt"
 # In status.auth: the SHA-256 (hex) of the service's API key. The gateway checks a request's bearer
 # token against it before reading its body and before any wake, without reading the Secret.
 API_KEY_SHA256 = "apiKeySha256"
+# The Secret the operator creates with a service's API key (spec.auth.apiKey), and its key.
+API_KEY_SECRET_KEY = "api-key"
+# On the engine pods: the digest of the key they were started with, so a new key rolls them.
+API_KEY_ANNOTATION = f"{GROUP}/api-key-sha256"
+
+
+def api_key_secret(name: str) -> str:
+    return f"{name}-api-key"
+
+
+# The chart's operator and gateway pods (helm/kvpilot/templates: app.kubernetes.io/name): the
+# peers an engine's NetworkPolicy lets in.
+APP_NAME_LABEL = "app.kubernetes.io/name"
+OPERATOR_APP = "kvpilot-operator"
+GATEWAY_APP = "kvpilot-gateway"
+# The operator's own namespace (the chart sets it from the pod's): where the gateway runs too.
+OPERATOR_NAMESPACE_ENV = "KVPILOT_NAMESPACE"
 
 # The engine pods' label that llm-d's endpoint picker reads to choose which metric names it scrapes
 # (vllm, sglang, trtllm-serve, ...; unset means vllm). Both runtimes serve vLLM's names: vLLM itself,
@@ -87,3 +104,8 @@ def child_metadata(name: str, namespace: str, uid: str) -> dict[str, Any]:
         "labels": labels(name),
         "ownerReferences": [owner_reference(name, uid)],
     }
+
+
+# The gateway's gauge of the requests it holds for a service (labels namespace, service): waiting
+# for a wake or for an engine with room. The autoscaler reads it from every gateway pod.
+GATEWAY_HELD_METRIC = "kvpilot_gateway_held_requests"

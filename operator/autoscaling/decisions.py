@@ -9,7 +9,10 @@ Signals, each a ratio to its target (1.0 = at the target):
 - p95 TTFT and p95 TPOT over the last `window_seconds` (bucket increases of every pod, summed,
   then PromQL's interpolation) against `spec.slo`, once the window holds MIN_OBSERVATIONS;
 - waiting requests per reporting replica against `maxWaitingPerReplica`: TTFT only counts
-  requests that got a first token, so a queue that builds shows here first;
+  requests that got a first token, so a queue that builds shows here first. The requests the
+  gateways hold for the service (waiting for a wake or for an engine with room, gateways.py) are
+  waiting work too, shared among the replicas: a queue in the gateway scales up, even while the
+  replicas are still loading;
 - KV-cache usage against `targetKvCacheUsage`: a full cache preempts and recomputes;
 - running sequences per replica against the plan's max_num_seqs x TARGET_BATCH_OCCUPANCY.
 Gauges are averaged over the window's reads: one read is a sample of something that moves with
@@ -38,7 +41,8 @@ Rules (each has a test in tests/operator/autoscaling/test_decisions.py):
 - a window entry spans at most one period: an idle service writes no state, and the requests of
   its next period are not spread over the idle hour;
 - pods whose /metrics cannot be read are unknown: left out of the signals, named in the reason,
-  and they do not stop the others from scaling;
+  and they do not stop the others from scaling; a gateway pod that cannot be read is unknown
+  too, named in the reason, and stops any scale-down (it may hold a queue), never a scale-up;
 - to zero (minReplicas 0) only after a stabilization window in which no request arrived at all
   and every pod reported: a trickle too thin for a p95 still keeps one replica, and so does an
   engine still loading for the request that woke it;
@@ -68,6 +72,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from kvpilot.operator.api.spec import AutoscalingSpec, InferenceServiceSpec, SLOSpec
+from kvpilot.operator.autoscaling.gateways import GatewayRead
 from kvpilot.operator.autoscaling.metrics import (
     EngineReading,
     Histogram,
@@ -164,6 +169,8 @@ class Observation(_Data):
     replicas: int = Field(ge=0)  # the scale subresource's spec.replicas
     ready_replicas: int = Field(ge=0)
     pods: tuple[PodRead, ...] = ()  # the ready pods, each read once
+    # What the gateways hold for this service; None: the operator reads no gateway.
+    gateway: GatewayRead | None = None
 
 
 class Baseline(_Data):
@@ -208,6 +215,8 @@ class WindowEntry(_Data):
     waiting: Mean = Mean()
     running: Mean = Mean()
     kv_usage: Mean = Mean()
+    # Requests the gateways held for the service (one sample a period, when they were read).
+    held: Mean = Mean()
     # Speculative decoding: draft tokens proposed and accepted in the period, all pods.
     draft_tokens: float = 0.0
     accepted_tokens: float = 0.0
@@ -225,7 +234,12 @@ class Signals(_Data):
     tpot_p95_seconds: float | None = None
     ttft_observations: int = 0  # requests in the window behind each p95
     tpot_observations: int = 0
+    # The engines' queues and the gateways' (their held requests shared among the replicas).
     waiting_per_replica: float | None = None
+    # Requests held in the gateways (mean over the window; None: no gateway read), and the gateway
+    # pods that could not be read this period: while any is unknown, nothing scales down.
+    gateway_held: float | None = None
+    gateway_unknown: tuple[str, ...] = ()
     kv_cache_usage: float | None = None
     running_per_replica: float | None = None
     batch_occupancy: float | None = None  # mean running / max_num_seqs
@@ -333,10 +347,21 @@ def _ms(seconds: float | None) -> str:
     return "none" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
-def _signals(policy: Policy, window: Sequence[WindowEntry], reads: Sequence[PodRead]) -> Signals:
+def _held_share(held: float | None, serving: int) -> float:
+    """The gateways' held requests per replica: what each would take on were they sent now."""
+    return (held or 0.0) / max(serving, 1)
+
+
+def _signals(policy: Policy, window: Sequence[WindowEntry], obs: Observation) -> Signals:
     ttft = merge(e.ttft for e in window if e.ttft is not None)
     tpot = merge(e.tpot for e in window if e.tpot is not None)
+    reads = obs.pods
     readings = [p.reading for p in reads if p.reading is not None]
+    # Shared among the replicas that report, or (none yet: all loading) among those asked for.
+    held = sum((e.held for e in window), Mean()).value()
+    waiting = sum((e.waiting for e in window), Mean()).value()
+    if held:
+        waiting = (waiting or 0.0) + _held_share(held, len(readings) or obs.replicas)
     running = sum((e.running for e in window), Mean()).value()
     replica_seconds = sum(e.seconds * e.pods_with_baseline for e in window if e.ttft is not None)
     started = sum(e.ttft.count for e in window if e.ttft is not None)
@@ -347,7 +372,9 @@ def _signals(policy: Policy, window: Sequence[WindowEntry], reads: Sequence[PodR
         tpot_p95_seconds=histogram_quantile(QUANTILE, tpot) if tpot else None,
         ttft_observations=int(ttft.count) if ttft else 0,
         tpot_observations=int(tpot.count) if tpot else 0,
-        waiting_per_replica=sum((e.waiting for e in window), Mean()).value(),
+        waiting_per_replica=waiting,
+        gateway_held=held,
+        gateway_unknown=obs.gateway.unknown if obs.gateway is not None else (),
         kv_cache_usage=sum((e.kv_usage for e in window), Mean()).value(),
         running_per_replica=running,
         batch_occupancy=running / policy.max_num_seqs if running is not None and policy.max_num_seqs else None,
@@ -365,7 +392,7 @@ def _signals(policy: Policy, window: Sequence[WindowEntry], reads: Sequence[PodR
         "batch": (signals.batch_occupancy, policy.target_batch_occupancy),
     }
     known = {name: value / target for name, (value, target) in ratios.items() if value is not None}
-    if not known or not readings:
+    if not known or not (readings or held):
         return signals
     limiting = max(known, key=known.__getitem__)
     return signals.model_copy(update={"ratio": known[limiting], "limiting": limiting})
@@ -380,14 +407,17 @@ def describe(policy: Policy, s: Signals, knee: float | None) -> str:
         else f", batch {s.batch_occupancy:.0%} full (target {policy.target_batch_occupancy:.0%})"
     )
     waiting = "none" if s.waiting_per_replica is None else f"{s.waiting_per_replica:.1f}"
+    held = "" if s.gateway_held is None else f"; {s.gateway_held:.1f} requests held in the gateway"
     text = (
         f"p95 TTFT {_ms(s.ttft_p95_seconds)} of {s.ttft_observations} (SLO {_ms(policy.ttft_p95_seconds)}), "
         f"p95 TPOT {_ms(s.tpot_p95_seconds)} of {s.tpot_observations} (SLO {_ms(policy.tpot_p95_seconds)}), "
-        f"waiting {waiting}/replica (max {policy.max_waiting_per_replica:g}), "
+        f"waiting {waiting}/replica (max {policy.max_waiting_per_replica:g}{held}), "
         f"KV {kv} (target {policy.target_kv_cache_usage:.0%}){batch}; pods reporting: {s.reporting}"
     )
     if s.unknown:
         text += f", unknown: {len(s.unknown)} ({', '.join(s.unknown)})"
+    if s.gateway_unknown:
+        text += f"; gateway pods unknown: {len(s.gateway_unknown)} ({'; '.join(s.gateway_unknown)})"
     if s.rate_per_replica is not None:
         text += f"; {s.rate_per_replica:.2f} req/s per replica"
         if knee is not None:
@@ -405,6 +435,14 @@ def _period_increase(before: Histogram | None, after: Histogram, since: float) -
     if before is None and after.created is not None and after.created >= since:
         return after, True
     return increase(before, after), before is not None
+
+
+def _held_sample(gateway: GatewayRead | None) -> Mean:
+    """This period's held requests, a sample when some gateway answered with them or all did (a
+    period with every gateway unknown says nothing)."""
+    if gateway is None or (gateway.unknown and not gateway.held):
+        return Mean()
+    return Mean.of([gateway.held])
 
 
 def _advance_window(
@@ -449,6 +487,7 @@ def _advance_window(
         waiting=Mean.of([r.waiting for r in readings]),
         running=Mean.of([r.running for r in readings]),
         kv_usage=Mean.of([r.kv_usage for r in readings]),
+        held=_held_sample(obs.gateway),
         draft_tokens=drafted,
         accepted_tokens=accepted,
     )
@@ -535,9 +574,12 @@ def _observe(policy: Policy, state: AutoscalerState, obs: Observation) -> _Perio
         # What the window saw before they were ready (the queue they came to drain, the TTFT of
         # requests that waited in it) is no reason for another scale-up: start it again.
         window = window[-1:]
-    signals = _signals(policy, window, obs.pods)
+    signals = _signals(policy, window, obs)
     backlog_at = state.backlog_at
-    if any((p.reading.waiting or 0) > policy.max_waiting_per_replica for p in obs.pods if p.reading):
+    held_now = _held_share(obs.gateway.held if obs.gateway else None, signals.reporting or current)
+    if held_now > policy.max_waiting_per_replica or any(
+        (p.reading.waiting or 0) > policy.max_waiting_per_replica for p in obs.pods if p.reading
+    ):
         backlog_at = obs.now
     knee = _learn_knee(
         policy,
@@ -657,6 +699,10 @@ def _at_or_under_band(period: _Period) -> tuple[AutoscalerState, Decision]:
         recommended = min(current, max(policy.min_replicas, current - policy.max_step, fewest))
     else:
         recommended = current
+    # A gateway that could not say what it holds may hold a queue: never fewer replicas on that.
+    blind_gateway = bool(signals.gateway_unknown) and recommended < current
+    if blind_gateway:
+        recommended = current
     down_window = policy.scale_down_stabilization_seconds
     recent = tuple(r for r in state.recommendations if r.at > obs.now - down_window)
     recs = (*recent, Recommendation(at=obs.now, replicas=recommended))
@@ -664,7 +710,9 @@ def _at_or_under_band(period: _Period) -> tuple[AutoscalerState, Decision]:
     if recommended >= current:
         fewer = load * current / max(current - 1, 1)
         why = (
-            "within the tolerance band"
+            "under the band, but what the gateway holds is unknown: no scale-down"
+            if blind_gateway
+            else "within the tolerance band"
             if ratio > 1 - tol
             else f"under the band, but {current - 1} replicas would not be (x{fewer:.2f})"
             if current > policy.min_replicas

@@ -20,7 +20,9 @@ is read only under a prefix the operator allows (`kvpilot operator --prometheus-
 What it knows of the cluster comes from kopf indexes over the watches the operator runs anyway
 (InferenceServices, its Deployments and engine pods), so a period costs no API reads; and a period
 that changes nothing (the same decision for the same numbers, no request counted) writes nothing,
-so an idle cluster costs no API requests at all. Only the engines' /metrics are read every period.
+so an idle cluster costs no API requests at all. Only the engines' /metrics are read every period,
+and (`kvpilot operator --gateway-pods`) the gateways': one list of the gateway pods a round, then
+each ready one's /metrics, what they hold for every service at once (gateways.py).
 
 Several operator replicas each run this loop; the status is the one state they share. A service
 whose last decision is younger than most of a period is skipped, and the status is written with
@@ -57,11 +59,13 @@ from kvpilot.operator.autoscaling.decisions import (
     Policy,
     step,
 )
+from kvpilot.operator.autoscaling.gateways import GatewayPods, GatewayQueues, GatewayRead, gateway_targets
 from kvpilot.operator.autoscaling.metrics import (
     SERIES_NAMES,
     MetricsError,
     exposition_of_series,
     parse,
+    parse_gateway,
 )
 from kvpilot.operator.kube.cluster import KubeCluster, WriteConflict, WriteRefused
 from kvpilot.operator.kube.events import iso, scaling_event
@@ -177,15 +181,19 @@ def decide(
     reads: Sequence[PodRead],
     now: float,
     interval: float = INTERVAL_SECONDS,
+    gateway: GatewayRead | None = None,
 ) -> tuple[Policy, AutoscalerState, Decision] | None:
-    """One period for one InferenceService, from what was read (None: see `prepare`)."""
+    """One period for one InferenceService, from what was read of its pods and of the gateways
+    (None: see `prepare`)."""
     prepared = prepare(body, deployment, now, interval)
     if prepared is None:
         return None
     policy, state = prepared
     assert deployment is not None  # prepare() said so
     ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
-    obs = Observation(now=now, replicas=current_replicas(body, deployment), ready_replicas=ready, pods=tuple(reads))
+    obs = Observation(
+        now=now, replicas=current_replicas(body, deployment), ready_replicas=ready, pods=tuple(reads), gateway=gateway
+    )
     new_state, decision = step(policy, state, obs)
     return policy, new_state, decision
 
@@ -234,6 +242,35 @@ async def read_metrics(session: aiohttp.ClientSession, name: str, url: str, dead
         return reading_of(name, await fetch(session, url, deadline))
     except ReadFailed as error:
         return PodRead(name=name, error=str(error))
+
+
+async def read_gateway(session: aiohttp.ClientSession, name: str, url: str) -> tuple[str, dict[Any, float] | str]:
+    """One gateway pod's held requests per service, or why there are none."""
+    try:
+        body = await fetch(session, url)
+        if len(body) > MAX_METRICS_BYTES:
+            return name, f"/metrics is larger than {MAX_METRICS_BYTES} bytes"
+        return name, parse_gateway(body.decode("utf-8", errors="replace"))
+    except (ReadFailed, MetricsError) as error:
+        return name, str(error)
+
+
+async def read_gateways(session: aiohttp.ClientSession, cluster: KubeCluster, where: GatewayPods) -> GatewayQueues:
+    """What every ready gateway pod holds, summed per service; every gateway is unknown when its
+    pods cannot be listed (no permission, the API server away)."""
+    try:
+        # A client call has no deadline of its own: the period must not wait on a hung API server.
+        async with asyncio.timeout(SCRAPE_TIMEOUT_SECONDS):
+            pods = await asyncio.to_thread(cluster.list_pods, where.namespace, where.labels)
+    except TimeoutError:
+        return GatewayQueues(
+            unknown=(f"the gateway pods ({where}) were not listed within {SCRAPE_TIMEOUT_SECONDS:g} s",)
+        )
+    except Exception as failure:  # noqa: BLE001 - whatever the client raises, the gateways are unknown
+        why = f"{type(failure).__name__}: {failure}"[:300]
+        return GatewayQueues(unknown=(f"the gateway pods ({where}) could not be listed: {why}",))
+    reads = await asyncio.gather(*(read_gateway(session, *target) for target in gateway_targets(pods)))
+    return GatewayQueues.of_reads(reads)
 
 
 def prometheus_query(namespace: str, pods: Sequence[str]) -> str:
@@ -349,7 +386,9 @@ class AutoscalingLoop:
     the operator runs anyway), so a period costs no API reads; it writes only what changed, through
     the operator's one cluster adapter. The four mappings are kopf indexes of `index_entry` values
     (key -> store of values). `prometheus_allow`: the URL prefixes under which a spec's
-    `prometheusUrl` may be read (`kvpilot operator --prometheus-url-allow`)."""
+    `prometheusUrl` may be read (`kvpilot operator --prometheus-url-allow`). `gateway_pods`: where
+    the gateway pods are (`--gateway-pods`), listed and read once a round for what they hold; None:
+    no gateway is read."""
 
     def __init__(
         self,
@@ -360,10 +399,14 @@ class AutoscalingLoop:
         pods: Mapping[Any, Any],
         interval: float = INTERVAL_SECONDS,
         prometheus_allow: Sequence[str] = (),
+        gateway_pods: GatewayPods | None = None,
     ) -> None:
         self.cluster = cluster
         self.interval = interval
         self.prometheus_allow = tuple(prometheus_allow)
+        self.gateway_pods = gateway_pods
+        # This round's read of the gateways, shared by its periods (made by the first that needs it).
+        self._queues: asyncio.Future[GatewayQueues] | None = None
         self._indexes = services, deployments, replicasets, pods
         self._instance = socket.gethostname()
         self._session: aiohttp.ClientSession | None = None
@@ -376,9 +419,22 @@ class AutoscalingLoop:
         return self._session
 
     async def close(self) -> None:
+        if self._queues is not None:
+            self._queues.cancel()
+            self._queues = None
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    async def gateway_read(self, body: Mapping[str, Any]) -> GatewayRead | None:
+        """What the gateways hold for this service, from this round's one read of them."""
+        if self.gateway_pods is None:
+            return None
+        if self._queues is None:
+            self._queues = asyncio.ensure_future(read_gateways(self._http(), self.cluster, self.gateway_pods))
+        # Shielded: one period cancelled does not cancel the read the others wait for.
+        queues = await asyncio.shield(self._queues)
+        return queues.of(body["metadata"]["namespace"], body["metadata"]["name"])
 
     async def read_all(self, body: Mapping[str, Any], targets: Sequence[tuple[str, str]]) -> list[PodRead]:
         """The pods' readings: from the Prometheus the spec names (if the operator allows it), else
@@ -408,8 +464,10 @@ class AutoscalingLoop:
         deployment, engine_pods = children(body, deployments, replicasets, pods)
         if prepare(body, deployment, now, self.interval) is None:
             return None
-        reads = await self.read_all(body, metrics_targets(engine_pods))
-        outcome = decide(body, deployment, reads, now, self.interval)
+        reads, gateway = await asyncio.gather(
+            self.read_all(body, metrics_targets(engine_pods)), self.gateway_read(body)
+        )
+        outcome = decide(body, deployment, reads, now, self.interval, gateway)
         if outcome is None:
             return None
         return await asyncio.to_thread(self._write, body, reads, *outcome)
@@ -477,6 +535,7 @@ class AutoscalingLoop:
         engines answer slowly, or not at all, holds up only its own decisions."""
         for key in [key for key, task in running.items() if task.done()]:
             del running[key]
+        self._queues = None  # a new round reads the gateways again
         services_index, deployments, replicasets, pods = self._indexes
         for body in indexed_services(services_index):
             metadata = body["metadata"]

@@ -32,6 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvpilot.operator.api.names import GATEWAY_HELD_METRIC
+
 # Family names (as the parser gives them: histograms without _bucket, counters without _total)
 # in order of preference. vLLM before 0.9 named TPOT `vllm:time_per_output_token_seconds` (a
 # per-token gap, close enough to scale on) and KV usage `vllm:gpu_cache_usage_perc` (0..1 too).
@@ -256,6 +258,24 @@ def parse(text: str) -> EngineReading:
             "vllm:* names) is there: not an engine's /metrics"
         )
     return reading
+
+
+def parse_gateway(text: str) -> dict[tuple[str, str], float]:
+    """A gateway's /metrics body: the requests it holds per (namespace, InferenceService). The
+    family must be there (empty when it holds nothing): a body without it is not a gateway's, and
+    reading it as "nothing held" would let a queue go unseen."""
+    try:
+        families = {family.name: family for family in text_string_to_metric_families(text)}
+    except (ValueError, TypeError, IndexError, KeyError) as error:
+        raise MetricsError(f"not a Prometheus text exposition: {error}") from None
+    family = families.get(GATEWAY_HELD_METRIC)
+    if family is None or family.type != "gauge":
+        raise MetricsError(f"no {GATEWAY_HELD_METRIC} gauge: not a kvpilot gateway's /metrics")
+    held: dict[tuple[str, str], float] = {}
+    for sample in family.samples:
+        key = (sample.labels.get("namespace", ""), sample.labels.get("service", ""))
+        held[key] = held.get(key, 0.0) + _checked(_sample_name(sample), sample.value)
+    return held
 
 
 HISTOGRAM_NAMES = (*TTFT_NAMES, *TPOT_NAMES)

@@ -11,6 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvpilot.operator.api.names import GATEWAY_HELD_METRIC
+
 # Seconds: a refusal or a 404 in milliseconds, a held request up to the 300 s hold, a long stream.
 LATENCY_BUCKETS = (0.005, 0.025, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 Key = tuple[str, str]
@@ -27,7 +29,7 @@ class _Now(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         for name, doc, read in (
-            ("kvpilot_gateway_held_requests", "Requests waiting in the gateway for an engine", self._held),
+            (GATEWAY_HELD_METRIC, "Requests waiting in the gateway for an engine", self._held),
             ("kvpilot_gateway_in_flight_requests", "Requests forwarded to engines and not finished", self._in_flight),
         ):
             family = GaugeMetricFamily(name, doc, labels=["namespace", "service"])

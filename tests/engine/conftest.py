@@ -1,10 +1,9 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
-import torch
 from transformers import PreTrainedModel
+
+from tests.engine.oracle import Reference, greedy_reference
 
 # Used to build prompts of exact token lengths; varied enough that the model does not loop at once.
 CORPUS = """
@@ -19,14 +18,6 @@ The recipe needs two cups of flour, one egg, a pinch of salt and a spoon of hone
 hour, then bake at two hundred degrees until golden. Rivers carve valleys over millions of years;
 glaciers leave lakes behind them. Photosynthesis turns light, water and carbon dioxide into sugar.
 """
-
-
-@dataclass
-class Reference:
-    """HuggingFace's greedy continuation of one prompt, and its raw logits at each step."""
-
-    tokens: list[int]
-    logits: list[torch.Tensor]
 
 
 @pytest.fixture(scope="session")
@@ -47,16 +38,7 @@ def hf_greedy(hf_model: PreTrainedModel):
     def run(prompt: list[int], max_new_tokens: int) -> Reference:
         key = (tuple(prompt), max_new_tokens)
         if key not in cache:
-            with torch.inference_mode():
-                out = hf_model.generate(
-                    torch.tensor([prompt]),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                    pad_token_id=hf_model.config.eos_token_id,
-                )
-            cache[key] = Reference(out.sequences[0, len(prompt) :].tolist(), [step[0] for step in out.logits])
+            cache[key] = greedy_reference(hf_model, prompt, max_new_tokens)
         return cache[key]
 
     return run

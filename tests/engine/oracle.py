@@ -3,10 +3,39 @@ top logits within a stated tolerance at the first differing position), and is re
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from transformers import PreTrainedModel
 
 # Two logits closer than this are a near-tie: a different batch shape may order them either way.
 NEAR_TIE_LOGIT_GAP = 1e-3
+
+
+@dataclass
+class Reference:
+    """HuggingFace's greedy continuation of one prompt, and its raw logits at each step."""
+
+    tokens: list[int]
+    logits: list[torch.Tensor]
+
+
+def greedy_reference(
+    model: PreTrainedModel, prompt: list[int], max_new_tokens: int, min_new_tokens: int = 0
+) -> Reference:
+    """HuggingFace's greedy continuation of `prompt` (`min_new_tokens`: at least so many, the EOS
+    token held back until then, as the engine's ignore_eos does)."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=model.config.eos_token_id,
+        )
+    return Reference(out.sequences[0, len(prompt) :].tolist(), [step[0] for step in out.logits])
 
 
 def check_greedy(

@@ -27,21 +27,14 @@ from kvpilot.engine.model.loader import load_config, load_model
 from kvpilot.engine.quantize.awq import apply_awq, prefill_batch
 from kvpilot.engine.quantize.calibration import PASSAGES
 from kvpilot.engine.quantize.writer import int4_round_trip, weight_args
-from tests.engine.oracle import check_greedy
-from tests.engine.test_tiny_llama import make_tiny_llama
+from tests.engine.oracle import check_greedy, greedy_reference
+from tests.engine.test_tiny_llama import GQA_BIASES, make_tiny_llama
 
 GROUP = 32
 ROUND_TRIP = functools.partial(int4_round_trip, args=weight_args("int4", GROUP))
 ARCHS = {
     # Grouped queries: o_proj's scales are shared by the query heads of a kv head.
-    "gqa-biases": dict(
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=False,
-        attention_bias=True,
-        mlp_bias=True,
-    ),
+    "gqa-biases": GQA_BIASES,
     "mha": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16),
 }
 
@@ -241,18 +234,8 @@ def test_awq_checkpoint_is_plain_w4a16_and_reloads_to_identical_outputs(tmp_path
     assert llm.engine.runner.model.quantization == "int4"
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     for prompt, tokens in zip(prompts, first):
-        with torch.inference_mode():
-            ref = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=16,
-                min_new_tokens=16,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        check_greedy(
-            tokens, ref.sequences[0, len(prompt) :].tolist(), [step[0] for step in ref.logits], "awq checkpoint"
-        )
+        ref = greedy_reference(hf, prompt, 16, min_new_tokens=16)
+        check_greedy(tokens, ref.tokens, ref.logits, "awq checkpoint")
     again = LLM(str(output), dtype="float32", kv_cache_memory_bytes=4 << 20, block_size=8)
     assert [o.outputs[0].token_ids for o in again.generate(prompts, params)] == first
 

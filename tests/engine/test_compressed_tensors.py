@@ -26,7 +26,7 @@ from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.cli import main
 from kvpilot.engine.model.compressed_tensors import checkpoint_quantization
 from kvpilot.engine.model.layers import Linear
-from tests.engine.test_tiny_llama import make_tiny_llama
+from tests.engine.test_tiny_llama import GQA_BIASES, make_tiny_llama
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
@@ -201,16 +201,7 @@ def _compress_with_compressed_tensors(
 )
 def test_checkpoint_made_by_compressed_tensors_loads(weights, fmt, tmp_path, model_dir):
     # Biases too: they stay full precision beside the quantized weights of their module.
-    hf_model = make_tiny_llama(
-        tmp_path,
-        model_dir,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=False,
-        attention_bias=True,
-        mlp_bias=True,
-    )
+    hf_model = make_tiny_llama(tmp_path, model_dir, **GQA_BIASES)
     reference = _compress_with_compressed_tensors(hf_model, tmp_path, weights, fmt)
     stored = _tensors(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["format"] == fmt

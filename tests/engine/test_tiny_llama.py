@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvpilot.engine import LLM, SamplingParams
-from tests.engine.oracle import check_greedy
+from tests.engine.oracle import check_greedy, greedy_reference
 
 VARIANTS = {
     # Llama-3.1 style rope scaling with 4:1 GQA.
@@ -36,6 +36,18 @@ VARIANTS = {
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
     ),
 }
+
+
+# Grouped queries, an untied head and a bias on every linear layer, as the quantization tests want
+# them: o_proj's scales shared by the query heads of a kv head, biases beside quantized weights.
+GQA_BIASES = dict(
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=False,
+    attention_bias=True,
+    mlp_bias=True,
+)
 
 
 def make_tiny_llama(folder: Path, tokenizer_dir: Path, **arch: object) -> LlamaForCausalLM:
@@ -70,21 +82,8 @@ def test_tiny_llama_matches_hf(variant, tmp_path, model_dir, corpus_ids):
     prompts = [corpus_ids[i * 5 : i * 5 + n] for i, n in enumerate([3, 20, 70, 150, 260])]
     outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        with torch.inference_mode():
-            ref = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=20,
-                min_new_tokens=20,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        check_greedy(
-            out.outputs[0].token_ids,
-            ref.sequences[0, len(prompt) :].tolist(),
-            [step[0] for step in ref.logits],
-            f"{variant} {len(prompt)}",
-        )
+        ref = greedy_reference(hf, prompt, 20, min_new_tokens=20)
+        check_greedy(out.outputs[0].token_ids, ref.tokens, ref.logits, f"{variant} {len(prompt)}")
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks
 
 

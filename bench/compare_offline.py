@@ -28,7 +28,6 @@ import hashlib
 import io
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -37,6 +36,8 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.machine import machine
 
 REPO = Path(__file__).resolve().parents[1]
 SIDES = ("before", "after")
@@ -279,12 +280,8 @@ def compare(args: argparse.Namespace) -> int:
         ratio = medians["after"] / medians["before"]
         report: dict[str, object] = {
             "command": "python -m bench.compare_offline " + " ".join(sys.argv[1:]),
-            "machine": {
-                "platform": platform.platform(),
-                "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-                "torch_threads": rounds[0]["before"]["torch_threads"],
-            },
+            # torch_threads: the measuring children's, not this process's.
+            "machine": machine() | {"torch_threads": rounds[0]["before"]["torch_threads"]},
             "workload": {
                 "num_requests": args.num_requests,
                 "seed": args.bench_seed,

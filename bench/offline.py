@@ -9,8 +9,6 @@ trees, for a before/after comparison.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
 import sys
 import time
@@ -18,6 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from bench.machine import machine, write_result
 
 
 @dataclass
@@ -121,23 +121,15 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         print(f"{r.system:24s} {r.seconds:8.1f} s  {r.output_tokens:6d} tokens  {r.tokens_per_second:8.1f} tok/s")
     print(f"kvpilot / best HF ({best_hf.system}): {ratio:.2f}x")
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "machine": {
-                    "platform": platform.platform(),
-                    "cpus": torch.get_num_threads(),
-                    "torch": torch.__version__,
-                },
-                "requests": len(requests),
-                "seed": args.bench_seed,
-                "results": [asdict(r) | {"tokens_per_second": r.tokens_per_second} for r in results],
-                "speedup_vs_best_hf": ratio,
-            },
-            indent=2,
-        )
+    write_result(
+        Path(args.output),
+        {
+            "machine": machine(),
+            "requests": len(requests),
+            "seed": args.bench_seed,
+            "results": [asdict(r) | {"tokens_per_second": r.tokens_per_second} for r in results],
+            "speedup_vs_best_hf": ratio,
+        },
     )
     return 0
 

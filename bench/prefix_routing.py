@@ -19,10 +19,8 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +30,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.machine import machine, write_result
 from e2e.procs import LOOPBACK, Process, free_port, start_http
 from kvpilot.operator.gateway.body import read_body
 from kvpilot.operator.gateway.routing import Engines, choose, choose_by_prefix
@@ -163,15 +162,10 @@ def main() -> None:
                 "ttft_p95_ms": round(_pct(ttfts, 0.95) * 1000, 1),
             }
             print(f"[prefix-routing] {strategy}: {results[strategy]}", flush=True)
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    model_name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "")
-    record = {
-        "machine": {"cpu": model_name, "cpus": os.cpu_count(), "platform": platform.platform()},
-        "args": vars(args),
-    }
-    out = Path(__file__).with_name("out") / "prefix_routing.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({**record, "results": results}, indent=1))
+    write_result(
+        Path(__file__).with_name("out") / "prefix_routing.json",
+        {"machine": machine(), "args": vars(args), "results": results},
+    )
     print(json.dumps(results, indent=1))
 
 

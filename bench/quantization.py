@@ -11,15 +11,12 @@ with its ratio to the unquantized model (fp32, and the CPU default dtype "none")
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
-import torch
-
+from bench.machine import machine, write_result
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.llm_engine import LLMEngine
 
@@ -92,23 +89,16 @@ def main() -> int:
             + f" | {m['int8'] / m['none']:.2f}x | {m['int4'] / m['none']:.2f}x | {m['int4'] / m['fp32']:.2f}x |"
         )
     print("\nweights: " + ", ".join(f"{s} {weights[s] / 2**20:.1f} MiB" for s in SCHEMES))
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(
-        json.dumps(
-            {
-                "command": "python -m bench.quantization",
-                "args": vars(args),
-                "runs": runs,
-                "medians": medians,
-                "weight_bytes": weights,
-                "machine": {
-                    "platform": platform.platform(),
-                    "torch": torch.__version__,
-                    "threads": torch.get_num_threads(),
-                },
-            },
-            indent=2,
-        )
+    write_result(
+        Path(args.output),
+        {
+            "command": "python -m bench.quantization",
+            "args": vars(args),
+            "runs": runs,
+            "medians": medians,
+            "weight_bytes": weights,
+            "machine": machine(),
+        },
     )
     return 0
 

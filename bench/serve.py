@@ -40,7 +40,6 @@ import asyncio
 import json
 import math
 import os
-import platform
 import random
 import sys
 import time
@@ -48,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import llamacpp
+from bench.machine import machine
 from e2e.procs import LOOPBACK, free_port, start_http
 
 _REPO = Path(__file__).resolve().parents[1]
@@ -327,20 +327,6 @@ class _Server:
         self.process.stop(grace_s=60.0)
 
 
-def _machine() -> dict[str, object]:
-    import torch
-
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "load_average_at_start": os.getloadavg(),
-    }
-
-
 def _vocab_size(model: str | None) -> int:
     from kvpilot.engine.model.loader import load_config, resolve_model
 
@@ -441,7 +427,7 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output)
     report: dict[str, object] = {
         "command": getattr(args, "invocation", None) or "python -m bench.serve " + " ".join(sys.argv[1:]),
-        "machine": _machine(),
+        "machine": machine(),  # at the start: its load average is the one before the run
         "config": {k: v for k, v in vars(args).items() if k != "func"},
         "results": {},
         "max_sustained_rate": {},

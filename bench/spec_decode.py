@@ -13,8 +13,6 @@ bench/out/spec_decode.json.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
@@ -23,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from bench.machine import machine, write_result
 
 if TYPE_CHECKING:
     from kvpilot.engine import LLMEngine
@@ -161,22 +161,14 @@ def run(args: argparse.Namespace) -> int:
     summary = summarise(runs)
     for line in summary["table"]:
         print(line)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "machine": {
-                    "platform": platform.platform(),
-                    "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__,
-                },
-                "args": vars(args),
-                "runs": [asdict(r) | {"tokens_per_second": r.tokens_per_second} for r in runs],
-                **summary,
-            },
-            indent=2,
-        )
+    write_result(
+        Path(args.output),
+        {
+            "machine": machine(),
+            "args": vars(args),
+            "runs": [asdict(r) | {"tokens_per_second": r.tokens_per_second} for r in runs],
+            **summary,
+        },
     )
     return 0
 

@@ -20,16 +20,14 @@ Results go to bench/out/structured_output.json.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 import xgrammar
 
+from bench.machine import machine, write_result
 from kvpilot.engine import LLMEngine, SamplingParams
 from kvpilot.engine.core.structured_output import StructuredOutput
 from kvpilot.engine.worker.grammar import Grammars
@@ -162,12 +160,10 @@ def main() -> None:
             f"in the engine, median mask share of a step {100 * row['in_engine_mask_share_median']:.2f}%",
             flush=True,
         )
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "")
     out = Path(__file__).parent / "out" / "structured_output.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"cpu": model, "machine": platform.machine(), "args": vars(args), "rows": results}))
-    print(f"cpu: {model}; wrote {out}")
+    record = {"machine": machine(), "args": vars(args), "rows": results}
+    write_result(out, record)
+    print(f"cpu: {record['machine']['cpu']}; wrote {out}")
 
 
 if __name__ == "__main__":

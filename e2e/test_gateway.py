@@ -88,7 +88,30 @@ def test_the_chart_installs_the_gateway_deployment(k8s: Cluster, kvpilot: Instal
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
     operator = k8s.kubectl_json("get", "deployment", kvpilot.fullname, "-n", kvpilot.namespace)
     (operator_container,) = operator["spec"]["template"]["spec"]["containers"]
-    assert not [a for a in operator_container["args"] if "gateway" in a]  # the operator serves no traffic
+    # The operator serves no traffic: its one gateway flag says where to read the gateways' queues.
+    assert [a.partition("=")[0] for a in operator_container["args"] if "gateway" in a] == ["--gateway-pods"]
+
+
+def test_the_operator_lists_exactly_the_gateway_s_pods_and_may(k8s: Cluster, kvpilot: Installation) -> None:
+    """The autoscaler reads the requests the gateways hold from the pods `--gateway-pods` names
+    (autoscaling/gateways.py): the chart points it at the gateway Deployment's own pods, and its
+    ServiceAccount may list them (else every gateway is unknown and no service scales down)."""
+    operator = k8s.kubectl_json("get", "deployment", kvpilot.fullname, "-n", kvpilot.namespace)
+    (container,) = operator["spec"]["template"]["spec"]["containers"]
+    (flag,) = [a for a in container["args"] if a.startswith("--gateway-pods=")]
+    namespace, _, selector = flag.removeprefix("--gateway-pods=").partition(":")
+    gateway = k8s.kubectl_json("get", "deployment", f"{kvpilot.fullname}-gateway", "-n", kvpilot.namespace)
+    labels = dict(pair.split("=", 1) for pair in selector.split(","))
+    assert (namespace, labels) == (kvpilot.namespace, gateway["spec"]["selector"]["matchLabels"])
+    listed = k8s.kubectl_json("get", "pods", "-n", namespace, "-l", selector)["items"]
+    owners = {ref["name"] for pod in listed for ref in pod["metadata"].get("ownerReferences", [])}
+    assert len(listed) == gateway["spec"]["replicas"] and all(
+        o.startswith(f"{kvpilot.fullname}-gateway-") for o in owners
+    )
+    as_operator = f"--as={kvpilot.subject}"
+    assert (
+        k8s.kubectl("auth", "can-i", "list", "pods", "-n", namespace, as_operator, check=False).stdout.strip() == "yes"
+    )
 
 
 def _get(url: str) -> tuple[int, Any]:

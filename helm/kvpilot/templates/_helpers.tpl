@@ -90,6 +90,9 @@ collector), keep its peering record alive, and post events.
 {{- range .Values.autoscaler.prometheusUrlAllow }}
 - {{ printf "--prometheus-url-allow=%s" . | quote }}
 {{- end }}
+{{- if and .Values.gateway.enabled .Values.autoscaler.gatewayQueue }}
+- --gateway-pods={{ .Release.Namespace }}:app.kubernetes.io/name=kvpilot-gateway,app.kubernetes.io/instance={{ .Release.Name }}
+{{- end }}
 {{- if eq .Values.logLevel "debug" }}
 - --verbose
 {{- end }}

@@ -21,7 +21,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 import urllib.request
@@ -31,7 +30,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.machine import machine, write_result
-from e2e.procs import LOOPBACK, Process, free_port, start_http
+from e2e.procs import LOOPBACK, Process, free_port, serve_argv, start_http
 from kvpilot.operator.gateway.body import read_body
 from kvpilot.operator.gateway.routing import Engines, choose, choose_by_prefix
 
@@ -53,7 +52,7 @@ def _start_engines(count: int, log_dir: Path) -> list[tuple[str, Process]]:
     for index in range(count):
         port = free_port()
         url = f"http://{LOOPBACK}:{port}"
-        argv = [sys.executable, "-m", "kvpilot.engine.cli", "serve", "--host", LOOPBACK, "--port", str(port)]
+        argv = serve_argv(port)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         engines.append((url, start_http(argv, log_dir / f"engine-{index}.log", f"{url}/ready", 180, env)))
     return engines

@@ -48,7 +48,7 @@ from pathlib import Path
 
 from bench import llamacpp
 from bench.machine import machine
-from e2e.procs import LOOPBACK, free_port, start_http
+from e2e.procs import LOOPBACK, free_port, serve_argv, start_http
 
 _REPO = Path(__file__).resolve().parents[1]
 BACKENDS = ("kvpilot", "llamacpp", "hf")
@@ -278,17 +278,7 @@ def sustains(summary: dict[str, object], slo_ttft_ms: float) -> bool:
 def backend_command(backend: str, port: int, args: argparse.Namespace) -> tuple[list[str], str]:
     """The argv that serves `backend` on 127.0.0.1:`port`, and the path that answers 200 once it is ready."""
     if backend == "kvpilot":
-        return [
-            sys.executable,
-            "-m",
-            "kvpilot.engine.cli",
-            "serve",
-            "--host",
-            LOOPBACK,
-            "--port",
-            str(port),
-            *args.server_args.split(),
-        ], "/ready"
+        return serve_argv(port, *args.server_args.split()), "/ready"
     if backend == "llamacpp":
         binary = llamacpp.server_binary(args.llamacpp_version)
         if not binary.is_file():

@@ -47,6 +47,12 @@ def kvpilot_executable() -> str:
     return str(Path(sys.executable).with_name("kvpilot"))
 
 
+def serve_argv(port: int, *args: str) -> list[str]:
+    """`kvpilot serve` on LOOPBACK:`port` with `args`, run by this interpreter as a module (as the
+    tests and benchmarks start it: no console script needed)."""
+    return [sys.executable, "-m", "kvpilot.engine.cli", "serve", "--host", LOOPBACK, "--port", str(port), *args]
+
+
 def free_port(host: str = LOOPBACK) -> int:
     """A TCP port that is free on `host` now (the kernel's pick; free until someone binds it)."""
     with socket.socket() as sock:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.polling import poll
-from e2e.procs import LOOPBACK, Process, free_port, start_http
+from e2e.procs import LOOPBACK, Process, free_port, serve_argv, start_http
 from kvpilot.engine import LLM
 
 __all__ = ["DTYPE", "KV_BYTES", "MODEL", "REPO", "Server", "free_port", "start_server", "wait_until"]
@@ -99,21 +98,7 @@ class Server:
 def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None, api_key: str | None = None) -> Server:
     """`kvpilot serve` on a free loopback port with a small KV pool, once it answers /ready."""
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvpilot.engine.cli",
-        "serve",
-        "--host",
-        LOOPBACK,
-        "--port",
-        str(port),
-        "--kv-cache-memory-bytes",
-        str(KV_BYTES),
-        "--dtype",
-        DTYPE,
-        *args,
-    ]
+    cmd = serve_argv(port, "--kv-cache-memory-bytes", str(KV_BYTES), "--dtype", DTYPE, *args)
     process = start_http(
         cmd,
         tmp_path / f"serve-{port}.log",

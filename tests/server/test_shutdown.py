@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 
 import httpx
 import openai
 import pytest
 
+from e2e.procs import serve_argv
 from tests.server.conftest import MODEL, REPO, free_port, start_server, wait_until
 
 
@@ -52,18 +52,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path) -> None:
 def test_model_that_cannot_load_exits_nonzero(tmp_path) -> None:
     missing = tmp_path / "no-such-model"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvpilot.engine.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(free_port()),
-            "--model",
-            str(missing),
-        ],
+        serve_argv(free_port(), "--model", str(missing)),
         cwd=REPO,
         capture_output=True,
         text=True,

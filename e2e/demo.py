@@ -28,7 +28,7 @@ from typing import Any
 from e2e import kvis
 from e2e.chart import install
 from e2e.cluster import Binaries, Cluster, build_binaries, start_cluster, stop_pids
-from e2e.local_engine import start_engine
+from e2e.local_engine import key_env, start_engine
 from e2e.local_gateway import LocalGateway
 from e2e.local_operator import LocalOperator
 from e2e.procs import Process
@@ -54,12 +54,14 @@ def _record(state: dict[str, Any], role: str, process: Process) -> None:
     _save(state)
 
 
-def _chat(url: str, model: str, prompt: str) -> str:
+def _chat(url: str, model: str, prompt: str, key: str) -> str:
     body = json.dumps(
         {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 32, "temperature": 0}
     ).encode()
     request = urllib.request.Request(  # noqa: S310 - http to an engine on loopback
-        f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        f"{url}/v1/chat/completions",
+        data=body,
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
     )
     # No proxy from the environment: the engine is on loopback.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -103,10 +105,12 @@ def up() -> int:
         deployment = cluster.kubectl_json("get", "deployment", name, "-n", NAMESPACE)
         pod = kvis.running_pods(cluster, NAMESPACE, name)[0]
         print(f"starting the engine for pod {pod['metadata']['name']} on {pod['status']['podIP']} ...", file=sys.stderr)
-        engine, url = start_engine(deployment, pod, ROOT / ENGINE_LOG)
+        engine, url = start_engine(deployment, pod, ROOT / ENGINE_LOG, env=key_env(cluster, NAMESPACE, deployment))
         _record(state, "engine", engine)
-        # Through the gateway, as a client in the cluster would reach it.
-        answer = _chat(addressed, model, "In one sentence, what is Kubernetes?")
+        # Through the gateway, as a client in the cluster would reach it, with the API key the
+        # operator made for the service.
+        key = kvis.api_key(cluster, NAMESPACE, name)
+        answer = _chat(addressed, model, "In one sentence, what is Kubernetes?", key)
         status = kvis.get(cluster, NAMESPACE, name)["status"]
     except BaseException:
         down()
@@ -125,8 +129,10 @@ def up() -> int:
   operator        pid {state["processes"]["operator"]["pid"]}, log {state["processes"]["operator"]["log"]}
   first answer    {answer!r}
 
-Try it:
-  curl -s {addressed}/v1/chat/completions -H 'Content-Type: application/json' -d '{request}'
+Try it (the API key is in the Secret {name}-api-key):
+  KEY=$({kubectl} get secret {name}-api-key -n {NAMESPACE} -o jsonpath='{{.data.api-key}}' | base64 -d)
+  curl -s {addressed}/v1/chat/completions -H "Authorization: Bearer $KEY" \\
+    -H 'Content-Type: application/json' -d '{request}'
   {kubectl} get kvis -A -o wide
   {kubectl} get kvis {name} -n {NAMESPACE} -o yaml
 

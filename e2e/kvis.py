@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ import yaml
 
 from e2e.cluster import Cluster
 from e2e.polling import poll
-from kvpilot.operator.api.names import API_VERSION, KIND, selector
+from kvpilot.operator.api.names import API_KEY_SECRET_KEY, API_VERSION, KIND, api_key_secret, selector
 
 SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
 
@@ -28,6 +29,20 @@ def manifest(name: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:
 def get(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
     found: dict[str, Any] = cluster.kubectl_json("get", "inferenceservice", name, "-n", namespace)
     return found
+
+
+def api_key(cluster: Cluster, namespace: str, name: str) -> str:
+    """The service's API key, from the Secret the operator made (spec.auth.apiKey), waited for."""
+    secret_name = api_key_secret(name)
+
+    def read() -> str | None:
+        found = cluster.kubectl("get", "secret", secret_name, "-n", namespace, "-o", "json", check=False)
+        if found.returncode != 0:
+            return None
+        return base64.b64decode(json.loads(found.stdout)["data"][API_KEY_SECRET_KEY]).decode()
+
+    key: str = poll(read, timeout_s=60, what=f"Secret {namespace}/{secret_name}")
+    return key
 
 
 def patch_spec(cluster: Cluster, namespace: str, name: str, spec: dict[str, Any]) -> None:

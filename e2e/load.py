@@ -52,6 +52,7 @@ class Load(Background):
         max_in_flight: int = 16,
         prompt: str = "Write a short story about a lighthouse keeper and a storm.",
         max_tokens: int = 32,
+        api_key: str | None = None,
     ) -> None:
         super().__init__("load")
         self.targets, self.model, self.rate = targets, model, rate
@@ -61,7 +62,8 @@ class Load(Background):
         self.no_target = 0
         self._in_flight = threading.Semaphore(max_in_flight)
         self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="load")
-        self._http = httpx.Client(timeout=120, trust_env=False)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(timeout=120, trust_env=False, headers=headers)
         self._turn = itertools.count()
         self._lock = threading.Lock()
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from e2e.cluster import Cluster
 from e2e.procs import Process, kvpilot_executable, start_http
 from kvpilot.operator.api.names import CONTAINER
-from kvpilot.operator.controller.render import Manifest
+from kvpilot.operator.controller.render import API_KEY_ENV, Manifest
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,15 @@ def _env_value(cluster: Cluster, namespace: str, entry: Manifest) -> str:
     return base64.b64decode(secret["data"][ref["key"]]).decode()
 
 
+def key_env(cluster: Cluster, namespace: str, deployment: Manifest) -> dict[str, str]:
+    """The engine container's API-key variable, resolved from its Secret as the kubelet would: the
+    engine here then requires the key the operator made. Only that variable: the rest of the pod's
+    env (HOME=/tmp, say) would move this machine's model cache."""
+    container = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == CONTAINER)
+    keys = set(API_KEY_ENV.values())
+    return {e["name"]: _env_value(cluster, namespace, e) for e in container.get("env", []) if e["name"] in keys}
+
+
 def _set_flag(args: list[str], flag: str, value: str) -> None:
     args[args.index(flag) + 1] = value
 
@@ -117,11 +126,18 @@ def base_url(argv: list[str]) -> str:
 
 
 def start_engine(
-    deployment: Manifest, pod: Manifest, log: Path, volumes: PodVolumes | None = None, ready_timeout_s: float = 300.0
+    deployment: Manifest,
+    pod: Manifest,
+    log: Path,
+    volumes: PodVolumes | None = None,
+    ready_timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
 ) -> tuple[Process, str]:
-    """Start the engine for `pod` (its volumes under `volumes` when given) and wait until it serves
-    /ready; return it and its base URL."""
+    """Start the engine for `pod` (its volumes under `volumes` when given, `env` over this
+    process's: key_env) and wait until it serves /ready; return it and its base URL."""
     argv = engine_argv(deployment, pod["status"]["podIP"], volumes)
     url = base_url(argv)
-    process = start_http(argv, log, f"{url}/ready", ready_timeout_s, {**os.environ, "PYTHONUNBUFFERED": "1"})
+    process = start_http(
+        argv, log, f"{url}/ready", ready_timeout_s, {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    )
     return process, url

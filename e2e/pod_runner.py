@@ -3,9 +3,10 @@
 kwok runs no containers: a pod of an engine Deployment is Running with a loopback IP and nothing
 behind it. A `PodRunner` watches one InferenceService's engine pods and, for every Running pod,
 starts a real `kvpilot serve` with the Deployment's rendered arguments on the pod's IP
-(local_engine.engine_argv); when the pod goes away (deleted, scaled down, no longer Running) it
-stops that engine by its PID. Scaling the Deployment therefore really adds and removes engines,
-and the operator's autoscaler reads real /metrics from the pod IPs it knows.
+(local_engine.engine_argv) and the API key of the pod's Secret (local_engine.key_env); when the pod
+goes away (deleted, scaled down, no longer Running) it stops that engine by its PID. Scaling the
+Deployment therefore really adds and removes engines, and the operator's autoscaler reads real
+/metrics from the pod IPs it knows.
 
 Every engine gets OMP_NUM_THREADS=1: a pod requests its own cores, and here the engines of all
 pods share the machine's two.
@@ -28,7 +29,7 @@ from typing import Any
 
 from e2e import kvis
 from e2e.cluster import Cluster
-from e2e.local_engine import base_url, engine_argv
+from e2e.local_engine import base_url, engine_argv, key_env
 from e2e.polling import Background
 from e2e.procs import Process, http_ok, start
 
@@ -85,7 +86,12 @@ class PodRunner(Background):
 
     def _start_engine(self, deployment: dict[str, Any], pod: str, ip: str) -> Engine:
         argv = engine_argv(deployment, ip)
-        env = {**self.cluster.env(), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        env = {
+            **self.cluster.env(),
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            **key_env(self.cluster, self.namespace, deployment),
+        }
         process = start(argv, self.log_dir / f"engine-{pod}.log", env)
         self.started += 1
         return Engine(pod=pod, ip=ip, url=base_url(argv), process=process)

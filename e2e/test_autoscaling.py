@@ -142,7 +142,8 @@ def test_load_over_the_slo_adds_engines_and_its_end_removes_them(
     # unknown to the autoscaler, which must scale on what the other pods report.
     broken = min(runner.serving())
     runner.break_engine(broken)
-    load = Load(lambda: list(runner.serving().values()), MODEL, rate=4.0, prompt=PROMPT, max_tokens=16)
+    key = kvis.api_key(k8s, namespace, name)
+    load = Load(lambda: list(runner.serving().values()), MODEL, rate=4.0, prompt=PROMPT, max_tokens=16, api_key=key)
     with load, Timeline(k8s, namespace, name, runner, load) as timeline:
         try:
             # Over the SLO: 2 -> 3 -> 4, one step at a time; each new pod gets a real engine that
@@ -193,7 +194,8 @@ def test_external_mode_reports_the_signals_and_never_writes_replicas(
     k8s: Cluster, service: tuple[str, str, PodRunner]
 ) -> None:
     namespace, name, runner = service
-    with Load(lambda: list(runner.serving().values()), MODEL, rate=4.0, prompt=PROMPT, max_tokens=16):
+    key = kvis.api_key(k8s, namespace, name)
+    with Load(lambda: list(runner.serving().values()), MODEL, rate=4.0, prompt=PROMPT, max_tokens=16, api_key=key):
         poll(
             lambda: (
                 kvis.get(k8s, namespace, name).get("status", {}).get("latency", {}).get("source") == "observed" or None
@@ -218,12 +220,14 @@ def test_an_idle_service_scales_to_zero_and_the_gateway_holds_the_next_request(
     k8s: Cluster, operator: LocalOperator, gateway: LocalGateway, service: tuple[str, str, PodRunner]
 ) -> None:
     namespace, name, runner = service
+    # The operator made the service's API key: the engines require it and the gateway checks it.
     client = openai.OpenAI(
         base_url=gateway.base_url(namespace),
-        api_key="unused",
+        api_key=kvis.api_key(k8s, namespace, name),
         timeout=300,
         http_client=openai.DefaultHttpxClient(trust_env=False),
     )
+    anonymous = client.with_options(api_key="not-the-key")
     assert MODEL in [m.id for m in client.models.list()]
     first = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)
     assert first.choices[0].text
@@ -236,6 +240,12 @@ def test_an_idle_service_scales_to_zero_and_the_gateway_holds_the_next_request(
         "no pod and no engine left",
         interval_s=1.0,
     )
+
+    # A request without the key is refused at once and wakes nothing.
+    with pytest.raises(openai.AuthenticationError):
+        anonymous.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+    time.sleep(2)
+    assert replicas(k8s, namespace, name) == 0
 
     # The next request is held by the gateway, which scales to 1; it is answered once the new
     # pod's engine has loaded the model.

@@ -25,7 +25,7 @@ from e2e import kvis
 from e2e.chart import Installation
 from e2e.cluster import Cluster, is_loopback
 from e2e.hub_server import HubServer
-from e2e.local_engine import PodVolumes, engine_argv, start_engine
+from e2e.local_engine import PodVolumes, engine_argv, key_env, start_engine
 from e2e.local_operator import LocalOperator
 from e2e.procs import Process, kvpilot_executable
 from kvpilot.engine.config import CAPABILITIES
@@ -43,7 +43,7 @@ def engine(k8s: Cluster, smollm2: dict[str, Any], tmp_path: Path) -> Iterator[tu
     ns, name = smollm2["metadata"]["namespace"], smollm2["metadata"]["name"]
     deployment = k8s.kubectl_json("get", "deployment", name, "-n", ns)
     (pod,) = kvis.running_pods(k8s, ns, name)
-    process, url = start_engine(deployment, pod, tmp_path / "engine.log")
+    process, url = start_engine(deployment, pod, tmp_path / "engine.log", env=key_env(k8s, ns, deployment))
     try:
         yield process, url, pod
     finally:
@@ -85,7 +85,12 @@ def test_engine_behind_a_simulated_pod_answers_the_openai_client(
     assert smollm2["status"]["url"] == f"http://{name}.{ns}.svc.cluster.local:8000/v1"
     served = smollm2["spec"]["model"]["name"]
     with httpx.Client(trust_env=False, timeout=120) as http:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http, max_retries=0)
+        # The engine requires the key of the Secret the operator made; its metrics stay open.
+        client = openai.OpenAI(
+            base_url=f"{url}/v1", api_key=kvis.api_key(k8s, ns, name), http_client=http, max_retries=0
+        )
+        with pytest.raises(openai.AuthenticationError):
+            client.with_options(api_key="not-the-key").models.list()
         assert [m.id for m in client.models.list().data] == [served]
         chat = client.chat.completions.create(
             model=served,
@@ -162,10 +167,11 @@ def pinned_sample(
     deployment = k8s.kubectl_json("get", "deployment", name, "-n", ns)
     volumes = PodVolumes(tmp_path / f"{name}-volumes")
     volumes.run_init_containers(k8s, ns, deployment, tmp_path / f"{name}-init.log")
-    process, url = start_engine(deployment, pod, tmp_path / f"{name}.log", volumes)
+    process, url = start_engine(deployment, pod, tmp_path / f"{name}.log", volumes, env=key_env(k8s, ns, deployment))
     try:
         with httpx.Client(trust_env=False, timeout=120) as http:
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http, max_retries=0)
+            key = kvis.api_key(k8s, ns, name)
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, http_client=http, max_retries=0)
             yield PinnedEngine(
                 ready["status"]["plan"], deployment, volumes, process, url, spec["model"]["name"], client, http
             )

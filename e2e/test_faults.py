@@ -277,9 +277,15 @@ def test_faults_leave_every_service_reconciled_bounded_and_its_streams_whole(
         mark(f"{name}: pod {pod}'s /metrics {'hangs (a byte a second)' if mode == 'hang' else 'reports NaN'}")
 
     loads = {
-        SCALED: Load(lambda: list(runners[SCALED].serving().values()), MODEL, rate=2.5, prompt=PROMPT, max_tokens=16),
-        HANG: Load(lambda: list(runners[HANG].serving().values()), MODEL, rate=0.5, prompt=PROMPT, max_tokens=16),
-        NAN: Load(lambda: list(runners[NAN].serving().values()), MODEL, rate=0.5, prompt=PROMPT, max_tokens=16),
+        name: Load(
+            lambda n=name: list(runners[n].serving().values()),  # type: ignore[misc]
+            MODEL,
+            rate=rate,
+            prompt=PROMPT,
+            max_tokens=16,
+            api_key=kvis.api_key(k8s, namespace, name),
+        )
+        for name, rate in ((SCALED, 2.5), (HANG, 0.5), (NAN, 0.5))
     }
     sampler = Sampler(k8s, namespace, start)
     try:

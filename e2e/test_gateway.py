@@ -114,14 +114,18 @@ def test_the_operator_lists_exactly_the_gateway_s_pods_and_may(k8s: Cluster, kvp
     )
 
 
-def _get(url: str) -> tuple[int, Any]:
-    with httpx.Client(trust_env=False, timeout=10) as http:  # loopback only, never a proxy
+def _bearer(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _get(url: str, key: str | None = None) -> tuple[int, Any]:
+    with httpx.Client(trust_env=False, timeout=10, headers=_bearer(key)) as http:  # loopback only, never a proxy
         response = http.get(url)
     return response.status_code, response.json()
 
 
-def _post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
-    with httpx.Client(trust_env=False, timeout=30) as http:
+def _post(url: str, body: dict[str, Any], key: str | None = None) -> tuple[int, Any]:
+    with httpx.Client(trust_env=False, timeout=30, headers=_bearer(key)) as http:
         response = http.post(url, json=body)
     return response.status_code, response.json()
 
@@ -144,19 +148,23 @@ def test_the_gateway_routes_by_namespace_and_never_wakes_a_zero_it_does_not_own(
     k8s.apply(kvis.manifest("private", OTHER, {**spec, "model": {**spec["model"], "servedModelName": "their-own"}}))
     try:
         kvis.wait_condition(k8s, namespace, "gw-off", "Planned", "True", timeout_s=60)
+        # gw-off's API key (the operator made it; no operator watches OTHER: its services are open).
+        key = kvis.api_key(k8s, namespace, "gw-off")
+        poll(lambda: kvis.get(k8s, namespace, "gw-off")["status"].get("auth"), 30, "gw-off's key digest")
 
-        def listed(where: str) -> list[str]:
-            return [m["id"] for m in _get(f"{gateway.base_url(where)}/models")[1]["data"]]
+        def listed(where: str, key: str | None = None) -> list[str]:
+            return [m["id"] for m in _get(f"{gateway.base_url(where)}/models", key)[1]["data"]]
 
         poll(lambda: sorted(listed(OTHER)) == sorted([model, "their-own"]) or None, 30, "the rival's models listed")
-        assert listed(namespace) == [model]
-        status, body = _post(f"{gateway.base_url(namespace)}/completions", {"model": "their-own", "prompt": "hi"})
+        assert listed(namespace, key) == [model]
+        assert _get(f"{gateway.base_url(namespace)}/models")[0] == 401  # no key: not even the names
+        status, body = _post(f"{gateway.base_url(namespace)}/completions", {"model": "their-own", "prompt": "hi"}, key)
         assert status == 404 and OTHER not in json.dumps(body)
         poll(
             lambda: k8s.kubectl_json("get", "deployment", "gw-off", "-n", namespace) or None, 60, "gw-off's Deployment"
         )
         started = time.monotonic()
-        status, body = _post(f"{gateway.base_url(namespace)}/completions", {"model": model, "prompt": "hi"})
+        status, body = _post(f"{gateway.base_url(namespace)}/completions", {"model": model, "prompt": "hi"}, key)
         assert status == 503 and "autoscaling.mode is off" in body["error"]["message"], body
         assert time.monotonic() - started < 10
         deployment = k8s.kubectl_json("get", "deployment", "gw-off", "-n", namespace)

@@ -16,9 +16,11 @@ from e2e import gie, kvis
 from e2e.chart import Installation
 from e2e.cluster import Cluster
 from e2e.polling import poll
+from kvpilot.operator.api.spec import EndpointPickerSpec
 from kvpilot.operator.controller.inference_pool import inference_pool
 
 POOL_CRD = "inferencepools.inference.networking.k8s.io"
+PICKER = EndpointPickerSpec()
 UID = "0b7c6e1e-0000-4000-8000-000000000003"
 GC_S = 60.0
 
@@ -70,7 +72,7 @@ def test_the_rendered_pool_is_stored_as_rendered_and_collected_with_its_inferenc
     name = isvc["metadata"]["name"]
     uid = kvis.get(k8s, namespace, name)["metadata"]["uid"]
 
-    pool = inference_pool(name, namespace, uid)
+    pool = inference_pool(name, namespace, uid, EndpointPickerSpec())
     result = create(k8s, pool)
     assert result.returncode == 0, result.stderr
     stored = json.loads(result.stdout)
@@ -116,7 +118,7 @@ def test_the_rendered_pool_passes_the_servers_validation(
     k8s: Cluster, pool_crd: dict[str, Any], namespace: str
 ) -> None:
     # The control for the cases below: unbroken, the same pool is accepted.
-    result = create(k8s, inference_pool("chat", namespace, UID), dry_run=True)
+    result = create(k8s, inference_pool("chat", namespace, UID, PICKER), dry_run=True)
     assert result.returncode == 0, result.stderr
 
 
@@ -128,7 +130,7 @@ def test_a_pool_that_breaks_the_schema_is_refused(
     breaks: Callable[[dict[str, Any]], None],
     message: str,
 ) -> None:
-    pool = inference_pool("chat", namespace, UID)
+    pool = inference_pool("chat", namespace, UID, PICKER)
     breaks(pool)
     result = create(k8s, pool, dry_run=True)
     assert result.returncode != 0, result.stdout

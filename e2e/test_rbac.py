@@ -28,6 +28,11 @@ ALLOWED = [
     ("watch", "services", None),
     ("patch", "poddisruptionbudgets.policy", None),
     ("watch", "poddisruptionbudgets.policy", None),
+    ("patch", "networkpolicies.networking.k8s.io", None),
+    ("watch", "networkpolicies.networking.k8s.io", None),
+    ("patch", "inferencepools.inference.networking.k8s.io", None),
+    ("patch", "secrets", None),  # each service's API key, made once (a server-side apply)
+    ("watch", "secrets", None),
     ("patch", "kopfpeerings.kopf.dev", None),
     ("create", "events", None),
     ("watch", "pods", None),
@@ -38,7 +43,9 @@ ALLOWED = [
     ("watch", "namespaces", ""),
 ]
 DENIED = [
-    ("get", "secrets", None),
+    ("get", "secrets", "default"),
+    ("delete", "secrets", None),
+    ("delete", "networkpolicies.networking.k8s.io", None),
     ("create", "pods", None),
     ("delete", "pods", None),
     ("delete", "inferenceservices.kvpilot.dev", None),

@@ -9,7 +9,7 @@ patterns and defaults).
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
@@ -242,6 +242,43 @@ class RoutingSpec(_Camel):
     strategy: Literal["LeastLoad", "PrefixHash"] = "LeastLoad"
 
 
+# A Kubernetes object name that can name a Service (DNS-1035 label) and a namespace (DNS-1123 label).
+DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DNS_1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class EndpointPickerSpec(_Camel):
+    # A Service in the InferenceService's namespace; unset: `<name>-epp`, the name the extension's
+    # inferencepool chart gives its picker when installed under the InferenceService's name.
+    name: str | None = Field(default=None, max_length=63, pattern=DNS_1035_LABEL)
+    port: int = Field(default=9002, ge=1, le=65535)
+    # What the Gateway does while the picker does not answer: refuse the request, or route it anyway.
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+
+
+class InferencePoolSpec(_Camel):
+    # Render an InferencePool (Gateway API Inference Extension) of the engine pods, for a Gateway
+    # and an endpoint picker (llm-d's, the extension's) to route to them.
+    enabled: bool = False
+    endpoint_picker: EndpointPickerSpec = EndpointPickerSpec()
+
+
+class AuthSpec(_Camel):
+    # The operator creates the Secret `<name>-api-key` (key `api-key`) with a random key, the
+    # engines require it as `Authorization: Bearer <key>` on /v1, and the gateway checks it before
+    # it reads a body or wakes the service. False: open to whoever reaches it.
+    api_key: bool = True
+
+
+class NetworkSpec(_Camel):
+    # A NetworkPolicy: the engine port takes connections only from the gateway, the operator
+    # (metrics) and pods in the namespaces listed (a Prometheus, clients that skip the gateway).
+    policy: bool = True
+    allowed_namespaces: list[Annotated[str, Field(max_length=63, pattern=DNS_1123_LABEL)]] = Field(
+        default_factory=list, max_length=64
+    )
+
+
 class ImagePullSecret(_Camel):
     name: str
 
@@ -266,6 +303,9 @@ class InferenceServiceSpec(_Camel):
     tolerations: list[Toleration] = Field(default_factory=list)
     rollout: RolloutSpec = RolloutSpec()
     routing: RoutingSpec = RoutingSpec()
+    inference_pool: InferencePoolSpec = InferencePoolSpec()
+    auth: AuthSpec = AuthSpec()
+    network: NetworkSpec = NetworkSpec()
     # Passed through to the engine pods as written (Kubernetes' own types, validated by the API server).
     env: list[dict[str, Any]] = Field(default_factory=list)
     env_from: list[dict[str, Any]] = Field(default_factory=list)

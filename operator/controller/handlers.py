@@ -27,7 +27,7 @@ import kopf
 
 from kvpilot.operator.api import names
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from kvpilot.operator.controller import render
+from kvpilot.operator.controller import inference_pool, render
 from kvpilot.operator.controller.last_handled import DigestDiffBaseStorage
 from kvpilot.operator.controller.reconcile import (
     as_rendered,
@@ -85,7 +85,13 @@ def _refresh(
             key,
             services,
             lambda known: refresh(
-                memo.cluster, namespace, name, datetime.now(UTC), default_image=memo.engine_image, known=known
+                memo.cluster,
+                namespace,
+                name,
+                datetime.now(UTC),
+                default_image=memo.engine_image,
+                operator_namespace=memo.operator_namespace,
+                known=known,
             ),
         )
     except WriteConflict as error:
@@ -133,6 +139,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.reconciles = Reconciles()
     # Read once here, so reconciliation stays a function of the object and this value.
     memo.engine_image = engine_image(os.environ)
+    memo.operator_namespace = os.environ.get(names.OPERATOR_NAMESPACE_ENV) or None
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
@@ -145,7 +152,13 @@ def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logge
         # kopf writes this status after the handler: a version no event's reconcile has seen.
         memo.reconciles.forget(key)
         try:
-            status = reconcile(body, memo.cluster, datetime.now(UTC), default_image=memo.engine_image)
+            status = reconcile(
+                body,
+                memo.cluster,
+                datetime.now(UTC),
+                default_image=memo.engine_image,
+                operator_namespace=memo.operator_namespace,
+            )
         except WriteConflict as error:
             raise kopf.TemporaryError(f"changed while reconciling: {error}", delay=1) from None
     patch.status.update(merge_patch(body.get("status") or {}, status))
@@ -176,6 +189,9 @@ def pod_handler(
 @kopf.on.event("apps/v1", "deployments", labels=names.MANAGED_BY)
 @kopf.on.event("v1", "services", labels=names.MANAGED_BY)
 @kopf.on.event("policy/v1", "poddisruptionbudgets", labels=names.MANAGED_BY)
+@kopf.on.event("networking.k8s.io/v1", "networkpolicies", labels=names.MANAGED_BY)
+@kopf.on.event("v1", "secrets", labels=names.MANAGED_BY)
+@kopf.on.event(inference_pool.API_VERSION, inference_pool.PLURAL, labels=names.MANAGED_BY)
 def child_handler(
     body: kopf.Body,
     memo: kopf.Memo,

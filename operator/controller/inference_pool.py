@@ -9,31 +9,19 @@ extension's `inferencepool` chart gives its picker when installed under the Infe
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from kvpilot.operator.api.names import PORT, child_metadata, selector_labels
+from kvpilot.operator.api.spec import EndpointPickerSpec
 
 API_VERSION = "inference.networking.k8s.io/v1"
 KIND = "InferencePool"
 PLURAL = "inferencepools"
-# The endpoint picker's ext-proc (gRPC) port in the extension's chart and examples.
-ENDPOINT_PICKER_PORT = 9002
-
-FailureMode = Literal["FailOpen", "FailClose"]
 
 
-def inference_pool(
-    name: str,
-    namespace: str,
-    uid: str,
-    *,
-    endpoint_picker: str | None = None,
-    endpoint_picker_port: int = ENDPOINT_PICKER_PORT,
-    failure_mode: FailureMode = "FailClose",
-) -> dict[str, Any]:
-    """The pool, named and owned like the service's other children. `endpoint_picker` names the
-    picker's Service in the same namespace (default `<name>-epp`); `failure_mode` is what the
-    Gateway does while the picker does not answer: refuse the request, or route it anyway."""
+def inference_pool(name: str, namespace: str, uid: str, picker: EndpointPickerSpec) -> dict[str, Any]:
+    """The pool, named and owned like the service's other children, handing its pods to `picker`
+    (spec.inferencePool.endpointPicker: a Service in the same namespace, `<name>-epp` unset)."""
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
@@ -43,9 +31,9 @@ def inference_pool(
             "targetPorts": [{"number": PORT}],
             "endpointPickerRef": {
                 "kind": "Service",
-                "name": endpoint_picker or f"{name}-epp",
-                "port": {"number": endpoint_picker_port},
-                "failureMode": failure_mode,
+                "name": picker.name or f"{name}-epp",
+                "port": {"number": picker.port},
+                "failureMode": picker.failure_mode,
             },
         },
     }

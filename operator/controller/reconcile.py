@@ -26,8 +26,11 @@ on the objects it already made. Decisions are made here; the `Cluster` adapter d
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
+import secrets
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, NamedTuple
@@ -206,39 +209,117 @@ def _plan(spec: InferenceServiceSpec, planned: dict[str, Any], cluster: Cluster,
     return result.model_copy(update={"reasons": {**result.reasons, "gpu": why}})
 
 
+class _ApiKey(NamedTuple):
+    sha256: str | None = None  # of the key the engines run with
+    secret: Manifest | None = None  # the Secret to create, with a new random key
+    blocked: tuple[str, str] | None = None  # (reason, message): no key to run with
+
+
+def _api_key(cluster: Cluster, name: str, namespace: str, uid: str) -> _ApiKey:
+    """The service's API key: the key in its Secret, or a new random one and the Secret to create
+    for it (once: afterwards the key is the Secret's, which an admin may rotate)."""
+    secret_name = names.api_key_secret(name)
+    secret = cluster.get("v1", "Secret", namespace, secret_name)
+    if secret is None:
+        key = secrets.token_urlsafe(32)
+        return _ApiKey(_sha256(key), render.api_key_secret_manifest(name, namespace, uid, key))
+    if not owned_by(secret, uid):
+        return _ApiKey(
+            blocked=(
+                "NameConflict",
+                f"Secret {namespace}/{secret_name} exists and is controlled by {_owner_words(secret)}: it is "
+                "left alone and nothing is rolled out; delete or rename it, or set auth.apiKey: false",
+            )
+        )
+    try:
+        key = base64.b64decode((secret.get("data") or {}).get(names.API_KEY_SECRET_KEY) or "", validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        key = ""
+    if not key:
+        return _ApiKey(
+            blocked=(
+                "InvalidApiKeySecret",
+                f"Secret {namespace}/{secret_name} holds no {names.API_KEY_SECRET_KEY} (UTF-8 text): put the key "
+                "there, or delete the Secret for a new one",
+            )
+        )
+    return _ApiKey(_sha256(key))
+
+
+def _sha256(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class _Planned(NamedTuple):
+    spec: InferenceServiceSpec | None  # None: the spec is invalid
+    planned: dict[str, Any] | None  # planned_fields(spec)
+    result: Plan
+    kept: dict[str, Any]  # status.lastGoodPlan
+
+
+def _spec_and_plan(body: Mapping[str, Any], cluster: Cluster, old: Mapping[str, Any], generation: int) -> _Planned:
+    try:
+        spec = InferenceServiceSpec.model_validate(body.get("spec", {}))
+    except ValidationError as error:
+        return _Planned(None, None, _invalid(body, error), _kept(old, None, generation))
+    planned = planned_fields(spec)
+    kept = _kept(old, planned, generation)
+    return _Planned(spec, planned, _plan(spec, planned, cluster, kept), kept)
+
+
+def _wanted(
+    name: str,
+    namespace: str,
+    uid: str,
+    cluster: Cluster,
+    spec: InferenceServiceSpec,
+    result: Plan,
+    kept: Mapping[str, Any],
+    default_image: str,
+    operator_namespace: str | None,
+) -> tuple[list[Manifest], _ApiKey]:
+    """The children to converge, stamped (with the API-key Secret when the key is new), and the key."""
+    key = _api_key(cluster, name, namespace, uid) if render.operator_api_key(spec) else _ApiKey()
+    serving = (spec, result) if result.fits else _last_good_serving(kept, spec)
+    children = render.children(
+        name,
+        namespace,
+        uid,
+        *(serving or (spec, result)),
+        default_image=default_image,
+        api_key_sha256=key.sha256,
+        operator_namespace=operator_namespace,
+    )
+    return [stamped(m) for m in [*children, *([key.secret] if key.secret else [])]], key
+
+
 def reconcile(
-    body: Mapping[str, Any], cluster: Cluster, now: datetime, *, default_image: str = render.DEFAULT_ENGINE_IMAGE
+    body: Mapping[str, Any],
+    cluster: Cluster,
+    now: datetime,
+    *,
+    default_image: str = render.DEFAULT_ENGINE_IMAGE,
+    operator_namespace: str | None = None,
 ) -> dict[str, Any]:
     """Converge the children of `body` and return the status to write; `default_image` is the
-    engine image for specs that do not set one."""
+    engine image for specs that do not set one, `operator_namespace` where the operator and the
+    gateway run (the engines' NetworkPolicy lets their pods in)."""
     metadata = body["metadata"]
     name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
     generation = int(metadata.get("generation", 0))
     old = body.get("status") or {}
-    spec: InferenceServiceSpec | None
-    planned: dict[str, Any] | None = None
-    try:
-        spec = InferenceServiceSpec.model_validate(body.get("spec", {}))
-    except ValidationError as error:
-        spec, result = None, _invalid(body, error)
-    else:
-        planned = planned_fields(spec)
-    kept = _kept(old, planned, generation)
-    if spec is not None and planned is not None:
-        result = _plan(spec, planned, cluster, kept)
+    spec, planned, result, kept = _spec_and_plan(body, cluster, old, generation)
 
     wanted: list[Manifest] = []
+    key = _ApiKey()
     if spec is not None:
-        serving = (spec, result) if result.fits else _last_good_serving(kept, spec)
-        wanted = [
-            stamped(m)
-            for m in render.children(name, namespace, uid, *(serving or (spec, result)), default_image=default_image)
-        ]
-    found = {m["kind"]: cluster.get(m["apiVersion"], m["kind"], namespace, name) for m in wanted}
+        wanted, key = _wanted(name, namespace, uid, cluster, spec, result, kept, default_image, operator_namespace)
+    found = {m["kind"]: cluster.get(m["apiVersion"], m["kind"], namespace, m["metadata"]["name"]) for m in wanted}
     if "Deployment" not in found:
         found["Deployment"] = cluster.get("apps/v1", "Deployment", namespace, name)
 
-    blocked = _converge(cluster, wanted, found, uid)
+    # Without its key the service's pods would serve open (or with someone else's): nothing rolls out.
+    blocked = key.blocked or _converge(cluster, wanted, found, uid)
     deployment = found["Deployment"]
     if deployment is not None and not owned_by(deployment, uid):
         deployment = None
@@ -263,6 +344,10 @@ def reconcile(
         blocked=blocked,
         pods=pods,
         last_good=good,
+        # A new key counts once its Secret is made.
+        api_key=(key.sha256, names.api_key_secret(name))
+        if key.sha256 and (key.secret is None or found.get("Secret"))
+        else None,
     )
 
 
@@ -312,6 +397,7 @@ def refresh(
     now: datetime,
     *,
     default_image: str = render.DEFAULT_ENGINE_IMAGE,
+    operator_namespace: str | None = None,
     known: Mapping[str, Any] | None = None,
 ) -> Refreshed | None:
     """Reconcile the InferenceService `namespace/name` and write its status if it changed (for
@@ -320,7 +406,7 @@ def refresh(
     body = known if known is not None else cluster.get(API_VERSION, KIND, namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return None
-    new = reconcile(body, cluster, now, default_image=default_image)
+    new = reconcile(body, cluster, now, default_image=default_image, operator_namespace=operator_namespace)
     patch = merge_patch(body.get("status") or {}, new)
     if patch:
         return Refreshed(cluster.patch_status(API_VERSION, KIND, namespace, name, patch), new)

@@ -7,6 +7,7 @@ selector all use.
 
 from __future__ import annotations
 
+import base64
 import copy
 import math
 from typing import Any, NamedTuple
@@ -14,12 +15,20 @@ from urllib.parse import quote
 
 from kvpilot.engine.config import EngineConfig, ServerConfig, serve_argv
 from kvpilot.operator.api.names import (
+    API_KEY_ANNOTATION,
+    API_KEY_SECRET_KEY,
+    APP_NAME_LABEL,
     CONTAINER,
+    ENGINE_TYPE,
+    ENGINE_TYPE_LABEL,
+    GATEWAY_APP,
     NVIDIA_GPU_RESOURCE,
+    OPERATOR_APP,
     PORT,
     PORT_NAME,
+    api_key_secret,
+    child_metadata,
     labels,
-    owner_reference,
     selector_labels,
 )
 from kvpilot.operator.api.spec import (
@@ -28,6 +37,7 @@ from kvpilot.operator.api.spec import (
     InferenceServiceSpec,
     hub_source,
 )
+from kvpilot.operator.controller.inference_pool import inference_pool
 from kvpilot.operator.controller.vllm_args import vllm_args
 from kvpilot.operator.planning.gpus import GPU, find_gpu
 from kvpilot.operator.planning.planner import Plan
@@ -53,15 +63,6 @@ RUN_AS_USER = 1000
 # The engine image when neither spec.image nor the operator's configured default names one;
 # tests/operator/controller/test_render.py keeps its tag equal to the chart's appVersion.
 DEFAULT_ENGINE_IMAGE = "ghcr.io/kvpilot/kvpilot:0.1.0"
-
-
-def _metadata(name: str, namespace: str, uid: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "namespace": namespace,
-        "labels": labels(name),
-        "ownerReferences": [owner_reference(name, uid)],
-    }
 
 
 def hub_model_dir(source: HubSource) -> str:
@@ -313,6 +314,23 @@ def _affinity(spec: InferenceServiceSpec, gpu: GPU) -> Manifest | None:
     return affinity
 
 
+# Where each runtime reads the API key it requires on /v1 (its /metrics and probes stay open).
+API_KEY_ENV = {"kvpilot": "KVPILOT_API_KEY", "vllm": "VLLM_API_KEY"}
+
+
+def operator_api_key(spec: InferenceServiceSpec) -> bool:
+    """The operator makes and hands out the service's API key: auth.apiKey, unless the spec's env
+    already gives the engine a key of the user's own (which the gateway then does not check)."""
+    return spec.auth.api_key and not any(e.get("name") == API_KEY_ENV[spec.runtime] for e in spec.env)
+
+
+def _api_key_env(name: str, spec: InferenceServiceSpec) -> list[Manifest]:
+    if not operator_api_key(spec):
+        return []
+    ref = {"secretKeyRef": {"name": api_key_secret(name), "key": API_KEY_SECRET_KEY}}
+    return [{"name": API_KEY_ENV[spec.runtime], "valueFrom": ref}]
+
+
 def _runtime_command(
     spec: InferenceServiceSpec, plan: Plan, model: _ModelFiles, draft: _ModelFiles | None
 ) -> tuple[list[str], list[str], str, list[Manifest]]:
@@ -327,6 +345,7 @@ def _runtime_command(
 
 
 def _engine_container(
+    name: str,
     spec: InferenceServiceSpec,
     plan: Plan,
     gpu: GPU,
@@ -368,7 +387,7 @@ def _engine_container(
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
         "resources": _resources(spec, plan, gpu),
         # Caches that libraries write (Hugging Face, Triton, torch) go to the writable /tmp.
-        "env": [{"name": "HOME", "value": "/tmp"}, *env, *spec.env],
+        "env": [{"name": "HOME", "value": "/tmp"}, *env, *_api_key_env(name, spec), *spec.env],
         "securityContext": _container_security(),
         "volumeMounts": [
             *mounts,
@@ -381,7 +400,25 @@ def _engine_container(
     return container
 
 
-def _pod_template(name: str, spec: InferenceServiceSpec, plan: Plan, gpu: GPU, default_image: str) -> Manifest:
+def _pod_metadata(name: str, spec: InferenceServiceSpec, api_key_sha256: str | None) -> Manifest:
+    return {
+        # Ours last: the selector depends on them. The engine type before the spec's: a user may
+        # name another for their endpoint picker.
+        "labels": {ENGINE_TYPE_LABEL: ENGINE_TYPE, **spec.pod_labels, **labels(name)},
+        "annotations": {
+            **spec.pod_annotations,
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(PORT),
+            "prometheus.io/path": "/metrics",
+            # A new key in the Secret rolls the pods: the engines read it when they start.
+            **({API_KEY_ANNOTATION: api_key_sha256} if api_key_sha256 and operator_api_key(spec) else {}),
+        },
+    }
+
+
+def _pod_template(
+    name: str, spec: InferenceServiceSpec, plan: Plan, gpu: GPU, default_image: str, api_key_sha256: str | None
+) -> Manifest:
     """The engine pod: its download init containers, the engine, volumes, scheduling. The downloads
     run `kvpilot download`: from the engine's image, or the operator's for vLLM's image lacks it."""
     model, draft = _pod_files(spec, plan)
@@ -395,16 +432,7 @@ def _pod_template(name: str, spec: InferenceServiceSpec, plan: Plan, gpu: GPU, d
         if files is not None and files.download is not None
     ]
     pod: Manifest = {
-        "metadata": {
-            # Ours last: the selector depends on them.
-            "labels": {**spec.pod_labels, **labels(name)},
-            "annotations": {
-                **spec.pod_annotations,
-                "prometheus.io/scrape": "true",
-                "prometheus.io/port": str(PORT),
-                "prometheus.io/path": "/metrics",
-            },
-        },
+        "metadata": _pod_metadata(name, spec, api_key_sha256),
         "spec": {
             # The engine never talks to the API server: no token of the namespace's default account.
             "automountServiceAccountToken": False,
@@ -416,7 +444,7 @@ def _pod_template(name: str, spec: InferenceServiceSpec, plan: Plan, gpu: GPU, d
                 "seccompProfile": {"type": "RuntimeDefault"},
             },
             **({"initContainers": init} if init else {}),
-            "containers": [_engine_container(spec, plan, gpu, image, model, draft, mounts)],
+            "containers": [_engine_container(name, spec, plan, gpu, image, model, draft, mounts)],
             "volumes": [
                 *volumes,
                 {"name": "tmp", "emptyDir": {}},
@@ -450,15 +478,17 @@ def deployment(
     plan: Plan,
     *,
     default_image: str = DEFAULT_ENGINE_IMAGE,
+    api_key_sha256: str | None = None,
 ) -> Manifest:
-    """The engines' Deployment; `default_image` is the operator's image for specs without one."""
+    """The engines' Deployment; `default_image` is the operator's image for specs without one,
+    `api_key_sha256` the digest of the key in the service's API-key Secret."""
     gpu = find_gpu(str(plan.gpu))
     if not plan.fits or gpu is None:
         raise ValueError(f"no Deployment for a plan that does not fit: {plan.reason}")
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(name, namespace, uid),
+        "metadata": child_metadata(name, namespace, uid),
         "spec": {
             "replicas": spec.replicas if spec.replicas is not None else plan.replicas,
             "selector": {"matchLabels": selector_labels(name)},
@@ -468,7 +498,7 @@ def deployment(
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxSurge": spec.rollout.max_surge, "maxUnavailable": spec.rollout.max_unavailable},
             },
-            "template": _pod_template(name, spec, plan, gpu, default_image),
+            "template": _pod_template(name, spec, plan, gpu, default_image, api_key_sha256),
         },
     }
 
@@ -477,7 +507,7 @@ def service(name: str, namespace: str, uid: str) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(name, namespace, uid),
+        "metadata": child_metadata(name, namespace, uid),
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(name),
@@ -490,7 +520,7 @@ def pod_disruption_budget(name: str, namespace: str, uid: str) -> Manifest:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(name, namespace, uid),
+        "metadata": child_metadata(name, namespace, uid),
         # maxUnavailable, not minAvailable: a single-replica service must not block node drains;
         # and a pod that is not ready (crash-looping, still loading) serves nothing, so evicting it
         # never counts against the budget.
@@ -502,6 +532,56 @@ def pod_disruption_budget(name: str, namespace: str, uid: str) -> Manifest:
     }
 
 
+def api_key_secret_manifest(name: str, namespace: str, uid: str, key: str) -> Manifest:
+    """The service's API-key Secret, created once with a new random `key`: afterwards the key is
+    the Secret's (an admin may rotate it), never rendered again."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {**child_metadata(name, namespace, uid), "name": api_key_secret(name)},
+        "type": "Opaque",
+        "data": {API_KEY_SECRET_KEY: base64.b64encode(key.encode()).decode()},
+    }
+
+
+# The namespace label the API server sets on every namespace to its name.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+
+
+def network_policy(
+    name: str, namespace: str, uid: str, spec: InferenceServiceSpec, operator_namespace: str | None
+) -> Manifest:
+    """Who may open a connection to the engine port: the chart's gateway and operator pods (in the
+    operator's namespace; any namespace when it is not known), pods in the namespaces the spec
+    allows, and with `network.policy: false` everyone (the policy stays, so turning it off needs
+    no delete). Kubelet probes are the node's own traffic, which policies do not stop."""
+    system: Manifest = {
+        "podSelector": {
+            "matchExpressions": [{"key": APP_NAME_LABEL, "operator": "In", "values": [GATEWAY_APP, OPERATOR_APP]}]
+        },
+        "namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: operator_namespace}} if operator_namespace else {},
+    }
+    allowed = sorted(set(spec.network.allowed_namespaces))
+    peers = [system] + (
+        [
+            {
+                "namespaceSelector": {
+                    "matchExpressions": [{"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": allowed}]
+                }
+            }
+        ]
+        if allowed
+        else []
+    )
+    rule: Manifest = {"from": peers, "ports": [{"port": PORT, "protocol": "TCP"}]} if spec.network.policy else {}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": child_metadata(name, namespace, uid),
+        "spec": {"podSelector": {"matchLabels": selector_labels(name)}, "policyTypes": ["Ingress"], "ingress": [rule]},
+    }
+
+
 def children(
     name: str,
     namespace: str,
@@ -510,9 +590,21 @@ def children(
     plan: Plan,
     *,
     default_image: str = DEFAULT_ENGINE_IMAGE,
+    api_key_sha256: str | None = None,
+    operator_namespace: str | None = None,
 ) -> list[Manifest]:
-    """What should exist: no Deployment when the plan does not fit."""
-    objects = [service(name, namespace, uid), pod_disruption_budget(name, namespace, uid)]
+    """What should exist: no Deployment when the plan does not fit; the InferencePool when the spec
+    asks for one. The API-key Secret is not among them: its key is made once (reconcile)."""
+    objects = [
+        service(name, namespace, uid),
+        pod_disruption_budget(name, namespace, uid),
+        network_policy(name, namespace, uid, spec, operator_namespace),
+    ]
+    if spec.inference_pool.enabled:
+        objects.append(inference_pool(name, namespace, uid, spec.inference_pool.endpoint_picker))
     if plan.fits:
-        objects.insert(0, deployment(name, namespace, uid, spec, plan, default_image=default_image))
+        objects.insert(
+            0,
+            deployment(name, namespace, uid, spec, plan, default_image=default_image, api_key_sha256=api_key_sha256),
+        )
     return objects

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from kvpilot.operator.api.names import selector, service_url
+from kvpilot.operator.api.names import API_KEY_SHA256, selector, service_url
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.planning import sizing
 from kvpilot.operator.planning.planner import Plan
@@ -244,9 +244,11 @@ def build(
     blocked: tuple[str, str] | None = None,
     pods: Sequence[Mapping[str, Any]] = (),
     last_good: Mapping[str, Any] | None = None,
+    api_key: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     """The whole `status` to write; `deployment` is the owned Deployment, if any; `last_good` is
-    `lastGoodPlan`, the record of the last plan that fit (reconcile.last_good)."""
+    `lastGoodPlan`, the record of the last plan that fit (reconcile.last_good); `api_key` the
+    SHA-256 of the service's API key and the Secret holding it, for the gateway's check."""
     desired = 0
     if plan.fits and spec is not None:
         desired = spec.replicas if spec.replicas is not None else plan.replicas
@@ -271,6 +273,7 @@ def build(
         "url": service_url(name, namespace),
         "plan": plan_summary(plan),
         **({"lastGoodPlan": dict(last_good)} if last_good else {}),
+        **({"auth": {API_KEY_SHA256: api_key[0], "secretName": api_key[1]}} if api_key else {}),
         # Predicted until the autoscaler reports what the engines measure.
         "latency": latency,
         "conditions": with_transition_times(fresh, old.get("conditions", []), now, generation),

@@ -21,7 +21,7 @@ from kubernetes import config
 from kubernetes.client import ApiClient
 from kubernetes.config.config_exception import ConfigException
 from kubernetes.dynamic import DynamicClient
-from kubernetes.dynamic.exceptions import ConflictError, DynamicApiError, NotFoundError
+from kubernetes.dynamic.exceptions import ConflictError, DynamicApiError, NotFoundError, ResourceNotFoundError
 
 from kvpilot.operator.api.names import (
     AMD_GPU_RESOURCE,
@@ -85,6 +85,11 @@ def _translated(what: str) -> Iterator[None]:
         raise WriteConflict(f"{what}: {api_message(error)}") from None
     except DynamicApiError as error:
         raise WriteRefused(what, error.status, api_message(error)) from None
+    except ResourceNotFoundError as error:
+        # A kind the API server does not serve: an optional CRD (InferencePool) not installed.
+        raise WriteRefused(
+            what, 404, f"the API server does not serve this kind (is its CRD installed?): {error}"
+        ) from None
 
 
 class Cluster(Protocol):
@@ -181,7 +186,8 @@ class KubeCluster:
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
         try:
             found = self._resource(api_version, kind).get(name=name, namespace=namespace)
-        except NotFoundError:
+        except (NotFoundError, ResourceNotFoundError):
+            # No such object, or no such kind (so no such object).
             return None
         return dict(found.to_dict())
 

@@ -168,7 +168,7 @@ def test_plan_and_render_read_a_manifest_as_the_operator_would(tmp_path: Path) -
     args = parser().parse_args(["render", "-f", str(manifest)])
     assert args.func(args, out=out) == 0
     objects = list(yaml.safe_load_all(out.getvalue()))
-    assert [o["kind"] for o in objects] == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert [o["kind"] for o in objects] == ["Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"]
     assert {o["metadata"]["namespace"] for o in objects} == {"team-a"}
     pod = objects[0]["spec"]["template"]["spec"]
     (engine,) = pod["containers"]

@@ -29,7 +29,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{/*
 What the operator does inside a watched namespace: reconcile InferenceServices (kopf patches
 their annotations and status; it adds no finalizer, and removes one an older operator left),
-watch their children (Deployments, Services, PodDisruptionBudgets: a change reconciles the owner),
+watch their children (Deployments, Services, PodDisruptionBudgets, NetworkPolicies, API-key
+Secrets, InferencePools: a change reconciles the owner),
 create and server-side apply the children (it never deletes one: a plan that stops fitting keeps
 the last good Deployment, and deleting an InferenceService leaves its children to the garbage
 collector), keep its peering record alive, and post events.
@@ -57,6 +58,21 @@ collector), keep its peering record alive, and post events.
   verbs: [get, list, watch, create, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch]
+# Each service's NetworkPolicy (spec.network), and its InferencePool when it asks for one
+# (spec.inferencePool; the Gateway API Inference Extension's CRD).
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, list, watch, create, patch]
+# Each service's API-key Secret (spec.auth.apiKey): created once with a random key (a server-side
+# apply, hence patch), then read for its digest (status.auth, which the gateway checks); never
+# rewritten or deleted. RBAC cannot narrow this to those Secrets: the operator can read every
+# Secret of a watched namespace (README, "Security model"; watchNamespaces narrows it).
+- apiGroups: [""]
+  resources: [secrets]
   verbs: [get, list, watch, create, patch]
 # Engine pods: their states explain a service that is not Ready; before a scale-down the autoscaler
 # annotates them with a deletion cost (patch), so the ReplicaSet removes the idlest first.

@@ -57,6 +57,7 @@ VALUE_KEYS = {
     "exclusiveMinimum",
     "minLength",
     "maxLength",
+    "maxItems",
     "pattern",
     "required",
     "properties",
@@ -127,6 +128,8 @@ def validate(value: Any, node: Schema, path: str = "") -> None:
         assert value <= node["maximum"], path
     if "minLength" in node:
         assert len(value) >= node["minLength"], path
+    if "maxItems" in node:
+        assert len(value) <= node["maxItems"], path
     if kind == "object":
         for name in node.get("required", []):
             assert name in value, f"{path}: missing {name}"
@@ -305,14 +308,15 @@ def _pydantic_rules(field: FieldInfo) -> dict[str, Any]:
     if len(scalars) == 1 and len(members) == 1:
         rules["type"] = scalars.pop()
     step = 1 if rules.get("type") == "integer" else 0
+    length = "Items" if get_origin(field.annotation) is list else "Length"
     for constraint in field.metadata:
         for attr, key, shift in (
             ("ge", "minimum", 0),
             ("gt", "minimum", step),
             ("le", "maximum", 0),
             ("lt", "maximum", -step),
-            ("min_length", "minLength", 0),
-            ("max_length", "maxLength", 0),
+            ("min_length", f"min{length}", 0),
+            ("max_length", f"max{length}", 0),
             ("pattern", "pattern", 0),
         ):
             value = getattr(constraint, attr, None)
@@ -326,7 +330,9 @@ def _pydantic_rules(field: FieldInfo) -> dict[str, Any]:
 def _crd_rules(node: Schema, cel: list[dict[str, str]], alias: str) -> dict[str, Any]:
     """The same for a CRD property, counting the CEL rules of its parent that bound it by a number."""
     rules = {
-        key: node[key] for key in ("type", "minimum", "maximum", "minLength", "maxLength", "pattern") if key in node
+        key: node[key]
+        for key in ("type", "minimum", "maximum", "minLength", "maxLength", "minItems", "maxItems", "pattern")
+        if key in node
     }
     if node.get("type") in ("array", "object"):
         rules.pop("type")

@@ -1,11 +1,12 @@
 from typing import Any
 
 from kvpilot.operator.api import names
-from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.api.spec import EndpointPickerSpec, InferenceServiceSpec
 from kvpilot.operator.controller import render
 from kvpilot.operator.controller.inference_pool import API_VERSION, KIND, inference_pool
 from kvpilot.operator.planning.planner import plan
 
+PICKER = EndpointPickerSpec()
 UID = "0b7c6e1e-0000-4000-8000-000000000002"
 
 
@@ -26,7 +27,7 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 
 def test_the_pool_selects_this_services_engine_pods_and_no_other_services() -> None:
-    selector = inference_pool("chat", "ml", UID)["spec"]["selector"]["matchLabels"]
+    selector = inference_pool("chat", "ml", UID, PICKER)["spec"]["selector"]["matchLabels"]
     assert selects(selector, pod_labels("chat"))
     # User pod labels cannot pull a pod out of the pool or another service's pods into it.
     assert selects(selector, pod_labels("chat", podLabels={"app.kubernetes.io/instance": "other", "team": "a"}))
@@ -36,13 +37,13 @@ def test_the_pool_selects_this_services_engine_pods_and_no_other_services() -> N
 
 def test_the_pool_selects_what_the_service_and_the_deployment_select() -> None:
     # The Gateway's picker and the Service must see the same pods, whichever route a request takes.
-    selector = inference_pool("chat", "ml", UID)["spec"]["selector"]["matchLabels"]
+    selector = inference_pool("chat", "ml", UID, PICKER)["spec"]["selector"]["matchLabels"]
     assert selector == render.service("chat", "ml", UID)["spec"]["selector"]
     assert selector == render.pod_disruption_budget("chat", "ml", UID)["spec"]["selector"]["matchLabels"]
 
 
 def test_the_pool_targets_the_engine_port_the_pods_listen_on() -> None:
-    pool = inference_pool("chat", "ml", UID)
+    pool = inference_pool("chat", "ml", UID, PICKER)
     ports = [p["number"] for p in pool["spec"]["targetPorts"]]
     assert ports == [names.PORT]
     service_port = render.service("chat", "ml", UID)["spec"]["ports"][0]
@@ -50,7 +51,7 @@ def test_the_pool_targets_the_engine_port_the_pods_listen_on() -> None:
 
 
 def test_the_pool_is_a_child_owned_by_its_inference_service() -> None:
-    pool = inference_pool("chat", "ml", UID)
+    pool = inference_pool("chat", "ml", UID, PICKER)
     assert (pool["apiVersion"], pool["kind"]) == ("inference.networking.k8s.io/v1", "InferencePool")
     assert (API_VERSION, KIND) == (pool["apiVersion"], pool["kind"])
     meta = pool["metadata"]
@@ -71,14 +72,13 @@ def test_the_pool_is_a_child_owned_by_its_inference_service() -> None:
 
 
 def test_the_endpoint_picker_defaults_to_the_extension_charts_name_and_port() -> None:
-    ref = inference_pool("chat", "ml", UID)["spec"]["endpointPickerRef"]
+    ref = inference_pool("chat", "ml", UID, PICKER)["spec"]["endpointPickerRef"]
     assert ref == {"kind": "Service", "name": "chat-epp", "port": {"number": 9002}, "failureMode": "FailClose"}
 
 
 def test_the_endpoint_picker_is_configurable() -> None:
-    ref = inference_pool(
-        "chat", "ml", UID, endpoint_picker="llm-d-epp", endpoint_picker_port=9003, failure_mode="FailOpen"
-    )["spec"]["endpointPickerRef"]
+    picker = EndpointPickerSpec.model_validate({"name": "llm-d-epp", "port": 9003, "failureMode": "FailOpen"})
+    ref = inference_pool("chat", "ml", UID, picker)["spec"]["endpointPickerRef"]
     assert ref == {"kind": "Service", "name": "llm-d-epp", "port": {"number": 9003}, "failureMode": "FailOpen"}
 
 

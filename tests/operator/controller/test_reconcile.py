@@ -136,6 +136,11 @@ def apply_merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> dict[str
     return result
 
 
+OPERATOR_NAMESPACE = "kvpilot-system"
+# What every InferenceService has, whether its spec plans or not.
+SPEC_FREE_KINDS = ["NetworkPolicy", "PodDisruptionBudget", "Secret", "Service"]
+
+
 def body(spec: dict[str, Any], generation: int = 1, status: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "apiVersion": "kvpilot.dev/v1alpha1",
@@ -153,6 +158,18 @@ REPLICAS = plan(InferenceServiceSpec.model_validate(SPEC)).replicas
 assert REPLICAS > 1
 
 
+def memo_of(
+    cluster: FakeCluster, reconciles: Reconciles | None = None, engine_image: str = render.DEFAULT_ENGINE_IMAGE
+) -> kopf.Memo:
+    """The memo `handlers.configure` fills, with this cluster."""
+    return kopf.Memo(
+        cluster=cluster,
+        reconciles=reconciles or Reconciles(),
+        engine_image=engine_image,
+        operator_namespace=OPERATOR_NAMESPACE,
+    )
+
+
 def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
     return next(c for c in status["conditions"] if c["type"] == kind)
 
@@ -160,7 +177,7 @@ def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
 def test_creates_deployment_service_and_pdb_and_reports_progress() -> None:
     cluster = FakeCluster()
     status = reconcile(body(SPEC), cluster, NOW)
-    assert cluster.kinds() == ["Deployment", "PodDisruptionBudget", "Service"]
+    assert cluster.kinds() == ["Deployment", *SPEC_FREE_KINDS]
     assert status["observedGeneration"] == 1
     assert status["desiredReplicas"] == REPLICAS and status["readyReplicas"] == 0
     assert status["selector"] == "app.kubernetes.io/instance=chat,app.kubernetes.io/name=kvpilot-engine"
@@ -205,7 +222,11 @@ def test_reconciling_again_creates_no_duplicates_and_recreates_deleted_children(
     snapshot = {key: dict(obj) for key, obj in cluster.objects.items()}
     reconcile(body(SPEC), cluster, NOW)  # e.g. the operator restarted (resume) or a child changed
     assert cluster.objects.keys() == snapshot.keys()
-    assert all(cluster.objects[k]["spec"] == snapshot[k]["spec"] for k in snapshot)
+    assert all(cluster.objects[k].get("spec") == snapshot[k].get("spec") for k in snapshot)
+    # The API key is made once: a reconcile never replaces it.
+    assert (
+        cluster.objects[("Secret", "ml", "chat-api-key")]["data"] == snapshot[("Secret", "ml", "chat-api-key")]["data"]
+    )
     cluster.delete("apps/v1", "Deployment", "ml", "chat")  # deleted by hand
     reconcile(body(SPEC), cluster, NOW)
     assert ("Deployment", "ml", "chat") in cluster.objects
@@ -214,10 +235,10 @@ def test_reconciling_again_creates_no_duplicates_and_recreates_deleted_children(
 def test_unchanged_children_are_not_written_and_changed_ones_are() -> None:
     cluster = FakeCluster()
     reconcile(body(SPEC), cluster, NOW)
-    assert cluster.applies == 3
+    assert cluster.applies == len(["Deployment", *SPEC_FREE_KINDS])
     versions = {k: o["metadata"]["resourceVersion"] for k, o in cluster.objects.items()}
     reconcile(body(SPEC), cluster, NOW)
-    assert cluster.applies == 3  # converged: reads only
+    assert cluster.applies == 5  # converged: reads only
     assert {k: o["metadata"]["resourceVersion"] for k, o in cluster.objects.items()} == versions
     deployment = cluster.objects[("Deployment", "ml", "chat")]
     assert RENDERED_HASH in deployment["metadata"]["annotations"]
@@ -225,7 +246,7 @@ def test_unchanged_children_are_not_written_and_changed_ones_are() -> None:
     # A field of ours edited by hand is put back.
     deployment["spec"]["replicas"] = 7
     reconcile(body(SPEC), cluster, NOW)
-    assert cluster.applies == 4 and cluster.objects[("Deployment", "ml", "chat")]["spec"]["replicas"] == REPLICAS
+    assert cluster.applies == 6 and cluster.objects[("Deployment", "ml", "chat")]["spec"]["replicas"] == REPLICAS
     # A field the spec no longer asks for (a nodeSelector key) goes: the rendering changed.
     selected = {**SPEC, "nodeSelector": {"pool": "gpu"}}
     reconcile(body(selected, generation=2), cluster, NOW)
@@ -270,7 +291,7 @@ def test_a_plan_that_stops_fitting_keeps_the_last_good_deployment_and_says_why()
     # A spec that never planned has no Deployment.
     fresh = FakeCluster()
     status = reconcile(body(too_big), fresh, NOW)
-    assert fresh.kinds() == ["PodDisruptionBudget", "Service"]
+    assert fresh.kinds() == SPEC_FREE_KINDS
     ready = condition(status, "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "WeightsDoNotFit")
     assert "42.8 GiB" in ready["message"]
@@ -279,7 +300,7 @@ def test_a_plan_that_stops_fitting_keeps_the_last_good_deployment_and_says_why()
 def test_the_last_good_deployment_deleted_by_hand_comes_back_while_the_spec_does_not_plan() -> None:
     cluster = FakeCluster()
     cluster.put(body(SPEC))
-    memo = kopf.Memo(cluster=cluster, reconciles=Reconciles(), engine_image=render.DEFAULT_ENGINE_IMAGE)
+    memo = memo_of(cluster)
     assert refresh(cluster, "ml", "chat", NOW)
     running = copy.deepcopy(cluster.objects[("Deployment", "ml", "chat")])
     # The spec stops planning (a model too big); then the Deployment is deleted by hand.
@@ -323,7 +344,7 @@ def test_pinning_what_the_engine_does_not_run_is_not_ready_and_rolls_out_nothing
     pinned = {**SPEC, "serving": {"quantization": "w8a8"}}
     fresh = FakeCluster()
     status = reconcile(body(pinned), fresh, NOW)
-    assert fresh.kinds() == ["PodDisruptionBudget", "Service"]
+    assert fresh.kinds() == SPEC_FREE_KINDS
     ready = condition(status, "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "UnsupportedByRuntime")
     assert "serving.quantization 'w8a8'" in ready["message"]
@@ -481,7 +502,7 @@ def test_a_same_named_object_of_someone_else_is_left_alone() -> None:
     # Once it is gone, the children are made.
     cluster.delete("apps/v1", "Deployment", "ml", "chat")
     status = reconcile(body(SPEC, status=status), cluster, NOW)
-    assert cluster.kinds() == ["Deployment", "PodDisruptionBudget", "Service"]
+    assert cluster.kinds() == ["Deployment", *SPEC_FREE_KINDS]
     assert condition(status, "Ready")["reason"] == "ReplicasNotReady"
 
 
@@ -496,7 +517,7 @@ def test_a_write_the_api_server_refuses_is_in_the_status() -> None:
     ready = condition(status, "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "ApplyFailed")
     assert ready["message"] == f"the API server refused Deployment ml/chat: {message}"
-    assert cluster.kinds() == ["PodDisruptionBudget", "Service"]  # the others are written
+    assert cluster.kinds() == SPEC_FREE_KINDS  # the others are written
 
 
 def test_a_write_that_races_another_is_a_conflict_not_an_adoption() -> None:
@@ -524,18 +545,18 @@ def test_slo_at_risk_is_degraded_with_numbers() -> None:
 def test_kopf_handler_writes_the_status_into_the_patch() -> None:
     cluster = FakeCluster()
     patch = kopf.Patch()
-    memo = kopf.Memo(cluster=cluster, reconciles=Reconciles(), engine_image="mirror.example/kvpilot:1.2.3")
+    memo = memo_of(cluster, engine_image="mirror.example/kvpilot:1.2.3")
     reconcile_handler(body=body(SPEC), patch=patch, memo=memo, logger=logging.getLogger("test"))
     assert patch["status"]["plan"]["gpu"] == "A10G"
     assert {c["type"] for c in patch["status"]["conditions"]} == {"Planned", "Progressing", "Ready", "Degraded"}
-    assert cluster.kinds() == ["Deployment", "PodDisruptionBudget", "Service"]
+    assert cluster.kinds() == ["Deployment", *SPEC_FREE_KINDS]
     (engine,) = cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"]["spec"]["containers"]
     assert engine["image"] == "mirror.example/kvpilot:1.2.3"
 
 
 def test_kopf_handler_patches_only_what_changed_and_removes_what_is_gone() -> None:
     cluster = FakeCluster()
-    memo = kopf.Memo(cluster=cluster, reconciles=Reconciles(), engine_image=render.DEFAULT_ENGINE_IMAGE)
+    memo = memo_of(cluster)
     first = reconcile(body(SPEC), cluster, NOW)
     patch = kopf.Patch()
     reconcile_handler(body=body(SPEC, status=first), patch=patch, memo=memo, logger=logging.getLogger("test"))
@@ -562,7 +583,7 @@ def test_kopf_handler_retries_a_blocked_service_after_writing_its_status() -> No
         }
     )
     patch = kopf.Patch()
-    memo = kopf.Memo(cluster=cluster, reconciles=Reconciles(), engine_image=render.DEFAULT_ENGINE_IMAGE)
+    memo = memo_of(cluster)
     with pytest.raises(kopf.TemporaryError, match="NameConflict"):
         reconcile_handler(body=body(SPEC), patch=patch, memo=memo, logger=logging.getLogger("test"))
     assert condition(patch["status"], "Ready")["reason"] == "NameConflict"
@@ -570,7 +591,7 @@ def test_kopf_handler_retries_a_blocked_service_after_writing_its_status() -> No
 
 def test_kopf_handler_plans_again_later_when_no_node_has_a_gpu() -> None:
     cluster = FakeCluster()
-    memo = kopf.Memo(cluster=cluster, reconciles=Reconciles(), engine_image=render.DEFAULT_ENGINE_IMAGE)
+    memo = memo_of(cluster)
     unset = {"model": {"name": "llama-2-7b"}}
     patch = kopf.Patch()
     with pytest.raises(kopf.TemporaryError, match="NoGPUType") as raised:
@@ -584,15 +605,15 @@ def test_kopf_handler_plans_again_later_when_no_node_has_a_gpu() -> None:
         body=body(unset, status=patch["status"]), patch=retried, memo=memo, logger=logging.getLogger("test")
     )
     assert retried["status"]["plan"]["gpu"] == "L4"
-    assert cluster.kinds() == ["Deployment", "PodDisruptionBudget", "Service"]
+    assert cluster.kinds() == ["Deployment", *SPEC_FREE_KINDS]
 
 
 def test_a_child_event_reconciles_its_owner_and_writes_only_a_changed_status() -> None:
     cluster = FakeCluster()
     cluster.put(body(SPEC))
-    memo = kopf.Memo(cluster=cluster, reconciles=Reconciles(), engine_image=render.DEFAULT_ENGINE_IMAGE)
+    memo = memo_of(cluster)
     assert refresh(cluster, "ml", "chat", NOW)
-    assert cluster.kinds() == ["Deployment", "PodDisruptionBudget", "Service"]
+    assert cluster.kinds() == ["Deployment", *SPEC_FREE_KINDS]
     assert len(cluster.status_patches) == 1
     assert (
         condition(cluster.objects[("InferenceService", "ml", "chat")]["status"], "Ready")["reason"]
@@ -663,7 +684,7 @@ def _reconciled_chat() -> tuple[ReadCounting, kopf.Memo, logging.Logger]:
     assert refresh(cluster, "ml", "chat", NOW)
     return (
         cluster,
-        kopf.Memo(cluster=cluster, reconciles=Reconciles(), engine_image=render.DEFAULT_ENGINE_IMAGE),
+        memo_of(cluster),
         logging.getLogger("test"),
     )
 
@@ -778,7 +799,15 @@ def test_no_handler_makes_kopf_add_a_finalizer() -> None:
     changing = list(registry._changing.get_all_handlers())
     assert changing and not any(h.requires_finalizer for h in changing)
     watched = {h.selector.any_name for h in registry._watching.get_all_handlers()}
-    assert watched == {"deployments", "services", "poddisruptionbudgets", "pods"}
+    assert watched == {
+        "deployments",
+        "services",
+        "poddisruptionbudgets",
+        "networkpolicies",
+        "secrets",
+        "inferencepools",
+        "pods",
+    }
 
 
 def test_merge_patch_turns_the_old_status_into_the_new() -> None:
@@ -938,9 +967,7 @@ def test_an_event_reconcile_that_meets_api_errors_is_retried_until_it_succeeds()
     cluster = Failing()
     cluster.put(body(SPEC))
     assert refresh(cluster, "ml", "chat", NOW)
-    memo = kopf.Memo(
-        cluster=cluster, reconciles=Reconciles(first_retry_seconds=0.02), engine_image=render.DEFAULT_ENGINE_IMAGE
-    )
+    memo = memo_of(cluster, Reconciles(first_retry_seconds=0.02))
     deployment = cluster.objects.pop(("Deployment", "ml", "chat"))
     cluster.failures = 3
     child_handler(body=deployment, memo=memo, logger=logging.getLogger("test"), type="DELETED")

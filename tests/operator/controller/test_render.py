@@ -194,7 +194,7 @@ def test_pvc_source_is_mounted_read_only() -> None:
 def test_children_are_owned_labelled_and_selected_consistently() -> None:
     s = spec()
     objects = render.children("chat", "ml", UID, s, plan(s))
-    assert [o["kind"] for o in objects] == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert [o["kind"] for o in objects] == ["Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"]
     for obj in objects:
         assert obj["metadata"]["namespace"] == "ml" and obj["metadata"]["name"] == "chat"
         (owner,) = obj["metadata"]["ownerReferences"]
@@ -206,12 +206,13 @@ def test_children_are_owned_labelled_and_selected_consistently() -> None:
             "controller": True,
             "blockOwnerDeletion": True,
         }
-    deployment, service, pdb = objects
+    deployment, service, pdb, policy = objects
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     for selector in (
         deployment["spec"]["selector"]["matchLabels"],
         service["spec"]["selector"],
         pdb["spec"]["selector"]["matchLabels"],
+        policy["spec"]["podSelector"]["matchLabels"],
     ):
         assert selector.items() <= pod_labels.items()
     assert names.selector("chat") == ",".join(
@@ -224,7 +225,8 @@ def test_no_deployment_for_a_plan_that_does_not_fit() -> None:
     s = spec(model={"name": "llama-3-70b"})
     p = plan(s)
     assert not p.fits
-    assert [o["kind"] for o in render.children("big", "ml", UID, s, p)] == ["Service", "PodDisruptionBudget"]
+    kinds = [o["kind"] for o in render.children("big", "ml", UID, s, p)]
+    assert kinds == ["Service", "PodDisruptionBudget", "NetworkPolicy"]
 
 
 def test_amd_gpus_use_amd_resource_and_label() -> None:
@@ -251,6 +253,7 @@ def test_pod_settings_pass_through_and_rollout_surges_by_default() -> None:
     deployment = render.deployment("chat", "ml", UID, s, plan(s))
     pod = deployment["spec"]["template"]
     container = engine(deployment)
+    # A key of the user's own in env: the operator hands out none (the engine reads theirs).
     assert container["env"][1:] == env and container["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
     assert pod["spec"]["imagePullSecrets"] == [{"name": "registry"}]
     assert pod["spec"]["affinity"] == affinity and pod["spec"]["topologySpreadConstraints"] == spread

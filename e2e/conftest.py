@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -57,26 +57,27 @@ def kvpilot(k8s: Cluster) -> Installation:
     return install(k8s, [WATCHED], values={"autoscaler": {"intervalSeconds": AUTOSCALE_INTERVAL_S}})
 
 
-@pytest.fixture(scope="session")
-def operator(k8s: Cluster, kvpilot: Installation, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalOperator]:
-    """The chart's operator as a local process under the chart's ServiceAccount (logs kept in tmp)."""
-    local = LocalOperator(k8s, kvpilot, tmp_path_factory.mktemp("operator"))
+Local = TypeVar("Local", LocalOperator, LocalGateway)
+
+
+def _running(local: Local) -> Iterator[Local]:
     local.start()
     try:
         yield local
     finally:
         local.stop()
+
+
+@pytest.fixture(scope="session")
+def operator(k8s: Cluster, kvpilot: Installation, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalOperator]:
+    """The chart's operator as a local process under the chart's ServiceAccount (logs kept in tmp)."""
+    yield from _running(LocalOperator(k8s, kvpilot, tmp_path_factory.mktemp("operator")))
 
 
 @pytest.fixture(scope="session")
 def gateway(k8s: Cluster, kvpilot: Installation, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
     """The chart's gateway as a local process under the gateway's own ServiceAccount."""
-    local = LocalGateway(k8s, kvpilot, tmp_path_factory.mktemp("gateway"))
-    local.start()
-    try:
-        yield local
-    finally:
-        local.stop()
+    yield from _running(LocalGateway(k8s, kvpilot, tmp_path_factory.mktemp("gateway")))
 
 
 @pytest.fixture()

@@ -16,7 +16,8 @@ from typing import Any
 from e2e.chart import Installation
 from e2e.cluster import Cluster
 from e2e.local_operator import service_account_kubeconfig
-from e2e.procs import LOOPBACK, Process, free_port, kvpilot_executable, start_http
+from e2e.local_process import LocalProcess
+from e2e.procs import LOOPBACK, Process, free_port, kvpilot_executable
 
 CONTAINER = "gateway"
 
@@ -46,17 +47,14 @@ def gateway_argv(deployment: dict[str, Any], port: int, extra: list[str] | None 
     return [kvpilot_executable(), *args, *(extra or [])]
 
 
-class LocalGateway:
+class LocalGateway(LocalProcess):
     """start / stop the gateway; each start logs to a fresh file under `workdir`."""
 
+    component = "gateway"
+
     def __init__(self, cluster: Cluster, installation: Installation, workdir: Path) -> None:
-        self.cluster = cluster
-        self.installation = installation
+        super().__init__(cluster, installation, workdir)
         self.account = gateway_account(installation)
-        self.workdir = workdir
-        self.kubeconfig = workdir / "gateway-kubeconfig.yaml"
-        self.process: Process | None = None
-        self.starts = 0
         self.url = ""
 
     def base_url(self, namespace: str) -> str:
@@ -65,24 +63,7 @@ class LocalGateway:
 
     def start(self, extra: list[str] | None = None, timeout_s: float = 60.0) -> Process:
         service_account_kubeconfig(self.cluster, self.account, self.kubeconfig)  # type: ignore[arg-type]
-        deployment = self.cluster.kubectl_json(
-            "get", "deployment", f"{self.installation.fullname}-gateway", "-n", self.installation.namespace
-        )
         port = free_port()
         self.url = f"http://{LOOPBACK}:{port}"
-        self.starts += 1
-        self.process = start_http(
-            gateway_argv(deployment, port, extra),
-            self.workdir / f"gateway-{self.starts}.log",
-            f"{self.url}/readyz",
-            timeout_s,
-            self.cluster.env(KUBECONFIG=str(self.kubeconfig), PYTHONUNBUFFERED="1"),
-        )
-        return self.process
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
-
-    def log(self) -> str:
-        return "\n".join(f.read_text(errors="replace") for f in sorted(self.workdir.glob("gateway-*.log")))
+        argv = gateway_argv(self.deployment(f"{self.installation.fullname}-gateway"), port, extra)
+        return self.launch(argv, f"{self.url}/readyz", timeout_s)

@@ -15,7 +15,8 @@ import yaml
 
 from e2e.chart import Installation
 from e2e.cluster import Cluster
-from e2e.procs import LOOPBACK, Process, free_port, kvpilot_executable, start_http
+from e2e.local_process import LocalProcess
+from e2e.procs import LOOPBACK, Process, free_port, kvpilot_executable
 
 CONTAINER = "operator"
 
@@ -57,16 +58,13 @@ def operator_argv(deployment: dict[str, Any], liveness_port: int) -> list[str]:
     return [kvpilot_executable(), *args, f"--liveness=http://{LOOPBACK}:{liveness_port}/healthz"]
 
 
-class LocalOperator:
+class LocalOperator(LocalProcess):
     """start / stop / restart the operator; each start logs to a fresh file under `workdir`."""
 
+    component = "operator"
+
     def __init__(self, cluster: Cluster, installation: Installation, workdir: Path) -> None:
-        self.cluster = cluster
-        self.installation = installation
-        self.workdir = workdir
-        self.kubeconfig = workdir / "operator-kubeconfig.yaml"
-        self.process: Process | None = None
-        self.starts = 0
+        super().__init__(cluster, installation, workdir)
         # Another address of the API server for the next starts (a fault proxy); None: its own.
         self.api_server: str | None = None
 
@@ -78,28 +76,10 @@ class LocalOperator:
 
     def start(self, timeout_s: float = 60.0) -> Process:
         self.prepare_kubeconfig()
-        deployment = self.cluster.kubectl_json(
-            "get", "deployment", self.installation.fullname, "-n", self.installation.namespace
-        )
         port = free_port()
-        self.starts += 1
-        self.process = start_http(
-            operator_argv(deployment, port),
-            self.workdir / f"operator-{self.starts}.log",
-            f"http://{LOOPBACK}:{port}/healthz",
-            timeout_s,
-            self.cluster.env(KUBECONFIG=str(self.kubeconfig), PYTHONUNBUFFERED="1"),
-        )
-        return self.process
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
+        argv = operator_argv(self.deployment(self.installation.fullname), port)
+        return self.launch(argv, f"http://{LOOPBACK}:{port}/healthz", timeout_s)
 
     def restart(self) -> Process:
         self.stop()
         return self.start()
-
-    def log(self) -> str:
-        """Everything every start of the operator has logged so far."""
-        return "\n".join(f.read_text(errors="replace") for f in sorted(self.workdir.glob("operator-*.log")))

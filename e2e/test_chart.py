@@ -19,6 +19,15 @@ from kvpilot.operator.controller.handlers import ENGINE_IMAGE_ENV
 REPO_CRDS = CHART_DIR.parent.parent / "crds"
 # The gateway's own objects (e2e/test_gateway_chart.py checks them).
 GATEWAY_KINDS = [("Deployment", "ops"), ("ServiceAccount", "ops"), ("ClusterRole", ""), ("ClusterRoleBinding", "")]
+# Rendered whatever the namespaces watched: the CRD, the operator's Service, ServiceAccount and
+# Deployment, and the gateway's objects.
+ALWAYS_KINDS = [
+    ("CustomResourceDefinition", ""),
+    ("Service", "ops"),
+    *GATEWAY_KINDS,
+    ("ServiceAccount", "ops"),
+    ("Deployment", "ops"),
+]
 
 
 def _helm(binaries: Binaries, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -41,44 +50,17 @@ def _docs(text: str) -> list[dict[str, Any]]:
 def test_chart_lints_and_renders(k8s_binaries: Binaries, tmp_path: Path, values: list[str]) -> None:
     lint = _helm(k8s_binaries, tmp_path, "lint", "--strict", str(CHART_DIR), *values)
     assert "1 chart(s) linted, 0 chart(s) failed" in lint.stdout
-    rendered = _docs(_helm(k8s_binaries, tmp_path, "template", "kvpilot", str(CHART_DIR), "-n", "ops", *values).stdout)
+    rendered = _template(k8s_binaries, tmp_path, *values)
     kinds = sorted((d["kind"], d["metadata"].get("namespace", "")) for d in rendered)
     operator = next(d for d in rendered if d["kind"] == "Deployment")
     args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
     if values:
-        assert kinds == sorted(
-            [
-                ("CustomResourceDefinition", ""),
-                ("Service", "ops"),
-                *GATEWAY_KINDS,
-                ("ServiceAccount", "ops"),
-                ("Deployment", "ops"),
-                ("ClusterRole", ""),
-                ("ClusterRoleBinding", ""),
-                ("Role", "ml"),
-                ("RoleBinding", "ml"),
-                ("KopfPeering", "ml"),
-                ("Role", "prod"),
-                ("RoleBinding", "prod"),
-                ("KopfPeering", "prod"),
-            ]
-        )
+        per_namespace = [(kind, ns) for ns in ("ml", "prod") for kind in ("Role", "RoleBinding", "KopfPeering")]
+        assert kinds == sorted([*ALWAYS_KINDS, ("ClusterRole", ""), ("ClusterRoleBinding", ""), *per_namespace])
         assert args[:3] == ["operator", "--namespace=ml", "--namespace=prod"]
     else:
-        assert kinds == sorted(
-            [
-                ("CustomResourceDefinition", ""),
-                ("Service", "ops"),
-                *GATEWAY_KINDS,
-                ("ServiceAccount", "ops"),
-                ("Deployment", "ops"),
-                ("ClusterRole", ""),
-                ("ClusterRole", ""),
-                ("ClusterRoleBinding", ""),
-                ("ClusterRoleBinding", ""),
-                ("ClusterKopfPeering", ""),
-            ]
-        )
+        cluster_wide = [("ClusterRole", ""), ("ClusterRoleBinding", "")] * 2 + [("ClusterKopfPeering", "")]
+        assert kinds == sorted([*ALWAYS_KINDS, *cluster_wide])
         assert args[:2] == ["operator", "--all-namespaces"]
     assert "--peering=kvpilot" in args
     assert "--autoscale-interval=15" in args

@@ -30,6 +30,19 @@ CONVERGE_S = 60.0
 READY_FOLLOWS_S = 10.0
 
 
+def _spec(
+    model: str, gpu: str | None = None, replicas: int = 1, context: int | None = None, **extra: Any
+) -> dict[str, Any]:
+    """An InferenceService spec: `replicas` of `model` on `gpu` (None: any GPU the nodes have), at
+    `context` tokens when given, with the `extra` fields as they are."""
+    spec: dict[str, Any] = {"model": {"name": model}, "replicas": replicas, **extra}
+    if gpu is not None:
+        spec["accelerator"] = {"type": gpu}
+    if context is not None:
+        spec["serving"] = {"maxContextLength": context}
+    return spec
+
+
 def _uids(k8s: Cluster, ns: str, name: str) -> dict[tuple[str, str], str]:
     return {(o["kind"], o["metadata"]["name"]): o["metadata"]["uid"] for o in kvis.children(k8s, ns, name)}
 
@@ -48,15 +61,7 @@ def test_inference_service_rolls_out_its_plan_on_the_right_gpus(
     k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
 ) -> None:
     ns, name = kvpilot.watch_namespaces[0], "llama-3-8b-l4"
-    apply_isvc(
-        name,
-        {
-            "model": {"name": "llama-3-8b"},
-            "accelerator": {"type": "L4"},
-            "serving": {"maxContextLength": 8192},
-            "replicas": 2,
-        },
-    )
+    apply_isvc(name, _spec("llama-3-8b", "L4", replicas=2, context=8192))
     obj = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
 
     # The plan, recomputed here from the spec as the API server stored it (with its defaults).
@@ -98,7 +103,7 @@ def test_unset_gpu_type_is_planned_for_a_gpu_the_nodes_have(
     k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
 ) -> None:
     ns, name = kvpilot.watch_namespaces[0], "mistral-any-gpu"
-    apply_isvc(name, {"model": {"name": "mistral-7b"}, "replicas": 1})
+    apply_isvc(name, _spec("mistral-7b"))
     obj = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
     gpu = GPUS[obj["status"]["plan"]["gpu"]]
     assert gpu.product in {n.product for n in k8s.nodes}
@@ -111,15 +116,7 @@ def test_lifecycle_generation_repair_restart_and_garbage_collection(
     k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
 ) -> None:
     ns, name = kvpilot.watch_namespaces[0], "llama-2-7b-a10g"
-    apply_isvc(
-        name,
-        {
-            "model": {"name": "llama-2-7b"},
-            "accelerator": {"type": "A10G"},
-            "serving": {"maxContextLength": 4096},
-            "replicas": 1,
-        },
-    )
+    apply_isvc(name, _spec("llama-2-7b", "A10G", context=4096))
     kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S, generation=1)
     deployment_uid = k8s.kubectl_json("get", "deployment", name, "-n", ns)["metadata"]["uid"]
 
@@ -175,7 +172,7 @@ def test_lifecycle_generation_repair_restart_and_garbage_collection(
 
 def _rolled_out(k8s: Cluster, apply_isvc: ApplyISVC, ns: str, name: str, gpu: str) -> None:
     """A one-replica llama-2-7b service on `gpu`, Ready and its rollout complete."""
-    apply_isvc(name, {"model": {"name": "llama-2-7b"}, "accelerator": {"type": gpu}, "replicas": 1})
+    apply_isvc(name, _spec("llama-2-7b", gpu))
     kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
     k8s.kubectl("rollout", "status", f"deployment/{name}", "-n", ns, "--timeout=60s", timeout=70)
 
@@ -216,7 +213,7 @@ def test_a_spec_that_stops_planning_keeps_the_last_good_deployment_with_the_numb
 
     # A spec that never planned has no Deployment.
     never = "too-big-from-the-start"
-    apply_isvc(never, {"model": {"name": "llama-2-70b"}, "accelerator": {"type": "L4"}, "replicas": 1})
+    apply_isvc(never, _spec("llama-2-70b", "L4"))
     obj = kvis.wait_condition(k8s, ns, never, "Ready", "False", timeout_s=CONVERGE_S)
     assert kvis.condition(obj, "Ready")["reason"] == "WeightsDoNotFit"
     assert kvis.children(k8s, ns, never, "deployments,pods") == []
@@ -235,7 +232,7 @@ def test_a_same_named_object_of_someone_else_is_never_adopted(
         }
     )
     theirs = k8s.kubectl_json("get", "service", name, "-n", ns)
-    apply_isvc(name, {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}, "replicas": 1})
+    apply_isvc(name, _spec("llama-2-7b", "A10G"))
     obj = kvis.wait_condition(k8s, ns, name, "Ready", "False", timeout_s=CONVERGE_S)
     ready = kvis.condition(obj, "Ready")
     assert ready["reason"] == "NameConflict", ready
@@ -260,7 +257,6 @@ def test_a_write_the_api_server_refuses_is_in_the_status(
     k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
 ) -> None:
     ns = kvpilot.watch_namespaces[0]
-    base = {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}, "replicas": 1}
     # The CRD takes any string in both places; the Deployment's schema does not. The API server
     # answers the quantity with a 500 (it cannot convert the applied object), the label with a 422.
     cases = {
@@ -271,7 +267,7 @@ def test_a_write_the_api_server_refuses_is_in_the_status(
         ),
     }
     for name, (extra, _) in cases.items():
-        apply_isvc(name, {**base, **extra})
+        apply_isvc(name, _spec("llama-2-7b", "A10G", **extra))
     for name, (_, words) in cases.items():
         poll(
             lambda name=name: kvis.condition(kvis.get(k8s, ns, name), "Ready").get("reason") == "ApplyFailed",
@@ -289,7 +285,7 @@ def test_deleting_an_inference_service_does_not_wait_for_the_operator(
     k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
 ) -> None:
     ns, name = kvpilot.watch_namespaces[0], "orphan-free"
-    apply_isvc(name, {"model": {"name": "llama-2-7b"}, "accelerator": {"type": "A10G"}, "replicas": 1})
+    apply_isvc(name, _spec("llama-2-7b", "A10G"))
     obj = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
     assert not obj["metadata"].get("finalizers"), obj["metadata"]
     operator.stop()
@@ -400,16 +396,15 @@ def test_pod_settings_reach_the_pods_through_the_api_server(
     ]
     apply_isvc(
         name,
-        {
-            "model": {"name": "llama-2-7b"},
-            "accelerator": {"type": "A10G"},
-            "replicas": 1,
-            "env": env,
-            "imagePullSecrets": [{"name": "registry"}],
-            "podLabels": {"team": "ml"},
-            "podAnnotations": {"owner": "ml"},
-            "rollout": {"maxSurge": 0, "maxUnavailable": 1},
-            "topologySpreadConstraints": [
+        _spec(
+            "llama-2-7b",
+            "A10G",
+            env=env,
+            imagePullSecrets=[{"name": "registry"}],
+            podLabels={"team": "ml"},
+            podAnnotations={"owner": "ml"},
+            rollout={"maxSurge": 0, "maxUnavailable": 1},
+            topologySpreadConstraints=[
                 {
                     "maxSkew": 1,
                     "topologyKey": "kubernetes.io/hostname",
@@ -417,7 +412,7 @@ def test_pod_settings_reach_the_pods_through_the_api_server(
                     "labelSelector": {"matchLabels": {"team": "ml"}},
                 }
             ],
-        },
+        ),
     )
     obj = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
     assert kvis.condition(obj, "Ready")["reason"] == "ReplicasReady"
@@ -440,15 +435,7 @@ def test_a_pod_no_node_can_take_makes_ready_say_unschedulable(
     k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
 ) -> None:
     ns, name = kvpilot.watch_namespaces[0], "nowhere"
-    apply_isvc(
-        name,
-        {
-            "model": {"name": "llama-2-7b"},
-            "accelerator": {"type": "A10G"},
-            "replicas": 1,
-            "nodeSelector": {"pool": "does-not-exist"},
-        },
-    )
+    apply_isvc(name, _spec("llama-2-7b", "A10G", nodeSelector={"pool": "does-not-exist"}))
 
     # The scheduler marks the pod Unschedulable; the pod's event reconciles its InferenceService.
     def unschedulable() -> dict[str, Any] | None:

@@ -15,6 +15,7 @@ import yaml
 from e2e import gie, kvis
 from e2e.chart import Installation
 from e2e.cluster import Cluster
+from e2e.local_operator import LocalOperator
 from e2e.polling import poll
 from kvpilot.operator.api.spec import EndpointPickerSpec
 from kvpilot.operator.controller.inference_pool import inference_pool
@@ -136,3 +137,23 @@ def test_a_pool_that_breaks_the_schema_is_refused(
     assert result.returncode != 0, result.stdout
     assert 'The InferencePool "chat" is invalid' in result.stderr, result.stderr
     assert message in result.stderr, result.stderr
+
+
+def test_the_operator_makes_the_pool_a_service_asks_for(
+    k8s: Cluster,
+    kvpilot: Installation,
+    operator: LocalOperator,
+    apply_isvc: Callable[[str, dict[str, Any]], dict[str, Any]],
+    pool_crd: dict[str, Any],
+) -> None:
+    """The real operator, with the chart's RBAC, writes the pool (spec.inferencePool) and the API
+    server stores what it rendered."""
+    ns = kvpilot.watch_namespaces[0]
+    apply_isvc("pooled", {**kvis.sample("smollm2-135m")["spec"], "inferencePool": {"enabled": True}})
+    obj = kvis.wait_condition(k8s, ns, "pooled", "Ready", "True", timeout_s=90)
+    stored = k8s.kubectl_json("get", "inferencepool", "pooled", "-n", ns)
+    assert contains(stored, inference_pool("pooled", ns, obj["metadata"]["uid"], PICKER) | {"metadata": {}})
+    assert stored["spec"]["endpointPickerRef"]["name"] == "pooled-epp"
+    assert stored["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
+    labels = k8s.kubectl_json("get", "deployment", "pooled", "-n", ns)["spec"]["template"]["metadata"]["labels"]
+    assert labels["llm-d.ai/engine-type"] == "vllm"

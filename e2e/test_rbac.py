@@ -30,7 +30,6 @@ ALLOWED = [
     ("watch", "poddisruptionbudgets.policy", None),
     ("patch", "networkpolicies.networking.k8s.io", None),
     ("watch", "networkpolicies.networking.k8s.io", None),
-    ("patch", "inferencepools.inference.networking.k8s.io", None),
     ("patch", "secrets", None),  # each service's API key, made once (a server-side apply)
     ("watch", "secrets", None),
     ("patch", "kopfpeerings.kopf.dev", None),

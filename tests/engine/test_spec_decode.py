@@ -443,19 +443,23 @@ def _fresh_draft_kv(
     return fresh.kv_caches
 
 
-def test_the_draft_models_kv_is_a_fresh_recompute_after_every_step(tiny_model, other_tiny_model):
-    # Blocks of 4 slots: the newest token often lands on a block's first slot, which the rollback of
-    # rejected drafts must not free (the draft has written that token's K/V there).
-    llm = LLM(
-        str(tiny_model),
+def _drafted_by(draft: Path) -> dict[str, object]:
+    """LLM options: `draft` drafts 3 tokens a step, into blocks of 4 slots, where the newest token often
+    lands on a block's first slot, which the rollback of rejected drafts must not free (the draft has
+    written that token's K/V there)."""
+    return dict(
         dtype="float32",
         kv_cache_memory_bytes=8 << 20,
         block_size=4,
         speculative="draft",
-        draft_model=str(other_tiny_model),
+        draft_model=str(draft),
         num_speculative_tokens=3,
         speculative_max_batch_size=64,
     )
+
+
+def test_the_draft_models_kv_is_a_fresh_recompute_after_every_step(tiny_model, other_tiny_model):
+    llm = LLM(str(tiny_model), **_drafted_by(other_tiny_model))
     engine = llm.engine
     rng = random.Random(0)
     for n in (5, 9, 14):
@@ -490,15 +494,7 @@ def _assert_draft_kv_is_fresh(llm: LLM) -> int:
 def test_a_step_whose_draft_fails_is_rerun_request_by_request_from_a_clean_state(
     tiny_model, other_tiny_model, failing_forward
 ):
-    options = dict(
-        dtype="float32",
-        kv_cache_memory_bytes=8 << 20,
-        block_size=4,
-        speculative="draft",
-        draft_model=str(other_tiny_model),
-        num_speculative_tokens=3,
-        speculative_max_batch_size=64,
-    )
+    options = _drafted_by(other_tiny_model)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 16) for _ in range(n)] for n in (5, 9, 14)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)

@@ -46,6 +46,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
+from kubernetes.dynamic.exceptions import DynamicApiError
 from pydantic import ValidationError
 
 from kvpilot.operator.api.names import API_VERSION, KIND, SCALED_TO_ZERO_AT
@@ -67,7 +68,7 @@ from kvpilot.operator.autoscaling.metrics import (
     parse,
     parse_gateway,
 )
-from kvpilot.operator.kube.cluster import KubeCluster, WriteConflict, WriteRefused
+from kvpilot.operator.kube.cluster import KubeCluster, WriteConflict, WriteRefused, api_message
 from kvpilot.operator.kube.events import iso, scaling_event
 from kvpilot.operator.kube.indexes import children, current_replicas, engine_urls, indexed_children, indexed_services
 from kvpilot.operator.kube.merge_patch import as_merge_patch
@@ -267,7 +268,10 @@ async def read_gateways(session: aiohttp.ClientSession, cluster: KubeCluster, wh
             unknown=(f"the gateway pods ({where}) were not listed within {SCRAPE_TIMEOUT_SECONDS:g} s",)
         )
     except Exception as failure:  # noqa: BLE001 - whatever the client raises, the gateways are unknown
-        why = f"{type(failure).__name__}: {failure}"[:300]
+        # The API server's own words (its Status message), not the client's dump of the headers.
+        why = (
+            api_message(failure) if isinstance(failure, DynamicApiError) else f"{type(failure).__name__}: {failure}"
+        )[:300]
         return GatewayQueues(unknown=(f"the gateway pods ({where}) could not be listed: {why}",))
     reads = await asyncio.gather(*(read_gateway(session, *target) for target in gateway_targets(pods)))
     return GatewayQueues.of_reads(reads)

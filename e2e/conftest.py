@@ -26,6 +26,8 @@ from e2e.local_operator import LocalOperator
 WATCHED = "kvpilot-e2e"
 # The chart's autoscaler.intervalSeconds: short, so that scaling scenarios take seconds, not minutes.
 AUTOSCALE_INTERVAL_S = 2.0
+# One gateway pod, with the local gateway behind its IP (local_gateway.py).
+GATEWAY_REPLICAS = 1
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +56,11 @@ def k8s(k8s_binaries: Binaries) -> Iterator[Cluster]:
 @pytest.fixture(scope="session")
 def kvpilot(k8s: Cluster) -> Installation:
     """The chart, installed with Helm, reconciling InferenceServices in WATCHED."""
-    return install(k8s, [WATCHED], values={"autoscaler": {"intervalSeconds": AUTOSCALE_INTERVAL_S}})
+    return install(
+        k8s,
+        [WATCHED],
+        values={"autoscaler": {"intervalSeconds": AUTOSCALE_INTERVAL_S}, "gateway": {"replicas": GATEWAY_REPLICAS}},
+    )
 
 
 Local = TypeVar("Local", LocalOperator, LocalGateway)
@@ -69,8 +75,12 @@ def _running(local: Local) -> Iterator[Local]:
 
 
 @pytest.fixture(scope="session")
-def operator(k8s: Cluster, kvpilot: Installation, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalOperator]:
-    """The chart's operator as a local process under the chart's ServiceAccount (logs kept in tmp)."""
+def operator(
+    k8s: Cluster, kvpilot: Installation, gateway: LocalGateway, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalOperator]:
+    """The chart's operator as a local process under the chart's ServiceAccount (logs kept in tmp).
+    The gateway runs beside it, as the chart installs them: the autoscaler reads the gateway pod's
+    held queue, and scales nothing down while a gateway pod cannot be read."""
     yield from _running(LocalOperator(k8s, kvpilot, tmp_path_factory.mktemp("operator")))
 
 

@@ -90,7 +90,7 @@ def up() -> int:
     _save(state)
     try:
         cluster = start_cluster(binaries, name=CLUSTER, state_root=ROOT)
-        installation = install(cluster, [NAMESPACE])
+        installation = install(cluster, [NAMESPACE], values={"gateway": {"replicas": 1}})
         operator = LocalOperator(cluster, installation, ROOT / OPERATOR_DIR)
         _record(state, "operator", operator.start())
         gateway = LocalGateway(cluster, installation, ROOT / GATEWAY_DIR)

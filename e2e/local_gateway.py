@@ -3,12 +3,16 @@
 As for the operator (local_operator.py): kwok's gateway pods run no code, so `kvpilot gateway`
 runs here with the command and arguments of the chart's gateway Deployment and a kubeconfig whose
 only credential is a token of the gateway's ServiceAccount: it can do exactly what the chart's
-gateway RBAC grants. It listens on a loopback port instead of 0.0.0.0, and is ready (its /readyz)
-once its watches have listed everything.
+gateway RBAC grants. It listens on its pod's loopback IP and port instead of 0.0.0.0, as the
+engines do behind theirs (pod_runner.py), so the operator reads its held queue from the pod it
+lists; the e2e chart runs one gateway replica (a second pod would have nothing behind it, and the
+autoscaler scales nothing down while a gateway cannot be read). It is ready (its /readyz) once its
+watches have listed everything.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +21,8 @@ from e2e.chart import Installation
 from e2e.cluster import Cluster
 from e2e.local_operator import service_account_kubeconfig
 from e2e.local_process import LocalProcess
-from e2e.procs import LOOPBACK, Process, free_port, kvpilot_executable
+from e2e.polling import poll
+from e2e.procs import Process, kvpilot_executable
 
 CONTAINER = "gateway"
 
@@ -38,13 +43,33 @@ def gateway_account(installation: Installation) -> GatewayAccount:
     return GatewayAccount(f"{installation.fullname}-gateway", installation.namespace)
 
 
-def gateway_argv(deployment: dict[str, Any], port: int, extra: list[str] | None = None) -> list[str]:
-    """The chart gateway Deployment's command line, listening on a loopback port of this machine."""
+def gateway_argv(deployment: dict[str, Any], address: str, extra: list[str] | None = None) -> list[str]:
+    """The chart gateway Deployment's command line, listening on `address` (host:port) of this machine."""
     container = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == CONTAINER)
     if container["command"] != ["kvpilot"] or container["args"][0] != "gateway":
         raise ValueError(f"unexpected gateway command {container['command']} {container['args'][:1]}")
-    args = [f"--listen={LOOPBACK}:{port}" if a.startswith("--listen=") else a for a in container["args"]]
+    args = [f"--listen={address}" if a.startswith("--listen=") else a for a in container["args"]]
     return [kvpilot_executable(), *args, *(extra or [])]
+
+
+def gateway_pod_address(cluster: Cluster, deployment: dict[str, Any]) -> str:
+    """host:port of the gateway Deployment's one running pod (its loopback IP, its container port)."""
+    selector = ",".join(f"{k}={v}" for k, v in deployment["spec"]["selector"]["matchLabels"].items())
+    namespace = deployment["metadata"]["namespace"]
+
+    def running() -> list[dict[str, Any]] | None:
+        pods = cluster.kubectl_json("get", "pods", "-n", namespace, "-l", selector)["items"]
+        up = [p for p in pods if p["status"].get("podIP") and not p["metadata"].get("deletionTimestamp")]
+        return up if len(up) == len(pods) == deployment["spec"]["replicas"] else None
+
+    pods = poll(running, 60, f"the gateway pods of {namespace}/{deployment['metadata']['name']}")
+    if len(pods) != 1:
+        raise ValueError(f"the e2e chart runs one gateway replica, not {len(pods)} (gateway.replicas)")
+    ip = pods[0]["status"]["podIP"]
+    if not ipaddress.ip_address(ip).is_loopback:
+        raise ValueError(f"gateway pod IP {ip} is not loopback: nothing here may listen there")
+    container = next(c for c in pods[0]["spec"]["containers"] if c["name"] == CONTAINER)
+    return f"{ip}:{container['ports'][0]['containerPort']}"
 
 
 class LocalGateway(LocalProcess):
@@ -63,7 +88,7 @@ class LocalGateway(LocalProcess):
 
     def start(self, extra: list[str] | None = None, timeout_s: float = 60.0) -> Process:
         service_account_kubeconfig(self.cluster, self.account, self.kubeconfig)  # type: ignore[arg-type]
-        port = free_port()
-        self.url = f"http://{LOOPBACK}:{port}"
-        argv = gateway_argv(self.deployment(f"{self.installation.fullname}-gateway"), port, extra)
-        return self.launch(argv, f"{self.url}/readyz", timeout_s)
+        deployment = self.deployment(f"{self.installation.fullname}-gateway")
+        address = gateway_pod_address(self.cluster, deployment)
+        self.url = f"http://{address}"
+        return self.launch(gateway_argv(deployment, address, extra), f"{self.url}/readyz", timeout_s)

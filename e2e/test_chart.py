@@ -56,7 +56,11 @@ def test_chart_lints_and_renders(k8s_binaries: Binaries, tmp_path: Path, values:
     args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
     if values:
         per_namespace = [(kind, ns) for ns in ("ml", "prod") for kind in ("Role", "RoleBinding", "KopfPeering")]
-        assert kinds == sorted([*ALWAYS_KINDS, ("ClusterRole", ""), ("ClusterRoleBinding", ""), *per_namespace])
+        # And in the release namespace: watching the gateway pods (their held queues).
+        gateway_pods = [("Role", "ops"), ("RoleBinding", "ops")]
+        assert kinds == sorted(
+            [*ALWAYS_KINDS, ("ClusterRole", ""), ("ClusterRoleBinding", ""), *per_namespace, *gateway_pods]
+        )
         assert args[:3] == ["operator", "--namespace=ml", "--namespace=prod"]
     else:
         cluster_wide = [("ClusterRole", ""), ("ClusterRoleBinding", "")] * 2 + [("ClusterKopfPeering", "")]
@@ -64,7 +68,10 @@ def test_chart_lints_and_renders(k8s_binaries: Binaries, tmp_path: Path, values:
         assert args[:2] == ["operator", "--all-namespaces"]
     assert "--peering=kvpilot" in args
     assert "--autoscale-interval=15" in args
-    assert not [a for a in args if a.startswith("--gateway")]  # the gateway is its own Deployment
+    # The gateway is its own Deployment; the operator only watches its pods for their held queues.
+    assert [a for a in args if a.startswith("--gateway")] == [
+        "--gateway-pods=ops:app.kubernetes.io/name=kvpilot-gateway,app.kubernetes.io/instance=kvpilot"
+    ]
 
 
 def test_the_gateway_can_be_left_out(k8s_binaries: Binaries, tmp_path: Path) -> None:
@@ -82,7 +89,7 @@ def _template(binaries: Binaries, tmp_path: Path, *values: str) -> list[dict[str
 def _operator_env(rendered: list[dict[str, Any]]) -> dict[str, str]:
     operator = next(d for d in rendered if d["kind"] == "Deployment")
     (container,) = operator["spec"]["template"]["spec"]["containers"]
-    return {e["name"]: e["value"] for e in container["env"]}
+    return {e["name"]: e.get("value") or e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
 
 
 def test_engine_image_value_reaches_the_operator(k8s_binaries: Binaries, tmp_path: Path) -> None:
@@ -91,6 +98,8 @@ def test_engine_image_value_reaches_the_operator(k8s_binaries: Binaries, tmp_pat
     assert default[ENGINE_IMAGE_ENV] == f"ghcr.io/kvpilot/kvpilot:{app_version}" == render.DEFAULT_ENGINE_IMAGE
     chosen = _operator_env(_template(k8s_binaries, tmp_path, "--set", "engine.image=mirror.example/kvpilot:1.2.3"))
     assert chosen[ENGINE_IMAGE_ENV] == "mirror.example/kvpilot:1.2.3"
+    # The operator learns its namespace from its pod (the engines' NetworkPolicies let it in).
+    assert default[names.OPERATOR_NAMESPACE_ENV] == "metadata.namespace"
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,10 @@ import kopf
 from kvpilot.operator.api import names
 from kvpilot.operator.api.names import GROUP, PLURAL, VERSION
 from kvpilot.operator.autoscaling.decisions import INTERVAL_SECONDS
+from kvpilot.operator.autoscaling.gateways import GatewayView, gateway_watch
 from kvpilot.operator.autoscaling.loop import AutoscalingLoop
 from kvpilot.operator.kube.indexes import index_entry
+from kvpilot.operator.kube.watches import Watches
 
 
 # What the autoscaler's loop reads, indexed by kopf from the watches it runs anyway: a period
@@ -57,6 +59,13 @@ async def start_autoscaler(
     kopf runs again (after a failure of another) must not start a second loop."""
     if memo.get("autoscaler") is not None:
         return
+    gateways = None
+    where = memo.get("gateway_pods")
+    if where is not None:
+        # The gateway pods live where kopf does not watch (the release namespace): a watch of their
+        # own, which costs nothing while they do not change.
+        memo.gateway_watches = Watches(memo.cluster.client, asyncio.get_running_loop(), [gateway_watch(where)]).start()
+        gateways = GatewayView(where, memo.gateway_watches.indexes[0])
     loop = AutoscalingLoop(
         memo.cluster,
         autoscaled_services,
@@ -65,13 +74,15 @@ async def start_autoscaler(
         engine_pods,
         memo.get("autoscale_interval", INTERVAL_SECONDS),
         memo.get("prometheus_url_allow", ()),
-        memo.get("gateway_pods"),
+        gateways,
     )
     memo.autoscaler = asyncio.create_task(loop.run(), name="kvpilot-autoscaler")
 
 
 @kopf.on.cleanup()
 async def stop_autoscaler(memo: kopf.Memo, **_: Any) -> None:
+    if memo.get("gateway_watches") is not None:
+        memo.gateway_watches.stop()
     task = memo.get("autoscaler")
     if task is not None:
         task.cancel()

@@ -1,22 +1,24 @@
 """The requests the gateways hold, as the autoscaler sees them (pure; loop.py reads them).
 
 A request the gateway (operator/gateway/) holds waits for a wake from zero or for an engine with
-room: demand no engine reports. Every round the loop lists the gateway pods (`kvpilot operator
---gateway-pods NAMESPACE:SELECTOR`, the chart's gateway Deployment's labels), reads each ready
-one's /metrics (`kvpilot_gateway_held_requests{namespace,service}`) and sums them per service;
-the decisions count the sum as waiting work. A gateway pod that cannot be read is unknown, never
-"holds nothing": the decisions then hold off any scale-down (decisions.py).
+room: demand no engine reports. The operator watches the gateway pods (`kvpilot operator
+--gateway-pods NAMESPACE:SELECTOR`, the chart's gateway Deployment's labels; an idle watch costs no
+requests), and every round the loop reads each ready one's /metrics
+(`kvpilot_gateway_held_requests{namespace,service}`) and sums them per service; the decisions count
+the sum as waiting work. A gateway pod that cannot be read is unknown, never "holds nothing": the
+decisions then hold off any scale-down (decisions.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
 from kvpilot.operator.api.names import PORT, PORT_NAME
-from kvpilot.operator.kube.indexes import pod_ready
+from kvpilot.operator.kube.indexes import index_entry, pod_ready
+from kvpilot.operator.kube.watches import Index, Watched
 
 
 class GatewayPods(BaseModel):
@@ -38,6 +40,30 @@ class GatewayPods(BaseModel):
 
     def __str__(self) -> str:
         return f"{self.namespace}:{','.join(f'{k}={v}' for k, v in sorted(self.labels.items()))}"
+
+
+def gateway_pod_entry(pod: Mapping[str, Any], key_label: str | None = None) -> dict[Any, Any]:
+    """What the loop keeps of a gateway pod: index_entry's, with its containers' ports (where its
+    /metrics is) of the spec index_entry leaves out."""
+    ports = [
+        {"name": port.get("name"), "containerPort": port.get("containerPort")}
+        for container in (pod.get("spec") or {}).get("containers") or []
+        for port in container.get("ports") or []
+    ]
+    return {key: {**entry, "spec": {"containers": [{"ports": ports}]}} for key, entry in index_entry(pod).items()}
+
+
+def gateway_watch(where: GatewayPods) -> Watched:
+    """The watch that keeps the gateway pods (kube/watches.py)."""
+    selector = ",".join(f"{k}={v}" for k, v in sorted(where.labels.items()))
+    return Watched("v1", "Pod", selector, namespace=where.namespace, entry=gateway_pod_entry)
+
+
+class GatewayView(NamedTuple):
+    """Where the gateway pods are, and the index their watch keeps."""
+
+    where: GatewayPods
+    pods: Index
 
 
 def _port(pod: Mapping[str, Any]) -> int:

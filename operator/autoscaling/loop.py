@@ -46,7 +46,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
-from kubernetes.dynamic.exceptions import DynamicApiError
 from pydantic import ValidationError
 
 from kvpilot.operator.api.names import API_VERSION, KIND, SCALED_TO_ZERO_AT
@@ -60,7 +59,7 @@ from kvpilot.operator.autoscaling.decisions import (
     Policy,
     step,
 )
-from kvpilot.operator.autoscaling.gateways import GatewayPods, GatewayQueues, GatewayRead, gateway_targets
+from kvpilot.operator.autoscaling.gateways import GatewayQueues, GatewayRead, GatewayView, gateway_targets
 from kvpilot.operator.autoscaling.metrics import (
     SERIES_NAMES,
     MetricsError,
@@ -68,7 +67,7 @@ from kvpilot.operator.autoscaling.metrics import (
     parse,
     parse_gateway,
 )
-from kvpilot.operator.kube.cluster import KubeCluster, WriteConflict, WriteRefused, api_message
+from kvpilot.operator.kube.cluster import KubeCluster, WriteConflict, WriteRefused
 from kvpilot.operator.kube.events import iso, scaling_event
 from kvpilot.operator.kube.indexes import children, current_replicas, engine_urls, indexed_children, indexed_services
 from kvpilot.operator.kube.merge_patch import as_merge_patch
@@ -256,25 +255,14 @@ async def read_gateway(session: aiohttp.ClientSession, name: str, url: str) -> t
         return name, str(error)
 
 
-async def read_gateways(session: aiohttp.ClientSession, cluster: KubeCluster, where: GatewayPods) -> GatewayQueues:
-    """What every ready gateway pod holds, summed per service; every gateway is unknown when its
-    pods cannot be listed (no permission, the API server away)."""
-    try:
-        # A client call has no deadline of its own: the period must not wait on a hung API server.
-        async with asyncio.timeout(SCRAPE_TIMEOUT_SECONDS):
-            pods = await asyncio.to_thread(cluster.list_pods, where.namespace, where.labels)
-    except TimeoutError:
-        return GatewayQueues(
-            unknown=(f"the gateway pods ({where}) were not listed within {SCRAPE_TIMEOUT_SECONDS:g} s",)
-        )
-    except Exception as failure:  # noqa: BLE001 - whatever the client raises, the gateways are unknown
-        # The API server's own words (its Status message), not the client's dump of the headers.
-        why = (
-            api_message(failure) if isinstance(failure, DynamicApiError) else f"{type(failure).__name__}: {failure}"
-        )[:300]
-        return GatewayQueues(unknown=(f"the gateway pods ({where}) could not be listed: {why}",))
-    reads = await asyncio.gather(*(read_gateway(session, *target) for target in gateway_targets(pods)))
-    return GatewayQueues.of_reads(reads)
+async def read_gateways(session: aiohttp.ClientSession, gateways: GatewayView) -> GatewayQueues:
+    """What every ready gateway pod holds, summed per service; every gateway is unknown while its
+    pods have never been listed (no permission, the API server away)."""
+    if not gateways.pods.synced:
+        why = gateways.pods.failure or "not listed yet"
+        return GatewayQueues(unknown=(f"the gateway pods ({gateways.where}) could not be listed: {why}",))
+    targets = gateway_targets(gateways.pods.values())
+    return GatewayQueues.of_reads(await asyncio.gather(*(read_gateway(session, *target) for target in targets)))
 
 
 def prometheus_query(namespace: str, pods: Sequence[str]) -> str:
@@ -390,9 +378,9 @@ class AutoscalingLoop:
     the operator runs anyway), so a period costs no API reads; it writes only what changed, through
     the operator's one cluster adapter. The four mappings are kopf indexes of `index_entry` values
     (key -> store of values). `prometheus_allow`: the URL prefixes under which a spec's
-    `prometheusUrl` may be read (`kvpilot operator --prometheus-url-allow`). `gateway_pods`: where
-    the gateway pods are (`--gateway-pods`), listed and read once a round for what they hold; None:
-    no gateway is read."""
+    `prometheusUrl` may be read (`kvpilot operator --prometheus-url-allow`). `gateways`: the gateway
+    pods (`--gateway-pods`), kept by a watch and read once a round for what they hold; None: no
+    gateway is read."""
 
     def __init__(
         self,
@@ -403,12 +391,12 @@ class AutoscalingLoop:
         pods: Mapping[Any, Any],
         interval: float = INTERVAL_SECONDS,
         prometheus_allow: Sequence[str] = (),
-        gateway_pods: GatewayPods | None = None,
+        gateways: GatewayView | None = None,
     ) -> None:
         self.cluster = cluster
         self.interval = interval
         self.prometheus_allow = tuple(prometheus_allow)
-        self.gateway_pods = gateway_pods
+        self.gateways = gateways
         # This round's read of the gateways, shared by its periods (made by the first that needs it).
         self._queues: asyncio.Future[GatewayQueues] | None = None
         self._indexes = services, deployments, replicasets, pods
@@ -432,10 +420,10 @@ class AutoscalingLoop:
 
     async def gateway_read(self, body: Mapping[str, Any]) -> GatewayRead | None:
         """What the gateways hold for this service, from this round's one read of them."""
-        if self.gateway_pods is None:
+        if self.gateways is None:
             return None
         if self._queues is None:
-            self._queues = asyncio.ensure_future(read_gateways(self._http(), self.cluster, self.gateway_pods))
+            self._queues = asyncio.ensure_future(read_gateways(self._http(), self.gateways))
         # Shielded: one period cancelled does not cancel the read the others wait for.
         queues = await asyncio.shield(self._queues)
         return queues.of(body["metadata"]["namespace"], body["metadata"]["name"])

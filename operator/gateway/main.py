@@ -15,17 +15,29 @@ import time
 from kubernetes.client import ApiClient
 from kubernetes.dynamic import DynamicClient
 
+from kvpilot.operator.api import names
 from kvpilot.operator.gateway.limits import Limits
 from kvpilot.operator.gateway.server import POLL_SECONDS, Gateway
-from kvpilot.operator.gateway.watch import Watches
 from kvpilot.operator.kube.cluster import KubeCluster
+from kvpilot.operator.kube.watches import Watched, Watches
 
 log = logging.getLogger(__name__)
+
+_MANAGED = ",".join(f"{k}={v}" for k, v in names.MANAGED_BY.items())
+# What the gateway routes by, cluster-wide, in the order Gateway takes them: the InferenceServices,
+# and the Deployments, ReplicaSets and pods the operator manages (keyed as the operator's kopf
+# indexes are).
+WATCHED = (
+    Watched(names.API_VERSION, names.KIND),
+    Watched("apps/v1", "Deployment", _MANAGED),
+    Watched("apps/v1", "ReplicaSet", _MANAGED, names.INSTANCE_LABEL),
+    Watched("v1", "Pod", _MANAGED, names.INSTANCE_LABEL),
+)
 
 
 async def run(host: str, port: int, limits: Limits, drain_seconds: float) -> None:
     cluster = KubeCluster.connect()  # loads the credentials the watches' client uses too
-    watches = Watches(DynamicClient(ApiClient()), asyncio.get_running_loop()).start()
+    watches = Watches(DynamicClient(ApiClient()), asyncio.get_running_loop(), WATCHED).start()
     services, deployments, replicasets, pods = (index.entries for index in watches.indexes)
     try:
         gateway = Gateway(services, deployments, replicasets, pods, cluster, limits, watches.synced)

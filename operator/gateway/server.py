@@ -2,7 +2,7 @@
 component that holds a request arriving at zero replicas until a replica serves it.
 
 It is its own process (`kvpilot gateway`, the chart's gateway Deployment) and reads what its
-watches hold (gateway/watch.py): the InferenceServices, their Deployments, ReplicaSets and pods,
+watches hold (kube/watches.py): the InferenceServices, their Deployments, ReplicaSets and pods,
 so routing costs no API reads. A client addresses a namespace in the path and a model in the body:
 `POST /namespaces/<namespace>/v1/chat/completions` with `"model": "<servedModelName or model.name>"`
 (routing.py). The request goes to the ready engine pod with the fewest requests in flight through

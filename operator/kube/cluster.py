@@ -163,6 +163,11 @@ class KubeCluster:
             config.load_kube_config()
         return cls(DynamicClient(ApiClient()))
 
+    @property
+    def client(self) -> DynamicClient:
+        """The one client, for the watches of what kopf does not watch (kube/watches.py)."""
+        return self._client
+
     def _resource(self, api_version: str, kind: str) -> Any:
         return self._client.resources.get(api_version=api_version, kind=kind)
 

@@ -9,7 +9,7 @@ import argparse
 import asyncio
 import errno
 import random
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,13 +22,21 @@ from kvpilot.engine.serving.metrics import ServingMetrics
 from kvpilot.operator import cli
 from kvpilot.operator.api.names import INSTANCE_LABEL, PORT
 from kvpilot.operator.autoscaling.decisions import AutoscalerState, Decision, Observation, PodRead, Policy, step
-from kvpilot.operator.autoscaling.gateways import GatewayPods, GatewayQueues, GatewayRead, gateway_targets
+from kvpilot.operator.autoscaling.gateways import (
+    GatewayPods,
+    GatewayQueues,
+    GatewayRead,
+    GatewayView,
+    gateway_targets,
+    gateway_watch,
+)
 from kvpilot.operator.autoscaling.loop import AutoscalingLoop
 from kvpilot.operator.autoscaling.metrics import EngineReading, MetricsError, parse_gateway
 from kvpilot.operator.gateway import server as gw
 from kvpilot.operator.gateway.limits import Limits
 from kvpilot.operator.gateway.metrics import GatewayMetrics
 from kvpilot.operator.kube.indexes import index_entry
+from kvpilot.operator.kube.watches import Index
 
 PERIOD = 15.0
 IDLE = EngineReading(waiting=0.0, running=0.0, kv_usage=0.0)
@@ -148,7 +156,7 @@ def test_the_gateway_pods_flag_and_which_pods_are_read() -> None:
 
 def gateway_pod(name: str, ip: str | None, port: int = PORT, ready: bool = True) -> dict[str, Any]:
     return {
-        "metadata": {"name": name, "namespace": "kvpilot-system"},
+        "metadata": {"name": name, "namespace": "kvpilot-system", "uid": f"uid-{name}"},
         "spec": {"containers": [{"name": "gateway", "ports": [{"name": "http", "containerPort": port}]}]},
         "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
     }
@@ -219,19 +227,10 @@ class Indexes:
 
 
 class Cluster:
-    """The operator's cluster adapter: lists the gateway pods the test gives (or fails to), and
-    records the replicas the loop writes."""
+    """The operator's cluster adapter: records the replicas the loop writes."""
 
-    def __init__(self, gateway_pods: list[dict[str, Any]] | Exception) -> None:
-        self.gateway_pods = gateway_pods
-        self.listed: list[tuple[str, Mapping[str, str]]] = []
+    def __init__(self) -> None:
         self.replicas: list[int] = []
-
-    def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
-        self.listed.append((namespace, dict(labels)))
-        if isinstance(self.gateway_pods, Exception):
-            raise self.gateway_pods
-        return self.gateway_pods
 
     def patch_status(self, *args: Any, **kwargs: Any) -> str:
         return "2"
@@ -287,8 +286,18 @@ def idle_engine() -> web.Application:
 WHERE = GatewayPods(namespace="kvpilot-system", labels={"app.kubernetes.io/name": "kvpilot-gateway"})
 
 
-async def one_period(cluster: Cluster, indexes: Indexes) -> Decision | None:
-    loop = AutoscalingLoop(cluster, *indexes.all(), interval=PERIOD, gateway_pods=WHERE)  # type: ignore[arg-type]
+def watched(gateway_pods: list[dict[str, Any]] | str) -> GatewayView:
+    """The gateway pods as their watch keeps them: listed, or (a string) why the list failed."""
+    pods = Index(gateway_watch(WHERE))
+    if isinstance(gateway_pods, str):
+        pods.failed(gateway_pods)
+    else:
+        pods.reset(gateway_pods)
+    return GatewayView(WHERE, pods)
+
+
+async def one_period(cluster: Cluster, indexes: Indexes, gateways: GatewayView) -> Decision | None:
+    loop = AutoscalingLoop(cluster, *indexes.all(), interval=PERIOD, gateways=gateways)  # type: ignore[arg-type]
     try:
         (body,) = indexes.services[("team", "chat")]
         lists = (
@@ -316,15 +325,14 @@ def test_the_loop_scales_up_on_the_requests_a_real_gateway_holds() -> None:
                     body = {"model": "SmolLM2", "prompt": "hi"}
                     sent = [asyncio.create_task(http.post(base, json=body)) for _ in range(14)]
                     await until(lambda: sum(gateway.admission.held.values()) == 10)
-                    cluster = Cluster([gateway_pod("gw-a", gateway_ip, port=8080)])
-                    decision = await one_period(cluster, indexes)
+                    cluster = Cluster()
+                    decision = await one_period(cluster, indexes, watched([gateway_pod("gw-a", gateway_ip, port=8080)]))
                     for task in sent:
                         task.cancel()
                     await asyncio.gather(*sent, return_exceptions=True)
         return decision, cluster
 
     decision, cluster = asyncio.run(main())
-    assert cluster.listed == [(WHERE.namespace, WHERE.labels)]
     assert decision is not None and decision.signals.gateway_held == 10.0
     assert (decision.action, decision.replicas) == ("up", 3), decision.reason
     assert "10.0 requests held in the gateway" in decision.reason
@@ -335,16 +343,22 @@ def test_the_loop_scales_up_on_the_requests_a_real_gateway_holds() -> None:
     "gateway_pods, why",
     [
         ([gateway_pod("gw-a", "127.0.0.1", port=1)], "gw-a: ClientConnectorError"),  # nothing listens there
-        (PermissionError("pods is forbidden"), "could not be listed: PermissionError: pods is forbidden"),
+        ("pods is forbidden", "could not be listed: pods is forbidden"),
+        ([], None),  # listed: no gateway pod, nothing held, nothing unknown
     ],
-    ids=["refused", "not-listed"],
+    ids=["refused", "not-listed", "none"],
 )
-def test_a_gateway_the_loop_cannot_read_is_unknown_and_named(gateway_pods: Any, why: str) -> None:
+def test_a_gateway_the_loop_cannot_read_is_unknown_and_named(gateway_pods: Any, why: str | None) -> None:
     async def main() -> Decision | None:
         async with serving(idle_engine()) as engine_ip:
-            return await one_period(Cluster(gateway_pods), Indexes(engine_objects(engine_ip)))
+            return await one_period(Cluster(), Indexes(engine_objects(engine_ip)), watched(gateway_pods))
 
     decision = asyncio.run(main())
+    if why is None:
+        assert decision is not None and decision.signals.gateway_unknown == ()
+        assert "gateway pods unknown" not in decision.reason
+        return
+
     assert decision is not None and decision.signals.gateway_held is None
     assert len(decision.signals.gateway_unknown) == 1 and why in decision.signals.gateway_unknown[0]
     assert "gateway pods unknown: 1" in decision.reason

@@ -1,12 +1,13 @@
-"""The gateway's own view of the cluster (gateway/watch.py): each kind's objects as index entries
-under the keys the operator's kopf indexes use, changed by watch events and replaced by a relist."""
+"""A view of the cluster kept by watches (kube/watches.py), as the gateway and the operator's view
+of the gateway pods use it: each kind's objects as index entries under the keys the operator's kopf
+indexes use, changed by watch events and replaced by a relist."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from kvpilot.operator.api.names import INSTANCE_LABEL
-from kvpilot.operator.gateway.watch import Index
+from kvpilot.operator.kube.watches import Index, Watched
 
 
 def obj(
@@ -21,7 +22,7 @@ def obj(
 
 
 def test_pods_are_kept_by_their_services_instance_label_and_follow_changes() -> None:
-    pods = Index("Pod", INSTANCE_LABEL)
+    pods = Index(Watched("v1", "Pod", key_label=INSTANCE_LABEL))
     pods.reset([obj("a-1", "u1", "a"), obj("a-2", "u2", "a"), obj("stray", "u3")])  # no label: not indexed
     assert pods.synced and sorted(pods.entries) == [("team", "a")]
     assert [e["metadata"]["name"] for e in pods.entries[("team", "a")]] == ["a-1", "a-2"]
@@ -37,7 +38,7 @@ def test_pods_are_kept_by_their_services_instance_label_and_follow_changes() -> 
 
 
 def test_services_are_kept_by_name() -> None:
-    services = Index("InferenceService", None)
+    services = Index(Watched("kvpilot.dev/v1alpha1", "InferenceService"))
     services.put(obj("chat", "s1"))
     services.put({**obj("chat", "s1", version="2"), "spec": {"replicas": 0}})
     ((entry,),) = services.entries.values()

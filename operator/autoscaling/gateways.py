@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, ConfigDict
 
 from kvpilot.operator.api.names import PORT, PORT_NAME
-from kvpilot.operator.kube.indexes import index_entry, pod_ready
+from kvpilot.operator.kube.indexes import index_entry, pod_urls
 from kvpilot.operator.kube.watches import Index, Watched
 
 
@@ -79,14 +79,7 @@ def gateway_targets(pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
     """(pod name, /metrics URL) of the ready gateway pods that are not going away. One that is not
     ready takes no requests (starting: its watches have not listed; stopping: it answered what it
     held with a 503), so it holds none."""
-    targets = []
-    for pod in pods:
-        ip = (pod.get("status") or {}).get("podIP")
-        if not ip or pod["metadata"].get("deletionTimestamp") or not pod_ready(pod):
-            continue
-        host = f"[{ip}]" if ":" in ip else ip
-        targets.append((pod["metadata"]["name"], f"http://{host}:{_port(pod)}/metrics"))
-    return sorted(targets)
+    return [(name, f"{url}/metrics") for name, url in pod_urls(pods, _port)]
 
 
 class GatewayRead(BaseModel):

@@ -5,7 +5,7 @@ read the cluster without API requests. Pure functions over index entries (`index
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvpilot.operator.api.names import INSTANCE_LABEL, PORT
@@ -16,17 +16,22 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
-def engine_urls(pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
-    """(pod name, base URL) of the ready engine pods that are not going away. Pods that are not
-    ready yet (starting, loading the model) are no one's load: they are the pending ones."""
+def pod_urls(pods: Sequence[Mapping[str, Any]], port: Callable[[Mapping[str, Any]], int]) -> list[tuple[str, str]]:
+    """(pod name, base URL on `port(pod)`) of the ready pods that are not going away."""
     urls = []
     for pod in pods:
         ip = (pod.get("status") or {}).get("podIP")
         if not ip or pod["metadata"].get("deletionTimestamp") or not pod_ready(pod):
             continue
         host = f"[{ip}]" if ":" in ip else ip
-        urls.append((pod["metadata"]["name"], f"http://{host}:{PORT}"))
+        urls.append((pod["metadata"]["name"], f"http://{host}:{port(pod)}"))
     return sorted(urls)
+
+
+def engine_urls(pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(pod name, base URL) of the ready engine pods that are not going away. Pods that are not
+    ready yet (starting, loading the model) are no one's load: they are the pending ones."""
+    return pod_urls(pods, lambda _: PORT)
 
 
 def current_replicas(body: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> int:

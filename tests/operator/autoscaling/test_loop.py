@@ -366,28 +366,23 @@ def test_a_reconcile_keeps_what_the_loop_wrote() -> None:
         "autoscaler": {"lastDecision": {"action": "hold"}, "state": {"window": []}},
         "latency": {"ttftP95Ms": 812.5, "tpotP95Ms": 31.0, "source": "observed"},
     }
-    new = status.build(
-        name="chat",
-        namespace="ml",
-        generation=1,
-        plan=result,
-        spec=spec,
-        deployment=None,
-        old=looped,
-        now=datetime(2026, 1, 1, tzinfo=UTC),
-    )
+
+    def reconciled(old: dict[str, Any]) -> dict[str, Any]:
+        return status.build(
+            name="chat",
+            namespace="ml",
+            generation=1,
+            plan=result,
+            spec=spec,
+            deployment=None,
+            old=old,
+            now=datetime(2026, 1, 1, tzinfo=UTC),
+        )
+
+    new = reconciled(looped)
     assert new["autoscaler"] == looped["autoscaler"] and new["latency"] == looped["latency"]
     assert merge_patch(looped, new).keys().isdisjoint({"autoscaler", "latency"})
-    fresh = status.build(
-        name="chat",
-        namespace="ml",
-        generation=1,
-        plan=result,
-        spec=spec,
-        deployment=None,
-        old={},
-        now=datetime(2026, 1, 1, tzinfo=UTC),
-    )
+    fresh = reconciled({})
     assert "autoscaler" not in fresh
     assert fresh["latency"] == {
         "ttftP95Ms": result.predicted_ttft_ms,

@@ -158,6 +158,10 @@ REPLICAS = plan(InferenceServiceSpec.model_validate(SPEC)).replicas
 assert REPLICAS > 1
 
 
+# A Deployment's status once its REPLICAS pods are all ready.
+ALL_READY = {"observedGeneration": 1, "replicas": REPLICAS, "updatedReplicas": REPLICAS, "readyReplicas": REPLICAS}
+
+
 def memo_of(
     cluster: FakeCluster, reconciles: Reconciles | None = None, engine_image: str = render.DEFAULT_ENGINE_IMAGE
 ) -> kopf.Memo:
@@ -197,12 +201,7 @@ def test_ready_when_the_deployment_reports_ready_replicas() -> None:
     cluster = FakeCluster()
     first = reconcile(body(SPEC), cluster, NOW)
     deployment = cluster.objects[("Deployment", "ml", "chat")]
-    deployment["status"] = {
-        "observedGeneration": 1,
-        "replicas": REPLICAS,
-        "updatedReplicas": REPLICAS,
-        "readyReplicas": REPLICAS,
-    }
+    deployment["status"] = dict(ALL_READY)
     later = NOW + timedelta(minutes=3)
     second = reconcile(body(SPEC, status=first), cluster, later)
     ready = condition(second, "Ready")
@@ -622,12 +621,7 @@ def test_a_child_event_reconciles_its_owner_and_writes_only_a_changed_status() -
 
     # The Deployment reports its pods ready: its event makes the InferenceService Ready.
     deployment = cluster.objects[("Deployment", "ml", "chat")]
-    deployment["status"] = {
-        "observedGeneration": 1,
-        "replicas": REPLICAS,
-        "updatedReplicas": REPLICAS,
-        "readyReplicas": REPLICAS,
-    }
+    deployment["status"] = dict(ALL_READY)
     child_handler(body=deployment, memo=memo, logger=logging.getLogger("test"))
     isvc = cluster.objects[("InferenceService", "ml", "chat")]
     assert condition(isvc["status"], "Ready")["status"] == "True"
@@ -765,12 +759,7 @@ def test_an_event_reconciles_from_the_index_when_it_holds_the_version_the_last_r
     deployment = cluster.objects[("Deployment", "ml", "chat")]
     child_handler(body=deployment, memo=memo, logger=logger, autoscaled_services=index())
     assert cluster.owner_reads == 2  # no version known yet: read
-    deployment["status"] = {
-        "observedGeneration": 1,
-        "replicas": REPLICAS,
-        "updatedReplicas": REPLICAS,
-        "readyReplicas": REPLICAS,
-    }
+    deployment["status"] = dict(ALL_READY)
     caught_up = index()
     child_handler(body=deployment, memo=memo, logger=logger, autoscaled_services=caught_up)
     assert cluster.owner_reads == 2  # the index holds the version the last reconcile left

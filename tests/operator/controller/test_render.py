@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from kvpilot.engine.config import EngineCapabilities
 from kvpilot.operator.api import names
-from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.api.spec import InferencePoolSpec, InferenceServiceSpec
 from kvpilot.operator.controller import render
 from kvpilot.operator.planning.planner import plan
 
@@ -193,8 +193,10 @@ def test_pvc_source_is_mounted_read_only() -> None:
 
 def test_children_are_owned_labelled_and_selected_consistently() -> None:
     s = spec()
-    objects = render.children("chat", "ml", UID, s, plan(s))
-    assert [o["kind"] for o in objects] == ["Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"]
+    pooled = s.model_copy(update={"inference_pool": InferencePoolSpec(enabled=True)})
+    objects = render.children("chat", "ml", UID, pooled, plan(s))
+    kinds = ["Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy", "InferencePool"]
+    assert [o["kind"] for o in objects] == kinds
     for obj in objects:
         assert obj["metadata"]["namespace"] == "ml" and obj["metadata"]["name"] == "chat"
         (owner,) = obj["metadata"]["ownerReferences"]
@@ -206,13 +208,14 @@ def test_children_are_owned_labelled_and_selected_consistently() -> None:
             "controller": True,
             "blockOwnerDeletion": True,
         }
-    deployment, service, pdb, policy = objects
+    deployment, service, pdb, policy, pool = objects
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     for selector in (
         deployment["spec"]["selector"]["matchLabels"],
         service["spec"]["selector"],
         pdb["spec"]["selector"]["matchLabels"],
         policy["spec"]["podSelector"]["matchLabels"],
+        pool["spec"]["selector"]["matchLabels"],
     ):
         assert selector.items() <= pod_labels.items()
     assert names.selector("chat") == ",".join(

@@ -18,7 +18,9 @@ LATENCY_BUCKETS = (0.005, 0.025, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 Key = tuple[str, str]
 
 
-class _Now(Collector):
+class Now(Collector):
+    """What the gateway holds and forwards at scrape time, read from its counters."""
+
     def __init__(
         self,
         held: Callable[[], Mapping[Key, int]],
@@ -45,14 +47,10 @@ class _Now(Collector):
 
 
 class GatewayMetrics:
-    """One registry per gateway (tests run several in one process)."""
+    """One registry per gateway (tests run several in one process): `now`'s gauges, and the
+    requests answered."""
 
-    def __init__(
-        self,
-        held: Callable[[], Mapping[Key, int]],
-        in_flight: Callable[[], Mapping[Key, int]],
-        body_bytes: Callable[[], Mapping[str, int]],
-    ) -> None:
+    def __init__(self, now: Now) -> None:
         self.registry = CollectorRegistry()
         labels = ["namespace", "service", "code"]
         self._requests = Counter(
@@ -65,7 +63,7 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_Now(held, in_flight, body_bytes))
+        self.registry.register(now)
 
     def answered(self, key: Key, code: int, seconds: float) -> None:
         """`code` 499: the client left before its answer."""

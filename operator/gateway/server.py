@@ -38,7 +38,7 @@ from kvpilot.operator.gateway.auth import admits, namespace_admits, token_digest
 from kvpilot.operator.gateway.body import BadBody, read_body
 from kvpilot.operator.gateway.headers import client_response_headers, upstream_request_headers
 from kvpilot.operator.gateway.limits import RETRY_AFTER_SECONDS, Admission, Limits, Refusal
-from kvpilot.operator.gateway.metrics import GatewayMetrics
+from kvpilot.operator.gateway.metrics import GatewayMetrics, Now
 from kvpilot.operator.gateway.routing import Engines, pick, route, served_in, wake_refusal
 from kvpilot.operator.kube.events import scaling_event
 from kvpilot.operator.kube.indexes import (
@@ -138,7 +138,7 @@ class Gateway:
         self._instance = socket.gethostname()
         self._session: aiohttp.ClientSession | None = None
         self.metrics = GatewayMetrics(
-            lambda: dict(self.admission.held), self._in_flight, lambda: dict(self.admission.body_bytes)
+            Now(lambda: dict(self.admission.held), self._in_flight, lambda: dict(self.admission.body_bytes))
         )
         self.app = web.Application(client_max_size=self.limits.max_body_bytes)
         self.app.add_routes(

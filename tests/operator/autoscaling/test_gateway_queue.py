@@ -34,7 +34,7 @@ from kvpilot.operator.autoscaling.loop import AutoscalingLoop
 from kvpilot.operator.autoscaling.metrics import EngineReading, MetricsError, parse_gateway
 from kvpilot.operator.gateway import server as gw
 from kvpilot.operator.gateway.limits import Limits
-from kvpilot.operator.gateway.metrics import GatewayMetrics
+from kvpilot.operator.gateway.metrics import GatewayMetrics, Now
 from kvpilot.operator.kube.indexes import index_entry
 from kvpilot.operator.kube.watches import Index
 
@@ -118,9 +118,9 @@ def test_requests_held_in_the_gateway_keep_the_last_replica() -> None:
 
 def test_a_gateway_s_exposition_gives_what_it_holds_per_service() -> None:
     held = {("team", "chat"): 3, ("team", "code"): 1}
-    metrics = GatewayMetrics(lambda: held, lambda: {("team", "chat"): 9}, lambda: {"team": 100})
+    metrics = GatewayMetrics(Now(lambda: held, lambda: {("team", "chat"): 9}, lambda: {"team": 100}))
     assert parse_gateway(metrics.exposition().decode()) == {("team", "chat"): 3.0, ("team", "code"): 1.0}
-    nothing = GatewayMetrics(dict, dict, dict).exposition().decode()
+    nothing = GatewayMetrics(Now(dict, dict, dict)).exposition().decode()
     assert parse_gateway(nothing) == {}  # the family is there, empty: a gateway that holds nothing
     engine = generate_latest(ServingMetrics("m").registry).decode()
     with pytest.raises(MetricsError, match="not a kvpilot gateway"):

@@ -28,6 +28,19 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "Speculative decoding"); the planner predicts with the same number.
 SPECULATIVE_MAX_BATCH_SIZE = 8
 
+# A request stops proposing drafts for SPECULATIVE_BACKOFF_STEPS steps once fewer than
+# SPECULATIVE_MIN_ACCEPTANCE of the drafts of its last SPECULATIVE_ACCEPTANCE_WINDOW verification steps
+# were accepted (engine/core/acceptance_window.py). On a CPU a verification of 4 drafts costs ~1.5x
+# a decode step alone and more beside other sequences, so drafts pay there when about half are
+# accepted: answers that copy accept 0.7-0.8, answers written from scratch 0.1-0.35
+# (bench/RESULTS.md, "Speculative decoding"). Four steps judge 16 drafts, enough to tell the two
+# apart while an answer that does not copy pays for few of them; 16 steps of back-off keep the
+# probes (one verification each) to a few per 100 tokens, and a copying passage that starts later
+# is found within that many tokens.
+SPECULATIVE_ACCEPTANCE_WINDOW = 4
+SPECULATIVE_MIN_ACCEPTANCE = 0.5
+SPECULATIVE_BACKOFF_STEPS = 16
+
 Quantization = Literal[QUANTIZATION_SCHEMES]  # type: ignore[valid-type]
 Speculative = Literal[SPECULATIVE_MODES]  # type: ignore[valid-type]
 DType = Literal[DTYPES]  # type: ignore[valid-type]
@@ -115,6 +128,23 @@ class EngineConfig(BaseModel):
     ngram_prompt_lookup_min: int = Field(2, ge=1, description="ngram: shortest suffix looked up in the context")
     speculative_max_batch_size: int = Field(
         SPECULATIVE_MAX_BATCH_SIZE, ge=1, description="no speculation while more sequences than this run in a step"
+    )
+    speculative_acceptance_window: int = Field(
+        SPECULATIVE_ACCEPTANCE_WINDOW,
+        ge=1,
+        description="verification steps of a request judged together: below speculative_min_acceptance it stops "
+        "proposing for a while",
+    )
+    speculative_min_acceptance: float = Field(
+        SPECULATIVE_MIN_ACCEPTANCE,
+        ge=0.0,
+        le=1.0,
+        description="share of a request's recent drafts accepted below which it backs off (0: never)",
+    )
+    speculative_backoff_steps: int = Field(
+        SPECULATIVE_BACKOFF_STEPS,
+        ge=1,
+        description="steps a backed-off request decodes without drafts before one verification probes again",
     )
     compile_decode: bool = Field(
         False,

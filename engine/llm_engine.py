@@ -9,6 +9,7 @@ import torch
 from transformers import PretrainedConfig
 
 from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.core.acceptance_window import AcceptancePolicy
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import FinishReason, Request
 from kvpilot.engine.core.sampling_params import SamplingParams
@@ -50,6 +51,11 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=eos_token_ids,
             num_lookahead_tokens=self.num_lookahead_tokens,
+            acceptance_policy=AcceptancePolicy(
+                self.config.speculative_acceptance_window,
+                self.config.speculative_min_acceptance,
+                self.config.speculative_backoff_steps,
+            ),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}

@@ -15,6 +15,8 @@ text: the output processor finds them and finishes the request through `finish_r
 Speculative decoding: a decoding request may carry draft tokens (proposed by the model runner after
 its last step). They are scheduled with it, inside the token budget, and the step computes their KV
 too; `update_from_output` keeps the KV of the accepted drafts and rolls back the rejected ones.
+It also records each verification in the request's acceptance window (core/acceptance_window.py):
+a request backing off gets no drafts, and its scheduled step tells the runner not to propose any.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections import deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
+from kvpilot.engine.core.acceptance_window import AcceptancePolicy, AcceptanceWindow
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import FinishReason, Request, RequestStatus
 from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs
@@ -35,6 +38,8 @@ class ScheduledRequest:
     num_tokens: int  # tokens to compute this step, from request.num_computed_tokens on
     block_ids: list[int]  # the request's whole block table
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify, after its last token
+    # Whether the runner proposes drafts for it after this step (not while its acceptance window backs off).
+    propose: bool = True
 
 
 @dataclass
@@ -112,6 +117,7 @@ class Scheduler:
         max_model_len: int | None = None,
         eos_token_ids: Collection[int] = (),
         num_lookahead_tokens: int = 0,
+        acceptance_policy: AcceptancePolicy | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -126,6 +132,9 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._first_scheduled: list[tuple[str, float]] = []
         self.spec_decoding = SpecDecodingStats()
+        # Without a policy every request proposes whatever its drafts' fate.
+        self.acceptance_policy = acceptance_policy
+        self.acceptance: dict[str, AcceptanceWindow] = {}  # requests that verified drafts, until they finish
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -177,8 +186,12 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new, []))
             budget -= num_new
-        out.scheduled = [ScheduledRequest(r, n, self.kv.block_ids(r), d) for r, n, d in scheduled]
+        out.scheduled = [ScheduledRequest(r, n, self.kv.block_ids(r), d, self._proposes(r)) for r, n, d in scheduled]
         return out
+
+    def _proposes(self, request: Request) -> bool:
+        window = self.acceptance.get(request.request_id)
+        return window is None or window.proposes
 
     def _max_drafts(self, request: Request) -> int:
         """Drafts worth verifying: a step emits up to one token more than it verifies, and no more
@@ -202,7 +215,10 @@ class Scheduler:
             request.num_computed_tokens += item.num_tokens
             new_tokens = runner_output.sampled.get(request.request_id)
             prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
-            request.spec_token_ids = runner_output.spec_token_ids.get(request.request_id, [])
+            self._record_acceptance(item, new_tokens)
+            # Drafts proposed as the window backed off (in this very step) are not verified.
+            drafts = runner_output.spec_token_ids.get(request.request_id, [])
+            request.spec_token_ids = drafts if self._proposes(request) else []
             if not new_tokens:
                 self.kv.cache_full_blocks(request)
                 # A prefill chunk short of the prompt's end samples nothing.
@@ -235,6 +251,16 @@ class Scheduler:
                 )
             )
         return outputs
+
+    def _record_acceptance(self, item: ScheduledRequest, new_tokens: list[int] | None) -> None:
+        """A verification goes into the request's window; a step that sampled without drafts
+        counts down its back-off."""
+        request_id = item.request.request_id
+        if item.spec_token_ids and new_tokens and self.acceptance_policy is not None:
+            window = self.acceptance.setdefault(request_id, AcceptanceWindow(self.acceptance_policy))
+            window.record(len(item.spec_token_ids), len(new_tokens) - 1)
+        elif new_tokens and request_id in self.acceptance:
+            self.acceptance[request_id].tick()
 
     def _append_until_stop(
         self, request: Request, new_tokens: list[int]
@@ -272,6 +298,7 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self.kv.free(request)
+        self.acceptance.pop(request.request_id, None)
         request.finish(reason, stop_reason)
         self._finished_ids.add(request.request_id)
 

@@ -367,7 +367,12 @@ class ModelRunner:
                 logprob, top = result.logprobs[row]
                 out.logprobs[request.request_id] = [TokenLogprobs(new_tokens[0], logprob, top)]
             params = request.params
-            if speculate and params.speculable and request.num_output_tokens + len(new_tokens) >= params.min_tokens:
+            if (
+                speculate
+                and item.propose
+                and params.speculable
+                and request.num_output_tokens + len(new_tokens) >= params.min_tokens
+            ):
                 to_draft.append(DraftInput(request.request_id, request.token_ids + new_tokens, item.block_ids))
             row += len(drafts) + 1
         return to_draft

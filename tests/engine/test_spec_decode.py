@@ -14,7 +14,7 @@ import torch
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import FinishReason, Request
-from kvpilot.engine.core.scheduler import Scheduler, SpecDecodingStats
+from kvpilot.engine.core.scheduler import Scheduler, SchedulerOutput, SpecDecodingStats
 from kvpilot.engine.model.attention import KVCache
 from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.worker.sampler import RowPenalty, Sampler, SamplingMetadata, verify_drafts
@@ -222,9 +222,13 @@ PROPOSERS = {
     "ngram": SPEC,
     "draft-model": dict(speculative="draft", draft_model="SmolLM2-135M-Instruct", speculative_max_batch_size=64),
     "early-exit": dict(speculative="draft", draft_layers=8, speculative_max_batch_size=64),
+    # Prompt lookup under an acceptance window that backs off for 2 steps at any rejected draft:
+    # requests pause, probe and resume throughout, beside prefill chunks and preemptions.
+    "ngram-backoff": SPEC
+    | dict(speculative_acceptance_window=1, speculative_min_acceptance=1.0, speculative_backoff_steps=2),
 }
 KV_BYTES_PER_LAYER = 2 * 3 * 64 * 4  # one token, one layer of SmolLM2-135M in fp32
-DRAFT_LAYERS = {"ngram": 0, "draft-model": 30, "early-exit": 8}
+DRAFT_LAYERS = {"ngram": 0, "draft-model": 30, "early-exit": 8, "ngram-backoff": 0}
 
 
 @pytest.mark.parametrize("proposer", PROPOSERS)
@@ -248,14 +252,42 @@ def test_greedy_output_is_the_same_with_and_without_speculation(corpus_ids, prop
         **PROPOSERS[proposer],
     )
     assert llm.engine.kv.pool.num_blocks == num_blocks
+    traces = _watch_proposals(llm)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
     stats = llm.engine.scheduler.spec_decoding
     assert stats.num_draft_tokens > 0 and llm.engine.scheduler.num_preemptions > 0 and llm.engine.kv.pool.stats.hits > 0
     acceptance = stats.num_accepted_tokens / stats.num_draft_tokens
-    assert {"ngram": acceptance > 0.3, "draft-model": acceptance == 1.0, "early-exit": acceptance < 0.3}[proposer], (
-        acceptance
-    )
+    assert {
+        "ngram": acceptance > 0.3,
+        "draft-model": acceptance == 1.0,
+        "early-exit": acceptance < 0.3,
+        "ngram-backoff": acceptance > 0.3,
+    }[proposer], acceptance
+    if proposer == "ngram-backoff":
+        assert any(map(_resumed, traces.values())), traces
     assert_no_leaks(llm)
+
+
+def _watch_proposals(llm: LLM) -> dict[str, list[tuple[bool, bool]]]:
+    """Per request, from now on, each scheduled step's (whether the runner may propose after it,
+    whether it verifies drafts)."""
+    scheduler = llm.engine.scheduler
+    schedule, traces = scheduler.schedule, {}
+
+    def watched() -> SchedulerOutput:
+        out = schedule()
+        for item in out.scheduled:
+            traces.setdefault(item.request.request_id, []).append((item.propose, bool(item.spec_token_ids)))
+        return out
+
+    scheduler.schedule = watched
+    return traces
+
+
+def _resumed(trace: list[tuple[bool, bool]]) -> bool:
+    """The request backed off, and later verified drafts two steps in a row (a probe that passed)."""
+    paused = [i for i, (propose, _) in enumerate(trace) if not propose]
+    return bool(paused) and any(trace[i][1] and trace[i + 1][1] for i in range(paused[0], len(trace) - 1))
 
 
 def test_draft_settings_that_cannot_work_are_refused(tmp_path, model_dir):
@@ -557,4 +589,46 @@ def test_the_draft_catch_up_stays_within_the_token_budget(tiny_model):
     stats = llm.engine.scheduler.spec_decoding
     assert sizes and max(sizes) <= 16, sizes
     assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("draft", ["target", "unrelated"])
+def test_requests_stop_proposing_while_their_drafts_are_rejected(tiny_model, other_tiny_model, draft):
+    """Greedy, under the default acceptance window: the target drafting for itself (every draft
+    accepted) proposes after every step that samples; an unrelated model's drafts are mostly
+    rejected, and its requests back off. The runner proposes for no request the scheduler holds
+    back, and the output is plain greedy decoding's either way."""
+    options = _drafted_by(tiny_model if draft == "target" else other_tiny_model)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 16) for _ in range(n)] for n in (5, 9, 14)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(tiny_model), **(options | dict(speculative="off")))
+    reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    llm = LLM(str(tiny_model), **options)
+    engine, proposer = llm.engine, llm.engine.runner.proposer
+    traces, propose = _watch_proposals(llm), proposer.propose
+    proposals, sampling_steps = Counter(), Counter()
+
+    def counted(sequences: list[DraftInput]) -> dict[str, list[int]]:
+        ids = [s.request_id for s in sequences]
+        held_back = {i for i in ids if not traces[i][-1][0]}
+        assert not held_back, f"the runner proposed for {held_back}, which the scheduler held back"
+        proposals.update(ids)
+        return propose(sequences)
+
+    proposer.propose = counted
+    requests = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        sampling_steps.update(o.request_id for o in engine.step() if o.new_token_ids)
+    assert [r.output_token_ids for r in requests] == reference
+    stats = engine.scheduler.spec_decoding
+    if draft == "target":
+        assert proposals == sampling_steps and stats.num_accepted_tokens == stats.num_draft_tokens
+    else:
+        assert all(proposals[r.request_id] < sampling_steps[r.request_id] / 2 for r in requests), (
+            proposals,
+            sampling_steps,
+        )
+        assert stats.num_accepted_tokens < stats.num_draft_tokens / 2
+    assert engine.scheduler.acceptance == {}
     assert_no_leaks(llm)

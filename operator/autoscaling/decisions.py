@@ -100,6 +100,30 @@ WINDOW_SECONDS = WINDOW_PERIODS * INTERVAL_SECONDS
 _EPSILON = 1e-9
 
 Action = Literal["up", "down", "hold"]
+# Why, in one word a dashboard can group by (the operator's decisions counter): an up names the
+# signal over the band; a hold or down names the rule that decided.
+Cause = Literal[
+    "ttft",
+    "tpot",
+    "waiting",
+    "kv",
+    "batch",
+    "under_band",
+    "in_band",
+    "replica_bounds",
+    "scale_up_window",
+    "scale_down_window",
+    "max_replicas",
+    "min_replicas",
+    "pods_pending",
+    "blind",
+    "gateway_unknown",
+    "would_overload",
+    "recent_peak",
+    "no_signal",
+    "zero_replicas",
+    "not_slo_mode",
+]
 
 
 class _Data(BaseModel):
@@ -262,6 +286,8 @@ class Decision(_Data):
     replicas: int  # desired: what the scale subresource should say
     previous: int
     reason: str
+    # Empty in a decision an older operator stored.
+    cause: Cause | Literal[""] = ""
     signals: Signals
 
 
@@ -539,7 +565,9 @@ class _Period(NamedTuple):
     since: float  # when the present regime (these replicas) began to be observed
     knee: float | None
 
-    def decide(self, action: Action, replicas: int, why: str, **changes: object) -> tuple[AutoscalerState, Decision]:
+    def decide(
+        self, action: Action, cause: Cause, replicas: int, why: str, **changes: object
+    ) -> tuple[AutoscalerState, Decision]:
         if action != "hold":
             # A change starts a new regime: earlier recommendations were made for other replicas.
             changes.update(recommendations=(), observed_since=self.obs.now, over_since=None)
@@ -549,6 +577,7 @@ class _Period(NamedTuple):
             replicas=replicas,
             previous=self.obs.replicas,
             reason=f"{why}: {self.numbers}",
+            cause=cause,
             signals=self.signals,
         )
         return self.state.model_copy(update={**changes, "last_decision": decision}), decision
@@ -607,21 +636,26 @@ def step(policy: Policy, state: AutoscalerState, obs: Observation) -> tuple[Auto
     period = _observe(policy, state, obs)
     current = obs.replicas
     if policy.mode != "slo":
-        return period.decide("hold", current, f"autoscaling.mode is {policy.mode}: replicas are left as they are")
+        return period.decide(
+            "hold", "not_slo_mode", current, f"autoscaling.mode is {policy.mode}: replicas are left as they are"
+        )
     if current == 0:
         # Nothing runs, so nothing reports: the gateway, which sees requests arrive, scales from
         # zero. Scaled to zero by hand, it stays there (as under an HPA) until replicas are set.
-        return period.decide("hold", 0, "0 replicas: no engine reports load; the gateway scales up on the next request")
+        return period.decide(
+            "hold", "zero_replicas", 0, "0 replicas: no engine reports load; the gateway scales up on the next request"
+        )
     bounded = _clamp(policy, current)
     if bounded != current:
         action: Action = "up" if bounded > current else "down"
         return period.decide(
             action,
+            "replica_bounds",
             bounded,
             f"{current} replicas is outside [{policy.min_replicas}, {policy.max_replicas}]: {current} -> {bounded}",
         )
     if period.signals.ratio is None:
-        return period.decide("hold", current, "no signal (no pod reported metrics)")
+        return period.decide("hold", "no_signal", current, "no signal (no pod reported metrics)")
     if period.signals.ratio > 1 + policy.tolerance:
         return _over_band(period)
     if _blind(period.signals):
@@ -629,6 +663,7 @@ def step(policy: Policy, state: AutoscalerState, obs: Observation) -> tuple[Auto
         # scale-down window (what it held before this did not see the load either).
         return period.decide(
             "hold",
+            "blind",
             current,
             "requests are running or waiting but none got a first token or "
             "finished in the window: overload or a window too short to see one, not idleness",
@@ -648,17 +683,24 @@ def _over_band(period: _Period) -> tuple[AutoscalerState, Decision]:
     rec = Recommendation(at=obs.now, replicas=current)
     held = {"over_since": over_since, "recommendations": (*state.recommendations, rec)}
     if current >= policy.max_replicas:
-        return period.decide("hold", current, f"over the SLO band but at maxReplicas {policy.max_replicas}", **held)
+        return period.decide(
+            "hold", "max_replicas", current, f"over the SLO band but at maxReplicas {policy.max_replicas}", **held
+        )
     waited = obs.now - over_since
     up_window = policy.scale_up_stabilization_seconds
     if waited < up_window:
         return period.decide(
-            "hold", current, f"over the SLO band for {waited:.0f} s of the {up_window:.0f} s scale-up window", **held
+            "hold",
+            "scale_up_window",
+            current,
+            f"over the SLO band for {waited:.0f} s of the {up_window:.0f} s scale-up window",
+            **held,
         )
     last = state.last_scale_up
     if last is not None:
         return period.decide(
             "hold",
+            "pods_pending",
             current,
             f"over the SLO band, but the last scale-up to {last.replicas} "
             f"has {obs.ready_replicas} ready: waiting for its pods",
@@ -668,10 +710,15 @@ def _over_band(period: _Period) -> tuple[AutoscalerState, Decision]:
     desired = min(policy.max_replicas, current + policy.max_step, wanted)
     return period.decide(
         "up",
+        _UP_CAUSES[str(period.signals.limiting)],  # over the band: some signal is the limiting one
         desired,
         f"over the SLO band (> {1 + policy.tolerance:.2f}x): {current} -> {desired}",
         last_scale_up=Recommendation(at=obs.now, replicas=desired),
     )
+
+
+# The signal over the band (Signals.limiting) as the cause of a scale-up.
+_UP_CAUSES: dict[str, Cause] = {"TTFT": "ttft", "TPOT": "tpot", "waiting": "waiting", "KV": "kv", "batch": "batch"}
 
 
 def _blind(signals: Signals) -> bool:
@@ -679,6 +726,18 @@ def _blind(signals: Signals) -> bool:
     engines are too slow to show latency (or their reads are), which is never idleness."""
     busy = (signals.running_per_replica or 0) > 0 or (signals.waiting_per_replica or 0) > 0
     return busy and signals.ttft_observations == 0 and signals.tpot_observations == 0
+
+
+def _why_not_fewer(policy: Policy, current: int, ratio: float, load: float, blind_gateway: bool) -> tuple[Cause, str]:
+    """Why a period at or under the band recommends no fewer replicas."""
+    if blind_gateway:
+        return "gateway_unknown", "under the band, but what the gateway holds is unknown: no scale-down"
+    if ratio > 1 - policy.tolerance:
+        return "in_band", "within the tolerance band"
+    if current > policy.min_replicas:
+        fewer = load * current / max(current - 1, 1)
+        return "would_overload", f"under the band, but {current - 1} replicas would not be (x{fewer:.2f})"
+    return "min_replicas", f"under the band, at minReplicas {policy.min_replicas}"
 
 
 def _at_or_under_band(period: _Period) -> tuple[AutoscalerState, Decision]:
@@ -708,21 +767,13 @@ def _at_or_under_band(period: _Period) -> tuple[AutoscalerState, Decision]:
     recs = (*recent, Recommendation(at=obs.now, replicas=recommended))
     kept = {"over_since": None, "recommendations": recs}
     if recommended >= current:
-        fewer = load * current / max(current - 1, 1)
-        why = (
-            "under the band, but what the gateway holds is unknown: no scale-down"
-            if blind_gateway
-            else "within the tolerance band"
-            if ratio > 1 - tol
-            else f"under the band, but {current - 1} replicas would not be (x{fewer:.2f})"
-            if current > policy.min_replicas
-            else f"under the band, at minReplicas {policy.min_replicas}"
-        )
-        return period.decide("hold", current, why, **kept)
+        cause, why = _why_not_fewer(policy, current, ratio, load, blind_gateway)
+        return period.decide("hold", cause, current, why, **kept)
     observed = obs.now - period.since
     if observed < down_window:
         return period.decide(
             "hold",
+            "scale_down_window",
             current,
             f"under the band ({recommended} replicas would do), for "
             f"{observed:.0f} s of the {down_window:.0f} s scale-down window",
@@ -731,10 +782,15 @@ def _at_or_under_band(period: _Period) -> tuple[AutoscalerState, Decision]:
     desired = max(r.replicas for r in recs)
     if desired >= current:
         return period.decide(
-            "hold", current, f"under the band now, but the last {down_window:.0f} s needed {desired} replicas", **kept
+            "hold",
+            "recent_peak",
+            current,
+            f"under the band now, but the last {down_window:.0f} s needed {desired} replicas",
+            **kept,
         )
     return period.decide(
         "down",
+        "under_band",
         desired,
         f"under the band for {down_window:.0f} s, {desired} replicas would stay "
         f"under {1 - tol:.2f}x: {current} -> {desired}",

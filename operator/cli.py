@@ -90,6 +90,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     operator.add_argument("--liveness", metavar="URL", help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
     operator.add_argument(
+        "--metrics",
+        type=_address,
+        metavar="HOST:PORT",
+        help="serve the operator's own Prometheus /metrics there (per InferenceService: predicted, SLO and "
+        "observed latencies, replicas, autoscaler decisions), e.g. 0.0.0.0:8081; by default none",
+    )
+    operator.add_argument(
         "--autoscale-interval",
         type=float,
         default=INTERVAL_SECONDS,
@@ -374,6 +381,7 @@ def run_operator(args: argparse.Namespace) -> int:
             autoscale_interval=args.autoscale_interval,
             prometheus_url_allow=tuple(args.prometheus_url_allow),
             gateway_pods=args.gateway_pods,
+            metrics_address=args.metrics,
         ),
     )
     return 0

@@ -7,6 +7,7 @@ one cluster adapter in kopf's memo. The gateway is a process of its own (`kvpilo
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import suppress
 from typing import Any
 
@@ -17,8 +18,11 @@ from kvpilot.operator.api.names import GROUP, PLURAL, VERSION
 from kvpilot.operator.autoscaling.decisions import INTERVAL_SECONDS
 from kvpilot.operator.autoscaling.gateways import GatewayView, gateway_watch
 from kvpilot.operator.autoscaling.loop import AutoscalingLoop
+from kvpilot.operator.autoscaling.operator_metrics import OperatorMetrics
 from kvpilot.operator.kube.indexes import index_entry
 from kvpilot.operator.kube.watches import Watches
+
+log = logging.getLogger(__name__)
 
 
 # What the autoscaler's loop reads, indexed by kopf from the watches it runs anyway: a period
@@ -66,6 +70,8 @@ async def start_autoscaler(
         # own, which costs nothing while they do not change.
         memo.gateway_watches = Watches(memo.cluster.client, asyncio.get_running_loop(), [gateway_watch(where)]).start()
         gateways = GatewayView(where, memo.gateway_watches.indexes[0])
+    metrics = OperatorMetrics(autoscaled_services)
+    await serve_metrics(memo, metrics)
     loop = AutoscalingLoop(
         memo.cluster,
         autoscaled_services,
@@ -75,12 +81,30 @@ async def start_autoscaler(
         memo.get("autoscale_interval", INTERVAL_SECONDS),
         memo.get("prometheus_url_allow", ()),
         gateways,
+        metrics,
     )
     memo.autoscaler = asyncio.create_task(loop.run(), name="kvpilot-autoscaler")
 
 
+async def serve_metrics(memo: kopf.Memo, metrics: OperatorMetrics) -> None:
+    """The operator's /metrics (`kvpilot operator --metrics`), on kopf's event loop. An address it
+    cannot listen on is logged and the operator runs on without: reconciling matters more than
+    its own metrics, and Prometheus shows the target down."""
+    address = memo.get("metrics_address")
+    if address is None:
+        return
+    try:
+        memo.metrics_server = await metrics.serve(*address)
+    except OSError as error:
+        log.error(f"operator: cannot serve /metrics on {address[0]}:{address[1]}: {error}")
+        return
+    log.info(f"operator: /metrics on {address[0]}:{address[1]}")
+
+
 @kopf.on.cleanup()
 async def stop_autoscaler(memo: kopf.Memo, **_: Any) -> None:
+    if memo.get("metrics_server") is not None:
+        await memo.metrics_server.cleanup()
     if memo.get("gateway_watches") is not None:
         memo.gateway_watches.stop()
     task = memo.get("autoscaler")

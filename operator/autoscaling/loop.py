@@ -3,7 +3,8 @@
 Every INTERVAL_SECONDS, for each InferenceService in the operator's scope whose
 `autoscaling.mode` is `slo` or `external`: read the /metrics of its ready engine pods, run
 `autoscaler.step()` from the state kept in `status.autoscaler`, write the new state, the last
-decision and the observed p95 latencies to the status, and, in `slo` mode only, set replicas
+decision, the observed p95 latencies and how far they are from the plan's (accuracy.py) to the
+status, and, in `slo` mode only, set replicas
 through the scale subresource and post an Event for every change. `external` computes and shows
 the same numbers but never writes replicas, so an HPA or KEDA owns them; `off` is left alone.
 
@@ -50,6 +51,7 @@ from pydantic import ValidationError
 
 from kvpilot.operator.api.names import API_VERSION, KIND, SCALED_TO_ZERO_AT
 from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.autoscaling.accuracy import accuracy_patch
 from kvpilot.operator.autoscaling.decisions import (
     INTERVAL_SECONDS,
     AutoscalerState,
@@ -67,6 +69,7 @@ from kvpilot.operator.autoscaling.metrics import (
     parse,
     parse_gateway,
 )
+from kvpilot.operator.autoscaling.operator_metrics import OperatorMetrics
 from kvpilot.operator.kube.cluster import KubeCluster, WriteConflict, WriteRefused
 from kvpilot.operator.kube.events import iso, scaling_event
 from kvpilot.operator.kube.indexes import children, current_replicas, engine_urls, indexed_children, indexed_services
@@ -380,7 +383,8 @@ class AutoscalingLoop:
     (key -> store of values). `prometheus_allow`: the URL prefixes under which a spec's
     `prometheusUrl` may be read (`kvpilot operator --prometheus-url-allow`). `gateways`: the gateway
     pods (`--gateway-pods`), kept by a watch and read once a round for what they hold; None: no
-    gateway is read."""
+    gateway is read. `metrics`: the operator's own /metrics, which counts the decisions this
+    process stands by (written, or the same as the status already says)."""
 
     def __init__(
         self,
@@ -392,8 +396,10 @@ class AutoscalingLoop:
         interval: float = INTERVAL_SECONDS,
         prometheus_allow: Sequence[str] = (),
         gateways: GatewayView | None = None,
+        metrics: OperatorMetrics | None = None,
     ) -> None:
         self.cluster = cluster
+        self.metrics = metrics if metrics is not None else OperatorMetrics(services)
         self.interval = interval
         self.prometheus_allow = tuple(prometheus_allow)
         self.gateways = gateways
@@ -476,24 +482,32 @@ class AutoscalingLoop:
         metadata = body["metadata"]
         old_status = body.get("status") or {}
         if not worth_writing(old_status, state, decision):
+            self.metrics.decided(metadata["namespace"], metadata["name"], decision)
             return None
         for read in reads:
             if read.error is not None:  # the status names the pod; why is for the operator's log
                 log.info(
                     f"autoscaler: {metadata['namespace']}/{metadata['name']}: pod {read.name} is unknown: {read.error}"
                 )
-        patch = as_merge_patch(
-            old_status,
-            status_patch(
-                state, decision, old_status.get("latency"), (old_status.get(STATUS_KEY) or {}).get(SCALED_TO_ZERO_AT)
+        zeroed_at = (old_status.get(STATUS_KEY) or {}).get(SCALED_TO_ZERO_AT)
+        fields = {
+            **status_patch(state, decision, old_status.get("latency"), zeroed_at),
+            **accuracy_patch(
+                old_status, decision.signals, policy.window_seconds, decision.at, int(metadata.get("generation") or 0)
             ),
-        )
+        }
         try:
             written = self.cluster.patch_status(
-                API_VERSION, KIND, metadata["namespace"], metadata["name"], patch, metadata["resourceVersion"]
+                API_VERSION,
+                KIND,
+                metadata["namespace"],
+                metadata["name"],
+                as_merge_patch(old_status, fields),
+                metadata["resourceVersion"],
             )
         except WriteConflict:
             return None  # another writer (a replica of this operator, a reconcile) came first
+        self.metrics.decided(metadata["namespace"], metadata["name"], decision)
         if policy.mode != "slo" or decision.replicas == decision.previous:
             return decision
         if decision.action == "down":

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
+from kvpilot.operator.api.conditions import PLAN_ACCURATE, with_transition_times
 from kvpilot.operator.api.names import API_KEY_SHA256, selector, service_url
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.planning import sizing
@@ -217,18 +218,37 @@ def conditions(
     return conditions_
 
 
-def with_transition_times(
-    new: Sequence[Mapping[str, Any]], old: Sequence[Mapping[str, Any]], now: datetime, generation: int
-) -> list[dict[str, Any]]:
-    before = {c.get("type"): c for c in old}
-    stamped = []
-    for condition in new:
-        previous = before.get(condition["type"], {})
-        since = previous.get("lastTransitionTime")
-        if previous.get("status") != condition["status"] or not since:
-            since = now.strftime("%Y-%m-%dT%H:%M:%SZ")
-        stamped.append({**condition, "observedGeneration": generation, "lastTransitionTime": since})
-    return stamped
+def _same_prediction(accuracy: Mapping[str, Any], plan: Plan) -> bool:
+    """Whether `status.planAccuracy` compared the engines with this plan's predictions."""
+    predicted = {"ttft": plan.predicted_ttft_ms, "tpot": plan.predicted_tpot_ms}
+    return all((accuracy.get(key) or {}).get("predictedMs") in (None, value) for key, value in predicted.items())
+
+
+def plan_accuracy(
+    old: Mapping[str, Any], plan: Plan, now: datetime, generation: int
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """`planAccuracy` and the PlanAccurate condition as the autoscaler's loop last wrote them
+    (autoscaling/accuracy.py), for this generation; both start again (Unknown) when this plan
+    predicts other latencies than the ones they were judged against. None: the loop wrote none."""
+    conditions = old.get("conditions") or []
+    written = next((c for c in conditions if c.get("type") == PLAN_ACCURATE), None)
+    if written is None:
+        return None, None
+    accuracy = old.get("planAccuracy") or {}
+    condition = {key: written[key] for key in ("type", "status", "reason", "message") if key in written}
+    if not _same_prediction(accuracy, plan):
+        accuracy = {}
+        reason, message = (
+            (
+                "Replanned",
+                f"the plan now predicts p95 TTFT {plan.predicted_ttft_ms:g} ms, TPOT "
+                f"{plan.predicted_tpot_ms:g} ms: no window of the engines compared with it yet",
+            )
+            if plan.fits
+            else ("NoPrediction", "the spec does not plan: no predicted latency to compare")
+        )
+        condition = {"type": PLAN_ACCURATE, "status": "Unknown", "reason": reason, "message": message}
+    return accuracy or None, with_transition_times([condition], conditions, now, generation)[0]
 
 
 def build(
@@ -256,12 +276,14 @@ def build(
         desired = int((deployment.get("spec") or {}).get("replicas") or 0)
     observed = (deployment or {}).get("status", {})
     fresh = conditions(plan, spec, desired, deployment, blocked, pod_problem(deployment, pods))
-    # The autoscaler's loop (autoscaling/loop.py) writes these two; a reconcile carries them over,
-    # since the merge patch of this status would otherwise remove what it does not list.
+    # The autoscaler's loop (autoscaling/loop.py) writes these, and the PlanAccurate condition; a
+    # reconcile carries them over, since the merge patch of this status would otherwise remove
+    # what it does not list.
     latency = old.get("latency") or {}
     if latency.get("source") != "observed":
         latency = {"ttftP95Ms": plan.predicted_ttft_ms, "tpotP95Ms": plan.predicted_tpot_ms, "source": "predicted"}
     carried = {"autoscaler": old["autoscaler"]} if old.get("autoscaler") else {}
+    accuracy, accurate = plan_accuracy(old, plan, now, generation)
     return {
         **carried,
         "observedGeneration": generation,
@@ -276,5 +298,9 @@ def build(
         **({"auth": {API_KEY_SHA256: api_key[0], "secretName": api_key[1]}} if api_key else {}),
         # Predicted until the autoscaler reports what the engines measure.
         "latency": latency,
-        "conditions": with_transition_times(fresh, old.get("conditions", []), now, generation),
+        **({"planAccuracy": accuracy} if accuracy else {}),
+        "conditions": [
+            *with_transition_times(fresh, old.get("conditions", []), now, generation),
+            *([accurate] if accurate else []),
+        ],
     }

@@ -18,6 +18,8 @@ from pydantic.fields import FieldInfo
 
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from kvpilot.operator.api.spec import BLOCK_SIZES, InferenceServiceSpec
+from kvpilot.operator.autoscaling.accuracy import SUSTAIN_PERIODS, accuracy_patch
+from kvpilot.operator.autoscaling.decisions import Signals
 from kvpilot.operator.controller import status
 from kvpilot.operator.controller.reconcile import last_good, planned_fields
 from kvpilot.operator.planning.gpus import GPUS
@@ -202,9 +204,13 @@ def test_printer_columns(crd: dict[str, Any]) -> None:
         "TPOT-P95": ".status.latency.tpotP95Ms",
         "Age": ".metadata.creationTimestamp",
         "URL": ".status.url",
+        "Plan-Accurate": '.status.conditions[?(@.type=="PlanAccurate")].status',
     }
-    # The URL is long: only `kubectl get -o wide` shows it.
-    assert {c["name"] for c in version(crd)["additionalPrinterColumns"] if c.get("priority")} == {"URL"}
+    # The URL is long, and whether the plan holds is for a closer look: only `kubectl get -o wide`.
+    assert {c["name"] for c in version(crd)["additionalPrinterColumns"] if c.get("priority")} == {
+        "URL",
+        "Plan-Accurate",
+    }
 
 
 def test_schema_is_structural(crd: dict[str, Any]) -> None:
@@ -456,6 +462,49 @@ def test_status_we_write_validates_against_the_schema(crd: dict[str, Any], model
         last_good=last_good(planned_fields(spec), str(result.gpu), result.reasons.get("gpu")) if result.fits else None,
     )
     validate(written, root(crd)["properties"]["status"], "status")
+
+
+def test_the_status_the_autoscaler_adds_validates_against_the_schema(crd: dict[str, Any]) -> None:
+    """The loop's planAccuracy and PlanAccurate, on the status a reconcile wrote, are what the
+    schema keeps (an API server prunes unknown fields and refuses wrong types)."""
+    spec = InferenceServiceSpec.model_validate(
+        {"model": {"name": "llama-3-8b"}, "accelerator": {"type": "L4"}, "serving": {"speculative": "ngram"}}
+    )
+    result = plan(spec)
+    written = status.build(
+        name="chat",
+        namespace="ml",
+        generation=3,
+        plan=result,
+        spec=spec,
+        deployment=None,
+        old={},
+        now=datetime(2025, 1, 1, tzinfo=UTC),
+    )
+    signals = Signals(
+        ttft_p95_seconds=result.predicted_ttft_ms * 3 / 1000,
+        tpot_p95_seconds=result.predicted_tpot_ms / 1000,
+        ttft_observations=64,
+        tpot_observations=60,
+        draft_acceptance=0.31,
+    )
+    for period in range(SUSTAIN_PERIODS):
+        written = {**written, **accuracy_patch(written, signals, 60.0, 1_800_000_000.0 + 15 * period, 3)}
+    accuracy = written["planAccuracy"]
+    assert {"ttft", "tpot", "draftAcceptance", "outsidePeriods", "outsideSince", "band"} <= set(accuracy)
+    assert {c["type"]: c["status"] for c in written["conditions"]}["PlanAccurate"] == "False"
+    validate(written, root(crd)["properties"]["status"], "status")
+    carried = status.build(
+        name="chat",
+        namespace="ml",
+        generation=4,
+        plan=result,
+        spec=spec,
+        deployment=None,
+        old=written,
+        now=datetime(2025, 1, 1, tzinfo=UTC),
+    )
+    validate(carried, root(crd)["properties"]["status"], "status")
 
 
 def test_kopf_peering_crds() -> None:

@@ -16,6 +16,7 @@ from prometheus_client import generate_latest
 
 from kvpilot.engine.serving.metrics import ServingMetrics
 from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.autoscaling.accuracy import SUSTAIN_PERIODS, accuracy_patch
 from kvpilot.operator.autoscaling.decisions import AutoscalerState, Decision, PodRead, Policy, Signals
 from kvpilot.operator.autoscaling.loop import (
     AutoscalingLoop,
@@ -389,6 +390,49 @@ def test_a_reconcile_keeps_what_the_loop_wrote() -> None:
         "tpotP95Ms": result.predicted_tpot_ms,
         "source": "predicted",
     }
+
+
+def test_a_reconcile_keeps_plan_accurate_for_the_plan_it_was_judged_against() -> None:
+    """PlanAccurate and status.planAccuracy come from the loop; the reconcile, which writes the
+    whole status and the whole conditions list, keeps them for the same predictions (stamped with
+    its generation), and starts them again (Unknown) for a plan that predicts other latencies."""
+    spec = InferenceServiceSpec.model_validate({"model": {"name": "llama-2-7b"}, "accelerator": {"type": "L4"}})
+    result = plan(spec, [])
+
+    def reconciled(old: dict[str, Any], generation: int, planned: Any = result) -> dict[str, Any]:
+        return status.build(
+            name="chat",
+            namespace="ml",
+            generation=generation,
+            plan=planned,
+            spec=spec,
+            deployment=None,
+            old=old,
+            now=datetime(2026, 1, 2, tzinfo=UTC),
+        )
+
+    first = reconciled({}, 1)
+    assert "PlanAccurate" not in {c["type"] for c in first["conditions"]}  # the loop writes it
+    signals = Signals(ttft_p95_seconds=result.predicted_ttft_ms * 4 / 1000, tpot_p95_seconds=None, ttft_observations=40)
+    looped = first
+    for period in range(SUSTAIN_PERIODS):
+        looped = {**looped, **accuracy_patch(looped, signals, 60.0, NOW + 15 * period, 1)}
+    accurate = next(c for c in looped["conditions"] if c["type"] == "PlanAccurate")
+    assert (accurate["status"], accurate["reason"]) == ("False", "OutsideBand")
+
+    again = reconciled(looped, 2)
+    assert again["planAccuracy"] == looped["planAccuracy"]
+    kept = next(c for c in again["conditions"] if c["type"] == "PlanAccurate")
+    assert kept == {**accurate, "observedGeneration": 2}
+    assert [c["type"] for c in again["conditions"]] == ["Planned", "Progressing", "Ready", "Degraded", "PlanAccurate"]
+    assert "planAccuracy" not in merge_patch(looped, again)
+
+    other = plan(spec.model_copy(update={"accelerator": spec.accelerator.model_copy(update={"type": "A100-80GB"})}))
+    assert other.predicted_ttft_ms != result.predicted_ttft_ms
+    replanned = reconciled(looped, 3, other)
+    fresh = next(c for c in replanned["conditions"] if c["type"] == "PlanAccurate")
+    assert (fresh["status"], fresh["reason"], fresh["observedGeneration"]) == ("Unknown", "Replanned", 3)
+    assert "planAccuracy" not in replanned and merge_patch(looped, replanned)["planAccuracy"] is None
 
 
 # ---- reading /metrics over HTTP, on 127.0.0.1 only ------------------------------------------

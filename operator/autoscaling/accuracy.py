@@ -1,0 +1,165 @@
+"""How far the plan's predictions are from what the engines measure (pure): `status.planAccuracy`
+and the `PlanAccurate` condition, written by the autoscaler's loop every period it writes.
+
+`planAccuracy` holds, per signal, the plan's predicted p95 (status.plan), the p95 the engines
+reported over the autoscaler's window, their ratio (observed / predicted) and the requests behind
+it; and the draft acceptance the plan assumed beside the observed one. A p95 counts only from a
+window of at least MIN_OBSERVATIONS requests (a p95 of a few is mostly their maximum, as for the
+autoscaler's own decisions).
+
+PlanAccurate:
+- Unknown (`NoPrediction`) while the plan predicts no latency, (`NoObservations`) until a window
+  has enough requests;
+- False (`OutsideBand`) once a ratio has stayed outside BAND for SUSTAIN_PERIODS periods in a row
+  (a period without enough requests, or with every ratio inside, ends the run): a burst that moves
+  one window's p95 is not a wrong plan;
+- True (`WithinBand`) as soon as every ratio of a window is inside again; while a run outside is
+  shorter than SUSTAIN_PERIODS the condition keeps its status, reason `BriefExcursion`;
+- a period without enough requests says nothing new: the condition stays as it was.
+The message always carries the numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from kvpilot.operator.api.conditions import PLAN_ACCURATE, with_transition_times
+from kvpilot.operator.autoscaling.decisions import MIN_OBSERVATIONS, Signals
+from kvpilot.operator.kube.events import iso
+
+STATUS_KEY = "planAccuracy"
+# Observed / predicted p95 within this band is a plan that holds: the planner works from datasheet
+# numbers and a roofline, so a factor of two either way is what it promises, not a tenth.
+BAND = (0.5, 2.0)
+# Periods in a row outside the band before PlanAccurate goes False: two windows (2 min at the
+# default 15 s period), so one burst that fills a window does not count, and the time follows
+# `kvpilot operator --autoscale-interval`.
+SUSTAIN_PERIODS = 8
+# (status key, the plan's predicted field, the signal's p95, the requests behind it)
+_SIGNALS = (
+    ("ttft", "predictedTtftMs", "ttft_p95_seconds", "ttft_observations"),
+    ("tpot", "predictedTpotMs", "tpot_p95_seconds", "tpot_observations"),
+)
+
+
+def comparison(predicted_ms: float | None, observed_seconds: float | None, requests: int) -> dict[str, Any] | None:
+    """One signal's predicted and observed p95 and their ratio; None when either is missing or
+    the window holds too few requests to judge."""
+    if not predicted_ms or predicted_ms <= 0 or observed_seconds is None or requests < MIN_OBSERVATIONS:
+        return None
+    observed_ms = observed_seconds * 1000
+    return {
+        "predictedMs": predicted_ms,
+        "observedMs": round(observed_ms, 1),
+        "ratio": round(observed_ms / predicted_ms, 3),
+        "requests": requests,
+    }
+
+
+def _inside(entry: Mapping[str, Any]) -> bool:
+    return BAND[0] <= entry["ratio"] <= BAND[1]
+
+
+def _numbers(block: Mapping[str, Any]) -> str:
+    parts = [
+        f"p95 {key.upper()} observed {entry['observedMs']:g} ms / predicted {entry['predictedMs']:g} ms = "
+        f"{entry['ratio']:.2f}x ({entry['requests']} requests in the {block['windowSeconds']:g} s window of "
+        f"{entry['time']})"
+        for key, _, _, _ in _SIGNALS
+        if (entry := block.get(key))
+    ]
+    text = "; ".join(parts) + f"; band [{BAND[0]:g}, {BAND[1]:g}]"
+    draft = block.get("draftAcceptance") or {}
+    if draft:
+        observed, assumed = draft.get("observed"), draft.get("assumed")
+        text += (
+            f"; draft acceptance observed {'none' if observed is None else f'{observed:.2f}'}, "
+            f"assumed {'none' if assumed is None else f'{assumed:.2f}'}"
+        )
+    return text
+
+
+def _verdict(
+    block: Mapping[str, Any], judged: bool, predicts: bool, old: Mapping[str, Any] | None
+) -> tuple[str, str, str]:
+    """(status, reason, message) of PlanAccurate."""
+    if not predicts:
+        return (
+            "Unknown",
+            "NoPrediction",
+            "status.plan predicts no latency (no plan yet, or it does not fit): nothing to compare",
+        )
+    if not judged:
+        if old is not None:
+            return old["status"], old.get("reason", ""), old.get("message", "")
+        return (
+            "Unknown",
+            "NoObservations",
+            f"no window of {block['windowSeconds']:g} s has held {MIN_OBSERVATIONS} requests yet",
+        )
+    periods = block.get("outsidePeriods", 0)
+    numbers = _numbers(block)
+    if not periods:
+        return "True", "WithinBand", f"within the band: {numbers}"
+    if periods >= SUSTAIN_PERIODS or (old is not None and old["status"] == "False"):
+        return (
+            "False",
+            "OutsideBand",
+            f"outside the band for {periods} periods since {block['outsideSince']}: {numbers}",
+        )
+    status = "Unknown" if old is None else old["status"]
+    return (
+        status,
+        "BriefExcursion",
+        f"outside the band for {periods} of the {SUSTAIN_PERIODS} periods in a row that make it inaccurate: {numbers}",
+    )
+
+
+def _block(
+    status: Mapping[str, Any], signals: Signals, window_seconds: float, now: float
+) -> tuple[dict[str, Any], bool]:
+    """The new planAccuracy, and whether this window judged any signal."""
+    plan = status.get("plan") or {}
+    old = status.get(STATUS_KEY) or {}
+    if any(old.get(key) and old[key].get("predictedMs") != plan.get(predicted) for key, predicted, _, _ in _SIGNALS):
+        old = {}  # judged against another plan's predictions: start again
+    block: dict[str, Any] = {"windowSeconds": window_seconds, "band": list(BAND)}
+    fresh = {}
+    for key, predicted, p95, requests in _SIGNALS:
+        entry = comparison(plan.get(predicted), getattr(signals, p95), getattr(signals, requests))
+        if entry is not None:
+            fresh[key] = block[key] = {**entry, "time": iso(now)}
+        elif old.get(key):  # nothing new to judge: the last judged window stays
+            block[key] = old[key]
+    if fresh and not all(_inside(entry) for entry in fresh.values()):
+        block["outsidePeriods"] = int(old.get("outsidePeriods") or 0) + 1
+        block["outsideSince"] = old.get("outsideSince") or iso(now)
+    observed = signals.draft_acceptance
+    draft = {
+        "assumed": plan.get("assumedDraftAcceptance"),
+        "observed": (old.get("draftAcceptance") or {}).get("observed") if observed is None else round(observed, 3),
+    }
+    if any(value is not None for value in draft.values()):
+        block["draftAcceptance"] = {key: value for key, value in draft.items() if value is not None}
+    return block, bool(fresh)
+
+
+def accuracy_patch(
+    status: Mapping[str, Any], signals: Signals, window_seconds: float, now: float, generation: int
+) -> dict[str, Any]:
+    """The status fields a period writes for the plan's accuracy: `planAccuracy`, and the
+    conditions with PlanAccurate replaced (a merge patch replaces a list whole)."""
+    block, judged = _block(status, signals, window_seconds, now)
+    plan = status.get("plan") or {}
+    predicts = any((plan.get(predicted) or 0) > 0 for _, predicted, _, _ in _SIGNALS)
+    conditions = status.get("conditions") or []
+    old = next((c for c in conditions if c.get("type") == PLAN_ACCURATE), None)
+    state, reason, message = _verdict(block, judged, predicts, old)
+    condition = {"type": PLAN_ACCURATE, "status": state, "reason": reason, "message": message}
+    stamped = with_transition_times([condition], conditions, datetime.fromtimestamp(now, UTC), generation)
+    return {
+        STATUS_KEY: block,
+        "conditions": [*(c for c in conditions if c.get("type") != PLAN_ACCURATE), *stamped],
+    }

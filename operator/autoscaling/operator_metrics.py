@@ -1,0 +1,170 @@
+"""The operator's own /metrics (`kvpilot operator --metrics HOST:PORT`): per InferenceService, what
+the plan predicted beside the SLO and what the engines measured, replicas desired and ready, and
+the autoscaler's decisions by action and cause.
+
+The gauges are read at scrape time from the InferenceServices the operator's watch holds (their
+spec and the status the reconcile and the autoscaler wrote), so every replica of the operator
+shows the same numbers, and a service that is gone leaves no series behind. The decisions are
+this process's own: a counter per (namespace, service, action, cause), forgotten with the
+service. Latencies are in seconds, as Prometheus names them.
+
+Served by aiohttp on kopf's event loop, the loop that updates the watch's index: a scrape never
+reads it while it changes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from pydantic import ValidationError
+
+from kvpilot.operator.api.conditions import PLAN_ACCURATE
+from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.autoscaling.accuracy import STATUS_KEY as ACCURACY_KEY
+from kvpilot.operator.autoscaling.decisions import Decision
+from kvpilot.operator.kube.indexes import indexed_services
+
+Key = tuple[str, str]
+LABELS = ["namespace", "service"]
+PREFIX = "kvpilot_operator_"
+
+
+def _ms(value: Any) -> float | None:
+    return None if value is None else float(value) / 1000
+
+
+def _seconds(status: Mapping[str, Any], field: str) -> float | None:
+    value = (status.get("plan") or {}).get(field)
+    return _ms(value) if value else None  # 0: the plan that does not fit predicts nothing
+
+
+def _observed(status: Mapping[str, Any], field: str) -> float | None:
+    latency = status.get("latency") or {}
+    return _ms(latency.get(field)) if latency.get("source") == "observed" else None
+
+
+def _slo(spec: Mapping[str, Any]) -> tuple[float | None, float | None]:
+    try:
+        slo = InferenceServiceSpec.model_validate(spec).slo
+    except ValidationError:  # the reconcile reports it; nothing to show here
+        return None, None
+    return slo.ttft_p95_ms / 1000, slo.tpot_p95_ms / 1000
+
+
+def _accurate(status: Mapping[str, Any]) -> float | None:
+    condition = next((c for c in status.get("conditions") or [] if c.get("type") == PLAN_ACCURATE), None)
+    return {"True": 1.0, "False": 0.0}.get((condition or {}).get("status", ""))
+
+
+def _ratio(status: Mapping[str, Any], signal: str) -> float | None:
+    return ((status.get(ACCURACY_KEY) or {}).get(signal) or {}).get("ratio")
+
+
+def _draft(status: Mapping[str, Any], which: str) -> float | None:
+    return ((status.get(ACCURACY_KEY) or {}).get("draftAcceptance") or {}).get(which)
+
+
+# (name, help, value from (spec, status)); a None value is no sample.
+_GAUGES: tuple[tuple[str, str, Callable[[Mapping[str, Any], Mapping[str, Any]], float | None]], ...] = (
+    ("predicted_ttft_p95_seconds", "The plan's predicted p95 TTFT", lambda _, s: _seconds(s, "predictedTtftMs")),
+    ("predicted_tpot_p95_seconds", "The plan's predicted p95 TPOT", lambda _, s: _seconds(s, "predictedTpotMs")),
+    ("slo_ttft_p95_seconds", "The SLO's p95 TTFT (spec.slo.ttftP95Ms)", lambda spec, _: _slo(spec)[0]),
+    ("slo_tpot_p95_seconds", "The SLO's p95 TPOT (spec.slo.tpotP95Ms)", lambda spec, _: _slo(spec)[1]),
+    (
+        "observed_ttft_p95_seconds",
+        "p95 TTFT the engines reported over the autoscaler's window",
+        lambda _, s: _observed(s, "ttftP95Ms"),
+    ),
+    (
+        "observed_tpot_p95_seconds",
+        "p95 TPOT the engines reported over the autoscaler's window",
+        lambda _, s: _observed(s, "tpotP95Ms"),
+    ),
+    ("ttft_observed_over_predicted", "Observed over predicted p95 TTFT", lambda _, s: _ratio(s, "ttft")),
+    ("tpot_observed_over_predicted", "Observed over predicted p95 TPOT", lambda _, s: _ratio(s, "tpot")),
+    ("assumed_draft_acceptance", "Draft acceptance the plan's TPOT assumes", lambda _, s: _draft(s, "assumed")),
+    ("observed_draft_acceptance", "Draft acceptance the engines reported", lambda _, s: _draft(s, "observed")),
+    ("plan_accurate", "The PlanAccurate condition: 1 True, 0 False (no sample: Unknown)", lambda _, s: _accurate(s)),
+    (
+        "desired_replicas",
+        "Replicas the service asks for (status.desiredReplicas)",
+        lambda _, s: s.get("desiredReplicas"),
+    ),
+    ("replicas", "Engine pods of the service's Deployment", lambda _, s: s.get("replicas")),
+    ("ready_replicas", "Engine pods ready", lambda _, s: s.get("readyReplicas")),
+)
+
+
+class _Collector(Collector):
+    def __init__(self, services: Mapping[Any, Any], metrics: OperatorMetrics) -> None:
+        self._services, self._metrics = services, metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        bodies = indexed_services(self._services)
+        families = {name: GaugeMetricFamily(PREFIX + name, doc, labels=LABELS) for name, doc, _ in _GAUGES}
+        for body in sorted(bodies, key=lambda b: (b["metadata"]["namespace"], b["metadata"]["name"])):
+            labels = [body["metadata"]["namespace"], body["metadata"]["name"]]
+            spec, status = body.get("spec") or {}, body.get("status") or {}
+            for name, _, read in _GAUGES:
+                value = read(spec, status)
+                if value is not None:
+                    families[name].add_metric(labels, float(value))
+        yield from families.values()
+        decisions = CounterMetricFamily(
+            PREFIX + "autoscaler_decisions",
+            "The SLO autoscaler's decisions made by this operator process, by action and cause",
+            labels=[*LABELS, "action", "cause"],
+        )
+        present = {(b["metadata"]["namespace"], b["metadata"]["name"]) for b in bodies}
+        for labels, count in self._metrics.decisions(present).items():
+            decisions.add_metric(list(labels), count)
+        yield decisions
+
+
+class OperatorMetrics:
+    """One registry per operator (tests run several in one process). `services`: the kopf index
+    of InferenceServices (key -> store of bodies)."""
+
+    def __init__(self, services: Mapping[Any, Any]) -> None:
+        self.registry = CollectorRegistry()
+        # Counted in the loop's writer threads, read on the event loop.
+        self._lock = threading.Lock()
+        self._decisions: dict[tuple[str, str, str, str], int] = {}
+        self.registry.register(_Collector(services, self))
+
+    def decided(self, namespace: str, name: str, decision: Decision) -> None:
+        key = (namespace, name, decision.action, decision.cause or "unknown")
+        with self._lock:
+            self._decisions[key] = self._decisions.get(key, 0) + 1
+
+    def decisions(self, present: set[Key]) -> dict[tuple[str, str, str, str], int]:
+        """The counts of the services in `present`; those of any other service are forgotten."""
+        with self._lock:
+            self._decisions = {key: n for key, n in self._decisions.items() if key[:2] in present}
+            return dict(sorted(self._decisions.items()))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def serve(self, host: str, port: int) -> web.AppRunner:
+        """GET /metrics on host:port until the runner is cleaned up; OSError when it cannot listen."""
+
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(body=self.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError:
+            await runner.cleanup()
+            raise
+        return runner

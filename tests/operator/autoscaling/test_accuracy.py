@@ -1,0 +1,158 @@
+"""The plan's predictions beside what the engines measured, and PlanAccurate's transitions
+(operator/autoscaling/accuracy.py): False only for a ratio outside the band for SUSTAIN_PERIODS
+periods in a row, True again at the first window inside it, Unknown without observations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvpilot.operator.autoscaling.accuracy import BAND, SUSTAIN_PERIODS, accuracy_patch
+from kvpilot.operator.autoscaling.decisions import MIN_OBSERVATIONS, Signals
+from kvpilot.operator.kube.events import iso
+
+NOW = 1_800_000_000.0
+PERIOD = 15.0
+PLAN = {"predictedTtftMs": 200.0, "predictedTpotMs": 25.0}
+READY = {"type": "Ready", "status": "True", "reason": "ReplicasReady", "message": "1/1 replicas ready"}
+
+
+def window(ttft_ms: float | None = 220.0, tpot_ms: float | None = 30.0, requests: int = 50, **more: Any) -> Signals:
+    return Signals(
+        ttft_p95_seconds=None if ttft_ms is None else ttft_ms / 1000,
+        tpot_p95_seconds=None if tpot_ms is None else tpot_ms / 1000,
+        ttft_observations=requests,
+        tpot_observations=requests,
+        **more,
+    )
+
+
+class Service:
+    """A status that takes each period's patch, as the API server would (top-level fields replaced:
+    the patch names every field of planAccuracy and the whole conditions list)."""
+
+    def __init__(self, plan: dict[str, Any] | None = None) -> None:
+        self.status: dict[str, Any] = {"plan": dict(PLAN if plan is None else plan), "conditions": [READY]}
+        self.now = NOW
+
+    def period(self, signals: Signals) -> dict[str, Any]:
+        self.now += PERIOD
+        self.status = {**self.status, **accuracy_patch(self.status, signals, 60.0, self.now, 3)}
+        return self.accurate()
+
+    def accurate(self) -> dict[str, Any]:
+        (condition,) = [c for c in self.status["conditions"] if c["type"] == "PlanAccurate"]
+        return condition
+
+
+def test_unknown_until_a_window_holds_enough_requests() -> None:
+    service = Service()
+    for signals in (window(None, None, requests=0), window(900.0, 90.0, requests=MIN_OBSERVATIONS - 1)):
+        condition = service.period(signals)
+        assert (condition["status"], condition["reason"]) == ("Unknown", "NoObservations")
+        assert f"{MIN_OBSERVATIONS} requests" in condition["message"]
+    # What the reconcile wrote stays, and stays first.
+    assert service.status["conditions"][0] == READY
+    assert "ttft" not in service.status["planAccuracy"] and "outsidePeriods" not in service.status["planAccuracy"]
+    nothing = Service(plan={"fits": False, "predictedTtftMs": 0.0, "predictedTpotMs": 0.0})
+    assert nothing.period(window(900.0, 90.0))["reason"] == "NoPrediction"
+
+
+def test_within_the_band_is_true_with_the_numbers_side_by_side() -> None:
+    service = Service()
+    condition = service.period(window(300.0, 20.0, requests=80))
+    assert (condition["status"], condition["reason"]) == ("True", "WithinBand")
+    assert condition["observedGeneration"] == 3 and condition["lastTransitionTime"] == iso(service.now)
+    accuracy = service.status["planAccuracy"]
+    assert accuracy["ttft"] == {
+        "predictedMs": 200.0,
+        "observedMs": 300.0,
+        "ratio": 1.5,
+        "requests": 80,
+        "time": iso(service.now),
+    }
+    assert accuracy["tpot"]["ratio"] == 0.8 and accuracy["band"] == list(BAND) and accuracy["windowSeconds"] == 60
+    assert "observed 300 ms / predicted 200 ms = 1.50x (80 requests" in condition["message"]
+
+
+def test_a_brief_excursion_does_not_make_the_plan_inaccurate() -> None:
+    service = Service()
+    since = service.period(window())["lastTransitionTime"]
+    for n in range(1, SUSTAIN_PERIODS):
+        condition = service.period(window(ttft_ms=900.0))  # 4.5x: outside
+        assert (condition["status"], condition["reason"]) == ("True", "BriefExcursion")
+        assert f"{n} of the {SUSTAIN_PERIODS} periods" in condition["message"]
+        assert condition["lastTransitionTime"] == since
+    assert service.status["planAccuracy"]["outsidePeriods"] == SUSTAIN_PERIODS - 1
+    condition = service.period(window())
+    assert (condition["status"], condition["reason"], condition["lastTransitionTime"]) == ("True", "WithinBand", since)
+    assert "outsidePeriods" not in service.status["planAccuracy"]
+    assert "outsideSince" not in service.status["planAccuracy"]
+
+
+def test_a_sustained_excursion_goes_false_with_the_numbers_and_back_true_when_it_returns() -> None:
+    service = Service()
+    service.period(window())
+    started = service.now + PERIOD
+    for _ in range(SUSTAIN_PERIODS - 1):
+        assert service.period(window(tpot_ms=5.0))["status"] == "True"  # 0.2x: the plan is pessimistic
+    condition = service.period(window(tpot_ms=5.0))
+    assert (condition["status"], condition["reason"]) == ("False", "OutsideBand")
+    assert condition["lastTransitionTime"] == iso(service.now)
+    assert f"for {SUSTAIN_PERIODS} periods since {iso(started)}" in condition["message"]
+    assert "p95 TPOT observed 5 ms / predicted 25 ms = 0.20x" in condition["message"]
+    assert "band [0.5, 2]" in condition["message"]
+    assert service.status["planAccuracy"]["outsideSince"] == iso(started)
+    # Still outside: stays False; a window without enough requests says nothing new.
+    assert service.period(window(tpot_ms=5.0))["status"] == "False"
+    assert service.period(window(requests=3))["status"] == "False"
+    condition = service.period(window())
+    assert (condition["status"], condition["reason"]) == ("True", "WithinBand")
+    assert condition["lastTransitionTime"] == iso(service.now)
+
+
+def test_a_window_without_enough_requests_ends_a_run_outside() -> None:
+    """A run outside must be unbroken: outside, too few requests to tell, outside again is two
+    runs, neither long enough."""
+    service = Service()
+    service.period(window())
+    for _ in range(SUSTAIN_PERIODS - 1):
+        service.period(window(ttft_ms=50.0))
+    assert service.period(window(requests=0))["status"] == "True"
+    condition = service.period(window(ttft_ms=50.0))
+    assert (condition["status"], condition["reason"]) == ("True", "BriefExcursion")
+    assert service.status["planAccuracy"]["outsidePeriods"] == 1
+
+
+@pytest.mark.parametrize("ratio", [BAND[0], BAND[1]])
+def test_the_band_s_edges_are_inside(ratio: float) -> None:
+    service = Service()
+    for _ in range(SUSTAIN_PERIODS + 1):
+        condition = service.period(window(ttft_ms=200.0 * ratio, tpot_ms=25.0))
+    assert (condition["status"], condition["reason"]) == ("True", "WithinBand")
+
+
+def test_observed_draft_acceptance_goes_beside_the_assumed_one() -> None:
+    service = Service(plan={**PLAN, "assumedDraftAcceptance": 0.7})
+    service.period(window(draft_acceptance=0.41234))
+    assert service.status["planAccuracy"]["draftAcceptance"] == {"assumed": 0.7, "observed": 0.412}
+    condition = service.period(window())  # no drafts in this window: the last observed stays
+    assert service.status["planAccuracy"]["draftAcceptance"] == {"assumed": 0.7, "observed": 0.412}
+    assert "draft acceptance observed 0.41, assumed 0.70" in condition["message"]
+    assert "draftAcceptance" not in Service().status.get("planAccuracy", {})
+
+
+def test_a_new_prediction_drops_what_was_judged_against_the_old_one() -> None:
+    service = Service()
+    service.period(window(ttft_ms=900.0, tpot_ms=None))
+    service.period(window(ttft_ms=900.0, tpot_ms=None))
+    assert service.status["planAccuracy"]["outsidePeriods"] == 2
+    service.status["plan"] = {"predictedTtftMs": 300.0, "predictedTpotMs": 25.0}
+    service.period(window(ttft_ms=900.0, tpot_ms=None))
+    accuracy = service.status["planAccuracy"]
+    assert accuracy["outsidePeriods"] == 1 and accuracy["outsideSince"] == iso(service.now)
+    assert accuracy["ttft"]["predictedMs"] == 300.0 and accuracy["ttft"]["ratio"] == 3.0
+    service.status["plan"] = {"predictedTtftMs": 800.0, "predictedTpotMs": 25.0}
+    service.period(window(None, None, requests=0))
+    assert "ttft" not in service.status["planAccuracy"]

@@ -121,6 +121,24 @@ def test_a_slightly_high_ratio_adds_at_least_one_replica() -> None:
     assert (d.action, d.replicas) == ("up", 2)
 
 
+def test_each_decision_names_its_cause_in_one_word() -> None:
+    """The operator's decisions counter groups by it: an up by the signal over the band, a hold or
+    down by the rule that decided."""
+
+    def causes(loop: Loop, *ticks: dict[str, float | None]) -> list[tuple[str, str]]:
+        return [(d.action, d.cause) for d in (loop.tick(**tick) for tick in ticks)]
+
+    assert causes(Loop(Policy(max_replicas=10), replicas=2), {}, {"ttft": 4.5}) == [("hold", "blind"), ("up", "ttft")]
+    assert causes(Loop(Policy(max_replicas=2), replicas=2), {}, {"ttft": 4.5})[1] == ("hold", "max_replicas")
+    assert causes(Loop(Policy(max_replicas=8), replicas=2), {"ttft": None, "kv": 1.0}) == [("up", "kv")]
+    assert causes(Loop(Policy(scale_down_stabilization_seconds=30), replicas=3), *[{"ttft": 0.1}] * 4) == [
+        ("hold", "blind"),
+        ("hold", "scale_down_window"),
+        ("down", "under_band"),
+        ("hold", "min_replicas"),
+    ]
+
+
 @pytest.mark.parametrize("waiting_ratio", [0.95, 1.0, 1.09])
 def test_tolerance_band_moves_nothing(waiting_ratio: float) -> None:
     loop = Loop(Policy(scale_down_stabilization_seconds=0), replicas=3)

@@ -3,7 +3,7 @@
 kwok simulates the operator's pod, which runs no code, so the real operator runs here instead:
 with the command and arguments of the chart's Deployment, and a kubeconfig whose only credential
 is a token of the chart's ServiceAccount (`kubectl create token`). It can therefore do exactly what
-the chart's RBAC grants, as in the cluster. Its liveness endpoint moves from 0.0.0.0 to loopback.
+the chart's RBAC grants, as in the cluster. Its liveness and /metrics endpoints move from 0.0.0.0 to loopback.
 """
 
 from __future__ import annotations
@@ -48,14 +48,19 @@ def service_account_kubeconfig(
     return path
 
 
-def operator_argv(deployment: dict[str, Any], liveness_port: int) -> list[str]:
-    """The chart Deployment's operator command line, runnable here: the liveness probe listens on
-    a loopback port of this machine."""
+def operator_argv(deployment: dict[str, Any], liveness_port: int, metrics_port: int) -> list[str]:
+    """The chart Deployment's operator command line, runnable here: the liveness probe and the
+    operator's /metrics listen on loopback ports of this machine."""
     container = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == CONTAINER)
     if container["command"] != ["kvpilot"]:
         raise ValueError(f"unexpected operator command {container['command']}")
-    args = [a for a in container["args"] if not a.startswith("--liveness")]
-    return [kvpilot_executable(), *args, f"--liveness=http://{LOOPBACK}:{liveness_port}/healthz"]
+    args = [a for a in container["args"] if not a.startswith(("--liveness", "--metrics"))]
+    return [
+        kvpilot_executable(),
+        *args,
+        f"--liveness=http://{LOOPBACK}:{liveness_port}/healthz",
+        f"--metrics={LOOPBACK}:{metrics_port}",
+    ]
 
 
 class LocalOperator(LocalProcess):
@@ -67,6 +72,7 @@ class LocalOperator(LocalProcess):
         super().__init__(cluster, installation, workdir)
         # Another address of the API server for the next starts (a fault proxy); None: its own.
         self.api_server: str | None = None
+        self.metrics_url = ""  # the operator's own /metrics, on a loopback port
 
     def prepare_kubeconfig(self) -> Path:
         """Write the ServiceAccount kubeconfig for this cluster, over whatever is there: a fresh
@@ -76,9 +82,10 @@ class LocalOperator(LocalProcess):
 
     def start(self, timeout_s: float = 60.0) -> Process:
         self.prepare_kubeconfig()
-        port = free_port()
-        argv = operator_argv(self.deployment(self.installation.fullname), port)
-        return self.launch(argv, f"http://{LOOPBACK}:{port}/healthz", timeout_s)
+        liveness, metrics = free_port(), free_port()
+        self.metrics_url = f"http://{LOOPBACK}:{metrics}/metrics"
+        argv = operator_argv(self.deployment(self.installation.fullname), liveness, metrics)
+        return self.launch(argv, f"http://{LOOPBACK}:{liveness}/healthz", timeout_s)
 
     def restart(self) -> Process:
         self.stop()

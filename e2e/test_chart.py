@@ -79,7 +79,7 @@ def test_the_gateway_can_be_left_out(k8s_binaries: Binaries, tmp_path: Path) -> 
     assert not [d for d in rendered if "gateway" in d["metadata"]["name"]]
     operator = next(d for d in rendered if d["kind"] == "Deployment")
     (container,) = operator["spec"]["template"]["spec"]["containers"]
-    assert [p["name"] for p in container["ports"]] == ["healthz"]
+    assert [p["name"] for p in container["ports"]] == ["healthz", "metrics"]
 
 
 def _template(binaries: Binaries, tmp_path: Path, *values: str) -> list[dict[str, Any]]:
@@ -137,8 +137,15 @@ def test_service_monitor_scrapes_the_engine_services(
     operator = next(d for d in rendered if d["kind"] == "Deployment")
     assert not selector.items() <= operator["metadata"]["labels"].items()
 
+    # The operator's own /metrics: a PodMonitor of its pods' `metrics` port.
+    (pods,) = [d for d in rendered if d["kind"] == "PodMonitor"]
+    template_labels = operator["spec"]["template"]["metadata"]["labels"]
+    assert pods["spec"]["selector"]["matchLabels"].items() <= template_labels.items()
+    (container,) = operator["spec"]["template"]["spec"]["containers"]
+    assert pods["spec"]["podMetricsEndpoints"][0]["port"] in [p["name"] for p in container["ports"]]
+
     disabled = _template(k8s_binaries, tmp_path, *values)
-    assert [d for d in disabled if d["kind"] == "ServiceMonitor"] == []
+    assert [d for d in disabled if d["kind"] in ("ServiceMonitor", "PodMonitor")] == []
 
 
 def test_chart_crds_are_the_repository_crds(k8s_binaries: Binaries, tmp_path: Path) -> None:

@@ -11,6 +11,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from e2e import kvis
 from e2e.chart import Installation
 from e2e.cluster import Cluster
@@ -445,3 +448,29 @@ def test_a_pod_no_node_can_take_makes_ready_say_unschedulable(
     obj = poll(unschedulable, CONVERGE_S, f"{name} Ready reason Unschedulable")
     ready = kvis.condition(obj, "Ready")
     assert ready["status"] == "False" and "0/1 replicas ready" in ready["message"] and "node" in ready["message"]
+
+
+def test_the_operator_serves_its_own_metrics_per_service(
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
+) -> None:
+    """`kvpilot operator --metrics` (the chart's metrics port): the plan's predictions beside the
+    SLO and the replicas, per InferenceService, read from what the operator watches."""
+    ns, name = kvpilot.watch_namespaces[0], "measured"
+    _rolled_out(k8s, apply_isvc, ns, name, "A10G")
+    obj = kvis.get(k8s, ns, name)
+
+    def samples() -> dict[str, float] | None:
+        with httpx.Client(trust_env=False, timeout=10) as http:
+            text = http.get(operator.metrics_url).text
+        found = {
+            s.name: s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.labels.get("namespace") == ns and s.labels.get("service") == name
+        }
+        return found if "kvpilot_operator_ready_replicas" in found else None
+
+    found = poll(samples, CONVERGE_S, f"{ns}/{name} in the operator's /metrics")
+    assert found["kvpilot_operator_predicted_ttft_p95_seconds"] == obj["status"]["plan"]["predictedTtftMs"] / 1000
+    assert found["kvpilot_operator_slo_ttft_p95_seconds"] == obj["spec"]["slo"]["ttftP95Ms"] / 1000
+    assert found["kvpilot_operator_desired_replicas"] == obj["status"]["desiredReplicas"] == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -138,11 +139,19 @@ def test_service_monitor_scrapes_the_engine_services(
     assert not selector.items() <= operator["metadata"]["labels"].items()
 
     # The operator's own /metrics: a PodMonitor of its pods' `metrics` port.
-    (pods,) = [d for d in rendered if d["kind"] == "PodMonitor"]
+    (pods,) = [d for d in rendered if d["kind"] == "PodMonitor" and d["metadata"]["name"].endswith("-operator")]
     template_labels = operator["spec"]["template"]["metadata"]["labels"]
     assert pods["spec"]["selector"]["matchLabels"].items() <= template_labels.items()
     (container,) = operator["spec"]["template"]["spec"]["containers"]
     assert pods["spec"]["podMetricsEndpoints"][0]["port"] in [p["name"] for p in container["ports"]]
+
+    # And the gateways', whose series name the InferenceService too (honorLabels).
+    (gateway_pods,) = [d for d in rendered if d["kind"] == "PodMonitor" and d["metadata"]["name"].endswith("-gateway")]
+    gateway = next(d for d in rendered if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-gateway"))
+    assert gateway_pods["spec"]["selector"]["matchLabels"] == gateway["spec"]["selector"]["matchLabels"]
+    assert all(
+        e["honorLabels"] for d in rendered if d["kind"] == "PodMonitor" for e in d["spec"]["podMetricsEndpoints"]
+    )
 
     disabled = _template(k8s_binaries, tmp_path, *values)
     assert [d for d in disabled if d["kind"] in ("ServiceMonitor", "PodMonitor")] == []
@@ -249,3 +258,15 @@ def test_several_operator_replicas_get_a_disruption_budget(k8s_binaries: Binarie
     )
     assert pdb["spec"]["minAvailable"] == 1
     assert pdb["spec"]["selector"]["matchLabels"] == operator["spec"]["selector"]["matchLabels"]
+
+
+def test_the_dashboard_is_a_configmap_for_grafanas_sidecar_when_asked(k8s_binaries: Binaries, tmp_path: Path) -> None:
+    assert not [d for d in _template(k8s_binaries, tmp_path) if d["kind"] == "ConfigMap"]
+    rendered = _template(
+        k8s_binaries, tmp_path, "--set", "dashboards.enabled=true", "--set", "dashboards.namespace=monitoring"
+    )
+    (config,) = [d for d in rendered if d["kind"] == "ConfigMap"]
+    assert config["metadata"]["namespace"] == "monitoring"
+    assert config["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = (CHART_DIR / "dashboards" / "kvpilot.json").read_text()
+    assert json.loads(config["data"]["kvpilot.json"]) == json.loads(shipped)

@@ -38,14 +38,19 @@ STEPS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def exposition() -> str:
+def vllm_exposition() -> str:
+    """vLLM's own /metrics after STEPS, speculating with n-gram drafts."""
     case = {
         "argv": ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4})],
         "config": config_json(MODELS["smollm2-135m"]),
         "steps": STEPS,
     }
     return env.run("exposition", json.dumps(case), timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def exposition() -> str:
+    return vllm_exposition()
 
 
 def test_a_vllm_exposition_gives_the_autoscaler_every_signal(exposition: str) -> None:

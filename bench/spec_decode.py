@@ -3,6 +3,10 @@ draft model: the target's first layers), at several batch sizes, on prompts whos
 from the prompt and on prompts whose answers do not.
 
     .venv/bin/python -m bench.spec_decode [--modes ngram,draft] [--batch-sizes 1,8,32] [--rounds 3]
+    .venv/bin/python -m bench.spec_decode --modes ngram-no-window,ngram   # the acceptance window's effect
+
+A mode is `off`, a speculative mode under the engine's default acceptance window, or one with
+`-no-window`: every request proposes whatever becomes of its drafts.
 
 The engines (speculative off and each mode) are loaded in one process and run alternately, round by
 round, so that noise on a shared machine hits all alike. Decoding is greedy; in bf16 the two may still
@@ -111,14 +115,12 @@ def run(args: argparse.Namespace) -> int:
     from kvpilot.engine.llm_engine import LLMEngine
 
     modes = ["off", *args.modes]
-    draft = {"draft_layers": args.draft_layers} if "draft" in modes else {}
     engines = {
         mode: LLMEngine(
-            speculative=mode,
             num_speculative_tokens=args.num_speculative_tokens,
             speculative_max_batch_size=max(args.batch_sizes),
             kv_cache_memory_bytes=1 << 30,
-            **(draft if mode == "draft" else {}),
+            **mode_options(mode, args.draft_layers),
         )
         for mode in modes
     }
@@ -173,6 +175,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def mode_options(mode: str, draft_layers: int) -> dict[str, object]:
+    """Engine options of a mode; `-no-window` sets min acceptance 0, so that no request backs off."""
+    speculative = mode.removesuffix("-no-window")
+    options: dict[str, object] = {"speculative": speculative}
+    if speculative != mode:
+        options["speculative_min_acceptance"] = 0.0
+    if speculative == "draft":
+        options["draft_layers"] = draft_layers
+    return options
+
+
 def summarise(runs: list[Run]) -> dict:
     """Medians over rounds, each mode against speculation off; speedup = tokens/s over off's."""
     table = [
@@ -224,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes",
         type=lambda s: s.split(","),
         default=["ngram"],
-        help="speculative modes to compare with off (default: ngram)",
+        help="speculative modes to compare with off, each also as MODE-no-window (default: ngram)",
     )
     parser.add_argument(
         "--draft-layers", type=int, default=8, help="draft mode: the target's layers the draft runs (default: 8)"

@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvpilot.engine.benchmarks",
         "benchmarks of a source checkout's bench/ (serve: kvpilot, llama.cpp, HF side by side)",
     ),
+    "profile": (
+        "kvpilot.engine.profile",
+        "measure this machine (bandwidth, matmul rates, engine step) and print its CPU device profile",
+    ),
     "download": (
         "kvpilot.engine.download",
         "download a model from the Hugging Face Hub into a local folder (an engine pod's init step)",

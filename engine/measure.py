@@ -1,0 +1,142 @@
+"""The measurements behind a device profile (`kvpilot profile`): memory bandwidth, the matmul of each
+scheme through the engine's own linear layer (its kernels and its routing by tokens per step), and
+decode steps of the engine itself.
+
+Each figure comes from repeated timed calls after one untimed warm-up call (which allocates, packs
+and fills the caches). Bandwidth and matmul rates take the fastest call, as STREAM reports its best
+rate: they are what the hardware does, and on a shared machine a call whose threads were descheduled
+(a whole 4 ms time slice for a 40 us matmul here) says nothing about it. Engine steps take the
+median: a step's own jitter (Python, allocation) is part of what serving costs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.core.sampling_params import SamplingParams
+from kvpilot.engine.device_profile import EngineStep, EngineSteps, MatmulPoint, MatmulProfile
+from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.model.layers import Linear
+from kvpilot.engine.model.loader import EMBEDDED_MODEL, embedded_model_dir
+from kvpilot.engine.model.quantization import INT4_DENSE_TOKENS, INT8_DENSE_TOKENS, for_scheme
+
+Progress = Callable[[str], None]
+
+GROUP_SIZE: int = EngineConfig.model_fields["quantization_group_size"].default
+# Profile name -> (the engine's quantization scheme, the activations' dtype, what runs).
+SCHEMES: dict[str, tuple[str, torch.dtype, str]] = {
+    "fp32": ("none", torch.float32, "aten.linear, fp32 weight and activations"),
+    "bf16": ("none", torch.bfloat16, "aten.linear, bf16 weight and activations"),
+    "int8": (
+        "int8",
+        torch.bfloat16,
+        "aten._weight_int8pack_mm (int8 weight per output channel, bf16 activations); "
+        f"from {INT8_DENSE_TOKENS} tokens the weight dequantized into a bf16 aten.linear",
+    ),
+    "int4": (
+        "int4",
+        torch.bfloat16,
+        f"aten._weight_int4pack_mm_for_cpu (int4 weight, groups of {GROUP_SIZE}, bf16 activations); "
+        f"from {INT4_DENSE_TOKENS} tokens the weight dequantized into a bf16 aten.linear",
+    ),
+}
+# Prompts of the engine steps: any text; the steps decode past it with ignore_eos.
+_PASSAGE = "Paged attention keeps the keys and values of every token in fixed-size blocks of memory. " * 12
+_PROMPT_TOKENS = 64
+
+
+def call_seconds(call: Callable[[], object], min_seconds: float, min_calls: int = 3) -> list[float]:
+    """The times of `call`, repeated until `min_seconds` and `min_calls` are both reached."""
+    call()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_calls or time.perf_counter() - start < min_seconds:
+        begin = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - begin)
+    return times
+
+
+def memory_bandwidth(nbytes: int, min_seconds: float) -> tuple[float, float]:
+    """(read, copy) bytes/s over an fp32 buffer of `nbytes`: a sum reads it once; a copy into a second
+    buffer reads and writes it, counted as 2 x nbytes as STREAM counts its Copy."""
+    source = torch.ones(nbytes // 4, dtype=torch.float32)
+    target = torch.empty_like(source)
+    read = nbytes / min(call_seconds(source.sum, min_seconds))
+    copy = 2 * nbytes / min(call_seconds(lambda: target.copy_(source), min_seconds))
+    return read, copy
+
+
+def engine_linear(scheme: str, dtype: torch.dtype, shape: tuple[int, int]) -> Linear:
+    """The engine's linear layer for `scheme`, its weight loaded through its weight_loader and put in
+    its serving form, as the model loader does."""
+    out_features, in_features = shape
+    quantization, _ = for_scheme(scheme, GROUP_SIZE)
+    layer = Linear(in_features, out_features, quantization=quantization)
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)) * 0.02
+    layer.weight.weight_loader(layer.weight, weight)  # type: ignore[attr-defined]
+    layer.process_weights_after_loading()
+    return layer if quantization is not None else layer.to(dtype)
+
+
+def matmul_profile(name: str, shape: tuple[int, int], tokens: tuple[int, ...], min_seconds: float) -> MatmulProfile:
+    scheme, dtype, kernel = SCHEMES[name]
+    layer = engine_linear(scheme, dtype, shape)
+    points = []
+    with torch.inference_mode():
+        for n in tokens:
+            x = torch.randn(n, shape[1], generator=torch.Generator().manual_seed(n)).to(dtype)
+            seconds = min(call_seconds(lambda x=x: layer(x), min_seconds))
+            points.append(MatmulPoint(tokens=n, flop_per_s=2 * n * shape[0] * shape[1] / seconds))
+    return MatmulProfile(kernel=kernel, weight_shape=shape, points=tuple(points))
+
+
+def embedded_model_problem() -> str | None:
+    """Why the embedded model cannot be loaded here, or None when it can."""
+    try:
+        embedded_model_dir()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def _admit(engine: LLMEngine, batch: int, prompt: list[int], max_tokens: int) -> None:
+    """Requests up to `batch` running, their prompts prefilled (untimed), and one decode step taken."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i in range(len(engine.requests), batch):
+        engine.add_request(prompt[i % 7 : i % 7 + _PROMPT_TOKENS], params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    engine.step()
+
+
+def engine_steps(batches: tuple[int, ...], steps: int, bandwidth: float, progress: Progress) -> EngineSteps:
+    """Median decode-step time of the embedded model at each batch size, with the engine's defaults
+    (dtype auto, no quantization, eager steps); the overhead is what batch 1 costs beyond reading the
+    weights once at `bandwidth`."""
+    engine = LLMEngine(
+        EngineConfig(kv_cache_memory_bytes=256 << 20, max_num_seqs=max(batches), max_num_batched_tokens=2048)
+    )
+    prompt = engine.tokenize(_PASSAGE)
+    # Enough tokens that the first request still decodes in the last batch's steps.
+    max_tokens = len(batches) * (steps + 8)
+    measured = []
+    for batch in batches:
+        _admit(engine, batch, prompt, max_tokens)
+        seconds = statistics.median(call_seconds(engine.step, 0.0, min_calls=steps))
+        progress(f"engine decode step, batch {batch}: {seconds * 1e3:.2f} ms")
+        measured.append(EngineStep(batch=batch, seconds=seconds))
+    weight_bytes = engine.runner.weight_bytes
+    return EngineSteps(
+        model=EMBEDDED_MODEL,
+        dtype=str(engine.runner.dtype).removeprefix("torch."),
+        quantization=engine.config.quantization,
+        weight_bytes=weight_bytes,
+        steps=tuple(measured),
+        step_overhead_s=max(0.0, measured[0].seconds - weight_bytes / bandwidth),
+    )

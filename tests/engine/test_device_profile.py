@@ -1,0 +1,189 @@
+"""The CPU device profile: its schema (round trip, what it refuses), the host facts it reads, and
+`kvpilot profile --quick` run as the installed command on this machine, its file read back the way
+the operator reads it (torch-free)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpilot.engine.device_profile import (
+    PROFILE_VERSION,
+    DeviceProfile,
+    load_device_profile,
+    parse_device_profile,
+)
+from kvpilot.engine.profile import cpu_flags, cpu_model, default_name, memory_bytes
+
+KVPILOT = Path(sys.executable).parent / "kvpilot"
+
+
+def _matmul(kernel: str, rates: list[tuple[int, float]]) -> dict[str, Any]:
+    return {
+        "kernel": kernel,
+        "weight_shape": [2048, 2048],
+        "points": [{"tokens": t, "flop_per_s": r} for t, r in rates],
+    }
+
+
+def profile_data() -> dict[str, Any]:
+    return {
+        "version": 1,
+        "name": "amd-epyc-2c",
+        "cpu_model": "AMD EPYC",
+        "cpu_flags": ["avx2", "avx512f", "avx512_bf16"],
+        "torch_cpu_capability": "AVX512",
+        "cores": 2,
+        "memory_bytes": 24 << 30,
+        "memory_bandwidth_bytes_per_s": 5.4e10,
+        "memory_copy_bandwidth_bytes_per_s": 4.9e10,
+        "matmul": {
+            "fp32": _matmul("aten.linear", [(1, 4e10), (256, 2.1e11)]),
+            "bf16": _matmul("aten.linear", [(1, 8e10), (256, 9.7e11)]),
+            "int8": _matmul("aten._weight_int8pack_mm", [(1, 1.3e11)]),
+            "int4": None,
+        },
+        "engine": {
+            "model": "SmolLM2-135M-Instruct",
+            "dtype": "bfloat16",
+            "quantization": "none",
+            "weight_bytes": 269030272,
+            "steps": [{"batch": 1, "seconds": 0.0118}, {"batch": 4, "seconds": 0.0185}],
+            "step_overhead_s": 0.0068,
+        },
+        "engine_skipped": None,
+        "torch_version": "2.15.0",
+        "threads": 2,
+        "threads_source": "CPUs in this process's affinity mask",
+        "load_average": [1.5, 1.6, 1.5],
+        "quick": True,
+        "measured_at": "2026-12-01T15:36:35.990635Z",
+    }
+
+
+def test_a_profile_round_trips_through_json() -> None:
+    profile = DeviceProfile.model_validate(profile_data())
+    again = parse_device_profile(profile.to_json(), "round trip")
+    assert again == profile
+    assert again.version == PROFILE_VERSION
+    assert again.matmul.bf16.peak_flop_per_s == 9.7e11
+    assert again.matmul.int4 is None and again.engine is not None
+    assert again.engine.steps[1].batch == 4
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"memory_bandwidth_bytes_per_s": -1.0}, "memory_bandwidth_bytes_per_s: Input should be greater than 0"),
+        ({"version": 2}, "version: device profile version 2 is not one this build reads (1)"),
+        ({"cpu_flags": ["avx2", "sse9"]}, "unknown CPU flags ['sse9']"),
+        ({"cores": 0}, "cores: Input should be greater than or equal to 1"),
+        ({"engine": None}, "exactly one of engine"),
+        ({"engine_skipped": "no model"}, "exactly one of engine"),
+        ({"measured_at": "2026-12-01T15:36:35"}, "measured_at: measured_at needs a time zone"),
+        ({"bandwidth": 5e10}, "bandwidth: Extra inputs are not permitted"),
+    ],
+)
+def test_nonsense_is_refused_with_the_field_named(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match="device profile node-a.json is not valid") as err:
+        parse_device_profile(json.dumps(profile_data() | change), "node-a.json")
+    assert message in str(err.value)
+
+
+def test_matmul_points_and_engine_steps_must_be_ordered() -> None:
+    data = profile_data()
+    data["matmul"]["fp32"]["points"].reverse()
+    with pytest.raises(ValueError, match=r"matmul.fp32.points: points must have strictly increasing tokens"):
+        parse_device_profile(json.dumps(data), "f")
+    data = profile_data()
+    data["engine"]["steps"] = [{"batch": 4, "seconds": 0.02}]
+    with pytest.raises(ValueError, match=r"engine.steps: steps must start at batch 1"):
+        parse_device_profile(json.dumps(data), "f")
+
+
+def test_a_missing_or_broken_file_says_which(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cannot read device profile .*missing.json"):
+        load_device_profile(tmp_path / "missing.json")
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ValueError, match="device profile .*broken.json is not valid: profile: Invalid JSON"):
+        load_device_profile(tmp_path / "broken.json")
+
+
+def test_host_facts_are_read_from_lscpu_cpuinfo_and_cgroups() -> None:
+    cpuinfo = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: fpu avx2 amx_bf16 avx512f\n"
+    assert cpu_model(lscpu="Architecture: x86_64\nModel name:   AMD EPYC 9R14\n", cpuinfo=cpuinfo) == "AMD EPYC 9R14"
+    assert cpu_model(lscpu="", cpuinfo=cpuinfo) == "Intel(R) Xeon(R) Platinum 8480+"
+    assert cpu_model(lscpu="", cpuinfo="") == "unknown"
+    assert cpu_flags(cpuinfo) == ("avx2", "avx512f", "amx_bf16")
+    meminfo = "MemTotal:       24683584 kB\nMemFree: 1 kB\n"
+    assert memory_bytes(meminfo, limits=("max\n", "")) == 24683584 * 1024
+    assert memory_bytes(meminfo, limits=("4294967296\n", "")) == 4 << 30
+    assert default_name("Intel(R) Xeon(R) Platinum 8480+", 8) == "intel-r-xeon-r-platinum-8480-8c"
+
+
+def _lscpu_model() -> str:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    return next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name"))
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """(the file `kvpilot profile --quick --output` wrote on this machine, its stderr)."""
+    path = tmp_path_factory.mktemp("profile") / "this-machine.json"
+    result = subprocess.run(
+        [str(KVPILOT), "profile", "--quick", "--output", str(path)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""  # the JSON went to the file, the progress to stderr
+    return path, result.stderr
+
+
+def test_profile_quick_measures_this_machine(measured: tuple[Path, str]) -> None:
+    path, stderr = measured
+    profile = load_device_profile(path)
+    assert profile.quick and profile.cores == len(os.sched_getaffinity(0))
+    assert profile.cpu_model == _lscpu_model()
+    assert 1e9 < profile.memory_bandwidth_bytes_per_s < 2e12
+    assert 1e9 < profile.memory_copy_bandwidth_bytes_per_s < 2e12
+    for scheme in ("fp32", "bf16", "int8", "int4"):
+        matmul = getattr(profile.matmul, scheme)
+        assert matmul is not None and len(matmul.points) == 3
+        # Above 1e8 FLOP/s, and under 10 TFLOP/s per core (beyond any CPU's peak).
+        assert 1e8 < matmul.peak_flop_per_s < 1e13 * profile.cores, scheme
+    assert profile.engine is not None and profile.engine_skipped is None
+    assert [s.batch for s in profile.engine.steps] == [1, 4]
+    assert all(1e-4 < s.seconds < 5 for s in profile.engine.steps)
+    assert profile.engine.step_overhead_s < profile.engine.steps[0].seconds
+    assert profile.memory_bytes <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # A progress line per measurement.
+    assert "kvpilot profile: memory bandwidth" in stderr and "engine decode step, batch 4" in stderr
+    assert stderr.count("kvpilot profile: matmul") == 4
+
+
+def test_the_operator_side_loads_it_without_torch(measured: tuple[Path, str]) -> None:
+    path, _ = measured
+    script = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "from kvpilot.engine.device_profile import load_device_profile\n"
+        "profile = load_device_profile(sys.argv[1])\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'transformers' or m == 'kvpilot.engine.measure']\n"
+        "print(profile.name, profile.cores, profile.matmul.bf16.peak_flop_per_s)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    name, cores, bf16 = result.stdout.split()
+    assert int(cores) == len(os.sched_getaffinity(0)) and float(bf16) > 1e8 and name
+
+
+def test_profile_is_a_kvpilot_command() -> None:
+    result = subprocess.run([str(KVPILOT), "profile", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "--quick" in result.stdout and "--output" in result.stdout
+    listed = subprocess.run([str(KVPILOT), "--help"], capture_output=True, text=True)
+    assert "profile" in listed.stdout

@@ -97,8 +97,13 @@ def measure(sizes: Sizes, name: str | None, quick: bool) -> DeviceProfile:
     torch.set_num_threads(threads)
     cores, model, load = len(os.sched_getaffinity(0)), cpu_model(), os.getloadavg()
     progress(f"{model}, {cores} CPUs, {threads} torch threads ({threads_source}), load {load[0]:.2f}")
+    if load[0] > cores - threads + 0.5:
+        # A thread of a parallel matmul that waits for a busy core stalls the others: rates come out low.
+        progress("other processes are using these CPUs: the figures may be low; profile an idle machine")
     read, copy = m.memory_bandwidth(sizes.buffer_bytes, sizes.min_seconds)
-    progress(f"memory bandwidth ({sizes.buffer_bytes // MiB} MiB): {read / 1e9:.1f} GB/s read, {copy / 1e9:.1f} copy")
+    progress(
+        f"memory bandwidth ({sizes.buffer_bytes // MiB} MiB): {read / 1e9:.1f} GB/s read, {copy / 1e9:.1f} GB/s copy"
+    )
     matmuls = {}
     for scheme in m.SCHEMES:
         matmuls[scheme] = m.matmul_profile(scheme, sizes.matmul_shape, sizes.matmul_tokens, sizes.min_seconds)

@@ -7,7 +7,6 @@ OpenAPI the CRD uses.
 
 import copy
 import re
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -20,10 +19,10 @@ from kvpilot.operator.api.names import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from kvpilot.operator.api.spec import BLOCK_SIZES, InferenceServiceSpec
 from kvpilot.operator.autoscaling.accuracy import SUSTAIN_PERIODS, accuracy_patch
 from kvpilot.operator.autoscaling.decisions import Signals
-from kvpilot.operator.controller import status
 from kvpilot.operator.controller.reconcile import last_good, planned_fields
 from kvpilot.operator.planning.gpus import GPUS
 from kvpilot.operator.planning.planner import plan
+from tests.operator.statuses import reconciled
 
 CRDS = Path(__file__).resolve().parents[3] / "crds"
 Schema = dict[str, Any]
@@ -450,15 +449,11 @@ def test_status_we_write_validates_against_the_schema(crd: dict[str, Any], model
         "metadata": {"generation": 2},
         "status": {"observedGeneration": 2, "replicas": 2, "readyReplicas": 1, "updatedReplicas": 2},
     }
-    written = status.build(
-        name="chat",
-        namespace="ml",
+    written = reconciled(
+        spec,
+        result,
         generation=3,
-        plan=result,
-        spec=spec,
         deployment=deployment if result.fits else None,
-        old={},
-        now=datetime(2025, 1, 1, tzinfo=UTC),
         last_good=last_good(planned_fields(spec), str(result.gpu), result.reasons.get("gpu")) if result.fits else None,
     )
     validate(written, root(crd)["properties"]["status"], "status")
@@ -471,16 +466,7 @@ def test_the_status_the_autoscaler_adds_validates_against_the_schema(crd: dict[s
         {"model": {"name": "llama-3-8b"}, "accelerator": {"type": "L4"}, "serving": {"speculative": "ngram"}}
     )
     result = plan(spec)
-    written = status.build(
-        name="chat",
-        namespace="ml",
-        generation=3,
-        plan=result,
-        spec=spec,
-        deployment=None,
-        old={},
-        now=datetime(2025, 1, 1, tzinfo=UTC),
-    )
+    written = reconciled(spec, result, generation=3)
     signals = Signals(
         ttft_p95_seconds=result.predicted_ttft_ms * 3 / 1000,
         tpot_p95_seconds=result.predicted_tpot_ms / 1000,
@@ -494,16 +480,7 @@ def test_the_status_the_autoscaler_adds_validates_against_the_schema(crd: dict[s
     assert {"ttft", "tpot", "draftAcceptance", "outsidePeriods", "outsideSince", "band"} <= set(accuracy)
     assert {c["type"]: c["status"] for c in written["conditions"]}["PlanAccurate"] == "False"
     validate(written, root(crd)["properties"]["status"], "status")
-    carried = status.build(
-        name="chat",
-        namespace="ml",
-        generation=4,
-        plan=result,
-        spec=spec,
-        deployment=None,
-        old=written,
-        now=datetime(2025, 1, 1, tzinfo=UTC),
-    )
+    carried = reconciled(spec, result, written, generation=4)
     validate(carried, root(crd)["properties"]["status"], "status")
 
 

@@ -37,6 +37,7 @@ from kvpilot.operator.planning.planner import plan
 from tests.operator.autoscaling.test_decisions import Pod
 from tests.operator.autoscaling.test_loop_io import with_session
 from tests.operator.controller.test_reconcile import apply_merge_patch
+from tests.operator.statuses import reconciled
 
 NOW = 1_800_000_000.0
 
@@ -367,23 +368,10 @@ def test_a_reconcile_keeps_what_the_loop_wrote() -> None:
         "autoscaler": {"lastDecision": {"action": "hold"}, "state": {"window": []}},
         "latency": {"ttftP95Ms": 812.5, "tpotP95Ms": 31.0, "source": "observed"},
     }
-
-    def reconciled(old: dict[str, Any]) -> dict[str, Any]:
-        return status.build(
-            name="chat",
-            namespace="ml",
-            generation=1,
-            plan=result,
-            spec=spec,
-            deployment=None,
-            old=old,
-            now=datetime(2026, 1, 1, tzinfo=UTC),
-        )
-
-    new = reconciled(looped)
+    new = reconciled(spec, result, looped)
     assert new["autoscaler"] == looped["autoscaler"] and new["latency"] == looped["latency"]
     assert merge_patch(looped, new).keys().isdisjoint({"autoscaler", "latency"})
-    fresh = reconciled({})
+    fresh = reconciled(spec, result)
     assert "autoscaler" not in fresh
     assert fresh["latency"] == {
         "ttftP95Ms": result.predicted_ttft_ms,
@@ -399,19 +387,7 @@ def test_a_reconcile_keeps_plan_accurate_for_the_plan_it_was_judged_against() ->
     spec = InferenceServiceSpec.model_validate({"model": {"name": "llama-2-7b"}, "accelerator": {"type": "L4"}})
     result = plan(spec, [])
 
-    def reconciled(old: dict[str, Any], generation: int, planned: Any = result) -> dict[str, Any]:
-        return status.build(
-            name="chat",
-            namespace="ml",
-            generation=generation,
-            plan=planned,
-            spec=spec,
-            deployment=None,
-            old=old,
-            now=datetime(2026, 1, 2, tzinfo=UTC),
-        )
-
-    first = reconciled({}, 1)
+    first = reconciled(spec, result)
     assert "PlanAccurate" not in {c["type"] for c in first["conditions"]}  # the loop writes it
     signals = Signals(ttft_p95_seconds=result.predicted_ttft_ms * 4 / 1000, tpot_p95_seconds=None, ttft_observations=40)
     looped = first
@@ -420,7 +396,7 @@ def test_a_reconcile_keeps_plan_accurate_for_the_plan_it_was_judged_against() ->
     accurate = next(c for c in looped["conditions"] if c["type"] == "PlanAccurate")
     assert (accurate["status"], accurate["reason"]) == ("False", "OutsideBand")
 
-    again = reconciled(looped, 2)
+    again = reconciled(spec, result, looped, generation=2)
     assert again["planAccuracy"] == looped["planAccuracy"]
     kept = next(c for c in again["conditions"] if c["type"] == "PlanAccurate")
     assert kept == {**accurate, "observedGeneration": 2}
@@ -429,7 +405,7 @@ def test_a_reconcile_keeps_plan_accurate_for_the_plan_it_was_judged_against() ->
 
     other = plan(spec.model_copy(update={"accelerator": spec.accelerator.model_copy(update={"type": "A100-80GB"})}))
     assert other.predicted_ttft_ms != result.predicted_ttft_ms
-    replanned = reconciled(looped, 3, other)
+    replanned = reconciled(spec, other, looped, generation=3)
     fresh = next(c for c in replanned["conditions"] if c["type"] == "PlanAccurate")
     assert (fresh["status"], fresh["reason"], fresh["observedGeneration"]) == ("Unknown", "Replanned", 3)
     assert "planAccuracy" not in replanned and merge_patch(looped, replanned)["planAccuracy"] is None

@@ -27,7 +27,7 @@ import kopf
 
 from kvpilot.operator.api import names
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from kvpilot.operator.controller import inference_pool, render
+from kvpilot.operator.controller import render
 from kvpilot.operator.controller.last_handled import DigestDiffBaseStorage
 from kvpilot.operator.controller.reconcile import (
     as_rendered,
@@ -191,7 +191,6 @@ def pod_handler(
 @kopf.on.event("policy/v1", "poddisruptionbudgets", labels=names.MANAGED_BY)
 @kopf.on.event("networking.k8s.io/v1", "networkpolicies", labels=names.MANAGED_BY)
 @kopf.on.event("v1", "secrets", labels=names.MANAGED_BY)
-@kopf.on.event(inference_pool.API_VERSION, inference_pool.PLURAL, labels=names.MANAGED_BY)
 def child_handler(
     body: kopf.Body,
     memo: kopf.Memo,

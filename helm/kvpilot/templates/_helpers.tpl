@@ -30,7 +30,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 What the operator does inside a watched namespace: reconcile InferenceServices (kopf patches
 their annotations and status; it adds no finalizer, and removes one an older operator left),
 watch their children (Deployments, Services, PodDisruptionBudgets, NetworkPolicies, API-key
-Secrets, InferencePools: a change reconciles the owner),
+Secrets: a change reconciles the owner; InferencePools are only written),
 create and server-side apply the children (it never deletes one: a plan that stops fitting keeps
 the last good Deployment, and deleting an InferenceService leaves its children to the garbage
 collector), keep its peering record alive, and post events.
@@ -66,7 +66,7 @@ collector), keep its peering record alive, and post events.
   verbs: [get, list, watch, create, patch]
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, create, patch]
 # Each service's API-key Secret (spec.auth.apiKey): created once with a random key (a server-side
 # apply, hence patch), then read for its digest (status.auth, which the gateway checks); never
 # rewritten or deleted. RBAC cannot narrow this to those Secrets: the operator can read every

@@ -23,6 +23,7 @@ from e2e.local_operator import service_account_kubeconfig
 from e2e.local_process import LocalProcess
 from e2e.polling import poll
 from e2e.procs import Process, kvpilot_executable
+from kvpilot.operator.api.names import label_selector
 
 CONTAINER = "gateway"
 
@@ -54,7 +55,7 @@ def gateway_argv(deployment: dict[str, Any], address: str, extra: list[str] | No
 
 def gateway_pod_address(cluster: Cluster, deployment: dict[str, Any]) -> str:
     """host:port of the gateway Deployment's one running pod (its loopback IP, its container port)."""
-    selector = ",".join(f"{k}={v}" for k, v in deployment["spec"]["selector"]["matchLabels"].items())
+    selector = label_selector(deployment["spec"]["selector"]["matchLabels"])
     namespace = deployment["metadata"]["namespace"]
 
     def running() -> list[dict[str, Any]] | None:

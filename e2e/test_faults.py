@@ -47,6 +47,7 @@ from e2e.local_operator import LocalOperator
 from e2e.metrics_stand_in import MetricsStandIn, Mode
 from e2e.pod_runner import PodRunner
 from e2e.polling import Background, poll
+from kvpilot.operator.api.names import label_selector
 from kvpilot.operator.controller.reconcile import reconcile
 from kvpilot.operator.kube.cluster import gpu_nodes
 
@@ -118,8 +119,9 @@ class LiveCluster:
         return gpu_nodes(self.k8s.kubectl_json("get", "nodes")["items"])
 
     def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
-        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-        items: list[dict[str, Any]] = self.k8s.kubectl_json("get", "pods", "-n", namespace, "-l", selector)["items"]
+        items: list[dict[str, Any]] = self.k8s.kubectl_json(
+            "get", "pods", "-n", namespace, "-l", label_selector(labels)
+        )["items"]
         return items
 
 

@@ -4,6 +4,7 @@ and the functions that build labels and references from them; depends on nothing
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 GROUP = "kvpilot.dev"
@@ -43,9 +44,14 @@ def selector_labels(name: str) -> dict[str, str]:
     return {key: labels(name)[key] for key in (APP_NAME_LABEL, INSTANCE_LABEL)}
 
 
+def label_selector(labels: Mapping[str, str]) -> str:
+    """`labels` as a label selector string (`key=value,...`, sorted)."""
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+
+
 def selector(name: str) -> str:
     """The label selector as the scale subresource's `status.selector` string."""
-    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
+    return label_selector(selector_labels(name))
 
 
 def service_url(name: str, namespace: str) -> str:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-from kvpilot.operator.api.names import PORT, PORT_NAME
+from kvpilot.operator.api.names import PORT, PORT_NAME, label_selector
 from kvpilot.operator.kube.indexes import index_entry, pod_urls
 from kvpilot.operator.kube.watches import Index, Watched
 
@@ -39,7 +39,7 @@ class GatewayPods(BaseModel):
         return cls(namespace=namespace, labels={key: value for key, _, value in pairs})
 
     def __str__(self) -> str:
-        return f"{self.namespace}:{','.join(f'{k}={v}' for k, v in sorted(self.labels.items()))}"
+        return f"{self.namespace}:{label_selector(self.labels)}"
 
 
 def gateway_pod_entry(pod: Mapping[str, Any], key_label: str | None = None) -> dict[Any, Any]:
@@ -55,8 +55,7 @@ def gateway_pod_entry(pod: Mapping[str, Any], key_label: str | None = None) -> d
 
 def gateway_watch(where: GatewayPods) -> Watched:
     """The watch that keeps the gateway pods (kube/watches.py)."""
-    selector = ",".join(f"{k}={v}" for k, v in sorted(where.labels.items()))
-    return Watched("v1", "Pod", selector, namespace=where.namespace, entry=gateway_pod_entry)
+    return Watched("v1", "Pod", label_selector(where.labels), namespace=where.namespace, entry=gateway_pod_entry)
 
 
 class GatewayView(NamedTuple):

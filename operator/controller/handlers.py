@@ -5,13 +5,14 @@ does); all decisions live in the pure modules, all API calls in `cluster.KubeClu
 
 No handler here makes kopf put a finalizer on InferenceServices (kopf adds one only for timers,
 daemons and non-optional on.delete handlers; the autoscaler's periodic work is an asyncio task
-started on startup instead), so `kubectl delete` never waits for the operator:
-the children go by their owner references (garbage collection). Instead of a periodic resync,
-the operator watches its children (Deployments, Services and PodDisruptionBudgets labelled as
-managed by it): a change or deletion of one reconciles its owner, so Ready follows the pods within
-seconds, a child deleted by hand comes back at once, and an idle cluster costs no API requests.
-In a burst, events of one InferenceService collapse into the reconcile already waiting for it, and
-a Service or PDB event whose object is as rendered reconciles nothing.
+started on startup instead), so `kubectl delete` never waits for the operator: the children go by
+their owner references (garbage collection). Instead of a periodic resync, the operator watches its
+children (Deployments, Services, PodDisruptionBudgets, NetworkPolicies and API-key Secrets labelled
+as managed by it; not InferencePools, whose CRD is optional): a change or deletion of one reconciles
+its owner, so Ready follows the pods within seconds, a child deleted by hand comes back at once, and
+an idle cluster costs no API requests. In a burst, events of one InferenceService collapse into the
+reconcile already waiting for it, and a Service or PDB event whose object is as rendered reconciles
+nothing.
 """
 
 from __future__ import annotations

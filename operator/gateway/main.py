@@ -23,7 +23,7 @@ from kvpilot.operator.kube.watches import Watched, Watches
 
 log = logging.getLogger(__name__)
 
-_MANAGED = ",".join(f"{k}={v}" for k, v in names.MANAGED_BY.items())
+_MANAGED = names.label_selector(names.MANAGED_BY)
 # What the gateway routes by, cluster-wide, in the order Gateway takes them: the InferenceServices,
 # and the Deployments, ReplicaSets and pods the operator manages (keyed as the operator's kopf
 # indexes are).

@@ -31,6 +31,7 @@ from kvpilot.operator.api.names import (
     NVIDIA_GPU_COUNT_LABEL,
     NVIDIA_GPU_RESOURCE,
     NVIDIA_PRODUCT_LABEL,
+    label_selector,
 )
 
 Manifest = dict[str, Any]
@@ -245,8 +246,7 @@ class KubeCluster:
             self._resource("v1", "Event").create(body=event, namespace=metadata["namespace"])
 
     def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[Manifest]:
-        selector = ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
-        found = self._resource("v1", "Pod").get(namespace=namespace, label_selector=selector)
+        found = self._resource("v1", "Pod").get(namespace=namespace, label_selector=label_selector(labels))
         return list(found.to_dict().get("items", []))
 
     def gpu_nodes(self) -> dict[str, int]:

@@ -150,6 +150,12 @@ class EngineConfig(BaseModel):
         description="compile the decode step of a lone sequence with torch.compile before serving (on CPU ~1.3x "
         "faster single-stream decoding; startup takes ~25 s more on 2 cores)",
     )
+    compile_cache_dir: str | None = Field(
+        None,
+        description="where compile_decode keeps its compiled artifacts for the next start (a warm start skips the "
+        "C++ build), shared safely by engines on one volume; off: keep nothing; default: the model's kvpilot "
+        "download folder (.kvpilot/compiled), else $KVPILOT_CACHE/compiled (~/.cache/kvpilot)",
+    )
 
     @model_validator(mode="after")
     def _ngram_range(self) -> EngineConfig:

@@ -20,9 +20,13 @@ if TYPE_CHECKING:
     import torch
 
 # What this engine build runs. A scheme or mode lands here only together with its implementation.
-QUANTIZATION_SCHEMES = ("none", "int8", "int4")
+QUANTIZATION_SCHEMES = ("none", "int8", "int4", "w8a8")
+# Schemes whose kernels run only on CPUs (W8A8: oneDNN's int8 x int8 GEMM).
+CPU_ONLY_QUANTIZATION = ("w8a8",)
 SPECULATIVE_MODES = ("off", "ngram", "draft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# CPU kernel paths (kvpilot.engine.worker.cpu_features); auto: from the CPU's flags.
+CPU_KERNELS = ("auto", "bf16", "vnni", "fp32")
 
 # Above this many sequences per step, verifying drafts costs more than it saves (bench/RESULTS.md,
 # "Speculative decoding"); the planner predicts with the same number.
@@ -43,6 +47,7 @@ SPECULATIVE_BACKOFF_STEPS = 32
 Quantization = Literal[QUANTIZATION_SCHEMES]  # type: ignore[valid-type]
 Speculative = Literal[SPECULATIVE_MODES]  # type: ignore[valid-type]
 DType = Literal[DTYPES]  # type: ignore[valid-type]
+CpuKernels = Literal[CPU_KERNELS]  # type: ignore[valid-type]
 
 
 class EngineCapabilities(BaseModel):
@@ -52,6 +57,8 @@ class EngineCapabilities(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     quantization: tuple[str, ...]  # schemes it applies to a 16-bit checkpoint as it loads it
+    # Schemes whose kernels run only on CPUs; the planner offers them only for CPU devices.
+    cpu_only_quantization: tuple[str, ...] = ()
     speculative: tuple[str, ...]
     dtypes: tuple[str, ...]
     # The schemes of pre-quantized checkpoints it reads (the operator's model.quantization).
@@ -72,7 +79,8 @@ class EngineCapabilities(BaseModel):
 # quantization saves memory, and the planner does not count on it for decode speed. One
 # accelerator per engine: no tensor parallelism.
 CAPABILITIES = EngineCapabilities(
-    quantization=QUANTIZATION_SCHEMES,
+    quantization=tuple(s for s in QUANTIZATION_SCHEMES if s not in CPU_ONLY_QUANTIZATION),
+    cpu_only_quantization=CPU_ONLY_QUANTIZATION,
     speculative=SPECULATIVE_MODES,
     dtypes=DTYPES,
     checkpoint_quantization=("int8", "int4"),
@@ -86,7 +94,12 @@ class EngineConfig(BaseModel):
 
     model: str | None = Field(None, description="a local HF Llama folder (default: the embedded SmolLM2-135M-Instruct)")
     dtype: DType = Field(
-        "auto", description="weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with native bf16, else float32"
+        "auto", description="weights and KV dtype; auto: bfloat16 on CUDA and on the bf16 CPU kernel path, else float32"
+    )
+    cpu_kernels: CpuKernels = Field(
+        "auto",
+        description="CPU kernel path: bf16 (bf16 compute), vnni (fp32 activations, int8 x int8 W8A8), fp32 "
+        "(neither); auto: from the CPU's flags (avx512_bf16/amx_bf16, else avx512_vnni/avx_vnni/amx_int8)",
     )
     device: str = Field("auto", description="cpu, cuda, cuda:N; auto: CUDA when available")
     block_size: int = Field(16, ge=1, description="tokens per KV block (a power of two)")
@@ -104,7 +117,9 @@ class EngineConfig(BaseModel):
     )
     seed: int = Field(0, description="seed of unseeded sampling")
     quantization: Quantization = Field(
-        "none", description="weight-only quantization: int8 per channel, int4 group-wise (LM head int8)"
+        "none",
+        description="int8 per channel and int4 group-wise weight-only; w8a8 (CPU only): int8 weights and "
+        "per-token int8 activations (LM head int8 weight-only)",
     )
     quantization_group_size: int = Field(
         32, ge=16, description="int4: input columns per scale and zero (must divide every layer's input width)"
@@ -180,27 +195,16 @@ class EngineConfig(BaseModel):
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def torch_dtype(self, device: torch.device) -> torch.dtype:
+    def torch_dtype(self, device: torch.device, cpu_bf16: bool) -> torch.dtype:
+        """`cpu_bf16`: whether the CPU kernel path computes in bf16 (KernelPath.bf16)."""
         import torch
 
         if self.dtype == "auto":
             # bf16 matmuls run ~3x faster than fp32 where the CPU has bf16 instructions; elsewhere
             # they are emulated and slower, so fp32 stays. Attention and norms compute in fp32.
-            native = device.type == "cuda" or cpu_has_native_bf16()
+            native = device.type == "cuda" or cpu_bf16
             return torch.bfloat16 if native else torch.float32
         return getattr(torch, self.dtype)
-
-
-def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU has bf16 arithmetic (AVX512-BF16 or AMX-BF16), from /proc/cpuinfo's flags."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 class ServerConfig(BaseModel):

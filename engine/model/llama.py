@@ -106,10 +106,16 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, config: LlamaConfig, quantization: str = "none", quantization_group_size: int = 32) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        quantization: str = "none",
+        quantization_group_size: int = 32,
+        integer_kernels: bool = True,
+    ) -> None:
         super().__init__()
         self.config = config
-        body, head = for_scheme(quantization, quantization_group_size)
+        body, head = for_scheme(quantization, quantization_group_size, integer_kernels)
         self.model = LlamaBackbone(config, body)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, head)
         if config.tie_word_embeddings:

@@ -92,6 +92,7 @@ def load_model(
     device: torch.device,
     quantization: str = "none",
     quantization_group_size: int = 32,
+    integer_kernels: bool = True,
 ) -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` with the parameters its checkpoint fills, fill them,
     and turn each linear layer into its serving form (quantized layers quantize) as soon as its
@@ -111,7 +112,7 @@ def load_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config, quantization, quantization_group_size)
+            model = LlamaForCausalLM(config, quantization, quantization_group_size, integer_kernels)
             if checkpoint is not None:
                 checkpoint.create_weights(model, tensor_names(files), path)
     finally:

@@ -1,4 +1,5 @@
-"""Weight-only quantization of linear layers: INT8 per output channel, INT4 group-wise.
+"""Quantization of linear layers: weight-only INT8 per output channel and INT4 group-wise, and W8A8
+(INT8 weights and activations).
 
 A quantized layer loads its checkpoint weight as usual (through its weight_loader, fused shards
 included), then `process_weights_after_loading` replaces it with the low-bit form and frees it:
@@ -19,6 +20,13 @@ memory saving holds, but not yet the speed of a low-bit kernel (no GPU was at ha
 CUDA's int4 layout). There no kernel reads the scales, so they stay fp32 (a checkpoint's scales
 are not rounded to bf16), and every dequantization computes in fp32 and rounds once to the
 activations' dtype.
+
+W8A8 stores its weight as INT8 does and quantizes the activations too, per token (row) at each
+matmul, symmetric, from the row's largest magnitude (dynamic: no calibration). The int8 x int8
+products sum exactly in int32 (`torch._int_mm`, oneDNN's int8 GEMM: VNNI / AMX-INT8 dot products
+where the CPU has them) and are scaled back by both scales in fp32. Without integer dot products
+(the "fp32" CPU kernel path, kvpilot.engine.worker.cpu_features) the same numbers come from an
+fp32 GEMM of the integer values (exact while a row's sum stays under 2^24). It runs on CPUs only.
 """
 
 from __future__ import annotations
@@ -111,6 +119,37 @@ class Int8WeightOnly(LinearQuantization):
     def _weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """w = q x scale, [out, in], computed in fp32 and rounded once to `dtype`."""
         return _in_dtype(layer.qweight.float() * layer.scales.float()[:, None], dtype)
+
+
+class Int8Dynamic(Int8WeightOnly):
+    """W8A8: the weight as INT8 stores it, the activations quantized per token at each matmul."""
+
+    name = "w8a8"
+
+    def __init__(self, integer_kernel: bool) -> None:
+        self.integer_kernel = integer_kernel
+
+    def load_quantized(
+        self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None
+    ) -> None:
+        if q.device.type != "cpu":
+            raise ValueError(
+                f"w8a8 runs only on CPUs (int8 x int8 GEMMs through oneDNN), not on {q.device.type}; "
+                "use int8 (weight-only) there"
+            )
+        super().load_quantized(layer, q, scale, zero_point)
+        # Applied after the int32 sum, in fp32: no kernel reads them.
+        layer.register_buffer("scales", layer.scales.float())
+
+    def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        xf = _in_dtype(x, torch.float32)
+        x_scale = torch.linalg.vector_norm(xf, ord=float("inf"), dim=1, keepdim=True).clamp_(min=1e-8).div_(127)
+        xq = torch.round(xf / x_scale).to(torch.int8)
+        if self.integer_kernel:
+            acc = torch._int_mm(xq, layer.qweight.T)
+        else:
+            acc = nn.functional.linear(xq.float(), layer.qweight.float())
+        return _in_dtype(acc * x_scale * layer.scales, x.dtype)
 
 
 class Int4WeightOnly(LinearQuantization):
@@ -249,13 +288,18 @@ def _unpack_nibbles(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     return out
 
 
-def for_scheme(scheme: str, group_size: int) -> tuple[LinearQuantization | None, LinearQuantization | None]:
+def for_scheme(
+    scheme: str, group_size: int, integer_kernels: bool = True
+) -> tuple[LinearQuantization | None, LinearQuantization | None]:
     """The quantization of the body's linear layers and of the LM head for a scheme. The LM head
-    stays at INT8 under INT4: its errors reach every logit directly."""
+    stays at weight-only INT8 under INT4 and W8A8: its errors reach every logit directly.
+    `integer_kernels`: whether W8A8 multiplies with the int8 GEMM (else the fp32 one)."""
     if scheme == "none":
         return None, None
     if scheme == "int8":
         return Int8WeightOnly(), Int8WeightOnly()
     if scheme == "int4":
         return Int4WeightOnly(group_size), Int8WeightOnly()
+    if scheme == "w8a8":
+        return Int8Dynamic(integer_kernels), Int8WeightOnly()
     raise ValueError(f"unknown quantization scheme {scheme!r}")

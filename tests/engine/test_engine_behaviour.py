@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.config import cpu_has_native_bf16
+from kvpilot.engine.worker.cpu_features import kernel_path, read_cpu_flags
 from kvpilot.engine.worker.sampler import SamplerOutput, SamplingMetadata
 from tests.engine.conftest import make_prompts
 
@@ -114,7 +114,7 @@ def test_abort_frees_blocks(llm):
 
 def test_the_default_dtype_is_bf16_where_the_cpu_has_it():
     llm = LLM(kv_cache_memory_bytes=16 << 20)
-    assert llm.engine.runner.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    assert llm.engine.runner.dtype == (torch.bfloat16 if kernel_path(read_cpu_flags()).bf16 else torch.float32)
 
 
 def test_bfloat16_on_cpu_runs_and_agrees_on_an_easy_prompt():

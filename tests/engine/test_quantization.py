@@ -1,4 +1,4 @@
-"""Weight-only INT8 and INT4 linear layers: really low-bit, close to the weights, served end to end."""
+"""INT8 and INT4 weight-only and W8A8 linear layers: really low-bit, close to the weights, served end to end."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.model import quantization
 from kvpilot.engine.model.layers import FusedLinear, Linear
-from kvpilot.engine.model.quantization import Int4WeightOnly, Int8WeightOnly
+from kvpilot.engine.model.quantization import Int4WeightOnly, Int8Dynamic, Int8WeightOnly
 
 
 def _quantized(layer: Linear, weight: torch.Tensor) -> Linear:
@@ -80,7 +80,7 @@ def test_group_must_divide_the_input_width():
         _quantized(Linear(48, 8, quantization=Int4WeightOnly(32)), torch.randn(8, 48))
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
 def test_each_scheme_serves_the_embedded_model_deterministically(scheme):
     llm = LLM(kv_cache_memory_bytes=32 << 20, quantization=scheme)
     reference = LLM(kv_cache_memory_bytes=32 << 20)
@@ -207,3 +207,43 @@ def test_scales_stay_bf16_where_the_cpu_kernels_read_them():
     layer = torch.nn.Module()
     Int4WeightOnly(32).load_quantized(layer, torch.zeros(64, 64, dtype=torch.int8), torch.ones(64, 2), None)
     assert layer.scales_and_zeros.dtype == torch.bfloat16 and layer.int4_kernel_layout
+
+
+def _w8a8_reference(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """Per-token symmetric int8 activations times the int8 weight, in float64."""
+    x_scale = x.double().abs().amax(1, keepdim=True) / 127
+    xq = torch.round(x.double() / x_scale)
+    return (xq @ layer.qweight.double().T) * x_scale * layer.scales.double()
+
+
+@pytest.mark.parametrize("integer_kernel", [True, False], ids=["int8-gemm", "fp32-gemm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_quantizes_activations_per_token_on_either_gemm(monkeypatch, integer_kernel, dtype):
+    torch.manual_seed(3)
+    weight = torch.randn(960, 576) * 0.05
+    scheme = Int8Dynamic(integer_kernel)
+    layer = _quantized(Linear(576, 960, quantization=scheme), weight)
+    assert layer.qweight.dtype == torch.int8 and _layer_bytes(layer) <= 0.51 * weight.numel() * 2
+    # Rows of very different magnitudes: one scale per token, not one per step.
+    x = (torch.randn(6, 576) * torch.tensor([0.01, 1, 100, 3, 0.5, 20])[:, None]).to(dtype)
+    calls: list[tuple[int, ...]] = []
+    int_mm = torch._int_mm
+    monkeypatch.setattr(quantization.torch, "_int_mm", lambda a, b: calls.append(tuple(a.shape)) or int_mm(a, b))
+    y = layer(x)
+    assert calls == ([(6, 576)] if integer_kernel else [])
+    assert y.dtype == dtype
+    reference = _w8a8_reference(x.float(), layer)
+    # The integer products sum exactly either way; what remains is fp32 (and bf16) rounding.
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    error = (y.double() - reference).abs()
+    assert (error <= tolerance * reference.abs().amax(1, keepdim=True)).all(), error.amax(1)
+    exact = x.double() @ weight.double().T
+    # Each row within a few quantization steps of its exact product.
+    assert ((y.double() - exact).abs().amax(1) < 0.03 * exact.abs().amax(1)).all()
+
+
+def test_w8a8_runs_only_on_cpus():
+    layer = nn.Module()
+    q = torch.zeros(64, 64, dtype=torch.int8, device="meta")
+    with pytest.raises(ValueError, match="w8a8 runs only on CPUs"):
+        Int8Dynamic(True).load_quantized(layer, q, torch.ones(64, 1, device="meta"), None)

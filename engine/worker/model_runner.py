@@ -22,6 +22,7 @@ from kvpilot.engine.model.llama import LlamaForCausalLM, kv_shape
 from kvpilot.engine.model.loader import load_config, load_model, resolve_model
 from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from kvpilot.engine.worker.cpu import cpu_threads
+from kvpilot.engine.worker.cpu_features import choose_kernel_path
 from kvpilot.engine.worker.grammar import GrammarMatchers, Grammars
 from kvpilot.engine.worker.sampler import RowPenalty, Sampler, SamplingMetadata, token_logprobs
 from kvpilot.engine.worker.spec_decode import DraftInput, Proposer
@@ -76,12 +77,19 @@ class ModelRunner:
         self.device = config.torch_device()
         threads, why = cpu_threads()
         torch.set_num_threads(threads)
-        self.dtype = config.torch_dtype(self.device)
+        self.cpu_kernels = choose_kernel_path(config.cpu_kernels)
+        self.dtype = config.torch_dtype(self.device, self.cpu_kernels.bf16)
         self.block_size = config.block_size
         # The engine reads the model's config once and hands it over; read here when run alone.
         self.hf_config = hf_config if hf_config is not None else load_config(model_path)
         self.model = load_model(
-            model_path, self.hf_config, self.dtype, self.device, config.quantization, config.quantization_group_size
+            model_path,
+            self.hf_config,
+            self.dtype,
+            self.device,
+            config.quantization,
+            config.quantization_group_size,
+            self.cpu_kernels.integer_kernels,
         )
         self.num_layers = self.hf_config.num_hidden_layers
         self.num_kv_heads, self.head_dim = kv_shape(self.model)
@@ -92,9 +100,11 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         self.proposer = self._make_proposer()
         log.info(
-            "event=engine_config device=%s dtype=%s quantization=%s speculative=%s draft_layers=%d weight_bytes=%d "
-            "torch_threads=%d threads_from=%r kv_blocks=%d compile_decode=%s",
+            "event=engine_config device=%s cpu_kernels=%s cpu_kernels_from=%r dtype=%s quantization=%s speculative=%s "
+            "draft_layers=%d weight_bytes=%d torch_threads=%d threads_from=%r kv_blocks=%d compile_decode=%s",
             self.device,
+            self.cpu_kernels.name,
+            self.cpu_kernels.reason,
             str(self.dtype).removeprefix("torch."),
             self.model.quantization,
             config.speculative,

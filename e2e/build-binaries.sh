@@ -6,6 +6,7 @@
 #   etcd                                                            (e2e/k8s-bins/etcd)
 #   kwok kwokctl                                                    (e2e/k8s-bins/kwok)
 #   helm                                                            (e2e/k8s-bins/helm)
+#   prometheus                                                      (e2e/k8s-bins/prometheus)
 #
 # Each e2e/k8s-bins/<name>/go.mod + go.sum pins the exact module versions; the build runs with
 # -mod=readonly, so it never changes them. A binary is skipped when it is in the cache and its
@@ -49,6 +50,7 @@ K8S_VERSION="$(mod_version "${MODS_DIR}/kubernetes/go.mod" k8s.io/kubernetes)"
 ETCD_VERSION="$(mod_version "${MODS_DIR}/etcd/go.mod" go.etcd.io/etcd/server/v3)"
 KWOK_VERSION="$(mod_version "${MODS_DIR}/kwok/go.mod" sigs.k8s.io/kwok)"
 HELM_VERSION="$(mod_version "${MODS_DIR}/helm/go.mod" helm.sh/helm/v3)"
+PROMETHEUS_VERSION="$(mod_version "${MODS_DIR}/prometheus/go.mod" github.com/prometheus/prometheus)"
 
 BIN_DIR="${CACHE_ROOT}/k8s/${K8S_VERSION}/bin"
 STAMP_DIR="${BIN_DIR}/.stamps"
@@ -89,8 +91,15 @@ for var in BinaryPrefix KubeBinaryPrefix KubeBinaryUnofficialPrefix EtcdBinaryPr
   KWOK_X+=" -X sigs.k8s.io/kwok/pkg/consts.${var}=${OFFLINE}"
 done
 HELM_X="-X helm.sh/helm/v3/internal/version.version=${HELM_VERSION}"
+# Prometheus' Go module v0.3XX.Y is its release 3.XX.Y.
+PROMETHEUS_RELEASE="$(sed -E 's/^v0\.([0-9])([0-9]+)\.([0-9]+)$/\1.\2.\3/' <<<"${PROMETHEUS_VERSION}")"
+PROMETHEUS_X="-X github.com/prometheus/common/version.Version=${PROMETHEUS_RELEASE}"
+PROMETHEUS_X+=" -X github.com/prometheus/common/version.BuildDate=19700101-00:00:00"
+# Only the static and file-based service discovery (the tests write their targets), no web UI
+# assets (the tests use the HTTP API): a third of the code to compile.
+PROMETHEUS_TAGS="remove_all_sd"
 
-# name | module dir | package | module version | extra ldflags
+# name | module dir | package | module version | extra ldflags | build tags
 TARGETS=(
   "etcd|etcd|go.etcd.io/etcd/server/v3|${ETCD_VERSION}|"
   "kwok|kwok|sigs.k8s.io/kwok/cmd/kwok|${KWOK_VERSION}|${KWOK_X}"
@@ -100,19 +109,26 @@ TARGETS=(
   "kube-scheduler|kubernetes|k8s.io/kubernetes/cmd/kube-scheduler|${K8S_VERSION}|${KUBE_X}"
   "kubectl|kubernetes|k8s.io/kubernetes/cmd/kubectl|${K8S_VERSION}|${KUBE_X}"
   "helm|helm|helm.sh/helm/v3/cmd/helm|${HELM_VERSION}|${HELM_X}"
+  "prometheus|prometheus|github.com/prometheus/prometheus/cmd/prometheus|${PROMETHEUS_VERSION}|${PROMETHEUS_X}|${PROMETHEUS_TAGS}"
 )
 
-log "Kubernetes ${K8S_VERSION}, etcd ${ETCD_VERSION}, kwok ${KWOK_VERSION}, helm ${HELM_VERSION}; ${GO_VERSION}"
+log "Kubernetes ${K8S_VERSION}, etcd ${ETCD_VERSION}, kwok ${KWOK_VERSION}, helm ${HELM_VERSION}, prometheus ${PROMETHEUS_VERSION}; ${GO_VERSION}"
 log "cache: ${BIN_DIR} (Go caches under ${GOPATH})"
 TIMES_FILE="${BIN_DIR}/../build-times.txt"
 total_start=$SECONDS
 built=0
 for target in "${TARGETS[@]}"; do
-  IFS='|' read -r name moddir pkg version xflags <<<"${target}"
+  IFS='|' read -r name moddir pkg version xflags tags <<<"${target}"
   dir="${MODS_DIR}/${moddir}"
   [[ -f "${dir}/go.sum" ]] || die "${dir}/go.sum is missing (run 'go mod tidy' in ${dir})"
   ldflags="-s -w ${xflags}"
   stamp="${pkg}@${version} gosum=$(sha256sum "${dir}/go.sum" | cut -c1-16) ${GO_VERSION} ldflags=$(sha256sum <<<"${ldflags}" | cut -c1-16)"
+  tag_args=()
+  if [[ -n "${tags}" ]]; then
+    # Only where there are tags, so that the stamps of the other binaries stay as they were.
+    stamp+=" tags=${tags}"
+    tag_args=(-tags "${tags}")
+  fi
   if [[ -x "${BIN_DIR}/${name}" && -f "${STAMP_DIR}/${name}" && "$(cat "${STAMP_DIR}/${name}")" == "${stamp}" ]]; then
     log "cached  ${name} (${pkg}@${version})"
     continue
@@ -120,7 +136,7 @@ for target in "${TARGETS[@]}"; do
   log "build   ${name} (${pkg}@${version}) ..."
   start=$SECONDS
   tmp="${BIN_DIR}/.${name}.tmp.$$"
-  cmd=(nice -n "${NICE}" "${GO}" build -ldflags "${ldflags}" -o "${tmp}" "${pkg}")
+  cmd=(nice -n "${NICE}" "${GO}" build "${tag_args[@]}" -ldflags "${ldflags}" -o "${tmp}" "${pkg}")
   if ! (cd "${dir}" && "${cmd[@]}"); then
     rm -f "${tmp}"
     printf -v cmd_str '%q ' "${cmd[@]}"

@@ -99,22 +99,7 @@ class ModelRunner:
         self.weight_bytes = sum(t.numel() * t.element_size() for m in models for t in (*m.parameters(), *m.buffers()))
         self.num_blocks = self._num_kv_blocks()
         self.proposer = self._make_proposer()
-        log.info(
-            "event=engine_config device=%s cpu_kernels=%s cpu_kernels_from=%r dtype=%s quantization=%s speculative=%s "
-            "draft_layers=%d weight_bytes=%d torch_threads=%d threads_from=%r kv_blocks=%d compile_decode=%s",
-            self.device,
-            self.cpu_kernels.name,
-            self.cpu_kernels.reason,
-            str(self.dtype).removeprefix("torch."),
-            self.model.quantization,
-            config.speculative,
-            self.draft_layers,
-            self.weight_bytes,
-            threads,
-            why,
-            self.num_blocks,
-            config.compile_decode,
-        )
+        self._log_config(threads, why)
         # Unseeded sampling draws from one generator seeded by the engine's seed; seeded requests
         # get their own, kept until they finish (a preempted request continues its stream).
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
@@ -128,6 +113,25 @@ class ModelRunner:
             self.device,
         )
         self._decode_forward = self._compile_decode() if config.compile_decode else None
+
+    def _log_config(self, threads: int, threads_from: str) -> None:
+        """The start-up line that says what runs: device, CPU kernel path, dtype, scheme, sizes."""
+        log.info(
+            "event=engine_config device=%s cpu_kernels=%s cpu_kernels_from=%r dtype=%s quantization=%s speculative=%s "
+            "draft_layers=%d weight_bytes=%d torch_threads=%d threads_from=%r kv_blocks=%d compile_decode=%s",
+            self.device,
+            self.cpu_kernels.name,
+            self.cpu_kernels.reason,
+            str(self.dtype).removeprefix("torch."),
+            self.model.quantization,
+            self.config.speculative,
+            self.draft_layers,
+            self.weight_bytes,
+            threads,
+            threads_from,
+            self.num_blocks,
+            self.config.compile_decode,
+        )
 
     @property
     def kv_bytes_per_token(self) -> int:

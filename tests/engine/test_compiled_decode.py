@@ -13,9 +13,10 @@ from tests.engine.oracle import check_greedy
 
 @pytest.fixture(scope="module")
 def compiled() -> tuple[LLM, list[int]]:
-    """An fp32 engine with compile_decode, whose compiled forward counts its calls and raises instead
-    of falling back to eager code: a decode step it serves without a graph fails the test."""
-    llm = LLM(dtype="float32", compile_decode=True, kv_cache_memory_bytes=64 << 20)
+    """An fp32 engine with compile_decode, keeping no compiled artifacts (test_compile_cache.py),
+    whose compiled forward counts its calls and raises instead of falling back to eager code: a
+    decode step it serves without a graph fails the test."""
+    llm = LLM(dtype="float32", compile_decode=True, kv_cache_memory_bytes=64 << 20, compile_cache_dir="off")
     runner = llm.engine.runner
     compiled_forward = runner._decode_forward
     assert compiled_forward is not None
@@ -63,6 +64,9 @@ def test_serve_takes_the_flag_and_leaves_it_off_by_default() -> None:
 
     assert engine_config_from_args(build_parser().parse_args(["serve"])).compile_decode is False
     assert engine_config_from_args(build_parser().parse_args(["serve", "--compile-decode"])).compile_decode is True
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).compile_cache_dir is None
+    args = build_parser().parse_args(["serve", "--compile-decode", "--compile-cache-dir", "/model-cache/compiled"])
+    assert engine_config_from_args(args).compile_cache_dir == "/model-cache/compiled"
 
 
 def test_a_pool_too_small_to_trace_the_decode_step_is_refused_with_its_size() -> None:

@@ -96,7 +96,7 @@ PROMETHEUS_RELEASE="$(sed -E 's/^v0\.([0-9])([0-9]+)\.([0-9]+)$/\1.\2.\3/' <<<"$
 PROMETHEUS_X="-X github.com/prometheus/common/version.Version=${PROMETHEUS_RELEASE}"
 PROMETHEUS_X+=" -X github.com/prometheus/common/version.BuildDate=19700101-00:00:00"
 # Only the static and file-based service discovery (the tests write their targets), no web UI
-# assets (the tests use the HTTP API): a third of the code to compile.
+# assets (the tests use the HTTP API): 1,043 packages to compile instead of 1,517 (`go list -deps`).
 PROMETHEUS_TAGS="remove_all_sd"
 
 # name | module dir | package | module version | extra ldflags | build tags

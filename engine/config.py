@@ -168,8 +168,8 @@ class EngineConfig(BaseModel):
     compile_cache_dir: str | None = Field(
         None,
         description="where compile_decode keeps its compiled artifacts for the next start (a warm start skips the "
-        "C++ build), shared safely by engines on one volume; off: keep nothing; default: the model's kvpilot "
-        "download folder (.kvpilot/compiled), else $KVPILOT_CACHE/compiled (~/.cache/kvpilot)",
+        "C++ build), shared safely by engines on one volume; off: keep nothing; default: beside the models kvpilot "
+        "caches, $KVPILOT_CACHE/compiled (~/.cache/kvpilot/compiled)",
     )
 
     @model_validator(mode="after")

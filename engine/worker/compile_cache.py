@@ -40,7 +40,6 @@ from pydantic import BaseModel, ValidationError
 from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 from transformers import PretrainedConfig
 
-from kvpilot.engine.download import MARKER, STATE_DIR
 from kvpilot.engine.model.loader import cache_root
 
 log = logging.getLogger(__name__)
@@ -60,16 +59,15 @@ class Manifest(BaseModel):
     files: dict[str, str]  # path within the entry -> sha256
 
 
-def resolve_root(setting: str | None, model_path: Path) -> Path | None:
-    """The cache root for the `compile_cache_dir` setting: "off" keeps nothing; None is the model's
-    own cache, the state folder of a `kvpilot download` (engine/download.py), or else the user's
-    kvpilot cache ($KVPILOT_CACHE, ~/.cache/kvpilot)."""
+def resolve_root(setting: str | None) -> Path | None:
+    """The cache root for the `compile_cache_dir` setting: "off" keeps nothing; None is beside the
+    models kvpilot caches ($KVPILOT_CACHE/compiled, ~/.cache/kvpilot/compiled). A pod's model
+    volume is mounted read-only, so the operator names a writable folder on it instead."""
     if setting == OFF:
         return None
     if setting is not None:
         return Path(setting).expanduser()
-    state = model_path / STATE_DIR
-    return state / "compiled" if (state / MARKER).is_file() else cache_root() / "compiled"
+    return cache_root() / "compiled"
 
 
 def key_inputs(

@@ -21,6 +21,7 @@ from kvpilot.engine.model.attention import AttentionMetadata, PrefillChunk, allo
 from kvpilot.engine.model.llama import LlamaForCausalLM, kv_shape
 from kvpilot.engine.model.loader import load_config, load_model, resolve_model
 from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs
+from kvpilot.engine.worker.compile_cache import compile_with_cache, key_inputs, resolve_root
 from kvpilot.engine.worker.cpu import cpu_threads
 from kvpilot.engine.worker.cpu_features import choose_kernel_path
 from kvpilot.engine.worker.grammar import GrammarMatchers, Grammars
@@ -190,8 +191,8 @@ class ModelRunner:
         "The single stream with a compiled decode step"). Several sequences per step gain nothing
         measurable (the matmuls and the attention's KV reads dominate), so only this shape is
         compiled. Compiling takes tens of seconds, far too long to happen on a request, so it
-        happens here, on one decode in blocks no request holds yet, whose KV is overwritten before
-        anything reads it."""
+        happens here, and its artifacts are kept in compile_cache_dir for the next start
+        (compile_cache.py; bench/RESULTS.md, "Compiled decoding: cold and warm starts")."""
         if self.num_blocks * self.block_size <= WARM_UP_POSITION:
             raise ValueError(
                 f"compile_decode needs a KV pool of more than {WARM_UP_POSITION} tokens, "
@@ -202,8 +203,17 @@ class ModelRunner:
                 "compile_decode needs a C++ compiler for torch.compile's CPU kernels: g++ or clang++ "
                 "on PATH (or $CXX); install one or leave compile_decode off"
             )
-        log.info("event=decode_compile_started")
+        root = resolve_root(self.config.compile_cache_dir)
+        key = key_inputs(self.model, self.hf_config, self.dtype, self.device, self.model.quantization)
+        log.info("event=decode_compile_started cache_dir=%s", root)
         started = time.monotonic()
+        forward, cache = compile_with_cache(self._trace_decode, root, key)
+        log.info("event=decode_compiled seconds=%.1f cache=%s", time.monotonic() - started, cache)
+        return forward
+
+    def _trace_decode(self) -> Callable[..., torch.Tensor]:
+        """The compiled forward, traced and built on one decode in blocks no request holds yet,
+        whose KV is overwritten before anything reads it."""
         forward = torch.compile(self.model.forward, dynamic=True)
         # Inside inference mode as in execute(): the graph's guards check that its inputs are
         # inference tensors.
@@ -212,7 +222,6 @@ class ModelRunner:
             inputs.add([0], WARM_UP_POSITION, list(range(-(-(WARM_UP_POSITION + 1) // self.block_size))), decode=True)
             input_ids, positions, meta = inputs.build()
             forward(input_ids, positions, self.kv_caches, meta)
-        log.info("event=decode_compiled seconds=%.1f", time.monotonic() - started)
         return forward
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -16,7 +16,6 @@ import torch
 from torch._dynamo.utils import counters
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.download import MARKER, STATE_DIR
 from kvpilot.engine.worker.compile_cache import MANIFEST, Manifest, publish, resolve_root, seed
 from tests.engine.conftest import make_prompts
 from tests.engine.oracle import check_greedy
@@ -194,16 +193,11 @@ def test_engines_publishing_at_once_leave_one_whole_entry_and_readers_never_see_
     assert sorted(p.name for p in entry.parent.iterdir()) == ["entry"], "a publisher left its temporary folder"
 
 
-def test_the_root_is_off_a_path_the_models_download_folder_or_the_user_cache(tmp_path, monkeypatch) -> None:
+def test_the_root_is_off_a_path_or_beside_the_cached_models(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KVPILOT_CACHE", str(tmp_path / "user-cache"))
-    model = tmp_path / "model"
-    model.mkdir()
-    assert resolve_root("off", model) is None
-    assert resolve_root(str(tmp_path / "x"), model) == tmp_path / "x"
-    assert resolve_root(None, model) == tmp_path / "user-cache" / "compiled"
-    (model / STATE_DIR).mkdir()
-    (model / STATE_DIR / MARKER).write_text("{}")
-    assert resolve_root(None, model) == model / STATE_DIR / "compiled"
+    assert resolve_root("off") is None
+    assert resolve_root(str(tmp_path / "x")) == tmp_path / "x"
+    assert resolve_root(None) == tmp_path / "user-cache" / "compiled"
 
 
 def test_an_unwritable_root_still_serves(tmp_path, caplog: pytest.LogCaptureFixture) -> None:

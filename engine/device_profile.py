@@ -5,8 +5,9 @@ The planner sizes a CPU deployment from it as it sizes a GPU from the catalog's 
 not have. The operator reads profiles (from a file or a ConfigMap) without torch, so this module
 imports only pydantic.
 
-Units are SI: bytes, bytes/s, FLOP/s, seconds. A weight-only INT8/INT4 matmul counts the FLOPs of
-the dense matmul it stands for (2 x tokens x out x in), so every scheme's rate compares directly.
+Units are SI: bytes, bytes/s, FLOP/s, seconds. A quantized matmul (weight-only INT8/INT4, W8A8)
+counts the FLOPs of the dense matmul it stands for (2 x tokens x out x in), so every scheme's rate
+compares directly.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class Matmuls(_Data):
     bf16: MatmulProfile
     int8: MatmulProfile | None = None
     int4: MatmulProfile | None = None
+    # Absent from profiles measured before W8A8 existed (they read as they are: same version).
+    w8a8: MatmulProfile | None = None
 
 
 class EngineStep(_Data):

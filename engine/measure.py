@@ -24,12 +24,14 @@ from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.model.layers import Linear
 from kvpilot.engine.model.loader import EMBEDDED_MODEL, embedded_model_dir
 from kvpilot.engine.model.quantization import INT4_DENSE_TOKENS, INT8_DENSE_TOKENS, for_scheme
+from kvpilot.engine.worker.cpu_features import choose_kernel_path
 
 Progress = Callable[[str], None]
 
 GROUP_SIZE: int = EngineConfig.model_fields["quantization_group_size"].default
-# Profile name -> (the engine's quantization scheme, the activations' dtype, what runs).
-SCHEMES: dict[str, tuple[str, torch.dtype, str]] = {
+# Profile name -> (the engine's quantization scheme, the activations' dtype, what runs); W8A8's
+# activations and GEMM are those of this CPU's kernel path (kvpilot.engine.worker.cpu_features).
+SCHEMES: dict[str, tuple[str, torch.dtype | None, str]] = {
     "fp32": ("none", torch.float32, "aten.linear, fp32 weight and activations"),
     "bf16": ("none", torch.bfloat16, "aten.linear, bf16 weight and activations"),
     "int8": (
@@ -43,6 +45,11 @@ SCHEMES: dict[str, tuple[str, torch.dtype, str]] = {
         torch.bfloat16,
         f"aten._weight_int4pack_mm_for_cpu (int4 weight, groups of {GROUP_SIZE}, bf16 activations); "
         f"from {INT4_DENSE_TOKENS} tokens the weight dequantized into a bf16 aten.linear",
+    ),
+    "w8a8": (
+        "w8a8",
+        None,
+        "int8 weight per output channel x int8 activations per token (quantized at each call), summed by",
     ),
 }
 # Prompts of the engine steps: any text; the steps decode past it with ignore_eos.
@@ -72,11 +79,11 @@ def memory_bandwidth(nbytes: int, min_seconds: float) -> tuple[float, float]:
     return read, copy
 
 
-def engine_linear(scheme: str, dtype: torch.dtype, shape: tuple[int, int]) -> Linear:
+def engine_linear(scheme: str, dtype: torch.dtype, shape: tuple[int, int], integer_kernels: bool = True) -> Linear:
     """The engine's linear layer for `scheme`, its weight loaded through its weight_loader and put in
     its serving form, as the model loader does."""
     out_features, in_features = shape
-    quantization, _ = for_scheme(scheme, GROUP_SIZE)
+    quantization, _ = for_scheme(scheme, GROUP_SIZE, integer_kernels)
     layer = Linear(in_features, out_features, quantization=quantization)
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)) * 0.02
     layer.weight.weight_loader(layer.weight, weight)  # type: ignore[attr-defined]
@@ -86,7 +93,12 @@ def engine_linear(scheme: str, dtype: torch.dtype, shape: tuple[int, int]) -> Li
 
 def matmul_profile(name: str, shape: tuple[int, int], tokens: tuple[int, ...], min_seconds: float) -> MatmulProfile:
     scheme, dtype, kernel = SCHEMES[name]
-    layer = engine_linear(scheme, dtype, shape)
+    path = choose_kernel_path("auto")
+    if dtype is None:
+        dtype = torch.bfloat16 if path.bf16 else torch.float32
+        gemm = "torch._int_mm (int32)" if path.integer_kernels else "an fp32 aten.linear"
+        kernel = f"{kernel} {gemm}, {str(dtype).removeprefix('torch.')} activations ({path.name} kernel path)"
+    layer = engine_linear(scheme, dtype, shape, path.integer_kernels)
     points = []
     with torch.inference_mode():
         for n in tokens:

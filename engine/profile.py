@@ -20,6 +20,7 @@ from pathlib import Path
 from kvpilot.engine.cli import COMMANDS
 from kvpilot.engine.device_profile import CPU_FLAGS, DeviceProfile, Matmuls
 from kvpilot.engine.worker.cpu import cpu_threads
+from kvpilot.engine.worker.cpu_features import read_cpu_flags
 
 MiB = 1 << 20
 _CGROUP_MEMORY_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
@@ -64,9 +65,7 @@ def cpu_model(lscpu: str | None = None, cpuinfo: str | None = None) -> str:
 
 def cpu_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
     """Those of CPU_FLAGS that /proc/cpuinfo's first "flags" line lists, in CPU_FLAGS' order."""
-    cpuinfo = _read(Path("/proc/cpuinfo")) if cpuinfo is None else cpuinfo
-    found = re.search(r"^flags\s*:\s*(.*)$", cpuinfo, re.MULTILINE)
-    present = set(found.group(1).split()) if found else set()
+    present = read_cpu_flags(cpuinfo)
     return tuple(flag for flag in CPU_FLAGS if flag in present)
 
 
@@ -148,7 +147,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = sub.add_parser(
         "profile",
         help=COMMANDS["profile"][1],
-        description="Measure this machine (memory bandwidth, fp32/bf16/int8/int4 matmul rates through the "
+        description="Measure this machine (memory bandwidth, fp32/bf16/int8/int4/w8a8 matmul rates through the "
         "engine's kernels, the engine's decode step on the embedded model) and print its device profile "
         "as JSON. Under a minute on 2 cores; --quick: a few seconds, rough numbers.",
     )

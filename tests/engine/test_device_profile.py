@@ -20,6 +20,7 @@ from kvpilot.engine.device_profile import (
     parse_device_profile,
 )
 from kvpilot.engine.profile import cpu_flags, cpu_model, default_name, memory_bytes
+from kvpilot.engine.worker.cpu_features import kernel_path, read_cpu_flags
 
 KVPILOT = Path(sys.executable).parent / "kvpilot"
 
@@ -74,6 +75,10 @@ def test_a_profile_round_trips_through_json() -> None:
     assert again.version == PROFILE_VERSION
     assert again.matmul.bf16.peak_flop_per_s == 9.7e11
     assert again.matmul.int4 is None and again.engine is not None
+    assert again.matmul.w8a8 is None  # a profile written before W8A8 existed reads as it is
+    with_w8a8 = profile_data()
+    with_w8a8["matmul"]["w8a8"] = _matmul("torch._int_mm", [(1, 1.6e11), (64, 1.1e12)])
+    assert parse_device_profile(json.dumps(with_w8a8), "w8a8").matmul.w8a8.peak_flop_per_s == 1.1e12
     assert again.engine.steps[1].batch == 4
 
 
@@ -151,7 +156,7 @@ def test_profile_quick_measures_this_machine(measured: tuple[Path, str]) -> None
     assert profile.cpu_model == _lscpu_model()
     assert 1e9 < profile.memory_bandwidth_bytes_per_s < 2e12
     assert 1e9 < profile.memory_copy_bandwidth_bytes_per_s < 2e12
-    for scheme in ("fp32", "bf16", "int8", "int4"):
+    for scheme in ("fp32", "bf16", "int8", "int4", "w8a8"):
         matmul = getattr(profile.matmul, scheme)
         assert matmul is not None and len(matmul.points) == 3
         # Above 1e8 FLOP/s, and under 10 TFLOP/s per core (beyond any CPU's peak).
@@ -163,7 +168,11 @@ def test_profile_quick_measures_this_machine(measured: tuple[Path, str]) -> None
     assert profile.memory_bytes <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     # A progress line per measurement.
     assert "kvpilot profile: memory bandwidth" in stderr and "engine decode step, batch 4" in stderr
-    assert stderr.count("kvpilot profile: matmul") == 4
+    assert stderr.count("kvpilot profile: matmul") == 5
+    # W8A8 is measured with this CPU's kernel path: the integer GEMM where it has one.
+    path = kernel_path(read_cpu_flags())
+    assert ("torch._int_mm" in profile.matmul.w8a8.kernel) == path.integer_kernels
+    assert f"({path.name} kernel path)" in profile.matmul.w8a8.kernel
 
 
 def test_the_operator_side_loads_it_without_torch(measured: tuple[Path, str]) -> None:

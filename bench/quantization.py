@@ -1,6 +1,7 @@
 """Decode speed and weight memory per quantization scheme, side by side in one run.
 
     .venv/bin/python -m bench.quantization [--batches 1,16,64] [--steps 48] [--rounds 2]
+        [--schemes fp32,none,int8,int4,w8a8] [--cpu-kernels auto|bf16|vnni|fp32]
 
 For each batch size, every scheme in turn (order alternating by round) loads the embedded model,
 admits `batch` requests (prompts of 64-127 tokens), runs their prefill, then times `steps` decode
@@ -21,11 +22,19 @@ from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.llm_engine import LLMEngine
 
 # (label, quantization, dtype): the unquantized model in fp32 and in the CPU default (bf16 where native).
-VARIANTS = (("fp32", "none", "float32"), ("none", "none", "auto"), ("int8", "int8", "auto"), ("int4", "int4", "auto"))
+VARIANTS = (
+    ("fp32", "none", "float32"),
+    ("none", "none", "auto"),
+    ("int8", "int8", "auto"),
+    ("int4", "int4", "auto"),
+    ("w8a8", "w8a8", "auto"),
+)
 SCHEMES = tuple(label for label, _, _ in VARIANTS)
 
 
-def decoding_engine(label: str, batch: int, max_tokens: int, compile_decode: bool = False) -> LLMEngine:
+def decoding_engine(
+    label: str, batch: int, max_tokens: int, compile_decode: bool = False, cpu_kernels: str = "auto"
+) -> LLMEngine:
     """The embedded model under `label`'s scheme with `batch` requests (prompts of 64-127 tokens)
     prefilled and one decode step taken: every further step() is a decode step of `batch`."""
     _, scheme, dtype = next(v for v in VARIANTS if v[0] == label)
@@ -36,6 +45,7 @@ def decoding_engine(label: str, batch: int, max_tokens: int, compile_decode: boo
         max_num_seqs=max(batch, 1),
         max_num_batched_tokens=8192,
         compile_decode=compile_decode,
+        cpu_kernels=cpu_kernels,
     )
     engine = llm.engine
     text = engine.tokenize("Paged attention keeps the keys and values of every token in fixed-size blocks. " * 20)
@@ -49,8 +59,8 @@ def decoding_engine(label: str, batch: int, max_tokens: int, compile_decode: boo
     return engine
 
 
-def decode_tokens_per_second(label: str, batch: int, steps: int) -> tuple[float, int]:
-    engine = decoding_engine(label, batch, steps + 8)
+def decode_tokens_per_second(label: str, batch: int, steps: int, cpu_kernels: str) -> tuple[float, int]:
+    engine = decoding_engine(label, batch, steps + 8, cpu_kernels=cpu_kernels)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -63,32 +73,39 @@ def main() -> int:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--schemes", default=",".join(SCHEMES), help="of " + ",".join(SCHEMES))
+    parser.add_argument("--cpu-kernels", default="auto", help="the engine's cpu_kernels (auto, bf16, vnni, fp32)")
     parser.add_argument("--output", default="bench/out/quantization.json")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    schemes = tuple(args.schemes.split(","))
     runs: dict[str, dict[str, list[float]]] = {}
     weights: dict[str, int] = {}
     for batch in batches:
         for rnd in range(args.rounds):
-            order = SCHEMES if rnd % 2 == 0 else tuple(reversed(SCHEMES))
+            order = schemes if rnd % 2 == 0 else tuple(reversed(schemes))
             for scheme in order:
-                tps, weights[scheme] = decode_tokens_per_second(scheme, batch, args.steps)
+                tps, weights[scheme] = decode_tokens_per_second(scheme, batch, args.steps, args.cpu_kernels)
                 runs.setdefault(str(batch), {}).setdefault(scheme, []).append(tps)
                 print(
                     f"batch {batch:3d} round {rnd + 1} {scheme:5s}: {tps:8.1f} decode tok/s  "
                     f"(load {os.getloadavg()[0]:.1f})",
                     flush=True,
                 )
-    print("\n| batch | " + " | ".join(f"{s} tok/s" for s in SCHEMES) + " | int8 / none | int4 / none | int4 / fp32 |")
-    print("| ---: | " + " | ".join("---:" for _ in SCHEMES) + " | ---: | ---: | ---: |")
+    ratios = [(a, b) for a in schemes for b in ("none", "fp32", "int8") if a != b and b in schemes and a != "fp32"]
+    print(
+        "\n| batch | "
+        + " | ".join(f"{s} tok/s" for s in schemes)
+        + "".join(f" | {a} / {b}" for a, b in ratios)
+        + " |\n| ---: | "
+        + " | ".join("---:" for _ in [*schemes, *ratios])
+        + " |"
+    )
     medians = {b: {s: statistics.median(v) for s, v in per.items()} for b, per in runs.items()}
     for b, m in medians.items():
-        print(
-            f"| {b} | "
-            + " | ".join(f"{m[s]:.1f}" for s in SCHEMES)
-            + f" | {m['int8'] / m['none']:.2f}x | {m['int4'] / m['none']:.2f}x | {m['int4'] / m['fp32']:.2f}x |"
-        )
-    print("\nweights: " + ", ".join(f"{s} {weights[s] / 2**20:.1f} MiB" for s in SCHEMES))
+        cells = [f"{m[s]:.1f}" for s in schemes] + [f"{m[a] / m[c]:.2f}x" for a, c in ratios]
+        print(f"| {b} | " + " | ".join(cells) + " |")
+    print("\nweights: " + ", ".join(f"{s} {weights[s] / 2**20:.1f} MiB" for s in schemes))
     write_result(
         Path(args.output),
         {

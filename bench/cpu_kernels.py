@@ -1,0 +1,76 @@
+"""One linear layer per kernel the engine can route a CPU matmul to, at several tokens per step.
+
+For each weight shape (the embedded model's four body layers and a 2048x2048 one) and token count:
+the weight-only packed kernels (INT8, INT4 group 32) against the same weight dequantized into a
+bf16 GEMM (their dense routes, INT8_DENSE_TOKENS / INT4_DENSE_TOKENS), W8A8's int8 x int8 GEMM
+(activation quantization included) on fp32 and bf16 activations, and the bf16 / fp32 GEMMs. Times
+in ms, the fastest of repeated calls (kvpilot.engine.measure.call_seconds).
+
+    .venv/bin/python -m bench.cpu_kernels [--tokens 1,16,64,256] [--min-seconds 0.2] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kvpilot.engine.measure import call_seconds
+from kvpilot.engine.model.quantization import Int4WeightOnly, Int8Dynamic, Int8WeightOnly
+from kvpilot.engine.worker.cpu import cpu_threads
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "square": (2048, 2048)}
+
+
+def _kernels(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Kernel name -> x (fp32) -> y, each on its own copy of the weight in its serving form."""
+    int8, int4, w8a8 = nn.Module(), nn.Module(), nn.Module()
+    Int8WeightOnly().quantize(int8, weight)
+    Int4WeightOnly(32).quantize(int4, weight)
+    Int8Dynamic(True).quantize(w8a8, weight)
+    bf16, aten = weight.bfloat16(), torch.ops.aten
+    return {
+        "int8 packed": lambda x: aten._weight_int8pack_mm(x.bfloat16(), int8.qweight, int8.scales),
+        "int8 dense": lambda x: nn.functional.linear(x.bfloat16(), Int8WeightOnly._weight(int8, torch.bfloat16)),
+        "int4 packed": lambda x: aten._weight_int4pack_mm_for_cpu(
+            x.bfloat16(), int4.qweight, 32, int4.scales_and_zeros
+        ),
+        "int4 dense": lambda x: nn.functional.linear(x.bfloat16(), Int4WeightOnly(32)._weight(int4, torch.bfloat16)),
+        "w8a8 (fp32 act.)": lambda x: Int8Dynamic(True).matmul(w8a8, x),
+        "w8a8 (bf16 act.)": lambda x: Int8Dynamic(True).matmul(w8a8, x.bfloat16()),
+        "bf16 GEMM": lambda x: nn.functional.linear(x.bfloat16(), bf16),
+        "fp32 GEMM": lambda x: nn.functional.linear(x, weight),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1,16,64,128,256,512,1024")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--min-seconds", type=float, default=0.2)
+    parser.add_argument("--threads", type=int, help="torch threads (default: as the engine would use)")
+    args = parser.parse_args()
+    threads, why = (args.threads, "--threads") if args.threads else cpu_threads()
+    torch.set_num_threads(threads)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    print(f"torch {torch.__version__}, {threads} threads ({why}), ms per call (fastest)")
+    for name in args.shapes.split(","):
+        out_features, in_features = SHAPES[name]
+        weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)) * 0.02
+        print(f"\n{name} {out_features}x{in_features}\n")
+        print("| kernel | " + " | ".join(str(n) for n in tokens) + " |")
+        print("|---|" + "---:|" * len(tokens))
+        kernels = _kernels(weight)
+        with torch.inference_mode():
+            for kernel, call in kernels.items():
+                times = []
+                for n in tokens:
+                    x = torch.randn(n, in_features, generator=torch.Generator().manual_seed(n))
+                    times.append(min(call_seconds(lambda x=x, call=call: call(x), args.min_seconds)) * 1e3)
+                print(f"| {kernel} | " + " | ".join(f"{t:.3f}" for t in times) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.config import CAPABILITIES, EngineConfig
 from kvpilot.engine.model import quantization
 from kvpilot.engine.model.layers import FusedLinear, Linear
 from kvpilot.engine.model.quantization import Int4WeightOnly, Int8Dynamic, Int8WeightOnly
@@ -247,3 +248,10 @@ def test_w8a8_runs_only_on_cpus():
     q = torch.zeros(64, 64, dtype=torch.int8, device="meta")
     with pytest.raises(ValueError, match="w8a8 runs only on CPUs"):
         Int8Dynamic(True).load_quantized(layer, q, torch.ones(64, 1, device="meta"), None)
+
+
+def test_w8a8_is_declared_for_cpus_only():
+    """The planner reads CAPABILITIES: W8A8 is offered where its kernel runs, on CPUs, and nowhere else."""
+    assert "w8a8" in CAPABILITIES.cpu_only_quantization and "w8a8" not in CAPABILITIES.quantization
+    assert EngineConfig(quantization="w8a8").quantization == "w8a8"
+    assert type(quantization.for_scheme("w8a8", 32)[0]) is Int8Dynamic

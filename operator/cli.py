@@ -17,8 +17,9 @@ import yaml
 from kubernetes.config.config_exception import ConfigException
 from pydantic import ValidationError
 
+from kvpilot.engine.device_profile import DeviceProfile, load_device_profile
 from kvpilot.operator.api import names
-from kvpilot.operator.api.spec import InferenceServiceSpec, Quantization, Runtime, Speculative
+from kvpilot.operator.api.spec import CPU_TYPE, InferenceServiceSpec, Quantization, Runtime, Speculative
 from kvpilot.operator.autoscaling.decisions import INTERVAL_SECONDS, WINDOW_PERIODS
 from kvpilot.operator.autoscaling.gateways import GatewayPods
 from kvpilot.operator.autoscaling.loop import prometheus_allowed
@@ -26,7 +27,7 @@ from kvpilot.operator.controller import render
 from kvpilot.operator.gateway import main as gateway_main
 from kvpilot.operator.gateway.limits import Limits
 from kvpilot.operator.kube.cluster import KubeCluster
-from kvpilot.operator.planning import sizing
+from kvpilot.operator.planning import cpus, sizing
 from kvpilot.operator.planning.gpus import GPUS, find_gpu
 from kvpilot.operator.planning.planner import Plan, plan
 
@@ -44,7 +45,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     source.add_argument(
         "-f", "--filename", type=argparse.FileType(), help="plan an InferenceService manifest as the operator would"
     )
-    planner.add_argument("--gpu", help=f"one of {', '.join(GPUS)} (with --model; required there)")
+    planner.add_argument("--gpu", help=f"one of {', '.join(GPUS)} (with --model; or --device-profile)")
+    planner.add_argument(
+        "--device-profile",
+        metavar="FILE_OR_NAME",
+        help="plan for a CPU: a `kvpilot profile` output file, or a built-in profile "
+        f"({', '.join(cpus.builtin_profiles())})",
+    )
     planner.add_argument("--runtime", choices=get_args(Runtime), help="kvpilot (default) or vllm")
     planner.add_argument("--gpus", type=int, help="GPUs per replica (tensor-parallel size; default: the planner's)")
     planner.add_argument("--context", type=int, help="max context length (default: the model's)")
@@ -212,18 +219,22 @@ def _manifest(file: TextIO) -> dict[str, Any]:
     return manifest
 
 
-def _spec(args: argparse.Namespace) -> dict[str, Any]:
+def _spec(args: argparse.Namespace, profile: DeviceProfile | None) -> dict[str, Any]:
     def given(**fields: Any) -> dict[str, Any]:
         return {key: value for key, value in fields.items() if value is not None}
 
     if args.filename is not None:
         return _manifest(args.filename)["spec"]
-    if not args.gpu:
-        raise ValueError("--gpu is required with --model")
+    if not args.gpu and profile is None:
+        raise ValueError("--gpu or --device-profile is required with --model")
+    if args.gpu and profile is not None:
+        raise ValueError("--gpu and --device-profile: a plan is for a GPU or for a CPU")
     return {
         "model": {"name": args.model},
         **given(runtime=args.runtime),
-        "accelerator": given(type=args.gpu, count=args.gpus),
+        "accelerator": given(type=args.gpu, count=args.gpus)
+        if profile is None
+        else {"type": CPU_TYPE, "profile": profile.name, **given(count=args.gpus)},
         "serving": given(
             maxContextLength=args.context,
             quantization=args.quantization,
@@ -243,21 +254,20 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _device_rows(result: Plan) -> list[tuple[str, str]]:
+    if result.device_profile:
+        return [("device", f"cpu, profile {result.device_profile}, {result.cpus} CPUs per replica")]
+    gpu = find_gpu(result.gpu) if result.gpu else None
+    if gpu is None:
+        return []
+    figures = f"{gpu.memory_gib:g} GiB, {gpu.usable_memory_mib} MiB reported, {gpu.bandwidth_gbps:g} GB/s"
+    return [("gpu", f"{gpu.name} ({figures}, {gpu.fp16_tflops:g} FP16 TFLOPS)")]
+
+
 def format_plan(result: Plan, spec: InferenceServiceSpec) -> str:
     """The plan as a table a person reads: the numbers first, then why."""
     gib = sizing.GiB
-    rows: list[tuple[str, str]] = [("model", result.model)]
-    gpu = find_gpu(result.gpu) if result.gpu else None
-    if gpu is not None:
-        rows.append(
-            (
-                "gpu",
-                f"{gpu.name} ({gpu.memory_gib:g} GiB, {gpu.usable_memory_mib} MiB reported, "
-                f"{gpu.bandwidth_gbps:g} GB/s, "
-                f"{gpu.fp16_tflops:g} FP16 TFLOPS)",
-            )
-        )
-    rows.append(("runtime", result.runtime))
+    rows: list[tuple[str, str]] = [("model", result.model), *_device_rows(result), ("runtime", result.runtime)]
     if result.fits:
         rows.append(
             ("gpus per replica", f"{result.gpu_count}" + (" (tensor parallel)" if result.gpu_count > 1 else ""))
@@ -274,7 +284,15 @@ def format_plan(result: Plan, spec: InferenceServiceSpec) -> str:
                 f"{result.kv_pool_bytes / gib:.1f} GiB ({result.kv_blocks} blocks of {result.block_size} tokens)",
             ),
             ("max model len", str(result.max_model_len)),
-            ("max num seqs", f"{result.max_num_seqs} (sequences at the mean context that fit)"),
+            (
+                "max num seqs",
+                f"{result.max_num_seqs} "
+                + (
+                    "(the most whose step meets the TPOT SLO)"
+                    if result.cpus
+                    else "(sequences at the mean context that fit)"
+                ),
+            ),
             ("max batched tokens", str(result.max_num_batched_tokens)),
             (
                 "speculative",
@@ -306,14 +324,28 @@ def _runtime_args(spec: InferenceServiceSpec, result: Plan) -> list[str]:
     return list(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
 
 
+def _device_profile(args: argparse.Namespace) -> DeviceProfile | None:
+    """--device-profile: a built-in profile by name, else a profile file; ValueError when neither."""
+    if not args.device_profile:
+        return None
+    builtin = cpus.builtin_profiles()
+    if args.device_profile in builtin:
+        return builtin[args.device_profile]
+    try:
+        return load_device_profile(args.device_profile)
+    except ValueError as error:
+        raise ValueError(f"--device-profile: not a built-in profile ({', '.join(builtin)}), and {error}") from None
+
+
 def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Exit 0 when the model fits, 1 when it does not, 2 for invalid arguments."""
     try:
-        spec = InferenceServiceSpec.model_validate(_spec(args))
+        profile = _device_profile(args)
+        spec = InferenceServiceSpec.model_validate(_spec(args, profile))
     except (ValidationError, ValueError) as error:
         print(f"kvpilot plan: {error}", file=sys.stderr)
         return 2
-    result = plan(spec)
+    result = plan(spec, device_profiles={profile.name: profile} if profile else None)
     if args.json:
         body = result.model_dump(mode="json") | ({"args": _runtime_args(spec, result)} if result.fits else {})
         out.write(json.dumps(body, indent=2) + "\n")

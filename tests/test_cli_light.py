@@ -12,7 +12,7 @@ from tests.test_imports import modules
 
 ROOT = Path(__file__).resolve().parents[1]
 OPERATOR_MODULES = sorted(m for m in modules() if m.startswith("kvpilot.operator"))
-ENGINE_CONTRACT = {"kvpilot.engine", "kvpilot.engine.config", "kvpilot.engine.cli"}
+ENGINE_CONTRACT = {"kvpilot.engine", "kvpilot.engine.config", "kvpilot.engine.cli", "kvpilot.engine.device_profile"}
 HEAVY = ("torch", "transformers", "fastapi")
 
 

@@ -21,9 +21,9 @@ ABOVE_THE_MODEL = ("kvpilot.engine.worker", "kvpilot.engine.serving", "kvpilot.e
 # the engine's torch-free contract, kube/ only api/, and so on up to cli.py, which wires them all.
 ROOMS = {
     "api": set(),
-    "planning": {"api", "kvpilot.engine.config"},
+    "planning": {"api", "kvpilot.engine.config", "kvpilot.engine.device_profile"},
     "kube": {"api"},
-    "controller": {"api", "planning", "kube", "kvpilot.engine.config"},
+    "controller": {"api", "planning", "kube", "kvpilot.engine.config", "kvpilot.engine.device_profile"},
     "autoscaling": {"api", "kube"},
     "gateway": {"api", "kube"},
 }

@@ -121,3 +121,7 @@ def test_the_kvpilot_command_runs_from_the_wheel(installed: tuple[Path, Path]) -
     assert plan.returncode == 0, plan.stderr
     result = json.loads(plan.stdout)
     assert result["fits"] and result["gpu"] == "L4" and result["max_num_seqs"] > 0
+    # The built-in CPU profiles are package data: a wheel without them would plan no CPU.
+    cpu = run(bin_dir, "kvpilot", "plan", "--model", "SmolLM2-135M-Instruct", "--device-profile", "amd-epyc-zen5-2c")
+    assert cpu.returncode == 0, cpu.stderr + cpu.stdout
+    assert "amd-epyc-zen5-2c" in cpu.stdout

@@ -76,6 +76,11 @@ SOURCE_PATTERN = (
     r"^(hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[^@ ]+)?"
     r"|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|/.*)$"
 )
+# A Kubernetes object name that can name a Service (DNS-1035 label) and a namespace (DNS-1123 label).
+DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DNS_1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# accelerator.type of a CPU node pool, planned from a measured device profile.
+CPU_TYPE = "cpu"
 HF_SCHEME = "hf://"
 PVC_SCHEME = "pvc://"
 
@@ -144,11 +149,21 @@ class AcceleratorSpec(_Camel):
     # Where the GPU nodes are, when they are not found by the GPU product label (GKE's
     # cloud.google.com/gke-accelerator, Karpenter's instance labels): replaces that selector.
     node_selector: dict[str, str] = Field(default_factory=dict)
+    # type cpu: the device profile to plan from (`kvpilot profile`'s output): a built-in CPU family
+    # or a profile ConfigMap of that name in the operator's namespace (planning/cpus.py).
+    profile: str | None = Field(default=None, max_length=63, pattern=DNS_1123_LABEL)
 
     @model_validator(mode="after")
     def _selector_needs_type(self) -> AcceleratorSpec:
         if self.node_selector and not self.type:
             raise ValueError("accelerator.nodeSelector needs accelerator.type: the planner sizes for a known GPU")
+        cpu = self.type == CPU_TYPE
+        if cpu != (self.profile is not None):
+            raise ValueError(
+                "accelerator.type cpu needs accelerator.profile (the CPU's device profile), and only it takes one"
+            )
+        if cpu and self.count not in (None, 1):
+            raise ValueError("accelerator.count: a CPU replica is one engine process (count 1)")
         return self
 
 
@@ -240,11 +255,6 @@ class RoutingSpec(_Camel):
     # How the gateway picks an engine: the least loaded, or the one a hash of the prompt's
     # beginning names (consistent hashing with bounded loads: shared prefixes hit one KV cache).
     strategy: Literal["LeastLoad", "PrefixHash"] = "LeastLoad"
-
-
-# A Kubernetes object name that can name a Service (DNS-1035 label) and a namespace (DNS-1123 label).
-DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-DNS_1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
 class EndpointPickerSpec(_Camel):

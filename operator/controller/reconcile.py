@@ -37,12 +37,14 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
+from kvpilot.engine.device_profile import DeviceProfile
 from kvpilot.operator.api import names
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND
-from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.api.spec import CPU_TYPE, InferenceServiceSpec
 from kvpilot.operator.controller import render, status
 from kvpilot.operator.kube.cluster import Cluster, Manifest, WriteRefused, describe
 from kvpilot.operator.kube.merge_patch import merge_patch
+from kvpilot.operator.planning import cpus
 from kvpilot.operator.planning.planner import Plan, plan
 from kvpilot.operator.planning.runtimes import RUNTIMES
 
@@ -171,7 +173,29 @@ def _kept(old: Mapping[str, Any], planned: dict[str, Any] | None, generation: in
     return last_good(planned, str(previous["gpu"]), (previous.get("reasons") or {}).get("gpu"))
 
 
-def _last_good_serving(kept: Mapping[str, Any], spec: InferenceServiceSpec) -> tuple[InferenceServiceSpec, Plan] | None:
+def device_profiles(
+    spec: InferenceServiceSpec, cluster: Cluster, operator_namespace: str | None
+) -> dict[str, DeviceProfile | str]:
+    """The CPU device profile a spec names, when it is not built in: its ConfigMap in the
+    operator's namespace (read at every reconcile of the service: nothing watches it), or why it
+    cannot be read. Empty for every other spec, which costs no request."""
+    name = spec.accelerator.profile
+    if spec.accelerator.type != CPU_TYPE or name is None or name in cpus.builtin_profiles():
+        return {}
+    if operator_namespace is None:
+        return {name: f"accelerator.profile {name!r}: the operator does not know its namespace (KVPILOT_NAMESPACE)"}
+    configmap = cluster.get("v1", "ConfigMap", operator_namespace, name)
+    if configmap is None:
+        return {}
+    try:
+        return {name: cpus.configmap_profile(configmap)}
+    except ValueError as error:
+        return {name: str(error)}
+
+
+def _last_good_serving(
+    kept: Mapping[str, Any], spec: InferenceServiceSpec, cluster: Cluster, operator_namespace: str | None
+) -> tuple[InferenceServiceSpec, Plan] | None:
     """The spec to render the Deployment from while `spec` does not plan: the planned fields of
     `status.lastGoodPlan`, the rest (replicas, env, placement) of `spec`; and its plan. None
     without a last good plan (or one this operator cannot plan any more)."""
@@ -182,7 +206,7 @@ def _last_good_serving(kept: Mapping[str, Any], spec: InferenceServiceSpec) -> t
         spec = InferenceServiceSpec.model_validate({**current, **_planned_part(kept["spec"])})
     except ValidationError:
         return None
-    result = plan(spec, [str(kept["gpu"])])
+    result = plan(spec, [str(kept["gpu"])], device_profiles=device_profiles(spec, cluster, operator_namespace))
     return (spec, result) if result.fits else None
 
 
@@ -194,15 +218,24 @@ def _kept_gpu(spec: InferenceServiceSpec, planned: dict[str, Any], kept: Mapping
     return str(kept["gpu"])
 
 
-def _plan(spec: InferenceServiceSpec, planned: dict[str, Any], cluster: Cluster, kept: Mapping[str, Any]) -> Plan:
+def _plan(
+    spec: InferenceServiceSpec,
+    planned: dict[str, Any],
+    cluster: Cluster,
+    kept: Mapping[str, Any],
+    operator_namespace: str | None,
+) -> Plan:
     gpu = _kept_gpu(spec, planned, kept)
+    profiles = device_profiles(spec, cluster, operator_namespace)
     # The nodes are read when they choose the GPU type, or bound the tensor-parallel size the
     # planner picks (a runtime with more than one, no accelerator.count).
     splits = spec.accelerator.count is None and len(RUNTIMES[spec.runtime].tensor_parallel_sizes) > 1
     nodes = cluster.gpu_nodes() if (gpu is None and not spec.accelerator.type) or splits else {}
     if gpu is None:
-        return plan(spec, list(nodes) if not spec.accelerator.type else [], gpus_per_node=nodes)
-    result = plan(spec, [gpu], gpus_per_node=nodes)
+        return plan(
+            spec, list(nodes) if not spec.accelerator.type else [], gpus_per_node=nodes, device_profiles=profiles
+        )
+    result = plan(spec, [gpu], gpus_per_node=nodes, device_profiles=profiles)
     why = kept.get("gpuReason")
     if not result.fits or not why:
         return result
@@ -257,14 +290,16 @@ class _Planned(NamedTuple):
     kept: dict[str, Any]  # status.lastGoodPlan
 
 
-def _spec_and_plan(body: Mapping[str, Any], cluster: Cluster, old: Mapping[str, Any], generation: int) -> _Planned:
+def _spec_and_plan(
+    body: Mapping[str, Any], cluster: Cluster, old: Mapping[str, Any], generation: int, operator_namespace: str | None
+) -> _Planned:
     try:
         spec = InferenceServiceSpec.model_validate(body.get("spec", {}))
     except ValidationError as error:
         return _Planned(None, None, _invalid(body, error), _kept(old, None, generation))
     planned = planned_fields(spec)
     kept = _kept(old, planned, generation)
-    return _Planned(spec, planned, _plan(spec, planned, cluster, kept), kept)
+    return _Planned(spec, planned, _plan(spec, planned, cluster, kept, operator_namespace), kept)
 
 
 def _wanted(
@@ -280,7 +315,7 @@ def _wanted(
 ) -> tuple[list[Manifest], _ApiKey]:
     """The children to converge, stamped (with the API-key Secret when the key is new), and the key."""
     key = _api_key(cluster, name, namespace, uid) if render.operator_api_key(spec) else _ApiKey()
-    serving = (spec, result) if result.fits else _last_good_serving(kept, spec)
+    serving = (spec, result) if result.fits else _last_good_serving(kept, spec, cluster, operator_namespace)
     children = render.children(
         name,
         namespace,
@@ -308,7 +343,7 @@ def reconcile(
     name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
     generation = int(metadata.get("generation", 0))
     old = body.get("status") or {}
-    spec, planned, result, kept = _spec_and_plan(body, cluster, old, generation)
+    spec, planned, result, kept = _spec_and_plan(body, cluster, old, generation, operator_namespace)
 
     wanted: list[Manifest] = []
     key = _ApiKey()

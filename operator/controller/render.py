@@ -13,7 +13,7 @@ import math
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
-from kvpilot.engine.config import EngineConfig, ServerConfig, serve_argv
+from kvpilot.engine.config import CAPABILITIES, EngineConfig, ServerConfig, serve_argv
 from kvpilot.operator.api.names import (
     API_KEY_ANNOTATION,
     API_KEY_SECRET_KEY,
@@ -32,6 +32,7 @@ from kvpilot.operator.api.names import (
     selector_labels,
 )
 from kvpilot.operator.api.spec import (
+    CPU_TYPE,
     PVC_SCHEME,
     HubSource,
     InferenceServiceSpec,
@@ -238,8 +239,16 @@ def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str, draft_model:
     )
     gpu = find_gpu(str(plan.gpu))
     dtype = {} if gpu is None or gpu.bf16 else {"dtype": "float16"}
+    # On a CPU the engine's KV pool is its own setting (on a GPU it is what the memory leaves), and
+    # its dtype its own choice by the node's CPU flags, as it chose where the profile was measured.
+    cpu = {"device": "cpu", "kv_cache_memory_bytes": plan.kv_pool_bytes} if plan.gpu == CPU_TYPE else {}
+    if not cpu and plan.quantization in CAPABILITIES.cpu_only_quantization:
+        raise ValueError(
+            f"quantization {plan.quantization} runs on CPUs only: the engine would refuse it on {plan.gpu}"
+        )
     engine = EngineConfig(
         **dtype,
+        **cpu,
         model=model,
         max_model_len=plan.max_model_len,
         max_num_seqs=plan.max_num_seqs,
@@ -256,7 +265,21 @@ def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str, draft_model:
     return serve_argv(server, engine)
 
 
-def _resources(spec: InferenceServiceSpec, plan: Plan, gpu: GPU) -> Manifest:
+def _cpu_resources(spec: InferenceServiceSpec, plan: Plan) -> Manifest:
+    """A CPU replica: the CPUs its profile was measured with, as requests and limits both (the
+    engine runs a thread per CPU of its quota, and a Guaranteed pod keeps them), and memory for its
+    weights, its planned KV pool and the process beside them."""
+    memory_gib = math.ceil((plan.weight_bytes + plan.kv_pool_bytes + HOST_MEMORY_MARGIN_BYTES) / 1024**3)
+    planned = {"cpu": str(plan.cpus), "memory": f"{memory_gib}Gi"}
+    return {
+        "requests": {**planned, **{k: str(v) for k, v in spec.resources.requests.items()}},
+        "limits": {**planned, **{k: str(v) for k, v in spec.resources.limits.items()}},
+    }
+
+
+def _resources(spec: InferenceServiceSpec, plan: Plan, gpu: GPU | None) -> Manifest:
+    if gpu is None:
+        return _cpu_resources(spec, plan)
     # Extended resources cannot be overcommitted: requests must equal limits.
     gpus = {gpu.resource: str(plan.gpu_count)}
     # The weights (the draft model's too) pass through host memory on their way to the GPU: request
@@ -282,27 +305,27 @@ def progress_deadline_seconds(spec: InferenceServiceSpec, plan: Plan) -> int:
     return math.ceil(STARTUP_PERIOD_S * STARTUP_FAILURES[spec.runtime] + download + PROGRESS_MARGIN_S)
 
 
-def _tolerations(spec: InferenceServiceSpec, gpu: GPU) -> list[Manifest]:
+def _tolerations(spec: InferenceServiceSpec, gpu: GPU | None) -> list[Manifest]:
     tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
-    if gpu.resource == NVIDIA_GPU_RESOURCE:
+    if gpu is not None and gpu.resource == NVIDIA_GPU_RESOURCE:
         # GPU node pools are commonly tainted nvidia.com/gpu:NoSchedule (GKE, the GPU operator's
         # examples) to keep CPU-only pods off them; the engine belongs there.
         tolerations.append({"key": NVIDIA_GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
     return tolerations
 
 
-def _gpu_node_selector(spec: InferenceServiceSpec, gpu: GPU) -> dict[str, str]:
-    """The spec's own GPU node selector, else the product label when the GPU has one product
-    string (several need node affinity: see _affinity)."""
-    if spec.accelerator.node_selector:
+def _gpu_node_selector(spec: InferenceServiceSpec, gpu: GPU | None) -> dict[str, str]:
+    """The spec's own accelerator node selector, else the product label when the GPU has one
+    product string (several need node affinity: see _affinity); a CPU plan has no label of its own."""
+    if spec.accelerator.node_selector or gpu is None:
         return dict(spec.accelerator.node_selector)
     return {gpu.product_label: gpu.product} if len(gpu.products) == 1 else {}
 
 
-def _affinity(spec: InferenceServiceSpec, gpu: GPU) -> Manifest | None:
+def _affinity(spec: InferenceServiceSpec, gpu: GPU | None) -> Manifest | None:
     """The spec's affinity, with the GPU's product strings required in every node selector term
     (terms are alternatives: the requirement must hold in each)."""
-    if spec.accelerator.node_selector or len(gpu.products) == 1:
+    if spec.accelerator.node_selector or gpu is None or len(gpu.products) == 1:
         return spec.affinity
     requirement = {"key": gpu.product_label, "operator": "In", "values": list(gpu.products)}
     affinity = copy.deepcopy(spec.affinity or {})
@@ -348,7 +371,7 @@ def _engine_container(
     name: str,
     spec: InferenceServiceSpec,
     plan: Plan,
-    gpu: GPU,
+    gpu: GPU | None,
     image: str,
     model: _ModelFiles,
     draft: _ModelFiles | None,
@@ -417,7 +440,7 @@ def _pod_metadata(name: str, spec: InferenceServiceSpec, api_key_sha256: str | N
 
 
 def _pod_template(
-    name: str, spec: InferenceServiceSpec, plan: Plan, gpu: GPU, default_image: str, api_key_sha256: str | None
+    name: str, spec: InferenceServiceSpec, plan: Plan, gpu: GPU | None, default_image: str, api_key_sha256: str | None
 ) -> Manifest:
     """The engine pod: its download init containers, the engine, volumes, scheduling. The downloads
     run `kvpilot download`: from the engine's image, or the operator's for vLLM's image lacks it."""
@@ -483,7 +506,7 @@ def deployment(
     """The engines' Deployment; `default_image` is the operator's image for specs without one,
     `api_key_sha256` the digest of the key in the service's API-key Secret."""
     gpu = find_gpu(str(plan.gpu))
-    if not plan.fits or gpu is None:
+    if not plan.fits or (gpu is None and plan.gpu != CPU_TYPE):
         raise ValueError(f"no Deployment for a plan that does not fit: {plan.reason}")
     return {
         "apiVersion": "apps/v1",

@@ -58,6 +58,18 @@ class GPU(BaseModel):
     # Other product strings of the same part (form factors whose figures are within a few per
     # cent), which node discovery and the pods' node affinity accept too.
     aliases: tuple[str, ...] = ()
+    # A CPU node type is planned as a device too (planning/cpus.py), from what `kvpilot profile`
+    # measured on it rather than from a spec sheet: its rates are what the engine's kernels reached,
+    # so no spec-sheet efficiency applies (`measured`); its matmul rate depends on the tokens of a
+    # step (`matmul_curves`: scheme -> (tokens, FLOP/s) points); and each decode step costs the
+    # engine's own measured work beside the weights and the arithmetic (`step_overhead_s`, plus
+    # `sequence_overhead_s` for each running sequence after the first).
+    measured: bool = False
+    matmul_curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    step_overhead_s: float = 0.0
+    sequence_overhead_s: float = 0.0
+    bytes_per_value: int = 2  # of unquantized weights and of the KV cache: 4 where a CPU computes in fp32
+    cpus: int = 0  # CPUs one replica requests (CPU devices; a GPU's pod takes ENGINE_CPU_REQUEST)
 
     @property
     def products(self) -> tuple[str, ...]:
@@ -82,6 +94,24 @@ class GPU(BaseModel):
     @property
     def link_bytes_per_s(self) -> float:
         return self.link_gbps * 1e9
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.cpus > 0
+
+    def matmul_flops(self, quantization: str, tokens: float) -> float:
+        """FLOP/s of a step's GEMMs over `tokens` rows at `quantization`: the measured curve where
+        the device has one (linear between its points, flat beyond them), else the spec sheet's
+        8-bit peak for W8A8 and FP8 and its 16-bit peak for the rest (weight-only schemes multiply
+        in 16 bits)."""
+        curve = dict(self.matmul_curves).get(quantization)
+        if curve is None:
+            return self.int8_ops if quantization in ("w8a8", "fp8") else self.fp16_flops
+        for (low, low_rate), (high, high_rate) in zip(curve, curve[1:]):
+            if tokens <= high:
+                share = max(0.0, (tokens - low) / (high - low))
+                return low_rate + share * (high_rate - low_rate)
+        return curve[-1][1]
 
 
 GPUS: dict[str, GPU] = {

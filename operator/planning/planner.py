@@ -22,8 +22,9 @@ from typing import NamedTuple
 from pydantic import BaseModel, ConfigDict
 
 from kvpilot.engine.config import SPECULATIVE_MAX_BATCH_SIZE, EngineCapabilities
-from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec, hub_source
-from kvpilot.operator.planning import sizing
+from kvpilot.engine.device_profile import DeviceProfile
+from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec, hub_source
+from kvpilot.operator.planning import cpus, sizing
 from kvpilot.operator.planning.gpus import GPU, GPUS, find_gpu
 from kvpilot.operator.planning.models import MODELS, find_model
 from kvpilot.operator.planning.runtimes import RUNTIMES
@@ -71,8 +72,10 @@ class Plan(BaseModel):
     reason: str
     model: str
     runtime: str = "kvpilot"
-    gpu: str | None = None
+    gpu: str | None = None  # a catalog GPU, or "cpu" (accelerator.type cpu)
     gpu_count: int = 1  # per replica: the tensor-parallel size
+    device_profile: str | None = None  # a CPU plan's device profile (accelerator.profile)
+    cpus: int = 0  # CPUs a CPU plan's replica requests: the threads its profile was measured with
     quantization: str | None = None
     speculative: str = "off"
     draft_model: str | None = None  # serving.draftModel, when the plan runs it
@@ -122,7 +125,7 @@ class _Replica(NamedTuple):
     tp: int
     decode_weight_bytes: int  # the target's weight bytes one decode step moves (sizing.decode_weight_bytes)
     kv_per_token: int  # the target's
-    ops: float  # FLOP/s or OP/s of the GEMMs at this quantization
+    quantization: str  # the GEMMs' rate: gpu.matmul_flops(quantization, tokens)
     max_num_seqs: int
     draft: _Draft | None
 
@@ -198,13 +201,18 @@ def _listed(options: Iterable[str]) -> str:
 def _unsupported_pins(spec: InferenceServiceSpec, capabilities: EngineCapabilities) -> str | None:
     """Why the spec pins options its runtime cannot run, None when it pins none."""
     runtime = f"runtime {spec.runtime}"
+    cpu = spec.accelerator.type == CPU_TYPE
     problems = [
         f"{field} {value!r} is not one {runtime} runs (supported: {_listed(supported)}{auto})"
         for field, value, supported, auto in (
             (
                 "serving.quantization",
                 spec.serving.quantization,
-                (*capabilities.quantization, *((spec.model.quantization,) if spec.model.quantization else ())),
+                (
+                    *capabilities.quantization,
+                    *(capabilities.cpu_only_quantization if cpu else ()),
+                    *((spec.model.quantization,) if spec.model.quantization else ()),
+                ),
                 "; or 'auto'",
             ),
             ("serving.speculative", spec.serving.speculative, capabilities.speculative, "; or 'auto'"),
@@ -212,9 +220,13 @@ def _unsupported_pins(spec: InferenceServiceSpec, capabilities: EngineCapabiliti
         )
         if value not in (None, "auto") and value not in supported
     ]
+    if spec.serving.quantization in capabilities.cpu_only_quantization and not cpu:
+        problems.append(f"serving.quantization {spec.serving.quantization} runs on CPUs only (accelerator.type cpu)")
     block = spec.serving.block_size
     if capabilities.block_sizes is not None and block not in capabilities.block_sizes:
         problems.append(f"serving.blockSize {block}: {runtime} runs {_listed(map(str, capabilities.block_sizes))}")
+    if spec.accelerator.type == CPU_TYPE and capabilities.tensor_parallel_sizes != (1,):
+        problems.append(f"accelerator.type cpu: {runtime} is planned on GPUs only; runtime kvpilot serves on CPUs")
     count = spec.accelerator.count
     if count is not None and count not in capabilities.tensor_parallel_sizes:
         others = [n for n, c in RUNTIMES.items() if count in c.tensor_parallel_sizes]
@@ -269,7 +281,7 @@ def choose_speculative(
     if batch > SPECULATION_MAX_BATCH:
         return "off", (
             f"off: predicted batch {batch:.1f} per replica > {SPECULATION_MAX_BATCH}, "
-            "the GPU is already busy and speculation has no spare compute to use"
+            "the device is already busy and speculation has no spare compute to use"
         )
     if temperature >= HIGH_TEMPERATURE:
         return "off", (f"off: temperature {temperature:g} >= {HIGH_TEMPERATURE:g}, drafts are rarely accepted")
@@ -288,14 +300,26 @@ def choose_speculative(
     )
 
 
-def _batched_tokens(spec: InferenceServiceSpec, arch: Architecture, ops: float) -> tuple[int, str]:
+def _efficiency(gpu: GPU) -> float:
+    """The share of its GEMM rate a device's prefill reaches: a spec sheet's peak at the usual
+    efficiency, a measured rate as it is."""
+    return 1.0 if gpu.measured else sizing.PREFILL_COMPUTE_EFFICIENCY
+
+
+def _prefill_seconds(arch: Architecture, gpu: GPU, quantization: str, tokens: float) -> float:
+    ops = gpu.matmul_flops(quantization, tokens)
+    return sizing.prefill_seconds(arch.parameters_per_token, tokens, ops, _efficiency(gpu))
+
+
+def _batched_tokens(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str) -> tuple[int, str]:
     """Tokens per engine step, so that a step's prefill chunk leaves room for its decodes."""
     block = spec.serving.block_size
     slo = spec.slo.tpot_p95_ms
     seconds = slo / 1000 * PREFILL_SHARE_OF_TPOT
-    raw = int(seconds * ops * sizing.PREFILL_COMPUTE_EFFICIENCY / (2 * arch.parameters_per_token))
+    ops = gpu.matmul_flops(quantization, MAX_BATCHED_TOKENS)
+    raw = int(seconds * ops * _efficiency(gpu) / (2 * arch.parameters_per_token))
     tokens = max(block, min(max(raw, MIN_BATCHED_TOKENS), MAX_BATCHED_TOKENS) // block * block)
-    chunk = _ms(sizing.prefill_seconds(arch.parameters_per_token, tokens, ops))
+    chunk = _ms(_prefill_seconds(arch, gpu, quantization, tokens))
     if raw < MIN_BATCHED_TOKENS:
         return tokens, (
             f"{tokens} tokens per step (the minimum): even this chunk takes {chunk} ms of the {slo:g} ms TPOT SLO"
@@ -317,7 +341,8 @@ def _draft_step_seconds(draft: _Draft, gpu: GPU, running: float, context: float)
         bandwidth=gpu.bandwidth_bytes_per_s,
         parameters_per_token=draft.arch.parameters_per_token,
         batch=running,
-        ops_per_s=gpu.fp16_flops,
+        ops_per_s=gpu.matmul_flops("none", running),
+        measured=gpu.measured,
     )
 
 
@@ -327,16 +352,34 @@ def _allreduces_seconds(arch: Architecture, gpu: GPU, tp: int, tokens: float) ->
     return 2 * arch.layers * sizing.allreduce_seconds(hidden_bytes, tp, gpu.link_bytes_per_s, gpu.link_latency_us / 1e6)
 
 
+def _step_seconds(replica: _Replica, running: float, context: float, tokens_per_sequence: int = 1) -> float:
+    """One decode step of `running` sequences holding `context` tokens each, computing
+    `tokens_per_sequence` each (1; k + 1 in a speculative verification)."""
+    arch, gpu, tp = replica.arch, replica.gpu, replica.tp
+    tokens = running * tokens_per_sequence
+    # A mixture of experts reads only the experts its tokens route to; a dense model reads all.
+    share = min(1.0, tokens * arch.parameters_per_token / arch.parameters)
+    return sizing.decode_step_seconds(
+        bytes_read=replica.decode_weight_bytes * share + running * context * replica.kv_per_token,
+        bandwidth=gpu.bandwidth_bytes_per_s,
+        parameters_per_token=arch.parameters_per_token,
+        batch=tokens,
+        ops_per_s=gpu.matmul_flops(replica.quantization, tokens),
+        measured=gpu.measured,
+        overhead_s=gpu.step_overhead_s + (running - 1) * gpu.sequence_overhead_s,
+    ) + _allreduces_seconds(arch, gpu, tp, running)
+
+
 def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculative: str) -> _Perf:
-    arch, gpu, tp, decode_bytes, kv_per_token, ops, max_num_seqs, draft = replica
-    draft = draft if speculative in DRAFTED else None
+    arch, gpu, tp, max_num_seqs = replica.arch, replica.gpu, replica.tp, replica.max_num_seqs
+    draft = replica.draft if speculative in DRAFTED else None
     load = spec.load
     rate = load.requests_per_second / replicas if replicas else 0.0
-    prefill = sizing.prefill_seconds(arch.parameters_per_token, load.mean_prompt_tokens, ops)
+    prefill = _prefill_seconds(arch, gpu, replica.quantization, load.mean_prompt_tokens)
     prefill += _allreduces_seconds(arch, gpu, tp, load.mean_prompt_tokens)
     if draft is not None:
         # The draft computes the prompt too, in the step that samples the first token.
-        prefill += sizing.prefill_seconds(draft.arch.parameters_per_token, load.mean_prompt_tokens, gpu.fp16_flops)
+        prefill += _prefill_seconds(draft.arch, gpu, "none", load.mean_prompt_tokens)
     busy = rate * prefill  # share of GPU time spent on prefill
     if busy >= 1:
         return _Perf(
@@ -348,20 +391,14 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculat
 
     def latencies(batch: float) -> tuple[float, float]:
         running = max(batch, 1.0)
-        # A mixture of experts reads only the experts its tokens route to; a dense model reads all.
-        share = min(1.0, running * arch.parameters_per_token / arch.parameters)
-        step = sizing.decode_step_seconds(
-            bytes_read=decode_bytes * share + running * context * kv_per_token,
-            bandwidth=gpu.bandwidth_bytes_per_s,
-            parameters_per_token=arch.parameters_per_token,
-            batch=running,
-            ops_per_s=ops,
-        ) + _allreduces_seconds(arch, gpu, tp, running)
+        step = _step_seconds(replica, running, context)
         tpot = step / (1 - busy)
         if speculative != "off" and running <= SPECULATION_MAX_BATCH:
             # A verification of k + 1 tokens per step, after the draft model's k decode steps.
             drafting = 0.0 if draft is None else k * _draft_step_seconds(draft, gpu, running, context)
-            tpot = (step * VERIFY_OVERHEAD + drafting) / tokens_per_step / (1 - busy)
+            # A measured device's verification is computed as a step over its k + 1 tokens.
+            verify = _step_seconds(replica, running, context, k + 1) if gpu.measured else step * VERIFY_OVERHEAD
+            tpot = (verify + drafting) / tokens_per_step / (1 - busy)
         # M/M/1 wait for the prefill server, plus half a step to reach the next step boundary.
         ttft = prefill * busy / (1 - busy) + step / 2 + prefill
         return ttft, tpot
@@ -435,14 +472,14 @@ def _sizes(
     pool left of its GPUs; a pool of 0 when the weights do not fit."""
     draft_weights, draft_kv = (draft.weights, draft.kv_per_token) if draft else (0, 0)
     # The engine gives the draft a KV slot for every slot of the target's, so each slot holds both.
-    weights = sizing.weight_bytes(arch, quantization, runtime.quantized_lm_head) + draft_weights
+    weights = sizing.weight_bytes(arch, quantization, runtime.quantized_lm_head, gpu.bytes_per_value) + draft_weights
     pool = sizing.kv_pool_bytes(gpu.memory_bytes, spec.serving.gpu_memory_utilization, weights, reserve)
     return _Sizes(
         gpu=gpu.name,
         quantization=quantization,
         weight_bytes=weights,
         draft_weight_bytes=draft_weights,
-        kv_bytes_per_token=sizing.kv_bytes_per_token(arch) + draft_kv,
+        kv_bytes_per_token=sizing.kv_bytes_per_token(arch, gpu.bytes_per_value) + draft_kv,
         draft_kv_bytes_per_token=draft_kv,
         checkpoint_bytes=sizing.weight_bytes(arch, spec.model.quantization or "none", runtime.quantized_lm_head),
         kv_pool_bytes=max(pool, 0),
@@ -452,7 +489,7 @@ def _sizes(
 
 def _group(gpu: GPU, tp: int) -> GPU:
     """TP GPUs of one type as one device: TP times the memory, bandwidth and throughput."""
-    if tp == 1:
+    if tp == 1 or gpu.is_cpu:
         return gpu
     return gpu.model_copy(
         update={
@@ -480,10 +517,7 @@ def _memory(
     serving = spec.serving
     tp = device[1]
     gpu = _group(*device)
-    # W8A8 (INT8 or FP8) runs its GEMMs on the 8-bit tensor cores (FP8 and INT8 peak alike on the
-    # GPUs with FP8); weight-only schemes multiply in 16 bits.
-    ops = gpu.int8_ops if quantization in ("w8a8", "fp8") else gpu.fp16_flops
-    budget, batching_reason = _batched_tokens(spec, arch, ops)
+    budget, batching_reason = _batched_tokens(spec, arch, gpu, quantization)
     reserve = sizing.runtime_reserve_bytes(arch, budget) * tp
     sizes = _sizes(spec, arch, gpu, quantization, context, draft, reserve, runtime)
     target_weights, draft_weights = sizes.weight_bytes - sizes.draft_weight_bytes, sizes.draft_weight_bytes
@@ -525,10 +559,6 @@ def _memory(
     mean_context = min(context, math.ceil(spec.load.mean_prompt_tokens + spec.load.mean_output_tokens / 2))
     fitting_mean = sizing.sequences_that_fit(pool, kv_per_token, mean_context + lookahead, serving.block_size)
     max_num_seqs = min(fitting_mean, MAX_NUM_SEQS_CAP)
-    if budget < max_num_seqs:
-        # Every running sequence decodes one token per step, so the budget must cover them all.
-        budget = max_num_seqs
-        batching_reason = f"{budget} tokens per step: one decode token for each of max_num_seqs"
     kv = f"{kv_per_token / sizing.MiB:.3g} MiB/token" + (
         f" ({target_kv / sizing.MiB:.3g} target + {draft_kv / sizing.MiB:.3g} draft)" if draft else ""
     )
@@ -541,9 +571,44 @@ def _memory(
         + f" - reserve {_gib(reserve)} GiB"
         + (f"; capped at {MAX_NUM_SEQS_CAP}" if fitting_mean > MAX_NUM_SEQS_CAP else "")
     )
-    decode_bytes = sizing.decode_weight_bytes(arch, quantization, runtime)
-    replica = _Replica(arch, gpu, tp, decode_bytes, target_kv, ops, max_num_seqs, draft)
+    # A CPU's packed low-bit kernels read the stored weights; a GPU may dequantize them first.
+    decode_bytes = target_weights if gpu.is_cpu else sizing.decode_weight_bytes(arch, quantization, runtime)
+    replica = _Replica(arch, gpu, tp, decode_bytes, target_kv, quantization, max_num_seqs, draft)
+    if gpu.is_cpu:
+        replica, sizes, kv_reason = _cpu_batch(spec, replica, sizes, (mean_context, context, lookahead), kv_reason)
+    if budget < replica.max_num_seqs:
+        # Every running sequence decodes one token per step, so the budget must cover them all.
+        budget = replica.max_num_seqs
+        batching_reason = f"{budget} tokens per step: one decode token for each of max_num_seqs"
     return _Memory(replica, sizes, budget, batching_reason, mean_context, kv_reason)
+
+
+def _cpu_batch(
+    spec: InferenceServiceSpec, replica: _Replica, sizes: _Sizes, contexts: tuple[int, int, int], kv_reason: str
+) -> tuple[_Replica, _Sizes, str]:
+    """A CPU replica runs at most the batch whose decode step still meets the TPOT SLO (a larger
+    one slows every running sequence past it; the rest wait their turn), and requests memory for the
+    KV of that batch, not all of its node's: it holds that many sequences at the mean context, and
+    one at the full context."""
+    mean_context, context, lookahead = contexts
+    slo_s = spec.slo.tpot_p95_ms / 1000
+    cap = 1
+    while cap < replica.max_num_seqs and _step_seconds(replica, cap + 1, mean_context) <= slo_s:
+        cap += 1
+    block, kv_per_token = spec.serving.block_size, sizes.kv_bytes_per_token
+    blocks = max(
+        cap * sizing.blocks_per_sequence(mean_context + lookahead, block),
+        sizing.blocks_per_sequence(context + lookahead, block),
+    )
+    pool = blocks * block * kv_per_token
+    step = _step_seconds(replica, cap, mean_context)
+    reason = (
+        f"{kv_reason}; on a CPU the batch is capped at {cap}, the most whose decode step "
+        f"({_ms(step)} ms) stays within the {spec.slo.tpot_p95_ms:g} ms TPOT SLO"
+        f"{' (even one sequence misses it)' if step > slo_s else ''}, and the KV pool holds "
+        f"{cap} mean and one full sequence: {pool / sizing.MiB:.0f} MiB"
+    )
+    return replica._replace(max_num_seqs=cap), sizes._replace(kv_pool_bytes=pool), reason
 
 
 def _speculation(
@@ -689,6 +754,29 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: _Speculation) -> Plan:
     )
 
 
+def _cpu(
+    spec: InferenceServiceSpec, arch: Architecture, profiles: Mapping[str, DeviceProfile | str]
+) -> tuple[GPU, DeviceProfile] | Plan:
+    """The CPU device of accelerator.profile: a built-in profile, else one of `profiles` (the
+    operator's profile ConfigMaps; a string says why one could not be read)."""
+    name = str(spec.accelerator.profile)
+    known = {**cpus.builtin_profiles(), **profiles}
+    profile = known.get(name)
+    if profile is None:
+        return _failed(
+            spec,
+            "UnknownDeviceProfile",
+            f"accelerator.profile {name!r} is neither a built-in profile ({', '.join(cpus.builtin_profiles())}) "
+            f"nor a ConfigMap of that name in the operator's namespace with a {cpus.PROFILE_CONFIGMAP_KEY} key",
+        )
+    if isinstance(profile, str):
+        return _failed(spec, "InvalidDeviceProfile", profile)
+    device = cpus.cpu_device(profile, arch)
+    if isinstance(device, str):
+        return _failed(spec, "InvalidDeviceProfile", device)
+    return device, profile
+
+
 def _gpus(spec: InferenceServiceSpec, available: Iterable[str]) -> list[GPU] | Plan:
     wanted = spec.accelerator.type
     if wanted:
@@ -730,8 +818,11 @@ def _architecture(spec: InferenceServiceSpec) -> tuple[Architecture, str] | Plan
     return arch, "spec.model.architecture" if explicit else f"catalog ({arch.source})"
 
 
-def _schemes(spec: InferenceServiceSpec, capabilities: EngineCapabilities) -> tuple[tuple[str, ...], str] | Plan:
-    """The quantization schemes to try, least lossy first, and what was left out and why."""
+def _schemes(
+    spec: InferenceServiceSpec, capabilities: EngineCapabilities, cpu: GPU | None
+) -> tuple[tuple[str, ...], str] | Plan:
+    """The quantization schemes to try, least lossy first, and what was left out and why; on a
+    CPU also those whose kernels run only there, where its profile measured them."""
     stored = spec.model.quantization
     if stored is not None and spec.serving.quantization not in ("auto", stored):
         return _failed(
@@ -744,7 +835,9 @@ def _schemes(spec: InferenceServiceSpec, capabilities: EngineCapabilities) -> tu
     if stored is not None or spec.serving.quantization != "auto":
         return (stored or spec.serving.quantization,), ""
     # Only the schemes the runtime applies on load, and of those only the ones sizing knows the bytes of.
-    schemes = tuple(s for s in QUALITY_ORDER if s in capabilities.quantization)
+    measured = dict(cpu.matmul_curves) if cpu else {}
+    runs = (*capabilities.quantization, *(s for s in capabilities.cpu_only_quantization if s in measured))
+    schemes = tuple(s for s in QUALITY_ORDER if s in runs)
     if not schemes:
         return _failed(
             spec,
@@ -755,7 +848,12 @@ def _schemes(spec: InferenceServiceSpec, capabilities: EngineCapabilities) -> tu
     skipped = [s for s in QUALITY_ORDER if s not in schemes]
     return schemes, (
         f"; not tried: {_listed(skipped)}, which runtime {spec.runtime} does not apply on load "
-        f"(supported: {_listed(capabilities.quantization)})"
+        f"(supported: {_listed(capabilities.quantization)}"
+        + (
+            f"; on a CPU whose profile measured them also {_listed(capabilities.cpu_only_quantization)})"
+            if capabilities.cpu_only_quantization
+            else ")"
+        )
         if skipped
         else ""
     )
@@ -859,10 +957,12 @@ def plan(
     available_gpus: Iterable[str] = (),
     capabilities: EngineCapabilities | None = None,
     gpus_per_node: Mapping[str, int] | None = None,
+    device_profiles: Mapping[str, DeviceProfile | str] | None = None,
 ) -> Plan:
     """Plan serving `spec` on its runtime (or one with `capabilities`); `available_gpus` are node GPU
     products, used when no type is set; `gpus_per_node` the most GPUs one node of a product (or
-    catalog name) carries, which bounds tensor parallelism (else the catalog's figure)."""
+    catalog name) carries, which bounds tensor parallelism (else the catalog's figure);
+    `device_profiles` the CPU profiles beside the built-in ones (or why one cannot be read)."""
     capabilities = capabilities or RUNTIMES[spec.runtime]
     unsupported = _unsupported_pins(spec, capabilities)
     if unsupported:
@@ -872,13 +972,16 @@ def plan(
     if isinstance(found, Plan):
         return found
     arch, model_reason = found
-    gpus = _gpus(spec, available_gpus)
+    cpu = _cpu(spec, arch, device_profiles or {}) if spec.accelerator.type == CPU_TYPE else None
+    if isinstance(cpu, Plan):
+        return cpu
+    gpus = [cpu[0]] if cpu else _gpus(spec, available_gpus)
     if isinstance(gpus, Plan):
         return gpus
     draft = _draft(spec, arch, capabilities)
     if isinstance(draft, Plan):
         return draft
-    tried = _schemes(spec, capabilities)
+    tried = _schemes(spec, capabilities, cpu[0] if cpu else None)
     if isinstance(tried, Plan):
         return tried
     schemes, not_run = tried
@@ -905,4 +1008,13 @@ def plan(
         "tensorParallel": _tp_reason(spec, chosen, smaller, ruled_out[str(chosen.gpu)]),
         **chosen.reasons,
     }
-    return chosen.model_copy(update={"reasons": reasons})
+    return chosen.model_copy(update={"reasons": reasons, **_cpu_fields(cpu, reasons)})
+
+
+def _cpu_fields(cpu: tuple[GPU, DeviceProfile] | None, reasons: dict[str, str]) -> dict[str, object]:
+    """What a CPU plan adds: its profile, the CPUs a replica requests, and what the profile measured."""
+    if cpu is None:
+        return {}
+    device, profile = cpu
+    reasons["gpu"] += f"; {cpus.describe(profile)}"
+    return {"device_profile": profile.name, "cpus": device.cpus}

@@ -82,17 +82,20 @@ def architecture_problem(arch: Architecture) -> str | None:
     return None
 
 
-def weight_bytes(arch: Architecture, quantization: str, quantized_lm_head: bool = True) -> int:
-    """Bytes of the weights the engine holds for `arch` at `quantization` (see BYTES_PER_VALUE); a
+def weight_bytes(
+    arch: Architecture, quantization: str, quantized_lm_head: bool = True, bytes_per_value: int = BYTES_PER_VALUE
+) -> int:
+    """Bytes of the weights the engine holds for `arch` at `quantization` (see BYTES_PER_VALUE; a
+    CPU without bf16 arithmetic holds the unquantized parts in fp32: `bytes_per_value` 4); a
     runtime that leaves the LM head unquantized (vLLM) holds it in 16 bits, untied or not."""
     if quantization == "none":
-        return arch.parameters * BYTES_PER_VALUE
+        return arch.parameters * bytes_per_value
     embedding, norms, body = _embedding_norms_body(arch)
     if quantized_lm_head:
         head = embedding * INT8_BYTES_PER_WEIGHT + arch.vocab_size * BYTES_PER_VALUE  # + a scale per row
     else:
-        head = 0 if arch.tie_word_embeddings else embedding * BYTES_PER_VALUE
-    return int((embedding + norms) * BYTES_PER_VALUE + head + body * BODY_BYTES_PER_WEIGHT[quantization])
+        head = 0 if arch.tie_word_embeddings else embedding * bytes_per_value
+    return int((embedding + norms) * bytes_per_value + head + body * BODY_BYTES_PER_WEIGHT[quantization])
 
 
 def allreduce_seconds(bytes_per_gpu: float, gpus: int, link_bytes_per_s: float, latency_s: float) -> float:
@@ -144,19 +147,30 @@ def sequences_that_fit(pool_bytes: int, kv_per_token: int, tokens_per_sequence: 
     return int(blocks // blocks_per_sequence(tokens_per_sequence, block_size))
 
 
-def prefill_seconds(parameters_per_token: int, tokens: float, ops_per_s: float) -> float:
-    """Compute-bound: 2 FLOPs per parameter per prompt token."""
-    return 2 * parameters_per_token * tokens / (ops_per_s * PREFILL_COMPUTE_EFFICIENCY)
+def prefill_seconds(
+    parameters_per_token: int, tokens: float, ops_per_s: float, efficiency: float = PREFILL_COMPUTE_EFFICIENCY
+) -> float:
+    """Compute-bound: 2 FLOPs per parameter per prompt token; `efficiency` is the share of
+    `ops_per_s` reached (1 for a measured rate)."""
+    return 2 * parameters_per_token * tokens / (ops_per_s * efficiency)
 
 
 def decode_step_seconds(
-    *, bytes_read: float, bandwidth: float, parameters_per_token: int, batch: float, ops_per_s: float
+    *,
+    bytes_read: float,
+    bandwidth: float,
+    parameters_per_token: int,
+    batch: float,
+    ops_per_s: float,
+    measured: bool = False,
+    overhead_s: float = 0.0,
 ) -> float:
     """One decode step: bandwidth-bound (weights + KV read once) until the batch is so large
-    that its 2 × params × batch FLOPs take longer."""
-    memory = bytes_read / (bandwidth * DECODE_BANDWIDTH_EFFICIENCY)
-    compute = 2 * parameters_per_token * batch / (ops_per_s * PREFILL_COMPUTE_EFFICIENCY)
-    return max(memory, compute)
+    that its 2 × params × batch FLOPs take longer; spec-sheet figures at their usual efficiencies,
+    `measured` ones as they are; plus `overhead_s`, the runtime's own work per step."""
+    memory = bytes_read / (bandwidth * (1.0 if measured else DECODE_BANDWIDTH_EFFICIENCY))
+    compute = 2 * parameters_per_token * batch / (ops_per_s * (1.0 if measured else PREFILL_COMPUTE_EFFICIENCY))
+    return max(memory, compute) + overhead_s
 
 
 def request_latency(ttft: float, tpot: float, output_tokens: int) -> float:

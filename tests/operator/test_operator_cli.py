@@ -187,4 +187,4 @@ def test_render_refuses_what_is_not_an_inference_service(tmp_path: Path, capsys:
     args = parser().parse_args(["render", "-f", str(manifest)])
     assert args.func(args, out=io.StringIO()) == 2 and "not an InferenceService manifest" in capsys.readouterr().err
     code, _ = run("plan --model llama-2-7b")
-    assert code == 2 and "--gpu is required with --model" in capsys.readouterr().err
+    assert code == 2 and "--gpu or --device-profile is required with --model" in capsys.readouterr().err

@@ -4,7 +4,6 @@ from typing import Any
 
 import pytest
 import yaml
-from pydantic import ValidationError
 
 from kvpilot.engine.config import EngineCapabilities
 from kvpilot.operator.api import names
@@ -68,13 +67,14 @@ def test_engine_args_carry_the_plans_numbers() -> None:
 
 
 def test_a_plan_the_engine_cannot_run_is_refused_not_rendered(fuller: EngineCapabilities) -> None:
-    # Only a planner given a fuller engine than this one makes such a plan; rendering it would
-    # give a pod that exits at start, so it raises instead.
+    # Only a planner given a fuller engine than this one makes such a plan (W8A8 on a GPU: this
+    # engine runs it on CPUs only); rendering it would give a pod that exits at start, so it raises.
     s = spec(serving={"quantization": "w8a8"})
     p = plan(s, capabilities=fuller)
     assert p.fits and p.quantization == "w8a8"
-    with pytest.raises(ValidationError):
+    with pytest.raises(ValueError, match="runs on CPUs only"):
         render.deployment("chat", "ml", UID, s, p)
+    assert plan(s).failure == "UnsupportedByRuntime" and "serving.quantization w8a8 runs on CPUs only" in plan(s).reason
 
 
 def test_pod_runs_non_root_with_probes_metrics_port_and_gpu() -> None:

@@ -1,0 +1,175 @@
+"""accelerator.type cpu: a CPU node type planned from its device profile (planning/cpus.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from kvpilot.engine.device_profile import DeviceProfile, MatmulProfile
+from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.controller import render
+from kvpilot.operator.controller.reconcile import device_profiles
+from kvpilot.operator.planning import cpus
+from kvpilot.operator.planning.planner import plan
+
+BUILTIN = "amd-epyc-zen5-2c"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def spec(profile: str = BUILTIN, **fields: Any) -> InferenceServiceSpec:
+    body: dict[str, Any] = {
+        "model": {"name": MODEL},
+        "accelerator": {"type": "cpu", "profile": profile},
+        "serving": {"speculative": "off", "maxContextLength": 2048},
+        "load": {"requestsPerSecond": 1, "meanPromptTokens": 200, "meanOutputTokens": 100},
+        "slo": {"ttftP95Ms": 2000, "tpotP95Ms": 100},
+        "autoscaling": {"maxReplicas": 16},
+    }
+    for key, value in fields.items():
+        body[key] = {**body.get(key, {}), **value} if isinstance(value, dict) else value
+    return InferenceServiceSpec.model_validate(body)
+
+
+def builtin() -> DeviceProfile:
+    return cpus.builtin_profiles()[BUILTIN]
+
+
+def scaled(profile: DeviceProfile, name: str, speed: float, **changes: Any) -> DeviceProfile:
+    """`profile` as if measured on a machine `speed` times as fast in every figure."""
+    data = json.loads(profile.model_dump_json())
+    data["name"] = name
+    data["memory_bandwidth_bytes_per_s"] *= speed
+    for matmul in data["matmul"].values():
+        for point in (matmul or {}).get("points", []):
+            point["flop_per_s"] *= speed
+    engine = data["engine"]
+    engine["step_overhead_s"] /= speed
+    for step in engine["steps"]:
+        step["seconds"] /= speed
+    return DeviceProfile.model_validate({**data, **changes})
+
+
+def test_a_builtin_profile_plans_a_cpu_replica_and_renders_its_pod() -> None:
+    s = spec()
+    p = plan(s)
+    assert p.fits and p.meets_slo and (p.gpu, p.device_profile, p.cpus) == ("cpu", BUILTIN, builtin().threads)
+    assert f"profile {BUILTIN} (AMD EPYC, 2 threads, 52 GB/s" in p.reasons["gpu"]
+    assert "on a CPU the batch is capped at" in p.reasons["kvCache"]
+    pod = render.deployment("chat", "ml", "uid", s, p)["spec"]["template"]["spec"]
+    engine = pod["containers"][0]
+    resources = engine["resources"]
+    # Guaranteed: the engine runs one thread per CPU of its quota, as the profile was measured.
+    assert resources["requests"] == resources["limits"] and resources["requests"]["cpu"] == "2"
+    memory_gib = int(resources["requests"]["memory"].removesuffix("Gi"))
+    assert (p.weight_bytes + p.kv_pool_bytes) / 1024**3 < memory_gib <= 4
+    assert not any("gpu" in key for key in resources["requests"])
+    assert pod["nodeSelector"] == {} and pod["tolerations"] == []
+    args = engine["args"]
+    assert args[args.index("--device") + 1] == "cpu"
+    assert int(args[args.index("--kv-cache-memory-bytes") + 1]) == p.kv_pool_bytes
+    assert int(args[args.index("--max-num-seqs") + 1]) == p.max_num_seqs
+
+
+def test_at_batch_one_the_plan_predicts_the_step_the_profile_measured() -> None:
+    # Nearly no load: one sequence at a time, a short context. The prediction is then the
+    # profile's own batch-1 step of this model (weights at the measured bandwidth + the engine's
+    # measured overhead), which a wrong formula or unit would miss.
+    p = plan(spec(load={"requestsPerSecond": 0.001, "meanPromptTokens": 16, "meanOutputTokens": 16}))
+    measured = builtin().engine.steps[0].seconds * 1000  # type: ignore[union-attr]
+    assert p.predicted_tpot_ms == pytest.approx(measured, rel=0.03)
+
+
+def test_a_faster_profile_predicts_faster_steps_and_needs_fewer_replicas() -> None:
+    fast = scaled(builtin(), "fast", 4)
+    s, f = spec(load={"requestsPerSecond": 6}), spec("fast", load={"requestsPerSecond": 6})
+    slow_plan, fast_plan = plan(s), plan(f, device_profiles={"fast": fast})
+    assert slow_plan.fits and fast_plan.fits
+    assert fast_plan.predicted_tpot_ms < slow_plan.predicted_tpot_ms / 2
+    assert fast_plan.replicas < slow_plan.replicas
+    assert fast_plan.max_num_seqs > slow_plan.max_num_seqs  # more sequences meet the TPOT SLO per step
+
+
+def test_a_tighter_tpot_slo_caps_the_batch_lower() -> None:
+    loose, tight = plan(spec()), plan(spec(slo={"tpotP95Ms": 40}))
+    assert tight.max_num_seqs < loose.max_num_seqs and tight.kv_pool_bytes < loose.kv_pool_bytes
+
+
+def test_an_fp32_cpu_holds_weights_and_kv_in_four_bytes() -> None:
+    fp32 = builtin().model_copy(
+        update={"name": "fp32", "engine": builtin().engine.model_copy(update={"dtype": "float32"})}  # type: ignore[union-attr]
+    )
+    bf16, wide = plan(spec()), plan(spec("fp32"), device_profiles={"fp32": fp32})
+    assert wide.weight_bytes == 2 * bf16.weight_bytes and wide.kv_bytes_per_token == 2 * bf16.kv_bytes_per_token
+
+
+def test_w8a8_is_tried_only_on_a_cpu_whose_profile_measured_it() -> None:
+    s = spec(serving={"quantization": "auto"})
+    assert "not tried: fp8, w8a8" in plan(s).reasons["quantization"]
+    int8 = builtin().matmul.int8
+    assert int8 is not None
+    w8a8 = MatmulProfile(kernel="int8 GEMM", weight_shape=int8.weight_shape, points=int8.points)
+    measured = builtin().model_copy(
+        update={"name": "with-w8a8", "matmul": builtin().matmul.model_copy(update={"w8a8": w8a8})}
+    )
+    reasons = plan(spec("with-w8a8", serving={"quantization": "auto"}), device_profiles={"with-w8a8": measured})
+    assert "not tried: fp8, which" in reasons.reasons["quantization"]
+    pinned = plan(spec(serving={"quantization": "w8a8"}))
+    assert pinned.fits and pinned.quantization == "w8a8"
+
+
+@pytest.mark.parametrize(
+    "accelerator, problem",
+    [
+        ({"type": "cpu"}, "accelerator.type cpu needs accelerator.profile"),
+        ({"type": "L4", "profile": BUILTIN}, "and only it takes one"),
+        ({"type": "cpu", "profile": BUILTIN, "count": 2}, "a CPU replica is one engine process"),
+        ({"type": "cpu", "profile": "Not_A_Name"}, "String should match pattern"),
+    ],
+)
+def test_the_spec_refuses_a_cpu_without_its_profile(accelerator: dict[str, Any], problem: str) -> None:
+    with pytest.raises(ValidationError, match=problem):
+        InferenceServiceSpec.model_validate({"model": {"name": MODEL}, "accelerator": accelerator})
+
+
+def test_profiles_that_cannot_plan_say_why() -> None:
+    unknown = plan(spec("nowhere"))
+    assert unknown.failure == "UnknownDeviceProfile" and BUILTIN in unknown.reason and "ConfigMap" in unknown.reason
+    unmeasured = builtin().model_copy(update={"engine": None, "engine_skipped": "no embedded model"})
+    broken = plan(spec("bare"), device_profiles={"bare": unmeasured})
+    assert broken.failure == "InvalidDeviceProfile" and "no embedded model" in broken.reason
+    told = plan(spec("told"), device_profiles={"told": "ConfigMap kvpilot/told has no profile.json key"})
+    assert told.failure == "InvalidDeviceProfile" and "has no profile.json" in told.reason
+    vllm = plan(spec(runtime="vllm"))
+    assert vllm.failure == "UnsupportedByRuntime" and "runtime kvpilot serves on CPUs" in vllm.reason
+
+
+class _ConfigMaps:
+    def __init__(self, data: dict[str, str] | None) -> None:
+        self.data, self.reads = data, 0
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        self.reads += 1
+        assert (api_version, kind, namespace) == ("v1", "ConfigMap", "kvpilot")
+        if self.data is None:
+            return None
+        return {"metadata": {"name": name, "namespace": namespace}, "data": self.data}
+
+
+def test_the_operator_reads_a_profile_configmap_in_its_namespace() -> None:
+    mine = scaled(builtin(), "node-pool-a", 2)
+    found = device_profiles(spec("node-pool-a"), _ConfigMaps({"profile.json": mine.to_json()}), "kvpilot")  # type: ignore[arg-type]
+    assert found == {"node-pool-a": mine}
+    assert plan(spec("node-pool-a"), device_profiles=found).device_profile == "node-pool-a"
+    bad = device_profiles(spec("node-pool-a"), _ConfigMaps({"profile.json": "{}"}), "kvpilot")  # type: ignore[arg-type]
+    assert "is not valid" in str(bad["node-pool-a"]) and "memory_bandwidth_bytes_per_s" in str(bad["node-pool-a"])
+    keyless = device_profiles(spec("node-pool-a"), _ConfigMaps({"other": "x"}), "kvpilot")  # type: ignore[arg-type]
+    assert "has no profile.json key" in str(keyless["node-pool-a"])
+    assert device_profiles(spec("node-pool-a"), _ConfigMaps(None), "kvpilot") == {}  # type: ignore[arg-type]
+    # A built-in profile and a GPU spec cost no read.
+    none = _ConfigMaps(None)
+    device_profiles(spec(), none, "kvpilot")  # type: ignore[arg-type]
+    device_profiles(InferenceServiceSpec.model_validate({"model": {"name": MODEL}}), none, "kvpilot")  # type: ignore[arg-type]
+    assert none.reads == 0

@@ -25,10 +25,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kopf
+from pydantic import ValidationError
 
 from kvpilot.operator.api import names
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from kvpilot.operator.controller import render
+from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.controller import correction, render
 from kvpilot.operator.controller.last_handled import DigestDiffBaseStorage
 from kvpilot.operator.controller.reconcile import (
     as_rendered,
@@ -170,6 +172,22 @@ def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logge
         # The status above is written either way; kopf calls the handler again after the delay.
         reason, message = retry
         raise kopf.TemporaryError(f"{reason}: {message}", delay=_retry_seconds(reason))
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def correction_handler(
+    body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, autoscaled_services: kopf.Index | None = None, **_: Any
+) -> None:
+    """A status the autoscaler wrote may hold a new PlanAccurate verdict, after which the plan's
+    replicas are chosen with another correction (controller/correction.py): re-plan then. A status
+    change is no update for kopf's handlers above (its essence leaves status out)."""
+    try:
+        spec = InferenceServiceSpec.model_validate(body.get("spec") or {})
+    except ValidationError:
+        return
+    if body["metadata"].get("deletionTimestamp") or not correction.stale(body.get("status") or {}, spec):
+        return
+    _refresh(body["metadata"]["namespace"], body["metadata"]["name"], memo, logger, autoscaled_services)
 
 
 @kopf.on.event("v1", "pods", labels=names.MANAGED_BY)

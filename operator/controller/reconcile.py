@@ -41,7 +41,7 @@ from kvpilot.engine.device_profile import DeviceProfile
 from kvpilot.operator.api import names
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND
 from kvpilot.operator.api.spec import CPU_TYPE, InferenceServiceSpec
-from kvpilot.operator.controller import render, status
+from kvpilot.operator.controller import correction, render, status
 from kvpilot.operator.kube.cluster import Cluster, Manifest, WriteRefused, describe
 from kvpilot.operator.kube.merge_patch import merge_patch
 from kvpilot.operator.planning import cpus
@@ -224,18 +224,19 @@ def _plan(
     cluster: Cluster,
     kept: Mapping[str, Any],
     operator_namespace: str | None,
+    corrected: dict[str, Any] | None,
 ) -> Plan:
     gpu = _kept_gpu(spec, planned, kept)
     profiles = device_profiles(spec, cluster, operator_namespace)
+    factors = correction.factors(corrected)
     # The nodes are read when they choose the GPU type, or bound the tensor-parallel size the
     # planner picks (a runtime with more than one, no accelerator.count).
     splits = spec.accelerator.count is None and len(RUNTIMES[spec.runtime].tensor_parallel_sizes) > 1
     nodes = cluster.gpu_nodes() if (gpu is None and not spec.accelerator.type) or splits else {}
     if gpu is None:
-        return plan(
-            spec, list(nodes) if not spec.accelerator.type else [], gpus_per_node=nodes, device_profiles=profiles
-        )
-    result = plan(spec, [gpu], gpus_per_node=nodes, device_profiles=profiles)
+        available = list(nodes) if not spec.accelerator.type else []
+        return plan(spec, available, gpus_per_node=nodes, device_profiles=profiles, correction=factors)
+    result = plan(spec, [gpu], gpus_per_node=nodes, device_profiles=profiles, correction=factors)
     why = kept.get("gpuReason")
     if not result.fits or not why:
         return result
@@ -288,6 +289,7 @@ class _Planned(NamedTuple):
     planned: dict[str, Any] | None  # planned_fields(spec)
     result: Plan
     kept: dict[str, Any]  # status.lastGoodPlan
+    correction: dict[str, Any] | None = None  # status.correction, which `result` was planned with
 
 
 def _spec_and_plan(
@@ -299,7 +301,9 @@ def _spec_and_plan(
         return _Planned(None, None, _invalid(body, error), _kept(old, None, generation))
     planned = planned_fields(spec)
     kept = _kept(old, planned, generation)
-    return _Planned(spec, planned, _plan(spec, planned, cluster, kept, operator_namespace), kept)
+    corrected = correction.correction(old, spec)
+    result = _plan(spec, planned, cluster, kept, operator_namespace, corrected)
+    return _Planned(spec, planned, result, kept, corrected)
 
 
 def _wanted(
@@ -343,7 +347,7 @@ def reconcile(
     name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
     generation = int(metadata.get("generation", 0))
     old = body.get("status") or {}
-    spec, planned, result, kept = _spec_and_plan(body, cluster, old, generation, operator_namespace)
+    spec, planned, result, kept, corrected = _spec_and_plan(body, cluster, old, generation, operator_namespace)
 
     wanted: list[Manifest] = []
     key = _ApiKey()
@@ -383,6 +387,7 @@ def reconcile(
         api_key=(key.sha256, names.api_key_secret(name))
         if key.sha256 and (key.secret is None or found.get("Secret"))
         else None,
+        correction=corrected,
     )
 
 

@@ -27,6 +27,8 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "runtime": plan.runtime,
         "gpu": plan.gpu,
         "gpuCount": plan.gpu_count,
+        "deviceProfile": plan.device_profile,
+        "cpus": plan.cpus or None,
         "quantization": plan.quantization,
         "speculative": plan.speculative,
         "assumedDraftAcceptance": plan.assumed_draft_acceptance,
@@ -265,10 +267,12 @@ def build(
     pods: Sequence[Mapping[str, Any]] = (),
     last_good: Mapping[str, Any] | None = None,
     api_key: tuple[str, str] | None = None,
+    correction: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole `status` to write; `deployment` is the owned Deployment, if any; `last_good` is
     `lastGoodPlan`, the record of the last plan that fit (reconcile.last_good); `api_key` the
-    SHA-256 of the service's API key and the Secret holding it, for the gateway's check."""
+    SHA-256 of the service's API key and the Secret holding it, for the gateway's check;
+    `correction` the factors the plan's replicas were chosen with (controller/correction.py)."""
     desired = 0
     if plan.fits and spec is not None:
         desired = spec.replicas if spec.replicas is not None else plan.replicas
@@ -299,6 +303,7 @@ def build(
         # Predicted until the autoscaler reports what the engines measure.
         "latency": latency,
         **({"planAccuracy": accuracy} if accuracy else {}),
+        **({"correction": dict(correction)} if correction else {}),
         "conditions": [
             *with_transition_times(fresh, old.get("conditions", []), now, generation),
             *([accurate] if accurate else []),

@@ -70,6 +70,10 @@ class GPU(BaseModel):
     sequence_overhead_s: float = 0.0
     bytes_per_value: int = 2  # of unquantized weights and of the KV cache: 4 where a CPU computes in fp32
     cpus: int = 0  # CPUs one replica requests (CPU devices; a GPU's pod takes ENGINE_CPU_REQUEST)
+    # How much slower than predicted this device ran one service's engines (observed / predicted
+    # p95, status.correction): the planner multiplies its latencies by them when it chooses replicas.
+    ttft_factor: float = 1.0
+    tpot_factor: float = 1.0
 
     @property
     def products(self) -> tuple[str, ...]:

@@ -401,7 +401,7 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculat
             tpot = (verify + drafting) / tokens_per_step / (1 - busy)
         # M/M/1 wait for the prefill server, plus half a step to reach the next step boundary.
         ttft = prefill * busy / (1 - busy) + step / 2 + prefill
-        return ttft, tpot
+        return ttft * gpu.ttft_factor, tpot * gpu.tpot_factor
 
     batch = 0.0
     for _ in range(200):
@@ -697,20 +697,36 @@ def _size(
     return _fitting_plan(spec, _speculation(spec, memory, device, capabilities, draft))
 
 
-def _fitting_plan(spec: InferenceServiceSpec, chosen: _Speculation) -> Plan:
-    """The Plan of a pair that fits, from its speculation, memory and replicas."""
-    serving, memory, perf, replicas = spec.serving, chosen.memory, chosen.perf, chosen.replicas
-    sizes, max_num_seqs = memory.sizes, memory.replica.max_num_seqs
+def _replicas_reason(spec: InferenceServiceSpec, chosen: _Speculation) -> tuple[str, _Perf]:
+    """Why this many replicas, and the latencies the plan predicts at them: the model's own, so
+    that observed / predicted keeps measuring the model even where the replicas were chosen with
+    the observed corrections (a corrected prediction would chase its own correction)."""
+    perf, replicas, replica = chosen.perf, chosen.replicas, chosen.memory.replica
     rate = spec.load.requests_per_second
     if chosen.miss is None:
-        replicas_reason = (
+        reason = (
             f"{replicas} replica(s) for {rate:g} req/s: {perf.batch:.1f} running "
-            f"sequences each ({max_num_seqs} fit), TTFT {_ms(perf.ttft_s)} ms <= "
+            f"sequences each ({replica.max_num_seqs} fit), TTFT {_ms(perf.ttft_s)} ms <= "
             f"{spec.slo.ttft_p95_ms:g} ms, TPOT {_ms(perf.tpot_s)} ms <= "
             f"{spec.slo.tpot_p95_ms:g} ms"
         )
     else:
-        replicas_reason = f"SLO not met at maxReplicas {replicas} for {rate:g} req/s: {chosen.miss}"
+        reason = f"SLO not met at maxReplicas {replicas} for {rate:g} req/s: {chosen.miss}"
+    if (replica.gpu.ttft_factor, replica.gpu.tpot_factor) == (1.0, 1.0):
+        return reason, perf
+    reason += (
+        f"; latencies corrected by what the engines showed (observed / predicted p95): TTFT x"
+        f"{replica.gpu.ttft_factor:.2f}, TPOT x{replica.gpu.tpot_factor:.2f} (status.correction)"
+    )
+    model = replica.gpu.model_copy(update={"ttft_factor": 1.0, "tpot_factor": 1.0})
+    return reason, _perf(spec, replica._replace(gpu=model), replicas, chosen.mode)
+
+
+def _fitting_plan(spec: InferenceServiceSpec, chosen: _Speculation) -> Plan:
+    """The Plan of a pair that fits, from its speculation, memory and replicas."""
+    serving, memory, replicas = spec.serving, chosen.memory, chosen.replicas
+    sizes, max_num_seqs = memory.sizes, memory.replica.max_num_seqs
+    replicas_reason, perf = _replicas_reason(spec, chosen)
     latency = sizing.request_latency(perf.ttft_s, perf.tpot_s, spec.load.mean_output_tokens)
     finite = math.isfinite(perf.tpot_s)
     speculating = chosen.mode != "off"
@@ -775,6 +791,27 @@ def _cpu(
     if isinstance(device, str):
         return _failed(spec, "InvalidDeviceProfile", device)
     return device, profile
+
+
+def _devices(
+    spec: InferenceServiceSpec,
+    arch: Architecture,
+    available: Iterable[str],
+    profiles: Mapping[str, DeviceProfile | str],
+    correction: tuple[float, float] | None,
+) -> tuple[list[GPU], tuple[GPU, DeviceProfile] | None] | Plan:
+    """The devices to try (the CPU of accelerator.profile, else GPUs), with the service's observed
+    corrections, and the CPU with its profile for a CPU plan."""
+    cpu = _cpu(spec, arch, profiles) if spec.accelerator.type == CPU_TYPE else None
+    if isinstance(cpu, Plan):
+        return cpu
+    gpus = [cpu[0]] if cpu else _gpus(spec, available)
+    if isinstance(gpus, Plan):
+        return gpus
+    if correction is not None:
+        factors = {"ttft_factor": correction[0], "tpot_factor": correction[1]}
+        gpus = [gpu.model_copy(update=factors) for gpu in gpus]
+    return gpus, cpu
 
 
 def _gpus(spec: InferenceServiceSpec, available: Iterable[str]) -> list[GPU] | Plan:
@@ -958,11 +995,14 @@ def plan(
     capabilities: EngineCapabilities | None = None,
     gpus_per_node: Mapping[str, int] | None = None,
     device_profiles: Mapping[str, DeviceProfile | str] | None = None,
+    correction: tuple[float, float] | None = None,
 ) -> Plan:
     """Plan serving `spec` on its runtime (or one with `capabilities`); `available_gpus` are node GPU
     products, used when no type is set; `gpus_per_node` the most GPUs one node of a product (or
     catalog name) carries, which bounds tensor parallelism (else the catalog's figure);
-    `device_profiles` the CPU profiles beside the built-in ones (or why one cannot be read)."""
+    `device_profiles` the CPU profiles beside the built-in ones (or why one cannot be read);
+    `correction` the (TTFT, TPOT) factors the service's engines ran slower than predicted by, which
+    the replicas are chosen with (GPU.ttft_factor)."""
     capabilities = capabilities or RUNTIMES[spec.runtime]
     unsupported = _unsupported_pins(spec, capabilities)
     if unsupported:
@@ -972,12 +1012,10 @@ def plan(
     if isinstance(found, Plan):
         return found
     arch, model_reason = found
-    cpu = _cpu(spec, arch, device_profiles or {}) if spec.accelerator.type == CPU_TYPE else None
-    if isinstance(cpu, Plan):
-        return cpu
-    gpus = [cpu[0]] if cpu else _gpus(spec, available_gpus)
-    if isinstance(gpus, Plan):
-        return gpus
+    devices = _devices(spec, arch, available_gpus, device_profiles or {}, correction)
+    if isinstance(devices, Plan):
+        return devices
+    gpus, cpu = devices
     draft = _draft(spec, arch, capabilities)
     if isinstance(draft, Plan):
         return draft

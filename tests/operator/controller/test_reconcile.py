@@ -795,6 +795,8 @@ def test_no_handler_makes_kopf_add_a_finalizer() -> None:
         "networkpolicies",
         "secrets",
         "pods",
+        # Their own events: a status with a new PlanAccurate verdict re-plans (controller/correction.py).
+        "inferenceservices",
     }
     # Not InferencePools: kopf's whole reactor fails when a watched kind's CRD is deleted (measured:
     # "Watcher for inferencepools ... 404", then nothing reconciled), and that CRD is optional. A

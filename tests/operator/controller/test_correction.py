@@ -1,0 +1,99 @@
+"""status.correction: the observed / predicted factors the plan's replicas are chosen with."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.controller import correction
+from kvpilot.operator.controller.reconcile import reconcile
+from kvpilot.operator.planning.planner import plan
+from tests.operator.controller.test_reconcile import NOW, FakeCluster, body
+
+SPEC: dict[str, Any] = {
+    "model": {"name": "SmolLM2-135M-Instruct"},
+    "accelerator": {"type": "cpu", "profile": "amd-epyc-zen5-2c"},
+    "serving": {"speculative": "off", "maxContextLength": 2048},
+    "load": {"requestsPerSecond": 16, "meanPromptTokens": 60, "meanOutputTokens": 16},
+    "slo": {"ttftP95Ms": 400, "tpotP95Ms": 100},
+    "autoscaling": {"mode": "external", "maxReplicas": 8},
+}
+
+
+def spec(**changes: Any) -> InferenceServiceSpec:
+    return InferenceServiceSpec.model_validate({**SPEC, **changes})
+
+
+def verdict(state: str, ttft: float, tpot: float, window: str = "2026-12-01T10:00:00Z") -> dict[str, Any]:
+    return {
+        "planAccuracy": {
+            "ttft": {"predictedMs": 20, "observedMs": 20 * ttft, "ratio": ttft, "requests": 30, "time": window},
+            "tpot": {"predictedMs": 10, "observedMs": 10 * tpot, "ratio": tpot, "requests": 30, "time": window},
+        },
+        "conditions": [{"type": "PlanAccurate", "status": state, "reason": "OutsideBand", "message": "numbers"}],
+    }
+
+
+def test_a_sustained_miss_becomes_the_factors_and_their_replicas() -> None:
+    s = spec()
+    found = correction.correction(verdict("False", 3.0, 2.5), s)
+    assert found is not None and (found["ttft"], found["tpot"]) == (3.0, 2.5) and found["basis"] == correction.basis(s)
+    plain, corrected = plan(s), plan(s, correction=correction.factors(found))
+    assert corrected.replicas > plain.replicas
+    assert "TTFT x3.00, TPOT x2.50 (status.correction)" in corrected.reasons["replicas"]
+    # The predictions stay the model's, at the replicas chosen: observed / predicted keeps
+    # measuring the model, so the factor cannot chase itself.
+    at_those = plan(spec(autoscaling={"mode": "external", "minReplicas": corrected.replicas, "maxReplicas": 8}))
+    assert (corrected.predicted_ttft_ms, corrected.predicted_tpot_ms) == (
+        at_those.predicted_ttft_ms,
+        at_those.predicted_tpot_ms,
+    )
+
+
+def test_the_factors_follow_new_windows_half_way_and_ignore_small_moves() -> None:
+    s = spec()
+    first = correction.correction(verdict("False", 4.0, 4.0), s)
+    assert first is not None
+    same_window = correction.correction({**verdict("False", 9.0, 9.0), "correction": first}, s)
+    assert same_window == first
+    later = "2026-12-01T10:00:15Z"
+    moved = correction.correction({**verdict("False", 9.0, 1.0, later), "correction": first}, s)
+    assert moved is not None and moved["ttft"] == round(math.sqrt(4 * 9), 3) and moved["tpot"] == 2.0
+    small = correction.correction({**verdict("False", 4.2, 3.9, later), "correction": first}, s)
+    assert small == first
+
+
+def test_the_correction_holds_while_unknown_and_goes_with_accuracy_or_a_new_basis() -> None:
+    s = spec()
+    kept = correction.correction(verdict("False", 3.0, 3.0), s)
+    unknown = {"correction": kept, "conditions": [{"type": "PlanAccurate", "status": "Unknown"}]}
+    assert correction.correction(unknown, s) == kept  # a reset after the re-plan keeps it
+    assert correction.correction({**verdict("True", 1.1, 1.0), "correction": kept}, s) is None
+    other = spec(serving={"speculative": "off", "quantization": "int4", "maxContextLength": 2048})
+    assert correction.correction(unknown, other) is None
+    # Load and SLO are not physics: a new rate keeps the factor.
+    assert correction.correction(unknown, spec(load={"requestsPerSecond": 8})) == kept
+
+
+def test_stale_asks_for_a_re_plan_only_when_the_verdict_changes_the_factors() -> None:
+    s = spec()
+    missed = verdict("False", 6.0, 5.0)
+    assert correction.stale(missed, s)
+    applied = {**missed, "correction": correction.correction(missed, s)}
+    assert not correction.stale(applied, s)
+    assert not correction.stale({}, s)
+    assert correction.stale({**verdict("True", 1.0, 1.0), "correction": applied["correction"]}, s)
+
+
+def test_reconcile_writes_the_correction_and_plans_replicas_with_it() -> None:
+    cluster = FakeCluster()
+    first = reconcile(body(SPEC), cluster, NOW)
+    assert "correction" not in first
+    missed = {**first, **verdict("False", 3.0, 2.5)}
+    missed["conditions"] = first["conditions"] + missed["conditions"]
+    second = reconcile(body(SPEC, status=missed), cluster, NOW)
+    assert (second["correction"]["ttft"], second["correction"]["tpot"]) == (3.0, 2.5)
+    assert second["plan"]["replicas"] > first["plan"]["replicas"]
+    assert "status.correction" in second["plan"]["reasons"]["replicas"]
+    assert second["desiredReplicas"] == second["plan"]["replicas"]

@@ -37,7 +37,10 @@ class LocalProcess:
             self.workdir / f"{self.component}-{self.starts}.log",
             ready_url,
             timeout_s,
-            self.cluster.env(KUBECONFIG=str(self.kubeconfig), PYTHONUNBUFFERED="1"),
+            # Where it runs, as the chart's downward API tells its pod (profile ConfigMaps, NetworkPolicies).
+            self.cluster.env(
+                KUBECONFIG=str(self.kubeconfig), PYTHONUNBUFFERED="1", KVPILOT_NAMESPACE=self.installation.namespace
+            ),
         )
         return self.process
 

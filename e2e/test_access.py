@@ -52,7 +52,9 @@ def test_a_service_gets_its_key_and_network_policy_and_a_rotated_key_rolls_its_p
 
     # The NetworkPolicy as the API server stored it: what the operator rendered, defaults aside.
     stored = k8s.kubectl_json("get", "networkpolicy", NAME, "-n", ns)
-    rendered = render.network_policy(NAME, ns, obj["metadata"]["uid"], InferenceServiceSpec.model_validate(spec), None)
+    rendered = render.network_policy(
+        NAME, ns, obj["metadata"]["uid"], InferenceServiceSpec.model_validate(spec), kvpilot.namespace
+    )
     assert stored["spec"]["podSelector"] == rendered["spec"]["podSelector"]
     assert stored["spec"]["ingress"] == rendered["spec"]["ingress"]
     assert stored["spec"]["policyTypes"] == ["Ingress"]

@@ -79,6 +79,7 @@ BINARIES = (
     "kwokctl",
     "kubectl",
     "helm",
+    "prometheus",
 )
 
 

@@ -42,8 +42,11 @@ _INT4_MID = 8
 _INNER_K_TILES = 2
 # From this many tokens in one matmul, INT8 on CPU dequantizes and runs the dense GEMM: measured on
 # a 3072x576 layer (2 threads, bf16), the packed kernel / (dequantize + GEMM) is 0.52x at 16 tokens,
-# 0.61x at 32, 1.25x at 64, 2.2x at 256 and 2.5x at 1024.
-INT8_DENSE_TOKENS = 64
+# 0.61x at 32, 1.25x at 64, 2.2x at 256 and 2.5x at 1024. Not from 64: a decode step of 64
+# sequences (max_num_seqs' default) then dequantized every layer, the 49152-row LM head among
+# them, and ran 1.5x slower than on the packed kernels (bench/RESULTS.md, "The dense-route
+# thresholds"); prefill chunks, from 128 tokens, keep the dense route.
+INT8_DENSE_TOKENS = 128
 # The same for INT4 (the embedded model's 3072x576, 576x1536, 960x576 and 576x576 layers, 2
 # threads, bf16): packed kernel / (unpack + dequantize + GEMM) is 0.3-0.5x at 64 tokens, 0.5-0.9x
 # at 128, 0.5-1.0x at 256, 1.35-1.7x at 512 and 1.7-1.9x at 1024.

@@ -92,6 +92,9 @@ class EngineSteps(_Data):
     # What a batch-1 step costs beyond streaming its weights once at the measured bandwidth
     # (floored at 0): dispatch of the step's small ops, scheduling, sampling, bookkeeping.
     step_overhead_s: float = Field(ge=0, allow_inf_nan=False)
+    # The batch-1 step with compile_decode (`kvpilot profile --compiled`; its compile not counted):
+    # what the planner weighs when a plan's lone sequences miss the TPOT SLO eagerly.
+    compiled_step_s: float | None = Field(None, gt=0, allow_inf_nan=False)
 
     @field_validator("steps")
     @classmethod

@@ -127,13 +127,31 @@ def _admit(engine: LLMEngine, batch: int, prompt: list[int], max_tokens: int) ->
     engine.step()
 
 
-def engine_steps(batches: tuple[int, ...], steps: int, bandwidth: float, progress: Progress) -> EngineSteps:
+def _engine(max_num_seqs: int, **options: object) -> LLMEngine:
+    config = EngineConfig(
+        kv_cache_memory_bytes=256 << 20, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, **options
+    )
+    return LLMEngine(config)
+
+
+def compiled_step(steps: int, progress: Progress) -> float:
+    """Median batch-1 decode step of the embedded model with compile_decode (its compile, from the
+    compile cache when there is one, before the timing)."""
+    progress("compiling the decode step (compile_decode; tens of seconds without a compile cache)")
+    engine = _engine(1, compile_decode=True)
+    _admit(engine, 1, engine.tokenize(_PASSAGE), steps + 8)
+    seconds = statistics.median(call_seconds(engine.step, 0.0, min_calls=steps))
+    progress(f"engine decode step, batch 1, compiled: {seconds * 1e3:.2f} ms")
+    return seconds
+
+
+def engine_steps(
+    batches: tuple[int, ...], steps: int, bandwidth: float, progress: Progress, compiled: bool = False
+) -> EngineSteps:
     """Median decode-step time of the embedded model at each batch size, with the engine's defaults
     (dtype auto, no quantization, eager steps); the overhead is what batch 1 costs beyond reading the
-    weights once at `bandwidth`."""
-    engine = LLMEngine(
-        EngineConfig(kv_cache_memory_bytes=256 << 20, max_num_seqs=max(batches), max_num_batched_tokens=2048)
-    )
+    weights once at `bandwidth`; `compiled`: the batch-1 step with compile_decode too."""
+    engine = _engine(max(batches))
     prompt = engine.tokenize(_PASSAGE)
     # Enough tokens that the first request still decodes in the last batch's steps.
     max_tokens = len(batches) * (steps + 8)
@@ -151,4 +169,5 @@ def engine_steps(batches: tuple[int, ...], steps: int, bandwidth: float, progres
         weight_bytes=weight_bytes,
         steps=tuple(measured),
         step_overhead_s=max(0.0, measured[0].seconds - weight_bytes / bandwidth),
+        compiled_step_s=compiled_step(steps, progress) if compiled else None,
     )

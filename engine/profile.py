@@ -83,7 +83,7 @@ def default_name(model: str, cores: int) -> str:
     return f"{re.sub(r'[^a-z0-9]+', '-', model.lower()).strip('-') or 'cpu'}-{cores}c"
 
 
-def measure(sizes: Sizes, name: str | None, quick: bool) -> DeviceProfile:
+def measure(sizes: Sizes, name: str | None, quick: bool, compiled: bool = False) -> DeviceProfile:
     """This machine's profile, measured now; progress on stderr."""
     import torch
 
@@ -111,7 +111,7 @@ def measure(sizes: Sizes, name: str | None, quick: bool) -> DeviceProfile:
     skipped = m.embedded_model_problem()
     if skipped:
         progress(f"engine steps skipped: {skipped}")
-    steps = None if skipped else m.engine_steps(sizes.engine_batches, sizes.engine_steps, read, progress)
+    steps = None if skipped else m.engine_steps(sizes.engine_batches, sizes.engine_steps, read, progress, compiled)
     return DeviceProfile(
         name=name or default_name(model, cores),
         cpu_model=model,
@@ -134,7 +134,7 @@ def measure(sizes: Sizes, name: str | None, quick: bool) -> DeviceProfile:
 
 
 def _main(args: argparse.Namespace) -> int:
-    profile = measure(QUICK if args.quick else FULL, args.name, args.quick)
+    profile = measure(QUICK if args.quick else FULL, args.name, args.quick, args.compiled)
     if args.output:
         Path(args.output).write_text(profile.to_json())
         print(f"kvpilot profile: wrote {args.output}", file=sys.stderr)
@@ -154,4 +154,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser.add_argument("--quick", action="store_true", help="small sizes: a few seconds, rough numbers")
     parser.add_argument("--output", help="write the JSON to this file instead of stdout")
     parser.add_argument("--name", help="the profile's name (default: from the CPU model and cores)")
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also the batch-1 decode step with --compile-decode (its compile first: tens of seconds cold)",
+    )
     parser.set_defaults(func=_main)

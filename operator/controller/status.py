@@ -29,6 +29,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "gpuCount": plan.gpu_count,
         "deviceProfile": plan.device_profile,
         "cpus": plan.cpus or None,
+        "compileDecode": plan.compile_decode or None,
         "quantization": plan.quantization,
         "speculative": plan.speculative,
         "assumedDraftAcceptance": plan.assumed_draft_acceptance,

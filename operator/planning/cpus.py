@@ -107,7 +107,14 @@ def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
     if last.batch > 1:
         rest = last.seconds - _roofline_seconds(device, steps.weight_bytes, parameters, last.batch) - overhead
         per_sequence = max(0.0, rest / (last.batch - 1))
-    return device.model_copy(update={"step_overhead_s": overhead * scale, "sequence_overhead_s": per_sequence * scale})
+    compiled = steps.compiled_step_s / first.seconds if steps.compiled_step_s else None
+    return device.model_copy(
+        update={
+            "step_overhead_s": overhead * scale,
+            "sequence_overhead_s": per_sequence * scale,
+            "compiled_step_factor": compiled,
+        }
+    )
 
 
 def describe(profile: DeviceProfile) -> str:

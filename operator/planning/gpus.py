@@ -70,6 +70,9 @@ class GPU(BaseModel):
     sequence_overhead_s: float = 0.0
     bytes_per_value: int = 2  # of unquantized weights and of the KV cache: 4 where a CPU computes in fp32
     cpus: int = 0  # CPUs one replica requests (CPU devices; a GPU's pod takes ENGINE_CPU_REQUEST)
+    # A lone sequence's decode step with compile_decode over the eager one, where a profile measured
+    # it (`kvpilot profile --compiled`); None: the planner never renders compiled decoding.
+    compiled_step_factor: float | None = None
     # How much slower than predicted this device ran one service's engines (observed / predicted
     # p95, status.correction): the planner multiplies its latencies by them when it chooses replicas.
     ttft_factor: float = 1.0

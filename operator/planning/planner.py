@@ -76,6 +76,7 @@ class Plan(BaseModel):
     gpu_count: int = 1  # per replica: the tensor-parallel size
     device_profile: str | None = None  # a CPU plan's device profile (accelerator.profile)
     cpus: int = 0  # CPUs a CPU plan's replica requests: the threads its profile was measured with
+    compile_decode: bool = False  # the engine compiles a lone sequence's decode step (CPU plans)
     quantization: str | None = None
     speculative: str = "off"
     draft_model: str | None = None  # serving.draftModel, when the plan runs it
@@ -128,6 +129,7 @@ class _Replica(NamedTuple):
     quantization: str  # the GEMMs' rate: gpu.matmul_flops(quantization, tokens)
     max_num_seqs: int
     draft: _Draft | None
+    compiled: bool = False  # a lone sequence's decode step is compiled (compile_decode)
 
 
 class _Perf(NamedTuple):
@@ -171,6 +173,7 @@ class _Speculation(NamedTuple):
     replicas: int
     perf: _Perf
     miss: str | None
+    compiled: str = ""  # why the plan compiles a lone sequence's decode step, when it does
 
 
 def _gib(n: float) -> str:
@@ -359,7 +362,7 @@ def _step_seconds(replica: _Replica, running: float, context: float, tokens_per_
     tokens = running * tokens_per_sequence
     # A mixture of experts reads only the experts its tokens route to; a dense model reads all.
     share = min(1.0, tokens * arch.parameters_per_token / arch.parameters)
-    return sizing.decode_step_seconds(
+    step = sizing.decode_step_seconds(
         bytes_read=replica.decode_weight_bytes * share + running * context * replica.kv_per_token,
         bandwidth=gpu.bandwidth_bytes_per_s,
         parameters_per_token=arch.parameters_per_token,
@@ -367,7 +370,10 @@ def _step_seconds(replica: _Replica, running: float, context: float, tokens_per_
         ops_per_s=gpu.matmul_flops(replica.quantization, tokens),
         measured=gpu.measured,
         overhead_s=gpu.step_overhead_s + (running - 1) * gpu.sequence_overhead_s,
-    ) + _allreduces_seconds(arch, gpu, tp, running)
+    )
+    if replica.compiled and running <= 1 and tokens_per_sequence == 1 and gpu.compiled_step_factor:
+        return step * gpu.compiled_step_factor  # the engine compiles the step of a lone sequence only
+    return step + _allreduces_seconds(arch, gpu, tp, running)
 
 
 def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculative: str) -> _Perf:
@@ -654,7 +660,26 @@ def _speculation(
         )
     if mode != "off":
         replicas, perf, miss = _replicas(spec, memory.replica, mode)
+    elif memory.replica.gpu.compiled_step_factor:
+        return _compiled(spec, _Speculation(mode, reason, memory, replicas, perf, miss))
     return _Speculation(mode, reason, memory, replicas, perf, miss)
+
+
+def _compiled(spec: InferenceServiceSpec, eager: _Speculation) -> _Speculation:
+    """Compiled decoding where the plan's TPOT needs it: when compiling a lone sequence's step (as
+    the profile measured it) meets the SLO where eager steps do not, or with fewer replicas."""
+    replica = eager.memory.replica._replace(compiled=True)
+    replicas, perf, miss = _replicas(spec, replica, "off")
+    factor = replica.gpu.compiled_step_factor
+    if (miss is None, -replicas) <= (eager.miss is None, -eager.replicas):
+        return eager
+    why = (
+        f"on: a lone sequence's step x{factor:.2f} of the eager one (the profile's measurement) "
+        f"{'meets the SLO' if miss is None else 'comes closest to the SLO'} with {replicas} replica(s) where "
+        f"eager steps need {eager.replicas}" + ("" if eager.miss is None else f" and miss it ({eager.miss})")
+    )
+    memory = eager.memory._replace(replica=replica)
+    return _Speculation(eager.mode, eager.reason, memory, replicas, perf, miss, why)
 
 
 def _size(
@@ -748,6 +773,7 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: _Speculation) -> Plan:
         speculative=chosen.mode,
         draft_model=serving.draft_model if chosen.mode in DRAFTED else None,
         num_speculative_tokens=serving.num_speculative_tokens if speculating else None,
+        compile_decode=memory.replica.compiled,
         assumed_draft_acceptance=ACCEPTANCE[chosen.mode] if speculating else None,
         block_size=serving.block_size,
         gpu_memory_utilization=serving.gpu_memory_utilization,
@@ -765,6 +791,7 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: _Speculation) -> Plan:
             "batching": memory.batching_reason,
             "speculative": chosen.reason,
             "replicas": replicas_reason,
+            **({"compiledDecode": chosen.compiled} if chosen.compiled else {}),
         },
         **sizes._asdict(),
     )

@@ -139,10 +139,13 @@ def _lscpu_model() -> str:
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """(the file `kvpilot profile --quick --output` wrote on this machine, its stderr)."""
+    """(the file `kvpilot profile --quick --compiled --output` wrote on this machine, its stderr)."""
     path = tmp_path_factory.mktemp("profile") / "this-machine.json"
     result = subprocess.run(
-        [str(KVPILOT), "profile", "--quick", "--output", str(path)], capture_output=True, text=True, timeout=300
+        [str(KVPILOT), "profile", "--quick", "--compiled", "--output", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == ""  # the JSON went to the file, the progress to stderr
@@ -165,9 +168,11 @@ def test_profile_quick_measures_this_machine(measured: tuple[Path, str]) -> None
     assert [s.batch for s in profile.engine.steps] == [1, 4]
     assert all(1e-4 < s.seconds < 5 for s in profile.engine.steps)
     assert profile.engine.step_overhead_s < profile.engine.steps[0].seconds
+    assert profile.engine.compiled_step_s is not None and 1e-4 < profile.engine.compiled_step_s < 5
     assert profile.memory_bytes <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     # A progress line per measurement.
     assert "kvpilot profile: memory bandwidth" in stderr and "engine decode step, batch 4" in stderr
+    assert "engine decode step, batch 1, compiled" in stderr
     assert stderr.count("kvpilot profile: matmul") == 5
     # W8A8 is measured with this CPU's kernel path: the integer GEMM where it has one.
     path = kernel_path(read_cpu_flags())

@@ -173,3 +173,30 @@ def test_the_operator_reads_a_profile_configmap_in_its_namespace() -> None:
     device_profiles(spec(), none, "kvpilot")  # type: ignore[arg-type]
     device_profiles(InferenceServiceSpec.model_validate({"model": {"name": MODEL}}), none, "kvpilot")  # type: ignore[arg-type]
     assert none.reads == 0
+
+
+def _compiled(step_s: float | None) -> DeviceProfile:
+    engine = builtin().engine
+    assert engine is not None
+    return builtin().model_copy(
+        update={"name": "compiled", "engine": engine.model_copy(update={"compiled_step_s": step_s})}
+    )
+
+
+def test_compiled_decoding_is_rendered_where_the_plan_tpot_needs_it() -> None:
+    # Lone sequences (1 req/s, short answers) under a TPOT SLO just below the eager batch-1 step.
+    eager_ms = builtin().engine.steps[0].seconds * 1000  # type: ignore[union-attr]
+    tight = {"load": {"requestsPerSecond": 0.5, "meanPromptTokens": 60, "meanOutputTokens": 64}}
+    s = spec("compiled", slo={"tpotP95Ms": round(eager_ms * 0.9)}, **tight)
+    compiled = plan(s, device_profiles={"compiled": _compiled(eager_ms * 0.6 / 1000)})
+    assert compiled.compile_decode and compiled.meets_slo and compiled.replicas == 1
+    assert "x0.60 of the eager one" in compiled.reasons["compiledDecode"], compiled.reasons
+    assert compiled.predicted_tpot_ms < eager_ms * 0.9
+    args = render.engine_args(s, compiled, MODEL)
+    assert "--compile-decode" in args and args[args.index("--compile-cache-dir") + 1] == render.COMPILE_CACHE_DIR
+    assert render.COMPILE_CACHE_DIR.startswith("/tmp/")  # the pod's writable emptyDir
+    # Not where eager steps meet the SLO, nor without the profile's measurement.
+    loose = plan(spec("compiled", **tight), device_profiles={"compiled": _compiled(eager_ms * 0.6 / 1000)})
+    assert not loose.compile_decode and "compiledDecode" not in loose.reasons
+    unmeasured = plan(s, device_profiles={"compiled": _compiled(None)})
+    assert not unmeasured.compile_decode and "--compile-decode" not in render.engine_args(s, unmeasured, MODEL)

@@ -40,6 +40,7 @@ from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.autoscaling.accuracy import BAND
 from kvpilot.operator.planning.cpus import PROFILE_CONFIGMAP_KEY
 from kvpilot.operator.planning.planner import Plan, plan
+from tests.operator.planning.profiles import faster
 
 MODEL = "SmolLM2-135M-Instruct"
 MEASURED, WRONG = "e2e-measured", "e2e-four-times-faster"
@@ -52,23 +53,9 @@ RATE = 4.0
 VERDICT_WITHIN_S = 150.0
 
 
-def _faster(profile: DeviceProfile, name: str, speed: float) -> DeviceProfile:
-    data = json.loads(profile.model_dump_json())
-    data["name"] = name
-    data["memory_bandwidth_bytes_per_s"] *= speed
-    data["memory_copy_bandwidth_bytes_per_s"] *= speed
-    for matmul in data["matmul"].values():
-        for point in (matmul or {}).get("points", []):
-            point["flop_per_s"] *= speed
-    data["engine"]["step_overhead_s"] /= speed
-    for step in data["engine"]["steps"]:
-        step["seconds"] /= speed
-    return DeviceProfile.model_validate(data)
-
-
 def plan_of(spec: dict[str, Any], measured: DeviceProfile) -> Plan:
     """The plan the operator makes of `spec`, with the profiles this module put in ConfigMaps."""
-    profiles = {MEASURED: measured, WRONG: _faster(measured, WRONG, 4)}
+    profiles = {MEASURED: measured, WRONG: faster(measured, WRONG, 4)}
     return plan(InferenceServiceSpec.model_validate(spec), device_profiles=profiles)
 
 
@@ -96,7 +83,7 @@ def measured(k8s: Cluster, kvpilot: Installation, tmp_path_factory: pytest.TempP
     assert run.returncode == 0, run.stderr[-3000:]
     profile = load_device_profile(out)
     assert profile.threads == 1 and profile.engine is not None, profile
-    for cm in (profile, _faster(profile, WRONG, 4)):
+    for cm in (profile, faster(profile, WRONG, 4)):
         k8s.apply(_configmap(cm.name, kvpilot.namespace, cm))
     yield profile
     for name in (MEASURED, WRONG):

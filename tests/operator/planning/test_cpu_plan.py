@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -14,6 +13,7 @@ from kvpilot.operator.controller import render
 from kvpilot.operator.controller.reconcile import device_profiles
 from kvpilot.operator.planning import cpus
 from kvpilot.operator.planning.planner import plan
+from tests.operator.planning.profiles import faster
 
 BUILTIN = "amd-epyc-zen5-2c"
 MODEL = "SmolLM2-135M-Instruct"
@@ -35,21 +35,6 @@ def spec(profile: str = BUILTIN, **fields: Any) -> InferenceServiceSpec:
 
 def builtin() -> DeviceProfile:
     return cpus.builtin_profiles()[BUILTIN]
-
-
-def scaled(profile: DeviceProfile, name: str, speed: float, **changes: Any) -> DeviceProfile:
-    """`profile` as if measured on a machine `speed` times as fast in every figure."""
-    data = json.loads(profile.model_dump_json())
-    data["name"] = name
-    data["memory_bandwidth_bytes_per_s"] *= speed
-    for matmul in data["matmul"].values():
-        for point in (matmul or {}).get("points", []):
-            point["flop_per_s"] *= speed
-    engine = data["engine"]
-    engine["step_overhead_s"] /= speed
-    for step in engine["steps"]:
-        step["seconds"] /= speed
-    return DeviceProfile.model_validate({**data, **changes})
 
 
 def test_a_builtin_profile_plans_a_cpu_replica_and_renders_its_pod() -> None:
@@ -83,7 +68,7 @@ def test_at_batch_one_the_plan_predicts_the_step_the_profile_measured() -> None:
 
 
 def test_a_faster_profile_predicts_faster_steps_and_needs_fewer_replicas() -> None:
-    fast = scaled(builtin(), "fast", 4)
+    fast = faster(builtin(), "fast", 4)
     s, f = spec(load={"requestsPerSecond": 6}), spec("fast", load={"requestsPerSecond": 6})
     slow_plan, fast_plan = plan(s), plan(f, device_profiles={"fast": fast})
     assert slow_plan.fits and fast_plan.fits
@@ -159,7 +144,7 @@ class _ConfigMaps:
 
 
 def test_the_operator_reads_a_profile_configmap_in_its_namespace() -> None:
-    mine = scaled(builtin(), "node-pool-a", 2)
+    mine = faster(builtin(), "node-pool-a", 2)
     found = device_profiles(spec("node-pool-a"), _ConfigMaps({"profile.json": mine.to_json()}), "kvpilot")  # type: ignore[arg-type]
     assert found == {"node-pool-a": mine}
     assert plan(spec("node-pool-a"), device_profiles=found).device_profile == "node-pool-a"

@@ -62,6 +62,9 @@ ACCEPTANCE = {"ngram": 0.29, "draft": 0.7, "eagle": 0.75}
 # The modes that run serving.draftModel beside the target (auto chooses only "draft").
 DRAFTED = ("draft", "eagle")
 VERIFY_OVERHEAD = 1.15
+# Predictions are 95th percentiles (_p95): the tail share and the normal quantile of 0.95.
+P95_TAIL = 0.05
+Z_95 = 1.645
 
 
 class Plan(BaseModel):
@@ -395,23 +398,24 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculat
     k = spec.serving.num_speculative_tokens
     tokens_per_step = sizing.expected_tokens_per_step(ACCEPTANCE[speculative], k) if speculative != "off" else 1.0
 
-    def latencies(batch: float) -> tuple[float, float]:
+    def means(batch: float) -> tuple[float, float, float]:
+        """Mean TTFT and TPOT at a running batch, and the part of TPOT no prefill interrupts."""
         running = max(batch, 1.0)
         step = _step_seconds(replica, running, context)
-        tpot = step / (1 - busy)
+        uninterrupted = step
         if speculative != "off" and running <= SPECULATION_MAX_BATCH:
             # A verification of k + 1 tokens per step, after the draft model's k decode steps.
             drafting = 0.0 if draft is None else k * _draft_step_seconds(draft, gpu, running, context)
             # A measured device's verification is computed as a step over its k + 1 tokens.
             verify = _step_seconds(replica, running, context, k + 1) if gpu.measured else step * VERIFY_OVERHEAD
-            tpot = (verify + drafting) / tokens_per_step / (1 - busy)
+            uninterrupted = (verify + drafting) / tokens_per_step
         # M/M/1 wait for the prefill server, plus half a step to reach the next step boundary.
         ttft = prefill * busy / (1 - busy) + step / 2 + prefill
-        return ttft * gpu.ttft_factor, tpot * gpu.tpot_factor
+        return ttft * gpu.ttft_factor, uninterrupted / (1 - busy) * gpu.tpot_factor, step
 
     batch = 0.0
     for _ in range(200):
-        ttft, tpot = latencies(batch)
+        ttft, tpot, _ = means(batch)
         following = rate * sizing.request_latency(ttft, tpot, load.mean_output_tokens)
         if following > max_num_seqs:
             return _Perf(
@@ -424,8 +428,26 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculat
         batch = following
         if converged:
             break
-    ttft, tpot = latencies(batch)
-    return _Perf(batch, ttft, tpot, None)
+    ttft, tpot, step = means(batch)
+    ttft_p95, tpot_p95 = _p95(prefill, busy, step, tpot / gpu.tpot_factor, rate, load.mean_output_tokens)
+    return _Perf(batch, ttft_p95 * gpu.ttft_factor, tpot_p95 * gpu.tpot_factor, None)
+
+
+def _p95(prefill: float, busy: float, step: float, tpot: float, rate: float, output_tokens: int) -> tuple[float, float]:
+    """The 95th percentiles of TTFT and of a request's TPOT (what the SLOs and the engines' reports
+    are) around the means the batch is solved with (Little's law takes means).
+
+    TTFT: an arrival waits out the step under way (a whole one at worst) and, at the waiting time's
+    95th percentile, the prefills ahead of it: Poisson arrivals, prefills of one length (M/D/1), whose
+    tail Kingman's approximation gives as P(wait > t) = busy e^(-2 t (1 - busy) / prefill).
+    TPOT: a request's decode is interrupted by the prefills of the requests arriving meanwhile,
+    Poisson with mean rate x its decode time; their 95th percentile by the normal approximation
+    (the mean number gives back the mean TPOT)."""
+    wait = prefill / (2 * (1 - busy)) * math.log(busy / P95_TAIL) if busy > P95_TAIL else 0.0
+    decoding = max(output_tokens - 1, 1) * tpot
+    arrivals = rate * decoding
+    interrupted = (arrivals + Z_95 * math.sqrt(arrivals)) * prefill
+    return prefill + wait + step, tpot * (1 - busy) + interrupted / max(output_tokens - 1, 1)
 
 
 def _slo_miss(spec: InferenceServiceSpec, perf: _Perf) -> str | None:

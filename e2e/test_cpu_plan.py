@@ -108,6 +108,8 @@ def _verdict(
     condition = kvis.condition(obj, "PlanAccurate")
     if condition.get("status") != want or corrected != ("correction" in obj["status"]):
         return None
+    if not all(signal in obj["status"].get("planAccuracy", {}) for signal in ("ttft", "tpot")):
+        return None  # a window that compared only one of them (too few TPOT reports, say)
     return obj["status"], condition
 
 

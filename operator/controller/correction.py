@@ -8,6 +8,9 @@ factor does not chase itself. Smoothed: each new window moves the factor half-wa
 to the window's ratio, and a window within CHANGE of the factor moves nothing. It holds while the
 physics it measured holds (model, accelerator, serving, runtime, image: `basis`); it is dropped when
 PlanAccurate is True again (the model predicts this service within the band) or that basis changes.
+
+Only in `autoscaling.mode: slo`, where the operator owns the replica count: under `external` an HPA
+or KEDA does, and a re-planned count would move a Deployment the operator promised to leave alone.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ def _moved(kept: Mapping[str, Any], ratios: Mapping[str, float]) -> bool:
 
 def correction(status: Mapping[str, Any], spec: InferenceServiceSpec) -> dict[str, Any] | None:
     """The correction to plan `spec` with (and to write as status.correction), from the last status."""
+    if spec.autoscaling.mode != "slo":
+        return None
     kept = status.get(STATUS_KEY)
     if not isinstance(kept, Mapping) or kept.get("basis") != basis(spec):
         kept = None

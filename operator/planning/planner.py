@@ -400,8 +400,14 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculat
 
     def means(batch: float) -> tuple[float, float, float]:
         """Mean TTFT and TPOT at a running batch, and the part of TPOT no prefill interrupts."""
-        running = max(batch, 1.0)
+        # A sequence decodes beside the `batch` others it finds running (Poisson arrivals see time
+        # averages): its steps are of batch + 1.
+        running = batch + 1.0
         step = _step_seconds(replica, running, context)
+        if replica.compiled:
+            # The compiled step runs while the sequence is alone, which it is with probability e^-batch.
+            alone = math.exp(-batch)
+            step = alone * _step_seconds(replica, 1.0, context) + (1 - alone) * step
         uninterrupted = step
         if speculative != "off" and running <= SPECULATION_MAX_BATCH:
             # A verification of k + 1 tokens per step, after the draft model's k decode steps.

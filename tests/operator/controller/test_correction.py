@@ -17,7 +17,7 @@ SPEC: dict[str, Any] = {
     "serving": {"speculative": "off", "maxContextLength": 2048},
     "load": {"requestsPerSecond": 16, "meanPromptTokens": 60, "meanOutputTokens": 16},
     "slo": {"ttftP95Ms": 400, "tpotP95Ms": 100},
-    "autoscaling": {"mode": "external", "maxReplicas": 8},
+    "autoscaling": {"mode": "slo", "maxReplicas": 8},
 }
 
 
@@ -44,7 +44,7 @@ def test_a_sustained_miss_becomes_the_factors_and_their_replicas() -> None:
     assert "TTFT x3.00, TPOT x2.50 (status.correction)" in corrected.reasons["replicas"]
     # The predictions stay the model's, at the replicas chosen: observed / predicted keeps
     # measuring the model, so the factor cannot chase itself.
-    at_those = plan(spec(autoscaling={"mode": "external", "minReplicas": corrected.replicas, "maxReplicas": 8}))
+    at_those = plan(spec(autoscaling={"mode": "slo", "minReplicas": corrected.replicas, "maxReplicas": 8}))
     assert (corrected.predicted_ttft_ms, corrected.predicted_tpot_ms) == (
         at_those.predicted_ttft_ms,
         at_those.predicted_tpot_ms,
@@ -74,6 +74,8 @@ def test_the_correction_holds_while_unknown_and_goes_with_accuracy_or_a_new_basi
     assert correction.correction(unknown, other) is None
     # Load and SLO are not physics: a new rate keeps the factor.
     assert correction.correction(unknown, spec(load={"requestsPerSecond": 8})) == kept
+    # Under `external` an HPA owns the replicas: the plan is not re-planned from observations.
+    assert correction.correction(verdict("False", 3.0, 3.0), spec(autoscaling={"mode": "external"})) is None
 
 
 def test_stale_asks_for_a_re_plan_only_when_the_verdict_changes_the_factors() -> None:

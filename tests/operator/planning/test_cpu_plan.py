@@ -172,7 +172,7 @@ def test_compiled_decoding_is_rendered_where_the_plan_tpot_needs_it() -> None:
     # Lone sequences (1 req/s, short answers) under a TPOT SLO just below the eager batch-1 step.
     eager_ms = builtin().engine.steps[0].seconds * 1000  # type: ignore[union-attr]
     tight = {"load": {"requestsPerSecond": 0.5, "meanPromptTokens": 60, "meanOutputTokens": 64}}
-    s = spec("compiled", slo={"tpotP95Ms": round(eager_ms * 0.9)}, **tight)
+    s = spec("compiled", slo={"tpotP95Ms": round(eager_ms * 0.9)}, serving={"quantization": "none"}, **tight)
     compiled = plan(s, device_profiles={"compiled": _compiled(eager_ms * 0.6 / 1000)})
     assert compiled.compile_decode and compiled.meets_slo and compiled.replicas == 1
     assert "x0.60 of the eager one" in compiled.reasons["compiledDecode"], compiled.reasons
@@ -181,7 +181,10 @@ def test_compiled_decoding_is_rendered_where_the_plan_tpot_needs_it() -> None:
     assert "--compile-decode" in args and args[args.index("--compile-cache-dir") + 1] == render.COMPILE_CACHE_DIR
     assert render.COMPILE_CACHE_DIR.startswith("/tmp/")  # the pod's writable emptyDir
     # Not where eager steps meet the SLO, nor without the profile's measurement.
-    loose = plan(spec("compiled", **tight), device_profiles={"compiled": _compiled(eager_ms * 0.6 / 1000)})
+    loose = plan(
+        spec("compiled", serving={"quantization": "none"}, **tight),
+        device_profiles={"compiled": _compiled(eager_ms * 0.6 / 1000)},
+    )
     assert not loose.compile_decode and "compiledDecode" not in loose.reasons
     unmeasured = plan(s, device_profiles={"compiled": _compiled(None)})
     assert not unmeasured.compile_decode and "--compile-decode" not in render.engine_args(s, unmeasured, MODEL)

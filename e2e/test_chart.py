@@ -28,6 +28,9 @@ ALWAYS_KINDS = [
     *GATEWAY_KINDS,
     ("ServiceAccount", "ops"),
     ("Deployment", "ops"),
+    # The operator reads CPU device profiles from ConfigMaps of its own namespace.
+    ("Role", "ops"),
+    ("RoleBinding", "ops"),
 ]
 
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from e2e import kvis
-from e2e.chart import Installation
+from e2e.chart import NAMESPACE, Installation
 from e2e.cluster import Cluster
 from e2e.local_operator import LocalOperator
 from e2e.polling import poll
@@ -40,8 +40,10 @@ ALLOWED = [
     ("list", "nodes", ""),
     ("watch", "customresourcedefinitions.apiextensions.k8s.io", ""),
     ("watch", "namespaces", ""),
+    ("get", "configmaps", NAMESPACE),  # CPU device profiles (accelerator.profile), in its own namespace only
 ]
 DENIED = [
+    ("get", "configmaps", None),
     ("get", "secrets", "default"),
     ("delete", "secrets", None),
     ("delete", "networkpolicies.networking.k8s.io", None),

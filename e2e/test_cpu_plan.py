@@ -138,7 +138,9 @@ def _serve_until(
                     VERDICT_WITHIN_S,
                     f"PlanAccurate {want}",
                 )
-            errors = [r.error for r in load.results if r.error]
+            # The load goes to the engines directly: one the autoscaler (`slo`) is removing answers a
+            # 503 that names itself shutting down (the gateway would retry it elsewhere).
+            errors = [r.error for r in load.results if r.error and "shutting down" not in r.error]
             assert not errors, errors[:5]
             assert not runner.errors, runner.snapshot()
         print(f"{name}: planAccuracy {json.dumps(found[0]['planAccuracy'])}")
@@ -169,10 +171,10 @@ def test_a_cpu_plan_from_the_measured_profile_predicts_what_real_engines_do(
 def test_a_wrong_profile_shows_plan_accurate_false_with_the_numbers(
     k8s: Cluster, kvpilot: Installation, operator: LocalOperator, measured: DeviceProfile, tmp_path: Path
 ) -> None:
-    # A TPOT SLO the wrong profile meets with one replica (it predicts ~6 ms) and the engines here
-    # do not (~40 ms): once the correction is in, the plan asks for more replicas.
+    # A TPOT SLO the wrong profile meets with one replica (it predicts ~5 ms) and the engines here
+    # do not (25-40 ms): once the correction is in, the plan asks for more replicas.
     # `slo` mode: the operator owns the replicas, so the plan is re-planned from what it observes.
-    spec = _spec(WRONG, 30, 3, mode="slo")
+    spec = _spec(WRONG, 15, 3, mode="slo")
     first = plan_of(spec, measured)
     assert first.replicas == 1 and first.meets_slo, first.reasons
     status, condition = _serve_until(k8s, kvpilot, "cpu-wrong", spec, "False", tmp_path)

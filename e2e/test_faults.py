@@ -345,7 +345,8 @@ def test_faults_leave_every_service_reconciled_bounded_and_its_streams_whole(
         body = kvis.get(k8s, namespace, name)
         assert body["status"]["observedGeneration"] == body["metadata"]["generation"], (name, body["status"])
         live = LiveCluster(k8s)
-        reconcile(body, live, datetime.now(UTC))
+        # With the operator's namespace, as the chart's downward API gives it (the NetworkPolicy names it).
+        reconcile(body, live, datetime.now(UTC), operator_namespace=kvpilot.namespace)
         assert not live.writes, (name, live.writes)
 
     # Replicas within [min, max], as sampled and in every write the operator sent.

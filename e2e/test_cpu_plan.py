@@ -91,14 +91,14 @@ def measured(k8s: Cluster, kvpilot: Installation, tmp_path_factory: pytest.TempP
         k8s.kubectl("delete", "configmap", name, "-n", kvpilot.namespace, "--ignore-not-found")
 
 
-def _spec(profile: str, tpot_slo_ms: float, max_replicas: int) -> dict[str, Any]:
+def _spec(profile: str) -> dict[str, Any]:
     return {
         "model": {"name": MODEL},
         "accelerator": {"type": "cpu", "profile": profile},
         "serving": {"maxContextLength": 2048, "quantization": "none", "speculative": "off"},
-        "slo": {"ttftP95Ms": 2000, "tpotP95Ms": tpot_slo_ms},
+        "slo": {"ttftP95Ms": 2000, "tpotP95Ms": 200},
         "load": {"requestsPerSecond": RATE, "meanPromptTokens": PROMPT_TOKENS, "meanOutputTokens": OUTPUT},
-        "autoscaling": {"mode": "external", "minReplicas": 1, "maxReplicas": max_replicas},
+        "autoscaling": {"mode": "external", "minReplicas": 1, "maxReplicas": 1},
     }
 
 
@@ -149,7 +149,7 @@ def _serve_until(
 def test_a_cpu_plan_from_the_measured_profile_predicts_what_real_engines_do(
     k8s: Cluster, kvpilot: Installation, operator: LocalOperator, measured: DeviceProfile, tmp_path: Path
 ) -> None:
-    spec = _spec(MEASURED, 200, 1)
+    spec = _spec(MEASURED)
     status, condition = _serve_until(k8s, kvpilot, "cpu-measured", spec, "True", tmp_path)
     accuracy = status["planAccuracy"]
     expected = plan_of(spec, measured)
@@ -170,7 +170,7 @@ def test_a_wrong_profile_shows_plan_accurate_false_with_the_numbers(
 ) -> None:
     # `external`, one replica: the verdict with its numbers, nothing re-planned (corrections apply
     # under `slo` only, tests/operator/controller/test_correction.py re-plans through reconcile).
-    spec = _spec(WRONG, 200, 1)
+    spec = _spec(WRONG)
     status, condition = _serve_until(k8s, kvpilot, "cpu-wrong", spec, "False", tmp_path)
     accuracy = status["planAccuracy"]
     # Predicted for a machine 4x as fast: the engines here are slower than that by more than the band.

@@ -145,16 +145,20 @@ def _pod_files(spec: InferenceServiceSpec, plan: Plan) -> tuple[_ModelFiles, _Mo
     return model, draft
 
 
-def _volumes_and_mounts(files: list[_ModelFiles]) -> tuple[list[Manifest], list[Manifest]]:
+def _volumes_and_mounts(
+    files: list[_ModelFiles], compiled: _CompileCache | None
+) -> tuple[list[Manifest], list[Manifest]]:
     """The sources' volumes and engine mounts, each mount path once: two hf:// sources share the
-    cache volume, two pvc:// sources on one claim share the first one's volume."""
+    cache volume, two pvc:// sources on one claim share the first one's volume; the compile cache
+    is a folder of the cache volume."""
     mounts: dict[str, Manifest] = {}
-    for mount in (m for f in files for m in f.mounts):
+    for mount in [*(m for f in files for m in f.mounts), *([compiled.mount] if compiled else [])]:
         mounts.setdefault(mount["mountPath"], mount)
     used = {m["name"] for m in mounts.values()}
     volumes: dict[str, Manifest] = {}
-    for volume in (v for f in files for v in f.volumes if v["name"] in used):
-        volumes.setdefault(volume["name"], volume)
+    for volume in [*(v for f in files for v in f.volumes), *([compiled.volume] if compiled else [])]:
+        if volume["name"] in used:
+            volumes.setdefault(volume["name"], volume)
     return list(volumes.values()), list(mounts.values())
 
 
@@ -192,10 +196,20 @@ PRESTOP_SLEEP_S = 5
 # Probe timeout: one Python process serves probes beside the engine thread, so a busy step can hold
 # an answer back for a while; Kubernetes' default of 1 s would fail healthy pods under load.
 PROBE_TIMEOUT_S = 5
-# Where a compiled decode step keeps its compiled code: the pod's writable /tmp emptyDir, so a
-# restarted engine container starts warm (~10 s here against ~45 s cold; bench/RESULTS.md); a new
-# pod compiles again.
+# Where a compiled decode step keeps its compiled code (engine/worker/compile_cache.py) without a
+# model.cache claim: the pod's writable /tmp emptyDir, so a restarted engine container starts warm
+# (~10 s here against ~40 s cold; bench/RESULTS.md); a new pod compiles again.
 COMPILE_CACHE_DIR = "/tmp/kvpilot-compiled"
+# With a claim: a folder of it, mounted writable on its own (the model files stay read-only), so
+# new pods, replicas and rollouts start warm too. Pods and engine versions share it safely: an
+# entry is keyed by the torch and Python builds, the CPU's ISA, dtype, quantization and model, is
+# published whole by a rename and is checked against its sha256 manifest when read.
+COMPILE_CACHE_SUBPATH = "kvpilot-compiled"
+COMPILE_CACHE_MOUNT = "/compile-cache"
+COMPILE_CACHE_CONTAINER = "compile-cache"
+# A mkdir: little, with limits equal to requests (a pod is Guaranteed only when every container,
+# init containers too, is).
+COMPILE_CACHE_RESOURCES = {"cpu": "50m", "memory": "32Mi"}
 # Host memory beside the weights (they are loaded through host memory): tokenizer, Python, CUDA
 # context, transfer buffers.
 HOST_MEMORY_MARGIN_BYTES = 2 * 1024**3
@@ -216,6 +230,45 @@ SHM_SIZE = "16Gi"
 # healthy long load never shows as a failed rollout.
 DOWNLOAD_BYTES_PER_S = 50e6
 PROGRESS_MARGIN_S = 300
+
+
+def compile_cache_dir(spec: InferenceServiceSpec) -> str:
+    """The engine's --compile-cache-dir: the claim's folder where model.cache has a claim."""
+    return COMPILE_CACHE_DIR if _cache_on_pod(spec) else COMPILE_CACHE_MOUNT
+
+
+class _CompileCache(NamedTuple):
+    """The model.cache claim's folder for the compiled decode step, and what creates it."""
+
+    volume: Manifest
+    mount: Manifest  # the engine's, writable
+    init: Manifest
+
+
+def _compile_cache(spec: InferenceServiceSpec, plan: Plan, image: str) -> _CompileCache | None:
+    """The engine mounts the folder alone (a subPath), writable. An init container creates it first
+    as the engine's user: a missing subPath is created by the kubelet as root, which the engine can
+    write only where the volume applies fsGroup. On a claim whose root that user cannot write (a
+    volume filled by hand) the step says so and the pod still starts: the engine warns and compiles
+    at every start (compile_cache.py)."""
+    if not plan.compile_decode or _cache_on_pod(spec):
+        return None
+    folder = f"{MODEL_CACHE_MOUNT}/{COMPILE_CACHE_SUBPATH}"
+    unwritable = 'echo "cannot create $1 on model.cache: the engine compiles its decode step at every start" >&2'
+    init: Manifest = {
+        "name": COMPILE_CACHE_CONTAINER,
+        "image": image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["sh", "-c", f'mkdir -p "$1" || {unwritable}', "sh", folder],
+        "resources": {"requests": dict(COMPILE_CACHE_RESOURCES), "limits": dict(COMPILE_CACHE_RESOURCES)},
+        "securityContext": _container_security(),
+        "volumeMounts": [{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT}],
+    }
+    return _CompileCache(
+        {"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": spec.model.cache.claim_name}},
+        {"name": MODEL_CACHE_VOLUME, "mountPath": COMPILE_CACHE_MOUNT, "subPath": COMPILE_CACHE_SUBPATH},
+        init,
+    )
 
 
 def drain_seconds(spec: InferenceServiceSpec, plan: Plan) -> int:
@@ -247,7 +300,7 @@ def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str, draft_model:
     # its dtype its own choice by the node's CPU flags, as it chose where the profile was measured.
     cpu = {"device": "cpu", "kv_cache_memory_bytes": plan.kv_pool_bytes} if plan.gpu == CPU_TYPE else {}
     if plan.compile_decode:
-        cpu.update(compile_decode=True, compile_cache_dir=COMPILE_CACHE_DIR)
+        cpu.update(compile_decode=True, compile_cache_dir=compile_cache_dir(spec))
     if not cpu and plan.quantization in CAPABILITIES.cpu_only_quantization:
         raise ValueError(
             f"quantization {plan.quantization} runs on CPUs only: the engine would refuse it on {plan.gpu}"
@@ -448,14 +501,17 @@ def _pod_metadata(name: str, spec: InferenceServiceSpec, api_key_sha256: str | N
 def _pod_template(
     name: str, spec: InferenceServiceSpec, plan: Plan, gpu: GPU | None, default_image: str, api_key_sha256: str | None
 ) -> Manifest:
-    """The engine pod: its download init containers, the engine, volumes, scheduling. The downloads
-    run `kvpilot download`: from the engine's image, or the operator's for vLLM's image lacks it."""
-    model, draft = _pod_files(spec, plan)
-    volumes, mounts = _volumes_and_mounts([model] + ([draft] if draft else []))
-    # One download per hf:// source, the model's first: init containers run one after the other.
+    """The engine pod: its init containers (the compile cache's folder, the downloads), the engine,
+    volumes, scheduling. The downloads run `kvpilot download`: from the engine's image, or the
+    operator's for vLLM's image lacks it."""
     image = spec.image or (VLLM_IMAGE if spec.runtime == "vllm" else default_image)
+    model, draft = _pod_files(spec, plan)
+    compiled = _compile_cache(spec, plan, image)
+    volumes, mounts = _volumes_and_mounts([model] + ([draft] if draft else []), compiled)
+    # One download per hf:// source, the model's first: init containers run one after the other.
     downloader = default_image if spec.runtime == "vllm" else image
-    init = [
+    init = [compiled.init] if compiled else []
+    init += [
         _download_container(spec, files.download, downloader, container)
         for files, container in ((model, DOWNLOAD_CONTAINER), (draft, DRAFT_DOWNLOAD_CONTAINER))
         if files is not None and files.download is not None

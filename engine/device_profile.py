@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 # The /proc/cpuinfo flags that decide which kernels run fast: bf16 and int8 dot products
 # (AVX512-BF16, AVX512-VNNI, AVX-VNNI), Intel's AMX tiles, and the AVX2 / AVX-512 baselines.
 CPU_FLAGS = (
@@ -39,6 +39,12 @@ class _Data(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _check_increasing(values: list[int], first: int | None, what: str) -> None:
+    if (first is not None and values[0] != first) or values != sorted(set(values)):
+        start = f" start at {first} and" if first is not None else ""
+        raise ValueError(f"{what} must{start} strictly increase, got {values}")
+
+
 class MatmulPoint(_Data):
     tokens: int = Field(ge=1, description="rows of the activation (tokens in one step)")
     flop_per_s: float = _Positive
@@ -55,10 +61,8 @@ class MatmulProfile(_Data):
 
     @field_validator("points")
     @classmethod
-    def _increasing(cls, points: tuple[MatmulPoint, ...]) -> tuple[MatmulPoint, ...]:
-        tokens = [p.tokens for p in points]
-        if tokens != sorted(set(tokens)):
-            raise ValueError(f"points must have strictly increasing tokens, got {tokens}")
+    def _tokens_increase(cls, points: tuple[MatmulPoint, ...]) -> tuple[MatmulPoint, ...]:
+        _check_increasing([p.tokens for p in points], None, "points' tokens")
         return points
 
     @property
@@ -71,38 +75,67 @@ class Matmuls(_Data):
     bf16: MatmulProfile
     int8: MatmulProfile | None = None
     int4: MatmulProfile | None = None
-    # Absent from profiles measured before W8A8 existed (they read as they are: same version).
     w8a8: MatmulProfile | None = None
 
 
 class EngineStep(_Data):
     batch: int = Field(ge=1, description="sequences decoding one token each")
+    context_tokens: float = Field(gt=0, allow_inf_nan=False, description="mean tokens in each one's KV cache")
     seconds: float = _Positive
 
 
+class PrefillStep(_Data):
+    tokens: int = Field(ge=1, description="prompt tokens computed in the step, nothing else running")
+    seconds: float = _Positive
+
+
+class SchemeSteps(_Data):
+    """This engine's steps (scheduler, model runner, sampler: all of `LLMEngine.step()`) with one
+    quantization scheme on the model it loaded, median seconds: decode steps at each batch size, and
+    the step that computes one prompt. What a step costs beyond its GEMMs (dispatch of the small ops,
+    attention, sampling, bookkeeping) differs by scheme, so the planner reads each scheme's own."""
+
+    quantization: str = Field(min_length=1)
+    weight_bytes: int = Field(gt=0)
+    decode: tuple[EngineStep, ...] = Field(min_length=1)
+    prefill: tuple[PrefillStep, ...] = Field(min_length=1)
+
+    @field_validator("decode")
+    @classmethod
+    def _batch_one_first(cls, steps: tuple[EngineStep, ...]) -> tuple[EngineStep, ...]:
+        _check_increasing([s.batch for s in steps], 1, "decode steps' batches")
+        return steps
+
+    @field_validator("prefill")
+    @classmethod
+    def _tokens_increase(cls, steps: tuple[PrefillStep, ...]) -> tuple[PrefillStep, ...]:
+        _check_increasing([s.tokens for s in steps], None, "prefill steps' tokens")
+        return steps
+
+
 class EngineSteps(_Data):
-    """Decode steps of this engine (scheduler, model runner, sampler: all of `LLMEngine.step()`) on a
-    model it loaded, median seconds per step at each batch size."""
+    """The engine's steps on the embedded model, per quantization scheme (the first is "none")."""
 
     model: str = Field(min_length=1)
     dtype: str = Field(min_length=1)
-    quantization: str = Field(min_length=1)
-    weight_bytes: int = Field(gt=0)
-    steps: tuple[EngineStep, ...] = Field(min_length=1)
-    # What a batch-1 step costs beyond streaming its weights once at the measured bandwidth
-    # (floored at 0): dispatch of the step's small ops, scheduling, sampling, bookkeeping.
-    step_overhead_s: float = Field(ge=0, allow_inf_nan=False)
+    schemes: tuple[SchemeSteps, ...] = Field(min_length=1)
+    # A decode step of the "none" scheme at a long context: beside its decode curve at the same batch,
+    # what attention costs per cached token (on a CPU far more than reading the KV at the bandwidth).
+    long_context: EngineStep
     # The batch-1 step with compile_decode (`kvpilot profile --compiled`; its compile not counted):
     # what the planner weighs when a plan's lone sequences miss the TPOT SLO eagerly.
     compiled_step_s: float | None = Field(None, gt=0, allow_inf_nan=False)
 
-    @field_validator("steps")
+    @field_validator("schemes")
     @classmethod
-    def _batch_one_first(cls, steps: tuple[EngineStep, ...]) -> tuple[EngineStep, ...]:
-        batches = [s.batch for s in steps]
-        if batches[0] != 1 or batches != sorted(set(batches)):
-            raise ValueError(f"steps must start at batch 1 and increase, got batches {batches}")
-        return steps
+    def _none_first(cls, schemes: tuple[SchemeSteps, ...]) -> tuple[SchemeSteps, ...]:
+        names = [s.quantization for s in schemes]
+        if names[0] != "none" or len(set(names)) != len(names):
+            raise ValueError(f"schemes must start with 'none' and name each scheme once, got {names}")
+        return schemes
+
+    def scheme(self, quantization: str) -> SchemeSteps | None:
+        return next((s for s in self.schemes if s.quantization == quantization), None)
 
 
 class DeviceProfile(_Data):
@@ -133,7 +166,10 @@ class DeviceProfile(_Data):
     @classmethod
     def _known_version(cls, version: Any) -> Any:
         if version != PROFILE_VERSION:
-            raise ValueError(f"device profile version {version!r} is not one this build reads ({PROFILE_VERSION})")
+            raise ValueError(
+                f"device profile version {version!r} is not one this build reads ({PROFILE_VERSION}): "
+                "measure it again with this build's `kvpilot profile`"
+            )
         return version
 
     @field_validator("cpu_flags")

@@ -11,6 +11,7 @@ median: a step's own jitter (Python, allocation) is part of what serving costs.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -19,7 +20,14 @@ import torch
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.sampling_params import SamplingParams
-from kvpilot.engine.device_profile import EngineStep, EngineSteps, MatmulPoint, MatmulProfile
+from kvpilot.engine.device_profile import (
+    EngineStep,
+    EngineSteps,
+    MatmulPoint,
+    MatmulProfile,
+    PrefillStep,
+    SchemeSteps,
+)
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.model.layers import Linear
 from kvpilot.engine.model.loader import EMBEDDED_MODEL, embedded_model_dir
@@ -53,8 +61,12 @@ SCHEMES: dict[str, tuple[str, torch.dtype | None, str]] = {
     ),
 }
 # Prompts of the engine steps: any text; the steps decode past it with ignore_eos.
-_PASSAGE = "Paged attention keeps the keys and values of every token in fixed-size blocks of memory. " * 12
+_PASSAGE = "Paged attention keeps the keys and values of every token in fixed-size blocks of memory. " * 80
 _PROMPT_TOKENS = 64
+_LONG_CONTEXT_TOKENS = 1024
+_LONG_CONTEXT_BATCH = 4
+# The engine's schemes, "none" first: the ones SCHEMES measures as matmuls.
+ENGINE_SCHEMES = tuple(dict.fromkeys(scheme for scheme, _, _ in SCHEMES.values()))
 
 
 def call_seconds(call: Callable[[], object], min_seconds: float, min_calls: int = 3) -> list[float]:
@@ -117,21 +129,47 @@ def embedded_model_problem() -> str | None:
     return None
 
 
-def _admit(engine: LLMEngine, batch: int, prompt: list[int], max_tokens: int) -> None:
+def _admit(engine: LLMEngine, batch: int, prompt: list[int], prompt_tokens: int, max_tokens: int) -> None:
     """Requests up to `batch` running, their prompts prefilled (untimed), and one decode step taken."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i in range(len(engine.requests), batch):
-        engine.add_request(prompt[i % 7 : i % 7 + _PROMPT_TOKENS], params)
+        engine.add_request(prompt[i % 7 : i % 7 + prompt_tokens], params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
     engine.step()
 
 
 def _engine(max_num_seqs: int, **options: object) -> LLMEngine:
+    # No prefix caching: every prefill step computes its whole prompt.
     config = EngineConfig(
-        kv_cache_memory_bytes=256 << 20, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, **options
+        kv_cache_memory_bytes=256 << 20,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+        **options,
     )
     return LLMEngine(config)
+
+
+def _decode_step(engine: LLMEngine, steps: int) -> EngineStep:
+    """The median of `steps` decode steps of the running requests, with their mean context."""
+    before = statistics.mean(r.num_tokens for r in engine.requests.values())
+    seconds = statistics.median(call_seconds(engine.step, 0.0, min_calls=steps))
+    after = statistics.mean(r.num_tokens for r in engine.requests.values())
+    return EngineStep(batch=len(engine.requests), context_tokens=(before + after) / 2, seconds=seconds)
+
+
+def _prefill_step(engine: LLMEngine, prompt: list[int], tokens: int, steps: int) -> PrefillStep:
+    """The median step that computes one prompt of `tokens`, alone (each prompt a new one)."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    offsets = itertools.count()
+
+    def step() -> None:
+        start = next(offsets) % (len(prompt) - tokens)
+        engine.add_request(prompt[start : start + tokens], params)
+        engine.step()
+
+    return PrefillStep(tokens=tokens, seconds=statistics.median(call_seconds(step, 0.0, min_calls=steps)))
 
 
 def compiled_step(steps: int, progress: Progress) -> float:
@@ -139,35 +177,59 @@ def compiled_step(steps: int, progress: Progress) -> float:
     compile cache when there is one, before the timing)."""
     progress("compiling the decode step (compile_decode; tens of seconds without a compile cache)")
     engine = _engine(1, compile_decode=True)
-    _admit(engine, 1, engine.tokenize(_PASSAGE), steps + 8)
+    _admit(engine, 1, engine.tokenize(_PASSAGE), _PROMPT_TOKENS, steps + 8)
     seconds = statistics.median(call_seconds(engine.step, 0.0, min_calls=steps))
     progress(f"engine decode step, batch 1, compiled: {seconds * 1e3:.2f} ms")
     return seconds
 
 
-def engine_steps(
-    batches: tuple[int, ...], steps: int, bandwidth: float, progress: Progress, compiled: bool = False
-) -> EngineSteps:
-    """Median decode-step time of the embedded model at each batch size, with the engine's defaults
-    (dtype auto, no quantization, eager steps); the overhead is what batch 1 costs beyond reading the
-    weights once at `bandwidth`; `compiled`: the batch-1 step with compile_decode too."""
-    engine = _engine(max(batches))
+def scheme_steps(
+    quantization: str, batches: tuple[int, ...], prefill_tokens: tuple[int, ...], steps: int, progress: Progress
+) -> tuple[SchemeSteps, EngineStep | None]:
+    """The embedded model's decode steps at each batch and prefill steps of each prompt length with
+    `quantization` (dtype auto, eager steps); for "none" also a decode step at a long context."""
+    engine = _engine(max(batches), quantization=quantization)
     prompt = engine.tokenize(_PASSAGE)
+    prefill = tuple(_prefill_step(engine, prompt, tokens, steps) for tokens in prefill_tokens)
     # Enough tokens that the first request still decodes in the last batch's steps.
     max_tokens = len(batches) * (steps + 8)
-    measured = []
+    decode = []
     for batch in batches:
-        _admit(engine, batch, prompt, max_tokens)
-        seconds = statistics.median(call_seconds(engine.step, 0.0, min_calls=steps))
-        progress(f"engine decode step, batch {batch}: {seconds * 1e3:.2f} ms")
-        measured.append(EngineStep(batch=batch, seconds=seconds))
-    weight_bytes = engine.runner.weight_bytes
+        _admit(engine, batch, prompt, _PROMPT_TOKENS, max_tokens)
+        decode.append(_decode_step(engine, steps))
+    shown = ", ".join(f"{s.batch}: {s.seconds * 1e3:.1f}" for s in decode)
+    prefills = ", ".join(f"{s.tokens} tokens {s.seconds * 1e3:.1f}" for s in prefill)
+    progress(f"engine steps, {quantization}: decode by batch {shown} ms; prefill {prefills} ms")
+    long_context = None
+    if quantization == "none":
+        for request_id in list(engine.requests):
+            engine.abort(request_id)
+        batch = min(_LONG_CONTEXT_BATCH, max(batches))
+        _admit(engine, batch, prompt, _LONG_CONTEXT_TOKENS, steps + 8)
+        long_context = _decode_step(engine, steps)
+        progress(
+            f"engine decode step, batch {batch} at {long_context.context_tokens:.0f} tokens of context: "
+            f"{long_context.seconds * 1e3:.1f} ms"
+        )
+    weights = SchemeSteps(
+        quantization=quantization, weight_bytes=engine.runner.weight_bytes, decode=tuple(decode), prefill=prefill
+    )
+    return weights, long_context
+
+
+def engine_steps(
+    batches: tuple[int, ...], prefill_tokens: tuple[int, ...], steps: int, progress: Progress, compiled: bool = False
+) -> EngineSteps:
+    """Every scheme's steps (scheme_steps); `compiled`: the batch-1 step with compile_decode too."""
+    measured = [scheme_steps(q, batches, prefill_tokens, steps, progress) for q in ENGINE_SCHEMES]
+    long_context = measured[0][1]
+    assert long_context is not None  # "none" comes first and measures it
     return EngineSteps(
         model=EMBEDDED_MODEL,
-        dtype=str(engine.runner.dtype).removeprefix("torch."),
-        quantization=engine.config.quantization,
-        weight_bytes=weight_bytes,
-        steps=tuple(measured),
-        step_overhead_s=max(0.0, measured[0].seconds - weight_bytes / bandwidth),
+        dtype=str(EngineConfig().torch_dtype(torch.device("cpu"), choose_kernel_path("auto").bf16)).removeprefix(
+            "torch."
+        ),
+        schemes=tuple(weights for weights, _ in measured),
+        long_context=long_context,
         compiled_step_s=compiled_step(steps, progress) if compiled else None,
     )

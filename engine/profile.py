@@ -33,12 +33,13 @@ class Sizes:
     matmul_tokens: tuple[int, ...]
     min_seconds: float  # per timed figure
     engine_batches: tuple[int, ...]
-    engine_steps: int  # timed decode steps per batch size
+    prefill_tokens: tuple[int, ...]
+    engine_steps: int  # timed steps per figure
 
 
-# Default: under a minute on 2 cores. Quick: a few seconds plus the model's load, for tests.
-FULL = Sizes(512 * MiB, (2048, 2048), (1, 8, 32, 128, 512), 0.25, (1, 16), 32)
-QUICK = Sizes(128 * MiB, (1024, 1024), (1, 32, 256), 0.02, (1, 4), 8)
+# Default: about a minute on 2 cores. Quick: a few seconds plus the model's loads, for tests.
+FULL = Sizes(512 * MiB, (2048, 2048), (1, 8, 32, 128, 512), 0.25, (1, 2, 4, 8, 16), (64, 256), 24)
+QUICK = Sizes(128 * MiB, (1024, 1024), (1, 32, 256), 0.02, (1, 2), (32, 64), 4)
 
 
 def _read(path: Path) -> str:
@@ -111,7 +112,11 @@ def measure(sizes: Sizes, name: str | None, quick: bool, compiled: bool = False)
     skipped = m.embedded_model_problem()
     if skipped:
         progress(f"engine steps skipped: {skipped}")
-    steps = None if skipped else m.engine_steps(sizes.engine_batches, sizes.engine_steps, read, progress, compiled)
+    steps = (
+        None
+        if skipped
+        else m.engine_steps(sizes.engine_batches, sizes.prefill_tokens, sizes.engine_steps, progress, compiled)
+    )
     return DeviceProfile(
         name=name or default_name(model, cores),
         cpu_model=model,
@@ -148,10 +153,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "profile",
         help=COMMANDS["profile"][1],
         description="Measure this machine (memory bandwidth, fp32/bf16/int8/int4/w8a8 matmul rates through the "
-        "engine's kernels, the engine's decode step on the embedded model) and print its device profile "
-        "as JSON. Under a minute on 2 cores; --quick: a few seconds, rough numbers.",
+        "engine's kernels, the engine's decode and prefill steps on the embedded model with each scheme) "
+        "and print its device profile as JSON. About a minute on 2 cores; --quick: rough numbers, for tests.",
     )
-    parser.add_argument("--quick", action="store_true", help="small sizes: a few seconds, rough numbers")
+    parser.add_argument("--quick", action="store_true", help="small sizes: rough numbers, for tests")
     parser.add_argument("--output", help="write the JSON to this file instead of stdout")
     parser.add_argument("--name", help="the profile's name (default: from the CPU model and cores)")
     parser.add_argument(

@@ -18,10 +18,11 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from kvpilot.engine.device_profile import DeviceProfile, MatmulProfile, parse_device_profile
+from kvpilot.engine.device_profile import DeviceProfile, EngineSteps, MatmulProfile, SchemeSteps, parse_device_profile
 from kvpilot.operator.api.spec import CPU_TYPE, Architecture
 from kvpilot.operator.planning.gpus import GPU, MiB
 from kvpilot.operator.planning.models import find_model
+from kvpilot.operator.planning.sizing import kv_bytes_per_token
 
 BUILTIN_DIR = Path(__file__).parent / "profiles"
 PROFILE_CONFIGMAP_KEY = "profile.json"
@@ -50,33 +51,55 @@ def _curve(matmul: MatmulProfile) -> tuple[tuple[int, float], ...]:
     return tuple((p.tokens, p.flop_per_s) for p in matmul.points)
 
 
-def _roofline_seconds(device: GPU, weight_bytes: float, parameters: float, batch: int) -> float:
-    compute = 2 * parameters * batch / device.matmul_flops("none", batch)
-    return max(weight_bytes / device.bandwidth_bytes_per_s, compute)
+def _compute_seconds(device: GPU, quantization: str, parameters: float, tokens: int) -> float:
+    return 2 * parameters * tokens / device.matmul_flops(quantization, tokens)
 
 
-def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
-    """The device record of `profile`'s CPU for serving `arch`, or why the profile cannot plan.
+def _attention_rate(steps: EngineSteps, kv_per_token: int) -> float | None:
+    """Bytes of KV per second that the measured attention gets through: the long-context step beside
+    the decode step of the same batch (None where it cost nothing measurable)."""
+    long = steps.long_context
+    short = next((s for s in steps.schemes[0].decode if s.batch == long.batch), None)
+    if short is None or long.context_tokens <= short.context_tokens or long.seconds <= short.seconds:
+        return None
+    seconds_per_token = (long.seconds - short.seconds) / (long.batch * (long.context_tokens - short.context_tokens))
+    return kv_per_token / seconds_per_token
 
-    The engine's per-step work beyond weights and arithmetic is fitted to the profile's measured
-    decode steps: at batch 1 (a constant) and at its largest batch (a cost per running sequence:
-    sampling, attention and bookkeeping per sequence). Both were measured on the embedded model; for
-    another model they scale with its layer count (ASSUMED: the step's small ops run per layer)."""
-    steps = profile.engine
-    if steps is None:
-        return (
-            f"device profile {profile.name} has no engine steps ({profile.engine_skipped}): run "
-            "`kvpilot profile` where the engine's embedded model is installed"
+
+def _overheads(
+    device: GPU, scheme: SchemeSteps, parameters: float, kv_bytes_per_s: float | None, kv_per_token: int, scale: float
+) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]]:
+    """One scheme's engine work beyond the GEMMs (and attention) that the planner counts, from its
+    measured steps: by running sequences for decode steps, by prompt tokens for prefill steps;
+    scaled by `scale` (the served model's layers over the measured one's). Not floored at 0: with
+    the GEMMs counted back, the planner predicts the measured model's steps as measured even where
+    the matmul micro-benchmark under-rates its kernels."""
+    q = scheme.quantization
+    decode = []
+    for step in scheme.decode:
+        gemms = max(
+            scheme.weight_bytes / device.bandwidth_bytes_per_s, _compute_seconds(device, q, parameters, step.batch)
         )
-    bytes_per_value = _BYTES_PER_VALUE.get(steps.dtype)
-    if bytes_per_value is None:
-        return f"device profile {profile.name}: engine dtype {steps.dtype!r} is not one the planner sizes"
+        attention = step.batch * step.context_tokens * kv_per_token / kv_bytes_per_s if kv_bytes_per_s else 0.0
+        decode.append((step.batch, (step.seconds - gemms - attention) * scale))
+    prefill = tuple(
+        (step.tokens, (step.seconds - _compute_seconds(device, q, parameters, step.tokens)) * scale)
+        for step in scheme.prefill
+    )
+    return tuple(decode), prefill
+
+
+def _device(profile: DeviceProfile, bytes_per_value: int, stepped: set[str]) -> GPU:
+    """The record's measured rates: bandwidth, and the matmul curve of each scheme whose steps were
+    measured too (the engine's dense dtype for "none")."""
     dense = profile.matmul.bf16 if bytes_per_value == 2 else profile.matmul.fp32
     curves = {"none": _curve(dense)} | {
-        scheme: _curve(matmul) for scheme, matmul in profile.matmul if scheme not in ("fp32", "bf16") and matmul
+        scheme: _curve(matmul)
+        for scheme, matmul in profile.matmul
+        if scheme not in ("fp32", "bf16") and matmul and scheme in stepped
     }
     peak = max(rate for _, rate in curves["none"])
-    device = GPU(
+    return GPU(
         name=CPU_TYPE,
         product="",
         product_label="",
@@ -98,21 +121,42 @@ def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
         bytes_per_value=bytes_per_value,
         cpus=profile.threads,
     )
+
+
+def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
+    """The device record of `profile`'s CPU for serving `arch`, or why the profile cannot plan.
+
+    Each scheme the engine's steps were measured with is planned with its own measured work beyond
+    GEMMs and attention (dispatch of the small ops, sampling, bookkeeping), by batch for decode steps
+    and by prompt length for prefill steps. Those were measured on the embedded model; for another
+    model they scale with its layer count (ASSUMED: the step's small ops run per layer)."""
+    steps = profile.engine
+    if steps is None:
+        return (
+            f"device profile {profile.name} has no engine steps ({profile.engine_skipped}): run "
+            "`kvpilot profile` where the engine's embedded model is installed"
+        )
+    bytes_per_value = _BYTES_PER_VALUE.get(steps.dtype)
+    if bytes_per_value is None:
+        return f"device profile {profile.name}: engine dtype {steps.dtype!r} is not one the planner sizes"
+    device = _device(profile, bytes_per_value, {s.quantization for s in steps.schemes})
     reference = find_model(steps.model)
     scale = arch.layers / reference.layers if reference else 1.0
-    first, last = steps.steps[0], steps.steps[-1]
-    parameters = steps.weight_bytes / bytes_per_value
-    overhead = max(0.0, first.seconds - _roofline_seconds(device, steps.weight_bytes, parameters, 1))
-    per_sequence = 0.0
-    if last.batch > 1:
-        rest = last.seconds - _roofline_seconds(device, steps.weight_bytes, parameters, last.batch) - overhead
-        per_sequence = max(0.0, rest / (last.batch - 1))
-    compiled = steps.compiled_step_s / first.seconds if steps.compiled_step_s else None
+    reference_kv = kv_bytes_per_token(reference, bytes_per_value) if reference else 0
+    kv_rate = _attention_rate(steps, reference_kv) if reference_kv else None
+    parameters = steps.schemes[0].weight_bytes / bytes_per_value
+    overheads = {
+        s.quantization: _overheads(device, s, parameters, kv_rate, reference_kv, scale)
+        for s in steps.schemes
+        if s.quantization in dict(device.matmul_curves)
+    }
+    none_batch_one = steps.schemes[0].decode[0].seconds
     return device.model_copy(
         update={
-            "step_overhead_s": overhead * scale,
-            "sequence_overhead_s": per_sequence * scale,
-            "compiled_step_factor": compiled,
+            "step_overhead_curves": tuple((q, decode) for q, (decode, _) in overheads.items()),
+            "prefill_overhead_curves": tuple((q, prefill) for q, (_, prefill) in overheads.items()),
+            "kv_read_bytes_per_s": kv_rate,
+            "compiled_step_factor": steps.compiled_step_s / none_batch_one if steps.compiled_step_s else None,
         }
     )
 

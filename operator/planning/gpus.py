@@ -61,13 +61,16 @@ class GPU(BaseModel):
     # A CPU node type is planned as a device too (planning/cpus.py), from what `kvpilot profile`
     # measured on it rather than from a spec sheet: its rates are what the engine's kernels reached,
     # so no spec-sheet efficiency applies (`measured`); its matmul rate depends on the tokens of a
-    # step (`matmul_curves`: scheme -> (tokens, FLOP/s) points); and each decode step costs the
-    # engine's own measured work beside the weights and the arithmetic (`step_overhead_s`, plus
-    # `sequence_overhead_s` for each running sequence after the first).
+    # step (`matmul_curves`: scheme -> (tokens, FLOP/s) points); each step costs the engine's own
+    # measured work beside the weights and the arithmetic, by scheme: a decode step by running
+    # sequences (`step_overhead_curves`: scheme -> (sequences, seconds)), a prefill step by prompt
+    # tokens (`prefill_overhead_curves`); and attention reads the KV cache at its own measured rate
+    # (`kv_read_bytes_per_s`; None: at the memory bandwidth, within the weights' read).
     measured: bool = False
     matmul_curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
-    step_overhead_s: float = 0.0
-    sequence_overhead_s: float = 0.0
+    step_overhead_curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    prefill_overhead_curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    kv_read_bytes_per_s: float | None = None
     bytes_per_value: int = 2  # of unquantized weights and of the KV cache: 4 where a CPU computes in fp32
     cpus: int = 0  # CPUs one replica requests (CPU devices; a GPU's pod takes ENGINE_CPU_REQUEST)
     # A lone sequence's decode step with compile_decode over the eager one, where a profile measured
@@ -77,6 +80,9 @@ class GPU(BaseModel):
     # p95, status.correction): the planner multiplies its latencies by them when it chooses replicas.
     ttft_factor: float = 1.0
     tpot_factor: float = 1.0
+    # The draft acceptance per token one service's engines reported, by speculative mode
+    # (status.correction): the planner predicts that mode with it instead of the assumed one.
+    observed_acceptance: tuple[tuple[str, float], ...] = ()
 
     @property
     def products(self) -> tuple[str, ...]:
@@ -114,11 +120,31 @@ class GPU(BaseModel):
         curve = dict(self.matmul_curves).get(quantization)
         if curve is None:
             return self.int8_ops if quantization in ("w8a8", "fp8") else self.fp16_flops
-        for (low, low_rate), (high, high_rate) in zip(curve, curve[1:]):
-            if tokens <= high:
-                share = max(0.0, (tokens - low) / (high - low))
-                return low_rate + share * (high_rate - low_rate)
-        return curve[-1][1]
+        return _along(curve, tokens, extend=False)
+
+    def step_overhead(self, quantization: str, running: float) -> float:
+        """The engine's own work in a decode step of `running` token rows (0 where not measured;
+        below 0 where the profile's GEMM rates under-rate what the model's steps reached)."""
+        curve = dict(self.step_overhead_curves).get(quantization)
+        return _along(curve, running, extend=True) if curve else 0.0
+
+    def prefill_overhead(self, quantization: str, tokens: float) -> float:
+        """The engine's own work in the step that computes a prompt of `tokens` (0 where not measured)."""
+        curve = dict(self.prefill_overhead_curves).get(quantization)
+        return _along(curve, tokens, extend=True) if curve else 0.0
+
+
+def _along(curve: tuple[tuple[int, float], ...], x: float, extend: bool) -> float:
+    """`curve` at `x`: linear between its points; beyond them flat, or (`extend`) along the nearest
+    segment."""
+    if len(curve) == 1:
+        return curve[0][1]
+    segments = list(zip(curve, curve[1:]))
+    (low, low_y), (high, high_y) = next(((a, b) for a, b in segments if x <= b[0]), segments[-1])
+    share = (x - low) / (high - low)
+    if not extend:
+        share = min(1.0, max(0.0, share))
+    return low_y + share * (high_y - low_y)
 
 
 GPUS: dict[str, GPU] = {

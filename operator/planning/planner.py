@@ -135,6 +135,15 @@ class _Replica(NamedTuple):
     compiled: bool = False  # a lone sequence's decode step is compiled (compile_decode)
 
 
+class Correction(NamedTuple):
+    """What a service's engines showed of the plan (status.correction): observed / predicted p95
+    TTFT and TPOT, and the draft acceptance per token by speculative mode."""
+
+    ttft: float
+    tpot: float
+    acceptance: tuple[tuple[str, float], ...] = ()
+
+
 class _Perf(NamedTuple):
     batch: float  # concurrent sequences per replica (Little's law)
     ttft_s: float
@@ -314,7 +323,8 @@ def _efficiency(gpu: GPU) -> float:
 
 def _prefill_seconds(arch: Architecture, gpu: GPU, quantization: str, tokens: float) -> float:
     ops = gpu.matmul_flops(quantization, tokens)
-    return sizing.prefill_seconds(arch.parameters_per_token, tokens, ops, _efficiency(gpu))
+    compute = sizing.prefill_seconds(arch.parameters_per_token, tokens, ops, _efficiency(gpu))
+    return max(0.0, compute + gpu.prefill_overhead(quantization, tokens))
 
 
 def _batched_tokens(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str) -> tuple[int, str]:
@@ -365,14 +375,19 @@ def _step_seconds(replica: _Replica, running: float, context: float, tokens_per_
     tokens = running * tokens_per_sequence
     # A mixture of experts reads only the experts its tokens route to; a dense model reads all.
     share = min(1.0, tokens * arch.parameters_per_token / arch.parameters)
+    kv_bytes = running * context * replica.kv_per_token
+    # Where attention was measured (a CPU) it runs after the GEMMs at its own rate; else the KV is
+    # read at the bandwidth with the weights. The engine's own work grows with the token rows of the
+    # step (a verification's k + 1 per sequence costs what a decode step of as many sequences does).
+    attention = kv_bytes / gpu.kv_read_bytes_per_s if gpu.kv_read_bytes_per_s else 0.0
     step = sizing.decode_step_seconds(
-        bytes_read=replica.decode_weight_bytes * share + running * context * replica.kv_per_token,
+        bytes_read=replica.decode_weight_bytes * share + (0.0 if attention else kv_bytes),
         bandwidth=gpu.bandwidth_bytes_per_s,
         parameters_per_token=arch.parameters_per_token,
         batch=tokens,
         ops_per_s=gpu.matmul_flops(replica.quantization, tokens),
         measured=gpu.measured,
-        overhead_s=gpu.step_overhead_s + (running - 1) * gpu.sequence_overhead_s,
+        overhead_s=gpu.step_overhead(replica.quantization, tokens) + attention,
     )
     if replica.compiled and running <= 1 and tokens_per_sequence == 1 and gpu.compiled_step_factor:
         return step * gpu.compiled_step_factor  # the engine compiles the step of a lone sequence only
@@ -396,7 +411,7 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculat
         )
     context = load.mean_prompt_tokens + load.mean_output_tokens / 2  # mean tokens in cache
     k = spec.serving.num_speculative_tokens
-    tokens_per_step = sizing.expected_tokens_per_step(ACCEPTANCE[speculative], k) if speculative != "off" else 1.0
+    tokens_per_step = sizing.expected_tokens_per_step(_acceptance(gpu, speculative), k) if speculative != "off" else 1.0
 
     def means(batch: float) -> tuple[float, float, float]:
         """Mean TTFT and TPOT at a running batch, and the part of TPOT no prefill interrupts."""
@@ -655,7 +670,8 @@ def _speculation(
     """The speculative mode for a replica whose memory is `memory` (sized with the draft when the
     spec pins one), and the replicas it then needs."""
     serving = spec.serving
-    replicas, perf, miss = _replicas(spec, memory.replica, "off")
+    off = _Speculation("off", "", memory, *_replicas(spec, memory.replica, "off"))
+    perf = off.perf
     tpot_bound = perf.tpot_s * 1000 / spec.slo.tpot_p95_ms >= perf.ttft_s * 1000 / spec.slo.ttft_p95_ms
 
     def choose(draft_model: str | None) -> tuple[str, str]:
@@ -684,13 +700,45 @@ def _speculation(
         reason += (
             f"; {'EAGLE head' if mode == 'eagle' else 'draft model'} {draft.source}: {_gib(draft.weights)} GiB of "
             f"weights (unquantized), {draft.kv_per_token / sizing.MiB:.3g} MiB of KV per token; "
-            f"acceptance {ACCEPTANCE[mode]:g} per token assumed (not measured)"
+            + (
+                f"acceptance {_acceptance(device[0], mode):.2f} per token observed (status.correction)"
+                if mode in dict(device[0].observed_acceptance)
+                else f"acceptance {ACCEPTANCE[mode]:g} per token assumed (not measured)"
+            )
         )
-    if mode != "off":
-        replicas, perf, miss = _replicas(spec, memory.replica, mode)
-    elif memory.replica.gpu.compiled_step_factor:
-        return _compiled(spec, _Speculation(mode, reason, memory, replicas, perf, miss))
-    return _Speculation(mode, reason, memory, replicas, perf, miss)
+    if mode == "off":
+        off = off._replace(reason=reason)
+    else:
+        speculating = _Speculation(mode, reason, memory, *_replicas(spec, memory.replica, mode))
+        if serving.speculative != "auto" or not _observed_worse(speculating, off):
+            return speculating
+        off = off._replace(reason=_observed_reason(speculating, off))
+    return _compiled(spec, off) if off.memory.replica.gpu.compiled_step_factor else off
+
+
+def _acceptance(gpu: GPU, mode: str) -> float:
+    """The draft acceptance per token to predict `mode` with: the one observed on the service's
+    engines (status.correction) where there is one, else the assumed one."""
+    return dict(gpu.observed_acceptance).get(mode, ACCEPTANCE[mode])
+
+
+def _observed_worse(speculating: _Speculation, off: _Speculation) -> bool:
+    """Whether a speculative mode the engines' observed acceptance is known for does no better than
+    no speculation: more replicas, or as many and a TPOT no lower."""
+    if speculating.mode not in dict(speculating.memory.replica.gpu.observed_acceptance):
+        return False
+    ranked = ((s.miss is None, -s.replicas, -s.perf.tpot_s) for s in (speculating, off))
+    return next(ranked) <= next(ranked)
+
+
+def _observed_reason(speculating: _Speculation, off: _Speculation) -> str:
+    acceptance = _acceptance(speculating.memory.replica.gpu, speculating.mode)
+    return (
+        f"off: {speculating.mode} would be chosen ({speculating.reason}), but with the acceptance its engines "
+        f"reported, {acceptance:.2f} per token (status.correction; assumed {ACCEPTANCE[speculating.mode]:g}), it "
+        f"predicts TPOT {_ms(speculating.perf.tpot_s)} ms at {speculating.replicas} replica(s) against "
+        f"{_ms(off.perf.tpot_s)} ms at {off.replicas} without drafts"
+    )
 
 
 def _compiled(spec: InferenceServiceSpec, eager: _Speculation) -> _Speculation:
@@ -802,7 +850,7 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: _Speculation) -> Plan:
         draft_model=serving.draft_model if chosen.mode in DRAFTED else None,
         num_speculative_tokens=serving.num_speculative_tokens if speculating else None,
         compile_decode=memory.replica.compiled,
-        assumed_draft_acceptance=ACCEPTANCE[chosen.mode] if speculating else None,
+        assumed_draft_acceptance=_acceptance(memory.replica.gpu, chosen.mode) if speculating else None,
         block_size=serving.block_size,
         gpu_memory_utilization=serving.gpu_memory_utilization,
         kv_blocks=sizes.kv_pool_bytes // (sizes.kv_bytes_per_token * serving.block_size),
@@ -853,7 +901,7 @@ def _devices(
     arch: Architecture,
     available: Iterable[str],
     profiles: Mapping[str, DeviceProfile | str],
-    correction: tuple[float, float] | None,
+    correction: Correction | None,
 ) -> tuple[list[GPU], tuple[GPU, DeviceProfile] | None] | Plan:
     """The devices to try (the CPU of accelerator.profile, else GPUs), with the service's observed
     corrections, and the CPU with its profile for a CPU plan."""
@@ -864,8 +912,12 @@ def _devices(
     if isinstance(gpus, Plan):
         return gpus
     if correction is not None:
-        factors = {"ttft_factor": correction[0], "tpot_factor": correction[1]}
-        gpus = [gpu.model_copy(update=factors) for gpu in gpus]
+        observed = {
+            "ttft_factor": correction.ttft,
+            "tpot_factor": correction.tpot,
+            "observed_acceptance": correction.acceptance,
+        }
+        gpus = [gpu.model_copy(update=observed) for gpu in gpus]
     return gpus, cpu
 
 
@@ -924,11 +976,24 @@ def _schemes(
             f"stored and cannot re-quantize it to serving.quantization {spec.serving.quantization}; "
             f"set serving.quantization to auto or {stored}",
         )
+    # On a CPU, only the schemes whose engine steps its profile measured: the others' cost is unknown.
+    stepped = dict(cpu.step_overhead_curves) if cpu else {}
     if stored is not None or spec.serving.quantization != "auto":
-        return (stored or spec.serving.quantization,), ""
+        pinned = stored or spec.serving.quantization
+        if cpu and pinned not in stepped:
+            return _failed(
+                spec,
+                "InvalidDeviceProfile",
+                f"{cpu.source} has no engine steps with quantization {pinned} (measured: {_listed(stepped)}): "
+                "measure the node type again with `kvpilot profile`",
+            )
+        return (pinned,), ""
     # Only the schemes the runtime applies on load, and of those only the ones sizing knows the bytes of.
-    measured = dict(cpu.matmul_curves) if cpu else {}
-    runs = (*capabilities.quantization, *(s for s in capabilities.cpu_only_quantization if s in measured))
+    runs = (
+        tuple(s for s in (*capabilities.quantization, *capabilities.cpu_only_quantization) if s in stepped)
+        if cpu
+        else capabilities.quantization
+    )
     schemes = tuple(s for s in QUALITY_ORDER if s in runs)
     if not schemes:
         return _failed(
@@ -1050,14 +1115,15 @@ def plan(
     capabilities: EngineCapabilities | None = None,
     gpus_per_node: Mapping[str, int] | None = None,
     device_profiles: Mapping[str, DeviceProfile | str] | None = None,
-    correction: tuple[float, float] | None = None,
+    correction: Correction | None = None,
 ) -> Plan:
     """Plan serving `spec` on its runtime (or one with `capabilities`); `available_gpus` are node GPU
     products, used when no type is set; `gpus_per_node` the most GPUs one node of a product (or
     catalog name) carries, which bounds tensor parallelism (else the catalog's figure);
     `device_profiles` the CPU profiles beside the built-in ones (or why one cannot be read);
     `correction` the (TTFT, TPOT) factors the service's engines ran slower than predicted by, which
-    the replicas are chosen with (GPU.ttft_factor)."""
+    the replicas are chosen with (GPU.ttft_factor), and the draft acceptance they reported, which
+    predictions of that speculative mode use (and serving.speculative auto weighs against off)."""
     capabilities = capabilities or RUNTIMES[spec.runtime]
     unsupported = _unsupported_pins(spec, capabilities)
     if unsupported:

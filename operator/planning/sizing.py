@@ -170,7 +170,8 @@ def decode_step_seconds(
     `measured` ones as they are; plus `overhead_s`, the runtime's own work per step."""
     memory = bytes_read / (bandwidth * (1.0 if measured else DECODE_BANDWIDTH_EFFICIENCY))
     compute = 2 * parameters_per_token * batch / (ops_per_s * (1.0 if measured else PREFILL_COMPUTE_EFFICIENCY))
-    return max(memory, compute) + overhead_s
+    # A measured device's overhead may be negative (planning/cpus.py); no step beats reading its weights.
+    return max(memory, max(memory, compute) + overhead_s)
 
 
 def request_latency(ttft: float, tpot: float, output_tokens: int) -> float:

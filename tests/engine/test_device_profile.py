@@ -33,9 +33,21 @@ def _matmul(kernel: str, rates: list[tuple[int, float]]) -> dict[str, Any]:
     }
 
 
+def _scheme(quantization: str, weight_bytes: int, batch_one: float) -> dict[str, Any]:
+    return {
+        "quantization": quantization,
+        "weight_bytes": weight_bytes,
+        "decode": [
+            {"batch": 1, "context_tokens": 70.0, "seconds": batch_one},
+            {"batch": 4, "context_tokens": 90.0, "seconds": batch_one * 1.6},
+        ],
+        "prefill": [{"tokens": 64, "seconds": 0.05}, {"tokens": 256, "seconds": 0.16}],
+    }
+
+
 def profile_data() -> dict[str, Any]:
     return {
-        "version": 1,
+        "version": 2,
         "name": "amd-epyc-2c",
         "cpu_model": "AMD EPYC",
         "cpu_flags": ["avx2", "avx512f", "avx512_bf16"],
@@ -53,10 +65,8 @@ def profile_data() -> dict[str, Any]:
         "engine": {
             "model": "SmolLM2-135M-Instruct",
             "dtype": "bfloat16",
-            "quantization": "none",
-            "weight_bytes": 269030272,
-            "steps": [{"batch": 1, "seconds": 0.0118}, {"batch": 4, "seconds": 0.0185}],
-            "step_overhead_s": 0.0068,
+            "schemes": [_scheme("none", 269030272, 0.0118), _scheme("int4", 120000000, 0.0102)],
+            "long_context": {"batch": 4, "context_tokens": 540.0, "seconds": 0.031},
         },
         "engine_skipped": None,
         "torch_version": "2.15.0",
@@ -75,18 +85,18 @@ def test_a_profile_round_trips_through_json() -> None:
     assert again.version == PROFILE_VERSION
     assert again.matmul.bf16.peak_flop_per_s == 9.7e11
     assert again.matmul.int4 is None and again.engine is not None
-    assert again.matmul.w8a8 is None  # a profile written before W8A8 existed reads as it is
     with_w8a8 = profile_data()
     with_w8a8["matmul"]["w8a8"] = _matmul("torch._int_mm", [(1, 1.6e11), (64, 1.1e12)])
     assert parse_device_profile(json.dumps(with_w8a8), "w8a8").matmul.w8a8.peak_flop_per_s == 1.1e12
-    assert again.engine.steps[1].batch == 4
+    assert again.engine.scheme("int4").decode[1].batch == 4
+    assert again.engine.scheme("int8") is None
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         ({"memory_bandwidth_bytes_per_s": -1.0}, "memory_bandwidth_bytes_per_s: Input should be greater than 0"),
-        ({"version": 2}, "version: device profile version 2 is not one this build reads (1)"),
+        ({"version": 1}, "version: device profile version 1 is not one this build reads (2): measure it again"),
         ({"cpu_flags": ["avx2", "sse9"]}, "unknown CPU flags ['sse9']"),
         ({"cores": 0}, "cores: Input should be greater than or equal to 1"),
         ({"engine": None}, "exactly one of engine"),
@@ -104,11 +114,19 @@ def test_nonsense_is_refused_with_the_field_named(change: dict[str, Any], messag
 def test_matmul_points_and_engine_steps_must_be_ordered() -> None:
     data = profile_data()
     data["matmul"]["fp32"]["points"].reverse()
-    with pytest.raises(ValueError, match=r"matmul.fp32.points: points must have strictly increasing tokens"):
+    with pytest.raises(ValueError, match=r"matmul.fp32.points: points' tokens must strictly increase"):
         parse_device_profile(json.dumps(data), "f")
     data = profile_data()
-    data["engine"]["steps"] = [{"batch": 4, "seconds": 0.02}]
-    with pytest.raises(ValueError, match=r"engine.steps: steps must start at batch 1"):
+    data["engine"]["schemes"][0]["decode"].reverse()
+    with pytest.raises(ValueError, match=r"engine.schemes.0.decode: decode steps' batches must start at 1"):
+        parse_device_profile(json.dumps(data), "f")
+    data = profile_data()
+    data["engine"]["schemes"][1]["prefill"].reverse()
+    with pytest.raises(ValueError, match=r"engine.schemes.1.prefill: prefill steps' tokens must strictly increase"):
+        parse_device_profile(json.dumps(data), "f")
+    data = profile_data()
+    data["engine"]["schemes"].reverse()
+    with pytest.raises(ValueError, match=r"engine.schemes: schemes must start with 'none'"):
         parse_device_profile(json.dumps(data), "f")
 
 
@@ -165,13 +183,22 @@ def test_profile_quick_measures_this_machine(measured: tuple[Path, str]) -> None
         # Above 1e8 FLOP/s, and under 10 TFLOP/s per core (beyond any CPU's peak).
         assert 1e8 < matmul.peak_flop_per_s < 1e13 * profile.cores, scheme
     assert profile.engine is not None and profile.engine_skipped is None
-    assert [s.batch for s in profile.engine.steps] == [1, 4]
-    assert all(1e-4 < s.seconds < 5 for s in profile.engine.steps)
-    assert profile.engine.step_overhead_s < profile.engine.steps[0].seconds
+    steps = profile.engine
+    assert [s.quantization for s in steps.schemes] == ["none", "int8", "int4", "w8a8"]
+    for scheme in steps.schemes:
+        assert [s.batch for s in scheme.decode] == [1, 2]
+        assert [s.tokens for s in scheme.prefill] == [32, 64]
+        assert all(1e-4 < s.seconds < 5 for s in (*scheme.decode, *scheme.prefill))
+        # Decode steps run past 64-token prompts.
+        assert all(64 < s.context_tokens < 200 for s in scheme.decode)
+    # Quantized weights are smaller than the dense ones.
+    assert steps.scheme("int4").weight_bytes < steps.scheme("int8").weight_bytes < steps.schemes[0].weight_bytes
+    assert steps.long_context.batch == 2 and steps.long_context.context_tokens > 1024
     assert profile.engine.compiled_step_s is not None and 1e-4 < profile.engine.compiled_step_s < 5
     assert profile.memory_bytes <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     # A progress line per measurement.
-    assert "kvpilot profile: memory bandwidth" in stderr and "engine decode step, batch 4" in stderr
+    assert "kvpilot profile: memory bandwidth" in stderr and stderr.count("kvpilot profile: engine steps,") == 4
+    assert "engine decode step, batch 2 at" in stderr
     assert "engine decode step, batch 1, compiled" in stderr
     assert stderr.count("kvpilot profile: matmul") == 5
     # W8A8 is measured with this CPU's kernel path: the integer GEMM where it has one.

@@ -9,7 +9,7 @@ from kvpilot.engine.device_profile import DeviceProfile
 
 def faster(profile: DeviceProfile, name: str, speed: float) -> DeviceProfile:
     """`profile` as if measured on a machine `speed` times as fast in every figure: bandwidths and
-    matmul rates times `speed`, the engine's steps and overhead divided by it."""
+    matmul rates times `speed`, the engine's steps divided by it."""
     data = json.loads(profile.model_dump_json())
     data["name"] = name
     data["memory_bandwidth_bytes_per_s"] *= speed
@@ -18,9 +18,10 @@ def faster(profile: DeviceProfile, name: str, speed: float) -> DeviceProfile:
         for point in (matmul or {}).get("points", []):
             point["flop_per_s"] *= speed
     engine = data["engine"]
-    engine["step_overhead_s"] /= speed
-    for step in engine["steps"]:
-        step["seconds"] /= speed
+    for scheme in engine["schemes"]:
+        for step in (*scheme["decode"], *scheme["prefill"]):
+            step["seconds"] /= speed
+    engine["long_context"]["seconds"] /= speed
     if engine.get("compiled_step_s"):
         engine["compiled_step_s"] /= speed
     return DeviceProfile.model_validate(data)

@@ -7,11 +7,12 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from kvpilot.engine.device_profile import DeviceProfile, MatmulProfile
+from kvpilot.engine.device_profile import DeviceProfile, SchemeSteps
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import render
 from kvpilot.operator.controller.reconcile import device_profiles
 from kvpilot.operator.planning import cpus
+from kvpilot.operator.planning.models import find_model
 from kvpilot.operator.planning.planner import plan
 from tests.operator.planning.profiles import faster
 
@@ -41,7 +42,8 @@ def test_a_builtin_profile_plans_a_cpu_replica_and_renders_its_pod() -> None:
     s = spec()
     p = plan(s)
     assert p.fits and p.meets_slo and (p.gpu, p.device_profile, p.cpus) == ("cpu", BUILTIN, builtin().threads)
-    assert f"profile {BUILTIN} (AMD EPYC, 2 threads, 52 GB/s" in p.reasons["gpu"]
+    bandwidth = builtin().memory_bandwidth_bytes_per_s / 1e9
+    assert f"profile {BUILTIN} (AMD EPYC, 2 threads, {bandwidth:.0f} GB/s" in p.reasons["gpu"]
     assert "on a CPU the batch is capped at" in p.reasons["kvCache"]
     pod = render.deployment("chat", "ml", "uid", s, p)["spec"]["template"]["spec"]
     engine = pod["containers"][0]
@@ -58,13 +60,48 @@ def test_a_builtin_profile_plans_a_cpu_replica_and_renders_its_pod() -> None:
     assert int(args[args.index("--max-num-seqs") + 1]) == p.max_num_seqs
 
 
-def test_at_batch_one_the_plan_predicts_the_step_the_profile_measured() -> None:
-    # Nearly no load: one sequence at a time, a short context. The prediction is then the
-    # profile's own batch-1 step of this model (weights at the measured bandwidth + the engine's
-    # measured overhead), which a wrong formula or unit would miss.
-    p = plan(spec(load={"requestsPerSecond": 0.001, "meanPromptTokens": 16, "meanOutputTokens": 16}))
-    measured = builtin().engine.steps[0].seconds * 1000  # type: ignore[union-attr]
-    assert p.predicted_tpot_ms == pytest.approx(measured, rel=0.03)
+def _steps(profile: DeviceProfile, quantization: str) -> SchemeSteps:
+    assert profile.engine is not None
+    steps = profile.engine.scheme(quantization)
+    assert steps is not None
+    return steps
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4", "w8a8"])
+def test_at_batch_one_the_plan_predicts_the_step_the_profile_measured(quantization: str) -> None:
+    # Nearly no load: one sequence at a time, at the context the profile's steps ran at. The
+    # prediction is then the profile's own batch-1 step of this model with this scheme, which a
+    # wrong formula, unit or scheme would miss (the schemes' steps differ by 10-40 %).
+    measured = _steps(builtin(), quantization).decode[0]
+    context = round(measured.context_tokens)
+    load = {"requestsPerSecond": 0.001, "meanPromptTokens": context - 8, "meanOutputTokens": 16}
+    p = plan(spec(load=load, serving={"quantization": quantization}))
+    assert p.quantization == quantization
+    assert p.predicted_tpot_ms == pytest.approx(measured.seconds * 1000, rel=0.03, abs=1)  # whole ms
+    # The first token: the measured step that computes a prompt of that length, then a decode step.
+    prefill = _steps(builtin(), quantization).prefill[0]
+    at_prefill = plan(spec(load=load | {"meanPromptTokens": prefill.tokens}, serving={"quantization": quantization}))
+    step_ms = measured.seconds * 1000
+    assert (
+        prefill.seconds * 1000 + 0.9 * step_ms < at_prefill.predicted_ttft_ms < prefill.seconds * 1000 + 1.2 * step_ms
+    )
+
+
+def test_a_longer_context_costs_the_attention_the_profile_measured() -> None:
+    engine = builtin().engine
+    assert engine is not None
+    long = engine.long_context
+    short = next(s for s in engine.schemes[0].decode if s.batch == long.batch)
+    device = cpus.cpu_device(builtin(), find_model(MODEL))  # type: ignore[arg-type]
+    assert not isinstance(device, str) and device.kv_read_bytes_per_s is not None
+    per_token = (long.seconds - short.seconds) / (long.batch * (long.context_tokens - short.context_tokens))
+    # Attention on this CPU reads the KV far slower than the memory bandwidth.
+    assert device.kv_read_bytes_per_s < builtin().memory_bandwidth_bytes_per_s
+    near, far = (
+        plan(spec(load={"requestsPerSecond": 1e-6, "meanPromptTokens": n, "meanOutputTokens": 16}))
+        for n in (100, 1100)
+    )
+    assert far.predicted_tpot_ms - near.predicted_tpot_ms == pytest.approx(1000 * per_token * 1000, rel=0.1)
 
 
 def test_a_faster_profile_predicts_faster_steps_and_needs_fewer_replicas() -> None:
@@ -90,19 +127,23 @@ def test_an_fp32_cpu_holds_weights_and_kv_in_four_bytes() -> None:
     assert wide.weight_bytes == 2 * bf16.weight_bytes and wide.kv_bytes_per_token == 2 * bf16.kv_bytes_per_token
 
 
-def test_w8a8_is_tried_only_on_a_cpu_whose_profile_measured_it() -> None:
+def _without(scheme: str) -> DeviceProfile:
+    engine = builtin().engine
+    assert engine is not None
+    kept = tuple(s for s in engine.schemes if s.quantization != scheme)
+    return builtin().model_copy(update={"name": "partial", "engine": engine.model_copy(update={"schemes": kept})})
+
+
+def test_a_scheme_is_tried_only_on_a_cpu_whose_profile_measured_its_steps() -> None:
     s = spec(serving={"quantization": "auto"})
-    assert "not tried: fp8, w8a8" in plan(s).reasons["quantization"]
-    int8 = builtin().matmul.int8
-    assert int8 is not None
-    w8a8 = MatmulProfile(kernel="int8 GEMM", weight_shape=int8.weight_shape, points=int8.points)
-    measured = builtin().model_copy(
-        update={"name": "with-w8a8", "matmul": builtin().matmul.model_copy(update={"w8a8": w8a8})}
-    )
-    reasons = plan(spec("with-w8a8", serving={"quantization": "auto"}), device_profiles={"with-w8a8": measured})
-    assert "not tried: fp8, which" in reasons.reasons["quantization"]
+    assert "not tried: fp8, which" in plan(s).reasons["quantization"]
+    partial = plan(spec("partial", serving={"quantization": "auto"}), device_profiles={"partial": _without("w8a8")})
+    assert "not tried: fp8, w8a8" in partial.reasons["quantization"]
     pinned = plan(spec(serving={"quantization": "w8a8"}))
     assert pinned.fits and pinned.quantization == "w8a8"
+    unmeasured = plan(spec("partial", serving={"quantization": "int4"}), device_profiles={"partial": _without("int4")})
+    assert unmeasured.failure == "InvalidDeviceProfile"
+    assert "has no engine steps with quantization int4 (measured: none, int8, w8a8)" in unmeasured.reason
 
 
 @pytest.mark.parametrize(
@@ -170,7 +211,7 @@ def _compiled(step_s: float | None) -> DeviceProfile:
 
 def test_compiled_decoding_is_rendered_where_the_plan_tpot_needs_it() -> None:
     # Lone sequences (1 req/s, short answers) under a TPOT SLO just below the eager batch-1 step.
-    eager_ms = builtin().engine.steps[0].seconds * 1000  # type: ignore[union-attr]
+    eager_ms = _steps(builtin(), "none").decode[0].seconds * 1000
     tight = {"load": {"requestsPerSecond": 0.5, "meanPromptTokens": 60, "meanOutputTokens": 64}}
     s = spec("compiled", slo={"tpotP95Ms": round(eager_ms * 0.9)}, serving={"quantization": "none"}, **tight)
     compiled = plan(s, device_profiles={"compiled": _compiled(eager_ms * 0.6 / 1000)})

@@ -8,6 +8,9 @@ factor does not chase itself. Smoothed: each new window moves the factor half-wa
 to the window's ratio, and a window within CHANGE of the factor moves nothing. It holds while the
 physics it measured holds (model, accelerator, serving, runtime, image: `basis`); it is dropped when
 PlanAccurate is True again (the model predicts this service within the band) or that basis changes.
+The draft acceptance the engines reported rides along (`acceptance`, by speculative mode): the
+planner predicts that mode with it, and under serving.speculative auto drops a mode it makes no
+better than none.
 
 Only in `autoscaling.mode: slo`, where the operator owns the replica count: under `external` an HPA
 or KEDA does, and a re-planned count would move a Deployment the operator promised to leave alone.
@@ -23,9 +26,11 @@ from typing import Any
 
 from kvpilot.operator.api.conditions import PLAN_ACCURATE
 from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.planning.planner import Correction
 
 STATUS_KEY = "correction"
 ACCURACY_KEY = "planAccuracy"
+ACCEPTANCE_KEY = "acceptance"
 # A window's ratio this close to the factor in use changes nothing (no re-plan, no write).
 CHANGE = 0.1
 _SIGNALS = ("ttft", "tpot")
@@ -72,7 +77,17 @@ def correction(status: Mapping[str, Any], spec: InferenceServiceSpec) -> dict[st
     if kept and (kept.get("window") == window or not _moved(kept, ratios)):
         return dict(kept)
     factors = {s: math.sqrt(float(kept[s]) * ratios[s]) if kept else ratios[s] for s in _SIGNALS}
-    return {**{s: round(f, 3) for s, f in factors.items()}, "window": window, "basis": basis(spec)}
+    made = {**{s: round(f, 3) for s, f in factors.items()}, "window": window, "basis": basis(spec)}
+    acceptance = {**((kept or {}).get(ACCEPTANCE_KEY) or {}), **_observed_acceptance(status)}
+    return made | ({ACCEPTANCE_KEY: acceptance} if acceptance else {})
+
+
+def _observed_acceptance(status: Mapping[str, Any]) -> dict[str, float]:
+    """The draft acceptance the engines reported under the plan's speculative mode, by mode. Kept
+    once the plan leaves the mode (no new reports then), so that the choice it led to holds."""
+    mode = (status.get("plan") or {}).get("speculative")
+    observed = ((status.get(ACCURACY_KEY) or {}).get("draftAcceptance") or {}).get("observed")
+    return {mode: float(observed)} if mode not in (None, "off") and observed is not None else {}
 
 
 def stale(status: Mapping[str, Any], spec: InferenceServiceSpec) -> bool:
@@ -81,6 +96,9 @@ def stale(status: Mapping[str, Any], spec: InferenceServiceSpec) -> bool:
     return correction(status, spec) != (dict(status[STATUS_KEY]) if status.get(STATUS_KEY) else None)
 
 
-def factors(found: Mapping[str, Any] | None) -> tuple[float, float] | None:
-    """The (TTFT, TPOT) factors for the planner."""
-    return (float(found["ttft"]), float(found["tpot"])) if found else None
+def factors(found: Mapping[str, Any] | None) -> Correction | None:
+    """The correction for the planner."""
+    if not found:
+        return None
+    acceptance = tuple(sorted((mode, float(a)) for mode, a in (found.get(ACCEPTANCE_KEY) or {}).items()))
+    return Correction(float(found["ttft"]), float(found["tpot"]), acceptance)

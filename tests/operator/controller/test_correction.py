@@ -99,3 +99,48 @@ def test_reconcile_writes_the_correction_and_plans_replicas_with_it() -> None:
     assert second["plan"]["replicas"] > first["plan"]["replicas"]
     assert "status.correction" in second["plan"]["reasons"]["replicas"]
     assert second["desiredReplicas"] == second["plan"]["replicas"]
+
+
+def _ran_ngram(acceptance: float, state: str = "False", window: str = "2026-12-01T10:00:00Z") -> dict[str, Any]:
+    status = verdict(state, 1.0, 1.6, window)
+    status["planAccuracy"]["draftAcceptance"] = {"assumed": 0.29, "observed": acceptance}
+    return {**status, "plan": {"speculative": "ngram"}}
+
+
+def test_the_observed_acceptance_rides_along_and_stays_once_the_plan_leaves_the_mode() -> None:
+    s = spec(serving={"speculative": "auto", "maxContextLength": 2048})
+    found = correction.correction(_ran_ngram(0.02), s)
+    assert found is not None and found["acceptance"] == {"ngram": 0.02}
+    assert correction.factors(found) == (1.0, 1.6, (("ngram", 0.02),))
+    # The re-plan left ngram: no new reports of it, the observation stays with a later window.
+    later = verdict("False", 1.0, 1.3, "2026-12-01T10:00:15Z") | {"plan": {"speculative": "off"}}
+    again = correction.correction({**later, "correction": found}, s)
+    assert again is not None and again["acceptance"] == {"ngram": 0.02} and again["tpot"] != found["tpot"]
+
+
+def test_an_observed_acceptance_that_makes_speculation_worse_turns_auto_off() -> None:
+    # About one request at a time, a TPOT-bound SLO: auto speculates with n-gram drafts (0.29 assumed).
+    s = spec(
+        serving={"speculative": "auto", "maxContextLength": 2048},
+        slo={"ttftP95Ms": 2000, "tpotP95Ms": 100},
+        load={"requestsPerSecond": 0.5, "meanPromptTokens": 60, "meanOutputTokens": 64, "temperature": 0},
+    )
+    assumed = plan(s)
+    assert assumed.speculative == "ngram" and assumed.assumed_draft_acceptance == 0.29
+    low = plan(s, correction=correction.Correction(1.0, 1.0, (("ngram", 0.02),)))
+    assert low.speculative == "off" and low.assumed_draft_acceptance is None
+    assert "with the acceptance its engines reported, 0.02 per token" in low.reasons["speculative"]
+    assert low.predicted_tpot_ms <= assumed.predicted_tpot_ms * 2
+    # Drafts accepted as often as assumed or more keep n-gram, predicted with the observed figure.
+    high = plan(s, correction=correction.Correction(1.0, 1.0, (("ngram", 0.8),)))
+    assert high.speculative == "ngram" and high.assumed_draft_acceptance == 0.8
+    assert high.predicted_tpot_ms < assumed.predicted_tpot_ms
+    # A pinned mode stays, predicted with what its engines reported.
+    pinned = spec(
+        serving={"speculative": "ngram", "maxContextLength": 2048},
+        slo={"ttftP95Ms": 2000, "tpotP95Ms": 100},
+        load=s.load.model_dump(by_alias=True),
+    )
+    kept = plan(pinned, correction=correction.Correction(1.0, 1.0, (("ngram", 0.02),)))
+    assert kept.speculative == "ngram" and kept.assumed_draft_acceptance == 0.02
+    assert kept.predicted_tpot_ms > plan(pinned).predicted_tpot_ms

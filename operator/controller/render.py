@@ -162,11 +162,14 @@ def _volumes_and_mounts(
     return list(volumes.values()), list(mounts.values())
 
 
-def _download_container(spec: InferenceServiceSpec, source: HubSource, image: str, name: str) -> Manifest:
+def _download_container(
+    spec: InferenceServiceSpec, source: HubSource, image: str, name: str, guaranteed: bool
+) -> Manifest:
     """An init container that downloads an hf:// source into the cache volume before the engine
     starts (it resumes, verifies and skips what is complete: a restarted pod does not download
     again when the cache is a PVC). It gets the pod's env and envFrom (HF_ENDPOINT, proxies), and the
-    token Secret as HF_TOKEN."""
+    token Secret as HF_TOKEN. `guaranteed`: limits equal to its requests, for a pod that is
+    Guaranteed only when every container, init containers too, is (a CPU replica's pinned CPUs)."""
     env = [{"name": "HOME", "value": "/tmp"}, *spec.env]
     token = spec.model.token_secret
     if token is not None:
@@ -178,7 +181,10 @@ def _download_container(spec: InferenceServiceSpec, source: HubSource, image: st
         "command": ["kvpilot", "download"],
         "args": download_args(source),
         "env": env,
-        "resources": {"requests": dict(DOWNLOAD_REQUESTS)},
+        "resources": {
+            "requests": dict(DOWNLOAD_REQUESTS),
+            **({"limits": dict(DOWNLOAD_REQUESTS)} if guaranteed else {}),
+        },
         "securityContext": _container_security(),
         "volumeMounts": [
             {"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT},
@@ -512,7 +518,7 @@ def _pod_template(
     downloader = default_image if spec.runtime == "vllm" else image
     init = [compiled.init] if compiled else []
     init += [
-        _download_container(spec, files.download, downloader, container)
+        _download_container(spec, files.download, downloader, container, guaranteed=plan.cpus > 0)
         for files, container in ((model, DOWNLOAD_CONTAINER), (draft, DRAFT_DOWNLOAD_CONTAINER))
         if files is not None and files.download is not None
     ]

@@ -142,3 +142,22 @@ def test_the_folder_step_creates_the_folder_and_never_blocks_the_pod(tmp_path: P
     refused = _run_mkdir(mkdir["command"], tmp_path / "file" / render.COMPILE_CACHE_SUBPATH)
     assert refused.returncode == 0
     assert "compiles its decode step at every start" in refused.stderr
+
+
+def test_a_cpu_pod_with_downloads_is_guaranteed_in_every_container() -> None:
+    # Kubernetes counts init containers too: one with requests alone makes the pod Burstable, and
+    # the static CPU manager then does not pin the engine's CPUs.
+    rendered = pod(spec({"source": HUB, "cache": {"claimName": "models"}}), cpu_plan())
+    containers = [*rendered["initContainers"], *rendered["containers"]]
+    assert render.DOWNLOAD_CONTAINER in [c["name"] for c in containers]
+    for container in containers:
+        resources = container["resources"]
+        assert resources["requests"] == resources["limits"], container["name"]
+        assert set(resources["requests"]) >= {"cpu", "memory"}, container["name"]
+    # A GPU replica's download keeps requests alone (its pod is not Guaranteed anyway).
+    gpu_spec = InferenceServiceSpec.model_validate(
+        {"model": {"name": MODEL, "source": HUB}, "accelerator": {"type": "L4"}}
+    )
+    gpu_plan = cpu_plan(compile_decode=False).model_copy(update={"gpu": "L4", "cpus": 0, "device_profile": None})
+    download = next(c for c in pod(gpu_spec, gpu_plan)["initContainers"] if c["name"] == render.DOWNLOAD_CONTAINER)
+    assert "limits" not in download["resources"]

@@ -1,9 +1,11 @@
-"""Plan accuracy on a CPU: the planner's predicted p95 TTFT and TPOT beside what a real engine, started
-with the plan's own arguments, shows at the planned rate.
+"""Plan accuracy on a CPU or an NVIDIA GPU: the planner's predicted p95 TTFT and TPOT beside what a
+real engine, started with the plan's own arguments, shows at the planned rate.
 
     # from the repository root:
     .venv/bin/python -m bench.plan_accuracy [--threads 1] [--profile FILE] [--schemes none,int4]
         [--speculative off,ngram] [--batches 1,3,6] [--warmup 8] [--requests 64]
+    # on a machine with an NVIDIA GPU (bench/gpu_check.sh runs this):
+    .venv/bin/python -m bench.plan_accuracy --accelerator auto --schemes none,int8
 
 1. This machine's device profile first: `kvpilot profile` with OMP_NUM_THREADS=--threads, the thread
    count every engine then runs with (or --profile FILE, measured earlier the same way).
@@ -18,9 +20,9 @@ with the plan's own arguments, shows at the planned rate.
    in its steady state. The engine is stopped by its PID after each case.
 3. Observed client-side from the stream, as the engine's kvpilot_ histograms define them: TTFT from
    sending to the first token; TPOT per request, (last token - first token) / (tokens - 1). Beside
-   them, from the engine's /metrics: the running batch sampled every 0.25 s while the measured
-   requests arrive, the draft acceptance (accepted / proposed draft tokens, warm-up included) and the
-   prefix-cache hits (which should be none).
+   them, from the engine's /metrics: the running batch sampled every 0.25 s (or 8 times, in a shorter
+   window) while the measured requests arrive, the draft acceptance (accepted / proposed draft
+   tokens, warm-up included) and the prefix-cache hits (which should be none).
 
 Prompts: chat-templated and open-ended (a story to write: n-gram drafts find little to copy in such
 answers; the planner's assumed acceptance 0.29 was measured on answers like them), each opening with
@@ -32,7 +34,19 @@ below --max-load, records the load at its start and end, and counts the CPUs the
 kept busy while its requests ran (/proc/stat less the engine and this process); cases run beside
 more than --max-others of them run again at the end (--repeat-loaded), and the table keeps the
 quieter run.
-Progress goes to stderr; the JSON to --output; the markdown table to stdout.
+GPU mode (--accelerator NAME, a GPU of the planner's catalog, or auto: the catalog GPU whose product
+nvidia-smi names for the GPU the engines' `device: auto` takes, CUDA_VISIBLE_DEVICES's first): no profile
+(the catalog's spec sheet is the device), the spec says `accelerator: {type: NAME, count: 1}`, and the
+rendered argv is served as it is, threads left to the engine. Its memory arguments are a pod's on a
+whole GPU: --gpu-memory-utilization (0.9) of the device's total for weights, activations and a KV
+pool sized by the engine's own profiling step, no --kv-cache-memory-bytes; this process holds only
+a CUDA context, so 10 % is left for it. Each case checks, once the engine is ready, that the GPU
+holds at least half the planned KV pool (an engine that fell back to the CPU would not), and names
+the GPU nvidia-smi reports; an explicit NAME nvidia-smi maps to another catalog GPU is refused, as
+its observations would be another GPU's.
+
+Progress goes to stderr; the JSON to --output (default bench/plan-accuracy-<accelerator>.json); the
+markdown table to stdout.
 """
 
 from __future__ import annotations
@@ -54,8 +68,9 @@ from bench.machine import machine, write_result
 from bench.serve import RequestResult, WorkItem, poisson_arrivals, run_rate, summarize
 from e2e.procs import LOOPBACK, free_port, kvpilot_executable, start_http
 from kvpilot.engine.device_profile import DeviceProfile, load_device_profile
-from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.api.spec import CPU_TYPE, InferenceServiceSpec
 from kvpilot.operator.controller import render
+from kvpilot.operator.planning.gpus import GPUS, MiB, find_gpu
 from kvpilot.operator.planning.planner import Plan, plan
 
 _REPO = Path(__file__).resolve().parents[1]
@@ -76,13 +91,24 @@ def progress(line: str) -> None:
 
 
 def make_spec(
-    scheme: str, speculative: str, rate: float, prompt_tokens: int, output_tokens: int, slo: tuple[float, float]
+    scheme: str,
+    speculative: str,
+    rate: float,
+    prompt_tokens: int,
+    output_tokens: int,
+    slo: tuple[float, float],
+    accelerator: str = CPU_TYPE,
 ) -> InferenceServiceSpec:
-    """One CPU replica of the embedded model on this machine's profile, at `rate` requests/s."""
+    """One replica of the embedded model at `rate` requests/s: on a CPU with this machine's profile,
+    or on one GPU of the catalog's `accelerator` type."""
+    placement = (
+        {"type": CPU_TYPE, "profile": PROFILE_NAME} if accelerator == CPU_TYPE else {"type": accelerator, "count": 1}
+    )
     return InferenceServiceSpec.model_validate(
         {
             "model": {"name": MODEL},
-            "accelerator": {"type": "cpu", "profile": PROFILE_NAME},
+            "runtime": "kvpilot",
+            "accelerator": placement,
             "serving": {"maxContextLength": 2048, "quantization": scheme, "speculative": speculative},
             "slo": {"ttftP95Ms": slo[0], "tpotP95Ms": slo[1]},
             "load": {"requestsPerSecond": rate, "meanPromptTokens": prompt_tokens, "meanOutputTokens": output_tokens},
@@ -91,17 +117,25 @@ def make_spec(
     )
 
 
-def rate_for_batch(planned: Callable[[float], Plan], target: float, high: float = 64.0) -> float:
+def plan_for(spec: InferenceServiceSpec, profile: DeviceProfile | None) -> Plan:
+    """The plan of `spec`: from the CPU's measured `profile`, or from the catalog (a GPU: None)."""
+    return plan(spec, device_profiles={PROFILE_NAME: profile} if profile else None)
+
+
+def rate_for_batch(planned: Callable[[float], Plan], target: float, high: float = 64.0, limit: float = 1e6) -> float:
     """The rate (requests/s, 3 significant digits) whose planned batch is `target`: the planner's
     batch grows with the rate until the replica cannot keep up (a plan without latencies), so a
-    bisection on it; `high` when even that rate plans less."""
+    bisection on it, from `high` doubled until it reaches the target (a GPU's planned steps are
+    short: hundreds of requests/s for a small batch); `limit` when even that rate plans less."""
 
     def reaches(rate: float) -> bool:
         found = planned(rate)
         return found.predicted_tpot_ms == 0 or found.predicted_batch >= target
 
-    if not reaches(high):
-        return high
+    while not reaches(high):
+        if high >= limit:
+            return limit
+        high = min(2 * high, limit)
     low = 0.0
     for _ in range(40):
         middle = (low + high) / 2
@@ -141,6 +175,51 @@ def fixed_length_prompts(n: int, first: int = 0) -> list[list[int]]:
     if len(lengths) != 1:
         raise ValueError(f"the prompts tokenize to different lengths {sorted(lengths)}: fix SYSTEM")
     return prompts
+
+
+def catalog_gpu(requested: str, detected: str) -> str:
+    """The catalog name of the GPU to plan for: `requested` (a catalog name, or auto) beside
+    `detected`, the name nvidia-smi gives this machine's GPU ("NVIDIA H200", "NVIDIA H100 80GB HBM3":
+    the node product label's words, which the catalog matches)."""
+    found = find_gpu(detected)
+    catalog = ", ".join(GPUS)
+    if requested == "auto":
+        if found is None:
+            raise ValueError(
+                f"nvidia-smi names this GPU {detected!r}, which the planner's catalog lacks ({catalog}): "
+                "pass --accelerator NAME to plan it as one of them"
+            )
+        return found.name
+    named = find_gpu(requested)
+    if named is None:
+        raise ValueError(f"--accelerator {requested!r}: not cpu, auto or a catalog GPU ({catalog})")
+    if found is not None and found.name != named.name:
+        raise ValueError(
+            f"--accelerator {named.name}, but this machine's GPU is {detected!r} ({found.name} in the catalog): "
+            "the observations would be another GPU's"
+        )
+    return named.name
+
+
+def nvidia_smi(fields: str) -> list[list[str]]:
+    """nvidia-smi's `fields` (--query-gpu, no units), a list per GPU: the GPUs CUDA_VISIBLE_DEVICES
+    names first, where it is set, so that the first is the one the engines take."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    select = ["--id", visible] if visible else []
+    try:
+        run = subprocess.run(
+            ["nvidia-smi", *select, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError) as err:
+        raise ValueError(f"no NVIDIA GPU to measure on (nvidia-smi: {err})") from None
+    rows = [[value.strip() for value in line.split(",")] for line in run.stdout.splitlines() if line.strip()]
+    if not rows:
+        raise ValueError("nvidia-smi lists no GPU")
+    return rows
 
 
 def measure_profile(threads: int, out: Path) -> DeviceProfile:
@@ -184,6 +263,9 @@ async def _drive(
 
     samples: list[float] = []
     done = asyncio.Event()
+    # Every 0.25 s, or 8 times in a shorter window (a GPU's planned rates bring the measured
+    # requests in within tens of milliseconds).
+    interval = max(0.001, min(0.25, (window[1] - window[0]) / 8))
 
     async def sample(client: httpx.AsyncClient) -> None:
         start = time.perf_counter()
@@ -192,7 +274,7 @@ async def _drive(
             if window[0] <= now <= window[1]:
                 text = (await client.get(f"{base_url}/metrics")).text
                 samples.append(metric_values(text).get("kvpilot_num_requests_running", math.nan))
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(interval)
 
     async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
         sampler = asyncio.create_task(sample(client))
@@ -205,7 +287,8 @@ async def _drive(
 
 @dataclass(frozen=True)
 class Settings:
-    threads: int
+    accelerator: str  # cpu or a catalog GPU
+    threads: int | None  # OMP_NUM_THREADS of a CPU's engines; a GPU's choose their own
     prompt_tokens: int
     output_tokens: int
     slo: tuple[float, float]
@@ -271,26 +354,56 @@ def observed(
     }
 
 
+def gpu_memory_in_use(planned: Plan) -> float:
+    """MiB the GPU holds now, with the engine ready: at least half the planned KV pool, or the engine
+    did not take the GPU (a torch without CUDA falls back to the CPU under `device: auto`)."""
+    used = float(nvidia_smi("memory.used")[0][0])
+    if used * MiB < planned.kv_pool_bytes / 2:
+        raise RuntimeError(
+            f"the GPU holds {used:.0f} MiB with the engine ready, under half its planned KV pool of "
+            f"{planned.kv_pool_bytes / MiB:.0f} MiB: the engine is not serving from the GPU"
+        )
+    return used
+
+
+def case_spec(case: dict[str, Any], settings: Settings) -> InferenceServiceSpec:
+    """The spec of a case (its scheme, speculative mode and rate) on the settings' accelerator."""
+    return make_spec(
+        case["scheme"],
+        case["speculative"],
+        case["rate"],
+        settings.prompt_tokens,
+        settings.output_tokens,
+        settings.slo,
+        settings.accelerator,
+    )
+
+
 def run_case(
-    case: dict[str, Any], profile: DeviceProfile, prompts: list[list[int]], settings: Settings
+    case: dict[str, Any], profile: DeviceProfile | None, prompts: list[list[int]], settings: Settings
 ) -> dict[str, Any]:
     """Plan one case, serve it with the plan's arguments at the planned rate, and compare."""
-    spec = make_spec(
-        case["scheme"], case["speculative"], case["rate"], settings.prompt_tokens, settings.output_tokens, settings.slo
-    )
-    planned = plan(spec, device_profiles={PROFILE_NAME: profile})
+    spec = case_spec(case, settings)
+    planned = plan_for(spec, profile)
     if not planned.fits:
         raise RuntimeError(f"{case}: the plan does not fit: {planned.reason}")
     load_start = _settle(settings)
     port = free_port()
     argv = served_argv(spec, planned, port)
     label = f"{case['scheme']}-{case['speculative']}-b{case['target_batch']:g}"
-    env = {**os.environ, "OMP_NUM_THREADS": str(settings.threads), "PYTHONUNBUFFERED": "1"}
-    progress(f"{label}: {case['rate']:g} req/s, planned batch {planned.predicted_batch}, load {load_start[0]:.2f}")
+    threads = {} if settings.threads is None else {"OMP_NUM_THREADS": str(settings.threads)}
+    env = {**os.environ, **threads, "PYTHONUNBUFFERED": "1"}
+    progress(
+        f"{label} on {settings.accelerator}: {case['rate']:g} req/s, planned batch {planned.predicted_batch}, "
+        f"load {load_start[0]:.2f}"
+    )
     base_url = f"http://{LOOPBACK}:{port}"
     log = settings.log_dir / f"engine-{label}.log"
     process = start_http(argv, log, f"{base_url}/ready", 300, env, cwd=_REPO, append=False, grace_s=90)
+    gpu_used_mib = None
     try:
+        if settings.accelerator != CPU_TYPE:
+            gpu_used_mib = gpu_memory_in_use(planned)
         # One lone request first: the first forward pays for lazy initialisation, not for load.
         lone = [WorkItem(prompts[-1], settings.output_tokens)]
         asyncio.run(run_rate(base_url, MODEL, lone, [0.0], 300))
@@ -309,6 +422,7 @@ def run_case(
         **case,
         "label": label,
         "argv": argv[3:],
+        "gpu_memory_used_mib": gpu_used_mib,
         "wall_s": wall,
         "load_average_start": load_start,
         "load_average_end": load_end,
@@ -341,7 +455,11 @@ def run_case(
 
 
 def cases(
-    profile: DeviceProfile, schemes: Sequence[str], modes: Sequence[str], batches: Sequence[float], settings: Settings
+    profile: DeviceProfile | None,
+    schemes: Sequence[str],
+    modes: Sequence[str],
+    batches: Sequence[float],
+    settings: Settings,
 ) -> list[dict[str, Any]]:
     """The grid: every scheme and mode at the rates whose planned batches are `batches`."""
     grid = []
@@ -349,16 +467,20 @@ def cases(
         for mode in modes:
 
             def planned(rate: float, scheme: str = scheme, mode: str = mode) -> Plan:
-                spec = make_spec(scheme, mode, rate, settings.prompt_tokens, settings.output_tokens, settings.slo)
-                return plan(spec, device_profiles={PROFILE_NAME: profile})
+                return plan_for(case_spec({"scheme": scheme, "speculative": mode, "rate": rate}, settings), profile)
 
             for target in batches:
-                grid.append({"scheme": scheme, "speculative": mode, "target_batch": target})
+                grid.append(
+                    {"accelerator": settings.accelerator, "scheme": scheme, "speculative": mode, "target_batch": target}
+                )
                 grid[-1]["rate"] = rate_for_batch(planned, target)
     return grid
 
 
 def _cell(row: dict[str, float], digits: int) -> str:
+    # At least two significant digits of the prediction (a GPU's are fractions of a millisecond).
+    if row["predicted_ms"] > 0:
+        digits = max(digits, 1 - math.floor(math.log10(row["predicted_ms"])))
     pair = f"{row['predicted_ms']:.{digits}f} / {row['observed_ms']:.{digits}f}"
     return f"{pair} | {row['ratio']:.2f} | {row['error_pct']:+.0f} %"
 
@@ -366,16 +488,16 @@ def _cell(row: dict[str, float], digits: int) -> str:
 def markdown_table(records: Sequence[dict[str, Any]]) -> str:
     """The RESULTS table: per case predicted and observed p95 TTFT and TPOT, ratio and error."""
     lines = [
-        "| scheme | spec | req/s | batch planned / seen | TTFT p95 pred / obs (ms) | ratio | error "
+        "| device | scheme | spec | req/s | batch planned / seen | TTFT p95 pred / obs (ms) | ratio | error "
         "| TPOT p95 pred / obs (ms) | ratio | error | TPOT mean obs / pred | acceptance | load start / end "
         "| others' CPUs | TPOT within ±25 % |",
-        "| --- | --- | ---: | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | --- |",
+        "| --- | --- | --- | ---: | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | --- |",
     ]
     for r in records:
         seen = r["observed"]
         accepted = seen["draft_acceptance"]
         lines.append(
-            f"| {r['scheme']} | {r['speculative']} | {r['rate']:g} "
+            f"| {r['accelerator']} | {r['scheme']} | {r['speculative']} | {r['rate']:g} "
             f"| {r['predicted']['batch']:.1f} / {seen['running_batch_mean']:.1f} "
             f"| {_cell(r['ttft_p95'], 0)} | {_cell(r['tpot_p95'], 1)} | {r['tpot_mean']['ratio']:.2f} "
             f"| {'-' if accepted is None else f'{accepted:.2f}'} "
@@ -383,6 +505,34 @@ def markdown_table(records: Sequence[dict[str, Any]]) -> str:
             f"| {'yes' if within_goal(r['tpot_p95']['ratio']) else 'no'} |"
         )
     return "\n".join(lines)
+
+
+def device(args: argparse.Namespace, log_dir: Path) -> tuple[str, DeviceProfile | None, dict[str, Any]]:
+    """The accelerator the cases are planned for and served on, its profile (a CPU's; a GPU is the
+    catalog's) and what the report says of them."""
+    if args.accelerator != CPU_TYPE:
+        if args.profile:
+            raise ValueError("--profile is a CPU's: a GPU is planned from the planner's catalog")
+        name, memory_mib, driver = nvidia_smi("name,memory.total,driver_version")[0]
+        gpu = GPUS[catalog_gpu(args.accelerator, name)]
+        if find_gpu(name) is None:
+            progress(f"nvidia-smi names this GPU {name!r}, which the catalog lacks: planned as {gpu.name}")
+        seen = {"name": name, "memory_total_mib": float(memory_mib), "driver": driver}
+        catalog = gpu.model_dump(include={"usable_memory_mib", "bandwidth_gbps", "fp16_tflops", "int8_tops", "source"})
+        return gpu.name, None, {"accelerator": {"name": gpu.name, "nvidia_smi": seen, "catalog": catalog}}
+    if args.profile:
+        profile = load_device_profile(args.profile).model_copy(update={"name": PROFILE_NAME})
+        source = f"--profile {args.profile}"
+    else:
+        profile = measure_profile(args.threads, log_dir / "profile.json")
+        source = f"kvpilot profile, OMP_NUM_THREADS={args.threads}, measured by this run"
+    if profile.threads != args.threads:
+        raise ValueError(f"the profile was measured with {profile.threads} threads, the engines run {args.threads}")
+    return (
+        CPU_TYPE,
+        profile,
+        {"accelerator": {"name": CPU_TYPE}, "profile_source": source, "profile": json.loads(profile.to_json())},
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -394,19 +544,14 @@ def run(args: argparse.Namespace) -> int:
         "machine": machine(),
         "lscpu_flags": _lscpu_flags(),
     }
-    if args.profile:
-        profile = load_device_profile(args.profile).model_copy(update={"name": PROFILE_NAME})
-        report["profile_source"] = f"--profile {args.profile}"
-    else:
-        profile = measure_profile(args.threads, log_dir / "profile.json")
-        report["profile_source"] = f"kvpilot profile, OMP_NUM_THREADS={args.threads}, measured by this run"
-    if profile.threads != args.threads:
-        raise ValueError(f"the profile was measured with {profile.threads} threads, the engines run {args.threads}")
-    report["profile"] = json.loads(profile.to_json())
+    accelerator, profile, described = device(args, log_dir)
+    report.update(described)
+    output = Path(args.output or f"bench/plan-accuracy-{accelerator.lower()}.json")
     total = args.warmup + args.requests
     prompts = fixed_length_prompts(total + 1)
     settings = Settings(
-        threads=args.threads,
+        accelerator=accelerator,
+        threads=args.threads if accelerator == CPU_TYPE else None,
         prompt_tokens=len(prompts[0]),
         output_tokens=args.output_tokens,
         slo=(args.slo_ttft_ms, args.slo_tpot_ms),
@@ -428,7 +573,7 @@ def run(args: argparse.Namespace) -> int:
             if record["others_cores"] >= args.max_others and time.monotonic() - started < args.budget:
                 progress(f"{record['label']} ran beside {record['others_cores']:.2f} other busy CPUs: once more")
                 again = run_case(
-                    {k: record[k] for k in ("scheme", "speculative", "target_batch", "rate")},
+                    {k: record[k] for k in ("accelerator", "scheme", "speculative", "target_batch", "rate")},
                     profile,
                     prompts,
                     settings,
@@ -439,10 +584,10 @@ def run(args: argparse.Namespace) -> int:
     report["table"] = _least_loaded(runs)
     report["load_average_end"] = os.getloadavg()
     report["wall_s"] = time.monotonic() - started
-    write_result(Path(args.output), report)
+    write_result(output, report)
     table = markdown_table([runs[i] for i in report["table"]])
     print(table)
-    progress(f"wrote {args.output} ({report['wall_s']:.0f} s)")
+    progress(f"wrote {output} ({report['wall_s']:.0f} s)")
     return 0
 
 
@@ -477,10 +622,18 @@ def _lscpu_flags() -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.plan_accuracy",
-        description="CPU plans' predicted p95 TTFT/TPOT beside a real engine's at the planned rate",
+        description="CPU and GPU plans' predicted p95 TTFT/TPOT beside a real engine's at the planned rate",
     )
-    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the profile and the engines")
-    parser.add_argument("--profile", help="a profile measured earlier with --threads threads (default: measure now)")
+    parser.add_argument(
+        "--accelerator",
+        default=CPU_TYPE,
+        help="cpu (this machine's CPU, profiled), a catalog GPU (H100-80GB, H200, ...), or auto: the catalog "
+        "GPU nvidia-smi names for this machine's first GPU",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="cpu: OMP_NUM_THREADS of the profile and the engines")
+    parser.add_argument(
+        "--profile", help="cpu: a profile measured earlier with --threads threads (default: measure now)"
+    )
     parser.add_argument("--schemes", default="none,int4")
     parser.add_argument("--speculative", default="off,ngram")
     parser.add_argument("--batches", default="1,3,6", help="planned batches of the load levels (default 1,3,6)")
@@ -498,7 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeat-loaded", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--budget", type=float, default=1500.0, help="no repeats after this many seconds")
     parser.add_argument("--log-dir", default="bench/out/plan-accuracy")
-    parser.add_argument("--output", default="bench/plan-accuracy-cpu.json")
+    parser.add_argument("--output", help="the JSON (default bench/plan-accuracy-<accelerator>.json)")
     return parser
 
 

@@ -66,27 +66,34 @@ def _attention_rate(steps: EngineSteps, kv_per_token: int) -> float | None:
     return kv_per_token / seconds_per_token
 
 
-def _overheads(
+def _decode_overheads(
     device: GPU, scheme: SchemeSteps, parameters: float, kv_bytes_per_s: float | None, kv_per_token: int, scale: float
-) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]]:
-    """One scheme's engine work beyond the GEMMs (and attention) that the planner counts, from its
-    measured steps: by running sequences for decode steps, by prompt tokens for prefill steps;
-    scaled by `scale` (the served model's layers over the measured one's). Not floored at 0: with
-    the GEMMs counted back, the planner predicts the measured model's steps as measured even where
-    the matmul micro-benchmark under-rates its kernels."""
+) -> tuple[tuple[int, float], ...]:
+    """One scheme's engine work in a decode step beyond the GEMMs and attention the planner counts,
+    by running sequences, scaled by `scale` (the served model's layers over the measured one's). Not
+    floored at 0: with the GEMMs counted back, the planner predicts the measured model's steps as
+    measured even where the matmul micro-benchmark under-rates its kernels."""
     q = scheme.quantization
-    decode = []
+    overheads = []
     for step in scheme.decode:
         gemms = max(
             scheme.weight_bytes / device.bandwidth_bytes_per_s, _compute_seconds(device, q, parameters, step.batch)
         )
         attention = step.batch * step.context_tokens * kv_per_token / kv_bytes_per_s if kv_bytes_per_s else 0.0
-        decode.append((step.batch, (step.seconds - gemms - attention) * scale))
-    prefill = tuple(
-        (step.tokens, (step.seconds - _compute_seconds(device, q, parameters, step.tokens)) * scale)
-        for step in scheme.prefill
-    )
-    return tuple(decode), prefill
+        overheads.append((step.batch, (step.seconds - gemms - attention) * scale))
+    return tuple(overheads)
+
+
+def _prefill_line(scheme: SchemeSteps, scale: float, per_token_scale: float) -> tuple[float, float]:
+    """(fixed seconds, seconds per prompt token) of one scheme's prefill step: the line through its
+    shortest and longest measured prompts (through 0 with one), the fixed part scaled by layers and
+    the per-token part by the parameters a token meets. Not the matmul micro-benchmark: its square
+    2048-wide GEMMs route to other kernels than the model's layers at prefill sizes (bench/RESULTS.md)."""
+    first, last = scheme.prefill[0], scheme.prefill[-1]
+    if first.tokens == last.tokens:
+        return 0.0, last.seconds / last.tokens * per_token_scale
+    per_token = (last.seconds - first.seconds) / (last.tokens - first.tokens)
+    return (first.seconds - per_token * first.tokens) * scale, per_token * per_token_scale
 
 
 def _device(profile: DeviceProfile, bytes_per_value: int, stepped: set[str]) -> GPU:
@@ -126,10 +133,11 @@ def _device(profile: DeviceProfile, bytes_per_value: int, stepped: set[str]) -> 
 def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
     """The device record of `profile`'s CPU for serving `arch`, or why the profile cannot plan.
 
-    Each scheme the engine's steps were measured with is planned with its own measured work beyond
-    GEMMs and attention (dispatch of the small ops, sampling, bookkeeping), by batch for decode steps
-    and by prompt length for prefill steps. Those were measured on the embedded model; for another
-    model they scale with its layer count (ASSUMED: the step's small ops run per layer)."""
+    Each scheme the engine's steps were measured with is planned with its own measured steps: a
+    decode step as its GEMMs and attention plus the work beyond them at that batch (dispatch of the
+    small ops, sampling, bookkeeping), a prefill step as the line through the measured ones. Those
+    were measured on the embedded model; for another model the work beyond the GEMMs scales with its
+    layer count (ASSUMED: the step's small ops run per layer), a prompt token's with its parameters."""
     steps = profile.engine
     if steps is None:
         return (
@@ -145,16 +153,16 @@ def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
     reference_kv = kv_bytes_per_token(reference, bytes_per_value) if reference else 0
     kv_rate = _attention_rate(steps, reference_kv) if reference_kv else None
     parameters = steps.schemes[0].weight_bytes / bytes_per_value
-    overheads = {
-        s.quantization: _overheads(device, s, parameters, kv_rate, reference_kv, scale)
-        for s in steps.schemes
-        if s.quantization in dict(device.matmul_curves)
-    }
+    per_token_scale = arch.parameters_per_token / reference.parameters_per_token if reference else 1.0
+    planned = [s for s in steps.schemes if s.quantization in dict(device.matmul_curves)]
     none_batch_one = steps.schemes[0].decode[0].seconds
     return device.model_copy(
         update={
-            "step_overhead_curves": tuple((q, decode) for q, (decode, _) in overheads.items()),
-            "prefill_overhead_curves": tuple((q, prefill) for q, (_, prefill) in overheads.items()),
+            "step_overhead_curves": tuple(
+                (s.quantization, _decode_overheads(device, s, parameters, kv_rate, reference_kv, scale))
+                for s in planned
+            ),
+            "prefill_lines": tuple((s.quantization, _prefill_line(s, scale, per_token_scale)) for s in planned),
             "kv_read_bytes_per_s": kv_rate,
             "compiled_step_factor": steps.compiled_step_s / none_batch_one if steps.compiled_step_s else None,
         }

@@ -62,14 +62,15 @@ class GPU(BaseModel):
     # measured on it rather than from a spec sheet: its rates are what the engine's kernels reached,
     # so no spec-sheet efficiency applies (`measured`); its matmul rate depends on the tokens of a
     # step (`matmul_curves`: scheme -> (tokens, FLOP/s) points); each step costs the engine's own
-    # measured work beside the weights and the arithmetic, by scheme: a decode step by running
-    # sequences (`step_overhead_curves`: scheme -> (sequences, seconds)), a prefill step by prompt
-    # tokens (`prefill_overhead_curves`); and attention reads the KV cache at its own measured rate
-    # (`kv_read_bytes_per_s`; None: at the memory bandwidth, within the weights' read).
+    # measured work beside the weights and the arithmetic, by scheme: a decode step by its token
+    # rows (`step_overhead_curves`: scheme -> (rows, seconds)); a prefill step is the line through
+    # the measured ones (`prefill_lines`: scheme -> (fixed seconds, seconds per prompt token)); and
+    # attention reads the KV cache at its own measured rate (`kv_read_bytes_per_s`; None: at the
+    # memory bandwidth, within the weights' read).
     measured: bool = False
     matmul_curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     step_overhead_curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
-    prefill_overhead_curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    prefill_lines: tuple[tuple[str, tuple[float, float]], ...] = ()
     kv_read_bytes_per_s: float | None = None
     bytes_per_value: int = 2  # of unquantized weights and of the KV cache: 4 where a CPU computes in fp32
     cpus: int = 0  # CPUs one replica requests (CPU devices; a GPU's pod takes ENGINE_CPU_REQUEST)
@@ -128,10 +129,10 @@ class GPU(BaseModel):
         curve = dict(self.step_overhead_curves).get(quantization)
         return _along(curve, running, extend=True) if curve else 0.0
 
-    def prefill_overhead(self, quantization: str, tokens: float) -> float:
-        """The engine's own work in the step that computes a prompt of `tokens` (0 where not measured)."""
-        curve = dict(self.prefill_overhead_curves).get(quantization)
-        return _along(curve, tokens, extend=True) if curve else 0.0
+    def measured_prefill(self, quantization: str, tokens: float) -> float | None:
+        """The step that computes a prompt of `tokens` where the device measured this scheme's."""
+        line = dict(self.prefill_lines).get(quantization)
+        return None if line is None else max(0.0, line[0] + line[1] * tokens)
 
 
 def _along(curve: tuple[tuple[int, float], ...], x: float, extend: bool) -> float:

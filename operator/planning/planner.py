@@ -322,9 +322,15 @@ def _efficiency(gpu: GPU) -> float:
 
 
 def _prefill_seconds(arch: Architecture, gpu: GPU, quantization: str, tokens: float) -> float:
+    """The step that computes a prompt of the served model: as measured where the device measured
+    it (a CPU profile's, made for this model), else its GEMMs."""
+    measured = gpu.measured_prefill(quantization, tokens)
+    return _gemm_prefill_seconds(arch, gpu, quantization, tokens) if measured is None else measured
+
+
+def _gemm_prefill_seconds(arch: Architecture, gpu: GPU, quantization: str, tokens: float) -> float:
     ops = gpu.matmul_flops(quantization, tokens)
-    compute = sizing.prefill_seconds(arch.parameters_per_token, tokens, ops, _efficiency(gpu))
-    return max(0.0, compute + gpu.prefill_overhead(quantization, tokens))
+    return sizing.prefill_seconds(arch.parameters_per_token, tokens, ops, _efficiency(gpu))
 
 
 def _batched_tokens(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str) -> tuple[int, str]:
@@ -403,7 +409,7 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculat
     prefill += _allreduces_seconds(arch, gpu, tp, load.mean_prompt_tokens)
     if draft is not None:
         # The draft computes the prompt too, in the step that samples the first token.
-        prefill += _prefill_seconds(draft.arch, gpu, "none", load.mean_prompt_tokens)
+        prefill += _gemm_prefill_seconds(draft.arch, gpu, "none", load.mean_prompt_tokens)
     busy = rate * prefill  # share of GPU time spent on prefill
     if busy >= 1:
         return _Perf(

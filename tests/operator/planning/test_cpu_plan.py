@@ -78,13 +78,14 @@ def test_at_batch_one_the_plan_predicts_the_step_the_profile_measured(quantizati
     p = plan(spec(load=load, serving={"quantization": quantization}))
     assert p.quantization == quantization
     assert p.predicted_tpot_ms == pytest.approx(measured.seconds * 1000, rel=0.03, abs=1)  # whole ms
-    # The first token: the measured step that computes a prompt of that length, then a decode step.
-    prefill = _steps(builtin(), quantization).prefill[0]
-    at_prefill = plan(spec(load=load | {"meanPromptTokens": prefill.tokens}, serving={"quantization": quantization}))
+    # The first token: the measured step that computes a prompt of that length (between two
+    # measured lengths, on the line through them), then a decode step.
+    short, long = _steps(builtin(), quantization).prefill[0], _steps(builtin(), quantization).prefill[-1]
     step_ms = measured.seconds * 1000
-    assert (
-        prefill.seconds * 1000 + 0.9 * step_ms < at_prefill.predicted_ttft_ms < prefill.seconds * 1000 + 1.2 * step_ms
-    )
+    middle = (short.tokens + long.tokens) // 2
+    for tokens, prefill_s in ((short.tokens, short.seconds), (middle, (short.seconds + long.seconds) / 2)):
+        at = plan(spec(load=load | {"meanPromptTokens": tokens}, serving={"quantization": quantization}))
+        assert prefill_s * 1000 + 0.9 * step_ms < at.predicted_ttft_ms < prefill_s * 1000 + 1.2 * step_ms, tokens
 
 
 def test_a_longer_context_costs_the_attention_the_profile_measured() -> None:
@@ -98,8 +99,7 @@ def test_a_longer_context_costs_the_attention_the_profile_measured() -> None:
     # Attention on this CPU reads the KV far slower than the memory bandwidth.
     assert device.kv_read_bytes_per_s < builtin().memory_bandwidth_bytes_per_s
     near, far = (
-        plan(spec(load={"requestsPerSecond": 1e-6, "meanPromptTokens": n, "meanOutputTokens": 16}))
-        for n in (100, 1100)
+        plan(spec(load={"requestsPerSecond": 1e-6, "meanPromptTokens": n, "meanOutputTokens": 16})) for n in (100, 1100)
     )
     assert far.predicted_tpot_ms - near.predicted_tpot_ms == pytest.approx(1000 * per_token * 1000, rel=0.1)
 

@@ -240,7 +240,7 @@ def test_every_dashboard_panel_has_data_in_a_real_prometheus(scenario: Scenario)
     queries = panel_queries(dashboard, namespace, scenario.name)
 
     # The dashboard's variables offer this namespace and service (Grafana's label_values).
-    assert namespace in prom.label_values("namespace", "kvpilot_operator_desired_replicas")
+    assert namespace in prom.label_values("namespace", "kvpilot_operator_desired_replicas"), _targets(prom)
     assert scenario.name in prom.label_values(
         "service", f'kvpilot_operator_desired_replicas{{namespace=~"{namespace}"}}'
     )
@@ -329,5 +329,5 @@ def test_the_prometheus_url_source_reads_what_the_engines_report(scenario: Scena
     mine = [q for q in prom.logged_queries() if f'namespace="{namespace}"' in q and "__name__=~" in q]
     assert any(all(pod in q for pod in urls) for q in mine), prom.logged_queries()[-5:]
     status = kvis.get(scenario.cluster, namespace, name)["status"]
-    assert status["latency"]["source"] == "observed", status["latency"]
+    assert status["latency"]["source"] == "observed", (status["latency"], status.get("autoscaler"))
     assert status["autoscaler"]["unknownPods"] == [], status["autoscaler"]

@@ -190,7 +190,8 @@ def scheme_steps(
     `quantization` (dtype auto, eager steps); for "none" also a decode step at a long context."""
     engine = _engine(max(batches), quantization=quantization)
     prompt = engine.tokenize(_PASSAGE)
-    prefill = tuple(_prefill_step(engine, prompt, tokens, steps) for tokens in prefill_tokens)
+    # Fewer repeats of prefill steps: they are long, and their spread is smaller than a decode step's.
+    prefill = tuple(_prefill_step(engine, prompt, tokens, max(3, steps // 3)) for tokens in prefill_tokens)
     # Enough tokens that the first request still decodes in the last batch's steps.
     max_tokens = len(batches) * (steps + 8)
     decode = []

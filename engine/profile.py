@@ -38,7 +38,7 @@ class Sizes:
 
 
 # Default: about a minute on 2 cores. Quick: a few seconds plus the model's loads, for tests.
-FULL = Sizes(512 * MiB, (2048, 2048), (1, 8, 32, 128, 512), 0.25, (1, 2, 4, 8, 16), (64, 256), 24)
+FULL = Sizes(512 * MiB, (2048, 2048), (1, 8, 32, 128, 512), 0.25, (1, 2, 4, 8, 16), (32, 64, 128, 256, 512), 24)
 QUICK = Sizes(128 * MiB, (1024, 1024), (1, 32, 256), 0.02, (1, 2), (32, 64), 4)
 
 

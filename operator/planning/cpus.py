@@ -84,16 +84,12 @@ def _decode_overheads(
     return tuple(overheads)
 
 
-def _prefill_line(scheme: SchemeSteps, scale: float, per_token_scale: float) -> tuple[float, float]:
-    """(fixed seconds, seconds per prompt token) of one scheme's prefill step: the line through its
-    shortest and longest measured prompts (through 0 with one), the fixed part scaled by layers and
-    the per-token part by the parameters a token meets. Not the matmul micro-benchmark: its square
-    2048-wide GEMMs route to other kernels than the model's layers at prefill sizes (bench/RESULTS.md)."""
-    first, last = scheme.prefill[0], scheme.prefill[-1]
-    if first.tokens == last.tokens:
-        return 0.0, last.seconds / last.tokens * per_token_scale
-    per_token = (last.seconds - first.seconds) / (last.tokens - first.tokens)
-    return (first.seconds - per_token * first.tokens) * scale, per_token * per_token_scale
+def _prefill_curve(scheme: SchemeSteps, scale: float) -> tuple[tuple[int, float], ...]:
+    """One scheme's prefill steps by prompt tokens, scaled by `scale` (the parameters a token of the
+    served model meets over the measured one's: prefill is arithmetic). Measured at several lengths
+    and interpolated, not a line nor the matmul micro-benchmark: the packed INT4 kernel costs 280 ms
+    at 108 tokens where 64 take 109 and 256 take 430 (bench/RESULTS.md)."""
+    return tuple((step.tokens, step.seconds * scale) for step in scheme.prefill)
 
 
 def _device(profile: DeviceProfile, bytes_per_value: int, stepped: set[str]) -> GPU:
@@ -135,9 +131,9 @@ def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
 
     Each scheme the engine's steps were measured with is planned with its own measured steps: a
     decode step as its GEMMs and attention plus the work beyond them at that batch (dispatch of the
-    small ops, sampling, bookkeeping), a prefill step as the line through the measured ones. Those
-    were measured on the embedded model; for another model the work beyond the GEMMs scales with its
-    layer count (ASSUMED: the step's small ops run per layer), a prompt token's with its parameters."""
+    small ops, sampling, bookkeeping), a prefill step between the measured ones. Those were measured
+    on the embedded model; for another model the work beyond the GEMMs scales with its layer count
+    (ASSUMED: the step's small ops run per layer), a prefill with its parameters per token."""
     steps = profile.engine
     if steps is None:
         return (
@@ -162,7 +158,7 @@ def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
                 (s.quantization, _decode_overheads(device, s, parameters, kv_rate, reference_kv, scale))
                 for s in planned
             ),
-            "prefill_lines": tuple((s.quantization, _prefill_line(s, scale, per_token_scale)) for s in planned),
+            "prefill_curves": tuple((s.quantization, _prefill_curve(s, per_token_scale)) for s in planned),
             "kv_read_bytes_per_s": kv_rate,
             "compiled_step_factor": steps.compiled_step_s / none_batch_one if steps.compiled_step_s else None,
         }

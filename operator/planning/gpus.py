@@ -63,14 +63,14 @@ class GPU(BaseModel):
     # so no spec-sheet efficiency applies (`measured`); its matmul rate depends on the tokens of a
     # step (`matmul_curves`: scheme -> (tokens, FLOP/s) points); each step costs the engine's own
     # measured work beside the weights and the arithmetic, by scheme: a decode step by its token
-    # rows (`step_overhead_curves`: scheme -> (rows, seconds)); a prefill step is the line through
-    # the measured ones (`prefill_lines`: scheme -> (fixed seconds, seconds per prompt token)); and
+    # rows (`step_overhead_curves`: scheme -> (rows, seconds)); a prefill step is interpolated
+    # between the measured ones (`prefill_curves`: scheme -> (prompt tokens, seconds)); and
     # attention reads the KV cache at its own measured rate (`kv_read_bytes_per_s`; None: at the
     # memory bandwidth, within the weights' read).
     measured: bool = False
     matmul_curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     step_overhead_curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
-    prefill_lines: tuple[tuple[str, tuple[float, float]], ...] = ()
+    prefill_curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     kv_read_bytes_per_s: float | None = None
     bytes_per_value: int = 2  # of unquantized weights and of the KV cache: 4 where a CPU computes in fp32
     cpus: int = 0  # CPUs one replica requests (CPU devices; a GPU's pod takes ENGINE_CPU_REQUEST)
@@ -131,8 +131,8 @@ class GPU(BaseModel):
 
     def measured_prefill(self, quantization: str, tokens: float) -> float | None:
         """The step that computes a prompt of `tokens` where the device measured this scheme's."""
-        line = dict(self.prefill_lines).get(quantization)
-        return None if line is None else max(0.0, line[0] + line[1] * tokens)
+        curve = dict(self.prefill_curves).get(quantization)
+        return None if curve is None else max(0.0, _along(curve, tokens, extend=True))
 
 
 def _along(curve: tuple[tuple[int, float], ...], x: float, extend: bool) -> float:

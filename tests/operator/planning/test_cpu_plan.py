@@ -79,11 +79,11 @@ def test_at_batch_one_the_plan_predicts_the_step_the_profile_measured(quantizati
     assert p.quantization == quantization
     assert p.predicted_tpot_ms == pytest.approx(measured.seconds * 1000, rel=0.03, abs=1)  # whole ms
     # The first token: the measured step that computes a prompt of that length (between two
-    # measured lengths, on the line through them), then a decode step.
-    short, long = _steps(builtin(), quantization).prefill[0], _steps(builtin(), quantization).prefill[-1]
+    # measured lengths, on the segment between them), then a decode step.
+    short, longer = _steps(builtin(), quantization).prefill[:2]
     step_ms = measured.seconds * 1000
-    middle = (short.tokens + long.tokens) // 2
-    for tokens, prefill_s in ((short.tokens, short.seconds), (middle, (short.seconds + long.seconds) / 2)):
+    middle = (short.tokens + longer.tokens) // 2
+    for tokens, prefill_s in ((short.tokens, short.seconds), (middle, (short.seconds + longer.seconds) / 2)):
         at = plan(spec(load=load | {"meanPromptTokens": tokens}, serving={"quantization": quantization}))
         assert prefill_s * 1000 + 0.9 * step_ms < at.predicted_ttft_ms < prefill_s * 1000 + 1.2 * step_ms, tokens
 
@@ -210,12 +210,15 @@ def _compiled(step_s: float | None) -> DeviceProfile:
 
 
 def test_compiled_decoding_is_rendered_where_the_plan_tpot_needs_it() -> None:
-    # Lone sequences (1 req/s, short answers) under a TPOT SLO just below the eager batch-1 step.
+    # Mostly lone sequences (short answers, a light load) under a TPOT SLO just below the eager
+    # batch-1 step.
     eager_ms = _steps(builtin(), "none").decode[0].seconds * 1000
-    tight = {"load": {"requestsPerSecond": 0.5, "meanPromptTokens": 60, "meanOutputTokens": 64}}
+    tight = {"load": {"requestsPerSecond": 0.2, "meanPromptTokens": 60, "meanOutputTokens": 64}}
     s = spec("compiled", slo={"tpotP95Ms": round(eager_ms * 0.9)}, serving={"quantization": "none"}, **tight)
     compiled = plan(s, device_profiles={"compiled": _compiled(eager_ms * 0.6 / 1000)})
-    assert compiled.compile_decode and compiled.meets_slo and compiled.replicas == 1
+    eager = plan(s, device_profiles={"compiled": _compiled(None)})
+    assert compiled.compile_decode and compiled.meets_slo and not eager.meets_slo
+    assert compiled.replicas < eager.replicas
     assert "x0.60 of the eager one" in compiled.reasons["compiledDecode"], compiled.reasons
     assert compiled.predicted_tpot_ms < eager_ms * 0.9
     args = render.engine_args(s, compiled, MODEL)

@@ -37,7 +37,7 @@ class Sizes:
     engine_steps: int  # timed steps per figure
 
 
-# Default: about a minute on 2 cores. Quick: a few seconds plus the model's loads, for tests.
+# Default: about 1.5 minutes on 2 cores. Quick: a few seconds plus the model's loads, for tests.
 FULL = Sizes(512 * MiB, (2048, 2048), (1, 8, 32, 128, 512), 0.25, (1, 2, 4, 8, 16), (32, 64, 128, 256, 512), 24)
 QUICK = Sizes(128 * MiB, (1024, 1024), (1, 32, 256), 0.02, (1, 2), (32, 64), 4)
 
@@ -154,7 +154,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help=COMMANDS["profile"][1],
         description="Measure this machine (memory bandwidth, fp32/bf16/int8/int4/w8a8 matmul rates through the "
         "engine's kernels, the engine's decode and prefill steps on the embedded model with each scheme) "
-        "and print its device profile as JSON. About a minute on 2 cores; --quick: rough numbers, for tests.",
+        "and print its device profile as JSON. About 1.5 minutes on 2 cores; --quick: rough numbers, for tests.",
     )
     parser.add_argument("--quick", action="store_true", help="small sizes: rough numbers, for tests")
     parser.add_argument("--output", help="write the JSON to this file instead of stdout")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import queue
 import threading
@@ -307,6 +308,11 @@ class AsyncEngine:
             self._error = self._load_error = err
             self._loaded.set()
             return
+        # Loading leaves ~500k objects the collector tracks (torch's and transformers' modules), none
+        # of them garbage later: a full collection over them holds the GIL ~0.3 s (twice that on a slow
+        # machine), stalling /health and a decode step alike. Keep them out of every collection.
+        gc.collect()
+        gc.freeze()
         self._publish_state(self._engine.stats(), {})
         self.metrics.on_engine_loaded(
             self.config.block_size, self._engine.runner.num_blocks, self.config.enable_prefix_caching

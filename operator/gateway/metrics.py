@@ -1,5 +1,7 @@
 """The gateway's own /metrics: what it holds and forwards per InferenceService now (read from its
-counters at scrape time, so a service that is gone leaves no series behind), and each request's
+counters at scrape time, so a service that is gone leaves no series behind; a service with requests
+in the gateway has both gauges, 0 included, so a dashboard shows "none held" rather than no data
+between two holds), and each request's
 count and latency through the gateway by outcome. The held queue is demand the engines cannot see
 yet: a service waking from zero, or engines at their plan's capacity."""
 
@@ -30,13 +32,15 @@ class Now(Collector):
         self._held, self._in_flight, self._body_bytes = held, in_flight, body_bytes
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        for name, doc, read in (
-            (GATEWAY_HELD_METRIC, "Requests waiting in the gateway for an engine", self._held),
-            ("kvpilot_gateway_in_flight_requests", "Requests forwarded to engines and not finished", self._in_flight),
+        held, in_flight = self._held(), self._in_flight()
+        active = sorted(set(held) | set(in_flight))
+        for name, doc, counts in (
+            (GATEWAY_HELD_METRIC, "Requests waiting in the gateway for an engine", held),
+            ("kvpilot_gateway_in_flight_requests", "Requests forwarded to engines and not finished", in_flight),
         ):
             family = GaugeMetricFamily(name, doc, labels=["namespace", "service"])
-            for (namespace, service), value in sorted(read().items()):
-                family.add_metric([namespace, service], value)
+            for namespace, service in active:
+                family.add_metric([namespace, service], counts.get((namespace, service), 0))
             yield family
         family = GaugeMetricFamily(
             "kvpilot_gateway_body_bytes", "Bytes of request bodies the gateway holds", labels=["namespace"]

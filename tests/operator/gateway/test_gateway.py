@@ -276,13 +276,15 @@ def test_the_gateway_exports_what_it_holds_and_forwards_and_each_requests_latenc
         await asyncio.sleep(0.5)
         text = await (await http.get(f"{base}/metrics")).text()
         assert 'kvpilot_gateway_held_requests{namespace="team",service="chat"} 3.0' in text
+        assert 'kvpilot_gateway_in_flight_requests{namespace="team",service="chat"} 0.0' in text
         engine = await Engine("e0", chunks=5, delay=0.2).start(POD_IPS[0])
         ix.put(pod("chat-p0", POD_IPS[0]))
         try:
             await asyncio.sleep(0.6)
             text = await (await http.get(f"{base}/metrics")).text()
             assert 'kvpilot_gateway_in_flight_requests{namespace="team",service="chat"} 3.0' in text
-            assert "kvpilot_gateway_held_requests{" not in text
+            # Still a series while the service has requests here: "none held", not "no data".
+            assert 'kvpilot_gateway_held_requests{namespace="team",service="chat"} 0.0' in text
             await asyncio.gather(*held)
             await complete(http, base, model="nope")
         finally:
@@ -294,6 +296,7 @@ def test_the_gateway_exports_what_it_holds_and_forwards_and_each_requests_latenc
         bucket = 'kvpilot_gateway_request_duration_seconds_bucket{code="200",le="%s",namespace="team",service="chat"}'
         assert f"{bucket % '1.0'} 0.0" in text and f"{bucket % '2.5'} 3.0" in text
         assert "kvpilot_gateway_in_flight_requests{" not in text
+        assert "kvpilot_gateway_held_requests{" not in text
 
     run(scenario)
 

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from kvpilot.engine.config import SPECULATIVE_MAX_BATCH_SIZE, EngineCapabilities
 from kvpilot.engine.device_profile import DeviceProfile
 from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec, hub_source
-from kvpilot.operator.planning import cpus, sizing
+from kvpilot.operator.planning import cpus, sizing, speculation
 from kvpilot.operator.planning.gpus import GPU, GPUS, find_gpu
 from kvpilot.operator.planning.models import MODELS, find_model
 from kvpilot.operator.planning.runtimes import RUNTIMES
@@ -48,17 +48,10 @@ PREFILL_SHARE_OF_TPOT = 0.5
 # temperature. The engine stops speculating above this running batch, and predictions do too.
 SPECULATION_MAX_BATCH = SPECULATIVE_MAX_BATCH_SIZE
 HIGH_TEMPERATURE = 1.0
-# Draft acceptance per draft token. ngram: measured (bench/RESULTS.md, "Speculative decoding"): 0.29
-# on open-ended chat answers, the conservative choice, where answers that copy their prompt accept
-# 0.76. draft: NOT measured, an assumption taken from the literature's figures for a small draft of
-# the target's own family (Leviathan et al. 2023, EAGLE, Medusa, vLLM's speculative-decoding posts);
-# this project measured only drafts that tell nothing about it: the target's own early exit (0-2 %)
-# and the target as its own draft (100 %). Verifying k + 1 tokens costs more than a plain
-# decode step: 1.15x is an assumption for a bandwidth-bound GPU (no GPU was at hand; on this
-# project's 2-core CPU, where decode is compute-bound, it measured ~1.5x).
-# eagle: NOT measured either, the EAGLE papers' per-token acceptance for chat (~0.75-0.8 at
-# temperature 0); a head of one decoder layer drafts for a fraction of a draft model's cost.
-ACCEPTANCE = {"ngram": 0.29, "draft": 0.7, "eagle": 0.75}
+# Verifying k + 1 tokens costs more than a plain decode step: 1.15x is an assumption for a
+# bandwidth-bound GPU (no GPU was at hand; on this project's 2-core CPU, where decode is
+# compute-bound, it measured ~1.5x, and a measured device computes it as a step of k + 1 rows).
+# Draft acceptance (assumed and observed) is the engines' unit: planning/speculation.py.
 # The modes that run serving.draftModel beside the target (auto chooses only "draft").
 DRAFTED = ("draft", "eagle")
 VERIFY_OVERHEAD = 1.15
@@ -84,7 +77,8 @@ class Plan(BaseModel):
     speculative: str = "off"
     draft_model: str | None = None  # serving.draftModel, when the plan runs it
     num_speculative_tokens: int | None = None
-    # The per-token draft acceptance the plan's TPOT assumes (status.latency shows the observed one).
+    # The share of drafts accepted the plan's TPOT assumes, in the engines' unit (status.latency shows the
+    # observed one beside it).
     assumed_draft_acceptance: float | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -374,9 +368,9 @@ def _allreduces_seconds(arch: Architecture, gpu: GPU, tp: int, tokens: float) ->
     return 2 * arch.layers * sizing.allreduce_seconds(hidden_bytes, tp, gpu.link_bytes_per_s, gpu.link_latency_us / 1e6)
 
 
-def _step_seconds(replica: _Replica, running: float, context: float, tokens_per_sequence: int = 1) -> float:
+def _step_seconds(replica: _Replica, running: float, context: float, tokens_per_sequence: float = 1) -> float:
     """One decode step of `running` sequences holding `context` tokens each, computing
-    `tokens_per_sequence` each (1; k + 1 in a speculative verification)."""
+    `tokens_per_sequence` each on average (1; k + 1 in a speculative verification)."""
     arch, gpu, tp = replica.arch, replica.gpu, replica.tp
     tokens = running * tokens_per_sequence
     # A mixture of experts reads only the experts its tokens route to; a dense model reads all.
@@ -417,7 +411,11 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculat
         )
     context = load.mean_prompt_tokens + load.mean_output_tokens / 2  # mean tokens in cache
     k = spec.serving.num_speculative_tokens
-    tokens_per_step = sizing.expected_tokens_per_step(_acceptance(gpu, speculative), k) if speculative != "off" else 1.0
+    if speculative != "off":
+        acceptance = _acceptance(gpu, speculative, k)
+        # The engine's acceptance window leaves a request that rejects its drafts verifying a few
+        # steps of its answer only; `verifying` is that share, 1 where drafts are mostly accepted.
+        verifying = speculation.verifying_share(acceptance, k, max(1, load.mean_output_tokens - 1))
 
     def means(batch: float) -> tuple[float, float, float]:
         """Mean TTFT and TPOT at a running batch, and the part of TPOT no prefill interrupts."""
@@ -431,11 +429,16 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculat
             step = alone * _step_seconds(replica, 1.0, context) + (1 - alone) * step
         uninterrupted = step
         if speculative != "off" and running <= SPECULATION_MAX_BATCH:
-            # A verification of k + 1 tokens per step, after the draft model's k decode steps.
-            drafting = 0.0 if draft is None else k * _draft_step_seconds(draft, gpu, running, context)
-            # A measured device's verification is computed as a step over its k + 1 tokens.
-            verify = _step_seconds(replica, running, context, k + 1) if gpu.measured else step * VERIFY_OVERHEAD
-            uninterrupted = (verify + drafting) / tokens_per_step
+            # A share `verifying` of the sequences verifies k + 1 tokens per step, after the draft
+            # model's k decode steps for them; each verification yields 1 + k x acceptance tokens.
+            drafting = 0.0 if draft is None else verifying * k * _draft_step_seconds(draft, gpu, running, context)
+            # A measured device computes the step over its token rows, the verifications' k + 1 each.
+            verify = (
+                _step_seconds(replica, running, context, 1 + verifying * k)
+                if gpu.measured
+                else step * (1 + verifying * (VERIFY_OVERHEAD - 1))
+            )
+            uninterrupted = (verify + drafting) / (1 + verifying * k * acceptance)
         # M/M/1 wait for the prefill server, plus half a step to reach the next step boundary.
         ttft = prefill * busy / (1 - busy) + step / 2 + prefill
         return ttft * gpu.ttft_factor, uninterrupted / (1 - busy) * gpu.tpot_factor, step
@@ -676,6 +679,7 @@ def _speculation(
     """The speculative mode for a replica whose memory is `memory` (sized with the draft when the
     spec pins one), and the replicas it then needs."""
     serving = spec.serving
+    k = serving.num_speculative_tokens
     off = _Speculation("off", "", memory, *_replicas(spec, memory.replica, "off"))
     perf = off.perf
     tpot_bound = perf.tpot_s * 1000 / spec.slo.tpot_p95_ms >= perf.ttft_s * 1000 / spec.slo.ttft_p95_ms
@@ -706,10 +710,11 @@ def _speculation(
         reason += (
             f"; {'EAGLE head' if mode == 'eagle' else 'draft model'} {draft.source}: {_gib(draft.weights)} GiB of "
             f"weights (unquantized), {draft.kv_per_token / sizing.MiB:.3g} MiB of KV per token; "
+            + f"{_acceptance(device[0], mode, k):.2f} of drafts accepted, "
             + (
-                f"acceptance {_acceptance(device[0], mode):.2f} per token observed (status.correction)"
+                "observed (status.correction)"
                 if mode in dict(device[0].observed_acceptance)
-                else f"acceptance {ACCEPTANCE[mode]:g} per token assumed (not measured)"
+                else "assumed (not measured)"
             )
         )
     if mode == "off":
@@ -718,14 +723,15 @@ def _speculation(
         speculating = _Speculation(mode, reason, memory, *_replicas(spec, memory.replica, mode))
         if serving.speculative != "auto" or not _observed_worse(speculating, off):
             return speculating
-        off = off._replace(reason=_observed_reason(speculating, off))
+        off = off._replace(reason=_observed_reason(speculating, off, k))
     return _compiled(spec, off) if off.memory.replica.gpu.compiled_step_factor else off
 
 
-def _acceptance(gpu: GPU, mode: str) -> float:
-    """The draft acceptance per token to predict `mode` with: the one observed on the service's
-    engines (status.correction) where there is one, else the assumed one."""
-    return dict(gpu.observed_acceptance).get(mode, ACCEPTANCE[mode])
+def _acceptance(gpu: GPU, mode: str, k: int) -> float:
+    """The share of its k drafts a verification keeps, to predict `mode` with: the one observed on
+    the service's engines (status.correction) where there is one, else the assumed one."""
+    observed = dict(gpu.observed_acceptance)
+    return observed[mode] if mode in observed else speculation.assumed_acceptance(mode, k)
 
 
 def _observed_worse(speculating: _Speculation, off: _Speculation) -> bool:
@@ -737,11 +743,12 @@ def _observed_worse(speculating: _Speculation, off: _Speculation) -> bool:
     return next(ranked) <= next(ranked)
 
 
-def _observed_reason(speculating: _Speculation, off: _Speculation) -> str:
-    acceptance = _acceptance(speculating.memory.replica.gpu, speculating.mode)
+def _observed_reason(speculating: _Speculation, off: _Speculation, k: int) -> str:
+    acceptance = _acceptance(speculating.memory.replica.gpu, speculating.mode, k)
     return (
         f"off: {speculating.mode} would be chosen ({speculating.reason}), but with the acceptance its engines "
-        f"reported, {acceptance:.2f} per token (status.correction; assumed {ACCEPTANCE[speculating.mode]:g}), it "
+        f"reported, {acceptance:.2f} of drafts (status.correction; assumed "
+        f"{speculation.assumed_acceptance(speculating.mode, k):.2f}), it "
         f"predicts TPOT {_ms(speculating.perf.tpot_s)} ms at {speculating.replicas} replica(s) against "
         f"{_ms(off.perf.tpot_s)} ms at {off.replicas} without drafts"
     )
@@ -856,7 +863,11 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: _Speculation) -> Plan:
         draft_model=serving.draft_model if chosen.mode in DRAFTED else None,
         num_speculative_tokens=serving.num_speculative_tokens if speculating else None,
         compile_decode=memory.replica.compiled,
-        assumed_draft_acceptance=_acceptance(memory.replica.gpu, chosen.mode) if speculating else None,
+        assumed_draft_acceptance=(
+            round(_acceptance(memory.replica.gpu, chosen.mode, serving.num_speculative_tokens), 4)
+            if speculating
+            else None
+        ),
         block_size=serving.block_size,
         gpu_memory_utilization=serving.gpu_memory_utilization,
         kv_blocks=sizes.kv_pool_bytes // (sizes.kv_bytes_per_token * serving.block_size),

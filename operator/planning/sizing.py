@@ -177,11 +177,3 @@ def decode_step_seconds(
 def request_latency(ttft: float, tpot: float, output_tokens: int) -> float:
     """TTFT + (N − 1) × TPOT: the first token comes out of prefill."""
     return ttft + (output_tokens - 1) * tpot
-
-
-def expected_tokens_per_step(acceptance: float, k: int) -> float:
-    """Tokens a speculative step yields with k drafts each accepted with probability α:
-    (1 − α^(k+1)) / (1 − α) (Leviathan et al., 2023)."""
-    if acceptance >= 1:
-        return k + 1
-    return (1 - acceptance ** (k + 1)) / (1 - acceptance)

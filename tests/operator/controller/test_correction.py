@@ -129,7 +129,7 @@ def test_an_observed_acceptance_that_makes_speculation_worse_turns_auto_off() ->
     assert assumed.speculative == "ngram" and assumed.assumed_draft_acceptance == 0.29
     low = plan(s, correction=correction.Correction(1.0, 1.0, (("ngram", 0.02),)))
     assert low.speculative == "off" and low.assumed_draft_acceptance is None
-    assert "with the acceptance its engines reported, 0.02 per token" in low.reasons["speculative"]
+    assert "with the acceptance its engines reported, 0.02 of drafts" in low.reasons["speculative"]
     assert low.predicted_tpot_ms <= assumed.predicted_tpot_ms * 2
     # Drafts accepted as often as assumed or more keep n-gram, predicted with the observed figure.
     high = plan(s, correction=correction.Correction(1.0, 1.0, (("ngram", 0.8),)))

@@ -76,7 +76,7 @@ def test_the_draft_takes_its_weights_and_its_kv_slots_out_of_the_target_pool(mon
     assert alone.max_num_seqs == 3855 // 40 == 96
     assert "0.125 target + 0.0312 draft" in result.reasons["kvCache"]
     assert "- draft model weights 2.3 GiB" in result.reasons["kvCache"]
-    assert "acceptance 0.7 per token assumed (not measured)" in result.reasons["speculative"]
+    assert "0.44 of drafts accepted, assumed (not measured)" in result.reasons["speculative"]
 
 
 def test_the_pod_requests_host_memory_for_the_draft_weights_too() -> None:

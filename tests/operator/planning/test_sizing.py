@@ -106,9 +106,3 @@ def test_decode_is_bandwidth_bound_at_batch_1_and_compute_bound_at_huge_batch() 
 def test_prefill_is_two_flops_per_parameter_per_token() -> None:
     seconds = sizing.prefill_seconds(7_000_000_000, 1000, 1e15)
     assert seconds == 2 * 7e9 * 1000 / (1e15 * sizing.PREFILL_COMPUTE_EFFICIENCY)
-
-
-def test_speculative_tokens_per_step() -> None:
-    assert sizing.expected_tokens_per_step(0.0, 4) == 1
-    assert sizing.expected_tokens_per_step(1.0, 4) == 5
-    assert abs(sizing.expected_tokens_per_step(0.5, 1) - 1.5) < 1e-12

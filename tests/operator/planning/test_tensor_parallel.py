@@ -7,7 +7,7 @@ from typing import Any
 
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller.vllm_args import vllm_args
-from kvpilot.operator.planning import sizing
+from kvpilot.operator.planning import sizing, speculation
 from kvpilot.operator.planning.gpus import GPUS
 from kvpilot.operator.planning.models import MODELS
 from kvpilot.operator.planning.planner import plan
@@ -127,7 +127,9 @@ def test_an_eagle_head_is_planned_beside_the_target_on_vllm() -> None:
     }
     result = plan(spec("llama-3-8b", "H100-80GB", serving=serving))
     assert result.fits and result.speculative == "eagle" and result.draft_model == serving["draftModel"]
-    assert result.assumed_draft_acceptance == 0.75 and "EAGLE head hf://yuhuili" in result.reasons["speculative"]
+    # The EAGLE papers' 0.75 per token, as the share of 4 drafts the engines report.
+    assert result.assumed_draft_acceptance == round(speculation.accepted_share(0.75, 4), 4) == 0.5127
+    assert "EAGLE head hf://yuhuili" in result.reasons["speculative"]
     assert result.draft_weight_bytes == head.parameters * 2  # 16-bit, beside the target's
     args = vllm_args(spec("llama-3-8b", "H100-80GB", serving=serving), result, "/m", "/e")
     assert '--speculative-config={"method":"eagle","model":"/e","num_speculative_tokens":4}' in args

@@ -236,3 +236,22 @@ def test_nvidia_smi_is_read_for_the_gpu_the_engines_take(tmp_path: Path, monkeyp
     with pytest.raises(RuntimeError, match="the engine is not serving from the GPU"):
         pa.gpu_memory_in_use(found)
     assert pa.gpu_memory_in_use(gpu_plan("L4", "none", "off")(10.0)) == 60000.0
+
+
+def test_a_speculating_case_is_predicted_again_with_the_acceptance_its_engine_reported(tmp_path: Path) -> None:
+    settings = pa.Settings("cpu", 1, 108, 48, (2000, 100), 8, 64, 0, 1.0, 20.0, tmp_path)
+    assumed = planned("int4", "ngram")(1.0)
+
+    def record(mode: str, acceptance: float | None) -> dict:
+        found = {"speculative": mode, "scheme": "int4", "rate": 1.0, "accelerator": "cpu"}
+        return found | {"observed": {"draft_acceptance": acceptance, "tpot_ms": {"p95": 30.0}}}
+
+    rejected, kept = record("ngram", 0.0), record("ngram", 0.8)
+    for found in (rejected, kept):
+        pa.with_observed_acceptance(found, BUILTIN, settings)
+    # Drafts never kept: slower than the 0.29 assumed; mostly kept: faster. Ratios against the p95 seen.
+    assert rejected["replanned"]["tpot_ms"] > assumed.predicted_tpot_ms > kept["replanned"]["tpot_ms"]
+    assert rejected["tpot_p95_replanned"]["ratio"] == pytest.approx(30.0 / rejected["replanned"]["tpot_ms"])
+    for nothing_to_replan in (record("off", None), record("ngram", None)):
+        pa.with_observed_acceptance(nothing_to_replan, BUILTIN, settings)
+        assert "replanned" not in nothing_to_replan

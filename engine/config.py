@@ -34,7 +34,7 @@ SPECULATIVE_MAX_BATCH_SIZE = 8
 
 # A request stops proposing drafts for SPECULATIVE_BACKOFF_STEPS steps once fewer than
 # SPECULATIVE_MIN_ACCEPTANCE of the drafts of its last SPECULATIVE_ACCEPTANCE_WINDOW verification steps
-# were accepted (engine/core/acceptance_window.py). Chosen on the n-gram benchmark's prompts
+# were accepted (engine/acceptance_window.py). Chosen on the n-gram benchmark's prompts
 # (bench/RESULTS.md, "The acceptance window"): answers that copy accept 0.7-0.8 of their drafts,
 # answers written from scratch 0.1-0.35. Under 0.3 over 4 steps (16 drafts) no copying request
 # there ever backed off (0.5 cut 13 % of their accepted drafts), while open-ended requests verify

@@ -1,5 +1,6 @@
 """What each side of the `kvpilot` command imports: the engine image needs no operator stack, the
-operator image no torch and no engine code beyond its contract (config.py) and the dispatcher."""
+operator image no torch and no engine code beyond its contract (config.py, device_profile.py, and
+acceptance_window.py, which the planner runs to predict speculation) and the dispatcher."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from tests.test_imports import modules
 
 ROOT = Path(__file__).resolve().parents[1]
 OPERATOR_MODULES = sorted(m for m in modules() if m.startswith("kvpilot.operator"))
-ENGINE_CONTRACT = {"kvpilot.engine", "kvpilot.engine.config", "kvpilot.engine.cli", "kvpilot.engine.device_profile"}
+ENGINE_CONTRACT = {
+    "kvpilot.engine",
+    "kvpilot.engine.acceptance_window",
+    "kvpilot.engine.config",
+    "kvpilot.engine.cli",
+    "kvpilot.engine.device_profile",
+}
 HEAVY = ("torch", "transformers", "fastapi")
 
 

@@ -21,7 +21,7 @@ ABOVE_THE_MODEL = ("kvpilot.engine.worker", "kvpilot.engine.serving", "kvpilot.e
 # the engine's torch-free contract, kube/ only api/, and so on up to cli.py, which wires them all.
 ROOMS = {
     "api": set(),
-    "planning": {"api", "kvpilot.engine.config", "kvpilot.engine.device_profile"},
+    "planning": {"api", "kvpilot.engine.acceptance_window", "kvpilot.engine.config", "kvpilot.engine.device_profile"},
     "kube": {"api"},
     "controller": {"api", "planning", "kube", "kvpilot.engine.config", "kvpilot.engine.device_profile"},
     "autoscaling": {"api", "kube"},

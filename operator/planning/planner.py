@@ -410,8 +410,9 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculat
             math.inf, math.inf, math.inf, f"prefill alone needs {busy:.1f}x the GPU at {rate:.2f} req/s per replica"
         )
     context = load.mean_prompt_tokens + load.mean_output_tokens / 2  # mean tokens in cache
-    k = spec.serving.num_speculative_tokens
-    if speculative != "off":
+    speculating = speculative != "off"
+    if speculating:
+        k = spec.serving.num_speculative_tokens
         acceptance = _acceptance(gpu, speculative, k)
         # The engine's acceptance window leaves a request that rejects its drafts verifying a few
         # steps of its answer only; `verifying` is that share, 1 where drafts are mostly accepted.
@@ -428,17 +429,8 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculat
             alone = math.exp(-batch)
             step = alone * _step_seconds(replica, 1.0, context) + (1 - alone) * step
         uninterrupted = step
-        if speculative != "off" and running <= SPECULATION_MAX_BATCH:
-            # A share `verifying` of the sequences verifies k + 1 tokens per step, after the draft
-            # model's k decode steps for them; each verification yields 1 + k x acceptance tokens.
-            drafting = 0.0 if draft is None else verifying * k * _draft_step_seconds(draft, gpu, running, context)
-            # A measured device computes the step over its token rows, the verifications' k + 1 each.
-            verify = (
-                _step_seconds(replica, running, context, 1 + verifying * k)
-                if gpu.measured
-                else step * (1 + verifying * (VERIFY_OVERHEAD - 1))
-            )
-            uninterrupted = (verify + drafting) / (1 + verifying * k * acceptance)
+        if speculating and running <= SPECULATION_MAX_BATCH:
+            uninterrupted = _speculative_step(replica, draft, running, context, step, k, verifying, acceptance)
         # M/M/1 wait for the prefill server, plus half a step to reach the next step boundary.
         ttft = prefill * busy / (1 - busy) + step / 2 + prefill
         return ttft * gpu.ttft_factor, uninterrupted / (1 - busy) * gpu.tpot_factor, step
@@ -461,6 +453,30 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculat
     ttft, tpot, step = means(batch)
     ttft_p95, tpot_p95 = _p95(prefill, busy, step, tpot / gpu.tpot_factor, rate, load.mean_output_tokens)
     return _Perf(batch, ttft_p95 * gpu.ttft_factor, tpot_p95 * gpu.tpot_factor, None)
+
+
+def _speculative_step(
+    replica: _Replica,
+    draft: _Draft | None,
+    running: float,
+    context: float,
+    step: float,
+    k: int,
+    verifying: float,
+    acceptance: float,
+) -> float:
+    """Seconds per token of a step in which a share `verifying` of the `running` sequences verifies
+    k + 1 tokens, after the draft model's k decode steps for them (`step`: the plain one); each
+    verification yields 1 + k x acceptance tokens."""
+    gpu = replica.gpu
+    drafting = 0.0 if draft is None else verifying * k * _draft_step_seconds(draft, gpu, running, context)
+    # A measured device computes the step over its token rows, the verifications' k + 1 each.
+    verify = (
+        _step_seconds(replica, running, context, 1 + verifying * k)
+        if gpu.measured
+        else step * (1 + verifying * (VERIFY_OVERHEAD - 1))
+    )
+    return (verify + drafting) / (1 + verifying * k * acceptance)
 
 
 def _p95(prefill: float, busy: float, step: float, tpot: float, rate: float, output_tokens: int) -> tuple[float, float]:

@@ -14,6 +14,10 @@ and count for nothing: they cost no more than a plain decode.
 
 Only which requests verify drafts changes, never what a verification emits, so speculation stays
 lossless.
+
+Part of the engine's contract with the operator (beside config.py, copied into the operator's
+image): the planner runs this same window over simulated requests to predict how many steps verify
+(operator/planning/speculation.py), so it must stay free of anything but the standard library.
 """
 
 from __future__ import annotations

@@ -416,10 +416,11 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculat
         acceptance = _acceptance(gpu, speculative, k)
         # The engine's acceptance window leaves a request that rejects its drafts verifying a few
         # steps of its answer only; `verifying` is that share, 1 where drafts are mostly accepted.
-        verifying = speculation.verifying_share(acceptance, k, max(1, load.mean_output_tokens - 1))
+        verifying = speculation.verifying_share(acceptance, k, load.mean_output_tokens - 1)
 
-    def means(batch: float) -> tuple[float, float, float]:
-        """Mean TTFT and TPOT at a running batch, and the part of TPOT no prefill interrupts."""
+    def means(batch: float) -> tuple[float, float, float, float]:
+        """Mean TTFT and TPOT at a running batch, the plain decode step, and the part of TPOT no
+        prefill interrupts."""
         # A sequence decodes beside the `batch` others it finds running (Poisson arrivals see time
         # averages): its steps are of batch + 1.
         running = batch + 1.0
@@ -433,11 +434,11 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculat
             uninterrupted = _speculative_step(replica, draft, running, context, step, k, verifying, acceptance)
         # M/M/1 wait for the prefill server, plus half a step to reach the next step boundary.
         ttft = prefill * busy / (1 - busy) + step / 2 + prefill
-        return ttft * gpu.ttft_factor, uninterrupted / (1 - busy) * gpu.tpot_factor, step
+        return ttft * gpu.ttft_factor, uninterrupted / (1 - busy) * gpu.tpot_factor, step, uninterrupted
 
     batch = 0.0
     for _ in range(200):
-        ttft, tpot, _ = means(batch)
+        ttft, tpot, _, _ = means(batch)
         following = rate * sizing.request_latency(ttft, tpot, load.mean_output_tokens)
         if following > max_num_seqs:
             return _Perf(
@@ -450,8 +451,8 @@ def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculat
         batch = following
         if converged:
             break
-    ttft, tpot, step = means(batch)
-    ttft_p95, tpot_p95 = _p95(prefill, busy, step, tpot / gpu.tpot_factor, rate, load.mean_output_tokens)
+    _, _, step, uninterrupted = means(batch)
+    ttft_p95, tpot_p95 = _p95(prefill, busy, step, uninterrupted, rate, load.mean_output_tokens)
     return _Perf(batch, ttft_p95 * gpu.ttft_factor, tpot_p95 * gpu.tpot_factor, None)
 
 
@@ -479,7 +480,9 @@ def _speculative_step(
     return (verify + drafting) / (1 + verifying * k * acceptance)
 
 
-def _p95(prefill: float, busy: float, step: float, tpot: float, rate: float, output_tokens: int) -> tuple[float, float]:
+def _p95(
+    prefill: float, busy: float, step: float, uninterrupted: float, rate: float, output_tokens: int
+) -> tuple[float, float]:
     """The 95th percentiles of TTFT and of a request's TPOT (what the SLOs and the engines' reports
     are) around the means the batch is solved with (Little's law takes means).
 
@@ -489,14 +492,14 @@ def _p95(prefill: float, busy: float, step: float, tpot: float, rate: float, out
     TPOT: a request's decode of D seconds is interrupted by the prefills of the requests arriving
     meanwhile, Poisson with mean rate x D, their 95th percentile by the normal approximation. D at
     its own 95th percentile is the uninterrupted decode plus those interruptions, which lengthen D
-    and so let more arrive: D = c + prefill (rate D + z sqrt(rate D)), c the uninterrupted decode,
-    a quadratic in sqrt(D). Without the feedback (D taken at its mean) the tail came out 1.4-1.75x
-    short where prefills keep the engine 17-40 % busy (int4 on CPU, bench/RESULTS.md)."""
+    and so let more arrive: D = c + prefill (rate D + z sqrt(rate D)), c the uninterrupted decode
+    (`uninterrupted` seconds per token), a quadratic in sqrt(D). Without the feedback (D taken at
+    its mean) the tail came out 1.4-1.75x short where prefills keep the engine 17-40 % busy (int4 on
+    CPU, bench/RESULTS.md)."""
     wait = prefill / (2 * (1 - busy)) * math.log(busy / P95_TAIL) if busy > P95_TAIL else 0.0
     steps = max(output_tokens - 1, 1)
-    uninterrupted = steps * tpot * (1 - busy)
     a, b = 1 - busy, prefill * Z_95 * math.sqrt(rate)
-    root = (b + math.sqrt(b * b + 4 * a * uninterrupted)) / (2 * a)
+    root = (b + math.sqrt(b * b + 4 * a * steps * uninterrupted)) / (2 * a)
     return prefill + wait + step, root * root / steps
 
 

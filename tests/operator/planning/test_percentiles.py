@@ -14,7 +14,7 @@ def test_the_tpot_tail_counts_the_prefills_that_arrive_while_the_tail_itself_is_
     prefill, output_tokens, uninterrupted_step = 0.19, 48, 0.035
     rate = busy / prefill
     mean_tpot = uninterrupted_step / (1 - busy)
-    _, tpot_p95 = _p95(prefill, busy, 0.03, mean_tpot, rate, output_tokens)
+    _, tpot_p95 = _p95(prefill, busy, 0.03, uninterrupted_step, rate, output_tokens)
     decode = tpot_p95 * (output_tokens - 1)  # the 95th-percentile decode, D
     arrivals = rate * decode
     # D is its uninterrupted steps plus the 95th percentile of the prefills arriving within D itself.

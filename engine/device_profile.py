@@ -125,6 +125,9 @@ class EngineSteps(_Data):
     # The batch-1 step with compile_decode (`kvpilot profile --compiled`; its compile not counted):
     # what the planner weighs when a plan's lone sequences miss the TPOT SLO eagerly.
     compiled_step_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    # The engine served full-precision weights from oneDNN's layout (engine/model/onednn_linear.py),
+    # so "none" holds its own copy of a tied LM head beside the embedding (in its weight_bytes).
+    onednn_weights: bool = False
 
     @field_validator("schemes")
     @classmethod

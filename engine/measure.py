@@ -185,9 +185,10 @@ def compiled_step(steps: int, progress: Progress) -> float:
 
 def scheme_steps(
     quantization: str, batches: tuple[int, ...], prefill_tokens: tuple[int, ...], steps: int, progress: Progress
-) -> tuple[SchemeSteps, EngineStep | None]:
+) -> tuple[SchemeSteps, EngineStep | None, bool]:
     """The embedded model's decode steps at each batch and prefill steps of each prompt length with
-    `quantization` (dtype auto, eager steps); for "none" also a decode step at a long context."""
+    `quantization` (dtype auto, eager steps); for "none" also a decode step at a long context. And
+    whether the engine packed full-precision weights for oneDNN."""
     engine = _engine(max(batches), quantization=quantization)
     prompt = engine.tokenize(_PASSAGE)
     # Fewer repeats of prefill steps: they are long, and their spread is smaller than a decode step's.
@@ -215,7 +216,7 @@ def scheme_steps(
     weights = SchemeSteps(
         quantization=quantization, weight_bytes=engine.runner.weight_bytes, decode=tuple(decode), prefill=prefill
     )
-    return weights, long_context
+    return weights, long_context, engine.runner.onednn_layers > 0
 
 
 def engine_steps(
@@ -223,14 +224,15 @@ def engine_steps(
 ) -> EngineSteps:
     """Every scheme's steps (scheme_steps); `compiled`: the batch-1 step with compile_decode too."""
     measured = [scheme_steps(q, batches, prefill_tokens, steps, progress) for q in ENGINE_SCHEMES]
-    long_context = measured[0][1]
+    _, long_context, onednn_weights = measured[0]
     assert long_context is not None  # "none" comes first and measures it
     return EngineSteps(
         model=EMBEDDED_MODEL,
         dtype=str(EngineConfig().torch_dtype(torch.device("cpu"), choose_kernel_path("auto").bf16)).removeprefix(
             "torch."
         ),
-        schemes=tuple(weights for weights, _ in measured),
+        schemes=tuple(weights for weights, _, _ in measured),
         long_context=long_context,
         compiled_step_s=compiled_step(steps, progress) if compiled else None,
+        onednn_weights=onednn_weights,
     )

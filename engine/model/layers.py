@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kvpilot.engine.model import onednn_linear
 from kvpilot.engine.model.quantization import LinearQuantization
 
 # A checkpoint tensor -> the values of the parameter rows it fills, given their shape.
@@ -101,6 +102,8 @@ class Linear(nn.Module):
         self.checkpoint_format: CheckpointFormat = FullPrecision()
         self.checkpoint_format.create_weights(self)
         self.bias = self.checkpoint_parameter(out_features) if bias else None
+        # The full-precision weight in oneDNN's layout, in place of `weight`, once pack_for_onednn ran.
+        self.register_buffer("packed_weight", None, persistent=False)
 
     def rows(self, shard: str | None) -> slice:
         """The rows of the weight (and bias) that hold `shard`."""
@@ -132,7 +135,19 @@ class Linear(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.checkpoint_format.process_weights_after_loading(self)
 
+    def pack_for_onednn(self) -> bool:
+        """Serve the full-precision weight from oneDNN's blocked layout (onednn_linear.py); a
+        quantized or already packed layer stays as it is. A tied weight stays with its other owner,
+        the layer keeping a packed copy. Whether it packed."""
+        if self.quantization is not None or "weight" not in self._parameters:
+            return False
+        weight = self._parameters.pop("weight")
+        self.packed_weight = onednn_linear.pack(weight.data)
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return onednn_linear.linear(x, self.packed_weight, self.bias)
         if self.quantization is None:
             return nn.functional.linear(x, self.weight, self.bias)
         y = self.quantization.matmul(self, x)
@@ -155,6 +170,12 @@ class FusedLinear(Linear):
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(list(self.shard_sizes.values()), dim=-1)
+
+
+def pack_for_onednn(model: nn.Module) -> int:
+    """Every full-precision linear layer of `model` packed for oneDNN (Linear.pack_for_onednn);
+    how many were."""
+    return sum(module.pack_for_onednn() for module in model.modules() if isinstance(module, Linear))
 
 
 class Embedding(nn.Module):

@@ -13,6 +13,8 @@ Three paths, chosen at start-up from /proc/cpuinfo (or forced by `cpu_kernels`):
   bench/RESULTS.md, "W8A8").
 
 Weight-only INT8/INT4 run PyTorch's packed kernels on every path (their activations cast to bf16).
+On an x86 CPU (AVX2 or newer) full-precision weights are served from oneDNN's blocked layout, fp32
+ones always and bf16 ones where the CPU has bf16 arithmetic (engine/model/onednn_linear.py).
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ from typing import NamedTuple
 KERNEL_PATHS = ("bf16", "vnni", "fp32")
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+X86_VECTOR_FLAGS = frozenset({"avx2", "avx512f"})
 CPUINFO = "/proc/cpuinfo"
 
 
 class KernelPath(NamedTuple):
     name: str  # one of KERNEL_PATHS
     reason: str  # why: the flags that decided, or the override
+    # Weight dtypes ("float32", "bfloat16") served from oneDNN's blocked layout: the CPU's, whatever
+    # the path (a path forced for a test does not change what the CPU runs well).
+    onednn_dtypes: tuple[str, ...] = ()
 
     @property
     def bf16(self) -> bool:
@@ -53,21 +59,30 @@ def read_cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     return frozenset(found.group(1).split()) if found else frozenset()
 
 
+def onednn_dtypes(flags: frozenset[str]) -> tuple[str, ...]:
+    """The weight dtypes oneDNN's packed kernels serve well on a CPU with these flags."""
+    if not flags & X86_VECTOR_FLAGS:
+        return ()
+    return ("float32", "bfloat16") if flags & BF16_FLAGS else ("float32",)
+
+
 def kernel_path(flags: frozenset[str]) -> KernelPath:
     """The fastest path these flags allow."""
+    packed = onednn_dtypes(flags)
     bf16 = sorted(flags & BF16_FLAGS)
     if bf16:
-        return KernelPath("bf16", f"cpu flags {','.join(bf16)}")
+        return KernelPath("bf16", f"cpu flags {','.join(bf16)}", packed)
     dot = sorted(flags & INT8_DOT_FLAGS)
     if dot:
-        return KernelPath("vnni", f"cpu flags {','.join(dot)}, no bf16")
-    return KernelPath("fp32", "no bf16 or int8 dot-product cpu flags")
+        return KernelPath("vnni", f"cpu flags {','.join(dot)}, no bf16", packed)
+    return KernelPath("fp32", "no bf16 or int8 dot-product cpu flags", packed)
 
 
 def choose_kernel_path(override: str, flags: frozenset[str] | None = None) -> KernelPath:
     """`override` (a path, or auto: from `flags`, default this CPU's) -> the path the engine runs."""
+    flags = read_cpu_flags() if flags is None else flags
     if override == "auto":
-        return kernel_path(read_cpu_flags() if flags is None else flags)
+        return kernel_path(flags)
     if override not in KERNEL_PATHS:
         raise ValueError(f"unknown cpu kernel path {override!r}; known: auto, {', '.join(KERNEL_PATHS)}")
-    return KernelPath(override, "forced by cpu_kernels")
+    return KernelPath(override, "forced by cpu_kernels", onednn_dtypes(flags))

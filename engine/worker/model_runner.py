@@ -17,7 +17,9 @@ from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.sampling_params import MAX_LOGPROBS
 from kvpilot.engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from kvpilot.engine.model import onednn_linear
 from kvpilot.engine.model.attention import AttentionMetadata, PrefillChunk, allocate_kv_caches
+from kvpilot.engine.model.layers import pack_for_onednn
 from kvpilot.engine.model.llama import LlamaForCausalLM, kv_shape
 from kvpilot.engine.model.loader import load_config, load_model, resolve_model
 from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs
@@ -95,8 +97,9 @@ class ModelRunner:
         self.num_layers = self.hf_config.num_hidden_layers
         self.num_kv_heads, self.head_dim = kv_shape(self.model)
         self.draft_model, self.draft_layers = self._load_draft()
-        # What the weights take in memory as served (quantized layers in their low-bit form).
         models = {id(m): m for m in (self.model, self.draft_model) if m is not None}.values()
+        self.onednn_layers = sum(pack_for_onednn(m) for m in models) if self._packs_weights() else 0
+        # What the weights take in memory as served (quantized layers in their low-bit form).
         self.weight_bytes = sum(t.numel() * t.element_size() for m in models for t in (*m.parameters(), *m.buffers()))
         self.num_blocks = self._num_kv_blocks()
         self.proposer = self._make_proposer()
@@ -115,14 +118,28 @@ class ModelRunner:
         )
         self._decode_forward = self._compile_decode() if config.compile_decode else None
 
+    def _packs_weights(self) -> bool:
+        """Whether full-precision linear weights are served from oneDNN's layout (onednn_linear.py):
+        on a CPU whose flags favour it for this dtype, with a torch that has the kernels, and not
+        under compile_decode, whose graph can neither take nor cache packed weights (and whose lone
+        sequence's step, the one it compiles, they do not speed up)."""
+        return (
+            self.device.type == "cpu"
+            and not self.config.compile_decode
+            and str(self.dtype).removeprefix("torch.") in self.cpu_kernels.onednn_dtypes
+            and onednn_linear.available()
+        )
+
     def _log_config(self, threads: int, threads_from: str) -> None:
         """The start-up line that says what runs: device, CPU kernel path, dtype, scheme, sizes."""
         log.info(
-            "event=engine_config device=%s cpu_kernels=%s cpu_kernels_from=%r dtype=%s quantization=%s speculative=%s "
-            "draft_layers=%d weight_bytes=%d torch_threads=%d threads_from=%r kv_blocks=%d compile_decode=%s",
+            "event=engine_config device=%s cpu_kernels=%s cpu_kernels_from=%r onednn_layers=%d dtype=%s "
+            "quantization=%s speculative=%s draft_layers=%d weight_bytes=%d torch_threads=%d threads_from=%r "
+            "kv_blocks=%d compile_decode=%s",
             self.device,
             self.cpu_kernels.name,
             self.cpu_kernels.reason,
+            self.onednn_layers,
             str(self.dtype).removeprefix("torch."),
             self.model.quantization,
             self.config.speculative,

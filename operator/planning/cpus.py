@@ -148,7 +148,10 @@ def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
     scale = arch.layers / reference.layers if reference else 1.0
     reference_kv = kv_bytes_per_token(reference, bytes_per_value) if reference else 0
     kv_rate = _attention_rate(steps, reference_kv) if reference_kv else None
-    parameters = steps.schemes[0].weight_bytes / bytes_per_value
+    # What a "none" step's GEMMs read: its weights less a tied head's second copy, which no step reads twice.
+    copied = reference and reference.tie_word_embeddings and steps.onednn_weights
+    head_copy = reference.vocab_size * reference.hidden_size if reference and copied else 0
+    parameters = steps.schemes[0].weight_bytes / bytes_per_value - head_copy
     per_token_scale = arch.parameters_per_token / reference.parameters_per_token if reference else 1.0
     planned = [s for s in steps.schemes if s.quantization in dict(device.matmul_curves)]
     none_batch_one = steps.schemes[0].decode[0].seconds
@@ -161,6 +164,7 @@ def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
             "prefill_curves": tuple((s.quantization, _prefill_curve(s, per_token_scale)) for s in planned),
             "kv_read_bytes_per_s": kv_rate,
             "compiled_step_factor": steps.compiled_step_s / none_batch_one if steps.compiled_step_s else None,
+            "tied_head_copy": steps.onednn_weights,
         }
     )
 

@@ -553,7 +553,10 @@ def _sizes(
     pool left of its GPUs; a pool of 0 when the weights do not fit."""
     draft_weights, draft_kv = (draft.weights, draft.kv_per_token) if draft else (0, 0)
     # The engine gives the draft a KV slot for every slot of the target's, so each slot holds both.
-    weights = sizing.weight_bytes(arch, quantization, runtime.quantized_lm_head, gpu.bytes_per_value) + draft_weights
+    weights = (
+        sizing.weight_bytes(arch, quantization, runtime.quantized_lm_head, gpu.bytes_per_value, gpu.tied_head_copy)
+        + draft_weights
+    )
     pool = sizing.kv_pool_bytes(gpu.memory_bytes, spec.serving.gpu_memory_utilization, weights, reserve)
     return _Sizes(
         gpu=gpu.name,
@@ -652,8 +655,13 @@ def _memory(
         + f" - reserve {_gib(reserve)} GiB"
         + (f"; capped at {MAX_NUM_SEQS_CAP}" if fitting_mean > MAX_NUM_SEQS_CAP else "")
     )
-    # A CPU's packed low-bit kernels read the stored weights; a GPU may dequantize them first.
-    decode_bytes = target_weights if gpu.is_cpu else sizing.decode_weight_bytes(arch, quantization, runtime)
+    # A CPU's packed low-bit kernels read the stored weights (a tied head's packed copy in place of
+    # the embedding's rows); a GPU may dequantize them first.
+    decode_bytes = (
+        sizing.weight_bytes(arch, quantization, runtime.quantized_lm_head, gpu.bytes_per_value)
+        if gpu.is_cpu
+        else sizing.decode_weight_bytes(arch, quantization, runtime)
+    )
     replica = _Replica(arch, gpu, tp, decode_bytes, target_kv, quantization, max_num_seqs, draft)
     if gpu.is_cpu:
         replica, sizes, kv_reason = _cpu_batch(spec, replica, sizes, (mean_context, context, lookahead), kv_reason)

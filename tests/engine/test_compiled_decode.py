@@ -35,6 +35,8 @@ def test_a_lone_sequence_decodes_through_the_compiled_graph_with_hf_greedy_outpu
     compiled, corpus_ids, hf_greedy
 ) -> None:
     llm, calls = compiled
+    # Its graph can neither take nor cache oneDNN-packed weights: they stay plain (onednn_linear.py).
+    assert llm.engine.runner.onednn_layers == 0
     before = calls[0]
     for i, prompt in enumerate(make_prompts(corpus_ids, [5, 31, 150, 400])):
         params = SamplingParams(max_tokens=12 + 4 * i, temperature=0.0)

@@ -24,21 +24,25 @@ ALDER_LAKE = "fpu avx2 avx_vnni"
 HASWELL = "fpu sse sse4_2 avx avx2 fma"
 
 
+BOTH = ("float32", "bfloat16")
+
+
 @pytest.mark.parametrize(
-    ("flags", "path"),
+    ("flags", "path", "packed"),
     [
-        (ZEN5, "bf16"),
-        (SAPPHIRE_RAPIDS, "bf16"),
-        (ICE_LAKE, "vnni"),
-        (ALDER_LAKE, "vnni"),
-        (HASWELL, "fp32"),
-        ("", "fp32"),
+        (ZEN5, "bf16", BOTH),
+        (SAPPHIRE_RAPIDS, "bf16", BOTH),
+        (ICE_LAKE, "vnni", ("float32",)),
+        (ALDER_LAKE, "vnni", ("float32",)),
+        (HASWELL, "fp32", ("float32",)),
+        ("", "fp32", ()),  # not an x86's flags: no oneDNN-packed weights
     ],
 )
-def test_the_path_follows_the_flags(flags: str, path: str) -> None:
+def test_the_path_follows_the_flags(flags: str, path: str, packed: tuple[str, ...]) -> None:
     chosen = kernel_path(frozenset(flags.split()))
     assert chosen.name == path
     assert chosen.bf16 == (path == "bf16") and chosen.integer_kernels == (path != "fp32")
+    assert chosen.onednn_dtypes == packed
 
 
 def test_flags_are_read_from_cpuinfo_and_an_override_wins() -> None:
@@ -47,7 +51,9 @@ def test_flags_are_read_from_cpuinfo_and_an_override_wins() -> None:
     assert read_cpu_flags("") == frozenset()
     assert choose_kernel_path("auto", frozenset(ICE_LAKE.split())).reason == "cpu flags avx512_vnni, no bf16"
     for path in KERNEL_PATHS:
-        assert choose_kernel_path(path, frozenset(ZEN5.split())) == (path, "forced by cpu_kernels")
+        # A forced path keeps what the CPU itself runs well.
+        assert choose_kernel_path(path, frozenset(ZEN5.split())) == (path, "forced by cpu_kernels", BOTH)
+        assert choose_kernel_path(path, frozenset(HASWELL.split())).onednn_dtypes == ("float32",)
     with pytest.raises(ValueError, match="unknown cpu kernel path 'avx'"):
         choose_kernel_path("avx")
 

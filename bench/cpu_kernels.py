@@ -3,10 +3,13 @@
 For each weight shape (the embedded model's four body layers and a 2048x2048 one) and token count:
 the weight-only packed kernels (INT8, INT4 group 32) against the same weight dequantized into a
 bf16 GEMM (their dense routes, INT8_DENSE_TOKENS / INT4_DENSE_TOKENS), W8A8's int8 x int8 GEMM
-(activation quantization included) on fp32 and bf16 activations, and the bf16 / fp32 GEMMs. Times
-in ms, the fastest of repeated calls (kvpilot.engine.measure.call_seconds).
+(activation quantization included) on fp32 and bf16 activations, and the bf16 / fp32 GEMMs, on the
+plain weight (`F.linear`) and on the weight packed in oneDNN's layout (engine/model/onednn_linear.py,
+where the engine serves unquantized layers on x86). Times in ms, the fastest of repeated calls
+(kvpilot.engine.measure.call_seconds).
 
     .venv/bin/python -m bench.cpu_kernels [--tokens 1,16,64,256] [--min-seconds 0.2] [--threads N]
+        [--shapes qkv,lm_head] [--kernels "bf16 GEMM,bf16 GEMM packed"]
 """
 
 from __future__ import annotations
@@ -18,10 +21,18 @@ import torch
 from torch import nn
 
 from kvpilot.engine.measure import call_seconds
+from kvpilot.engine.model import onednn_linear
 from kvpilot.engine.model.quantization import Int4WeightOnly, Int8Dynamic, Int8WeightOnly
 from kvpilot.engine.worker.cpu import cpu_threads
 
-SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "square": (2048, 2048)}
+SHAPES = {
+    "qkv": (960, 576),
+    "o": (576, 576),
+    "gate_up": (3072, 576),
+    "down": (576, 1536),
+    "lm_head": (49152, 576),
+    "square": (2048, 2048),
+}
 
 
 def _kernels(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -31,6 +42,7 @@ def _kernels(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.T
     Int4WeightOnly(32).quantize(int4, weight)
     Int8Dynamic(True).quantize(w8a8, weight)
     bf16, aten = weight.bfloat16(), torch.ops.aten
+    bf16_packed, fp32_packed = onednn_linear.pack(bf16), onednn_linear.pack(weight)
     return {
         "int8 packed": lambda x: aten._weight_int8pack_mm(x.bfloat16(), int8.qweight, int8.scales),
         "int8 dense": lambda x: nn.functional.linear(x.bfloat16(), Int8WeightOnly._weight(int8, torch.bfloat16)),
@@ -41,14 +53,17 @@ def _kernels(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.T
         "w8a8 (fp32 act.)": lambda x: Int8Dynamic(True).matmul(w8a8, x),
         "w8a8 (bf16 act.)": lambda x: Int8Dynamic(True).matmul(w8a8, x.bfloat16()),
         "bf16 GEMM": lambda x: nn.functional.linear(x.bfloat16(), bf16),
+        "bf16 GEMM packed": lambda x: onednn_linear.linear(x.bfloat16(), bf16_packed, None),
         "fp32 GEMM": lambda x: nn.functional.linear(x, weight),
+        "fp32 GEMM packed": lambda x: onednn_linear.linear(x, fp32_packed, None),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,16,64,128,256,512,1024")
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--shapes", default="qkv,o,gate_up,down,square", help=f"of {', '.join(SHAPES)}")
+    parser.add_argument("--kernels", help="a comma-separated subset of the kernels' names (default: all)")
     parser.add_argument("--min-seconds", type=float, default=0.2)
     parser.add_argument("--threads", type=int, help="torch threads (default: as the engine would use)")
     args = parser.parse_args()
@@ -63,6 +78,8 @@ def main() -> None:
         print("| kernel | " + " | ".join(str(n) for n in tokens) + " |")
         print("|---|" + "---:|" * len(tokens))
         kernels = _kernels(weight)
+        if args.kernels:
+            kernels = {name: kernels[name] for name in args.kernels.split(",")}
         with torch.inference_mode():
             for kernel, call in kernels.items():
                 times = []

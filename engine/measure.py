@@ -29,6 +29,7 @@ from kvpilot.engine.device_profile import (
     SchemeSteps,
 )
 from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.model import onednn_linear
 from kvpilot.engine.model.layers import Linear
 from kvpilot.engine.model.loader import EMBEDDED_MODEL, embedded_model_dir
 from kvpilot.engine.model.quantization import INT4_DENSE_TOKENS, INT8_DENSE_TOKENS, for_scheme
@@ -40,8 +41,8 @@ GROUP_SIZE: int = EngineConfig.model_fields["quantization_group_size"].default
 # Profile name -> (the engine's quantization scheme, the activations' dtype, what runs); W8A8's
 # activations and GEMM are those of this CPU's kernel path (kvpilot.engine.worker.cpu_features).
 SCHEMES: dict[str, tuple[str, torch.dtype | None, str]] = {
-    "fp32": ("none", torch.float32, "aten.linear, fp32 weight and activations"),
-    "bf16": ("none", torch.bfloat16, "aten.linear, bf16 weight and activations"),
+    "fp32": ("none", torch.float32, "the engine's unquantized linear, fp32 weight and activations"),
+    "bf16": ("none", torch.bfloat16, "the engine's unquantized linear, bf16 weight and activations"),
     "int8": (
         "int8",
         torch.bfloat16,
@@ -93,14 +94,19 @@ def memory_bandwidth(nbytes: int, min_seconds: float) -> tuple[float, float]:
 
 def engine_linear(scheme: str, dtype: torch.dtype, shape: tuple[int, int], integer_kernels: bool = True) -> Linear:
     """The engine's linear layer for `scheme`, its weight loaded through its weight_loader and put in
-    its serving form, as the model loader does."""
+    its serving form, as the model loader and the model runner do (packed for oneDNN where it would be)."""
     out_features, in_features = shape
     quantization, _ = for_scheme(scheme, GROUP_SIZE, integer_kernels)
     layer = Linear(in_features, out_features, quantization=quantization)
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)) * 0.02
     layer.weight.weight_loader(layer.weight, weight)  # type: ignore[attr-defined]
     layer.process_weights_after_loading()
-    return layer if quantization is not None else layer.to(dtype)
+    if quantization is not None:
+        return layer
+    layer = layer.to(dtype)
+    if onednn_linear.serves(torch.device("cpu"), dtype, choose_kernel_path("auto").onednn_dtypes):
+        layer.pack_for_onednn()
+    return layer
 
 
 def matmul_profile(name: str, shape: tuple[int, int], tokens: tuple[int, ...], min_seconds: float) -> MatmulProfile:
@@ -111,6 +117,8 @@ def matmul_profile(name: str, shape: tuple[int, int], tokens: tuple[int, ...], m
         gemm = "torch._int_mm (int32)" if path.integer_kernels else "an fp32 aten.linear"
         kernel = f"{kernel} {gemm}, {str(dtype).removeprefix('torch.')} activations ({path.name} kernel path)"
     layer = engine_linear(scheme, dtype, shape, path.integer_kernels)
+    if getattr(layer, "packed_weight", None) is not None:
+        kernel += " (weight packed in oneDNN's layout)"
     points = []
     with torch.inference_mode():
         for n in tokens:

@@ -23,6 +23,12 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def serves(device: torch.device, dtype: torch.dtype, cpu_dtypes: tuple[str, ...]) -> bool:
+    """Whether full-precision weights of `dtype` are served packed on `device`: a CPU whose flags
+    favour it for that dtype (cpu_features.KernelPath.onednn_dtypes), with a torch that has the kernels."""
+    return device.type == "cpu" and str(dtype).removeprefix("torch.") in cpu_dtypes and available()
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] -> the same weight in oneDNN's blocked layout (an mkldnn tensor of that shape)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())

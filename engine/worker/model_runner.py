@@ -120,14 +120,11 @@ class ModelRunner:
 
     def _packs_weights(self) -> bool:
         """Whether full-precision linear weights are served from oneDNN's layout (onednn_linear.py):
-        on a CPU whose flags favour it for this dtype, with a torch that has the kernels, and not
-        under compile_decode, whose graph can neither take nor cache packed weights (and whose lone
-        sequence's step, the one it compiles, they do not speed up)."""
-        return (
-            self.device.type == "cpu"
-            and not self.config.compile_decode
-            and str(self.dtype).removeprefix("torch.") in self.cpu_kernels.onednn_dtypes
-            and onednn_linear.available()
+        where the CPU favours it for this dtype, and not under compile_decode, whose graph can
+        neither take nor cache packed weights (and whose lone sequence's step, the one it compiles,
+        they do not speed up)."""
+        return not self.config.compile_decode and onednn_linear.serves(
+            self.device, self.dtype, self.cpu_kernels.onednn_dtypes
         )
 
     def _log_config(self, threads: int, threads_from: str) -> None:

@@ -67,18 +67,23 @@ def _attention_rate(steps: EngineSteps, kv_per_token: int) -> float | None:
 
 
 def _decode_overheads(
-    device: GPU, scheme: SchemeSteps, parameters: float, kv_bytes_per_s: float | None, kv_per_token: int, scale: float
+    device: GPU,
+    scheme: SchemeSteps,
+    read_bytes: int,
+    parameters: float,
+    kv_bytes_per_s: float | None,
+    kv_per_token: int,
+    scale: float,
 ) -> tuple[tuple[int, float], ...]:
-    """One scheme's engine work in a decode step beyond the GEMMs and attention the planner counts,
-    by running sequences, scaled by `scale` (the served model's layers over the measured one's). Not
-    floored at 0: with the GEMMs counted back, the planner predicts the measured model's steps as
-    measured even where the matmul micro-benchmark under-rates its kernels."""
+    """One scheme's engine work in a decode step beyond the GEMMs (reading `read_bytes` of weights)
+    and attention the planner counts, by running sequences, scaled by `scale` (the served model's
+    layers over the measured one's). Not floored at 0: with the GEMMs counted back, the planner
+    predicts the measured model's steps as measured even where the matmul micro-benchmark
+    under-rates its kernels."""
     q = scheme.quantization
     overheads = []
     for step in scheme.decode:
-        gemms = max(
-            scheme.weight_bytes / device.bandwidth_bytes_per_s, _compute_seconds(device, q, parameters, step.batch)
-        )
+        gemms = max(read_bytes / device.bandwidth_bytes_per_s, _compute_seconds(device, q, parameters, step.batch))
         attention = step.batch * step.context_tokens * kv_per_token / kv_bytes_per_s if kv_bytes_per_s else 0.0
         overheads.append((step.batch, (step.seconds - gemms - attention) * scale))
     return tuple(overheads)
@@ -148,17 +153,29 @@ def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
     scale = arch.layers / reference.layers if reference else 1.0
     reference_kv = kv_bytes_per_token(reference, bytes_per_value) if reference else 0
     kv_rate = _attention_rate(steps, reference_kv) if reference_kv else None
-    # What a "none" step's GEMMs read: its weights less a tied head's second copy, which no step reads twice.
+    # What a "none" step's GEMMs read: its weights less a tied head's second copy (the embedding's
+    # rows are read a few at a time, the packed head whole).
     copied = reference and reference.tie_word_embeddings and steps.onednn_weights
-    head_copy = reference.vocab_size * reference.hidden_size if reference and copied else 0
-    parameters = steps.schemes[0].weight_bytes / bytes_per_value - head_copy
+    head_copy = reference.vocab_size * reference.hidden_size * bytes_per_value if reference and copied else 0
+    parameters = (steps.schemes[0].weight_bytes - head_copy) / bytes_per_value
     per_token_scale = arch.parameters_per_token / reference.parameters_per_token if reference else 1.0
     planned = [s for s in steps.schemes if s.quantization in dict(device.matmul_curves)]
     none_batch_one = steps.schemes[0].decode[0].seconds
     return device.model_copy(
         update={
             "step_overhead_curves": tuple(
-                (s.quantization, _decode_overheads(device, s, parameters, kv_rate, reference_kv, scale))
+                (
+                    s.quantization,
+                    _decode_overheads(
+                        device,
+                        s,
+                        s.weight_bytes - (head_copy if s.quantization == "none" else 0),
+                        parameters,
+                        kv_rate,
+                        reference_kv,
+                        scale,
+                    ),
+                )
                 for s in planned
             ),
             "prefill_curves": tuple((s.quantization, _prefill_curve(s, per_token_scale)) for s in planned),

@@ -235,24 +235,38 @@ def test_compiled_decoding_is_rendered_where_the_plan_tpot_needs_it() -> None:
 
 
 def test_an_engine_that_packs_for_onednn_holds_a_tied_head_twice_and_reads_it_once() -> None:
-    # The profile of an engine that served its full-precision weights from oneDNN's layout: "none"
-    # held the tied head's packed copy too (engine/model/onednn_linear.py).
+    # The same steps measured by an engine that served full-precision weights from oneDNN's layout
+    # ("none" holding the tied head's packed copy too: engine/model/onednn_linear.py) and by one
+    # that did not.
     engine = builtin().engine
     assert engine is not None
     arch = find_model(MODEL)
     assert arch is not None and arch.tie_word_embeddings
     copy = arch.vocab_size * arch.hidden_size * 2
-    none = engine.schemes[0].model_copy(update={"weight_bytes": engine.schemes[0].weight_bytes + copy})
-    packed = builtin().model_copy(
-        update={
-            "name": "packed",
-            "engine": engine.model_copy(update={"onednn_weights": True, "schemes": (none, *engine.schemes[1:])}),
-        }
-    )
+    none = engine.schemes[0]
+    without = none.weight_bytes - (copy if engine.onednn_weights else 0)
+    profiles = {
+        name: builtin().model_copy(
+            update={
+                "name": name,
+                "engine": engine.model_copy(
+                    update={
+                        "onednn_weights": packed,
+                        "schemes": (
+                            none.model_copy(update={"weight_bytes": without + (copy if packed else 0)}),
+                            *engine.schemes[1:],
+                        ),
+                    }
+                ),
+            }
+        )
+        for name, packed in (("plain", False), ("packed", True))
+    }
     for scheme, extra in (("none", copy), ("int4", 0)):  # a quantized head is not packed
-        load = {"requestsPerSecond": 4}
-        plain = plan(spec(load=load, serving={"quantization": scheme}))
-        twice = plan(spec("packed", load=load, serving={"quantization": scheme}), device_profiles={"packed": packed})
+        plain, twice = (
+            plan(spec(name, load={"requestsPerSecond": 4}, serving={"quantization": scheme}), device_profiles=profiles)
+            for name in ("plain", "packed")
+        )
         assert twice.weight_bytes - plain.weight_bytes == extra, scheme
         # A step still reads the head once: the same predicted latencies.
         assert (twice.predicted_tpot_ms, twice.predicted_ttft_ms) == (plain.predicted_tpot_ms, plain.predicted_ttft_ms)

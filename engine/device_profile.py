@@ -122,7 +122,8 @@ class EngineSteps(_Data):
     # A decode step of the "none" scheme at a long context: beside its decode curve at the same batch,
     # what attention costs per cached token (on a CPU far more than reading the KV at the bandwidth).
     long_context: EngineStep
-    # The batch-1 step with compile_decode (`kvpilot profile --compiled`; its compile not counted):
+    # The batch-1 step with compile_decode (`kvpilot profile --compiled`; its compile not counted),
+    # as the "none" scheme's batch-1 step times the compiled/eager ratio measured side by side:
     # what the planner weighs when a plan's lone sequences miss the TPOT SLO eagerly.
     compiled_step_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     # The engine served full-precision weights from oneDNN's layout (engine/model/onednn_linear.py),

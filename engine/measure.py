@@ -180,15 +180,29 @@ def _prefill_step(engine: LLMEngine, prompt: list[int], tokens: int, steps: int)
     return PrefillStep(tokens=tokens, seconds=statistics.median(call_seconds(step, 0.0, min_calls=steps)))
 
 
-def compiled_step(steps: int, progress: Progress) -> float:
-    """Median batch-1 decode step of the embedded model with compile_decode (its compile, from the
-    compile cache when there is one, before the timing)."""
+def compiled_step_factor(steps: int, progress: Progress) -> float:
+    """The embedded model's batch-1 decode step with compile_decode over the same engine's eager
+    step (its compile, from the compile cache when there is one, before the timing). The two are
+    timed in alternating rounds on one sequence, so that the ratio holds while the machine's speed
+    drifts between minutes (two threads on a shared VM: 20-60 %, bench/RESULTS.md)."""
     progress("compiling the decode step (compile_decode; tens of seconds without a compile cache)")
     engine = _engine(1, compile_decode=True)
-    _admit(engine, 1, engine.tokenize(_PASSAGE), _PROMPT_TOKENS, steps + 8)
-    seconds = statistics.median(call_seconds(engine.step, 0.0, min_calls=steps))
-    progress(f"engine decode step, batch 1, compiled: {seconds * 1e3:.2f} ms")
-    return seconds
+    rounds = max(1, steps // 4)
+    _admit(engine, 1, engine.tokenize(_PASSAGE), _PROMPT_TOKENS, 2 * rounds * 4 + 8)
+    runner = engine.runner
+    compiled_forward, times = runner._decode_forward, {True: [], False: []}
+    for _ in range(rounds):
+        for compiled in (True, False):
+            # Without its compiled forward the runner runs the lone sequence's step eagerly.
+            runner._decode_forward = compiled_forward if compiled else None
+            times[compiled] += call_seconds(engine.step, 0.0, min_calls=4)
+    runner._decode_forward = compiled_forward
+    compiled_s, eager_s = statistics.median(times[True]), statistics.median(times[False])
+    progress(
+        f"engine decode step, batch 1, compiled: {compiled_s * 1e3:.2f} ms against {eager_s * 1e3:.2f} ms eager "
+        f"in alternating rounds: x{compiled_s / eager_s:.2f}"
+    )
+    return compiled_s / eager_s
 
 
 def scheme_steps(
@@ -241,6 +255,7 @@ def engine_steps(
         ),
         schemes=tuple(weights for weights, _, _ in measured),
         long_context=long_context,
-        compiled_step_s=compiled_step(steps, progress) if compiled else None,
+        # The factor measured side by side, applied to the eager step the "none" scheme measured.
+        compiled_step_s=compiled_step_factor(steps, progress) * measured[0][0].decode[0].seconds if compiled else None,
         onednn_weights=onednn_weights,
     )

@@ -187,7 +187,13 @@ def test_the_table_says_which_device_with_a_gpus_small_predictions_legible() -> 
         "load_average_end": (0.6, 0.5, 0.5),
         "others_cores": 0.01,
     }
-    cpu = {**record, "accelerator": "cpu", "ttft_p95": row(310.0, 400.0), "tpot_p95": row(25.0, 30.0)}
+    cpu = {
+        **record,
+        "accelerator": "cpu",
+        "ttft_p95": row(310.0, 400.0),
+        "tpot_p95": row(25.0, 30.0),
+        "lone_tpot": row(18.0, 22.5),
+    }
     lines = pa.markdown_table([record, cpu]).splitlines()
     assert lines[0].startswith("| device | scheme |")
     assert len(lines[0].split("|")) == len(lines[1].split("|")) == len(lines[2].split("|"))
@@ -195,6 +201,8 @@ def test_the_table_says_which_device_with_a_gpus_small_predictions_legible() -> 
     assert "| 0.31 / 40.00 | 129.03 |" in lines[2] and "| 0.21 / 12.50 | 59.52 |" in lines[2]
     # A CPU's cells as before: whole milliseconds of TTFT, tenths of TPOT.
     assert "| 310 / 400 | 1.29 | +29 % |" in lines[3] and "| 25.0 / 30.0 | 1.20 | +20 % |" in lines[3]
+    # The lone request's probe of the machine's speed, where the run recorded one.
+    assert lines[3].endswith("| 18.0 / 22.5 | 1.25 |") and lines[2].endswith("| - | - | - | - |")
 
 
 def test_without_nvidia_smi_gpu_mode_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -195,6 +196,11 @@ def test_profile_quick_measures_this_machine(measured: tuple[Path, str]) -> None
     assert steps.scheme("int4").weight_bytes < steps.scheme("int8").weight_bytes < steps.schemes[0].weight_bytes
     assert steps.long_context.batch == 2 and steps.long_context.context_tokens > 1024
     assert profile.engine.compiled_step_s is not None and 1e-4 < profile.engine.compiled_step_s < 5
+    # The compiled step is the none batch-1 step times the ratio timed side by side.
+    ratio = re.search(r"ms eager in alternating rounds: x([0-9.]+)", stderr)
+    assert ratio is not None, stderr
+    expected = float(ratio.group(1)) * steps.schemes[0].decode[0].seconds
+    assert profile.engine.compiled_step_s == pytest.approx(expected, rel=0.01)
     assert profile.memory_bytes <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     # A progress line per measurement.
     assert "kvpilot profile: memory bandwidth" in stderr and stderr.count("kvpilot profile: engine steps,") == 4

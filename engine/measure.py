@@ -187,15 +187,17 @@ def compiled_step_factor(steps: int, progress: Progress) -> float:
     drifts between minutes (two threads on a shared VM: 20-60 %, bench/RESULTS.md)."""
     progress("compiling the decode step (compile_decode; tens of seconds without a compile cache)")
     engine = _engine(1, compile_decode=True)
-    rounds = max(1, steps // 4)
-    _admit(engine, 1, engine.tokenize(_PASSAGE), _PROMPT_TOKENS, 2 * rounds * 4 + 8)
+    per_round = 4
+    rounds = max(1, steps // per_round)
+    # Tokens for every timed step and each round's untimed first call, so that no step runs empty.
+    _admit(engine, 1, engine.tokenize(_PASSAGE), _PROMPT_TOKENS, 2 * rounds * (per_round + 1) + 8)
     runner = engine.runner
     compiled_forward, times = runner._decode_forward, {True: [], False: []}
     for _ in range(rounds):
         for compiled in (True, False):
             # Without its compiled forward the runner runs the lone sequence's step eagerly.
             runner._decode_forward = compiled_forward if compiled else None
-            times[compiled] += call_seconds(engine.step, 0.0, min_calls=4)
+            times[compiled] += call_seconds(engine.step, 0.0, min_calls=per_round)
     runner._decode_forward = compiled_forward
     compiled_s, eager_s = statistics.median(times[True]), statistics.median(times[False])
     progress(

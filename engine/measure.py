@@ -117,7 +117,7 @@ def matmul_profile(name: str, shape: tuple[int, int], tokens: tuple[int, ...], m
         gemm = "torch._int_mm (int32)" if path.integer_kernels else "an fp32 aten.linear"
         kernel = f"{kernel} {gemm}, {str(dtype).removeprefix('torch.')} activations ({path.name} kernel path)"
     layer = engine_linear(scheme, dtype, shape, path.integer_kernels)
-    if getattr(layer, "packed_weight", None) is not None:
+    if layer.packed_weight is not None:
         kernel += " (weight packed in oneDNN's layout)"
     points = []
     with torch.inference_mode():

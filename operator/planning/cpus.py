@@ -22,7 +22,7 @@ from kvpilot.engine.device_profile import DeviceProfile, EngineSteps, MatmulProf
 from kvpilot.operator.api.spec import CPU_TYPE, Architecture
 from kvpilot.operator.planning.gpus import GPU, MiB
 from kvpilot.operator.planning.models import find_model
-from kvpilot.operator.planning.sizing import kv_bytes_per_token
+from kvpilot.operator.planning.sizing import kv_bytes_per_token, weight_bytes
 
 BUILTIN_DIR = Path(__file__).parent / "profiles"
 PROFILE_CONFIGMAP_KEY = "profile.json"
@@ -155,8 +155,12 @@ def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
     kv_rate = _attention_rate(steps, reference_kv) if reference_kv else None
     # What a "none" step's GEMMs read: its weights less a tied head's second copy (the embedding's
     # rows are read a few at a time, the packed head whole).
-    copied = reference and reference.tie_word_embeddings and steps.onednn_weights
-    head_copy = reference.vocab_size * reference.hidden_size * bytes_per_value if reference and copied else 0
+    head_copy = (
+        weight_bytes(reference, "none", bytes_per_value=bytes_per_value, tied_head_copy=steps.onednn_weights)
+        - weight_bytes(reference, "none", bytes_per_value=bytes_per_value)
+        if reference
+        else 0
+    )
     parameters = (steps.schemes[0].weight_bytes - head_copy) / bytes_per_value
     per_token_scale = arch.parameters_per_token / reference.parameters_per_token if reference else 1.0
     planned = [s for s in steps.schemes if s.quantization in dict(device.matmul_curves)]

@@ -135,18 +135,21 @@ class Linear(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.checkpoint_format.process_weights_after_loading(self)
 
-    def pack_for_onednn(self) -> bool:
+    def pack_for_onednn(self, keep_plain: bool = False) -> bool:
         """Serve the full-precision weight from oneDNN's blocked layout (onednn_linear.py); a
         quantized or already packed layer stays as it is. A tied weight stays with its other owner,
-        the layer keeping a packed copy. Whether it packed."""
-        if self.quantization is not None or "weight" not in self._parameters:
+        the layer keeping a packed copy. `keep_plain`: the plain weight stays too, for a graph that
+        torch.compile traces (it cannot take the packed one), the eager calls taking the packed one.
+        Whether it packed."""
+        if self.quantization is not None or self.packed_weight is not None or "weight" not in self._parameters:
             return False
-        weight = self._parameters.pop("weight")
+        weight = self._parameters["weight"] if keep_plain else self._parameters.pop("weight")
         self.packed_weight = onednn_linear.pack(weight.data)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
+        # is_compiling first: a traced graph must not even look at the packed buffer.
+        if not torch.compiler.is_compiling() and self.packed_weight is not None:
             return onednn_linear.linear(x, self.packed_weight, self.bias)
         if self.quantization is None:
             return nn.functional.linear(x, self.weight, self.bias)
@@ -172,10 +175,10 @@ class FusedLinear(Linear):
         return y.split(list(self.shard_sizes.values()), dim=-1)
 
 
-def pack_for_onednn(model: nn.Module) -> int:
+def pack_for_onednn(model: nn.Module, keep_plain: bool = False) -> int:
     """Every full-precision linear layer of `model` packed for oneDNN (Linear.pack_for_onednn);
     how many were."""
-    return sum(module.pack_for_onednn() for module in model.modules() if isinstance(module, Linear))
+    return sum(module.pack_for_onednn(keep_plain) for module in model.modules() if isinstance(module, Linear))
 
 
 class Embedding(nn.Module):

@@ -98,7 +98,10 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = kv_shape(self.model)
         self.draft_model, self.draft_layers = self._load_draft()
         models = {id(m): m for m in (self.model, self.draft_model) if m is not None}.values()
-        self.onednn_layers = sum(pack_for_onednn(m) for m in models) if self._packs_weights() else 0
+        # A compiled graph reads plain weights: compile_decode keeps them beside the packed ones.
+        self.onednn_layers = (
+            sum(pack_for_onednn(m, keep_plain=config.compile_decode) for m in models) if self._packs_weights() else 0
+        )
         # What the weights take in memory as served (quantized layers in their low-bit form).
         self.weight_bytes = sum(t.numel() * t.element_size() for m in models for t in (*m.parameters(), *m.buffers()))
         self.num_blocks = self._num_kv_blocks()
@@ -120,12 +123,8 @@ class ModelRunner:
 
     def _packs_weights(self) -> bool:
         """Whether full-precision linear weights are served from oneDNN's layout (onednn_linear.py):
-        where the CPU favours it for this dtype, and not under compile_decode, whose graph can
-        neither take nor cache packed weights (and whose lone sequence's step, the one it compiles,
-        they do not speed up)."""
-        return not self.config.compile_decode and onednn_linear.serves(
-            self.device, self.dtype, self.cpu_kernels.onednn_dtypes
-        )
+        where the CPU favours it for this dtype."""
+        return onednn_linear.serves(self.device, self.dtype, self.cpu_kernels.onednn_dtypes)
 
     def _log_config(self, threads: int, threads_from: str) -> None:
         """The start-up line that says what runs: device, CPU kernel path, dtype, scheme, sizes."""

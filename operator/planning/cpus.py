@@ -13,7 +13,7 @@ in the operator's namespace whose `profile.json` key holds one, so an admin prof
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -89,6 +89,39 @@ def _decode_overheads(
     return tuple(overheads)
 
 
+def non_decreasing(values: Sequence[float]) -> list[float]:
+    """The least-squares non-decreasing fit of `values` (pool adjacent violators): a run that falls
+    is replaced by its mean."""
+    pools: list[tuple[float, int]] = []  # (sum, count) of each pooled run
+    for value in values:
+        pools.append((value, 1))
+        while len(pools) > 1 and pools[-2][0] / pools[-2][1] > pools[-1][0] / pools[-1][1]:
+            (total, count), (last_total, last_count) = pools[-2], pools.pop()
+            pools[-1] = (total + last_total, count + last_count)
+    return [total / count for total, count in pools for _ in range(count)]
+
+
+def _steady(scheme: SchemeSteps) -> SchemeSteps:
+    """One scheme's steps with their seconds fitted non-decreasing, decode by batch and prefill by
+    prompt tokens. A step of more sequences or tokens does at least the work of a smaller one; one
+    measured faster caught the machine in a faster minute (two threads on a shared VM drift 20-60 %
+    between minutes, bench/RESULTS.md), and taken as it is, it would make a second sequence or an
+    n-gram verification cost nothing."""
+    decode = sorted(scheme.decode, key=lambda s: s.batch)
+    prefill = sorted(scheme.prefill, key=lambda s: s.tokens)
+    return scheme.model_copy(
+        update={
+            "decode": tuple(
+                s.model_copy(update={"seconds": v}) for s, v in zip(decode, non_decreasing([s.seconds for s in decode]))
+            ),
+            "prefill": tuple(
+                s.model_copy(update={"seconds": v})
+                for s, v in zip(prefill, non_decreasing([s.seconds for s in prefill]))
+            ),
+        }
+    )
+
+
 def _prefill_curve(scheme: SchemeSteps, scale: float) -> tuple[tuple[int, float], ...]:
     """One scheme's prefill steps by prompt tokens, scaled by `scale` (the parameters a token of the
     served model meets over the measured one's: prefill is arithmetic). Measured at several lengths
@@ -148,6 +181,7 @@ def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
     bytes_per_value = _BYTES_PER_VALUE.get(steps.dtype)
     if bytes_per_value is None:
         return f"device profile {profile.name}: engine dtype {steps.dtype!r} is not one the planner sizes"
+    steps = steps.model_copy(update={"schemes": tuple(_steady(s) for s in steps.schemes)})
     device = _device(profile, bytes_per_value, {s.quantization for s in steps.schemes})
     reference = find_model(steps.model)
     scale = arch.layers / reference.layers if reference else 1.0
@@ -156,7 +190,7 @@ def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
     # What a "none" step's GEMMs read: its weights less a tied head's second copy (the embedding's
     # rows are read a few at a time, the packed head whole).
     head_copy = (
-        weight_bytes(reference, "none", bytes_per_value=bytes_per_value, tied_head_copy=steps.onednn_weights)
+        weight_bytes(reference, "none", bytes_per_value=bytes_per_value, packed=steps.onednn_weights)
         - weight_bytes(reference, "none", bytes_per_value=bytes_per_value)
         if reference
         else 0
@@ -185,7 +219,7 @@ def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
             "prefill_curves": tuple((s.quantization, _prefill_curve(s, per_token_scale)) for s in planned),
             "kv_read_bytes_per_s": kv_rate,
             "compiled_step_factor": steps.compiled_step_s / none_batch_one if steps.compiled_step_s else None,
-            "tied_head_copy": steps.onednn_weights,
+            "packs_weights": steps.onednn_weights,
         }
     )
 

@@ -77,9 +77,10 @@ class GPU(BaseModel):
     # A lone sequence's decode step with compile_decode over the eager one, where a profile measured
     # it (`kvpilot profile --compiled`); None: the planner never renders compiled decoding.
     compiled_step_factor: float | None = None
-    # The CPU's engine serves full-precision weights from oneDNN's layout, holding a tied LM head
-    # twice (sizing.weight_bytes), as the profile's engine did.
-    tied_head_copy: bool = False
+    # The CPU's engine serves full-precision weights from oneDNN's layout, as the profile's engine
+    # did: a tied LM head held twice, and with compiled decoding every plain weight beside its
+    # packed copy (sizing.weight_bytes).
+    packs_weights: bool = False
     # How much slower than predicted this device ran one service's engines (observed / predicted
     # p95, status.correction): the planner multiplies its latencies by them when it chooses replicas.
     ttft_factor: float = 1.0

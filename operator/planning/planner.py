@@ -554,7 +554,7 @@ def _sizes(
     draft_weights, draft_kv = (draft.weights, draft.kv_per_token) if draft else (0, 0)
     # The engine gives the draft a KV slot for every slot of the target's, so each slot holds both.
     weights = (
-        sizing.weight_bytes(arch, quantization, runtime.quantized_lm_head, gpu.bytes_per_value, gpu.tied_head_copy)
+        sizing.weight_bytes(arch, quantization, runtime.quantized_lm_head, gpu.bytes_per_value, gpu.packs_weights)
         + draft_weights
     )
     pool = sizing.kv_pool_bytes(gpu.memory_bytes, spec.serving.gpu_memory_utilization, weights, reserve)
@@ -787,19 +787,45 @@ def _observed_reason(speculating: _Speculation, off: _Speculation, k: int) -> st
 
 def _compiled(spec: InferenceServiceSpec, eager: _Speculation) -> _Speculation:
     """Compiled decoding where the plan's TPOT needs it: when compiling a lone sequence's step (as
-    the profile measured it) meets the SLO where eager steps do not, or with fewer replicas."""
+    the profile measured it) meets the SLO where eager steps do not, or with fewer replicas, and the
+    plain weights the compiled graph reads fit beside the packed ones the eager steps read."""
     replica = eager.memory.replica._replace(compiled=True)
     replicas, perf, miss = _replicas(spec, replica, "off")
     factor = replica.gpu.compiled_step_factor
     if (miss is None, -replicas) <= (eager.miss is None, -eager.replicas):
+        return eager
+    sizes, plain = _with_plain_weights(spec, eager.memory)
+    if sizes is None:
         return eager
     why = (
         f"on: a lone sequence's step x{factor:.2f} of the eager one (the profile's measurement) "
         f"{'meets the SLO' if miss is None else 'comes closest to the SLO'} with {replicas} replica(s) where "
         f"eager steps need {eager.replicas}" + ("" if eager.miss is None else f" and miss it ({eager.miss})")
     )
-    memory = eager.memory._replace(replica=replica)
+    if plain:
+        why += f"; the compiled graph reads plain weights, {_gib(plain)} GiB beside the packed ones"
+    memory = eager.memory._replace(replica=replica, sizes=sizes)
     return _Speculation(eager.mode, eager.reason, memory, replicas, perf, miss, why)
+
+
+def _with_plain_weights(spec: InferenceServiceSpec, memory: _Memory) -> tuple[_Sizes | None, int]:
+    """A replica's sizes with compiled decoding, and the bytes of plain weights it adds: an engine that
+    packs its weights for oneDNN keeps the plain ones for the compiled graph (sizing.weight_bytes).
+    None where they do not fit in the node's memory beside the KV pool."""
+    replica, sizes = memory.replica, memory.sizes
+    gpu = replica.gpu
+    if not gpu.packs_weights:
+        return sizes, 0
+    held = [
+        sizing.weight_bytes(replica.arch, sizes.quantization, True, gpu.bytes_per_value, True, plain)
+        for plain in (False, True)
+    ]
+    plain = held[1] - held[0]
+    reserve = sizing.runtime_reserve_bytes(replica.arch, memory.budget)
+    usable = int(gpu.memory_bytes * spec.serving.gpu_memory_utilization)
+    if sizes.weight_bytes + plain + reserve + sizes.kv_pool_bytes > usable:
+        return None, plain
+    return sizes._replace(weight_bytes=sizes.weight_bytes + plain), plain
 
 
 def _size(

@@ -87,17 +87,23 @@ def weight_bytes(
     quantization: str,
     quantized_lm_head: bool = True,
     bytes_per_value: int = BYTES_PER_VALUE,
-    tied_head_copy: bool = False,
+    packed: bool = False,
+    plain_beside_packed: bool = False,
 ) -> int:
     """Bytes of the weights the engine holds for `arch` at `quantization` (see BYTES_PER_VALUE; a
     CPU without bf16 arithmetic holds the unquantized parts in fp32: `bytes_per_value` 4); a
-    runtime that leaves the LM head unquantized (vLLM) holds it in 16 bits, untied or not. A CPU
-    engine that serves full-precision weights from oneDNN's layout (`tied_head_copy`) holds a tied
-    LM head twice: the embedding's rows and the head's packed copy."""
+    runtime that leaves the LM head unquantized (vLLM) holds it in 16 bits, untied or not.
+
+    A CPU engine that serves full-precision linear weights from oneDNN's layout (`packed`) holds a
+    tied LM head twice: the embedding's rows and the head's packed copy; one that compiles its
+    decode step (`plain_beside_packed`) keeps every plain linear weight beside its packed copy, for
+    the compiled graph."""
     embedding, norms, body = _embedding_norms_body(arch)
     if quantization == "none":
-        copy = embedding if tied_head_copy and arch.tie_word_embeddings else 0
-        return (arch.parameters + copy) * bytes_per_value
+        copies = 0
+        if packed:
+            copies = body + embedding if plain_beside_packed else embedding if arch.tie_word_embeddings else 0
+        return (arch.parameters + copies) * bytes_per_value
     if quantized_lm_head:
         head = embedding * INT8_BYTES_PER_WEIGHT + arch.vocab_size * BYTES_PER_VALUE  # + a scale per row
     else:

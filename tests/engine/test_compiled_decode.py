@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.model import onednn_linear
+from kvpilot.engine.model.layers import Linear
 from tests.engine.conftest import make_prompts
 from tests.engine.oracle import check_greedy
 
@@ -35,8 +37,13 @@ def test_a_lone_sequence_decodes_through_the_compiled_graph_with_hf_greedy_outpu
     compiled, corpus_ids, hf_greedy
 ) -> None:
     llm, calls = compiled
-    # Its graph can neither take nor cache oneDNN-packed weights: they stay plain (onednn_linear.py).
-    assert llm.engine.runner.onednn_layers == 0
+    runner = llm.engine.runner
+    # Its graph can neither take nor cache oneDNN-packed weights (onednn_linear.py): where eager
+    # steps read packed ones, every packed layer keeps its plain weight beside for the graph.
+    packed = [m for m in runner.model.modules() if isinstance(m, Linear) and m.packed_weight is not None]
+    serves = onednn_linear.serves(runner.device, runner.dtype, runner.cpu_kernels.onednn_dtypes)
+    assert runner.onednn_layers == len(packed) and (len(packed) > 0) == serves
+    assert all(m.weight.shape == m.packed_weight.shape for m in packed)
     before = calls[0]
     for i, prompt in enumerate(make_prompts(corpus_ids, [5, 31, 150, 400])):
         params = SamplingParams(max_tokens=12 + 4 * i, temperature=0.0)

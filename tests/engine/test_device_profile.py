@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kvpilot.engine import measure
 from kvpilot.engine.device_profile import (
     PROFILE_VERSION,
     DeviceProfile,
@@ -129,6 +130,13 @@ def test_matmul_points_and_engine_steps_must_be_ordered() -> None:
     data["engine"]["schemes"].reverse()
     with pytest.raises(ValueError, match=r"engine.schemes: schemes must start with 'none'"):
         parse_device_profile(json.dumps(data), "f")
+
+
+def test_a_step_measured_faster_than_a_smaller_one_is_named() -> None:
+    assert measure.falling_steps([(1, 0.020), (2, 0.0195), (4, 0.023)], "batch") == []  # within 5 %
+    assert measure.falling_steps([(2, 0.017), (1, 0.020), (4, 0.023)], "batch") == [
+        "batch 2 17.0 ms, below batch 1 20.0 ms"
+    ]
 
 
 def test_a_missing_or_broken_file_says_which(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Full-precision weights served from oneDNN's blocked layout on an x86 CPU: the same products as
 the plain weight; a tied LM head packed as its own copy, counted in the weights; the engine's greedy
-tokens HF's with and without packing (compile_decode engines keep plain weights:
-tests/engine/test_compiled_decode.py)."""
+tokens HF's with and without packing; a layer that torch.compile traces (compile_decode) reads the
+plain weight it keeps beside the packed one (tests/engine/test_compiled_decode.py for the engine)."""
 
 from __future__ import annotations
 
@@ -93,3 +93,16 @@ def test_a_cpu_without_x86_vector_flags_keeps_the_plain_weights(monkeypatch, cor
 def test_pack_for_onednn_counts_the_layers_it_packed() -> None:
     model = torch.nn.Sequential(_layer(torch.float32, False)[0], _layer(torch.float32, True)[0])
     assert pack_for_onednn(model) == 2 and pack_for_onednn(model) == 0
+
+
+def test_a_layer_that_keeps_its_plain_weight_serves_eager_calls_packed_and_traced_ones_plain() -> None:
+    layer, weight, _ = _layer(torch.float32, bias=False)
+    assert layer.pack_for_onednn(keep_plain=True)
+    assert layer.weight is layer._parameters["weight"] and layer.packed_weight.is_mkldnn
+    # Each path marked by a different weight: the packed one scaled, so that which one ran shows.
+    layer.packed_weight = onednn_linear.pack(weight * 2)
+    x = torch.randn(3, 576)
+    plain, packed = torch.nn.functional.linear(x, weight), torch.nn.functional.linear(x, weight * 2)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), packed, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.compile(layer, backend="eager")(x), plain, rtol=1e-4, atol=1e-4)

@@ -11,7 +11,7 @@ from kvpilot.engine.device_profile import DeviceProfile, SchemeSteps
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import render
 from kvpilot.operator.controller.reconcile import device_profiles
-from kvpilot.operator.planning import cpus
+from kvpilot.operator.planning import cpus, sizing
 from kvpilot.operator.planning.models import find_model
 from kvpilot.operator.planning.planner import plan
 from tests.operator.planning.profiles import faster
@@ -86,6 +86,28 @@ def test_at_batch_one_the_plan_predicts_the_step_the_profile_measured(quantizati
     for tokens, prefill_s in ((short.tokens, short.seconds), (middle, (short.seconds + longer.seconds) / 2)):
         at = plan(spec(load=load | {"meanPromptTokens": tokens}, serving={"quantization": quantization}))
         assert prefill_s * 1000 + 0.9 * step_ms < at.predicted_ttft_ms < prefill_s * 1000 + 1.2 * step_ms, tokens
+
+
+def test_a_step_curve_that_falls_is_planned_as_its_non_decreasing_fit() -> None:
+    assert cpus.non_decreasing([3.0, 1.0, 2.0, 5.0, 4.0]) == [2.0, 2.0, 2.0, 4.5, 4.5]
+    assert cpus.non_decreasing([1.0, 2.0]) == [1.0, 2.0]
+    # The built-in "none" batch-1 step as a slow minute on a shared VM could measure it: above
+    # batch 2's. Taken as it is, a second sequence would cost less than nothing.
+    engine = builtin().engine
+    assert engine is not None
+    none = engine.schemes[0]
+    one, two = none.decode[:2]
+    slow = one.model_copy(update={"seconds": two.seconds * 1.25})
+    falling = none.model_copy(update={"decode": (slow, *none.decode[1:])})
+    pooled = cpus.non_decreasing([s.seconds for s in falling.decode])[0]
+    assert slow.seconds - pooled > 0.002  # apart by more than the prediction's tolerance
+    profile = builtin().model_copy(
+        update={"name": "falling", "engine": engine.model_copy(update={"schemes": (falling, *engine.schemes[1:])})}
+    )
+    context = round(one.context_tokens)
+    load = {"requestsPerSecond": 0.001, "meanPromptTokens": context - 8, "meanOutputTokens": 16}
+    p = plan(spec("falling", load=load, serving={"quantization": "none"}), device_profiles={"falling": profile})
+    assert p.predicted_tpot_ms == pytest.approx(pooled * 1000, rel=0.03, abs=1)
 
 
 def test_a_longer_context_costs_the_attention_the_profile_measured() -> None:
@@ -232,6 +254,34 @@ def test_compiled_decoding_is_rendered_where_the_plan_tpot_needs_it() -> None:
     assert not loose.compile_decode and "compiledDecode" not in loose.reasons
     unmeasured = plan(s, device_profiles={"compiled": _compiled(None)})
     assert not unmeasured.compile_decode and "--compile-decode" not in render.engine_args(s, unmeasured, MODEL)
+
+
+def test_compiled_decoding_counts_the_plain_weights_its_graph_reads_and_is_left_off_where_they_do_not_fit() -> None:
+    # The built-in profile's engine packed its weights for oneDNN: eager steps read the packed ones,
+    # the compiled graph the plain ones kept beside (engine/model/onednn_linear.py).
+    assert builtin().engine is not None and builtin().engine.onednn_weights
+    eager_ms = _steps(builtin(), "none").decode[0].seconds * 1000
+    tight = {"load": {"requestsPerSecond": 0.2, "meanPromptTokens": 60, "meanOutputTokens": 64}}
+    s = spec("compiled", slo={"tpotP95Ms": round(eager_ms * 0.9)}, serving={"quantization": "none"}, **tight)
+    profile = _compiled(eager_ms * 0.6 / 1000)
+    compiled = plan(s, device_profiles={"compiled": profile})
+    eager = plan(s, device_profiles={"compiled": _compiled(None)})
+    arch, bpv = find_model(MODEL), 2
+    plain = sizing.weight_bytes(arch, "none", True, bpv, True, True) - sizing.weight_bytes(
+        arch, "none", True, bpv, True
+    )
+    linear = arch.parameters - arch.vocab_size * arch.hidden_size - (2 * arch.layers + 1) * arch.hidden_size
+    assert plain == linear * bpv  # the decoder layers' linear weights; the tied head's plain rows are the embedding
+    assert compiled.compile_decode and compiled.weight_bytes == eager.weight_bytes + plain
+    assert f"plain weights, {plain / sizing.GiB:.1f} GiB" in compiled.reasons["compiledDecode"]
+    rendered = render.engine_args(s, compiled, MODEL)
+    assert "--compile-decode" in rendered
+    # A node whose memory holds the eager replica but not the plain copy too: eager steps it is.
+    reserve = sizing.runtime_reserve_bytes(arch, compiled.max_num_batched_tokens)
+    needed = eager.weight_bytes + compiled.kv_pool_bytes + reserve + plain // 2
+    small = profile.model_copy(update={"memory_bytes": int(needed / s.serving.gpu_memory_utilization)})
+    cramped = plan(s, device_profiles={"compiled": small})
+    assert cramped.fits and not cramped.compile_decode and cramped.weight_bytes == eager.weight_bytes
 
 
 def test_an_engine_that_packs_for_onednn_holds_a_tied_head_twice_and_reads_it_once() -> None:

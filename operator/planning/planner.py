@@ -106,13 +106,23 @@ class Plan(BaseModel):
 
 
 class _Draft(NamedTuple):
-    """A draft model as the engine runs it beside the target: unquantized in the target's 16-bit
-    dtype (the engine loads it so), with a KV cache of one slot per slot of the target's."""
+    """A draft model as the engine runs it beside the target: unquantized in the target's dtype (the
+    engine loads it so), with a KV cache of one slot per slot of the target's."""
 
     source: str
     arch: Architecture
     weights: int
     kv_per_token: int
+    head_copy: int = 0  # of `weights`, a tied head's packed copy, which a step reads in place of the rows
+
+    def on(self, gpu: GPU) -> _Draft:
+        """The draft as the engine holds it on `gpu`: 4 bytes per value on a CPU that computes in
+        fp32, and a tied head twice where the engine packs weights for oneDNN (sizing.weight_bytes)."""
+        plain = sizing.weight_bytes(self.arch, "none", bytes_per_value=gpu.bytes_per_value)
+        held = sizing.weight_bytes(self.arch, "none", bytes_per_value=gpu.bytes_per_value, packed=gpu.packs_weights)
+        return self._replace(
+            weights=held, kv_per_token=sizing.kv_bytes_per_token(self.arch, gpu.bytes_per_value), head_copy=held - plain
+        )
 
 
 class _Replica(NamedTuple):
@@ -353,7 +363,7 @@ def _batched_tokens(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, qu
 def _draft_step_seconds(draft: _Draft, gpu: GPU, running: float, context: float) -> float:
     """One decode step of the draft model for `running` sequences of `context` tokens."""
     return sizing.decode_step_seconds(
-        bytes_read=draft.weights + running * context * draft.kv_per_token,
+        bytes_read=draft.weights - draft.head_copy + running * context * draft.kv_per_token,
         bandwidth=gpu.bandwidth_bytes_per_s,
         parameters_per_token=draft.arch.parameters_per_token,
         batch=running,
@@ -841,6 +851,7 @@ def _size(
     over the target's GPUs, so a draft whose heads the size does not divide is left out (or, pinned,
     makes the option fail)."""
     gpu, tp = device
+    draft = draft.on(gpu) if draft is not None else None
     problem = _heads_problem(draft.arch, tp) if draft is not None else None
     if problem is not None:
         if spec.serving.speculative in DRAFTED:

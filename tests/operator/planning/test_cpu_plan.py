@@ -149,6 +149,23 @@ def test_an_fp32_cpu_holds_weights_and_kv_in_four_bytes() -> None:
     assert wide.weight_bytes == 2 * bf16.weight_bytes and wide.kv_bytes_per_token == 2 * bf16.kv_bytes_per_token
 
 
+def test_a_draft_model_is_held_as_the_cpu_engine_holds_it() -> None:
+    # In the engine's dtype there (fp32: 4 bytes per value), its tied head twice where the engine
+    # packs weights for oneDNN, and its KV in that dtype.
+    fp32 = builtin().model_copy(
+        update={"name": "fp32", "engine": builtin().engine.model_copy(update={"dtype": "float32"})}  # type: ignore[union-attr]
+    )
+    drafted = {"speculative": "draft", "draftModel": "hf://HuggingFaceTB/SmolLM2-135M-Instruct", "quantization": "int4"}
+    bf16, wide = plan(spec(serving=drafted)), plan(spec("fp32", serving=drafted), device_profiles={"fp32": fp32})
+    assert bf16.fits and bf16.speculative == "draft", bf16.reason
+    arch = find_model(MODEL)
+    assert arch is not None and arch.tie_word_embeddings
+    assert bf16.draft_weight_bytes == sizing.weight_bytes(arch, "none", bytes_per_value=2, packed=True)
+    assert bf16.draft_weight_bytes == (arch.parameters + arch.vocab_size * arch.hidden_size) * 2
+    assert wide.draft_weight_bytes == sizing.weight_bytes(arch, "none", bytes_per_value=4, packed=True)
+    assert wide.kv_bytes_per_token == 2 * bf16.kv_bytes_per_token  # the target's and the draft's both
+
+
 def _without(scheme: str) -> DeviceProfile:
     engine = builtin().engine
     assert engine is not None

@@ -112,8 +112,10 @@ class _StreamingResponse(StreamingResponse):
 
     async def stream_response(self, send: Send) -> None:
         async def timed_send(message: Message) -> None:
+            # A deadline on this task, not wait_for's task per message: this runs for every token.
             try:
-                await asyncio.wait_for(send(message), self.write_timeout)
+                async with asyncio.timeout(self.write_timeout):
+                    await send(message)
             except TimeoutError:
                 raise _ClientStalled from None
 

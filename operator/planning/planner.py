@@ -805,13 +805,17 @@ def _compiled(spec: InferenceServiceSpec, eager: _Speculation) -> _Speculation:
     if (miss is None, -replicas) <= (eager.miss is None, -eager.replicas):
         return eager
     sizes, plain = _with_plain_weights(spec, eager.memory)
-    if sizes is None:
-        return eager
-    why = (
-        f"on: a lone sequence's step x{factor:.2f} of the eager one (the profile's measurement) "
+    gain = (
+        f"a lone sequence's step x{factor:.2f} of the eager one (the profile's measurement) "
         f"{'meets the SLO' if miss is None else 'comes closest to the SLO'} with {replicas} replica(s) where "
         f"eager steps need {eager.replicas}" + ("" if eager.miss is None else f" and miss it ({eager.miss})")
     )
+    if sizes is None:
+        return eager._replace(
+            compiled=f"off: {gain}, but the plain weights its graph reads, {_gib(plain)} GiB beside the packed "
+            f"ones, do not fit the node's {_gib(eager.memory.replica.gpu.memory_bytes)} GiB"
+        )
+    why = f"on: {gain}"
     if plain:
         why += f"; the compiled graph reads plain weights, {_gib(plain)} GiB beside the packed ones"
     memory = eager.memory._replace(replica=replica, sizes=sizes)

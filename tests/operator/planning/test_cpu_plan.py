@@ -299,6 +299,9 @@ def test_compiled_decoding_counts_the_plain_weights_its_graph_reads_and_is_left_
     small = profile.model_copy(update={"memory_bytes": int(needed / s.serving.gpu_memory_utilization)})
     cramped = plan(s, device_profiles={"compiled": small})
     assert cramped.fits and not cramped.compile_decode and cramped.weight_bytes == eager.weight_bytes
+    assert "--compile-decode" not in render.engine_args(s, cramped, MODEL)
+    assert cramped.reasons["compiledDecode"].startswith("off: a lone sequence's step x0.60"), cramped.reasons
+    assert "plain weights its graph reads" in cramped.reasons["compiledDecode"]
 
 
 def test_an_engine_that_packs_for_onednn_holds_a_tied_head_twice_and_reads_it_once() -> None:

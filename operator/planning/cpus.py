@@ -13,17 +13,26 @@ in the operator's namespace whose `profile.json` key holds one, so an admin prof
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from kvpilot.engine.device_profile import DeviceProfile, EngineSteps, MatmulProfile, SchemeSteps, parse_device_profile
+from kvpilot.engine.device_profile import (
+    DeviceProfile,
+    EngineStep,
+    EngineSteps,
+    MatmulProfile,
+    PrefillStep,
+    SchemeSteps,
+    parse_device_profile,
+)
 from kvpilot.operator.api.spec import CPU_TYPE, Architecture
 from kvpilot.operator.planning.gpus import GPU, MiB
 from kvpilot.operator.planning.models import find_model
 from kvpilot.operator.planning.sizing import kv_bytes_per_token, weight_bytes
 
+Step = TypeVar("Step", EngineStep, PrefillStep)
 BUILTIN_DIR = Path(__file__).parent / "profiles"
 PROFILE_CONFIGMAP_KEY = "profile.json"
 # The engine's dtypes on a CPU: bf16 where the CPU has bf16 arithmetic, fp32 elsewhere.
@@ -107,17 +116,16 @@ def _steady(scheme: SchemeSteps) -> SchemeSteps:
     measured faster caught the machine in a faster minute (two threads on a shared VM drift 20-60 %
     between minutes, bench/RESULTS.md), and taken as it is, it would make a second sequence or an
     n-gram verification cost nothing."""
-    decode = sorted(scheme.decode, key=lambda s: s.batch)
-    prefill = sorted(scheme.prefill, key=lambda s: s.tokens)
+
+    def fitted(steps: Sequence[Step], size: Callable[[Step], int]) -> tuple[Step, ...]:
+        ordered = sorted(steps, key=size)
+        seconds = non_decreasing([s.seconds for s in ordered])
+        return tuple(s.model_copy(update={"seconds": v}) for s, v in zip(ordered, seconds))
+
     return scheme.model_copy(
         update={
-            "decode": tuple(
-                s.model_copy(update={"seconds": v}) for s, v in zip(decode, non_decreasing([s.seconds for s in decode]))
-            ),
-            "prefill": tuple(
-                s.model_copy(update={"seconds": v})
-                for s, v in zip(prefill, non_decreasing([s.seconds for s in prefill]))
-            ),
+            "decode": fitted(scheme.decode, lambda s: s.batch),
+            "prefill": fitted(scheme.prefill, lambda s: s.tokens),
         }
     )
 

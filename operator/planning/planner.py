@@ -830,16 +830,20 @@ def _with_plain_weights(spec: InferenceServiceSpec, memory: _Memory) -> tuple[_S
     gpu = replica.gpu
     if not gpu.packs_weights:
         return sizes, 0
-    held = [
-        sizing.weight_bytes(replica.arch, sizes.quantization, True, gpu.bytes_per_value, True, plain)
-        for plain in (False, True)
-    ]
-    plain = held[1] - held[0]
-    reserve = sizing.runtime_reserve_bytes(replica.arch, memory.budget)
-    usable = int(gpu.memory_bytes * spec.serving.gpu_memory_utilization)
-    if sizes.weight_bytes + plain + reserve + sizes.kv_pool_bytes > usable:
+    arch, quantization, bpv = replica.arch, sizes.quantization, gpu.bytes_per_value
+    plain = sizing.weight_bytes(
+        arch, quantization, bytes_per_value=bpv, packed=True, plain_beside_packed=True
+    ) - sizing.weight_bytes(arch, quantization, bytes_per_value=bpv, packed=True)
+    weights = sizes.weight_bytes + plain
+    left = sizing.kv_pool_bytes(
+        gpu.memory_bytes,
+        spec.serving.gpu_memory_utilization,
+        weights,
+        sizing.runtime_reserve_bytes(arch, memory.budget),
+    )
+    if left < sizes.kv_pool_bytes:
         return None, plain
-    return sizes._replace(weight_bytes=sizes.weight_bytes + plain), plain
+    return sizes._replace(weight_bytes=weights), plain
 
 
 def _size(

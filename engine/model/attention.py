@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvpilot.engine.model.cpu_attention import decode_attention
+
 
 @dataclass
 class PrefillChunk:
@@ -32,6 +34,8 @@ class DecodeGroup:
     # [sequences, 1, queries, max_context] True where a query sees a real key; None: every key.
     mask: torch.Tensor | None
     num_queries: int = 1  # tokens per sequence (1 + its drafts), laid out sequence by sequence
+    # [sequences] context lengths, set where the group attends through cpu_attention's kernel.
+    lengths: torch.Tensor | None = None
 
 
 # One layer's K and V caches, each [num_slots, kv_heads, head_dim].
@@ -83,6 +87,9 @@ def paged_attention(
     for group in meta.decodes:
         sequences, queries = group.slots.shape[0], group.num_queries
         rows = slice(group.start, group.start + sequences * queries)
+        if group.lengths is not None:
+            out[rows] = decode_attention(q[rows], k_cache, v_cache, group.slots, group.lengths)
+            continue
         query = q[rows].view(sequences, queries, *q.shape[1:]).transpose(1, 2)  # [sequences, heads, queries, dim]
         keys = _gather(k_cache, group.slots, compute).transpose(1, 2)  # [sequences, kv_heads, ctx, dim]
         values = _gather(v_cache, group.slots, compute).transpose(1, 2)

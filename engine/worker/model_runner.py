@@ -17,7 +17,7 @@ from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.sampling_params import MAX_LOGPROBS
 from kvpilot.engine.core.scheduler import ScheduledRequest, SchedulerOutput
-from kvpilot.engine.model import onednn_linear
+from kvpilot.engine.model import cpu_attention, onednn_linear
 from kvpilot.engine.model.attention import AttentionMetadata, PrefillChunk, allocate_kv_caches
 from kvpilot.engine.model.layers import pack_for_onednn
 from kvpilot.engine.model.llama import LlamaForCausalLM, kv_shape
@@ -25,7 +25,7 @@ from kvpilot.engine.model.loader import load_config, load_model, resolve_model
 from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from kvpilot.engine.worker.compile_cache import compile_with_cache, key_inputs, resolve_root
 from kvpilot.engine.worker.cpu import cpu_threads
-from kvpilot.engine.worker.cpu_features import choose_kernel_path
+from kvpilot.engine.worker.cpu_features import choose_kernel_path, read_cpu_flags
 from kvpilot.engine.worker.grammar import GrammarMatchers, Grammars
 from kvpilot.engine.worker.sampler import RowPenalty, Sampler, SamplingMetadata, token_logprobs
 from kvpilot.engine.worker.spec_decode import DraftInput, Proposer
@@ -119,6 +119,7 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        self.decode_kernel = config.compile_decode and self._load_decode_kernel()
         self._decode_forward = self._compile_decode() if config.compile_decode else None
 
     def _packs_weights(self) -> bool:
@@ -195,6 +196,19 @@ class ModelRunner:
             )
         return None
 
+    def _load_decode_kernel(self) -> bool:
+        """Whether single-query decodes attend through cpu_attention's C++ kernel: on CPU, built
+        beside the compiled decode step (the same compiler, the same cache root). A build that
+        fails leaves the portable path, with a warning: the engine serves either way."""
+        if self.device.type != "cpu":
+            return False
+        try:
+            cpu_attention.load(resolve_root(self.config.compile_cache_dir), read_cpu_flags())
+        except (RuntimeError, OSError) as err:  # the build or its loading failed: the portable path serves
+            log.warning("event=cpu_attention_kernel_unavailable error=%r", err)
+            return False
+        return True
+
     def _compile_decode(self) -> Callable[..., torch.Tensor]:
         """The forward compiled by torch.compile (inductor) for a lone sequence's decode step,
         built before serving.
@@ -231,7 +245,7 @@ class ModelRunner:
         # Inside inference mode as in execute(): the graph's guards check that its inputs are
         # inference tensors.
         with torch.inference_mode():
-            inputs = StepInputs(self.block_size, self.device)
+            inputs = StepInputs(self.block_size, self.device, self.decode_kernel)
             inputs.add([0], WARM_UP_POSITION, list(range(-(-(WARM_UP_POSITION + 1) // self.block_size))), decode=True)
             input_ids, positions, meta = inputs.build()
             forward(input_ids, positions, self.kv_caches, meta)
@@ -359,7 +373,7 @@ class ModelRunner:
         order = sorted(
             scheduler_output.scheduled, key=lambda s: (not _is_decode(s), s.num_tokens, s.request.num_computed_tokens)
         )
-        batch = _Batch(StepInputs(self.block_size, self.device), [], [], [])
+        batch = _Batch(StepInputs(self.block_size, self.device, self.decode_kernel), [], [], [])
         for item in order:
             request, n = item.request, item.num_tokens
             start = request.num_computed_tokens

@@ -18,9 +18,11 @@ DECODE_GROUP_SIZE = 8
 
 
 class StepInputs:
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, decode_kernel: bool = False) -> None:
         self.block_size = block_size
         self.device = device
+        # Single-query decode groups attend through cpu_attention's kernel (loaded by the caller).
+        self.decode_kernel = decode_kernel
         self.input_ids: list[int] = []
         self.positions: list[int] = []
         self._slot_mapping: list[torch.Tensor] = []
@@ -72,14 +74,18 @@ class StepInputs:
             # Every query sees every key exactly when each sequence has one query and all have one
             # length (a second query does not see the key after it): then SDPA without a mask, the
             # faster kernel call, in every layer.
+            kernel = self.decode_kernel and queries == 1
             mask = None
-            if queries > 1 or min(lengths) != max(lengths):
+            if not kernel and (queries > 1 or min(lengths) != max(lengths)):
                 # Query j of a sequence (at position length - queries + j) sees keys up to its own position.
                 last_key = torch.tensor(lengths).unsqueeze(1) - queries + torch.arange(queries).unsqueeze(0)
                 visible = torch.arange(slots.shape[1]).view(1, 1, -1) <= last_key.unsqueeze(
                     2
                 )  # [sequences, queries, keys]
                 mask = visible.unsqueeze(1).to(self.device)
-            groups.append(DecodeGroup(start=start, slots=slots.to(self.device), num_queries=queries, mask=mask))
+            group = DecodeGroup(start=start, slots=slots.to(self.device), num_queries=queries, mask=mask)
+            if kernel:
+                group.lengths = torch.tensor(lengths, device=self.device)
+            groups.append(group)
             i += len(run)
         return groups

@@ -38,6 +38,7 @@ def test_a_lone_sequence_decodes_through_the_compiled_graph_with_hf_greedy_outpu
 ) -> None:
     llm, calls = compiled
     runner = llm.engine.runner
+    assert runner.decode_kernel, "compile_decode on a CPU builds the C++ decode-attention kernel beside the graph"
     # Its graph can neither take nor cache oneDNN-packed weights (onednn_linear.py): where eager
     # steps read packed ones, every packed layer keeps its plain weight beside for the graph.
     packed = [m for m in runner.model.modules() if isinstance(m, Linear) and m.packed_weight is not None]

@@ -553,7 +553,7 @@ def serve(config: EngineConfig, settings: ServerConfig) -> int:
         lifespan="on",
         # httptools (C) rather than h11 (pure Python): with uvloop, the event loop's CPU per streamed
         # token falls by a quarter, time it would otherwise take from the engine's threads
-        # (bench/RESULTS.md, "The event loop's share of a served token").
+        # (bench/RESULTS.md, "Where a served token's host time goes").
         http="httptools",
     )
     uv_server: _DrainingServer

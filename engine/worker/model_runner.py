@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -119,8 +120,8 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.decode_kernel = config.compile_decode and self._load_decode_kernel()
-        self._decode_forward = self._compile_decode() if config.compile_decode else None
+        # Whether single-query decodes attend through cpu_attention's kernel, and the compiled step.
+        self.decode_kernel, self._decode_forward = self._compile_decode() if config.compile_decode else (False, None)
 
     def _packs_weights(self) -> bool:
         """Whether full-precision linear weights are served from oneDNN's layout (onednn_linear.py):
@@ -196,21 +197,22 @@ class ModelRunner:
             )
         return None
 
-    def _load_decode_kernel(self) -> bool:
+    def _load_decode_kernel(self, root: Path | None) -> bool:
         """Whether single-query decodes attend through cpu_attention's C++ kernel: on CPU, built
         beside the compiled decode step (the same compiler, the same cache root). A build that
         fails leaves the portable path, with a warning: the engine serves either way."""
         if self.device.type != "cpu":
             return False
         try:
-            cpu_attention.load(resolve_root(self.config.compile_cache_dir), read_cpu_flags())
+            cpu_attention.load(root, read_cpu_flags())
         except (RuntimeError, OSError) as err:  # the build or its loading failed: the portable path serves
             log.warning("event=cpu_attention_kernel_unavailable error=%r", err)
             return False
         return True
 
-    def _compile_decode(self) -> Callable[..., torch.Tensor]:
-        """The forward compiled by torch.compile (inductor) for a lone sequence's decode step,
+    def _compile_decode(self) -> tuple[bool, Callable[..., torch.Tensor]]:
+        """Whether decodes attend through cpu_attention's kernel (loaded first: the graph calls it),
+        and the forward compiled by torch.compile (inductor) for a lone sequence's decode step,
         built before serving.
 
         On CPU most of a single-sequence decode step is the dispatch of ~170 small ops per layer
@@ -231,21 +233,22 @@ class ModelRunner:
                 "on PATH (or $CXX); install one or leave compile_decode off"
             )
         root = resolve_root(self.config.compile_cache_dir)
+        decode_kernel = self._load_decode_kernel(root)
         key = key_inputs(self.model, self.hf_config, self.dtype, self.device, self.model.quantization)
         log.info("event=decode_compile_started cache_dir=%s", root)
         started = time.monotonic()
-        forward, cache = compile_with_cache(self._trace_decode, root, key)
+        forward, cache = compile_with_cache(functools.partial(self._trace_decode, decode_kernel), root, key)
         log.info("event=decode_compiled seconds=%.1f cache=%s", time.monotonic() - started, cache)
-        return forward
+        return decode_kernel, forward
 
-    def _trace_decode(self) -> Callable[..., torch.Tensor]:
+    def _trace_decode(self, decode_kernel: bool) -> Callable[..., torch.Tensor]:
         """The compiled forward, traced and built on one decode in blocks no request holds yet,
         whose KV is overwritten before anything reads it."""
         forward = torch.compile(self.model.forward, dynamic=True)
         # Inside inference mode as in execute(): the graph's guards check that its inputs are
         # inference tensors.
         with torch.inference_mode():
-            inputs = StepInputs(self.block_size, self.device, self.decode_kernel)
+            inputs = StepInputs(self.block_size, self.device, decode_kernel)
             inputs.add([0], WARM_UP_POSITION, list(range(-(-(WARM_UP_POSITION + 1) // self.block_size))), decode=True)
             input_ids, positions, meta = inputs.build()
             forward(input_ids, positions, self.kv_caches, meta)

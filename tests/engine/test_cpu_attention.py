@@ -115,5 +115,5 @@ def test_a_failed_build_leaves_the_portable_path(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(cpu_attention, "load", fail)
     with caplog.at_level(logging.WARNING):
-        assert runner._load_decode_kernel() is False
+        assert runner._load_decode_kernel(None) is False
     assert "cpu_attention_kernel_unavailable" in caplog.text and "no compiler today" in caplog.text

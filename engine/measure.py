@@ -240,7 +240,7 @@ def scheme_steps(
     falls += falling_steps([(s.tokens, s.seconds) for s in prefill], "prefill of")
     if falls:
         progress(
-            f"engine steps, {quantization}: {'; '.join(falls)}: the machine's speed changed while measuring "
+            f"warning: {quantization} steps {'; '.join(falls)}: the machine's speed changed while measuring "
             "(the planner fits a non-decreasing curve over them); profile again on a quiet machine"
         )
     long_context = None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpilot.engine.model.cpu_attention import decode_attention
+from kvpilot.engine.model.cpu_kernels import decode_attention
 
 
 @dataclass
@@ -34,7 +34,7 @@ class DecodeGroup:
     # [sequences, 1, queries, max_context] True where a query sees a real key; None: every key.
     mask: torch.Tensor | None
     num_queries: int = 1  # tokens per sequence (1 + its drafts), laid out sequence by sequence
-    # [sequences] context lengths, set where the group attends through cpu_attention's kernel.
+    # [sequences] context lengths, set where the group attends through cpu_kernels' attention kernel.
     lengths: torch.Tensor | None = None
 
 

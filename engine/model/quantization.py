@@ -36,6 +36,8 @@ import abc
 import torch
 from torch import nn
 
+from kvpilot.engine.model import cpu_kernels
+
 # PyTorch's int4 kernel: values 0..15 around a midpoint, w = (q - 8) * scale + zero.
 _INT4_MID = 8
 # Inner K tiles of PyTorch's packed int4 layout on CPU.
@@ -60,6 +62,9 @@ class LinearQuantization(abc.ABC):
     """How one linear layer stores and multiplies its weight."""
 
     name: str
+    # Whether a matmul of a few tokens runs kvpilot's C++ kernel (cpu_kernels.py) instead of
+    # PyTorch's packed one: set by the model runner once it has loaded the library.
+    cpu_kernel: bool = False
 
     @abc.abstractmethod
     def quantize(self, layer: nn.Module, weight: torch.Tensor) -> None:
@@ -109,9 +114,8 @@ class Int8WeightOnly(LinearQuantization):
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.shape[0] < INT8_DENSE_TOKENS:
-            return _in_dtype(
-                torch.ops.aten._weight_int8pack_mm(_in_dtype(x, torch.bfloat16), layer.qweight, layer.scales), x.dtype
-            )
+            packed_mm = cpu_kernels.int8_mm if self.cpu_kernel else torch.ops.aten._weight_int8pack_mm
+            return _in_dtype(packed_mm(_in_dtype(x, torch.bfloat16), layer.qweight, layer.scales), x.dtype)
         # The same weight multiplied densely (on CPU: a prefill-sized step).
         return nn.functional.linear(x, self._weight(layer, x.dtype))
 
@@ -221,11 +225,13 @@ class Int4WeightOnly(LinearQuantization):
         if x.device.type != "cpu" or (x.shape[0] >= INT4_DENSE_TOKENS and layer.int4_shape[0] % _CPU_PACK_ROWS == 0):
             # Dequantized in x's dtype for this matmul only: the layer keeps only its int4 form.
             return nn.functional.linear(x, self._weight(layer, x.dtype))
+        packed_mm = (
+            cpu_kernels.int4_mm
+            if self.cpu_kernel and layer.int4_shape[0] % _CPU_PACK_ROWS == 0 and self.group_size % 2 == 0
+            else torch.ops.aten._weight_int4pack_mm_for_cpu
+        )
         return _in_dtype(
-            torch.ops.aten._weight_int4pack_mm_for_cpu(
-                _in_dtype(x, torch.bfloat16), layer.qweight, self.group_size, layer.scales_and_zeros
-            ),
-            x.dtype,
+            packed_mm(_in_dtype(x, torch.bfloat16), layer.qweight, self.group_size, layer.scales_and_zeros), x.dtype
         )
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:

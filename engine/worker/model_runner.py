@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import shutil
@@ -18,9 +17,9 @@ from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.sampling_params import MAX_LOGPROBS
 from kvpilot.engine.core.scheduler import ScheduledRequest, SchedulerOutput
-from kvpilot.engine.model import cpu_attention, onednn_linear
+from kvpilot.engine.model import cpu_kernels, onednn_linear
 from kvpilot.engine.model.attention import AttentionMetadata, PrefillChunk, allocate_kv_caches
-from kvpilot.engine.model.layers import pack_for_onednn
+from kvpilot.engine.model.layers import Linear, pack_for_onednn
 from kvpilot.engine.model.llama import LlamaForCausalLM, kv_shape
 from kvpilot.engine.model.loader import load_config, load_model, resolve_model
 from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs
@@ -98,7 +97,7 @@ class ModelRunner:
         self.num_layers = self.hf_config.num_hidden_layers
         self.num_kv_heads, self.head_dim = kv_shape(self.model)
         self.draft_model, self.draft_layers = self._load_draft()
-        models = {id(m): m for m in (self.model, self.draft_model) if m is not None}.values()
+        models = self._models()
         # A compiled graph reads plain weights: compile_decode keeps them beside the packed ones.
         self.onednn_layers = (
             sum(pack_for_onednn(m, keep_plain=config.compile_decode) for m in models) if self._packs_weights() else 0
@@ -120,8 +119,15 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        # Whether single-query decodes attend through cpu_attention's kernel, and the compiled step.
-        self.decode_kernel, self._decode_forward = self._compile_decode() if config.compile_decode else (False, None)
+        # Whether single-query decodes attend through cpu_kernels' attention kernel, and which
+        # weight-only schemes multiply through its matmuls (use_cpu_kernels); the compiled step.
+        self.decode_kernel, self.matmul_kernels = False, frozenset[str]()
+        self._cpu_kernels_loaded = False
+        self._decode_forward = self._compile_decode() if config.compile_decode else None
+
+    def _models(self) -> list[torch.nn.Module]:
+        """The target model and the draft, once each (a draft may be the target itself)."""
+        return list({id(m): m for m in (self.model, self.draft_model) if m is not None}.values())
 
     def _packs_weights(self) -> bool:
         """Whether full-precision linear weights are served from oneDNN's layout (onednn_linear.py):
@@ -197,23 +203,39 @@ class ModelRunner:
             )
         return None
 
-    def _load_decode_kernel(self, root: Path | None) -> bool:
-        """Whether single-query decodes attend through cpu_attention's C++ kernel: on CPU, built
-        beside the compiled decode step (the same compiler, the same cache root). A build that
-        fails leaves the portable path, with a warning: the engine serves either way."""
+    def _load_cpu_kernels(self, root: Path | None) -> None:
+        """Serve with cpu_kernels' C++ library: on CPU, built beside the compiled decode step (the
+        same compiler, the same cache root). A build that fails leaves PyTorch's kernels and the
+        portable attention, with a warning: the engine serves either way."""
         if self.device.type != "cpu":
-            return False
+            return
+        flags = read_cpu_flags()
         try:
-            cpu_attention.load(root, read_cpu_flags())
+            cpu_kernels.load(root, flags)
         except (RuntimeError, OSError) as err:  # the build or its loading failed: the portable path serves
-            log.warning("event=cpu_attention_kernel_unavailable error=%r", err)
-            return False
-        return True
+            log.warning("event=cpu_kernels_unavailable error=%r", err)
+            return
+        self._cpu_kernels_loaded = True
+        self.use_cpu_kernels(True, cpu_kernels.matmul_schemes(flags))
+        log.info(
+            "event=cpu_kernels_used attention=single_query_decodes matmuls=%s", ",".join(sorted(self.matmul_kernels))
+        )
 
-    def _compile_decode(self) -> tuple[bool, Callable[..., torch.Tensor]]:
-        """Whether decodes attend through cpu_attention's kernel (loaded first: the graph calls it),
-        and the forward compiled by torch.compile (inductor) for a lone sequence's decode step,
-        built before serving.
+    def use_cpu_kernels(self, on: bool, schemes: frozenset[str] | None = None) -> None:
+        """Whether single-query decodes attend through cpu_kernels' attention and the weight-only
+        matmuls of `schemes` (default: the ones in use) run its kernels; never before the library
+        loaded (measure.py times a step with and without them)."""
+        on = on and self._cpu_kernels_loaded
+        self.decode_kernel = on
+        self.matmul_kernels = self.matmul_kernels if schemes is None else schemes
+        for model in self._models():
+            for layer in model.modules():
+                if isinstance(layer, Linear) and layer.quantization is not None:
+                    layer.quantization.cpu_kernel = on and layer.quantization.name in self.matmul_kernels
+
+    def _compile_decode(self) -> Callable[..., torch.Tensor]:
+        """The forward compiled by torch.compile (inductor) for a lone sequence's decode step,
+        built before serving, with cpu_kernels' library loaded first (the graph calls it).
 
         On CPU most of a single-sequence decode step is the dispatch of ~170 small ops per layer
         around a few matmuls; one compiled forward fuses them into a few kernels (bench/RESULTS.md,
@@ -233,22 +255,22 @@ class ModelRunner:
                 "on PATH (or $CXX); install one or leave compile_decode off"
             )
         root = resolve_root(self.config.compile_cache_dir)
-        decode_kernel = self._load_decode_kernel(root)
+        self._load_cpu_kernels(root)
         key = key_inputs(self.model, self.hf_config, self.dtype, self.device, self.model.quantization)
         log.info("event=decode_compile_started cache_dir=%s", root)
         started = time.monotonic()
-        forward, cache = compile_with_cache(functools.partial(self._trace_decode, decode_kernel), root, key)
+        forward, cache = compile_with_cache(self._trace_decode, root, key)
         log.info("event=decode_compiled seconds=%.1f cache=%s", time.monotonic() - started, cache)
-        return decode_kernel, forward
+        return forward
 
-    def _trace_decode(self, decode_kernel: bool) -> Callable[..., torch.Tensor]:
+    def _trace_decode(self) -> Callable[..., torch.Tensor]:
         """The compiled forward, traced and built on one decode in blocks no request holds yet,
         whose KV is overwritten before anything reads it."""
         forward = torch.compile(self.model.forward, dynamic=True)
         # Inside inference mode as in execute(): the graph's guards check that its inputs are
         # inference tensors.
         with torch.inference_mode():
-            inputs = StepInputs(self.block_size, self.device, decode_kernel)
+            inputs = StepInputs(self.block_size, self.device, self.decode_kernel)
             inputs.add([0], WARM_UP_POSITION, list(range(-(-(WARM_UP_POSITION + 1) // self.block_size))), decode=True)
             input_ids, positions, meta = inputs.build()
             forward(input_ids, positions, self.kv_caches, meta)

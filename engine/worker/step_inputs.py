@@ -21,7 +21,7 @@ class StepInputs:
     def __init__(self, block_size: int, device: torch.device, decode_kernel: bool = False) -> None:
         self.block_size = block_size
         self.device = device
-        # Single-query decode groups attend through cpu_attention's kernel (loaded by the caller).
+        # Single-query decode groups attend through cpu_kernels' attention kernel (loaded by the caller).
         self.decode_kernel = decode_kernel
         self.input_ids: list[int] = []
         self.positions: list[int] = []

@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.model.cpu_attention import KERNELS
+from kvpilot.engine.model.cpu_kernels import KERNELS
 from kvpilot.engine.worker.compile_cache import MANIFEST, Manifest, publish, resolve_root, seed
 from tests.engine.conftest import make_prompts
 from tests.engine.oracle import check_greedy

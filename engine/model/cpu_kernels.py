@@ -1,0 +1,528 @@
+"""CPU kernels in C++ for the steps a decode spends most in: attention over the paged KV cache
+where it lies, and the weight-only INT4 and INT8 matmuls of a few tokens.
+
+Attention. The portable path (attention.py) gathers a decode's context out of the cache into an
+fp32 copy and runs SDPA over that copy: per cached token and layer it reads the bf16 row, writes
+it twice as wide and reads it again, which made most of a compiled single-sequence step's growth
+with the context (5.8 us per context token per step on 2 Zen 5 cores). This kernel reads each K
+and V row once, in the cache's dtype, by slot, and keeps the softmax in fp32: the context is cut
+into chunks that the threads share (any number of sequences and KV heads keeps both cores busy),
+and the chunks' partial softmax sums are merged per query head as flash-decoding does.
+
+Matmuls. PyTorch's packed kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) read
+a decode step's weights at about half the memory bandwidth of 2 Zen 5 cores; these read the same
+buffers (PyTorch's CPU int4 layout, the int8 weight and its scales: nothing is repacked, so the
+dense route of quantization.py is unchanged) at about all of it. INT4 turns each 4-bit value into
+the bf16 of q - 8 by a table lookup and multiplies with AVX512-BF16 dot products (exact products,
+fp32 sums), so it exists where the CPU has them; INT8 converts to fp32 and needs AVX512F.
+
+The library is built at start-up with the compiler torch.compile's CPU kernels use (the same
+engines need one: compile_decode), for the CPU it runs on (-march=native), and registers the
+operators `kvpilot::paged_decode_attention`, `kvpilot::int4_mm` and `kvpilot::int8_mm`, so a
+compiled graph calls them like ATen kernels. It is kept in the compile cache root's `kernels/`
+folder, named by a hash of its source, torch's version and the CPU's flags, so a node of another
+CPU type builds its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ATTENTION = "kvpilot::paged_decode_attention"
+INT4_MM = "kvpilot::int4_mm"
+INT8_MM = "kvpilot::int8_mm"
+# The folder of the compile cache root that holds built libraries, one file per CPU type.
+KERNELS = "kernels"
+# Context tokens per work item: small enough that one sequence's context splits over the threads,
+# large enough that the merge and the per-item buffers stay cheap.
+_CHUNK = 128
+
+_SOURCE = r"""
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kChunk = CHUNK;
+constexpr int64_t kMaxDim = 512;
+
+// The cache rows a step reads are cold (a step streams ~all weights between two reads of a
+// layer's KV) and scattered by slot; asking for rows ahead keeps several misses in flight.
+constexpr int64_t kPrefetch = 8;
+
+template <typename T>
+inline void prefetch_row(const T* src, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(src);
+  for (int64_t b = 0; b < n * int64_t(sizeof(T)); b += 64) __builtin_prefetch(p + b);
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+  float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void add_scaled(float* acc, const float* x, float p, int64_t n) {
+  const Vec scale(p);
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size()) {
+    at::vec::fmadd(scale, Vec::loadu(x + d), Vec::loadu(acc + d)).store(acc + d);
+  }
+  for (; d < n; ++d) acc[d] += p * x[d];
+}
+
+// Softmax numerators of n scores in place; returns their max in *max and their sum.
+inline float exp_minus_max(float* s, int64_t n, float* max) {
+  float m = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, n);
+  at::vec::map([m](Vec x) { return (x - Vec(m)).exp_u20(); }, s, s, n);
+  *max = m;
+  return at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n);
+}
+
+template <typename T>
+void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* slots, const int64_t* lengths,
+            float* out, int64_t sequences, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width,
+            float scale) {
+  const int64_t group = heads / kv_heads;
+  const int64_t chunks = (width + kChunk - 1) / kChunk;
+  const int64_t row = kv_heads * dim;
+  const int64_t items = sequences * kv_heads * chunks;
+  // Per work item and query head of its KV head: the chunk's max score, its sum of exp(score - max)
+  // and the exp-weighted sum of its values.
+  std::vector<float> chunk_max(items * group, -std::numeric_limits<float>::infinity());
+  std::vector<float> chunk_sum(items * group, 0.f);
+  std::vector<float> chunk_acc(items * group * dim, 0.f);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * kChunk);
+    std::vector<float> query(group * dim);
+    float values[kMaxDim];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / (kv_heads * chunks), kv = (item / chunks) % kv_heads, chunk = item % chunks;
+      const int64_t first = chunk * kChunk, last = std::min(first + kChunk, lengths[seq]), n = last - first;
+      if (n <= 0) continue;
+      const float* q_heads = q + (seq * heads + kv * group) * dim;
+      for (int64_t i = 0; i < group * dim; ++i) query[i] = q_heads[i] * scale;
+      const int64_t* seq_slots = slots + seq * width + first;
+      for (int64_t t = 0; t < n; ++t) {
+        if (t + kPrefetch < n) prefetch_row(k_cache + seq_slots[t + kPrefetch] * row + kv * dim, dim);
+        load_row(k_cache + seq_slots[t] * row + kv * dim, values, dim);
+        for (int64_t g = 0; g < group; ++g) scores[g * kChunk + t] = dot(query.data() + g * dim, values, dim);
+      }
+      float* maxes = chunk_max.data() + item * group;
+      float* sums = chunk_sum.data() + item * group;
+      for (int64_t g = 0; g < group; ++g) sums[g] = exp_minus_max(scores.data() + g * kChunk, n, maxes + g);
+      float* acc = chunk_acc.data() + item * group * dim;
+      for (int64_t t = 0; t < n; ++t) {
+        if (t + kPrefetch < n) prefetch_row(v_cache + seq_slots[t + kPrefetch] * row + kv * dim, dim);
+        load_row(v_cache + seq_slots[t] * row + kv * dim, values, dim);
+        for (int64_t g = 0; g < group; ++g) add_scaled(acc + g * dim, values, scores[g * kChunk + t], dim);
+      }
+    }
+  });
+  for (int64_t seq = 0; seq < sequences; ++seq) {
+    for (int64_t kv = 0; kv < kv_heads; ++kv) {
+      const int64_t base = (seq * kv_heads + kv) * chunks;
+      for (int64_t g = 0; g < group; ++g) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < chunks; ++c) m = std::max(m, chunk_max[(base + c) * group + g]);
+        float* o = out + (seq * heads + kv * group + g) * dim;
+        std::fill(o, o + dim, 0.f);
+        float total = 0.f;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t at = (base + c) * group + g;
+          if (chunk_sum[at] == 0.f) continue;
+          const float w = std::exp(chunk_max[at] - m);
+          total += chunk_sum[at] * w;
+          add_scaled(o, chunk_acc.data() + at * dim, w, dim);
+        }
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < dim; ++d) o[d] *= inv;
+      }
+    }
+  }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& slots, const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [sequences, heads, dim] fp32");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "caches: [slots, kv_heads, dim], one dtype");
+  TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+              slots.size(0) == q.size(0), "slots: [sequences, width] int64");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.scalar_type() == at::kLong && lengths.size(0) == q.size(0),
+              "lengths: [sequences] int64");
+  const int64_t sequences = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == dim && dim <= kMaxDim && heads % kv_heads == 0, "head shapes do not match");
+  auto out = at::empty_like(q);
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  for (int64_t s = 0; s < sequences; ++s)
+    TORCH_CHECK(length[s] >= 1 && length[s] <= slots.size(1), "a length is outside 1..width");
+  if (k_cache.scalar_type() == at::kBFloat16) {
+    attend(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+           slots.data_ptr<int64_t>(), length, out.data_ptr<float>(), sequences, heads, kv_heads, dim,
+           slots.size(1), static_cast<float>(scale));
+  } else {
+    TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "caches: bf16 or fp32");
+    attend(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slots.data_ptr<int64_t>(),
+           length, out.data_ptr<float>(), sequences, heads, kv_heads, dim, slots.size(1),
+           static_cast<float>(scale));
+  }
+  return out;
+}
+
+
+// Weight-only INT4 and INT8 matmuls for the few tokens of a decode step (bench/RESULTS.md, "Matmuls
+// in C++"): what PyTorch's packed kernels compute, from the same buffers, at the machine's memory
+// bandwidth where those reach about half of it.
+
+#if defined(__AVX512BF16__)
+// PyTorch's CPU int4 layout: per block of 64 output rows, byte [k, r] holds row r (low nibble)
+// and row r + 32 (high nibble) of column k, so two columns of a block are two 32-byte loads.
+constexpr int64_t kInt4Rows = 64;
+
+// Lane i of accumulator a holds output row int4_row(a, i) of the block: the unpacks that pair
+// columns k and k + 1 for the bf16 dot products interleave rows within 128-bit lanes.
+inline int64_t int4_row(int a, int i) { return 8 * (i / 4) + i % 4 + 4 * (a & 1) + 32 * (a >> 1); }
+
+// One block's 64 outputs for M tokens, summed over the groups: per group, the exact products
+// (q - 8) * x (bf16 holds every q - 8 and x exactly; the dot products add in fp32) scaled by the
+// group's scale, plus its zero times the sum of x over the group.
+template <int M>
+void int4_block(const uint8_t* packed, const uint16_t* x, const float* xsum, const uint32_t* scales_zeros,
+                int64_t K, int64_t N, int64_t group, float* out) {
+  // bf16 of q - 8 for q = 0..15, indexed by q (twice: the permute reads 32 lanes).
+  const __m512i as_bf16 = _mm512_set_epi16(
+      0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, -0x4080, -0x4000, -0x3fc0, -0x3f80, -0x3f60,
+      -0x3f40, -0x3f20, -0x3f00, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, -0x4080, -0x4000,
+      -0x3fc0, -0x3f80, -0x3f60, -0x3f40, -0x3f20, -0x3f00);
+  const __m512i nibble = _mm512_set1_epi16(0xF);
+  const __m512i even = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+  const __m512i odd = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const int64_t groups = K / group;
+  std::fill(out, out + M * kInt4Rows, 0.f);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int a = 0; a < 4; ++a) acc[m][a] = _mm512_setzero_ps();
+    for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
+      const __m256i* columns = reinterpret_cast<const __m256i*>(packed + k * 32);
+      const __m512i c0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(columns));
+      const __m512i c1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(columns + 1));
+      const __m512i lo0 = _mm512_permutexvar_epi16(_mm512_and_si512(c0, nibble), as_bf16);
+      const __m512i lo1 = _mm512_permutexvar_epi16(_mm512_and_si512(c1, nibble), as_bf16);
+      const __m512i hi0 = _mm512_permutexvar_epi16(_mm512_srli_epi16(c0, 4), as_bf16);
+      const __m512i hi1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(c1, 4), as_bf16);
+      const __m512bh w[4] = {(__m512bh)_mm512_unpacklo_epi16(lo0, lo1), (__m512bh)_mm512_unpackhi_epi16(lo0, lo1),
+                             (__m512bh)_mm512_unpacklo_epi16(hi0, hi1), (__m512bh)_mm512_unpackhi_epi16(hi0, hi1)};
+      for (int m = 0; m < M; ++m) {
+        uint32_t pair;
+        std::memcpy(&pair, x + m * K + k, sizeof(pair));
+        const __m512bh xk = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int a = 0; a < 4; ++a) acc[m][a] = _mm512_dpbf16_ps(acc[m][a], w[a], xk);
+      }
+    }
+    // The block's (scale, zero) bf16 pairs for this group, gathered into the accumulators' order.
+    const uint32_t* pairs = scales_zeros + g * N;
+    const __m512i p0 = _mm512_loadu_si512(pairs), p1 = _mm512_loadu_si512(pairs + 16);
+    const __m512i p2 = _mm512_loadu_si512(pairs + 32), p3 = _mm512_loadu_si512(pairs + 48);
+    const __m512i sz[4] = {_mm512_permutex2var_epi32(p0, even, p1), _mm512_permutex2var_epi32(p0, odd, p1),
+                           _mm512_permutex2var_epi32(p2, even, p3), _mm512_permutex2var_epi32(p2, odd, p3)};
+    for (int a = 0; a < 4; ++a) {
+      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz[a], 16));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(sz[a], high));
+      for (int m = 0; m < M; ++m) {
+        float* o = out + m * kInt4Rows + a * 16;
+        const __m512 y = _mm512_fmadd_ps(scale, acc[m][a], _mm512_loadu_ps(o));
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[m * groups + g]), y));
+      }
+    }
+  }
+}
+
+template <int M>
+void int4_tokens(const uint8_t* packed, const uint16_t* x, const float* xsum, const uint32_t* scales_zeros,
+                 at::BFloat16* y, int64_t K, int64_t N, int64_t group) {
+  at::parallel_for(0, N / kInt4Rows, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float out[M * kInt4Rows];
+    for (int64_t b = begin; b < end; ++b) {
+      int4_block<M>(packed + b * kInt4Rows * K / 2, x, xsum, scales_zeros + b * kInt4Rows, K, N, group, out);
+      for (int m = 0; m < M; ++m)
+        for (int a = 0; a < 4; ++a)
+          for (int i = 0; i < 16; ++i) y[m * N + b * kInt4Rows + int4_row(a, i)] = out[m * kInt4Rows + a * 16 + i];
+    }
+  });
+}
+#endif
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group, const at::Tensor& scales_zeros) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: [tokens, in] bf16");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
+              group % 2 == 0 && K % group == 0 && scales_zeros.size(0) == K / group && scales_zeros.size(2) == 2,
+              "scales_zeros: [in / group, out, 2] bf16, for an even group that divides in");
+  const int64_t N = scales_zeros.size(1);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() * 2 == N * K &&
+              N % kInt4Rows == 0, "packed: PyTorch's CPU int4 layout of [out, in], out a multiple of 64");
+  auto y = at::empty({M, N}, x.options());
+  const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
+  std::vector<float> xsum(M * (K / group));
+  for (int64_t i = 0; i < int64_t(xsum.size()); ++i)
+    for (int64_t j = 0; j < group; ++j) xsum[i] += float(xb[i * group + j]);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const uint32_t* sz = reinterpret_cast<const uint32_t*>(scales_zeros.data_ptr<at::BFloat16>());
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xb);
+  // Tokens in tiles of up to four: each decode of the weights serves a tile.
+  for (int64_t m = 0; m < M; m += 4) {
+    const float* s = xsum.data() + m * (K / group);
+    at::BFloat16* out = y.data_ptr<at::BFloat16>() + m * N;
+    switch (std::min<int64_t>(4, M - m)) {
+      case 4: int4_tokens<4>(w, xs + m * K, s, sz, out, K, N, group); break;
+      case 3: int4_tokens<3>(w, xs + m * K, s, sz, out, K, N, group); break;
+      case 2: int4_tokens<2>(w, xs + m * K, s, sz, out, K, N, group); break;
+      default: int4_tokens<1>(w, xs + m * K, s, sz, out, K, N, group);
+    }
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "kvpilot::int4_mm needs AVX512-BF16, which this library was not built for");
+#endif
+}
+
+#if defined(__AVX512F__)
+// y[m, n] = scale[n] * sum_k w[n, k] x[m, k]: int8 exact in fp32, products and sums in fp32.
+template <int M>
+void int8_rows(const int8_t* w, const float* x, const at::BFloat16* scales, at::BFloat16* y, int64_t K, int64_t N,
+               int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    const int8_t* row = w + n * K;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+      const __m512 wk = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(wk, _mm512_loadu_ps(x + m * K + k), acc[m]);
+    }
+    const float scale = float(scales[n]);
+    for (int m = 0; m < M; ++m) {
+      float sum = _mm512_reduce_add_ps(acc[m]);
+      for (int64_t j = k; j < K; ++j) sum += float(row[j]) * x[m * K + j];
+      y[m * N + n] = sum * scale;
+    }
+  }
+}
+
+template <int M>
+void int8_tokens(const int8_t* w, const float* x, const at::BFloat16* scales, at::BFloat16* y, int64_t K, int64_t N) {
+  at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) { int8_rows<M>(w, x, scales, y, K, N, begin, end); });
+}
+#endif
+
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+#if defined(__AVX512F__)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: [tokens, in] bf16");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() &&
+              weight.size(1) == x.size(1), "weight: [out, in] int8");
+  TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kBFloat16 && scales.size(0) == weight.size(0),
+              "scales: [out] bf16");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  auto y = at::empty({M, N}, x.options());
+  const auto xf = x.to(at::kFloat).contiguous();
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const at::BFloat16* s = scales.data_ptr<at::BFloat16>();
+  // Tokens in tiles of up to eight: each pass over the weight serves a tile.
+  for (int64_t m = 0; m < M; m += 8) {
+    const float* xm = xf.data_ptr<float>() + m * K;
+    at::BFloat16* out = y.data_ptr<at::BFloat16>() + m * N;
+    switch (std::min<int64_t>(8, M - m)) {
+      case 8: int8_tokens<8>(w, xm, s, out, K, N); break;
+      case 7: int8_tokens<7>(w, xm, s, out, K, N); break;
+      case 6: int8_tokens<6>(w, xm, s, out, K, N); break;
+      case 5: int8_tokens<5>(w, xm, s, out, K, N); break;
+      case 4: int8_tokens<4>(w, xm, s, out, K, N); break;
+      case 3: int8_tokens<3>(w, xm, s, out, K, N); break;
+      case 2: int8_tokens<2>(w, xm, s, out, K, N); break;
+      default: int8_tokens<1>(w, xm, s, out, K, N);
+    }
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "kvpilot::int8_mm needs AVX512F, which this library was not built for");
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvpilot, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, "
+        "float scale) -> Tensor");
+  m.def("int4_mm(Tensor x, Tensor packed, int group, Tensor scales_zeros) -> Tensor");
+  m.def("int8_mm(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvpilot, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("int4_mm", &int4_mm);
+  m.impl("int8_mm", &int8_mm);
+}
+""".replace("CHUNK", str(_CHUNK))
+
+# What ATen's AVX512 vectors use (as inductor requires for its own AVX512 kernels).
+_AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+
+_loaded = False
+
+
+def library_name(flags: frozenset[str]) -> str:
+    """The built library's file name: its source, torch's version and the CPU's flags decide it."""
+    digest = hashlib.sha256("\n".join([_SOURCE, torch.__version__, *sorted(flags)]).encode()).hexdigest()[:16]
+    return f"kvpilot_cpu_kernels_{digest}"
+
+
+def load(root: Path | None, cpu_flags: frozenset[str]) -> None:
+    """Build the library for a CPU of these flags (or take it from `root`) and register its
+    operators; raises on failure."""
+    global _loaded
+    if _loaded:
+        return
+    name = library_name(cpu_flags)
+    cached = root / KERNELS / f"{name}.so" if root is not None else None
+    if cached is not None and cached.is_file():
+        torch.ops.load_library(str(cached))
+        log.info("event=cpu_kernels source=cache path=%s", cached)
+    else:
+        _build(name, cached, vector_isa(cpu_flags))
+    torch.library.register_fake(ATTENTION)(_fake_attention)
+    torch.library.register_fake(INT4_MM)(_fake_int4_mm)
+    torch.library.register_fake(INT8_MM)(_fake_int8_mm)
+    _loaded = True
+
+
+def matmul_schemes(cpu_flags: frozenset[str]) -> frozenset[str]:
+    """The weight-only schemes whose matmul the library runs on a CPU of these flags."""
+    if "avx512f" not in cpu_flags:
+        return frozenset()
+    return frozenset({"int8", "int4"} if "avx512_bf16" in cpu_flags else {"int8"})
+
+
+def vector_isa(cpu_flags: frozenset[str]) -> str | None:
+    """The widest of ATen's vector implementations (at::vec) this CPU runs: the one the kernel is
+    built with. None: at::vec's portable scalar one."""
+    if _AVX512_FLAGS <= cpu_flags:
+        return "AVX512"
+    if {"avx2", "fma"} <= cpu_flags:
+        return "AVX2"
+    return None
+
+
+def _build(name: str, cached: Path | None, isa: str | None) -> None:
+    """Build and load the library in a directory of its own; publish it under `cached` by rename,
+    so an engine reading the cache finds a whole library or none."""
+    from torch.utils.cpp_extension import load_inline  # the build tooling, only when building
+
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".build-", dir=cached.parent if cached is not None else None))
+    # torch's builder runs `ninja` from PATH: the one pip installed beside this Python comes first.
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
+    try:
+        load_inline(
+            name,
+            cpp_sources=_SOURCE,
+            extra_cflags=["-O3", "-march=native", "-fopenmp"]
+            + ([f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}"] if isa else ["-DCPU_CAPABILITY=DEFAULT"]),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(work),
+            is_python_module=False,
+        )
+        log.info("event=cpu_kernels source=built vector_isa=%s", isa or "none")
+        if cached is not None:
+            os.replace(work / f"{name}.so", cached)
+    finally:
+        os.environ["PATH"] = path
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _fake_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def _fake_int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], scales_zeros.shape[1])
+
+
+def _fake_int8_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+) -> torch.Tensor:
+    """Attention of one query per sequence over its cached context. q: [sequences, heads, dim]
+    fp32; caches [slots, kv_heads, dim]; slots [sequences, width] (padded); lengths [sequences]:
+    how many of a row's slots are its context. Returns [sequences, heads, dim] fp32."""
+    return torch.ops.kvpilot.paged_decode_attention(
+        q.contiguous(), k_cache, v_cache, slots, lengths, q.shape[-1] ** -0.5
+    )
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """`_weight_int4pack_mm_for_cpu`'s product from its buffers: x [tokens, in] bf16, the packed
+    weight of an output width that is a multiple of 64 and an even group; [tokens, out] bf16."""
+    return torch.ops.kvpilot.int4_mm(x.contiguous(), packed, group, scales_zeros)
+
+
+def int8_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`_weight_int8pack_mm`'s product: x [tokens, in] bf16, weight [out, in] int8, scales [out]
+    bf16; [tokens, out] bf16."""
+    return torch.ops.kvpilot.int8_mm(x, weight, scales)

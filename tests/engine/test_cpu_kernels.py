@@ -1,0 +1,219 @@
+"""cpu_kernels: the C++ decode-attention kernel gives SDPA's result over the same cached context,
+for bf16 and fp32 caches, ragged lengths and grouped KV heads, eagerly and in a compiled graph; the
+INT4 and INT8 matmuls give PyTorch's packed kernels' products from the same buffers where the CPU
+runs them and refuse where it does not; an engine serving through them keeps its greedy output;
+the library is built once per CPU type and then loaded from the cache; a build that fails leaves
+the portable path."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.model import cpu_kernels
+from kvpilot.engine.model.layers import Linear
+from kvpilot.engine.worker.cpu_features import read_cpu_flags
+from kvpilot.engine.worker.step_inputs import StepInputs
+from tests.engine.conftest import make_prompts
+
+HEADS, KV_HEADS, DIM, SLOTS = 9, 3, 64, 4096
+
+
+def _load_in_a_new_process(root: Path) -> str:
+    """What a starting engine logs when it loads the kernel with this cache root."""
+    code = (
+        "import logging, sys; from pathlib import Path; logging.basicConfig(level=logging.INFO);"
+        "from kvpilot.engine.model import cpu_kernels; from kvpilot.engine.worker.cpu_features import read_cpu_flags;"
+        "cpu_kernels.load(Path(sys.argv[1]), read_cpu_flags())"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+@pytest.fixture(scope="module")
+def kernel_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache root a first engine built the kernel into (a process of its own: this one may have
+    loaded the kernel already), loaded here too."""
+    root = tmp_path_factory.mktemp("kernels")
+    assert "event=cpu_kernels source=built vector_isa=" in _load_in_a_new_process(root)
+    cpu_kernels.load(root, read_cpu_flags())
+    return root
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, n: int) -> torch.Tensor:
+    """SDPA in fp32 over the first n slots of one sequence: [heads, dim]."""
+    keys = k[slots[:n]].float().transpose(0, 1).unsqueeze(0)
+    values = v[slots[:n]].float().transpose(0, 1).unsqueeze(0)
+    return F.scaled_dot_product_attention(q[None, :, None], keys, values, enable_gqa=True)[0, :, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_it_equals_sdpa_over_ragged_contexts_of_several_sequences(kernel_root, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    k = torch.randn(SLOTS, KV_HEADS, DIM).to(dtype)
+    v = torch.randn(SLOTS, KV_HEADS, DIM).to(dtype)
+    # One context within a chunk, one spanning three (the chunk merge), one exactly a chunk.
+    lengths = [5, 300, cpu_kernels._CHUNK]
+    slots = torch.zeros(len(lengths), max(lengths), dtype=torch.long)  # padding: slot 0, never read
+    for i, n in enumerate(lengths):
+        slots[i, :n] = torch.randperm(SLOTS)[:n]
+    q = torch.randn(len(lengths), HEADS, DIM)
+    out = cpu_kernels.decode_attention(q, k, v, slots, torch.tensor(lengths))
+    for i, n in enumerate(lengths):
+        torch.testing.assert_close(out[i], _reference(q[i], k, v, slots[i], n), atol=1e-5, rtol=1e-5)
+    # A compiled graph calls the registered operator with the same result.
+    compiled = torch.compile(lambda q, s, n: cpu_kernels.decode_attention(q, k, v, s, n), dynamic=True)
+    torch.testing.assert_close(compiled(q, slots, torch.tensor(lengths)), out)
+
+
+def test_a_length_outside_the_slots_is_refused(kernel_root) -> None:
+    k = v = torch.zeros(16, KV_HEADS, DIM)
+    with pytest.raises(RuntimeError, match="outside 1..width"):
+        cpu_kernels.decode_attention(
+            torch.zeros(1, HEADS, DIM), k, v, torch.zeros(1, 4, dtype=torch.long), torch.tensor([5])
+        )
+
+
+def test_the_library_is_kept_per_cpu_type_and_a_second_start_loads_it(kernel_root) -> None:
+    flags = read_cpu_flags()
+    assert "event=cpu_kernels source=cache" in _load_in_a_new_process(kernel_root)
+    kernels = kernel_root / cpu_kernels.KERNELS
+    assert (kernels / f"{cpu_kernels.library_name(flags)}.so").is_file()
+    assert not list(kernels.glob(".build-*")), "the build directory was left behind"
+    # Another CPU type (other flags) builds a library of its own name.
+    assert cpu_kernels.library_name(flags | {"a_flag_this_cpu_lacks"}) != cpu_kernels.library_name(flags)
+
+
+def test_isa_follows_the_flags() -> None:
+    assert cpu_kernels.vector_isa(frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"})) == "AVX512"
+    assert cpu_kernels.vector_isa(frozenset({"avx512f", "avx2", "fma"})) == "AVX2"
+    assert cpu_kernels.vector_isa(frozenset({"neon"})) is None
+
+
+def test_decode_groups_carry_lengths_for_the_kernel_and_no_mask() -> None:
+    inputs = StepInputs(16, torch.device("cpu"), decode_kernel=True)
+    inputs.add([1], 20, [0, 1], decode=True)
+    inputs.add([2], 3, [2], decode=True)
+    inputs.add([3, 4], 40, [3, 4, 5], decode=True)  # a decode with a draft: SDPA with its mask
+    groups = inputs.build()[2].decodes
+    assert groups[0].lengths.tolist() == [21, 4] and groups[0].mask is None
+    assert groups[1].lengths is None and groups[1].mask is not None
+
+
+def test_a_failed_build_leaves_the_portable_path(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    runner = LLM(dtype="float32", quantization="int8", kv_cache_memory_bytes=16 << 20).engine.runner
+    assert runner.decode_kernel is False  # built only beside compile_decode
+
+    def fail(*args: object) -> None:
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(cpu_kernels, "load", fail)
+    with caplog.at_level(logging.WARNING):
+        runner._load_cpu_kernels(None)
+    assert "cpu_kernels_unavailable" in caplog.text and "no compiler today" in caplog.text
+    runner.use_cpu_kernels(True)  # refused: nothing is loaded
+    assert runner.decode_kernel is False and not runner.model.lm_head.quantization.cpu_kernel
+
+
+def _int4_buffers(out: int, width: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q = torch.randint(0, 16, (out, width), dtype=torch.int32)
+    scales = torch.rand(width // group, out) * 0.02 + 1e-3
+    zeros = torch.randn(width // group, out) * 0.02
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    return packed, torch.stack([scales, zeros], dim=-1).to(torch.bfloat16).contiguous()
+
+
+def _close_to(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal up to the output's bf16 rounding: both add exact products in fp32, in other orders."""
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * want.abs().max().item(), rtol=1e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 37])
+@pytest.mark.parametrize(("out", "width", "group"), [(960, 576, 32), (128, 1536, 64)])
+def test_int4_mm_gives_pytorchs_packed_product(kernel_root, tokens: int, out: int, width: int, group: int) -> None:
+    torch.manual_seed(tokens)
+    packed, scales_zeros = _int4_buffers(out, width, group)
+    x = torch.randn(tokens, width, dtype=torch.bfloat16)
+    if "int4" not in cpu_kernels.matmul_schemes(read_cpu_flags()):
+        with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
+            cpu_kernels.int4_mm(x, packed, group, scales_zeros)
+        return
+    want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
+    got = cpu_kernels.int4_mm(x, packed, group, scales_zeros)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    _close_to(got, want)
+    compiled = torch.compile(lambda x: cpu_kernels.int4_mm(x, packed, group, scales_zeros), dynamic=True)
+    torch.testing.assert_close(compiled(x), got)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 8, 9, 20])
+def test_int8_mm_gives_pytorchs_packed_product(kernel_root, tokens: int) -> None:
+    torch.manual_seed(tokens)
+    weight = torch.randint(-127, 128, (1000, 584), dtype=torch.int8)  # 584: a tail after the last 16 columns
+    scales = (torch.rand(1000) * 0.01).to(torch.bfloat16)
+    x = torch.randn(tokens, 584, dtype=torch.bfloat16)
+    if "int8" not in cpu_kernels.matmul_schemes(read_cpu_flags()):
+        with pytest.raises(RuntimeError, match="needs AVX512F"):
+            cpu_kernels.int8_mm(x, weight, scales)
+        return
+    got = cpu_kernels.int8_mm(x, weight, scales)
+    # The product in fp32: PyTorch's kernel is wrong at this width (values off by up to 3e38 with
+    # torch 2.15), so it is compared only on the first 576 columns.
+    _close_to(got, (x.float() @ weight.float().T) * scales.float())
+    aligned = (x[:, :576].contiguous(), weight[:, :576].contiguous(), scales)
+    _close_to(cpu_kernels.int8_mm(*aligned), torch.ops.aten._weight_int8pack_mm(*aligned))
+    compiled = torch.compile(lambda x: cpu_kernels.int8_mm(x, weight, scales), dynamic=True)
+    torch.testing.assert_close(compiled(x), got)
+
+
+def test_the_matmuls_follow_the_flags() -> None:
+    avx512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"})
+    assert cpu_kernels.matmul_schemes(avx512 | {"avx512_bf16"}) == {"int4", "int8"}  # Zen 4/5, Sapphire Rapids
+    assert cpu_kernels.matmul_schemes(avx512 | {"avx512_vnni"}) == {"int8"}  # Ice Lake: no bf16 dot products
+    assert cpu_kernels.matmul_schemes(frozenset({"avx2", "fma"})) == frozenset()
+
+
+def test_an_int4_engine_on_the_kernels_keeps_its_greedy_output(kernel_root, monkeypatch, corpus_ids) -> None:
+    """The same engine's greedy tokens on PyTorch's kernels and then on these: equal, or apart at a
+    near-tie of the first run's logprobs; every quantized layer the CPU has a kernel for uses it."""
+    llm = LLM(quantization="int4", kv_cache_memory_bytes=16 << 20)
+    runner = llm.engine.runner
+    prompts = make_prompts(corpus_ids, [7, 60, 200])
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2)
+    before = llm.generate(prompts, params)
+    runner._load_cpu_kernels(kernel_root)
+    schemes = cpu_kernels.matmul_schemes(read_cpu_flags())
+    assert runner.decode_kernel and runner.matmul_kernels == schemes
+    layers = [m for m in runner.model.modules() if isinstance(m, Linear) and m.quantization is not None]
+    assert all(m.quantization.cpu_kernel == (m.quantization.name in schemes) for m in layers)
+    calls = {"int4": 0, "int8": 0}
+    for name in calls:
+        kernel = getattr(cpu_kernels, f"{name}_mm")
+        monkeypatch.setattr(cpu_kernels, f"{name}_mm", _counted(kernel, calls, name))
+    after = llm.generate(prompts, params)
+    assert all(calls[name] > 0 for name in schemes) and all(calls[name] == 0 for name in calls if name not in schemes)
+    for prompt, old, new in zip(prompts, before, after):
+        a, b = old.outputs[0], new.outputs[0]
+        first = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if first is None:
+            continue
+        # bf16 activations: one rounding of a matmul's output apart moves a logit by ~1e-2.
+        top = a.logprobs[first].top
+        gap = top[0].logprob - top[1].logprob
+        assert gap <= 0.05 and b.token_ids[first] in {t.token_id for t in top[:2]}, (len(prompt), first, gap)
+
+
+def _counted(kernel, calls: dict[str, int], name: str):
+    def counted(*args: torch.Tensor) -> torch.Tensor:
+        calls[name] += 1
+        return kernel(*args)
+
+    return counted

@@ -5,11 +5,13 @@ the weight-only packed kernels (INT8, INT4 group 32) against the same weight deq
 bf16 GEMM (their dense routes, INT8_DENSE_TOKENS / INT4_DENSE_TOKENS), W8A8's int8 x int8 GEMM
 (activation quantization included) on fp32 and bf16 activations, and the bf16 / fp32 GEMMs, on the
 plain weight (`F.linear`) and on the weight packed in oneDNN's layout (engine/model/onednn_linear.py,
-where the engine serves unquantized layers on x86). Times in ms, the fastest of repeated calls
-(kvpilot.engine.measure.call_seconds).
+where the engine serves unquantized layers on x86), and kvpilot's own INT8 / INT4 matmuls
+(engine/model/cpu_kernels.py) where this CPU runs them. Times in ms, the fastest of repeated calls
+(kvpilot.engine.measure.call_seconds). `--copies N` rotates each call over N copies of the weight,
+so that a decode-sized call reads it from memory as a model's step does (one copy stays in cache).
 
     .venv/bin/python -m bench.cpu_kernels [--tokens 1,16,64,256] [--min-seconds 0.2] [--threads N]
-        [--shapes qkv,lm_head] [--kernels "bf16 GEMM,bf16 GEMM packed"]
+        [--shapes qkv,lm_head] [--kernels "bf16 GEMM,bf16 GEMM packed"] [--copies 8]
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import torch
 from torch import nn
 
 from kvpilot.engine.measure import call_seconds
-from kvpilot.engine.model import onednn_linear
+from kvpilot.engine.model import cpu_kernels, onednn_linear
 from kvpilot.engine.model.quantization import Int4WeightOnly, Int8Dynamic, Int8WeightOnly
+from kvpilot.engine.worker.compile_cache import resolve_root
 from kvpilot.engine.worker.cpu import cpu_threads
+from kvpilot.engine.worker.cpu_features import read_cpu_flags
 
 SHAPES = {
     "qkv": (960, 576),
@@ -35,20 +39,23 @@ SHAPES = {
 }
 
 
-def _kernels(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """Kernel name -> x (fp32) -> y, each on its own copy of the weight in its serving form."""
+def _kernels(weight: torch.Tensor, ours: frozenset[str]) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Kernel name -> x (fp32) -> y, each on its own copy of the weight in its serving form; `ours`:
+    the schemes whose kvpilot matmul this CPU runs."""
     int8, int4, w8a8 = nn.Module(), nn.Module(), nn.Module()
     Int8WeightOnly().quantize(int8, weight)
     Int4WeightOnly(32).quantize(int4, weight)
     Int8Dynamic(True).quantize(w8a8, weight)
     bf16, aten = weight.bfloat16(), torch.ops.aten
     bf16_packed, fp32_packed = onednn_linear.pack(bf16), onednn_linear.pack(weight)
-    return {
+    kernels = {
         "int8 packed": lambda x: aten._weight_int8pack_mm(x.bfloat16(), int8.qweight, int8.scales),
+        "int8 kvpilot": lambda x: cpu_kernels.int8_mm(x.bfloat16(), int8.qweight, int8.scales),
         "int8 dense": lambda x: nn.functional.linear(x.bfloat16(), Int8WeightOnly._weight(int8, torch.bfloat16)),
         "int4 packed": lambda x: aten._weight_int4pack_mm_for_cpu(
             x.bfloat16(), int4.qweight, 32, int4.scales_and_zeros
         ),
+        "int4 kvpilot": lambda x: cpu_kernels.int4_mm(x.bfloat16(), int4.qweight, 32, int4.scales_and_zeros),
         "int4 dense": lambda x: nn.functional.linear(x.bfloat16(), Int4WeightOnly(32)._weight(int4, torch.bfloat16)),
         "w8a8 (fp32 act.)": lambda x: Int8Dynamic(True).matmul(w8a8, x),
         "w8a8 (bf16 act.)": lambda x: Int8Dynamic(True).matmul(w8a8, x.bfloat16()),
@@ -57,6 +64,18 @@ def _kernels(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.T
         "fp32 GEMM": lambda x: nn.functional.linear(x, weight),
         "fp32 GEMM packed": lambda x: onednn_linear.linear(x, fp32_packed, None),
     }
+    return {name: call for name, call in kernels.items() if "kvpilot" not in name or name.split()[0] in ours}
+
+
+def _rotating(calls: list[Callable[[torch.Tensor], torch.Tensor]]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One call per copy of the weight in turn."""
+    turn = [0]
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        turn[0] = (turn[0] + 1) % len(calls)
+        return calls[turn[0]](x)
+
+    return call
 
 
 def main() -> None:
@@ -66,20 +85,24 @@ def main() -> None:
     parser.add_argument("--kernels", help="a comma-separated subset of the kernels' names (default: all)")
     parser.add_argument("--min-seconds", type=float, default=0.2)
     parser.add_argument("--threads", type=int, help="torch threads (default: as the engine would use)")
+    parser.add_argument("--copies", type=int, default=1, help="copies of each weight the calls rotate over")
     args = parser.parse_args()
     threads, why = (args.threads, "--threads") if args.threads else cpu_threads()
     torch.set_num_threads(threads)
     tokens = [int(t) for t in args.tokens.split(",")]
-    print(f"torch {torch.__version__}, {threads} threads ({why}), ms per call (fastest)")
+    flags = read_cpu_flags()
+    cpu_kernels.load(resolve_root(None), flags)
+    ours = cpu_kernels.matmul_schemes(flags)
+    print(f"torch {torch.__version__}, {threads} threads ({why}), {args.copies} copies, ms per call (fastest)")
     for name in args.shapes.split(","):
         out_features, in_features = SHAPES[name]
         weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)) * 0.02
         print(f"\n{name} {out_features}x{in_features}\n")
         print("| kernel | " + " | ".join(str(n) for n in tokens) + " |")
         print("|---|" + "---:|" * len(tokens))
-        kernels = _kernels(weight)
-        if args.kernels:
-            kernels = {name: kernels[name] for name in args.kernels.split(",")}
+        copies = [_kernels(weight, ours) for _ in range(args.copies)]
+        names = args.kernels.split(",") if args.kernels else list(copies[0])
+        kernels = {name: _rotating([c[name] for c in copies]) for name in names if name in copies[0]}
         with torch.inference_mode():
             for kernel, call in kernels.items():
                 times = []

@@ -53,6 +53,12 @@ INT8_DENSE_TOKENS = 128
 # threads, bf16): packed kernel / (unpack + dequantize + GEMM) is 0.3-0.5x at 64 tokens, 0.5-0.9x
 # at 128, 0.5-1.0x at 256, 1.35-1.7x at 512 and 1.7-1.9x at 1024.
 INT4_DENSE_TOKENS = 512
+# From this many output rows kvpilot's INT8 matmul (cpu_kernels.py) beats PyTorch's packed one at
+# decode sizes (2 threads, Zen 5, weights read from memory: `python -m bench.cpu_kernels --copies 8`):
+# the 49152-row LM head 1.0 vs 2.8 ms at 1 token and 8.9 vs 13.2 at 16, the 3072-row gate_up 0.055
+# vs 0.065 at 1 token; narrower layers (576 and 960 rows) ran on par at 1 token and up to 2x slower
+# at 4-64 tokens, so they keep PyTorch's.
+INT8_KERNEL_ROWS = 3072
 # PyTorch's CPU int4 layout packs the rows of each block of 64 output channels as byte [k, r]
 # holding row r (low nibble) and row r + 32 (high nibble); a last block of fewer rows differs.
 _CPU_PACK_ROWS = 64
@@ -114,7 +120,8 @@ class Int8WeightOnly(LinearQuantization):
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.shape[0] < INT8_DENSE_TOKENS:
-            packed_mm = cpu_kernels.int8_mm if self.cpu_kernel else torch.ops.aten._weight_int8pack_mm
+            ours = self.cpu_kernel and layer.qweight.shape[0] >= INT8_KERNEL_ROWS
+            packed_mm = cpu_kernels.int8_mm if ours else torch.ops.aten._weight_int8pack_mm
             return _in_dtype(packed_mm(_in_dtype(x, torch.bfloat16), layer.qweight, layer.scales), x.dtype)
         # The same weight multiplied densely (on CPU: a prefill-sized step).
         return nn.functional.linear(x, self._weight(layer, x.dtype))

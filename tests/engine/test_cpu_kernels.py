@@ -17,8 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.measure import engine_linear
 from kvpilot.engine.model import cpu_kernels
 from kvpilot.engine.model.layers import Linear
+from kvpilot.engine.model.quantization import INT8_KERNEL_ROWS
 from kvpilot.engine.worker.cpu_features import read_cpu_flags
 from kvpilot.engine.worker.step_inputs import StepInputs
 from tests.engine.conftest import make_prompts
@@ -217,3 +219,14 @@ def _counted(kernel, calls: dict[str, int], name: str):
         return kernel(*args)
 
     return counted
+
+
+def test_int8_layers_narrower_than_the_kernels_gain_keep_pytorchs(kernel_root, monkeypatch) -> None:
+    calls = {"int8": 0}
+    monkeypatch.setattr(cpu_kernels, "int8_mm", _counted(cpu_kernels.int8_mm, calls, "int8"))
+    for rows, ours in ((576, False), (INT8_KERNEL_ROWS, "int8" in cpu_kernels.matmul_schemes(read_cpu_flags()))):
+        layer = engine_linear("int8", torch.bfloat16, (rows, 576))
+        layer.quantization.cpu_kernel = "int8" in cpu_kernels.matmul_schemes(read_cpu_flags())
+        before = calls["int8"]
+        y = layer(torch.randn(2, 576, dtype=torch.bfloat16))
+        assert y.shape == (2, rows) and (calls["int8"] > before) == ours, rows

@@ -201,6 +201,7 @@ def compiled_step_factor(steps: int, progress: Progress) -> float:
             runner.use_cpu_kernels(compiled)
             times[compiled] += call_seconds(engine.step, 0.0, min_calls=per_round)
     runner._decode_forward = compiled_forward
+    runner.use_cpu_kernels(True)
     compiled_s, eager_s = statistics.median(times[True]), statistics.median(times[False])
     progress(
         f"engine decode step, batch 1, compiled: {compiled_s * 1e3:.2f} ms against {eager_s * 1e3:.2f} ms eager "

@@ -133,11 +133,20 @@ def _serve_until(
             targets = lambda: list(runner.serving().values())  # noqa: E731
             load = Load(targets, MODEL, rate=RATE, prompt=PROMPT, max_tokens=OUTPUT, api_key=key)
             with load:
-                found = poll(
-                    lambda: _verdict(k8s, namespace, name, want, corrected=want == "False"),
-                    VERDICT_WITHIN_S,
-                    f"PlanAccurate {want}",
-                )
+                try:
+                    found = poll(
+                        lambda: _verdict(k8s, namespace, name, want, corrected=want == "False"),
+                        VERDICT_WITHIN_S,
+                        f"PlanAccurate {want}",
+                    )
+                except TimeoutError as timeout:
+                    # The numbers the verdict was waiting on, so that a miss says by how much.
+                    status = kvis.get(k8s, namespace, name)["status"]
+                    condition = kvis.condition({"status": status}, "PlanAccurate")
+                    raise AssertionError(
+                        f"{timeout}; PlanAccurate {condition}; planAccuracy {json.dumps(status.get('planAccuracy'))}; "
+                        f"correction {json.dumps(status.get('correction'))}"
+                    ) from timeout
             # The load goes to the engines directly: under `slo` the re-plan rolls the Deployment out
             # and the autoscaler scales it, and an engine whose pod is going away answers a request
             # that reached it while it drained with a 503 that names itself shutting down (the

@@ -53,10 +53,13 @@ class Load(Background):
         prompt: str = "Write a short story about a lighthouse keeper and a storm.",
         max_tokens: int = 32,
         api_key: str | None = None,
+        unique_prompts: bool = False,
     ) -> None:
         super().__init__("load")
         self.targets, self.model, self.rate = targets, model, rate
         self.max_in_flight, self.prompt, self.max_tokens = max_in_flight, prompt, max_tokens
+        # Each request's prompt opens with its own number, so that no two share a cached prefix.
+        self._numbers = itertools.count() if unique_prompts else None
         self.results: list[Result] = []
         self.shed = 0
         self.no_target = 0
@@ -96,9 +99,10 @@ class Load(Background):
 
     def _one(self, target: str) -> None:
         start = time.monotonic()
+        prompt = self.prompt if self._numbers is None else f"Request {next(self._numbers)}. {self.prompt}"
         body = {
             "model": self.model,
-            "prompt": self.prompt,
+            "prompt": prompt,
             "max_tokens": self.max_tokens,
             "stream": True,
             "ignore_eos": True,

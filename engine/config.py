@@ -167,9 +167,9 @@ class EngineConfig(BaseModel):
     )
     compile_cache_dir: str | None = Field(
         None,
-        description="where compile_decode keeps its compiled artifacts for the next start (a warm start skips the "
-        "C++ build), shared safely by engines on one volume; off: keep nothing; default: beside the models kvpilot "
-        "caches, $KVPILOT_CACHE/compiled (~/.cache/kvpilot/compiled)",
+        description="where a CPU engine keeps its built C++ kernels and compile_decode its compiled artifacts for "
+        "the next start (a warm start skips the C++ builds), shared safely by engines on one volume; off: keep "
+        "nothing; default: beside the models kvpilot caches, $KVPILOT_CACHE/compiled (~/.cache/kvpilot/compiled)",
     )
 
     @model_validator(mode="after")

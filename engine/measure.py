@@ -195,13 +195,11 @@ def compiled_step_factor(steps: int, progress: Progress) -> float:
     compiled_forward, times = runner._decode_forward, {True: [], False: []}
     for _ in range(rounds):
         for compiled in (True, False):
-            # Without its compiled forward and C++ kernels the runner runs the lone sequence's step
-            # as an engine without compile_decode does: eagerly, on PyTorch's kernels.
+            # Without its compiled forward the runner runs the lone sequence's step as an engine
+            # without compile_decode does: eagerly, on the same C++ kernels.
             runner._decode_forward = compiled_forward if compiled else None
-            runner.use_cpu_kernels(compiled)
             times[compiled] += call_seconds(engine.step, 0.0, min_calls=per_round)
     runner._decode_forward = compiled_forward
-    runner.use_cpu_kernels(True)
     compiled_s, eager_s = statistics.median(times[True]), statistics.median(times[False])
     progress(
         f"engine decode step, batch 1, compiled: {compiled_s * 1e3:.2f} ms against {eager_s * 1e3:.2f} ms eager "

@@ -428,12 +428,20 @@ def load(root: Path | None, cpu_flags: frozenset[str]) -> None:
     if cached is not None and cached.is_file():
         torch.ops.load_library(str(cached))
         log.info("event=cpu_kernels source=cache path=%s", cached)
+    elif not has_compiler():
+        where = f"none cached at {cached}" if cached is not None else "no cache"
+        raise RuntimeError(f"no C++ compiler to build the library (g++ or clang++ on PATH, or $CXX) and {where}")
     else:
         _build(name, cached, vector_isa(cpu_flags))
     torch.library.register_fake(ATTENTION)(_fake_attention)
     torch.library.register_fake(INT4_MM)(_fake_int4_mm)
     torch.library.register_fake(INT8_MM)(_fake_int8_mm)
     _loaded = True
+
+
+def has_compiler() -> bool:
+    """Whether a C++ compiler is on PATH for the library and torch.compile's CPU kernels."""
+    return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "clang++"))
 
 
 def matmul_schemes(cpu_flags: frozenset[str]) -> frozenset[str]:

@@ -12,7 +12,9 @@ Three paths, chosen at start-up from /proc/cpuinfo (or forced by `cpu_kernels`):
   AVX2 by ONEDNN_MAX_CPU_ISA, the int8 GEMM was no faster at 1 token and 1.6-2x faster at 16-64:
   bench/RESULTS.md, "W8A8").
 
-Weight-only INT8/INT4 run PyTorch's packed kernels on every path (their activations cast to bf16).
+Weight-only INT8/INT4 run PyTorch's packed kernels on every path (their activations cast to bf16),
+except the decode-sized steps that the engine's C++ kernels serve where the CPU has their ISA
+(engine/model/cpu_kernels.py: INT8 with AVX512F, INT4 with AVX512-BF16).
 On an x86 CPU (AVX2 or newer) full-precision weights are served from oneDNN's blocked layout, fp32
 ones always and bf16 ones where the CPU has bf16 arithmetic (engine/model/onednn_linear.py).
 """

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -120,9 +118,11 @@ class ModelRunner:
             self.device,
         )
         # Whether single-query decodes attend through cpu_kernels' attention kernel, and which
-        # weight-only schemes multiply through its matmuls (use_cpu_kernels); the compiled step.
+        # weight-only schemes multiply through its matmuls (use_cpu_kernels); the compiled step,
+        # whose graph calls the kernels, so they load first.
         self.decode_kernel, self.matmul_kernels = False, frozenset[str]()
         self._cpu_kernels_loaded = False
+        self._load_cpu_kernels(resolve_root(config.compile_cache_dir))
         self._decode_forward = self._compile_decode() if config.compile_decode else None
 
     def _models(self) -> list[torch.nn.Module]:
@@ -204,9 +204,11 @@ class ModelRunner:
         return None
 
     def _load_cpu_kernels(self, root: Path | None) -> None:
-        """Serve with cpu_kernels' C++ library: on CPU, built beside the compiled decode step (the
-        same compiler, the same cache root). A build that fails leaves PyTorch's kernels and the
-        portable attention, with a warning: the engine serves either way."""
+        """Serve with cpu_kernels' C++ library on every CPU engine: from the compile cache root
+        (`compile_cache_dir`), or built into it at the first start (~40 s on 2 cores) with the
+        compiler torch.compile uses. A build that fails, or a CPU without a compiler or a cached
+        library, leaves PyTorch's kernels and the portable attention, with a warning: the engine
+        serves either way."""
         if self.device.type != "cpu":
             return
         flags = read_cpu_flags()
@@ -235,7 +237,7 @@ class ModelRunner:
 
     def _compile_decode(self) -> Callable[..., torch.Tensor]:
         """The forward compiled by torch.compile (inductor) for a lone sequence's decode step,
-        built before serving, with cpu_kernels' library loaded first (the graph calls it).
+        built before serving (cpu_kernels' library, which the graph calls, is loaded by then).
 
         On CPU most of a single-sequence decode step is the dispatch of ~170 small ops per layer
         around a few matmuls; one compiled forward fuses them into a few kernels (bench/RESULTS.md,
@@ -249,13 +251,12 @@ class ModelRunner:
                 f"compile_decode needs a KV pool of more than {WARM_UP_POSITION} tokens, "
                 f"this one holds {self.num_blocks * self.block_size}"
             )
-        if self.device.type == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "clang++")):
+        if self.device.type == "cpu" and not cpu_kernels.has_compiler():
             raise ValueError(
                 "compile_decode needs a C++ compiler for torch.compile's CPU kernels: g++ or clang++ "
                 "on PATH (or $CXX); install one or leave compile_decode off"
             )
         root = resolve_root(self.config.compile_cache_dir)
-        self._load_cpu_kernels(root)
         key = key_inputs(self.model, self.hf_config, self.dtype, self.device, self.model.quantization)
         log.info("event=decode_compile_started cache_dir=%s", root)
         started = time.monotonic()

@@ -110,19 +110,36 @@ def test_decode_groups_carry_lengths_for_the_kernel_and_no_mask() -> None:
     assert groups[1].lengths is None and groups[1].mask is not None
 
 
-def test_a_failed_build_leaves_the_portable_path(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
-    runner = LLM(dtype="float32", quantization="int8", kv_cache_memory_bytes=16 << 20).engine.runner
-    assert runner.decode_kernel is False  # built only beside compile_decode
+def test_every_cpu_engine_serves_on_the_kernels_and_says_so(kernel_root, caplog) -> None:
+    """Not only compile_decode engines: the library loads at every CPU engine's start."""
+    with caplog.at_level(logging.INFO):
+        runner = LLM(dtype="float32", quantization="int8", kv_cache_memory_bytes=16 << 20).engine.runner
+    schemes = cpu_kernels.matmul_schemes(read_cpu_flags())
+    assert runner.decode_kernel and runner.matmul_kernels == schemes
+    assert runner.model.lm_head.quantization.cpu_kernel == ("int8" in schemes)
+    assert "event=cpu_kernels_used attention=single_query_decodes" in caplog.text
 
+
+def test_a_failed_build_leaves_the_portable_path(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
     def fail(*args: object) -> None:
         raise RuntimeError("no compiler today")
 
     monkeypatch.setattr(cpu_kernels, "load", fail)
     with caplog.at_level(logging.WARNING):
-        runner._load_cpu_kernels(None)
+        llm = LLM(dtype="float32", quantization="int8", kv_cache_memory_bytes=16 << 20)
+    runner = llm.engine.runner
     assert "cpu_kernels_unavailable" in caplog.text and "no compiler today" in caplog.text
     runner.use_cpu_kernels(True)  # refused: nothing is loaded
     assert runner.decode_kernel is False and not runner.model.lm_head.quantization.cpu_kernel
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4  # it serves on PyTorch's kernels
+
+
+def test_without_a_compiler_or_a_cached_library_load_says_what_is_missing(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setattr(cpu_kernels, "has_compiler", lambda: False)
+    with pytest.raises(RuntimeError, match=r"no C\+\+ compiler .* none cached at .*kernels"):
+        cpu_kernels.load(tmp_path, read_cpu_flags())
 
 
 def _int4_buffers(out: int, width: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,9 +207,10 @@ def test_an_int4_engine_on_the_kernels_keeps_its_greedy_output(kernel_root, monk
     runner = llm.engine.runner
     prompts = make_prompts(corpus_ids, [7, 60, 200])
     params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2)
+    runner.use_cpu_kernels(False)
     before = llm.generate(prompts, params)
-    runner._load_cpu_kernels(kernel_root)
     schemes = cpu_kernels.matmul_schemes(read_cpu_flags())
+    runner.use_cpu_kernels(True, schemes)
     assert runner.decode_kernel and runner.matmul_kernels == schemes
     layers = [m for m in runner.model.modules() if isinstance(m, Linear) and m.quantization is not None]
     assert all(m.quantization.cpu_kernel == (m.quantization.name in schemes) for m in layers)

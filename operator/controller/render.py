@@ -202,9 +202,10 @@ PRESTOP_SLEEP_S = 5
 # Probe timeout: one Python process serves probes beside the engine thread, so a busy step can hold
 # an answer back for a while; Kubernetes' default of 1 s would fail healthy pods under load.
 PROBE_TIMEOUT_S = 5
-# Where a compiled decode step keeps its compiled code (engine/worker/compile_cache.py) without a
+# Where a CPU engine keeps its built C++ kernels (engine/model/cpu_kernels.py, ~40 s to build on 2
+# cores) and a compiled decode step its compiled code (engine/worker/compile_cache.py) without a
 # model.cache claim: the pod's writable /tmp emptyDir, so a restarted engine container starts warm
-# (~10 s here against ~40 s cold; bench/RESULTS.md); a new pod compiles again.
+# (~10 s here against ~40 s cold; bench/RESULTS.md); a new pod builds again.
 COMPILE_CACHE_DIR = "/tmp/kvpilot-compiled"
 # With a claim: a folder of it, mounted writable on its own (the model files stay read-only), so
 # new pods, replicas and rollouts start warm too. Pods and engine versions share it safely: an
@@ -244,7 +245,7 @@ def compile_cache_dir(spec: InferenceServiceSpec) -> str:
 
 
 class _CompileCache(NamedTuple):
-    """The model.cache claim's folder for the compiled decode step, and what creates it."""
+    """The model.cache claim's folder for a CPU engine's kernels and compiled step, and what creates it."""
 
     volume: Manifest
     mount: Manifest  # the engine's, writable
@@ -255,12 +256,12 @@ def _compile_cache(spec: InferenceServiceSpec, plan: Plan, image: str) -> _Compi
     """The engine mounts the folder alone (a subPath), writable. An init container creates it first
     as the engine's user: a missing subPath is created by the kubelet as root, which the engine can
     write only where the volume applies fsGroup. On a claim whose root that user cannot write (a
-    volume filled by hand) the step says so and the pod still starts: the engine warns and compiles
-    at every start (compile_cache.py)."""
-    if not plan.compile_decode or _cache_on_pod(spec):
+    volume filled by hand) the step says so and the pod still starts: the engine warns and builds
+    at every start (compile_cache.py). Every CPU engine has one: its C++ kernels are kept there."""
+    if plan.gpu != CPU_TYPE or _cache_on_pod(spec):
         return None
     folder = f"{MODEL_CACHE_MOUNT}/{COMPILE_CACHE_SUBPATH}"
-    unwritable = 'echo "cannot create $1 on model.cache: the engine compiles its decode step at every start" >&2'
+    unwritable = 'echo "cannot create $1 on model.cache: the engine builds its CPU kernels at every start" >&2'
     init: Manifest = {
         "name": COMPILE_CACHE_CONTAINER,
         "image": image,
@@ -302,11 +303,16 @@ def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str, draft_model:
     )
     gpu = find_gpu(str(plan.gpu))
     dtype = {} if gpu is None or gpu.bf16 else {"dtype": "float16"}
-    # On a CPU the engine's KV pool is its own setting (on a GPU it is what the memory leaves), and
-    # its dtype its own choice by the node's CPU flags, as it chose where the profile was measured.
-    cpu = {"device": "cpu", "kv_cache_memory_bytes": plan.kv_pool_bytes} if plan.gpu == CPU_TYPE else {}
+    # On a CPU the engine's KV pool is its own setting (on a GPU it is what the memory leaves), its
+    # dtype its own choice by the node's CPU flags, as it chose where the profile was measured, and
+    # its C++ kernels (and a compiled decode step) kept in a writable cache folder.
+    cpu = (
+        {"device": "cpu", "kv_cache_memory_bytes": plan.kv_pool_bytes, "compile_cache_dir": compile_cache_dir(spec)}
+        if plan.gpu == CPU_TYPE
+        else {}
+    )
     if plan.compile_decode:
-        cpu.update(compile_decode=True, compile_cache_dir=compile_cache_dir(spec))
+        cpu.update(compile_decode=True)
     if not cpu and plan.quantization in CAPABILITIES.cpu_only_quantization:
         raise ValueError(
             f"quantization {plan.quantization} runs on CPUs only: the engine would refuse it on {plan.gpu}"

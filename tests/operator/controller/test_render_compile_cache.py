@@ -1,5 +1,6 @@
-"""Issue 21: a CPU pod's compiled decode step keeps its cache on the model.cache claim, so a new pod
-starts warm; without a claim it stays on the pod's /tmp emptyDir.
+"""Issue 21: a CPU pod keeps its built C++ kernels and its compiled decode step on the model.cache
+claim, so a new pod starts warm; without a claim they stay on the pod's /tmp emptyDir. A GPU pod
+builds neither and gets no cache folder.
 
 The plans are written out (render is a function of spec and plan; the planner's choice of
 compile_decode is tests/operator/planning/test_cpu_plan.py's), and the engine's own `serve`
@@ -55,11 +56,11 @@ def pod(s: InferenceServiceSpec, p: Plan) -> dict[str, Any]:
     return render.deployment("chat", "ml", "uid", s, p)["spec"]["template"]["spec"]
 
 
-def served_cache_dir(engine: dict[str, Any]) -> str | None:
+def served_cache_dir(engine: dict[str, Any], compile_decode: bool = True) -> str | None:
     """The engine's compile_cache_dir as `kvpilot serve` reads the container's arguments."""
     assert engine["command"] == ["kvpilot", "serve"]
     config = engine_config_from_args(PARSER.parse_args(["serve", *engine["args"]]))
-    assert config.compile_decode
+    assert config.compile_decode == compile_decode
     return config.compile_cache_dir
 
 
@@ -102,11 +103,27 @@ def test_without_a_claim_the_compile_cache_stays_on_the_pods_tmp() -> None:
         assert render.COMPILE_CACHE_CONTAINER not in [c["name"] for c in rendered.get("initContainers", [])]
 
 
-def test_a_claim_without_compiled_decoding_gets_no_compile_cache() -> None:
+def test_a_cpu_pod_without_compiled_decoding_keeps_its_kernels_on_the_claim_too() -> None:
+    # Every CPU engine builds its C++ kernels (engine/model/cpu_kernels.py): ~40 s a cold start.
     rendered = pod(spec({"source": HUB, "cache": {"claimName": "models"}}), cpu_plan(compile_decode=False))
     engine = rendered["containers"][0]
-    assert "--compile-decode" not in engine["args"] and "--compile-cache-dir" not in engine["args"]
-    assert [c["name"] for c in rendered["initContainers"]] == [render.DOWNLOAD_CONTAINER]
+    assert served_cache_dir(engine, compile_decode=False) == render.COMPILE_CACHE_MOUNT
+    assert [c["name"] for c in rendered["initContainers"]] == [
+        render.COMPILE_CACHE_CONTAINER,
+        render.DOWNLOAD_CONTAINER,
+    ]
+    assert any(m.get("subPath") == render.COMPILE_CACHE_SUBPATH for m in engine["volumeMounts"])
+
+
+def test_a_gpu_pod_gets_no_cache_folder() -> None:
+    gpu_spec = InferenceServiceSpec.model_validate(
+        {"model": {"name": MODEL, "source": HUB, "cache": {"claimName": "models"}}, "accelerator": {"type": "L4"}}
+    )
+    gpu_plan = cpu_plan(compile_decode=False).model_copy(update={"gpu": "L4", "cpus": 0, "device_profile": None})
+    rendered = pod(gpu_spec, gpu_plan)
+    engine = rendered["containers"][0]
+    assert "--compile-cache-dir" not in engine["args"]
+    assert render.COMPILE_CACHE_CONTAINER not in [c["name"] for c in rendered["initContainers"]]
     assert not any("subPath" in m for m in engine["volumeMounts"])
 
 
@@ -141,7 +158,7 @@ def test_the_folder_step_creates_the_folder_and_never_blocks_the_pod(tmp_path: P
     (tmp_path / "file").write_text("")
     refused = _run_mkdir(mkdir["command"], tmp_path / "file" / render.COMPILE_CACHE_SUBPATH)
     assert refused.returncode == 0
-    assert "compiles its decode step at every start" in refused.stderr
+    assert "builds its CPU kernels at every start" in refused.stderr
 
 
 def test_a_cpu_pod_with_downloads_is_guaranteed_in_every_container() -> None:

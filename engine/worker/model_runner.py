@@ -117,9 +117,8 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        # Whether single-query decodes attend through cpu_kernels' attention kernel, and which
-        # weight-only schemes multiply through its matmuls (use_cpu_kernels); the compiled step,
-        # whose graph calls the kernels, so they load first.
+        # Whether single-query decodes attend through cpu_kernels' attention kernel, which weight-only
+        # schemes multiply through its matmuls (use_cpu_kernels); the compiled step (calls them).
         self.decode_kernel, self.matmul_kernels = False, frozenset[str]()
         self._cpu_kernels_loaded = False
         self._load_cpu_kernels(resolve_root(config.compile_cache_dir))

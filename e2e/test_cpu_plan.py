@@ -184,6 +184,9 @@ def test_a_cpu_plan_from_the_measured_profile_predicts_what_real_engines_do(
         assert entry["predictedMs"] == status["plan"][f"predicted{signal.capitalize()}Ms"], accuracy
         assert BAND[0] <= entry["ratio"] <= BAND[1] and entry["requests"] >= 20, accuracy
     assert condition["reason"] == "WithinBand" and "ttft" in condition["message"].lower(), condition
+    # The engines' prefix cache counters reach the status: prompts that share no prefix, as the
+    # plan assumed (load.prefixShare 0).
+    assert accuracy["prefixShare"]["assumed"] == 0 and accuracy["prefixShare"]["observed"] < 0.25, accuracy
 
 
 def test_a_wrong_profile_shows_plan_accurate_false_with_the_numbers(

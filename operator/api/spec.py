@@ -201,6 +201,10 @@ class LoadSpec(_Camel):
     requests_per_second: float = Field(default=1, ge=0)
     mean_prompt_tokens: int = Field(default=512, gt=0)
     mean_output_tokens: int = Field(default=256, gt=0)
+    # The share of a prompt's tokens the engines' prefix cache serves (a system prompt or few-shot
+    # examples every request repeats): prefill computes only the rest. The engines report it
+    # (prefix cache hits / queries), shown beside this in status.planAccuracy.
+    prefix_share: float = Field(default=0, ge=0, le=0.99)
     # The traffic's typical sampling temperature: speculation pays off only at low temperature.
     temperature: float = Field(default=0.7, ge=0)
 

@@ -3,7 +3,8 @@ and the `PlanAccurate` condition, written by the autoscaler's loop every period 
 
 `planAccuracy` holds, per signal, the plan's predicted p95 (status.plan), the p95 the engines
 reported over the autoscaler's window, their ratio (observed / predicted) and the requests behind
-it; and the draft acceptance the plan assumed beside the observed one. A p95 counts only from a
+it; and the draft acceptance and prefix share the plan assumed beside the observed ones (shown, not
+judged: a prefix share far from the assumed one explains a TTFT ratio). A p95 counts only from a
 window of at least MIN_OBSERVATIONS requests (a p95 of a few is mostly their maximum, as for the
 autoscaler's own decisions).
 
@@ -42,6 +43,11 @@ _SIGNALS = (
     ("ttft", "predictedTtftMs", "ttft_p95_seconds", "ttft_observations"),
     ("tpot", "predictedTpotMs", "tpot_p95_seconds", "tpot_observations"),
 )
+# (status key, the plan's assumed field, the observed signal, its name in the message)
+_SHARES = (
+    ("draftAcceptance", "assumedDraftAcceptance", "draft_acceptance", "draft acceptance"),
+    ("prefixShare", "assumedPrefixShare", "prefix_share", "prefix share"),
+)
 
 
 def comparison(predicted_ms: float | None, observed_seconds: float | None, requests: int) -> dict[str, Any] | None:
@@ -71,13 +77,13 @@ def _numbers(block: Mapping[str, Any]) -> str:
         if (entry := block.get(key))
     ]
     text = "; ".join(parts) + f"; band [{BAND[0]:g}, {BAND[1]:g}]"
-    draft = block.get("draftAcceptance") or {}
-    if draft:
-        observed, assumed = draft.get("observed"), draft.get("assumed")
-        text += (
-            f"; draft acceptance observed {'none' if observed is None else f'{observed:.2f}'}, "
-            f"assumed {'none' if assumed is None else f'{assumed:.2f}'}"
-        )
+    for key, _, _, words in _SHARES:
+        if share := block.get(key):
+            observed, assumed = share.get("observed"), share.get("assumed")
+            text += (
+                f"; {words} observed {'none' if observed is None else f'{observed:.2f}'}, "
+                f"assumed {'none' if assumed is None else f'{assumed:.2f}'}"
+            )
     return text
 
 
@@ -136,13 +142,15 @@ def _block(
     if fresh and not all(_inside(entry) for entry in fresh.values()):
         block["outsidePeriods"] = int(old.get("outsidePeriods") or 0) + 1
         block["outsideSince"] = old.get("outsideSince") or iso(now)
-    observed = signals.draft_acceptance
-    draft = {
-        "assumed": plan.get("assumedDraftAcceptance"),
-        "observed": (old.get("draftAcceptance") or {}).get("observed") if observed is None else round(observed, 3),
-    }
-    if any(value is not None for value in draft.values()):
-        block["draftAcceptance"] = {key: value for key, value in draft.items() if value is not None}
+    for key, assumed, signal, _ in _SHARES:
+        observed = getattr(signals, signal)
+        share = {
+            "assumed": plan.get(assumed),
+            "observed": (old.get(key) or {}).get("observed") if observed is None else round(observed, 3),
+        }
+        # Shown where something was observed, or the plan assumes a share (an assumed 0 alone says nothing).
+        if share["observed"] is not None or share["assumed"]:
+            block[key] = {name: value for name, value in share.items() if value is not None}
     return block, bool(fresh)
 
 

@@ -197,6 +197,10 @@ class Observation(_Data):
     gateway: GatewayRead | None = None
 
 
+# The engines' counters a window sums the increases of (EngineReading's fields of these names).
+COUNTERS = ("draft_tokens", "accepted_tokens", "prefix_queries", "prefix_hits")
+
+
 class Baseline(_Data):
     """A pod's last cumulative histograms and counters, the start of its next increase."""
 
@@ -204,6 +208,8 @@ class Baseline(_Data):
     tpot: Histogram | None = None
     draft_tokens: float | None = None
     accepted_tokens: float | None = None
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
 
 
 class Mean(_Data):
@@ -241,9 +247,12 @@ class WindowEntry(_Data):
     kv_usage: Mean = Mean()
     # Requests the gateways held for the service (one sample a period, when they were read).
     held: Mean = Mean()
-    # Speculative decoding: draft tokens proposed and accepted in the period, all pods.
+    # Speculative decoding: draft tokens proposed and accepted in the period, all pods; prompt
+    # tokens looked up in the prefix cache and found there.
     draft_tokens: float = 0.0
     accepted_tokens: float = 0.0
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
 
 
 class Recommendation(_Data):
@@ -273,6 +282,9 @@ class Signals(_Data):
     # Accepted over proposed draft tokens in the window (speculative decoding; None: no drafts):
     # the measured counterpart of the planner's assumed acceptance. Shown, not acted on.
     draft_acceptance: float | None = None
+    # Prompt tokens served from the prefix cache over those looked up (None: no prompts): the
+    # measured counterpart of load.prefixShare. Shown, not acted on.
+    prefix_share: float | None = None
     reporting: int = 0
     unknown: tuple[str, ...] = ()
     # The largest ratio of a signal to its target, and which signal it is.
@@ -392,8 +404,10 @@ def _signals(policy: Policy, window: Sequence[WindowEntry], obs: Observation) ->
     replica_seconds = sum(e.seconds * e.pods_with_baseline for e in window if e.ttft is not None)
     started = sum(e.ttft.count for e in window if e.ttft is not None)
     drafted = sum(e.draft_tokens for e in window)
+    looked_up = sum(e.prefix_queries for e in window)
     signals = Signals(
         draft_acceptance=sum(e.accepted_tokens for e in window) / drafted if drafted > 0 else None,
+        prefix_share=min(1.0, sum(e.prefix_hits for e in window) / looked_up) if looked_up > 0 else None,
         ttft_p95_seconds=histogram_quantile(QUANTILE, ttft) if ttft else None,
         tpot_p95_seconds=histogram_quantile(QUANTILE, tpot) if tpot else None,
         ttft_observations=int(ttft.count) if ttft else 0,
@@ -479,7 +493,7 @@ def _advance_window(
     ttft: list[Histogram] = []
     tpot: list[Histogram] = []
     with_baseline = 0
-    drafted = accepted = 0.0
+    counted = dict.fromkeys(COUNTERS, 0.0)
     previous = state.last_decision.at if state.last_decision is not None else obs.now
     for pod in obs.pods:
         before = state.baselines.get(pod.name, Baseline())
@@ -494,11 +508,9 @@ def _advance_window(
             with_baseline += whole_period
         if r.tpot is not None:
             tpot.append(_period_increase(before.tpot, r.tpot, previous)[0])
-        drafted += counter_increase(before.draft_tokens, r.draft_tokens)
-        accepted += counter_increase(before.accepted_tokens, r.accepted_tokens)
-        baselines[pod.name] = Baseline(
-            ttft=r.ttft, tpot=r.tpot, draft_tokens=r.draft_tokens, accepted_tokens=r.accepted_tokens
-        )
+        for counter in COUNTERS:
+            counted[counter] += counter_increase(getattr(before, counter), getattr(r, counter))
+        baselines[pod.name] = Baseline(ttft=r.ttft, tpot=r.tpot, **{c: getattr(r, c) for c in COUNTERS})
     readings = [p.reading for p in obs.pods if p.reading is not None]
     # At most one period: an idle service writes no state, so the last decision can be an hour
     # old, while its increases (nothing counted in between, or a write would have followed) all
@@ -514,8 +526,7 @@ def _advance_window(
         running=Mean.of([r.running for r in readings]),
         kv_usage=Mean.of([r.kv_usage for r in readings]),
         held=_held_sample(obs.gateway),
-        draft_tokens=drafted,
-        accepted_tokens=accepted,
+        **counted,
     )
     window = tuple(e for e in state.window if e.at > obs.now - policy.window_seconds) + (entry,)
     return baselines, window

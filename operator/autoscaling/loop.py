@@ -138,6 +138,7 @@ def status_patch(
         "ttftP95Ms": None if signals.ttft_p95_seconds is None else round(signals.ttft_p95_seconds * 1000, 1),
         "tpotP95Ms": None if signals.tpot_p95_seconds is None else round(signals.tpot_p95_seconds * 1000, 1),
         "draftAcceptance": None if signals.draft_acceptance is None else round(signals.draft_acceptance, 3),
+        "prefixShare": None if signals.prefix_share is None else round(signals.prefix_share, 3),
     }
     fresh = {k: v for k, v in observed.items() if v is not None}
     if fresh:

@@ -49,6 +49,9 @@ KV_USAGE_NAMES = ("kvpilot_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "v
 # Speculative decoding counters (names without _total): what the observed draft acceptance is from.
 DRAFT_TOKENS_NAMES = ("kvpilot_spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens")
 ACCEPTED_TOKENS_NAMES = ("kvpilot_spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens")
+# Prompt tokens looked up in the prefix cache and served from it: the observed prefix share.
+PREFIX_QUERIES_NAMES = ("kvpilot_prefix_cache_queries", "vllm:prefix_cache_queries")
+PREFIX_HITS_NAMES = ("kvpilot_prefix_cache_hits", "vllm:prefix_cache_hits")
 
 
 class MetricsError(ValueError):
@@ -166,9 +169,12 @@ class EngineReading(BaseModel):
     waiting: float | None = None
     running: float | None = None
     kv_usage: float | None = None
-    # Cumulative draft tokens proposed and accepted (speculative decoding), None when not exported.
+    # Cumulative draft tokens proposed and accepted (speculative decoding), and prompt tokens looked
+    # up in the prefix cache and found there; None when not exported.
     draft_tokens: float | None = None
     accepted_tokens: float | None = None
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
 
 
 def _sample_name(sample: Sample) -> str:
@@ -248,6 +254,8 @@ def parse(text: str) -> EngineReading:
         kv_usage=gauge(KV_USAGE_NAMES, max, high=1.0),
         draft_tokens=gauge(DRAFT_TOKENS_NAMES, sum, "counter"),
         accepted_tokens=gauge(ACCEPTED_TOKENS_NAMES, sum, "counter"),
+        prefix_queries=gauge(PREFIX_QUERIES_NAMES, sum, "counter"),
+        prefix_hits=gauge(PREFIX_HITS_NAMES, sum, "counter"),
     )
     if all(value is None for value in (reading.ttft, reading.tpot, reading.waiting, reading.running, reading.kv_usage)):
         # An empty 200 (an engine cut off mid-answer, another exporter on the port) says nothing
@@ -280,7 +288,7 @@ def parse_gateway(text: str) -> dict[tuple[str, str], float]:
 
 HISTOGRAM_NAMES = (*TTFT_NAMES, *TPOT_NAMES)
 GAUGE_NAMES = (*WAITING_NAMES, *RUNNING_NAMES, *KV_USAGE_NAMES)
-COUNTER_NAMES = (*DRAFT_TOKENS_NAMES, *ACCEPTED_TOKENS_NAMES)
+COUNTER_NAMES = (*DRAFT_TOKENS_NAMES, *ACCEPTED_TOKENS_NAMES, *PREFIX_QUERIES_NAMES, *PREFIX_HITS_NAMES)
 # The series a Prometheus holds for what `parse` reads, each with its family and the TYPE the text
 # format gives it: a histogram's buckets and count, and its `_created` gauge (prometheus_client
 # exports it; a new value says the process restarted); the gauges; the counters, whose TYPE line

@@ -66,8 +66,9 @@ def _ratio(status: Mapping[str, Any], signal: str) -> float | None:
     return ((status.get(ACCURACY_KEY) or {}).get(signal) or {}).get("ratio")
 
 
-def _draft(status: Mapping[str, Any], which: str) -> float | None:
-    return ((status.get(ACCURACY_KEY) or {}).get("draftAcceptance") or {}).get(which)
+def _share(status: Mapping[str, Any], key: str, which: str) -> float | None:
+    """planAccuracy's assumed or observed draft acceptance or prefix share."""
+    return ((status.get(ACCURACY_KEY) or {}).get(key) or {}).get(which)
 
 
 # (name, help, value from (spec, status)); a None value is no sample.
@@ -88,8 +89,26 @@ _GAUGES: tuple[tuple[str, str, Callable[[Mapping[str, Any], Mapping[str, Any]], 
     ),
     ("ttft_observed_over_predicted", "Observed over predicted p95 TTFT", lambda _, s: _ratio(s, "ttft")),
     ("tpot_observed_over_predicted", "Observed over predicted p95 TPOT", lambda _, s: _ratio(s, "tpot")),
-    ("assumed_draft_acceptance", "Draft acceptance the plan's TPOT assumes", lambda _, s: _draft(s, "assumed")),
-    ("observed_draft_acceptance", "Draft acceptance the engines reported", lambda _, s: _draft(s, "observed")),
+    (
+        "assumed_draft_acceptance",
+        "Draft acceptance the plan's TPOT assumes",
+        lambda _, s: _share(s, "draftAcceptance", "assumed"),
+    ),
+    (
+        "observed_draft_acceptance",
+        "Draft acceptance the engines reported",
+        lambda _, s: _share(s, "draftAcceptance", "observed"),
+    ),
+    (
+        "assumed_prefix_share",
+        "Share of prompt tokens the plan's TTFT assumes the prefix cache serves (spec.load.prefixShare)",
+        lambda _, s: _share(s, "prefixShare", "assumed"),
+    ),
+    (
+        "observed_prefix_share",
+        "Share of prompt tokens the engines served from the prefix cache",
+        lambda _, s: _share(s, "prefixShare", "observed"),
+    ),
     ("plan_accurate", "The PlanAccurate condition: 1 True, 0 False (no sample: Unknown)", lambda _, s: _accurate(s)),
     (
         "desired_replicas",

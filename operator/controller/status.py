@@ -33,6 +33,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "quantization": plan.quantization,
         "speculative": plan.speculative,
         "assumedDraftAcceptance": plan.assumed_draft_acceptance,
+        "assumedPrefixShare": plan.assumed_prefix_share,
         "weightsGiB": round(plan.weight_bytes / sizing.GiB, 2),
         "kvBytesPerToken": plan.kv_bytes_per_token,
         "kvPoolGiB": round(plan.kv_pool_bytes / sizing.GiB, 2),

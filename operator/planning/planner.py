@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kvpilot.engine.config import SPECULATIVE_MAX_BATCH_SIZE, EngineCapabilities
 from kvpilot.engine.device_profile import DeviceProfile
-from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec, hub_source
+from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec, LoadSpec, hub_source
 from kvpilot.operator.planning import cpus, sizing, speculation
 from kvpilot.operator.planning.gpus import GPU, GPUS, find_gpu
 from kvpilot.operator.planning.models import MODELS, find_model
@@ -80,6 +80,9 @@ class Plan(BaseModel):
     # The share of drafts accepted the plan's TPOT assumes, in the engines' unit (status.latency shows the
     # observed one beside it).
     assumed_draft_acceptance: float | None = None
+    # The share of prompt tokens the prefill assumes the prefix cache serves (load.prefixShare;
+    # status.planAccuracy shows the observed one beside it).
+    assumed_prefix_share: float = 0.0
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     # Both include the draft model's share when the plan runs one (the engine's own totals).
@@ -325,6 +328,13 @@ def _efficiency(gpu: GPU) -> float:
     return 1.0 if gpu.measured else sizing.PREFILL_COMPUTE_EFFICIENCY
 
 
+def computed_prompt_tokens(load: LoadSpec) -> float:
+    """The prompt tokens a request's prefill computes: those the prefix cache does not serve
+    (load.prefixShare). ASSUMED: the step costs what a prompt of that many tokens does; its
+    attention over the cached part is left out (a small share of a prefill at these lengths)."""
+    return max(1.0, load.mean_prompt_tokens * (1 - load.prefix_share))
+
+
 def _prefill_seconds(arch: Architecture, gpu: GPU, quantization: str, tokens: float) -> float:
     """The step that computes a prompt of the served model: as measured where the device measured
     it (a CPU profile's, made for this model), else its GEMMs."""
@@ -407,13 +417,13 @@ def _step_seconds(replica: _Replica, running: float, context: float, tokens_per_
 def _perf(spec: InferenceServiceSpec, replica: _Replica, replicas: int, speculative: str) -> _Perf:
     arch, gpu, tp, max_num_seqs = replica.arch, replica.gpu, replica.tp, replica.max_num_seqs
     draft = replica.draft if speculative in DRAFTED else None
-    load = spec.load
+    load, computed = spec.load, computed_prompt_tokens(spec.load)
     rate = load.requests_per_second / replicas if replicas else 0.0
-    prefill = _prefill_seconds(arch, gpu, replica.quantization, load.mean_prompt_tokens)
-    prefill += _allreduces_seconds(arch, gpu, tp, load.mean_prompt_tokens)
+    prefill = _prefill_seconds(arch, gpu, replica.quantization, computed)
+    prefill += _allreduces_seconds(arch, gpu, tp, computed)
     if draft is not None:
         # The draft computes the prompt too, in the step that samples the first token.
-        prefill += _gemm_prefill_seconds(draft.arch, gpu, "none", load.mean_prompt_tokens)
+        prefill += _gemm_prefill_seconds(draft.arch, gpu, "none", computed)
     busy = rate * prefill  # share of GPU time spent on prefill
     if busy >= 1:
         return _Perf(
@@ -902,6 +912,11 @@ def _replicas_reason(spec: InferenceServiceSpec, chosen: _Speculation) -> tuple[
         )
     else:
         reason = f"SLO not met at maxReplicas {replicas} for {rate:g} req/s: {chosen.miss}"
+    if spec.load.prefix_share:
+        reason += (
+            f"; prefill computes {computed_prompt_tokens(spec.load):.0f} of {spec.load.mean_prompt_tokens} prompt "
+            f"tokens (load.prefixShare {spec.load.prefix_share:g}: the rest from the prefix cache)"
+        )
     if (replica.gpu.ttft_factor, replica.gpu.tpot_factor) == (1.0, 1.0):
         return reason, perf
     reason += (
@@ -944,6 +959,7 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: _Speculation) -> Plan:
             if speculating
             else None
         ),
+        assumed_prefix_share=spec.load.prefix_share,
         block_size=serving.block_size,
         gpu_memory_utilization=serving.gpu_memory_utilization,
         kv_blocks=sizes.kv_pool_bytes // (sizes.kv_bytes_per_token * serving.block_size),

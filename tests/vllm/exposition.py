@@ -4,8 +4,8 @@ stdin, for a served model configured by `vllm serve ARGV` (tests/vllm/engine_con
 configuration the same way).
 
 stdin: {"argv": [...], "config": {config.json}, "steps": [{"running", "waiting", "kv_usage",
-"drafts": [[proposed, accepted], ...], "ttfts": [...], "itls": [...], "finished": [{"tpot",
-"tokens", "reason"}]}]}
+"drafts": [[proposed, accepted], ...], "prompts": [[tokens, prefix cache hits], ...], "ttfts": [...],
+"itls": [...], "finished": [{"tpot", "tokens", "reason"}]}]}
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def main() -> None:
         scheduler = SchedulerStats(
             num_running_reqs=step["running"], num_waiting_reqs=step["waiting"], kv_cache_usage=step["kv_usage"]
         )
+        for tokens, hits in step.get("prompts", []):
+            scheduler.prefix_cache_stats.record(num_tokens=tokens, num_hits=hits, preempted=False)
         if spec_tokens:
             scheduler.spec_decoding_stats = SpecDecodingStats.new(spec_tokens)
             for proposed, accepted in step.get("drafts", []):

@@ -143,6 +143,20 @@ def test_observed_draft_acceptance_goes_beside_the_assumed_one() -> None:
     assert "draftAcceptance" not in Service().status.get("planAccuracy", {})
 
 
+def test_observed_prefix_share_goes_beside_the_assumed_one_even_when_the_plan_assumed_none() -> None:
+    # The plan assumed every prompt token computed; the engines served 4/5 from the prefix cache:
+    # that is why they beat its TTFT, and the message says so beside the ratio.
+    service = Service(plan={**PLAN, "assumedPrefixShare": 0.0})
+    service.period(window())
+    assert "prefixShare" not in service.status["planAccuracy"]  # nothing observed, nothing assumed
+    condition = service.period(window(prefix_share=0.8))
+    assert service.status["planAccuracy"]["prefixShare"] == {"assumed": 0.0, "observed": 0.8}
+    assert "prefix share observed 0.80, assumed 0.00" in condition["message"]
+    assumed = Service(plan={**PLAN, "assumedPrefixShare": 0.5})
+    assumed.period(window())
+    assert assumed.status["planAccuracy"]["prefixShare"] == {"assumed": 0.5}
+
+
 def test_a_new_prediction_drops_what_was_judged_against_the_old_one() -> None:
     service = Service()
     service.period(window(ttft_ms=900.0, tpot_ms=None))

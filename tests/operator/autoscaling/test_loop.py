@@ -553,3 +553,28 @@ def test_a_scale_down_marks_the_pods_with_the_least_work_to_go_first(action: str
     loop._write(body(), reads, Policy(), AutoscalerState(), decision)
     costs = [("costs", "ml", {"busy": 8, "idle": 0, "broken": -1})] if action == "down" else []
     assert calls == ["status", *costs, ("replicas", replicas, "8")]
+
+
+def test_observed_prefix_share_is_the_window_s_hits_over_lookups() -> None:
+    """The engines' prefix cache counters (prompt tokens looked up, found): the window's ratio of
+    their increases goes to status.latency.prefixShare, beside status.plan's assumed one."""
+
+    def engine(queries: int, hits: int) -> str:
+        metrics = ServingMetrics("m")
+        metrics._family("prefix_queries").inc(queries)
+        metrics._family("prefix_hits").inc(hits)
+        return generate_latest(metrics.registry).decode()
+
+    reads = [PodRead(name="a", reading=parse(engine(500, 100))), PodRead(name="b", reading=parse(engine(0, 0)))]
+    outcome = decide(body({"replicas": 2}), deployment(2, 2), reads, NOW)
+    assert outcome is not None and outcome[2].signals.prefix_share is None  # first read: no window yet
+    saved = status_patch(outcome[1], outcome[2], None)
+    reads = [PodRead(name="a", reading=parse(engine(900, 400))), PodRead(name="b", reading=parse(engine(600, 480)))]
+    outcome = decide(body({"replicas": 2}, saved), deployment(2, 2), reads, NOW + 15)
+    assert outcome is not None
+    assert outcome[2].signals.prefix_share == pytest.approx((300 + 480) / (400 + 600))
+    assert status_patch(outcome[1], outcome[2], None)["latency"] == {"prefixShare": 0.78, "source": "observed"}
+    spec = InferenceServiceSpec.model_validate(
+        {"model": {"name": "llama-3-8b"}, "accelerator": {"type": "L4"}, "load": {"prefixShare": 0.6}}
+    )
+    assert status.plan_summary(plan(spec))["assumedPrefixShare"] == 0.6

@@ -83,7 +83,12 @@ def test_metrics_after_loop_periods_against_an_engine(
     body["metadata"]["generation"] = 2
     body["spec"]["slo"] = {"ttftP95Ms": 2000, "tpotP95Ms": 100}
     body["status"] = {
-        "plan": {"predictedTtftMs": 100.0, "predictedTpotMs": 20.0, "assumedDraftAcceptance": 0.7},
+        "plan": {
+            "predictedTtftMs": 100.0,
+            "predictedTpotMs": 20.0,
+            "assumedDraftAcceptance": 0.7,
+            "assumedPrefixShare": 0.5,
+        },
         "desiredReplicas": 1,
         "replicas": 1,
         "readyReplicas": 1,
@@ -106,6 +111,8 @@ def test_metrics_after_loop_periods_against_an_engine(
                 engine._family("tpot").observe(0.021)
             engine._family("spec_draft_tokens").inc(100)
             engine._family("spec_accepted").inc(40)
+            engine._family("prefix_queries").inc(400)
+            engine._family("prefix_hits").inc(100)
             decisions.append(await loop.one(body, *indexed_children(*children, body), now=NOW + 15))
             during = await scrape(url)
             del services[("ml", "chat")]  # the InferenceService is deleted
@@ -131,6 +138,8 @@ def test_metrics_after_loop_periods_against_an_engine(
     assert of_chat(found, "kvpilot_operator_ttft_observed_over_predicted") == written["planAccuracy"]["ttft"]["ratio"]
     assert of_chat(found, "kvpilot_operator_observed_draft_acceptance") == 0.4
     assert of_chat(found, "kvpilot_operator_assumed_draft_acceptance") == 0.7
+    assert of_chat(found, "kvpilot_operator_observed_prefix_share") == 0.25
+    assert of_chat(found, "kvpilot_operator_assumed_prefix_share") == 0.5
     assert of_chat(found, "kvpilot_operator_plan_accurate") == 1.0  # within the band: True
     assert {c["type"]: c["status"] for c in written["conditions"]}["PlanAccurate"] == "True"
     assert of_chat(found, "kvpilot_operator_desired_replicas") == 1.0

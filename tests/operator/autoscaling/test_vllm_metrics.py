@@ -19,6 +19,7 @@ STEPS = [
         "waiting": 5,
         "kv_usage": 0.25,
         "drafts": [[4, 1], [4, 3]],
+        "prompts": [[100, 0], [100, 64]],
         "ttfts": [0.04, 0.3, 0.9],
         "itls": [0.02, 0.03],
         "finished": [{"tpot": 0.05, "tokens": 20, "reason": "length"}],
@@ -28,6 +29,7 @@ STEPS = [
         "waiting": 2,
         "kv_usage": 0.42,
         "drafts": [[4, 4]],
+        "prompts": [[50, 48]],
         "ttfts": [0.2],
         "itls": [0.01],
         "finished": [
@@ -66,3 +68,5 @@ def test_a_vllm_exposition_gives_the_autoscaler_every_signal(exposition: str) ->
     assert reading.tpot is not None and reading.tpot.count == 3
     # Draft counters: 12 proposed, 8 accepted.
     assert (reading.draft_tokens, reading.accepted_tokens) == (12, 8)
+    # Prefix cache counters: 250 prompt tokens looked up, 112 found.
+    assert (reading.prefix_queries, reading.prefix_hits) == (250, 112)

@@ -340,3 +340,26 @@ def test_an_engine_that_packs_for_onednn_holds_a_tied_head_twice_and_reads_it_on
         assert twice.weight_bytes - plain.weight_bytes == extra, scheme
         # A step still reads the head once: the same predicted latencies.
         assert (twice.predicted_tpot_ms, twice.predicted_ttft_ms) == (plain.predicted_tpot_ms, plain.predicted_ttft_ms)
+
+
+def test_a_prefix_share_predicts_the_prefill_of_the_uncached_tokens_only() -> None:
+    # Nearly no load, so TTFT is the prefill plus the wait for a step: a 512-token prompt of which
+    # the prefix cache serves 3/4 costs the profile's measured 128-token prefill, not its 512 one.
+    prefill = {step.tokens: step.seconds * 1000 for step in _steps(builtin(), "none").prefill}
+    load = {"requestsPerSecond": 0.001, "meanPromptTokens": 512, "meanOutputTokens": 16}
+    plain = plan(spec(load=load, serving={"quantization": "none"}))
+    shared = plan(spec(load={**load, "prefixShare": 0.75}, serving={"quantization": "none"}))
+    saved = plain.predicted_ttft_ms - shared.predicted_ttft_ms
+    assert saved == pytest.approx(prefill[512] - prefill[128], abs=1.5), (plain.reasons, shared.reasons)
+    # The decode steps hold the whole prompt's KV either way (TPOT moves only by the prefills that
+    # interrupt them, now shorter).
+    assert shared.kv_pool_bytes == plain.kv_pool_bytes
+    assert plain.predicted_tpot_ms * 0.95 <= shared.predicted_tpot_ms <= plain.predicted_tpot_ms
+    assert "prefill computes 128 of 512 prompt tokens (load.prefixShare 0.75" in shared.reasons["replicas"]
+    assert "prefixShare" not in plain.reasons["replicas"]
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.0])
+def test_a_prefix_share_outside_0_to_0_99_is_refused(share: float) -> None:
+    with pytest.raises(ValidationError, match="prefix_share|prefixShare"):
+        spec(load={"prefixShare": share})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -458,16 +458,24 @@ def test_read_metrics(server: str) -> None:
     assert closed.reading is None and closed.error
 
 
+def counting_engine(first: str, second: str) -> Callable[[int, int], str]:
+    """The /metrics of an engine whose counters `first` and `second` (ServingMetrics' families)
+    stand at the values it is called with."""
+
+    def exposition(a: int, b: int) -> str:
+        metrics = ServingMetrics("m")
+        metrics._family(first).inc(a)
+        metrics._family(second).inc(b)
+        return generate_latest(metrics.registry).decode()
+
+    return exposition
+
+
 def test_observed_draft_acceptance_goes_beside_the_plan_s_assumption() -> None:
     """Engines that speculate export draft and accepted token counters; the window's ratio of
     their increases goes to status.latency.draftAcceptance, next to status.plan's assumed one.
     A restarted pod's counters (lower than before) count from zero, as `increase()` does."""
-
-    def engine(drafted: int, accepted: int) -> str:
-        metrics = ServingMetrics("m")
-        metrics._family("spec_draft_tokens").inc(drafted)
-        metrics._family("spec_accepted").inc(accepted)
-        return generate_latest(metrics.registry).decode()
+    engine = counting_engine("spec_draft_tokens", "spec_accepted")
 
     reads = [PodRead(name="a", reading=parse(engine(100, 30))), PodRead(name="b", reading=parse(engine(100, 50)))]
     outcome = decide(body({"replicas": 2}), deployment(2, 2), reads, NOW)
@@ -558,12 +566,7 @@ def test_a_scale_down_marks_the_pods_with_the_least_work_to_go_first(action: str
 def test_observed_prefix_share_is_the_window_s_hits_over_lookups() -> None:
     """The engines' prefix cache counters (prompt tokens looked up, found): the window's ratio of
     their increases goes to status.latency.prefixShare, beside status.plan's assumed one."""
-
-    def engine(queries: int, hits: int) -> str:
-        metrics = ServingMetrics("m")
-        metrics._family("prefix_queries").inc(queries)
-        metrics._family("prefix_hits").inc(hits)
-        return generate_latest(metrics.registry).decode()
+    engine = counting_engine("prefix_queries", "prefix_hits")
 
     reads = [PodRead(name="a", reading=parse(engine(500, 100))), PodRead(name="b", reading=parse(engine(0, 0)))]
     outcome = decide(body({"replicas": 2}), deployment(2, 2), reads, NOW)

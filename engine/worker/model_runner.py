@@ -119,10 +119,10 @@ class ModelRunner:
         )
         # Whether single-query decodes attend through cpu_kernels' attention kernel, which weight-only
         # schemes multiply through its matmuls (use_cpu_kernels); the compiled step (calls them).
-        self.decode_kernel, self.matmul_kernels = False, frozenset[str]()
-        self._cpu_kernels_loaded = False
-        self._load_cpu_kernels(resolve_root(config.compile_cache_dir))
-        self._decode_forward = self._compile_decode() if config.compile_decode else None
+        self.decode_kernel, self.matmul_kernels, self._cpu_kernels_loaded = False, frozenset[str](), False
+        cache_root = resolve_root(config.compile_cache_dir)
+        self._load_cpu_kernels(cache_root)
+        self._decode_forward = self._compile_decode(cache_root) if config.compile_decode else None
 
     def _models(self) -> list[torch.nn.Module]:
         """The target model and the draft, once each (a draft may be the target itself)."""
@@ -234,7 +234,7 @@ class ModelRunner:
                 if isinstance(layer, Linear) and layer.quantization is not None:
                     layer.quantization.cpu_kernel = on and layer.quantization.name in self.matmul_kernels
 
-    def _compile_decode(self) -> Callable[..., torch.Tensor]:
+    def _compile_decode(self, root: Path | None) -> Callable[..., torch.Tensor]:
         """The forward compiled by torch.compile (inductor) for a lone sequence's decode step,
         built before serving (cpu_kernels' library, which the graph calls, is loaded by then).
 
@@ -255,7 +255,6 @@ class ModelRunner:
                 "compile_decode needs a C++ compiler for torch.compile's CPU kernels: g++ or clang++ "
                 "on PATH (or $CXX); install one or leave compile_decode off"
             )
-        root = resolve_root(self.config.compile_cache_dir)
         key = key_inputs(self.model, self.hf_config, self.dtype, self.device, self.model.quantization)
         log.info("event=decode_compile_started cache_dir=%s", root)
         started = time.monotonic()

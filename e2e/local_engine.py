@@ -104,6 +104,12 @@ def _flag(args: list[str], flag: str) -> str:
     return args[args.index(flag) + 1]
 
 
+def grace_period_s(deployment: Manifest) -> float:
+    """The engine's rendered drain: how long it waits for streams in flight after SIGTERM."""
+    container = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == CONTAINER)
+    return float(_flag(container_argv(container), "--grace-period"))
+
+
 def engine_argv(deployment: Manifest, pod_ip: str, volumes: PodVolumes | None = None) -> list[str]:
     """The engine container's command line for the pod at `pod_ip`, its volumes under `volumes` when
     given (else the rendered paths, as a model baked into the image would be)."""

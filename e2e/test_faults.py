@@ -12,7 +12,8 @@ scaled up, the proxy answers every request 500 or 429 for FAULT_S: for the first
 operator's watches keep flowing, and someone deletes `faults-hang`'s Service (the operator sees it
 and its reconcile fails: only a retry brings the Service back); then the watches are cut too, and
 someone loosens `faults-scaled`'s SLO (seen only once the watches are back), which turns its load
-into fewer, longer streams that a scale-down meets in flight.
+into fewer streams, each as long as fits in half the engines' drain at their reported p95s (the
+drain covers the plan's TPOT, not a 2-core machine's), that a scale-down meets in flight.
 
 Afterwards: every InferenceService is reconciled to its rendered state (the operator's own
 reconcile, run against the live objects, would write nothing), replicas never went outside
@@ -43,6 +44,7 @@ from e2e.cluster import Cluster
 from e2e.conftest import AUTOSCALE_INTERVAL_S
 from e2e.fault_proxy import ApiFaultProxy
 from e2e.load import Load, Result
+from e2e.local_engine import grace_period_s
 from e2e.local_operator import LocalOperator
 from e2e.metrics_stand_in import MetricsStandIn, Mode
 from e2e.pod_runner import PodRunner
@@ -194,6 +196,21 @@ def scale_writes(proxy: ApiFaultProxy, name: str) -> list[tuple[float, int, int]
     ]
 
 
+def deployment(k8s: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    found: dict[str, Any] = k8s.kubectl_json("get", "deployment", name, "-n", namespace)
+    return found
+
+
+def stream_tokens(drain_s: float, service: Mapping[str, Any]) -> int:
+    """Tokens per stream (at most 64) such that a stream takes at most half the engines' drain at
+    the p95 TTFT and TPOT they reported so far: a stream in flight when its engine drains can finish
+    within the drain. The drain covers the plan's TPOT (an L4's), which the engines here, several
+    on two cores, miss by 100x: 64 tokens took 18 s of a 10 s drain in a CI run (one stream cut)."""
+    latency = service["status"]["latency"]
+    budget_ms = drain_s * 1000 / 2 - latency["ttftP95Ms"]
+    return max(1, min(64, int(budget_ms / latency["tpotP95Ms"])))
+
+
 def cut_streams(results: list[Result]) -> list[Result]:
     """Streams that began (a first token) and were not served whole."""
     return [r for r in results if r.ttft_s is not None and r.finish_reason != "length"]
@@ -307,9 +324,10 @@ def test_faults_leave_every_service_reconciled_bounded_and_its_streams_whole(
             mark("API outage: the operator's watches cut too")
             kvis.patch_spec(k8s, namespace, SCALED, {"slo": LOOSE_SLO})
             mark("faults-scaled's SLO loosened")
-            # Fewer, longer streams: a scale-down now meets requests in flight.
-            loads[SCALED].max_tokens, loads[SCALED].rate = 64, 1.0
-            mark("load on faults-scaled: 1 req/s of 64-token streams")
+            # Fewer streams, each as long as the drain allows: a scale-down now meets some in flight.
+            tokens = stream_tokens(grace_period_s(deployment(k8s, namespace, SCALED)), kvis.get(k8s, namespace, SCALED))
+            loads[SCALED].max_tokens, loads[SCALED].rate = tokens, 1.0
+            mark(f"load on faults-scaled: 1 req/s of {tokens}-token streams")
             time.sleep(FAULT_S / 2)
             proxy.recover()
             mark("API fault over")

@@ -68,6 +68,7 @@ def test_the_panels_the_issue_names_are_there(dashboard: dict[str, Any]) -> None
         "vllm:kv_cache_usage_perc",  # KV usage, queue, prefix hits, draft acceptance
         "vllm:num_requests_waiting",
         "vllm:prefix_cache_hits_total",
+        "kvpilot_operator_assumed_prefix_share",  # beside the hits: the plan's load.prefixShare
         "vllm:spec_decode_num_accepted_tokens_total",
         "kvpilot_gateway_held_requests",  # gateway holds
     ):

@@ -25,9 +25,8 @@ KEY = {"torch": "2.99.0", "model": "m"}
 
 
 def _engine(root: Path) -> LLM:
-    """A new engine on `root`, starting as a new process would: dynamo would otherwise reuse the graph
-    it compiled for an earlier engine of this process (its guards hold for any model of one shape)
-    and never look at the cache."""
+    """A new engine on `root`, starting as a new process would: nothing compiled earlier in this
+    process (Dynamo's or inductor's in-memory state) serves it, only what the cache root holds."""
     torch.compiler.reset()
     return LLM(dtype="float32", compile_decode=True, kv_cache_memory_bytes=64 << 20, compile_cache_dir=str(root))
 

@@ -87,11 +87,16 @@ def _env_value(cluster: Cluster, namespace: str, entry: Manifest) -> str:
     return base64.b64decode(secret["data"][ref["key"]]).decode()
 
 
+def _engine_container(deployment: Manifest) -> Manifest:
+    found: Manifest = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == CONTAINER)
+    return found
+
+
 def key_env(cluster: Cluster, namespace: str, deployment: Manifest) -> dict[str, str]:
     """The engine container's API-key variable, resolved from its Secret as the kubelet would: the
     engine here then requires the key the operator made. Only that variable: the rest of the pod's
     env (HOME=/tmp, say) would move this machine's model cache."""
-    container = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == CONTAINER)
+    container = _engine_container(deployment)
     keys = set(API_KEY_ENV.values())
     return {e["name"]: _env_value(cluster, namespace, e) for e in container.get("env", []) if e["name"] in keys}
 
@@ -106,8 +111,7 @@ def _flag(args: list[str], flag: str) -> str:
 
 def grace_period_s(deployment: Manifest) -> float:
     """The engine's rendered drain: how long it waits for streams in flight after SIGTERM."""
-    container = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == CONTAINER)
-    return float(_flag(container_argv(container), "--grace-period"))
+    return float(_flag(container_argv(_engine_container(deployment)), "--grace-period"))
 
 
 def engine_argv(deployment: Manifest, pod_ip: str, volumes: PodVolumes | None = None) -> list[str]:
@@ -116,7 +120,7 @@ def engine_argv(deployment: Manifest, pod_ip: str, volumes: PodVolumes | None = 
     # Imported here: the engine's model loader pulls in torch, which only this path needs.
     from kvpilot.engine.model.loader import EMBEDDED_MODEL
 
-    container = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == CONTAINER)
+    container = _engine_container(deployment)
     argv = container_argv(container, volumes)
     _set_flag(argv, "--host", pod_ip)
     model = _flag(argv, "--model")

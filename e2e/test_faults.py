@@ -196,11 +196,6 @@ def scale_writes(proxy: ApiFaultProxy, name: str) -> list[tuple[float, int, int]
     ]
 
 
-def deployment(k8s: Cluster, namespace: str, name: str) -> dict[str, Any]:
-    found: dict[str, Any] = k8s.kubectl_json("get", "deployment", name, "-n", namespace)
-    return found
-
-
 def stream_tokens(drain_s: float, service: Mapping[str, Any]) -> int:
     """Tokens per stream (at most 64) such that a stream takes at most half the engines' drain at
     the p95 TTFT and TPOT they reported so far: a stream in flight when its engine drains can finish
@@ -325,7 +320,8 @@ def test_faults_leave_every_service_reconciled_bounded_and_its_streams_whole(
             kvis.patch_spec(k8s, namespace, SCALED, {"slo": LOOSE_SLO})
             mark("faults-scaled's SLO loosened")
             # Fewer streams, each as long as the drain allows: a scale-down now meets some in flight.
-            tokens = stream_tokens(grace_period_s(deployment(k8s, namespace, SCALED)), kvis.get(k8s, namespace, SCALED))
+            drain_s = grace_period_s(k8s.kubectl_json("get", "deployment", SCALED, "-n", namespace))
+            tokens = stream_tokens(drain_s, kvis.get(k8s, namespace, SCALED))
             loads[SCALED].max_tokens, loads[SCALED].rate = tokens, 1.0
             mark(f"load on faults-scaled: 1 req/s of {tokens}-token streams")
             time.sleep(FAULT_S / 2)

@@ -23,11 +23,11 @@ def compiled() -> tuple[LLM, list[int]]:
     assert compiled_forward is not None
     calls = [0]
 
-    def strict(*args: object) -> torch.Tensor:
+    def counted(*args: object) -> torch.Tensor:
         calls[0] += 1
         return compiled_forward(*args)
 
-    runner._decode_forward = strict
+    runner._decode_forward = counted
     return llm, calls
 
 

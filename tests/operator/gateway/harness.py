@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -175,10 +176,12 @@ class Recorder:
 
 class Engine:
     """A stand-in engine on ip:names.PORT: streams `chunks` SSE chunks naming itself, `delay`
-    seconds apart, and records what it was sent and how many requests it had at once."""
+    seconds apart, and records what it was sent and how many requests it had at once. With a
+    `barrier`, each request waits (up to 20 s) until the barrier's parties have all arrived, so a
+    peak does not depend on how fast a slow machine sends them."""
 
-    def __init__(self, name: str, chunks: int = 3, delay: float = 0.1) -> None:
-        self.name, self.chunks, self.delay = name, chunks, delay
+    def __init__(self, name: str, chunks: int = 3, delay: float = 0.1, barrier: asyncio.Barrier | None = None) -> None:
+        self.name, self.chunks, self.delay, self.barrier = name, chunks, delay, barrier
         self.requests: list[dict[str, Any]] = []
         self.now = self.peak = self.cancelled = 0
         self.runner: web.AppRunner | None = None
@@ -189,6 +192,9 @@ class Engine:
         self.now += 1
         self.peak = max(self.peak, self.now)
         try:
+            if self.barrier is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.barrier.wait(), 20.0)
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Engine": self.name})
             await response.prepare(request)
             for i in range(self.chunks):

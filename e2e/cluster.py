@@ -317,6 +317,13 @@ def kwokctl_config(binaries: Binaries, *, audit_policy: Path | None = None) -> l
                     ],
                 },
                 {
+                    # The cluster lives for one test run: a crash loses nothing worth an fsync, and
+                    # on a shared VM's disk one WAL fsync stalled etcd 4 s, long enough for
+                    # kube-controller-manager to give up on the API server's health and exit.
+                    "name": "etcd",
+                    "extraArgs": [arg("unsafe-no-fsync", "true")],
+                },
+                {
                     "name": "kwok-controller",
                     # kwokctl passes an empty --node-ip in the binary runtime
                     "extraArgs": [arg("node-ip", "127.0.0.1", override=True), arg("cidr", DEFAULT_POD_CIDR)],

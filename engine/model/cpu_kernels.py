@@ -6,8 +6,11 @@ fp32 copy and runs SDPA over that copy: per cached token and layer it reads the 
 it twice as wide and reads it again, which made most of a compiled single-sequence step's growth
 with the context (5.8 us per context token per step on 2 Zen 5 cores). This kernel reads each K
 and V row once, in the cache's dtype, by slot, and keeps the softmax in fp32: the context is cut
-into chunks that the threads share (any number of sequences and KV heads keeps both cores busy),
-and the chunks' partial softmax sums are merged per query head as flash-decoding does.
+into chunks that the threads share (any number of sequences and KV heads keeps both cores busy;
+a short context is cut finer), and the chunks' partial softmax sums are merged per query head as
+flash-decoding does. Within a chunk the rows are widened to fp32 once for all the KV head's query
+heads, scores are taken 16 keys at a time (one lane-sum for 16 dot products on AVX512) and the
+value sums stay in registers over the chunk's rows (bench/RESULTS.md, "Decode attention").
 
 Matmuls. PyTorch's packed kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) read
 a decode step's weights at about half the memory bandwidth of 2 Zen 5 cores; these read the same
@@ -43,8 +46,8 @@ INT4_MM = "kvpilot::int4_mm"
 INT8_MM = "kvpilot::int8_mm"
 # The folder of the compile cache root that holds built libraries, one file per CPU type.
 KERNELS = "kernels"
-# Context tokens per work item: small enough that one sequence's context splits over the threads,
-# large enough that the merge and the per-item buffers stay cheap.
+# Context tokens per work item at most: small enough that one sequence's context splits over the
+# threads, large enough that the merge and the per-item buffers stay cheap.
 _CHUNK = 128
 
 _SOURCE = r"""
@@ -84,7 +87,15 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(dst, src, n * sizeof(float));
   } else {
-    at::vec::convert(src, dst, n);
+    int64_t d = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+    // at::vec::convert is a scalar loop for bf16 -> fp32: widen 16 at a time (bf16 is fp32's top half).
+    for (; d + 16 <= n; d += 16) {
+      const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+      _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
+    }
+#endif
+    at::vec::convert(src + d, dst + d, n - d);
   }
 }
 
@@ -95,6 +106,74 @@ inline float dot(const float* a, const float* b, int64_t n) {
   float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
   for (; d < n; ++d) s += a[d] * b[d];
   return s;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// 128-bit lanes (a0 + a1, a2 + a3, b0 + b1, b2 + b3) of a = (a0, a1, a2, a3) and b likewise.
+inline __m512 add_lane_pairs(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+
+// The sums of 16 vectors' lanes as one vector (lane i: the sum of acc[i]), in 45 shuffles and adds
+// where 16 horizontal reductions take ~130: pairs are interleaved and added, halving the count.
+inline __m512 sum_lanes_16(const __m512* acc) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
+                             _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Each 128-bit lane of quads[i] now holds partial sums of acc[4i..4i+3]; add the four lanes.
+  return add_lane_pairs(add_lane_pairs(quads[0], quads[1]), add_lane_pairs(quads[2], quads[3]));
+}
+#endif
+
+// scores[t] = q . keys[t] for n rows of `dim` fp32 keys.
+inline void dots(const float* q, const float* keys, int64_t n, int64_t dim, float* scores) {
+  int64_t t = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  if (dim % 16 == 0) {
+    for (; t + 16 <= n; t += 16) {
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 qd = _mm512_loadu_ps(q + d);
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(keys + (t + i) * dim + d), acc[i]);
+      }
+      _mm512_storeu_ps(scores + t, sum_lanes_16(acc));
+    }
+  }
+#endif
+  for (; t < n; ++t) scores[t] = dot(q, keys + t * dim, dim);
+}
+
+// out[d] = sum over t of p[t] * values[t][d], for n rows of `dim` fp32 values: four vectors of
+// `out` stay in registers over all rows.
+inline void weighted_sum(const float* p, const float* values, int64_t n, int64_t dim, float* out) {
+  constexpr int64_t kBlock = 4 * Vec::size();
+  int64_t d = 0;
+  for (; d + kBlock <= dim; d += kBlock) {
+    Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* v = values + t * dim + d;
+      const Vec w(p[t]);
+      a0 = at::vec::fmadd(w, Vec::loadu(v), a0);
+      a1 = at::vec::fmadd(w, Vec::loadu(v + Vec::size()), a1);
+      a2 = at::vec::fmadd(w, Vec::loadu(v + 2 * Vec::size()), a2);
+      a3 = at::vec::fmadd(w, Vec::loadu(v + 3 * Vec::size()), a3);
+    }
+    a0.store(out + d);
+    a1.store(out + d + Vec::size());
+    a2.store(out + d + 2 * Vec::size());
+    a3.store(out + d + 3 * Vec::size());
+  }
+  for (; d < dim; ++d) {
+    float a = 0.f;
+    for (int64_t t = 0; t < n; ++t) a += p[t] * values[t * dim + d];
+    out[d] = a;
+  }
 }
 
 inline void add_scaled(float* acc, const float* x, float p, int64_t n) {
@@ -114,12 +193,32 @@ inline float exp_minus_max(float* s, int64_t n, float* max) {
   return at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n);
 }
 
+// One KV head's rows of a chunk's slots into `rows` as fp32, asking for the rows ahead.
+template <typename T>
+inline void load_rows(const T* cache, const int64_t* slots, int64_t n, int64_t row, int64_t offset, int64_t dim,
+                      float* rows) {
+  for (int64_t t = 0; t < n; ++t) {
+    if (t + kPrefetch < n) prefetch_row(cache + slots[t + kPrefetch] * row + offset, dim);
+    load_row(cache + slots[t] * row + offset, rows + t * dim, dim);
+  }
+}
+
+// Context tokens per work item: the longest chunk (kChunk) unless that leaves the threads fewer
+// than four items each (a short context's few KV heads would leave a core idle).
+inline int64_t chunk_length(int64_t sequences, int64_t kv_heads, int64_t width) {
+  const int64_t wanted = 4 * at::get_num_threads();
+  int64_t chunk = kChunk;
+  while (chunk > 32 && sequences * kv_heads * ((width + chunk - 1) / chunk) < wanted) chunk /= 2;
+  return chunk;
+}
+
 template <typename T>
 void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* slots, const int64_t* lengths,
             float* out, int64_t sequences, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width,
             float scale) {
   const int64_t group = heads / kv_heads;
-  const int64_t chunks = (width + kChunk - 1) / kChunk;
+  const int64_t chunk_len = chunk_length(sequences, kv_heads, width);
+  const int64_t chunks = (width + chunk_len - 1) / chunk_len;
   const int64_t row = kv_heads * dim;
   const int64_t items = sequences * kv_heads * chunks;
   // Per work item and query head of its KV head: the chunk's max score, its sum of exp(score - max)
@@ -128,29 +227,28 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* s
   std::vector<float> chunk_sum(items * group, 0.f);
   std::vector<float> chunk_acc(items * group * dim, 0.f);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * kChunk);
+    std::vector<float> scores(group * chunk_len);
     std::vector<float> query(group * dim);
-    float values[kMaxDim];
+    std::vector<float> rows(chunk_len * dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / (kv_heads * chunks), kv = (item / chunks) % kv_heads, chunk = item % chunks;
-      const int64_t first = chunk * kChunk, last = std::min(first + kChunk, lengths[seq]), n = last - first;
+      const int64_t first = chunk * chunk_len, last = std::min(first + chunk_len, lengths[seq]), n = last - first;
       if (n <= 0) continue;
       const float* q_heads = q + (seq * heads + kv * group) * dim;
       for (int64_t i = 0; i < group * dim; ++i) query[i] = q_heads[i] * scale;
       const int64_t* seq_slots = slots + seq * width + first;
-      for (int64_t t = 0; t < n; ++t) {
-        if (t + kPrefetch < n) prefetch_row(k_cache + seq_slots[t + kPrefetch] * row + kv * dim, dim);
-        load_row(k_cache + seq_slots[t] * row + kv * dim, values, dim);
-        for (int64_t g = 0; g < group; ++g) scores[g * kChunk + t] = dot(query.data() + g * dim, values, dim);
-      }
+      load_rows(k_cache, seq_slots, n, row, kv * dim, dim, rows.data());
       float* maxes = chunk_max.data() + item * group;
       float* sums = chunk_sum.data() + item * group;
-      for (int64_t g = 0; g < group; ++g) sums[g] = exp_minus_max(scores.data() + g * kChunk, n, maxes + g);
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * chunk_len;
+        dots(query.data() + g * dim, rows.data(), n, dim, s);
+        sums[g] = exp_minus_max(s, n, maxes + g);
+      }
+      load_rows(v_cache, seq_slots, n, row, kv * dim, dim, rows.data());
       float* acc = chunk_acc.data() + item * group * dim;
-      for (int64_t t = 0; t < n; ++t) {
-        if (t + kPrefetch < n) prefetch_row(v_cache + seq_slots[t + kPrefetch] * row + kv * dim, dim);
-        load_row(v_cache + seq_slots[t] * row + kv * dim, values, dim);
-        for (int64_t g = 0; g < group; ++g) add_scaled(acc + g * dim, values, scores[g * kChunk + t], dim);
+      for (int64_t g = 0; g < group; ++g) {
+        weighted_sum(scores.data() + g * chunk_len, rows.data(), n, dim, acc + g * dim);
       }
     }
   });

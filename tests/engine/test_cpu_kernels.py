@@ -58,16 +58,27 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.T
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_it_equals_sdpa_over_ragged_contexts_of_several_sequences(kernel_root, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("lengths", "dim"),
+    [
+        # One context within a chunk, one spanning three (the chunk merge), one exactly a chunk.
+        ([5, 300, cpu_kernels._CHUNK], DIM),
+        # One short context: cut into chunks of 32 so that both threads get work (and merged).
+        ([100], DIM),
+        # A head width that is not a multiple of the 16-lane blocks: the kernel's tails.
+        ([37, 130], 80),
+    ],
+)
+def test_it_equals_sdpa_over_ragged_contexts_of_several_sequences(
+    kernel_root, dtype: torch.dtype, lengths: list[int], dim: int
+) -> None:
     torch.manual_seed(0)
-    k = torch.randn(SLOTS, KV_HEADS, DIM).to(dtype)
-    v = torch.randn(SLOTS, KV_HEADS, DIM).to(dtype)
-    # One context within a chunk, one spanning three (the chunk merge), one exactly a chunk.
-    lengths = [5, 300, cpu_kernels._CHUNK]
+    k = torch.randn(SLOTS, KV_HEADS, dim).to(dtype)
+    v = torch.randn(SLOTS, KV_HEADS, dim).to(dtype)
     slots = torch.zeros(len(lengths), max(lengths), dtype=torch.long)  # padding: slot 0, never read
     for i, n in enumerate(lengths):
         slots[i, :n] = torch.randperm(SLOTS)[:n]
-    q = torch.randn(len(lengths), HEADS, DIM)
+    q = torch.randn(len(lengths), HEADS, dim)
     out = cpu_kernels.decode_attention(q, k, v, slots, torch.tensor(lengths))
     for i, n in enumerate(lengths):
         torch.testing.assert_close(out[i], _reference(q[i], k, v, slots[i], n), atol=1e-5, rtol=1e-5)

@@ -32,6 +32,8 @@ fp32 GEMM of the integer values (exact while a row's sum stays under 2^24). It r
 from __future__ import annotations
 
 import abc
+import functools
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -59,9 +61,21 @@ INT4_DENSE_TOKENS = 512
 # vs 0.065 at 1 token; narrower layers (576 and 960 rows) ran on par at 1 token and up to 2x slower
 # at 4-64 tokens, so they keep PyTorch's.
 INT8_KERNEL_ROWS = 3072
-# PyTorch's CPU int4 layout packs the rows of each block of 64 output channels as byte [k, r]
-# holding row r (low nibble) and row r + 32 (high nibble); a last block of fewer rows differs.
-_CPU_PACK_ROWS = 64
+
+
+class Int4Layout(NamedTuple):
+    """PyTorch's CPU int4 layout: per block of `rows` output channels and input column k, rows / 2
+    bytes, byte i holding rows i and i + rows / 2 (low, high nibble), or rows 2i and 2i + 1 where
+    `adjacent`; a last block of fewer rows differs. ATen picks it by the vector ISA it runs (64
+    rows with AVX512, 32 with AVX2, 32 adjacent without either): `cpu_int4_layout()`."""
+
+    rows: int
+    adjacent: bool
+
+
+_INT4_LAYOUTS = tuple(Int4Layout(rows, adjacent) for rows in (64, 32, 16) for adjacent in (False, True))
+# The layout cpu_kernels' INT4 matmul reads (it exists only where ATen runs AVX512).
+_KERNEL_LAYOUT = Int4Layout(64, False)
 
 
 class LinearQuantization(abc.ABC):
@@ -229,12 +243,17 @@ class Int4WeightOnly(LinearQuantization):
         layer.int4_kernel_layout = kernel
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or (x.shape[0] >= INT4_DENSE_TOKENS and layer.int4_shape[0] % _CPU_PACK_ROWS == 0):
+        if x.device.type != "cpu" or (
+            x.shape[0] >= INT4_DENSE_TOKENS and layer.int4_shape[0] % cpu_int4_layout().rows == 0
+        ):
             # Dequantized in x's dtype for this matmul only: the layer keeps only its int4 form.
             return nn.functional.linear(x, self._weight(layer, x.dtype))
         packed_mm = (
             cpu_kernels.int4_mm
-            if self.cpu_kernel and layer.int4_shape[0] % _CPU_PACK_ROWS == 0 and self.group_size % 2 == 0
+            if self.cpu_kernel
+            and cpu_int4_layout() == _KERNEL_LAYOUT
+            and layer.int4_shape[0] % _KERNEL_LAYOUT.rows == 0
+            and self.group_size % 2 == 0
             else torch.ops.aten._weight_int4pack_mm_for_cpu
         )
         return _in_dtype(
@@ -243,7 +262,7 @@ class Int4WeightOnly(LinearQuantization):
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
         out_features, in_features = layer.int4_shape
-        if layer.int4_kernel_layout and out_features % _CPU_PACK_ROWS:
+        if layer.int4_kernel_layout and out_features % cpu_int4_layout().rows:
             # A layout with a short last block: multiplying by the identity reads it back.
             eye = torch.eye(in_features, dtype=torch.bfloat16)
             return (
@@ -285,12 +304,32 @@ def _in_dtype(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return y if y.dtype == dtype else y.to(dtype)
 
 
-def _unpack_cpu_int4pack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+@functools.cache
+def cpu_int4_layout() -> Int4Layout:
+    """The layout `_convert_weight_to_int4pack_for_cpu` writes on this CPU, read off a packed probe
+    (ATen decides it by the ISA it runs, which the CPU's flags or ATEN_CPU_CAPABILITY set): read
+    with another one, the weights come back as other rows' values. The probe's values come from a
+    generator of its own, not the seeded global one."""
+    shape = (2 * _INT4_LAYOUTS[0].rows, 64)
+    q = torch.randint(0, 16, shape, dtype=torch.int32, generator=torch.Generator())
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES)
+    for layout in _INT4_LAYOUTS:
+        if torch.equal(_unpack_cpu_int4pack(packed, *shape, layout).to(torch.int32), q):
+            return layout
+    raise RuntimeError(f"PyTorch's CPU int4 layout is none of {_INT4_LAYOUTS}")
+
+
+def _unpack_cpu_int4pack(
+    packed: torch.Tensor, out_features: int, in_features: int, layout: Int4Layout | None = None
+) -> torch.Tensor:
     """The 0..15 values [out, in] of `_convert_weight_to_int4pack_for_cpu`'s output, for an output
-    width that is a multiple of 64 (tests/engine/test_quantization.py checks it against the op)."""
-    blocks = packed.view(out_features // _CPU_PACK_ROWS, in_features, _CPU_PACK_ROWS // 2)
-    rows = torch.cat([blocks & 0xF, blocks >> 4], dim=2)  # [block, in, 64]
-    return rows.permute(0, 2, 1).reshape(out_features, in_features)
+    width that is a multiple of the layout's block (tests/engine/test_quantization.py checks it
+    against the op under each ISA ATen runs)."""
+    layout = layout or cpu_int4_layout()
+    blocks = packed.view(out_features // layout.rows, in_features, layout.rows // 2)
+    low, high = blocks & 0xF, blocks >> 4
+    values = torch.stack([low, high], dim=3).flatten(2) if layout.adjacent else torch.cat([low, high], dim=2)
+    return values.permute(0, 2, 1).reshape(out_features, in_features)  # [block, in, rows] -> [out, in]
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:

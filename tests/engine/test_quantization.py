@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -144,13 +148,13 @@ def test_steps_of_many_tokens_take_the_dense_gemm_with_the_same_weight(
         assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), reference, rtol=0.02, atol=0.02)
 
 
-def test_an_int4_layer_of_a_width_not_a_multiple_of_64_always_takes_the_packed_kernel(
+def test_an_int4_layer_of_a_width_not_a_multiple_of_the_block_always_takes_the_packed_kernel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Its last block of rows is laid out otherwise, which the unpacking does not read."""
     torch.manual_seed(0)
     scheme, layer = Int4WeightOnly(32), nn.Module()
-    scheme.quantize(layer, torch.randn(96, 64) * 0.05)
+    scheme.quantize(layer, torch.randn(quantization.cpu_int4_layout().rows * 3 // 2, 64) * 0.05)
     x = torch.randn(quantization.INT4_DENSE_TOKENS + 16, 64).to(torch.bfloat16)
     calls = _counting(monkeypatch, "_weight_int4pack_mm_for_cpu")
     y = scheme.matmul(layer, x)
@@ -163,6 +167,25 @@ def test_the_cpu_int4_layout_unpacks_to_the_values_packed(shape: tuple[int, int]
     q = torch.randint(0, 16, shape, dtype=torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
     assert torch.equal(quantization._unpack_cpu_int4pack(packed, *shape).to(torch.int32), q)
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_the_cpu_int4_layout_is_read_whatever_isa_aten_runs(capability: str) -> None:
+    """ATen packs blocks of 64 rows with AVX512, 32 with AVX2 and 32 adjacent rows without either
+    (a forced ISA above this CPU's runs its own): the engine reads the layout off a probe, so the
+    values come back on each."""
+    code = (
+        "import torch; from kvpilot.engine.model import quantization as qz\n"
+        "q = torch.randint(0, 16, (960, 576), dtype=torch.int32)\n"
+        "packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)\n"
+        "assert torch.equal(qz._unpack_cpu_int4pack(packed, 960, 576).to(torch.int32), q)\n"
+        "print(torch.backends.cpu.get_cpu_capability(), *qz.cpu_int4_layout())"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    isa, rows, adjacent = done.stdout.split()
+    assert (int(rows), adjacent) == {"AVX512": (64, "False"), "AVX2": (32, "False")}.get(isa, (32, "True"))
 
 
 def _bf16_error_bound(exact: torch.Tensor) -> torch.Tensor:

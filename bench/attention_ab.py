@@ -43,12 +43,10 @@ def _build(namespace: str, source: str) -> Callable[..., torch.Tensor]:
     renamed = source.replace("TORCH_LIBRARY(kvpilot", f"TORCH_LIBRARY({namespace}").replace(
         "TORCH_LIBRARY_IMPL(kvpilot", f"TORCH_LIBRARY_IMPL({namespace}"
     )
-    isa = cpu_kernels.vector_isa(read_cpu_flags())
-    flags = [f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}"] if isa else ["-DCPU_CAPABILITY=DEFAULT"]
     load_inline(
         namespace,
         cpp_sources=renamed,
-        extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
+        extra_cflags=["-O3", "-fopenmp", *cpu_kernels.level_for(read_cpu_flags()).cflags],
         extra_ldflags=["-fopenmp"],
         build_directory=tempfile.mkdtemp(prefix=f"{namespace}-"),
         is_python_module=False,

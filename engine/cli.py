@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvpilot.engine.cli", "offline generation with the engine"),
     "serve": ("kvpilot.engine.cli", "the OpenAI-compatible HTTP server"),
     "eval": ("kvpilot.engine.cli", "quality of each quantization scheme against the unquantized model"),
+    "build-kernels": (
+        "kvpilot.engine.cli",
+        "build the engine's C++ CPU kernels for each ISA level ahead of time (an engine image's build step)",
+    ),
     "quantize": (
         "kvpilot.engine.quantize.cli",
         "write a model folder as a compressed-tensors INT4/INT8 checkpoint (W4A16, W8A16)",
@@ -95,6 +99,36 @@ def _eval(args: argparse.Namespace) -> int:
     return run(schemes, args.num_tokens, engine_config_from_args(args), Path(args.output) if args.output else None)
 
 
+def _build_kernels(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from kvpilot.engine.model import cpu_kernels
+    from kvpilot.engine.model.loader import cache_root
+    from kvpilot.engine.worker.cpu_features import read_cpu_flags
+
+    by_name = {level.name: level for level in cpu_kernels.BUILDABLE}
+    if args.levels == "all":
+        levels = list(cpu_kernels.BUILDABLE)
+    elif args.levels == "this":
+        levels = [cpu_kernels.level_for(read_cpu_flags())]
+    else:
+        names = [n.strip() for n in args.levels.split(",") if n.strip()]
+        unknown = [n for n in names if n not in by_name]
+        if unknown or not names:
+            raise ValueError(
+                f"--levels: {', '.join(unknown) or 'none given'}; this machine builds {', '.join(by_name)}"
+            )
+        levels = [by_name[n] for n in names]
+    folder = Path(args.output) if args.output else cache_root() / cpu_kernels.KERNELS
+    for level in levels:
+        print(f"building {level.name} ({' '.join(level.cflags)}) ...", flush=True)
+        started = time.monotonic()
+        path = cpu_kernels.build(level, folder)
+        print(f"built {level.name}: {path} in {time.monotonic() - started:.0f} s", flush=True)
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     gen = sub.add_parser("generate", help=COMMANDS["generate"][1])
     gen.add_argument("prompt", nargs="*", help="prompts (default: a sample prompt)")
@@ -118,6 +152,18 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ev.add_argument("--output", default="bench/out/eval.json", help="JSON results ('' for none)")
     add_flags(ev, EngineConfig)
     ev.set_defaults(func=_eval)
+
+    kernels = sub.add_parser("build-kernels", help=COMMANDS["build-kernels"][1])
+    kernels.add_argument(
+        "--levels",
+        default="this",
+        help="'this' (this CPU's level, the default), 'all' (every level of this architecture: what an image "
+        "ships), or a comma-separated list of avx512-bf16, avx512, avx2, baseline",
+    )
+    kernels.add_argument(
+        "--output", default=None, help="folder (default: $KVPILOT_CACHE/kernels, where engines look for them)"
+    )
+    kernels.set_defaults(func=_build_kernels)
 
     srv = sub.add_parser("serve", help=COMMANDS["serve"][1])
     add_flags(srv, ServerConfig)

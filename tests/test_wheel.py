@@ -11,6 +11,7 @@ the editable install's finder among them, are not run), so nothing is downloaded
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import site
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpilot.engine.worker.cpu_features import read_cpu_flags
 from tests.test_imports import PACKAGES, modules
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,3 +127,42 @@ def test_the_kvpilot_command_runs_from_the_wheel(installed: tuple[Path, Path]) -
     cpu = run(bin_dir, "kvpilot", "plan", "--model", "SmolLM2-135M-Instruct", "--device-profile", "amd-epyc-zen5-2c")
     assert cpu.returncode == 0, cpu.stderr + cpu.stdout
     assert "amd-epyc-zen5-2c" in cpu.stdout
+
+
+def test_the_engine_image_ships_the_kernels_of_every_level(installed: tuple[Path, Path], tmp_path: Path) -> None:
+    """engine/Dockerfile's build step, run from the wheel: the C++ kernels of every ISA level, built
+    here whatever this CPU runs, into the image's $KVPILOT_CACHE/kernels; an engine started with an
+    empty compile cache then serves on its level's library from there, with no compiler run."""
+    from kvpilot.engine.model import cpu_kernels
+    from kvpilot.engine.model.loader import cache_root
+
+    _, bin_dir = installed
+    step = "kvpilot build-kernels --levels all"
+    assert f"&& {step} \\\n" in (ROOT / "engine" / "Dockerfile").read_text()
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "models").symlink_to(cache_root() / "models")  # the converted model, not converted again
+    env = {**os.environ, "KVPILOT_CACHE": str(cache)}
+    built = subprocess.run([str(bin_dir / "kvpilot"), *step.split()[1:]], env=env, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    shipped = {path.name for path in (cache / cpu_kernels.KERNELS).iterdir()}
+    assert shipped == {f"{cpu_kernels.library_name(level)}.so" for level in cpu_kernels.BUILDABLE}
+    started = subprocess.run(
+        [
+            str(bin_dir / "kvpilot"),
+            "-v",
+            "generate",
+            "--max-tokens",
+            "4",
+            "--compile-cache-dir",
+            str(tmp_path / "empty"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=bin_dir.parent,
+    )
+    assert started.returncode == 0, started.stderr
+    level = cpu_kernels.level_for(read_cpu_flags())
+    assert f"event=cpu_kernels source=prebuilt level={level.name}" in started.stderr
+    assert "[4 tokens" in started.stdout

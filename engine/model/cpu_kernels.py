@@ -19,12 +19,14 @@ dense route of quantization.py is unchanged) at about all of it. INT4 turns each
 the bf16 of q - 8 by a table lookup and multiplies with AVX512-BF16 dot products (exact products,
 fp32 sums), so it exists where the CPU has them; INT8 converts to fp32 and needs AVX512F.
 
-The library is built at start-up with the compiler torch.compile's CPU kernels use (the same
-engines need one: compile_decode), for the CPU it runs on (-march=native), and registers the
-operators `kvpilot::paged_decode_attention`, `kvpilot::int4_mm` and `kvpilot::int8_mm`, so a
-compiled graph calls them like ATen kernels. It is kept in the compile cache root's `kernels/`
-folder, named by a hash of its source, torch's version and the CPU's flags, so a node of another
-CPU type builds its own.
+The library is built for a level of the x86-64 ISA (AVX512 with BF16, AVX512, AVX2, baseline),
+the widest the CPU runs, and registers the operators `kvpilot::paged_decode_attention`,
+`kvpilot::int4_mm` and `kvpilot::int8_mm`, so a compiled graph calls them like ATen kernels. An
+engine takes it from the compile cache root's `kernels/` folder, else from the libraries an image
+ships prebuilt for every level (`kvpilot build-kernels --levels all` into $KVPILOT_CACHE/kernels),
+else builds it at start-up (~40 s on 2 cores) with the compiler torch.compile's CPU kernels use
+and keeps it in the compile cache root. Each file is named by a hash of its source, torch's
+version, the architecture and the level.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -503,34 +507,79 @@ TORCH_LIBRARY_IMPL(kvpilot, CPU, m) {
 }
 """.replace("CHUNK", str(_CHUNK))
 
+
+class Level(NamedTuple):
+    """One build of the library: the CPU flags (as /proc/cpuinfo names them) its code may use, each
+    enabled by its own compiler switch, and the at::vec implementation it is built with."""
+
+    name: str
+    needs: frozenset[str]
+    vector_isa: str | None  # None: at::vec's portable scalar one
+
+    @property
+    def cflags(self) -> list[str]:
+        switches = [f"-m{flag.replace('_', '')}" for flag in sorted(self.needs)]  # avx512_bf16 -> -mavx512bf16
+        isa = [f"-DCPU_CAPABILITY={self.vector_isa}", f"-DCPU_CAPABILITY_{self.vector_isa}"]
+        return switches + (isa if self.vector_isa else ["-DCPU_CAPABILITY=DEFAULT"])
+
+
+_AVX2 = frozenset({"avx2", "fma", "f16c"})
 # What ATen's AVX512 vectors use (as inductor requires for its own AVX512 kernels).
-_AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+_AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+BASELINE = Level("baseline", frozenset(), None)
+# Widest first: a CPU runs the first whose flags it has. Builds by level, not for the build
+# machine's own CPU (-march=native), so an image can ship one library per level, built on any
+# x86-64, and a node of any CPU type starts without a compiler run (`kvpilot build-kernels`).
+LEVELS = (
+    Level("avx512-bf16", _AVX512 | {"avx512_bf16"}, "AVX512"),
+    Level("avx512", _AVX512, "AVX512"),
+    Level("avx2", _AVX2, "AVX2"),
+    BASELINE,
+)
+# Elsewhere (aarch64) the compiler's defaults for the machine are the one level.
+BUILDABLE = LEVELS if platform.machine().lower() in ("x86_64", "amd64") else (BASELINE,)
 
 _loaded = False
 
 
-def library_name(flags: frozenset[str]) -> str:
-    """The built library's file name: its source, torch's version and the CPU's flags decide it."""
-    digest = hashlib.sha256("\n".join([_SOURCE, torch.__version__, *sorted(flags)]).encode()).hexdigest()[:16]
+def level_for(cpu_flags: frozenset[str]) -> Level:
+    """The widest level a CPU of these flags runs."""
+    return next(level for level in BUILDABLE if level.needs <= cpu_flags)
+
+
+def library_name(level: Level) -> str:
+    """The built library's file name: its source, torch's version, the machine's architecture and
+    the level decide it."""
+    parts = [_SOURCE, torch.__version__, platform.machine(), level.name, *level.cflags]
+    digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     return f"kvpilot_cpu_kernels_{digest}"
 
 
-def load(root: Path | None, cpu_flags: frozenset[str]) -> None:
-    """Build the library for a CPU of these flags (or take it from `root`) and register its
-    operators; raises on failure."""
+def load(root: Path | None, cpu_flags: frozenset[str], prebuilt: Path | None = None) -> None:
+    """Register the operators from the library of this CPU's level: the one in `root`'s kernels/
+    folder, else the one an image ships in `prebuilt`, else built into `root`; raises on failure."""
     global _loaded
     if _loaded:
         return
-    name = library_name(cpu_flags)
-    cached = root / KERNELS / f"{name}.so" if root is not None else None
-    if cached is not None and cached.is_file():
-        torch.ops.load_library(str(cached))
-        log.info("event=cpu_kernels source=cache path=%s", cached)
+    level = level_for(cpu_flags)
+    name = f"{library_name(level)}.so"
+    cache = root / KERNELS if root is not None else None
+    places = [(source, folder / name) for source, folder in (("cache", cache), ("prebuilt", prebuilt)) if folder]
+    found = [(source, path) for source, path in places if path.is_file()]
+    if found:
+        source, path = found[0]
+        torch.ops.load_library(str(path))
     elif not has_compiler():
-        where = f"none cached at {cached}" if cached is not None else "no cache"
+        where = f"none cached at {' or '.join(str(path) for _, path in places)}" if places else "no cache"
         raise RuntimeError(f"no C++ compiler to build the library (g++ or clang++ on PATH, or $CXX) and {where}")
-    else:
-        _build(name, cached, vector_isa(cpu_flags))
+    elif cache is not None:
+        source, path = "built", build(level, cache)
+        torch.ops.load_library(str(path))
+    else:  # nowhere to keep it: loaded from a folder removed once the library is mapped
+        with tempfile.TemporaryDirectory(prefix="kvpilot-kernels-") as folder:
+            source, path = "built", build(level, Path(folder))
+            torch.ops.load_library(str(path))
+    log.info("event=cpu_kernels source=%s level=%s vector_isa=%s path=%s", source, level.name, level.vector_isa, path)
     torch.library.register_fake(ATTENTION)(_fake_attention)
     torch.library.register_fake(INT4_MM)(_fake_int4_mm)
     torch.library.register_fake(INT8_MM)(_fake_int8_mm)
@@ -543,49 +592,46 @@ def has_compiler() -> bool:
 
 
 def matmul_schemes(cpu_flags: frozenset[str]) -> frozenset[str]:
-    """The weight-only schemes whose matmul the library runs on a CPU of these flags."""
-    if "avx512f" not in cpu_flags:
+    """The weight-only schemes whose matmul the library of this CPU's level runs."""
+    needs = level_for(cpu_flags).needs
+    if "avx512f" not in needs:
         return frozenset()
-    return frozenset({"int8", "int4"} if "avx512_bf16" in cpu_flags else {"int8"})
+    return frozenset({"int8", "int4"} if "avx512_bf16" in needs else {"int8"})
 
 
-def vector_isa(cpu_flags: frozenset[str]) -> str | None:
-    """The widest of ATen's vector implementations (at::vec) this CPU runs: the one the kernel is
-    built with. None: at::vec's portable scalar one."""
-    if _AVX512_FLAGS <= cpu_flags:
-        return "AVX512"
-    if {"avx2", "fma"} <= cpu_flags:
-        return "AVX2"
-    return None
+def build(level: Level, folder: Path) -> Path:
+    """Build the library of `level` into `folder` without loading it (a level wider than this CPU
+    is built here for an image, never run): in a directory of its own, published by rename, so an
+    engine reading the folder finds a whole library or none."""
+    # torch's own builder behind load_inline, which would also load the library.
+    from torch.utils.cpp_extension import _write_ninja_file_and_build_library
 
-
-def _build(name: str, cached: Path | None, isa: str | None) -> None:
-    """Build and load the library in a directory of its own; publish it under `cached` by rename,
-    so an engine reading the cache finds a whole library or none."""
-    from torch.utils.cpp_extension import load_inline  # the build tooling, only when building
-
-    if cached is not None:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".build-", dir=cached.parent if cached is not None else None))
+    name = library_name(level)
+    folder.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".build-", dir=folder))
+    (work / f"{name}.cpp").write_text(_SOURCE)
     # torch's builder runs `ninja` from PATH: the one pip installed beside this Python comes first.
     path = os.environ.get("PATH", "")
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
     try:
-        load_inline(
-            name,
-            cpp_sources=_SOURCE,
-            extra_cflags=["-O3", "-march=native", "-fopenmp"]
-            + ([f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}"] if isa else ["-DCPU_CAPABILITY=DEFAULT"]),
+        _write_ninja_file_and_build_library(
+            name=name,
+            sources=[str(work / f"{name}.cpp")],
+            extra_cflags=["-O3", "-fopenmp", *level.cflags],
+            extra_cuda_cflags=[],
+            extra_sycl_cflags=[],
             extra_ldflags=["-fopenmp"],
+            extra_include_paths=[],
             build_directory=str(work),
-            is_python_module=False,
+            verbose=False,
+            with_cuda=False,
+            with_sycl=False,
         )
-        log.info("event=cpu_kernels source=built vector_isa=%s", isa or "none")
-        if cached is not None:
-            os.replace(work / f"{name}.so", cached)
+        os.replace(work / f"{name}.so", folder / f"{name}.so")
     finally:
         os.environ["PATH"] = path
         shutil.rmtree(work, ignore_errors=True)
+    return folder / f"{name}.so"
 
 
 def _fake_attention(

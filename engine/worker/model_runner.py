@@ -21,7 +21,7 @@ from kvpilot.engine.model import cpu_kernels, onednn_linear
 from kvpilot.engine.model.attention import AttentionMetadata, PrefillChunk, allocate_kv_caches
 from kvpilot.engine.model.layers import Linear, pack_for_onednn
 from kvpilot.engine.model.llama import LlamaForCausalLM, kv_shape
-from kvpilot.engine.model.loader import load_config, load_model, resolve_model
+from kvpilot.engine.model.loader import cache_root, load_config, load_model, resolve_model
 from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from kvpilot.engine.worker.compile_cache import compile_with_cache, key_inputs, resolve_root
 from kvpilot.engine.worker.cpu import cpu_threads
@@ -209,15 +209,15 @@ class ModelRunner:
 
     def _load_cpu_kernels(self, root: Path | None) -> None:
         """Serve with cpu_kernels' C++ library on every CPU engine: from the compile cache root
-        (`compile_cache_dir`), or built into it at the first start (~40 s on 2 cores) with the
-        compiler torch.compile uses. A build that fails, or a CPU without a compiler or a cached
-        library, leaves PyTorch's kernels and the portable attention, with a warning: the engine
-        serves either way."""
+        (`compile_cache_dir`), else from an image's prebuilt ones ($KVPILOT_CACHE/kernels), or
+        built into the root at the first start (~40 s on 2 cores) with the compiler torch.compile
+        uses. A build that fails, or a CPU without a compiler or a cached library, leaves PyTorch's
+        kernels and the portable attention, with a warning: the engine serves either way."""
         if self.device.type != "cpu":
             return
         flags = read_cpu_flags()
         try:
-            cpu_kernels.load(root, flags)
+            cpu_kernels.load(root, flags, cache_root() / cpu_kernels.KERNELS)
         except (RuntimeError, OSError) as err:  # the build or its loading failed: the portable path serves
             log.warning("event=cpu_kernels_unavailable error=%r", err)
             return

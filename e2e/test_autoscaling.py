@@ -173,7 +173,7 @@ def test_load_over_the_slo_adds_engines_and_its_end_removes_them(
     ups, downs = messages.get("ScaledUp", []), messages.get("ScaledDown", [])
     # Joined, not repr'd: pytest cuts a long repr in its middle, where the telling part is.
     assert [m for m in ups if "2 -> 3" in m] and [m for m in ups if "3 -> 4" in m], "\n".join(ups)
-    assert all("unknown: " in m and broken in m for m in ups), (broken, runner.snapshot(), "\n".join(ups))
+    assert all("unknown: " in m and broken in m for m in ups), f"{broken} not in:\n" + "\n".join(ups)
     assert [m for m in downs if "4 -> 3" in m] and [m for m in downs if "3 -> 2" in m], "\n".join(downs)
     left = {p["metadata"]["name"] for p in kvis.running_pods(k8s, namespace, name)}
     status = kvis.get(k8s, namespace, name)["status"]

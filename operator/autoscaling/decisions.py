@@ -118,6 +118,7 @@ Cause = Literal[
     "pods_pending",
     "blind",
     "gateway_unknown",
+    "few_observations",
     "would_overload",
     "recent_peak",
     "no_signal",
@@ -739,10 +740,32 @@ def _blind(signals: Signals) -> bool:
     return busy and signals.ttft_observations == 0 and signals.tpot_observations == 0
 
 
-def _why_not_fewer(policy: Policy, current: int, ratio: float, load: float, blind_gateway: bool) -> tuple[Cause, str]:
+def _thin_latency_not_under(policy: Policy, s: Signals) -> str | None:
+    """A p95 latency of too few requests to act on (MIN_OBSERVATIONS) that is not under the band, said
+    as a reason; None where there is none. Too few to scale up on, and no ground to scale down: an
+    engine overloaded on a slow CPU finishes fewer requests per window than that, and the KV and
+    batch signals, the only ones left, read nearly empty there."""
+    latencies = (
+        ("TTFT", s.ttft_p95_seconds, s.ttft_observations, policy.ttft_p95_seconds),
+        ("TPOT", s.tpot_p95_seconds, s.tpot_observations, policy.tpot_p95_seconds),
+    )
+    for name, p95, count, target in latencies:
+        if p95 is not None and 0 < count < MIN_OBSERVATIONS and p95 / target > 1 - policy.tolerance:
+            return (
+                f"under the band in what it can judge, but p95 {name} of {count} requests (fewer than "
+                f"{MIN_OBSERVATIONS} to act on) is {p95 / target:.2f}x its target: no scale-down"
+            )
+    return None
+
+
+def _why_not_fewer(
+    policy: Policy, current: int, ratio: float, load: float, blind_gateway: bool, thin_latency: str | None
+) -> tuple[Cause, str]:
     """Why a period at or under the band recommends no fewer replicas."""
     if blind_gateway:
         return "gateway_unknown", "under the band, but what the gateway holds is unknown: no scale-down"
+    if thin_latency:
+        return "few_observations", thin_latency
     if ratio > 1 - policy.tolerance:
         return "in_band", "within the tolerance band"
     if current > policy.min_replicas:
@@ -773,12 +796,15 @@ def _at_or_under_band(period: _Period) -> tuple[AutoscalerState, Decision]:
     blind_gateway = bool(signals.gateway_unknown) and recommended < current
     if blind_gateway:
         recommended = current
+    thin_latency = _thin_latency_not_under(policy, signals) if recommended < current else None
+    if thin_latency:
+        recommended = current
     down_window = policy.scale_down_stabilization_seconds
     recent = tuple(r for r in state.recommendations if r.at > obs.now - down_window)
     recs = (*recent, Recommendation(at=obs.now, replicas=recommended))
     kept = {"over_since": None, "recommendations": recs}
     if recommended >= current:
-        cause, why = _why_not_fewer(policy, current, ratio, load, blind_gateway)
+        cause, why = _why_not_fewer(policy, current, ratio, load, blind_gateway, thin_latency)
         return period.decide("hold", cause, current, why, **kept)
     observed = obs.now - period.since
     if observed < down_window:

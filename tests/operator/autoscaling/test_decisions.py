@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from kvpilot.engine.serving.metrics import LATENCY_BUCKETS
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.autoscaling.decisions import (
+    MIN_OBSERVATIONS,
     AutoscalerState,
     Decision,
     Observation,
@@ -235,6 +236,23 @@ def test_scale_down_only_if_one_fewer_replica_would_still_meet_the_target() -> N
     # 1 replica: 0.8x, under 0.9; down once the last 2-replica recommendation is 60 s old.
     decisions = [loop.tick(waiting=4 * 0.4) for _ in range(5)]
     assert [(d.action, d.replicas) for d in decisions] == [("hold", 2)] * 3 + [("down", 1), ("hold", 1)]
+
+
+def test_a_p95_of_too_few_requests_over_the_slo_blocks_a_scale_down() -> None:
+    """Overloaded engines on a slow CPU finish fewer than MIN_OBSERVATIONS requests per window, so
+    their p95 is not acted on; KV and batch then read nearly empty. That is no ground to scale down
+    (e2e on an AVX2 Zen 3: 4 -> 3 at p95 TTFT 1075 ms of 17 against a 20 ms SLO, then back up)."""
+    policy = Policy(scale_down_stabilization_seconds=30, window_seconds=PERIOD, max_replicas=4)
+    few = MIN_OBSERVATIONS // 10  # per pod and period: 4 pods finish 8 requests a window
+    slow = Loop(policy, replicas=4)
+    decisions = [slow.tick(ttft=3 * SLO_TTFT, n=few, kv=0.01) for _ in range(8)]
+    assert all((d.action, d.replicas) == ("hold", 4) for d in decisions), [d.reason for d in decisions]
+    last = decisions[-1]
+    assert last.cause == "few_observations" and f"TTFT of {few * 4} requests (fewer than" in last.reason, last
+    # Never a scale-up on them either, and the same few requests under the SLO do let it go down.
+    assert not [d for d in decisions if d.action == "up"]
+    fast = Loop(policy, replicas=4)
+    assert "down" in [fast.tick(ttft=0.1 * SLO_TTFT, n=few, kv=0.01).action for _ in range(8)]
 
 
 def test_scale_down_moves_at_most_max_step_per_window() -> None:

@@ -38,6 +38,7 @@ import platform
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -542,9 +543,9 @@ BUILDABLE = LEVELS if platform.machine().lower() in ("x86_64", "amd64") else (BA
 _loaded = False
 
 
-def level_for(cpu_flags: frozenset[str]) -> Level:
-    """The widest level a CPU of these flags runs."""
-    return next(level for level in BUILDABLE if level.needs <= cpu_flags)
+def level_for(cpu_flags: frozenset[str], levels: Sequence[Level] = BUILDABLE) -> Level:
+    """The widest of `levels` (this machine's architecture's by default) a CPU of these flags runs."""
+    return next(level for level in levels if level.needs <= cpu_flags)
 
 
 def library_name(level: Level) -> str:
@@ -591,9 +592,9 @@ def has_compiler() -> bool:
     return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "clang++"))
 
 
-def matmul_schemes(cpu_flags: frozenset[str]) -> frozenset[str]:
-    """The weight-only schemes whose matmul the library of this CPU's level runs."""
-    needs = level_for(cpu_flags).needs
+def matmul_schemes(cpu_flags: frozenset[str], levels: Sequence[Level] = BUILDABLE) -> frozenset[str]:
+    """The weight-only schemes whose matmul the library of this CPU's level (of `levels`) runs."""
+    needs = level_for(cpu_flags, levels).needs
     if "avx512f" not in needs:
         return frozenset()
     return frozenset({"int8", "int4"} if "avx512_bf16" in needs else {"int8"})

@@ -24,10 +24,10 @@ from torch import nn
 
 from kvpilot.engine.measure import call_seconds
 from kvpilot.engine.model import cpu_kernels, onednn_linear
-from kvpilot.engine.model.quantization import Int4WeightOnly, Int8Dynamic, Int8WeightOnly
+from kvpilot.engine.model.quantization import Int4WeightOnly, Int8Dynamic, Int8WeightOnly, cpu_int4_layout
 from kvpilot.engine.worker.compile_cache import resolve_root
 from kvpilot.engine.worker.cpu import cpu_threads
-from kvpilot.engine.worker.cpu_features import read_cpu_flags
+from kvpilot.engine.worker.cpu_features import onednn_dtypes, read_cpu_flags
 
 SHAPES = {
     "qkv": (960, 576),
@@ -39,15 +39,17 @@ SHAPES = {
 }
 
 
-def _kernels(weight: torch.Tensor, ours: frozenset[str]) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+def _kernels(
+    weight: torch.Tensor, ours: frozenset[str], packed_dtypes: tuple[str, ...]
+) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """Kernel name -> x (fp32) -> y, each on its own copy of the weight in its serving form; `ours`:
-    the schemes whose kvpilot matmul this CPU runs."""
+    the schemes whose kvpilot matmul this CPU runs; `packed_dtypes`: the dtypes oneDNN packs here."""
     int8, int4, w8a8 = nn.Module(), nn.Module(), nn.Module()
     Int8WeightOnly().quantize(int8, weight)
     Int4WeightOnly(32).quantize(int4, weight)
     Int8Dynamic(True).quantize(w8a8, weight)
     bf16, aten = weight.bfloat16(), torch.ops.aten
-    bf16_packed, fp32_packed = onednn_linear.pack(bf16), onednn_linear.pack(weight)
+    packed = {dtype: onednn_linear.pack(weight.to(getattr(torch, dtype))) for dtype in packed_dtypes}
     kernels = {
         "int8 packed": lambda x: aten._weight_int8pack_mm(x.bfloat16(), int8.qweight, int8.scales),
         "int8 kvpilot": lambda x: cpu_kernels.int8_mm(x.bfloat16(), int8.qweight, int8.scales),
@@ -55,16 +57,20 @@ def _kernels(weight: torch.Tensor, ours: frozenset[str]) -> dict[str, Callable[[
         "int4 packed": lambda x: aten._weight_int4pack_mm_for_cpu(
             x.bfloat16(), int4.qweight, 32, int4.scales_and_zeros
         ),
-        "int4 kvpilot": lambda x: cpu_kernels.int4_mm(x.bfloat16(), int4.qweight, 32, int4.scales_and_zeros),
+        "int4 kvpilot": lambda x: cpu_kernels.int4_mm(
+            x.bfloat16(), int4.qweight, 32, int4.scales_and_zeros, cpu_int4_layout().rows
+        ),
         "int4 dense": lambda x: nn.functional.linear(x.bfloat16(), Int4WeightOnly(32)._weight(int4, torch.bfloat16)),
         "w8a8 (fp32 act.)": lambda x: Int8Dynamic(True).matmul(w8a8, x),
         "w8a8 (bf16 act.)": lambda x: Int8Dynamic(True).matmul(w8a8, x.bfloat16()),
         "bf16 GEMM": lambda x: nn.functional.linear(x.bfloat16(), bf16),
-        "bf16 GEMM packed": lambda x: onednn_linear.linear(x.bfloat16(), bf16_packed, None),
+        "bf16 GEMM packed": lambda x: onednn_linear.linear(x.bfloat16(), packed["bfloat16"], None),
         "fp32 GEMM": lambda x: nn.functional.linear(x, weight),
-        "fp32 GEMM packed": lambda x: onednn_linear.linear(x, fp32_packed, None),
+        "fp32 GEMM packed": lambda x: onednn_linear.linear(x, packed["float32"], None),
     }
-    return {name: call for name, call in kernels.items() if "kvpilot" not in name or name.split()[0] in ours}
+    runs = {"int8 kvpilot": "int8" in ours, "int4 kvpilot": "int4" in ours}
+    runs |= {"bf16 GEMM packed": "bfloat16" in packed, "fp32 GEMM packed": "float32" in packed}
+    return {name: call for name, call in kernels.items() if runs.get(name, True)}
 
 
 def _rotating(calls: list[Callable[[torch.Tensor], torch.Tensor]]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -93,6 +99,7 @@ def main() -> None:
     flags = read_cpu_flags()
     cpu_kernels.load(resolve_root(None), flags)
     ours = cpu_kernels.matmul_schemes(flags)
+    packed_dtypes = onednn_dtypes(flags) if onednn_linear.available() else ()
     print(f"torch {torch.__version__}, {threads} threads ({why}), {args.copies} copies, ms per call (fastest)")
     for name in args.shapes.split(","):
         out_features, in_features = SHAPES[name]
@@ -100,7 +107,7 @@ def main() -> None:
         print(f"\n{name} {out_features}x{in_features}\n")
         print("| kernel | " + " | ".join(str(n) for n in tokens) + " |")
         print("|---|" + "---:|" * len(tokens))
-        copies = [_kernels(weight, ours) for _ in range(args.copies)]
+        copies = [_kernels(weight, ours, packed_dtypes) for _ in range(args.copies)]
         names = args.kernels.split(",") if args.kernels else list(copies[0])
         kernels = {name: _rotating([c[name] for c in copies]) for name in names if name in copies[0]}
         with torch.inference_mode():

@@ -15,9 +15,14 @@ value sums stay in registers over the chunk's rows (bench/RESULTS.md, "Decode at
 Matmuls. PyTorch's packed kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) read
 a decode step's weights at about half the memory bandwidth of 2 Zen 5 cores; these read the same
 buffers (PyTorch's CPU int4 layout, the int8 weight and its scales: nothing is repacked, so the
-dense route of quantization.py is unchanged) at about all of it. INT4 turns each 4-bit value into
-the bf16 of q - 8 by a table lookup and multiplies with AVX512-BF16 dot products (exact products,
-fp32 sums), so it exists where the CPU has them; INT8 converts to fp32 and needs AVX512F.
+dense route of quantization.py is unchanged). INT4 where the CPU has AVX512-BF16 (and ATen's
+64-row layout) turns each 4-bit value into the bf16 of q - 8 by a table lookup and multiplies with
+bf16 dot products: exact products, fp32 sums, at about all of the bandwidth. Elsewhere (AVX2,
+AVX512 without bf16) INT4 multiplies in integers as llama.cpp's Q4 x Q8 does, with each token's
+group of inputs as 16-bit integers (two int8 halves) instead of 8-bit ones: its rounding, 2^-15
+of the group's largest input, is below the bf16 rounding PyTorch's kernel applies, and the kernel
+is ~3x faster than PyTorch's at one token on an AVX2 Zen 3 (bench/RESULTS.md, "INT4 on AVX2").
+INT8 converts to fp32 and multiplies there, with AVX2 or AVX512 vectors.
 
 The library is built for a level of the x86-64 ISA (AVX512 with BF16, AVX512, AVX2, baseline),
 the widest the CPU runs, and registers the operators `kvpilot::paged_decode_attention`,
@@ -49,6 +54,9 @@ log = logging.getLogger(__name__)
 ATTENTION = "kvpilot::paged_decode_attention"
 INT4_MM = "kvpilot::int4_mm"
 INT8_MM = "kvpilot::int8_mm"
+# The blocks of PyTorch's CPU int4 layout (rows i and i + rows / 2 in one byte) that int4_mm reads:
+# ATen writes 32-row blocks where it runs AVX2, 64-row ones where it runs AVX512.
+INT4_BLOCK_ROWS = (32, 64)
 # The folder of the compile cache root that holds built libraries, one file per CPU type.
 KERNELS = "kernels"
 # Context tokens per work item at most: small enough that one sequence's context splits over the
@@ -394,59 +402,242 @@ void int4_tokens(const uint8_t* packed, const uint16_t* x, const float* xsum, co
 }
 #endif
 
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group, const at::Tensor& scales_zeros) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__) && defined(__FMA__)
+// Without bf16 dot products: integer products, as llama.cpp's Q4 x Q8 multiplies, but exact to
+// well under bf16's rounding. Each token's group of input columns becomes 16-bit integers by its
+// largest magnitude (|x| <= 127 x 256, a step of 2^-15 of that magnitude, where bf16 rounds each
+// value by up to 2^-9 of itself) split into two int8 halves, x = 256 high + low; q x high and
+// q x low add exactly in integers (maddubs: 16 rows x 2 columns per instruction) and each group's
+// sum is scaled back in fp32: scale x step x sum((q - 8) x) + zero x sum(x). Of PyTorch's layout
+// (Rows 32 or 64 per block), a column's Rows / 2 bytes are chunks of 16: byte i of chunk c holds
+// rows 16 c + i (low nibble) and Rows / 2 + 16 c + i (high); two columns' chunks interleaved byte
+// by byte put each row's pair of values side by side.
+struct Int16Activations {
+  std::vector<int8_t> high, low;  // [tokens, in]
+  std::vector<float> step, sum;   // [tokens, groups]: the integers' unit; sum(x) in fp32
+  std::vector<int32_t> integer_sum;  // [tokens, groups]: sum of the 16-bit integers
+};
+
+inline Int16Activations int16_activations(const at::BFloat16* x, int64_t tokens, int64_t K, int64_t group) {
+  constexpr float kLargest = 127.f * 256.f;
+  const int64_t groups = K / group;
+  Int16Activations a{std::vector<int8_t>(tokens * K), std::vector<int8_t>(tokens * K),
+                     std::vector<float>(tokens * groups), std::vector<float>(tokens * groups),
+                     std::vector<int32_t>(tokens * groups)};
+  std::vector<float> values(group);
+  for (int64_t i = 0; i < tokens * groups; ++i) {
+    const at::BFloat16* xg = x + i * group;
+    float largest = 0.f, sum = 0.f;
+    for (int64_t j = 0; j < group; ++j) {
+      values[j] = float(xg[j]);
+      largest = std::max(largest, std::abs(values[j]));
+      sum += values[j];
+    }
+    a.step[i] = largest / kLargest;
+    a.sum[i] = sum;
+    const float inverse = largest > 0.f ? kLargest / largest : 0.f;
+    int32_t integer_sum = 0;
+    for (int64_t j = 0; j < group; ++j) {
+      const int32_t v = static_cast<int32_t>(std::lrintf(values[j] * inverse));
+      const int32_t high = (v + 128) >> 8;  // -127..127 for |v| <= 127 x 256
+      a.high[i * group + j] = static_cast<int8_t>(high);
+      a.low[i * group + j] = static_cast<int8_t>(v - 256 * high);  // -128..127
+      integer_sum += v;
+    }
+    a.integer_sum[i] = integer_sum;
+  }
+  return a;
+}
+
+template <int Rows, int M>
+void int4_block_int16(const uint8_t* block, const int8_t* high, const int8_t* low, const float* step,
+                      const int32_t* integer_sum, const float* xsum, const uint32_t* scales_zeros, int64_t K,
+                      int64_t N, int64_t group, float* out) {
+  constexpr int kChunks = Rows / 32;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i top_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const int64_t groups = K / group;
+  std::fill(out, out + M * Rows, 0.f);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t first = g * group, last = first + group;
+    // Per token, the group's sums for rows 8 a .. 8 a + 7, of the high halves and of the low ones.
+    __m256i sums_high[M][Rows / 8], sums_low[M][Rows / 8];
+    for (int m = 0; m < M; ++m)
+      for (int a = 0; a < Rows / 8; ++a) sums_high[m][a] = sums_low[m][a] = _mm256_setzero_si256();
+    // Eight column pairs at most per int16 sum: 8 x 2 x 15 x 128 < 2^15.
+    for (int64_t k0 = first; k0 < last; k0 += 16) {
+      __m256i part_high[M][2 * kChunks], part_low[M][2 * kChunks];
+      for (int m = 0; m < M; ++m)
+        for (int c = 0; c < 2 * kChunks; ++c) part_high[m][c] = part_low[m][c] = _mm256_setzero_si256();
+      for (int64_t k = k0; k < std::min(k0 + 16, last); k += 2) {
+        __m256i xh[M], xl[M];
+        for (int m = 0; m < M; ++m) {
+          int16_t pair;
+          std::memcpy(&pair, high + m * K + k, sizeof(pair));
+          xh[m] = _mm256_set1_epi16(pair);
+          std::memcpy(&pair, low + m * K + k, sizeof(pair));
+          xl[m] = _mm256_set1_epi16(pair);
+        }
+        for (int c = 0; c < kChunks; ++c) {
+          const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + k * Rows / 2 + 16 * c));
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (k + 1) * Rows / 2 + 16 * c));
+          const __m256i pairs = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+          const __m256i w[2] = {_mm256_and_si256(pairs, nibble), _mm256_and_si256(_mm256_srli_epi16(pairs, 4), nibble)};
+          for (int n = 0; n < 2; ++n)
+            for (int m = 0; m < M; ++m) {
+              const int at = n * kChunks + c;
+              part_high[m][at] = _mm256_add_epi16(part_high[m][at], _mm256_maddubs_epi16(w[n], xh[m]));
+              part_low[m][at] = _mm256_add_epi16(part_low[m][at], _mm256_maddubs_epi16(w[n], xl[m]));
+            }
+        }
+      }
+      // part[m][c] holds rows 16 c .. 16 c + 15 (c < kChunks: chunk c's low nibbles, then the high ones).
+      for (int m = 0; m < M; ++m)
+        for (int c = 0; c < 2 * kChunks; ++c) {
+          auto widen = [&](__m256i part, __m256i* sums) {
+            sums[2 * c] = _mm256_add_epi32(sums[2 * c], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(part)));
+            const __m256i upper = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(part, 1));
+            sums[2 * c + 1] = _mm256_add_epi32(sums[2 * c + 1], upper);
+          };
+          widen(part_high[m][c], sums_high[m]);
+          widen(part_low[m][c], sums_low[m]);
+        }
+    }
+    const uint32_t* pairs = scales_zeros + g * N;
+    for (int a = 0; a < Rows / 8; ++a) {
+      const __m256i sz = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 8 * a));
+      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(sz, 16));
+      const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(sz, top_half));
+      for (int m = 0; m < M; ++m) {
+        const int64_t at = m * groups + g;
+        // sum((q - 8) v) = 256 sum(q high) + sum(q low) - 8 sum(v): below 2^31 for groups up to 2^10.
+        const __m256i whole = _mm256_add_epi32(_mm256_slli_epi32(sums_high[m][a], 8), sums_low[m][a]);
+        const __m256i products = _mm256_sub_epi32(whole, _mm256_set1_epi32(8 * integer_sum[at]));
+        const __m256 y = _mm256_fmadd_ps(zero, _mm256_set1_ps(xsum[at]), _mm256_loadu_ps(out + m * Rows + 8 * a));
+        const __m256 unit = _mm256_mul_ps(scale, _mm256_set1_ps(step[at]));
+        _mm256_storeu_ps(out + m * Rows + 8 * a, _mm256_fmadd_ps(unit, _mm256_cvtepi32_ps(products), y));
+      }
+    }
+  }
+}
+
+template <int Rows>
+void int4_mm_int16(const Int16Activations& x, const uint8_t* packed, const uint32_t* scales_zeros, at::BFloat16* y,
+                   int64_t M, int64_t K, int64_t N, int64_t group) {
+  const int64_t groups = K / group;
+  at::parallel_for(0, N / Rows, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float out[2 * Rows];
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* block = packed + b * Rows * K / 2;
+      const uint32_t* sz = scales_zeros + b * Rows;
+      // Tokens in pairs (registers hold two tokens' sums), each over the block's weights while
+      // they are in cache.
+      for (int64_t m = 0; m < M; m += 2) {
+        const int64_t tile = std::min<int64_t>(2, M - m), at = m * groups;
+        const int8_t *high = x.high.data() + m * K, *low = x.low.data() + m * K;
+        if (tile == 2) {
+          int4_block_int16<Rows, 2>(block, high, low, x.step.data() + at, x.integer_sum.data() + at,
+                                    x.sum.data() + at, sz, K, N, group, out);
+        } else {
+          int4_block_int16<Rows, 1>(block, high, low, x.step.data() + at, x.integer_sum.data() + at,
+                                    x.sum.data() + at, sz, K, N, group, out);
+        }
+        for (int64_t t = 0; t < tile; ++t)
+          for (int r = 0; r < Rows; ++r) y[(m + t) * N + b * Rows + r] = out[t * Rows + r];
+      }
+    }
+  });
+}
+#endif
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group, const at::Tensor& scales_zeros,
+                   int64_t rows) {
+#if defined(__AVX2__) && defined(__FMA__)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: [tokens, in] bf16");
+  TORCH_CHECK(rows == 32 || rows == 64, "rows: PyTorch's CPU int4 layout's block of 32 or 64 rows");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
               group % 2 == 0 && K % group == 0 && scales_zeros.size(0) == K / group && scales_zeros.size(2) == 2,
               "scales_zeros: [in / group, out, 2] bf16, for an even group that divides in");
-  const int64_t N = scales_zeros.size(1);
+  const int64_t N = scales_zeros.size(1), groups = K / group;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() * 2 == N * K &&
-              N % kInt4Rows == 0, "packed: PyTorch's CPU int4 layout of [out, in], out a multiple of 64");
+              N % rows == 0, "packed: PyTorch's CPU int4 layout of [out, in], out a multiple of its block");
+  TORCH_CHECK(group <= 1024, "group: at most 1024 columns (the integer sums' range)");
   auto y = at::empty({M, N}, x.options());
   const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
-  std::vector<float> xsum(M * (K / group));
-  for (int64_t i = 0; i < int64_t(xsum.size()); ++i)
-    for (int64_t j = 0; j < group; ++j) xsum[i] += float(xb[i * group + j]);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint32_t* sz = reinterpret_cast<const uint32_t*>(scales_zeros.data_ptr<at::BFloat16>());
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xb);
-  // Tokens in tiles of up to four: each decode of the weights serves a tile.
-  for (int64_t m = 0; m < M; m += 4) {
-    const float* s = xsum.data() + m * (K / group);
-    at::BFloat16* out = y.data_ptr<at::BFloat16>() + m * N;
-    switch (std::min<int64_t>(4, M - m)) {
-      case 4: int4_tokens<4>(w, xs + m * K, s, sz, out, K, N, group); break;
-      case 3: int4_tokens<3>(w, xs + m * K, s, sz, out, K, N, group); break;
-      case 2: int4_tokens<2>(w, xs + m * K, s, sz, out, K, N, group); break;
-      default: int4_tokens<1>(w, xs + m * K, s, sz, out, K, N, group);
+  at::BFloat16* out = y.data_ptr<at::BFloat16>();
+#if defined(__AVX512BF16__)
+  if (rows == 64) {
+    std::vector<float> xsum(M * groups);
+    for (int64_t i = 0; i < M * groups; ++i)
+      for (int64_t j = 0; j < group; ++j) xsum[i] += float(xb[i * group + j]);
+    const uint16_t* xs = reinterpret_cast<const uint16_t*>(xb);
+    // Tokens in tiles of up to four: each decode of the weights serves a tile.
+    for (int64_t m = 0; m < M; m += 4) {
+      const float* s = xsum.data() + m * groups;
+      at::BFloat16* o = out + m * N;
+      switch (std::min<int64_t>(4, M - m)) {
+        case 4: int4_tokens<4>(w, xs + m * K, s, sz, o, K, N, group); break;
+        case 3: int4_tokens<3>(w, xs + m * K, s, sz, o, K, N, group); break;
+        case 2: int4_tokens<2>(w, xs + m * K, s, sz, o, K, N, group); break;
+        default: int4_tokens<1>(w, xs + m * K, s, sz, o, K, N, group);
+      }
     }
+    return y;
+  }
+#endif
+  const Int16Activations activations = int16_activations(xb, M, K, group);
+  if (rows == 32) {
+    int4_mm_int16<32>(activations, w, sz, out, M, K, N, group);
+  } else {
+    int4_mm_int16<64>(activations, w, sz, out, M, K, N, group);
   }
   return y;
 #else
-  TORCH_CHECK(false, "kvpilot::int4_mm needs AVX512-BF16, which this library was not built for");
+  TORCH_CHECK(false, "kvpilot::int4_mm needs AVX2 and FMA, which this library was not built for");
 #endif
 }
 
-#if defined(__AVX512F__)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// A vector of int8 weights as fp32 (exact).
+inline Vec int8_as_float(const int8_t* w) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)))));
+#else
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)))));
+#endif
+}
+
 // y[m, n] = scale[n] * sum_k w[n, k] x[m, k]: int8 exact in fp32, products and sums in fp32.
 template <int M>
 void int8_rows(const int8_t* w, const float* x, const at::BFloat16* scales, at::BFloat16* y, int64_t K, int64_t N,
                int64_t begin, int64_t end) {
+  constexpr int64_t kLanes = Vec::size();
+  // Independent sums per token (U of them over interleaved vectors), so that a few tokens' FMAs
+  // do not wait on each other's latency.
+  constexpr int U = M == 1 ? 4 : M == 2 ? 2 : 1;
   for (int64_t n = begin; n < end; ++n) {
     const int8_t* row = w + n * K;
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    Vec acc[M][U];
+    for (int m = 0; m < M; ++m)
+      for (int u = 0; u < U; ++u) acc[m][u] = Vec(0.f);
     int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
-      const __m512 wk = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(wk, _mm512_loadu_ps(x + m * K + k), acc[m]);
+    for (; k + U * kLanes <= K; k += U * kLanes) {
+      for (int u = 0; u < U; ++u) {
+        const Vec wk = int8_as_float(row + k + u * kLanes);
+        for (int m = 0; m < M; ++m) acc[m][u] = at::vec::fmadd(wk, Vec::loadu(x + m * K + k + u * kLanes), acc[m][u]);
+      }
+    }
+    for (; k + kLanes <= K; k += kLanes) {
+      const Vec wk = int8_as_float(row + k);
+      for (int m = 0; m < M; ++m) acc[m][0] = at::vec::fmadd(wk, Vec::loadu(x + m * K + k), acc[m][0]);
     }
     const float scale = float(scales[n]);
     for (int m = 0; m < M; ++m) {
-      float sum = _mm512_reduce_add_ps(acc[m]);
+      for (int u = 1; u < U; ++u) acc[m][0] = acc[m][0] + acc[m][u];
+      float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[m][0]);
       for (int64_t j = k; j < K; ++j) sum += float(row[j]) * x[m * K + j];
       y[m * N + n] = sum * scale;
     }
@@ -460,7 +651,7 @@ void int8_tokens(const int8_t* w, const float* x, const at::BFloat16* scales, at
 #endif
 
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
-#if defined(__AVX512F__)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: [tokens, in] bf16");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() &&
               weight.size(1) == x.size(1), "weight: [out, in] int8");
@@ -488,7 +679,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   }
   return y;
 #else
-  TORCH_CHECK(false, "kvpilot::int8_mm needs AVX512F, which this library was not built for");
+  TORCH_CHECK(false, "kvpilot::int8_mm needs AVX2 or AVX512 vectors, which this library was not built for");
 #endif
 }
 
@@ -497,7 +688,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tens
 TORCH_LIBRARY(kvpilot, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, "
         "float scale) -> Tensor");
-  m.def("int4_mm(Tensor x, Tensor packed, int group, Tensor scales_zeros) -> Tensor");
+  m.def("int4_mm(Tensor x, Tensor packed, int group, Tensor scales_zeros, int rows) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor weight, Tensor scales) -> Tensor");
 }
 
@@ -592,12 +783,17 @@ def has_compiler() -> bool:
     return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "clang++"))
 
 
+def int4_activations(cpu_flags: frozenset[str], block_rows: int, levels: Sequence[Level] = BUILDABLE) -> str:
+    """What int4_mm multiplies the weights with on a CPU of these flags, for PyTorch's layout of
+    `block_rows`: the bf16 activations (bf16 dot products) with AVX512-BF16 on 64-row blocks, else
+    16-bit integers per group of inputs (integer products)."""
+    return "bf16" if "avx512_bf16" in level_for(cpu_flags, levels).needs and block_rows == 64 else "int16"
+
+
 def matmul_schemes(cpu_flags: frozenset[str], levels: Sequence[Level] = BUILDABLE) -> frozenset[str]:
-    """The weight-only schemes whose matmul the library of this CPU's level (of `levels`) runs."""
-    needs = level_for(cpu_flags, levels).needs
-    if "avx512f" not in needs:
-        return frozenset()
-    return frozenset({"int8", "int4"} if "avx512_bf16" in needs else {"int8"})
+    """The weight-only schemes whose matmul the library of this CPU's level (of `levels`) runs: both
+    from AVX2 on."""
+    return frozenset({"int8", "int4"}) if "avx2" in level_for(cpu_flags, levels).needs else frozenset()
 
 
 def build(level: Level, folder: Path) -> Path:
@@ -646,7 +842,9 @@ def _fake_attention(
     return torch.empty_like(q)
 
 
-def _fake_int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros: torch.Tensor) -> torch.Tensor:
+def _fake_int4_mm(
+    x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros: torch.Tensor, rows: int
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], scales_zeros.shape[1])
 
 
@@ -669,10 +867,11 @@ def decode_attention(
     )
 
 
-def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros: torch.Tensor) -> torch.Tensor:
-    """`_weight_int4pack_mm_for_cpu`'s product from its buffers: x [tokens, in] bf16, the packed
-    weight of an output width that is a multiple of 64 and an even group; [tokens, out] bf16."""
-    return torch.ops.kvpilot.int4_mm(x.contiguous(), packed, group, scales_zeros)
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros: torch.Tensor, rows: int) -> torch.Tensor:
+    """`_weight_int4pack_mm_for_cpu`'s product from its buffers: x [tokens, in] bf16, the weight
+    packed in blocks of `rows` (INT4_BLOCK_ROWS; byte i of a block's column holds rows i and
+    i + rows / 2) of an output width that is a multiple of `rows`, an even group; [tokens, out] bf16."""
+    return torch.ops.kvpilot.int4_mm(x.contiguous(), packed, group, scales_zeros, rows)
 
 
 def int8_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

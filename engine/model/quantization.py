@@ -15,11 +15,13 @@ INT8_DENSE_TOKENS / INT4_DENSE_TOKENS tokens on (prefill chunks, large batches) 
 dequantizes its weight for that matmul and runs the dense GEMM instead (bench/RESULTS.md, "Routing
 by tokens per step"): INT8 from its plain int8 weight, INT4 by unpacking PyTorch's CPU layout
 (`_unpack_cpu_int4pack`; layers whose output width is not a multiple of 64 keep the packed
-kernel). Elsewhere (CUDA) the weight is dequantized on the fly for each matmul: correct, and the
-memory saving holds, but not yet the speed of a low-bit kernel (no GPU was at hand to validate
-CUDA's int4 layout). There no kernel reads the scales, so they stay fp32 (a checkpoint's scales
-are not rounded to bf16), and every dequantization computes in fp32 and rounds once to the
-activations' dtype.
+kernel). Decode-sized INT4 and INT8 matmuls run cpu_kernels' C++ kernels where the CPU has
+AVX2 or wider: on a CPU without AVX512-BF16 its INT4 one takes the activations as 16-bit integers
+per group (cpu_kernels.int4_activations), finer than their bf16. Elsewhere (CUDA) the weight is
+dequantized on the fly for each matmul: correct, and the memory saving holds, but not yet the
+speed of a low-bit kernel (no GPU was at hand to validate CUDA's int4 layout). There no kernel
+reads the scales, so they stay fp32 (a checkpoint's scales are not rounded to bf16), and every
+dequantization computes in fp32 and rounds once to the activations' dtype.
 
 W8A8 stores its weight as INT8 does and quantizes the activations too, per token (row) at each
 matmul, symmetric, from the row's largest magnitude (dynamic: no calibration). The int8 x int8
@@ -74,8 +76,6 @@ class Int4Layout(NamedTuple):
 
 
 _INT4_LAYOUTS = tuple(Int4Layout(rows, adjacent) for rows in (64, 32, 16) for adjacent in (False, True))
-# The layout cpu_kernels' INT4 matmul reads (it exists only where ATen runs AVX512).
-_KERNEL_LAYOUT = Int4Layout(64, False)
 
 
 class LinearQuantization(abc.ABC):
@@ -240,29 +240,28 @@ class Int4WeightOnly(LinearQuantization):
             "scales_and_zeros", torch.stack([scale.T, zero.T], dim=-1).to(_scale_dtype(q.device)).contiguous()
         )
         layer.int4_shape = (out_features, in_features)
-        layer.int4_kernel_layout = kernel
+        # Read here, not per call: a compiled forward must not trace the probe.
+        layer.int4_layout = cpu_int4_layout() if kernel else None
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or (
-            x.shape[0] >= INT4_DENSE_TOKENS and layer.int4_shape[0] % cpu_int4_layout().rows == 0
-        ):
+        layout = layer.int4_layout
+        if layout is None or (x.shape[0] >= INT4_DENSE_TOKENS and layer.int4_shape[0] % layout.rows == 0):
             # Dequantized in x's dtype for this matmul only: the layer keeps only its int4 form.
             return nn.functional.linear(x, self._weight(layer, x.dtype))
-        packed_mm = (
-            cpu_kernels.int4_mm
-            if self.cpu_kernel
-            and cpu_int4_layout() == _KERNEL_LAYOUT
-            and layer.int4_shape[0] % _KERNEL_LAYOUT.rows == 0
+        args = (_in_dtype(x, torch.bfloat16), layer.qweight, self.group_size, layer.scales_and_zeros)
+        if (
+            self.cpu_kernel
+            and layout.rows in cpu_kernels.INT4_BLOCK_ROWS
+            and not layout.adjacent
+            and layer.int4_shape[0] % layout.rows == 0
             and self.group_size % 2 == 0
-            else torch.ops.aten._weight_int4pack_mm_for_cpu
-        )
-        return _in_dtype(
-            packed_mm(_in_dtype(x, torch.bfloat16), layer.qweight, self.group_size, layer.scales_and_zeros), x.dtype
-        )
+        ):
+            return _in_dtype(cpu_kernels.int4_mm(*args, layout.rows), x.dtype)
+        return _in_dtype(torch.ops.aten._weight_int4pack_mm_for_cpu(*args), x.dtype)
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
         out_features, in_features = layer.int4_shape
-        if layer.int4_kernel_layout and out_features % cpu_int4_layout().rows:
+        if layer.int4_layout and out_features % layer.int4_layout.rows:
             # A layout with a short last block: multiplying by the identity reads it back.
             eye = torch.eye(in_features, dtype=torch.bfloat16)
             return (
@@ -278,8 +277,8 @@ class Int4WeightOnly(LinearQuantization):
         out_features, in_features = layer.int4_shape
         g = self.group_size
         q = (
-            _unpack_cpu_int4pack(layer.qweight, out_features, in_features)
-            if layer.int4_kernel_layout
+            _unpack_cpu_int4pack(layer.qweight, out_features, in_features, layer.int4_layout)
+            if layer.int4_layout
             else _unpack_nibbles(layer.qweight, in_features)
         )
         scale, zero = layer.scales_and_zeros.float().unbind(-1)  # [in / group, out]

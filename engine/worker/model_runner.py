@@ -22,6 +22,7 @@ from kvpilot.engine.model.attention import AttentionMetadata, PrefillChunk, allo
 from kvpilot.engine.model.layers import Linear, pack_for_onednn
 from kvpilot.engine.model.llama import LlamaForCausalLM, kv_shape
 from kvpilot.engine.model.loader import cache_root, load_config, load_model, resolve_model
+from kvpilot.engine.model.quantization import cpu_int4_layout
 from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from kvpilot.engine.worker.compile_cache import compile_with_cache, key_inputs, resolve_root
 from kvpilot.engine.worker.cpu import cpu_threads
@@ -224,7 +225,9 @@ class ModelRunner:
         self._cpu_kernels_loaded = True
         self.use_cpu_kernels(True, cpu_kernels.matmul_schemes(flags))
         log.info(
-            "event=cpu_kernels_used attention=single_query_decodes matmuls=%s", ",".join(sorted(self.matmul_kernels))
+            "event=cpu_kernels_used attention=single_query_decodes matmuls=%s int4_activations=%s",
+            ",".join(sorted(self.matmul_kernels)),
+            cpu_kernels.int4_activations(flags, cpu_int4_layout().rows),
         )
 
     def use_cpu_kernels(self, on: bool, schemes: frozenset[str] | None = None) -> None:

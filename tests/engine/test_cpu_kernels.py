@@ -20,7 +20,7 @@ from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.measure import engine_linear
 from kvpilot.engine.model import cpu_kernels
 from kvpilot.engine.model.layers import Linear
-from kvpilot.engine.model.quantization import INT8_KERNEL_ROWS
+from kvpilot.engine.model.quantization import INT8_KERNEL_ROWS, Int4Layout, cpu_int4_layout
 from kvpilot.engine.worker.cpu_features import read_cpu_flags
 from kvpilot.engine.worker.step_inputs import StepInputs
 from tests.engine.conftest import make_prompts
@@ -122,10 +122,11 @@ def test_the_level_follows_the_flags_and_names_the_library() -> None:
     assert level(frozenset({"avx2", "fma", "f16c"})) == "avx2"
     assert level(frozenset({"avx512f", "avx2", "fma", "f16c"})) == "avx2"  # AVX512F alone: not at::vec's AVX512
     assert level(frozenset({"sse4_2"})) == "baseline"
-    # The INT4 kernel needs the BF16 level, INT8 an AVX512 one.
+    # Both matmuls run from AVX2 on; the baseline has neither.
     assert cpu_kernels.matmul_schemes(ZEN5, x86) == {"int8", "int4"}
-    assert cpu_kernels.matmul_schemes(ICE_LAKE, x86) == {"int8"}
-    assert cpu_kernels.matmul_schemes(frozenset({"avx512f", "avx2", "fma", "f16c"}), x86) == set()
+    assert cpu_kernels.matmul_schemes(ICE_LAKE, x86) == {"int8", "int4"}
+    assert cpu_kernels.matmul_schemes(frozenset({"avx512f", "avx2", "fma", "f16c"}), x86) == {"int8", "int4"}
+    assert cpu_kernels.matmul_schemes(frozenset({"sse4_2"}), x86) == set()
     # A level is built with exactly its own switches, never for the build machine's CPU.
     widest = cpu_kernels.level_for(ZEN5, x86)
     assert "-mavx512bf16" in widest.cflags and "-DCPU_CAPABILITY=AVX512" in widest.cflags
@@ -189,34 +190,47 @@ def test_without_a_compiler_or_a_cached_library_load_says_what_is_missing(tmp_pa
         cpu_kernels.load(tmp_path, read_cpu_flags())
 
 
-def _int4_buffers(out: int, width: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    q = torch.randint(0, 16, (out, width), dtype=torch.int32)
-    scales = torch.rand(width // group, out) * 0.02 + 1e-3
-    zeros = torch.randn(width // group, out) * 0.02
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-    return packed, torch.stack([scales, zeros], dim=-1).to(torch.bfloat16).contiguous()
-
-
 def _close_to(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Equal up to the output's bf16 rounding: both add exact products in fp32, in other orders."""
+    """Equal up to 2 % of the largest output."""
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * want.abs().max().item(), rtol=1e-2)
+
+
+def _pack_int4(q: torch.Tensor, rows: int) -> torch.Tensor:
+    """q [out, in] in 0..15 in PyTorch's CPU int4 layout of `rows`-row blocks (byte i of a block's
+    column: rows i and i + rows / 2), which ATen writes only where it runs that ISA."""
+    out_features, in_features = q.shape
+    blocks = q.view(out_features // rows, rows, in_features).permute(0, 2, 1)  # [block, in, rows]
+    packed = (blocks[..., : rows // 2] | (blocks[..., rows // 2 :] << 4)).to(torch.uint8)
+    return packed.contiguous().view(out_features, in_features // 2)  # the shape ATen gives it
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 4, 5, 37])
 @pytest.mark.parametrize(("out", "width", "group"), [(960, 576, 32), (128, 1536, 64)])
-def test_int4_mm_gives_pytorchs_packed_product(kernel_root, tokens: int, out: int, width: int, group: int) -> None:
+@pytest.mark.parametrize("rows", cpu_kernels.INT4_BLOCK_ROWS)
+def test_int4_mm_gives_the_int4_product(kernel_root, tokens: int, out: int, width: int, group: int, rows: int) -> None:
+    """Of either layout, on this CPU (bf16 dot products, or integer ones of 16-bit activations): the
+    exact product up to the output's bf16 rounding (a wrong row or group moves it by tens), and
+    PyTorch's where ATen packs that layout here."""
     torch.manual_seed(tokens)
-    packed, scales_zeros = _int4_buffers(out, width, group)
+    q = torch.randint(0, 16, (out, width), dtype=torch.int32)
+    scales, zeros = torch.rand(width // group, out) * 0.02 + 1e-3, torch.randn(width // group, out) * 0.02
+    scales_zeros = torch.stack([scales, zeros], dim=-1).to(torch.bfloat16).contiguous()
+    packed = _pack_int4(q, rows)
     x = torch.randn(tokens, width, dtype=torch.bfloat16)
-    if "int4" not in cpu_kernels.matmul_schemes(read_cpu_flags()):
-        with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
-            cpu_kernels.int4_mm(x, packed, group, scales_zeros)
+    flags = read_cpu_flags()
+    if "int4" not in cpu_kernels.matmul_schemes(flags):
+        with pytest.raises(RuntimeError, match="needs AVX2"):
+            cpu_kernels.int4_mm(x, packed, group, scales_zeros, rows)
         return
-    want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
-    got = cpu_kernels.int4_mm(x, packed, group, scales_zeros)
-    assert got.shape == want.shape and got.dtype == torch.bfloat16
-    _close_to(got, want)
-    compiled = torch.compile(lambda x: cpu_kernels.int4_mm(x, packed, group, scales_zeros), dynamic=True)
+    scale, zero = (t.float().T.repeat_interleave(group, dim=1) for t in scales_zeros.unbind(-1))
+    exact = x.float() @ ((q - 8) * scale + zero).T
+    got = cpu_kernels.int4_mm(x, packed, group, scales_zeros, rows)
+    assert got.shape == exact.shape and got.dtype == torch.bfloat16
+    _close_to(got, exact)
+    if cpu_int4_layout() == Int4Layout(rows, False):
+        assert torch.equal(packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))
+        _close_to(got, torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros))
+    compiled = torch.compile(lambda x: cpu_kernels.int4_mm(x, packed, group, scales_zeros, rows), dynamic=True)
     torch.testing.assert_close(compiled(x), got)
 
 
@@ -227,7 +241,7 @@ def test_int8_mm_gives_pytorchs_packed_product(kernel_root, tokens: int) -> None
     scales = (torch.rand(1000) * 0.01).to(torch.bfloat16)
     x = torch.randn(tokens, 584, dtype=torch.bfloat16)
     if "int8" not in cpu_kernels.matmul_schemes(read_cpu_flags()):
-        with pytest.raises(RuntimeError, match="needs AVX512F"):
+        with pytest.raises(RuntimeError, match="needs AVX2 or AVX512"):
             cpu_kernels.int8_mm(x, weight, scales)
         return
     got = cpu_kernels.int8_mm(x, weight, scales)

@@ -230,7 +230,7 @@ def test_dequantization_without_kernels_keeps_fp32_scales_and_rounds_once(monkey
 def test_scales_stay_bf16_where_the_cpu_kernels_read_them():
     layer = torch.nn.Module()
     Int4WeightOnly(32).load_quantized(layer, torch.zeros(64, 64, dtype=torch.int8), torch.ones(64, 2), None)
-    assert layer.scales_and_zeros.dtype == torch.bfloat16 and layer.int4_kernel_layout
+    assert layer.scales_and_zeros.dtype == torch.bfloat16 and layer.int4_layout is not None
 
 
 def _w8a8_reference(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:

@@ -95,21 +95,22 @@ inline void prefetch_row(const T* src, int64_t n) {
   for (int64_t b = 0; b < n * int64_t(sizeof(T)); b += 64) __builtin_prefetch(p + b);
 }
 
-template <typename T>
-inline void load_row(const T* src, float* dst, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else {
-    int64_t d = 0;
+// A bf16 row widened to fp32.
+inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
+  int64_t d = 0;
 #if defined(CPU_CAPABILITY_AVX512)
-    // at::vec::convert is a scalar loop for bf16 -> fp32: widen 16 at a time (bf16 is fp32's top half).
-    for (; d + 16 <= n; d += 16) {
-      const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
-      _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
-    }
-#endif
-    at::vec::convert(src + d, dst + d, n - d);
+  // at::vec::convert is a scalar loop for bf16 -> fp32: widen 16 at a time (bf16 is fp32's top half).
+  for (; d + 16 <= n; d += 16) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
   }
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (; d + 8 <= n; d += 8) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16)));
+  }
+#endif
+  at::vec::convert(src + d, dst + d, n - d);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -143,8 +144,20 @@ inline __m512 sum_lanes_16(const __m512* acc) {
 }
 #endif
 
-// scores[t] = q . keys[t] for n rows of `dim` fp32 keys.
-inline void dots(const float* q, const float* keys, int64_t n, int64_t dim, float* scores) {
+#if defined(CPU_CAPABILITY_AVX2)
+// The sums of 8 vectors' lanes as one vector (lane i: the sum of acc[i]).
+inline __m256 sum_lanes_8(const __m256* acc) {
+  const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  // u0: the sums of acc[0..3] over lanes 0-3, then over lanes 4-7; u1 likewise for acc[4..7].
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+// scores[t] = q . keys[t] for n rows of `dim` fp32 keys; a whole vector of keys' dot products per
+// lane-sum where the ISA has one.
+inline void dots(const float* q, const float* const* keys, int64_t n, int64_t dim, float* scores) {
   int64_t t = 0;
 #if defined(CPU_CAPABILITY_AVX512)
   if (dim % 16 == 0) {
@@ -153,24 +166,36 @@ inline void dots(const float* q, const float* keys, int64_t n, int64_t dim, floa
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t d = 0; d < dim; d += 16) {
         const __m512 qd = _mm512_loadu_ps(q + d);
-        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(keys + (t + i) * dim + d), acc[i]);
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(keys[t + i] + d), acc[i]);
       }
       _mm512_storeu_ps(scores + t, sum_lanes_16(acc));
     }
   }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if (dim % 8 == 0) {
+    for (; t + 8 <= n; t += 8) {
+      __m256 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys[t + i] + d), acc[i]);
+      }
+      _mm256_storeu_ps(scores + t, sum_lanes_8(acc));
+    }
+  }
 #endif
-  for (; t < n; ++t) scores[t] = dot(q, keys + t * dim, dim);
+  for (; t < n; ++t) scores[t] = dot(q, keys[t], dim);
 }
 
 // out[d] = sum over t of p[t] * values[t][d], for n rows of `dim` fp32 values: four vectors of
 // `out` stay in registers over all rows.
-inline void weighted_sum(const float* p, const float* values, int64_t n, int64_t dim, float* out) {
+inline void weighted_sum(const float* p, const float* const* values, int64_t n, int64_t dim, float* out) {
   constexpr int64_t kBlock = 4 * Vec::size();
   int64_t d = 0;
   for (; d + kBlock <= dim; d += kBlock) {
     Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
     for (int64_t t = 0; t < n; ++t) {
-      const float* v = values + t * dim + d;
+      const float* v = values[t] + d;
       const Vec w(p[t]);
       a0 = at::vec::fmadd(w, Vec::loadu(v), a0);
       a1 = at::vec::fmadd(w, Vec::loadu(v + Vec::size()), a1);
@@ -184,7 +209,7 @@ inline void weighted_sum(const float* p, const float* values, int64_t n, int64_t
   }
   for (; d < dim; ++d) {
     float a = 0.f;
-    for (int64_t t = 0; t < n; ++t) a += p[t] * values[t * dim + d];
+    for (int64_t t = 0; t < n; ++t) a += p[t] * values[t][d];
     out[d] = a;
   }
 }
@@ -206,13 +231,21 @@ inline float exp_minus_max(float* s, int64_t n, float* max) {
   return at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n);
 }
 
-// One KV head's rows of a chunk's slots into `rows` as fp32, asking for the rows ahead.
+// One KV head's rows of a chunk's slots as fp32: an fp32 cache's own rows (asked for ahead of
+// use), another dtype's widened into `rows` (asking for the rows ahead while it widens).
 template <typename T>
 inline void load_rows(const T* cache, const int64_t* slots, int64_t n, int64_t row, int64_t offset, int64_t dim,
-                      float* rows) {
+                      float* rows, const float** pointers) {
   for (int64_t t = 0; t < n; ++t) {
-    if (t + kPrefetch < n) prefetch_row(cache + slots[t + kPrefetch] * row + offset, dim);
-    load_row(cache + slots[t] * row + offset, rows + t * dim, dim);
+    const T* source = cache + slots[t] * row + offset;
+    if constexpr (std::is_same_v<T, float>) {
+      prefetch_row(source, dim);
+      pointers[t] = source;
+    } else {
+      if (t + kPrefetch < n) prefetch_row(cache + slots[t + kPrefetch] * row + offset, dim);
+      load_row(source, rows + t * dim, dim);
+      pointers[t] = rows + t * dim;
+    }
   }
 }
 
@@ -243,6 +276,7 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* s
     std::vector<float> scores(group * chunk_len);
     std::vector<float> query(group * dim);
     std::vector<float> rows(chunk_len * dim);
+    std::vector<const float*> pointers(chunk_len);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / (kv_heads * chunks), kv = (item / chunks) % kv_heads, chunk = item % chunks;
       const int64_t first = chunk * chunk_len, last = std::min(first + chunk_len, lengths[seq]), n = last - first;
@@ -250,18 +284,22 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* s
       const float* q_heads = q + (seq * heads + kv * group) * dim;
       for (int64_t i = 0; i < group * dim; ++i) query[i] = q_heads[i] * scale;
       const int64_t* seq_slots = slots + seq * width + first;
-      load_rows(k_cache, seq_slots, n, row, kv * dim, dim, rows.data());
+      if constexpr (std::is_same_v<T, float>) {
+        // The chunk's values too, so that their misses overlap the scores' work.
+        for (int64_t t = 0; t < n; ++t) prefetch_row(v_cache + seq_slots[t] * row + kv * dim, dim);
+      }
+      load_rows(k_cache, seq_slots, n, row, kv * dim, dim, rows.data(), pointers.data());
       float* maxes = chunk_max.data() + item * group;
       float* sums = chunk_sum.data() + item * group;
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * chunk_len;
-        dots(query.data() + g * dim, rows.data(), n, dim, s);
+        dots(query.data() + g * dim, pointers.data(), n, dim, s);
         sums[g] = exp_minus_max(s, n, maxes + g);
       }
-      load_rows(v_cache, seq_slots, n, row, kv * dim, dim, rows.data());
+      load_rows(v_cache, seq_slots, n, row, kv * dim, dim, rows.data(), pointers.data());
       float* acc = chunk_acc.data() + item * group * dim;
       for (int64_t g = 0; g < group; ++g) {
-        weighted_sum(scores.data() + g * chunk_len, rows.data(), n, dim, acc + g * dim);
+        weighted_sum(scores.data() + g * chunk_len, pointers.data(), n, dim, acc + g * dim);
       }
     }
   });

@@ -9,7 +9,7 @@ and V row once, in the cache's dtype, by slot, and keeps the softmax in fp32: th
 into chunks that the threads share (any number of sequences and KV heads keeps both cores busy;
 a short context is cut finer), and the chunks' partial softmax sums are merged per query head as
 flash-decoding does. Within a chunk the rows are widened to fp32 once for all the KV head's query
-heads, scores are taken 16 keys at a time (one lane-sum for 16 dot products on AVX512) and the
+heads, scores are taken 16 (AVX512) or 8 (AVX2) keys at a time, one lane-sum for all their dot products, and the
 value sums stay in registers over the chunk's rows (bench/RESULTS.md, "Decode attention").
 
 Matmuls. PyTorch's packed kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) read
@@ -22,7 +22,8 @@ AVX512 without bf16) INT4 multiplies in integers as llama.cpp's Q4 x Q8 does, wi
 group of inputs as 16-bit integers (two int8 halves) instead of 8-bit ones: its rounding, 2^-15
 of the group's largest input, is below the bf16 rounding PyTorch's kernel applies, and the kernel
 is ~3x faster than PyTorch's at one token on an AVX2 Zen 3 (bench/RESULTS.md, "INT4 on AVX2").
-INT8 converts to fp32 and multiplies there, with AVX2 or AVX512 vectors.
+INT8 converts to fp32 and multiplies there with AVX512; with AVX2 only it multiplies in integers
+as INT4 does (16-bit activations per block of 32 inputs): 2.3x PyTorch's kernel on the LM head.
 
 The library is built for a level of the x86-64 ISA (AVX512 with BF16, AVX512, AVX2, baseline),
 the widest the CPU runs, and registers the operators `kvpilot::paged_decode_attention`,
@@ -638,44 +639,24 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group,
 #endif
 }
 
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-// A vector of int8 weights as fp32 (exact).
-inline Vec int8_as_float(const int8_t* w) {
 #if defined(CPU_CAPABILITY_AVX512)
-  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)))));
-#else
-  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)))));
-#endif
-}
-
 // y[m, n] = scale[n] * sum_k w[n, k] x[m, k]: int8 exact in fp32, products and sums in fp32.
 template <int M>
 void int8_rows(const int8_t* w, const float* x, const at::BFloat16* scales, at::BFloat16* y, int64_t K, int64_t N,
                int64_t begin, int64_t end) {
-  constexpr int64_t kLanes = Vec::size();
-  // Independent sums per token (U of them over interleaved vectors), so that a few tokens' FMAs
-  // do not wait on each other's latency.
-  constexpr int U = M == 1 ? 4 : M == 2 ? 2 : 1;
   for (int64_t n = begin; n < end; ++n) {
     const int8_t* row = w + n * K;
-    Vec acc[M][U];
-    for (int m = 0; m < M; ++m)
-      for (int u = 0; u < U; ++u) acc[m][u] = Vec(0.f);
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     int64_t k = 0;
-    for (; k + U * kLanes <= K; k += U * kLanes) {
-      for (int u = 0; u < U; ++u) {
-        const Vec wk = int8_as_float(row + k + u * kLanes);
-        for (int m = 0; m < M; ++m) acc[m][u] = at::vec::fmadd(wk, Vec::loadu(x + m * K + k + u * kLanes), acc[m][u]);
-      }
-    }
-    for (; k + kLanes <= K; k += kLanes) {
-      const Vec wk = int8_as_float(row + k);
-      for (int m = 0; m < M; ++m) acc[m][0] = at::vec::fmadd(wk, Vec::loadu(x + m * K + k), acc[m][0]);
+    for (; k + 16 <= K; k += 16) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+      const __m512 wk = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(wk, _mm512_loadu_ps(x + m * K + k), acc[m]);
     }
     const float scale = float(scales[n]);
     for (int m = 0; m < M; ++m) {
-      for (int u = 1; u < U; ++u) acc[m][0] = acc[m][0] + acc[m][u];
-      float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[m][0]);
+      float sum = _mm512_reduce_add_ps(acc[m]);
       for (int64_t j = k; j < K; ++j) sum += float(row[j]) * x[m * K + j];
       y[m * N + n] = sum * scale;
     }
@@ -685,6 +666,76 @@ void int8_rows(const int8_t* w, const float* x, const at::BFloat16* scales, at::
 template <int M>
 void int8_tokens(const int8_t* w, const float* x, const at::BFloat16* scales, at::BFloat16* y, int64_t K, int64_t N) {
   at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) { int8_rows<M>(w, x, scales, y, K, N, begin, end); });
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+// With AVX2 only, integer products as int4_mm's, of signed weights: each token's block of 32
+// inputs as 16-bit integers (|v| <= 127 x 255, a step of 2^-15 of the block's largest input)
+// split as v = 255 high + low with both halves in -127..127, so that maddubs can take |w| and the
+// halves with w's sign; the pairs' sums (< 2^15) add in int32.
+constexpr int64_t kInt8Block = 32;
+
+struct Int8Activations {
+  std::vector<int8_t> high, low;  // [tokens, blocks x 32]
+  std::vector<float> step;        // [tokens, blocks]
+};
+
+inline Int8Activations int8_activations(const float* x, int64_t tokens, int64_t K) {
+  constexpr float kLargest = 127.f * 255.f;
+  const int64_t blocks = K / kInt8Block, width = blocks * kInt8Block;
+  Int8Activations a{std::vector<int8_t>(tokens * width), std::vector<int8_t>(tokens * width),
+                    std::vector<float>(tokens * blocks)};
+  for (int64_t m = 0; m < tokens; ++m)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + m * K + b * kInt8Block;
+      float largest = 0.f;
+      for (int64_t j = 0; j < kInt8Block; ++j) largest = std::max(largest, std::abs(xb[j]));
+      a.step[m * blocks + b] = largest / kLargest;
+      const float inverse = largest > 0.f ? kLargest / largest : 0.f;
+      for (int64_t j = 0; j < kInt8Block; ++j) {
+        const int32_t v = static_cast<int32_t>(std::lrintf(xb[j] * inverse));
+        const int32_t high = static_cast<int32_t>(std::lrintf(static_cast<float>(v) / 255.f));
+        a.high[m * width + b * kInt8Block + j] = static_cast<int8_t>(high);
+        a.low[m * width + b * kInt8Block + j] = static_cast<int8_t>(v - 255 * high);
+      }
+    }
+  return a;
+}
+
+template <int M>
+void int8_rows(const int8_t* w, const float* x, const Int8Activations& a, const at::BFloat16* scales,
+               at::BFloat16* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
+  const int64_t blocks = K / kInt8Block, width = blocks * kInt8Block;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = begin; n < end; ++n) {
+    const int8_t* row = w + n * K;
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m256i wk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kInt8Block));
+      const __m256i magnitude = _mm256_abs_epi8(wk);
+      for (int m = 0; m < M; ++m) {
+        const int64_t at = m * width + b * kInt8Block;
+        const __m256i high = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.high[at])), wk);
+        const __m256i low = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.low[at])), wk);
+        const __m256i sum_high = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, high), ones);
+        const __m256i sum_low = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, low), ones);
+        const __m256i whole = _mm256_add_epi32(_mm256_mullo_epi32(sum_high, _mm256_set1_epi32(255)), sum_low);
+        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(a.step[m * blocks + b]), _mm256_cvtepi32_ps(whole), acc[m]);
+      }
+    }
+    const float scale = float(scales[n]);
+    for (int m = 0; m < M; ++m) {
+      float sum = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, Vec(acc[m]));
+      for (int64_t j = width; j < K; ++j) sum += float(row[j]) * x[m * K + j];
+      y[m * N + n] = sum * scale;
+    }
+  }
+}
+
+template <int M>
+void int8_tokens(const int8_t* w, const float* x, const at::BFloat16* scales, at::BFloat16* y, int64_t K, int64_t N) {
+  const Int8Activations a = int8_activations(x, M, K);
+  at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) { int8_rows<M>(w, x, a, scales, y, K, N, begin, end); });
 }
 #endif
 

@@ -11,6 +11,7 @@ median: a step's own jitter (Python, allocation) is part of what serving costs.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import statistics
 import time
@@ -29,11 +30,12 @@ from kvpilot.engine.device_profile import (
     SchemeSteps,
 )
 from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.model import onednn_linear
+from kvpilot.engine.model import cpu_kernels, onednn_linear
 from kvpilot.engine.model.layers import Linear
-from kvpilot.engine.model.loader import EMBEDDED_MODEL, embedded_model_dir
+from kvpilot.engine.model.loader import EMBEDDED_MODEL, cache_root, embedded_model_dir
 from kvpilot.engine.model.quantization import INT4_DENSE_TOKENS, INT8_DENSE_TOKENS, for_scheme
-from kvpilot.engine.worker.cpu_features import choose_kernel_path
+from kvpilot.engine.worker.compile_cache import resolve_root
+from kvpilot.engine.worker.cpu_features import choose_kernel_path, read_cpu_flags
 
 Progress = Callable[[str], None]
 
@@ -102,11 +104,24 @@ def engine_linear(scheme: str, dtype: torch.dtype, shape: tuple[int, int], integ
     layer.weight.weight_loader(layer.weight, weight)  # type: ignore[attr-defined]
     layer.process_weights_after_loading()
     if quantization is not None:
+        quantization.cpu_kernel = scheme in served_matmul_schemes()
         return layer
     layer = layer.to(dtype)
     if onednn_linear.serves(torch.device("cpu"), dtype, choose_kernel_path("auto").onednn_dtypes):
         layer.pack_for_onednn()
     return layer
+
+
+@functools.cache
+def served_matmul_schemes() -> frozenset[str]:
+    """The weight-only schemes whose decode-sized matmuls an engine here runs on cpu_kernels' C++
+    library (loaded as the model runner loads it); none where it cannot be loaded."""
+    flags = read_cpu_flags()
+    try:
+        cpu_kernels.load(resolve_root(None), flags, cache_root() / cpu_kernels.KERNELS)
+    except (RuntimeError, OSError):
+        return frozenset()
+    return cpu_kernels.matmul_schemes(flags)
 
 
 def matmul_profile(name: str, shape: tuple[int, int], tokens: tuple[int, ...], min_seconds: float) -> MatmulProfile:
@@ -119,6 +134,8 @@ def matmul_profile(name: str, shape: tuple[int, int], tokens: tuple[int, ...], m
     layer = engine_linear(scheme, dtype, shape, path.integer_kernels)
     if layer.packed_weight is not None:
         kernel += " (weight packed in oneDNN's layout)"
+    if layer.quantization is not None and layer.quantization.cpu_kernel:
+        kernel += f"; decode-sized calls on kvpilot::{scheme}_mm (cpu_kernels) where the layer takes it"
     points = []
     with torch.inference_mode():
         for n in tokens:

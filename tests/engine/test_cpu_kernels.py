@@ -310,7 +310,6 @@ def test_int8_layers_narrower_than_the_kernels_gain_keep_pytorchs(kernel_root, m
     monkeypatch.setattr(cpu_kernels, "int8_mm", _counted(cpu_kernels.int8_mm, calls, "int8"))
     for rows, ours in ((576, False), (INT8_KERNEL_ROWS, "int8" in cpu_kernels.matmul_schemes(read_cpu_flags()))):
         layer = engine_linear("int8", torch.bfloat16, (rows, 576))
-        layer.quantization.cpu_kernel = "int8" in cpu_kernels.matmul_schemes(read_cpu_flags())
         before = calls["int8"]
         y = layer(torch.randn(2, 576, dtype=torch.bfloat16))
         assert y.shape == (2, rows) and (calls["int8"] > before) == ours, rows

@@ -160,28 +160,24 @@ inline __m256 sum_lanes_8(const __m256* acc) {
 // lane-sum where the ISA has one.
 inline void dots(const float* q, const float* const* keys, int64_t n, int64_t dim, float* scores) {
   int64_t t = 0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  constexpr int kLanes = Vec::size();
+  if (dim % kLanes == 0) {
+    for (; t + kLanes <= n; t += kLanes) {
+      Vec acc[kLanes];
+      for (int i = 0; i < kLanes; ++i) acc[i] = Vec(0.f);
+      for (int64_t d = 0; d < dim; d += kLanes) {
+        const Vec qd = Vec::loadu(q + d);
+        for (int i = 0; i < kLanes; ++i) acc[i] = at::vec::fmadd(qd, Vec::loadu(keys[t + i] + d), acc[i]);
+      }
+      // A Vec is its one register (at::vec's layout), so the array reads as the ISA's vectors.
 #if defined(CPU_CAPABILITY_AVX512)
-  if (dim % 16 == 0) {
-    for (; t + 16 <= n; t += 16) {
-      __m512 acc[16];
-      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < dim; d += 16) {
-        const __m512 qd = _mm512_loadu_ps(q + d);
-        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(keys[t + i] + d), acc[i]);
-      }
-      _mm512_storeu_ps(scores + t, sum_lanes_16(acc));
-    }
-  }
-#elif defined(CPU_CAPABILITY_AVX2)
-  if (dim % 8 == 0) {
-    for (; t + 8 <= n; t += 8) {
-      __m256 acc[8];
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < dim; d += 8) {
-        const __m256 qd = _mm256_loadu_ps(q + d);
-        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys[t + i] + d), acc[i]);
-      }
-      _mm256_storeu_ps(scores + t, sum_lanes_8(acc));
+      static_assert(sizeof(Vec) == sizeof(__m512));
+      _mm512_storeu_ps(scores + t, sum_lanes_16(reinterpret_cast<const __m512*>(acc)));
+#else
+      static_assert(sizeof(Vec) == sizeof(__m256));
+      _mm256_storeu_ps(scores + t, sum_lanes_8(reinterpret_cast<const __m256*>(acc)));
+#endif
     }
   }
 #endif

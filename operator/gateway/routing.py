@@ -83,7 +83,7 @@ def engine_capacity(service: Mapping[str, Any]) -> int:
 @dataclass
 class Engines:
     """Per InferenceService: requests in flight per engine URL, and the engines passed over after
-    failures to connect (failures in a row, and until when)."""
+    failures to connect (failures in a row, and until when) or a refusal (until when)."""
 
     in_flight: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
@@ -93,6 +93,10 @@ class Engines:
         count = self.failures.get(url, 0) + 1
         self.failures[url] = count
         self.backoff_until[url] = now + min(BACKOFF_SECONDS * 2 ** (count - 1), MAX_BACKOFF_SECONDS)
+
+    def refused(self, url: str, now: float, retry_after: float) -> None:
+        """The engine answered that it cannot take requests now: passed over for the time it asked."""
+        self.backoff_until[url] = now + min(retry_after, MAX_BACKOFF_SECONDS)
 
     def succeeded(self, url: str) -> None:
         self.failures.pop(url, None)

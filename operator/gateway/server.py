@@ -9,8 +9,10 @@ so routing costs no API reads. A client addresses a namespace in the path and a 
 this gateway, up to twice its plan's max_num_seqs. When none can take it, it is held:
 - at 0 replicas that the SLO autoscaler set (routing.wake_refusal), the gateway sets 1 through the
   scale subresource and posts an Event; any other zero is a 503 at once;
-- while pods start, or every engine is full, it waits;
-until an engine takes it or the hold ends (503 with Retry-After). What it holds is bounded
+- while pods start, or every engine is full or refuses it, it waits;
+until an engine takes it or the hold ends (503 with Retry-After). An engine refuses with a 503 and
+Retry-After before generating anything (its model still loading behind a pod the cluster already
+calls Ready, the engine draining): the gateway passes it over for that long and tries another. What it holds is bounded
 (limits.py): bodies by size, bytes and count per namespace or service and in all, each read within
 a deadline and parsed one at a time.
 
@@ -28,6 +30,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
@@ -60,6 +63,8 @@ SCALE_SETTLE_SECONDS = 10.0
 # After a failed scale write, before the next try.
 WAKE_RETRY_SECONDS = 2.0
 PREFIX = "/namespaces/{namespace}/v1"
+# An engine's refusal is small JSON; more is not read.
+REFUSAL_BODY_BYTES = 4096
 # How often per-service state (in-flight counts, backoffs, wake locks) of deleted services is dropped.
 PRUNE_SECONDS = 60.0
 
@@ -98,6 +103,27 @@ class _Answer(Exception):
 def _refused(refusal: Refusal | None) -> None:
     if refusal is not None:
         raise _Answer(error(refusal.status, refusal.message, "overloaded", RETRY_AFTER_SECONDS))
+
+
+@dataclass(frozen=True)
+class EngineRefusal:
+    message: str
+    retry_after: float
+
+
+async def _refusal(upstream: aiohttp.ClientResponse) -> EngineRefusal | None:
+    """An engine's 503 with Retry-After in seconds: it refused the request before generating
+    anything (its model still loading, the engine draining), so another replica, or this one
+    later, may take it. A 503 without one (an engine that failed mid-request) is relayed."""
+    retry_after = upstream.headers.get("Retry-After", "")
+    if upstream.status != 503 or not retry_after.isdigit():
+        return None
+    body = await upstream.content.read(REFUSAL_BODY_BYTES)
+    try:
+        message = str(json.loads(body)["error"]["message"])
+    except (ValueError, TypeError, KeyError):
+        message = "503 from the engine"
+    return EngineRefusal(message, float(retry_after))
 
 
 class _Taken:
@@ -292,6 +318,7 @@ class Gateway:
         headers = upstream_request_headers(request.headers.items(), request.remote)
         deadline = time.monotonic() + self.limits.hold_seconds
         held = False
+        not_taken: str | None = None  # why the last engine tried did not take it
         try:
             while True:
                 service = self._service(key)
@@ -306,13 +333,14 @@ class Gateway:
                         self.admission.release(key)
                         held = False
                     answered = await self._proxy(request, url, raw, headers, engines)
-                    if answered is not None:
+                    if not isinstance(answered, str):
                         return answered
+                    not_taken = answered
                     continue
                 if not held:
                     _refused(self.admission.hold(key))
                     held = True
-                await self._wait(key, service, deployment, deadline)
+                await self._wait(key, service, deployment, deadline, not_taken)
         finally:
             if held:
                 self.admission.release(key)
@@ -330,11 +358,16 @@ class Gateway:
             del self._waking[key]
 
     async def _wait(
-        self, key: tuple[str, str], service: Mapping[str, Any], deployment: Mapping[str, Any] | None, deadline: float
+        self,
+        key: tuple[str, str],
+        service: Mapping[str, Any],
+        deployment: Mapping[str, Any] | None,
+        deadline: float,
+        not_taken: str | None,
     ) -> None:
         """One round of holding a request for which no engine is free: wake the service when it
-        is at a zero the autoscaler set; answer when it may not be woken, the hold is over, or the
-        gateway is stopping."""
+        is at a zero the autoscaler set; answer when it may not be woken, the hold is over (saying
+        why the last engine tried did not take it), or the gateway is stopping."""
         where = "/".join(key)
         if self.draining:
             raise _Answer(error(503, "the gateway is restarting: send it again", "restarting", RETRY_AFTER_SECONDS))
@@ -347,7 +380,8 @@ class Gateway:
             raise _Answer(
                 error(
                     503,
-                    f"no replica of {where} could take the request within {self.limits.hold_seconds:g} s",
+                    f"no replica of {where} could take the request within {self.limits.hold_seconds:g} s"
+                    + (f" (the last one tried: {not_taken})" if not_taken else ""),
                     "no_replica",
                     RETRY_AFTER_SECONDS,
                 )
@@ -356,8 +390,9 @@ class Gateway:
 
     async def _proxy(
         self, request: web.Request, url: str, raw: bytearray, headers: list[tuple[str, str]], engines: Engines
-    ) -> web.StreamResponse | None:
-        """The engine's answer relayed, or None when nothing reached it (try another)."""
+    ) -> web.StreamResponse | str:
+        """The engine's answer relayed, or why it did not take the request when it surely generated
+        nothing (try another engine, or this one later)."""
         engines.in_flight[url] = engines.in_flight.get(url, 0) + 1
         try:
             try:
@@ -367,14 +402,18 @@ class Gateway:
                     headers=headers,
                     allow_redirects=False,
                 )
-            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as failure:
                 engines.failed(url, time.monotonic())
-                return None
+                return f"could not connect ({type(failure).__name__})"
             except (aiohttp.ClientError, TimeoutError) as failure:
                 # Bytes may have reached the engine, which may be generating: never sent twice.
                 return error(502, f"the engine failed before answering ({type(failure).__name__})", "upstream_error")
             engines.succeeded(url)
             async with upstream:
+                refusal = await _refusal(upstream)
+                if refusal is not None:
+                    engines.refused(url, time.monotonic(), refusal.retry_after)
+                    return refusal.message
                 return await self._relay(request, upstream)
         finally:
             engines.in_flight[url] -= 1

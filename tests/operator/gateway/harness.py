@@ -178,10 +178,20 @@ class Engine:
     """A stand-in engine on ip:names.PORT: streams `chunks` SSE chunks naming itself, `delay`
     seconds apart, and records what it was sent and how many requests it had at once. With a
     `barrier`, each request waits (up to 20 s) until the barrier's parties have all arrived, so a
-    peak does not depend on how fast a slow machine sends them."""
+    peak does not depend on how fast a slow machine sends them. Its first `refusals` requests get
+    the engine's 503 for a model not loaded yet, with `retry_after` (None: no Retry-After)."""
 
-    def __init__(self, name: str, chunks: int = 3, delay: float = 0.1, barrier: asyncio.Barrier | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        chunks: int = 3,
+        delay: float = 0.1,
+        barrier: asyncio.Barrier | None = None,
+        refusals: int = 0,
+        retry_after: str | None = "1",
+    ) -> None:
         self.name, self.chunks, self.delay, self.barrier = name, chunks, delay, barrier
+        self.refusals, self.retry_after = refusals, retry_after
         self.requests: list[dict[str, Any]] = []
         self.now = self.peak = self.cancelled = 0
         self.runner: web.AppRunner | None = None
@@ -189,6 +199,10 @@ class Engine:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append({"headers": dict(request.headers), "body": body})
+        if len(self.requests) <= self.refusals:
+            error = {"message": "the model is not loaded", "type": "service_unavailable", "param": None, "code": None}
+            headers = {"X-Engine": self.name, **({"Retry-After": self.retry_after} if self.retry_after else {})}
+            return web.json_response({"error": error}, status=503, headers=headers)
         self.now += 1
         self.peak = max(self.peak, self.now)
         try:

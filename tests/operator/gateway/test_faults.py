@@ -24,7 +24,7 @@ import pytest
 
 from e2e.procs import LOOPBACK, free_port, start_http
 from kvpilot.operator.api.names import PORT
-from kvpilot.operator.gateway.limits import Limits
+from kvpilot.operator.gateway.limits import RETRY_AFTER_SECONDS, Limits
 
 from .harness import POD_IPS, Engine, Indexes, Recorder, complete, pod, run, serving, url
 
@@ -73,6 +73,78 @@ def test_a_refused_connection_is_retried_and_the_pod_backed_off() -> None:
         finally:
             await healthy.stop()
         assert [(s, name) for s, name, _ in results] == [(200, "healthy")] * 6
+
+    run(scenario)
+
+
+def test_an_engine_still_loading_is_passed_over_and_tried_again_when_it_asked() -> None:
+    """A pod Ready before its engine has loaded the model (a readiness probe's period; kwok marks
+    pods Ready at once): the engine's 503 + Retry-After generated nothing, so the gateway holds the
+    request and tries again after the time the engine asked, instead of relaying the 503 (measured:
+    a CI run where scale-from-zero's first request got "the model is not loaded" after the openai
+    client's own two retries)."""
+
+    async def scenario(ix: Indexes, rec: Recorder, base: str, http: aiohttp.ClientSession) -> None:
+        ix.put(*serving(POD_IPS[:1]))
+        loading = await Engine("loading", refusals=2).start(POD_IPS[0])
+        started = time.monotonic()
+        try:
+            status, name, _ = await complete(http, base)
+        finally:
+            await loading.stop()
+        assert (status, name) == (200, "loading") and len(loading.requests) == 3
+        assert time.monotonic() - started >= 2.0  # it waited the Retry-After (1 s) each time
+
+    run(scenario)
+
+
+def test_a_refusing_engine_sends_its_requests_to_another() -> None:
+    async def scenario(ix: Indexes, rec: Recorder, base: str, http: aiohttp.ClientSession) -> None:
+        ix.put(*serving(POD_IPS[:2]))
+        draining = await Engine("draining", refusals=100, retry_after="5").start(POD_IPS[0])
+        healthy = await Engine("healthy").start(POD_IPS[1])
+        try:
+            results = [await complete(http, base) for _ in range(4)]
+        finally:
+            await draining.stop()
+            await healthy.stop()
+        assert [(s, name) for s, name, _ in results] == [(200, "healthy")] * 4
+        assert len(draining.requests) <= 1  # tried once at most (sorted, both idle), then passed over
+
+    run(scenario)
+
+
+def test_an_engine_that_refuses_for_the_whole_hold_gets_its_reason_in_the_503() -> None:
+    async def scenario(ix: Indexes, rec: Recorder, base: str, http: aiohttp.ClientSession) -> None:
+        ix.put(*serving(POD_IPS[:1]))
+        loading = await Engine("loading", refusals=100).start(POD_IPS[0])
+        try:
+            async with http.post(url(base), json={"model": "SmolLM2", "prompt": "hi"}) as r:
+                status, retry_after, body = r.status, r.headers.get("Retry-After"), await r.json()
+        finally:
+            await loading.stop()
+        assert (status, retry_after) == (503, str(RETRY_AFTER_SECONDS))
+        message = body["error"]["message"]
+        assert "within 2.5 s" in message and "(the last one tried: the model is not loaded)" in message
+        assert 2 <= len(loading.requests) <= 4  # once a second, not a busy loop
+
+    run(scenario, hold_seconds=2.5)
+
+
+def test_a_503_without_retry_after_is_relayed_never_retried() -> None:
+    """Our engine's 503 without Retry-After (it failed mid-request) may follow generation."""
+
+    async def scenario(ix: Indexes, rec: Recorder, base: str, http: aiohttp.ClientSession) -> None:
+        ix.put(*serving(POD_IPS[:2]))
+        failed = await Engine("failed", refusals=100, retry_after=None).start(POD_IPS[0])
+        healthy = await Engine("healthy").start(POD_IPS[1])
+        try:
+            status, name, text = await complete(http, base)
+        finally:
+            await failed.stop()
+            await healthy.stop()
+        assert (status, name) == (503, "failed") and "the model is not loaded" in text
+        assert len(failed.requests) == 1 and healthy.requests == []
 
     run(scenario)
 

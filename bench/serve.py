@@ -110,6 +110,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str = ""
+    resent: int = 0  # sent again after its connection closed unanswered
 
     @property
     def tpot(self) -> float:
@@ -153,6 +154,8 @@ def carries_tokens(chunk: dict[str, object]) -> bool:
 
 
 async def _one(client, url: str, model: str, item: WorkItem) -> RequestResult:  # noqa: ANN001 - httpx.AsyncClient
+    import httpx
+
     body = {
         "model": model,
         "prompt": item.prompt,
@@ -163,22 +166,34 @@ async def _one(client, url: str, model: str, item: WorkItem) -> RequestResult:  
         "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
-    times: list[float] = []
-    tokens = 0
-    try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                return RequestResult(ok=False, error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if carries_tokens(chunk):
-                    times.append(time.perf_counter())
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-    except Exception as err:  # noqa: BLE001 - any transport failure is a failed request, reported
-        return RequestResult(ok=False, error=repr(err))
+    for attempt in range(2):
+        times: list[float] = []
+        tokens = 0
+        answered = False
+        try:
+            async with client.stream("POST", url, json=body) as response:
+                answered = True
+                if response.status_code != 200:
+                    return RequestResult(
+                        ok=False, error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                    )
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if carries_tokens(chunk):
+                        times.append(time.perf_counter())
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+            break
+        except httpx.RemoteProtocolError as err:
+            # A kept-alive connection that the server closed (llama-server does, now and then)
+            # ends with no answer at all; the openai client sends such a request again on a new
+            # connection, and so do we, once, with the time lost counted in its TTFT.
+            if answered or attempt:
+                return RequestResult(ok=False, error=repr(err))
+        except Exception as err:  # noqa: BLE001 - any transport failure is a failed request, reported
+            return RequestResult(ok=False, error=repr(err))
     if not times:
         return RequestResult(ok=False, error="no tokens")
     return RequestResult(
@@ -187,6 +202,7 @@ async def _one(client, url: str, model: str, item: WorkItem) -> RequestResult:  
         e2e=times[-1] - start,
         itl=[b - a for a, b in zip(times, times[1:])],
         output_tokens=tokens or len(times),
+        resent=attempt,
     )
 
 
@@ -257,6 +273,7 @@ def summarize(
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "resent": sum(r.resent for r in results),
         "duration_s": duration,
         "request_throughput": len(ok) / duration,
         "output_throughput": sum(r.output_tokens for r in ok) / duration,

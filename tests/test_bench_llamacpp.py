@@ -1,11 +1,13 @@
 """The llama.cpp peer of the serving benchmark: where its build is cached, how it is built and how
 llama-server is started. Cheap: the build's commands are recorded, not run (a real build takes ~8
-minutes on 2 cores), and no server is started."""
+minutes on 2 cores), and no llama-server is started."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import io
+import json
 import tarfile
 from pathlib import Path
 
@@ -148,3 +150,50 @@ def test_only_chunks_with_text_count_as_tokens() -> None:
         {"choices": [{"text": "", "index": 0, "finish_reason": "length"}], "usage": {"completion_tokens": 5}}
     )
     assert not serve.carries_tokens({"choices": [], "usage": {"completion_tokens": 5}})
+
+
+def test_a_request_whose_connection_closed_unanswered_is_sent_once_more() -> None:
+    """llama-server now and then closes a connection without answering; the benchmark sends that
+    request again once (as the openai client does) and counts it, but never a second time."""
+
+    async def scenario(unanswered: int) -> serve.RequestResult:
+        import httpx
+
+        connections = 0
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal connections
+            connections += 1
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1])
+            await reader.readexactly(length)
+            if connections <= unanswered:
+                writer.close()
+                return
+            events = b"".join(
+                b"data: " + json.dumps(chunk).encode() + b"\n\n"
+                for chunk in (
+                    {"choices": [{"text": " a", "index": 0}]},
+                    {"choices": [{"text": " b", "index": 0}]},
+                    {"choices": [], "usage": {"completion_tokens": 2}},
+                )
+            )
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(events), events)
+            )
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server, httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            return await serve._one(client, f"http://127.0.0.1:{port}/v1/completions", "m", serve.WorkItem([5, 6], 2))
+
+    once = asyncio.run(scenario(unanswered=1))
+    assert once.ok and once.resent == 1 and once.output_tokens == 2 and len(once.itl) == 1
+    assert asyncio.run(scenario(unanswered=0)).resent == 0
+    twice = asyncio.run(scenario(unanswered=2))
+    assert not twice.ok and "RemoteProtocolError" in twice.error
+    summary = serve.summarize(1.0, [once, twice], 1.0, 1.0, 1.0)
+    assert summary["resent"] == 1 and summary["failed"] == 1

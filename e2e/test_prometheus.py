@@ -192,8 +192,9 @@ def scenario(
             # No engine behind the Ready pod yet: the gateway holds the request, and says so.
             held = _hold_one(gateway.base_url(namespace), key, found.held)
             poll(
-                lambda: prometheus.query(
-                    f'kvpilot_gateway_held_requests{{namespace="{namespace}",service="{NAME}"}} > 0'
+                lambda: (
+                    prometheus.query(f'kvpilot_gateway_held_requests{{namespace="{namespace}",service="{NAME}"}} > 0')
+                    or None
                 ),
                 60,
                 "the gateway's held request in Prometheus",
@@ -239,8 +240,17 @@ def test_every_dashboard_panel_has_data_in_a_real_prometheus(scenario: Scenario)
     dashboard = json.loads(DASHBOARD.read_text())
     queries = panel_queries(dashboard, namespace, scenario.name)
 
-    # The dashboard's variables offer this namespace and service (Grafana's label_values).
-    assert namespace in prom.label_values("namespace", "kvpilot_operator_desired_replicas"), _targets(prom)
+    # The dashboard's variables offer this namespace and service (Grafana's label_values), once
+    # Prometheus has scraped the operator (its file_sd targets reach the scrapes within ~5 s).
+    try:
+        poll(
+            lambda: namespace in prom.label_values("namespace", "kvpilot_operator_desired_replicas") or None,
+            30,
+            "the operator's series in Prometheus",
+            interval_s=1.0,
+        )
+    except TimeoutError:
+        pytest.fail(f"no kvpilot_operator_desired_replicas of {namespace}; targets: {_targets(prom)}")
     assert scenario.name in prom.label_values(
         "service", f'kvpilot_operator_desired_replicas{{namespace=~"{namespace}"}}'
     )

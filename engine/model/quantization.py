@@ -254,7 +254,7 @@ class Int4WeightOnly(LinearQuantization):
             and layout.rows in cpu_kernels.INT4_BLOCK_ROWS
             and not layout.adjacent
             and layer.int4_shape[0] % layout.rows == 0
-            and self.group_size % 2 == 0
+            and self.group_size % cpu_kernels.INT4_GROUP_COLUMNS == 0
         ):
             return _in_dtype(cpu_kernels.int4_mm(*args, layout.rows), x.dtype)
         return _in_dtype(torch.ops.aten._weight_int4pack_mm_for_cpu(*args), x.dtype)

@@ -7,9 +7,11 @@ the portable path."""
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -204,6 +206,19 @@ def _pack_int4(q: torch.Tensor, rows: int) -> torch.Tensor:
     return packed.contiguous().view(out_features, in_features // 2)  # the shape ATen gives it
 
 
+def _int4_case(
+    tokens: int, out: int, width: int, group: int, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random 4-bit weights q [out, in], x [tokens, in] bf16, q packed in `rows`-row blocks, the
+    groups' bf16 scales and zeros, and the exact product x @ ((q - 8) scale + zero).T in fp32."""
+    q = torch.randint(0, 16, (out, width), dtype=torch.int32)
+    scales, zeros = torch.rand(width // group, out) * 0.02 + 1e-3, torch.randn(width // group, out) * 0.02
+    scales_zeros = torch.stack([scales, zeros], dim=-1).to(torch.bfloat16).contiguous()
+    x = torch.randn(tokens, width, dtype=torch.bfloat16)
+    scale, zero = (t.float().T.repeat_interleave(group, dim=1) for t in scales_zeros.unbind(-1))
+    return q, x, _pack_int4(q, rows), scales_zeros, x.float() @ ((q - 8) * scale + zero).T
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 4, 5, 37])
 @pytest.mark.parametrize(("out", "width", "group"), [(960, 576, 32), (128, 1536, 64)])
 @pytest.mark.parametrize("rows", cpu_kernels.INT4_BLOCK_ROWS)
@@ -212,18 +227,12 @@ def test_int4_mm_gives_the_int4_product(kernel_root, tokens: int, out: int, widt
     exact product up to the output's bf16 rounding (a wrong row or group moves it by tens), and
     PyTorch's where ATen packs that layout here."""
     torch.manual_seed(tokens)
-    q = torch.randint(0, 16, (out, width), dtype=torch.int32)
-    scales, zeros = torch.rand(width // group, out) * 0.02 + 1e-3, torch.randn(width // group, out) * 0.02
-    scales_zeros = torch.stack([scales, zeros], dim=-1).to(torch.bfloat16).contiguous()
-    packed = _pack_int4(q, rows)
-    x = torch.randn(tokens, width, dtype=torch.bfloat16)
+    q, x, packed, scales_zeros, exact = _int4_case(tokens, out, width, group, rows)
     flags = read_cpu_flags()
     if "int4" not in cpu_kernels.matmul_schemes(flags):
         with pytest.raises(RuntimeError, match="needs AVX2"):
             cpu_kernels.int4_mm(x, packed, group, scales_zeros, rows)
         return
-    scale, zero = (t.float().T.repeat_interleave(group, dim=1) for t in scales_zeros.unbind(-1))
-    exact = x.float() @ ((q - 8) * scale + zero).T
     got = cpu_kernels.int4_mm(x, packed, group, scales_zeros, rows)
     assert got.shape == exact.shape and got.dtype == torch.bfloat16
     _close_to(got, exact)
@@ -321,3 +330,70 @@ def test_build_kernels_refuses_a_level_it_does_not_know(capsys) -> None:
     assert main(["build-kernels", "--levels", "avx512,avx9000"]) == 2
     err = capsys.readouterr().err
     assert "avx9000" in err and all(level.name in err for level in cpu_kernels.BUILDABLE)
+
+
+def _errors_at_level(root: str, name: str) -> dict[str, list[float] | str]:
+    """In a process of its own: the library of one level loaded as a CPU of exactly its flags
+    would, and each product's (largest error, largest exact value), or the kernel's refusal."""
+    level = next(level for level in cpu_kernels.LEVELS if level.name == name)
+    cpu_kernels.load(Path(root), level.needs)
+    torch.manual_seed(0)
+    found: dict[str, list[float] | str] = {}
+
+    def measure(what: str, kernel: Callable[..., torch.Tensor], args: tuple, exact: torch.Tensor) -> None:
+        try:
+            found[what] = [(kernel(*args).float() - exact).abs().max().item(), exact.abs().max().item()]
+        except RuntimeError as refusal:
+            found[what] = str(refusal)
+
+    for rows in cpu_kernels.INT4_BLOCK_ROWS:
+        for tokens, group in ((1, 32), (5, 64)):
+            _, x, packed, scales_zeros, exact = _int4_case(tokens, 960, 576, group, rows)
+            measure(
+                f"int4 rows {rows} tokens {tokens}", cpu_kernels.int4_mm, (x, packed, group, scales_zeros, rows), exact
+            )
+    weight = torch.randint(-127, 128, (512, 584), dtype=torch.int8)
+    scales, x = (torch.rand(512) * 0.01).to(torch.bfloat16), torch.randn(9, 584, dtype=torch.bfloat16)
+    measure("int8", cpu_kernels.int8_mm, (x, weight, scales), (x.float() @ weight.float().T) * scales.float())
+    k, v = torch.randn(SLOTS, KV_HEADS, DIM), torch.randn(SLOTS, KV_HEADS, DIM)
+    slots, q = torch.randperm(SLOTS)[:300][None].contiguous(), torch.randn(1, HEADS, DIM)
+    attention = cpu_kernels.decode_attention(q, k, v, slots, torch.tensor([300]))[0]
+    exact = _reference(q[0], k, v, slots[0], 300)
+    found["attention"] = [(attention - exact).abs().max().item(), exact.abs().max().item()]
+    return found
+
+
+def test_every_narrower_level_this_cpu_runs_gives_the_same_products(tmp_path) -> None:
+    """The code another CPU type runs, built here for its level and run as it would be (on an
+    AVX512-BF16 CPU, the avx512 level is an Ice Lake's INT4 product of 16-bit integers and avx2 a
+    Zen 3's):
+    each product exact up to its bf16 rounding, and the matmuls refused where the level has no
+    kernel for them. The level of this CPU itself is what the tests above run."""
+    flags = read_cpu_flags()
+    narrower = [
+        level for level in cpu_kernels.BUILDABLE if level.needs <= flags and level != cpu_kernels.level_for(flags)
+    ]
+    assert narrower or cpu_kernels.BUILDABLE == (cpu_kernels.BASELINE,)
+    code = (
+        "import json, sys; from tests.engine.test_cpu_kernels import _errors_at_level;"
+        "print(json.dumps(_errors_at_level(sys.argv[1], sys.argv[2])))"
+    )
+    root = Path(__file__).resolve().parents[2]
+    for level in narrower:
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path), level.name],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=root,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        found = json.loads(done.stdout.splitlines()[-1])
+        assert len(found) == 2 * len(cpu_kernels.INT4_BLOCK_ROWS) + 2, found
+        for what, result in found.items():
+            if what != "attention" and "avx2" not in level.needs:
+                assert isinstance(result, str) and "needs AVX2" in result, (level.name, what, result)
+                continue
+            assert not isinstance(result, str), (level.name, what, result)
+            error, largest = result
+            assert error <= (1e-5 if what == "attention" else 2e-2) * largest, (level.name, what, error, largest)

@@ -153,7 +153,7 @@ def test_the_gateway_routes_by_namespace_and_never_wakes_a_zero_it_does_not_own(
         kvis.wait_condition(k8s, namespace, "gw-off", "Planned", "True", timeout_s=60)
         # gw-off's API key (the operator made it; no operator watches OTHER: its services are open).
         key = kvis.api_key(k8s, namespace, "gw-off")
-        poll(lambda: kvis.get(k8s, namespace, "gw-off")["status"].get("auth"), 30, "gw-off's key digest")
+        poll(lambda: kvis.get(k8s, namespace, "gw-off")["status"].get("auth") or None, 30, "gw-off's key digest")
 
         def listed(where: str, key: str | None = None) -> list[str]:
             return [m["id"] for m in _get(f"{gateway.base_url(where)}/models", key)[1]["data"]]

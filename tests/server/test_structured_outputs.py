@@ -53,14 +53,15 @@ def ask_all(server: Server, **kwargs: object) -> list[City]:
 
 @pytest.fixture(scope="module")
 def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A pool of 16 blocks (256 tokens) for 4 requests of ~70 tokens (5 blocks each) and a plain
-    one, with n-gram speculation."""
+    """A pool of 10 blocks (160 tokens) for 4 requests of 60-70 tokens (4-5 blocks each) and a
+    plain one of ~80, with n-gram speculation: any three of them running together preempt (with 16
+    blocks, 1-3 preemptions per round of these requests, and once in CI none)."""
     srv = start_server(
         tmp_path_factory.mktemp("tight"),
         "--kv-cache-memory-bytes",
-        str(16 * 16 * KV_BYTES_PER_TOKEN),
+        str(10 * 16 * KV_BYTES_PER_TOKEN),
         "--max-model-len",
-        "256",
+        "160",
         "--speculative",
         "ngram",
         "--speculative-max-batch-size",

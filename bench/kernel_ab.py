@@ -33,11 +33,12 @@ from functools import partial
 import torch
 from torch.utils.cpp_extension import load_inline
 
+from bench.cpu_kernels import SHAPES
 from kvpilot.engine.model import cpu_kernels
 from kvpilot.engine.worker.cpu_features import read_cpu_flags
 
 LAYERS, KV_HEADS, DIM, HEADS, SLOTS, BLOCK = 30, 3, 64, 9, 8192, 16
-INT4_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+INT4_SHAPES = {name: SHAPES[name] for name in ("qkv", "o", "gate_up", "down")}
 INT4_GROUP = 32
 KERNEL = "engine/model/cpu_kernels.py"
 Step = Callable[[], torch.Tensor]  # one call of the kernel on one layer's inputs
@@ -138,11 +139,11 @@ def main() -> None:
     parser.add_argument("--hot", action="store_true", help="attention: no read between layers (KV stays in cache)")
     parser.add_argument("--tokens", default="1,4,16", help="int4_mm: tokens per call")
     parser.add_argument("--rows", type=int, choices=cpu_kernels.INT4_BLOCK_ROWS, default=32, help="int4_mm")
-    runnable = {level.name: level for level in cpu_kernels.BUILDABLE if level.needs <= read_cpu_flags()}
+    runnable = {level.name: level for level in cpu_kernels.runnable_levels(read_cpu_flags())}
     parser.add_argument(
         "--level",
         choices=runnable,
-        default=cpu_kernels.level_for(read_cpu_flags()).name,
+        default=next(iter(runnable)),
         help="the build's ISA level (default: this CPU's widest); a narrower one runs another CPU's code",
     )
     args = parser.parse_args()

@@ -905,9 +905,14 @@ BUILDABLE = LEVELS if platform.machine().lower() in ("x86_64", "amd64") else (BA
 _loaded = False
 
 
+def runnable_levels(cpu_flags: frozenset[str], levels: Sequence[Level] = BUILDABLE) -> tuple[Level, ...]:
+    """The `levels` (this machine's architecture's by default) a CPU of these flags runs, widest first."""
+    return tuple(level for level in levels if level.needs <= cpu_flags)
+
+
 def level_for(cpu_flags: frozenset[str], levels: Sequence[Level] = BUILDABLE) -> Level:
-    """The widest of `levels` (this machine's architecture's by default) a CPU of these flags runs."""
-    return next(level for level in levels if level.needs <= cpu_flags)
+    """The widest of `levels` a CPU of these flags runs (the baseline needs none)."""
+    return runnable_levels(cpu_flags, levels)[0]
 
 
 def library_name(level: Level) -> str:

@@ -369,10 +369,7 @@ def test_every_narrower_level_this_cpu_runs_gives_the_same_products(tmp_path) ->
     Zen 3's):
     each product exact up to its bf16 rounding, and the matmuls refused where the level has no
     kernel for them. The level of this CPU itself is what the tests above run."""
-    flags = read_cpu_flags()
-    narrower = [
-        level for level in cpu_kernels.BUILDABLE if level.needs <= flags and level != cpu_kernels.level_for(flags)
-    ]
+    narrower = cpu_kernels.runnable_levels(read_cpu_flags())[1:]
     assert narrower or cpu_kernels.BUILDABLE == (cpu_kernels.BASELINE,)
     code = (
         "import json, sys; from tests.engine.test_cpu_kernels import _errors_at_level;"

@@ -602,7 +602,11 @@ def run(args: argparse.Namespace) -> int:
         profile, _list(args.schemes), _list(args.speculative), [float(b) for b in _list(args.batches)], settings
     )
     progress(f"{len(grid)} cases, prompt {settings.prompt_tokens} tokens, output {settings.output_tokens} tokens")
-    runs = [run_case(case, profile, prompts, settings) for case in grid]
+    runs = []
+    for case in grid:
+        runs.append(run_case(case, profile, prompts, settings))
+        # The cases so far, in case the run is cut short (a device lease, a timeout): they stand alone.
+        write_result(output, {**report, "runs": runs, "table": _least_loaded(runs), "complete": False})
     if args.repeat_loaded:
         for record in list(runs):
             if record["others_cores"] >= args.max_others and time.monotonic() - started < args.budget:
@@ -619,6 +623,7 @@ def run(args: argparse.Namespace) -> int:
     report["table"] = _least_loaded(runs)
     report["load_average_end"] = os.getloadavg()
     report["wall_s"] = time.monotonic() - started
+    report["complete"] = True
     write_result(output, report)
     table = markdown_table([runs[i] for i in report["table"]])
     print(table)

@@ -1,12 +1,12 @@
 """A persistent cache of the compiled decode step: torch.compile's artifacts kept between starts.
 
 Compiling the decode step (model_runner.py, `_compile_decode`) takes ~30 s on 2 cores, most of it
-inductor generating and building C++ kernels; inductor's own cache (its FX graph and AOTAutograd
-caches and the built kernels, all under TORCHINDUCTOR_CACHE_DIR) cuts that to the tracing alone
-when it finds them. The cache it keeps by default is in /tmp, lost with a pod, and not safe on a
-volume that pods share: its temporary files are named by process id, which containers repeat.
-So every compile runs on a private inductor directory of this process, and that directory is
-shared through a published entry of the cache root:
+inductor generating and building C++ kernels; inductor's own cache (its FX graph cache and the built
+kernels, under TORCHINDUCTOR_CACHE_DIR) cuts that to the tracing alone when it finds them
+(AOTAutograd's cache refuses the step's graph, whose weights are frozen into it). The cache it keeps
+by default is in /tmp, lost with a pod, and not safe on a volume that pods share: its temporary
+files are named by process id, which containers repeat. So every compile runs on a private inductor
+directory of this process, and that directory is shared through a published entry of the cache root:
 
     <root>/<key>/            one entry per torch build, model shape and kernel path (`key_inputs`)
         manifest.json        what it was built for and every file's sha256; written last

@@ -291,9 +291,17 @@ class ModelRunner:
                 made.append(transformed)
 
         hook = register_bytecode_hook(keep)
-        # Inside inference mode as in execute(): the graph is built for inference tensors.
+        # Inside inference mode as in execute(): the graph is built for inference tensors. The
+        # modules' floats (RMSNorm's eps) are constants of the graph, not tensors made from them on
+        # every call, and its parameters and buffers are frozen into it, so the bytecode before
+        # the graph passes only the step's inputs, not ~430 weights looked up attribute by
+        # attribute: 0.41 ms of a 5 ms batch-1 step before, 0.01 ms after (bench/RESULTS.md).
         try:
-            with torch.inference_mode():
+            with (
+                torch.inference_mode(),
+                torch._dynamo.config.patch(specialize_float=True),
+                torch._inductor.config.patch({"freezing": True, "cpp.weight_prepack": False}),
+            ):
                 inputs = StepInputs(self.block_size, self.device, self.decode_kernel)
                 blocks = list(range(-(-(WARM_UP_POSITION + 1) // self.block_size)))
                 inputs.add([0], WARM_UP_POSITION, blocks, decode=True)

@@ -79,8 +79,10 @@ def test_a_second_engine_on_the_same_cache_starts_without_compiling(published, c
     before = _inductor_counts()
     llm = _engine(published)
     assert _delta(before, "fxgraph_cache_hit") == 1
-    assert _delta(before, "autograd_cache_hit") == 1
     assert _delta(before, "fxgraph_cache_miss") == 0, "the second start compiled the graph again"
+    # The graph's weights are frozen into it, which AOTAutograd's cache refuses; inductor's holds
+    # the compiled code, so only the tracing runs again.
+    assert _delta(before, "autograd_cache_bypass") == 1
     assert _files(published) == files, "a warm start rewrote the cache"
     _check_greedy_through_graph(llm, corpus_ids, hf_greedy)
 

@@ -68,11 +68,12 @@ from bench.machine import machine, write_result
 from bench.serve import RequestResult, WorkItem, poisson_arrivals, run_rate, summarize
 from e2e.procs import LOOPBACK, free_port, kvpilot_executable, start_http
 from kvpilot.engine.device_profile import DeviceProfile, load_device_profile
+from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import CPU_TYPE, InferenceServiceSpec
 from kvpilot.operator.controller import render
 from kvpilot.operator.controller.correction import Correction
 from kvpilot.operator.planning.gpus import GPUS, MiB, find_gpu
-from kvpilot.operator.planning.planner import Plan, plan
+from kvpilot.operator.planning.plan import PlanContext, plan
 
 _REPO = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
@@ -120,7 +121,7 @@ def make_spec(
 
 def plan_for(spec: InferenceServiceSpec, profile: DeviceProfile | None, correction: Correction | None = None) -> Plan:
     """The plan of `spec`: from the CPU's measured `profile`, or from the catalog (a GPU: None)."""
-    return plan(spec, device_profiles={PROFILE_NAME: profile} if profile else None, correction=correction)
+    return plan(spec, PlanContext(device_profiles={PROFILE_NAME: profile} if profile else {}, correction=correction))
 
 
 def with_observed_acceptance(record: dict[str, Any], profile: DeviceProfile | None, settings: Settings) -> None:

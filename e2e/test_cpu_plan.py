@@ -40,10 +40,11 @@ from e2e.local_operator import LocalOperator
 from e2e.pod_runner import PodRunner
 from e2e.polling import poll
 from kvpilot.engine.device_profile import DeviceProfile, load_device_profile
+from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.autoscaling.accuracy import BAND
 from kvpilot.operator.planning.cpus import PROFILE_CONFIGMAP_KEY
-from kvpilot.operator.planning.planner import Plan, plan
+from kvpilot.operator.planning.plan import PlanContext, plan
 from tests.operator.planning.profiles import faster
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -84,7 +85,7 @@ VERDICT_WITHIN_S = 150.0
 def plan_of(spec: dict[str, Any], measured: DeviceProfile) -> Plan:
     """The plan the operator makes of `spec`, with the profiles this module put in ConfigMaps."""
     profiles = {MEASURED: measured, WRONG: faster(measured, WRONG, 4)}
-    return plan(InferenceServiceSpec.model_validate(spec), device_profiles=profiles)
+    return plan(InferenceServiceSpec.model_validate(spec), PlanContext(device_profiles=profiles))
 
 
 def _configmap(name: str, namespace: str, profile: DeviceProfile) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from kvpilot.operator.api import names
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import render, status
 from kvpilot.operator.planning.gpus import GPUS
-from kvpilot.operator.planning.planner import plan
+from kvpilot.operator.planning.plan import plan
 
 ApplyISVC = Callable[[str, dict[str, Any]], dict[str, Any]]
 # Children come back on the events of their deletion, Ready follows the Deployment's events:

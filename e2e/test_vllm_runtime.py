@@ -30,7 +30,7 @@ from e2e.polling import poll
 from kvpilot.operator.api import names
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.planning.models import MODELS
-from kvpilot.operator.planning.planner import plan
+from kvpilot.operator.planning.plan import plan
 from tests.vllm import env
 from tests.vllm.model_configs import config_json
 

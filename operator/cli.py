@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from kvpilot.engine.device_profile import DeviceProfile, load_device_profile
 from kvpilot.operator.api import names
+from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import CPU_TYPE, InferenceServiceSpec, Quantization, Runtime, Speculative
 from kvpilot.operator.autoscaling.decisions import INTERVAL_SECONDS, WINDOW_PERIODS
 from kvpilot.operator.autoscaling.gateways import GatewayPods
@@ -29,7 +30,7 @@ from kvpilot.operator.gateway.limits import Limits
 from kvpilot.operator.kube.cluster import KubeCluster
 from kvpilot.operator.planning import cpus, sizing
 from kvpilot.operator.planning.gpus import GPUS, find_gpu
-from kvpilot.operator.planning.planner import Plan, plan
+from kvpilot.operator.planning.plan import PlanContext, plan
 
 PEERING_NAME = "kvpilot"
 
@@ -345,7 +346,7 @@ def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     except (ValidationError, ValueError) as error:
         print(f"kvpilot plan: {error}", file=sys.stderr)
         return 2
-    result = plan(spec, device_profiles={profile.name: profile} if profile else None)
+    result = plan(spec, PlanContext(device_profiles={profile.name: profile} if profile else {}))
     if args.json:
         body = result.model_dump(mode="json") | ({"args": _runtime_args(spec, result)} if result.fits else {})
         out.write(json.dumps(body, indent=2) + "\n")

@@ -11,9 +11,10 @@ import pytest
 
 from bench import plan_accuracy as pa
 from kvpilot.engine.cli import build_parser, engine_config_from_args, server_config_from_args
+from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.planning import cpus
 from kvpilot.operator.planning.gpus import GPUS, MiB
-from kvpilot.operator.planning.planner import Plan, plan
+from kvpilot.operator.planning.plan import PlanContext, plan
 
 BUILTIN = cpus.builtin_profiles()["amd-epyc-zen5-2c"]
 
@@ -21,7 +22,7 @@ BUILTIN = cpus.builtin_profiles()["amd-epyc-zen5-2c"]
 def planned(scheme: str = "none", mode: str = "off") -> Callable[[float], Plan]:
     def at(rate: float) -> Plan:
         spec = pa.make_spec(scheme, mode, rate, 108, 48, (2000, 100))
-        return plan(spec, device_profiles={pa.PROFILE_NAME: BUILTIN})
+        return plan(spec, PlanContext(device_profiles={pa.PROFILE_NAME: BUILTIN}))
 
     return at
 

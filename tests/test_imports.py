@@ -17,13 +17,21 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"engine": "kvpilot.engine", "operator": "kvpilot.operator"}
 # What the model side must not import: it only builds models and reads checkpoints.
 ABOVE_THE_MODEL = ("kvpilot.engine.worker", "kvpilot.engine.serving", "kvpilot.engine.quantize")
-# The operator's rooms and what each may import besides itself: api/ nothing, planning/ only api/ and
-# the engine's torch-free contract, kube/ only api/, and so on up to cli.py, which wires them all.
+# The operator's rooms and what each may import besides itself: api/ nothing, runtimes/ only api/ and
+# the engine's flags, planning/ those and the engine's torch-free contract, kube/ only api/, and so on
+# up to cli.py, which wires them all.
 ROOMS = {
     "api": set(),
-    "planning": {"api", "kvpilot.engine.acceptance_window", "kvpilot.engine.config", "kvpilot.engine.device_profile"},
+    "runtimes": {"api", "kvpilot.engine.config"},
+    "planning": {
+        "api",
+        "runtimes",
+        "kvpilot.engine.acceptance_window",
+        "kvpilot.engine.config",
+        "kvpilot.engine.device_profile",
+    },
     "kube": {"api"},
-    "controller": {"api", "planning", "kube", "kvpilot.engine.config", "kvpilot.engine.device_profile"},
+    "controller": {"api", "runtimes", "planning", "kube", "kvpilot.engine.config", "kvpilot.engine.device_profile"},
     "autoscaling": {"api", "kube"},
     "gateway": {"api", "kube"},
 }

@@ -17,7 +17,7 @@ from pydantic.alias_generators import to_camel
 Quantization = Literal["auto", "none", "int8", "fp8", "w8a8", "int4"]
 # eagle: serving.draftModel is an EAGLE head (trained on the target's hidden states), pinned only.
 Speculative = Literal["auto", "off", "ngram", "draft", "eagle"]
-# What runs the model in the pods (operator/planning/runtimes.py declares what each runs).
+# What runs the model in the pods (operator/runtimes/ declares what each runs).
 Runtime = Literal["kvpilot", "vllm"]
 # How a checkpoint may already be quantized (model.quantization): compressed-tensors W8A16, FP8,
 # W8A8 and W4A16 (int8, fp8, w8a8, int4), or AutoAWQ / GPTQ 4-bit files.

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvpilot.operator.api.conditions import PLAN_ACCURATE
 from kvpilot.operator.api.spec import InferenceServiceSpec
-from kvpilot.operator.planning.planner import Correction
+from kvpilot.operator.planning.context import Correction
 
 STATUS_KEY = "correction"
 ACCURACY_KEY = "planAccuracy"

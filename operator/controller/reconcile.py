@@ -40,13 +40,14 @@ from pydantic import ValidationError
 from kvpilot.engine.device_profile import DeviceProfile
 from kvpilot.operator.api import names
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND
+from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import CPU_TYPE, InferenceServiceSpec
 from kvpilot.operator.controller import correction, render, status
 from kvpilot.operator.kube.cluster import Cluster, Manifest, WriteRefused, describe
 from kvpilot.operator.kube.merge_patch import merge_patch
 from kvpilot.operator.planning import cpus
-from kvpilot.operator.planning.planner import Plan, plan
-from kvpilot.operator.planning.runtimes import RUNTIMES
+from kvpilot.operator.planning.plan import PlanContext, plan
+from kvpilot.operator.runtimes import RUNTIMES
 
 # The hash of the rendered manifest, on each child: unchanged hash (and no field of ours edited by
 # hand) means nothing to write.
@@ -206,7 +207,12 @@ def _last_good_serving(
         spec = InferenceServiceSpec.model_validate({**current, **_planned_part(kept["spec"])})
     except ValidationError:
         return None
-    result = plan(spec, [str(kept["gpu"])], device_profiles=device_profiles(spec, cluster, operator_namespace))
+    result = plan(
+        spec,
+        PlanContext(
+            available_gpus=(str(kept["gpu"]),), device_profiles=device_profiles(spec, cluster, operator_namespace)
+        ),
+    )
     return (spec, result) if result.fits else None
 
 
@@ -231,12 +237,19 @@ def _plan(
     factors = correction.factors(corrected)
     # The nodes are read when they choose the GPU type, or bound the tensor-parallel size the
     # planner picks (a runtime with more than one, no accelerator.count).
-    splits = spec.accelerator.count is None and len(RUNTIMES[spec.runtime].tensor_parallel_sizes) > 1
+    splits = spec.accelerator.count is None and len(RUNTIMES[spec.runtime].capabilities.tensor_parallel_sizes) > 1
     nodes = cluster.gpu_nodes() if (gpu is None and not spec.accelerator.type) or splits else {}
     if gpu is None:
         available = list(nodes) if not spec.accelerator.type else []
-        return plan(spec, available, gpus_per_node=nodes, device_profiles=profiles, correction=factors)
-    result = plan(spec, [gpu], gpus_per_node=nodes, device_profiles=profiles, correction=factors)
+        return plan(
+            spec,
+            PlanContext(
+                available_gpus=tuple(available), gpus_per_node=nodes, device_profiles=profiles, correction=factors
+            ),
+        )
+    result = plan(
+        spec, PlanContext(available_gpus=(gpu,), gpus_per_node=nodes, device_profiles=profiles, correction=factors)
+    )
     why = kept.get("gpuReason")
     if not result.fits or not why:
         return result

@@ -31,6 +31,7 @@ from kvpilot.operator.api.names import (
     labels,
     selector_labels,
 )
+from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import (
     CPU_TYPE,
     PVC_SCHEME,
@@ -41,8 +42,7 @@ from kvpilot.operator.api.spec import (
 from kvpilot.operator.controller.inference_pool import inference_pool
 from kvpilot.operator.controller.vllm_args import vllm_args
 from kvpilot.operator.planning.gpus import GPU, find_gpu
-from kvpilot.operator.planning.planner import Plan
-from kvpilot.operator.planning.runtimes import VLLM_IMAGE
+from kvpilot.operator.runtimes.vllm import VLLM_IMAGE
 
 Manifest = dict[str, Any]
 

@@ -12,9 +12,9 @@ from typing import Any, NamedTuple
 
 from kvpilot.operator.api.conditions import PLAN_ACCURATE, with_transition_times
 from kvpilot.operator.api.names import API_KEY_SHA256, selector, service_url
+from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.planning import sizing
-from kvpilot.operator.planning.planner import Plan
 
 CONDITION_TYPES = ("Planned", "Progressing", "Ready", "Degraded")
 

@@ -15,9 +15,9 @@ import json
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.operator.api.names import PORT
+from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.planning.gpus import find_gpu
-from kvpilot.operator.planning.planner import Plan
 
 # The n-gram lengths our engine proposes with, so that both runtimes speculate alike.
 NGRAM_MAX = int(EngineConfig.model_fields["ngram_prompt_lookup_max"].default)

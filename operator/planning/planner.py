@@ -19,15 +19,15 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-from pydantic import BaseModel, ConfigDict
-
 from kvpilot.engine.config import SPECULATIVE_MAX_BATCH_SIZE, EngineCapabilities
 from kvpilot.engine.device_profile import DeviceProfile
+from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec, LoadSpec, hub_source
 from kvpilot.operator.planning import cpus, sizing, speculation
+from kvpilot.operator.planning.context import Correction, PlanContext
 from kvpilot.operator.planning.gpus import GPU, GPUS, find_gpu
 from kvpilot.operator.planning.models import MODELS, find_model
-from kvpilot.operator.planning.runtimes import RUNTIMES
+from kvpilot.operator.runtimes import RUNTIMES
 
 # Least lossy first: INT8 weight-only keeps the activations and rounds each weight to one of 256
 # levels, W8A8 rounds the activations too, INT4 has only 16 levels per group of weights.
@@ -58,54 +58,6 @@ VERIFY_OVERHEAD = 1.15
 # Predictions are 95th percentiles (_p95): the tail share and the normal quantile of 0.95.
 P95_TAIL = 0.05
 Z_95 = 1.645
-
-
-class Plan(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    fits: bool
-    failure: str | None = None  # CamelCase code when fits is False; a condition reason
-    reason: str
-    model: str
-    runtime: str = "kvpilot"
-    gpu: str | None = None  # a catalog GPU, or "cpu" (accelerator.type cpu)
-    gpu_count: int = 1  # per replica: the tensor-parallel size
-    device_profile: str | None = None  # a CPU plan's device profile (accelerator.profile)
-    cpus: int = 0  # CPUs a CPU plan's replica requests: the threads its profile was measured with
-    compile_decode: bool = False  # the engine compiles a lone sequence's decode step (CPU plans)
-    quantization: str | None = None
-    speculative: str = "off"
-    draft_model: str | None = None  # serving.draftModel, when the plan runs it
-    num_speculative_tokens: int | None = None
-    # The share of drafts accepted the plan's TPOT assumes, in the engines' unit (status.latency shows the
-    # observed one beside it).
-    assumed_draft_acceptance: float | None = None
-    # The share of prompt tokens the prefill assumes the prefix cache serves (load.prefixShare;
-    # status.planAccuracy shows the observed one beside it).
-    assumed_prefix_share: float = 0.0
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    # Both include the draft model's share when the plan runs one (the engine's own totals).
-    weight_bytes: int = 0
-    kv_bytes_per_token: int = 0  # all KV heads' (each GPU holds 1/gpu_count of them)
-    draft_weight_bytes: int = 0
-    draft_kv_bytes_per_token: int = 0
-    # The model's files as its checkpoint stores them (16-bit, or model.quantization's scheme): what
-    # an hf:// download writes to the pod's disk (a draft's are its 16-bit draft_weight_bytes).
-    checkpoint_bytes: int = 0
-    kv_pool_bytes: int = 0  # all GPUs' of a replica together
-    kv_blocks: int = 0
-    max_model_len: int = 0
-    max_num_seqs: int = 0
-    max_num_batched_tokens: int = 0
-    predicted_batch: float = 0.0
-    predicted_ttft_ms: float = 0.0
-    predicted_tpot_ms: float = 0.0
-    predicted_latency_ms: float = 0.0
-    replicas: int = 0
-    meets_slo: bool = False
-    # One line per choice: model, gpu, quantization, kvCache, batching, speculative, replicas.
-    reasons: dict[str, str] = {}
 
 
 class _Draft(NamedTuple):
@@ -140,15 +92,6 @@ class _Replica(NamedTuple):
     max_num_seqs: int
     draft: _Draft | None
     compiled: bool = False  # a lone sequence's decode step is compiled (compile_decode)
-
-
-class Correction(NamedTuple):
-    """What a service's engines showed of the plan (status.correction): observed / predicted p95
-    TTFT and TPOT, and the draft acceptance per token by speculative mode."""
-
-    ttft: float
-    tpot: float
-    acceptance: tuple[tuple[str, float], ...] = ()
 
 
 class _Perf(NamedTuple):
@@ -251,7 +194,7 @@ def _unsupported_pins(spec: InferenceServiceSpec, capabilities: EngineCapabiliti
         problems.append(f"accelerator.type cpu: {runtime} is planned on GPUs only; runtime kvpilot serves on CPUs")
     count = spec.accelerator.count
     if count is not None and count not in capabilities.tensor_parallel_sizes:
-        others = [n for n, c in RUNTIMES.items() if count in c.tensor_parallel_sizes]
+        others = [n for n, r in RUNTIMES.items() if count in r.capabilities.tensor_parallel_sizes]
         problems.append(
             f"accelerator.count {count}: {runtime} runs {_listed(map(str, capabilities.tensor_parallel_sizes))} "
             "GPU(s) per replica" + (f"; runtime: {others[0]} runs tensor parallelism over {count}" if others else "")
@@ -1156,7 +1099,7 @@ def _tp_reason(spec: InferenceServiceSpec, chosen: Plan, smaller: Sequence[Plan]
     tp = chosen.gpu_count
     if spec.accelerator.count:
         return f"{tp}: set in the spec (accelerator.count)"
-    sizes = ", ".join(map(str, RUNTIMES[spec.runtime].tensor_parallel_sizes))
+    sizes = ", ".join(map(str, RUNTIMES[spec.runtime].capabilities.tensor_parallel_sizes))
     why = "fits and meets the SLO" if chosen.meets_slo else "fits"
     text = f"{tp}: the smallest of runtime {spec.runtime}'s sizes ({sizes}) on {chosen.gpu} that {why}"
     if tp > 1:
@@ -1218,22 +1161,10 @@ def _options(
     return options, ruled_out
 
 
-def plan(
-    spec: InferenceServiceSpec,
-    available_gpus: Iterable[str] = (),
-    capabilities: EngineCapabilities | None = None,
-    gpus_per_node: Mapping[str, int] | None = None,
-    device_profiles: Mapping[str, DeviceProfile | str] | None = None,
-    correction: Correction | None = None,
-) -> Plan:
-    """Plan serving `spec` on its runtime (or one with `capabilities`); `available_gpus` are node GPU
-    products, used when no type is set; `gpus_per_node` the most GPUs one node of a product (or
-    catalog name) carries, which bounds tensor parallelism (else the catalog's figure);
-    `device_profiles` the CPU profiles beside the built-in ones (or why one cannot be read);
-    `correction` the (TTFT, TPOT) factors the service's engines ran slower than predicted by, which
-    the replicas are chosen with (GPU.ttft_factor), and the draft acceptance they reported, which
-    predictions of that speculative mode use (and serving.speculative auto weighs against off)."""
-    capabilities = capabilities or RUNTIMES[spec.runtime]
+def plan_with(spec: InferenceServiceSpec, context: PlanContext) -> Plan:
+    available_gpus, capabilities = context.available_gpus, context.capabilities
+    gpus_per_node, device_profiles, correction = context.gpus_per_node, context.device_profiles, context.correction
+    capabilities = capabilities or RUNTIMES[spec.runtime].capabilities
     unsupported = _unsupported_pins(spec, capabilities)
     if unsupported:
         # No GPU or model changes what the runtime can run: say so before anything else.

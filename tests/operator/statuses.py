@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import status
-from kvpilot.operator.planning.planner import Plan
 
 WRITTEN_AT = datetime(2025, 1, 1, tzinfo=UTC)
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from kvpilot.operator import cli
+from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.controller import render
-from kvpilot.operator.planning.planner import Plan
 
 
 def parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ import sysconfig
 import venv
 from pathlib import Path
 
-from kvpilot.operator.planning.runtimes import VLLM_VERSION
+from kvpilot.operator.runtimes.vllm import VLLM_VERSION
 
 REQUIREMENTS = Path(__file__).with_name("requirements.txt")
 CACHE_ROOT = Path(

@@ -21,7 +21,7 @@ from kvpilot.operator.autoscaling.accuracy import SUSTAIN_PERIODS, accuracy_patc
 from kvpilot.operator.autoscaling.decisions import Signals
 from kvpilot.operator.controller.reconcile import last_good, planned_fields
 from kvpilot.operator.planning.gpus import GPUS
-from kvpilot.operator.planning.planner import plan
+from kvpilot.operator.planning.plan import plan
 from tests.operator.statuses import reconciled
 
 CRDS = Path(__file__).resolve().parents[3] / "crds"

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from kvpilot.engine.cli import build_parser
 from kvpilot.operator.api.spec import SOURCE_PATTERN, InferenceServiceSpec
 from kvpilot.operator.controller import render
-from kvpilot.operator.planning.planner import plan
+from kvpilot.operator.planning.plan import plan
 
 UID = "0b7c6e1e-0000-4000-8000-000000000002"
 CRD = Path(__file__).resolve().parents[3] / "crds" / "inferenceservice.yaml"

@@ -33,7 +33,7 @@ from kvpilot.operator.autoscaling.metrics import EngineReading, parse
 from kvpilot.operator.controller import status
 from kvpilot.operator.kube.indexes import children, current_replicas, index_entry
 from kvpilot.operator.kube.merge_patch import as_merge_patch, merge_patch
-from kvpilot.operator.planning.planner import plan
+from kvpilot.operator.planning.plan import PlanContext, plan
 from tests.operator.autoscaling.test_decisions import Pod
 from tests.operator.autoscaling.test_loop_io import with_session
 from tests.operator.controller.test_reconcile import apply_merge_patch
@@ -363,7 +363,7 @@ def test_event_for_a_change() -> None:
 def test_a_reconcile_keeps_what_the_loop_wrote() -> None:
     """The reconcile writes the whole status as a merge patch, which removes what it does not list."""
     spec = InferenceServiceSpec.model_validate({"model": {"name": "llama-2-7b"}, "accelerator": {"type": "L4"}})
-    result = plan(spec, [])
+    result = plan(spec, PlanContext())
     looped = {
         "autoscaler": {"lastDecision": {"action": "hold"}, "state": {"window": []}},
         "latency": {"ttftP95Ms": 812.5, "tpotP95Ms": 31.0, "source": "observed"},
@@ -385,7 +385,7 @@ def test_a_reconcile_keeps_plan_accurate_for_the_plan_it_was_judged_against() ->
     whole status and the whole conditions list, keeps them for the same predictions (stamped with
     its generation), and starts them again (Unknown) for a plan that predicts other latencies."""
     spec = InferenceServiceSpec.model_validate({"model": {"name": "llama-2-7b"}, "accelerator": {"type": "L4"}})
-    result = plan(spec, [])
+    result = plan(spec, PlanContext())
 
     first = reconciled(spec, result)
     assert "PlanAccurate" not in {c["type"] for c in first["conditions"]}  # the loop writes it

@@ -13,7 +13,7 @@ from kvpilot.operator.api import names
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import handlers, render
 from kvpilot.operator.controller.reconcile import reconcile, refresh
-from kvpilot.operator.planning.planner import plan
+from kvpilot.operator.planning.plan import plan
 from tests.operator.controller.test_reconcile import (
     NOW,
     OPERATOR_NAMESPACE,

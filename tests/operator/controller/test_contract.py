@@ -24,6 +24,7 @@ from kvpilot.engine.cli import (
 )
 from kvpilot.engine.config import CAPABILITIES, EngineConfig
 from kvpilot.operator.api import names
+from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import (
     InferenceServiceSpec,
     Quantization,
@@ -33,7 +34,7 @@ from kvpilot.operator.api.spec import (
 from kvpilot.operator.controller import render
 from kvpilot.operator.planning.gpus import GPUS
 from kvpilot.operator.planning.models import MODELS
-from kvpilot.operator.planning.planner import Plan, plan
+from kvpilot.operator.planning.plan import plan
 
 PARSER = build_parser("serve")
 DOWNLOAD = build_parser("download")

@@ -8,7 +8,7 @@ from typing import Any
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import correction
 from kvpilot.operator.controller.reconcile import reconcile
-from kvpilot.operator.planning.planner import plan
+from kvpilot.operator.planning.plan import PlanContext, plan
 from tests.operator.controller.test_reconcile import NOW, FakeCluster, body
 
 SPEC: dict[str, Any] = {
@@ -39,7 +39,7 @@ def test_a_sustained_miss_becomes_the_factors_and_their_replicas() -> None:
     s = spec()
     found = correction.correction(verdict("False", 3.0, 2.5), s)
     assert found is not None and (found["ttft"], found["tpot"]) == (3.0, 2.5) and found["basis"] == correction.basis(s)
-    plain, corrected = plan(s), plan(s, correction=correction.factors(found))
+    plain, corrected = plan(s), plan(s, PlanContext(correction=correction.factors(found)))
     assert corrected.replicas > plain.replicas
     assert "TTFT x3.00, TPOT x2.50 (status.correction)" in corrected.reasons["replicas"]
     # The predictions stay the model's, at the replicas chosen: observed / predicted keeps
@@ -127,12 +127,12 @@ def test_an_observed_acceptance_that_makes_speculation_worse_turns_auto_off() ->
     )
     assumed = plan(s)
     assert assumed.speculative == "ngram" and assumed.assumed_draft_acceptance == 0.29
-    low = plan(s, correction=correction.Correction(1.0, 1.0, (("ngram", 0.02),)))
+    low = plan(s, PlanContext(correction=correction.Correction(1.0, 1.0, (("ngram", 0.02),))))
     assert low.speculative == "off" and low.assumed_draft_acceptance is None
     assert "with the acceptance its engines reported, 0.02 of drafts" in low.reasons["speculative"]
     assert low.predicted_tpot_ms <= assumed.predicted_tpot_ms * 2
     # Drafts accepted as often as assumed or more keep n-gram, predicted with the observed figure.
-    high = plan(s, correction=correction.Correction(1.0, 1.0, (("ngram", 0.8),)))
+    high = plan(s, PlanContext(correction=correction.Correction(1.0, 1.0, (("ngram", 0.8),))))
     assert high.speculative == "ngram" and high.assumed_draft_acceptance == 0.8
     assert high.predicted_tpot_ms < assumed.predicted_tpot_ms
     # A pinned mode stays, predicted with what its engines reported.
@@ -141,6 +141,6 @@ def test_an_observed_acceptance_that_makes_speculation_worse_turns_auto_off() ->
         slo={"ttftP95Ms": 2000, "tpotP95Ms": 100},
         load=s.load.model_dump(by_alias=True),
     )
-    kept = plan(pinned, correction=correction.Correction(1.0, 1.0, (("ngram", 0.02),)))
+    kept = plan(pinned, PlanContext(correction=correction.Correction(1.0, 1.0, (("ngram", 0.02),))))
     assert kept.speculative == "ngram" and kept.assumed_draft_acceptance == 0.02
     assert kept.predicted_tpot_ms > plan(pinned).predicted_tpot_ms

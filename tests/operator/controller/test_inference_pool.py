@@ -4,7 +4,7 @@ from kvpilot.operator.api import names
 from kvpilot.operator.api.spec import EndpointPickerSpec, InferenceServiceSpec
 from kvpilot.operator.controller import render
 from kvpilot.operator.controller.inference_pool import API_VERSION, KIND, inference_pool
-from kvpilot.operator.planning.planner import plan
+from kvpilot.operator.planning.plan import plan
 
 PICKER = EndpointPickerSpec()
 UID = "0b7c6e1e-0000-4000-8000-000000000002"

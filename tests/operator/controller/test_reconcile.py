@@ -33,7 +33,7 @@ from kvpilot.operator.controller.serial import Reconciles
 from kvpilot.operator.kube.cluster import WriteConflict, WriteRefused, describe
 from kvpilot.operator.kube.indexes import index_entry
 from kvpilot.operator.kube.merge_patch import merge_patch
-from kvpilot.operator.planning.planner import plan
+from kvpilot.operator.planning.plan import plan
 
 NOW = datetime(2025, 1, 1, tzinfo=UTC)
 Key = tuple[str, str, str]

@@ -9,7 +9,7 @@ from kvpilot.engine.config import EngineCapabilities
 from kvpilot.operator.api import names
 from kvpilot.operator.api.spec import InferencePoolSpec, InferenceServiceSpec
 from kvpilot.operator.controller import render
-from kvpilot.operator.planning.planner import plan
+from kvpilot.operator.planning.plan import PlanContext, plan
 
 UID = "0b7c6e1e-0000-4000-8000-000000000001"
 CHART = Path(__file__).resolve().parents[3] / "helm" / "kvpilot" / "Chart.yaml"
@@ -70,7 +70,7 @@ def test_a_plan_the_engine_cannot_run_is_refused_not_rendered(fuller: EngineCapa
     # Only a planner given a fuller engine than this one makes such a plan (W8A8 on a GPU: this
     # engine runs it on CPUs only); rendering it would give a pod that exits at start, so it raises.
     s = spec(serving={"quantization": "w8a8"})
-    p = plan(s, capabilities=fuller)
+    p = plan(s, PlanContext(capabilities=fuller))
     assert p.fits and p.quantization == "w8a8"
     with pytest.raises(ValueError, match="runs on CPUs only"):
         render.deployment("chat", "ml", UID, s, p)

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from kvpilot.engine.cli import build_parser, engine_config_from_args
+from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import render
-from kvpilot.operator.planning.planner import Plan
 
 MODEL = "SmolLM2-135M-Instruct"
 HUB = "hf://HuggingFaceTB/SmolLM2-135M-Instruct"

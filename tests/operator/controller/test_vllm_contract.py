@@ -17,12 +17,13 @@ from itertools import product
 from typing import Any
 
 from kvpilot.operator.api import names
+from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import render
 from kvpilot.operator.planning.gpus import GPUS, find_gpu
 from kvpilot.operator.planning.models import MODELS
-from kvpilot.operator.planning.planner import Plan, plan
-from kvpilot.operator.planning.runtimes import VLLM_CAPABILITIES
+from kvpilot.operator.planning.plan import plan
+from kvpilot.operator.runtimes.vllm import VLLM_CAPABILITIES
 from tests.vllm import env
 from tests.vllm.model_configs import config_json, eagle_head
 

@@ -13,7 +13,7 @@ from kvpilot.operator.controller import render
 from kvpilot.operator.controller.reconcile import device_profiles
 from kvpilot.operator.planning import cpus, sizing
 from kvpilot.operator.planning.models import find_model
-from kvpilot.operator.planning.planner import plan
+from kvpilot.operator.planning.plan import PlanContext, plan
 from tests.operator.planning.profiles import faster
 
 BUILTIN = "amd-epyc-zen5-2c"
@@ -106,7 +106,9 @@ def test_a_step_curve_that_falls_is_planned_as_its_non_decreasing_fit() -> None:
     )
     context = round(one.context_tokens)
     load = {"requestsPerSecond": 0.001, "meanPromptTokens": context - 8, "meanOutputTokens": 16}
-    p = plan(spec("falling", load=load, serving={"quantization": "none"}), device_profiles={"falling": profile})
+    p = plan(
+        spec("falling", load=load, serving={"quantization": "none"}), PlanContext(device_profiles={"falling": profile})
+    )
     assert p.predicted_tpot_ms == pytest.approx(pooled * 1000, rel=0.03, abs=1)
 
 
@@ -129,7 +131,7 @@ def test_a_longer_context_costs_the_attention_the_profile_measured() -> None:
 def test_a_faster_profile_predicts_faster_steps_and_needs_fewer_replicas() -> None:
     fast = faster(builtin(), "fast", 4)
     s, f = spec(load={"requestsPerSecond": 6}), spec("fast", load={"requestsPerSecond": 6})
-    slow_plan, fast_plan = plan(s), plan(f, device_profiles={"fast": fast})
+    slow_plan, fast_plan = plan(s), plan(f, PlanContext(device_profiles={"fast": fast}))
     assert slow_plan.fits and fast_plan.fits
     assert fast_plan.predicted_tpot_ms < slow_plan.predicted_tpot_ms / 2
     assert fast_plan.replicas < slow_plan.replicas
@@ -145,7 +147,7 @@ def test_an_fp32_cpu_holds_weights_and_kv_in_four_bytes() -> None:
     fp32 = builtin().model_copy(
         update={"name": "fp32", "engine": builtin().engine.model_copy(update={"dtype": "float32"})}  # type: ignore[union-attr]
     )
-    bf16, wide = plan(spec()), plan(spec("fp32"), device_profiles={"fp32": fp32})
+    bf16, wide = plan(spec()), plan(spec("fp32"), PlanContext(device_profiles={"fp32": fp32}))
     assert wide.weight_bytes == 2 * bf16.weight_bytes and wide.kv_bytes_per_token == 2 * bf16.kv_bytes_per_token
 
 
@@ -156,7 +158,10 @@ def test_a_draft_model_is_held_as_the_cpu_engine_holds_it() -> None:
         update={"name": "fp32", "engine": builtin().engine.model_copy(update={"dtype": "float32"})}  # type: ignore[union-attr]
     )
     drafted = {"speculative": "draft", "draftModel": "hf://HuggingFaceTB/SmolLM2-135M-Instruct", "quantization": "int4"}
-    bf16, wide = plan(spec(serving=drafted)), plan(spec("fp32", serving=drafted), device_profiles={"fp32": fp32})
+    bf16, wide = (
+        plan(spec(serving=drafted)),
+        plan(spec("fp32", serving=drafted), PlanContext(device_profiles={"fp32": fp32})),
+    )
     assert bf16.fits and bf16.speculative == "draft", bf16.reason
     arch = find_model(MODEL)
     assert arch is not None and arch.tie_word_embeddings
@@ -176,11 +181,15 @@ def _without(scheme: str) -> DeviceProfile:
 def test_a_scheme_is_tried_only_on_a_cpu_whose_profile_measured_its_steps() -> None:
     s = spec(serving={"quantization": "auto"})
     assert "not tried: fp8, which" in plan(s).reasons["quantization"]
-    partial = plan(spec("partial", serving={"quantization": "auto"}), device_profiles={"partial": _without("w8a8")})
+    partial = plan(
+        spec("partial", serving={"quantization": "auto"}), PlanContext(device_profiles={"partial": _without("w8a8")})
+    )
     assert "not tried: fp8, w8a8" in partial.reasons["quantization"]
     pinned = plan(spec(serving={"quantization": "w8a8"}))
     assert pinned.fits and pinned.quantization == "w8a8"
-    unmeasured = plan(spec("partial", serving={"quantization": "int4"}), device_profiles={"partial": _without("int4")})
+    unmeasured = plan(
+        spec("partial", serving={"quantization": "int4"}), PlanContext(device_profiles={"partial": _without("int4")})
+    )
     assert unmeasured.failure == "InvalidDeviceProfile"
     assert "has no engine steps with quantization int4 (measured: none, int8, w8a8)" in unmeasured.reason
 
@@ -203,9 +212,9 @@ def test_profiles_that_cannot_plan_say_why() -> None:
     unknown = plan(spec("nowhere"))
     assert unknown.failure == "UnknownDeviceProfile" and BUILTIN in unknown.reason and "ConfigMap" in unknown.reason
     unmeasured = builtin().model_copy(update={"engine": None, "engine_skipped": "no embedded model"})
-    broken = plan(spec("bare"), device_profiles={"bare": unmeasured})
+    broken = plan(spec("bare"), PlanContext(device_profiles={"bare": unmeasured}))
     assert broken.failure == "InvalidDeviceProfile" and "no embedded model" in broken.reason
-    told = plan(spec("told"), device_profiles={"told": "ConfigMap kvpilot/told has no profile.json key"})
+    told = plan(spec("told"), PlanContext(device_profiles={"told": "ConfigMap kvpilot/told has no profile.json key"}))
     assert told.failure == "InvalidDeviceProfile" and "has no profile.json" in told.reason
     vllm = plan(spec(runtime="vllm"))
     assert vllm.failure == "UnsupportedByRuntime" and "runtime kvpilot serves on CPUs" in vllm.reason
@@ -227,7 +236,7 @@ def test_the_operator_reads_a_profile_configmap_in_its_namespace() -> None:
     mine = faster(builtin(), "node-pool-a", 2)
     found = device_profiles(spec("node-pool-a"), _ConfigMaps({"profile.json": mine.to_json()}), "kvpilot")  # type: ignore[arg-type]
     assert found == {"node-pool-a": mine}
-    assert plan(spec("node-pool-a"), device_profiles=found).device_profile == "node-pool-a"
+    assert plan(spec("node-pool-a"), PlanContext(device_profiles=found)).device_profile == "node-pool-a"
     bad = device_profiles(spec("node-pool-a"), _ConfigMaps({"profile.json": "{}"}), "kvpilot")  # type: ignore[arg-type]
     assert "is not valid" in str(bad["node-pool-a"]) and "memory_bandwidth_bytes_per_s" in str(bad["node-pool-a"])
     keyless = device_profiles(spec("node-pool-a"), _ConfigMaps({"other": "x"}), "kvpilot")  # type: ignore[arg-type]
@@ -254,8 +263,8 @@ def test_compiled_decoding_is_rendered_where_the_plan_tpot_needs_it() -> None:
     eager_ms = _steps(builtin(), "none").decode[0].seconds * 1000
     tight = {"load": {"requestsPerSecond": 0.2, "meanPromptTokens": 60, "meanOutputTokens": 64}}
     s = spec("compiled", slo={"tpotP95Ms": round(eager_ms * 0.9)}, serving={"quantization": "none"}, **tight)
-    compiled = plan(s, device_profiles={"compiled": _compiled(eager_ms * 0.6 / 1000)})
-    eager = plan(s, device_profiles={"compiled": _compiled(None)})
+    compiled = plan(s, PlanContext(device_profiles={"compiled": _compiled(eager_ms * 0.6 / 1000)}))
+    eager = plan(s, PlanContext(device_profiles={"compiled": _compiled(None)}))
     assert compiled.compile_decode and compiled.meets_slo and not eager.meets_slo
     assert compiled.replicas < eager.replicas
     assert "x0.60 of the eager one" in compiled.reasons["compiledDecode"], compiled.reasons
@@ -266,10 +275,10 @@ def test_compiled_decoding_is_rendered_where_the_plan_tpot_needs_it() -> None:
     # Not where eager steps meet the SLO, nor without the profile's measurement.
     loose = plan(
         spec("compiled", serving={"quantization": "none"}, **tight),
-        device_profiles={"compiled": _compiled(eager_ms * 0.6 / 1000)},
+        PlanContext(device_profiles={"compiled": _compiled(eager_ms * 0.6 / 1000)}),
     )
     assert not loose.compile_decode and "compiledDecode" not in loose.reasons
-    unmeasured = plan(s, device_profiles={"compiled": _compiled(None)})
+    unmeasured = plan(s, PlanContext(device_profiles={"compiled": _compiled(None)}))
     assert not unmeasured.compile_decode and "--compile-decode" not in render.engine_args(s, unmeasured, MODEL)
 
 
@@ -281,8 +290,8 @@ def test_compiled_decoding_counts_the_plain_weights_its_graph_reads_and_is_left_
     tight = {"load": {"requestsPerSecond": 0.2, "meanPromptTokens": 60, "meanOutputTokens": 64}}
     s = spec("compiled", slo={"tpotP95Ms": round(eager_ms * 0.9)}, serving={"quantization": "none"}, **tight)
     profile = _compiled(eager_ms * 0.6 / 1000)
-    compiled = plan(s, device_profiles={"compiled": profile})
-    eager = plan(s, device_profiles={"compiled": _compiled(None)})
+    compiled = plan(s, PlanContext(device_profiles={"compiled": profile}))
+    eager = plan(s, PlanContext(device_profiles={"compiled": _compiled(None)}))
     arch, bpv = find_model(MODEL), 2
     plain = sizing.weight_bytes(arch, "none", True, bpv, True, True) - sizing.weight_bytes(
         arch, "none", True, bpv, True
@@ -297,7 +306,7 @@ def test_compiled_decoding_counts_the_plain_weights_its_graph_reads_and_is_left_
     reserve = sizing.runtime_reserve_bytes(arch, compiled.max_num_batched_tokens)
     needed = eager.weight_bytes + compiled.kv_pool_bytes + reserve + plain // 2
     small = profile.model_copy(update={"memory_bytes": int(needed / s.serving.gpu_memory_utilization)})
-    cramped = plan(s, device_profiles={"compiled": small})
+    cramped = plan(s, PlanContext(device_profiles={"compiled": small}))
     assert cramped.fits and not cramped.compile_decode and cramped.weight_bytes == eager.weight_bytes
     assert "--compile-decode" not in render.engine_args(s, cramped, MODEL)
     assert cramped.reasons["compiledDecode"].startswith("off: a lone sequence's step x0.60"), cramped.reasons
@@ -334,7 +343,10 @@ def test_an_engine_that_packs_for_onednn_holds_a_tied_head_twice_and_reads_it_on
     }
     for scheme, extra in (("none", copy), ("int4", 0)):  # a quantized head is not packed
         plain, twice = (
-            plan(spec(name, load={"requestsPerSecond": 4}, serving={"quantization": scheme}), device_profiles=profiles)
+            plan(
+                spec(name, load={"requestsPerSecond": 4}, serving={"quantization": scheme}),
+                PlanContext(device_profiles=profiles),
+            )
             for name in ("plain", "packed")
         )
         assert twice.weight_bytes - plain.weight_bytes == extra, scheme

@@ -11,11 +11,12 @@ import pytest
 from pydantic import ValidationError
 
 from kvpilot.engine.cli import build_parser, engine_config_from_args
+from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import render
 from kvpilot.operator.planning import planner, sizing
 from kvpilot.operator.planning.models import MODELS
-from kvpilot.operator.planning.planner import Plan, plan
+from kvpilot.operator.planning.plan import plan
 
 UID = "0b7c6e1e-0000-4000-8000-000000000003"
 TINYLLAMA = "hf://TinyLlama/TinyLlama-1.1B-Chat-v1.0"

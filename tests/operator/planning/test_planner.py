@@ -3,9 +3,11 @@ from typing import Any, get_args
 import pytest
 
 from kvpilot.engine.config import CAPABILITIES, EngineCapabilities
+from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec, Quantization, Speculative
 from kvpilot.operator.planning import planner
-from kvpilot.operator.planning.planner import Plan, choose_speculative, plan
+from kvpilot.operator.planning.plan import PlanContext, plan
+from kvpilot.operator.planning.planner import choose_speculative
 
 GiB = 1024**3
 
@@ -58,14 +60,16 @@ def test_full_memory_without_reserve_fits_4_sequences_not_the_textbook_5(monkeyp
 def test_70b_on_one_80gb_gpu_gets_int4_when_int8_leaves_too_little_kv(fuller: EngineCapabilities) -> None:
     result = plan(
         spec("llama-2-70b", "H100-80GB", autoscaling={"maxReplicas": 1}, load={"requestsPerSecond": 4}),
-        capabilities=fuller,
+        PlanContext(capabilities=fuller),
     )
     assert result.fits and result.quantization == "int4"
     reason = result.reasons["quantization"]
     assert "none" in reason and "128.5 GiB" in reason  # FP16 weights cannot fit 80 GiB
     assert "int8" in reason and "only 31 fit" in reason  # INT8 leaves room for 31 mean-context sequences
     assert (
-        plan(spec("llama-2-70b", "H100-80GB", autoscaling={"maxReplicas": 1}), capabilities=fuller).quantization
+        plan(
+            spec("llama-2-70b", "H100-80GB", autoscaling={"maxReplicas": 1}), PlanContext(capabilities=fuller)
+        ).quantization
         == "int8"
     )
     assert round(result.weight_bytes / GiB, 1) == 40.6  # test_sizing: INT4 group 32, embedding and head wide
@@ -73,7 +77,7 @@ def test_70b_on_one_80gb_gpu_gets_int4_when_int8_leaves_too_little_kv(fuller: En
 
 
 def test_70b_on_a_24gb_gpu_is_a_clear_no_fit_with_numbers(fuller: EngineCapabilities) -> None:
-    result = plan(spec("llama-3-70b", "A10G"), capabilities=fuller)
+    result = plan(spec("llama-3-70b", "A10G"), PlanContext(capabilities=fuller))
     assert not result.fits
     assert result.failure == "WeightsDoNotFit"
     assert result.quantization == "int4"  # even the smallest scheme was tried
@@ -91,7 +95,7 @@ def test_tight_slo_on_slow_gpu_picks_a_quantized_scheme(fuller: EngineCapabiliti
     # FP16 Llama-2-7B decodes at ~28 ms/token on an A10G; a 20 ms TPOT SLO needs fewer bytes.
     result = plan(
         spec(slo={"tpotP95Ms": 20}, serving={"speculative": "off"}, load={"requestsPerSecond": 0.1}),
-        capabilities=fuller,
+        PlanContext(capabilities=fuller),
     )
     assert result.quantization in ("int8", "w8a8", "int4")
     assert result.predicted_tpot_ms <= 20
@@ -99,7 +103,7 @@ def test_tight_slo_on_slow_gpu_picks_a_quantized_scheme(fuller: EngineCapabiliti
 
 
 def test_explicit_quantization_is_respected(fuller: EngineCapabilities) -> None:
-    result = plan(spec(gpu="H100-80GB", serving={"quantization": "int4"}), capabilities=fuller)
+    result = plan(spec(gpu="H100-80GB", serving={"quantization": "int4"}), PlanContext(capabilities=fuller))
     assert result.quantization == "int4"
     assert result.reasons["quantization"] == "int4: set in the spec"
 
@@ -141,7 +145,9 @@ def test_speculation_off_at_high_temperature_or_ttft_bound_and_draft_when_given(
 
 
 def test_plan_turns_speculation_on_at_low_load_and_off_at_high_load(fuller: EngineCapabilities) -> None:
-    light = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0}), capabilities=fuller)
+    light = plan(
+        spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0}), PlanContext(capabilities=fuller)
+    )
     assert light.speculative == "ngram" and light.num_speculative_tokens == 4
     assert light.predicted_batch < planner.SPECULATION_MAX_BATCH
     heavy = plan(
@@ -151,7 +157,7 @@ def test_plan_turns_speculation_on_at_low_load_and_off_at_high_load(fuller: Engi
             serving={"maxContextLength": 1024},
             autoscaling={"maxReplicas": 1},
         ),
-        capabilities=fuller,
+        PlanContext(capabilities=fuller),
     )
     assert heavy.speculative == "off"
     assert heavy.predicted_batch > 32
@@ -186,13 +192,15 @@ def test_unknown_model_unknown_gpu_and_bad_inputs_are_results_not_exceptions() -
 def test_context_leaving_room_for_no_sequence_is_a_no_fit(fuller: EngineCapabilities) -> None:
     # Mixtral-8x7B's INT4 weights (27.4 GiB) fit in 80 % of an A100-40GB (32 GiB), but one
     # 32k-token sequence (0.125 MiB/token x 32768 = 4 GiB of KV) does not fit in what is left.
-    result = plan(spec("mixtral-8x7b", "A100-40GB", serving={"gpuMemoryUtilization": 0.8}), capabilities=fuller)
+    result = plan(
+        spec("mixtral-8x7b", "A100-40GB", serving={"gpuMemoryUtilization": 0.8}), PlanContext(capabilities=fuller)
+    )
     assert not result.fits and result.failure == "ContextDoesNotFit"
     assert result.quantization == "int4"
     assert "one 32768-token sequence needs 4.0 GiB of KV cache" in result.reason
     shorter = plan(
         spec("mixtral-8x7b", "A100-40GB", serving={"gpuMemoryUtilization": 0.8, "maxContextLength": 8192}),
-        capabilities=fuller,
+        PlanContext(capabilities=fuller),
     )
     assert shorter.fits and shorter.quantization == "int4"
 
@@ -219,9 +227,9 @@ def test_explicit_architecture_wins_over_the_catalog() -> None:
 
 def test_unset_gpu_picks_the_smallest_node_gpu_that_works(fuller: EngineCapabilities) -> None:
     choices = ["NVIDIA-H100-80GB-HBM3", "NVIDIA-A10G", "some-unknown-gpu"]
-    small = plan(spec(gpu=None), available_gpus=choices, capabilities=fuller)
+    small = plan(spec(gpu=None), PlanContext(available_gpus=tuple(choices), capabilities=fuller))
     assert small.gpu == "A10G" and small.meets_slo
-    big = plan(spec("llama-2-70b", gpu=None), available_gpus=choices, capabilities=fuller)
+    big = plan(spec("llama-2-70b", gpu=None), PlanContext(available_gpus=tuple(choices), capabilities=fuller))
     assert big.gpu == "H100-80GB"
     assert "smallest of the nodes' GPUs (A10G, H100-80GB)" in big.reasons["gpu"]
 
@@ -267,7 +275,7 @@ SEARCHING = [
 
 @pytest.mark.parametrize("body", SEARCHING, ids=["70b-h100", "tight-tpot", "idle-h100", "draft"])
 def test_auto_chooses_only_what_the_engine_declares(body: InferenceServiceSpec, fuller: EngineCapabilities) -> None:
-    searched = plan(body, capabilities=fuller)
+    searched = plan(body, PlanContext(capabilities=fuller))
     assert (searched.quantization, searched.speculative) != ("none", "off")  # a real search
     result = plan(body)
     assert result.quantization in CAPABILITIES.quantization
@@ -277,14 +285,16 @@ def test_auto_chooses_only_what_the_engine_declares(body: InferenceServiceSpec, 
 
 def test_reasons_say_which_options_the_engine_lacks() -> None:
     minimal = EngineCapabilities(quantization=("none",), speculative=("off",), dtypes=("auto",))
-    idle = plan(spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0}), capabilities=minimal)
+    idle = plan(
+        spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0}), PlanContext(capabilities=minimal)
+    )
     assert (idle.quantization, idle.speculative) == ("none", "off")
     assert idle.reasons["speculative"] == "off: this runtime runs no speculative mode (supported: off)"
     assert idle.reasons["quantization"].endswith(
         "not tried: int8, fp8, w8a8, int4, which runtime kvpilot does not apply on load (supported: none)"
     )
     # A 70B model needs INT4 on one 80 GiB GPU: the no-fit says why nothing smaller was tried.
-    big = plan(spec("llama-2-70b", "H100-80GB"), capabilities=minimal)
+    big = plan(spec("llama-2-70b", "H100-80GB"), PlanContext(capabilities=minimal))
     assert (big.fits, big.failure, big.quantization) == (False, "WeightsDoNotFit", "none")
     assert "128.5 GiB" in big.reason and "not tried: int8, fp8, w8a8, int4" in big.reason
     assert big.reason.endswith("runtime: vllm splits a replica over up to 8 GPUs (tensor parallelism)")
@@ -307,12 +317,12 @@ def test_pinning_what_the_engine_does_not_run_is_unsupported_by_engine(field: st
 
 def test_both_unsupported_pins_are_named_and_no_sizeable_scheme_is_a_no_fit() -> None:
     minimal = EngineCapabilities(quantization=("none",), speculative=("off",), dtypes=("auto",))
-    both = plan(spec(serving={"quantization": "int4", "speculative": "ngram"}), capabilities=minimal)
+    both = plan(spec(serving={"quantization": "int4", "speculative": "ngram"}), PlanContext(capabilities=minimal))
     assert both.failure == "UnsupportedByRuntime"
     assert "'int4'" in both.reason and "'ngram'" in both.reason
     # A scheme the engine declares but sizing has no byte count for is never chosen.
     unknown = EngineCapabilities(quantization=("nvfp4",), speculative=("off",), dtypes=("auto",))
-    result = plan(spec(), capabilities=unknown)
+    result = plan(spec(), PlanContext(capabilities=unknown))
     assert result.failure == "UnsupportedByRuntime" and "supported: nvfp4" in result.reason
 
 
@@ -325,12 +335,14 @@ def test_a_checkpoint_stored_quantized_is_planned_as_stored(fuller: EngineCapabi
     stored = {"name": "llama-3-8b", "quantization": "int4"}
     for serving in ({}, {"quantization": "int4"}):
         body = {"model": stored, "accelerator": {"type": "L4"}, "serving": serving}
-        result = plan(InferenceServiceSpec.model_validate(body), capabilities=fuller)
+        result = plan(InferenceServiceSpec.model_validate(body), PlanContext(capabilities=fuller))
         assert result.fits and result.quantization == "int4"
         assert result.reasons["quantization"] == "int4: the checkpoint's own (model.quantization)"
         assert (
             result.weight_bytes
-            == plan(spec("llama-3-8b", "L4", serving={"quantization": "int4"}), capabilities=fuller).weight_bytes
+            == plan(
+                spec("llama-3-8b", "L4", serving={"quantization": "int4"}), PlanContext(capabilities=fuller)
+            ).weight_bytes
         )
         args = engine_args(InferenceServiceSpec.model_validate(body), result, "/models/llama")
         assert args[args.index("--quantization") + 1] == "none"
@@ -338,7 +350,7 @@ def test_a_checkpoint_stored_quantized_is_planned_as_stored(fuller: EngineCapabi
         InferenceServiceSpec.model_validate(
             {"model": stored, "accelerator": {"type": "L4"}, "serving": {"quantization": "int8"}}
         ),
-        capabilities=fuller,
+        PlanContext(capabilities=fuller),
     )
     assert not mismatch.fits and mismatch.failure == "QuantizationMismatch"
     assert "quantized as int4 (model.quantization)" in mismatch.reason and "int8" in mismatch.reason

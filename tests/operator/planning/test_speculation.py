@@ -9,7 +9,7 @@ from kvpilot.engine.config import SPECULATIVE_BACKOFF_STEPS
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller.correction import Correction
 from kvpilot.operator.planning import speculation
-from kvpilot.operator.planning.planner import plan
+from kvpilot.operator.planning.plan import PlanContext, plan
 
 
 @pytest.mark.parametrize("per_token", [0.0, 0.3, 0.5, 0.75, 1.0])
@@ -61,8 +61,8 @@ def test_drafts_mostly_rejected_cost_a_few_verifications_not_one_per_step() -> N
     (within the ~1 % the step model wobbles by between measured batches), not 1.3x it as one
     verification per step would be; drafts kept often make it faster."""
     off = plan(_spec("off"))
-    rejected = plan(_spec("ngram"), correction=Correction(1.0, 1.0, (("ngram", 0.02),)))
-    kept = plan(_spec("ngram"), correction=Correction(1.0, 1.0, (("ngram", 0.8),)))
+    rejected = plan(_spec("ngram"), PlanContext(correction=Correction(1.0, 1.0, (("ngram", 0.02),))))
+    kept = plan(_spec("ngram"), PlanContext(correction=Correction(1.0, 1.0, (("ngram", 0.8),))))
     assert off.fits and rejected.fits and kept.fits
     assert off.predicted_tpot_ms * 0.97 < rejected.predicted_tpot_ms < off.predicted_tpot_ms * 1.1
     assert kept.predicted_tpot_ms < off.predicted_tpot_ms * 0.7

@@ -10,7 +10,7 @@ from kvpilot.operator.controller.vllm_args import vllm_args
 from kvpilot.operator.planning import sizing, speculation
 from kvpilot.operator.planning.gpus import GPUS
 from kvpilot.operator.planning.models import MODELS
-from kvpilot.operator.planning.planner import plan
+from kvpilot.operator.planning.plan import PlanContext, plan
 
 
 def spec(model: str, gpu: str, runtime: str = "vllm", **fields: Any) -> InferenceServiceSpec:
@@ -82,10 +82,10 @@ def test_the_nodes_gpu_count_bounds_the_size_below_the_catalog() -> None:
         {"runtime": "vllm", "model": {"name": "llama-3-70b", "quantization": "awq"}, "accelerator": {"type": "A10G"}}
     )
     assert plan(body).gpu_count == 4
-    narrow = plan(body, gpus_per_node={"NVIDIA-A10G": 2})
+    narrow = plan(body, PlanContext(gpus_per_node={"NVIDIA-A10G": 2}))
     assert not narrow.fits and narrow.gpu_count == 2
     # In 16 bits it needs more than 4: the no-fit says how much, and why not 8.
-    wide = plan(spec("llama-3-70b", "A10G"), gpus_per_node={"NVIDIA-A10G": 4})
+    wide = plan(spec("llama-3-70b", "A10G"), PlanContext(gpus_per_node={"NVIDIA-A10G": 4}))
     assert (wide.fits, wide.failure, wide.gpu_count) == (False, "WeightsDoNotFit", 4)
     assert "4 x A10G" in wide.reason and wide.reason.endswith("TP 8 > the 4 A10G GPUs the cluster's nodes carry")
 

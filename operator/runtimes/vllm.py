@@ -1,14 +1,12 @@
-"""The runtimes an InferenceService can run on, and what each runs (torch-free).
-
-`kvpilot` is this project's engine (its CAPABILITIES, in engine/config.py). `vllm` is vLLM at one
-pinned version in its official image, driven by the same plan through its own flags
+"""vLLM at one pinned version in its official image, driven by the same plan through its own flags
 (controller/vllm_args.py); tests/operator/controller/test_vllm_contract.py parses every rendered
 argv with that version's own parser and config builder.
 """
 
 from __future__ import annotations
 
-from kvpilot.engine.config import CAPABILITIES, EngineCapabilities
+from kvpilot.engine.config import EngineCapabilities
+from kvpilot.operator.runtimes.runtime import Runtime
 
 VLLM_VERSION = "0.33.0"
 VLLM_IMAGE = f"vllm/vllm-openai:v{VLLM_VERSION}"
@@ -32,4 +30,4 @@ VLLM_CAPABILITIES = EngineCapabilities(
     quantized_lm_head=False,
 )
 
-RUNTIMES: dict[str, EngineCapabilities] = {"kvpilot": CAPABILITIES, "vllm": VLLM_CAPABILITIES}
+RUNTIME = Runtime(name="vllm", capabilities=VLLM_CAPABILITIES, image=VLLM_IMAGE)

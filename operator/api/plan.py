@@ -1,0 +1,57 @@
+"""The Plan: what the planner decided for one InferenceService, the one input of rendering.
+
+A data type only (operator/planning/ makes it): the runtimes render their argv from it and the
+status shows its camelCase view (controller/status.py), so it lives beside the spec.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    fits: bool
+    failure: str | None = None  # CamelCase code when fits is False; a condition reason
+    reason: str
+    model: str
+    runtime: str = "kvpilot"
+    gpu: str | None = None  # a catalog GPU, or "cpu" (accelerator.type cpu)
+    gpu_count: int = 1  # per replica: the tensor-parallel size
+    device_profile: str | None = None  # a CPU plan's device profile (accelerator.profile)
+    cpus: int = 0  # CPUs a CPU plan's replica requests: the threads its profile was measured with
+    compile_decode: bool = False  # the engine compiles a lone sequence's decode step (CPU plans)
+    quantization: str | None = None
+    speculative: str = "off"
+    draft_model: str | None = None  # serving.draftModel, when the plan runs it
+    num_speculative_tokens: int | None = None
+    # The share of drafts accepted the plan's TPOT assumes, in the engines' unit (status.latency shows the
+    # observed one beside it).
+    assumed_draft_acceptance: float | None = None
+    # The share of prompt tokens the prefill assumes the prefix cache serves (load.prefixShare;
+    # status.planAccuracy shows the observed one beside it).
+    assumed_prefix_share: float = 0.0
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    # Both include the draft model's share when the plan runs one (the engine's own totals).
+    weight_bytes: int = 0
+    kv_bytes_per_token: int = 0  # all KV heads' (each GPU holds 1/gpu_count of them)
+    draft_weight_bytes: int = 0
+    draft_kv_bytes_per_token: int = 0
+    # The model's files as its checkpoint stores them (16-bit, or model.quantization's scheme): what
+    # an hf:// download writes to the pod's disk (a draft's are its 16-bit draft_weight_bytes).
+    checkpoint_bytes: int = 0
+    kv_pool_bytes: int = 0  # all GPUs' of a replica together
+    kv_blocks: int = 0
+    max_model_len: int = 0
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    predicted_batch: float = 0.0
+    predicted_ttft_ms: float = 0.0
+    predicted_tpot_ms: float = 0.0
+    predicted_latency_ms: float = 0.0
+    replicas: int = 0
+    meets_slo: bool = False
+    # One line per choice: model, gpu, quantization, kvCache, batching, speculative, replicas.
+    reasons: dict[str, str] = {}

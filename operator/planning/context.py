@@ -1,0 +1,35 @@
+"""What a plan is made from besides the spec: the cluster's facts and the service's own record."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvpilot.engine.config import EngineCapabilities
+from kvpilot.engine.device_profile import DeviceProfile
+
+
+class Correction(NamedTuple):
+    """What a service's engines showed of the plan (status.correction): observed / predicted p95
+    TTFT and TPOT, and the draft acceptance per token by speculative mode."""
+
+    ttft: float
+    tpot: float
+    acceptance: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """`available_gpus`: the GPU products the nodes carry, tried when the spec sets no type;
+    `gpus_per_node`: the most GPUs one node of a product (or catalog name) carries, which bounds
+    tensor parallelism (else the catalog's figure); `device_profiles`: the CPU profiles beside the
+    built-in ones (or why one cannot be read); `correction`: what the service's engines showed,
+    which the replicas are chosen with and the draft acceptance predicted with;
+    `capabilities`: another runtime's than the spec's (tests of what a runtime could run)."""
+
+    available_gpus: tuple[str, ...] = ()
+    gpus_per_node: Mapping[str, int] = field(default_factory=dict)
+    device_profiles: Mapping[str, DeviceProfile | str] = field(default_factory=dict)
+    correction: Correction | None = None
+    capabilities: EngineCapabilities | None = None

@@ -59,7 +59,7 @@ def test_download_imports_neither_torch_nor_the_operator() -> None:
 
 
 def test_operator_imports_only_the_engines_contract() -> None:
-    assert {"kvpilot.operator.planning.planner", "kvpilot.operator.controller.handlers"} <= set(OPERATOR_MODULES)
+    assert {"kvpilot.operator.planning.plan", "kvpilot.operator.controller.handlers"} <= set(OPERATOR_MODULES)
     imports = "; ".join(f"import {m}" for m in OPERATOR_MODULES)
     loaded = _imported_after(f"from kvpilot.engine.cli import build_parser; build_parser('plan'); {imports}")
     assert not _top(loaded, HEAVY)

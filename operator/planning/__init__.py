@@ -1,2 +1,3 @@
-"""Planning, pure: GPU and model catalogs, the serving maths (sizing) and the planner that turns a spec
-into a Plan. Depends only on api/ and the engine's contract (kvpilot.engine.config)."""
+"""Planning, pure: GPU and model catalogs, the serving maths (sizing) and the planner (plan.py, with
+memory.py, latency.py and choices.py) that turns a spec into a Plan. Depends only on api/, the
+runtimes' declared capabilities (runtimes/) and the engine's torch-free contract."""

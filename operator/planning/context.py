@@ -19,6 +19,10 @@ class Correction(NamedTuple):
     acceptance: tuple[tuple[str, float], ...] = ()
 
 
+# A service whose engines have shown nothing yet: the model's predictions as they are.
+NO_CORRECTION = Correction(1.0, 1.0)
+
+
 @dataclass(frozen=True)
 class PlanContext:
     """`available_gpus`: the GPU products the nodes carry, tried when the spec sets no type;

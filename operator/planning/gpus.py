@@ -81,13 +81,6 @@ class GPU(BaseModel):
     # did: a tied LM head held twice, and with compiled decoding every plain weight beside its
     # packed copy (sizing.weight_bytes).
     packs_weights: bool = False
-    # How much slower than predicted this device ran one service's engines (observed / predicted
-    # p95, status.correction): the planner multiplies its latencies by them when it chooses replicas.
-    ttft_factor: float = 1.0
-    tpot_factor: float = 1.0
-    # The draft acceptance per token one service's engines reported, by speculative mode
-    # (status.correction): the planner predicts that mode with it instead of the assumed one.
-    observed_acceptance: tuple[tuple[str, float], ...] = ()
 
     @property
     def products(self) -> tuple[str, ...]:

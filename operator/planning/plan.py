@@ -1,14 +1,392 @@
-"""plan(spec, context) -> Plan: the search over devices, quantization schemes and tensor-parallel sizes."""
+"""plan(spec, context) -> Plan: the search over devices, quantization schemes and tensor-parallel sizes.
+
+Pure: the spec, the catalogs, the runtime's declared capabilities (operator/runtimes/) and a
+PlanContext (the GPU products the cluster's nodes carry, CPU profiles, the service's correction) go
+in, a Plan comes out. Only quantization schemes, speculative modes and tensor-parallel sizes the
+runtime declares are ever chosen, so every plan renders into arguments the runtime accepts. Every
+input that cannot be served is a Plan with fits=False, a `failure` code and a one-line reason
+carrying the numbers; nothing here raises for bad input. The options are sized in memory.py, timed
+in latency.py and given their speculation and quantization in choices.py; this module searches
+them in the order of preference and says why the chosen one.
+
+Tensor parallelism: a replica of TP GPUs is planned as one device with TP times the memory,
+bandwidth and throughput of one (the weights and the KV heads split evenly, which the head counts
+dividing by TP guarantees), TP times the runtime reserve (each GPU has its own), and two all-reduces
+of the step's hidden states per layer over the GPUs' link added to every step.
+"""
 
 from __future__ import annotations
 
-from kvpilot.operator.api.plan import Plan
-from kvpilot.operator.api.spec import InferenceServiceSpec
-from kvpilot.operator.planning import planner
-from kvpilot.operator.planning.context import Correction, PlanContext
+import math
+from collections.abc import Iterable, Mapping, Sequence
 
-__all__ = ["Correction", "Plan", "PlanContext", "plan"]
+from kvpilot.engine.config import EngineCapabilities
+from kvpilot.engine.device_profile import DeviceProfile
+from kvpilot.operator.api.plan import Plan
+from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec
+from kvpilot.operator.planning import cpus, sizing
+from kvpilot.operator.planning.choices import (
+    Speculation,
+    choose_speculation,
+    draft_model,
+    quantization_schemes,
+    unsupported_pins,
+)
+from kvpilot.operator.planning.context import NO_CORRECTION, PlanContext
+from kvpilot.operator.planning.gpus import GPU, GPUS, find_gpu
+from kvpilot.operator.planning.latency import Perf, computed_prompt_tokens, draft_acceptance, predict
+from kvpilot.operator.planning.memory import divide_memory, replica_sizes, tp_group
+from kvpilot.operator.planning.models import MODELS, find_model
+from kvpilot.operator.planning.reasons import failed_plan, gib, ms
+from kvpilot.operator.planning.replica import DRAFTED, Inputs
+from kvpilot.operator.runtimes import RUNTIMES
+
+
+def _size(inputs: Inputs, device: tuple[GPU, int], quantization: str) -> Plan:
+    """The plan for one (GPU type, tensor-parallel size, quantization). The runtime splits a draft
+    over the target's GPUs, so a draft whose heads the size does not divide is left out (or, pinned,
+    makes the option fail)."""
+    spec, gpu, tp = inputs.spec, *device
+    draft = inputs.draft.on(gpu) if inputs.draft is not None else None
+    problem = _heads_problem(draft.arch, tp) if draft is not None else None
+    if problem is not None:
+        if spec.serving.speculative in DRAFTED:
+            failed = failed_plan(
+                spec,
+                "NoTensorParallelSize",
+                f"serving.draftModel {draft.source}: {problem}, and the runtime splits the draft over the "  # type: ignore[union-attr]
+                "target's GPUs",
+            )
+            return failed.model_copy(update={"gpu": gpu.name, "quantization": quantization, "gpu_count": tp})
+        draft = None
+    if quantization == "fp8" and not gpu.fp8:
+        return failed_plan(
+            spec,
+            "UnsupportedOnGPU",
+            f"{gpu.name} has no FP8 tensor cores, which quantization fp8 runs on (GPUs with them: "
+            f"{', '.join(g.name for g in GPUS.values() if g.fp8)})",
+            replica_sizes(inputs._replace(draft=None), tp_group(gpu, tp), quantization, 0),
+        )
+    # Sized with the draft when the spec pins a drafted mode; auto adds it only where speculation pays.
+    pinned = draft if spec.serving.speculative in DRAFTED else None
+    memory = divide_memory(inputs._replace(draft=pinned), device, quantization)
+    if isinstance(memory, Plan):
+        return memory.model_copy(update={"gpu_count": tp})
+    return _fitting_plan(spec, choose_speculation(inputs._replace(draft=draft), memory, device))
+
+
+def _replicas_reason(spec: InferenceServiceSpec, chosen: Speculation) -> tuple[str, Perf]:
+    """Why this many replicas, and the latencies the plan predicts at them: the model's own, so
+    that observed / predicted keeps measuring the model even where the replicas were chosen with
+    the observed corrections (a corrected prediction would chase its own correction)."""
+    perf, replicas, replica = chosen.perf, chosen.replicas, chosen.memory.replica
+    rate = spec.load.requests_per_second
+    if chosen.miss is None:
+        reason = (
+            f"{replicas} replica(s) for {rate:g} req/s: {perf.batch:.1f} running "
+            f"sequences each ({replica.max_num_seqs} fit), TTFT {ms(perf.ttft_s)} ms <= "
+            f"{spec.slo.ttft_p95_ms:g} ms, TPOT {ms(perf.tpot_s)} ms <= "
+            f"{spec.slo.tpot_p95_ms:g} ms"
+        )
+    else:
+        reason = f"SLO not met at maxReplicas {replicas} for {rate:g} req/s: {chosen.miss}"
+    if spec.load.prefix_share:
+        reason += (
+            f"; prefill computes {computed_prompt_tokens(spec.load):.0f} of {spec.load.mean_prompt_tokens} prompt "
+            f"tokens (load.prefixShare {spec.load.prefix_share:g}: the rest from the prefix cache)"
+        )
+    correction = replica.correction
+    if (correction.ttft, correction.tpot) == (1.0, 1.0):
+        return reason, perf
+    reason += (
+        f"; latencies corrected by what the engines showed (observed / predicted p95): TTFT x"
+        f"{correction.ttft:.2f}, TPOT x{correction.tpot:.2f} (status.correction)"
+    )
+    model = replica._replace(correction=correction._replace(ttft=1.0, tpot=1.0))
+    return reason, predict(spec, model, replicas, chosen.mode)
+
+
+def _fitting_plan(spec: InferenceServiceSpec, chosen: Speculation) -> Plan:
+    """The Plan of a pair that fits, from its speculation, memory and replicas."""
+    serving, memory, replicas = spec.serving, chosen.memory, chosen.replicas
+    sizes, max_num_seqs = memory.sizes, memory.replica.max_num_seqs
+    replicas_reason, perf = _replicas_reason(spec, chosen)
+    latency = sizing.request_latency(perf.ttft_s, perf.tpot_s, spec.load.mean_output_tokens)
+    finite = math.isfinite(perf.tpot_s)
+    speculating = chosen.mode != "off"
+    return Plan(
+        fits=True,
+        reason=(
+            f"{spec.model.name} on {sizes.gpu} ({sizes.quantization}): {max_num_seqs} sequences of "
+            f"{memory.mean_context} tokens on average (up to {sizes.max_model_len}) in a "
+            f"{gib(sizes.kv_pool_bytes)} GiB KV pool; "
+            + (
+                f"predicted TTFT {ms(perf.ttft_s)} ms, TPOT {ms(perf.tpot_s)} ms at {replicas} replica(s)"
+                if finite
+                else replicas_reason
+            )
+        ),
+        model=spec.model.name,
+        runtime=spec.runtime,
+        gpu_count=memory.replica.tp,
+        speculative=chosen.mode,
+        draft_model=serving.draft_model if chosen.mode in DRAFTED else None,
+        num_speculative_tokens=serving.num_speculative_tokens if speculating else None,
+        compile_decode=memory.replica.compiled,
+        assumed_draft_acceptance=(
+            round(draft_acceptance(memory.replica.correction, chosen.mode, serving.num_speculative_tokens), 4)
+            if speculating
+            else None
+        ),
+        assumed_prefix_share=spec.load.prefix_share,
+        block_size=serving.block_size,
+        gpu_memory_utilization=serving.gpu_memory_utilization,
+        kv_blocks=sizes.kv_pool_bytes // (sizes.kv_bytes_per_token * serving.block_size),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=memory.budget,
+        predicted_batch=round(perf.batch, 2) if finite else 0.0,
+        predicted_ttft_ms=round(perf.ttft_s * 1000, 1) if finite else 0.0,
+        predicted_tpot_ms=round(perf.tpot_s * 1000, 1) if finite else 0.0,
+        predicted_latency_ms=round(latency * 1000, 1) if finite else 0.0,
+        replicas=replicas,
+        meets_slo=chosen.miss is None,
+        reasons={
+            "kvCache": memory.kv_reason,
+            "batching": memory.batching_reason,
+            "speculative": chosen.reason,
+            "replicas": replicas_reason,
+            **({"compiledDecode": chosen.compiled} if chosen.compiled else {}),
+        },
+        **sizes._asdict(),
+    )
+
+
+def _cpu(
+    spec: InferenceServiceSpec, arch: Architecture, profiles: Mapping[str, DeviceProfile | str]
+) -> tuple[GPU, DeviceProfile] | Plan:
+    """The CPU device of accelerator.profile: a built-in profile, else one of `profiles` (the
+    operator's profile ConfigMaps; a string says why one could not be read)."""
+    name = str(spec.accelerator.profile)
+    known = {**cpus.builtin_profiles(), **profiles}
+    profile = known.get(name)
+    if profile is None:
+        return failed_plan(
+            spec,
+            "UnknownDeviceProfile",
+            f"accelerator.profile {name!r} is neither a built-in profile ({', '.join(cpus.builtin_profiles())}) "
+            f"nor a ConfigMap of that name in the operator's namespace with a {cpus.PROFILE_CONFIGMAP_KEY} key",
+        )
+    if isinstance(profile, str):
+        return failed_plan(spec, "InvalidDeviceProfile", profile)
+    device = cpus.cpu_device(profile, arch)
+    if isinstance(device, str):
+        return failed_plan(spec, "InvalidDeviceProfile", device)
+    return device, profile
+
+
+def _devices(
+    spec: InferenceServiceSpec,
+    arch: Architecture,
+    available: Iterable[str],
+    profiles: Mapping[str, DeviceProfile | str],
+) -> tuple[list[GPU], tuple[GPU, DeviceProfile] | None] | Plan:
+    """The devices to try (the CPU of accelerator.profile, else GPUs), and the CPU with its profile
+    for a CPU plan."""
+    cpu = _cpu(spec, arch, profiles) if spec.accelerator.type == CPU_TYPE else None
+    if isinstance(cpu, Plan):
+        return cpu
+    gpus = [cpu[0]] if cpu else _gpus(spec, available)
+    if isinstance(gpus, Plan):
+        return gpus
+    return gpus, cpu
+
+
+def _gpus(spec: InferenceServiceSpec, available: Iterable[str]) -> list[GPU] | Plan:
+    wanted = spec.accelerator.type
+    if wanted:
+        gpu = find_gpu(wanted)
+        if gpu is None:
+            return failed_plan(spec, "UnknownGPU", f"GPU type {wanted!r} is not in the catalog ({', '.join(GPUS)})")
+        return [gpu]
+    found = {gpu.name: gpu for gpu in map(find_gpu, available) if gpu is not None}
+    if not found:
+        return failed_plan(
+            spec, "NoGPUType", "spec.accelerator.type is not set and no node carries a known GPU product label"
+        )
+    # Smallest (cheapest) first, so the first that works wastes the least.
+    return sorted(found.values(), key=lambda g: (g.memory_gib, g.bandwidth_gbps))
+
+
+def _architecture(spec: InferenceServiceSpec) -> tuple[Architecture, str] | Plan:
+    """The model's architecture and where it comes from, or why it cannot be planned."""
+    explicit = spec.model.architecture
+    arch = explicit or find_model(spec.model.name)
+    if arch is None:
+        return failed_plan(
+            spec,
+            "UnknownModel",
+            f"model {spec.model.name!r} is not in the catalog ({', '.join(MODELS)}) and "
+            "spec.model.architecture is not set",
+        )
+    problem = sizing.architecture_problem(arch)
+    if problem is not None:
+        where = "spec.model.architecture" if explicit else f"the catalog's {spec.model.name}"
+        return failed_plan(spec, "InvalidArchitecture", f"{where}: {problem}")
+    context = spec.serving.max_context_length or arch.max_context
+    if context > arch.max_context:
+        return failed_plan(
+            spec,
+            "ContextTooLong",
+            f"maxContextLength {context} exceeds {spec.model.name}'s maximum context {arch.max_context}",
+        )
+    return arch, "spec.model.architecture" if explicit else f"catalog ({arch.source})"
+
+
+def _heads_problem(arch: Architecture, tp: int) -> str | None:
+    """Why `tp` GPUs cannot split `arch`'s attention, None when its heads divide evenly."""
+    if arch.attention_heads % tp or arch.kv_heads % tp:
+        return f"TP {tp} does not divide {arch.attention_heads} attention heads and {arch.kv_heads} KV heads"
+    return None
+
+
+def _tensor_parallel_sizes(
+    spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, capabilities: EngineCapabilities, per_node: int | None
+) -> tuple[list[int], str]:
+    """The tensor-parallel sizes to try on `gpu`, smallest first, and what rules the others out:
+    the runtime's sizes (or the pinned accelerator.count), within one node (the most GPUs the
+    cluster's nodes of the type carry, else the catalog's), dividing the heads."""
+    sizes = [spec.accelerator.count] if spec.accelerator.count else list(capabilities.tensor_parallel_sizes)
+    most, where = (per_node, "the cluster's nodes carry") if per_node else (gpu.max_per_node, "a node holds")
+    usable, ruled_out = [], []
+    for tp in sizes:
+        if tp > most:
+            ruled_out.append(f"TP {tp} > the {most} {gpu.name} GPUs {where}")
+        elif _heads_problem(arch, tp):
+            ruled_out.append(str(_heads_problem(arch, tp)))
+        else:
+            usable.append(tp)
+    return usable, "; ".join(ruled_out)
+
+
+def _tp_reason(spec: InferenceServiceSpec, chosen: Plan, smaller: Sequence[Plan], ruled_out: str) -> str:
+    """Why this many GPUs per replica, and why not fewer."""
+    tp = chosen.gpu_count
+    if spec.accelerator.count:
+        return f"{tp}: set in the spec (accelerator.count)"
+    sizes = ", ".join(map(str, RUNTIMES[spec.runtime].capabilities.tensor_parallel_sizes))
+    why = "fits and meets the SLO" if chosen.meets_slo else "fits"
+    text = f"{tp}: the smallest of runtime {spec.runtime}'s sizes ({sizes}) on {chosen.gpu} that {why}"
+    if tp > 1:
+        text += f", over {find_gpu(str(chosen.gpu)).link}"  # type: ignore[union-attr]
+    rejected = [f"TP {o.gpu_count}: {o.reason if not o.fits else o.reasons['replicas']}" for o in smaller]
+    return text + (f" (rejected {'; '.join(rejected)})" if rejected else "") + (f"; {ruled_out}" if ruled_out else "")
+
+
+def _choice_reasons(
+    spec: InferenceServiceSpec, chosen: Plan, rejected: Sequence[Plan], gpus: Sequence[GPU], not_run: str
+) -> dict[str, str]:
+    """Why this quantization and this GPU: what was tried before the chosen option and why not."""
+    passed = [
+        f"{o.gpu}/{o.quantization}/TP {o.gpu_count}: {o.reason if not o.fits else o.reasons['replicas']}"
+        for o in rejected
+    ]
+    if spec.model.quantization is not None:
+        quantization = f"{chosen.quantization}: the checkpoint's own (model.quantization)"
+    elif spec.serving.quantization != "auto":
+        quantization = f"{chosen.quantization}: set in the spec"
+    elif chosen.meets_slo:
+        tried = f" (rejected {'; '.join(passed)})" if passed else ""
+        quantization = f"{chosen.quantization}: the least lossy scheme that fits and meets the SLO{tried}{not_run}"
+    else:
+        quantization = (
+            f"{chosen.quantization}: no scheme meets the SLO within maxReplicas; this is the "
+            f"least lossy that fits{not_run}"
+        )
+    if spec.accelerator.type:
+        gpu = f"{chosen.gpu}: set in the spec"
+    else:
+        gpu = f"{chosen.gpu}: the smallest of the nodes' GPUs ({', '.join(g.name for g in gpus)}) that " + (
+            "fits and meets the SLO" if chosen.meets_slo else "fits"
+        )
+    return {"gpu": gpu, "quantization": quantization}
+
+
+def _options(
+    inputs: Inputs, gpus: Sequence[GPU], schemes: Sequence[str], per_node: Mapping[str, int]
+) -> tuple[list[Plan], dict[str, str]]:
+    """A plan for every GPU type, scheme and tensor-parallel size, in the order of preference
+    (cheapest GPU, least lossy scheme, fewest GPUs per replica), and per GPU type the sizes ruled out."""
+    spec, arch, capabilities = inputs.spec, inputs.arch, inputs.capabilities
+    options: list[Plan] = []
+    ruled_out: dict[str, str] = {}
+    for gpu in gpus:
+        sizes, ruled_out[gpu.name] = _tensor_parallel_sizes(spec, arch, gpu, capabilities, per_node.get(gpu.name))
+        if not sizes:
+            options.append(
+                failed_plan(spec, "NoTensorParallelSize", f"{spec.model.name} on {gpu.name}: {ruled_out[gpu.name]}")
+            )
+        options += [_size(inputs, (gpu, tp), q) for q in schemes for tp in sizes]
+    return options, ruled_out
 
 
 def plan(spec: InferenceServiceSpec, context: PlanContext | None = None) -> Plan:
-    return planner.plan_with(spec, context or PlanContext())
+    """Plan serving `spec` on its runtime (or on `context.capabilities`), with what the cluster and the
+    service's engines showed (PlanContext); a Plan with fits=False says why it cannot be served."""
+    context = context or PlanContext()
+    available_gpus, capabilities = context.available_gpus, context.capabilities
+    gpus_per_node, device_profiles, correction = context.gpus_per_node, context.device_profiles, context.correction
+    capabilities = capabilities or RUNTIMES[spec.runtime].capabilities
+    unsupported = unsupported_pins(spec, capabilities)
+    if unsupported:
+        # No GPU or model changes what the runtime can run: say so before anything else.
+        return failed_plan(spec, "UnsupportedByRuntime", unsupported)
+    found = _architecture(spec)
+    if isinstance(found, Plan):
+        return found
+    arch, model_reason = found
+    devices = _devices(spec, arch, available_gpus, device_profiles or {})
+    if isinstance(devices, Plan):
+        return devices
+    gpus, cpu = devices
+    draft = draft_model(spec, arch, capabilities)
+    if isinstance(draft, Plan):
+        return draft
+    tried = quantization_schemes(spec, capabilities, cpu[0] if cpu else None)
+    if isinstance(tried, Plan):
+        return tried
+    schemes, not_run = tried
+    per_node: dict[str, int] = {}
+    for product, count in (gpus_per_node or {}).items():
+        known = find_gpu(product)
+        if known is not None and count > 0:
+            per_node[known.name] = max(per_node.get(known.name, 0), count)
+    context_length = spec.serving.max_context_length or arch.max_context
+    inputs = Inputs(spec, arch, context_length, capabilities, draft, correction or NO_CORRECTION)
+    options, ruled_out = _options(inputs, gpus, schemes, per_node)
+    chosen = next((o for o in options if o.fits and o.meets_slo), None) or next((o for o in options if o.fits), None)
+    if chosen is None:
+        # The most capable option tried (largest GPU, most compressed scheme, most GPUs) says best why
+        # not, unless the GPU lacks the scheme's kernels altogether.
+        last = next((o for o in reversed(options) if o.failure != "UnsupportedOnGPU"), options[-1])
+        hint = f"; {ruled_out[str(last.gpu)]}" if ruled_out.get(str(last.gpu)) else ""
+        if last.failure in ("WeightsDoNotFit", "ContextDoesNotFit") and capabilities.tensor_parallel_sizes == (1,):
+            hint += "; runtime: vllm splits a replica over up to 8 GPUs (tensor parallelism)"
+        return last.model_copy(update={"reason": last.reason + not_run + hint})
+    earlier = options[: options.index(chosen)]
+    smaller = [o for o in earlier if (o.gpu, o.quantization) == (chosen.gpu, chosen.quantization)]
+    reasons = {
+        "model": model_reason,
+        **_choice_reasons(spec, chosen, earlier, gpus, not_run),
+        "tensorParallel": _tp_reason(spec, chosen, smaller, ruled_out[str(chosen.gpu)]),
+        **chosen.reasons,
+    }
+    return chosen.model_copy(update={"reasons": reasons, **_cpu_fields(cpu, reasons)})
+
+
+def _cpu_fields(cpu: tuple[GPU, DeviceProfile] | None, reasons: dict[str, str]) -> dict[str, object]:
+    """What a CPU plan adds: its profile, the CPUs a replica requests, and what the profile measured."""
+    if cpu is None:
+        return {}
+    device, profile = cpu
+    reasons["gpu"] += f"; {cpus.describe(profile)}"
+    return {"device_profile": profile.name, "cpus": device.cpus}

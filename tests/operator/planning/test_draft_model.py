@@ -14,7 +14,7 @@ from kvpilot.engine.cli import build_parser, engine_config_from_args
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import render
-from kvpilot.operator.planning import planner, sizing
+from kvpilot.operator.planning import sizing
 from kvpilot.operator.planning.models import MODELS
 from kvpilot.operator.planning.plan import plan
 
@@ -52,8 +52,8 @@ def engine_flags(pod_spec: dict[str, Any]) -> Any:
 
 def test_the_draft_takes_its_weights_and_its_kv_slots_out_of_the_target_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     # Nothing reserved beside weights and KV, so every byte below is accounted for.
-    monkeypatch.setattr(planner.sizing, "RUNTIME_OVERHEAD_BYTES", 0)
-    monkeypatch.setattr(planner.sizing, "ACTIVATION_BYTES_PER_HIDDEN", 0)
+    monkeypatch.setattr(sizing, "RUNTIME_OVERHEAD_BYTES", 0)
+    monkeypatch.setattr(sizing, "ACTIVATION_BYTES_PER_HIDDEN", 0)
     serving = {"maxContextLength": 4096, "gpuMemoryUtilization": 1.0, "quantization": "none"}
     alone = plan(spec("llama-3-8b", serving={**serving, "speculative": "off"}))
     result = plan(spec("llama-3-8b", serving=drafting(LLAMA_3_2_1B, **serving)))

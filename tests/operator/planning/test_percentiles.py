@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvpilot.operator.planning.planner import Z_95, _p95
+from kvpilot.operator.planning.latency import Z_95, Prefills, p95
 
 
 @pytest.mark.parametrize("busy", [0.05, 0.2, 0.4])
@@ -14,7 +14,7 @@ def test_the_tpot_tail_counts_the_prefills_that_arrive_while_the_tail_itself_is_
     prefill, output_tokens, uninterrupted_step = 0.19, 48, 0.035
     rate = busy / prefill
     mean_tpot = uninterrupted_step / (1 - busy)
-    _, tpot_p95 = _p95(prefill, busy, 0.03, uninterrupted_step, rate, output_tokens)
+    _, tpot_p95 = p95(Prefills(prefill, busy, rate), 0.03, uninterrupted_step, output_tokens)
     decode = tpot_p95 * (output_tokens - 1)  # the 95th-percentile decode, D
     arrivals = rate * decode
     # D is its uninterrupted steps plus the 95th percentile of the prefills arriving within D itself.
@@ -28,5 +28,5 @@ def test_the_tpot_tail_counts_the_prefills_that_arrive_while_the_tail_itself_is_
 
 
 def test_without_prefills_the_tpot_tail_is_the_mean() -> None:
-    _, tpot_p95 = _p95(0.1, 0.0, 0.02, 0.02, 0.0, 48)
+    _, tpot_p95 = p95(Prefills(0.1, 0.0, 0.0), 0.02, 0.02, 48)
     assert tpot_p95 == pytest.approx(0.02)

@@ -5,9 +5,9 @@ import pytest
 from kvpilot.engine.config import CAPABILITIES, EngineCapabilities
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec, Quantization, Speculative
-from kvpilot.operator.planning import planner
+from kvpilot.operator.planning import choices, latency, sizing
+from kvpilot.operator.planning.choices import choose_speculative
 from kvpilot.operator.planning.plan import PlanContext, plan
-from kvpilot.operator.planning.planner import choose_speculative
 
 GiB = 1024**3
 
@@ -49,8 +49,8 @@ def test_llama_3_8b_at_1_request_per_second_needs_one_l4() -> None:
 
 
 def test_full_memory_without_reserve_fits_4_sequences_not_the_textbook_5(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(planner.sizing, "RUNTIME_OVERHEAD_BYTES", 0)
-    monkeypatch.setattr(planner.sizing, "ACTIVATION_BYTES_PER_HIDDEN", 0)
+    monkeypatch.setattr(sizing, "RUNTIME_OVERHEAD_BYTES", 0)
+    monkeypatch.setattr(sizing, "ACTIVATION_BYTES_PER_HIDDEN", 0)
     result = plan(spec(serving={"maxContextLength": 4096, "gpuMemoryUtilization": 1.0, "quantization": "none"}))
     # 22.49 GiB reported - 12.55 GiB of weights = 9.94 GiB: 4 whole 2 GiB sequences (the textbook's
     # 5 counts the marketed 24 GB).
@@ -149,7 +149,7 @@ def test_plan_turns_speculation_on_at_low_load_and_off_at_high_load(fuller: Engi
         spec(gpu="H100-80GB", load={"requestsPerSecond": 0.2, "temperature": 0}), PlanContext(capabilities=fuller)
     )
     assert light.speculative == "ngram" and light.num_speculative_tokens == 4
-    assert light.predicted_batch < planner.SPECULATION_MAX_BATCH
+    assert light.predicted_batch < choices.SPECULATION_MAX_BATCH
     heavy = plan(
         spec(
             gpu="H100-80GB",
@@ -421,8 +421,8 @@ def test_replicas_are_searched_in_log_time_up_to_the_crd_maximum(monkeypatch: py
     from kvpilot.operator.api.spec import MAX_REPLICAS
 
     calls = []
-    predict = planner._perf
-    monkeypatch.setattr(planner, "_perf", lambda *a, **k: calls.append(a[2]) or predict(*a, **k))
+    predict = latency.predict
+    monkeypatch.setattr(latency, "predict", lambda *a, **k: calls.append(a[2]) or predict(*a, **k))
 
     def at_most(replicas: int) -> Plan:
         return plan(

@@ -1,0 +1,293 @@
+"""The choices a plan makes besides its device: what the runtime can run, the quantization schemes to try,
+the draft model, the speculative mode and compiled decoding."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from kvpilot.engine.config import EngineCapabilities
+from kvpilot.operator.api.plan import Plan
+from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec, hub_source
+from kvpilot.operator.planning import sizing, speculation
+from kvpilot.operator.planning.gpus import GPU
+from kvpilot.operator.planning.latency import SPECULATION_MAX_BATCH, Perf, draft_acceptance, fewest_replicas
+from kvpilot.operator.planning.memory import Memory, divide_memory, with_plain_weights
+from kvpilot.operator.planning.models import MODELS, find_model
+from kvpilot.operator.planning.reasons import failed_plan, gib, listed, ms
+from kvpilot.operator.planning.replica import DRAFTED, Draft, Inputs
+from kvpilot.operator.runtimes import RUNTIMES
+
+# Least lossy first: INT8 weight-only keeps the activations and rounds each weight to one of 256
+# levels, W8A8 rounds the activations too, INT4 has only 16 levels per group of weights.
+QUALITY_ORDER = ("none", "int8", "fp8", "w8a8", "int4")
+
+
+HIGH_TEMPERATURE = 1.0
+
+
+class Speculation(NamedTuple):
+    """The speculative mode a (GPU, quantization) pair runs, with the memory and replicas it gives."""
+
+    mode: str
+    reason: str
+    memory: Memory
+    replicas: int
+    perf: Perf
+    miss: str | None
+    compiled: str = ""  # why the plan compiles a lone sequence's decode step, when it does
+
+
+def unsupported_pins(spec: InferenceServiceSpec, capabilities: EngineCapabilities) -> str | None:
+    """Why the spec pins options its runtime cannot run, None when it pins none."""
+    runtime = f"runtime {spec.runtime}"
+    cpu = spec.accelerator.type == CPU_TYPE
+    problems = [
+        f"{field} {value!r} is not one {runtime} runs (supported: {listed(supported)}{auto})"
+        for field, value, supported, auto in (
+            (
+                "serving.quantization",
+                spec.serving.quantization,
+                (
+                    *capabilities.quantization,
+                    *(capabilities.cpu_only_quantization if cpu else ()),
+                    *((spec.model.quantization,) if spec.model.quantization else ()),
+                ),
+                "; or 'auto'",
+            ),
+            ("serving.speculative", spec.serving.speculative, capabilities.speculative, "; or 'auto'"),
+            ("model.quantization", spec.model.quantization, capabilities.checkpoint_quantization, ""),
+        )
+        if value not in (None, "auto") and value not in supported
+    ]
+    if spec.serving.quantization in capabilities.cpu_only_quantization and not cpu:
+        problems.append(f"serving.quantization {spec.serving.quantization} runs on CPUs only (accelerator.type cpu)")
+    block = spec.serving.block_size
+    if capabilities.block_sizes is not None and block not in capabilities.block_sizes:
+        problems.append(f"serving.blockSize {block}: {runtime} runs {listed(map(str, capabilities.block_sizes))}")
+    if spec.accelerator.type == CPU_TYPE and capabilities.tensor_parallel_sizes != (1,):
+        problems.append(f"accelerator.type cpu: {runtime} is planned on GPUs only; runtime kvpilot serves on CPUs")
+    count = spec.accelerator.count
+    if count is not None and count not in capabilities.tensor_parallel_sizes:
+        others = [n for n, r in RUNTIMES.items() if count in r.capabilities.tensor_parallel_sizes]
+        problems.append(
+            f"accelerator.count {count}: {runtime} runs {listed(map(str, capabilities.tensor_parallel_sizes))} "
+            "GPU(s) per replica" + (f"; runtime: {others[0]} runs tensor parallelism over {count}" if others else "")
+        )
+    return "; ".join(problems) or None
+
+
+def draft_model(
+    spec: InferenceServiceSpec, target: Architecture, capabilities: EngineCapabilities
+) -> Draft | Plan | None:
+    """The draft model a plan may run (serving.draftModel, under a mode that may choose it), a
+    failed Plan when it cannot be sized or the engine would refuse it, None when there is none."""
+    serving = spec.serving
+    source = serving.draft_model
+    mode = "draft" if serving.speculative == "auto" else serving.speculative
+    if source is None or mode not in DRAFTED or mode not in capabilities.speculative:
+        return None
+    hub = hub_source(source)
+    arch = serving.draft_model_architecture or find_model(hub.repo if hub else source.rstrip("/"))
+    if arch is None:
+        return failed_plan(
+            spec,
+            "UnknownDraftModel",
+            f"serving.draftModel {source!r} is not a catalog model ({', '.join(MODELS)}) by its "
+            "repository or folder name, and serving.draftModelArchitecture is not set: the "
+            "planner needs the draft's size",
+        )
+    problem = sizing.architecture_problem(arch)
+    if problem is not None:
+        return failed_plan(spec, "InvalidArchitecture", f"serving.draftModel {source!r}: {problem}")
+    if arch.vocab_size != target.vocab_size:
+        return failed_plan(
+            spec,
+            "DraftVocabularyMismatch",
+            f"serving.draftModel {source!r} has a vocabulary of {arch.vocab_size} tokens and "
+            f"{spec.model.name} {target.vocab_size}: the engine drafts only with the target's "
+            "tokens, so it would refuse this draft",
+        )
+    return Draft(source, arch, sizing.weight_bytes(arch, "none"), sizing.kv_bytes_per_token(arch))
+
+
+def choose_speculative(
+    mode: str, *, batch: float, tpot_bound: bool, temperature: float, draft_model: str | None, supported: Sequence[str]
+) -> tuple[str, str]:
+    """The speculative mode to run and why; `supported` are the engine's modes, and a pinned
+    `mode` is one of them (plan() refuses a spec pinning any other)."""
+    if mode != "auto":
+        return mode, f"{mode}: set in the spec"
+    if not set(supported) - {"off"}:
+        return "off", f"off: this runtime runs no speculative mode (supported: {listed(supported)})"
+    if batch > SPECULATION_MAX_BATCH:
+        return "off", (
+            f"off: predicted batch {batch:.1f} per replica > {SPECULATION_MAX_BATCH}, "
+            "the device is already busy and speculation has no spare compute to use"
+        )
+    if temperature >= HIGH_TEMPERATURE:
+        return "off", (f"off: temperature {temperature:g} >= {HIGH_TEMPERATURE:g}, drafts are rarely accepted")
+    if not tpot_bound:
+        return "off", "off: TTFT, not TPOT, is closest to its SLO; speculation only shortens TPOT"
+    # A draft model accepts more tokens than prompt-lookup n-grams, when there is one to run.
+    proposers = [m for m in (("draft",) if draft_model else ()) + ("ngram",) if m in supported]
+    if not proposers:
+        return "off", (
+            f"off: speculation would pay, but this engine's modes "
+            f"({listed(supported)}) need a serving.draftModel, which is not set"
+        )
+    return proposers[0], (
+        f"{proposers[0]}: predicted batch {batch:.1f} per replica <= "
+        f"{SPECULATION_MAX_BATCH}, low temperature and a TPOT-bound SLO"
+    )
+
+
+def choose_speculation(inputs: Inputs, memory: Memory, device: tuple[GPU, int]) -> Speculation:
+    """The speculative mode for a replica whose memory is `memory` (sized with the draft when the
+    spec pins one; `inputs.draft` is the draft a mode may run), and the replicas it then needs."""
+    spec, capabilities, draft = inputs.spec, inputs.capabilities, inputs.draft
+    serving = spec.serving
+    k = serving.num_speculative_tokens
+    off = Speculation("off", "", memory, *fewest_replicas(spec, memory.replica, "off"))
+    perf = off.perf
+    tpot_bound = perf.tpot_s * 1000 / spec.slo.tpot_p95_ms >= perf.ttft_s * 1000 / spec.slo.ttft_p95_ms
+
+    def choose(draft_model: str | None) -> tuple[str, str]:
+        return choose_speculative(
+            serving.speculative,
+            batch=perf.batch,
+            tpot_bound=tpot_bound,
+            temperature=spec.load.temperature,
+            draft_model=draft_model,
+            supported=capabilities.speculative,
+        )
+
+    mode, reason = choose(draft.source if draft else None)
+    if mode == "draft" and serving.speculative != "draft":
+        # Chosen for the target alone: the draft's weights and KV must fit beside it too.
+        with_draft = divide_memory(inputs, device, memory.sizes.quantization)
+        if isinstance(with_draft, Plan):
+            mode, reason = choose(None)
+            reason += f" (the draft model does not fit: {with_draft.reason})"
+        else:
+            memory = with_draft
+    if mode in DRAFTED and draft is not None:
+        reason += (
+            f"; {'EAGLE head' if mode == 'eagle' else 'draft model'} {draft.source}: {gib(draft.weights)} GiB of "
+            f"weights (unquantized), {draft.kv_per_token / sizing.MiB:.3g} MiB of KV per token; "
+            + f"{draft_acceptance(inputs.correction, mode, k):.2f} of drafts accepted, "
+            + (
+                "observed (status.correction)"
+                if mode in dict(inputs.correction.acceptance)
+                else "assumed (not measured)"
+            )
+        )
+    if mode == "off":
+        off = off._replace(reason=reason)
+    else:
+        speculating = Speculation(mode, reason, memory, *fewest_replicas(spec, memory.replica, mode))
+        if serving.speculative != "auto" or not _observed_worse(speculating, off):
+            return speculating
+        off = off._replace(reason=_observed_reason(speculating, off, k))
+    return _compiled(spec, off) if off.memory.replica.gpu.compiled_step_factor else off
+
+
+def _observed_worse(speculating: Speculation, off: Speculation) -> bool:
+    """Whether a speculative mode the engines' observed acceptance is known for does no better than
+    no speculation: more replicas, or as many and a TPOT no lower."""
+    if speculating.mode not in dict(speculating.memory.replica.correction.acceptance):
+        return False
+    ranked = ((s.miss is None, -s.replicas, -s.perf.tpot_s) for s in (speculating, off))
+    return next(ranked) <= next(ranked)
+
+
+def _observed_reason(speculating: Speculation, off: Speculation, k: int) -> str:
+    acceptance = draft_acceptance(speculating.memory.replica.correction, speculating.mode, k)
+    return (
+        f"off: {speculating.mode} would be chosen ({speculating.reason}), but with the acceptance its engines "
+        f"reported, {acceptance:.2f} of drafts (status.correction; assumed "
+        f"{speculation.assumed_acceptance(speculating.mode, k):.2f}), it "
+        f"predicts TPOT {ms(speculating.perf.tpot_s)} ms at {speculating.replicas} replica(s) against "
+        f"{ms(off.perf.tpot_s)} ms at {off.replicas} without drafts"
+    )
+
+
+def _compiled(spec: InferenceServiceSpec, eager: Speculation) -> Speculation:
+    """Compiled decoding where the plan's TPOT needs it: when compiling a lone sequence's step (as
+    the profile measured it) meets the SLO where eager steps do not, or with fewer replicas, and the
+    plain weights the compiled graph reads fit beside the packed ones the eager steps read."""
+    replica = eager.memory.replica._replace(compiled=True)
+    replicas, perf, miss = fewest_replicas(spec, replica, "off")
+    factor = replica.gpu.compiled_step_factor
+    if (miss is None, -replicas) <= (eager.miss is None, -eager.replicas):
+        return eager
+    sizes, plain = with_plain_weights(spec, eager.memory)
+    gain = (
+        f"a lone sequence's step x{factor:.2f} of the eager one (the profile's measurement) "
+        f"{'meets the SLO' if miss is None else 'comes closest to the SLO'} with {replicas} replica(s) where "
+        f"eager steps need {eager.replicas}" + ("" if eager.miss is None else f" and miss it ({eager.miss})")
+    )
+    if sizes is None:
+        return eager._replace(
+            compiled=f"off: {gain}, but the plain weights its graph reads, {gib(plain)} GiB beside the packed "
+            f"ones, do not fit the node's {gib(eager.memory.replica.gpu.memory_bytes)} GiB"
+        )
+    why = f"on: {gain}"
+    if plain:
+        why += f"; the compiled graph reads plain weights, {gib(plain)} GiB beside the packed ones"
+    memory = eager.memory._replace(replica=replica, sizes=sizes)
+    return Speculation(eager.mode, eager.reason, memory, replicas, perf, miss, why)
+
+
+def quantization_schemes(
+    spec: InferenceServiceSpec, capabilities: EngineCapabilities, cpu: GPU | None
+) -> tuple[tuple[str, ...], str] | Plan:
+    """The quantization schemes to try, least lossy first, and what was left out and why; on a
+    CPU also those whose kernels run only there, where its profile measured them."""
+    stored = spec.model.quantization
+    if stored is not None and spec.serving.quantization not in ("auto", stored):
+        return failed_plan(
+            spec,
+            "QuantizationMismatch",
+            f"the checkpoint is quantized as {stored} (model.quantization): the runtime serves it as "
+            f"stored and cannot re-quantize it to serving.quantization {spec.serving.quantization}; "
+            f"set serving.quantization to auto or {stored}",
+        )
+    # On a CPU, only the schemes whose engine steps its profile measured: the others' cost is unknown.
+    stepped = dict(cpu.step_overhead_curves) if cpu else {}
+    if stored is not None or spec.serving.quantization != "auto":
+        pinned = stored or spec.serving.quantization
+        if cpu and pinned not in stepped:
+            return failed_plan(
+                spec,
+                "InvalidDeviceProfile",
+                f"{cpu.source} has no engine steps with quantization {pinned} (measured: {listed(stepped)}): "
+                "measure the node type again with `kvpilot profile`",
+            )
+        return (pinned,), ""
+    # Only the schemes the runtime applies on load, and of those only the ones sizing knows the bytes of.
+    runs = (
+        tuple(s for s in (*capabilities.quantization, *capabilities.cpu_only_quantization) if s in stepped)
+        if cpu
+        else capabilities.quantization
+    )
+    schemes = tuple(s for s in QUALITY_ORDER if s in runs)
+    if not schemes:
+        return failed_plan(
+            spec,
+            "UnsupportedByRuntime",
+            f"runtime {spec.runtime} runs no quantization scheme the planner can "
+            f"size (supported: {listed(capabilities.quantization)})",
+        )
+    skipped = [s for s in QUALITY_ORDER if s not in schemes]
+    return schemes, (
+        f"; not tried: {listed(skipped)}, which runtime {spec.runtime} does not apply on load "
+        f"(supported: {listed(capabilities.quantization)}"
+        + (
+            f"; on a CPU whose profile measured them also {listed(capabilities.cpu_only_quantization)})"
+            if capabilities.cpu_only_quantization
+            else ")"
+        )
+        if skipped
+        else ""
+    )

@@ -1,0 +1,312 @@
+"""How fast a replica serves: prefill and decode steps, the batch the load keeps running, the TTFT and
+TPOT percentiles the SLO is checked against, and the fewest replicas that meet it."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from kvpilot.engine.config import SPECULATIVE_MAX_BATCH_SIZE
+from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec, LoadSpec
+from kvpilot.operator.planning import sizing, speculation
+from kvpilot.operator.planning.context import Correction
+from kvpilot.operator.planning.gpus import GPU
+from kvpilot.operator.planning.reasons import ms
+from kvpilot.operator.planning.replica import DRAFTED, Draft, Replica
+
+# Speculation spends compute that decode leaves idle (decode is bandwidth-bound at small batch),
+# and drafts are accepted mostly when sampling is near-greedy: it pays at small batch and low
+# temperature. The engine stops speculating above this running batch, and predictions do too.
+SPECULATION_MAX_BATCH = SPECULATIVE_MAX_BATCH_SIZE
+
+
+VERIFY_OVERHEAD = 1.15
+
+
+# Predictions are 95th percentiles (p95): the tail share and the normal quantile of 0.95.
+P95_TAIL = 0.05
+
+
+Z_95 = 1.645
+
+
+# A prefill chunk may use this share of the TPOT SLO; the rest is the decode work of the step.
+PREFILL_SHARE_OF_TPOT = 0.5
+
+
+# Token budget per step: at least enough to prefill a few blocks per step, at most what the
+# activation reserve is sized for without dominating small GPUs.
+MIN_BATCHED_TOKENS = 256
+
+
+MAX_BATCHED_TOKENS = 8192
+
+
+class Prefills(NamedTuple):
+    """The prompts' work as a queue: seconds one takes, the share of the device they keep busy, and
+    their arrival rate per second."""
+
+    seconds: float
+    busy: float
+    rate: float
+
+
+class Drafting(NamedTuple):
+    """How a speculative mode verifies: its draft model (None: drafts need none), the k drafted
+    tokens, the share of sequences verifying, and the share of drafts accepted."""
+
+    draft: Draft | None
+    k: int
+    verifying: float
+    acceptance: float
+
+
+class Perf(NamedTuple):
+    batch: float  # concurrent sequences per replica (Little's law)
+    ttft_s: float
+    tpot_s: float
+    overload: str | None  # why the replica cannot keep up, None when it can
+
+
+def _efficiency(gpu: GPU) -> float:
+    """The share of its GEMM rate a device's prefill reaches: a spec sheet's peak at the usual
+    efficiency, a measured rate as it is."""
+    return 1.0 if gpu.measured else sizing.PREFILL_COMPUTE_EFFICIENCY
+
+
+def computed_prompt_tokens(load: LoadSpec) -> float:
+    """The prompt tokens a request's prefill computes: those the prefix cache does not serve
+    (load.prefixShare). ASSUMED: the step costs what a prompt of that many tokens does; its
+    attention over the cached part is left out (a small share of a prefill at these lengths)."""
+    return max(1.0, load.mean_prompt_tokens * (1 - load.prefix_share))
+
+
+def _prefill_seconds(arch: Architecture, gpu: GPU, quantization: str, tokens: float) -> float:
+    """The step that computes a prompt of the served model: as measured where the device measured
+    it (a CPU profile's, made for this model), else its GEMMs."""
+    measured = gpu.measured_prefill(quantization, tokens)
+    return _gemm_prefill_seconds(arch, gpu, quantization, tokens) if measured is None else measured
+
+
+def _gemm_prefill_seconds(arch: Architecture, gpu: GPU, quantization: str, tokens: float) -> float:
+    ops = gpu.matmul_flops(quantization, tokens)
+    return sizing.prefill_seconds(arch.parameters_per_token, tokens, ops, _efficiency(gpu))
+
+
+def batched_tokens(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str) -> tuple[int, str]:
+    """Tokens per engine step, so that a step's prefill chunk leaves room for its decodes."""
+    block = spec.serving.block_size
+    slo = spec.slo.tpot_p95_ms
+    seconds = slo / 1000 * PREFILL_SHARE_OF_TPOT
+    ops = gpu.matmul_flops(quantization, MAX_BATCHED_TOKENS)
+    raw = int(seconds * ops * _efficiency(gpu) / (2 * arch.parameters_per_token))
+    tokens = max(block, min(max(raw, MIN_BATCHED_TOKENS), MAX_BATCHED_TOKENS) // block * block)
+    chunk = ms(_prefill_seconds(arch, gpu, quantization, tokens))
+    if raw < MIN_BATCHED_TOKENS:
+        return tokens, (
+            f"{tokens} tokens per step (the minimum): even this chunk takes {chunk} ms of the {slo:g} ms TPOT SLO"
+        )
+    if raw > MAX_BATCHED_TOKENS:
+        return tokens, (
+            f"{tokens} tokens per step (the maximum): a chunk takes {chunk} ms, well within the {slo:g} ms TPOT SLO"
+        )
+    return tokens, (
+        f"{tokens} tokens per step: a prefill chunk that size takes {chunk} ms, "
+        f"{PREFILL_SHARE_OF_TPOT:.0%} of the {slo:g} ms TPOT SLO"
+    )
+
+
+def _draft_step_seconds(draft: Draft, gpu: GPU, running: float, context: float) -> float:
+    """One decode step of the draft model for `running` sequences of `context` tokens."""
+    return sizing.decode_step_seconds(
+        bytes_read=draft.weights - draft.head_copy + running * context * draft.kv_per_token,
+        bandwidth=gpu.bandwidth_bytes_per_s,
+        parameters_per_token=draft.arch.parameters_per_token,
+        batch=running,
+        ops_per_s=gpu.matmul_flops("none", running),
+        measured=gpu.measured,
+    )
+
+
+def _allreduces_seconds(arch: Architecture, gpu: GPU, tp: int, tokens: float) -> float:
+    """The two all-reduces per layer (after attention, after the MLP) of a step over `tokens`."""
+    hidden_bytes = tokens * arch.hidden_size * sizing.BYTES_PER_VALUE
+    return 2 * arch.layers * sizing.allreduce_seconds(hidden_bytes, tp, gpu.link_bytes_per_s, gpu.link_latency_us / 1e6)
+
+
+def step_seconds(replica: Replica, running: float, context: float, tokens_per_sequence: float = 1) -> float:
+    """One decode step of `running` sequences holding `context` tokens each, computing
+    `tokens_per_sequence` each on average (1; k + 1 in a speculative verification)."""
+    arch, gpu, tp = replica.arch, replica.gpu, replica.tp
+    tokens = running * tokens_per_sequence
+    # A mixture of experts reads only the experts its tokens route to; a dense model reads all.
+    share = min(1.0, tokens * arch.parameters_per_token / arch.parameters)
+    kv_bytes = running * context * replica.kv_per_token
+    # Where attention was measured (a CPU) it runs after the GEMMs at its own rate; else the KV is
+    # read at the bandwidth with the weights. The engine's own work grows with the token rows of the
+    # step (a verification's k + 1 per sequence costs what a decode step of as many sequences does).
+    attention = kv_bytes / gpu.kv_read_bytes_per_s if gpu.kv_read_bytes_per_s else 0.0
+    step = sizing.decode_step_seconds(
+        bytes_read=replica.decode_weight_bytes * share + (0.0 if attention else kv_bytes),
+        bandwidth=gpu.bandwidth_bytes_per_s,
+        parameters_per_token=arch.parameters_per_token,
+        batch=tokens,
+        ops_per_s=gpu.matmul_flops(replica.quantization, tokens),
+        measured=gpu.measured,
+        overhead_s=gpu.step_overhead(replica.quantization, tokens) + attention,
+    )
+    if replica.compiled and running <= 1 and tokens_per_sequence == 1 and gpu.compiled_step_factor:
+        return step * gpu.compiled_step_factor  # the engine compiles the step of a lone sequence only
+    return step + _allreduces_seconds(arch, gpu, tp, running)
+
+
+def _drafting(spec: InferenceServiceSpec, replica: Replica, speculative: str) -> Drafting | None:
+    """How a speculating replica drafts, None when it does not."""
+    if speculative == "off":
+        return None
+    k, output_tokens = spec.serving.num_speculative_tokens, spec.load.mean_output_tokens
+    acceptance = draft_acceptance(replica.correction, speculative, k)
+    # The engine's acceptance window leaves a request that rejects its drafts verifying a few
+    # steps of its answer only; `verifying` is that share, 1 where drafts are mostly accepted.
+    draft = replica.draft if speculative in DRAFTED else None
+    return Drafting(draft, k, speculation.verifying_share(acceptance, k, output_tokens - 1), acceptance)
+
+
+def predict(spec: InferenceServiceSpec, replica: Replica, replicas: int, speculative: str) -> Perf:
+    """The running batch and p95 TTFT and TPOT of one of `replicas` replicas at the spec's load, or
+    (Perf.overload) why that load does not fit it."""
+    arch, gpu, tp, max_num_seqs = replica.arch, replica.gpu, replica.tp, replica.max_num_seqs
+    correction = replica.correction
+    draft = replica.draft if speculative in DRAFTED else None
+    load, computed = spec.load, computed_prompt_tokens(spec.load)
+    rate = load.requests_per_second / replicas if replicas else 0.0
+    prefill = _prefill_seconds(arch, gpu, replica.quantization, computed)
+    prefill += _allreduces_seconds(arch, gpu, tp, computed)
+    if draft is not None:
+        # The draft computes the prompt too, in the step that samples the first token.
+        prefill += _gemm_prefill_seconds(draft.arch, gpu, "none", computed)
+    busy = rate * prefill  # share of GPU time spent on prefill
+    if busy >= 1:
+        return Perf(
+            math.inf, math.inf, math.inf, f"prefill alone needs {busy:.1f}x the GPU at {rate:.2f} req/s per replica"
+        )
+    context = load.mean_prompt_tokens + load.mean_output_tokens / 2  # mean tokens in cache
+    drafting = _drafting(spec, replica, speculative)
+
+    def means(batch: float) -> tuple[float, float, float, float]:
+        """Mean TTFT and TPOT at a running batch, the plain decode step, and the part of TPOT no
+        prefill interrupts."""
+        # A sequence decodes beside the `batch` others it finds running (Poisson arrivals see time
+        # averages): its steps are of batch + 1.
+        running = batch + 1.0
+        step = step_seconds(replica, running, context)
+        if replica.compiled:
+            # The compiled step runs while the sequence is alone, which it is with probability e^-batch.
+            alone = math.exp(-batch)
+            step = alone * step_seconds(replica, 1.0, context) + (1 - alone) * step
+        uninterrupted = step
+        if drafting is not None and running <= SPECULATION_MAX_BATCH:
+            uninterrupted = _speculative_step(replica, (running, context), step, drafting)
+        # M/M/1 wait for the prefill server, plus half a step to reach the next step boundary.
+        ttft = prefill * busy / (1 - busy) + step / 2 + prefill
+        return ttft * correction.ttft, uninterrupted / (1 - busy) * correction.tpot, step, uninterrupted
+
+    batch = 0.0
+    for _ in range(200):
+        ttft, tpot, _, _ = means(batch)
+        following = rate * sizing.request_latency(ttft, tpot, load.mean_output_tokens)
+        if following > max_num_seqs:
+            return Perf(
+                following,
+                ttft,
+                tpot,
+                f"{rate:.2f} req/s per replica keeps {following:.1f}+ sequences running, only {max_num_seqs} fit",
+            )
+        converged = abs(following - batch) < 1e-3
+        batch = following
+        if converged:
+            break
+    _, _, step, uninterrupted = means(batch)
+    ttft_p95, tpot_p95 = p95(Prefills(prefill, busy, rate), step, uninterrupted, load.mean_output_tokens)
+    return Perf(batch, ttft_p95 * correction.ttft, tpot_p95 * correction.tpot, None)
+
+
+def _speculative_step(replica: Replica, batch: tuple[float, float], step: float, drafting: Drafting) -> float:
+    """Seconds per token of a step in which a share `verifying` of the `running` sequences (of
+    `context` tokens: the batch) verifies k + 1 tokens, after the draft model's k decode steps for
+    them (`step`: the plain one); each verification yields 1 + k x acceptance tokens."""
+    gpu, (running, context) = replica.gpu, batch
+    draft, k, verifying, acceptance = drafting
+    drafting = 0.0 if draft is None else verifying * k * _draft_step_seconds(draft, gpu, running, context)
+    # A measured device computes the step over its token rows, the verifications' k + 1 each.
+    verify = (
+        step_seconds(replica, running, context, 1 + verifying * k)
+        if gpu.measured
+        else step * (1 + verifying * (VERIFY_OVERHEAD - 1))
+    )
+    return (verify + drafting) / (1 + verifying * k * acceptance)
+
+
+def p95(prefills: Prefills, step: float, uninterrupted: float, output_tokens: int) -> tuple[float, float]:
+    """The 95th percentiles of TTFT and of a request's TPOT (what the SLOs and the engines' reports
+    are) around the means the batch is solved with (Little's law takes means).
+
+    TTFT: an arrival waits out the step under way (a whole one at worst) and, at the waiting time's
+    95th percentile, the prefills ahead of it: Poisson arrivals, prefills of one length (M/D/1), whose
+    tail Kingman's approximation gives as P(wait > t) = busy e^(-2 t (1 - busy) / prefill).
+    TPOT: a request's decode of D seconds is interrupted by the prefills of the requests arriving
+    meanwhile, Poisson with mean rate x D, their 95th percentile by the normal approximation. D at
+    its own 95th percentile is the uninterrupted decode plus those interruptions, which lengthen D
+    and so let more arrive: D = c + prefill (rate D + z sqrt(rate D)), c the uninterrupted decode
+    (`uninterrupted` seconds per token), a quadratic in sqrt(D). Without the feedback (D taken at
+    its mean) the tail came out 1.4-1.75x short where prefills keep the engine 17-40 % busy (int4 on
+    CPU, bench/RESULTS.md)."""
+    prefill, busy, rate = prefills
+    wait = prefill / (2 * (1 - busy)) * math.log(busy / P95_TAIL) if busy > P95_TAIL else 0.0
+    steps = max(output_tokens - 1, 1)
+    a, b = 1 - busy, prefill * Z_95 * math.sqrt(rate)
+    root = (b + math.sqrt(b * b + 4 * a * steps * uninterrupted)) / (2 * a)
+    return prefill + wait + step, root * root / steps
+
+
+def _slo_miss(spec: InferenceServiceSpec, perf: Perf) -> str | None:
+    if perf.overload:
+        return perf.overload
+    misses = []
+    if perf.ttft_s * 1000 > spec.slo.ttft_p95_ms:
+        misses.append(f"TTFT {ms(perf.ttft_s)} ms > {spec.slo.ttft_p95_ms:g} ms")
+    if perf.tpot_s * 1000 > spec.slo.tpot_p95_ms:
+        misses.append(f"TPOT {ms(perf.tpot_s)} ms > {spec.slo.tpot_p95_ms:g} ms")
+    return "predicted " + ", ".join(misses) if misses else None
+
+
+def fewest_replicas(spec: InferenceServiceSpec, replica: Replica, speculative: str) -> tuple[int, Perf, str | None]:
+    """The fewest replicas within the autoscaling bounds that meet the SLO, else the maximum.
+
+    A bisection: more replicas share the same load, so each runs a smaller batch and queues less,
+    and a count that meets the SLO is followed by counts that do too. log2(maxReplicas) + 2
+    predictions, not one per count."""
+    bounds = spec.autoscaling
+    if spec.load.requests_per_second == 0:
+        count = bounds.min_replicas
+        perf = predict(spec, replica, max(count, 1), speculative)
+        return count, perf, _slo_miss(spec, perf)
+    low, high = max(bounds.min_replicas, 1), bounds.max_replicas
+    most = predict(spec, replica, high, speculative)
+    miss = _slo_miss(spec, most)
+    if miss is not None:
+        return high, most, miss
+    while low < high:  # the SLO is met at `high`; is it at fewer?
+        middle = (low + high) // 2
+        if _slo_miss(spec, predict(spec, replica, middle, speculative)) is None:
+            high = middle
+        else:
+            low = middle + 1
+    return high, predict(spec, replica, high, speculative), None
+
+
+def draft_acceptance(correction: Correction, mode: str, k: int) -> float:
+    """The share of its k drafts a verification keeps, to predict `mode` with: the one observed on
+    the service's engines (status.correction) where there is one, else the assumed one."""
+    observed = dict(correction.acceptance)
+    return observed[mode] if mode in observed else speculation.assumed_acceptance(mode, k)

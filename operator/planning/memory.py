@@ -1,0 +1,202 @@
+"""How a replica's memory divides: weights, the runtime reserve, the KV pool and the sequences it holds,
+with the reason texts that quote those numbers."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from kvpilot.operator.api.plan import Plan
+from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.planning import sizing
+from kvpilot.operator.planning.gpus import GPU
+from kvpilot.operator.planning.latency import batched_tokens, step_seconds
+from kvpilot.operator.planning.reasons import failed_plan, gib, ms
+from kvpilot.operator.planning.replica import Inputs, Replica, Sizes
+
+# Beyond ~1k running sequences the scheduler's per-step bookkeeping, not the GPU, sets the pace
+# (vLLM caps max_num_seqs at 256-1024 for the same reason).
+MAX_NUM_SEQS_CAP = 1024
+
+
+class Memory(NamedTuple):
+    """How one replica's GPU memory divides: weights, reserve, and the KV pool's sequences."""
+
+    replica: Replica
+    sizes: Sizes
+    budget: int
+    batching_reason: str
+    mean_context: int
+    kv_reason: str
+
+
+def replica_sizes(inputs: Inputs, gpu: GPU, quantization: str, reserve: int) -> Sizes:
+    """What one replica holds: the target's (and the draft's) weights and KV per token, and the KV
+    pool left of its GPUs after `reserve`; a pool of 0 when the weights do not fit."""
+    spec, arch, context, runtime, draft = inputs.spec, inputs.arch, inputs.context, inputs.capabilities, inputs.draft
+    draft_weights, draft_kv = (draft.weights, draft.kv_per_token) if draft else (0, 0)
+    # The engine gives the draft a KV slot for every slot of the target's, so each slot holds both.
+    weights = (
+        sizing.weight_bytes(arch, quantization, runtime.quantized_lm_head, gpu.bytes_per_value, gpu.packs_weights)
+        + draft_weights
+    )
+    pool = sizing.kv_pool_bytes(gpu.memory_bytes, spec.serving.gpu_memory_utilization, weights, reserve)
+    return Sizes(
+        gpu=gpu.name,
+        quantization=quantization,
+        weight_bytes=weights,
+        draft_weight_bytes=draft_weights,
+        kv_bytes_per_token=sizing.kv_bytes_per_token(arch, gpu.bytes_per_value) + draft_kv,
+        draft_kv_bytes_per_token=draft_kv,
+        checkpoint_bytes=sizing.weight_bytes(arch, spec.model.quantization or "none", runtime.quantized_lm_head),
+        kv_pool_bytes=max(pool, 0),
+        max_model_len=context,
+    )
+
+
+def tp_group(gpu: GPU, tp: int) -> GPU:
+    """TP GPUs of one type as one device: TP times the memory, bandwidth and throughput."""
+    if tp == 1 or gpu.is_cpu:
+        return gpu
+    return gpu.model_copy(
+        update={
+            "usable_memory_mib": gpu.usable_memory_mib * tp,
+            "bandwidth_gbps": gpu.bandwidth_gbps * tp,
+            "fp16_tflops": gpu.fp16_tflops * tp,
+            "int8_tops": gpu.int8_tops * tp,
+        }
+    )
+
+
+def divide_memory(inputs: Inputs, device: tuple[GPU, int], quantization: str) -> Memory | Plan:
+    """How the memory of a replica's GPUs (a GPU type and the tensor-parallel size) divides at one
+    quantization, with the inputs' draft model or none: a failed Plan when the weights or one full
+    sequence do not fit."""
+    # One piece: the numbers and the reasons that quote them (a dozen of them) are made side by side.
+    spec, arch, context, runtime, draft = inputs.spec, inputs.arch, inputs.context, inputs.capabilities, inputs.draft
+    serving = spec.serving
+    tp = device[1]
+    gpu = tp_group(*device)
+    budget, batching_reason = batched_tokens(spec, arch, gpu, quantization)
+    reserve = sizing.runtime_reserve_bytes(arch, budget) * tp
+    sizes = replica_sizes(inputs, gpu, quantization, reserve)
+    target_weights, draft_weights = sizes.weight_bytes - sizes.draft_weight_bytes, sizes.draft_weight_bytes
+    kv_per_token, draft_kv = sizes.kv_bytes_per_token, sizes.draft_kv_bytes_per_token
+    target_kv, pool = kv_per_token - draft_kv, sizes.kv_pool_bytes
+    lookahead = serving.num_speculative_tokens if draft else 0
+    usable = int(gpu.memory_bytes * serving.gpu_memory_utilization)
+    where = (
+        f"{serving.gpu_memory_utilization:.0%} of the {gib(gpu.memory_bytes)} GiB "
+        + (f"{tp} x {gpu.name} report" if tp > 1 else f"{gpu.name} reports")
+        + f" ({gib(usable)} GiB)"
+    )
+    weighed = f"{quantization} weights {gib(target_weights)} GiB" + (
+        f" + draft model weights {gib(draft_weights)} GiB" if draft else ""
+    )
+    if pool <= 0:
+        # The draft's lookahead slots (the positions it writes ahead of each sequence) count below.
+        return failed_plan(
+            spec,
+            "WeightsDoNotFit",
+            f"{spec.model.name} {weighed} + runtime reserve {gib(reserve)} GiB exceed {where}",
+            sizes,
+        )
+    drafted = f" with its draft's KV and {lookahead} lookahead slots" if draft else ""
+    per_sequence = (
+        kv_per_token * sizing.blocks_per_sequence(context + lookahead, serving.block_size) * serving.block_size
+    )
+    fitting = sizing.sequences_that_fit(pool, kv_per_token, context + lookahead, serving.block_size)
+    if fitting == 0:
+        return failed_plan(
+            spec,
+            "ContextDoesNotFit",
+            f"one {context}-token sequence{drafted} needs {gib(per_sequence)} GiB of KV cache "
+            f"but only {gib(pool)} GiB is left of {where} after {weighed}",
+            sizes,
+        )
+    # Sized for the mean context (prompt + half the output: what a sequence holds on average over its
+    # life), as vLLM sizes its batch: the few sequences that grow long are preempted and recomputed.
+    mean_context = min(context, math.ceil(spec.load.mean_prompt_tokens + spec.load.mean_output_tokens / 2))
+    fitting_mean = sizing.sequences_that_fit(pool, kv_per_token, mean_context + lookahead, serving.block_size)
+    max_num_seqs = min(fitting_mean, MAX_NUM_SEQS_CAP)
+    kv = f"{kv_per_token / sizing.MiB:.3g} MiB/token" + (
+        f" ({target_kv / sizing.MiB:.3g} target + {draft_kv / sizing.MiB:.3g} draft)" if draft else ""
+    )
+    kv_reason = (
+        f"{fitting_mean} sequences at the mean context of {mean_context} tokens (prompt + half "
+        f"the output) fit, {fitting} at the full {context}{drafted}; preemption covers sequences "
+        f"that grow long: KV {kv}, {gib(per_sequence)} GiB per full sequence, pool {gib(pool)} "
+        f"GiB = {where} - weights {gib(target_weights)} GiB"
+        + (f" - draft model weights {gib(draft_weights)} GiB" if draft else "")
+        + f" - reserve {gib(reserve)} GiB"
+        + (f"; capped at {MAX_NUM_SEQS_CAP}" if fitting_mean > MAX_NUM_SEQS_CAP else "")
+    )
+    # A CPU's packed low-bit kernels read the stored weights (a tied head's packed copy in place of
+    # the embedding's rows); a GPU may dequantize them first.
+    decode_bytes = (
+        sizing.weight_bytes(arch, quantization, runtime.quantized_lm_head, gpu.bytes_per_value)
+        if gpu.is_cpu
+        else sizing.decode_weight_bytes(arch, quantization, runtime)
+    )
+    replica = Replica(
+        arch, gpu, tp, decode_bytes, target_kv, quantization, max_num_seqs, draft, correction=inputs.correction
+    )
+    if gpu.is_cpu:
+        replica, sizes, kv_reason = _cpu_batch(spec, replica, sizes, (mean_context, context, lookahead), kv_reason)
+    if budget < replica.max_num_seqs:
+        # Every running sequence decodes one token per step, so the budget must cover them all.
+        budget = replica.max_num_seqs
+        batching_reason = f"{budget} tokens per step: one decode token for each of max_num_seqs"
+    return Memory(replica, sizes, budget, batching_reason, mean_context, kv_reason)
+
+
+def _cpu_batch(
+    spec: InferenceServiceSpec, replica: Replica, sizes: Sizes, contexts: tuple[int, int, int], kv_reason: str
+) -> tuple[Replica, Sizes, str]:
+    """A CPU replica runs at most the batch whose decode step still meets the TPOT SLO (a larger
+    one slows every running sequence past it; the rest wait their turn), and requests memory for the
+    KV of that batch, not all of its node's: it holds that many sequences at the mean context, and
+    one at the full context."""
+    mean_context, context, lookahead = contexts
+    slo_s = spec.slo.tpot_p95_ms / 1000
+    cap = 1
+    while cap < replica.max_num_seqs and step_seconds(replica, cap + 1, mean_context) <= slo_s:
+        cap += 1
+    block, kv_per_token = spec.serving.block_size, sizes.kv_bytes_per_token
+    blocks = max(
+        cap * sizing.blocks_per_sequence(mean_context + lookahead, block),
+        sizing.blocks_per_sequence(context + lookahead, block),
+    )
+    pool = blocks * block * kv_per_token
+    step = step_seconds(replica, cap, mean_context)
+    reason = (
+        f"{kv_reason}; on a CPU the batch is capped at {cap}, the most whose decode step "
+        f"({ms(step)} ms) stays within the {spec.slo.tpot_p95_ms:g} ms TPOT SLO"
+        f"{' (even one sequence misses it)' if step > slo_s else ''}, and the KV pool holds "
+        f"{cap} mean and one full sequence: {pool / sizing.MiB:.0f} MiB"
+    )
+    return replica._replace(max_num_seqs=cap), sizes._replace(kv_pool_bytes=pool), reason
+
+
+def with_plain_weights(spec: InferenceServiceSpec, memory: Memory) -> tuple[Sizes | None, int]:
+    """A replica's sizes with compiled decoding, and the bytes of plain weights it adds: an engine that
+    packs its weights for oneDNN keeps the plain ones for the compiled graph (sizing.weight_bytes).
+    None where they do not fit in the node's memory beside the KV pool."""
+    replica, sizes = memory.replica, memory.sizes
+    gpu = replica.gpu
+    if not gpu.packs_weights:
+        return sizes, 0
+    arch, quantization, bpv = replica.arch, sizes.quantization, gpu.bytes_per_value
+    plain = sizing.weight_bytes(
+        arch, quantization, bytes_per_value=bpv, packed=True, plain_beside_packed=True
+    ) - sizing.weight_bytes(arch, quantization, bytes_per_value=bpv, packed=True)
+    weights = sizes.weight_bytes + plain
+    left = sizing.kv_pool_bytes(
+        gpu.memory_bytes,
+        spec.serving.gpu_memory_utilization,
+        weights,
+        sizing.runtime_reserve_bytes(arch, memory.budget),
+    )
+    if left < sizes.kv_pool_bytes:
+        return None, plain
+    return sizes._replace(weight_bytes=weights), plain

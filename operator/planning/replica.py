@@ -1,0 +1,83 @@
+"""What one option of a plan is made of: the replica (the model on its GPUs at one quantization), its
+draft model, and the sizes a Plan reports of it."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kvpilot.engine.config import EngineCapabilities
+from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
+from kvpilot.operator.planning import sizing
+from kvpilot.operator.planning.context import NO_CORRECTION, Correction
+from kvpilot.operator.planning.gpus import GPU
+
+# Verifying k + 1 tokens costs more than a plain decode step: 1.15x is an assumption for a
+# bandwidth-bound GPU (no GPU was at hand; on this project's 2-core CPU, where decode is
+# compute-bound, it measured ~1.5x, and a measured device computes it as a step of k + 1 rows).
+# Draft acceptance (assumed and observed) is the engines' unit: planning/speculation.py.
+# The modes that run serving.draftModel beside the target (auto chooses only "draft").
+DRAFTED = ("draft", "eagle")
+
+
+class Inputs(NamedTuple):
+    """What every option of one plan is sized from: the spec, the model, the context a sequence may
+    reach, the runtime's capabilities, and the draft model sized beside the target (None: the target
+    alone)."""
+
+    spec: InferenceServiceSpec
+    arch: Architecture
+    context: int
+    capabilities: EngineCapabilities
+    draft: Draft | None
+    # What the service's engines showed: the replicas are chosen with it, the plan's own latencies not.
+    correction: Correction
+
+
+class Draft(NamedTuple):
+    """A draft model as the engine runs it beside the target: unquantized in the target's dtype (the
+    engine loads it so), with a KV cache of one slot per slot of the target's."""
+
+    source: str
+    arch: Architecture
+    weights: int
+    kv_per_token: int
+    head_copy: int = 0  # of `weights`, a tied head's packed copy, which a step reads in place of the rows
+
+    def on(self, gpu: GPU) -> Draft:
+        """The draft as the engine holds it on `gpu`: 4 bytes per value on a CPU that computes in
+        fp32, and a tied head twice where the engine packs weights for oneDNN (sizing.weight_bytes)."""
+        plain = sizing.weight_bytes(self.arch, "none", bytes_per_value=gpu.bytes_per_value)
+        held = sizing.weight_bytes(self.arch, "none", bytes_per_value=gpu.bytes_per_value, packed=gpu.packs_weights)
+        return self._replace(
+            weights=held, kv_per_token=sizing.kv_bytes_per_token(self.arch, gpu.bytes_per_value), head_copy=held - plain
+        )
+
+
+class Replica(NamedTuple):
+    """What one engine replica is: the model on its GPUs at one quantization, with its draft."""
+
+    arch: Architecture
+    gpu: GPU  # the tensor-parallel group as one device (tp_group)
+    tp: int
+    decode_weight_bytes: int  # the target's weight bytes one decode step moves (sizing.decode_weight_bytes)
+    kv_per_token: int  # the target's
+    quantization: str  # the GEMMs' rate: gpu.matmul_flops(quantization, tokens)
+    max_num_seqs: int
+    draft: Draft | None
+    compiled: bool = False  # a lone sequence's decode step is compiled (compile_decode)
+    # Observed / predicted p95 latencies and draft acceptance the predictions are multiplied by or made with.
+    correction: Correction = NO_CORRECTION
+
+
+class Sizes(NamedTuple):
+    """The numbers of a (GPU, quantization) pair a Plan reports, whether it fits or not."""
+
+    gpu: str
+    quantization: str
+    weight_bytes: int  # the target's and the draft's
+    draft_weight_bytes: int
+    kv_bytes_per_token: int  # the target's and the draft's: what every KV slot holds
+    draft_kv_bytes_per_token: int
+    checkpoint_bytes: int
+    kv_pool_bytes: int
+    max_model_len: int

@@ -52,7 +52,7 @@ CpuKernels = Literal[CPU_KERNELS]  # type: ignore[valid-type]
 
 class EngineCapabilities(BaseModel):
     """What a runtime runs (this engine's is CAPABILITIES; vLLM's is in the operator's
-    planning/runtimes.py): the planner chooses only among these."""
+    runtimes/vllm.py): the planner chooses only among these."""
 
     model_config = ConfigDict(frozen=True)
 

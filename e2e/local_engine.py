@@ -20,7 +20,8 @@ from pathlib import Path
 from e2e.cluster import Cluster
 from e2e.procs import Process, kvpilot_executable, start_http
 from kvpilot.operator.api.names import CONTAINER
-from kvpilot.operator.controller.render import API_KEY_ENV, Manifest
+from kvpilot.operator.controller.render import Manifest
+from kvpilot.operator.runtimes import RUNTIMES
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def key_env(cluster: Cluster, namespace: str, deployment: Manifest) -> dict[str,
     engine here then requires the key the operator made. Only that variable: the rest of the pod's
     env (HOME=/tmp, say) would move this machine's model cache."""
     container = _engine_container(deployment)
-    keys = set(API_KEY_ENV.values())
+    keys = {runtime.api_key_env for runtime in RUNTIMES.values()}
     return {e["name"]: _env_value(cluster, namespace, e) for e in container.get("env", []) if e["name"] in keys}
 
 

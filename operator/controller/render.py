@@ -13,7 +13,6 @@ import math
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
-from kvpilot.engine.config import CAPABILITIES, EngineConfig, ServerConfig, serve_argv
 from kvpilot.operator.api.names import (
     API_KEY_ANNOTATION,
     API_KEY_SECRET_KEY,
@@ -40,9 +39,9 @@ from kvpilot.operator.api.spec import (
     hub_source,
 )
 from kvpilot.operator.controller.inference_pool import inference_pool
-from kvpilot.operator.controller.vllm_args import vllm_args
 from kvpilot.operator.planning.gpus import GPU, find_gpu
-from kvpilot.operator.runtimes.vllm import VLLM_IMAGE
+from kvpilot.operator.runtimes import RUNTIMES
+from kvpilot.operator.runtimes.runtime import Launch
 
 Manifest = dict[str, Any]
 
@@ -223,11 +222,9 @@ HOST_MEMORY_MARGIN_BYTES = 2 * 1024**3
 ENGINE_CPU_REQUEST = "2"
 # Beside a download's weights: tokenizer, config and the downloader's partial files.
 DOWNLOAD_MARGIN_BYTES = 1024**3
-# The startup probe's budget (its period x failureThreshold below): how long a model may load. vLLM
-# answers nothing until its engine is up (weights loaded, CUDA graphs captured, on every GPU of a
-# tensor-parallel group): a 70B load from a network volume takes tens of minutes.
+# The startup probe's period; its budget is this times the runtime's startup_failures: how long a
+# model may load.
 STARTUP_PERIOD_S = 10
-STARTUP_FAILURES = {"kvpilot": 90, "vllm": 180}
 # Tensor parallelism shares tensors between the GPUs' worker processes through /dev/shm, which a
 # container's default 64 MiB cannot hold: a memory-backed emptyDir replaces it.
 SHM_VOLUME = "dshm"
@@ -287,53 +284,20 @@ def drain_seconds(spec: InferenceServiceSpec, plan: Plan) -> int:
 
 
 def engine_args(spec: InferenceServiceSpec, plan: Plan, model: str, draft_model: str | None = None) -> list[str]:
-    """The `kvpilot serve` arguments carrying the plan's numbers; `model` and `draft_model` are
-    where the pod holds their files.
-
-    Rendered from the engine's own config models, so every flag is one `kvpilot serve` has and
-    every value one it accepts; a plan asking for something the engine lacks raises here (a
-    pydantic ValidationError) instead of becoming a pod that exits at start.
-    """
-    server = ServerConfig(
-        host="0.0.0.0",
-        port=PORT,
-        served_model_name=spec.model.served_model_name or spec.model.name,
-        vllm_compatible_metrics=True,
-        grace_period=float(drain_seconds(spec, plan)),
-    )
+    """The runtime's arguments carrying the plan's numbers; `model` and `draft_model` are where the
+    pod holds their files. A plan the runtime would refuse raises here (a ValueError: pydantic's
+    ValidationError is one) instead of becoming a pod that exits at start."""
     gpu = find_gpu(str(plan.gpu))
-    dtype = {} if gpu is None or gpu.bf16 else {"dtype": "float16"}
-    # On a CPU the engine's KV pool is its own setting (on a GPU it is what the memory leaves), its
-    # dtype its own choice by the node's CPU flags, as it chose where the profile was measured, and
-    # its C++ kernels (and a compiled decode step) kept in a writable cache folder.
-    cpu = (
-        {"device": "cpu", "kv_cache_memory_bytes": plan.kv_pool_bytes, "compile_cache_dir": compile_cache_dir(spec)}
-        if plan.gpu == CPU_TYPE
-        else {}
+    launch = Launch(
+        spec,
+        plan,
+        model,
+        draft_model,
+        float16=gpu is not None and not gpu.bf16,
+        drain_seconds=drain_seconds(spec, plan),
+        compile_cache_dir=compile_cache_dir(spec),
     )
-    if plan.compile_decode:
-        cpu.update(compile_decode=True)
-    if not cpu and plan.quantization in CAPABILITIES.cpu_only_quantization:
-        raise ValueError(
-            f"quantization {plan.quantization} runs on CPUs only: the engine would refuse it on {plan.gpu}"
-        )
-    engine = EngineConfig(
-        **dtype,
-        **cpu,
-        model=model,
-        max_model_len=plan.max_model_len,
-        max_num_seqs=plan.max_num_seqs,
-        max_num_batched_tokens=plan.max_num_batched_tokens,
-        block_size=plan.block_size,
-        gpu_memory_utilization=plan.gpu_memory_utilization,
-        # A checkpoint stored quantized runs as stored: the engine's `none` follows the checkpoint
-        # (scheme and group size), where naming the scheme would also pin a group size it may not have.
-        quantization="none" if spec.model.quantization else plan.quantization,
-        speculative=plan.speculative,
-        **({"num_speculative_tokens": plan.num_speculative_tokens} if plan.num_speculative_tokens else {}),
-        **({"draft_model": draft_model} if draft_model else {}),
-    )
-    return serve_argv(server, engine)
+    return RUNTIMES[spec.runtime].args(launch)
 
 
 def _cpu_resources(spec: InferenceServiceSpec, plan: Plan) -> Manifest:
@@ -373,7 +337,7 @@ def _downloads(spec: InferenceServiceSpec, plan: Plan) -> bool:
 
 def progress_deadline_seconds(spec: InferenceServiceSpec, plan: Plan) -> int:
     download = download_disk_bytes(spec, plan)[0] / DOWNLOAD_BYTES_PER_S if _downloads(spec, plan) else 0
-    return math.ceil(STARTUP_PERIOD_S * STARTUP_FAILURES[spec.runtime] + download + PROGRESS_MARGIN_S)
+    return math.ceil(STARTUP_PERIOD_S * RUNTIMES[spec.runtime].startup_failures + download + PROGRESS_MARGIN_S)
 
 
 def _tolerations(spec: InferenceServiceSpec, gpu: GPU | None) -> list[Manifest]:
@@ -408,34 +372,18 @@ def _affinity(spec: InferenceServiceSpec, gpu: GPU | None) -> Manifest | None:
     return affinity
 
 
-# Where each runtime reads the API key it requires on /v1 (its /metrics and probes stay open).
-API_KEY_ENV = {"kvpilot": "KVPILOT_API_KEY", "vllm": "VLLM_API_KEY"}
-
-
 def operator_api_key(spec: InferenceServiceSpec) -> bool:
     """The operator makes and hands out the service's API key: auth.apiKey, unless the spec's env
     already gives the engine a key of the user's own (which the gateway then does not check)."""
-    return spec.auth.api_key and not any(e.get("name") == API_KEY_ENV[spec.runtime] for e in spec.env)
+    key_env = RUNTIMES[spec.runtime].api_key_env
+    return spec.auth.api_key and not any(e.get("name") == key_env for e in spec.env)
 
 
 def _api_key_env(name: str, spec: InferenceServiceSpec) -> list[Manifest]:
     if not operator_api_key(spec):
         return []
     ref = {"secretKeyRef": {"name": api_key_secret(name), "key": API_KEY_SECRET_KEY}}
-    return [{"name": API_KEY_ENV[spec.runtime], "valueFrom": ref}]
-
-
-def _runtime_command(
-    spec: InferenceServiceSpec, plan: Plan, model: _ModelFiles, draft: _ModelFiles | None
-) -> tuple[list[str], list[str], str, list[Manifest]]:
-    """The runtime's command, arguments, readiness path and environment."""
-    draft_path = draft.path if draft else None
-    if spec.runtime == "vllm":
-        # The files are local (image, PVC or the download's cache): vLLM never asks the hub, and
-        # sends no usage report from the cluster.
-        env = [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "VLLM_NO_USAGE_STATS", "value": "1"}]
-        return ["vllm", "serve"], vllm_args(spec, plan, model.path, draft_path), "/health", env
-    return ["kvpilot", "serve"], engine_args(spec, plan, model.path, draft_path), "/ready", []
+    return [{"name": RUNTIMES[spec.runtime].api_key_env, "valueFrom": ref}]
 
 
 def _engine_container(
@@ -450,13 +398,14 @@ def _engine_container(
 ) -> Manifest:
     """The engine container: the runtime serving the plan's arguments, probes and resources."""
     http = {"port": PORT_NAME}
-    command, args, ready, env = _runtime_command(spec, plan, model, draft)
+    runtime = RUNTIMES[spec.runtime]
+    ready, env = runtime.ready_path, [{"name": name, "value": value} for name, value in runtime.env]
     container = {
         "name": CONTAINER,
         "image": image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": command,
-        "args": args,
+        "command": list(runtime.command),
+        "args": engine_args(spec, plan, model.path, draft.path if draft else None),
         "ports": [{"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"}],
         # Loading weights can take minutes: the startup probe waits for the model, and holds the
         # liveness probe off until then.
@@ -464,7 +413,7 @@ def _engine_container(
             "httpGet": {"path": ready, **http},
             "periodSeconds": STARTUP_PERIOD_S,
             "timeoutSeconds": PROBE_TIMEOUT_S,
-            "failureThreshold": STARTUP_FAILURES[spec.runtime],
+            "failureThreshold": runtime.startup_failures,
         },
         "readinessProbe": {
             "httpGet": {"path": ready, **http},
@@ -516,12 +465,13 @@ def _pod_template(
     """The engine pod: its init containers (the compile cache's folder, the downloads), the engine,
     volumes, scheduling. The downloads run `kvpilot download`: from the engine's image, or the
     operator's for vLLM's image lacks it."""
-    image = spec.image or (VLLM_IMAGE if spec.runtime == "vllm" else default_image)
+    runtime = RUNTIMES[spec.runtime]
+    image = spec.image or runtime.image or default_image
     model, draft = _pod_files(spec, plan)
     compiled = _compile_cache(spec, plan, image)
     volumes, mounts = _volumes_and_mounts([model] + ([draft] if draft else []), compiled)
     # One download per hf:// source, the model's first: init containers run one after the other.
-    downloader = default_image if spec.runtime == "vllm" else image
+    downloader = image if runtime.ships_downloader else default_image
     init = [compiled.init] if compiled else []
     init += [
         _download_container(spec, files.download, downloader, container, guaranteed=plan.cpus > 0)

@@ -1,8 +1,69 @@
-"""kvpilot's own engine: `kvpilot serve`, its capabilities declared by the engine (engine/config.py)."""
+"""kvpilot's own engine: `kvpilot serve`, its capabilities declared by the engine (engine/config.py).
+
+Its arguments are rendered from the engine's own config models, so every flag is one `kvpilot serve`
+has and every value one it accepts; a plan asking for something the engine lacks raises here (a
+pydantic ValidationError, a ValueError) instead of becoming a pod that exits at start.
+"""
 
 from __future__ import annotations
 
-from kvpilot.engine.config import CAPABILITIES
-from kvpilot.operator.runtimes.runtime import Runtime
+from kvpilot.engine.config import CAPABILITIES, EngineConfig, ServerConfig, serve_argv
+from kvpilot.operator.api.names import PORT
+from kvpilot.operator.api.spec import CPU_TYPE
+from kvpilot.operator.runtimes.runtime import Launch, Runtime
 
-RUNTIME = Runtime(name="kvpilot", capabilities=CAPABILITIES, image=None)
+
+def engine_args(launch: Launch) -> list[str]:
+    """The `kvpilot serve` arguments carrying the plan's numbers."""
+    spec, plan = launch.spec, launch.plan
+    server = ServerConfig(
+        host="0.0.0.0",
+        port=PORT,
+        served_model_name=spec.model.served_model_name or spec.model.name,
+        vllm_compatible_metrics=True,
+        grace_period=float(launch.drain_seconds),
+    )
+    dtype = {"dtype": "float16"} if launch.float16 else {}
+    # On a CPU the engine's KV pool is its own setting (on a GPU it is what the memory leaves), its
+    # dtype its own choice by the node's CPU flags, as it chose where the profile was measured, and
+    # its C++ kernels (and a compiled decode step) kept in a writable cache folder.
+    cpu = (
+        {"device": "cpu", "kv_cache_memory_bytes": plan.kv_pool_bytes, "compile_cache_dir": launch.compile_cache_dir}
+        if plan.gpu == CPU_TYPE
+        else {}
+    )
+    if plan.compile_decode:
+        cpu.update(compile_decode=True)
+    if not cpu and plan.quantization in CAPABILITIES.cpu_only_quantization:
+        raise ValueError(
+            f"quantization {plan.quantization} runs on CPUs only: the engine would refuse it on {plan.gpu}"
+        )
+    engine = EngineConfig(
+        **dtype,
+        **cpu,
+        model=launch.model,
+        max_model_len=plan.max_model_len,
+        max_num_seqs=plan.max_num_seqs,
+        max_num_batched_tokens=plan.max_num_batched_tokens,
+        block_size=plan.block_size,
+        gpu_memory_utilization=plan.gpu_memory_utilization,
+        # A checkpoint stored quantized runs as stored: the engine's `none` follows the checkpoint
+        # (scheme and group size), where naming the scheme would also pin a group size it may not have.
+        quantization="none" if spec.model.quantization else plan.quantization,
+        speculative=plan.speculative,
+        **({"num_speculative_tokens": plan.num_speculative_tokens} if plan.num_speculative_tokens else {}),
+        **({"draft_model": launch.draft_model} if launch.draft_model else {}),
+    )
+    return serve_argv(server, engine)
+
+
+RUNTIME = Runtime(
+    name="kvpilot",
+    capabilities=CAPABILITIES,
+    image=None,
+    command=("kvpilot", "serve"),
+    args=engine_args,
+    ready_path="/ready",
+    api_key_env="KVPILOT_API_KEY",
+    startup_failures=90,
+)

@@ -1,12 +1,22 @@
-"""vLLM at one pinned version in its official image, driven by the same plan through its own flags
-(controller/vllm_args.py); tests/operator/controller/test_vllm_contract.py parses every rendered
+"""vLLM at one pinned version in its official image, driven by the same plan through its own flags:
+`vllm serve MODEL --flag ...`. tests/operator/controller/test_vllm_contract.py parses every rendered
 argv with that version's own parser and config builder.
+
+The same numbers our engine gets, under vLLM's flag names. The KV pool is passed as bytes per GPU
+(`--kv-cache-memory-bytes`, which vLLM takes in place of `--gpu-memory-utilization`), so vLLM
+allocates what the plan counted instead of profiling its own share. A checkpoint stored quantized
+gets no `--quantization`: vLLM reads the scheme from its config.json and picks the fastest kernel
+for the GPU (Marlin for AWQ/GPTQ where it runs), which naming the method would override.
 """
 
 from __future__ import annotations
 
-from kvpilot.engine.config import EngineCapabilities
-from kvpilot.operator.runtimes.runtime import Runtime
+import json
+
+from kvpilot.engine.config import EngineCapabilities, EngineConfig
+from kvpilot.operator.api.names import PORT
+from kvpilot.operator.api.plan import Plan
+from kvpilot.operator.runtimes.runtime import Launch, Runtime
 
 VLLM_VERSION = "0.33.0"
 VLLM_IMAGE = f"vllm/vllm-openai:v{VLLM_VERSION}"
@@ -30,4 +40,65 @@ VLLM_CAPABILITIES = EngineCapabilities(
     quantized_lm_head=False,
 )
 
-RUNTIME = Runtime(name="vllm", capabilities=VLLM_CAPABILITIES, image=VLLM_IMAGE)
+# The n-gram lengths our engine proposes with, so that both runtimes speculate alike.
+NGRAM_MAX = int(EngineConfig.model_fields["ngram_prompt_lookup_max"].default)
+NGRAM_MIN = int(EngineConfig.model_fields["ngram_prompt_lookup_min"].default)
+
+
+def speculative_config(plan: Plan, draft_model: str | None) -> dict[str, object] | None:
+    """vLLM's --speculative-config for the plan's mode; None when the plan does not speculate."""
+    if plan.speculative == "ngram":
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": plan.num_speculative_tokens,
+            "prompt_lookup_max": NGRAM_MAX,
+            "prompt_lookup_min": NGRAM_MIN,
+        }
+    if plan.speculative in ("draft", "eagle"):
+        method = "draft_model" if plan.speculative == "draft" else "eagle"
+        return {"method": method, "model": draft_model, "num_speculative_tokens": plan.num_speculative_tokens}
+    return None
+
+
+def vllm_args(launch: Launch) -> list[str]:
+    """The `vllm serve` arguments carrying the plan's numbers."""
+    spec, plan = launch.spec, launch.plan
+    args = [
+        launch.model,
+        "--host=0.0.0.0",
+        f"--port={PORT}",
+        f"--served-model-name={spec.model.served_model_name or spec.model.name}",
+        f"--max-model-len={plan.max_model_len}",
+        f"--max-num-seqs={plan.max_num_seqs}",
+        f"--max-num-batched-tokens={plan.max_num_batched_tokens}",
+        f"--block-size={plan.block_size}",
+        "--enable-prefix-caching",
+        f"--tensor-parallel-size={plan.gpu_count}",
+        f"--kv-cache-memory-bytes={plan.kv_pool_bytes // plan.gpu_count}",
+    ]
+    if launch.float16:
+        args.append("--dtype=float16")
+    if spec.model.quantization is None and plan.quantization != "none":
+        args.append(f"--quantization={plan.quantization}")
+    speculative = speculative_config(plan, launch.draft_model)
+    if speculative is not None:
+        args.append("--speculative-config=" + json.dumps(speculative, separators=(",", ":")))
+    return args
+
+
+RUNTIME = Runtime(
+    name="vllm",
+    capabilities=VLLM_CAPABILITIES,
+    image=VLLM_IMAGE,
+    command=("vllm", "serve"),
+    args=vllm_args,
+    ready_path="/health",
+    api_key_env="VLLM_API_KEY",
+    # vLLM answers nothing until its engine is up (weights loaded, CUDA graphs captured, on every
+    # GPU of a tensor-parallel group): a 70B load from a network volume takes tens of minutes.
+    startup_failures=180,
+    # The files are local (image, PVC or the download's cache): vLLM never asks the hub, and sends
+    # no usage report from the cluster.
+    env=(("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1")),
+    ships_downloader=False,
+)

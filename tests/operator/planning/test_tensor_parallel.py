@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvpilot.operator.api.spec import InferenceServiceSpec
-from kvpilot.operator.controller.vllm_args import vllm_args
+from kvpilot.operator.controller.render import engine_args
 from kvpilot.operator.planning import sizing, speculation
 from kvpilot.operator.planning.gpus import GPUS
 from kvpilot.operator.planning.models import MODELS
@@ -131,5 +131,7 @@ def test_an_eagle_head_is_planned_beside_the_target_on_vllm() -> None:
     assert result.assumed_draft_acceptance == round(speculation.accepted_share(0.75, 4), 4) == 0.5127
     assert "EAGLE head hf://yuhuili" in result.reasons["speculative"]
     assert result.draft_weight_bytes == head.parameters * 2  # 16-bit, beside the target's
-    args = vllm_args(spec("llama-3-8b", "H100-80GB", serving=serving), result, "/m", "/e")
+    eagle = spec("llama-3-8b", "H100-80GB", serving=serving)
+    assert eagle.runtime == "vllm"
+    args = engine_args(eagle, result, "/m", "/e")
     assert '--speculative-config={"method":"eagle","model":"/e","num_speculative_tokens":4}' in args

@@ -35,10 +35,10 @@ from kvpilot.operator.controller.handlers import REFRESHED
 
 WATCHED = "bench"
 GPUS_PER_NODE = 8
-# One reconciliation = one run of the InferenceService handler (kopf logs each success) or one
-# reconcile for an event of a child or engine pod (the operator logs REFRESHED; events collapsed
-# into a reconcile already waiting, and Service/PDB events that change nothing of ours, log nothing).
-RECONCILE_MARKERS = ("Handler 'reconcile_handler' succeeded", REFRESHED)
+# One reconciliation = one reconcile of the operator's work queue, whatever event queued it (the
+# operator logs REFRESHED; events collapsed into a queued reconcile, and Service/PDB events that change
+# nothing of ours, log nothing).
+RECONCILE_MARKERS = (REFRESHED,)
 
 
 def gpu_nodes(count: int) -> list[GPUNodeSpec]:

@@ -1,26 +1,33 @@
-"""kopf wiring: thin handlers that run `reconcile` and write its status.
+"""kopf wiring: thin handlers that only queue the InferenceService's key, and the workers that
+reconcile the keys of the queue (controller/queue.py), as controller-runtime's reconcilers do.
 
 Importing this module registers the handlers in kopf's default registry (`kvpilot operator`
-does); all decisions live in the pure modules, all API calls in `cluster.KubeCluster`.
+does); all decisions live in the pure modules, all API calls in `cluster.KubeCluster`. There is one
+reconcile path: the service's create, update and resume, its status changes that ask for a re-plan,
+and every event of its children and engine pods add its key; a worker reads the service (from kopf's
+index when that is the version the last reconcile left, else from the API server), reconciles it and
+writes its status when it changed. Failures and statuses that no event will change go back into the
+same queue after a delay; a burst of events collapses into one reconcile.
 
 No handler here makes kopf put a finalizer on InferenceServices (kopf adds one only for timers,
-daemons and non-optional on.delete handlers; the autoscaler's periodic work is an asyncio task
+daemons and non-optional on.delete handlers; the workers and the autoscaler are asyncio tasks
 started on startup instead), so `kubectl delete` never waits for the operator: the children go by
 their owner references (garbage collection). Instead of a periodic resync, the operator watches its
 children (Deployments, Services, PodDisruptionBudgets, NetworkPolicies and API-key Secrets labelled
 as managed by it; not InferencePools, whose CRD is optional): a change or deletion of one reconciles
 its owner, so Ready follows the pods within seconds, a child deleted by hand comes back at once, and
-an idle cluster costs no API requests. In a burst, events of one InferenceService collapse into the
-reconcile already waiting for it, and a Service or PDB event whose object is as rendered reconciles
+an idle cluster costs no API requests. A Service or PDB event whose object is as rendered queues
 nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
 from collections.abc import Iterator, Mapping
+from contextlib import suppress
 from datetime import UTC, datetime
 from typing import Any
 
@@ -32,17 +39,16 @@ from kvpilot.operator.api.names import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import correction, render
 from kvpilot.operator.controller.last_handled import DigestDiffBaseStorage
+from kvpilot.operator.controller.queue import Key, WorkQueue
 from kvpilot.operator.controller.reconcile import (
+    Refreshed,
     as_rendered,
     controller_of,
-    reconcile,
     refresh,
     retry_reason,
 )
-from kvpilot.operator.controller.serial import Reconciles
 from kvpilot.operator.kube.cluster import KubeCluster, WriteConflict
-from kvpilot.operator.kube.indexes import pod_ready
-from kvpilot.operator.kube.merge_patch import merge_patch
+from kvpilot.operator.kube.indexes import indexed_service, pod_ready
 
 # kopf's bookkeeping annotations, under our own domain instead of kopf.zalando.org.
 ANNOTATION_PREFIX = GROUP
@@ -56,6 +62,9 @@ BLOCKED = ("NameConflict", "ApplyFailed")
 # A spec without accelerator.type that found no GPU on the nodes (the GPU pool scaled to zero, say)
 # is planned again this often: nothing watches nodes, so no event says when GPUs are back.
 NO_GPU_RETRY_SECONDS = 60.0
+# Services reconciled at once (each in a thread of its own: the API client blocks); one service is
+# never reconciled by two.
+WORKERS = 4
 
 
 def engine_image(environ: Mapping[str, str]) -> str:
@@ -63,7 +72,7 @@ def engine_image(environ: Mapping[str, str]) -> str:
     return environ.get(ENGINE_IMAGE_ENV) or render.DEFAULT_ENGINE_IMAGE
 
 
-# Logged once per reconcile that an event of a child or pod ran (bench/operator_scale.py counts it).
+# Logged once per reconcile (bench/operator_scale.py counts it).
 REFRESHED = "Reconciled InferenceService"
 
 
@@ -72,48 +81,94 @@ def _retry_seconds(reason: str) -> float:
     return BLOCKED_RETRY_SECONDS if reason in BLOCKED else NO_GPU_RETRY_SECONDS
 
 
-def _refresh(
-    namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger, services: Mapping[Any, Any] | None
-) -> None:
-    """Reconcile `namespace/name` for an event of a child or pod (collapsed with the other events
-    of a burst: controller/serial.py). kopf does not retry event handlers: a reconcile that
-    failed, or wrote a status no event will change, is run again later from here."""
-    key = (namespace, name)
+class Reconciler:
+    """The workers of the queue: each takes a key, reconciles it, and puts it back when it must run
+    again. It remembers the resourceVersion each reconcile left the InferenceService at (after its
+    status write, or as read when nothing changed): its entry in kopf's index at that very version is
+    the object as it is, and a GET is saved; any other write (kopf's bookkeeping, the autoscaler's
+    status, a spec change) is another version, which is read."""
 
-    def again() -> None:
-        _refresh(namespace, name, memo, logger, None)
+    def __init__(
+        self,
+        cluster: KubeCluster,
+        services: Mapping[Any, Any] | None,
+        logger: logging.Logger,
+        default_image: str,
+        operator_namespace: str | None,
+    ) -> None:
+        self.queue = WorkQueue()
+        self.cluster, self.services, self.logger = cluster, services, logger
+        self.default_image, self.operator_namespace = default_image, operator_namespace
+        self._versions: dict[Key, str] = {}
+        self._workers: list[asyncio.Task[None]] = []
 
-    try:
-        result = memo.reconciles.collapsed(
-            key,
-            services,
-            lambda known: refresh(
-                memo.cluster,
+    def start(self, workers: int = WORKERS) -> None:
+        self._workers = [asyncio.create_task(self._work(), name=f"kvpilot-reconcile-{i}") for i in range(workers)]
+
+    async def stop(self) -> None:
+        for task in self._workers:
+            task.cancel()
+        for task in self._workers:
+            with suppress(asyncio.CancelledError):
+                await task
+
+    def _known(self, key: Key) -> dict[str, Any] | None:
+        entry = indexed_service(self.services or {}, key)
+        if entry is None or entry["metadata"].get("resourceVersion") != self._versions.get(key):
+            return None
+        return dict(entry)
+
+    async def _work(self) -> None:
+        while True:
+            await self.reconcile_next()
+
+    async def reconcile_next(self) -> Key:
+        """Take the next key (waiting for one), reconcile it, and return it."""
+        key = await self.queue.get()
+        try:
+            await self._reconcile(key)
+        finally:
+            self.queue.done(key)
+        return key
+
+    async def _reconcile(self, key: Key) -> None:
+        namespace, name = key
+        known = self._known(key)
+        self._versions.pop(key, None)
+        try:
+            result: Refreshed | None = await asyncio.to_thread(
+                refresh,
+                self.cluster,
                 namespace,
                 name,
                 datetime.now(UTC),
-                default_image=memo.engine_image,
-                operator_namespace=memo.operator_namespace,
+                default_image=self.default_image,
+                operator_namespace=self.operator_namespace,
                 known=known,
-            ),
-        )
-    except WriteConflict as error:
-        # Whatever changed it is an event of its own, which reconciles again.
-        logger.debug(f"{namespace}/{name} changed while reconciling: {error}")
-        return
-    except Exception as error:  # noqa: BLE001 - the API server failing (500, 429, a timeout) must not end the retries
-        delay = memo.reconciles.retry(key, again)
-        if delay is not None:
-            logger.warning(f"reconcile of {namespace}/{name} failed, again in {delay:g} s: {error}")
-        return
-    if result is None:
-        return
-    logger.info(f"{REFRESHED} {namespace}/{name}")
-    retry = retry_reason(result.status)
-    if retry is None:
-        memo.reconciles.succeeded(key)
-        return
-    memo.reconciles.retry(key, again, _retry_seconds(retry[0]))
+            )
+        except WriteConflict as error:
+            # Something changed it meanwhile: read again, soon.
+            self.logger.debug(f"{namespace}/{name} changed while reconciling: {error}")
+            self.queue.add_rate_limited(key)
+            return
+        except Exception as error:  # noqa: BLE001 - the API server failing (500, 429, a timeout) must not end the retries
+            delay = self.queue.add_rate_limited(key)
+            self.logger.warning(f"reconcile of {namespace}/{name} failed, again in {delay:g} s: {error}")
+            return
+        if result is None:  # gone, or being deleted
+            self.queue.forget(key)
+            return
+        self._versions[key] = result.version
+        self.logger.info(f"{REFRESHED} {namespace}/{name}")
+        ready = next((c for c in result.status.get("conditions", []) if c["type"] == "Ready"), None)
+        if ready is not None:
+            self.logger.debug(f"{namespace}/{name} Ready={ready['status']} ({ready['reason']}): {ready['message']}")
+        self.queue.forget(key)
+        retry = retry_reason(result.status)
+        if retry is not None:
+            delay = _retry_seconds(retry[0])
+            self.queue.add_after(key, delay)
+            self.logger.debug(f"{namespace}/{name}: {retry[0]}, reconciled again in {delay:g} s")
 
 
 class ApiRetryDelays:
@@ -136,48 +191,47 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     )
     settings.posting.level = logging.WARNING
     # Per-object memos are shallow copies of this one, so every handler sees the one client (which
-    # `kvpilot operator` builds, else it is built here) and the one set of per-service locks.
+    # `kvpilot operator` builds, else it is built here).
     if memo.get("cluster") is None:
         memo.cluster = KubeCluster.connect()
-    memo.reconciles = Reconciles()
-    # Read once here, so reconciliation stays a function of the object and this value.
-    memo.engine_image = engine_image(os.environ)
-    memo.operator_namespace = os.environ.get(names.OPERATOR_NAMESPACE_ENV) or None
+
+
+@kopf.on.startup()
+async def start_reconciler(memo: kopf.Memo, logger: logging.Logger, autoscaled_services: kopf.Index, **_: Any) -> None:
+    """The queue and its workers, once (kopf may run a startup handler again after another failed).
+    The engine image and the operator's namespace are read here, once, so reconciling stays a
+    function of the object and these values."""
+    if memo.get("reconciler") is not None:
+        return
+    memo.reconciler = Reconciler(
+        memo.cluster,
+        autoscaled_services,
+        logger,
+        engine_image(os.environ),
+        os.environ.get(names.OPERATOR_NAMESPACE_ENV) or None,
+    )
+    memo.reconciler.start()
+
+
+@kopf.on.cleanup()
+async def stop_reconciler(memo: kopf.Memo, **_: Any) -> None:
+    if memo.get("reconciler") is not None:
+        await memo.reconciler.stop()
+
+
+def _queue(memo: kopf.Memo, namespace: str, name: str) -> None:
+    memo.reconciler.queue.add((namespace, name))
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
-def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    metadata = body["metadata"]
-    key = (metadata["namespace"], metadata["name"])
-    with memo.reconciles.lock(key):
-        # kopf writes this status after the handler: a version no event's reconcile has seen.
-        memo.reconciles.forget(key)
-        try:
-            status = reconcile(
-                body,
-                memo.cluster,
-                datetime.now(UTC),
-                default_image=memo.engine_image,
-                operator_namespace=memo.operator_namespace,
-            )
-        except WriteConflict as error:
-            raise kopf.TemporaryError(f"changed while reconciling: {error}", delay=1) from None
-    patch.status.update(merge_patch(body.get("status") or {}, status))
-    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
-    logger.debug(f"Ready={ready['status']} ({ready['reason']}): {ready['message']}")
-    retry = retry_reason(status)
-    if retry is not None:
-        # The status above is written either way; kopf calls the handler again after the delay.
-        reason, message = retry
-        raise kopf.TemporaryError(f"{reason}: {message}", delay=_retry_seconds(reason))
+async def reconcile_handler(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    _queue(memo, body["metadata"]["namespace"], body["metadata"]["name"])
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def correction_handler(
-    body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, autoscaled_services: kopf.Index | None = None, **_: Any
-) -> None:
+async def correction_handler(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """A status the autoscaler wrote may hold a new PlanAccurate verdict, after which the plan's
     replicas are chosen with another correction (controller/correction.py): re-plan then. A status
     change is no update for kopf's handlers above (its essence leaves status out)."""
@@ -187,22 +241,19 @@ def correction_handler(
         return
     if body["metadata"].get("deletionTimestamp") or not correction.stale(body.get("status") or {}, spec):
         return
-    _refresh(body["metadata"]["namespace"], body["metadata"]["name"], memo, logger, autoscaled_services)
+    _queue(memo, body["metadata"]["namespace"], body["metadata"]["name"])
 
 
 @kopf.on.event("v1", "pods", labels=names.MANAGED_BY)
-def pod_handler(
-    body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, autoscaled_services: kopf.Index | None = None, **_: Any
-) -> None:
+async def pod_handler(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """An engine pod changed (scheduled, crash-looping, ready): its InferenceService's status may
     have a new reason. Pods are owned by ReplicaSets, so the owner comes from the instance label."""
-    namespace = body["metadata"]["namespace"]
     name = (body["metadata"].get("labels") or {}).get(names.INSTANCE_LABEL)
     if not name or body["metadata"].get("deletionTimestamp") or pod_ready(body):
         # A pod becoming ready or going away changes its Deployment's status, whose own event
         # reconciles; only a pod stuck before ready has something to add.
         return
-    _refresh(namespace, name, memo, logger, autoscaled_services)
+    _queue(memo, body["metadata"]["namespace"], name)
 
 
 @kopf.on.event("apps/v1", "deployments", labels=names.MANAGED_BY)
@@ -210,14 +261,7 @@ def pod_handler(
 @kopf.on.event("policy/v1", "poddisruptionbudgets", labels=names.MANAGED_BY)
 @kopf.on.event("networking.k8s.io/v1", "networkpolicies", labels=names.MANAGED_BY)
 @kopf.on.event("v1", "secrets", labels=names.MANAGED_BY)
-def child_handler(
-    body: kopf.Body,
-    memo: kopf.Memo,
-    logger: logging.Logger,
-    type: str | None = None,
-    autoscaled_services: kopf.Index | None = None,
-    **_: Any,
-) -> None:
+async def child_handler(body: kopf.Body, memo: kopf.Memo, type: str | None = None, **_: Any) -> None:
     owner = controller_of(body)
     if owner is None or (owner.get("apiVersion"), owner.get("kind")) != (API_VERSION, KIND):
         return
@@ -225,4 +269,4 @@ def child_handler(
         # A Service or PDB as we made it (our own create or update, or a status or defaults
         # change of another controller): the owner's status does not depend on it.
         return
-    _refresh(body["metadata"]["namespace"], owner["name"], memo, logger, autoscaled_services)
+    _queue(memo, body["metadata"]["namespace"], owner["name"])

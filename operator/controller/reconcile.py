@@ -1,4 +1,9 @@
-"""One reconciliation of an InferenceService: plan, render, converge the children, report status.
+"""One reconciliation of an InferenceService: observe, decide, apply, report.
+
+`observe` reads everything the decision needs (the nodes' GPUs when the plan chooses among them,
+the CPU profile ConfigMaps the specs name, the API-key Secret); `decide` is pure: it plans (the
+spec, else the last good plan's) and renders the children; `apply` converges them; the status is
+built from the decision and what the children are afterwards.
 
 Level-triggered and idempotent: it derives everything from the object as it is now (and the
 status it wrote last), so create, update, resume and every child event run the same function, a
@@ -31,7 +36,7 @@ import binascii
 import hashlib
 import json
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
@@ -46,6 +51,7 @@ from kvpilot.operator.controller import correction, render, status
 from kvpilot.operator.kube.cluster import Cluster, Manifest, WriteRefused, describe
 from kvpilot.operator.kube.merge_patch import merge_patch
 from kvpilot.operator.planning import cpus
+from kvpilot.operator.planning.context import Correction
 from kvpilot.operator.planning.plan import PlanContext, plan
 from kvpilot.operator.runtimes import RUNTIMES
 
@@ -174,46 +180,57 @@ def _kept(old: Mapping[str, Any], planned: dict[str, Any] | None, generation: in
     return last_good(planned, str(previous["gpu"]), (previous.get("reasons") or {}).get("gpu"))
 
 
-def device_profiles(
-    spec: InferenceServiceSpec, cluster: Cluster, operator_namespace: str | None
-) -> dict[str, DeviceProfile | str]:
-    """The CPU device profile a spec names, when it is not built in: its ConfigMap in the
-    operator's namespace (read at every reconcile of the service: nothing watches it), or why it
-    cannot be read. Empty for every other spec, which costs no request."""
+def _profile_name(spec: InferenceServiceSpec) -> str | None:
+    """The CPU device profile `spec` names when it is not built in: a ConfigMap to read."""
     name = spec.accelerator.profile
     if spec.accelerator.type != CPU_TYPE or name is None or name in cpus.builtin_profiles():
-        return {}
-    if operator_namespace is None:
-        return {name: f"accelerator.profile {name!r}: the operator does not know its namespace (KVPILOT_NAMESPACE)"}
-    configmap = cluster.get("v1", "ConfigMap", operator_namespace, name)
-    if configmap is None:
-        return {}
-    try:
-        return {name: cpus.configmap_profile(configmap)}
-    except ValueError as error:
-        return {name: str(error)}
+        return None
+    return name
 
 
-def _last_good_serving(
-    kept: Mapping[str, Any], spec: InferenceServiceSpec, cluster: Cluster, operator_namespace: str | None
-) -> tuple[InferenceServiceSpec, Plan] | None:
+def device_profiles(
+    specs: Sequence[InferenceServiceSpec], cluster: Cluster, operator_namespace: str | None
+) -> dict[str, DeviceProfile | str]:
+    """The CPU device profiles the specs name, when not built in: their ConfigMaps in the operator's
+    namespace (read at every reconcile of the service: nothing watches them), or why one cannot be
+    read. Empty for every other spec, which costs no request."""
+    found: dict[str, DeviceProfile | str] = {}
+    for name in {n for n in map(_profile_name, specs) if n is not None}:
+        if operator_namespace is None:
+            found[name] = f"accelerator.profile {name!r}: the operator does not know its namespace (KVPILOT_NAMESPACE)"
+            continue
+        configmap = cluster.get("v1", "ConfigMap", operator_namespace, name)
+        if configmap is None:
+            continue
+        try:
+            found[name] = cpus.configmap_profile(configmap)
+        except ValueError as error:
+            found[name] = str(error)
+    return found
+
+
+def _kept_spec(kept: Mapping[str, Any], spec: InferenceServiceSpec) -> InferenceServiceSpec | None:
     """The spec to render the Deployment from while `spec` does not plan: the planned fields of
-    `status.lastGoodPlan`, the rest (replicas, env, placement) of `spec`; and its plan. None
-    without a last good plan (or one this operator cannot plan any more)."""
+    `status.lastGoodPlan`, the rest (replicas, env, placement) of `spec`. None without a last good
+    plan (or one this operator cannot read any more)."""
     if not kept.get("spec") or not kept.get("gpu"):
         return None
     current = spec.model_dump(mode="json", by_alias=True, exclude=set(PLANNED), exclude_defaults=True)
     try:
-        spec = InferenceServiceSpec.model_validate({**current, **_planned_part(kept["spec"])})
+        return InferenceServiceSpec.model_validate({**current, **_planned_part(kept["spec"])})
     except ValidationError:
         return None
-    result = plan(
-        spec,
-        PlanContext(
-            available_gpus=(str(kept["gpu"]),), device_profiles=device_profiles(spec, cluster, operator_namespace)
-        ),
-    )
-    return (spec, result) if result.fits else None
+
+
+def _last_good_serving(
+    kept: Mapping[str, Any], spec: InferenceServiceSpec, profiles: Mapping[str, DeviceProfile | str]
+) -> tuple[InferenceServiceSpec, Plan] | None:
+    """The kept spec (_kept_spec) and its plan, on the GPU it chose; None when it does not plan."""
+    kept_spec = _kept_spec(kept, spec)
+    if kept_spec is None:
+        return None
+    result = plan(kept_spec, PlanContext(available_gpus=(str(kept["gpu"]),), device_profiles=profiles))
+    return (kept_spec, result) if result.fits else None
 
 
 def _kept_gpu(spec: InferenceServiceSpec, planned: dict[str, Any], kept: Mapping[str, Any]) -> str | None:
@@ -224,34 +241,27 @@ def _kept_gpu(spec: InferenceServiceSpec, planned: dict[str, Any], kept: Mapping
     return str(kept["gpu"])
 
 
-def _plan(
-    spec: InferenceServiceSpec,
-    planned: dict[str, Any],
-    cluster: Cluster,
-    kept: Mapping[str, Any],
-    operator_namespace: str | None,
-    corrected: dict[str, Any] | None,
-) -> Plan:
-    gpu = _kept_gpu(spec, planned, kept)
-    profiles = device_profiles(spec, cluster, operator_namespace)
-    factors = correction.factors(corrected)
-    # The nodes are read when they choose the GPU type, or bound the tensor-parallel size the
-    # planner picks (a runtime with more than one, no accelerator.count).
+def _reads_nodes(spec: InferenceServiceSpec, planned: dict[str, Any], kept: Mapping[str, Any]) -> bool:
+    """The nodes are read when they choose the GPU type, or bound the tensor-parallel size the
+    planner picks (a runtime with more than one, no accelerator.count)."""
     splits = spec.accelerator.count is None and len(RUNTIMES[spec.runtime].capabilities.tensor_parallel_sizes) > 1
-    nodes = cluster.gpu_nodes() if (gpu is None and not spec.accelerator.type) or splits else {}
-    if gpu is None:
-        available = list(nodes) if not spec.accelerator.type else []
-        return plan(
-            spec,
-            PlanContext(
-                available_gpus=tuple(available), gpus_per_node=nodes, device_profiles=profiles, correction=factors
-            ),
-        )
-    result = plan(
-        spec, PlanContext(available_gpus=(gpu,), gpus_per_node=nodes, device_profiles=profiles, correction=factors)
+    return (_kept_gpu(spec, planned, kept) is None and not spec.accelerator.type) or splits
+
+
+def _plan(
+    spec: InferenceServiceSpec, planned: dict[str, Any], observed: Observed, corrected: Correction | None
+) -> Plan:
+    """The plan of `spec`: on the GPU the last good plan chose while the spec is the same, else on
+    the spec's GPU type or the nodes'."""
+    kept = observed.kept
+    gpu = _kept_gpu(spec, planned, kept)
+    available = (gpu,) if gpu is not None else () if spec.accelerator.type else tuple(observed.nodes)
+    context = PlanContext(
+        available_gpus=available, gpus_per_node=observed.nodes, device_profiles=observed.profiles, correction=corrected
     )
+    result = plan(spec, context)
     why = kept.get("gpuReason")
-    if not result.fits or not why:
+    if gpu is None or not result.fits or not why:
         return result
     return result.model_copy(update={"reasons": {**result.reasons, "gpu": why}})
 
@@ -262,11 +272,10 @@ class _ApiKey(NamedTuple):
     blocked: tuple[str, str] | None = None  # (reason, message): no key to run with
 
 
-def _api_key(cluster: Cluster, name: str, namespace: str, uid: str) -> _ApiKey:
-    """The service's API key: the key in its Secret, or a new random one and the Secret to create
-    for it (once: afterwards the key is the Secret's, which an admin may rotate)."""
+def _api_key(secret: Manifest | None, name: str, namespace: str, uid: str) -> _ApiKey:
+    """The service's API key: the key in its Secret (`secret`, as observed), or a new random one and
+    the Secret to create for it (once: afterwards the key is the Secret's, which an admin may rotate)."""
     secret_name = names.api_key_secret(name)
-    secret = cluster.get("v1", "Secret", namespace, secret_name)
     if secret is None:
         key = secrets.token_urlsafe(32)
         return _ApiKey(_sha256(key), render.api_key_secret_manifest(name, namespace, uid, key))
@@ -297,42 +306,68 @@ def _sha256(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-class _Planned(NamedTuple):
-    spec: InferenceServiceSpec | None  # None: the spec is invalid
-    planned: dict[str, Any] | None  # planned_fields(spec)
-    result: Plan
+class Observed(NamedTuple):
+    """What one reconcile read of the cluster: all that `decide` needs."""
+
+    body: Mapping[str, Any]  # the InferenceService
+    spec: InferenceServiceSpec | ValidationError  # the error: the spec is invalid
     kept: dict[str, Any]  # status.lastGoodPlan
-    correction: dict[str, Any] | None = None  # status.correction, which `result` was planned with
+    nodes: dict[str, int]  # GPU product -> most GPUs one node carries; empty when not read
+    profiles: dict[str, DeviceProfile | str]  # the CPU profiles the spec and the kept spec name
+    api_key_secret: Manifest | None  # the service's API-key Secret, when the operator makes the key
 
 
-def _spec_and_plan(
-    body: Mapping[str, Any], cluster: Cluster, old: Mapping[str, Any], generation: int, operator_namespace: str | None
-) -> _Planned:
+def _valid_spec(body: Mapping[str, Any]) -> InferenceServiceSpec | ValidationError:
     try:
-        spec = InferenceServiceSpec.model_validate(body.get("spec", {}))
+        return InferenceServiceSpec.model_validate(body.get("spec", {}))
     except ValidationError as error:
-        return _Planned(None, None, _invalid(body, error), _kept(old, None, generation))
+        return error
+
+
+def observe(body: Mapping[str, Any], cluster: Cluster, operator_namespace: str | None) -> Observed:
+    """Read what deciding about `body` needs, and nothing a decision will not use: a healthy
+    service with a GPU type and its own key costs one read (its Secret)."""
+    metadata, old = body["metadata"], body.get("status") or {}
+    generation = int(metadata.get("generation", 0))
+    spec = _valid_spec(body)
+    if isinstance(spec, ValidationError):
+        return Observed(body, spec, _kept(old, None, generation), {}, {}, None)
     planned = planned_fields(spec)
     kept = _kept(old, planned, generation)
-    corrected = correction.correction(old, spec)
-    result = _plan(spec, planned, cluster, kept, operator_namespace, corrected)
-    return _Planned(spec, planned, result, kept, corrected)
+    kept_spec = _kept_spec(kept, spec)
+    nodes = cluster.gpu_nodes() if _reads_nodes(spec, planned, kept) else {}
+    profiles = device_profiles([spec, *([kept_spec] if kept_spec else [])], cluster, operator_namespace)
+    secret = None
+    if render.operator_api_key(spec):
+        secret = cluster.get("v1", "Secret", metadata["namespace"], names.api_key_secret(metadata["name"]))
+    return Observed(body, spec, kept, nodes, profiles, secret)
 
 
-def _wanted(
-    name: str,
-    namespace: str,
-    uid: str,
-    cluster: Cluster,
-    spec: InferenceServiceSpec,
-    result: Plan,
-    kept: Mapping[str, Any],
-    default_image: str,
-    operator_namespace: str | None,
-) -> tuple[list[Manifest], _ApiKey]:
-    """The children to converge, stamped (with the API-key Secret when the key is new), and the key."""
-    key = _api_key(cluster, name, namespace, uid) if render.operator_api_key(spec) else _ApiKey()
-    serving = (spec, result) if result.fits else _last_good_serving(kept, spec, cluster, operator_namespace)
+class Decision(NamedTuple):
+    """What a reconcile does and reports, decided from an Observed alone."""
+
+    spec: InferenceServiceSpec | None
+    result: Plan  # the spec's plan (or why it has none)
+    wanted: list[Manifest]  # the children to converge, stamped (with a new key's Secret)
+    key: _ApiKey
+    last_good: dict[str, Any] | None  # status.lastGoodPlan to write
+    correction: dict[str, Any] | None  # status.correction, which `result` was planned with
+
+
+def decide(observed: Observed, default_image: str, operator_namespace: str | None) -> Decision:
+    """Plan the spec and render the children (pure). A spec that does not plan keeps the last
+    good plan's Deployment (rendered with the rest of the spec as it is now); an invalid one renders
+    nothing; a key that cannot be had (a foreign or empty Secret) blocks the rollout."""
+    body, spec, kept = observed.body, observed.spec, observed.kept
+    if isinstance(spec, ValidationError):
+        return Decision(None, _invalid(body, spec), [], _ApiKey(), kept or None, None)
+    metadata = body["metadata"]
+    name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
+    planned = planned_fields(spec)
+    corrected = correction.correction(body.get("status") or {}, spec)
+    result = _plan(spec, planned, observed, correction.factors(corrected))
+    key = _api_key(observed.api_key_secret, name, namespace, uid) if render.operator_api_key(spec) else _ApiKey()
+    serving = (spec, result) if result.fits else _last_good_serving(kept, spec, observed.profiles)
     children = render.children(
         name,
         namespace,
@@ -342,7 +377,9 @@ def _wanted(
         api_key_sha256=key.sha256,
         operator_namespace=operator_namespace,
     )
-    return [stamped(m) for m in [*children, *([key.secret] if key.secret else [])]], key
+    wanted = [stamped(m) for m in [*children, *([key.secret] if key.secret else [])]]
+    good = last_good(planned, str(result.gpu), result.reasons.get("gpu")) if result.fits else kept or None
+    return Decision(spec, result, wanted, key, good, corrected)
 
 
 def reconcile(
@@ -358,14 +395,8 @@ def reconcile(
     gateway run (the engines' NetworkPolicy lets their pods in)."""
     metadata = body["metadata"]
     name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
-    generation = int(metadata.get("generation", 0))
-    old = body.get("status") or {}
-    spec, planned, result, kept, corrected = _spec_and_plan(body, cluster, old, generation, operator_namespace)
-
-    wanted: list[Manifest] = []
-    key = _ApiKey()
-    if spec is not None:
-        wanted, key = _wanted(name, namespace, uid, cluster, spec, result, kept, default_image, operator_namespace)
+    decision = decide(observe(body, cluster, operator_namespace), default_image, operator_namespace)
+    wanted, key = decision.wanted, decision.key
     found = {m["kind"]: cluster.get(m["apiVersion"], m["kind"], namespace, m["metadata"]["name"]) for m in wanted}
     if "Deployment" not in found:
         found["Deployment"] = cluster.get("apps/v1", "Deployment", namespace, name)
@@ -379,28 +410,23 @@ def reconcile(
     pods: list[dict[str, Any]] = []
     if deployment is not None and _not_all_ready(deployment):
         pods = cluster.list_pods(namespace, names.selector_labels(name))
-    good = (
-        last_good(planned, str(result.gpu), result.reasons.get("gpu"))
-        if planned is not None and result.fits
-        else kept or None
-    )
     return status.build(
         name=name,
         namespace=namespace,
-        generation=generation,
-        plan=result,
-        spec=spec,
+        generation=int(metadata.get("generation", 0)),
+        plan=decision.result,
+        spec=decision.spec,
         deployment=deployment,
-        old=old,
+        old=body.get("status") or {},
         now=now,
         blocked=blocked,
         pods=pods,
-        last_good=good,
+        last_good=decision.last_good,
         # A new key counts once its Secret is made.
         api_key=(key.sha256, names.api_key_secret(name))
         if key.sha256 and (key.secret is None or found.get("Secret"))
         else None,
-        correction=corrected,
+        correction=decision.correction,
     )
 
 

@@ -107,8 +107,8 @@ def children(
     return deployment, mine
 
 
-# generation: the operator reconciles from an InferenceService's entry (controller/handlers.py,
-# through controller/serial.py).
+# generation: the operator reconciles from an InferenceService's entry (controller/handlers.py's
+# Reconciler).
 _KEPT_METADATA = (
     "name",
     "namespace",

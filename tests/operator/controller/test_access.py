@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,9 @@ from tests.operator.controller.test_reconcile import (
     OPERATOR_NAMESPACE,
     SPEC,
     FakeCluster,
+    Operator,
     body,
     condition,
-    memo_of,
 )
 
 SECRET = ("Secret", "ml", "chat-api-key")
@@ -197,7 +196,7 @@ def test_a_secret_event_reconciles_its_owner() -> None:
     assert refresh(cluster, "ml", "chat", NOW)
     before = cluster.objects[("InferenceService", "ml", "chat")]["status"]["auth"]["apiKeySha256"]
     cluster.objects[SECRET]["data"] = {"api-key": base64.b64encode(b"new").decode()}
-    handlers.child_handler(body=dict(cluster.objects[SECRET]), memo=memo_of(cluster), logger=logging.getLogger("test"))
+    Operator(cluster).event(handlers.child_handler, body=dict(cluster.objects[SECRET]))
     after = cluster.objects[("InferenceService", "ml", "chat")]["status"]["auth"]["apiKeySha256"]
     assert after == sha256("new") != before
 

@@ -6,10 +6,10 @@ The store keys objects by (kind, namespace, name) and versions them the way the 
 read); it tests the reconcile logic, not Kubernetes (e2e/ does that against a real API server).
 """
 
+import asyncio
 import copy
 import logging
-import threading
-import time
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -23,13 +23,13 @@ from kvpilot.operator.controller import handlers, render
 from kvpilot.operator.controller.handlers import (
     ENGINE_IMAGE_ENV,
     NO_GPU_RETRY_SECONDS,
+    Reconciler,
     child_handler,
     engine_image,
     pod_handler,
     reconcile_handler,
 )
 from kvpilot.operator.controller.reconcile import RENDERED_HASH, owned_by, reconcile, refresh
-from kvpilot.operator.controller.serial import Reconciles
 from kvpilot.operator.kube.cluster import WriteConflict, WriteRefused, describe
 from kvpilot.operator.kube.indexes import index_entry
 from kvpilot.operator.kube.merge_patch import merge_patch
@@ -162,16 +162,50 @@ assert REPLICAS > 1
 ALL_READY = {"observedGeneration": 1, "replicas": REPLICAS, "updatedReplicas": REPLICAS, "readyReplicas": REPLICAS}
 
 
-def memo_of(
-    cluster: FakeCluster, reconciles: Reconciles | None = None, engine_image: str = render.DEFAULT_ENGINE_IMAGE
-) -> kopf.Memo:
-    """The memo `handlers.configure` fills, with this cluster."""
-    return kopf.Memo(
-        cluster=cluster,
-        reconciles=reconciles or Reconciles(),
-        engine_image=engine_image,
-        operator_namespace=OPERATOR_NAMESPACE,
-    )
+class Operator:
+    """The operator's handlers and its reconcile worker over `cluster`, driven one event at a time:
+    `event` runs a handler, then every reconcile it queued."""
+
+    def __init__(self, cluster: FakeCluster, engine_image: str = render.DEFAULT_ENGINE_IMAGE) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.reconciler = Reconciler(cluster, None, logging.getLogger("test"), engine_image, OPERATOR_NAMESPACE)
+        self.memo = kopf.Memo(cluster=cluster, reconciler=self.reconciler)
+
+    def event(
+        self, handler: Callable[..., Any], services: Mapping[Any, Any] | None = None, **kwargs: Any
+    ) -> list[tuple[str, str]]:
+        """Run `handler` (kopf's services index as `services`); the keys reconciled after it."""
+        self.reconciler.services = services
+
+        async def handle() -> list[tuple[str, str]]:
+            await handler(memo=self.memo, **kwargs)
+            return [await self.reconciler.reconcile_next() for _ in range(self.reconciler.queue.pending())]
+
+        return self.loop.run_until_complete(handle())
+
+    def until(self, condition: Callable[[], bool], seconds: float = 5.0) -> bool:
+        """Let a worker take what the queue holds, and what comes back into it later, until
+        `condition` holds (True) or `seconds` pass (False)."""
+
+        async def run() -> bool:
+            self.reconciler.start(workers=1)
+            try:
+                deadline = self.loop.time() + seconds
+                while not condition() and self.loop.time() < deadline:
+                    await asyncio.sleep(0.01)
+            finally:
+                await self.reconciler.stop()
+            return condition()
+
+        return self.loop.run_until_complete(run())
+
+    def later(self, key: tuple[str, str]) -> float | None:
+        """Seconds until `key` is reconciled again by itself, None when it is not."""
+
+        async def later() -> float | None:
+            return self.reconciler.queue.later(key)
+
+        return self.loop.run_until_complete(later())
 
 
 def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -299,7 +333,7 @@ def test_a_plan_that_stops_fitting_keeps_the_last_good_deployment_and_says_why()
 def test_the_last_good_deployment_deleted_by_hand_comes_back_while_the_spec_does_not_plan() -> None:
     cluster = FakeCluster()
     cluster.put(body(SPEC))
-    memo = memo_of(cluster)
+    operator = Operator(cluster)
     assert refresh(cluster, "ml", "chat", NOW)
     running = copy.deepcopy(cluster.objects[("Deployment", "ml", "chat")])
     # The spec stops planning (a model too big); then the Deployment is deleted by hand.
@@ -309,7 +343,7 @@ def test_the_last_good_deployment_deleted_by_hand_comes_back_while_the_spec_does
     assert refresh(cluster, "ml", "chat", NOW)
     assert cluster.objects[("Deployment", "ml", "chat")]["spec"]["replicas"] == 2
     cluster.delete("apps/v1", "Deployment", "ml", "chat")
-    child_handler(body=running, memo=memo, logger=logging.getLogger("test"))
+    operator.event(child_handler, body=running)
     # It comes back as the last plan that fit rendered it, at the spec's replicas.
     back = cluster.objects[("Deployment", "ml", "chat")]
     assert back["spec"] == {**running["spec"], "replicas": 2}
@@ -541,37 +575,38 @@ def test_slo_at_risk_is_degraded_with_numbers() -> None:
     assert "maxReplicas 2" in degraded["message"] and "req/s" in degraded["message"]
 
 
-def test_kopf_handler_writes_the_status_into_the_patch() -> None:
+def test_the_service_s_own_handler_queues_a_reconcile_that_writes_its_status() -> None:
     cluster = FakeCluster()
-    patch = kopf.Patch()
-    memo = memo_of(cluster, engine_image="mirror.example/kvpilot:1.2.3")
-    reconcile_handler(body=body(SPEC), patch=patch, memo=memo, logger=logging.getLogger("test"))
-    assert patch["status"]["plan"]["gpu"] == "A10G"
-    assert {c["type"] for c in patch["status"]["conditions"]} == {"Planned", "Progressing", "Ready", "Degraded"}
+    cluster.put(body(SPEC))
+    operator = Operator(cluster, engine_image="mirror.example/kvpilot:1.2.3")
+    assert operator.event(reconcile_handler, body=body(SPEC)) == [("ml", "chat")]
+    status = cluster.objects[("InferenceService", "ml", "chat")]["status"]
+    assert status["plan"]["gpu"] == "A10G"
+    assert {c["type"] for c in status["conditions"]} == {"Planned", "Progressing", "Ready", "Degraded"}
     assert cluster.kinds() == ["Deployment", *SPEC_FREE_KINDS]
     (engine,) = cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"]["spec"]["containers"]
     assert engine["image"] == "mirror.example/kvpilot:1.2.3"
 
 
-def test_kopf_handler_patches_only_what_changed_and_removes_what_is_gone() -> None:
+def test_a_reconcile_patches_only_what_changed_and_removes_what_is_gone() -> None:
     cluster = FakeCluster()
-    memo = memo_of(cluster)
-    first = reconcile(body(SPEC), cluster, NOW)
-    patch = kopf.Patch()
-    reconcile_handler(body=body(SPEC, status=first), patch=patch, memo=memo, logger=logging.getLogger("test"))
-    assert patch == {}  # nothing changed: nothing to write
-    patch = kopf.Patch()
-    too_big = {**SPEC, "model": {"name": "llama-3-70b"}}
-    reconcile_handler(
-        body=body(too_big, generation=2, status=first), patch=patch, memo=memo, logger=logging.getLogger("test")
-    )
+    cluster.put(body(SPEC))
+    operator = Operator(cluster)
+    operator.event(reconcile_handler, body=body(SPEC))
+    patches = len(cluster.status_patches)
+    operator.event(reconcile_handler, body=body(SPEC))
+    assert len(cluster.status_patches) == patches  # nothing changed: nothing to write
+    isvc = cluster.objects[("InferenceService", "ml", "chat")]
+    isvc["spec"], isvc["metadata"]["generation"] = {**SPEC, "model": {"name": "llama-3-70b"}}, 2
+    operator.event(reconcile_handler, body=copy.deepcopy(isvc))
+    patch = cluster.status_patches[-1]
     # The failed plan gives no reasons for choices it did not make: the old plan's are removed
     # (a merge patch keeps every key it does not name).
-    assert patch["status"]["plan"]["reasons"]["kvCache"] is None
-    assert patch["status"]["plan"]["fits"] is False
+    assert patch["plan"]["reasons"]["kvCache"] is None
+    assert patch["plan"]["fits"] is False
 
 
-def test_kopf_handler_retries_a_blocked_service_after_writing_its_status() -> None:
+def test_a_blocked_service_is_reconciled_again_later_after_writing_its_status() -> None:
     cluster = FakeCluster()
     cluster.put(
         {
@@ -581,36 +616,34 @@ def test_kopf_handler_retries_a_blocked_service_after_writing_its_status() -> No
             "spec": {},
         }
     )
-    patch = kopf.Patch()
-    memo = memo_of(cluster)
-    with pytest.raises(kopf.TemporaryError, match="NameConflict"):
-        reconcile_handler(body=body(SPEC), patch=patch, memo=memo, logger=logging.getLogger("test"))
-    assert condition(patch["status"], "Ready")["reason"] == "NameConflict"
+    cluster.put(body(SPEC))
+    operator = Operator(cluster)
+    operator.event(reconcile_handler, body=body(SPEC))
+    assert condition(cluster.objects[("InferenceService", "ml", "chat")]["status"], "Ready")["reason"] == "NameConflict"
+    assert operator.later(("ml", "chat")) == pytest.approx(handlers.BLOCKED_RETRY_SECONDS, abs=1)
 
 
-def test_kopf_handler_plans_again_later_when_no_node_has_a_gpu() -> None:
+def test_a_service_is_planned_again_later_when_no_node_has_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     cluster = FakeCluster()
-    memo = memo_of(cluster)
     unset = {"model": {"name": "llama-2-7b"}}
-    patch = kopf.Patch()
-    with pytest.raises(kopf.TemporaryError, match="NoGPUType") as raised:
-        reconcile_handler(body=body(unset), patch=patch, memo=memo, logger=logging.getLogger("test"))
-    assert raised.value.delay == NO_GPU_RETRY_SECONDS
-    assert condition(patch["status"], "Ready")["reason"] == "NoGPUType"
-    # The GPU pool comes back: kopf's retry plans onto it.
+    cluster.put(body(unset))
+    operator = Operator(cluster)
+    operator.event(reconcile_handler, body=body(unset))
+    isvc = cluster.objects[("InferenceService", "ml", "chat")]
+    assert condition(isvc["status"], "Ready")["reason"] == "NoGPUType"
+    assert operator.later(("ml", "chat")) == pytest.approx(NO_GPU_RETRY_SECONDS, abs=1)
+    # The GPU pool comes back: the retry (sooner here) plans onto it, with no event.
+    monkeypatch.setattr(handlers, "NO_GPU_RETRY_SECONDS", 0.05)
+    operator.event(reconcile_handler, body=body(unset))
     cluster.products = ["NVIDIA-L4"]
-    retried = kopf.Patch()
-    reconcile_handler(
-        body=body(unset, status=patch["status"]), patch=retried, memo=memo, logger=logging.getLogger("test")
-    )
-    assert retried["status"]["plan"]["gpu"] == "L4"
+    assert operator.until(lambda: isvc["status"]["plan"].get("gpu") == "L4")
     assert cluster.kinds() == ["Deployment", *SPEC_FREE_KINDS]
 
 
 def test_a_child_event_reconciles_its_owner_and_writes_only_a_changed_status() -> None:
     cluster = FakeCluster()
     cluster.put(body(SPEC))
-    memo = memo_of(cluster)
+    operator = Operator(cluster)
     assert refresh(cluster, "ml", "chat", NOW)
     assert cluster.kinds() == ["Deployment", *SPEC_FREE_KINDS]
     assert len(cluster.status_patches) == 1
@@ -622,18 +655,18 @@ def test_a_child_event_reconciles_its_owner_and_writes_only_a_changed_status() -
     # The Deployment reports its pods ready: its event makes the InferenceService Ready.
     deployment = cluster.objects[("Deployment", "ml", "chat")]
     deployment["status"] = dict(ALL_READY)
-    child_handler(body=deployment, memo=memo, logger=logging.getLogger("test"))
+    operator.event(child_handler, body=deployment)
     isvc = cluster.objects[("InferenceService", "ml", "chat")]
     assert condition(isvc["status"], "Ready")["status"] == "True"
     assert isvc["status"]["readyReplicas"] == REPLICAS and len(cluster.status_patches) == 2
     # The same event again changes nothing and writes nothing.
     writes = cluster.applies
-    child_handler(body=deployment, memo=memo, logger=logging.getLogger("test"))
+    operator.event(child_handler, body=deployment)
     assert len(cluster.status_patches) == 2 and cluster.applies == writes
 
     # Deleted by hand: the event of its deletion brings it back.
     cluster.delete("apps/v1", "Deployment", "ml", "chat")
-    child_handler(body=deployment, memo=memo, logger=logging.getLogger("test"))
+    operator.event(child_handler, body=deployment)
     assert ("Deployment", "ml", "chat") in cluster.objects
     assert (
         condition(cluster.objects[("InferenceService", "ml", "chat")]["status"], "Ready")["status"] == "False"
@@ -650,8 +683,8 @@ def test_a_child_event_reconciles_its_owner_and_writes_only_a_changed_status() -
             ],
         }
     }
-    child_handler(body=stray, memo=memo, logger=logging.getLogger("test"))
-    child_handler(body={"metadata": {"name": "x", "namespace": "ml"}}, memo=memo, logger=logging.getLogger("test"))
+    assert operator.event(child_handler, body=stray) == []
+    assert operator.event(child_handler, body={"metadata": {"name": "x", "namespace": "ml"}}) == []
     assert len(cluster.status_patches) == patches
 
     # An owner that is gone, or being deleted, is not reconciled (its children go by GC).
@@ -671,112 +704,84 @@ class ReadCounting(FakeCluster):
         return super().get(api_version, kind, namespace, name)
 
 
-def _reconciled_chat() -> tuple[ReadCounting, kopf.Memo, logging.Logger]:
-    """A cluster where InferenceService ml/chat has been reconciled once, and a handler's memo."""
+def _reconciled_chat() -> tuple[ReadCounting, Operator]:
+    """A cluster where InferenceService ml/chat has been reconciled once, and its operator."""
     cluster = ReadCounting()
     cluster.put(body(SPEC))
     assert refresh(cluster, "ml", "chat", NOW)
-    return (
-        cluster,
-        memo_of(cluster),
-        logging.getLogger("test"),
-    )
+    return cluster, Operator(cluster)
 
 
-def test_events_for_a_service_whose_reconcile_is_already_waiting_are_collapsed() -> None:
-    cluster, memo, logger = _reconciled_chat()
+def test_a_burst_of_events_for_a_service_is_one_reconcile() -> None:
+    cluster, operator = _reconciled_chat()
     deployment = cluster.objects[("Deployment", "ml", "chat")]
-    held = memo.reconciles.lock(("ml", "chat"))  # a reconcile of chat is running
-    held.acquire()
-    # Daemon threads, and the lock released whatever fails: a broken collapse fails this test
-    # instead of leaving handlers blocked on chat's lock for the tests after it.
-    try:
-        waiting = threading.Thread(
-            target=child_handler, daemon=True, kwargs={"body": deployment, "memo": memo, "logger": logger}
-        )
-        waiting.start()
-        deadline = time.monotonic() + 5
-        while ("ml", "chat") not in memo.reconciles.waiting and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert ("ml", "chat") in memo.reconciles.waiting
-        reads = cluster.owner_reads
-        # More events while one waits: it reads the cluster after them, so they return at once.
-        more = [
-            threading.Thread(
-                target=child_handler, daemon=True, kwargs={"body": deployment, "memo": memo, "logger": logger}
-            )
-            for _ in range(3)
-        ]
-        more.append(
-            threading.Thread(
-                target=pod_handler,
-                daemon=True,
-                kwargs={"body": _pod("chat-abc", phase="Pending"), "memo": memo, "logger": logger},
-            )
-        )
-        for thread in more:
-            thread.start()
-            thread.join(2)
-        assert not any(thread.is_alive() for thread in more) and cluster.owner_reads == reads
-    finally:
-        held.release()
-    waiting.join(5)
-    assert cluster.owner_reads == reads + 1 and not memo.reconciles.waiting
+    reads = cluster.owner_reads
+
+    async def burst() -> list[tuple[str, str]]:
+        for _ in range(3):
+            await child_handler(body=deployment, memo=operator.memo)
+        await pod_handler(body=_pod("chat-abc", phase="Pending"), memo=operator.memo)
+        queue = operator.reconciler.queue
+        return [await operator.reconciler.reconcile_next() for _ in range(queue.pending())]
+
+    assert operator.loop.run_until_complete(burst()) == [("ml", "chat")]
+    assert cluster.owner_reads == reads + 1
     # Once it has run, the next event reconciles again.
-    child_handler(body=deployment, memo=memo, logger=logger)
+    operator.event(child_handler, body=deployment)
     assert cluster.owner_reads == reads + 2
 
 
 def test_service_and_pdb_events_reconcile_only_when_they_differ_from_the_rendering() -> None:
-    cluster, memo, logger = _reconciled_chat()
+    cluster, operator = _reconciled_chat()
     reads = cluster.owner_reads
     for kind in ("Service", "PodDisruptionBudget"):
         # Our own create's event, or another controller's defaults (a cluster IP): nothing to do.
         child = copy.deepcopy(cluster.objects[(kind, "ml", "chat")])
         child["spec"]["clusterIP"] = "127.0.0.7"
-        child_handler(body=child, memo=memo, logger=logger, type="ADDED")
-        child_handler(body=child, memo=memo, logger=logger, type="MODIFIED")
+        assert operator.event(child_handler, body=child, type="ADDED") == []
+        assert operator.event(child_handler, body=child, type="MODIFIED") == []
     assert cluster.owner_reads == reads
     # A port edited by hand is put back.
     service = cluster.objects[("Service", "ml", "chat")]
     service["spec"]["ports"][0]["port"] = 9999
-    child_handler(body=copy.deepcopy(service), memo=memo, logger=logger, type="MODIFIED")
+    operator.event(child_handler, body=copy.deepcopy(service), type="MODIFIED")
     assert cluster.owner_reads == reads + 1
     assert cluster.objects[("Service", "ml", "chat")]["spec"]["ports"][0]["port"] == names.PORT
     # Deleted: it comes back, though the deleted object was as rendered.
     pdb = cluster.objects.pop(("PodDisruptionBudget", "ml", "chat"))
-    child_handler(body=pdb, memo=memo, logger=logger, type="DELETED")
+    operator.event(child_handler, body=pdb, type="DELETED")
     assert ("PodDisruptionBudget", "ml", "chat") in cluster.objects
 
 
 def test_an_event_reconciles_from_the_index_when_it_holds_the_version_the_last_reconcile_left() -> None:
-    cluster, memo, logger = _reconciled_chat()
+    cluster, operator = _reconciled_chat()
 
     def index() -> dict[tuple[str, str], list[dict[str, Any]]]:
         """kopf's autoscaled_services index, caught up with the cluster."""
         return {key: [entry] for key, entry in index_entry(cluster.objects[("InferenceService", "ml", "chat")]).items()}
 
     deployment = cluster.objects[("Deployment", "ml", "chat")]
-    child_handler(body=deployment, memo=memo, logger=logger, autoscaled_services=index())
+    operator.event(child_handler, index(), body=deployment)
     assert cluster.owner_reads == 2  # no version known yet: read
     deployment["status"] = dict(ALL_READY)
     caught_up = index()
-    child_handler(body=deployment, memo=memo, logger=logger, autoscaled_services=caught_up)
+    operator.event(child_handler, caught_up, body=deployment)
     assert cluster.owner_reads == 2  # the index holds the version the last reconcile left
     isvc = cluster.objects[("InferenceService", "ml", "chat")]
     assert condition(isvc["status"], "Ready")["status"] == "True"
     # An index that has not caught up with that reconcile's status write is not used.
     deployment["status"] = {**deployment["status"], "readyReplicas": 1}
-    child_handler(body=deployment, memo=memo, logger=logger, autoscaled_services=caught_up)
+    operator.event(child_handler, caught_up, body=deployment)
     assert cluster.owner_reads == 3 and condition(isvc["status"], "Ready")["status"] == "False"
     # Someone else wrote (the autoscaler's status, a spec change): another version, read again.
     cluster.patch_status("kvpilot.dev/v1alpha1", "InferenceService", "ml", "chat", {"autoscaler": {"unknownPods": []}})
     deployment["status"] = {**deployment["status"], "readyReplicas": REPLICAS}
-    child_handler(body=deployment, memo=memo, logger=logger, autoscaled_services=index())
+    operator.event(child_handler, index(), body=deployment)
     assert cluster.owner_reads == 4 and condition(isvc["status"], "Ready")["status"] == "True"
-    # kopf's own handler writes a status of its own: the next event reads.
-    reconcile_handler(body=copy.deepcopy(isvc), patch=kopf.Patch(), memo=memo, logger=logger)
-    child_handler(body=deployment, memo=memo, logger=logger, autoscaled_services=index())
+    # kopf's handler of the service's own changes writes its bookkeeping: another version, read.
+    annotated = {**isvc["metadata"], "annotations": {f"{handlers.ANNOTATION_PREFIX}/last-handled-configuration": "x"}}
+    cluster.put({**isvc, "metadata": annotated})
+    operator.event(child_handler, index(), body=deployment)
     assert cluster.owner_reads == 5
 
 
@@ -947,25 +952,19 @@ class Failing(ReadCounting):
         return super().get(api_version, kind, namespace, name)
 
 
-def _eventually(condition: Any, seconds: float = 5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return bool(condition())
-
-
 def test_an_event_reconcile_that_meets_api_errors_is_retried_until_it_succeeds() -> None:
     """Issue 24, item 9: kopf never retries an event handler, so a Deployment deleted by hand while
     the API server failed stayed deleted."""
     cluster = Failing()
     cluster.put(body(SPEC))
     assert refresh(cluster, "ml", "chat", NOW)
-    memo = memo_of(cluster, Reconciles(first_retry_seconds=0.02))
+    operator = Operator(cluster)
+    operator.reconciler.queue.first_retry_seconds = 0.02
     deployment = cluster.objects.pop(("Deployment", "ml", "chat"))
     cluster.failures = 3
-    child_handler(body=deployment, memo=memo, logger=logging.getLogger("test"), type="DELETED")
+    operator.event(child_handler, body=deployment, type="DELETED")
     assert ("Deployment", "ml", "chat") not in cluster.objects  # the first try met the error
-    assert _eventually(lambda: ("Deployment", "ml", "chat") in cluster.objects)
+    assert operator.until(lambda: ("Deployment", "ml", "chat") in cluster.objects)
     assert cluster.failures == 0
 
 
@@ -973,14 +972,14 @@ def test_a_conflict_met_by_an_event_reconcile_is_tried_again_later(monkeypatch: 
     """Issue 24, item 9: NameConflict reached through an event stayed until the next spec change;
     the object in the way carries none of our labels, so no event says when it is gone."""
     monkeypatch.setattr(handlers, "BLOCKED_RETRY_SECONDS", 0.05)
-    cluster, memo, logger = _reconciled_chat()
+    cluster, operator = _reconciled_chat()
     ours = cluster.objects.pop(("Service", "ml", "chat"))
     cluster.put({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "chat", "namespace": "ml"}, "spec": {}})
-    child_handler(body=ours, memo=memo, logger=logger, type="DELETED")
+    operator.event(child_handler, body=ours, type="DELETED")
     isvc = cluster.objects[("InferenceService", "ml", "chat")]
     assert condition(isvc["status"], "Ready")["reason"] == "NameConflict"
     del cluster.objects[("Service", "ml", "chat")]  # its owner deletes it
-    assert _eventually(lambda: condition(isvc["status"], "Ready")["reason"] != "NameConflict")
+    assert operator.until(lambda: condition(isvc["status"], "Ready")["reason"] != "NameConflict")
     assert owned_by(cluster.objects[("Service", "ml", "chat")], isvc["metadata"]["uid"])
 
 

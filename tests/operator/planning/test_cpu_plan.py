@@ -234,18 +234,18 @@ class _ConfigMaps:
 
 def test_the_operator_reads_a_profile_configmap_in_its_namespace() -> None:
     mine = faster(builtin(), "node-pool-a", 2)
-    found = device_profiles(spec("node-pool-a"), _ConfigMaps({"profile.json": mine.to_json()}), "kvpilot")  # type: ignore[arg-type]
+    found = device_profiles([spec("node-pool-a")], _ConfigMaps({"profile.json": mine.to_json()}), "kvpilot")  # type: ignore[arg-type]
     assert found == {"node-pool-a": mine}
     assert plan(spec("node-pool-a"), PlanContext(device_profiles=found)).device_profile == "node-pool-a"
-    bad = device_profiles(spec("node-pool-a"), _ConfigMaps({"profile.json": "{}"}), "kvpilot")  # type: ignore[arg-type]
+    bad = device_profiles([spec("node-pool-a")], _ConfigMaps({"profile.json": "{}"}), "kvpilot")  # type: ignore[arg-type]
     assert "is not valid" in str(bad["node-pool-a"]) and "memory_bandwidth_bytes_per_s" in str(bad["node-pool-a"])
-    keyless = device_profiles(spec("node-pool-a"), _ConfigMaps({"other": "x"}), "kvpilot")  # type: ignore[arg-type]
+    keyless = device_profiles([spec("node-pool-a")], _ConfigMaps({"other": "x"}), "kvpilot")  # type: ignore[arg-type]
     assert "has no profile.json key" in str(keyless["node-pool-a"])
-    assert device_profiles(spec("node-pool-a"), _ConfigMaps(None), "kvpilot") == {}  # type: ignore[arg-type]
+    assert device_profiles([spec("node-pool-a")], _ConfigMaps(None), "kvpilot") == {}  # type: ignore[arg-type]
     # A built-in profile and a GPU spec cost no read.
     none = _ConfigMaps(None)
-    device_profiles(spec(), none, "kvpilot")  # type: ignore[arg-type]
-    device_profiles(InferenceServiceSpec.model_validate({"model": {"name": MODEL}}), none, "kvpilot")  # type: ignore[arg-type]
+    device_profiles([spec()], none, "kvpilot")  # type: ignore[arg-type]
+    device_profiles([InferenceServiceSpec.model_validate({"model": {"name": MODEL}})], none, "kvpilot")  # type: ignore[arg-type]
     assert none.reads == 0
 
 

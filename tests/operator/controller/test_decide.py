@@ -1,0 +1,136 @@
+"""`observe` reads only what a decision uses; `decide` is tested on snapshots of what was read,
+without a cluster."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from kvpilot.operator.api import names
+from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.controller import render
+from kvpilot.operator.controller.reconcile import Observed, decide, last_good, observe, planned_fields
+from tests.operator.controller.test_reconcile import OPERATOR_NAMESPACE, SPEC, body
+
+SECRET_NAME = names.api_key_secret("chat")
+
+
+def snapshot(spec: dict[str, Any], status: dict[str, Any] | None = None, **read: Any) -> Observed:
+    """What observe would have read: the nodes, profiles and API-key Secret in `read`."""
+    isvc = body(spec, status=status)
+    valid: InferenceServiceSpec | ValidationError
+    try:
+        valid = InferenceServiceSpec.model_validate(spec)
+    except ValidationError as error:
+        valid = error
+    kept = (status or {}).get("lastGoodPlan", {})
+    return Observed(isvc, valid, kept, read.get("nodes", {}), read.get("profiles", {}), read.get("secret"))
+
+
+def secret(owner_uid: str = "uid-1", key: str = "k3y") -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": SECRET_NAME,
+            "namespace": "ml",
+            "ownerReferences": [
+                {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService", "uid": owner_uid, "controller": True}
+            ],
+        },
+        "data": {names.API_KEY_SECRET_KEY: base64.b64encode(key.encode()).decode()},
+    }
+
+
+def kinds(wanted: list[dict[str, Any]]) -> list[str]:
+    return sorted(m["kind"] for m in wanted)
+
+
+def deployment(wanted: list[dict[str, Any]]) -> dict[str, Any]:
+    (found,) = [m for m in wanted if m["kind"] == "Deployment"]
+    return found
+
+
+def test_without_a_gpu_type_the_nodes_read_choose_it() -> None:
+    unset = {"model": {"name": "llama-2-7b"}}
+    none = decide(snapshot(unset, secret=secret()), render.DEFAULT_ENGINE_IMAGE, OPERATOR_NAMESPACE)
+    assert none.result.failure == "NoGPUType" and "Deployment" not in kinds(none.wanted)
+    assert none.last_good is None
+    l4 = decide(snapshot(unset, nodes={"NVIDIA-L4": 8}, secret=secret()), render.DEFAULT_ENGINE_IMAGE, None)
+    assert l4.result.fits and l4.result.gpu == "L4" and "Deployment" in kinds(l4.wanted)
+    assert l4.last_good == last_good(
+        planned_fields(InferenceServiceSpec.model_validate(unset)), "L4", l4.result.reasons["gpu"]
+    )
+
+
+def test_a_spec_that_stops_planning_keeps_the_last_good_plans_deployment_at_the_specs_replicas() -> None:
+    good = decide(snapshot(SPEC, secret=secret()), render.DEFAULT_ENGINE_IMAGE, None)
+    too_big = {**SPEC, "model": {"name": "llama-3-70b"}, "replicas": 3}
+    status = {"lastGoodPlan": good.last_good}
+    kept = decide(snapshot(too_big, status, secret=secret()), render.DEFAULT_ENGINE_IMAGE, None)
+    assert not kept.result.fits and kept.result.failure == "WeightsDoNotFit"
+    assert kept.last_good == good.last_good
+    assert deployment(kept.wanted)["spec"]["template"] == deployment(good.wanted)["spec"]["template"]
+    assert deployment(kept.wanted)["spec"]["replicas"] == 3
+    # Without a last good plan, nothing runs it.
+    never = decide(snapshot(too_big, secret=secret()), render.DEFAULT_ENGINE_IMAGE, None)
+    assert "Deployment" not in kinds(never.wanted)
+
+
+def test_the_key_comes_from_the_secret_read_or_a_new_secret_and_a_foreign_one_blocks() -> None:
+    held = decide(snapshot(SPEC, secret=secret(key="k3y")), render.DEFAULT_ENGINE_IMAGE, None)
+    assert held.key.secret is None and held.key.blocked is None and "Secret" not in kinds(held.wanted)
+    annotations = deployment(held.wanted)["spec"]["template"]["metadata"]["annotations"]
+    assert annotations[render.API_KEY_ANNOTATION] == held.key.sha256
+    new = decide(snapshot(SPEC), render.DEFAULT_ENGINE_IMAGE, None)
+    assert new.key.secret is not None and "Secret" in kinds(new.wanted) and new.key.sha256 != held.key.sha256
+    foreign = decide(snapshot(SPEC, secret=secret(owner_uid="someone-else")), render.DEFAULT_ENGINE_IMAGE, None)
+    assert foreign.key.blocked is not None and foreign.key.blocked[0] == "NameConflict"
+    assert "Secret" not in kinds(foreign.wanted)
+
+
+def test_an_invalid_spec_decides_nothing_to_write() -> None:
+    invalid = decide(snapshot({"model": {}}), render.DEFAULT_ENGINE_IMAGE, None)
+    assert invalid.result.failure == "InvalidSpec" and "model.name" in invalid.result.reason
+    assert invalid.wanted == [] and invalid.spec is None
+
+
+class Reads:
+    """A cluster that answers nothing and records what was asked."""
+
+    def __init__(self) -> None:
+        self.reads: list[str] = []
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        self.reads.append(f"{kind} {namespace}/{name}")
+
+    def gpu_nodes(self) -> dict[str, int]:
+        self.reads.append("nodes")
+        return {}
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        # A GPU type and a runtime of one size: only the key's Secret.
+        (SPEC, [f"Secret ml/{SECRET_NAME}"]),
+        # The nodes choose the GPU type.
+        ({"model": {"name": "llama-2-7b"}}, ["nodes", f"Secret ml/{SECRET_NAME}"]),
+        # vLLM's tensor-parallel sizes are bounded by the GPUs a node carries.
+        ({**SPEC, "runtime": "vllm"}, ["nodes", f"Secret ml/{SECRET_NAME}"]),
+        # The user's own key: no Secret; a CPU profile of the admin's: its ConfigMap.
+        (
+            {**SPEC, "auth": {"apiKey": False}, "accelerator": {"type": "cpu", "profile": "pool-a"}},
+            [f"ConfigMap {OPERATOR_NAMESPACE}/pool-a"],
+        ),
+        # An invalid spec: nothing.
+        ({"model": {}}, []),
+    ],
+)
+def test_observe_reads_only_what_the_decision_uses(spec: dict[str, Any], expected: list[str]) -> None:
+    cluster = Reads()
+    observe(body(spec), cluster, OPERATOR_NAMESPACE)  # type: ignore[arg-type]
+    assert cluster.reads == expected

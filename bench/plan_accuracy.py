@@ -72,7 +72,8 @@ from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import CPU_TYPE, InferenceServiceSpec
 from kvpilot.operator.controller import render
 from kvpilot.operator.controller.correction import Correction
-from kvpilot.operator.planning.gpus import GPUS, MiB, find_gpu
+from kvpilot.operator.planning.device import MiB
+from kvpilot.operator.planning.gpus import GPUS, find_gpu
 from kvpilot.operator.planning.plan import PlanContext, plan
 
 _REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,8 @@ from bench import plan_accuracy as pa
 from kvpilot.engine.cli import build_parser, engine_config_from_args, server_config_from_args
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.planning import cpus
-from kvpilot.operator.planning.gpus import GPUS, MiB
+from kvpilot.operator.planning.device import MiB
+from kvpilot.operator.planning.gpus import GPUS
 from kvpilot.operator.planning.plan import PlanContext, plan
 
 BUILTIN = cpus.builtin_profiles()["amd-epyc-zen5-2c"]

@@ -39,7 +39,8 @@ from kvpilot.operator.api.spec import (
     hub_source,
 )
 from kvpilot.operator.controller.inference_pool import inference_pool
-from kvpilot.operator.planning.gpus import GPU, find_gpu
+from kvpilot.operator.planning.device import Device
+from kvpilot.operator.planning.gpus import find_gpu
 from kvpilot.operator.runtimes import RUNTIMES
 from kvpilot.operator.runtimes.runtime import Launch
 
@@ -312,7 +313,7 @@ def _cpu_resources(spec: InferenceServiceSpec, plan: Plan) -> Manifest:
     }
 
 
-def _resources(spec: InferenceServiceSpec, plan: Plan, gpu: GPU | None) -> Manifest:
+def _resources(spec: InferenceServiceSpec, plan: Plan, gpu: Device | None) -> Manifest:
     if gpu is None:
         return _cpu_resources(spec, plan)
     # Extended resources cannot be overcommitted: requests must equal limits.
@@ -340,7 +341,7 @@ def progress_deadline_seconds(spec: InferenceServiceSpec, plan: Plan) -> int:
     return math.ceil(STARTUP_PERIOD_S * RUNTIMES[spec.runtime].startup_failures + download + PROGRESS_MARGIN_S)
 
 
-def _tolerations(spec: InferenceServiceSpec, gpu: GPU | None) -> list[Manifest]:
+def _tolerations(spec: InferenceServiceSpec, gpu: Device | None) -> list[Manifest]:
     tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
     if gpu is not None and gpu.resource == NVIDIA_GPU_RESOURCE:
         # GPU node pools are commonly tainted nvidia.com/gpu:NoSchedule (GKE, the GPU operator's
@@ -349,7 +350,7 @@ def _tolerations(spec: InferenceServiceSpec, gpu: GPU | None) -> list[Manifest]:
     return tolerations
 
 
-def _gpu_node_selector(spec: InferenceServiceSpec, gpu: GPU | None) -> dict[str, str]:
+def _gpu_node_selector(spec: InferenceServiceSpec, gpu: Device | None) -> dict[str, str]:
     """The spec's own accelerator node selector, else the product label when the GPU has one
     product string (several need node affinity: see _affinity); a CPU plan has no label of its own."""
     if spec.accelerator.node_selector or gpu is None:
@@ -357,7 +358,7 @@ def _gpu_node_selector(spec: InferenceServiceSpec, gpu: GPU | None) -> dict[str,
     return {gpu.product_label: gpu.product} if len(gpu.products) == 1 else {}
 
 
-def _affinity(spec: InferenceServiceSpec, gpu: GPU | None) -> Manifest | None:
+def _affinity(spec: InferenceServiceSpec, gpu: Device | None) -> Manifest | None:
     """The spec's affinity, with the GPU's product strings required in every node selector term
     (terms are alternatives: the requirement must hold in each)."""
     if spec.accelerator.node_selector or gpu is None or len(gpu.products) == 1:
@@ -390,7 +391,7 @@ def _engine_container(
     name: str,
     spec: InferenceServiceSpec,
     plan: Plan,
-    gpu: GPU | None,
+    gpu: Device | None,
     image: str,
     model: _ModelFiles,
     draft: _ModelFiles | None,
@@ -460,18 +461,22 @@ def _pod_metadata(name: str, spec: InferenceServiceSpec, api_key_sha256: str | N
 
 
 def _pod_template(
-    name: str, spec: InferenceServiceSpec, plan: Plan, gpu: GPU | None, default_image: str, api_key_sha256: str | None
+    name: str,
+    spec: InferenceServiceSpec,
+    plan: Plan,
+    gpu: Device | None,
+    default_image: str,
+    api_key_sha256: str | None,
 ) -> Manifest:
-    """The engine pod: its init containers (the compile cache's folder, the downloads), the engine,
-    volumes, scheduling. The downloads run `kvpilot download`: from the engine's image, or the
-    operator's for vLLM's image lacks it."""
+    """The engine pod: init containers (the compile cache's folder; the downloads, `kvpilot download`
+    in the engine's image or, where the runtime's lacks it, the operator's), the engine, volumes."""
     runtime = RUNTIMES[spec.runtime]
     image = spec.image or runtime.image or default_image
+    downloader = image if runtime.ships_downloader else default_image
     model, draft = _pod_files(spec, plan)
     compiled = _compile_cache(spec, plan, image)
     volumes, mounts = _volumes_and_mounts([model] + ([draft] if draft else []), compiled)
     # One download per hf:// source, the model's first: init containers run one after the other.
-    downloader = image if runtime.ships_downloader else default_image
     init = [compiled.init] if compiled else []
     init += [
         _download_container(spec, files.download, downloader, container, guaranteed=plan.cpus > 0)

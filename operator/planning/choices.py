@@ -10,7 +10,7 @@ from kvpilot.engine.config import EngineCapabilities
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec, hub_source
 from kvpilot.operator.planning import sizing, speculation
-from kvpilot.operator.planning.gpus import GPU
+from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.latency import SPECULATION_MAX_BATCH, Perf, draft_acceptance, fewest_replicas
 from kvpilot.operator.planning.memory import Memory, divide_memory, with_plain_weights
 from kvpilot.operator.planning.models import MODELS, find_model
@@ -142,7 +142,7 @@ def choose_speculative(
     )
 
 
-def choose_speculation(inputs: Inputs, memory: Memory, device: tuple[GPU, int]) -> Speculation:
+def choose_speculation(inputs: Inputs, memory: Memory, device: tuple[Device, int]) -> Speculation:
     """The speculative mode for a replica whose memory is `memory` (sized with the draft when the
     spec pins one; `inputs.draft` is the draft a mode may run), and the replicas it then needs."""
     spec, capabilities, draft = inputs.spec, inputs.capabilities, inputs.draft
@@ -240,7 +240,7 @@ def _compiled(spec: InferenceServiceSpec, eager: Speculation) -> Speculation:
 
 
 def quantization_schemes(
-    spec: InferenceServiceSpec, capabilities: EngineCapabilities, cpu: GPU | None
+    spec: InferenceServiceSpec, capabilities: EngineCapabilities, cpu: Device | None
 ) -> tuple[tuple[str, ...], str] | Plan:
     """The quantization schemes to try, least lossy first, and what was left out and why; on a
     CPU also those whose kernels run only there, where its profile measured them."""
@@ -254,7 +254,7 @@ def quantization_schemes(
             f"set serving.quantization to auto or {stored}",
         )
     # On a CPU, only the schemes whose engine steps its profile measured: the others' cost is unknown.
-    stepped = dict(cpu.step_overhead_curves) if cpu else {}
+    stepped = dict(cpu.measured.step_overhead_curves) if cpu and cpu.measured else {}
     if stored is not None or spec.serving.quantization != "auto":
         pinned = stored or spec.serving.quantization
         if cpu and pinned not in stepped:

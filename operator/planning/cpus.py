@@ -28,7 +28,7 @@ from kvpilot.engine.device_profile import (
     parse_device_profile,
 )
 from kvpilot.operator.api.spec import CPU_TYPE, Architecture
-from kvpilot.operator.planning.gpus import GPU, MiB
+from kvpilot.operator.planning.device import Device, Measured, MiB
 from kvpilot.operator.planning.models import find_model
 from kvpilot.operator.planning.sizing import kv_bytes_per_token, weight_bytes
 
@@ -60,7 +60,7 @@ def _curve(matmul: MatmulProfile) -> tuple[tuple[int, float], ...]:
     return tuple((p.tokens, p.flop_per_s) for p in matmul.points)
 
 
-def _compute_seconds(device: GPU, quantization: str, parameters: float, tokens: int) -> float:
+def _compute_seconds(device: Device, quantization: str, parameters: float, tokens: int) -> float:
     return 2 * parameters * tokens / device.matmul_flops(quantization, tokens)
 
 
@@ -76,7 +76,7 @@ def _attention_rate(steps: EngineSteps, kv_per_token: int) -> float | None:
 
 
 def _decode_overheads(
-    device: GPU,
+    device: Device,
     scheme: SchemeSteps,
     read_bytes: int,
     parameters: float,
@@ -138,7 +138,7 @@ def _prefill_curve(scheme: SchemeSteps, scale: float) -> tuple[tuple[int, float]
     return tuple((step.tokens, step.seconds * scale) for step in scheme.prefill)
 
 
-def _device(profile: DeviceProfile, bytes_per_value: int, stepped: set[str]) -> GPU:
+def _device(profile: DeviceProfile, bytes_per_value: int, stepped: set[str]) -> Device:
     """The record's measured rates: bandwidth, and the matmul curve of each scheme whose steps were
     measured too (the engine's dense dtype for "none")."""
     dense = profile.matmul.bf16 if bytes_per_value == 2 else profile.matmul.fp32
@@ -148,7 +148,7 @@ def _device(profile: DeviceProfile, bytes_per_value: int, stepped: set[str]) -> 
         if scheme not in ("fp32", "bf16") and matmul and scheme in stepped
     }
     peak = max(rate for _, rate in curves["none"])
-    return GPU(
+    return Device(
         name=CPU_TYPE,
         product="",
         product_label="",
@@ -165,14 +165,13 @@ def _device(profile: DeviceProfile, bytes_per_value: int, stepped: set[str]) -> 
         link_gbps=1,
         link_latency_us=0,
         max_per_node=1,
-        measured=True,
-        matmul_curves=tuple(curves.items()),
+        measured=Measured(matmul_curves=tuple(curves.items())),
         bytes_per_value=bytes_per_value,
         cpus=profile.threads,
     )
 
 
-def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
+def cpu_device(profile: DeviceProfile, arch: Architecture) -> Device | str:
     """The device record of `profile`'s CPU for serving `arch`, or why the profile cannot plan.
 
     Each scheme the engine's steps were measured with is planned with its own measured steps: a
@@ -191,6 +190,7 @@ def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
         return f"device profile {profile.name}: engine dtype {steps.dtype!r} is not one the planner sizes"
     steps = steps.model_copy(update={"schemes": tuple(_steady(s) for s in steps.schemes)})
     device = _device(profile, bytes_per_value, {s.quantization for s in steps.schemes})
+    measured = device.measured or Measured()
     reference = find_model(steps.model)
     scale = arch.layers / reference.layers if reference else 1.0
     reference_kv = kv_bytes_per_token(reference, bytes_per_value) if reference else 0
@@ -205,9 +205,9 @@ def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
     )
     parameters = (steps.schemes[0].weight_bytes - head_copy) / bytes_per_value
     per_token_scale = arch.parameters_per_token / reference.parameters_per_token if reference else 1.0
-    planned = [s for s in steps.schemes if s.quantization in dict(device.matmul_curves)]
+    planned = [s for s in steps.schemes if s.quantization in dict(measured.matmul_curves)]
     none_batch_one = steps.schemes[0].decode[0].seconds
-    return device.model_copy(
+    measured = measured.model_copy(
         update={
             "step_overhead_curves": tuple(
                 (
@@ -230,6 +230,7 @@ def cpu_device(profile: DeviceProfile, arch: Architecture) -> GPU | str:
             "packs_weights": steps.onednn_weights,
         }
     )
+    return device.model_copy(update={"measured": measured})
 
 
 def describe(profile: DeviceProfile) -> str:

@@ -20,135 +20,13 @@ g2-standard-96): the largest tensor-parallel group, which must stay within one n
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from kvpilot.operator.api.names import AMD_GPU_RESOURCE, AMD_PRODUCT_LABEL
+from kvpilot.operator.planning.device import Device
 
-from kvpilot.operator.api.names import (
-    AMD_GPU_RESOURCE,
-    AMD_PRODUCT_LABEL,
-    NVIDIA_GPU_RESOURCE,
-    NVIDIA_PRODUCT_LABEL,
-)
-
-MiB = 1024**2
-GiB = 1024**3
-
-
-class GPU(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    name: str
-    product: str  # value of `product_label` on nodes that carry this GPU
-    product_label: str = NVIDIA_PRODUCT_LABEL
-    resource: str = NVIDIA_GPU_RESOURCE
-    memory_gib: float  # nominal (datasheet)
-    # What the device reports as its total (nvidia-smi's memory.total): the planner sizes with this,
-    # a few per cent under the nominal figure (an L4 reports 23034 MiB, not 24 GiB).
-    usable_memory_mib: int
-    bandwidth_gbps: float  # GB/s
-    fp16_tflops: float  # dense FP16/BF16 tensor
-    int8_tops: float  # dense INT8 tensor
-    fp8: bool
-    source: str
-    link: str  # the interconnect tensor parallelism all-reduces over
-    link_gbps: float  # GB/s, one direction
-    link_latency_us: float
-    # Turing (T4) and Volta have no bf16 arithmetic: the engine runs float16 there.
-    bf16: bool = True
-    max_per_node: int = 8
-    # Other product strings of the same part (form factors whose figures are within a few per
-    # cent), which node discovery and the pods' node affinity accept too.
-    aliases: tuple[str, ...] = ()
-    # A CPU node type is planned as a device too (planning/cpus.py), from what `kvpilot profile`
-    # measured on it rather than from a spec sheet: its rates are what the engine's kernels reached,
-    # so no spec-sheet efficiency applies (`measured`); its matmul rate depends on the tokens of a
-    # step (`matmul_curves`: scheme -> (tokens, FLOP/s) points); each step costs the engine's own
-    # measured work beside the weights and the arithmetic, by scheme: a decode step by its token
-    # rows (`step_overhead_curves`: scheme -> (rows, seconds)); a prefill step is interpolated
-    # between the measured ones (`prefill_curves`: scheme -> (prompt tokens, seconds)); and
-    # attention reads the KV cache at its own measured rate (`kv_read_bytes_per_s`; None: at the
-    # memory bandwidth, within the weights' read).
-    measured: bool = False
-    matmul_curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
-    step_overhead_curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
-    prefill_curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
-    kv_read_bytes_per_s: float | None = None
-    bytes_per_value: int = 2  # of unquantized weights and of the KV cache: 4 where a CPU computes in fp32
-    cpus: int = 0  # CPUs one replica requests (CPU devices; a GPU's pod takes ENGINE_CPU_REQUEST)
-    # A lone sequence's decode step with compile_decode over the eager one, where a profile measured
-    # it (`kvpilot profile --compiled`); None: the planner never renders compiled decoding.
-    compiled_step_factor: float | None = None
-    # The CPU's engine serves full-precision weights from oneDNN's layout, as the profile's engine
-    # did: a tied LM head held twice, and with compiled decoding every plain weight beside its
-    # packed copy (sizing.weight_bytes).
-    packs_weights: bool = False
-
-    @property
-    def products(self) -> tuple[str, ...]:
-        return (self.product, *self.aliases)
-
-    @property
-    def memory_bytes(self) -> int:
-        return self.usable_memory_mib * MiB
-
-    @property
-    def bandwidth_bytes_per_s(self) -> float:
-        return self.bandwidth_gbps * 1e9
-
-    @property
-    def fp16_flops(self) -> float:
-        return self.fp16_tflops * 1e12
-
-    @property
-    def int8_ops(self) -> float:
-        return self.int8_tops * 1e12
-
-    @property
-    def link_bytes_per_s(self) -> float:
-        return self.link_gbps * 1e9
-
-    @property
-    def is_cpu(self) -> bool:
-        return self.cpus > 0
-
-    def matmul_flops(self, quantization: str, tokens: float) -> float:
-        """FLOP/s of a step's GEMMs over `tokens` rows at `quantization`: the measured curve where
-        the device has one (linear between its points, flat beyond them), else the spec sheet's
-        8-bit peak for W8A8 and FP8 and its 16-bit peak for the rest (weight-only schemes multiply
-        in 16 bits)."""
-        curve = dict(self.matmul_curves).get(quantization)
-        if curve is None:
-            return self.int8_ops if quantization in ("w8a8", "fp8") else self.fp16_flops
-        return _along(curve, tokens, extend=False)
-
-    def step_overhead(self, quantization: str, running: float) -> float:
-        """The engine's own work in a decode step of `running` token rows (0 where not measured;
-        below 0 where the profile's GEMM rates under-rate what the model's steps reached)."""
-        curve = dict(self.step_overhead_curves).get(quantization)
-        return _along(curve, running, extend=True) if curve else 0.0
-
-    def measured_prefill(self, quantization: str, tokens: float) -> float | None:
-        """The step that computes a prompt of `tokens` where the device measured this scheme's."""
-        curve = dict(self.prefill_curves).get(quantization)
-        return None if curve is None else max(0.0, _along(curve, tokens, extend=True))
-
-
-def _along(curve: tuple[tuple[int, float], ...], x: float, extend: bool) -> float:
-    """`curve` at `x`: linear between its points; beyond them flat, or (`extend`) along the nearest
-    segment."""
-    if len(curve) == 1:
-        return curve[0][1]
-    segments = list(zip(curve, curve[1:]))
-    (low, low_y), (high, high_y) = next(((a, b) for a, b in segments if x <= b[0]), segments[-1])
-    share = (x - low) / (high - low)
-    if not extend:
-        share = min(1.0, max(0.0, share))
-    return low_y + share * (high_y - low_y)
-
-
-GPUS: dict[str, GPU] = {
+GPUS: dict[str, Device] = {
     gpu.name: gpu
     for gpu in (
-        GPU(
+        Device(
             name="T4",
             link="PCIe Gen3 x16",
             link_gbps=16,
@@ -164,7 +42,7 @@ GPUS: dict[str, GPU] = {
             source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/"
             "t4-tensor-core-datasheet-951643.pdf",
         ),
-        GPU(
+        Device(
             name="L4",
             link="PCIe Gen4 x16",
             link_gbps=32,
@@ -181,7 +59,7 @@ GPUS: dict[str, GPU] = {
         ),
         # NVIDIA publishes no A10G sheet; memory and bandwidth equal the A10's, tensor throughput
         # is AWS's G5 figure as compared in the Baseten write-up.
-        GPU(
+        Device(
             name="A10G",
             link="PCIe Gen4 x16",
             link_gbps=32,
@@ -196,7 +74,7 @@ GPUS: dict[str, GPU] = {
             source="https://aws.amazon.com/ec2/instance-types/g5/ ; "
             "https://www.baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference/",
         ),
-        GPU(
+        Device(
             name="L40S",
             link="PCIe Gen4 x16",
             link_gbps=32,
@@ -211,7 +89,7 @@ GPUS: dict[str, GPU] = {
             source="https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413 "
             "(733 TFLOPS FP16 / 1466 TOPS INT8 with sparsity, halved)",
         ),
-        GPU(
+        Device(
             name="A100-40GB",
             link="NVLink 3 (600 GB/s)",
             link_gbps=300,
@@ -227,7 +105,7 @@ GPUS: dict[str, GPU] = {
             source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
             "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (SXM)",
         ),
-        GPU(
+        Device(
             name="A100-80GB",
             link="NVLink 3 (600 GB/s)",
             link_gbps=300,
@@ -244,7 +122,7 @@ GPUS: dict[str, GPU] = {
             source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
             "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (SXM)",
         ),
-        GPU(
+        Device(
             name="H100-80GB",
             link="NVLink 4 (900 GB/s)",
             link_gbps=450,
@@ -259,7 +137,7 @@ GPUS: dict[str, GPU] = {
             source="https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet "
             "(H100 SXM; 1979 TFLOPS BF16 / 3958 TOPS INT8 with sparsity, halved)",
         ),
-        GPU(
+        Device(
             name="H200",
             link="NVLink 4 (900 GB/s)",
             link_gbps=450,
@@ -273,7 +151,7 @@ GPUS: dict[str, GPU] = {
             fp8=True,
             source="https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM, sparsity halved)",
         ),
-        GPU(
+        Device(
             name="B200",
             link="NVLink 5 (1.8 TB/s)",
             link_gbps=900,
@@ -288,7 +166,7 @@ GPUS: dict[str, GPU] = {
             source="https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200: 1.4 TB, 64 TB/s, "
             "36 PFLOPS FP16 and 72 POPS INT8 sparse per 8 GPUs; per GPU, sparsity halved)",
         ),
-        GPU(
+        Device(
             name="MI300X",
             link="Infinity Fabric (896 GB/s)",
             link_gbps=448,
@@ -316,9 +194,9 @@ def _key(name: str) -> str:
     return name.lower().replace("_", "-").replace(" ", "-")
 
 
-_BY_KEY: dict[str, GPU] = {_key(alias): gpu for gpu in GPUS.values() for alias in (gpu.name, *gpu.products)}
+_BY_KEY: dict[str, Device] = {_key(alias): gpu for gpu in GPUS.values() for alias in (gpu.name, *gpu.products)}
 
 
-def find_gpu(name: str) -> GPU | None:
+def find_gpu(name: str) -> Device | None:
     """A catalog GPU by name or node product string, case-insensitively; None when unknown."""
     return _BY_KEY.get(_key(name))

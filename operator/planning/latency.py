@@ -10,7 +10,7 @@ from kvpilot.engine.config import SPECULATIVE_MAX_BATCH_SIZE
 from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec, LoadSpec
 from kvpilot.operator.planning import sizing, speculation
 from kvpilot.operator.planning.context import Correction
-from kvpilot.operator.planning.gpus import GPU
+from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.reasons import ms
 from kvpilot.operator.planning.replica import DRAFTED, Draft, Replica
 
@@ -68,10 +68,10 @@ class Perf(NamedTuple):
     overload: str | None  # why the replica cannot keep up, None when it can
 
 
-def _efficiency(gpu: GPU) -> float:
+def _efficiency(gpu: Device) -> float:
     """The share of its GEMM rate a device's prefill reaches: a spec sheet's peak at the usual
     efficiency, a measured rate as it is."""
-    return 1.0 if gpu.measured else sizing.PREFILL_COMPUTE_EFFICIENCY
+    return 1.0 if gpu.measured is not None else sizing.PREFILL_COMPUTE_EFFICIENCY
 
 
 def computed_prompt_tokens(load: LoadSpec) -> float:
@@ -81,19 +81,19 @@ def computed_prompt_tokens(load: LoadSpec) -> float:
     return max(1.0, load.mean_prompt_tokens * (1 - load.prefix_share))
 
 
-def _prefill_seconds(arch: Architecture, gpu: GPU, quantization: str, tokens: float) -> float:
+def _prefill_seconds(arch: Architecture, gpu: Device, quantization: str, tokens: float) -> float:
     """The step that computes a prompt of the served model: as measured where the device measured
     it (a CPU profile's, made for this model), else its GEMMs."""
     measured = gpu.measured_prefill(quantization, tokens)
     return _gemm_prefill_seconds(arch, gpu, quantization, tokens) if measured is None else measured
 
 
-def _gemm_prefill_seconds(arch: Architecture, gpu: GPU, quantization: str, tokens: float) -> float:
+def _gemm_prefill_seconds(arch: Architecture, gpu: Device, quantization: str, tokens: float) -> float:
     ops = gpu.matmul_flops(quantization, tokens)
     return sizing.prefill_seconds(arch.parameters_per_token, tokens, ops, _efficiency(gpu))
 
 
-def batched_tokens(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, quantization: str) -> tuple[int, str]:
+def batched_tokens(spec: InferenceServiceSpec, arch: Architecture, gpu: Device, quantization: str) -> tuple[int, str]:
     """Tokens per engine step, so that a step's prefill chunk leaves room for its decodes."""
     block = spec.serving.block_size
     slo = spec.slo.tpot_p95_ms
@@ -116,7 +116,7 @@ def batched_tokens(spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, qua
     )
 
 
-def _draft_step_seconds(draft: Draft, gpu: GPU, running: float, context: float) -> float:
+def _draft_step_seconds(draft: Draft, gpu: Device, running: float, context: float) -> float:
     """One decode step of the draft model for `running` sequences of `context` tokens."""
     return sizing.decode_step_seconds(
         bytes_read=draft.weights - draft.head_copy + running * context * draft.kv_per_token,
@@ -124,11 +124,11 @@ def _draft_step_seconds(draft: Draft, gpu: GPU, running: float, context: float) 
         parameters_per_token=draft.arch.parameters_per_token,
         batch=running,
         ops_per_s=gpu.matmul_flops("none", running),
-        measured=gpu.measured,
+        measured=gpu.measured is not None,
     )
 
 
-def _allreduces_seconds(arch: Architecture, gpu: GPU, tp: int, tokens: float) -> float:
+def _allreduces_seconds(arch: Architecture, gpu: Device, tp: int, tokens: float) -> float:
     """The two all-reduces per layer (after attention, after the MLP) of a step over `tokens`."""
     hidden_bytes = tokens * arch.hidden_size * sizing.BYTES_PER_VALUE
     return 2 * arch.layers * sizing.allreduce_seconds(hidden_bytes, tp, gpu.link_bytes_per_s, gpu.link_latency_us / 1e6)
@@ -152,7 +152,7 @@ def step_seconds(replica: Replica, running: float, context: float, tokens_per_se
         parameters_per_token=arch.parameters_per_token,
         batch=tokens,
         ops_per_s=gpu.matmul_flops(replica.quantization, tokens),
-        measured=gpu.measured,
+        measured=gpu.measured is not None,
         overhead_s=gpu.step_overhead(replica.quantization, tokens) + attention,
     )
     if replica.compiled and running <= 1 and tokens_per_sequence == 1 and gpu.compiled_step_factor:
@@ -241,7 +241,7 @@ def _speculative_step(replica: Replica, batch: tuple[float, float], step: float,
     # A measured device computes the step over its token rows, the verifications' k + 1 each.
     verify = (
         step_seconds(replica, running, context, 1 + verifying * k)
-        if gpu.measured
+        if gpu.measured is not None
         else step * (1 + verifying * (VERIFY_OVERHEAD - 1))
     )
     return (verify + drafting) / (1 + verifying * k * acceptance)

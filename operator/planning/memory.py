@@ -9,7 +9,7 @@ from typing import NamedTuple
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.planning import sizing
-from kvpilot.operator.planning.gpus import GPU
+from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.latency import batched_tokens, step_seconds
 from kvpilot.operator.planning.reasons import failed_plan, gib, ms
 from kvpilot.operator.planning.replica import Inputs, Replica, Sizes
@@ -30,7 +30,7 @@ class Memory(NamedTuple):
     kv_reason: str
 
 
-def replica_sizes(inputs: Inputs, gpu: GPU, quantization: str, reserve: int) -> Sizes:
+def replica_sizes(inputs: Inputs, gpu: Device, quantization: str, reserve: int) -> Sizes:
     """What one replica holds: the target's (and the draft's) weights and KV per token, and the KV
     pool left of its GPUs after `reserve`; a pool of 0 when the weights do not fit."""
     spec, arch, context, runtime, draft = inputs.spec, inputs.arch, inputs.context, inputs.capabilities, inputs.draft
@@ -54,7 +54,7 @@ def replica_sizes(inputs: Inputs, gpu: GPU, quantization: str, reserve: int) -> 
     )
 
 
-def tp_group(gpu: GPU, tp: int) -> GPU:
+def tp_group(gpu: Device, tp: int) -> Device:
     """TP GPUs of one type as one device: TP times the memory, bandwidth and throughput."""
     if tp == 1 or gpu.is_cpu:
         return gpu
@@ -68,7 +68,7 @@ def tp_group(gpu: GPU, tp: int) -> GPU:
     )
 
 
-def divide_memory(inputs: Inputs, device: tuple[GPU, int], quantization: str) -> Memory | Plan:
+def divide_memory(inputs: Inputs, device: tuple[Device, int], quantization: str) -> Memory | Plan:
     """How the memory of a replica's GPUs (a GPU type and the tensor-parallel size) divides at one
     quantization, with the inputs' draft model or none: a failed Plan when the weights or one full
     sequence do not fit."""

@@ -33,7 +33,8 @@ from kvpilot.operator.planning.choices import (
     unsupported_pins,
 )
 from kvpilot.operator.planning.context import NO_CORRECTION, PlanContext
-from kvpilot.operator.planning.gpus import GPU, GPUS, find_gpu
+from kvpilot.operator.planning.device import Device
+from kvpilot.operator.planning.gpus import GPUS, find_gpu
 from kvpilot.operator.planning.latency import Perf, computed_prompt_tokens, draft_acceptance, predict
 from kvpilot.operator.planning.memory import divide_memory, replica_sizes, tp_group
 from kvpilot.operator.planning.models import MODELS, find_model
@@ -42,7 +43,7 @@ from kvpilot.operator.planning.replica import DRAFTED, Inputs
 from kvpilot.operator.runtimes import RUNTIMES
 
 
-def _size(inputs: Inputs, device: tuple[GPU, int], quantization: str) -> Plan:
+def _size(inputs: Inputs, device: tuple[Device, int], quantization: str) -> Plan:
     """The plan for one (GPU type, tensor-parallel size, quantization). The runtime splits a draft
     over the target's GPUs, so a draft whose heads the size does not divide is left out (or, pinned,
     makes the option fail)."""
@@ -163,7 +164,7 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: Speculation) -> Plan:
 
 def _cpu(
     spec: InferenceServiceSpec, arch: Architecture, profiles: Mapping[str, DeviceProfile | str]
-) -> tuple[GPU, DeviceProfile] | Plan:
+) -> tuple[Device, DeviceProfile] | Plan:
     """The CPU device of accelerator.profile: a built-in profile, else one of `profiles` (the
     operator's profile ConfigMaps; a string says why one could not be read)."""
     name = str(spec.accelerator.profile)
@@ -189,7 +190,7 @@ def _devices(
     arch: Architecture,
     available: Iterable[str],
     profiles: Mapping[str, DeviceProfile | str],
-) -> tuple[list[GPU], tuple[GPU, DeviceProfile] | None] | Plan:
+) -> tuple[list[Device], tuple[Device, DeviceProfile] | None] | Plan:
     """The devices to try (the CPU of accelerator.profile, else GPUs), and the CPU with its profile
     for a CPU plan."""
     cpu = _cpu(spec, arch, profiles) if spec.accelerator.type == CPU_TYPE else None
@@ -201,7 +202,7 @@ def _devices(
     return gpus, cpu
 
 
-def _gpus(spec: InferenceServiceSpec, available: Iterable[str]) -> list[GPU] | Plan:
+def _gpus(spec: InferenceServiceSpec, available: Iterable[str]) -> list[Device] | Plan:
     wanted = spec.accelerator.type
     if wanted:
         gpu = find_gpu(wanted)
@@ -250,7 +251,7 @@ def _heads_problem(arch: Architecture, tp: int) -> str | None:
 
 
 def _tensor_parallel_sizes(
-    spec: InferenceServiceSpec, arch: Architecture, gpu: GPU, capabilities: EngineCapabilities, per_node: int | None
+    spec: InferenceServiceSpec, arch: Architecture, gpu: Device, capabilities: EngineCapabilities, per_node: int | None
 ) -> tuple[list[int], str]:
     """The tensor-parallel sizes to try on `gpu`, smallest first, and what rules the others out:
     the runtime's sizes (or the pinned accelerator.count), within one node (the most GPUs the
@@ -283,7 +284,7 @@ def _tp_reason(spec: InferenceServiceSpec, chosen: Plan, smaller: Sequence[Plan]
 
 
 def _choice_reasons(
-    spec: InferenceServiceSpec, chosen: Plan, rejected: Sequence[Plan], gpus: Sequence[GPU], not_run: str
+    spec: InferenceServiceSpec, chosen: Plan, rejected: Sequence[Plan], gpus: Sequence[Device], not_run: str
 ) -> dict[str, str]:
     """Why this quantization and this GPU: what was tried before the chosen option and why not."""
     passed = [
@@ -312,7 +313,7 @@ def _choice_reasons(
 
 
 def _options(
-    inputs: Inputs, gpus: Sequence[GPU], schemes: Sequence[str], per_node: Mapping[str, int]
+    inputs: Inputs, gpus: Sequence[Device], schemes: Sequence[str], per_node: Mapping[str, int]
 ) -> tuple[list[Plan], dict[str, str]]:
     """A plan for every GPU type, scheme and tensor-parallel size, in the order of preference
     (cheapest GPU, least lossy scheme, fewest GPUs per replica), and per GPU type the sizes ruled out."""
@@ -383,7 +384,7 @@ def plan(spec: InferenceServiceSpec, context: PlanContext | None = None) -> Plan
     return chosen.model_copy(update={"reasons": reasons, **_cpu_fields(cpu, reasons)})
 
 
-def _cpu_fields(cpu: tuple[GPU, DeviceProfile] | None, reasons: dict[str, str]) -> dict[str, object]:
+def _cpu_fields(cpu: tuple[Device, DeviceProfile] | None, reasons: dict[str, str]) -> dict[str, object]:
     """What a CPU plan adds: its profile, the CPUs a replica requests, and what the profile measured."""
     if cpu is None:
         return {}

@@ -9,7 +9,7 @@ from kvpilot.engine.config import EngineCapabilities
 from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
 from kvpilot.operator.planning import sizing
 from kvpilot.operator.planning.context import NO_CORRECTION, Correction
-from kvpilot.operator.planning.gpus import GPU
+from kvpilot.operator.planning.device import Device
 
 # Verifying k + 1 tokens costs more than a plain decode step: 1.15x is an assumption for a
 # bandwidth-bound GPU (no GPU was at hand; on this project's 2-core CPU, where decode is
@@ -43,7 +43,7 @@ class Draft(NamedTuple):
     kv_per_token: int
     head_copy: int = 0  # of `weights`, a tied head's packed copy, which a step reads in place of the rows
 
-    def on(self, gpu: GPU) -> Draft:
+    def on(self, gpu: Device) -> Draft:
         """The draft as the engine holds it on `gpu`: 4 bytes per value on a CPU that computes in
         fp32, and a tied head twice where the engine packs weights for oneDNN (sizing.weight_bytes)."""
         plain = sizing.weight_bytes(self.arch, "none", bytes_per_value=gpu.bytes_per_value)
@@ -57,7 +57,7 @@ class Replica(NamedTuple):
     """What one engine replica is: the model on its GPUs at one quantization, with its draft."""
 
     arch: Architecture
-    gpu: GPU  # the tensor-parallel group as one device (tp_group)
+    gpu: Device  # the tensor-parallel group as one device (tp_group)
     tp: int
     decode_weight_bytes: int  # the target's weight bytes one decode step moves (sizing.decode_weight_bytes)
     kv_per_token: int  # the target's

@@ -2,7 +2,7 @@
 
 A profile is what one engine process measured on one CPU node type with its thread count: memory
 bandwidth, each scheme's matmul rate by tokens per step, and this engine's decode steps on the
-embedded model. `cpu_device` turns it into the planner's device record (planning/gpus.py's GPU), so
+embedded model. `cpu_device` turns it into the planner's device record (planning/device.py's Device), so
 a CPU replica is sized with the same formulas as a GPU: KV from memory, decode bounded by bandwidth
 or arithmetic, prefill by arithmetic, plus the engine's measured per-step work, which a GPU's spec
 sheet does not have and which dominates a small model's step on a CPU.

@@ -10,6 +10,7 @@ import logging
 import random
 import sys
 import urllib.parse
+from pathlib import Path
 from typing import Any, TextIO, get_args
 
 import kopf
@@ -30,6 +31,7 @@ from kvpilot.operator.gateway.limits import Limits
 from kvpilot.operator.kube.cluster import KubeCluster
 from kvpilot.operator.planning import cpus, sizing
 from kvpilot.operator.planning.gpus import GPUS, find_gpu
+from kvpilot.operator.planning.model_config import read_config
 from kvpilot.operator.planning.plan import PlanContext, plan
 
 PEERING_NAME = "kvpilot"
@@ -46,7 +48,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     source.add_argument(
         "-f", "--filename", type=argparse.FileType(), help="plan an InferenceService manifest as the operator would"
     )
-    planner.add_argument("--gpu", help=f"one of {', '.join(GPUS)} (with --model; or --device-profile)")
+    source.add_argument(
+        "--model-config",
+        metavar="CONFIG_JSON_OR_DIR",
+        help="plan a model from its Hugging Face config.json (a file, or a checkpoint folder holding one), offline",
+    )
+    planner.add_argument(
+        "--gpu", help=f"one of {', '.join(GPUS)} (with --model or --model-config; or --device-profile)"
+    )
     planner.add_argument(
         "--device-profile",
         metavar="FILE_OR_NAME",
@@ -220,6 +229,23 @@ def _manifest(file: TextIO) -> dict[str, Any]:
     return manifest
 
 
+def _configured_model(path: str) -> dict[str, Any]:
+    """spec.model for a model known by its config.json: its architecture (and stored scheme) read
+    from the file, named after the checkpoint's folder; ValueError saying why it cannot be read."""
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--model-config {path}: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--model-config {path}: not a config.json object")
+    read = read_config(config, f"config.json {file}")
+    if isinstance(read, str):
+        raise ValueError(f"--model-config {path}: UnsupportedArchitecture: {read}")
+    model = {"name": file.resolve().parent.name, "architecture": read.architecture.model_dump(by_alias=True)}
+    return model | ({"quantization": read.quantization} if read.quantization else {})
+
+
 def _spec(args: argparse.Namespace, profile: DeviceProfile | None) -> dict[str, Any]:
     def given(**fields: Any) -> dict[str, Any]:
         return {key: value for key, value in fields.items() if value is not None}
@@ -227,11 +253,11 @@ def _spec(args: argparse.Namespace, profile: DeviceProfile | None) -> dict[str, 
     if args.filename is not None:
         return _manifest(args.filename)["spec"]
     if not args.gpu and profile is None:
-        raise ValueError("--gpu or --device-profile is required with --model")
+        raise ValueError("--gpu or --device-profile is required with --model or --model-config")
     if args.gpu and profile is not None:
         raise ValueError("--gpu and --device-profile: a plan is for a GPU or for a CPU")
     return {
-        "model": {"name": args.model},
+        "model": {"name": args.model} if args.model_config is None else _configured_model(args.model_config),
         **given(runtime=args.runtime),
         "accelerator": given(type=args.gpu, count=args.gpus)
         if profile is None

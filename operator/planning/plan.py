@@ -240,7 +240,8 @@ def _architecture(spec: InferenceServiceSpec) -> tuple[Architecture, str] | Plan
             "ContextTooLong",
             f"maxContextLength {context} exceeds {spec.model.name}'s maximum context {arch.max_context}",
         )
-    return arch, "spec.model.architecture" if explicit else f"catalog ({arch.source})"
+    where = f"spec.model.architecture ({arch.source})" if arch.source else "spec.model.architecture"
+    return arch, where if explicit else f"catalog ({arch.source})"
 
 
 def _heads_problem(arch: Architecture, tp: int) -> str | None:

@@ -46,6 +46,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "operator": ("kvpilot.operator.cli", "run the InferenceService operator (kopf)"),
     "render": ("kvpilot.operator.cli", "print the objects the operator would apply for an InferenceService manifest"),
+    "crd": ("kvpilot.operator.cli", "print the InferenceService CRD generated from the operator's pydantic types"),
     "gateway": ("kvpilot.operator.cli", "run the gateway: routes by namespace and model, wakes services from zero"),
 }
 

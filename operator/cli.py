@@ -1,4 +1,5 @@
-"""`kvpilot plan`, `kvpilot operator` and `kvpilot gateway`, registered into the engine's `kvpilot` command."""
+"""`kvpilot plan`, `kvpilot render`, `kvpilot crd`, `kvpilot operator` and `kvpilot gateway`, registered into
+the engine's `kvpilot` command."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pydantic import ValidationError
 
 from kvpilot.engine.device_profile import DeviceProfile, load_device_profile
 from kvpilot.operator.api import names
+from kvpilot.operator.api.crd import crd_yaml
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import CPU_TYPE, InferenceServiceSpec, Quantization, Runtime, Speculative
 from kvpilot.operator.autoscaling.decisions import INTERVAL_SECONDS, WINDOW_PERIODS
@@ -91,6 +93,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="the operator's engine image (the chart's engine.image)",
     )
     renderer.set_defaults(func=run_render)
+
+    crd = subparsers.add_parser(
+        "crd", help="print the InferenceService CRD (crds/inferenceservice.yaml), generated from the pydantic types"
+    )
+    crd.set_defaults(func=run_crd)
 
     operator = subparsers.add_parser("operator", help="run the InferenceService operator (kopf)")
     scope = operator.add_mutually_exclusive_group(required=True)
@@ -405,6 +412,12 @@ def run_render(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         print(f"kvpilot render: no Deployment: {result.failure}: {result.reason}", file=sys.stderr)
     yaml.safe_dump_all(objects, out, sort_keys=False)
     return 0 if result.fits else 1
+
+
+def run_crd(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """crds/inferenceservice.yaml as operator/api/crd.py generates it from the pydantic types."""
+    out.write(crd_yaml())
+    return 0
 
 
 def run_operator(args: argparse.Namespace) -> int:

@@ -1,9 +1,10 @@
-"""The InferenceService spec as pydantic models, mirroring crds/inferenceservice.yaml.
+"""The InferenceService spec as pydantic models: the source of crds/inferenceservice.yaml.
 
 The API server validates and defaults with the CRD's schema and CEL rules; these models repeat the
-rules so that planning (and `kvpilot plan`) never sees a spec the cluster would have refused.
-tests/operator/api/test_crd.py keeps the two in step (same fields, types, bounds, enums, lengths,
-patterns and defaults).
+rules so that planning (and `kvpilot plan`) never sees a spec the cluster would have refused. The
+CRD's schema is generated from them (operator/api/crd.py, `kvpilot crd`), so what it says beyond
+types, bounds and defaults is declared here too: field descriptions, formats, CEL rules
+(x-kubernetes-validations) and which sections the API server creates empty (`default: {}`).
 """
 
 from __future__ import annotations
@@ -30,11 +31,48 @@ MAX_REPLICAS = 1000
 # CEL has no bit operations, so the CRD lists the powers of two; this is the same list.
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
+# What the CRD says beyond a field's type, bounds and default, as json_schema_extra (crd.py copies
+# these keys into the schema as they are).
+INT64 = {"format": "int64"}
+# A section the API server creates when it is absent, then fills in from its fields' own defaults
+# (as pydantic does); without it the section stays absent. crd.py never uses a section's pydantic
+# default (a dump of the model) as the CRD's.
+CREATED_EMPTY = {"default": {}}
+# Kubernetes' IntOrString (a quantity, a surge): an integer or a string (crd.py spells it as a
+# structural schema must).
+INT_OR_STRING = {"x-kubernetes-int-or-string": True}
+
+
+def cel(*rules: tuple[str, str]) -> dict[str, Any]:
+    """A model's CEL rules, (rule, message) each, as its json_schema_extra: what the schema cannot
+    say (one field against another), checked by the API server as the model's validators do."""
+    return {"x-kubernetes-validations": [{"rule": rule, "message": message} for rule, message in rules]}
+
+
+def no_crd_default(schema: dict[str, Any]) -> None:
+    """json_schema_extra of a field whose default is the operator's reading only: the CRD has none,
+    so the API server stores nothing for it."""
+    del schema["default"]
+
+
+def bound_by_cel(schema: dict[str, Any]) -> None:
+    """json_schema_extra of a field whose lower bound the CRD states as a CEL rule of its section (with
+    a message naming the field) instead of in the schema."""
+    del schema["exclusiveMinimum"]
+
 
 class Architecture(BaseModel):
     """Also the CRD's `spec.model.architecture`, hence the camelCase aliases."""
 
-    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True, extra="forbid")
+    model_config = ConfigDict(
+        frozen=True,
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        json_schema_extra=cel(
+            ("self.attentionHeads % self.kvHeads == 0", "attentionHeads must be a multiple of kvHeads")
+        ),
+    )
 
     layers: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
@@ -42,12 +80,16 @@ class Architecture(BaseModel):
     kv_heads: int = Field(gt=0)
     head_dim: int | None = Field(default=None, gt=0)
     vocab_size: int = Field(gt=0)
-    parameters: int = Field(gt=0)
-    active_parameters: int | None = Field(default=None, gt=0)
+    parameters: int = Field(gt=0, json_schema_extra=INT64)
+    active_parameters: int | None = Field(default=None, gt=0, json_schema_extra=INT64)
     max_context: int = Field(gt=0)
     # config.json's tie_word_embeddings: the LM head is the embedding (counted once in parameters).
-    tie_word_embeddings: bool = False
-    source: str = ""
+    tie_word_embeddings: bool = Field(
+        default=False,
+        description="config.json's tie_word_embeddings (the LM head is the embedding); default false.",
+        json_schema_extra=no_crd_default,
+    )
+    source: str = Field(default="", json_schema_extra=no_crd_default)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> Architecture:
@@ -115,25 +157,61 @@ class SecretKeyRef(_Camel):
 class ModelCacheSpec(_Camel):
     # A PersistentVolumeClaim to download into, shared by restarts and replicas (ReadWriteMany for
     # replicas on several nodes); unset: an emptyDir, so every new pod downloads again.
-    claim_name: str | None = Field(default=None, min_length=1)
+    claim_name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="A PersistentVolumeClaim kept across restarts and shared by replicas "
+        "(ReadWriteMany when they run on several nodes).",
+    )
 
 
 class ModelSpec(_Camel):
-    name: str = Field(min_length=1)
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            (
+                f"!has(self.source) || self.source.matches('{SOURCE_PATTERN}')",
+                "model.source must be hf://org/repo[@revision], pvc://claim/path or an absolute path in the "
+                "engine image",
+            )
+        )
+    )
+
+    name: str = Field(
+        min_length=1, description="Catalog model (e.g. llama-2-7b) or any name when architecture is given."
+    )
     # Unset: the engine's --model is `name` (the embedded model's name, say). See SOURCE_PATTERN.
-    source: str | None = None
+    source: str | None = Field(
+        default=None,
+        description="Where the weights are: hf://org/repo[@revision] (an init container downloads it into "
+        "model.cache before the engine starts), pvc://claim/path (mounted read-only), or an absolute path "
+        "in the engine image. Unset: the engine loads model.name.",
+    )
     # For every hf:// source of the service (this one and serving.draftModel): the Secret key holding
     # a hub token (HF_TOKEN of the downloads), for gated or private repositories; and the volume the
     # downloads go to.
-    token_secret: SecretKeyRef | None = None
-    cache: ModelCacheSpec | None = None
+    token_secret: SecretKeyRef | None = Field(
+        default=None,
+        description="The Secret key with a Hugging Face token (HF_TOKEN of the downloads of model.source and "
+        "serving.draftModel), for gated or private repositories.",
+    )
+    cache: ModelCacheSpec | None = Field(
+        default=None,
+        description="Where the hf:// downloads (model.source and serving.draftModel) go. Unset, an emptyDir "
+        "(every new pod downloads again).",
+    )
     served_model_name: str | None = None
-    architecture: Architecture | None = None
+    architecture: Architecture | None = Field(
+        default=None, description="Overrides the catalog; needed for models the catalog lacks."
+    )
     # The scheme the checkpoint is already quantized in (a compressed-tensors checkpoint, e.g.
     # written by `kvpilot quantize` or llm-compressor; AWQ or GPTQ files): the runtime serves it as
     # stored and refuses another --quantization, so the plan takes it as the scheme. Which of these
     # a runtime reads is in its capabilities (runtimes.py).
-    quantization: CheckpointQuantization | None = None
+    quantization: CheckpointQuantization | None = Field(
+        default=None,
+        description="The scheme the checkpoint is already quantized in (compressed-tensors W8A16, FP8, W8A8 or "
+        "W4A16; AWQ or GPTQ 4-bit); the plan serves it as stored.",
+    )
 
     @model_validator(mode="after")
     def _source(self) -> ModelSpec:
@@ -142,16 +220,50 @@ class ModelSpec(_Camel):
 
 
 class AcceleratorSpec(_Camel):
-    type: str | None = None
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            (
+                "!has(self.nodeSelector) || size(self.nodeSelector) == 0 || has(self.type)",
+                "accelerator.nodeSelector needs accelerator.type: the planner sizes for a known GPU",
+            ),
+            (
+                "(has(self.type) && self.type == 'cpu') == has(self.profile)",
+                "accelerator.type cpu needs accelerator.profile (the CPU's device profile), and only it takes one",
+            ),
+            (
+                "!(has(self.type) && self.type == 'cpu') || !has(self.count) || self.count == 1",
+                "accelerator.count: a CPU replica is one engine process (count 1)",
+            ),
+        )
+    )
+
+    type: str | None = Field(
+        default=None,
+        description="GPU catalog name (T4, L4, A10G, L40S, A100-40GB, A100-80GB, H100-80GB, H200, B200, MI300X), "
+        "or cpu for a CPU node pool planned from accelerator.profile; unset picks from the nodes' GPU product "
+        "labels.",
+    )
     # GPUs per replica (the tensor-parallel size); unset: the planner picks the smallest that fits
     # and meets the SLO among the runtime's sizes (1 for kvpilot).
-    count: int | None = Field(default=None, ge=1)
+    count: int | None = Field(
+        default=None, ge=1, description="GPUs per replica (tensor-parallel size); unset means the planner picks it."
+    )
     # Where the GPU nodes are, when they are not found by the GPU product label (GKE's
     # cloud.google.com/gke-accelerator, Karpenter's instance labels): replaces that selector.
-    node_selector: dict[str, str] = Field(default_factory=dict)
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description="Where the GPU nodes are when they do not carry the GPU product label (e.g. GKE's "
+        "cloud.google.com/gke-accelerator, Karpenter's labels); replaces the product-label selector. Needs type.",
+    )
     # type cpu: the device profile to plan from (`kvpilot profile`'s output): a built-in CPU family
     # or a profile ConfigMap of that name in the operator's namespace (planning/cpus.py).
-    profile: str | None = Field(default=None, max_length=63, pattern=DNS_1123_LABEL)
+    profile: str | None = Field(
+        default=None,
+        max_length=63,
+        pattern=DNS_1123_LABEL,
+        description="type cpu: the device profile (kvpilot profile's output) to plan from: a built-in CPU "
+        "family, or a ConfigMap of this name in the operator's namespace holding profile.json.",
+    )
 
     @model_validator(mode="after")
     def _selector_needs_type(self) -> AcceleratorSpec:
@@ -168,14 +280,47 @@ class AcceleratorSpec(_Camel):
 
 
 class ServingSpec(_Camel):
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            (
+                f"!has(self.blockSize) || self.blockSize in [{', '.join(map(str, BLOCK_SIZES))}]",
+                "blockSize must be a power of two up to 1024",
+            ),
+            (
+                "!has(self.speculative) || !(self.speculative in ['draft', 'eagle']) "
+                "|| (has(self.draftModel) && self.draftModel != '')",
+                "speculative 'draft' or 'eagle' needs draftModel",
+            ),
+            (
+                f"!has(self.draftModel) || self.draftModel.matches('{SOURCE_PATTERN}')",
+                "serving.draftModel must be hf://org/repo[@revision], pvc://claim/path or an absolute path in "
+                "the engine image",
+            ),
+            (
+                "!has(self.draftModelArchitecture) || has(self.draftModel)",
+                "serving.draftModelArchitecture needs serving.draftModel",
+            ),
+        )
+    )
+
     max_context_length: int | None = Field(default=None, gt=0)
     quantization: Quantization = "auto"
     speculative: Speculative = "auto"
     # Where the draft model's files are, in the forms of model.source; the engine loads it beside
     # the target (unquantized, its KV cache slot for slot with the target's). Its size comes from the
     # catalog (by the repository or folder name) or from draftModelArchitecture.
-    draft_model: str | None = None
-    draft_model_architecture: Architecture | None = None
+    draft_model: str | None = Field(
+        default=None,
+        description="The draft model of speculative 'draft' (also chosen by 'auto'), with the target's "
+        "vocabulary: hf://org/repo[@revision] (downloaded like model.source, with model.tokenSecret into "
+        "model.cache), pvc://claim/path, or an absolute path in the engine image. The engine runs it "
+        "unquantized beside the target.",
+    )
+    draft_model_architecture: Architecture | None = Field(
+        default=None,
+        description="The draft model's architecture, as model.architecture; needed for drafts the catalog lacks "
+        "(found by the repository or folder name of draftModel).",
+    )
     num_speculative_tokens: int = Field(default=4, ge=1, le=16)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     block_size: int = 16
@@ -193,8 +338,15 @@ class ServingSpec(_Camel):
 
 
 class SLOSpec(_Camel):
-    ttft_p95_ms: float = Field(default=2000, gt=0)
-    tpot_p95_ms: float = Field(default=100, gt=0)
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            ("!has(self.ttftP95Ms) || self.ttftP95Ms > 0.0", "ttftP95Ms must be positive"),
+            ("!has(self.tpotP95Ms) || self.tpotP95Ms > 0.0", "tpotP95Ms must be positive"),
+        )
+    )
+
+    ttft_p95_ms: float = Field(default=2000, gt=0, json_schema_extra=bound_by_cel)
+    tpot_p95_ms: float = Field(default=100, gt=0, json_schema_extra=bound_by_cel)
 
 
 class LoadSpec(_Camel):
@@ -210,22 +362,48 @@ class LoadSpec(_Camel):
 
 
 class AutoscalingSpec(_Camel):
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            (
+                "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+                "minReplicas must be <= maxReplicas",
+            )
+        )
+    )
+
     # slo: the operator sets replicas from the engines' metrics (operator/autoscaling/);
     # external: an HPA or KEDA does and the operator never writes replicas; off: nobody does.
-    mode: Literal["slo", "external", "off"] = "slo"
+    mode: Literal["slo", "external", "off"] = Field(
+        default="slo",
+        description="slo: the operator sets replicas from the engines' TTFT/TPOT, queue and KV usage; external: "
+        "an HPA or KEDA sets them and the operator never writes replicas; off: nobody does.",
+    )
     min_replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS)
-    max_replicas: int = Field(default=4, ge=1, le=MAX_REPLICAS)
+    max_replicas: int = Field(
+        default=4,
+        ge=1,
+        le=MAX_REPLICAS,
+        description=f"At most {MAX_REPLICAS}; a larger fleet is several InferenceServices.",
+    )
     scale_up_stabilization_seconds: int = Field(default=0, ge=0)
     scale_down_stabilization_seconds: int = Field(default=300, ge=0)
     # Replicas added or removed by one decision, at most.
-    max_step: int = Field(default=2, ge=1)
+    max_step: int = Field(default=2, ge=1, description="Replicas added or removed by one decision at most.")
     # Signals within 1 +- tolerance of their targets move nothing (noise).
-    tolerance: float = Field(default=0.1, ge=0, le=0.5)
+    tolerance: float = Field(
+        default=0.1, ge=0, le=0.5, description="Signals within 1 +- tolerance of their targets move nothing."
+    )
     max_waiting_per_replica: float = Field(default=4, gt=0)
     target_kv_cache_usage: float = Field(default=0.9, gt=0, le=1)
     # Read the engines' series from this Prometheus (labels namespace and pod, as a ServiceMonitor
     # gives them) instead of each pod's /metrics: for clusters where the operator cannot reach pods.
-    prometheus_url: str | None = Field(default=None, max_length=2048, pattern=r"^https?://[^\s/]+(/\S*)?$")
+    prometheus_url: str | None = Field(
+        default=None,
+        max_length=2048,
+        pattern=r"^https?://[^\s/]+(/\S*)?$",
+        description="Read the engines' series from this Prometheus (labels namespace and pod, as a ServiceMonitor "
+        "gives them) instead of each pod's /metrics.",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingSpec:
@@ -235,8 +413,8 @@ class AutoscalingSpec(_Camel):
 
 
 class ResourcesSpec(_Camel):
-    requests: dict[str, str | int] = Field(default_factory=dict)
-    limits: dict[str, str | int] = Field(default_factory=dict)
+    requests: dict[str, Annotated[str | int, Field(json_schema_extra=INT_OR_STRING)]] = Field(default_factory=dict)
+    limits: dict[str, Annotated[str | int, Field(json_schema_extra=INT_OR_STRING)]] = Field(default_factory=dict)
 
 
 class Toleration(_Camel):
@@ -244,52 +422,88 @@ class Toleration(_Camel):
     operator: Literal["Exists", "Equal"] | None = None
     value: str | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    toleration_seconds: int | None = Field(default=None, json_schema_extra=INT64)
 
 
 class RolloutSpec(_Camel):
-    max_surge: int | str = 1
-    max_unavailable: int | str = 0
+    max_surge: int | str = Field(default=1, json_schema_extra=INT_OR_STRING)
+    max_unavailable: int | str = Field(default=0, json_schema_extra=INT_OR_STRING)
     # The most a stopping engine waits for its requests in flight (the drain is sized for the
     # longest request it accepts, which for long contexts can be far longer than anyone waits).
-    max_drain_seconds: int = Field(default=600, ge=0, le=3600)
+    max_drain_seconds: int = Field(
+        default=600,
+        ge=0,
+        le=3600,
+        description="The most a stopping engine (a scale-down, a rollout) waits for its requests in flight. The "
+        "drain is sized for the longest request the engine accepts (a first token, then max_model_len tokens "
+        "at the predicted TPOT); this caps it.",
+    )
 
 
 class RoutingSpec(_Camel):
     # How the gateway picks an engine: the least loaded, or the one a hash of the prompt's
     # beginning names (consistent hashing with bounded loads: shared prefixes hit one KV cache).
-    strategy: Literal["LeastLoad", "PrefixHash"] = "LeastLoad"
+    strategy: Literal["LeastLoad", "PrefixHash"] = Field(
+        default="LeastLoad",
+        description="LeastLoad: the engine with the fewest requests in flight. PrefixHash: the engine a hash of "
+        "the prompt's beginning names (consistent hashing with bounded loads), so requests sharing a prefix "
+        "reuse its KV cache.",
+    )
 
 
 class EndpointPickerSpec(_Camel):
     # A Service in the InferenceService's namespace; unset: `<name>-epp`, the name the extension's
     # inferencepool chart gives its picker when installed under the InferenceService's name.
-    name: str | None = Field(default=None, max_length=63, pattern=DNS_1035_LABEL)
+    name: str | None = Field(
+        default=None,
+        max_length=63,
+        pattern=DNS_1035_LABEL,
+        description="Unset, <name>-epp (what the extension's inferencepool chart names its picker).",
+    )
     port: int = Field(default=9002, ge=1, le=65535)
     # What the Gateway does while the picker does not answer: refuse the request, or route it anyway.
-    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        default="FailClose",
+        description="While the picker does not answer, the Gateway refuses requests (FailClose) or routes them anyway.",
+    )
 
 
 class InferencePoolSpec(_Camel):
     # Render an InferencePool (Gateway API Inference Extension) of the engine pods, for a Gateway
     # and an endpoint picker (llm-d's, the extension's) to route to them.
     enabled: bool = False
-    endpoint_picker: EndpointPickerSpec = EndpointPickerSpec()
+    endpoint_picker: EndpointPickerSpec = Field(
+        default=EndpointPickerSpec(),
+        description="The endpoint picker's Service, in the InferenceService's namespace.",
+        json_schema_extra=CREATED_EMPTY,
+    )
 
 
 class AuthSpec(_Camel):
     # The operator creates the Secret `<name>-api-key` (key `api-key`) with a random key, the
     # engines require it as `Authorization: Bearer <key>` on /v1, and the gateway checks it before
     # it reads a body or wakes the service. False: open to whoever reaches it.
-    api_key: bool = True
+    api_key: bool = Field(
+        default=True,
+        description="The operator creates the Secret <name>-api-key (key api-key) with a random key; the engines "
+        "require it as `Authorization: Bearer <key>` on /v1 and the gateway checks it before reading a body or "
+        "waking the service. false: open.",
+    )
 
 
 class NetworkSpec(_Camel):
     # A NetworkPolicy: the engine port takes connections only from the gateway, the operator
     # (metrics) and pods in the namespaces listed (a Prometheus, clients that skip the gateway).
-    policy: bool = True
+    policy: bool = Field(
+        default=True,
+        description="A NetworkPolicy: the engine port takes connections only from the gateway, the operator "
+        "(metrics) and pods in allowedNamespaces.",
+    )
     allowed_namespaces: list[Annotated[str, Field(max_length=63, pattern=DNS_1123_LABEL)]] = Field(
-        default_factory=list, max_length=64
+        default_factory=list,
+        max_length=64,
+        description="Namespaces whose pods may reach the engines directly (a Prometheus, clients that skip the "
+        "gateway).",
     )
 
 
@@ -298,36 +512,99 @@ class ImagePullSecret(_Camel):
 
 
 class InferenceServiceSpec(_Camel):
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            (
+                "!(has(self.model.tokenSecret) || has(self.model.cache)) || (has(self.model.source) && "
+                "self.model.source.startsWith('hf://')) || (has(self.serving) && has(self.serving.draftModel) && "
+                "self.serving.draftModel.startsWith('hf://'))",
+                "model.tokenSecret and model.cache apply only to hf:// sources (model.source or serving.draftModel)",
+            ),
+            (
+                "!has(self.replicas) || !has(self.autoscaling) || !has(self.autoscaling.mode) || "
+                "self.autoscaling.mode != 'slo' || !has(self.autoscaling.maxReplicas) || "
+                "self.replicas <= self.autoscaling.maxReplicas",
+                "replicas must be <= autoscaling.maxReplicas in autoscaling mode slo",
+            ),
+        )
+    )
+
     model: ModelSpec
-    runtime: Runtime = "kvpilot"
-    accelerator: AcceleratorSpec = AcceleratorSpec()
-    serving: ServingSpec = ServingSpec()
-    slo: SLOSpec = SLOSpec()
-    load: LoadSpec = LoadSpec()
-    autoscaling: AutoscalingSpec = AutoscalingSpec()
+    runtime: Runtime = Field(
+        default="kvpilot",
+        description="What runs the model in the pods - kvpilot (this project's engine, one accelerator) or vllm "
+        "(vLLM's official image, tensor parallelism).",
+    )
+    accelerator: AcceleratorSpec = Field(default=AcceleratorSpec(), json_schema_extra=CREATED_EMPTY)
+    serving: ServingSpec = Field(default=ServingSpec(), json_schema_extra=CREATED_EMPTY)
+    slo: SLOSpec = Field(default=SLOSpec(), json_schema_extra=CREATED_EMPTY)
+    load: LoadSpec = Field(
+        default=LoadSpec(),
+        description="The expected traffic the plan sizes replicas for.",
+        json_schema_extra=CREATED_EMPTY,
+    )
+    autoscaling: AutoscalingSpec = Field(default=AutoscalingSpec(), json_schema_extra=CREATED_EMPTY)
     # Written by `kubectl scale` / the autoscaler through the scale subresource; when absent the
     # plan's replica count for the stated load is used.
-    replicas: int | None = Field(default=None, ge=0, le=MAX_REPLICAS)
+    replicas: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="Set by kubectl scale or the autoscaler; unset means the plan's count.",
+    )
     # Unset: the operator's default engine image (the chart's engine.image), so a cluster can
     # move every InferenceService that does not pin an image with one chart upgrade.
-    image: str | None = Field(default=None, min_length=1)
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Engine image; unset means the operator's default (the chart's engine.image).",
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    resources: ResourcesSpec = ResourcesSpec()
+    # No `default: {}`: an absent section stays absent in the stored object.
+    resources: ResourcesSpec = Field(
+        default=ResourcesSpec(),
+        description="CPU and memory for the engine container; the GPU count comes from accelerator.",
+    )
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
-    rollout: RolloutSpec = RolloutSpec()
-    routing: RoutingSpec = RoutingSpec()
-    inference_pool: InferencePoolSpec = InferencePoolSpec()
-    auth: AuthSpec = AuthSpec()
-    network: NetworkSpec = NetworkSpec()
+    rollout: RolloutSpec = Field(
+        default=RolloutSpec(),
+        description="The engines' rolling update. The default surges one pod so a single-replica service keeps "
+        "serving through an update; on GPU nodes with no spare GPU the surge pod stays Pending until one frees "
+        "up: set maxSurge 0 and maxUnavailable 1 there, which replaces pods one at a time at the cost of "
+        "capacity meanwhile.",
+    )
+    routing: RoutingSpec = Field(
+        default=RoutingSpec(),
+        description="How the gateway picks one of the service's engines for a request.",
+        json_schema_extra=CREATED_EMPTY,
+    )
+    inference_pool: InferencePoolSpec = Field(
+        default=InferencePoolSpec(),
+        description="An InferencePool (Gateway API Inference Extension, inference.networking.k8s.io/v1) of the "
+        "engine pods, for a Gateway and an endpoint picker (llm-d's, the extension's) to route to them. Needs "
+        "the extension's CRDs.",
+        json_schema_extra=CREATED_EMPTY,
+    )
+    auth: AuthSpec = Field(default=AuthSpec(), json_schema_extra=CREATED_EMPTY)
+    network: NetworkSpec = Field(default=NetworkSpec(), json_schema_extra=CREATED_EMPTY)
     # Passed through to the engine pods as written (Kubernetes' own types, validated by the API server).
-    env: list[dict[str, Any]] = Field(default_factory=list)
-    env_from: list[dict[str, Any]] = Field(default_factory=list)
+    env: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Extra environment of the engine container (Kubernetes EnvVar objects), e.g. an API key from "
+        "a Secret.",
+    )
+    env_from: list[dict[str, Any]] = Field(
+        default_factory=list, description="Kubernetes EnvFromSource objects for the engine container."
+    )
     image_pull_secrets: list[ImagePullSecret] = Field(default_factory=list)
-    affinity: dict[str, Any] | None = None
+    affinity: dict[str, Any] | None = Field(default=None, description="The engine pods' Kubernetes Affinity.")
     topology_spread_constraints: list[dict[str, Any]] = Field(default_factory=list)
     priority_class_name: str | None = None
-    pod_labels: dict[str, str] = Field(default_factory=dict)
+    pod_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Labels added to the engine pods (the operator's own labels win on a clash).",
+    )
     pod_annotations: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")

@@ -294,3 +294,42 @@ def test_an_hf_source_is_downloaded_by_the_init_container_and_served(
             assert asked == [("GET", f"/api/models/{repo}/revision/main")], [r.path for r in hub.requests]
     finally:
         k8s.kubectl("delete", "secret", "hub-token", "-n", ns, "--ignore-not-found")
+
+
+def test_a_model_known_only_by_its_private_repository_is_planned_from_its_config_json(
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: Any
+) -> None:
+    # The embedded model as a private repository under a name the catalog does not know, with no
+    # architecture in the spec: the operator reads the repository's config.json from the Hub
+    # stand-in (the service's HF_ENDPOINT) with the service's token. First the token's Secret is
+    # missing: the Hub answers 401, which the status says; once the Secret is made, a retry plans.
+    from kvpilot.engine.model.loader import embedded_model_dir
+
+    ns, name, repo, token = kvpilot.watch_namespaces[0], "private-smol", "acme/private-smol", "hf_private_e2e"
+    spec = kvis.sample("smollm2-135m")["spec"]
+    with HubServer(repo, embedded_model_dir(), token=token, gated=True) as hub:
+        spec = {
+            **spec,
+            "model": {"name": name, "source": f"hf://{repo}", "tokenSecret": {"name": "private-hub-token"}},
+            "env": [{"name": "HF_ENDPOINT", "value": hub.url}],
+        }
+        apply_isvc(name, spec)
+        try:
+            refused = kvis.wait_condition(k8s, ns, name, "Planned", "False", timeout_s=60)
+            planned = kvis.condition(refused, "Planned")
+            assert planned["reason"] == "ModelConfigUnavailable", planned
+            assert "401" in planned["message"] and "restricted" in planned["message"], planned
+            assert kvis.children(k8s, ns, name, "deployments") == []
+            k8s.kubectl("create", "secret", "generic", "private-hub-token", "-n", ns, f"--from-literal=token={token}")
+            ready = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=120)
+        finally:
+            k8s.kubectl("delete", "secret", "private-hub-token", "-n", ns, "--ignore-not-found")
+        asked = hub.file_requests("config.json")
+        assert asked[-1].headers["Authorization"] == f"Bearer {token}"
+    plan = ready["status"]["plan"]
+    assert plan["reasons"]["model"] == f"the checkpoint's config.json of hf://{repo}"
+    # The same architecture as the catalog's entry for the embedded model.
+    catalog = kvis.sample("smollm2-135m")
+    apply_isvc("catalog-smol", catalog["spec"])
+    reference = kvis.wait_condition(k8s, ns, "catalog-smol", "Planned", "True", timeout_s=60)["status"]["plan"]
+    assert (plan["kvBytesPerToken"], plan["weightsGiB"]) == (reference["kvBytesPerToken"], reference["weightsGiB"])

@@ -31,7 +31,16 @@ ROOMS = {
         "kvpilot.engine.device_profile",
     },
     "kube": {"api"},
-    "controller": {"api", "runtimes", "planning", "kube", "kvpilot.engine.config", "kvpilot.engine.device_profile"},
+    "hub": {"api"},
+    "controller": {
+        "api",
+        "runtimes",
+        "planning",
+        "kube",
+        "hub",
+        "kvpilot.engine.config",
+        "kvpilot.engine.device_profile",
+    },
     "autoscaling": {"api", "kube"},
     "gateway": {"api", "kube"},
 }

@@ -177,7 +177,9 @@ class ModelSpec(_Camel):
     )
 
     name: str = Field(
-        min_length=1, description="Catalog model (e.g. llama-2-7b) or any name when architecture is given."
+        min_length=1,
+        description="Catalog model (e.g. llama-2-7b), or any name when architecture is given or source is an "
+        "hf:// repository (the operator reads its config.json).",
     )
     # Unset: the engine's --model is `name` (the embedded model's name, say). See SOURCE_PATTERN.
     source: str | None = Field(

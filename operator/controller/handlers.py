@@ -41,12 +41,14 @@ from kvpilot.operator.controller import correction, render
 from kvpilot.operator.controller.last_handled import DigestDiffBaseStorage
 from kvpilot.operator.controller.queue import Key, WorkQueue
 from kvpilot.operator.controller.reconcile import (
+    BACKED_OFF,
     Refreshed,
     as_rendered,
     controller_of,
     refresh,
     retry_reason,
 )
+from kvpilot.operator.hub.client import DEFAULT_ENDPOINT, HubClient
 from kvpilot.operator.kube.cluster import KubeCluster, WriteConflict
 from kvpilot.operator.kube.indexes import indexed_service, pod_ready
 
@@ -95,9 +97,10 @@ class Reconciler:
         logger: logging.Logger,
         default_image: str,
         operator_namespace: str | None,
+        hub: HubClient | None = None,
     ) -> None:
         self.queue = WorkQueue()
-        self.cluster, self.services, self.logger = cluster, services, logger
+        self.cluster, self.services, self.logger, self.hub = cluster, services, logger, hub
         self.default_image, self.operator_namespace = default_image, operator_namespace
         self._versions: dict[Key, str] = {}
         self._workers: list[asyncio.Task[None]] = []
@@ -145,6 +148,7 @@ class Reconciler:
                 default_image=self.default_image,
                 operator_namespace=self.operator_namespace,
                 known=known,
+                hub=self.hub,
             )
         except WriteConflict as error:
             # Something changed it meanwhile: read again, soon.
@@ -163,12 +167,16 @@ class Reconciler:
         ready = next((c for c in result.status.get("conditions", []) if c["type"] == "Ready"), None)
         if ready is not None:
             self.logger.debug(f"{namespace}/{name} Ready={ready['status']} ({ready['reason']}): {ready['message']}")
-        self.queue.forget(key)
         retry = retry_reason(result.status)
-        if retry is not None:
+        if retry is not None and retry[0] in BACKED_OFF:
+            delay = self.queue.add_rate_limited(key)
+        else:
+            self.queue.forget(key)
+            if retry is None:
+                return
             delay = _retry_seconds(retry[0])
             self.queue.add_after(key, delay)
-            self.logger.debug(f"{namespace}/{name}: {retry[0]}, reconciled again in {delay:g} s")
+        self.logger.debug(f"{namespace}/{name}: {retry[0]}, reconciled again in {delay:g} s")
 
 
 class ApiRetryDelays:
@@ -209,6 +217,8 @@ async def start_reconciler(memo: kopf.Memo, logger: logging.Logger, autoscaled_s
         logger,
         engine_image(os.environ),
         os.environ.get(names.OPERATOR_NAMESPACE_ENV) or None,
+        # Where model configs are read when a service's env names no HF_ENDPOINT of its own.
+        HubClient(os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT),
     )
     memo.reconciler.start()
 

@@ -46,20 +46,26 @@ from kvpilot.engine.device_profile import DeviceProfile
 from kvpilot.operator.api import names
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND
 from kvpilot.operator.api.plan import Plan
-from kvpilot.operator.api.spec import CPU_TYPE, InferenceServiceSpec
+from kvpilot.operator.api.spec import CPU_TYPE, InferenceServiceSpec, hub_source
 from kvpilot.operator.controller import correction, render, status
+from kvpilot.operator.hub.client import HubClient, HubError
 from kvpilot.operator.kube.cluster import Cluster, Manifest, WriteRefused, describe
 from kvpilot.operator.kube.merge_patch import merge_patch
 from kvpilot.operator.planning import cpus
 from kvpilot.operator.planning.context import Correction
+from kvpilot.operator.planning.model_config import ModelConfig, read_config
+from kvpilot.operator.planning.models import find_model
 from kvpilot.operator.planning.plan import PlanContext, plan
+from kvpilot.operator.planning.reasons import failed_plan
 from kvpilot.operator.runtimes import RUNTIMES
 
 # The hash of the rendered manifest, on each child: unchanged hash (and no field of ours edited by
 # hand) means nothing to write.
 RENDERED_HASH = f"{GROUP}/rendered-hash"
-# Reasons of a status that no event will change: the reconcile is retried after a delay instead.
-RETRIED = ("NameConflict", "ApplyFailed", "NoGPUType")
+# Reasons of a status that no event will change: the reconcile is retried after a delay instead;
+# those BACKED_OFF wait longer after each failure in a row (the Hub refusing or unreachable).
+RETRIED = ("NameConflict", "ApplyFailed", "NoGPUType", "ModelConfigUnavailable")
+BACKED_OFF = ("ModelConfigUnavailable",)
 
 
 def _invalid(body: Mapping[str, Any], error: ValidationError) -> Plan:
@@ -256,8 +262,13 @@ def _plan(
     kept = observed.kept
     gpu = _kept_gpu(spec, planned, kept)
     available = (gpu,) if gpu is not None else () if spec.accelerator.type else tuple(observed.nodes)
+    checkpoint = observed.checkpoint.architecture if isinstance(observed.checkpoint, ModelConfig) else None
     context = PlanContext(
-        available_gpus=available, gpus_per_node=observed.nodes, device_profiles=observed.profiles, correction=corrected
+        available_gpus=available,
+        gpus_per_node=observed.nodes,
+        device_profiles=observed.profiles,
+        correction=corrected,
+        checkpoint=checkpoint,
     )
     result = plan(spec, context)
     why = kept.get("gpuReason")
@@ -306,6 +317,47 @@ def _sha256(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+class Unreadable(NamedTuple):
+    failure: str  # ModelConfigUnavailable (retried) or UnsupportedArchitecture
+    message: str
+
+
+def _hub_token(cluster: Cluster, namespace: str, spec: InferenceServiceSpec) -> tuple[str | None, str]:
+    """The hub token of model.tokenSecret, and what to add to a refusal when it could not be read."""
+    ref = spec.model.token_secret
+    if ref is None:
+        return None, ""
+    secret = cluster.get("v1", "Secret", namespace, ref.name) or {}
+    try:
+        token = base64.b64decode((secret.get("data") or {}).get(ref.key) or "", validate=True).decode().strip()
+    except (binascii.Error, UnicodeDecodeError):
+        token = ""
+    if not token:
+        return None, f" (asked without a token: Secret {namespace}/{ref.name} holds no {ref.key})"
+    return token, ""
+
+
+def _checkpoint(
+    spec: InferenceServiceSpec, cluster: Cluster, namespace: str, hub: HubClient | None
+) -> ModelConfig | Unreadable | None:
+    """The config.json of model.source's hf:// repository, read when neither the spec nor the
+    catalog give the model's architecture; with the service's token, at the service's HF_ENDPOINT
+    (its env, as its downloads use) or the operator's."""
+    source = hub_source(spec.model.source)
+    if spec.model.architecture is not None or find_model(spec.model.name) is not None or source is None:
+        return None
+    if hub is None:
+        return Unreadable("ModelConfigUnavailable", "this operator reads no Hub")
+    token, note = _hub_token(cluster, namespace, spec)
+    endpoint = next((e.get("value") for e in spec.env if e.get("name") == "HF_ENDPOINT" and e.get("value")), None)
+    try:
+        config = hub.config(source.repo, source.revision, token, endpoint)
+    except HubError as error:
+        return Unreadable("ModelConfigUnavailable", f"config.json of {spec.model.source}: {error.message}{note}")
+    read = read_config(config, f"config.json of {spec.model.source}")
+    return Unreadable("UnsupportedArchitecture", f"{spec.model.source}: {read}") if isinstance(read, str) else read
+
+
 class Observed(NamedTuple):
     """What one reconcile read of the cluster: all that `decide` needs."""
 
@@ -315,6 +367,9 @@ class Observed(NamedTuple):
     nodes: dict[str, int]  # GPU product -> most GPUs one node carries; empty when not read
     profiles: dict[str, DeviceProfile | str]  # the CPU profiles the spec and the kept spec name
     api_key_secret: Manifest | None  # the service's API-key Secret, when the operator makes the key
+    # The model's config.json read from the Hub, when neither the spec nor the catalog give its
+    # architecture; Unreadable says why it could not be had.
+    checkpoint: ModelConfig | Unreadable | None = None
 
 
 def _valid_spec(body: Mapping[str, Any]) -> InferenceServiceSpec | ValidationError:
@@ -324,7 +379,9 @@ def _valid_spec(body: Mapping[str, Any]) -> InferenceServiceSpec | ValidationErr
         return error
 
 
-def observe(body: Mapping[str, Any], cluster: Cluster, operator_namespace: str | None) -> Observed:
+def observe(
+    body: Mapping[str, Any], cluster: Cluster, operator_namespace: str | None, hub: HubClient | None = None
+) -> Observed:
     """Read what deciding about `body` needs, and nothing a decision will not use: a healthy
     service with a GPU type and its own key costs one read (its Secret)."""
     metadata, old = body["metadata"], body.get("status") or {}
@@ -340,7 +397,7 @@ def observe(body: Mapping[str, Any], cluster: Cluster, operator_namespace: str |
     secret = None
     if render.operator_api_key(spec):
         secret = cluster.get("v1", "Secret", metadata["namespace"], names.api_key_secret(metadata["name"]))
-    return Observed(body, spec, kept, nodes, profiles, secret)
+    return Observed(body, spec, kept, nodes, profiles, secret, _checkpoint(spec, cluster, metadata["namespace"], hub))
 
 
 class Decision(NamedTuple):
@@ -365,7 +422,15 @@ def decide(observed: Observed, default_image: str, operator_namespace: str | Non
     name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
     planned = planned_fields(spec)
     corrected = correction.correction(body.get("status") or {}, spec)
-    result = _plan(spec, planned, observed, correction.factors(corrected))
+    checkpoint = observed.checkpoint
+    if isinstance(checkpoint, Unreadable):
+        result = failed_plan(spec, checkpoint.failure, checkpoint.message)
+    else:
+        if checkpoint is not None and checkpoint.quantization and spec.model.quantization is None:
+            # The checkpoint is stored quantized: planned and served as stored, as if the spec said so.
+            model = spec.model.model_copy(update={"quantization": checkpoint.quantization})
+            spec = spec.model_copy(update={"model": model})
+        result = _plan(spec, planned, observed, correction.factors(corrected))
     key = _api_key(observed.api_key_secret, name, namespace, uid) if render.operator_api_key(spec) else _ApiKey()
     serving = (spec, result) if result.fits else _last_good_serving(kept, spec, observed.profiles)
     children = render.children(
@@ -389,13 +454,14 @@ def reconcile(
     *,
     default_image: str = render.DEFAULT_ENGINE_IMAGE,
     operator_namespace: str | None = None,
+    hub: HubClient | None = None,
 ) -> dict[str, Any]:
     """Converge the children of `body` and return the status to write; `default_image` is the
     engine image for specs that do not set one, `operator_namespace` where the operator and the
-    gateway run (the engines' NetworkPolicy lets their pods in)."""
+    gateway run (the engines' NetworkPolicy lets their pods in), `hub` where configs are read."""
     metadata = body["metadata"]
     name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
-    decision = decide(observe(body, cluster, operator_namespace), default_image, operator_namespace)
+    decision = decide(observe(body, cluster, operator_namespace, hub), default_image, operator_namespace)
     wanted, key = decision.wanted, decision.key
     found = {m["kind"]: cluster.get(m["apiVersion"], m["kind"], namespace, m["metadata"]["name"]) for m in wanted}
     if "Deployment" not in found:
@@ -478,6 +544,7 @@ def refresh(
     default_image: str = render.DEFAULT_ENGINE_IMAGE,
     operator_namespace: str | None = None,
     known: Mapping[str, Any] | None = None,
+    hub: HubClient | None = None,
 ) -> Refreshed | None:
     """Reconcile the InferenceService `namespace/name` and write its status if it changed (for
     events of its children); `known` is the object as the caller knows it is now (else it is
@@ -485,7 +552,7 @@ def refresh(
     body = known if known is not None else cluster.get(API_VERSION, KIND, namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return None
-    new = reconcile(body, cluster, now, default_image=default_image, operator_namespace=operator_namespace)
+    new = reconcile(body, cluster, now, default_image=default_image, operator_namespace=operator_namespace, hub=hub)
     patch = merge_patch(body.get("status") or {}, new)
     if patch:
         return Refreshed(cluster.patch_status(API_VERSION, KIND, namespace, name, patch), new)

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 from kvpilot.engine.config import EngineCapabilities
 from kvpilot.engine.device_profile import DeviceProfile
+from kvpilot.operator.api.spec import Architecture
 
 
 class Correction(NamedTuple):
@@ -30,10 +31,13 @@ class PlanContext:
     tensor parallelism (else the catalog's figure); `device_profiles`: the CPU profiles beside the
     built-in ones (or why one cannot be read); `correction`: what the service's engines showed,
     which the replicas are chosen with and the draft acceptance predicted with;
+    `checkpoint`: the model's architecture as its checkpoint's config.json states it (read from
+    the Hub), used when the spec gives none and the catalog lacks the model;
     `capabilities`: another runtime's than the spec's (tests of what a runtime could run)."""
 
     available_gpus: tuple[str, ...] = ()
     gpus_per_node: Mapping[str, int] = field(default_factory=dict)
     device_profiles: Mapping[str, DeviceProfile | str] = field(default_factory=dict)
     correction: Correction | None = None
+    checkpoint: Architecture | None = None
     capabilities: EngineCapabilities | None = None

@@ -71,7 +71,9 @@ def _int(config: Mapping[str, Any], key: str) -> int:
 def _unsupported(config: Mapping[str, Any], name: str, family: Family) -> str | None:
     """Why `config` cannot be sized as full attention over grouped-query heads, None when it can."""
     window = config.get("sliding_window")
-    windowed = window is not None and (family.window_flag is None or bool(config.get(family.window_flag)))
+    # A window as long as the context holds every token: full attention (Ministral's 32768).
+    binds = window is not None and window < int(config.get("max_position_embeddings") or 0)
+    windowed = binds and (family.window_flag is None or bool(config.get(family.window_flag)))
     if windowed or (config.get("layer_types") and set(config["layer_types"]) != {"full_attention"}):
         return f"{name} holds sliding-window layers (sliding_window {window}), which the planner does not size yet"
     quantization = config.get("quantization_config")

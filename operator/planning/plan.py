@@ -218,20 +218,25 @@ def _gpus(spec: InferenceServiceSpec, available: Iterable[str]) -> list[Device] 
     return sorted(found.values(), key=lambda g: (g.memory_gib, g.bandwidth_gbps))
 
 
-def _architecture(spec: InferenceServiceSpec) -> tuple[Architecture, str] | Plan:
-    """The model's architecture and where it comes from, or why it cannot be planned."""
+def _architecture(spec: InferenceServiceSpec, checkpoint: Architecture | None) -> tuple[Architecture, str] | Plan:
+    """The model's architecture and where it comes from (the spec's, the catalog's, else its
+    checkpoint's config.json), or why it cannot be planned."""
     explicit = spec.model.architecture
-    arch = explicit or find_model(spec.model.name)
+    catalog = None if explicit else find_model(spec.model.name)
+    arch = explicit or catalog or checkpoint
     if arch is None:
         return failed_plan(
             spec,
             "UnknownModel",
             f"model {spec.model.name!r} is not in the catalog ({', '.join(MODELS)}) and "
-            "spec.model.architecture is not set",
+            "spec.model.architecture is not set (nor model.source an hf:// repository whose config.json is read)",
         )
+    if explicit:
+        where = f"spec.model.architecture ({arch.source})" if arch.source else "spec.model.architecture"
+    else:
+        where = f"catalog ({arch.source})" if catalog else f"the checkpoint's {arch.source}"
     problem = sizing.architecture_problem(arch)
     if problem is not None:
-        where = "spec.model.architecture" if explicit else f"the catalog's {spec.model.name}"
         return failed_plan(spec, "InvalidArchitecture", f"{where}: {problem}")
     context = spec.serving.max_context_length or arch.max_context
     if context > arch.max_context:
@@ -240,8 +245,7 @@ def _architecture(spec: InferenceServiceSpec) -> tuple[Architecture, str] | Plan
             "ContextTooLong",
             f"maxContextLength {context} exceeds {spec.model.name}'s maximum context {arch.max_context}",
         )
-    where = f"spec.model.architecture ({arch.source})" if arch.source else "spec.model.architecture"
-    return arch, where if explicit else f"catalog ({arch.source})"
+    return arch, where
 
 
 def _heads_problem(arch: Architecture, tp: int) -> str | None:
@@ -342,7 +346,7 @@ def plan(spec: InferenceServiceSpec, context: PlanContext | None = None) -> Plan
     if unsupported:
         # No GPU or model changes what the runtime can run: say so before anything else.
         return failed_plan(spec, "UnsupportedByRuntime", unsupported)
-    found = _architecture(spec)
+    found = _architecture(spec, context.checkpoint)
     if isinstance(found, Plan):
         return found
     arch, model_reason = found

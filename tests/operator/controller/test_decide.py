@@ -13,6 +13,8 @@ from kvpilot.operator.api import names
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import render
 from kvpilot.operator.controller.reconcile import Observed, decide, last_good, observe, planned_fields
+from kvpilot.operator.hub.client import HubError
+from kvpilot.operator.planning.models import MODELS
 from tests.operator.controller.test_reconcile import OPERATOR_NAMESPACE, SPEC, body
 
 SECRET_NAME = names.api_key_secret("chat")
@@ -134,3 +136,92 @@ def test_observe_reads_only_what_the_decision_uses(spec: dict[str, Any], expecte
     cluster = Reads()
     observe(body(spec), cluster, OPERATOR_NAMESPACE)  # type: ignore[arg-type]
     assert cluster.reads == expected
+
+
+# A model the catalog lacks, known only by its repository: its config.json is read from the Hub.
+HUB_SPEC = {
+    "model": {"name": "tiny-chat", "source": "hf://acme/tiny-chat@v2", "tokenSecret": {"name": "hub"}},
+    "accelerator": {"type": "L4"},
+    "env": [{"name": "HF_ENDPOINT", "value": "http://127.0.0.1:9999"}],
+}
+LLAMA_3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+}
+
+
+class FakeHub:
+    """Answers with `config`, or refuses with `error`; records what it was asked."""
+
+    def __init__(self, config: dict[str, Any] | None = None, error: HubError | None = None) -> None:
+        self.config_json, self.error, self.asked = config, error, []
+
+    def config(self, repo: str, revision: str, token: str | None, endpoint: str | None = None) -> dict[str, Any]:
+        self.asked.append((repo, revision, token, endpoint))
+        if self.error is not None:
+            raise self.error
+        return dict(self.config_json or {})
+
+
+class Secrets(Reads):
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:  # type: ignore[override]
+        super().get(api_version, kind, namespace, name)
+        token = base64.b64encode(b"hf_token").decode()
+        return {"data": {"token": token}} if (kind, name) == ("Secret", "hub") else None
+
+
+def test_a_model_known_only_by_its_repository_is_planned_from_its_config_json() -> None:
+    hub, cluster = FakeHub(LLAMA_3_8B), Secrets()
+    observed = observe(body(HUB_SPEC), cluster, OPERATOR_NAMESPACE, hub)  # type: ignore[arg-type]
+    # With the service's token, at the service's endpoint, at the source's revision.
+    assert hub.asked == [("acme/tiny-chat", "v2", "hf_token", "http://127.0.0.1:9999")]
+    assert "Secret ml/hub" in cluster.reads
+    decided = decide(observed, render.DEFAULT_ENGINE_IMAGE, None)
+    assert decided.result.fits and "Deployment" in kinds(decided.wanted)
+    assert decided.result.reasons["model"] == "the checkpoint's config.json of hf://acme/tiny-chat@v2"
+    # The same numbers as the catalog's Llama-3-8B, which has this architecture.
+    catalog = decide(snapshot({**SPEC, "model": {"name": "llama-3-8b"}, "accelerator": {"type": "L4"}}), "i", None)
+    assert (decided.result.weight_bytes, decided.result.kv_bytes_per_token) == (
+        catalog.result.weight_bytes,
+        catalog.result.kv_bytes_per_token,
+    )
+
+
+def test_a_checkpoint_stored_quantized_is_planned_and_served_as_stored() -> None:
+    awq = {**LLAMA_3_8B, "quantization_config": {"quant_method": "awq", "bits": 4}}
+    observed = observe(body({**HUB_SPEC, "runtime": "vllm"}), Secrets(), None, FakeHub(awq))  # type: ignore[arg-type]
+    decided = decide(observed, render.DEFAULT_ENGINE_IMAGE, None)
+    assert decided.result.fits and decided.result.quantization == "awq"
+    args = deployment(decided.wanted)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(a.startswith("--quantization") for a in args)  # vLLM reads the scheme from the checkpoint
+
+
+def test_what_the_hub_refuses_or_the_planner_cannot_read_is_a_failed_plan_with_the_reason() -> None:
+    refused = FakeHub(error=HubError(401, "http://127.0.0.1:9999/acme/tiny-chat/resolve/v2/config.json: 401 gated"))
+    no_token = {**HUB_SPEC, "model": {**HUB_SPEC["model"], "tokenSecret": {"name": "absent"}}}
+    decided = decide(observe(body(no_token), Secrets(), None, refused), "i", None)  # type: ignore[arg-type]
+    assert decided.result.failure == "ModelConfigUnavailable" and "Deployment" not in kinds(decided.wanted)
+    assert "401 gated (asked without a token: Secret ml/absent holds no token)" in decided.result.reason
+    assert refused.asked[0][2] is None
+    gemma = FakeHub({**LLAMA_3_8B, "architectures": ["Gemma2ForCausalLM"]})
+    unsupported = decide(observe(body(HUB_SPEC), Secrets(), None, gemma), "i", None)  # type: ignore[arg-type]
+    assert unsupported.result.failure == "UnsupportedArchitecture"
+    assert "Gemma2ForCausalLM is not an architecture the planner reads" in unsupported.result.reason
+
+
+def test_the_hub_is_not_asked_when_the_spec_or_the_catalog_give_the_architecture() -> None:
+    hub = FakeHub(LLAMA_3_8B)
+    catalog = {**HUB_SPEC, "model": {**HUB_SPEC["model"], "name": "llama-3-8b"}}
+    observe(body(catalog), Secrets(), None, hub)  # type: ignore[arg-type]
+    explicit = {
+        **HUB_SPEC,
+        "model": {**HUB_SPEC["model"], "architecture": MODELS["llama-3-8b"].model_dump(by_alias=True)},
+    }
+    observe(body(explicit), Secrets(), None, hub)  # type: ignore[arg-type]
+    assert hub.asked == []

@@ -7,15 +7,19 @@ read); it tests the reconcile logic, not Kubernetes (e2e/ does that against a re
 """
 
 import asyncio
+import base64
 import copy
+import json
 import logging
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import kopf
 import pytest
 
+from e2e.hub_server import HubServer
 from kvpilot.engine.config import CAPABILITIES
 from kvpilot.operator.api import names
 from kvpilot.operator.api.spec import InferenceServiceSpec
@@ -30,6 +34,7 @@ from kvpilot.operator.controller.handlers import (
     reconcile_handler,
 )
 from kvpilot.operator.controller.reconcile import RENDERED_HASH, owned_by, reconcile, refresh
+from kvpilot.operator.hub.client import HubClient
 from kvpilot.operator.kube.cluster import WriteConflict, WriteRefused, describe
 from kvpilot.operator.kube.indexes import index_entry
 from kvpilot.operator.kube.merge_patch import merge_patch
@@ -166,9 +171,12 @@ class Operator:
     """The operator's handlers and its reconcile worker over `cluster`, driven one event at a time:
     `event` runs a handler, then every reconcile it queued."""
 
-    def __init__(self, cluster: FakeCluster, engine_image: str = render.DEFAULT_ENGINE_IMAGE) -> None:
+    def __init__(
+        self, cluster: FakeCluster, engine_image: str = render.DEFAULT_ENGINE_IMAGE, hub: HubClient | None = None
+    ) -> None:
         self.loop = asyncio.new_event_loop()
-        self.reconciler = Reconciler(cluster, None, logging.getLogger("test"), engine_image, OPERATOR_NAMESPACE)
+        logger = logging.getLogger("test")
+        self.reconciler = Reconciler(cluster, None, logger, engine_image, OPERATOR_NAMESPACE, hub)
         self.memo = kopf.Memo(cluster=cluster, reconciler=self.reconciler)
 
     def event(
@@ -1016,3 +1024,43 @@ def test_a_whole_spec_kept_by_an_older_operator_still_keeps_its_gpu() -> None:
     cluster.products = ["Tesla-T4", *cluster.products]
     resumed = reconcile(body(small, generation=5, status=older), cluster, NOW)
     assert resumed["plan"]["gpu"] == written["plan"]["gpu"] != "T4"
+
+
+def test_a_config_json_the_hub_refuses_is_asked_again_with_backoff_until_the_token_comes(tmp_path: Path) -> None:
+    """A model known only by its private repository: without its token Secret the Hub answers 401,
+    the service is Ready=False with the Hub's words, and the reconcile backs off; once the Secret is
+    there the next try reads the config.json and the service rolls out."""
+    from tests.operator.controller.test_decide import LLAMA_3_8B
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_8B))
+    with HubServer("acme/private-llama", tmp_path, token="hf_secret", gated=True) as stand_in:
+        spec = {
+            "model": {"name": "private-llama", "source": "hf://acme/private-llama", "tokenSecret": {"name": "hub"}},
+            "accelerator": {"type": "L4"},
+            "env": [{"name": "HF_ENDPOINT", "value": stand_in.url}],
+        }
+        cluster = FakeCluster()
+        cluster.put(body(spec))
+        operator = Operator(cluster, hub=HubClient("http://127.0.0.1:9"))
+        operator.reconciler.queue.first_retry_seconds = 0.05
+        operator.event(reconcile_handler, body=body(spec))
+        isvc = cluster.objects[("InferenceService", "ml", "chat")]
+        ready = condition(isvc["status"], "Ready")
+        assert ready["reason"] == "ModelConfigUnavailable" and "401" in ready["message"]
+        assert "restricted" in ready["message"] and "Secret ml/hub holds no token" in ready["message"]
+        assert "Deployment" not in cluster.kinds()
+        # Tried again by itself, waiting longer each time while the Hub refuses.
+        assert operator.until(lambda: len(stand_in.file_requests("config.json")) >= 3, 5)
+        token = base64.b64encode(b"hf_secret").decode()
+        cluster.put(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": "hub", "namespace": "ml"},
+                "data": {"token": token},
+            }
+        )
+        assert operator.until(lambda: "Deployment" in cluster.kinds(), 10)
+    status = cluster.objects[("InferenceService", "ml", "chat")]["status"]
+    assert condition(status, "Planned")["status"] == "True"
+    assert status["plan"]["reasons"]["model"] == "the checkpoint's config.json of hf://acme/private-llama"

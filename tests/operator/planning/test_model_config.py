@@ -119,8 +119,8 @@ def test_the_embedded_models_real_config_counts_the_catalogs_parameters(model_di
 @pytest.mark.parametrize(
     ("config", "refusal"),
     [
-        (config_of({"model_type": "mistral", "sliding_window": 4096}), "sliding-window layers (sliding_window 4096)"),
-        (config_of({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 4096}), "sliding-window"),
+        (config_of({"model_type": "mistral", "sliding_window": 256}), "sliding-window layers (sliding_window 256)"),
+        (config_of({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 256}), "sliding-window"),
         (
             config_of({"model_type": "llama", "layer_types": ["full_attention", "sliding_attention"] * 2}),
             "sliding-window",
@@ -139,6 +139,11 @@ def test_the_embedded_models_real_config_counts_the_catalogs_parameters(model_di
 def test_what_the_planner_does_not_size_is_refused_with_its_reason(config: dict[str, Any], refusal: str) -> None:
     read = read_config(config, "test")
     assert isinstance(read, str) and refusal in read, read
+
+
+def test_a_window_as_long_as_the_context_is_full_attention() -> None:
+    read = read_config(config_of({"model_type": "mistral", "sliding_window": TINY["max_position_embeddings"]}), "t")
+    assert not isinstance(read, str), read
 
 
 def test_a_checkpoint_stored_quantized_names_its_scheme() -> None:
@@ -161,6 +166,61 @@ def test_kvpilot_plan_reads_a_config_json_offline(tmp_path: Path) -> None:
     planned = json.loads(run.stdout)
     assert planned["model"] == "Tiny-Qwen3" and planned["fits"]
     assert f"config.json {folder / 'config.json'}" in planned["reasons"]["model"]
-    (folder / "config.json").write_text(json.dumps(config_of({"model_type": "mistral", "sliding_window": 4096})))
+    (folder / "config.json").write_text(json.dumps(config_of({"model_type": "mistral", "sliding_window": 256})))
     refused = plan_command("--model-config", str(folder / "config.json"), "--gpu", "L4")
     assert refused.returncode == 2 and "UnsupportedArchitecture" in refused.stderr, refused.stderr
+
+
+# Real config.json files of public models (hf_configs/SOURCES.tsv: where each copy was found, at
+# which commit). Each is either read, with the parameters transformers' modules hold, or refused
+# for the reason named here.
+HF_CONFIGS = Path(__file__).parent / "hf_configs"
+REFUSED = {
+    "Qwen--Qwen3-Next-80B-A3B-Thinking": "Qwen3NextForCausalLM is not",  # linear-attention layers
+    "deepseek-ai--DeepSeek-R1": "DeepseekV3ForCausalLM is not",  # MLA
+    "deepseek-ai--DeepSeek-V2-Lite-Chat": "DeepseekV2ForCausalLM is not",
+    "deepseek-ai--DeepSeek-V3": "DeepseekV3ForCausalLM is not",
+    "moonshotai--Kimi-K2-Instruct": "DeepseekV3ForCausalLM is not",
+    "google--gemma-2-2b-it": "Gemma2ForCausalLM is not",  # interleaved sliding windows
+    "google--gemma-3-1b-it": "Gemma3ForCausalLM is not",
+    "openai--gpt-oss-20b": "GptOssForCausalLM is not",
+    "openai--gpt-oss-120b": "GptOssForCausalLM is not",
+    "llava-hf--llava-1.5-7b-hf": "text_config",
+    "microsoft--Phi-mini-MoE-instruct": "PhiMoEForCausalLM is not",
+    "mistralai--Mistral-7B-v0.1": "sliding-window layers (sliding_window 4096)",
+    "nvidia--Nemotron-H-56B-Base-8K": "NemotronHForCausalLM is not",  # Mamba layers
+    "tiiuae--falcon-mamba-7b": "FalconMambaForCausalLM is not",
+}
+# Figures published with the models (their cards' safetensors totals), beside the catalog's.
+PUBLISHED = {
+    "meta-llama--Meta-Llama-3.1-8B": MODELS["llama-3-8b"].parameters,
+    "meta-llama--Meta-Llama-3.1-70B": MODELS["llama-3-70b"].parameters,
+    "meta-llama--Llama-3.3-70B-Instruct": MODELS["llama-3-70b"].parameters,
+    "Qwen--Qwen2.5-7B-Instruct": MODELS["qwen2.5-7b"].parameters,
+    "mistralai--Mixtral-8x7B-v0.1": MODELS["mixtral-8x7b"].parameters,
+}
+
+
+def real_configs() -> list[str]:
+    return sorted(p.stem for p in HF_CONFIGS.glob("*.json"))
+
+
+def test_every_real_config_has_its_source_recorded() -> None:
+    rows = [line.split("\t") for line in (HF_CONFIGS / "SOURCES.tsv").read_text().splitlines()[1:]]
+    assert sorted(row[0].removesuffix(".json") for row in rows) == real_configs()
+    assert all(len(row) == 6 and len(row[4]) == 40 for row in rows)
+    assert len(real_configs()) >= 25 and set(REFUSED) < set(real_configs())
+
+
+@pytest.mark.parametrize("name", real_configs())
+def test_a_real_config_is_read_as_transformers_builds_it_or_refused_with_its_reason(name: str) -> None:
+    config = json.loads((HF_CONFIGS / f"{name}.json").read_text())
+    read = read_config(config, name)
+    if name in REFUSED:
+        assert isinstance(read, str) and REFUSED[name] in read, read
+        return
+    assert not isinstance(read, str), read
+    built = transformers_model({k: v for k, v in config.items() if k != "quantization_config"})
+    assert read.architecture.parameters == sum(p.numel() for p in built.parameters())
+    if name in PUBLISHED:
+        assert read.architecture.parameters == PUBLISHED[name]

@@ -1,0 +1,65 @@
+"""The operator's Hub client against the Hub stand-in (e2e/hub_server.py) on 127.0.0.1: what it
+asks, what it keeps, and the hub's own words when it refuses."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from e2e.hub_server import HubServer
+from kvpilot.operator.hub.client import HubClient, HubError
+
+REPO, TOKEN = "acme/tiny-chat", "hf_test_token"
+CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64}
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    return tmp_path
+
+
+def test_the_config_is_read_with_the_token_once_per_repository_and_revision(folder: Path) -> None:
+    with HubServer(REPO, folder, token=TOKEN, gated=True) as hub:
+        client = HubClient(hub.url)
+        assert client.config(REPO, "main", TOKEN) == CONFIG
+        assert client.config(REPO, "main", TOKEN) == CONFIG
+        (asked,) = hub.file_requests("config.json")
+        assert asked.path == f"/{REPO}/resolve/main/config.json" and asked.headers["Authorization"] == f"Bearer {TOKEN}"
+        # Another revision is another file.
+        client.config(REPO, hub.commit, TOKEN)
+        assert len(hub.file_requests("config.json")) == 2
+
+
+def test_a_refusal_carries_the_hubs_words_and_is_asked_again(folder: Path) -> None:
+    with HubServer(REPO, folder, token=TOKEN, gated=True) as hub:
+        client = HubClient("http://127.0.0.1:9")  # the service's endpoint wins over the operator's
+        with pytest.raises(HubError) as gated:
+            client.config(REPO, "main", None, endpoint=hub.url)
+        assert gated.value.status == 401 and "restricted" in gated.value.message
+        with pytest.raises(HubError) as wrong:
+            client.config(REPO, "main", "hf_wrong", endpoint=hub.url)
+        assert wrong.value.status == 401 and "Invalid credentials" in wrong.value.message
+        with pytest.raises(HubError) as missing:
+            client.config(REPO, "no-such-branch", TOKEN, endpoint=hub.url)
+        assert missing.value.status == 404 and "Invalid rev id: no-such-branch" in missing.value.message
+        # Refusals are not kept: with the token the same read succeeds.
+        assert client.config(REPO, "main", TOKEN, endpoint=hub.url) == CONFIG
+        assert len(hub.file_requests("config.json")) == 4  # every refusal was asked, then the success
+
+
+def test_no_answer_and_no_config_are_errors_too(folder: Path) -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(HubError) as unreachable:
+        HubClient(f"http://127.0.0.1:{port}").config(REPO, "main", None)
+    assert unreachable.value.status is None and "no answer" in unreachable.value.message
+    with pytest.raises(HubError, match="not an http"):
+        HubClient("file:///etc").config(REPO, "main", None)
+    (folder / "config.json").write_text("[1, 2]")
+    with HubServer(REPO, folder) as hub, pytest.raises(HubError, match="not a JSON object"):
+        HubClient(hub.url).config(REPO, "main", None)

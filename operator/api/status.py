@@ -1,15 +1,17 @@
 """The InferenceService status as pydantic models: the source of the CRD's `.status` schema (crd.py).
 
-Types only: the reconcile (controller/status.py) and the autoscaler's loop write the status as dicts,
-each its own parts, so every field is optional (a condition's type and status excepted). Field
-descriptions and formats are the CRD's, declared here as in spec.py.
+The reconcile (controller/status.py) and the autoscaler's loop write the status as dicts, each its
+own parts, so every field is optional (a condition's type and status excepted); readers read it
+through these types (`status_of`). Field descriptions and formats are the CRD's, declared here as
+in spec.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 from kvpilot.operator.api.spec import INT64
@@ -220,3 +222,17 @@ class InferenceServiceStatus(_Status):
         default=None,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
+
+    def condition(self, type_: str) -> Condition | None:
+        """The condition of `type_`, None when the status has none."""
+        return next((c for c in self.conditions or () if c.type == type_), None)
+
+
+def status_of(body: Mapping[str, Any]) -> InferenceServiceStatus:
+    """An InferenceService object's status, as types. The API server checks every write against the
+    CRD's schema, which is generated from these types; a status that still does not read (written
+    under another version of the CRD) reads as empty, as a new service's."""
+    try:
+        return InferenceServiceStatus.model_validate(body.get("status") or {})
+    except ValidationError:
+        return InferenceServiceStatus()

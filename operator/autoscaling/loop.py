@@ -51,6 +51,7 @@ from pydantic import ValidationError
 
 from kvpilot.operator.api.names import API_VERSION, KIND, SCALED_TO_ZERO_AT
 from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.api.status import InferenceServiceStatus, status_of
 from kvpilot.operator.autoscaling.accuracy import accuracy_patch
 from kvpilot.operator.autoscaling.decisions import (
     INTERVAL_SECONDS,
@@ -93,10 +94,10 @@ def metrics_targets(pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
     return [(name, f"{url}/metrics") for name, url in engine_urls(pods)]
 
 
-def saved_state(status: Mapping[str, Any]) -> AutoscalerState:
+def saved_state(status: InferenceServiceStatus) -> AutoscalerState:
     """The state the last period left in the status; a fresh one when there is none or it is
     not readable (written by an older operator): the controller then starts observing again."""
-    saved = (status.get(STATUS_KEY) or {}).get("state")
+    saved = status.autoscaler.state if status.autoscaler else None
     if not saved:
         return AutoscalerState()
     try:
@@ -155,9 +156,8 @@ def event_manifest(body: Mapping[str, Any], decision: Decision, instance: str) -
     )
 
 
-def plan_max_num_seqs(status: Mapping[str, Any]) -> int | None:
-    value = (status.get("plan") or {}).get("maxNumSeqs")
-    return int(value) if value else None
+def plan_max_num_seqs(status: InferenceServiceStatus) -> int | None:
+    return status.plan.max_num_seqs if status.plan and status.plan.max_num_seqs else None
 
 
 def prepare(
@@ -170,7 +170,7 @@ def prepare(
         spec = InferenceServiceSpec.model_validate(body.get("spec") or {})
     except ValidationError:
         return None
-    status = body.get("status") or {}
+    status = status_of(body)
     if spec.autoscaling.mode == "off" or deployment is None:
         return None
     state = saved_state(status)
@@ -361,7 +361,7 @@ def deletion_costs(reads: Sequence[PodRead]) -> dict[str, int]:
     }
 
 
-def worth_writing(old_status: Mapping[str, Any], state: AutoscalerState, decision: Decision) -> bool:
+def worth_writing(old_status: InferenceServiceStatus, state: AutoscalerState, decision: Decision) -> bool:
     """False for a period that changes nothing: the same decision for the same reason (numbers
     included) as the one in the status, and no pod counted a request since (the same baselines).
     An idle service then costs no writes; the window it would have recorded was empty anyway."""
@@ -482,7 +482,7 @@ class AutoscalingLoop:
         """The status, then (`slo` mode) the replicas a period decided; blocking client calls."""
         metadata = body["metadata"]
         old_status = body.get("status") or {}
-        if not worth_writing(old_status, state, decision):
+        if not worth_writing(status_of(body), state, decision):
             self.metrics.decided(metadata["namespace"], metadata["name"], decision)
             return None
         for read in reads:
@@ -490,7 +490,8 @@ class AutoscalingLoop:
                 log.info(
                     f"autoscaler: {metadata['namespace']}/{metadata['name']}: pod {read.name} is unknown: {read.error}"
                 )
-        zeroed_at = (old_status.get(STATUS_KEY) or {}).get(SCALED_TO_ZERO_AT)
+        autoscaler = status_of(body).autoscaler
+        zeroed_at = autoscaler.scaled_to_zero_at if autoscaler else None
         fields = {
             **status_patch(state, decision, old_status.get("latency"), zeroed_at),
             **accuracy_patch(

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from kvpilot.operator.api.conditions import PLAN_ACCURATE
 from kvpilot.operator.api.spec import InferenceServiceSpec
-from kvpilot.operator.autoscaling.accuracy import STATUS_KEY as ACCURACY_KEY
+from kvpilot.operator.api.status import InferenceServiceStatus, status_of
 from kvpilot.operator.autoscaling.decisions import Decision
 from kvpilot.operator.kube.indexes import indexed_services
 
@@ -35,18 +35,18 @@ LABELS = ["namespace", "service"]
 PREFIX = "kvpilot_operator_"
 
 
-def _ms(value: Any) -> float | None:
-    return None if value is None else float(value) / 1000
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value / 1000
 
 
-def _seconds(status: Mapping[str, Any], field: str) -> float | None:
-    value = (status.get("plan") or {}).get(field)
+def _planned(status: InferenceServiceStatus, field: str) -> float | None:
+    value = getattr(status.plan, field) if status.plan else None
     return _ms(value) if value else None  # 0: the plan that does not fit predicts nothing
 
 
-def _observed(status: Mapping[str, Any], field: str) -> float | None:
-    latency = status.get("latency") or {}
-    return _ms(latency.get(field)) if latency.get("source") == "observed" else None
+def _observed(status: InferenceServiceStatus, field: str) -> float | None:
+    latency = status.latency
+    return _ms(getattr(latency, field)) if latency and latency.source == "observed" else None
 
 
 def _slo(spec: Mapping[str, Any]) -> tuple[float | None, float | None]:
@@ -57,66 +57,63 @@ def _slo(spec: Mapping[str, Any]) -> tuple[float | None, float | None]:
     return slo.ttft_p95_ms / 1000, slo.tpot_p95_ms / 1000
 
 
-def _accurate(status: Mapping[str, Any]) -> float | None:
-    condition = next((c for c in status.get("conditions") or [] if c.get("type") == PLAN_ACCURATE), None)
-    return {"True": 1.0, "False": 0.0}.get((condition or {}).get("status", ""))
+def _accurate(status: InferenceServiceStatus) -> float | None:
+    condition = status.condition(PLAN_ACCURATE)
+    return {"True": 1.0, "False": 0.0}.get(condition.status if condition else "")
 
 
-def _ratio(status: Mapping[str, Any], signal: str) -> float | None:
-    return ((status.get(ACCURACY_KEY) or {}).get(signal) or {}).get("ratio")
-
-
-def _share(status: Mapping[str, Any], key: str, which: str) -> float | None:
-    """planAccuracy's assumed or observed draft acceptance or prefix share."""
-    return ((status.get(ACCURACY_KEY) or {}).get(key) or {}).get(which)
+def _accuracy(status: InferenceServiceStatus, part: str, field: str) -> float | None:
+    """planAccuracy's `field` of `part`: a signal's ratio, an assumed or observed share."""
+    found = getattr(status.plan_accuracy, part) if status.plan_accuracy else None
+    return getattr(found, field) if found else None
 
 
 # (name, help, value from (spec, status)); a None value is no sample.
-_GAUGES: tuple[tuple[str, str, Callable[[Mapping[str, Any], Mapping[str, Any]], float | None]], ...] = (
-    ("predicted_ttft_p95_seconds", "The plan's predicted p95 TTFT", lambda _, s: _seconds(s, "predictedTtftMs")),
-    ("predicted_tpot_p95_seconds", "The plan's predicted p95 TPOT", lambda _, s: _seconds(s, "predictedTpotMs")),
+_GAUGES: tuple[tuple[str, str, Callable[[Mapping[str, Any], InferenceServiceStatus], float | None]], ...] = (
+    ("predicted_ttft_p95_seconds", "The plan's predicted p95 TTFT", lambda _, s: _planned(s, "predicted_ttft_ms")),
+    ("predicted_tpot_p95_seconds", "The plan's predicted p95 TPOT", lambda _, s: _planned(s, "predicted_tpot_ms")),
     ("slo_ttft_p95_seconds", "The SLO's p95 TTFT (spec.slo.ttftP95Ms)", lambda spec, _: _slo(spec)[0]),
     ("slo_tpot_p95_seconds", "The SLO's p95 TPOT (spec.slo.tpotP95Ms)", lambda spec, _: _slo(spec)[1]),
     (
         "observed_ttft_p95_seconds",
         "p95 TTFT the engines reported over the autoscaler's window",
-        lambda _, s: _observed(s, "ttftP95Ms"),
+        lambda _, s: _observed(s, "ttft_p95_ms"),
     ),
     (
         "observed_tpot_p95_seconds",
         "p95 TPOT the engines reported over the autoscaler's window",
-        lambda _, s: _observed(s, "tpotP95Ms"),
+        lambda _, s: _observed(s, "tpot_p95_ms"),
     ),
-    ("ttft_observed_over_predicted", "Observed over predicted p95 TTFT", lambda _, s: _ratio(s, "ttft")),
-    ("tpot_observed_over_predicted", "Observed over predicted p95 TPOT", lambda _, s: _ratio(s, "tpot")),
+    ("ttft_observed_over_predicted", "Observed over predicted p95 TTFT", lambda _, s: _accuracy(s, "ttft", "ratio")),
+    ("tpot_observed_over_predicted", "Observed over predicted p95 TPOT", lambda _, s: _accuracy(s, "tpot", "ratio")),
     (
         "assumed_draft_acceptance",
         "Draft acceptance the plan's TPOT assumes",
-        lambda _, s: _share(s, "draftAcceptance", "assumed"),
+        lambda _, s: _accuracy(s, "draft_acceptance", "assumed"),
     ),
     (
         "observed_draft_acceptance",
         "Draft acceptance the engines reported",
-        lambda _, s: _share(s, "draftAcceptance", "observed"),
+        lambda _, s: _accuracy(s, "draft_acceptance", "observed"),
     ),
     (
         "assumed_prefix_share",
         "Share of prompt tokens the plan's TTFT assumes the prefix cache serves (spec.load.prefixShare)",
-        lambda _, s: _share(s, "prefixShare", "assumed"),
+        lambda _, s: _accuracy(s, "prefix_share", "assumed"),
     ),
     (
         "observed_prefix_share",
         "Share of prompt tokens the engines served from the prefix cache",
-        lambda _, s: _share(s, "prefixShare", "observed"),
+        lambda _, s: _accuracy(s, "prefix_share", "observed"),
     ),
     ("plan_accurate", "The PlanAccurate condition: 1 True, 0 False (no sample: Unknown)", lambda _, s: _accurate(s)),
     (
         "desired_replicas",
         "Replicas the service asks for (status.desiredReplicas)",
-        lambda _, s: s.get("desiredReplicas"),
+        lambda _, s: s.desired_replicas,
     ),
-    ("replicas", "Engine pods of the service's Deployment", lambda _, s: s.get("replicas")),
-    ("ready_replicas", "Engine pods ready", lambda _, s: s.get("readyReplicas")),
+    ("replicas", "Engine pods of the service's Deployment", lambda _, s: s.replicas),
+    ("ready_replicas", "Engine pods ready", lambda _, s: s.ready_replicas),
 )
 
 
@@ -129,7 +126,7 @@ class _Collector(Collector):
         families = {name: GaugeMetricFamily(PREFIX + name, doc, labels=LABELS) for name, doc, _ in _GAUGES}
         for body in sorted(bodies, key=lambda b: (b["metadata"]["namespace"], b["metadata"]["name"])):
             labels = [body["metadata"]["namespace"], body["metadata"]["name"]]
-            spec, status = body.get("spec") or {}, body.get("status") or {}
+            spec, status = body.get("spec") or {}, status_of(body)
             for name, _, read in _GAUGES:
                 value = read(spec, status)
                 if value is not None:

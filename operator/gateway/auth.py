@@ -12,7 +12,7 @@ import hmac
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvpilot.operator.api.names import API_KEY_SHA256
+from kvpilot.operator.api.status import status_of
 
 
 def token_digest(authorization: str | None) -> str | None:
@@ -25,8 +25,8 @@ def token_digest(authorization: str | None) -> str | None:
 
 def key_digest(service: Mapping[str, Any]) -> str | None:
     """The digest `service` asks for (None: it asks for none)."""
-    digest = ((service.get("status") or {}).get("auth") or {}).get(API_KEY_SHA256)
-    return digest if isinstance(digest, str) and digest else None
+    auth = status_of(service).auth
+    return auth.api_key_sha256 if auth and auth.api_key_sha256 else None
 
 
 def admits(service: Mapping[str, Any], digest: str | None) -> bool:

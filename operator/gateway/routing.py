@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.operator.api.names import SCALED_TO_ZERO_AT
+from kvpilot.operator.api.status import status_of
 from kvpilot.operator.kube.indexes import current_replicas
 
 # An engine gets up to this many times its plan's max_num_seqs at once: the batch plus an equal
@@ -76,8 +76,8 @@ def route(namespace: str, model: str, services: Sequence[Mapping[str, Any]]) -> 
 
 def engine_capacity(service: Mapping[str, Any]) -> int:
     """Requests one engine of `service` is sent at once (see ENGINE_QUEUE_FACTOR)."""
-    seqs = ((service.get("status") or {}).get("plan") or {}).get("maxNumSeqs")
-    return ENGINE_QUEUE_FACTOR * int(seqs) if seqs else DEFAULT_ENGINE_CAPACITY
+    plan = status_of(service).plan
+    return ENGINE_QUEUE_FACTOR * plan.max_num_seqs if plan and plan.max_num_seqs else DEFAULT_ENGINE_CAPACITY
 
 
 @dataclass
@@ -185,6 +185,7 @@ def wake_refusal(service: Mapping[str, Any], deployment: Mapping[str, Any] | Non
         return f"autoscaling.mode is {mode}: only the owner of its replicas scales it"
     if autoscaling.get("minReplicas", 1) != 0:
         return "autoscaling.minReplicas is not 0: it was scaled to zero by hand"
-    if not ((service.get("status") or {}).get("autoscaler") or {}).get(SCALED_TO_ZERO_AT):
+    autoscaler = status_of(service).autoscaler
+    if autoscaler is None or not autoscaler.scaled_to_zero_at:
         return "it was scaled to zero by hand, not by the autoscaler"
     return None

@@ -16,6 +16,7 @@ from prometheus_client import generate_latest
 
 from kvpilot.engine.serving.metrics import ServingMetrics
 from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.api.status import status_of
 from kvpilot.operator.autoscaling.accuracy import SUSTAIN_PERIODS, accuracy_patch
 from kvpilot.operator.autoscaling.decisions import AutoscalerState, Decision, PodRead, Policy, Signals
 from kvpilot.operator.autoscaling.loop import (
@@ -163,9 +164,10 @@ def test_state_round_trips_through_the_status_and_bad_state_starts_afresh() -> N
     _, state, decision = outcome
     patch = status_patch(state, decision, None)
     stored = json.loads(json.dumps(patch, allow_nan=False))  # what the API server keeps
-    assert saved_state(stored) == state
-    assert saved_state({}) == AutoscalerState()
-    assert saved_state({"autoscaler": {"state": {"window": "garbage"}}}) == AutoscalerState()
+    assert saved_state(status_of({"status": stored})) == state
+    assert saved_state(status_of({})) == AutoscalerState()
+    garbage = {"status": {"autoscaler": {"state": {"window": "garbage"}}}}
+    assert saved_state(status_of(garbage)) == AutoscalerState()
 
 
 def test_a_decision_goes_to_the_status_with_its_numbers() -> None:
@@ -213,18 +215,20 @@ def test_an_idle_period_writes_nothing() -> None:
     pods = [Pod("p0")]
     first = decide(body({"replicas": 1}), deployment(1, 1), [pods[0].read()], NOW)
     assert first is not None
-    assert worth_writing({}, first[1], first[2])  # nothing was written yet
+    assert worth_writing(status_of({}), first[1], first[2])  # nothing was written yet
     saved = json.loads(json.dumps(status_patch(first[1], first[2], None)))
     second = decide(body({"replicas": 1}, saved), deployment(1, 1), [pods[0].read()], NOW + 15)
-    assert second is not None and worth_writing(saved, second[1], second[2])  # now a rate: 0 req/s
+    assert second is not None and worth_writing(
+        status_of({"status": saved}), second[1], second[2]
+    )  # now a rate: 0 req/s
     saved = json.loads(json.dumps(status_patch(second[1], second[2], None)))
     idle = decide(body({"replicas": 1}, saved), deployment(1, 1), [pods[0].read()], NOW + 30)
-    assert idle is not None and not worth_writing(saved, idle[1], idle[2])
+    assert idle is not None and not worth_writing(status_of({"status": saved}), idle[1], idle[2])
     pods[0].serve(1, 0.2)  # one request: the baseline moved
     busy = decide(body({"replicas": 1}, saved), deployment(1, 1), [pods[0].read()], NOW + 30)
-    assert busy is not None and worth_writing(saved, busy[1], busy[2])
+    assert busy is not None and worth_writing(status_of({"status": saved}), busy[1], busy[2])
     gone = decide(body({"replicas": 1}, saved), deployment(1, 1), [PodRead(name="p0", error="refused")], NOW + 30)
-    assert gone is not None and worth_writing(saved, gone[1], gone[2])  # the reason names it now
+    assert gone is not None and worth_writing(status_of({"status": saved}), gone[1], gone[2])  # the reason names it now
 
 
 def test_index_entries_copy_what_the_loop_reads() -> None:

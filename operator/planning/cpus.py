@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from kvpilot.engine.device_profile import (
     DeviceProfile,
@@ -75,26 +75,29 @@ def _attention_rate(steps: EngineSteps, kv_per_token: int) -> float | None:
     return kv_per_token / seconds_per_token
 
 
+class Reference(NamedTuple):
+    """The model a profile's engine steps were measured on, as the planner counts its work."""
+
+    parameters: float  # multiplied in a decode step's GEMMs
+    kv_per_token: int
+    kv_bytes_per_s: float | None  # the measured attention's rate (None: not measurable)
+    scale: float  # the served model's layers over this one's
+
+
 def _decode_overheads(
-    device: Device,
-    scheme: SchemeSteps,
-    read_bytes: int,
-    parameters: float,
-    kv_bytes_per_s: float | None,
-    kv_per_token: int,
-    scale: float,
+    device: Device, scheme: SchemeSteps, read_bytes: int, reference: Reference
 ) -> tuple[tuple[int, float], ...]:
     """One scheme's engine work in a decode step beyond the GEMMs (reading `read_bytes` of weights)
-    and attention the planner counts, by running sequences, scaled by `scale` (the served model's
-    layers over the measured one's). Not floored at 0: with the GEMMs counted back, the planner
-    predicts the measured model's steps as measured even where the matmul micro-benchmark
-    under-rates its kernels."""
-    q = scheme.quantization
+    and attention the planner counts, by running sequences, scaled to the served model. Not floored
+    at 0: with the GEMMs counted back, the planner predicts the measured model's steps as measured
+    even where the matmul micro-benchmark under-rates its kernels."""
+    q, rate = scheme.quantization, reference.kv_bytes_per_s
     overheads = []
     for step in scheme.decode:
-        gemms = max(read_bytes / device.bandwidth_bytes_per_s, _compute_seconds(device, q, parameters, step.batch))
-        attention = step.batch * step.context_tokens * kv_per_token / kv_bytes_per_s if kv_bytes_per_s else 0.0
-        overheads.append((step.batch, (step.seconds - gemms - attention) * scale))
+        compute = _compute_seconds(device, q, reference.parameters, step.batch)
+        gemms = max(read_bytes / device.bandwidth_bytes_per_s, compute)
+        attention = step.batch * step.context_tokens * reference.kv_per_token / rate if rate else 0.0
+        overheads.append((step.batch, (step.seconds - gemms - attention) * reference.scale))
     return tuple(overheads)
 
 
@@ -216,10 +219,7 @@ def cpu_device(profile: DeviceProfile, arch: Architecture) -> Device | str:
                         device,
                         s,
                         s.weight_bytes - (head_copy if s.quantization == "none" else 0),
-                        parameters,
-                        kv_rate,
-                        reference_kv,
-                        scale,
+                        Reference(parameters, reference_kv, kv_rate, scale),
                     ),
                 )
                 for s in planned

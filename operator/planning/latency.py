@@ -116,15 +116,18 @@ def batched_tokens(spec: InferenceServiceSpec, arch: Architecture, gpu: Device, 
     )
 
 
+def _rates(gpu: Device, quantization: str, tokens: float) -> sizing.Rates:
+    """The device's bandwidth and GEMM rate for a step of `tokens` rows at `quantization`."""
+    return sizing.Rates(gpu.bandwidth_bytes_per_s, gpu.matmul_flops(quantization, tokens), gpu.measured is not None)
+
+
 def _draft_step_seconds(draft: Draft, gpu: Device, running: float, context: float) -> float:
     """One decode step of the draft model for `running` sequences of `context` tokens."""
     return sizing.decode_step_seconds(
-        bytes_read=draft.weights - draft.head_copy + running * context * draft.kv_per_token,
-        bandwidth=gpu.bandwidth_bytes_per_s,
-        parameters_per_token=draft.arch.parameters_per_token,
-        batch=running,
-        ops_per_s=gpu.matmul_flops("none", running),
-        measured=gpu.measured is not None,
+        draft.weights - draft.head_copy + running * context * draft.kv_per_token,
+        draft.arch.parameters_per_token,
+        running,
+        _rates(gpu, "none", running),
     )
 
 
@@ -147,12 +150,10 @@ def step_seconds(replica: Replica, running: float, context: float, tokens_per_se
     # step (a verification's k + 1 per sequence costs what a decode step of as many sequences does).
     attention = kv_bytes / gpu.kv_read_bytes_per_s if gpu.kv_read_bytes_per_s else 0.0
     step = sizing.decode_step_seconds(
-        bytes_read=replica.decode_weight_bytes * share + (0.0 if attention else kv_bytes),
-        bandwidth=gpu.bandwidth_bytes_per_s,
-        parameters_per_token=arch.parameters_per_token,
-        batch=tokens,
-        ops_per_s=gpu.matmul_flops(replica.quantization, tokens),
-        measured=gpu.measured is not None,
+        replica.decode_weight_bytes * share + (0.0 if attention else kv_bytes),
+        arch.parameters_per_token,
+        tokens,
+        _rates(gpu, replica.quantization, tokens),
         overhead_s=gpu.step_overhead(replica.quantization, tokens) + attention,
     )
     if replica.compiled and running <= 1 and tokens_per_sequence == 1 and gpu.compiled_step_factor:

@@ -8,6 +8,7 @@ latency = TTFT + (N − 1) × TPOT.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from kvpilot.engine.config import EngineCapabilities, EngineConfig
 from kvpilot.operator.api.spec import Architecture
@@ -168,21 +169,24 @@ def prefill_seconds(
     return 2 * parameters_per_token * tokens / (ops_per_s * efficiency)
 
 
+class Rates(NamedTuple):
+    """What a device reads and computes per second; `measured` rates are what kernels reached (no
+    spec-sheet efficiency applies)."""
+
+    bandwidth: float
+    ops_per_s: float
+    measured: bool = False
+
+
 def decode_step_seconds(
-    *,
-    bytes_read: float,
-    bandwidth: float,
-    parameters_per_token: int,
-    batch: float,
-    ops_per_s: float,
-    measured: bool = False,
-    overhead_s: float = 0.0,
+    bytes_read: float, parameters_per_token: int, batch: float, rates: Rates, overhead_s: float = 0.0
 ) -> float:
     """One decode step: bandwidth-bound (weights + KV read once) until the batch is so large
     that its 2 × params × batch FLOPs take longer; spec-sheet figures at their usual efficiencies,
-    `measured` ones as they are; plus `overhead_s`, the runtime's own work per step."""
-    memory = bytes_read / (bandwidth * (1.0 if measured else DECODE_BANDWIDTH_EFFICIENCY))
-    compute = 2 * parameters_per_token * batch / (ops_per_s * (1.0 if measured else PREFILL_COMPUTE_EFFICIENCY))
+    measured ones as they are; plus `overhead_s`, the runtime's own work per step."""
+    memory = bytes_read / (rates.bandwidth * (1.0 if rates.measured else DECODE_BANDWIDTH_EFFICIENCY))
+    compute_efficiency = 1.0 if rates.measured else PREFILL_COMPUTE_EFFICIENCY
+    compute = 2 * parameters_per_token * batch / (rates.ops_per_s * compute_efficiency)
     # A measured device's overhead may be negative (planning/cpus.py); no step beats reading its weights.
     return max(memory, max(memory, compute) + overhead_s)
 

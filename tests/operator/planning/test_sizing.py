@@ -93,13 +93,10 @@ def test_latency_is_ttft_plus_n_minus_1_tpot() -> None:
 
 def test_decode_is_bandwidth_bound_at_batch_1_and_compute_bound_at_huge_batch() -> None:
     weights = sizing.weight_bytes(LLAMA_2_7B, "none")
-    one = sizing.decode_step_seconds(
-        bytes_read=weights, bandwidth=2e12, parameters_per_token=LLAMA_2_7B.parameters, batch=1, ops_per_s=300e12
-    )
+    rates = sizing.Rates(bandwidth=2e12, ops_per_s=300e12)
+    one = sizing.decode_step_seconds(weights, LLAMA_2_7B.parameters, 1, rates)
     assert one == weights / (2e12 * sizing.DECODE_BANDWIDTH_EFFICIENCY)
-    huge = sizing.decode_step_seconds(
-        bytes_read=weights, bandwidth=2e12, parameters_per_token=LLAMA_2_7B.parameters, batch=4096, ops_per_s=300e12
-    )
+    huge = sizing.decode_step_seconds(weights, LLAMA_2_7B.parameters, 4096, rates)
     assert huge == 2 * LLAMA_2_7B.parameters * 4096 / (300e12 * sizing.PREFILL_COMPUTE_EFFICIENCY)
 
 

@@ -1,6 +1,6 @@
 """A model's Architecture from its config.json: the parameters counted as transformers' own modules
-hold them (built on the meta device from the same config), the KV geometry as the config states it,
-and every family or feature the planner does not size refused with its reason."""
+hold them (built on the meta device from the same config), the KV geometry as vLLM's own ModelConfig
+allocates it, and every family or feature the planner does not size refused with its reason."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from kvpilot.operator.planning import sizing
 from kvpilot.operator.planning.model_config import FAMILIES, read_config
 from kvpilot.operator.planning.models import MODELS
+from tests.vllm import env
 
 # Small shapes of every family, with the options that change the count: biases, tied heads, an
 # explicit head_dim, experts (routed, shared, dense layers between them).
@@ -224,3 +225,36 @@ def test_a_real_config_is_read_as_transformers_builds_it_or_refused_with_its_rea
     assert read.architecture.parameters == sum(p.numel() for p in built.parameters())
     if name in PUBLISHED:
         assert read.architecture.parameters == PUBLISHED[name]
+
+
+@pytest.fixture(scope="module")
+def vllm_kv_specs() -> dict[str, dict[str, Any]]:
+    """What vLLM's own ModelConfig (tests/vllm/kv_specs.py, the pinned version) makes of each real config."""
+    cases = [
+        json.dumps({"id": n, "config": json.loads((HF_CONFIGS / f"{n}.json").read_text())}) for n in real_configs()
+    ]
+    out = env.run("kv_specs", "\n".join(cases) + "\n")
+    return {found["id"]: found for found in map(json.loads, out.splitlines())}
+
+
+def _beyond_plain_attention(found: dict[str, Any]) -> bool:
+    """vLLM sees latent attention, a window shorter than the context, linear-attention, Mamba or no
+    attention layers, or another modality (which its CPU-only venv cannot even inspect)."""
+    window = found.get("sliding_window")
+    shorter = window is not None and window < found["max_model_len"]
+    return "error" in found or any(found[k] for k in ("use_mla", "hybrid", "attention_free", "multimodal")) or shorter
+
+
+@pytest.mark.parametrize("name", real_configs())
+def test_vllm_allocates_the_kv_cache_by_the_same_geometry_or_sees_what_the_planner_refuses(
+    name: str, vllm_kv_specs: dict[str, dict[str, Any]]
+) -> None:
+    found = vllm_kv_specs[name]
+    read = read_config(json.loads((HF_CONFIGS / f"{name}.json").read_text()), name)
+    if isinstance(read, str):
+        assert _beyond_plain_attention(found), (read, found)
+        return
+    arch = read.architecture
+    assert not _beyond_plain_attention(found), found
+    assert (found["layers"], found["kv_heads"], found["head_size"]) == (arch.layers, arch.kv_heads, arch.head_size)
+    assert sizing.kv_bytes_per_token(arch) == 2 * found["layers"] * found["kv_heads"] * found["head_size"] * 2

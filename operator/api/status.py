@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from kvpilot.operator.api.spec import INT64
+from kvpilot.operator.api.spec import INT64, Architecture, CheckpointQuantization
 
 # A timestamp as the status writes it (RFC 3339, e.g. 2025-01-31T12:00:00Z).
 DateTime = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
@@ -68,11 +68,21 @@ class PlanStatus(_Status):
     reasons: dict[str, str] | None = None
 
 
+class KeptCheckpoint(_Status):
+    architecture: Architecture | None = None
+    quantization: CheckpointQuantization | None = None
+
+
 class LastGoodPlan(_Status):
     gpu: str | None = None
     gpu_reason: str | None = None
     spec: dict[str, Any] | None = Field(
         default=None, description="The spec the plan was made for, without replicas and defaults."
+    )
+    checkpoint: KeptCheckpoint | None = Field(
+        default=None,
+        description="The model's config.json as read from the Hub when the plan was made (a model the spec and "
+        "the catalog do not describe), so that its Deployment renders again while the Hub is unreachable.",
     )
 
 

@@ -46,7 +46,7 @@ from kvpilot.engine.device_profile import DeviceProfile
 from kvpilot.operator.api import names
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND
 from kvpilot.operator.api.plan import Plan
-from kvpilot.operator.api.spec import CPU_TYPE, InferenceServiceSpec, hub_source
+from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec, hub_source
 from kvpilot.operator.controller import correction, render, status
 from kvpilot.operator.hub.client import HubClient, HubError
 from kvpilot.operator.kube.cluster import Cluster, Manifest, WriteRefused, describe
@@ -163,10 +163,36 @@ def _planned_part(kept_spec: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in kept_spec.items() if key in PLANNED}
 
 
-def last_good(planned: dict[str, Any], gpu: str, gpu_reason: str | None) -> dict[str, Any]:
-    """`status.lastGoodPlan` for a plan that fits: the spec it was made for (`planned_fields`)
-    and the GPU chosen (and why), all that rendering its Deployment again needs."""
-    return {"gpu": gpu, "spec": planned, **({"gpuReason": gpu_reason} if gpu_reason else {})}
+def last_good(
+    planned: dict[str, Any], gpu: str, gpu_reason: str | None, checkpoint: ModelConfig | None = None
+) -> dict[str, Any]:
+    """`status.lastGoodPlan` for a plan that fits: the spec it was made for (`planned_fields`),
+    the GPU chosen (and why), and the checkpoint's config as read from the Hub, all that rendering
+    its Deployment again needs (the Hub may be down by then)."""
+    kept: dict[str, Any] = {"gpu": gpu, "spec": planned, **({"gpuReason": gpu_reason} if gpu_reason else {})}
+    if checkpoint is not None:
+        architecture = checkpoint.architecture.model_dump(mode="json", by_alias=True, exclude_none=True)
+        kept["checkpoint"] = {"architecture": architecture} | (
+            {"quantization": checkpoint.quantization} if checkpoint.quantization else {}
+        )
+    return kept
+
+
+def _kept_checkpoint(kept: Mapping[str, Any]) -> ModelConfig | None:
+    """The checkpoint config `status.lastGoodPlan` holds, None without one (or an unreadable one)."""
+    held = kept.get("checkpoint") or {}
+    try:
+        return ModelConfig(Architecture.model_validate(held["architecture"]), held.get("quantization"))
+    except (KeyError, TypeError, ValidationError):
+        return None
+
+
+def _with_checkpoint(spec: InferenceServiceSpec, checkpoint: ModelConfig | None) -> InferenceServiceSpec:
+    """`spec` with the scheme its checkpoint is stored in, when the spec names none: planned and
+    served as stored, as if the spec said so."""
+    if checkpoint is None or not checkpoint.quantization or spec.model.quantization is not None:
+        return spec
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"quantization": checkpoint.quantization})})
 
 
 def _kept(old: Mapping[str, Any], planned: dict[str, Any] | None, generation: int) -> dict[str, Any]:
@@ -232,10 +258,16 @@ def _last_good_serving(
     kept: Mapping[str, Any], spec: InferenceServiceSpec, profiles: Mapping[str, DeviceProfile | str]
 ) -> tuple[InferenceServiceSpec, Plan] | None:
     """The kept spec (_kept_spec) and its plan, on the GPU it chose; None when it does not plan."""
-    kept_spec = _kept_spec(kept, spec)
+    kept_spec, checkpoint = _kept_spec(kept, spec), _kept_checkpoint(kept)
     if kept_spec is None:
         return None
-    result = plan(kept_spec, PlanContext(available_gpus=(str(kept["gpu"]),), device_profiles=profiles))
+    kept_spec = _with_checkpoint(kept_spec, checkpoint)
+    context = PlanContext(
+        available_gpus=(str(kept["gpu"]),),
+        device_profiles=profiles,
+        checkpoint=checkpoint.architecture if checkpoint else None,
+    )
+    result = plan(kept_spec, context)
     return (kept_spec, result) if result.fits else None
 
 
@@ -426,10 +458,7 @@ def decide(observed: Observed, default_image: str, operator_namespace: str | Non
     if isinstance(checkpoint, Unreadable):
         result = failed_plan(spec, checkpoint.failure, checkpoint.message)
     else:
-        if checkpoint is not None and checkpoint.quantization and spec.model.quantization is None:
-            # The checkpoint is stored quantized: planned and served as stored, as if the spec said so.
-            model = spec.model.model_copy(update={"quantization": checkpoint.quantization})
-            spec = spec.model_copy(update={"model": model})
+        spec = _with_checkpoint(spec, checkpoint)
         result = _plan(spec, planned, observed, correction.factors(corrected))
     key = _api_key(observed.api_key_secret, name, namespace, uid) if render.operator_api_key(spec) else _ApiKey()
     serving = (spec, result) if result.fits else _last_good_serving(kept, spec, observed.profiles)
@@ -443,7 +472,8 @@ def decide(observed: Observed, default_image: str, operator_namespace: str | Non
         operator_namespace=operator_namespace,
     )
     wanted = [stamped(m) for m in [*children, *([key.secret] if key.secret else [])]]
-    good = last_good(planned, str(result.gpu), result.reasons.get("gpu")) if result.fits else kept or None
+    read = checkpoint if isinstance(checkpoint, ModelConfig) else None
+    good = last_good(planned, str(result.gpu), result.reasons.get("gpu"), read) if result.fits else kept or None
     return Decision(spec, result, wanted, key, good, corrected)
 
 

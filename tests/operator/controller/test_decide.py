@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from kvpilot.operator.api import names
 from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.api.status import status_of
 from kvpilot.operator.controller import render
 from kvpilot.operator.controller.reconcile import Observed, decide, last_good, observe, planned_fields
 from kvpilot.operator.hub.client import HubError
@@ -75,7 +76,8 @@ def test_a_spec_that_stops_planning_keeps_the_last_good_plans_deployment_at_the_
     kept = decide(snapshot(too_big, status, secret=secret()), render.DEFAULT_ENGINE_IMAGE, None)
     assert not kept.result.fits and kept.result.failure == "WeightsDoNotFit"
     assert kept.last_good == good.last_good
-    assert deployment(kept.wanted)["spec"]["template"] == deployment(good.wanted)["spec"]["template"]
+    # (No API-key Secret was read here, so each decision made a key of its own: the pod specs compare.)
+    assert deployment(kept.wanted)["spec"]["template"]["spec"] == deployment(good.wanted)["spec"]["template"]["spec"]
     assert deployment(kept.wanted)["spec"]["replicas"] == 3
     # Without a last good plan, nothing runs it.
     never = decide(snapshot(too_big, secret=secret()), render.DEFAULT_ENGINE_IMAGE, None)
@@ -225,3 +227,23 @@ def test_the_hub_is_not_asked_when_the_spec_or_the_catalog_give_the_architecture
     }
     observe(body(explicit), Secrets(), None, hub)  # type: ignore[arg-type]
     assert hub.asked == []
+
+
+def test_a_hub_planned_service_keeps_its_deployment_while_the_hub_is_down() -> None:
+    awq = {**LLAMA_3_8B, "quantization_config": {"quant_method": "awq", "bits": 4}}
+    spec = {**HUB_SPEC, "runtime": "vllm"}
+    good = decide(observe(body(spec), Secrets(), None, FakeHub(awq)), "i", None)  # type: ignore[arg-type]
+    assert good.last_good is not None and good.last_good["checkpoint"]["quantization"] == "awq"
+    assert good.last_good["checkpoint"]["architecture"]["layers"] == 32
+    # The status's types (and so the CRD's schema) take it as written.
+    typed = status_of({"status": {"lastGoodPlan": good.last_good}}).last_good_plan
+    assert typed is not None and typed.model_dump(mode="json", by_alias=True, exclude_none=True) == good.last_good
+    # The operator restarted (an empty cache) and the Hub does not answer: the config.json the
+    # status kept renders the same Deployment, at the spec's replicas of now.
+    down = FakeHub(error=HubError(None, "http://127.0.0.1:9999/...: no answer"))
+    status = {"lastGoodPlan": good.last_good}
+    kept = decide(observe(body({**spec, "replicas": 3}, status=status), Secrets(), None, down), "i", None)  # type: ignore[arg-type]
+    assert kept.result.failure == "ModelConfigUnavailable" and kept.last_good == good.last_good
+    # (No API-key Secret was read here, so each decision made a key of its own: the pod specs compare.)
+    assert deployment(kept.wanted)["spec"]["template"]["spec"] == deployment(good.wanted)["spec"]["template"]["spec"]
+    assert deployment(kept.wanted)["spec"]["replicas"] == 3

@@ -8,6 +8,7 @@ import asyncio
 import importlib
 import json
 import logging
+import os
 import random
 import sys
 import urllib.parse
@@ -23,13 +24,24 @@ from kvpilot.engine.device_profile import DeviceProfile, load_device_profile
 from kvpilot.operator.api import names
 from kvpilot.operator.api.crd import crd_yaml
 from kvpilot.operator.api.plan import Plan
-from kvpilot.operator.api.spec import CPU_TYPE, InferenceServiceSpec, Quantization, Runtime, Speculative
+from kvpilot.operator.api.spec import (
+    CPU_TYPE,
+    HF_SCHEME,
+    Architecture,
+    InferenceServiceSpec,
+    Quantization,
+    Runtime,
+    Speculative,
+    hub_source,
+)
 from kvpilot.operator.autoscaling.decisions import INTERVAL_SECONDS, WINDOW_PERIODS
 from kvpilot.operator.autoscaling.gateways import GatewayPods
 from kvpilot.operator.autoscaling.loop import prometheus_allowed
 from kvpilot.operator.controller import render
+from kvpilot.operator.controller.checkpoint import Unreadable, read_checkpoint, with_checkpoint
 from kvpilot.operator.gateway import main as gateway_main
 from kvpilot.operator.gateway.limits import Limits
+from kvpilot.operator.hub.client import DEFAULT_ENDPOINT, HubClient
 from kvpilot.operator.kube.cluster import KubeCluster
 from kvpilot.operator.planning import cpus, sizing
 from kvpilot.operator.planning.gpus import GPUS, find_gpu
@@ -46,7 +58,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="size a model on a GPU (or a manifest): KV cache, batch limits, quantization, tensor parallelism, latency",
     )
     source = planner.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="catalog model, e.g. llama-2-7b")
+    source.add_argument(
+        "--model",
+        help="catalog model, e.g. llama-2-7b, or hf://org/repo[@revision], whose config.json is read from the Hub "
+        "(HF_ENDPOINT, HF_TOKEN) as the operator reads it",
+    )
     source.add_argument(
         "-f", "--filename", type=argparse.FileType(), help="plan an InferenceService manifest as the operator would"
     )
@@ -253,6 +269,26 @@ def _configured_model(path: str) -> dict[str, Any]:
     return model | ({"quantization": read.quantization} if read.quantization else {})
 
 
+def _named_model(model: str) -> dict[str, Any]:
+    """spec.model for --model: a catalog name, or an hf:// repository (named after it) whose
+    config.json is read from the Hub as the operator reads it."""
+    if hub_source(model) is None:
+        return {"name": model}
+    return {"name": model.removeprefix(HF_SCHEME).partition("@")[0].rsplit("/", 1)[-1], "source": model}
+
+
+def _read_checkpoint(spec: InferenceServiceSpec) -> tuple[InferenceServiceSpec, Architecture | None]:
+    """The spec, and its checkpoint's architecture where the operator would read its config.json
+    from the Hub (here at HF_ENDPOINT with HF_TOKEN); ValueError when the Hub does not give it."""
+    hub = HubClient(os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT)
+    checkpoint = read_checkpoint(spec, hub, os.environ.get("HF_TOKEN") or None, None)
+    if isinstance(checkpoint, Unreadable):
+        raise ValueError(f"{checkpoint.failure}: {checkpoint.message}")
+    if checkpoint is None:
+        return spec, None
+    return with_checkpoint(spec, checkpoint), checkpoint.architecture
+
+
 def _spec(args: argparse.Namespace, profile: DeviceProfile | None) -> dict[str, Any]:
     def given(**fields: Any) -> dict[str, Any]:
         return {key: value for key, value in fields.items() if value is not None}
@@ -264,7 +300,7 @@ def _spec(args: argparse.Namespace, profile: DeviceProfile | None) -> dict[str, 
     if args.gpu and profile is not None:
         raise ValueError("--gpu and --device-profile: a plan is for a GPU or for a CPU")
     return {
-        "model": {"name": args.model} if args.model_config is None else _configured_model(args.model_config),
+        "model": _configured_model(args.model_config) if args.model_config is not None else _named_model(args.model),
         **given(runtime=args.runtime),
         "accelerator": given(type=args.gpu, count=args.gpus)
         if profile is None
@@ -375,11 +411,12 @@ def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Exit 0 when the model fits, 1 when it does not, 2 for invalid arguments."""
     try:
         profile = _device_profile(args)
-        spec = InferenceServiceSpec.model_validate(_spec(args, profile))
+        spec, checkpoint = _read_checkpoint(InferenceServiceSpec.model_validate(_spec(args, profile)))
     except (ValidationError, ValueError) as error:
         print(f"kvpilot plan: {error}", file=sys.stderr)
         return 2
-    result = plan(spec, PlanContext(device_profiles={profile.name: profile} if profile else {}))
+    profiles = {profile.name: profile} if profile else {}
+    result = plan(spec, PlanContext(device_profiles=profiles, checkpoint=checkpoint))
     if args.json:
         body = result.model_dump(mode="json") | ({"args": _runtime_args(spec, result)} if result.fits else {})
         out.write(json.dumps(body, indent=2) + "\n")

@@ -46,15 +46,15 @@ from kvpilot.engine.device_profile import DeviceProfile
 from kvpilot.operator.api import names
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND
 from kvpilot.operator.api.plan import Plan
-from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec, hub_source
+from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec
 from kvpilot.operator.controller import correction, render, status
-from kvpilot.operator.hub.client import HubClient, HubError
+from kvpilot.operator.controller.checkpoint import Unreadable, read_checkpoint, reads_checkpoint, with_checkpoint
+from kvpilot.operator.hub.client import HubClient
 from kvpilot.operator.kube.cluster import Cluster, Manifest, WriteRefused, describe
 from kvpilot.operator.kube.merge_patch import merge_patch
 from kvpilot.operator.planning import cpus
 from kvpilot.operator.planning.context import Correction
-from kvpilot.operator.planning.model_config import ModelConfig, read_config
-from kvpilot.operator.planning.models import find_model
+from kvpilot.operator.planning.model_config import ModelConfig
 from kvpilot.operator.planning.plan import PlanContext, plan
 from kvpilot.operator.planning.reasons import failed_plan
 from kvpilot.operator.runtimes import RUNTIMES
@@ -187,14 +187,6 @@ def _kept_checkpoint(kept: Mapping[str, Any]) -> ModelConfig | None:
         return None
 
 
-def _with_checkpoint(spec: InferenceServiceSpec, checkpoint: ModelConfig | None) -> InferenceServiceSpec:
-    """`spec` with the scheme its checkpoint is stored in, when the spec names none: planned and
-    served as stored, as if the spec said so."""
-    if checkpoint is None or not checkpoint.quantization or spec.model.quantization is not None:
-        return spec
-    return spec.model_copy(update={"model": spec.model.model_copy(update={"quantization": checkpoint.quantization})})
-
-
 def _kept(old: Mapping[str, Any], planned: dict[str, Any] | None, generation: int) -> dict[str, Any]:
     """`status.lastGoodPlan`; for a status written before it existed (by an older operator), the
     plan that status holds when it fit and was made for this generation, so that an upgrade does
@@ -261,7 +253,7 @@ def _last_good_serving(
     kept_spec, checkpoint = _kept_spec(kept, spec), _kept_checkpoint(kept)
     if kept_spec is None:
         return None
-    kept_spec = _with_checkpoint(kept_spec, checkpoint)
+    kept_spec = with_checkpoint(kept_spec, checkpoint)
     context = PlanContext(
         available_gpus=(str(kept["gpu"]),),
         device_profiles=profiles,
@@ -349,11 +341,6 @@ def _sha256(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-class Unreadable(NamedTuple):
-    failure: str  # ModelConfigUnavailable (retried) or UnsupportedArchitecture
-    message: str
-
-
 def _hub_token(cluster: Cluster, namespace: str, spec: InferenceServiceSpec) -> tuple[str | None, str]:
     """The hub token of model.tokenSecret, and what to add to a refusal when it could not be read."""
     ref = spec.model.token_secret
@@ -372,22 +359,15 @@ def _hub_token(cluster: Cluster, namespace: str, spec: InferenceServiceSpec) -> 
 def _checkpoint(
     spec: InferenceServiceSpec, cluster: Cluster, namespace: str, hub: HubClient | None
 ) -> ModelConfig | Unreadable | None:
-    """The config.json of model.source's hf:// repository, read when neither the spec nor the
-    catalog give the model's architecture; with the service's token, at the service's HF_ENDPOINT
-    (its env, as its downloads use) or the operator's."""
-    source = hub_source(spec.model.source)
-    if spec.model.architecture is not None or find_model(spec.model.name) is not None or source is None:
+    """The model's config.json (controller/checkpoint.py), with the service's token, at the
+    service's HF_ENDPOINT (its env, as its downloads use) or the operator's."""
+    if reads_checkpoint(spec) is None:
         return None
     if hub is None:
         return Unreadable("ModelConfigUnavailable", "this operator reads no Hub")
     token, note = _hub_token(cluster, namespace, spec)
     endpoint = next((e.get("value") for e in spec.env if e.get("name") == "HF_ENDPOINT" and e.get("value")), None)
-    try:
-        config = hub.config(source.repo, source.revision, token, endpoint)
-    except HubError as error:
-        return Unreadable("ModelConfigUnavailable", f"config.json of {spec.model.source}: {error.message}{note}")
-    read = read_config(config, f"config.json of {spec.model.source}")
-    return Unreadable("UnsupportedArchitecture", f"{spec.model.source}: {read}") if isinstance(read, str) else read
+    return read_checkpoint(spec, hub, token, endpoint, note)
 
 
 class Observed(NamedTuple):
@@ -458,7 +438,7 @@ def decide(observed: Observed, default_image: str, operator_namespace: str | Non
     if isinstance(checkpoint, Unreadable):
         result = failed_plan(spec, checkpoint.failure, checkpoint.message)
     else:
-        spec = _with_checkpoint(spec, checkpoint)
+        spec = with_checkpoint(spec, checkpoint)
         result = _plan(spec, planned, observed, correction.factors(corrected))
     key = _api_key(observed.api_key_secret, name, namespace, uid) if render.operator_api_key(spec) else _ApiKey()
     serving = (spec, result) if result.fits else _last_good_serving(kept, spec, observed.profiles)

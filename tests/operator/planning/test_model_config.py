@@ -5,6 +5,7 @@ allocates it, and every family or feature the planner does not size refused with
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from e2e.hub_server import HubServer
 from kvpilot.operator.planning import sizing
 from kvpilot.operator.planning.model_config import FAMILIES, read_config
 from kvpilot.operator.planning.models import MODELS
@@ -153,9 +155,9 @@ def test_a_checkpoint_stored_quantized_names_its_scheme() -> None:
     assert read_config(config_of({"model_type": "llama"}), "t").quantization is None  # type: ignore[union-attr]
 
 
-def plan_command(*args: str) -> subprocess.CompletedProcess[str]:
+def plan_command(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "kvpilot.engine.cli", "plan", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
 def test_kvpilot_plan_reads_a_config_json_offline(tmp_path: Path) -> None:
@@ -170,6 +172,20 @@ def test_kvpilot_plan_reads_a_config_json_offline(tmp_path: Path) -> None:
     (folder / "config.json").write_text(json.dumps(config_of({"model_type": "mistral", "sliding_window": 256})))
     refused = plan_command("--model-config", str(folder / "config.json"), "--gpu", "L4")
     assert refused.returncode == 2 and "UnsupportedArchitecture" in refused.stderr, refused.stderr
+
+
+def test_kvpilot_plan_reads_an_hf_repositorys_config_json_from_the_hub_as_the_operator_does(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config_of(FAMILY_CONFIGS["qwen3"])))
+    with HubServer("acme/tiny-qwen3", tmp_path, token="hf_cli", gated=True) as hub:
+        refused = plan_command("--model", "hf://acme/tiny-qwen3", "--gpu", "L4", env={"HF_ENDPOINT": hub.url})
+        assert refused.returncode == 2, refused.stderr
+        assert "ModelConfigUnavailable" in refused.stderr and "401" in refused.stderr
+        env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_cli"}
+        run = plan_command("--model", "hf://acme/tiny-qwen3@main", "--gpu", "L4", "--json", env=env)
+    assert run.returncode == 0, run.stderr
+    planned = json.loads(run.stdout)
+    assert planned["model"] == "tiny-qwen3" and planned["fits"]
+    assert planned["reasons"]["model"] == "the checkpoint's config.json of hf://acme/tiny-qwen3@main"
 
 
 # Real config.json files of public models (hf_configs/SOURCES.tsv: where each copy was found, at

@@ -1,0 +1,49 @@
+"""A model's architecture from its checkpoint's config.json on the Hub, for a spec that gives none
+and names no catalog model: what the reconciler (with the service's token and endpoint) and
+`kvpilot plan` (with HF_TOKEN and HF_ENDPOINT) read alike."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kvpilot.operator.api.spec import HubSource, InferenceServiceSpec, hub_source
+from kvpilot.operator.hub.client import HubClient, HubError
+from kvpilot.operator.planning.model_config import ModelConfig, read_config
+from kvpilot.operator.planning.models import find_model
+
+
+class Unreadable(NamedTuple):
+    failure: str  # ModelConfigUnavailable (retried) or UnsupportedArchitecture
+    message: str
+
+
+def reads_checkpoint(spec: InferenceServiceSpec) -> HubSource | None:
+    """The hf:// repository whose config.json gives the architecture, None when the spec or the
+    catalog give it (or the weights are not on a hub)."""
+    if spec.model.architecture is not None or find_model(spec.model.name) is not None:
+        return None
+    return hub_source(spec.model.source)
+
+
+def read_checkpoint(
+    spec: InferenceServiceSpec, hub: HubClient, token: str | None, endpoint: str | None, note: str = ""
+) -> ModelConfig | Unreadable | None:
+    """The config of model.source's repository (None: not read, see reads_checkpoint), or why it
+    cannot be had (`note` is added to a refusal: how the token was found)."""
+    source = reads_checkpoint(spec)
+    if source is None:
+        return None
+    try:
+        config = hub.config(source.repo, source.revision, token, endpoint)
+    except HubError as error:
+        return Unreadable("ModelConfigUnavailable", f"config.json of {spec.model.source}: {error.message}{note}")
+    read = read_config(config, f"config.json of {spec.model.source}")
+    return Unreadable("UnsupportedArchitecture", f"{spec.model.source}: {read}") if isinstance(read, str) else read
+
+
+def with_checkpoint(spec: InferenceServiceSpec, checkpoint: ModelConfig | None) -> InferenceServiceSpec:
+    """`spec` with the scheme its checkpoint is stored in, when the spec names none: planned and
+    served as stored, as if the spec said so."""
+    if checkpoint is None or not checkpoint.quantization or spec.model.quantization is not None:
+        return spec
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"quantization": checkpoint.quantization})})

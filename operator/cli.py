@@ -26,7 +26,6 @@ from kvpilot.operator.api.crd import crd_yaml
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import (
     CPU_TYPE,
-    HF_SCHEME,
     Architecture,
     InferenceServiceSpec,
     Quantization,
@@ -272,9 +271,8 @@ def _configured_model(path: str) -> dict[str, Any]:
 def _named_model(model: str) -> dict[str, Any]:
     """spec.model for --model: a catalog name, or an hf:// repository (named after it) whose
     config.json is read from the Hub as the operator reads it."""
-    if hub_source(model) is None:
-        return {"name": model}
-    return {"name": model.removeprefix(HF_SCHEME).partition("@")[0].rsplit("/", 1)[-1], "source": model}
+    source = hub_source(model)
+    return {"name": model} if source is None else {"name": source.repo.rsplit("/", 1)[-1], "source": model}
 
 
 def _read_checkpoint(spec: InferenceServiceSpec) -> tuple[InferenceServiceSpec, Architecture | None]:

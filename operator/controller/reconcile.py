@@ -279,14 +279,17 @@ def _reads_nodes(spec: InferenceServiceSpec, planned: dict[str, Any], kept: Mapp
 
 
 def _plan(
-    spec: InferenceServiceSpec, planned: dict[str, Any], observed: Observed, corrected: Correction | None
+    spec: InferenceServiceSpec,
+    planned: dict[str, Any],
+    observed: Observed,
+    corrected: Correction | None,
+    checkpoint: Architecture | None,
 ) -> Plan:
     """The plan of `spec`: on the GPU the last good plan chose while the spec is the same, else on
     the spec's GPU type or the nodes'."""
     kept = observed.kept
     gpu = _kept_gpu(spec, planned, kept)
     available = (gpu,) if gpu is not None else () if spec.accelerator.type else tuple(observed.nodes)
-    checkpoint = observed.checkpoint.architecture if isinstance(observed.checkpoint, ModelConfig) else None
     context = PlanContext(
         available_gpus=available,
         gpus_per_node=observed.nodes,
@@ -322,10 +325,7 @@ def _api_key(secret: Manifest | None, name: str, namespace: str, uid: str) -> _A
                 "left alone and nothing is rolled out; delete or rename it, or set auth.apiKey: false",
             )
         )
-    try:
-        key = base64.b64decode((secret.get("data") or {}).get(names.API_KEY_SECRET_KEY) or "", validate=True).decode()
-    except (binascii.Error, UnicodeDecodeError):
-        key = ""
+    key = _secret_text(secret, names.API_KEY_SECRET_KEY)
     if not key:
         return _ApiKey(
             blocked=(
@@ -337,6 +337,14 @@ def _api_key(secret: Manifest | None, name: str, namespace: str, uid: str) -> _A
     return _ApiKey(_sha256(key))
 
 
+def _secret_text(secret: Mapping[str, Any], key: str) -> str:
+    """The UTF-8 text under `key` of a Secret's data; empty when absent or not base64 UTF-8."""
+    try:
+        return base64.b64decode((secret.get("data") or {}).get(key) or "", validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return ""
+
+
 def _sha256(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
@@ -346,11 +354,7 @@ def _hub_token(cluster: Cluster, namespace: str, spec: InferenceServiceSpec) -> 
     ref = spec.model.token_secret
     if ref is None:
         return None, ""
-    secret = cluster.get("v1", "Secret", namespace, ref.name) or {}
-    try:
-        token = base64.b64decode((secret.get("data") or {}).get(ref.key) or "", validate=True).decode().strip()
-    except (binascii.Error, UnicodeDecodeError):
-        token = ""
+    token = _secret_text(cluster.get("v1", "Secret", namespace, ref.name) or {}, ref.key).strip()
     if not token:
         return None, f" (asked without a token: Secret {namespace}/{ref.name} holds no {ref.key})"
     return token, ""
@@ -435,11 +439,12 @@ def decide(observed: Observed, default_image: str, operator_namespace: str | Non
     planned = planned_fields(spec)
     corrected = correction.correction(body.get("status") or {}, spec)
     checkpoint = observed.checkpoint
+    read = checkpoint if isinstance(checkpoint, ModelConfig) else None
     if isinstance(checkpoint, Unreadable):
         result = failed_plan(spec, checkpoint.failure, checkpoint.message)
     else:
-        spec = with_checkpoint(spec, checkpoint)
-        result = _plan(spec, planned, observed, correction.factors(corrected))
+        spec = with_checkpoint(spec, read)
+        result = _plan(spec, planned, observed, correction.factors(corrected), read.architecture if read else None)
     key = _api_key(observed.api_key_secret, name, namespace, uid) if render.operator_api_key(spec) else _ApiKey()
     serving = (spec, result) if result.fits else _last_good_serving(kept, spec, observed.profiles)
     children = render.children(
@@ -452,7 +457,6 @@ def decide(observed: Observed, default_image: str, operator_namespace: str | Non
         operator_namespace=operator_namespace,
     )
     wanted = [stamped(m) for m in [*children, *([key.secret] if key.secret else [])]]
-    read = checkpoint if isinstance(checkpoint, ModelConfig) else None
     good = last_good(planned, str(result.gpu), result.reasons.get("gpu"), read) if result.fits else kept or None
     return Decision(spec, result, wanted, key, good, corrected)
 

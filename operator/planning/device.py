@@ -36,6 +36,9 @@ class Measured(BaseModel):
     packs_weights: bool = False
 
 
+NOTHING_MEASURED = Measured()
+
+
 class Device(BaseModel):
     """A device type the planner sizes for: a catalog GPU from its spec sheet, or a CPU node type
     from its measured profile (`measured`)."""
@@ -99,23 +102,28 @@ class Device(BaseModel):
         return self.cpus > 0
 
     @property
+    def _measured(self) -> Measured:
+        """What was measured; for a catalog GPU, nothing (no curves, no rates)."""
+        return self.measured or NOTHING_MEASURED
+
+    @property
     def kv_read_bytes_per_s(self) -> float | None:
-        return self.measured.kv_read_bytes_per_s if self.measured else None
+        return self._measured.kv_read_bytes_per_s
 
     @property
     def compiled_step_factor(self) -> float | None:
-        return self.measured.compiled_step_factor if self.measured else None
+        return self._measured.compiled_step_factor
 
     @property
     def packs_weights(self) -> bool:
-        return self.measured is not None and self.measured.packs_weights
+        return self._measured.packs_weights
 
     def matmul_flops(self, quantization: str, tokens: float) -> float:
         """FLOP/s of a step's GEMMs over `tokens` rows at `quantization`: the measured curve where
         the device has one (linear between its points, flat beyond them), else the spec sheet's
         8-bit peak for W8A8 and FP8 and its 16-bit peak for the rest (weight-only schemes multiply
         in 16 bits)."""
-        curve = dict(self.measured.matmul_curves).get(quantization) if self.measured else None
+        curve = dict(self._measured.matmul_curves).get(quantization)
         if curve is None:
             return self.int8_ops if quantization in ("w8a8", "fp8") else self.fp16_flops
         return _along(curve, tokens, extend=False)
@@ -123,12 +131,12 @@ class Device(BaseModel):
     def step_overhead(self, quantization: str, running: float) -> float:
         """The engine's own work in a decode step of `running` token rows (0 where not measured;
         below 0 where the profile's GEMM rates under-rate what the model's steps reached)."""
-        curve = dict(self.measured.step_overhead_curves).get(quantization) if self.measured else None
+        curve = dict(self._measured.step_overhead_curves).get(quantization)
         return _along(curve, running, extend=True) if curve else 0.0
 
     def measured_prefill(self, quantization: str, tokens: float) -> float | None:
         """The step that computes a prompt of `tokens` where the device measured this scheme's."""
-        curve = dict(self.measured.prefill_curves).get(quantization) if self.measured else None
+        curve = dict(self._measured.prefill_curves).get(quantization)
         return None if curve is None else max(0.0, _along(curve, tokens, extend=True))
 
 

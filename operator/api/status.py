@@ -123,6 +123,14 @@ class PrefixShareAccuracy(_Status):
     )
 
 
+class KvBlocksAccuracy(_Status):
+    predicted: int | None = Field(default=None, description="status.plan.kvBlocks: the KV blocks a replica's pool holds.")
+    observed: int | None = Field(
+        default=None, description="The fewest KV blocks an engine allocated (vllm:cache_config_info's num_gpu_blocks)."
+    )
+    ratio: float | None = Field(default=None, description="observed / predicted.")
+
+
 class PlanAccuracy(_Status):
     window_seconds: float | None = None
     band: list[float] | None = Field(
@@ -134,6 +142,7 @@ class PlanAccuracy(_Status):
     tpot: LatencyWindow | None = None
     draft_acceptance: DraftAcceptanceAccuracy | None = None
     prefix_share: PrefixShareAccuracy | None = None
+    kv_blocks: KvBlocksAccuracy | None = None
     outside_periods: int | None = Field(
         default=None, description="Periods in a row in which a ratio was outside the band."
     )

@@ -4,7 +4,9 @@ and the `PlanAccurate` condition, written by the autoscaler's loop every period 
 `planAccuracy` holds, per signal, the plan's predicted p95 (status.plan), the p95 the engines
 reported over the autoscaler's window, their ratio (observed / predicted) and the requests behind
 it; and the draft acceptance and prefix share the plan assumed beside the observed ones (shown, not
-judged: a prefix share far from the assumed one explains a TTFT ratio). A p95 counts only from a
+judged: a prefix share far from the assumed one explains a TTFT ratio), and the KV blocks the plan
+predicted beside the fewest an engine allocated (`kvBlocks`: vLLM measures its own pool from
+--gpu-memory-utilization, so this is where a wrong memory model shows). A p95 counts only from a
 window of at least MIN_OBSERVATIONS requests (a p95 of a few is mostly their maximum, as for the
 autoscaler's own decisions).
 
@@ -50,6 +52,14 @@ _SHARES = (
 )
 
 
+def kv_blocks_entry(predicted: int | None, observed: int | None, old: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The plan's KV blocks beside the engines' (the last observed stays while none reports)."""
+    seen = old.get("observed") if observed is None else observed
+    if not predicted or seen is None:
+        return None
+    return {"predicted": predicted, "observed": seen, "ratio": round(seen / predicted, 3)}
+
+
 def comparison(predicted_ms: float | None, observed_seconds: float | None, requests: int) -> dict[str, Any] | None:
     """One signal's predicted and observed p95 and their ratio; None when either is missing or
     the window holds too few requests to judge."""
@@ -84,6 +94,8 @@ def _numbers(block: Mapping[str, Any]) -> str:
                 f"; {words} observed {'none' if observed is None else f'{observed:.2f}'}, "
                 f"assumed {'none' if assumed is None else f'{assumed:.2f}'}"
             )
+    if blocks := block.get("kvBlocks"):
+        text += f"; KV blocks allocated {blocks['observed']}, predicted {blocks['predicted']} ({blocks['ratio']:.2f}x)"
     return text
 
 
@@ -151,6 +163,11 @@ def _block(
         # Shown where something was observed, or the plan assumes a share (an assumed 0 alone says nothing).
         if share["observed"] is not None or share["assumed"]:
             block[key] = {name: value for name, value in share.items() if value is not None}
+    old_blocks = old.get("kvBlocks") or {}
+    if old_blocks.get("predicted") != plan.get("kvBlocks"):
+        old_blocks = {}  # another plan's pool
+    if blocks := kv_blocks_entry(plan.get("kvBlocks"), signals.kv_blocks, old_blocks):
+        block["kvBlocks"] = blocks
     return block, bool(fresh)
 
 

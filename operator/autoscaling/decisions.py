@@ -286,6 +286,9 @@ class Signals(_Data):
     # Prompt tokens served from the prefix cache over those looked up (None: no prompts): the
     # measured counterpart of load.prefixShare. Shown, not acted on.
     prefix_share: float | None = None
+    # The fewest KV blocks a reporting engine allocated (None: none says): the measured counterpart
+    # of the plan's kvBlocks. Shown, not acted on.
+    kv_blocks: int | None = None
     reporting: int = 0
     unknown: tuple[str, ...] = ()
     # The largest ratio of a signal to its target, and which signal it is.
@@ -409,6 +412,7 @@ def _signals(policy: Policy, window: Sequence[WindowEntry], obs: Observation) ->
     signals = Signals(
         draft_acceptance=sum(e.accepted_tokens for e in window) / drafted if drafted > 0 else None,
         prefix_share=min(1.0, sum(e.prefix_hits for e in window) / looked_up) if looked_up > 0 else None,
+        kv_blocks=min(blocks) if (blocks := [r.kv_blocks for r in readings if r.kv_blocks is not None]) else None,
         ttft_p95_seconds=histogram_quantile(QUANTILE, ttft) if ttft else None,
         tpot_p95_seconds=histogram_quantile(QUANTILE, tpot) if tpot else None,
         ttft_observations=int(ttft.count) if ttft else 0,

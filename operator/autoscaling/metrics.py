@@ -52,6 +52,9 @@ ACCEPTED_TOKENS_NAMES = ("kvpilot_spec_decode_num_accepted_tokens", "vllm:spec_d
 # Prompt tokens looked up in the prefix cache and served from it: the observed prefix share.
 PREFIX_QUERIES_NAMES = ("kvpilot_prefix_cache_queries", "vllm:prefix_cache_queries")
 PREFIX_HITS_NAMES = ("kvpilot_prefix_cache_hits", "vllm:prefix_cache_hits")
+# The KV cache's shape as a gauge of 1 whose labels carry it (both runtimes export vLLM's name):
+# num_gpu_blocks is the pool the engine allocated, the planner's kvBlocks measured.
+CACHE_CONFIG_NAME = "vllm:cache_config_info"
 
 
 class MetricsError(ValueError):
@@ -175,6 +178,7 @@ class EngineReading(BaseModel):
     accepted_tokens: float | None = None
     prefix_queries: float | None = None
     prefix_hits: float | None = None
+    kv_blocks: int | None = None  # KV blocks the engine allocated (vllm:cache_config_info's num_gpu_blocks)
 
 
 def _sample_name(sample: Sample) -> str:
@@ -214,6 +218,18 @@ def _histogram(samples: Sequence[Sample], name: str, created: float | None) -> H
     count = by_bound.pop(math.inf)
     bounds = tuple(sorted(by_bound))
     return Histogram(bounds=bounds, counts=tuple(by_bound[b] for b in bounds), count=count, created=created)
+
+
+def _kv_blocks(family: Metric | None) -> int | None:
+    """The fewest num_gpu_blocks among the engine's cache_config_info label sets (one per engine
+    core); None when it exports none."""
+    blocks = []
+    for sample in family.samples if family else ():
+        value = sample.labels.get("num_gpu_blocks", "")
+        if not value.isdigit():
+            raise MetricsError(f"{_sample_name(sample)}: num_gpu_blocks is not a count")
+        blocks.append(int(value))
+    return min(blocks) if blocks else None
 
 
 def parse(text: str) -> EngineReading:
@@ -256,6 +272,7 @@ def parse(text: str) -> EngineReading:
         accepted_tokens=gauge(ACCEPTED_TOKENS_NAMES, sum, "counter"),
         prefix_queries=gauge(PREFIX_QUERIES_NAMES, sum, "counter"),
         prefix_hits=gauge(PREFIX_HITS_NAMES, sum, "counter"),
+        kv_blocks=_kv_blocks(families.get(CACHE_CONFIG_NAME)),
     )
     if all(value is None for value in (reading.ttft, reading.tpot, reading.waiting, reading.running, reading.kv_usage)):
         # An empty 200 (an engine cut off mid-answer, another exporter on the port) says nothing

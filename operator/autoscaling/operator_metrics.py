@@ -106,6 +106,11 @@ _GAUGES: tuple[tuple[str, str, Callable[[Mapping[str, Any], InferenceServiceStat
         "Share of prompt tokens the engines served from the prefix cache",
         lambda _, s: _accuracy(s, "prefix_share", "observed"),
     ),
+    (
+        "kv_blocks_observed_over_predicted",
+        "The fewest KV blocks an engine allocated over the plan's kvBlocks",
+        lambda _, s: _accuracy(s, "kv_blocks", "ratio"),
+    ),
     ("plan_accurate", "The PlanAccurate condition: 1 True, 0 False (no sample: Unknown)", lambda _, s: _accurate(s)),
     (
         "desired_replicas",

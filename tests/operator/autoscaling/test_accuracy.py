@@ -170,3 +170,18 @@ def test_a_new_prediction_drops_what_was_judged_against_the_old_one() -> None:
     service.status["plan"] = {"predictedTtftMs": 800.0, "predictedTpotMs": 25.0}
     service.period(window(None, None, requests=0))
     assert "ttft" not in service.status["planAccuracy"]
+
+
+def test_the_kv_blocks_an_engine_allocated_go_beside_the_plan_s() -> None:
+    # vLLM sizes its own pool from --gpu-memory-utilization: 8 % fewer blocks than planned shows here.
+    service = Service(plan={**PLAN, "kvBlocks": 10_000})
+    service.period(window())
+    assert "kvBlocks" not in service.status["planAccuracy"]  # no engine has said yet
+    condition = service.period(window(kv_blocks=9_200))
+    assert service.status["planAccuracy"]["kvBlocks"] == {"predicted": 10_000, "observed": 9_200, "ratio": 0.92}
+    assert "KV blocks allocated 9200, predicted 10000 (0.92x)" in condition["message"]
+    service.period(window())  # no reading this period: the last one stays
+    assert service.status["planAccuracy"]["kvBlocks"]["observed"] == 9_200
+    service.status["plan"] = {**PLAN, "kvBlocks": 20_000}  # another pool: the old engines' count no longer compares
+    service.period(window())
+    assert "kvBlocks" not in service.status["planAccuracy"]

@@ -595,3 +595,15 @@ def _expanded(state: dict) -> dict:
     from kvpilot.operator.autoscaling.decisions import BOUNDS_KEY, _unshare_bounds
 
     return _unshare_bounds({k: v for k, v in state.items() if k != BOUNDS_KEY}, state[BOUNDS_KEY])
+
+
+def test_the_signals_carry_the_fewest_kv_blocks_an_engine_allocated() -> None:
+    def read(name: str, blocks: int | None) -> PodRead:
+        return PodRead(name=name, reading=EngineReading(waiting=0.0, running=0.0, kv_blocks=blocks))
+
+    reads = (read("a", 9_000), read("b", 8_700), read("c", None), PodRead(name="d", error="connection refused"))
+    obs = Observation(now=1_000_000.0, replicas=4, ready_replicas=4, pods=reads)
+    _, decision = step(Policy(), AutoscalerState(), obs)
+    assert decision.signals.kv_blocks == 8_700
+    silent = Observation(now=1_000_000.0, replicas=1, ready_replicas=1, pods=(read("c", None),))
+    assert step(Policy(), AutoscalerState(), silent)[1].signals.kv_blocks is None

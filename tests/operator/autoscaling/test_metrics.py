@@ -194,6 +194,16 @@ def test_parses_vllm_names_alone() -> None:
     assert reading.waiting == 0 and reading.kv_usage == 0
 
 
+def test_the_kv_blocks_our_engine_allocated_are_read_from_its_cache_config_info() -> None:
+    metrics = ServingMetrics("m", vllm_compatible=True)
+    assert parse(generate_latest(metrics.registry).decode()).kv_blocks is None  # not loaded yet
+    metrics.on_engine_loaded(block_size=16, num_gpu_blocks=5_120, enable_prefix_caching=True)
+    assert parse(generate_latest(metrics.registry).decode()).kv_blocks == 5_120
+    broken = generate_latest(metrics.registry).decode().replace('num_gpu_blocks="5120"', 'num_gpu_blocks="many"')
+    with pytest.raises(MetricsError, match="num_gpu_blocks is not a count"):
+        parse(broken)
+
+
 def test_our_names_win_over_vllm_names() -> None:
     ours = exposition_of([0.1])
     theirs = exposition_of([0.1] * 5, name="vllm:time_to_first_token_seconds")

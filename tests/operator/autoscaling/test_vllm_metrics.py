@@ -40,12 +40,16 @@ STEPS = [
 ]
 
 
+NUM_GPU_BLOCKS = 37_419
+
+
 def vllm_exposition() -> str:
     """vLLM's own /metrics after STEPS, speculating with n-gram drafts."""
     case = {
         "argv": ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4})],
         "config": config_json(MODELS["smollm2-135m"]),
         "steps": STEPS,
+        "num_gpu_blocks": NUM_GPU_BLOCKS,
     }
     return env.run("exposition", json.dumps(case), timeout_s=600)
 
@@ -70,3 +74,5 @@ def test_a_vllm_exposition_gives_the_autoscaler_every_signal(exposition: str) ->
     assert (reading.draft_tokens, reading.accepted_tokens) == (12, 8)
     # Prefix cache counters: 250 prompt tokens looked up, 112 found.
     assert (reading.prefix_queries, reading.prefix_hits) == (250, 112)
+    # The KV pool the engine allocated, which planAccuracy sets beside the plan's kvBlocks.
+    assert reading.kv_blocks == NUM_GPU_BLOCKS

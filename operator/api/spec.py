@@ -70,7 +70,20 @@ class Architecture(BaseModel):
         populate_by_name=True,
         extra="forbid",
         json_schema_extra=cel(
-            ("self.attentionHeads % self.kvHeads == 0", "attentionHeads must be a multiple of kvHeads")
+            ("self.attentionHeads % self.kvHeads == 0", "attentionHeads must be a multiple of kvHeads"),
+            ("!has(self.slidingLayers) || has(self.slidingWindow)", "slidingLayers needs slidingWindow"),
+            (
+                "!has(self.slidingLayers) || self.slidingLayers <= self.layers",
+                "slidingLayers must not exceed layers",
+            ),
+            (
+                "!has(self.latentDim) || !has(self.slidingWindow)",
+                "latentDim (latent attention) and slidingWindow do not go together",
+            ),
+            (
+                "!has(self.visionParameters) || self.visionParameters < self.parameters",
+                "visionParameters must be fewer than parameters",
+            ),
         ),
     )
 
@@ -89,13 +102,54 @@ class Architecture(BaseModel):
         description="config.json's tie_word_embeddings (the LM head is the embedding); default false.",
         json_schema_extra=no_crd_default,
     )
+    # The KV rule beyond full attention over K and V heads, as vLLM allocates the cache.
+    sliding_window: int | None = Field(
+        default=None,
+        gt=0,
+        description="Tokens a sliding-window layer attends to (Gemma 2/3, gpt-oss): vLLM keeps at most "
+        "that many of a sequence's (plus the tokens in flight) for those layers.",
+    )
+    sliding_layers: int | None = Field(
+        default=None,
+        gt=0,
+        description="How many of the layers attend within slidingWindow (the rest attend to the whole "
+        "sequence); unset with slidingWindow: all of them.",
+    )
+    latent_dim: int | None = Field(
+        default=None,
+        gt=0,
+        description="Multi-head latent attention (DeepSeek V2/V3, Kimi K2): the values one token caches per "
+        "layer (kv_lora_rank + qk_rope_head_dim), in place of K and V heads, whole on every GPU.",
+    )
+    vision_parameters: int | None = Field(
+        default=None,
+        gt=0,
+        json_schema_extra=INT64,
+        description="Of parameters, the vision tower's and its projector's (a multimodal checkpoint): "
+        "held in memory, off a text token's path.",
+    )
     source: str = Field(default="", json_schema_extra=no_crd_default)
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> Architecture:
+    def _consistent(self) -> Architecture:
         if self.attention_heads % self.kv_heads:
             raise ValueError(f"attentionHeads {self.attention_heads} is not a multiple of kvHeads {self.kv_heads}")
+        if self.sliding_layers is not None and self.sliding_window is None:
+            raise ValueError("slidingLayers needs slidingWindow")
+        if self.sliding_layers is not None and self.sliding_layers > self.layers:
+            raise ValueError(f"slidingLayers {self.sliding_layers} exceeds layers {self.layers}")
+        if self.latent_dim is not None and self.sliding_window is not None:
+            raise ValueError("latentDim (latent attention) and slidingWindow do not go together")
+        if self.vision_parameters is not None and self.vision_parameters >= self.parameters:
+            raise ValueError(f"visionParameters {self.vision_parameters:,} is not fewer than parameters")
         return self
+
+    @property
+    def windowed_layers(self) -> int:
+        """The layers that keep only the sliding window of a sequence."""
+        if self.sliding_window is None:
+            return 0
+        return self.sliding_layers if self.sliding_layers is not None else self.layers
 
     @property
     def head_size(self) -> int:

@@ -1,14 +1,17 @@
 """A model's Architecture read from its Hugging Face `config.json`, for the families whose KV cache
-the planner sizes exactly as the runtimes allocate it: every layer full attention with grouped (or
-multi-) query heads, dense or a mixture of experts.
+the planner sizes exactly as vLLM 0.33 allocates it: full attention over grouped (or multi-) query
+heads, sliding-window layers beside full ones (Gemma 2/3, gpt-oss), multi-head latent attention
+(DeepSeek V2/V3, Kimi K2), dense or a mixture of experts, and Gemma 3's multimodal wrapper.
 
 The parameters are counted from the config the way the model's modules hold them (embedding, each
-layer's attention, MLP or experts and norms, the final norm, an untied LM head), so a checkpoint's
-weights are sized without reading its files; tests/operator/planning/test_model_config.py checks the
-count against transformers' own modules built from the same config. A family this module does not
-describe, or a feature of one that changes the KV rule (sliding-window or interleaved attention,
-latent attention, linear-attention or Mamba layers, a multimodal wrapper), is refused with the
-reason (`UnsupportedArchitecture`), never planned as if it were plain attention.
+layer's attention, MLP or experts and norms, the final norm, an untied LM head, a vision tower), so a
+checkpoint's weights are sized without reading its files; tests/operator/planning/test_model_config.py
+checks the count against transformers' own modules built from the same config. A window is what vLLM
+allocates, not what the config names: vLLM 0.33 reads a Llama-style model's windows from layer_types
+only (Mistral-7B-v0.1's sliding_window alone is full attention there) and never gives Qwen layers a
+window. A family this module does not describe, or a feature of one that changes the KV rule
+(linear-attention or Mamba layers, a vision tower it does not count), is refused with the reason
+(`UnsupportedArchitecture`), never planned as if it were plain attention.
 """
 
 from __future__ import annotations
@@ -24,26 +27,37 @@ class Family(NamedTuple):
 
     tie_default: bool  # tie_word_embeddings when the config leaves it out (the config class's default)
     qkv_bias: bool = False  # q, k and v projections carry a bias whatever attention_bias says
-    head_norms: bool = False  # q_norm and k_norm over each head (Qwen3)
-    experts: str | None = None  # the MoE layout: "mixtral", "qwen2_moe" or "qwen3_moe"
-    # Sliding windows the family's modelling code ignores unless the config turns them on.
-    window_flag: str | None = None
+    attention_bias: bool = False  # attention_bias when the config leaves it out
+    head_norms: bool = False  # q_norm and k_norm over each head (Qwen3, Gemma 3)
+    # The MoE layout: "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss" or "deepseek".
+    experts: str | None = None
+    norms: int = 2  # per decoder layer (Gemma: around both attention and MLP)
+    # Where vLLM 0.33's modelling code takes its sliding windows from: "layer_types" (config.json's,
+    # else every `pattern`-th layer full), "none" (never), or "none_or_refused" (never, and it refuses
+    # a model whose layers mix windows with full attention: Qwen2/3's use_sliding_window).
+    windows: str = "layer_types"
+    pattern: int | None = None  # config.sliding_window_pattern's default, where layer_types is derived
+    latent: bool = False  # multi-head latent attention (kv_lora_rank, qk_rope_head_dim)
+    sinks: bool = False  # a learned attention sink per head (gpt-oss)
 
 
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(tie_default=False),
     "MistralForCausalLM": Family(tie_default=False),
-    "Qwen2ForCausalLM": Family(tie_default=False, qkv_bias=True, window_flag="use_sliding_window"),
-    "Qwen3ForCausalLM": Family(tie_default=False, head_norms=True, window_flag="use_sliding_window"),
+    "Qwen2ForCausalLM": Family(tie_default=False, qkv_bias=True, windows="none_or_refused"),
+    "Qwen3ForCausalLM": Family(tie_default=False, head_norms=True, windows="none_or_refused"),
     "Phi3ForCausalLM": Family(tie_default=False),
-    "MixtralForCausalLM": Family(tie_default=False, experts="mixtral"),
-    "Qwen2MoeForCausalLM": Family(
-        tie_default=False, qkv_bias=True, experts="qwen2_moe", window_flag="use_sliding_window"
-    ),
-    "Qwen3MoeForCausalLM": Family(
-        tie_default=False, head_norms=True, experts="qwen3_moe", window_flag="use_sliding_window"
-    ),
+    "MixtralForCausalLM": Family(tie_default=False, experts="mixtral", windows="none"),
+    "Qwen2MoeForCausalLM": Family(tie_default=False, qkv_bias=True, experts="qwen2_moe", windows="none"),
+    "Qwen3MoeForCausalLM": Family(tie_default=False, head_norms=True, experts="qwen3_moe", windows="none"),
+    "Gemma2ForCausalLM": Family(tie_default=True, norms=4, pattern=2),
+    "Gemma3ForCausalLM": Family(tie_default=True, head_norms=True, norms=4, pattern=6),
+    "GptOssForCausalLM": Family(tie_default=False, attention_bias=True, experts="gpt_oss", pattern=2, sinks=True),
+    "DeepseekV2ForCausalLM": Family(tie_default=False, experts="deepseek", windows="none", latent=True),
+    "DeepseekV3ForCausalLM": Family(tie_default=False, experts="deepseek", windows="none", latent=True),
 }
+# Multimodal wrappers: the language model's architecture (text_config) and the vision tower's layout.
+WRAPPERS: dict[str, tuple[str, str]] = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "siglip")}
 
 # quantization_config.quant_method -> the scheme a checkpoint stores (spec.model.quantization).
 CHECKPOINT_SCHEMES: dict[str, CheckpointQuantization] = {"awq": "awq", "gptq": "gptq", "fp8": "fp8"}
@@ -68,14 +82,8 @@ def _int(config: Mapping[str, Any], key: str) -> int:
     return value
 
 
-def _unsupported(config: Mapping[str, Any], name: str, family: Family) -> str | None:
-    """Why `config` cannot be sized as full attention over grouped-query heads, None when it can."""
-    window = config.get("sliding_window")
-    # A window as long as the context holds every token: full attention (Ministral's 32768).
-    binds = window is not None and window < int(config.get("max_position_embeddings") or 0)
-    windowed = binds and (family.window_flag is None or bool(config.get(family.window_flag)))
-    if windowed or (config.get("layer_types") and set(config["layer_types"]) != {"full_attention"}):
-        return f"{name} holds sliding-window layers (sliding_window {window}), which the planner does not size yet"
+def _quantization_problem(config: Mapping[str, Any], name: str) -> str | None:
+    """Why the checkpoint's stored scheme cannot be sized, None when it can."""
     quantization = config.get("quantization_config")
     if quantization is not None and quantization.get("quant_method") not in CHECKPOINT_SCHEMES:
         method = quantization.get("quant_method")
@@ -83,15 +91,55 @@ def _unsupported(config: Mapping[str, Any], name: str, family: Family) -> str | 
     return None
 
 
+def _layer_types(config: Mapping[str, Any], family: Family, layers: int) -> list[str]:
+    """config.json's layer_types, else as the config class derives them (every `pattern`-th layer
+    full; Qwen's use_sliding_window: the layers from max_window_layers on)."""
+    if config.get("layer_types"):
+        return list(config["layer_types"])
+    if family.pattern is not None:
+        pattern = int(config.get("sliding_window_pattern") or family.pattern)
+        return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    first = int(config.get("max_window_layers", layers)) if config.get("use_sliding_window") else layers
+    return ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+
+
+def _sliding_layers(config: Mapping[str, Any], name: str, family: Family, layers: int) -> int | str:
+    """How many layers vLLM 0.33 gives `config`'s sliding window, or why it would not load them."""
+    if config.get("sliding_window") is None:
+        return 0
+    sliding = _layer_types(config, family, layers).count("sliding_attention")
+    if family.windows == "none_or_refused" and 0 < sliding < layers:
+        return (
+            f"{name} holds sliding-window layers beside full-attention ones (use_sliding_window, "
+            f"max_window_layers {config.get('max_window_layers')}), which vLLM 0.33 refuses to load"
+        )
+    return sliding if family.windows == "layer_types" else 0
+
+
 def _attention(config: Mapping[str, Any], family: Family, shape: _Shape) -> int:
-    """One layer's attention parameters: q, k, v, o, their biases, and per-head norms."""
+    """One layer's attention parameters: q, k, v, o, their biases, per-head norms and sinks."""
+    if family.latent:
+        return _latent_attention(config, shape)
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     weights = shape.hidden * (q + 2 * kv) + q * shape.hidden
-    if config.get("attention_bias"):
+    if config.get("attention_bias", family.attention_bias):
         biases = q + 2 * kv + shape.hidden
     else:
         biases = q + 2 * kv if family.qkv_bias else 0
-    return weights + biases + (2 * shape.head_dim if family.head_norms else 0)
+    return weights + biases + (2 * shape.head_dim if family.head_norms else 0) + (shape.heads if family.sinks else 0)
+
+
+def _latent_attention(config: Mapping[str, Any], shape: _Shape) -> int:
+    """Multi-head latent attention: q straight or through its own low rank (q_lora_rank), the shared
+    latent of K and V with the rotary part, its norm, the latent's up-projection, and o."""
+    if config.get("attention_bias"):
+        raise ValueError("attention_bias under latent attention is not counted yet")
+    nope, rope, v = _int(config, "qk_nope_head_dim"), _int(config, "qk_rope_head_dim"), _int(config, "v_head_dim")
+    rank, q_rank = _int(config, "kv_lora_rank"), config.get("q_lora_rank")
+    q_out = shape.heads * (nope + rope)
+    q = shape.hidden * q_out if q_rank is None else shape.hidden * q_rank + q_rank + q_rank * q_out
+    kv = shape.hidden * (rank + rope) + rank + rank * shape.heads * (nope + v)
+    return q + kv + shape.heads * v * shape.hidden
 
 
 def _mlp(config: Mapping[str, Any], hidden: int, intermediate: int) -> int:
@@ -99,78 +147,148 @@ def _mlp(config: Mapping[str, Any], hidden: int, intermediate: int) -> int:
     return 3 * hidden * intermediate + ((2 * intermediate + hidden) if config.get("mlp_bias") else 0)
 
 
-def _moe(config: Mapping[str, Any], layout: str, hidden: int) -> tuple[int, int, set[int]]:
-    """A mixture-of-experts layer's parameters, those one token uses, and the dense layers' indexes."""
-    if layout == "mixtral":
-        experts, active = _int(config, "num_local_experts"), _int(config, "num_experts_per_tok")
-        size, dense = _int(config, "intermediate_size"), set[int]()
-    else:
-        experts, active = _int(config, "num_experts"), _int(config, "num_experts_per_tok")
-        size = _int(config, "moe_intermediate_size")
-        step = int(config.get("decoder_sparse_step") or 1)
-        layers = _int(config, "num_hidden_layers")
-        dense = set(config.get("mlp_only_layers") or ()) | {i for i in range(layers) if (i + 1) % step}
-    expert = _mlp(config, hidden, size)
+class _Experts(NamedTuple):
+    routed: int  # experts to choose from
+    active: int  # experts a token goes through
+    expert: int  # one expert's parameters
+    shared: int  # the shared experts' beside them, every token's
+    router: int
+    dense: set[int]  # the layers with a dense MLP instead
+
+
+def _experts(config: Mapping[str, Any], layout: str, hidden: int) -> _Experts:
+    """A mixture-of-experts layout as the config describes it."""
+    layers, active = _int(config, "num_hidden_layers"), _int(config, "num_experts_per_tok")
+    if layout in ("mixtral", "gpt_oss"):
+        routed, size = _int(config, "num_local_experts"), _int(config, "intermediate_size")
+        # gpt-oss: biased experts (gate and up fused) and a biased router.
+        biased = layout == "gpt_oss"
+        expert = _mlp(config, hidden, size) + ((2 * size + hidden) if biased else 0)
+        router = hidden * routed + (routed if biased else 0)
+        return _Experts(routed, active, expert, 0, router, set())
+    if layout == "deepseek":
+        routed, size = _int(config, "n_routed_experts"), _int(config, "moe_intermediate_size")
+        shared = _mlp(config, hidden, size * int(config.get("n_shared_experts") or 0))
+        first, step = int(config.get("first_k_dense_replace") or 0), int(config.get("moe_layer_freq") or 1)
+        dense = {i for i in range(layers) if i < first or i % step}
+        return _Experts(routed, active, _mlp(config, hidden, size), shared, hidden * routed, dense)
+    routed, size = _int(config, "num_experts"), _int(config, "moe_intermediate_size")
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = set(config.get("mlp_only_layers") or ()) | {i for i in range(layers) if (i + 1) % step}
     shared = 0
     if layout == "qwen2_moe":
         # One shared expert beside the routed ones, gated by a scalar per token.
         shared = _mlp(config, hidden, _int(config, "shared_expert_intermediate_size")) + hidden
-    router = hidden * experts
-    return router + experts * expert + shared, router + active * expert + shared, dense
+    return _Experts(routed, active, _mlp(config, hidden, size), shared, hidden * routed, dense)
 
 
 def _parameters(config: Mapping[str, Any], family: Family, shape: _Shape, tied: bool) -> tuple[int, int]:
     """All parameters and those one token's forward pass multiplies with (fewer under experts)."""
     layers, vocab = _int(config, "num_hidden_layers"), _int(config, "vocab_size")
-    per_layer = _attention(config, family, shape) + 2 * shape.hidden  # two norms
+    per_layer = _attention(config, family, shape) + family.norms * shape.hidden
     total = active = layers * per_layer
-    dense = _mlp(config, shape.hidden, _int(config, "intermediate_size")) if family.experts != "mixtral" else 0
+    dense = _mlp(config, shape.hidden, _int(config, "intermediate_size"))
     if family.experts is None:
         total += layers * dense
         active += layers * dense
     else:
-        moe, moe_active, dense_layers = _moe(config, family.experts, shape.hidden)
-        sparse = layers - len(dense_layers)
-        total += sparse * moe + len(dense_layers) * dense
-        active += sparse * moe_active + len(dense_layers) * dense
+        moe = _experts(config, family.experts, shape.hidden)
+        sparse = layers - len(moe.dense)
+        total += sparse * (moe.router + moe.routed * moe.expert + moe.shared) + len(moe.dense) * dense
+        active += sparse * (moe.router + moe.active * moe.expert + moe.shared) + len(moe.dense) * dense
     outside = vocab * shape.hidden * (1 if tied else 2) + shape.hidden  # embedding, LM head, final norm
     return total + outside, active + outside
+
+
+def _siglip(vision: Mapping[str, Any], text_hidden: int) -> int:
+    """A SigLIP vision tower (patch and position embeddings, pre-norm encoder layers with biases,
+    the final norm, the attention-pooling head where vision_use_head) and Gemma 3's projector."""
+    hidden, size = _int(vision, "hidden_size"), _int(vision, "intermediate_size")
+    patch, channels = _int(vision, "patch_size"), int(vision.get("num_channels", 3))
+    embeddings = channels * patch * patch * hidden + hidden + (_int(vision, "image_size") // patch) ** 2 * hidden
+    mlp = 2 * hidden * size + size + hidden
+    layer = 4 * (hidden * hidden + hidden) + 4 * hidden + mlp
+    head = hidden + 4 * (hidden * hidden + hidden) + 2 * hidden + mlp if vision.get("vision_use_head", True) else 0
+    projector = hidden * text_hidden + hidden
+    return embeddings + _int(vision, "num_hidden_layers") * layer + 2 * hidden + head + projector
+
+
+def _language_model(config: Mapping[str, Any], name: str) -> tuple[Mapping[str, Any], Family, str | None] | str:
+    """The config, family and vision tower of the language model `config` describes (a multimodal
+    wrapper's text_config), or why it is not read."""
+    if "text_config" not in config:
+        family = FAMILIES.get(name)
+        if family is None:
+            readable = ", ".join([*FAMILIES, *WRAPPERS])
+            return f"{name} is not an architecture the planner reads ({readable}); set spec.model.architecture"
+        return config, family, None
+    if name not in WRAPPERS:
+        return (
+            f"{name} wraps a language model (text_config) with a vision tower whose weights the planner "
+            f"does not count; it counts {', '.join(WRAPPERS)}'s"
+        )
+    text, tower = WRAPPERS[name]
+    return {**config["text_config"], "architectures": [text]}, FAMILIES[text], tower
 
 
 def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:
     """The Architecture (and the checkpoint's stored scheme) of a config.json, or why it cannot be
     planned from it; `source` says where the config came from."""
     name = str((config.get("architectures") or ["(no architectures)"])[0])
-    family = FAMILIES.get(name)
-    if "text_config" in config:
-        return f"{name} wraps a language model with other modalities (text_config); not sized yet"
-    if family is None:
-        return f"{name} is not an architecture the planner reads ({', '.join(FAMILIES)}); set spec.model.architecture"
-    problem = _unsupported(config, name, family)
+    found = _language_model(config, name)
+    if isinstance(found, str):
+        return found
+    text, family, tower = found
+    problem = _quantization_problem(config, name)
     if problem is not None:
         return problem
     try:
-        heads = _int(config, "num_attention_heads")
-        hidden = _int(config, "hidden_size")
-        kv_heads = _int(config, "num_key_value_heads") if "num_key_value_heads" in config else heads
-        head_dim = _int(config, "head_dim") if config.get("head_dim") is not None else hidden // heads
-        tied = bool(config.get("tie_word_embeddings", family.tie_default))
-        shape = _Shape(hidden, heads, kv_heads, head_dim)
-        total, active = _parameters(config, family, shape, tied)
-        architecture = Architecture(
-            layers=_int(config, "num_hidden_layers"),
-            hidden_size=hidden,
-            attention_heads=heads,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-            vocab_size=_int(config, "vocab_size"),
-            parameters=total,
-            active_parameters=active if active != total else None,
-            max_context=_int(config, "max_position_embeddings"),
-            tie_word_embeddings=tied,
-            source=source,
-        )
+        architecture = _architecture(text, name, family, source)
+        if tower is not None:
+            vision = _siglip(config["vision_config"], architecture.hidden_size)
+            architecture = architecture.model_copy(
+                update={
+                    "parameters": architecture.parameters + vision,
+                    "active_parameters": architecture.parameters_per_token,
+                    "vision_parameters": vision,
+                }
+            )
     except ValueError as error:  # pydantic's ValidationError is one
         return f"{name}: {error}"
+    if isinstance(architecture, str):
+        return architecture
     method = (config.get("quantization_config") or {}).get("quant_method")
     return ModelConfig(architecture, CHECKPOINT_SCHEMES.get(method) if method else None)
+
+
+def _architecture(config: Mapping[str, Any], name: str, family: Family, source: str) -> Architecture | str:
+    """The language model's Architecture, or why vLLM would not load its layers."""
+    layers = _int(config, "num_hidden_layers")
+    sliding = _sliding_layers(config, name, family, layers)
+    if isinstance(sliding, str):
+        return sliding
+    heads, hidden = _int(config, "num_attention_heads"), _int(config, "hidden_size")
+    kv_heads = _int(config, "num_key_value_heads") if "num_key_value_heads" in config else heads
+    if family.latent:
+        # One latent per token and layer, shared by every head: vLLM's single KV head.
+        kv_heads, head_dim = 1, _int(config, "qk_nope_head_dim") + _int(config, "qk_rope_head_dim")
+    else:
+        head_dim = _int(config, "head_dim") if config.get("head_dim") is not None else hidden // heads
+    tied = bool(config.get("tie_word_embeddings", family.tie_default))
+    total, active = _parameters(config, family, _Shape(hidden, heads, kv_heads, head_dim), tied)
+    return Architecture(
+        layers=layers,
+        hidden_size=hidden,
+        attention_heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=_int(config, "vocab_size"),
+        parameters=total,
+        active_parameters=active if active != total else None,
+        max_context=_int(config, "max_position_embeddings"),
+        tie_word_embeddings=tied,
+        sliding_window=_int(config, "sliding_window") if sliding else None,
+        sliding_layers=sliding if sliding and sliding < layers else None,
+        latent_dim=_int(config, "kv_lora_rank") + _int(config, "qk_rope_head_dim") if family.latent else None,
+        source=source,
+    )

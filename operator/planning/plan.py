@@ -66,7 +66,7 @@ def _size(inputs: Inputs, device: tuple[Device, int], quantization: str) -> Plan
             "UnsupportedOnGPU",
             f"{gpu.name} has no FP8 tensor cores, which quantization fp8 runs on (GPUs with them: "
             f"{', '.join(g.name for g in GPUS.values() if g.fp8)})",
-            replica_sizes(inputs._replace(draft=None), tp_group(gpu, tp), quantization, 0),
+            replica_sizes(inputs._replace(draft=None), (tp_group(gpu, tp), tp), quantization, 0),
         )
     # Sized with the draft when the spec pins a drafted mode; auto adds it only where speculation pays.
     pinned = draft if spec.serving.speculative in DRAFTED else None
@@ -142,7 +142,7 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: Speculation) -> Plan:
         assumed_prefix_share=spec.load.prefix_share,
         block_size=serving.block_size,
         gpu_memory_utilization=serving.gpu_memory_utilization,
-        kv_blocks=sizes.kv_pool_bytes // (sizes.kv_bytes_per_token * serving.block_size),
+        kv_blocks=sizes.kv_pool_bytes // sizing.kv_block_bytes(sizes.kv_layout, serving.block_size),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=memory.budget,
         predicted_batch=round(perf.batch, 2) if finite else 0.0,
@@ -158,7 +158,7 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: Speculation) -> Plan:
             "replicas": replicas_reason,
             **({"compiledDecode": chosen.compiled} if chosen.compiled else {}),
         },
-        **sizes._asdict(),
+        **sizes.reported(),
     )
 
 
@@ -249,8 +249,9 @@ def _architecture(spec: InferenceServiceSpec, checkpoint: Architecture | None) -
 
 
 def _heads_problem(arch: Architecture, tp: int) -> str | None:
-    """Why `tp` GPUs cannot split `arch`'s attention, None when its heads divide evenly."""
-    if arch.attention_heads % tp or arch.kv_heads % tp:
+    """Why `tp` GPUs cannot split `arch`'s attention, None when its heads divide evenly (a latent is
+    not split: every GPU keeps it whole)."""
+    if arch.attention_heads % tp or (arch.latent_dim is None and arch.kv_heads % tp):
         return f"TP {tp} does not divide {arch.attention_heads} attention heads and {arch.kv_heads} KV heads"
     return None
 
@@ -350,6 +351,14 @@ def plan(spec: InferenceServiceSpec, context: PlanContext | None = None) -> Plan
     if isinstance(found, Plan):
         return found
     arch, model_reason = found
+    beyond = sizing.beyond_plain_decoder(arch)
+    if beyond and capabilities.plain_decoders_only:
+        return failed_plan(
+            spec,
+            "UnsupportedByRuntime",
+            f"{spec.model.name} has {beyond} ({model_reason}); runtime {spec.runtime} runs only decoders whose "
+            "every layer attends to the whole sequence over K and V heads, text only: use runtime vllm",
+        )
     devices = _devices(spec, arch, available_gpus, device_profiles or {})
     if isinstance(devices, Plan):
         return devices

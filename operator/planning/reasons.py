@@ -27,7 +27,7 @@ def failed_plan(spec: InferenceServiceSpec, failure: str, reason: str, sizes: Si
         runtime=spec.runtime,
         block_size=spec.serving.block_size,
         gpu_memory_utilization=spec.serving.gpu_memory_utilization,
-        **(sizes._asdict() if sizes else {}),
+        **(sizes.reported() if sizes else {}),
     )
 
 

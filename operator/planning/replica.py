@@ -81,3 +81,8 @@ class Sizes(NamedTuple):
     checkpoint_bytes: int
     kv_pool_bytes: int
     max_model_len: int
+    kv_layout: sizing.KVLayout  # how a sequence holds kv_bytes_per_token in the pool's blocks
+
+    def reported(self) -> dict[str, object]:
+        """The fields a Plan reports (the layout is the planner's own)."""
+        return {k: v for k, v in self._asdict().items() if k != "kv_layout"}

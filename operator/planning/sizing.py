@@ -1,6 +1,7 @@
 """The serving maths as small pure functions over bytes, seconds and tokens.
 
-The rules: KV bytes per token = 2 × layers × KV heads × head dim × bytes; KV pool =
+The rules: KV bytes per token = 2 × layers × KV heads × head dim × bytes (a sequence holds them in
+blocks of its layers' groups: KVLayout); KV pool =
 memory × utilization − weights − reserve; prefill is compute-bound, decode bandwidth-bound;
 latency = TTFT + (N − 1) × TPOT.
 """
@@ -133,9 +134,88 @@ def decode_weight_bytes(arch: Architecture, quantization: str, runtime: EngineCa
     return stored + 2 * BYTES_PER_VALUE * (body + embedding)
 
 
-def kv_bytes_per_token(arch: Architecture, bytes_per_value: int = KV_BYTES_PER_VALUE) -> int:
-    """2 (K and V) × layers × KV heads × head dim × bytes: GQA/MQA shrink it through KV heads."""
-    return 2 * arch.layers * arch.kv_heads * arch.head_size * bytes_per_value
+def _layer_bytes_per_token(arch: Architecture, bytes_per_value: int, tp: int) -> int:
+    """One token's KV in one layer over a replica's `tp` GPUs: K and V of every KV head (the GPUs
+    split the heads), or latent attention's one latent, which vLLM keeps whole on every GPU."""
+    if arch.latent_dim is not None:
+        return arch.latent_dim * bytes_per_value * tp
+    return 2 * arch.kv_heads * arch.head_size * bytes_per_value
+
+
+def kv_bytes_per_token(arch: Architecture, bytes_per_value: int = KV_BYTES_PER_VALUE, tp: int = 1) -> int:
+    """A token's KV in every layer: 2 (K and V) × layers × KV heads × head dim × bytes (GQA/MQA shrink
+    it through KV heads), or layers × the latent × bytes on each of the `tp` GPUs under latent attention."""
+    return arch.layers * _layer_bytes_per_token(arch, bytes_per_value, tp)
+
+
+def beyond_plain_decoder(arch: Architecture) -> str | None:
+    """What `arch` holds beyond a decoder whose every layer attends to the whole sequence over K and
+    V heads, text only; None when nothing."""
+    features = [
+        f"sliding-window layers (window {arch.sliding_window})" if arch.sliding_window is not None else "",
+        "latent attention (MLA)" if arch.latent_dim is not None else "",
+        "a vision tower" if arch.vision_parameters is not None else "",
+    ]
+    return ", ".join(f for f in features if f) or None
+
+
+# vLLM schedules a step while the previous one runs (async scheduling, its default with one pipeline
+# stage), and a sliding-window layer frees blocks only behind processed tokens: it keeps up to two
+# steps of tokens beyond its window (VllmConfig.max_in_flight_tokens).
+STEPS_IN_FLIGHT = 2
+
+
+class KVLayout(NamedTuple):
+    """The KV cache as vLLM 0.33 lays it out (v1/core/kv_cache_planning.py): the layers of each kind
+    (full attention, sliding window) in groups of one size, every group with its own block table over
+    one pool of blocks, a block `block_size` tokens of the widest group's layers."""
+
+    group_bytes_per_token: int  # one token in the widest group's layers (and the draft's, if any)
+    full_groups: int  # groups that keep every token of a sequence
+    sliding_groups: int  # groups that keep only the window (and the tokens in flight)
+    window: int | None
+
+
+def kv_layout(arch: Architecture, bytes_per_value: int = KV_BYTES_PER_VALUE, tp: int = 1, draft: int = 0) -> KVLayout:
+    """How vLLM groups `arch`'s layers on `tp` GPUs, with a draft model's `draft` bytes per token
+    beside every block's (its KV slot for each of the target's). A mix of kinds is split into groups
+    of the smaller kind's count, or of the larger's when it is under 1.5 times the smaller (vLLM's
+    rule, padding the last group of a kind)."""
+    sliding = arch.windowed_layers
+    full = arch.layers - sliding
+    size = min(full, sliding) or max(full, sliding)
+    if 2 * max(full, sliding) < 3 * size:
+        size = max(full, sliding)
+    return KVLayout(
+        group_bytes_per_token=size * _layer_bytes_per_token(arch, bytes_per_value, tp) + draft,
+        full_groups=math.ceil(full / size),
+        sliding_groups=math.ceil(sliding / size),
+        window=arch.sliding_window,
+    )
+
+
+def kv_block_bytes(layout: KVLayout, block_size: int) -> int:
+    """Bytes of one block of the pool: vLLM divides the pool's memory by this (num_gpu_blocks)."""
+    return layout.group_bytes_per_token * block_size
+
+
+def tokens_in_flight(max_num_batched_tokens: int) -> int:
+    return STEPS_IN_FLIGHT * max_num_batched_tokens
+
+
+def sequence_blocks(layout: KVLayout, tokens: int, block_size: int, in_flight: int) -> int:
+    """Blocks one sequence of `tokens` takes: every token's in each full group; in each sliding group
+    the window less one plus the `in_flight` tokens (at most the sequence), and a block more for a
+    window that starts inside a block (SlidingWindowSpec.max_admission_blocks_per_request)."""
+    blocks = layout.full_groups * blocks_per_sequence(tokens, block_size)
+    if layout.window is None:
+        return blocks
+    held = min(layout.window - 1 + in_flight, tokens)
+    return blocks + layout.sliding_groups * (blocks_per_sequence(held, block_size) + 1)
+
+
+def sequence_bytes(layout: KVLayout, tokens: int, block_size: int, in_flight: int) -> int:
+    return kv_block_bytes(layout, block_size) * sequence_blocks(layout, tokens, block_size, in_flight)
 
 
 def runtime_reserve_bytes(arch: Architecture, max_num_batched_tokens: int) -> int:
@@ -153,12 +233,16 @@ def blocks_per_sequence(tokens: int, block_size: int) -> int:
     return math.ceil(tokens / block_size)
 
 
-def sequences_that_fit(pool_bytes: int, kv_per_token: int, tokens_per_sequence: int, block_size: int = 1) -> int:
-    """Full-length sequences whose KV blocks fit in the pool (paged: whole blocks only)."""
+def sequences_that_fit(
+    pool_bytes: int, layout: KVLayout, tokens_per_sequence: int, block_size: int = 1, in_flight: int = 0
+) -> int:
+    """Sequences of `tokens_per_sequence` whose KV blocks fit in the pool (paged: whole blocks only),
+    as vLLM counts its concurrency (get_max_concurrency_for_kv_cache_config); `in_flight`: the
+    tokens a sliding-window group keeps beyond its window (tokens_in_flight)."""
     if pool_bytes <= 0:
         return 0
-    blocks = pool_bytes // (kv_per_token * block_size)
-    return int(blocks // blocks_per_sequence(tokens_per_sequence, block_size))
+    blocks = pool_bytes // kv_block_bytes(layout, block_size)
+    return int(blocks // sequence_blocks(layout, tokens_per_sequence, block_size, in_flight))
 
 
 def prefill_seconds(

@@ -211,10 +211,10 @@ def test_what_the_hub_refuses_or_the_planner_cannot_read_is_a_failed_plan_with_t
     assert decided.result.failure == "ModelConfigUnavailable" and "Deployment" not in kinds(decided.wanted)
     assert "401 gated (asked without a token: Secret ml/absent holds no token)" in decided.result.reason
     assert refused.asked[0][2] is None
-    gemma = FakeHub({**LLAMA_3_8B, "architectures": ["Gemma2ForCausalLM"]})
-    unsupported = decide(observe(body(HUB_SPEC), Secrets(), None, gemma), "i", None)  # type: ignore[arg-type]
+    mamba = FakeHub({**LLAMA_3_8B, "architectures": ["FalconMambaForCausalLM"]})
+    unsupported = decide(observe(body(HUB_SPEC), Secrets(), None, mamba), "i", None)  # type: ignore[arg-type]
     assert unsupported.result.failure == "UnsupportedArchitecture"
-    assert "Gemma2ForCausalLM is not an architecture the planner reads" in unsupported.result.reason
+    assert "FalconMambaForCausalLM is not an architecture the planner reads" in unsupported.result.reason
 
 
 def test_the_hub_is_not_asked_when_the_spec_or_the_catalog_give_the_architecture() -> None:

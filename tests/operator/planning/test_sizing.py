@@ -22,18 +22,43 @@ def test_llama_2_7b_fp16_kv_is_half_a_mib_per_token_and_2_gib_per_4k_sequence() 
 def test_24_gb_gpu_with_14_gb_of_weights_fits_5_sequences_of_4k_not_32() -> None:
     pool = sizing.kv_pool_bytes(24 * GiB, utilization=1.0, weights=14 * GiB, reserve=0)
     assert pool == 10 * GiB
-    fits = sizing.sequences_that_fit(pool, sizing.kv_bytes_per_token(LLAMA_2_7B), 4096)
+    fits = sizing.sequences_that_fit(pool, sizing.kv_layout(LLAMA_2_7B), 4096)
     assert fits == 5
     # Sizing for weights only would promise 32; those 32 need 64 GiB of KV cache.
     assert 32 * sizing.kv_bytes_per_token(LLAMA_2_7B) * 4096 == 64 * GiB
 
 
 def test_paged_blocks_round_each_sequence_up_to_whole_blocks() -> None:
-    per_token = sizing.kv_bytes_per_token(LLAMA_2_7B)
+    per_token = sizing.kv_layout(LLAMA_2_7B)
+    assert per_token.group_bytes_per_token == sizing.kv_bytes_per_token(LLAMA_2_7B)
     # 4097 tokens need 257 blocks of 16, so 10 GiB (1280 blocks) holds 4 such sequences, not 5.
     assert sizing.sequences_that_fit(10 * GiB, per_token, 4097, block_size=16) == 4
     assert sizing.sequences_that_fit(10 * GiB, per_token, 4096, block_size=16) == 5
     assert sizing.sequences_that_fit(-1, per_token, 16) == 0
+
+
+def test_sliding_window_groups_keep_the_window_and_the_tokens_in_flight_full_ones_every_token() -> None:
+    # Gemma 3 1B's shape: 26 layers, every sixth full, 1 KV head of 256; a 512-token window.
+    gemma = LLAMA_2_7B.model_copy(
+        update={"layers": 26, "kv_heads": 1, "head_dim": 256, "sliding_window": 512, "sliding_layers": 22}
+    )
+    layout = sizing.kv_layout(gemma)
+    # 4 full layers set the group size: one full group, ceil(22 / 4) = 6 sliding groups of (at most) 4.
+    assert layout == sizing.KVLayout(4 * 2 * 256 * 2, full_groups=1, sliding_groups=6, window=512)
+    # 32768 tokens: 2048 blocks of 16 in the full group; each sliding group ceil((511 + 100) / 16) + 1.
+    assert sizing.sequence_blocks(layout, 32768, 16, in_flight=100) == 2048 + 6 * (39 + 1)
+    # A sequence shorter than its window keeps all of it, and one block more.
+    assert sizing.sequence_blocks(layout, 100, 16, in_flight=100) == 7 + 6 * 8
+    assert sizing.sequences_that_fit(2 * GiB, layout, 32768, 16, 100) == (2 * GiB // (16 * 4096)) // 2288
+
+
+def test_a_latent_is_one_per_token_and_layer_and_whole_on_every_gpu() -> None:
+    deepseek = LLAMA_2_7B.model_copy(update={"layers": 61, "kv_heads": 1, "latent_dim": 576})
+    assert sizing.kv_bytes_per_token(deepseek) == 61 * 576 * 2
+    assert sizing.kv_bytes_per_token(deepseek, tp=8) == 8 * 61 * 576 * 2
+    assert sizing.kv_layout(deepseek, tp=8) == sizing.KVLayout(8 * 61 * 576 * 2, 1, 0, None)
+    # K and V heads are split over the GPUs: the group's bytes per token do not change.
+    assert sizing.kv_bytes_per_token(LLAMA_2_7B, tp=8) == sizing.kv_bytes_per_token(LLAMA_2_7B)
 
 
 def test_gqa_divides_the_kv_cache_by_query_heads_over_kv_heads() -> None:

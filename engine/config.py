@@ -72,6 +72,13 @@ class EngineCapabilities(BaseModel):
     # Whether quantization covers the LM head too (this engine: INT8 under every scheme); else
     # only the decoder layers' linear weights are quantized.
     quantized_lm_head: bool = True
+    # Whether it runs only Llama-style decoders: every layer attends to the whole sequence over K and
+    # V heads, text only (no sliding-window layers, latent attention or vision tower).
+    plain_decoders_only: bool = False
+    # Whether it measures its own KV pool at start from gpu_memory_utilization (vLLM) instead of
+    # being told the pool's bytes: the planner then predicts that pool as the runtime counts it
+    # (the operator's planning/reserve.py).
+    measures_kv_pool: bool = False
 
 
 # Everything this build runs; the operator can deliver each to a pod (a draft model's weights come
@@ -84,6 +91,7 @@ CAPABILITIES = EngineCapabilities(
     speculative=SPECULATIVE_MODES,
     dtypes=DTYPES,
     checkpoint_quantization=("int8", "int4"),
+    plain_decoders_only=True,
 )
 
 

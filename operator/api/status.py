@@ -124,7 +124,9 @@ class PrefixShareAccuracy(_Status):
 
 
 class KvBlocksAccuracy(_Status):
-    predicted: int | None = Field(default=None, description="status.plan.kvBlocks: the KV blocks a replica's pool holds.")
+    predicted: int | None = Field(
+        default=None, description="status.plan.kvBlocks: the KV blocks a replica's pool holds."
+    )
     observed: int | None = Field(
         default=None, description="The fewest KV blocks an engine allocated (vllm:cache_config_info's num_gpu_blocks)."
     )

@@ -50,8 +50,8 @@ class Device(BaseModel):
     product_label: str = NVIDIA_PRODUCT_LABEL
     resource: str = NVIDIA_GPU_RESOURCE
     memory_gib: float  # nominal (datasheet)
-    # What the device reports as its total (nvidia-smi's memory.total): the planner sizes with this,
-    # a few per cent under the nominal figure (an L4 reports 23034 MiB, not 24 GiB).
+    # The total CUDA reports (cudaMemGetInfo): the planner sizes with this, a few per cent under the
+    # nominal figure (an L4 reports 22.03 GiB, not 24) and under nvidia-smi's memory.total.
     usable_memory_mib: int
     bandwidth_gbps: float  # GB/s
     fp16_tflops: float  # dense FP16/BF16 tensor

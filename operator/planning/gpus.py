@@ -1,10 +1,13 @@
 """Accelerators the planner can size for, from the vendors' public spec sheets.
 
-`memory_gib` is the marketed capacity; the planner sizes with `usable_memory_mib`, the total the
-device reports (nvidia-smi's memory.total, as printed in public nvidia-smi outputs of each part:
-T4 15360, L4 23034, A10G 23028, L40S 46068, A100 40960 / 81920, H100 81559, H200 143771, B200
-183359 MiB), which ECC and firmware reservations put a few per cent under the marketed figure on
-all but the A100. MI300X's is the marketed 192 GiB, not checked against a device. Bandwidth and
+`memory_gib` is the marketed capacity; the planner sizes with `usable_memory_mib`, the total CUDA
+reports (cudaMemGetInfo, torch.cuda.mem_get_info: what vLLM multiplies by --gpu-memory-utilization),
+as public PyTorch out-of-memory messages and vLLM start-up logs print it for each part ("GPU 0 has a
+total capacity of 79.19 GiB", "Free memory on device (78.68/79.19 GiB)"): T4 14.56, L4 22.03, A10G
+22.06, L40S 44.53, A100 39.39 / 79.14, H100 SXM 79.19, H200 139.80, B200 178.35, MI300X (in a VM)
+191.69 GiB, the lowest of the sources where they differ (drivers move it by 0.01-0.2 GiB). It is
+0.3-1 GiB under nvidia-smi's memory.total (81559 MiB on an H100), which counts the driver's own
+reservation, and a few per cent under the marketed figure (ECC, firmware). Bandwidth and
 throughput are the spec sheets' decimal GB/s and TFLOP/s, always the dense figures (the spec
 sheets' headline numbers assume 2:4 sparsity, which LLM weights lack).
 
@@ -33,7 +36,7 @@ GPUS: dict[str, Device] = {
             link_latency_us=30,
             product="Tesla-T4",
             memory_gib=16,
-            usable_memory_mib=15360,
+            usable_memory_mib=14909,
             bandwidth_gbps=320,
             fp16_tflops=65,
             int8_tops=130,
@@ -49,7 +52,7 @@ GPUS: dict[str, Device] = {
             link_latency_us=30,
             product="NVIDIA-L4",
             memory_gib=24,
-            usable_memory_mib=23034,
+            usable_memory_mib=22558,
             bandwidth_gbps=300,
             fp16_tflops=121,
             int8_tops=242.5,
@@ -66,7 +69,7 @@ GPUS: dict[str, Device] = {
             link_latency_us=30,
             product="NVIDIA-A10G",
             memory_gib=24,
-            usable_memory_mib=23028,
+            usable_memory_mib=22589,
             bandwidth_gbps=600,
             fp16_tflops=70,
             int8_tops=140,
@@ -81,7 +84,7 @@ GPUS: dict[str, Device] = {
             link_latency_us=30,
             product="NVIDIA-L40S",
             memory_gib=48,
-            usable_memory_mib=46068,
+            usable_memory_mib=45598,
             bandwidth_gbps=864,
             fp16_tflops=362.05,
             int8_tops=733,
@@ -96,7 +99,7 @@ GPUS: dict[str, Device] = {
             link_latency_us=10,
             product="NVIDIA-A100-SXM4-40GB",
             memory_gib=40,
-            usable_memory_mib=40960,
+            usable_memory_mib=40335,
             bandwidth_gbps=1555,
             fp16_tflops=312,
             int8_tops=624,
@@ -112,7 +115,7 @@ GPUS: dict[str, Device] = {
             link_latency_us=10,
             product="NVIDIA-A100-SXM4-80GB",
             memory_gib=80,
-            usable_memory_mib=81920,
+            usable_memory_mib=81039,
             bandwidth_gbps=2039,
             fp16_tflops=312,
             int8_tops=624,
@@ -129,7 +132,7 @@ GPUS: dict[str, Device] = {
             link_latency_us=10,
             product="NVIDIA-H100-80GB-HBM3",
             memory_gib=80,
-            usable_memory_mib=81559,
+            usable_memory_mib=81090,
             bandwidth_gbps=3350,
             fp16_tflops=989,
             int8_tops=1979,
@@ -144,7 +147,7 @@ GPUS: dict[str, Device] = {
             link_latency_us=10,
             product="NVIDIA-H200",
             memory_gib=141,
-            usable_memory_mib=143771,
+            usable_memory_mib=143155,
             bandwidth_gbps=4800,
             fp16_tflops=989,
             int8_tops=1979,
@@ -158,7 +161,7 @@ GPUS: dict[str, Device] = {
             link_latency_us=10,
             product="NVIDIA-B200",
             memory_gib=180,
-            usable_memory_mib=183359,
+            usable_memory_mib=182630,
             bandwidth_gbps=8000,
             fp16_tflops=2250,
             int8_tops=4500,
@@ -175,7 +178,7 @@ GPUS: dict[str, Device] = {
             product_label=AMD_PRODUCT_LABEL,
             resource=AMD_GPU_RESOURCE,
             memory_gib=192,
-            usable_memory_mib=196608,
+            usable_memory_mib=196290,
             bandwidth_gbps=5300,
             fp16_tflops=1307.4,
             int8_tops=2614.9,

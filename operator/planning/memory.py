@@ -7,12 +7,13 @@ import math
 from typing import NamedTuple
 
 from kvpilot.operator.api.plan import Plan
-from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
 from kvpilot.operator.planning import sizing
 from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.latency import batched_tokens, step_seconds
 from kvpilot.operator.planning.reasons import failed_plan, gib, ms
 from kvpilot.operator.planning.replica import Inputs, Replica, Sizes
+from kvpilot.operator.planning.reserve import vllm_reserve
 
 # Beyond ~1k running sequences the scheduler's per-step bookkeeping, not the GPU, sets the pace
 # (vLLM caps max_num_seqs at 256-1024 for the same reason).
@@ -30,10 +31,12 @@ class Memory(NamedTuple):
     kv_reason: str
 
 
-def replica_sizes(inputs: Inputs, gpu: Device, quantization: str, reserve: int) -> Sizes:
-    """What one replica holds: the target's (and the draft's) weights and KV per token, and the KV
-    pool left of its GPUs after `reserve`; a pool of 0 when the weights do not fit."""
+def replica_sizes(inputs: Inputs, group: tuple[Device, int], quantization: str, reserve: int) -> Sizes:
+    """What one replica (its GPUs as one device, and how many) holds: the target's (and the draft's)
+    weights and KV per token, and the KV pool left of its GPUs after `reserve`; a pool of 0 when the
+    weights do not fit."""
     spec, arch, context, runtime, draft = inputs.spec, inputs.arch, inputs.context, inputs.capabilities, inputs.draft
+    gpu, tp = group
     draft_weights, draft_kv = (draft.weights, draft.kv_per_token) if draft else (0, 0)
     # The engine gives the draft a KV slot for every slot of the target's, so each slot holds both.
     weights = (
@@ -46,11 +49,31 @@ def replica_sizes(inputs: Inputs, gpu: Device, quantization: str, reserve: int) 
         quantization=quantization,
         weight_bytes=weights,
         draft_weight_bytes=draft_weights,
-        kv_bytes_per_token=sizing.kv_bytes_per_token(arch, gpu.bytes_per_value) + draft_kv,
+        kv_bytes_per_token=sizing.kv_bytes_per_token(arch, gpu.bytes_per_value, tp) + draft_kv,
         draft_kv_bytes_per_token=draft_kv,
         checkpoint_bytes=sizing.weight_bytes(arch, spec.model.quantization or "none", runtime.quantized_lm_head),
         kv_pool_bytes=max(pool, 0),
         max_model_len=context,
+        kv_layout=sizing.kv_layout(arch, gpu.bytes_per_value, tp, draft_kv),
+    )
+
+
+def in_flight(budget: int) -> int:
+    """The tokens a sliding-window layer keeps beyond its window at a step `budget`: bounded by the
+    largest budget the plan may raise it to (one decode token for each of max_num_seqs)."""
+    return sizing.tokens_in_flight(max(budget, MAX_NUM_SEQS_CAP))
+
+
+def kv_rule(arch: Architecture, layout: sizing.KVLayout, held: int, tp: int) -> str:
+    """What a token or a sequence keeps beyond full attention over K and V heads, for the reason
+    text ('' when nothing)."""
+    if arch.latent_dim is not None:
+        return f" (one {arch.latent_dim}-value latent per token and layer, whole on each of the {tp} GPUs)"
+    if layout.window is None:
+        return ""
+    return (
+        f" ({layout.sliding_groups} sliding-window and {layout.full_groups} full-attention layer groups: "
+        f"the sliding ones keep at most the {layout.window}-token window + {held} tokens in flight)"
     )
 
 
@@ -68,6 +91,33 @@ def tp_group(gpu: Device, tp: int) -> Device:
     )
 
 
+def mean_sequence_tokens(spec: InferenceServiceSpec, context: int) -> int:
+    """Prompt + half the output: what a sequence holds on average over its life."""
+    return min(context, math.ceil(spec.load.mean_prompt_tokens + spec.load.mean_output_tokens / 2))
+
+
+def _reserve(inputs: Inputs, group: tuple[Device, int], quantization: str, budget: int) -> tuple[int, str]:
+    """The reserve of a replica's GPUs together, and (for a runtime that measures its own pool) what
+    it is made of on each GPU."""
+    arch, tp = inputs.arch, group[1]
+    if not inputs.capabilities.measures_kv_pool:
+        return sizing.runtime_reserve_bytes(arch, budget) * tp, ""
+    # vLLM's sampler is profiled at max_num_seqs rows, and max_num_seqs follows from the pool: bound
+    # it by the larger pool the rest of the reserve leaves, so the reserve is never under vLLM's.
+    unsampled = replica_sizes(inputs, group, quantization, vllm_reserve(arch, budget, 0, tp).total * tp)
+    lookahead = inputs.spec.serving.num_speculative_tokens if inputs.draft else 0
+    fitting = sizing.sequences_that_fit(
+        unsampled.kv_pool_bytes,
+        unsampled.kv_layout,
+        mean_sequence_tokens(inputs.spec, inputs.context) + lookahead,
+        inputs.spec.serving.block_size,
+        in_flight(budget),
+    )
+    seqs = min(fitting, MAX_NUM_SEQS_CAP)
+    per_gpu = vllm_reserve(arch, max(budget, seqs), seqs, tp)
+    return per_gpu.total * tp, f" ({per_gpu.describe()} per GPU, as vLLM profiles it)"
+
+
 def divide_memory(inputs: Inputs, device: tuple[Device, int], quantization: str) -> Memory | Plan:
     """How the memory of a replica's GPUs (a GPU type and the tensor-parallel size) divides at one
     quantization, with the inputs' draft model or none: a failed Plan when the weights or one full
@@ -78,8 +128,8 @@ def divide_memory(inputs: Inputs, device: tuple[Device, int], quantization: str)
     tp = device[1]
     gpu = tp_group(*device)
     budget, batching_reason = batched_tokens(spec, arch, gpu, quantization)
-    reserve = sizing.runtime_reserve_bytes(arch, budget) * tp
-    sizes = replica_sizes(inputs, gpu, quantization, reserve)
+    reserve, reserve_parts = _reserve(inputs, (gpu, tp), quantization, budget)
+    sizes = replica_sizes(inputs, (gpu, tp), quantization, reserve)
     target_weights, draft_weights = sizes.weight_bytes - sizes.draft_weight_bytes, sizes.draft_weight_bytes
     kv_per_token, draft_kv = sizes.kv_bytes_per_token, sizes.draft_kv_bytes_per_token
     target_kv, pool = kv_per_token - draft_kv, sizes.kv_pool_bytes
@@ -102,10 +152,9 @@ def divide_memory(inputs: Inputs, device: tuple[Device, int], quantization: str)
             sizes,
         )
     drafted = f" with its draft's KV and {lookahead} lookahead slots" if draft else ""
-    per_sequence = (
-        kv_per_token * sizing.blocks_per_sequence(context + lookahead, serving.block_size) * serving.block_size
-    )
-    fitting = sizing.sequences_that_fit(pool, kv_per_token, context + lookahead, serving.block_size)
+    layout, held = sizes.kv_layout, in_flight(budget)
+    per_sequence = sizing.sequence_bytes(layout, context + lookahead, serving.block_size, held)
+    fitting = sizing.sequences_that_fit(pool, layout, context + lookahead, serving.block_size, held)
     if fitting == 0:
         return failed_plan(
             spec,
@@ -116,8 +165,8 @@ def divide_memory(inputs: Inputs, device: tuple[Device, int], quantization: str)
         )
     # Sized for the mean context (prompt + half the output: what a sequence holds on average over its
     # life), as vLLM sizes its batch: the few sequences that grow long are preempted and recomputed.
-    mean_context = min(context, math.ceil(spec.load.mean_prompt_tokens + spec.load.mean_output_tokens / 2))
-    fitting_mean = sizing.sequences_that_fit(pool, kv_per_token, mean_context + lookahead, serving.block_size)
+    mean_context = mean_sequence_tokens(spec, context)
+    fitting_mean = sizing.sequences_that_fit(pool, layout, mean_context + lookahead, serving.block_size, held)
     max_num_seqs = min(fitting_mean, MAX_NUM_SEQS_CAP)
     kv = f"{kv_per_token / sizing.MiB:.3g} MiB/token" + (
         f" ({target_kv / sizing.MiB:.3g} target + {draft_kv / sizing.MiB:.3g} draft)" if draft else ""
@@ -125,10 +174,11 @@ def divide_memory(inputs: Inputs, device: tuple[Device, int], quantization: str)
     kv_reason = (
         f"{fitting_mean} sequences at the mean context of {mean_context} tokens (prompt + half "
         f"the output) fit, {fitting} at the full {context}{drafted}; preemption covers sequences "
-        f"that grow long: KV {kv}, {gib(per_sequence)} GiB per full sequence, pool {gib(pool)} "
+        f"that grow long: KV {kv}{kv_rule(arch, sizes.kv_layout, held, tp)}, {gib(per_sequence)} GiB per full "
+        f"sequence, pool {gib(pool)} "
         f"GiB = {where} - weights {gib(target_weights)} GiB"
         + (f" - draft model weights {gib(draft_weights)} GiB" if draft else "")
-        + f" - reserve {gib(reserve)} GiB"
+        + f" - reserve {gib(reserve)} GiB{reserve_parts}"
         + (f"; capped at {MAX_NUM_SEQS_CAP}" if fitting_mean > MAX_NUM_SEQS_CAP else "")
     )
     # A CPU's packed low-bit kernels read the stored weights (a tied head's packed copy in place of

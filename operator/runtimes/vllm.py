@@ -2,9 +2,12 @@
 `vllm serve MODEL --flag ...`. tests/operator/controller/test_vllm_contract.py parses every rendered
 argv with that version's own parser and config builder.
 
-The same numbers our engine gets, under vLLM's flag names. The KV pool is passed as bytes per GPU
-(`--kv-cache-memory-bytes`, which vLLM takes in place of `--gpu-memory-utilization`), so vLLM
-allocates what the plan counted instead of profiling its own share. A checkpoint stored quantized
+The same numbers our engine gets, under vLLM's flag names, but for the KV pool: vLLM measures it at
+start from `--gpu-memory-utilization` (what is left after its weights, profiled activations,
+non-torch memory and CUDA graphs), which the plan predicts as vLLM counts it (planning/reserve.py)
+and status.planAccuracy.kvBlocks compares with what each engine allocated. Passing the plan's
+bytes (`--kv-cache-memory-bytes`) would skip vLLM's own check: a pool predicted too large would be a
+pod that runs out of memory. A checkpoint stored quantized
 gets no `--quantization`: vLLM reads the scheme from its config.json and picks the fastest kernel
 for the GPU (Marlin for AWQ/GPTQ where it runs), which naming the method would override.
 """
@@ -38,6 +41,7 @@ VLLM_CAPABILITIES = EngineCapabilities(
     block_sizes=(16, 32, 64),
     low_bit_gpu_matmuls=True,
     quantized_lm_head=False,
+    measures_kv_pool=True,
 )
 
 # The n-gram lengths our engine proposes with, so that both runtimes speculate alike.
@@ -74,7 +78,7 @@ def vllm_args(launch: Launch) -> list[str]:
         f"--block-size={plan.block_size}",
         "--enable-prefix-caching",
         f"--tensor-parallel-size={plan.gpu_count}",
-        f"--kv-cache-memory-bytes={plan.kv_pool_bytes // plan.gpu_count}",
+        f"--gpu-memory-utilization={plan.gpu_memory_utilization:g}",
     ]
     if launch.float16:
         args.append("--dtype=float16")

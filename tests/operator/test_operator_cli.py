@@ -31,13 +31,13 @@ def test_plan_prints_a_readable_table() -> None:
     code, text = run("plan --model llama-2-7b --gpu A10G --context 4096")
     assert code == 0
     assert "runtime             kvpilot" in text and "gpus per replica    1\n" in text
-    assert "max num seqs        21 (sequences at the mean context that fit)" in text
+    assert "max num seqs        20 (sequences at the mean context that fit)" in text
     assert "KV per token        0.5 MiB" in text
     assert "quantization        none" in text
     assert "predicted TTFT" in text and "predicted TPOT" in text
     assert (
         "why:" in text
-        and "kvCache: 21 sequences at the mean context of 640 tokens (prompt + half the output) fit, 3 at the full 4096"
+        and "kvCache: 20 sequences at the mean context of 640 tokens (prompt + half the output) fit, 3 at the full 4096"
         in text
     )
 
@@ -46,7 +46,7 @@ def test_plan_json_is_the_plan() -> None:
     code, text = run("plan --model llama-2-7b --gpu A10G --context 4096 --json")
     assert code == 0
     result = Plan.model_validate_json(text)
-    assert (result.max_num_seqs, result.kv_bytes_per_token, result.max_model_len) == (21, 524288, 4096)
+    assert (result.max_num_seqs, result.kv_bytes_per_token, result.max_model_len) == (20, 524288, 4096)
 
 
 def test_plan_exit_codes_for_no_fit_and_invalid_input(capsys: pytest.CaptureFixture[str]) -> None:
@@ -152,7 +152,10 @@ def test_plan_runtime_vllm_splits_a_70b_model_and_json_carries_the_vllm_argv() -
     _, table = run("plan --model llama-3-70b --gpu H100-80GB --runtime vllm")
     assert f"gpus per replica    {body['gpu_count']} (tensor parallel)" in table
     assert "--tensor-parallel-size=" + str(body["gpu_count"]) in body["args"]
-    assert f"--kv-cache-memory-bytes={body['kv_pool_bytes'] // body['gpu_count']}" in body["args"]
+    # vLLM measures its pool from the utilization; the plan's prediction says what it is made of.
+    assert f"--gpu-memory-utilization={body['gpu_memory_utilization']:g}" in body["args"]
+    assert not any(arg.startswith("--kv-cache-memory") for arg in body["args"])
+    assert "as vLLM profiles it" in body["reasons"]["kvCache"]
     assert body["reasons"]["tensorParallel"].startswith(f"{body['gpu_count']}: the smallest")
     # Our own engine refuses more than one GPU, and says which runtime runs it.
     code, text = run("plan --model llama-3-70b --gpu H100-80GB --gpus 2")

@@ -42,6 +42,7 @@ def numbers(argv: list[str]) -> dict[str, Any]:
         "block_size": config.cache_config.block_size,
         "enable_prefix_caching": config.cache_config.enable_prefix_caching,
         "kv_cache_memory_bytes": config.cache_config.kv_cache_memory_bytes,
+        "gpu_memory_utilization": config.cache_config.gpu_memory_utilization,
         "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
         "quantization": config.model_config.quantization,
         "dtype": str(config.model_config.dtype).removeprefix("torch."),

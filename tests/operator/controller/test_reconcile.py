@@ -228,7 +228,7 @@ def test_creates_deployment_service_and_pdb_and_reports_progress() -> None:
     assert status["desiredReplicas"] == REPLICAS and status["readyReplicas"] == 0
     assert status["selector"] == "app.kubernetes.io/instance=chat,app.kubernetes.io/name=kvpilot-engine"
     assert status["url"] == "http://chat.ml.svc.cluster.local:8000/v1"
-    assert status["plan"]["maxNumSeqs"] == 21 and status["plan"]["gpu"] == "A10G"
+    assert status["plan"]["maxNumSeqs"] == 20 and status["plan"]["gpu"] == "A10G"
     assert condition(status, "Planned")["status"] == "True"
     assert condition(status, "Progressing")["reason"] == "RollingOut"
     ready = condition(status, "Ready")
@@ -320,7 +320,7 @@ def test_a_plan_that_stops_fitting_keeps_the_last_good_deployment_and_says_why()
     planned = condition(status, "Planned")
     assert (planned["status"], planned["reason"]) == ("False", "WeightsDoNotFit")
     # Even the most compressed scheme this engine runs (INT4) does not fit.
-    assert "int4 weights 42.8 GiB" in planned["message"] and "20.2 GiB" in planned["message"]
+    assert "int4 weights 42.8 GiB" in planned["message"] and "19.9 GiB" in planned["message"]
     assert "last plan that fit keeps running" in planned["message"]
     ready = condition(status, "Ready")
     assert (ready["status"], ready["reason"]) == ("True", "ReplicasReady")

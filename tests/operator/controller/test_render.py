@@ -63,7 +63,7 @@ def test_engine_args_carry_the_plans_numbers() -> None:
         "--speculative",
         "off",
     ]
-    assert p.max_num_seqs == 21  # at the mean context of 640 tokens (3 at the full 4096)
+    assert p.max_num_seqs == 20  # at the mean context of 640 tokens (3 at the full 4096)
 
 
 def test_a_plan_the_engine_cannot_run_is_refused_not_rendered(fuller: EngineCapabilities) -> None:
@@ -165,7 +165,7 @@ def test_built_in_engine_image_is_the_charts_app_version() -> None:
 def test_replicas_come_from_the_plan_unless_scaled() -> None:
     s = spec(load={"requestsPerSecond": 4})
     p = plan(s)
-    assert render.deployment("chat", "ml", UID, s, p)["spec"]["replicas"] == p.replicas == 3
+    assert render.deployment("chat", "ml", UID, s, p)["spec"]["replicas"] == p.replicas == 4
     scaled = spec(replicas=5, autoscaling={"maxReplicas": 8})  # within the autoscaler's bounds
     assert render.deployment("chat", "ml", UID, scaled, plan(scaled))["spec"]["replicas"] == 5
 

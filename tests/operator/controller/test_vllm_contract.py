@@ -113,7 +113,9 @@ def _expected(spec: InferenceServiceSpec, result: Plan) -> dict[str, Any]:
         "max_num_batched_tokens": result.max_num_batched_tokens,
         "block_size": result.block_size,
         "enable_prefix_caching": True,
-        "kv_cache_memory_bytes": result.kv_pool_bytes // result.gpu_count,
+        # vLLM measures its own pool from the utilization: no pool of the plan's is imposed on it.
+        "kv_cache_memory_bytes": None,
+        "gpu_memory_utilization": result.gpu_memory_utilization,
         "tensor_parallel_size": result.gpu_count,
         "quantization": VLLM_QUANTIZATION[scheme],
         "speculative_method": {"off": None, "ngram": "ngram", "draft": "draft_model", "eagle": "eagle"}[

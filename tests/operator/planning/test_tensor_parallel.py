@@ -37,7 +37,7 @@ def test_a_70b_model_on_an_l4_pool_is_split_or_refused_with_the_numbers() -> Non
     assert "PCIe" in result.reasons["tensorParallel"] and "TP 4:" in result.reasons["tensorParallel"]
     refused = plan(spec("llama-3-70b", "L4", accelerator={"count": 2}))
     assert not refused.fits and refused.failure == "WeightsDoNotFit"
-    assert "of the 45.0 GiB 2 x L4 report" in refused.reason
+    assert "of the 44.1 GiB 2 x L4 report" in refused.reason
 
 
 def test_an_8b_model_keeps_one_gpu_where_it_fits() -> None:

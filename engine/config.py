@@ -79,6 +79,8 @@ class EngineCapabilities(BaseModel):
     # being told the pool's bytes: the planner then predicts that pool as the runtime counts it
     # (the operator's planning/reserve.py).
     measures_kv_pool: bool = False
+    # The KV cache dtypes it stores ("model": the model's own; "fp8": one byte per value).
+    kv_cache_dtypes: tuple[str, ...] = ("model",)
 
 
 # Everything this build runs; the operator can deliver each to a pod (a draft model's weights come

@@ -28,6 +28,7 @@ from kvpilot.operator.api.spec import (
     CPU_TYPE,
     Architecture,
     InferenceServiceSpec,
+    KvCacheDtype,
     Quantization,
     Runtime,
     Speculative,
@@ -83,6 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     planner.add_argument("--gpus", type=int, help="GPUs per replica (tensor-parallel size; default: the planner's)")
     planner.add_argument("--context", type=int, help="max context length (default: the model's)")
     planner.add_argument("--quantization", default="auto", choices=get_args(Quantization))
+    planner.add_argument("--kv-cache-dtype", default="auto", choices=get_args(KvCacheDtype))
     planner.add_argument("--speculative", default="auto", choices=get_args(Speculative))
     planner.add_argument("--draft-model")
     planner.add_argument("--gpu-memory-utilization", type=float)
@@ -306,6 +308,7 @@ def _spec(args: argparse.Namespace, profile: DeviceProfile | None) -> dict[str, 
         "serving": given(
             maxContextLength=args.context,
             quantization=args.quantization,
+            kvCacheDtype=args.kv_cache_dtype,
             speculative=args.speculative,
             draftModel=args.draft_model,
             gpuMemoryUtilization=args.gpu_memory_utilization,
@@ -344,7 +347,8 @@ def format_plan(result: Plan, spec: InferenceServiceSpec) -> str:
     if result.quantization:
         rows += [("quantization", result.quantization), ("weights", f"{result.weight_bytes / gib:.1f} GiB")]
     if result.kv_bytes_per_token:
-        rows.append(("KV per token", f"{result.kv_bytes_per_token / sizing.MiB:.3g} MiB"))
+        dtype = " (fp8)" if result.kv_cache_dtype == "fp8" else ""
+        rows.append(("KV per token", f"{result.kv_bytes_per_token / sizing.MiB:.3g} MiB{dtype}"))
     if result.fits:
         rows += [
             (

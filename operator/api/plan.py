@@ -33,6 +33,7 @@ class Plan(BaseModel):
     # status.planAccuracy shows the observed one beside it).
     assumed_prefix_share: float = 0.0
     block_size: int = 16
+    kv_cache_dtype: str = "model"  # "model" (16-bit) or "fp8"
     gpu_memory_utilization: float = 0.9
     # Both include the draft model's share when the plan runs one (the engine's own totals).
     weight_bytes: int = 0

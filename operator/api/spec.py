@@ -18,6 +18,8 @@ from pydantic.alias_generators import to_camel
 Quantization = Literal["auto", "none", "int8", "fp8", "w8a8", "int4"]
 # eagle: serving.draftModel is an EAGLE head (trained on the target's hidden states), pinned only.
 Speculative = Literal["auto", "off", "ngram", "draft", "eagle"]
+# The KV cache's values: the model's 16-bit dtype, or one byte each (vLLM's --kv-cache-dtype fp8).
+KvCacheDtype = Literal["auto", "model", "fp8"]
 # What runs the model in the pods (operator/runtimes/ declares what each runs).
 Runtime = Literal["kvpilot", "vllm"]
 # How a checkpoint may already be quantized (model.quantization): compressed-tensors W8A16, FP8,
@@ -361,6 +363,12 @@ class ServingSpec(_Camel):
 
     max_context_length: int | None = Field(default=None, gt=0)
     quantization: Quantization = "auto"
+    kv_cache_dtype: KvCacheDtype = Field(
+        default="auto",
+        description="The KV cache's values: 'model' (the model's 16-bit dtype), 'fp8' (one byte each: twice the "
+        "tokens, on GPUs with FP8 and a runtime that stores it), or 'auto': fp8 only where the 16-bit cache "
+        "leaves a context or the batch short or misses the SLO.",
+    )
     speculative: Speculative = "auto"
     # Where the draft model's files are, in the forms of model.source; the engine loads it beside
     # the target (unquantized, its KV cache slot for slot with the target's). Its size comes from the

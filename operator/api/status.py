@@ -46,6 +46,7 @@ class PlanStatus(_Status):
     speculative: str | None = None
     weights_gib: float | None = Field(default=None, alias="weightsGiB")
     kv_bytes_per_token: int | None = None
+    kv_cache_dtype: str | None = Field(default=None, description="The KV cache's values: model (16-bit) or fp8.")
     kv_pool_gib: float | None = Field(default=None, alias="kvPoolGiB")
     kv_blocks: int | None = None
     max_model_len: int | None = None

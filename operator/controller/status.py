@@ -36,6 +36,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "assumedPrefixShare": plan.assumed_prefix_share,
         "weightsGiB": round(plan.weight_bytes / sizing.GiB, 2),
         "kvBytesPerToken": plan.kv_bytes_per_token,
+        "kvCacheDtype": plan.kv_cache_dtype,
         "kvPoolGiB": round(plan.kv_pool_bytes / sizing.GiB, 2),
         "kvBlocks": plan.kv_blocks,
         "maxModelLen": plan.max_model_len,

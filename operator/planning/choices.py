@@ -56,6 +56,7 @@ def unsupported_pins(spec: InferenceServiceSpec, capabilities: EngineCapabilitie
                 "; or 'auto'",
             ),
             ("serving.speculative", spec.serving.speculative, capabilities.speculative, "; or 'auto'"),
+            ("serving.kvCacheDtype", spec.serving.kv_cache_dtype, capabilities.kv_cache_dtypes, "; or 'auto'"),
             ("model.quantization", spec.model.quantization, capabilities.checkpoint_quantization, ""),
         )
         if value not in (None, "auto") and value not in supported

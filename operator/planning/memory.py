@@ -44,17 +44,19 @@ def replica_sizes(inputs: Inputs, group: tuple[Device, int], quantization: str, 
         + draft_weights
     )
     pool = sizing.kv_pool_bytes(gpu.memory_bytes, spec.serving.gpu_memory_utilization, weights, reserve)
+    kv_bytes = sizing.FP8_BYTES_PER_VALUE if inputs.kv_cache_dtype == "fp8" else gpu.bytes_per_value
     return Sizes(
         gpu=gpu.name,
         quantization=quantization,
         weight_bytes=weights,
         draft_weight_bytes=draft_weights,
-        kv_bytes_per_token=sizing.kv_bytes_per_token(arch, gpu.bytes_per_value, tp) + draft_kv,
+        kv_bytes_per_token=sizing.kv_bytes_per_token(arch, kv_bytes, tp) + draft_kv,
         draft_kv_bytes_per_token=draft_kv,
         checkpoint_bytes=sizing.weight_bytes(arch, spec.model.quantization or "none", runtime.quantized_lm_head),
         kv_pool_bytes=max(pool, 0),
         max_model_len=context,
-        kv_layout=sizing.kv_layout(arch, gpu.bytes_per_value, tp, draft_kv),
+        kv_cache_dtype=inputs.kv_cache_dtype,
+        kv_layout=sizing.kv_layout(arch, kv_bytes, tp, draft_kv),
     )
 
 
@@ -168,8 +170,10 @@ def divide_memory(inputs: Inputs, device: tuple[Device, int], quantization: str)
     mean_context = mean_sequence_tokens(spec, context)
     fitting_mean = sizing.sequences_that_fit(pool, layout, mean_context + lookahead, serving.block_size, held)
     max_num_seqs = min(fitting_mean, MAX_NUM_SEQS_CAP)
-    kv = f"{kv_per_token / sizing.MiB:.3g} MiB/token" + (
-        f" ({target_kv / sizing.MiB:.3g} target + {draft_kv / sizing.MiB:.3g} draft)" if draft else ""
+    kv = (
+        f"{kv_per_token / sizing.MiB:.3g} MiB/token"
+        + (f" ({target_kv / sizing.MiB:.3g} target + {draft_kv / sizing.MiB:.3g} draft)" if draft else "")
+        + (" in FP8 (one byte per value)" if inputs.kv_cache_dtype == "fp8" else "")
     )
     kv_reason = (
         f"{fitting_mean} sequences at the mean context of {mean_context} tokens (prompt + half "

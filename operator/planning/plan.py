@@ -60,11 +60,16 @@ def _size(inputs: Inputs, device: tuple[Device, int], quantization: str) -> Plan
             )
             return failed.model_copy(update={"gpu": gpu.name, "quantization": quantization, "gpu_count": tp})
         draft = None
-    if quantization == "fp8" and not gpu.fp8:
+    fp8 = [
+        what
+        for what, value in (("quantization fp8", quantization), ("an FP8 KV cache", inputs.kv_cache_dtype))
+        if value == "fp8"
+    ]
+    if fp8 and not gpu.fp8:
         return failed_plan(
             spec,
             "UnsupportedOnGPU",
-            f"{gpu.name} has no FP8 tensor cores, which quantization fp8 runs on (GPUs with them: "
+            f"{gpu.name} has no FP8 tensor cores, which {' and '.join(fp8)} run on (GPUs with them: "
             f"{', '.join(g.name for g in GPUS.values() if g.fp8)})",
             replica_sizes(inputs._replace(draft=None), (tp_group(gpu, tp), tp), quantization, 0),
         )
@@ -294,7 +299,8 @@ def _choice_reasons(
 ) -> dict[str, str]:
     """Why this quantization and this GPU: what was tried before the chosen option and why not."""
     passed = [
-        f"{o.gpu}/{o.quantization}/TP {o.gpu_count}: {o.reason if not o.fits else o.reasons['replicas']}"
+        f"{o.gpu}/{o.quantization}/TP {o.gpu_count}{'/FP8 KV' if o.kv_cache_dtype == 'fp8' else ''}: "
+        f"{o.reason if not o.fits else o.reasons['replicas']}"
         for o in rejected
     ]
     if spec.model.quantization is not None:
@@ -332,8 +338,20 @@ def _options(
             options.append(
                 failed_plan(spec, "NoTensorParallelSize", f"{spec.model.name} on {gpu.name}: {ruled_out[gpu.name]}")
             )
-        options += [_size(inputs, (gpu, tp), q) for q in schemes for tp in sizes]
+        kv_dtypes = _kv_cache_dtypes(spec, capabilities, gpu)
+        options += [
+            _size(inputs._replace(kv_cache_dtype=kv), (gpu, tp), q) for q in schemes for tp in sizes for kv in kv_dtypes
+        ]
     return options, ruled_out
+
+
+def _kv_cache_dtypes(spec: InferenceServiceSpec, capabilities: EngineCapabilities, gpu: Device) -> tuple[str, ...]:
+    """The KV cache dtypes to try on `gpu`, in the order of preference: the pinned one, else the
+    model's 16-bit one and then FP8 where the runtime stores it and the GPU has FP8."""
+    pinned = spec.serving.kv_cache_dtype
+    if pinned != "auto":
+        return (pinned,)
+    return ("model", "fp8") if "fp8" in capabilities.kv_cache_dtypes and gpu.fp8 else ("model",)
 
 
 def plan(spec: InferenceServiceSpec, context: PlanContext | None = None) -> Plan:
@@ -391,11 +409,27 @@ def plan(spec: InferenceServiceSpec, context: PlanContext | None = None) -> Plan
     smaller = [o for o in earlier if (o.gpu, o.quantization) == (chosen.gpu, chosen.quantization)]
     reasons = {
         "model": model_reason,
+        **_kv_cache_dtype_reason(spec, chosen, earlier),
         **_choice_reasons(spec, chosen, earlier, gpus, not_run),
         "tensorParallel": _tp_reason(spec, chosen, smaller, ruled_out[str(chosen.gpu)]),
         **chosen.reasons,
     }
     return chosen.model_copy(update={"reasons": reasons, **_cpu_fields(cpu, reasons)})
+
+
+def _kv_cache_dtype_reason(spec: InferenceServiceSpec, chosen: Plan, earlier: Sequence[Plan]) -> dict[str, str]:
+    """Why the KV cache is FP8, where it is (the 16-bit cache of the same option is what it beat)."""
+    if chosen.kv_cache_dtype != "fp8":
+        return {}
+    if spec.serving.kv_cache_dtype == "fp8":
+        return {"kvCacheDtype": "fp8: set in the spec"}
+    same = [
+        o
+        for o in earlier
+        if (o.gpu, o.quantization, o.gpu_count) == (chosen.gpu, chosen.quantization, chosen.gpu_count)
+    ]
+    why = (same[-1].reason if not same[-1].fits else same[-1].reasons["replicas"]) if same else "not tried"
+    return {"kvCacheDtype": f"fp8: one byte per value, twice the tokens of the 16-bit cache (with it: {why})"}
 
 
 def _cpu_fields(cpu: tuple[Device, DeviceProfile] | None, reasons: dict[str, str]) -> dict[str, object]:

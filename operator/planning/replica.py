@@ -31,6 +31,7 @@ class Inputs(NamedTuple):
     draft: Draft | None
     # What the service's engines showed: the replicas are chosen with it, the plan's own latencies not.
     correction: Correction
+    kv_cache_dtype: str = "model"  # the option's: "model" (16-bit) or "fp8"
 
 
 class Draft(NamedTuple):
@@ -81,6 +82,7 @@ class Sizes(NamedTuple):
     checkpoint_bytes: int
     kv_pool_bytes: int
     max_model_len: int
+    kv_cache_dtype: str
     kv_layout: sizing.KVLayout  # how a sequence holds kv_bytes_per_token in the pool's blocks
 
     def reported(self) -> dict[str, object]:

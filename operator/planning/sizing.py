@@ -41,8 +41,10 @@ BODY_BYTES_PER_WEIGHT: dict[str, float] = {
     "awq": INT4_BYTES_PER_WEIGHT + AWQ_GPTQ_SCALE_ZERO_BYTES / CHECKPOINT_INT4_GROUP,
     "gptq": INT4_BYTES_PER_WEIGHT + AWQ_GPTQ_SCALE_ZERO_BYTES / CHECKPOINT_INT4_GROUP,
 }
-# The KV cache stays FP16 whatever the weights are: the engine has no KV quantization.
+# The KV cache stays 16-bit whatever the weights are (our engine has no KV quantization), unless the
+# plan stores it as FP8 (vLLM's --kv-cache-dtype fp8): one byte per value.
 KV_BYTES_PER_VALUE = 2
+FP8_BYTES_PER_VALUE = 1
 
 # CUDA context, cuBLAS workspaces and allocator slack: vLLM measures 0.5-1.5 GiB outside the
 # weights and the KV cache on a single GPU before any activation.

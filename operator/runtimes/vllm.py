@@ -42,6 +42,7 @@ VLLM_CAPABILITIES = EngineCapabilities(
     low_bit_gpu_matmuls=True,
     quantized_lm_head=False,
     measures_kv_pool=True,
+    kv_cache_dtypes=("model", "fp8"),
 )
 
 # The n-gram lengths our engine proposes with, so that both runtimes speculate alike.
@@ -80,6 +81,8 @@ def vllm_args(launch: Launch) -> list[str]:
         f"--tensor-parallel-size={plan.gpu_count}",
         f"--gpu-memory-utilization={plan.gpu_memory_utilization:g}",
     ]
+    if plan.kv_cache_dtype == "fp8":
+        args.append("--kv-cache-dtype=fp8")
     if launch.float16:
         args.append("--dtype=float16")
     if spec.model.quantization is None and plan.quantization != "none":

@@ -43,6 +43,7 @@ def numbers(argv: list[str]) -> dict[str, Any]:
         "enable_prefix_caching": config.cache_config.enable_prefix_caching,
         "kv_cache_memory_bytes": config.cache_config.kv_cache_memory_bytes,
         "gpu_memory_utilization": config.cache_config.gpu_memory_utilization,
+        "kv_cache_dtype": config.cache_config.cache_dtype,
         "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
         "quantization": config.model_config.quantization,
         "dtype": str(config.model_config.dtype).removeprefix("torch."),

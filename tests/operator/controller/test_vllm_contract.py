@@ -95,8 +95,8 @@ def _cases() -> list[tuple[InferenceServiceSpec, Plan]]:
         _spec(model, gpu, scheme, speculation, tp, {})
         for model, gpu, scheme, speculation, tp in product(MODELS, GPUS, SCHEMES, SPECULATION, TENSOR_PARALLEL)
     ] + [
-        _spec(model, gpu, scheme, {"speculative": "off"}, None, SHORT)
-        for model, gpu, scheme in product(MODELS, GPUS, SCHEMES)
+        _spec(model, gpu, scheme, {"speculative": "off"}, None, serving)
+        for model, gpu, scheme, serving in product(MODELS, GPUS, SCHEMES, (SHORT, {"kvCacheDtype": "fp8"}))
     ]
     return [(spec, result) for spec in specs if (result := plan(spec)).fits]
 
@@ -116,6 +116,7 @@ def _expected(spec: InferenceServiceSpec, result: Plan) -> dict[str, Any]:
         # vLLM measures its own pool from the utilization: no pool of the plan's is imposed on it.
         "kv_cache_memory_bytes": None,
         "gpu_memory_utilization": result.gpu_memory_utilization,
+        "kv_cache_dtype": {"model": "auto", "fp8": "fp8"}[result.kv_cache_dtype],
         "tensor_parallel_size": result.gpu_count,
         "quantization": VLLM_QUANTIZATION[scheme],
         "speculative_method": {"off": None, "ngram": "ngram", "draft": "draft_model", "eagle": "eagle"}[
@@ -166,3 +167,4 @@ def test_every_vllm_plan_that_fits_is_a_command_line_vllm_configures_as_planned(
     # The matrix exercises what the runtime adds: tensor parallelism and every scheme.
     assert {r.gpu_count for _, r in cases} == set(VLLM_CAPABILITIES.tensor_parallel_sizes)
     assert {s.model.quantization or r.quantization for s, r in cases} >= {"none", "fp8", "int4", "awq", "gptq", "w8a8"}
+    assert {r.kv_cache_dtype for _, r in cases} == set(VLLM_CAPABILITIES.kv_cache_dtypes)

@@ -117,3 +117,32 @@ def test_a_plan_renders_no_pool_above_what_vllm_finds_for_its_own_batch(point: d
     )
     assert calibrated * 0.95 <= pool <= calibrated + 1e-6
     assert "as vLLM profiles it" in result.reasons["kvCache"]
+
+
+def test_an_fp8_kv_cache_is_chosen_where_the_16_bit_one_leaves_the_context_short() -> None:
+    arch = architecture("meta-llama--Meta-Llama-3.1-8B").model_dump(by_alias=True)
+    base = {
+        "model": {"name": "llama-3.1-8b", "source": "hf://meta-llama/Llama-3.1-8B-Instruct", "architecture": arch},
+        "runtime": "vllm",
+        "accelerator": {"type": "L4", "count": 1},
+        "serving": {"quantization": "fp8", "maxContextLength": 100_000},
+    }
+    chosen = plan(InferenceServiceSpec.model_validate(base))
+    assert chosen.fits and chosen.kv_cache_dtype == "fp8"
+    # 32 layers x 8 KV heads x 128 x K and V, one byte each: half the 16-bit cache's bytes per token.
+    assert chosen.kv_bytes_per_token == 2 * 32 * 8 * 128
+    assert "one 100000-token sequence needs 12.2 GiB" in chosen.reasons["kvCacheDtype"]
+    assert "in FP8 (one byte per value)" in chosen.reasons["kvCache"]
+    pinned = {**base, "serving": {**base["serving"], "kvCacheDtype": "model"}}
+    refused = plan(InferenceServiceSpec.model_validate(pinned))
+    assert refused.failure == "ContextDoesNotFit" and refused.kv_cache_dtype == "model"
+    # A short context fits in 16 bits: no FP8 where it buys nothing.
+    short = {**base, "serving": {"quantization": "fp8", "maxContextLength": 8192}}
+    assert plan(InferenceServiceSpec.model_validate(short)).kv_cache_dtype == "model"
+    # A GPU without FP8 (A10G) never stores it, and one pinned there says why.
+    a10g = {**base, "accelerator": {"type": "A10G", "count": 1}, "serving": {"kvCacheDtype": "fp8"}}
+    failed = plan(InferenceServiceSpec.model_validate(a10g))
+    assert failed.failure == "UnsupportedOnGPU" and "an FP8 KV cache" in failed.reason
+    # Our engine stores no FP8 cache: a pin is refused before anything is sized.
+    ours = plan(InferenceServiceSpec.model_validate({**base, "runtime": "kvpilot", "serving": {"kvCacheDtype": "fp8"}}))
+    assert ours.failure == "UnsupportedByRuntime" and "serving.kvCacheDtype 'fp8'" in ours.reason

@@ -55,10 +55,12 @@ def predicted_gib(point: dict[str, Any], batch: tuple[int, int] | None = None) -
 
 
 def test_the_points_cover_tensor_parallelism_quantization_and_experts() -> None:
-    assert len(POINTS) >= 16
+    assert len(POINTS) >= 18
     assert {p["tensor_parallel_size"] for p in POINTS} >= {1, 2, 4}
     assert {p["quantization"] for p in POINTS} >= {"none", "fp8"}
-    assert any(architecture(p["architecture"]).active_parameters for p in POINTS)
+    kinds = [architecture(p["architecture"]) for p in POINTS]
+    assert any(a.active_parameters for a in kinds) and any(a.latent_dim for a in kinds)
+    assert any(a.sliding_window for a in kinds)
     for point in POINTS:
         assert point["source"].startswith("https://github.com/") and point["log"]
         # The catalog's H100 is the total CUDA reported in each log.

@@ -3,7 +3,7 @@
 pyproject.toml maps `kvpilot.engine` onto engine/ and `kvpilot.operator` onto operator/; this file
 finds every sub-package below them, so a new one ships without anyone listing it, and names the
 data files that ship inside them. operator/ itself
-has no __init__.py (see README, "Images and chart"), so it is named here, not found.
+has no __init__.py (see docs/install.md, "Images"), so it is named here, not found.
 """
 
 from setuptools import find_packages, setup

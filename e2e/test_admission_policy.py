@@ -1,6 +1,5 @@
 """The chart's optional ValidatingAdmissionPolicy, enforced by the real API server: images only under
-the allowed prefixes, Secrets and HF_ENDPOINT only in namespaces labelled for them (README,
-"Security model")."""
+the allowed prefixes, Secrets and HF_ENDPOINT only in namespaces labelled for them (docs/security.md)."""
 
 from __future__ import annotations
 

@@ -239,7 +239,7 @@ class Gateway:
         )
 
     async def _unaddressed(self, _: web.Request) -> web.Response:
-        return error(404, "address a namespace: /namespaces/<namespace>/v1/... (README, 'Gateway')", "not_found")
+        return error(404, "address a namespace: /namespaces/<namespace>/v1/... (docs/gateway.md)", "not_found")
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()

@@ -79,7 +79,7 @@ def test_parse_under_batching(server: Server) -> None:
 
 
 def test_parse_under_preemption_and_speculation(tight: Server) -> None:
-    """Structured requests do not speculate (README): while they run, plain requests in the same
+    """Structured requests do not speculate (docs/speculative-decoding.md): while they run, plain requests in the same
     batch still get drafts, and preemption recomputes a structured request without losing its place
     in the grammar."""
     client = tight.client()

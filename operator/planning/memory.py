@@ -18,6 +18,9 @@ from kvpilot.operator.planning.reserve import vllm_reserve
 # Beyond ~1k running sequences the scheduler's per-step bookkeeping, not the GPU, sets the pace
 # (vLLM caps max_num_seqs at 256-1024 for the same reason).
 MAX_NUM_SEQS_CAP = 1024
+# How far above what vLLM allocates the predicted pool may be (the calibration's bound on public
+# start-up logs, tests/operator/planning/test_vllm_memory.py).
+MEASURED_POOL_MARGIN = 0.02
 
 
 class Memory(NamedTuple):
@@ -157,12 +160,16 @@ def divide_memory(inputs: Inputs, device: tuple[Device, int], quantization: str)
     layout, held = sizes.kv_layout, in_flight(budget)
     per_sequence = sizing.sequence_bytes(layout, context + lookahead, serving.block_size, held)
     fitting = sizing.sequences_that_fit(pool, layout, context + lookahead, serving.block_size, held)
-    if fitting == 0:
+    # A runtime that measures its pool refuses to start when one full sequence does not fit in what
+    # it finds: the prediction must fit it with the margin it may be over (test_vllm_memory.py).
+    margin = MEASURED_POOL_MARGIN if runtime.measures_kv_pool else 0.0
+    if fitting == 0 or per_sequence > pool * (1 - margin):
         return failed_plan(
             spec,
             "ContextDoesNotFit",
             f"one {context}-token sequence{drafted} needs {gib(per_sequence)} GiB of KV cache "
-            f"but only {gib(pool)} GiB is left of {where} after {weighed}",
+            f"but only {gib(pool)} GiB is left of {where} after {weighed}"
+            + (f", less the {margin:.0%} by which the runtime may find less than predicted" if margin else ""),
             sizes,
         )
     # Sized for the mean context (prompt + half the output: what a sequence holds on average over its

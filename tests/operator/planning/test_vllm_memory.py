@@ -148,3 +148,39 @@ def test_an_fp8_kv_cache_is_chosen_where_the_16_bit_one_leaves_the_context_short
     # Our engine stores no FP8 cache: a pin is refused before anything is sized.
     ours = plan(InferenceServiceSpec.model_validate({**base, "runtime": "kvpilot", "serving": {"kvCacheDtype": "fp8"}}))
     assert ours.failure == "UnsupportedByRuntime" and "serving.kvCacheDtype 'fp8'" in ours.reason
+
+
+def test_a_context_that_fits_only_within_the_prediction_s_margin_is_refused() -> None:
+    """vLLM refuses to start when one max_model_len sequence does not fit in the pool it measures,
+    which may be up to 2 % under the prediction: a context needing 99 % of the predicted pool is not
+    rendered."""
+    arch = architecture("meta-llama--Meta-Llama-3.1-8B")
+    base = {
+        "model": {"name": "llama-3.1-8b", "source": "hf://meta-llama/Llama-3.1-8B-Instruct"},
+        "runtime": "vllm",
+        "accelerator": {"type": "L4", "count": 1},
+        "serving": {"quantization": "fp8", "kvCacheDtype": "model"},
+    }
+    roomy = plan(
+        InferenceServiceSpec.model_validate(
+            {
+                **base,
+                "model": {**base["model"], "architecture": arch.model_dump(by_alias=True)},
+                "serving": {**base["serving"], "maxContextLength": 8192},
+            }
+        )
+    )
+    assert roomy.fits
+    # The longest context whose blocks fill 99 % of that pool.
+    per_token = roomy.kv_bytes_per_token
+    context = int(roomy.kv_pool_bytes * 0.99 / per_token) // 16 * 16
+    long = arch.model_copy(update={"max_context": context})
+    spec = {
+        **base,
+        "model": {**base["model"], "architecture": long.model_dump(by_alias=True)},
+        "serving": {**base["serving"], "maxContextLength": context},
+    }
+    refused = plan(InferenceServiceSpec.model_validate(spec))
+    assert (
+        refused.failure == "ContextDoesNotFit" and "less the 2% by which the runtime may find less" in refused.reason
+    )

@@ -1,8 +1,8 @@
 """The import graph of both halves, read from the source (ast): neither half has an import cycle,
 the model side reads checkpoints without reaching up into the runner, the server or the offline
-quantization tools, and the operator's rooms depend one way only (docs/contributing.md's map of the rooms). Imports inside
-functions count as much as those at the top of a module: a deferred import is still a dependency,
-and a cycle that only defers one of its edges is still one."""
+quantization tools, and the operator's rooms depend one way only (the rooms in docs/contributing.md).
+Imports inside functions count as much as those at the top of a module: a deferred import is still a
+dependency, and a cycle that only defers one of its edges is still one."""
 
 from __future__ import annotations
 

@@ -181,6 +181,4 @@ def test_a_context_that_fits_only_within_the_prediction_s_margin_is_refused() ->
         "serving": {**base["serving"], "maxContextLength": context},
     }
     refused = plan(InferenceServiceSpec.model_validate(spec))
-    assert (
-        refused.failure == "ContextDoesNotFit" and "less the 2% by which the runtime may find less" in refused.reason
-    )
+    assert refused.failure == "ContextDoesNotFit" and "less the 2% by which the runtime may find less" in refused.reason

@@ -112,11 +112,21 @@ def draft_model(
     return Draft(source, arch, sizing.weight_bytes(arch, "none"), sizing.kv_bytes_per_token(arch))
 
 
+class Situation(NamedTuple):
+    """What speculation's choice rests on: the replica's predicted running batch, whether its TPOT
+    is nearer its SLO than its TTFT, and the load's sampling temperature."""
+
+    batch: float
+    tpot_bound: bool
+    temperature: float
+
+
 def choose_speculative(
-    mode: str, *, batch: float, tpot_bound: bool, temperature: float, draft_model: str | None, supported: Sequence[str]
+    mode: str, situation: Situation, *, draft_model: str | None, supported: Sequence[str]
 ) -> tuple[str, str]:
     """The speculative mode to run and why; `supported` are the engine's modes, and a pinned
     `mode` is one of them (plan() refuses a spec pinning any other)."""
+    batch, tpot_bound, temperature = situation
     if mode != "auto":
         return mode, f"{mode}: set in the spec"
     if not set(supported) - {"off"}:
@@ -156,9 +166,7 @@ def choose_speculation(inputs: Inputs, memory: Memory, device: tuple[Device, int
     def choose(draft_model: str | None) -> tuple[str, str]:
         return choose_speculative(
             serving.speculative,
-            batch=perf.batch,
-            tpot_bound=tpot_bound,
-            temperature=spec.load.temperature,
+            Situation(batch=perf.batch, tpot_bound=tpot_bound, temperature=spec.load.temperature),
             draft_model=draft_model,
             supported=capabilities.speculative,
         )
@@ -292,3 +300,27 @@ def quantization_schemes(
         if skipped
         else ""
     )
+
+
+def kv_cache_dtypes(spec: InferenceServiceSpec, capabilities: EngineCapabilities, gpu: Device) -> tuple[str, ...]:
+    """The KV cache dtypes to try on `gpu`, in the order of preference: the pinned one, else the
+    model's 16-bit one and then FP8 where the runtime stores it and the GPU has FP8."""
+    pinned = spec.serving.kv_cache_dtype
+    if pinned != "auto":
+        return (pinned,)
+    return ("model", "fp8") if "fp8" in capabilities.kv_cache_dtypes and gpu.fp8 else ("model",)
+
+
+def kv_cache_dtype_reason(spec: InferenceServiceSpec, chosen: Plan, earlier: Sequence[Plan]) -> dict[str, str]:
+    """Why the KV cache is FP8, where it is (the 16-bit cache of the same option is what it beat)."""
+    if chosen.kv_cache_dtype != "fp8":
+        return {}
+    if spec.serving.kv_cache_dtype == "fp8":
+        return {"kvCacheDtype": "fp8: set in the spec"}
+    same = [
+        o
+        for o in earlier
+        if (o.gpu, o.quantization, o.gpu_count) == (chosen.gpu, chosen.quantization, chosen.gpu_count)
+    ]
+    why = (same[-1].reason if not same[-1].fits else same[-1].reasons["replicas"]) if same else "not tried"
+    return {"kvCacheDtype": f"fp8: one byte per value, twice the tokens of the 16-bit cache (with it: {why})"}

@@ -30,7 +30,7 @@ from kvpilot.engine.device_profile import (
 from kvpilot.operator.api.spec import CPU_TYPE, Architecture
 from kvpilot.operator.planning.device import Device, Measured, MiB
 from kvpilot.operator.planning.models import find_model
-from kvpilot.operator.planning.sizing import kv_bytes_per_token, weight_bytes
+from kvpilot.operator.planning.sizing import HeldAs, kv_bytes_per_token, weight_bytes
 
 Step = TypeVar("Step", EngineStep, PrefillStep)
 BUILTIN_DIR = Path(__file__).parent / "profiles"
@@ -201,8 +201,8 @@ def cpu_device(profile: DeviceProfile, arch: Architecture) -> Device | str:
     # What a "none" step's GEMMs read: its weights less a tied head's second copy (the embedding's
     # rows are read a few at a time, the packed head whole).
     head_copy = (
-        weight_bytes(reference, "none", bytes_per_value=bytes_per_value, packed=steps.onednn_weights)
-        - weight_bytes(reference, "none", bytes_per_value=bytes_per_value)
+        weight_bytes(reference, "none", held=HeldAs(bytes_per_value, packed=steps.onednn_weights))
+        - weight_bytes(reference, "none", held=HeldAs(bytes_per_value))
         if reference
         else 0
     )

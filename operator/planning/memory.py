@@ -43,7 +43,9 @@ def replica_sizes(inputs: Inputs, group: tuple[Device, int], quantization: str, 
     draft_weights, draft_kv = (draft.weights, draft.kv_per_token) if draft else (0, 0)
     # The engine gives the draft a KV slot for every slot of the target's, so each slot holds both.
     weights = (
-        sizing.weight_bytes(arch, quantization, runtime.quantized_lm_head, gpu.bytes_per_value, gpu.packs_weights)
+        sizing.weight_bytes(
+            arch, quantization, runtime.quantized_lm_head, sizing.HeldAs(gpu.bytes_per_value, gpu.packs_weights)
+        )
         + draft_weights
     )
     pool = sizing.kv_pool_bytes(gpu.memory_bytes, spec.serving.gpu_memory_utilization, weights, reserve)
@@ -195,7 +197,7 @@ def divide_memory(inputs: Inputs, device: tuple[Device, int], quantization: str)
     # A CPU's packed low-bit kernels read the stored weights (a tied head's packed copy in place of
     # the embedding's rows); a GPU may dequantize them first.
     decode_bytes = (
-        sizing.weight_bytes(arch, quantization, runtime.quantized_lm_head, gpu.bytes_per_value)
+        sizing.weight_bytes(arch, quantization, runtime.quantized_lm_head, sizing.HeldAs(gpu.bytes_per_value))
         if gpu.is_cpu
         else sizing.decode_weight_bytes(arch, quantization, runtime)
     )
@@ -248,9 +250,9 @@ def with_plain_weights(spec: InferenceServiceSpec, memory: Memory) -> tuple[Size
     if not gpu.packs_weights:
         return sizes, 0
     arch, quantization, bpv = replica.arch, sizes.quantization, gpu.bytes_per_value
-    plain = sizing.weight_bytes(
-        arch, quantization, bytes_per_value=bpv, packed=True, plain_beside_packed=True
-    ) - sizing.weight_bytes(arch, quantization, bytes_per_value=bpv, packed=True)
+    plain = sizing.weight_bytes(arch, quantization, held=sizing.HeldAs(bpv, True, True)) - sizing.weight_bytes(
+        arch, quantization, held=sizing.HeldAs(bpv, True)
+    )
     weights = sizes.weight_bytes + plain
     left = sizing.kv_pool_bytes(
         gpu.memory_bytes,

@@ -18,26 +18,34 @@ of the step's hidden states per layer over the GPUs' link added to every step.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from kvpilot.engine.config import EngineCapabilities
 from kvpilot.engine.device_profile import DeviceProfile
 from kvpilot.operator.api.plan import Plan
-from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec
+from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
 from kvpilot.operator.planning import cpus, sizing
 from kvpilot.operator.planning.choices import (
     Speculation,
     choose_speculation,
     draft_model,
+    kv_cache_dtype_reason,
+    kv_cache_dtypes,
     quantization_schemes,
     unsupported_pins,
 )
 from kvpilot.operator.planning.context import NO_CORRECTION, PlanContext
 from kvpilot.operator.planning.device import Device
-from kvpilot.operator.planning.gpus import GPUS, find_gpu
+from kvpilot.operator.planning.gpus import GPUS
 from kvpilot.operator.planning.latency import Perf, computed_prompt_tokens, draft_acceptance, predict
 from kvpilot.operator.planning.memory import divide_memory, replica_sizes, tp_group
 from kvpilot.operator.planning.models import MODELS, find_model
+from kvpilot.operator.planning.placement import (
+    devices_to_try,
+    heads_problem,
+    most_per_node,
+    tensor_parallel_sizes,
+    tp_reason,
+)
 from kvpilot.operator.planning.reasons import failed_plan, gib, ms
 from kvpilot.operator.planning.replica import DRAFTED, Inputs
 from kvpilot.operator.runtimes import RUNTIMES
@@ -49,7 +57,7 @@ def _size(inputs: Inputs, device: tuple[Device, int], quantization: str) -> Plan
     makes the option fail)."""
     spec, gpu, tp = inputs.spec, *device
     draft = inputs.draft.on(gpu) if inputs.draft is not None else None
-    problem = _heads_problem(draft.arch, tp) if draft is not None else None
+    problem = heads_problem(draft.arch, tp) if draft is not None else None
     if problem is not None:
         if spec.serving.speculative in DRAFTED:
             failed = failed_plan(
@@ -167,62 +175,6 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: Speculation) -> Plan:
     )
 
 
-def _cpu(
-    spec: InferenceServiceSpec, arch: Architecture, profiles: Mapping[str, DeviceProfile | str]
-) -> tuple[Device, DeviceProfile] | Plan:
-    """The CPU device of accelerator.profile: a built-in profile, else one of `profiles` (the
-    operator's profile ConfigMaps; a string says why one could not be read)."""
-    name = str(spec.accelerator.profile)
-    known = {**cpus.builtin_profiles(), **profiles}
-    profile = known.get(name)
-    if profile is None:
-        return failed_plan(
-            spec,
-            "UnknownDeviceProfile",
-            f"accelerator.profile {name!r} is neither a built-in profile ({', '.join(cpus.builtin_profiles())}) "
-            f"nor a ConfigMap of that name in the operator's namespace with a {cpus.PROFILE_CONFIGMAP_KEY} key",
-        )
-    if isinstance(profile, str):
-        return failed_plan(spec, "InvalidDeviceProfile", profile)
-    device = cpus.cpu_device(profile, arch)
-    if isinstance(device, str):
-        return failed_plan(spec, "InvalidDeviceProfile", device)
-    return device, profile
-
-
-def _devices(
-    spec: InferenceServiceSpec,
-    arch: Architecture,
-    available: Iterable[str],
-    profiles: Mapping[str, DeviceProfile | str],
-) -> tuple[list[Device], tuple[Device, DeviceProfile] | None] | Plan:
-    """The devices to try (the CPU of accelerator.profile, else GPUs), and the CPU with its profile
-    for a CPU plan."""
-    cpu = _cpu(spec, arch, profiles) if spec.accelerator.type == CPU_TYPE else None
-    if isinstance(cpu, Plan):
-        return cpu
-    gpus = [cpu[0]] if cpu else _gpus(spec, available)
-    if isinstance(gpus, Plan):
-        return gpus
-    return gpus, cpu
-
-
-def _gpus(spec: InferenceServiceSpec, available: Iterable[str]) -> list[Device] | Plan:
-    wanted = spec.accelerator.type
-    if wanted:
-        gpu = find_gpu(wanted)
-        if gpu is None:
-            return failed_plan(spec, "UnknownGPU", f"GPU type {wanted!r} is not in the catalog ({', '.join(GPUS)})")
-        return [gpu]
-    found = {gpu.name: gpu for gpu in map(find_gpu, available) if gpu is not None}
-    if not found:
-        return failed_plan(
-            spec, "NoGPUType", "spec.accelerator.type is not set and no node carries a known GPU product label"
-        )
-    # Smallest (cheapest) first, so the first that works wastes the least.
-    return sorted(found.values(), key=lambda g: (g.memory_gib, g.bandwidth_gbps))
-
-
 def _architecture(spec: InferenceServiceSpec, checkpoint: Architecture | None) -> tuple[Architecture, str] | Plan:
     """The model's architecture and where it comes from (the spec's, the catalog's, else its
     checkpoint's config.json), or why it cannot be planned."""
@@ -251,47 +203,6 @@ def _architecture(spec: InferenceServiceSpec, checkpoint: Architecture | None) -
             f"maxContextLength {context} exceeds {spec.model.name}'s maximum context {arch.max_context}",
         )
     return arch, where
-
-
-def _heads_problem(arch: Architecture, tp: int) -> str | None:
-    """Why `tp` GPUs cannot split `arch`'s attention, None when its heads divide evenly (a latent is
-    not split: every GPU keeps it whole)."""
-    if arch.attention_heads % tp or (arch.latent_dim is None and arch.kv_heads % tp):
-        return f"TP {tp} does not divide {arch.attention_heads} attention heads and {arch.kv_heads} KV heads"
-    return None
-
-
-def _tensor_parallel_sizes(
-    spec: InferenceServiceSpec, arch: Architecture, gpu: Device, capabilities: EngineCapabilities, per_node: int | None
-) -> tuple[list[int], str]:
-    """The tensor-parallel sizes to try on `gpu`, smallest first, and what rules the others out:
-    the runtime's sizes (or the pinned accelerator.count), within one node (the most GPUs the
-    cluster's nodes of the type carry, else the catalog's), dividing the heads."""
-    sizes = [spec.accelerator.count] if spec.accelerator.count else list(capabilities.tensor_parallel_sizes)
-    most, where = (per_node, "the cluster's nodes carry") if per_node else (gpu.max_per_node, "a node holds")
-    usable, ruled_out = [], []
-    for tp in sizes:
-        if tp > most:
-            ruled_out.append(f"TP {tp} > the {most} {gpu.name} GPUs {where}")
-        elif _heads_problem(arch, tp):
-            ruled_out.append(str(_heads_problem(arch, tp)))
-        else:
-            usable.append(tp)
-    return usable, "; ".join(ruled_out)
-
-
-def _tp_reason(spec: InferenceServiceSpec, chosen: Plan, smaller: Sequence[Plan], ruled_out: str) -> str:
-    """Why this many GPUs per replica, and why not fewer."""
-    tp = chosen.gpu_count
-    if spec.accelerator.count:
-        return f"{tp}: set in the spec (accelerator.count)"
-    sizes = ", ".join(map(str, RUNTIMES[spec.runtime].capabilities.tensor_parallel_sizes))
-    why = "fits and meets the SLO" if chosen.meets_slo else "fits"
-    text = f"{tp}: the smallest of runtime {spec.runtime}'s sizes ({sizes}) on {chosen.gpu} that {why}"
-    if tp > 1:
-        text += f", over {find_gpu(str(chosen.gpu)).link}"  # type: ignore[union-attr]
-    rejected = [f"TP {o.gpu_count}: {o.reason if not o.fits else o.reasons['replicas']}" for o in smaller]
-    return text + (f" (rejected {'; '.join(rejected)})" if rejected else "") + (f"; {ruled_out}" if ruled_out else "")
 
 
 def _choice_reasons(
@@ -333,25 +244,16 @@ def _options(
     options: list[Plan] = []
     ruled_out: dict[str, str] = {}
     for gpu in gpus:
-        sizes, ruled_out[gpu.name] = _tensor_parallel_sizes(spec, arch, gpu, capabilities, per_node.get(gpu.name))
+        sizes, ruled_out[gpu.name] = tensor_parallel_sizes(spec, arch, gpu, capabilities, per_node.get(gpu.name))
         if not sizes:
             options.append(
                 failed_plan(spec, "NoTensorParallelSize", f"{spec.model.name} on {gpu.name}: {ruled_out[gpu.name]}")
             )
-        kv_dtypes = _kv_cache_dtypes(spec, capabilities, gpu)
+        kv_dtypes = kv_cache_dtypes(spec, capabilities, gpu)
         options += [
             _size(inputs._replace(kv_cache_dtype=kv), (gpu, tp), q) for q in schemes for tp in sizes for kv in kv_dtypes
         ]
     return options, ruled_out
-
-
-def _kv_cache_dtypes(spec: InferenceServiceSpec, capabilities: EngineCapabilities, gpu: Device) -> tuple[str, ...]:
-    """The KV cache dtypes to try on `gpu`, in the order of preference: the pinned one, else the
-    model's 16-bit one and then FP8 where the runtime stores it and the GPU has FP8."""
-    pinned = spec.serving.kv_cache_dtype
-    if pinned != "auto":
-        return (pinned,)
-    return ("model", "fp8") if "fp8" in capabilities.kv_cache_dtypes and gpu.fp8 else ("model",)
 
 
 def plan(spec: InferenceServiceSpec, context: PlanContext | None = None) -> Plan:
@@ -377,7 +279,7 @@ def plan(spec: InferenceServiceSpec, context: PlanContext | None = None) -> Plan
             f"{spec.model.name} has {beyond} ({model_reason}); runtime {spec.runtime} runs only decoders whose "
             "every layer attends to the whole sequence over K and V heads, text only: use runtime vllm",
         )
-    devices = _devices(spec, arch, available_gpus, device_profiles or {})
+    devices = devices_to_try(spec, arch, available_gpus, device_profiles or {})
     if isinstance(devices, Plan):
         return devices
     gpus, cpu = devices
@@ -388,11 +290,7 @@ def plan(spec: InferenceServiceSpec, context: PlanContext | None = None) -> Plan
     if isinstance(tried, Plan):
         return tried
     schemes, not_run = tried
-    per_node: dict[str, int] = {}
-    for product, count in (gpus_per_node or {}).items():
-        known = find_gpu(product)
-        if known is not None and count > 0:
-            per_node[known.name] = max(per_node.get(known.name, 0), count)
+    per_node = most_per_node(gpus_per_node or {})
     context_length = spec.serving.max_context_length or arch.max_context
     inputs = Inputs(spec, arch, context_length, capabilities, draft, correction or NO_CORRECTION)
     options, ruled_out = _options(inputs, gpus, schemes, per_node)
@@ -409,27 +307,12 @@ def plan(spec: InferenceServiceSpec, context: PlanContext | None = None) -> Plan
     smaller = [o for o in earlier if (o.gpu, o.quantization) == (chosen.gpu, chosen.quantization)]
     reasons = {
         "model": model_reason,
-        **_kv_cache_dtype_reason(spec, chosen, earlier),
+        **kv_cache_dtype_reason(spec, chosen, earlier),
         **_choice_reasons(spec, chosen, earlier, gpus, not_run),
-        "tensorParallel": _tp_reason(spec, chosen, smaller, ruled_out[str(chosen.gpu)]),
+        "tensorParallel": tp_reason(spec, chosen, smaller, ruled_out[str(chosen.gpu)]),
         **chosen.reasons,
     }
     return chosen.model_copy(update={"reasons": reasons, **_cpu_fields(cpu, reasons)})
-
-
-def _kv_cache_dtype_reason(spec: InferenceServiceSpec, chosen: Plan, earlier: Sequence[Plan]) -> dict[str, str]:
-    """Why the KV cache is FP8, where it is (the 16-bit cache of the same option is what it beat)."""
-    if chosen.kv_cache_dtype != "fp8":
-        return {}
-    if spec.serving.kv_cache_dtype == "fp8":
-        return {"kvCacheDtype": "fp8: set in the spec"}
-    same = [
-        o
-        for o in earlier
-        if (o.gpu, o.quantization, o.gpu_count) == (chosen.gpu, chosen.quantization, chosen.gpu_count)
-    ]
-    why = (same[-1].reason if not same[-1].fits else same[-1].reasons["replicas"]) if same else "not tried"
-    return {"kvCacheDtype": f"fp8: one byte per value, twice the tokens of the 16-bit cache (with it: {why})"}
 
 
 def _cpu_fields(cpu: tuple[Device, DeviceProfile] | None, reasons: dict[str, str]) -> dict[str, object]:

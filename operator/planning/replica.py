@@ -47,8 +47,8 @@ class Draft(NamedTuple):
     def on(self, gpu: Device) -> Draft:
         """The draft as the engine holds it on `gpu`: 4 bytes per value on a CPU that computes in
         fp32, and a tied head twice where the engine packs weights for oneDNN (sizing.weight_bytes)."""
-        plain = sizing.weight_bytes(self.arch, "none", bytes_per_value=gpu.bytes_per_value)
-        held = sizing.weight_bytes(self.arch, "none", bytes_per_value=gpu.bytes_per_value, packed=gpu.packs_weights)
+        plain = sizing.weight_bytes(self.arch, "none", held=sizing.HeldAs(gpu.bytes_per_value))
+        held = sizing.weight_bytes(self.arch, "none", held=sizing.HeldAs(gpu.bytes_per_value, gpu.packs_weights))
         return self._replace(
             weights=held, kv_per_token=sizing.kv_bytes_per_token(self.arch, gpu.bytes_per_value), head_copy=held - plain
         )

@@ -86,22 +86,27 @@ def architecture_problem(arch: Architecture) -> str | None:
     return None
 
 
-def weight_bytes(
-    arch: Architecture,
-    quantization: str,
-    quantized_lm_head: bool = True,
-    bytes_per_value: int = BYTES_PER_VALUE,
-    packed: bool = False,
-    plain_beside_packed: bool = False,
-) -> int:
-    """Bytes of the weights the engine holds for `arch` at `quantization` (see BYTES_PER_VALUE; a
-    CPU without bf16 arithmetic holds the unquantized parts in fp32: `bytes_per_value` 4); a
-    runtime that leaves the LM head unquantized (vLLM) holds it in 16 bits, untied or not.
+class HeldAs(NamedTuple):
+    """How an engine holds the unquantized weights: `bytes_per_value` each (4 on a CPU without bf16
+    arithmetic, which holds them in fp32); `packed` in oneDNN's layout, which holds a tied LM head
+    twice (the embedding's rows and the head's packed copy); `plain_beside_packed` where it compiles
+    its decode step, which keeps every plain linear weight beside its packed copy for the graph."""
 
-    A CPU engine that serves full-precision linear weights from oneDNN's layout (`packed`) holds a
-    tied LM head twice: the embedding's rows and the head's packed copy; one that compiles its
-    decode step (`plain_beside_packed`) keeps every plain linear weight beside its packed copy, for
-    the compiled graph."""
+    bytes_per_value: int = BYTES_PER_VALUE
+    packed: bool = False
+    plain_beside_packed: bool = False
+
+
+SIXTEEN_BIT = HeldAs()  # a GPU's: 16-bit values, plain
+
+
+def weight_bytes(
+    arch: Architecture, quantization: str, quantized_lm_head: bool = True, held: HeldAs = SIXTEEN_BIT
+) -> int:
+    """Bytes of the weights the engine holds for `arch` at `quantization`, the unquantized parts
+    `held` as its device holds them (HeldAs); a runtime that leaves the LM head unquantized (vLLM)
+    holds it in 16 bits, untied or not."""
+    bytes_per_value, packed, plain_beside_packed = held
     embedding, norms, body = _embedding_norms_body(arch)
     if quantization == "none":
         copies = 0

@@ -165,9 +165,9 @@ def test_a_draft_model_is_held_as_the_cpu_engine_holds_it() -> None:
     assert bf16.fits and bf16.speculative == "draft", bf16.reason
     arch = find_model(MODEL)
     assert arch is not None and arch.tie_word_embeddings
-    assert bf16.draft_weight_bytes == sizing.weight_bytes(arch, "none", bytes_per_value=2, packed=True)
+    assert bf16.draft_weight_bytes == sizing.weight_bytes(arch, "none", held=sizing.HeldAs(2, packed=True))
     assert bf16.draft_weight_bytes == (arch.parameters + arch.vocab_size * arch.hidden_size) * 2
-    assert wide.draft_weight_bytes == sizing.weight_bytes(arch, "none", bytes_per_value=4, packed=True)
+    assert wide.draft_weight_bytes == sizing.weight_bytes(arch, "none", held=sizing.HeldAs(4, packed=True))
     assert wide.kv_bytes_per_token == 2 * bf16.kv_bytes_per_token  # the target's and the draft's both
 
 
@@ -293,8 +293,8 @@ def test_compiled_decoding_counts_the_plain_weights_its_graph_reads_and_is_left_
     compiled = plan(s, PlanContext(device_profiles={"compiled": profile}))
     eager = plan(s, PlanContext(device_profiles={"compiled": _compiled(None)}))
     arch, bpv = find_model(MODEL), 2
-    plain = sizing.weight_bytes(arch, "none", True, bpv, True, True) - sizing.weight_bytes(
-        arch, "none", True, bpv, True
+    plain = sizing.weight_bytes(arch, "none", True, sizing.HeldAs(bpv, True, True)) - sizing.weight_bytes(
+        arch, "none", True, sizing.HeldAs(bpv, True)
     )
     linear = arch.parameters - arch.vocab_size * arch.hidden_size - (2 * arch.layers + 1) * arch.hidden_size
     assert plain == linear * bpv  # the decoder layers' linear weights; the tied head's plain rows are the embedding

@@ -6,7 +6,7 @@ from kvpilot.engine.config import CAPABILITIES, EngineCapabilities
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec, Quantization, Speculative
 from kvpilot.operator.planning import choices, latency, sizing
-from kvpilot.operator.planning.choices import choose_speculative
+from kvpilot.operator.planning.choices import Situation, choose_speculative
 from kvpilot.operator.planning.plan import PlanContext, plan
 
 GiB = 1024**3
@@ -111,7 +111,7 @@ def test_explicit_quantization_is_respected(fuller: EngineCapabilities) -> None:
 @pytest.mark.parametrize("batch, expected", [(1.0, "ngram"), (64.0, "off")])
 def test_speculation_on_at_batch_1_off_at_batch_64(batch: float, expected: str, fuller: EngineCapabilities) -> None:
     chosen, reason = choose_speculative(
-        "auto", batch=batch, tpot_bound=True, temperature=0.2, draft_model=None, supported=fuller.speculative
+        "auto", Situation(batch=batch, tpot_bound=True, temperature=0.2), draft_model=None, supported=fuller.speculative
     )
     assert chosen == expected
     assert f"{batch:.1f}" in reason
@@ -120,26 +120,30 @@ def test_speculation_on_at_batch_1_off_at_batch_64(batch: float, expected: str, 
 def test_speculation_off_at_high_temperature_or_ttft_bound_and_draft_when_given(fuller: EngineCapabilities) -> None:
     modes = fuller.speculative
     assert (
-        choose_speculative("auto", batch=1, tpot_bound=True, temperature=1.2, draft_model=None, supported=modes)[0]
+        choose_speculative(
+            "auto", Situation(batch=1, tpot_bound=True, temperature=1.2), draft_model=None, supported=modes
+        )[0]
         == "off"
     )
     assert (
-        choose_speculative("auto", batch=1, tpot_bound=False, temperature=0.0, draft_model=None, supported=modes)[0]
+        choose_speculative(
+            "auto", Situation(batch=1, tpot_bound=False, temperature=0.0), draft_model=None, supported=modes
+        )[0]
         == "off"
     )
     assert (
         choose_speculative(
             "auto",
-            batch=1,
-            tpot_bound=True,
-            temperature=0.0,
+            Situation(batch=1, tpot_bound=True, temperature=0.0),
             draft_model="hf://TinyLlama/TinyLlama-1.1B",
             supported=modes,
         )[0]
         == "draft"
     )
     assert (
-        choose_speculative("off", batch=1, tpot_bound=True, temperature=0.0, draft_model=None, supported=modes)[0]
+        choose_speculative(
+            "off", Situation(batch=1, tpot_bound=True, temperature=0.0), draft_model=None, supported=modes
+        )[0]
         == "off"
     )
 
@@ -299,7 +303,7 @@ def test_reasons_say_which_options_the_engine_lacks() -> None:
     assert "128.5 GiB" in big.reason and "not tried: int8, fp8, w8a8, int4" in big.reason
     assert big.reason.endswith("runtime: vllm splits a replica over up to 8 GPUs (tensor parallelism)")
     draft_only = choose_speculative(
-        "auto", batch=1, tpot_bound=True, temperature=0, draft_model=None, supported=("off", "draft")
+        "auto", Situation(batch=1, tpot_bound=True, temperature=0), draft_model=None, supported=("off", "draft")
     )
     assert draft_only[0] == "off" and "serving.draftModel" in draft_only[1]
 

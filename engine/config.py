@@ -79,6 +79,9 @@ class EngineCapabilities(BaseModel):
     # being told the pool's bytes: the planner then predicts that pool as the runtime counts it
     # (the operator's planning/reserve.py).
     measures_kv_pool: bool = False
+    # Whether it holds a quantized checkpoint's weights as stored (vLLM), so that the checkpoint's own
+    # bytes are its weights'; else they are counted per scheme as it repacks them.
+    holds_checkpoint_as_stored: bool = False
     # The KV cache dtypes it stores ("model": the model's own; "fp8": one byte per value).
     kv_cache_dtypes: tuple[str, ...] = ("model",)
 

@@ -24,7 +24,7 @@ KvCacheDtype = Literal["auto", "model", "fp8"]
 Runtime = Literal["kvpilot", "vllm"]
 # How a checkpoint may already be quantized (model.quantization): compressed-tensors W8A16, FP8,
 # W8A8 and W4A16 (int8, fp8, w8a8, int4), or AutoAWQ / GPTQ 4-bit files.
-CheckpointQuantization = Literal["int8", "fp8", "w8a8", "int4", "awq", "gptq"]
+CheckpointQuantization = Literal["int8", "fp8", "w8a8", "int4", "awq", "gptq", "mxfp4"]
 
 # The most replicas a service may ask for (spec.replicas, autoscaling.min/maxReplicas). A bound keeps
 # every planner search and every rendered Deployment finite; a fleet beyond it is several services.
@@ -129,6 +129,14 @@ class Architecture(BaseModel):
         json_schema_extra=INT64,
         description="Of parameters, the vision tower's and its projector's (a multimodal checkpoint): "
         "held in memory, off a text token's path.",
+    )
+    checkpoint_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        json_schema_extra=INT64,
+        description="The bytes of the checkpoint's weights as stored (its safetensors' total, read from the hub "
+        "beside config.json): what a download writes, and what a runtime that holds a quantized checkpoint as "
+        "stored (vLLM) holds, in place of the per-scheme arithmetic.",
     )
     source: str = Field(default="", json_schema_extra=no_crd_default)
 
@@ -268,7 +276,7 @@ class ModelSpec(_Camel):
     quantization: CheckpointQuantization | None = Field(
         default=None,
         description="The scheme the checkpoint is already quantized in (compressed-tensors W8A16, FP8, W8A8 or "
-        "W4A16; AWQ or GPTQ 4-bit); the plan serves it as stored.",
+        "W4A16; AWQ or GPTQ 4-bit; MXFP4); the plan serves it as stored.",
     )
 
     @model_validator(mode="after")

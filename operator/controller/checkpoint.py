@@ -1,6 +1,6 @@
-"""A model's architecture from its checkpoint's config.json on the Hub, for a spec that gives none
-and names no catalog model: what the reconciler (with the service's token and endpoint) and
-`kvpilot plan` (with HF_TOKEN and HF_ENDPOINT) read alike."""
+"""A model's architecture from its checkpoint on the Hub (its config.json, and its safetensors'
+bytes), for a spec that gives none and names no catalog model: what the reconciler (with the
+service's token and endpoint) and `kvpilot plan` (with HF_TOKEN and HF_ENDPOINT) read alike."""
 
 from __future__ import annotations
 
@@ -28,17 +28,21 @@ def reads_checkpoint(spec: InferenceServiceSpec) -> HubSource | None:
 def read_checkpoint(
     spec: InferenceServiceSpec, hub: HubClient, token: str | None, endpoint: str | None, note: str = ""
 ) -> ModelConfig | Unreadable | None:
-    """The config of model.source's repository (None: not read, see reads_checkpoint), or why it
-    cannot be had (`note` is added to a refusal: how the token was found)."""
+    """The config of model.source's repository, with its weights' bytes where it stores them as
+    safetensors (None: not read, see reads_checkpoint), or why it cannot be had (`note` is added to
+    a refusal: how the token was found)."""
     source = reads_checkpoint(spec)
     if source is None:
         return None
     try:
         config = hub.config(source.repo, source.revision, token, endpoint)
+        weights = hub.weights_bytes(source.repo, source.revision, token, endpoint)
     except HubError as error:
-        return Unreadable("ModelConfigUnavailable", f"config.json of {spec.model.source}: {error.message}{note}")
+        return Unreadable("ModelConfigUnavailable", f"{spec.model.source}: {error.message}{note}")
     read = read_config(config, f"config.json of {spec.model.source}")
-    return Unreadable("UnsupportedArchitecture", f"{spec.model.source}: {read}") if isinstance(read, str) else read
+    if isinstance(read, str):
+        return Unreadable("UnsupportedArchitecture", f"{spec.model.source}: {read}")
+    return read._replace(architecture=read.architecture.model_copy(update={"checkpoint_bytes": weights}))
 
 
 def with_checkpoint(spec: InferenceServiceSpec, checkpoint: ModelConfig | None) -> InferenceServiceSpec:

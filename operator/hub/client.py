@@ -1,12 +1,16 @@
-"""The operator's reads of the Hugging Face Hub: a repository's config.json at a revision.
+"""The operator's reads of the Hugging Face Hub: a repository's config.json at a revision, and the
+bytes of its safetensors weights.
 
-One GET of `{endpoint}/{repo}/resolve/{revision}/config.json` (the hub's file URL, which
+Files are read at `{endpoint}/{repo}/resolve/{revision}/{file}` (the hub's file URL, which
 huggingface_hub and `kvpilot download` use too), with the service's token as a bearer token. The
-endpoint is the service's HF_ENDPOINT (a mirror or an air-gapped hub) or the operator's. Configs are
-kept per (endpoint, repository, revision) in a bounded cache, so a reconcile of a healthy service
-costs the Hub nothing after the first; a refusal is not kept: it is asked again on the next try.
-An answer the hub refuses is a HubError carrying its status and its own words, for the service's
-status.
+endpoint is the service's HF_ENDPOINT (a mirror or an air-gapped hub) or the operator's. The weights'
+bytes are the sharded checkpoint's `model.safetensors.index.json` `metadata.total_size`, else the
+single `model.safetensors` file's header (its first 8 bytes give the header's length, the header
+every tensor's byte range), read with two range requests as huggingface_hub's
+get_safetensors_metadata does: never the weights themselves. Answers are kept per (endpoint,
+repository, revision) in a bounded cache, so a reconcile of a healthy service costs the Hub nothing
+after the first; a refusal is not kept: it is asked again on the next try. An answer the hub refuses
+is a HubError carrying its status and its own words, for the service's status.
 """
 
 from __future__ import annotations
@@ -17,13 +21,18 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 TIMEOUT_S = 10.0
-CACHED_CONFIGS = 256
-# A config.json is a few kB; anything far larger is not one.
-MAX_CONFIG_BYTES = 4 * 1024**2
+CACHED_ANSWERS = 512
+# A config.json or a safetensors index is at most a few MB; anything far larger is not one.
+MAX_JSON_BYTES = 16 * 1024**2
+# huggingface_hub's bound on a safetensors header (SAFETENSORS_MAX_HEADER_LENGTH).
+MAX_HEADER_BYTES = 25_000_000
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 
 
 class HubError(Exception):
@@ -42,46 +51,118 @@ def _answer(error: urllib.error.HTTPError) -> str:
     return f"{error.code} {error.reason}" + (f": {words}" if words else "")
 
 
+class _Repository(NamedTuple):
+    base: str
+    repo: str
+    revision: str
+    token: str | None
+
+    def url(self, name: str) -> str:
+        return f"{self.base}/{self.repo}/resolve/{urllib.parse.quote(self.revision, safe='')}/{name}"
+
+
 class HubClient:
     def __init__(self, default_endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = TIMEOUT_S) -> None:
         self.default_endpoint, self.timeout_s = default_endpoint.rstrip("/"), timeout_s
-        self._configs: OrderedDict[tuple[str, str, str], dict[str, Any]] = OrderedDict()
+        self._answers: OrderedDict[tuple[str, str, str, str], Any] = OrderedDict()
         self._lock = threading.Lock()  # reconciles of several services run in threads
 
     def config(self, repo: str, revision: str, token: str | None, endpoint: str | None = None) -> dict[str, Any]:
         """The repository's config.json at `revision`; HubError when the hub does not give it."""
-        base = (endpoint or self.default_endpoint).rstrip("/")
-        key = (base, repo, revision)
-        with self._lock:
-            if key in self._configs:
-                self._configs.move_to_end(key)
-                return self._configs[key]
-        config = self._fetch(base, repo, revision, token)
-        with self._lock:
-            self._configs[key] = config
-            while len(self._configs) > CACHED_CONFIGS:
-                self._configs.popitem(last=False)
-        return config
+        where = self._repository(repo, revision, token, endpoint)
+        return self._kept("config", where, lambda: self._json(where, "config.json"))  # type: ignore[no-any-return]
 
-    def _fetch(self, base: str, repo: str, revision: str, token: str | None) -> dict[str, Any]:
+    def weights_bytes(self, repo: str, revision: str, token: str | None, endpoint: str | None = None) -> int | None:
+        """The bytes of the repository's safetensors weights at `revision` (module docstring); None
+        when it has neither an index nor a single model.safetensors (weights in another format);
+        HubError when the hub refuses otherwise."""
+        where = self._repository(repo, revision, token, endpoint)
+        return self._kept("weights", where, lambda: self._weights_bytes(where))  # type: ignore[no-any-return]
+
+    def _repository(self, repo: str, revision: str, token: str | None, endpoint: str | None) -> _Repository:
+        base = (endpoint or self.default_endpoint).rstrip("/")
         if urllib.parse.urlsplit(base).scheme not in ("http", "https"):
             raise HubError(None, f"the hub endpoint {base!r} is not an http(s) URL")
-        url = f"{base}/{repo}/resolve/{urllib.parse.quote(revision, safe='')}/config.json"
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        request = urllib.request.Request(url, headers=headers)  # noqa: S310 - the scheme is checked above
+        return _Repository(base, repo, revision, token)
+
+    def _kept(self, kind: str, where: _Repository, fetch: Callable[[], Any]) -> Any:
+        key = (kind, where.base, where.repo, where.revision)
+        with self._lock:
+            if key in self._answers:
+                self._answers.move_to_end(key)
+                return self._answers[key]
+        answer = fetch()
+        with self._lock:
+            self._answers[key] = answer
+            while len(self._answers) > CACHED_ANSWERS:
+                self._answers.popitem(last=False)
+        return answer
+
+    def _weights_bytes(self, where: _Repository) -> int | None:
+        try:
+            index = self._json(where, INDEX_FILE)
+        except HubError as error:
+            if error.status != 404:
+                raise
+            return self._single_file_bytes(where)
+        total = (index.get("metadata") or {}).get("total_size")
+        if not isinstance(total, int) or isinstance(total, bool) or total <= 0:
+            raise HubError(None, f"{where.url(INDEX_FILE)}: metadata.total_size is {total!r}, not a byte count")
+        return total
+
+    def _single_file_bytes(self, where: _Repository) -> int | None:
+        """The tensors' bytes of a single model.safetensors, from its header; None without one."""
+        try:
+            length = int.from_bytes(self._get(where, SINGLE_FILE, 8, (0, 7)), "little")
+        except HubError as error:
+            if error.status == 404:
+                return None
+            raise
+        url = where.url(SINGLE_FILE)
+        if not 2 <= length <= MAX_HEADER_BYTES:
+            raise HubError(None, f"{url}: a safetensors header of {length} bytes")
+        header = _parsed(url, self._get(where, SINGLE_FILE, length, (8, 8 + length - 1)))
+        try:
+            return sum(
+                end - start
+                for name, t in header.items()
+                if name != "__metadata__"
+                for start, end in [t["data_offsets"]]
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise HubError(None, f"{url}: a tensor without data_offsets: {error}") from None
+
+    def _json(self, where: _Repository, name: str) -> dict[str, Any]:
+        return _parsed(where.url(name), self._get(where, name, MAX_JSON_BYTES))
+
+    def _get(self, where: _Repository, name: str, most: int, byte_range: tuple[int, int] | None = None) -> bytes:
+        """At most `most` bytes of a file (of `byte_range`, both ends included, when given)."""
+        url = where.url(name)
+        headers = {"Authorization": f"Bearer {where.token}"} if where.token else {}
+        if byte_range is not None:
+            headers["Range"] = f"bytes={byte_range[0]}-{byte_range[1]}"
+        request = urllib.request.Request(url, headers=headers)  # noqa: S310 - _repository checks the scheme
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:  # noqa: S310 - likewise
-                body = response.read(MAX_CONFIG_BYTES + 1)
+                # A server that ignores the range sends the whole file (200): skip to the range's start.
+                skip = byte_range[0] if byte_range is not None and response.status == 200 else 0
+                body = response.read(skip + most + 1)[skip:]
         except urllib.error.HTTPError as error:
             raise HubError(error.code, f"{url}: {_answer(error)}") from None
         except (urllib.error.URLError, OSError) as error:
             raise HubError(None, f"{url}: no answer: {getattr(error, 'reason', error)}") from None
-        if len(body) > MAX_CONFIG_BYTES:
-            raise HubError(None, f"{url}: over {MAX_CONFIG_BYTES} bytes, not a config.json")
-        try:
-            config = json.loads(body)
-        except ValueError as error:
-            raise HubError(None, f"{url}: not JSON: {error}") from None
-        if not isinstance(config, dict):
-            raise HubError(None, f"{url}: not a JSON object")
-        return config
+        if byte_range is None and len(body) > most:
+            raise HubError(None, f"{url}: over {most} bytes, not a {name}")
+        if byte_range is not None and len(body) < most:
+            raise HubError(None, f"{url}: {len(body)} bytes where {most} were asked")
+        return body[:most]
+
+
+def _parsed(url: str, body: bytes) -> dict[str, Any]:
+    try:
+        parsed = json.loads(body)
+    except ValueError as error:
+        raise HubError(None, f"{url}: not JSON: {error}") from None
+    if not isinstance(parsed, dict):
+        raise HubError(None, f"{url}: not a JSON object")
+    return parsed

@@ -34,6 +34,17 @@ class Memory(NamedTuple):
     kv_reason: str
 
 
+def _target_weights(inputs: Inputs, gpu: Device, quantization: str) -> int:
+    """The target's weights as the runtime holds them on `gpu` at `quantization`: a checkpoint's own
+    bytes where the runtime holds it as stored, at its own scheme, and they are known; else counted."""
+    arch, runtime, stored = inputs.arch, inputs.capabilities, inputs.spec.model.quantization
+    if runtime.holds_checkpoint_as_stored and arch.checkpoint_bytes and quantization == stored:
+        return arch.checkpoint_bytes
+    return sizing.weight_bytes(
+        arch, quantization, runtime.quantized_lm_head, sizing.HeldAs(gpu.bytes_per_value, gpu.packs_weights)
+    )
+
+
 def replica_sizes(inputs: Inputs, group: tuple[Device, int], quantization: str, reserve: int) -> Sizes:
     """What one replica (its GPUs as one device, and how many) holds: the target's (and the draft's)
     weights and KV per token, and the KV pool left of its GPUs after `reserve`; a pool of 0 when the
@@ -42,12 +53,7 @@ def replica_sizes(inputs: Inputs, group: tuple[Device, int], quantization: str, 
     gpu, tp = group
     draft_weights, draft_kv = (draft.weights, draft.kv_per_token) if draft else (0, 0)
     # The engine gives the draft a KV slot for every slot of the target's, so each slot holds both.
-    weights = (
-        sizing.weight_bytes(
-            arch, quantization, runtime.quantized_lm_head, sizing.HeldAs(gpu.bytes_per_value, gpu.packs_weights)
-        )
-        + draft_weights
-    )
+    weights = _target_weights(inputs, gpu, quantization) + draft_weights
     pool = sizing.kv_pool_bytes(gpu.memory_bytes, spec.serving.gpu_memory_utilization, weights, reserve)
     kv_bytes = sizing.FP8_BYTES_PER_VALUE if inputs.kv_cache_dtype == "fp8" else gpu.bytes_per_value
     return Sizes(
@@ -57,7 +63,8 @@ def replica_sizes(inputs: Inputs, group: tuple[Device, int], quantization: str, 
         draft_weight_bytes=draft_weights,
         kv_bytes_per_token=sizing.kv_bytes_per_token(arch, kv_bytes, tp) + draft_kv,
         draft_kv_bytes_per_token=draft_kv,
-        checkpoint_bytes=sizing.weight_bytes(arch, spec.model.quantization or "none", runtime.quantized_lm_head),
+        checkpoint_bytes=arch.checkpoint_bytes
+        or sizing.weight_bytes(arch, spec.model.quantization or "none", runtime.quantized_lm_head),
         kv_pool_bytes=max(pool, 0),
         max_model_len=context,
         kv_cache_dtype=inputs.kv_cache_dtype,

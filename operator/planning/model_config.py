@@ -59,8 +59,10 @@ FAMILIES: dict[str, Family] = {
 # Multimodal wrappers: the language model's architecture (text_config) and the vision tower's layout.
 WRAPPERS: dict[str, tuple[str, str]] = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "siglip")}
 
-# quantization_config.quant_method -> the scheme a checkpoint stores (spec.model.quantization).
-CHECKPOINT_SCHEMES: dict[str, CheckpointQuantization] = {"awq": "awq", "gptq": "gptq", "fp8": "fp8"}
+# quantization_config.quant_method -> the scheme a checkpoint stores (spec.model.quantization);
+# compressed-tensors names its scheme in its config groups (_compressed_tensors_scheme).
+CHECKPOINT_SCHEMES: dict[str, CheckpointQuantization] = {"awq": "awq", "gptq": "gptq", "fp8": "fp8", "mxfp4": "mxfp4"}
+COMPRESSED_TENSORS = "compressed-tensors"
 
 
 class ModelConfig(NamedTuple):
@@ -82,13 +84,45 @@ def _int(config: Mapping[str, Any], key: str) -> int:
     return value
 
 
-def _quantization_problem(config: Mapping[str, Any], name: str) -> str | None:
-    """Why the checkpoint's stored scheme cannot be sized, None when it can."""
+def stored_scheme(config: Mapping[str, Any]) -> CheckpointQuantization | None:
+    """The scheme the checkpoint stores its weights in (None: unquantized); ValueError saying why it
+    cannot be sized."""
     quantization = config.get("quantization_config")
-    if quantization is not None and quantization.get("quant_method") not in CHECKPOINT_SCHEMES:
-        method = quantization.get("quant_method")
-        return f"{name}: a checkpoint quantized with {method!r} is not sized yet ({', '.join(CHECKPOINT_SCHEMES)} are)"
-    return None
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method")
+    if method == COMPRESSED_TENSORS:
+        return _compressed_tensors_scheme(quantization)
+    if method not in CHECKPOINT_SCHEMES:
+        known = ", ".join([*CHECKPOINT_SCHEMES, COMPRESSED_TENSORS])
+        raise ValueError(f"a checkpoint quantized with {method!r} is not sized yet ({known} are)")
+    return CHECKPOINT_SCHEMES[method]
+
+
+def _compressed_tensors_scheme(quantization: Mapping[str, Any]) -> CheckpointQuantization:
+    """The one scheme a compressed-tensors checkpoint's groups store: FP8 weights (with dynamic or
+    static activations: vLLM's fp8), 8-bit integers with activations (w8a8) or without (int8), or
+    4-bit integers without (int4, W4A16)."""
+    schemes: set[CheckpointQuantization] = set()
+    for group, spec in (quantization.get("config_groups") or {}).items():
+        weights, activations = spec.get("weights") or {}, spec.get("input_activations")
+        kind = (weights.get("type"), weights.get("num_bits"), activations is not None)
+        if kind[:2] == ("float", 8):
+            schemes.add("fp8")
+        elif kind[:2] == ("int", 8):
+            schemes.add("w8a8" if activations else "int8")
+        elif kind == ("int", 4, False):
+            schemes.add("int4")
+        else:
+            raise ValueError(
+                f"compressed-tensors group {group!r} stores {kind[1]}-bit {kind[0]} weights"
+                + (" and quantized activations" if activations else "")
+                + ", which the planner does not size yet (fp8, w8a8, int8 and W4A16 it does)"
+            )
+    if len(schemes) != 1:
+        listed = ", ".join(sorted(schemes))
+        raise ValueError(f"compressed-tensors groups of {len(schemes) or 'no'} schemes ({listed}) are not sized yet")
+    return schemes.pop()
 
 
 def _layer_types(config: Mapping[str, Any], family: Family, layers: int) -> list[str]:
@@ -239,10 +273,8 @@ def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:
     if isinstance(found, str):
         return found
     text, family, tower = found
-    problem = _quantization_problem(config, name)
-    if problem is not None:
-        return problem
     try:
+        scheme = stored_scheme(config)
         architecture = _architecture(text, name, family, source)
         if tower is not None:
             vision = _siglip(config["vision_config"], architecture.hidden_size)
@@ -257,8 +289,7 @@ def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:
         return f"{name}: {error}"
     if isinstance(architecture, str):
         return architecture
-    method = (config.get("quantization_config") or {}).get("quant_method")
-    return ModelConfig(architecture, CHECKPOINT_SCHEMES.get(method) if method else None)
+    return ModelConfig(architecture, scheme)
 
 
 def _architecture(config: Mapping[str, Any], name: str, family: Family, source: str) -> Architecture | str:

@@ -192,7 +192,7 @@ def _architecture(spec: InferenceServiceSpec, checkpoint: Architecture | None) -
         where = f"spec.model.architecture ({arch.source})" if arch.source else "spec.model.architecture"
     else:
         where = f"catalog ({arch.source})" if catalog else f"the checkpoint's {arch.source}"
-    problem = sizing.architecture_problem(arch)
+    problem = sizing.architecture_problem(arch) or sizing.checkpoint_problem(arch, spec.model.quantization)
     if problem is not None:
         return failed_plan(spec, "InvalidArchitecture", f"{where}: {problem}")
     context = spec.serving.max_context_length or arch.max_context

@@ -41,6 +41,9 @@ BODY_BYTES_PER_WEIGHT: dict[str, float] = {
     "awq": INT4_BYTES_PER_WEIGHT + AWQ_GPTQ_SCALE_ZERO_BYTES / CHECKPOINT_INT4_GROUP,
     "gptq": INT4_BYTES_PER_WEIGHT + AWQ_GPTQ_SCALE_ZERO_BYTES / CHECKPOINT_INT4_GROUP,
 }
+# Schemes whose bytes per weight differ by layer (MXFP4 quantizes a mixture of experts' experts, not
+# its attention), so no per-scheme arithmetic holds: sized from the checkpoint's own bytes only.
+SIZED_FROM_CHECKPOINT = ("mxfp4",)
 # The KV cache stays 16-bit whatever the weights are (our engine has no KV quantization), unless the
 # plan stores it as FP8 (vLLM's --kv-cache-dtype fp8): one byte per value.
 KV_BYTES_PER_VALUE = 2
@@ -106,6 +109,10 @@ def weight_bytes(
     """Bytes of the weights the engine holds for `arch` at `quantization`, the unquantized parts
     `held` as its device holds them (HeldAs); a runtime that leaves the LM head unquantized (vLLM)
     holds it in 16 bits, untied or not."""
+    if quantization in SIZED_FROM_CHECKPOINT:
+        if arch.checkpoint_bytes is None:
+            raise ValueError(checkpoint_problem(arch, quantization))  # plan() refuses such a spec first
+        return arch.checkpoint_bytes
     bytes_per_value, packed, plain_beside_packed = held
     embedding, norms, body = _embedding_norms_body(arch)
     if quantization == "none":
@@ -118,6 +125,16 @@ def weight_bytes(
     else:
         head = 0 if arch.tie_word_embeddings else embedding * bytes_per_value
     return int((embedding + norms) * bytes_per_value + head + body * BODY_BYTES_PER_WEIGHT[quantization])
+
+
+def checkpoint_problem(arch: Architecture, stored: str | None) -> str | None:
+    """Why a checkpoint stored at `stored` cannot be sized, None when it can."""
+    if stored in SIZED_FROM_CHECKPOINT and arch.checkpoint_bytes is None:
+        return (
+            f"a checkpoint stored as {stored} is sized from its own bytes (the safetensors' total), which are not "
+            "known here: plan it from its hf:// source, or set model.architecture.checkpointBytes"
+        )
+    return None
 
 
 def allreduce_seconds(bytes_per_gpu: float, gpus: int, link_bytes_per_s: float, latency_s: float) -> float:

@@ -34,7 +34,7 @@ VLLM_CAPABILITIES = EngineCapabilities(
     quantization=("none", "fp8"),
     speculative=("off", "ngram", "draft", "eagle"),
     dtypes=("auto", "bfloat16", "float16"),
-    checkpoint_quantization=("int8", "fp8", "w8a8", "int4", "awq", "gptq"),
+    checkpoint_quantization=("int8", "fp8", "w8a8", "int4", "awq", "gptq", "mxfp4"),
     tensor_parallel_sizes=(1, 2, 4, 8),
     # Its CUDA attention backends (FlashAttention, FlashInfer) take multiples of 16; the three every
     # backend of this version lists are offered.
@@ -42,6 +42,7 @@ VLLM_CAPABILITIES = EngineCapabilities(
     low_bit_gpu_matmuls=True,
     quantized_lm_head=False,
     measures_kv_pool=True,
+    holds_checkpoint_as_stored=True,
     kv_cache_dtypes=("model", "fp8"),
 )
 

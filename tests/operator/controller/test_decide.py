@@ -29,7 +29,7 @@ def snapshot(spec: dict[str, Any], status: dict[str, Any] | None = None, **read:
         valid = InferenceServiceSpec.model_validate(spec)
     except ValidationError as error:
         valid = error
-    kept = (status or {}).get("lastGoodPlan", {})
+    kept = status_of(isvc).last_good_plan
     return Observed(isvc, valid, kept, read.get("nodes", {}), read.get("profiles", {}), read.get("secret"))
 
 
@@ -72,7 +72,8 @@ def test_without_a_gpu_type_the_nodes_read_choose_it() -> None:
 def test_a_spec_that_stops_planning_keeps_the_last_good_plans_deployment_at_the_specs_replicas() -> None:
     good = decide(snapshot(SPEC, secret=secret()), render.DEFAULT_ENGINE_IMAGE, None)
     too_big = {**SPEC, "model": {"name": "llama-3-70b"}, "replicas": 3}
-    status = {"lastGoodPlan": good.last_good}
+    assert good.last_good is not None
+    status = {"lastGoodPlan": good.last_good.dump()}
     kept = decide(snapshot(too_big, status, secret=secret()), render.DEFAULT_ENGINE_IMAGE, None)
     assert not kept.result.fits and kept.result.failure == "WeightsDoNotFit"
     assert kept.last_good == good.last_good
@@ -159,16 +160,21 @@ LLAMA_3_8B = {
 
 
 class FakeHub:
-    """Answers with `config`, or refuses with `error`; records what it was asked."""
+    """Answers with `config` (and `weights` bytes), or refuses with `error`; records what it was asked."""
 
-    def __init__(self, config: dict[str, Any] | None = None, error: HubError | None = None) -> None:
-        self.config_json, self.error, self.asked = config, error, []
+    def __init__(
+        self, config: dict[str, Any] | None = None, error: HubError | None = None, weights: int | None = None
+    ) -> None:
+        self.config_json, self.error, self.weights, self.asked = config, error, weights, []
 
     def config(self, repo: str, revision: str, token: str | None, endpoint: str | None = None) -> dict[str, Any]:
         self.asked.append((repo, revision, token, endpoint))
         if self.error is not None:
             raise self.error
         return dict(self.config_json or {})
+
+    def weights_bytes(self, repo: str, revision: str, token: str | None, endpoint: str | None = None) -> int | None:
+        return self.weights
 
 
 class Secrets(Reads):
@@ -197,11 +203,25 @@ def test_a_model_known_only_by_its_repository_is_planned_from_its_config_json() 
 
 def test_a_checkpoint_stored_quantized_is_planned_and_served_as_stored() -> None:
     awq = {**LLAMA_3_8B, "quantization_config": {"quant_method": "awq", "bits": 4}}
-    observed = observe(body({**HUB_SPEC, "runtime": "vllm"}), Secrets(), None, FakeHub(awq))  # type: ignore[arg-type]
+    stored = 5_734_000_000  # the checkpoint's safetensors total
+    hub = FakeHub(awq, weights=stored)
+    observed = observe(body({**HUB_SPEC, "runtime": "vllm"}), Secrets(), None, hub)  # type: ignore[arg-type]
     decided = decide(observed, render.DEFAULT_ENGINE_IMAGE, None)
     assert decided.result.fits and decided.result.quantization == "awq"
     args = deployment(decided.wanted)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert not any(a.startswith("--quantization") for a in args)  # vLLM reads the scheme from the checkpoint
+    # vLLM holds the checkpoint as stored: its bytes are the weights, and what the download writes.
+    assert decided.result.weight_bytes == decided.result.checkpoint_bytes == stored
+    # Our engine repacks a W4A16 checkpoint into its own INT4 layout: counted per scheme, the download
+    # still the checkpoint's.
+    w4a16 = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"group_0": {"weights": {"type": "int", "num_bits": 4, "strategy": "group"}}},
+    }
+    hub = FakeHub({**LLAMA_3_8B, "quantization_config": w4a16}, weights=stored)
+    ours = decide(observe(body(HUB_SPEC), Secrets(), None, hub), "i", None)  # type: ignore[arg-type]
+    assert ours.result.fits and ours.result.quantization == "int4", ours.result.reason
+    assert ours.result.checkpoint_bytes == stored and ours.result.weight_bytes != stored
 
 
 def test_what_the_hub_refuses_or_the_planner_cannot_read_is_a_failed_plan_with_the_reason() -> None:
@@ -233,15 +253,17 @@ def test_a_hub_planned_service_keeps_its_deployment_while_the_hub_is_down() -> N
     awq = {**LLAMA_3_8B, "quantization_config": {"quant_method": "awq", "bits": 4}}
     spec = {**HUB_SPEC, "runtime": "vllm"}
     good = decide(observe(body(spec), Secrets(), None, FakeHub(awq)), "i", None)  # type: ignore[arg-type]
-    assert good.last_good is not None and good.last_good["checkpoint"]["quantization"] == "awq"
-    assert good.last_good["checkpoint"]["architecture"]["layers"] == 32
+    assert good.last_good is not None
+    written = good.last_good.dump()
+    assert written["checkpoint"]["quantization"] == "awq"
+    assert written["checkpoint"]["architecture"]["layers"] == 32
     # The status's types (and so the CRD's schema) take it as written.
-    typed = status_of({"status": {"lastGoodPlan": good.last_good}}).last_good_plan
-    assert typed is not None and typed.model_dump(mode="json", by_alias=True, exclude_none=True) == good.last_good
+    typed = status_of({"status": {"lastGoodPlan": written}}).last_good_plan
+    assert typed is not None and typed.model_dump(mode="json", by_alias=True, exclude_none=True) == written
     # The operator restarted (an empty cache) and the Hub does not answer: the config.json the
     # status kept renders the same Deployment, at the spec's replicas of now.
     down = FakeHub(error=HubError(None, "http://127.0.0.1:9999/...: no answer"))
-    status = {"lastGoodPlan": good.last_good}
+    status = {"lastGoodPlan": written}
     kept = decide(observe(body({**spec, "replicas": 3}, status=status), Secrets(), None, down), "i", None)  # type: ignore[arg-type]
     assert kept.result.failure == "ModelConfigUnavailable" and kept.last_good == good.last_good
     # (No API-key Secret was read here, so each decision made a key of its own: the pod specs compare.)

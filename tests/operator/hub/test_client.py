@@ -8,6 +8,8 @@ import socket
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from e2e.hub_server import HubServer
 from kvpilot.operator.hub.client import HubClient, HubError
@@ -63,3 +65,35 @@ def test_no_answer_and_no_config_are_errors_too(folder: Path) -> None:
     (folder / "config.json").write_text("[1, 2]")
     with HubServer(REPO, folder) as hub, pytest.raises(HubError, match="not a JSON object"):
         HubClient(hub.url).config(REPO, "main", None)
+
+
+def test_the_weights_bytes_are_the_index_s_total_or_a_single_file_s_header_never_the_weights(folder: Path) -> None:
+    tensors = {"embed.weight": torch.zeros(64, 32, dtype=torch.bfloat16), "norm.weight": torch.ones(32)}
+    save_file(tensors, str(folder / "model.safetensors"))
+    stored = 64 * 32 * 2 + 32 * 4
+    with HubServer(REPO, folder, token=TOKEN) as hub:
+        client = HubClient(hub.url)
+        assert client.weights_bytes(REPO, "main", TOKEN) == stored
+        assert client.weights_bytes(REPO, "main", TOKEN) == stored  # kept
+        # No index: asked once; the single file's header read by two ranges, its tensors never.
+        assert len(hub.file_requests("model.safetensors.index.json")) == 1
+        single = hub.file_requests("model.safetensors")
+        assert [r.headers["Range"] for r in single][0] == "bytes=0-7" and len(single) == 2
+        # The length and the header, not a byte of the tensors.
+        assert hub.body_bytes["model.safetensors"] == (folder / "model.safetensors").stat().st_size - stored
+    index = {
+        "metadata": {"total_size": 16_060_522_496},
+        "weight_map": {"embed.weight": "model-00001-of-00004.safetensors"},
+    }
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with HubServer(REPO, folder, token=TOKEN) as hub:
+        assert HubClient(hub.url).weights_bytes(REPO, "main", TOKEN) == 16_060_522_496
+        assert hub.file_requests("model.safetensors") == []
+    (folder / "model.safetensors.index.json").unlink()
+    (folder / "model.safetensors").unlink()
+    with HubServer(REPO, folder, token=TOKEN) as hub:
+        # Weights in another format (pytorch_model.bin): nothing to read, not an error.
+        assert HubClient(hub.url).weights_bytes(REPO, "main", TOKEN) is None
+        with pytest.raises(HubError) as refused:
+            HubClient(hub.url).weights_bytes(REPO, "main", "hf_wrong")
+        assert refused.value.status == 401

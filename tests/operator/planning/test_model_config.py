@@ -259,6 +259,54 @@ def test_a_checkpoint_stored_quantized_names_its_scheme() -> None:
     assert read_config(config_of({"model_type": "llama"}), "t").quantization is None  # type: ignore[union-attr]
 
 
+def _compressed(*groups: tuple[str, int, bool]) -> dict[str, Any]:
+    """A llm-compressor quantization_config with one group per (weight type, bits, activations)."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {
+            f"group_{i}": {
+                "targets": ["Linear"],
+                "weights": {"type": kind, "num_bits": bits, "strategy": "channel"},
+                "input_activations": {"type": kind, "num_bits": bits, "dynamic": True} if acts else None,
+            }
+            for i, (kind, bits, acts) in enumerate(groups)
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    ("groups", "scheme"),
+    [
+        ((("float", 8, True),), "fp8"),  # FP8-dynamic (RedHatAI's *-FP8-dynamic)
+        ((("float", 8, False),), "fp8"),
+        ((("int", 8, True),), "w8a8"),  # *-quantized.w8a8
+        ((("int", 8, False),), "int8"),  # W8A16
+        ((("int", 4, False),), "int4"),  # *-quantized.w4a16
+    ],
+)
+def test_a_compressed_tensors_checkpoint_names_the_scheme_of_its_groups(
+    groups: tuple[tuple[str, int, bool], ...], scheme: str
+) -> None:
+    read = read_config(config_of({"model_type": "llama", "quantization_config": _compressed(*groups)}), "t")
+    assert not isinstance(read, str) and read.quantization == scheme
+
+
+@pytest.mark.parametrize(
+    ("groups", "refusal"),
+    [
+        ((("int", 4, True),), "4-bit int weights and quantized activations"),
+        ((("float", 4, False),), "4-bit float weights"),
+        ((("int", 8, False), ("int", 4, False)), "groups of 2 schemes (int4, int8)"),
+    ],
+)
+def test_a_compressed_tensors_scheme_the_planner_does_not_size_is_refused(
+    groups: tuple[tuple[str, int, bool], ...], refusal: str
+) -> None:
+    read = read_config(config_of({"model_type": "llama", "quantization_config": _compressed(*groups)}), "t")
+    assert isinstance(read, str) and refusal in read, read
+
+
 def plan_command(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "kvpilot.engine.cli", "plan", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
@@ -292,14 +340,35 @@ def test_kvpilot_plan_reads_an_hf_repositorys_config_json_from_the_hub_as_the_op
     assert planned["reasons"]["model"] == "the checkpoint's config.json of hf://acme/tiny-qwen3@main"
 
 
+def test_a_quantized_checkpoint_s_own_bytes_are_the_weights_vllm_holds(tmp_path: Path) -> None:
+    """gpt-oss stores its experts in MXFP4 and its attention in 16 bits: no per-scheme arithmetic
+    sizes it, its safetensors' total does (read from the index, as the operator does)."""
+    config = json.loads((HF_CONFIGS / "openai--gpt-oss-20b.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    stored = 13_761_264_768  # the checkpoint's total as its index would state it
+    common = ("--model", "hf://openai/gpt-oss-20b", "--gpu", "H100-80GB", "--json")
+    with HubServer("openai/gpt-oss-20b", tmp_path) as hub:
+        unknown = plan_command(*common, "--runtime", "vllm", env={"HF_ENDPOINT": hub.url})
+        index = {"metadata": {"total_size": stored}, "weight_map": {}}
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with HubServer("openai/gpt-oss-20b", tmp_path) as hub:
+        vllm = plan_command(*common, "--runtime", "vllm", env={"HF_ENDPOINT": hub.url})
+        ours = plan_command(*common, env={"HF_ENDPOINT": hub.url})
+    refused = json.loads(unknown.stdout)
+    assert refused["failure"] == "InvalidArchitecture" and "sized from its own bytes" in refused["reason"]
+    planned = json.loads(vllm.stdout)
+    assert planned["fits"] and planned["quantization"] == "mxfp4", planned["reason"]
+    assert planned["weight_bytes"] == planned["checkpoint_bytes"] == stored
+    assert "--quantization" not in " ".join(planned["args"])  # vLLM reads the scheme from config.json
+    assert json.loads(ours.stdout)["failure"] == "UnsupportedByRuntime"
+
+
 # Real config.json files of public models (hf_configs/SOURCES.tsv: where each copy was found, at
 # which commit). Each is either read, with the parameters transformers' modules hold, or refused
 # for the reason named here.
 HF_CONFIGS = Path(__file__).parent / "hf_configs"
 REFUSED = {
     "Qwen--Qwen3-Next-80B-A3B-Thinking": "Qwen3NextForCausalLM is not",  # linear-attention layers
-    "openai--gpt-oss-20b": "'mxfp4' is not sized yet",  # its KV rule is read: see the vLLM test
-    "openai--gpt-oss-120b": "'mxfp4' is not sized yet",
     "llava-hf--llava-1.5-7b-hf": "with a vision tower whose weights the planner does not count",
     "microsoft--Phi-mini-MoE-instruct": "PhiMoEForCausalLM is not",
     "nvidia--Nemotron-H-56B-Base-8K": "NemotronHForCausalLM is not",  # Mamba layers
@@ -365,7 +434,7 @@ def _beyond_what_is_sized(found: dict[str, Any]) -> bool:
 
 def _without_quantization(name: str) -> dict[str, Any]:
     """The config as a 16-bit checkpoint of it holds it: the KV rule is the same however the weights
-    are stored (gpt-oss's MXFP4 files are refused apart)."""
+    are stored."""
     config = json.loads((HF_CONFIGS / f"{name}.json").read_text())
     return {key: value for key, value in config.items() if key != "quantization_config"}
 

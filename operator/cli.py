@@ -42,6 +42,7 @@ from kvpilot.operator.controller.checkpoint import Unreadable, read_checkpoint, 
 from kvpilot.operator.gateway import main as gateway_main
 from kvpilot.operator.gateway.limits import Limits
 from kvpilot.operator.hub.client import DEFAULT_ENDPOINT, HubClient
+from kvpilot.operator.hub.safetensors import local_weights_bytes
 from kvpilot.operator.kube.cluster import KubeCluster
 from kvpilot.operator.planning import cpus, sizing
 from kvpilot.operator.planning.gpus import GPUS, find_gpu
@@ -255,10 +256,12 @@ def _manifest(file: TextIO) -> dict[str, Any]:
 
 def _configured_model(path: str) -> dict[str, Any]:
     """spec.model for a model known by its config.json: its architecture (and stored scheme) read
-    from the file, named after the checkpoint's folder; ValueError saying why it cannot be read."""
+    from the file, with the bytes of the safetensors weights beside it, named after the checkpoint's
+    folder; ValueError saying why it cannot be read."""
     file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
     try:
         config = json.loads(file.read_text())
+        weights = local_weights_bytes(file.parent)
     except (OSError, ValueError) as error:
         raise ValueError(f"--model-config {path}: {error}") from None
     if not isinstance(config, dict):
@@ -266,7 +269,8 @@ def _configured_model(path: str) -> dict[str, Any]:
     read = read_config(config, f"config.json {file}")
     if isinstance(read, str):
         raise ValueError(f"--model-config {path}: UnsupportedArchitecture: {read}")
-    model = {"name": file.resolve().parent.name, "architecture": read.architecture.model_dump(by_alias=True)}
+    architecture = read.architecture.model_copy(update={"checkpoint_bytes": weights})
+    model = {"name": file.resolve().parent.name, "architecture": architecture.model_dump(by_alias=True)}
     return model | ({"quantization": read.quantization} if read.quantization else {})
 
 

@@ -24,15 +24,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from kvpilot.operator.hub import safetensors
+from kvpilot.operator.hub.safetensors import INDEX_FILE, SINGLE_FILE
+
 DEFAULT_ENDPOINT = "https://huggingface.co"
 TIMEOUT_S = 10.0
 CACHED_ANSWERS = 512
 # A config.json or a safetensors index is at most a few MB; anything far larger is not one.
 MAX_JSON_BYTES = 16 * 1024**2
-# huggingface_hub's bound on a safetensors header (SAFETENSORS_MAX_HEADER_LENGTH).
-MAX_HEADER_BYTES = 25_000_000
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 
 class HubError(Exception):
@@ -105,32 +104,25 @@ class HubClient:
             if error.status != 404:
                 raise
             return self._single_file_bytes(where)
-        total = (index.get("metadata") or {}).get("total_size")
-        if not isinstance(total, int) or isinstance(total, bool) or total <= 0:
-            raise HubError(None, f"{where.url(INDEX_FILE)}: metadata.total_size is {total!r}, not a byte count")
-        return total
+        try:
+            return safetensors.index_total(index)
+        except ValueError as error:
+            raise HubError(None, f"{where.url(INDEX_FILE)}: {error}") from None
 
     def _single_file_bytes(self, where: _Repository) -> int | None:
         """The tensors' bytes of a single model.safetensors, from its header; None without one."""
         try:
-            length = int.from_bytes(self._get(where, SINGLE_FILE, 8, (0, 7)), "little")
+            first = self._get(where, SINGLE_FILE, 8, (0, 7))
         except HubError as error:
             if error.status == 404:
                 return None
             raise
         url = where.url(SINGLE_FILE)
-        if not 2 <= length <= MAX_HEADER_BYTES:
-            raise HubError(None, f"{url}: a safetensors header of {length} bytes")
-        header = _parsed(url, self._get(where, SINGLE_FILE, length, (8, 8 + length - 1)))
         try:
-            return sum(
-                end - start
-                for name, t in header.items()
-                if name != "__metadata__"
-                for start, end in [t["data_offsets"]]
-            )
-        except (KeyError, TypeError, ValueError) as error:
-            raise HubError(None, f"{url}: a tensor without data_offsets: {error}") from None
+            length = safetensors.header_length(first)
+            return safetensors.tensors_bytes(_parsed(url, self._get(where, SINGLE_FILE, length, (8, 8 + length - 1))))
+        except ValueError as error:
+            raise HubError(None, f"{url}: {error}") from None
 
     def _json(self, where: _Repository, name: str) -> dict[str, Any]:
         return _parsed(where.url(name), self._get(where, name, MAX_JSON_BYTES))

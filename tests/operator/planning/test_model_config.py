@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from e2e.hub_server import HubServer
@@ -338,6 +339,23 @@ def test_kvpilot_plan_reads_an_hf_repositorys_config_json_from_the_hub_as_the_op
     planned = json.loads(run.stdout)
     assert planned["model"] == "tiny-qwen3" and planned["fits"]
     assert planned["reasons"]["model"] == "the checkpoint's config.json of hf://acme/tiny-qwen3@main"
+
+
+def test_kvpilot_plan_reads_the_weights_bytes_of_a_local_checkpoint_from_its_metadata(tmp_path: Path) -> None:
+    config = json.loads((HF_CONFIGS / "openai--gpt-oss-20b.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 13_761_264_768}}))
+    run = plan_command("--model-config", str(tmp_path), "--gpu", "H100-80GB", "--runtime", "vllm", "--json")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["weight_bytes"] == 13_761_264_768
+    # A single file: its header's tensors, the file itself never read.
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    (tiny / "config.json").write_text(json.dumps(config_of(FAMILY_CONFIGS["qwen3"])))
+    save_file({"w": torch.zeros(16, 8, dtype=torch.bfloat16)}, str(tiny / "model.safetensors"))
+    run = plan_command("--model-config", str(tiny / "config.json"), "--gpu", "L4", "--json")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["checkpoint_bytes"] == 16 * 8 * 2
 
 
 def test_a_quantized_checkpoint_s_own_bytes_are_the_weights_vllm_holds(tmp_path: Path) -> None:

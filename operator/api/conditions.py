@@ -8,21 +8,23 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from kvpilot.operator.api.status import Condition
+
 # Written by the autoscaler's loop (autoscaling/accuracy.py), carried over by every reconcile.
 PLAN_ACCURATE = "PlanAccurate"
 
 
 def with_transition_times(
-    new: Sequence[Mapping[str, Any]], old: Sequence[Mapping[str, Any]], now: datetime, generation: int
+    new: Sequence[Mapping[str, Any]], old: Sequence[Condition], now: datetime, generation: int
 ) -> list[dict[str, Any]]:
-    """`new` stamped with `generation` and, from `old`, when each one's status last changed
-    (now, where it changed or is new)."""
-    before = {c.get("type"): c for c in old}
+    """`new` stamped with `generation` and, from `old` (the status's), when each one's status last
+    changed (now, where it changed or is new)."""
+    before = {c.type: c for c in old}
     stamped = []
     for condition in new:
-        previous = before.get(condition["type"], {})
-        since = previous.get("lastTransitionTime")
-        if previous.get("status") != condition["status"] or not since:
+        previous = before.get(condition["type"])
+        since = previous.last_transition_time if previous else None
+        if previous is None or previous.status != condition["status"] or not since:
             since = now.strftime("%Y-%m-%dT%H:%M:%SZ")
         stamped.append({**condition, "observedGeneration": generation, "lastTransitionTime": since})
     return stamped

@@ -2,8 +2,8 @@
 
 The reconcile (controller/status.py) and the autoscaler's loop write the status as dicts, each its
 own parts, so every field is optional (a condition's type and status excepted); readers read it
-through these types (`status_of`). Field descriptions and formats are the CRD's, declared here as
-in spec.py.
+through these types (`status_of`), and a writer carrying a part over writes its `dump()`. Field
+descriptions and formats are the CRD's, declared here as in spec.py.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ Int64 = Annotated[int, Field(json_schema_extra=INT64)]
 class _Status(BaseModel):
     # As spec.py's _Camel; extra="ignore": a status written by a newer operator still reads.
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    def dump(self) -> dict[str, Any]:
+        """As the status holds it, for a writer that carries a part over: camelCase, unset fields left out."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
 class PlanStatus(_Status):

@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kvpilot.operator.api.conditions import PLAN_ACCURATE, with_transition_times
+from kvpilot.operator.api.status import Condition, InferenceServiceStatus, PlanAccuracy, PlanStatus
 from kvpilot.operator.autoscaling.decisions import MIN_OBSERVATIONS, Signals
 from kvpilot.operator.kube.events import iso
 
@@ -40,21 +41,21 @@ BAND = (0.5, 2.0)
 # default 15 s period), so one burst that fills a window does not count, and the time follows
 # `kvpilot operator --autoscale-interval`.
 SUSTAIN_PERIODS = 8
-# (status key, the plan's predicted field, the signal's p95, the requests behind it)
+# (status key, also PlanAccuracy's field; the plan's predicted field, the signal's p95, the requests behind it)
 _SIGNALS = (
-    ("ttft", "predictedTtftMs", "ttft_p95_seconds", "ttft_observations"),
-    ("tpot", "predictedTpotMs", "tpot_p95_seconds", "tpot_observations"),
+    ("ttft", "predicted_ttft_ms", "ttft_p95_seconds", "ttft_observations"),
+    ("tpot", "predicted_tpot_ms", "tpot_p95_seconds", "tpot_observations"),
 )
-# (status key, the plan's assumed field, the observed signal, its name in the message)
+# (status key; PlanAccuracy's field, also the observed signal; the plan's assumed field; its name in the message)
 _SHARES = (
-    ("draftAcceptance", "assumedDraftAcceptance", "draft_acceptance", "draft acceptance"),
-    ("prefixShare", "assumedPrefixShare", "prefix_share", "prefix share"),
+    ("draftAcceptance", "draft_acceptance", "assumed_draft_acceptance", "draft acceptance"),
+    ("prefixShare", "prefix_share", "assumed_prefix_share", "prefix share"),
 )
 
 
-def kv_blocks_entry(predicted: int | None, observed: int | None, old: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The plan's KV blocks beside the engines' (the last observed stays while none reports)."""
-    seen = old.get("observed") if observed is None else observed
+def kv_blocks_entry(predicted: int | None, observed: int | None, last: int | None) -> dict[str, Any] | None:
+    """The plan's KV blocks beside the engines' (the `last` observed stays while none reports)."""
+    seen = last if observed is None else observed
     if not predicted or seen is None:
         return None
     return {"predicted": predicted, "observed": seen, "ratio": round(seen / predicted, 3)}
@@ -99,9 +100,7 @@ def _numbers(block: Mapping[str, Any]) -> str:
     return text
 
 
-def _verdict(
-    block: Mapping[str, Any], judged: bool, predicts: bool, old: Mapping[str, Any] | None
-) -> tuple[str, str, str]:
+def _verdict(block: Mapping[str, Any], judged: bool, predicts: bool, old: Condition | None) -> tuple[str, str, str]:
     """(status, reason, message) of PlanAccurate."""
     if not predicts:
         return (
@@ -111,7 +110,7 @@ def _verdict(
         )
     if not judged:
         if old is not None:
-            return old["status"], old.get("reason", ""), old.get("message", "")
+            return old.status, old.reason or "", old.message or ""
         return (
             "Unknown",
             "NoObservations",
@@ -121,13 +120,13 @@ def _verdict(
     numbers = _numbers(block)
     if not periods:
         return "True", "WithinBand", f"within the band: {numbers}"
-    if periods >= SUSTAIN_PERIODS or (old is not None and old["status"] == "False"):
+    if periods >= SUSTAIN_PERIODS or (old is not None and old.status == "False"):
         return (
             "False",
             "OutsideBand",
             f"outside the band for {periods} periods since {block['outsideSince']}: {numbers}",
         )
-    status = "Unknown" if old is None else old["status"]
+    status = "Unknown" if old is None else old.status
     return (
         status,
         "BriefExcursion",
@@ -136,55 +135,54 @@ def _verdict(
 
 
 def _block(
-    status: Mapping[str, Any], signals: Signals, window_seconds: float, now: float
+    status: InferenceServiceStatus, signals: Signals, window_seconds: float, now: float
 ) -> tuple[dict[str, Any], bool]:
     """The new planAccuracy, and whether this window judged any signal."""
-    plan = status.get("plan") or {}
-    old = status.get(STATUS_KEY) or {}
-    if any(old.get(key) and old[key].get("predictedMs") != plan.get(predicted) for key, predicted, _, _ in _SIGNALS):
-        old = {}  # judged against another plan's predictions: start again
+    plan = status.plan or PlanStatus()
+    old = status.plan_accuracy or PlanAccuracy()
+    judged = ((getattr(old, key), getattr(plan, predicted)) for key, predicted, _, _ in _SIGNALS)
+    if any(window and window.predicted_ms != value for window, value in judged):
+        old = PlanAccuracy()  # judged against another plan's predictions: start again
     block: dict[str, Any] = {"windowSeconds": window_seconds, "band": list(BAND)}
     fresh = {}
     for key, predicted, p95, requests in _SIGNALS:
-        entry = comparison(plan.get(predicted), getattr(signals, p95), getattr(signals, requests))
+        entry = comparison(getattr(plan, predicted), getattr(signals, p95), getattr(signals, requests))
         if entry is not None:
             fresh[key] = block[key] = {**entry, "time": iso(now)}
-        elif old.get(key):  # nothing new to judge: the last judged window stays
-            block[key] = old[key]
+        elif last := getattr(old, key):  # nothing new to judge: the last judged window stays
+            block[key] = last.dump()
     if fresh and not all(_inside(entry) for entry in fresh.values()):
-        block["outsidePeriods"] = int(old.get("outsidePeriods") or 0) + 1
-        block["outsideSince"] = old.get("outsideSince") or iso(now)
-    for key, assumed, signal, _ in _SHARES:
-        observed = getattr(signals, signal)
+        block["outsidePeriods"] = (old.outside_periods or 0) + 1
+        block["outsideSince"] = old.outside_since or iso(now)
+    for key, field, assumed, _ in _SHARES:
+        observed, last_share = getattr(signals, field), getattr(old, field)
         share = {
-            "assumed": plan.get(assumed),
-            "observed": (old.get(key) or {}).get("observed") if observed is None else round(observed, 3),
+            "assumed": getattr(plan, assumed),
+            "observed": (last_share.observed if last_share else None) if observed is None else round(observed, 3),
         }
         # Shown where something was observed, or the plan assumes a share (an assumed 0 alone says nothing).
         if share["observed"] is not None or share["assumed"]:
             block[key] = {name: value for name, value in share.items() if value is not None}
-    old_blocks = old.get("kvBlocks") or {}
-    if old_blocks.get("predicted") != plan.get("kvBlocks"):
-        old_blocks = {}  # another plan's pool
-    if blocks := kv_blocks_entry(plan.get("kvBlocks"), signals.kv_blocks, old_blocks):
+    # The last observed pool stays only beside the plan that predicted it (another plan's pool is another).
+    last_blocks = old.kv_blocks if old.kv_blocks and old.kv_blocks.predicted == plan.kv_blocks else None
+    if blocks := kv_blocks_entry(plan.kv_blocks, signals.kv_blocks, last_blocks.observed if last_blocks else None):
         block["kvBlocks"] = blocks
     return block, bool(fresh)
 
 
 def accuracy_patch(
-    status: Mapping[str, Any], signals: Signals, window_seconds: float, now: float, generation: int
+    status: InferenceServiceStatus, signals: Signals, window_seconds: float, now: float, generation: int
 ) -> dict[str, Any]:
     """The status fields a period writes for the plan's accuracy: `planAccuracy`, and the
     conditions with PlanAccurate replaced (a merge patch replaces a list whole)."""
     block, judged = _block(status, signals, window_seconds, now)
-    plan = status.get("plan") or {}
-    predicts = any((plan.get(predicted) or 0) > 0 for _, predicted, _, _ in _SIGNALS)
-    conditions = status.get("conditions") or []
-    old = next((c for c in conditions if c.get("type") == PLAN_ACCURATE), None)
-    state, reason, message = _verdict(block, judged, predicts, old)
+    plan = status.plan or PlanStatus()
+    predicts = any((getattr(plan, predicted) or 0) > 0 for _, predicted, _, _ in _SIGNALS)
+    conditions = status.conditions or []
+    state, reason, message = _verdict(block, judged, predicts, status.condition(PLAN_ACCURATE))
     condition = {"type": PLAN_ACCURATE, "status": state, "reason": reason, "message": message}
     stamped = with_transition_times([condition], conditions, datetime.fromtimestamp(now, UTC), generation)
     return {
         STATUS_KEY: block,
-        "conditions": [*(c for c in conditions if c.get("type") != PLAN_ACCURATE), *stamped],
+        "conditions": [*(c.dump() for c in conditions if c.type != PLAN_ACCURATE), *stamped],
     }

@@ -51,7 +51,7 @@ from pydantic import ValidationError
 
 from kvpilot.operator.api.names import API_VERSION, KIND, SCALED_TO_ZERO_AT
 from kvpilot.operator.api.spec import InferenceServiceSpec
-from kvpilot.operator.api.status import InferenceServiceStatus, status_of
+from kvpilot.operator.api.status import InferenceServiceStatus, Latency, status_of
 from kvpilot.operator.autoscaling.accuracy import accuracy_patch
 from kvpilot.operator.autoscaling.decisions import (
     INTERVAL_SECONDS,
@@ -112,7 +112,7 @@ def due(state: AutoscalerState, now: float, interval: float = INTERVAL_SECONDS) 
 
 
 def status_patch(
-    state: AutoscalerState, decision: Decision, old_latency: Mapping[str, Any] | None, zeroed_at: str | None = None
+    state: AutoscalerState, decision: Decision, old_latency: Latency | None, zeroed_at: str | None = None
 ) -> dict[str, Any]:
     """The status fields one period writes: the decision for people (`kubectl get -o yaml`), the
     state for the next period, and the observed p95s (and draft acceptance, when the engines
@@ -143,7 +143,7 @@ def status_patch(
     }
     fresh = {k: v for k, v in observed.items() if v is not None}
     if fresh:
-        previous = (old_latency or {}) if (old_latency or {}).get("source") == "observed" else {}
+        previous = old_latency.dump() if old_latency and old_latency.source == "observed" else {}
         latency = {**{k: previous.get(k) for k in observed}, **fresh, "source": "observed"}
         patch["latency"] = {k: v for k, v in latency.items() if v is not None}
     return patch
@@ -480,9 +480,8 @@ class AutoscalingLoop:
         decision: Decision,
     ) -> Decision | None:
         """The status, then (`slo` mode) the replicas a period decided; blocking client calls."""
-        metadata = body["metadata"]
-        old_status = body.get("status") or {}
-        if not worth_writing(status_of(body), state, decision):
+        metadata, old = body["metadata"], status_of(body)
+        if not worth_writing(old, state, decision):
             self.metrics.decided(metadata["namespace"], metadata["name"], decision)
             return None
         for read in reads:
@@ -490,12 +489,11 @@ class AutoscalingLoop:
                 log.info(
                     f"autoscaler: {metadata['namespace']}/{metadata['name']}: pod {read.name} is unknown: {read.error}"
                 )
-        autoscaler = status_of(body).autoscaler
-        zeroed_at = autoscaler.scaled_to_zero_at if autoscaler else None
+        zeroed_at = old.autoscaler.scaled_to_zero_at if old.autoscaler else None
         fields = {
-            **status_patch(state, decision, old_status.get("latency"), zeroed_at),
+            **status_patch(state, decision, old.latency, zeroed_at),
             **accuracy_patch(
-                old_status, decision.signals, policy.window_seconds, decision.at, int(metadata.get("generation") or 0)
+                old, decision.signals, policy.window_seconds, decision.at, int(metadata.get("generation") or 0)
             ),
         }
         try:
@@ -504,7 +502,8 @@ class AutoscalingLoop:
                 KIND,
                 metadata["namespace"],
                 metadata["name"],
-                as_merge_patch(old_status, fields),
+                # A merge patch is a diff against the status as stored, not as the types read it.
+                as_merge_patch(body.get("status") or {}, fields),
                 metadata["resourceVersion"],
             )
         except WriteConflict:

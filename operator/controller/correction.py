@@ -26,10 +26,10 @@ from typing import Any
 
 from kvpilot.operator.api.conditions import PLAN_ACCURATE
 from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.api.status import Correction as KeptCorrection
+from kvpilot.operator.api.status import InferenceServiceStatus, LatencyWindow
 from kvpilot.operator.planning.context import Correction
 
-STATUS_KEY = "correction"
-ACCURACY_KEY = "planAccuracy"
 ACCEPTANCE_KEY = "acceptance"
 # A window's ratio this close to the factor in use changes nothing (no re-plan, no write).
 CHANGE = 0.1
@@ -42,58 +42,61 @@ def basis(spec: InferenceServiceSpec) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _verdict(status: Mapping[str, Any]) -> Mapping[str, Any]:
-    return next((c for c in status.get("conditions") or [] if c.get("type") == PLAN_ACCURATE), {})
+def _verdict(status: InferenceServiceStatus) -> str | None:
+    """PlanAccurate's status, None before the autoscaler's loop judged."""
+    condition = status.condition(PLAN_ACCURATE)
+    return condition.status if condition else None
 
 
-def _ratios(status: Mapping[str, Any]) -> tuple[dict[str, float], str] | None:
+def _ratios(status: InferenceServiceStatus) -> tuple[dict[str, float], str] | None:
     """The last window's observed / predicted per signal (1 where the window had none) and its time."""
-    accuracy = status.get(ACCURACY_KEY) or {}
-    entries = {s: accuracy[s] for s in _SIGNALS if isinstance(accuracy.get(s), Mapping) and accuracy[s].get("ratio")}
-    if not entries:
+    accuracy = status.plan_accuracy
+    found: dict[str, LatencyWindow | None] = {s: getattr(accuracy, s) if accuracy else None for s in _SIGNALS}
+    ratios = {s: entry.ratio for s, entry in found.items() if entry and entry.ratio}
+    if not ratios:
         return None
-    window = max(str(e.get("time", "")) for e in entries.values())
-    return {s: float(entries[s]["ratio"]) if s in entries else 1.0 for s in _SIGNALS}, window
+    window = max(entry.time or "" for s, entry in found.items() if entry and s in ratios)
+    return {s: ratios.get(s, 1.0) for s in _SIGNALS}, window
 
 
-def _moved(kept: Mapping[str, Any], ratios: Mapping[str, float]) -> bool:
-    return any(abs(ratios[s] / float(kept[s]) - 1) > CHANGE for s in _SIGNALS)
+def _moved(kept: KeptCorrection, ratios: Mapping[str, float]) -> bool:
+    return any(abs(ratios[s] / getattr(kept, s) - 1) > CHANGE for s in _SIGNALS)
 
 
-def correction(status: Mapping[str, Any], spec: InferenceServiceSpec) -> dict[str, Any] | None:
+def correction(status: InferenceServiceStatus, spec: InferenceServiceSpec) -> dict[str, Any] | None:
     """The correction to plan `spec` with (and to write as status.correction), from the last status."""
     if spec.autoscaling.mode != "slo":
         return None
-    kept = status.get(STATUS_KEY)
-    if not isinstance(kept, Mapping) or kept.get("basis") != basis(spec):
-        kept = None
+    # A correction measured under another basis does not hold for this spec.
+    kept = status.correction if status.correction and status.correction.basis == basis(spec) else None
     verdict = _verdict(status)
-    if verdict.get("status") == "True":
+    if verdict == "True":
         return None
     found = _ratios(status)
-    if verdict.get("status") != "False" or found is None:
-        return dict(kept) if kept else None
+    if verdict != "False" or found is None:
+        return kept.dump() if kept else None
     ratios, window = found
-    if kept and (kept.get("window") == window or not _moved(kept, ratios)):
-        return dict(kept)
-    factors = {s: math.sqrt(float(kept[s]) * ratios[s]) if kept else ratios[s] for s in _SIGNALS}
+    if kept and (kept.window == window or not _moved(kept, ratios)):
+        return kept.dump()
+    factors = {s: math.sqrt(getattr(kept, s) * ratios[s]) if kept else ratios[s] for s in _SIGNALS}
     made = {**{s: round(f, 3) for s, f in factors.items()}, "window": window, "basis": basis(spec)}
-    acceptance = {**((kept or {}).get(ACCEPTANCE_KEY) or {}), **_observed_acceptance(status)}
+    acceptance = {**((kept.acceptance if kept else None) or {}), **_observed_acceptance(status)}
     return made | ({ACCEPTANCE_KEY: acceptance} if acceptance else {})
 
 
-def _observed_acceptance(status: Mapping[str, Any]) -> dict[str, float]:
+def _observed_acceptance(status: InferenceServiceStatus) -> dict[str, float]:
     """The draft acceptance the engines reported under the plan's speculative mode, by mode. Kept
     once the plan leaves the mode (no new reports then), so that the choice it led to holds."""
-    mode = (status.get("plan") or {}).get("speculative")
-    observed = ((status.get(ACCURACY_KEY) or {}).get("draftAcceptance") or {}).get("observed")
-    return {mode: float(observed)} if mode not in (None, "off") and observed is not None else {}
+    mode = status.plan.speculative if status.plan else None
+    share = status.plan_accuracy.draft_acceptance if status.plan_accuracy else None
+    observed = share.observed if share else None
+    return {mode: observed} if mode not in (None, "off") and observed is not None else {}
 
 
-def stale(status: Mapping[str, Any], spec: InferenceServiceSpec) -> bool:
+def stale(status: InferenceServiceStatus, spec: InferenceServiceSpec) -> bool:
     """Whether the last status's verdict asks for another correction than the one in use: the
     service is worth re-planning (an event handler asks this of every status change)."""
-    return correction(status, spec) != (dict(status[STATUS_KEY]) if status.get(STATUS_KEY) else None)
+    return correction(status, spec) != (status.correction.dump() if status.correction else None)
 
 
 def factors(found: Mapping[str, Any] | None) -> Correction | None:

@@ -37,6 +37,7 @@ from pydantic import ValidationError
 from kvpilot.operator.api import names
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.api.status import status_of
 from kvpilot.operator.controller import correction, render
 from kvpilot.operator.controller.last_handled import DigestDiffBaseStorage
 from kvpilot.operator.controller.queue import Key, WorkQueue
@@ -164,9 +165,9 @@ class Reconciler:
             return
         self._versions[key] = result.version
         self.logger.info(f"{REFRESHED} {namespace}/{name}")
-        ready = next((c for c in result.status.get("conditions", []) if c["type"] == "Ready"), None)
+        ready = result.status.condition("Ready")
         if ready is not None:
-            self.logger.debug(f"{namespace}/{name} Ready={ready['status']} ({ready['reason']}): {ready['message']}")
+            self.logger.debug(f"{namespace}/{name} Ready={ready.status} ({ready.reason}): {ready.message}")
         retry = retry_reason(result.status)
         if retry is not None and retry[0] in BACKED_OFF:
             delay = self.queue.add_rate_limited(key)
@@ -249,7 +250,7 @@ async def correction_handler(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None
         spec = InferenceServiceSpec.model_validate(body.get("spec") or {})
     except ValidationError:
         return
-    if body["metadata"].get("deletionTimestamp") or not correction.stale(body.get("status") or {}, spec):
+    if body["metadata"].get("deletionTimestamp") or not correction.stale(status_of(body), spec):
         return
     _queue(memo, body["metadata"]["namespace"], body["metadata"]["name"])
 

@@ -47,6 +47,7 @@ from kvpilot.operator.api import names
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec
+from kvpilot.operator.api.status import InferenceServiceStatus, KeptCheckpoint, LastGoodPlan, status_of
 from kvpilot.operator.controller import correction, render, status
 from kvpilot.operator.controller.checkpoint import Unreadable, read_checkpoint, reads_checkpoint, with_checkpoint
 from kvpilot.operator.hub.client import HubClient
@@ -165,43 +166,35 @@ def _planned_part(kept_spec: Mapping[str, Any]) -> dict[str, Any]:
 
 def last_good(
     planned: dict[str, Any], gpu: str, gpu_reason: str | None, checkpoint: ModelConfig | None = None
-) -> dict[str, Any]:
+) -> LastGoodPlan:
     """`status.lastGoodPlan` for a plan that fits: the spec it was made for (`planned_fields`),
     the GPU chosen (and why), and the checkpoint's config as read from the Hub, all that rendering
     its Deployment again needs (the Hub may be down by then)."""
-    kept: dict[str, Any] = {"gpu": gpu, "spec": planned, **({"gpuReason": gpu_reason} if gpu_reason else {})}
+    held = None
     if checkpoint is not None:
-        architecture = checkpoint.architecture.model_dump(mode="json", by_alias=True, exclude_none=True)
-        kept["checkpoint"] = {"architecture": architecture} | (
-            {"quantization": checkpoint.quantization} if checkpoint.quantization else {}
-        )
-    return kept
+        held = KeptCheckpoint(architecture=checkpoint.architecture, quantization=checkpoint.quantization or None)
+    return LastGoodPlan(gpu=gpu, spec=planned, gpu_reason=gpu_reason or None, checkpoint=held)
 
 
-def _kept_checkpoint(kept: Mapping[str, Any]) -> ModelConfig | None:
-    """The checkpoint config `status.lastGoodPlan` holds, None without one (or an unreadable one)."""
-    held = kept.get("checkpoint") or {}
-    try:
-        return ModelConfig(Architecture.model_validate(held["architecture"]), held.get("quantization"))
-    except (KeyError, TypeError, ValidationError):
+def _kept_checkpoint(kept: LastGoodPlan | None) -> ModelConfig | None:
+    """The checkpoint config `status.lastGoodPlan` holds, None without one."""
+    held = kept.checkpoint if kept else None
+    if held is None or held.architecture is None:
         return None
+    return ModelConfig(held.architecture, held.quantization)
 
 
-def _kept(old: Mapping[str, Any], planned: dict[str, Any] | None, generation: int) -> dict[str, Any]:
+def _kept(old: InferenceServiceStatus, planned: dict[str, Any] | None, generation: int) -> LastGoodPlan | None:
     """`status.lastGoodPlan`; for a status written before it existed (by an older operator), the
     plan that status holds when it fit and was made for this generation, so that an upgrade does
     not re-plan (and roll onto another GPU type) every service."""
-    if old.get("lastGoodPlan"):
-        return dict(old["lastGoodPlan"])
-    previous = old.get("plan") or {}
-    if (
-        planned is None
-        or old.get("observedGeneration") != generation
-        or not previous.get("fits")
-        or not previous.get("gpu")
-    ):
-        return {}
-    return last_good(planned, str(previous["gpu"]), (previous.get("reasons") or {}).get("gpu"))
+    # One with no field set records no plan: the status's plan is tried instead.
+    if old.last_good_plan and old.last_good_plan.dump():
+        return old.last_good_plan
+    previous = old.plan
+    if planned is None or old.observed_generation != generation or previous is None or not previous.fits:
+        return None
+    return last_good(planned, previous.gpu, (previous.reasons or {}).get("gpu")) if previous.gpu else None
 
 
 def _profile_name(spec: InferenceServiceSpec) -> str | None:
@@ -233,29 +226,29 @@ def device_profiles(
     return found
 
 
-def _kept_spec(kept: Mapping[str, Any], spec: InferenceServiceSpec) -> InferenceServiceSpec | None:
+def _kept_spec(kept: LastGoodPlan | None, spec: InferenceServiceSpec) -> InferenceServiceSpec | None:
     """The spec to render the Deployment from while `spec` does not plan: the planned fields of
     `status.lastGoodPlan`, the rest (replicas, env, placement) of `spec`. None without a last good
     plan (or one this operator cannot read any more)."""
-    if not kept.get("spec") or not kept.get("gpu"):
+    if kept is None or not kept.spec or not kept.gpu:
         return None
     current = spec.model_dump(mode="json", by_alias=True, exclude=set(PLANNED), exclude_defaults=True)
     try:
-        return InferenceServiceSpec.model_validate({**current, **_planned_part(kept["spec"])})
+        return InferenceServiceSpec.model_validate({**current, **_planned_part(kept.spec)})
     except ValidationError:
         return None
 
 
 def _last_good_serving(
-    kept: Mapping[str, Any], spec: InferenceServiceSpec, profiles: Mapping[str, DeviceProfile | str]
+    kept: LastGoodPlan | None, spec: InferenceServiceSpec, profiles: Mapping[str, DeviceProfile | str]
 ) -> tuple[InferenceServiceSpec, Plan] | None:
     """The kept spec (_kept_spec) and its plan, on the GPU it chose; None when it does not plan."""
     kept_spec, checkpoint = _kept_spec(kept, spec), _kept_checkpoint(kept)
-    if kept_spec is None:
+    if kept is None or kept_spec is None:
         return None
     kept_spec = with_checkpoint(kept_spec, checkpoint)
     context = PlanContext(
-        available_gpus=(str(kept["gpu"]),),
+        available_gpus=(str(kept.gpu),),
         device_profiles=profiles,
         checkpoint=checkpoint.architecture if checkpoint else None,
     )
@@ -263,15 +256,15 @@ def _last_good_serving(
     return (kept_spec, result) if result.fits else None
 
 
-def _kept_gpu(spec: InferenceServiceSpec, planned: dict[str, Any], kept: Mapping[str, Any]) -> str | None:
+def _kept_gpu(spec: InferenceServiceSpec, planned: dict[str, Any], kept: LastGoodPlan | None) -> str | None:
     """The GPU of the last plan that fit, when it was made for this spec (replicas aside) and
     the spec does not name a type."""
-    if spec.accelerator.type or _planned_part(kept.get("spec") or {}) != planned or not kept.get("gpu"):
+    if spec.accelerator.type or kept is None or _planned_part(kept.spec or {}) != planned or not kept.gpu:
         return None
-    return str(kept["gpu"])
+    return kept.gpu
 
 
-def _reads_nodes(spec: InferenceServiceSpec, planned: dict[str, Any], kept: Mapping[str, Any]) -> bool:
+def _reads_nodes(spec: InferenceServiceSpec, planned: dict[str, Any], kept: LastGoodPlan | None) -> bool:
     """The nodes are read when they choose the GPU type, or bound the tensor-parallel size the
     planner picks (a runtime with more than one, no accelerator.count)."""
     splits = spec.accelerator.count is None and len(RUNTIMES[spec.runtime].capabilities.tensor_parallel_sizes) > 1
@@ -298,7 +291,7 @@ def _plan(
         checkpoint=checkpoint,
     )
     result = plan(spec, context)
-    why = kept.get("gpuReason")
+    why = kept.gpu_reason if kept else None
     if gpu is None or not result.fits or not why:
         return result
     return result.model_copy(update={"reasons": {**result.reasons, "gpu": why}})
@@ -379,7 +372,7 @@ class Observed(NamedTuple):
 
     body: Mapping[str, Any]  # the InferenceService
     spec: InferenceServiceSpec | ValidationError  # the error: the spec is invalid
-    kept: dict[str, Any]  # status.lastGoodPlan
+    kept: LastGoodPlan | None  # status.lastGoodPlan
     nodes: dict[str, int]  # GPU product -> most GPUs one node carries; empty when not read
     profiles: dict[str, DeviceProfile | str]  # the CPU profiles the spec and the kept spec name
     api_key_secret: Manifest | None  # the service's API-key Secret, when the operator makes the key
@@ -400,7 +393,7 @@ def observe(
 ) -> Observed:
     """Read what deciding about `body` needs, and nothing a decision will not use: a healthy
     service with a GPU type and its own key costs one read (its Secret)."""
-    metadata, old = body["metadata"], body.get("status") or {}
+    metadata, old = body["metadata"], status_of(body)
     generation = int(metadata.get("generation", 0))
     spec = _valid_spec(body)
     if isinstance(spec, ValidationError):
@@ -423,7 +416,7 @@ class Decision(NamedTuple):
     result: Plan  # the spec's plan (or why it has none)
     wanted: list[Manifest]  # the children to converge, stamped (with a new key's Secret)
     key: _ApiKey
-    last_good: dict[str, Any] | None  # status.lastGoodPlan to write
+    last_good: LastGoodPlan | None  # status.lastGoodPlan to write
     correction: dict[str, Any] | None  # status.correction, which `result` was planned with
 
 
@@ -433,11 +426,11 @@ def decide(observed: Observed, default_image: str, operator_namespace: str | Non
     nothing; a key that cannot be had (a foreign or empty Secret) blocks the rollout."""
     body, spec, kept = observed.body, observed.spec, observed.kept
     if isinstance(spec, ValidationError):
-        return Decision(None, _invalid(body, spec), [], _ApiKey(), kept or None, None)
+        return Decision(None, _invalid(body, spec), [], _ApiKey(), kept, None)
     metadata = body["metadata"]
     name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
     planned = planned_fields(spec)
-    corrected = correction.correction(body.get("status") or {}, spec)
+    corrected = correction.correction(status_of(body), spec)
     checkpoint = observed.checkpoint
     read = checkpoint if isinstance(checkpoint, ModelConfig) else None
     if isinstance(checkpoint, Unreadable):
@@ -457,7 +450,7 @@ def decide(observed: Observed, default_image: str, operator_namespace: str | Non
         operator_namespace=operator_namespace,
     )
     wanted = [stamped(m) for m in [*children, *([key.secret] if key.secret else [])]]
-    good = last_good(planned, str(result.gpu), result.reasons.get("gpu"), read) if result.fits else kept or None
+    good = last_good(planned, str(result.gpu), result.reasons.get("gpu"), read) if result.fits else kept
     return Decision(spec, result, wanted, key, good, corrected)
 
 
@@ -497,7 +490,7 @@ def reconcile(
         plan=decision.result,
         spec=decision.spec,
         deployment=deployment,
-        old=body.get("status") or {},
+        old=status_of(body),
         now=now,
         blocked=blocked,
         pods=pods,
@@ -546,7 +539,7 @@ def _not_all_ready(deployment: Mapping[str, Any]) -> bool:
 
 class Refreshed(NamedTuple):
     version: str  # the object's resourceVersion afterwards
-    status: dict[str, Any]  # the status it now has
+    status: InferenceServiceStatus  # the status it now has
 
 
 def refresh(
@@ -567,19 +560,20 @@ def refresh(
     if body is None or body["metadata"].get("deletionTimestamp"):
         return None
     new = reconcile(body, cluster, now, default_image=default_image, operator_namespace=operator_namespace, hub=hub)
+    # A merge patch is a diff against the status as stored, not as the types read it.
     patch = merge_patch(body.get("status") or {}, new)
+    # What was written, read back as the status's readers read it.
+    written = InferenceServiceStatus.model_validate(new)
     if patch:
-        return Refreshed(cluster.patch_status(API_VERSION, KIND, namespace, name, patch), new)
-    return Refreshed(str(body["metadata"]["resourceVersion"]), new)
+        return Refreshed(cluster.patch_status(API_VERSION, KIND, namespace, name, patch), written)
+    return Refreshed(str(body["metadata"]["resourceVersion"]), written)
 
 
-def retry_reason(status: Mapping[str, Any]) -> tuple[str, str] | None:
+def retry_reason(status: InferenceServiceStatus) -> tuple[str, str] | None:
     """(reason, message) when a reconcile that wrote `status` must run again later by itself:
     nothing watched will change when the way is clear (an object of someone else in the way, a
     write the API server refused, no GPU node yet)."""
-    conditions = {c["type"]: c for c in status.get("conditions", [])}
-    ready, planned = conditions.get("Ready", {}), conditions.get("Planned", {})
-    for condition in (ready, planned):
-        if condition.get("reason") in RETRIED:
-            return condition["reason"], condition.get("message", "")
+    for condition in (status.condition("Ready"), status.condition("Planned")):
+        if condition is not None and condition.reason in RETRIED:
+            return condition.reason, condition.message or ""
     return None

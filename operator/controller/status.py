@@ -14,6 +14,7 @@ from kvpilot.operator.api.conditions import PLAN_ACCURATE, with_transition_times
 from kvpilot.operator.api.names import API_KEY_SHA256, selector, service_url
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.api.status import InferenceServiceStatus, LastGoodPlan, PlanAccuracy
 from kvpilot.operator.planning import sizing
 
 CONDITION_TYPES = ("Planned", "Progressing", "Ready", "Degraded")
@@ -223,26 +224,26 @@ def conditions(
     return conditions_
 
 
-def _same_prediction(accuracy: Mapping[str, Any], plan: Plan) -> bool:
+def _same_prediction(accuracy: PlanAccuracy, plan: Plan) -> bool:
     """Whether `status.planAccuracy` compared the engines with this plan's predictions."""
-    predicted = {"ttft": plan.predicted_ttft_ms, "tpot": plan.predicted_tpot_ms}
-    return all((accuracy.get(key) or {}).get("predictedMs") in (None, value) for key, value in predicted.items())
+    judged = ((accuracy.ttft, plan.predicted_ttft_ms), (accuracy.tpot, plan.predicted_tpot_ms))
+    return all(window is None or window.predicted_ms in (None, value) for window, value in judged)
 
 
 def plan_accuracy(
-    old: Mapping[str, Any], plan: Plan, now: datetime, generation: int
+    old: InferenceServiceStatus, plan: Plan, now: datetime, generation: int
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """`planAccuracy` and the PlanAccurate condition as the autoscaler's loop last wrote them
     (autoscaling/accuracy.py), for this generation; both start again (Unknown) when this plan
     predicts other latencies than the ones they were judged against. None: the loop wrote none."""
-    conditions = old.get("conditions") or []
-    written = next((c for c in conditions if c.get("type") == PLAN_ACCURATE), None)
+    written = old.condition(PLAN_ACCURATE)
     if written is None:
         return None, None
-    accuracy = old.get("planAccuracy") or {}
-    condition = {key: written[key] for key in ("type", "status", "reason", "message") if key in written}
+    accuracy = old.plan_accuracy or PlanAccuracy()
+    # Stamped again below, for this generation.
+    condition = written.model_dump(include={"type", "status", "reason", "message"}, exclude_none=True)
     if not _same_prediction(accuracy, plan):
-        accuracy = {}
+        accuracy = PlanAccuracy()
         reason, message = (
             (
                 "Replanned",
@@ -253,7 +254,7 @@ def plan_accuracy(
             else ("NoPrediction", "the spec does not plan: no predicted latency to compare")
         )
         condition = {"type": PLAN_ACCURATE, "status": "Unknown", "reason": reason, "message": message}
-    return accuracy or None, with_transition_times([condition], conditions, now, generation)[0]
+    return accuracy.dump() or None, with_transition_times([condition], old.conditions or [], now, generation)[0]
 
 
 def build(
@@ -264,11 +265,11 @@ def build(
     plan: Plan,
     spec: InferenceServiceSpec | None,
     deployment: Mapping[str, Any] | None,
-    old: Mapping[str, Any],
+    old: InferenceServiceStatus,
     now: datetime,
     blocked: tuple[str, str] | None = None,
     pods: Sequence[Mapping[str, Any]] = (),
-    last_good: Mapping[str, Any] | None = None,
+    last_good: LastGoodPlan | None = None,
     api_key: tuple[str, str] | None = None,
     correction: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -286,10 +287,12 @@ def build(
     # The autoscaler's loop (autoscaling/loop.py) writes these, and the PlanAccurate condition; a
     # reconcile carries them over, since the merge patch of this status would otherwise remove
     # what it does not list.
-    latency = old.get("latency") or {}
-    if latency.get("source") != "observed":
+    if old.latency and old.latency.source == "observed":
+        latency = old.latency.dump()
+    else:
         latency = {"ttftP95Ms": plan.predicted_ttft_ms, "tpotP95Ms": plan.predicted_tpot_ms, "source": "predicted"}
-    carried = {"autoscaler": old["autoscaler"]} if old.get("autoscaler") else {}
+    autoscaler = old.autoscaler.dump() if old.autoscaler else {}
+    carried = {"autoscaler": autoscaler} if autoscaler else {}
     accuracy, accurate = plan_accuracy(old, plan, now, generation)
     return {
         **carried,
@@ -301,14 +304,14 @@ def build(
         # The Service exists whether or not the plan fits, so the address is stable from the start.
         "url": service_url(name, namespace),
         "plan": plan_summary(plan),
-        **({"lastGoodPlan": dict(last_good)} if last_good else {}),
+        **({"lastGoodPlan": last_good.dump()} if last_good else {}),
         **({"auth": {API_KEY_SHA256: api_key[0], "secretName": api_key[1]}} if api_key else {}),
         # Predicted until the autoscaler reports what the engines measure.
         "latency": latency,
         **({"planAccuracy": accuracy} if accuracy else {}),
         **({"correction": dict(correction)} if correction else {}),
         "conditions": [
-            *with_transition_times(fresh, old.get("conditions", []), now, generation),
+            *with_transition_times(fresh, old.conditions or [], now, generation),
             *([accurate] if accurate else []),
         ],
     }

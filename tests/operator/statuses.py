@@ -9,6 +9,7 @@ from typing import Any
 
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.api.status import InferenceServiceStatus
 from kvpilot.operator.controller import status
 
 WRITTEN_AT = datetime(2025, 1, 1, tzinfo=UTC)
@@ -31,7 +32,7 @@ def reconciled(
         plan=result,
         spec=spec,
         deployment=deployment,
-        old=old or {},
+        old=InferenceServiceStatus.model_validate(old or {}),
         now=now,
         **more,
     )

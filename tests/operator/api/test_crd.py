@@ -487,7 +487,12 @@ def test_the_status_the_autoscaler_adds_validates_against_the_schema(crd: dict[s
         prefix_share=0.4,
     )
     for period in range(SUSTAIN_PERIODS):
-        written = {**written, **accuracy_patch(written, signals, 60.0, 1_800_000_000.0 + 15 * period, 3)}
+        written = {
+            **written,
+            **accuracy_patch(
+                InferenceServiceStatus.model_validate(written), signals, 60.0, 1_800_000_000.0 + 15 * period, 3
+            ),
+        }
     accuracy = written["planAccuracy"]
     assert {"ttft", "tpot", "draftAcceptance", "prefixShare", "outsidePeriods", "outsideSince", "band"} <= set(accuracy)
     assert {c["type"]: c["status"] for c in written["conditions"]}["PlanAccurate"] == "False"

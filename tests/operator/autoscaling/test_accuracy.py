@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kvpilot.operator.api.status import InferenceServiceStatus
 from kvpilot.operator.autoscaling.accuracy import BAND, SUSTAIN_PERIODS, accuracy_patch
 from kvpilot.operator.autoscaling.decisions import MIN_OBSERVATIONS, Signals
 from kvpilot.operator.kube.events import iso
@@ -38,7 +39,10 @@ class Service:
 
     def period(self, signals: Signals) -> dict[str, Any]:
         self.now += PERIOD
-        self.status = {**self.status, **accuracy_patch(self.status, signals, 60.0, self.now, 3)}
+        self.status = {
+            **self.status,
+            **accuracy_patch(InferenceServiceStatus.model_validate(self.status), signals, 60.0, self.now, 3),
+        }
         return self.accurate()
 
     def accurate(self) -> dict[str, Any]:

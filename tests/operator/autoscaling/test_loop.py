@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 
 from kvpilot.engine.serving.metrics import ServingMetrics
 from kvpilot.operator.api.spec import InferenceServiceSpec
-from kvpilot.operator.api.status import status_of
+from kvpilot.operator.api.status import InferenceServiceStatus, Latency, status_of
 from kvpilot.operator.autoscaling.accuracy import SUSTAIN_PERIODS, accuracy_patch
 from kvpilot.operator.autoscaling.decisions import AutoscalerState, Decision, PodRead, Policy, Signals
 from kvpilot.operator.autoscaling.loop import (
@@ -185,7 +185,7 @@ def test_a_decision_goes_to_the_status_with_its_numbers() -> None:
     assert outcome is not None
     policy, state, decision = outcome
     assert decision.action == "up" and decision.replicas == 4
-    patch = status_patch(state, decision, {"ttftP95Ms": 100.0, "tpotP95Ms": 20.0, "source": "predicted"})
+    patch = status_patch(state, decision, Latency(ttft_p95_ms=100.0, tpot_p95_ms=20.0, source="predicted"))
     last = patch["autoscaler"]["lastDecision"]
     assert last["action"] == "up" and (last["previous"], last["replicas"]) == (2, 4)
     assert last["time"] == datetime.fromtimestamp(NOW + 15, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -295,7 +295,7 @@ def test_observed_latency_stays_when_a_window_has_no_requests() -> None:
     assert outcome is not None
     _, state, decision = outcome
     assert decision.signals.ttft_p95_seconds is None
-    assert "latency" not in status_patch(state, decision, {"ttftP95Ms": 900.0, "source": "observed"})
+    assert "latency" not in status_patch(state, decision, Latency(ttft_p95_ms=900.0, source="observed"))
 
 
 @pytest.mark.parametrize(
@@ -396,7 +396,10 @@ def test_a_reconcile_keeps_plan_accurate_for_the_plan_it_was_judged_against() ->
     signals = Signals(ttft_p95_seconds=result.predicted_ttft_ms * 4 / 1000, tpot_p95_seconds=None, ttft_observations=40)
     looped = first
     for period in range(SUSTAIN_PERIODS):
-        looped = {**looped, **accuracy_patch(looped, signals, 60.0, NOW + 15 * period, 1)}
+        looped = {
+            **looped,
+            **accuracy_patch(InferenceServiceStatus.model_validate(looped), signals, 60.0, NOW + 15 * period, 1),
+        }
     accurate = next(c for c in looped["conditions"] if c["type"] == "PlanAccurate")
     assert (accurate["status"], accurate["reason"]) == ("False", "OutsideBand")
 

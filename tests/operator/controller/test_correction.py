@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.api.status import InferenceServiceStatus
 from kvpilot.operator.controller import correction
 from kvpilot.operator.controller.reconcile import reconcile
 from kvpilot.operator.planning.plan import PlanContext, plan
@@ -25,6 +26,10 @@ def spec(**changes: Any) -> InferenceServiceSpec:
     return InferenceServiceSpec.model_validate({**SPEC, **changes})
 
 
+def typed(status: dict[str, Any]) -> InferenceServiceStatus:
+    return InferenceServiceStatus.model_validate(status)
+
+
 def verdict(state: str, ttft: float, tpot: float, window: str = "2026-12-01T10:00:00Z") -> dict[str, Any]:
     return {
         "planAccuracy": {
@@ -37,7 +42,7 @@ def verdict(state: str, ttft: float, tpot: float, window: str = "2026-12-01T10:0
 
 def test_a_sustained_miss_becomes_the_factors_and_their_replicas() -> None:
     s = spec()
-    found = correction.correction(verdict("False", 3.0, 2.5), s)
+    found = correction.correction(typed(verdict("False", 3.0, 2.5)), s)
     assert found is not None and (found["ttft"], found["tpot"]) == (3.0, 2.5) and found["basis"] == correction.basis(s)
     plain, corrected = plan(s), plan(s, PlanContext(correction=correction.factors(found)))
     assert corrected.replicas > plain.replicas
@@ -53,39 +58,39 @@ def test_a_sustained_miss_becomes_the_factors_and_their_replicas() -> None:
 
 def test_the_factors_follow_new_windows_half_way_and_ignore_small_moves() -> None:
     s = spec()
-    first = correction.correction(verdict("False", 4.0, 4.0), s)
+    first = correction.correction(typed(verdict("False", 4.0, 4.0)), s)
     assert first is not None
-    same_window = correction.correction({**verdict("False", 9.0, 9.0), "correction": first}, s)
+    same_window = correction.correction(typed({**verdict("False", 9.0, 9.0), "correction": first}), s)
     assert same_window == first
     later = "2026-12-01T10:00:15Z"
-    moved = correction.correction({**verdict("False", 9.0, 1.0, later), "correction": first}, s)
+    moved = correction.correction(typed({**verdict("False", 9.0, 1.0, later), "correction": first}), s)
     assert moved is not None and moved["ttft"] == round(math.sqrt(4 * 9), 3) and moved["tpot"] == 2.0
-    small = correction.correction({**verdict("False", 4.2, 3.9, later), "correction": first}, s)
+    small = correction.correction(typed({**verdict("False", 4.2, 3.9, later), "correction": first}), s)
     assert small == first
 
 
 def test_the_correction_holds_while_unknown_and_goes_with_accuracy_or_a_new_basis() -> None:
     s = spec()
-    kept = correction.correction(verdict("False", 3.0, 3.0), s)
+    kept = correction.correction(typed(verdict("False", 3.0, 3.0)), s)
     unknown = {"correction": kept, "conditions": [{"type": "PlanAccurate", "status": "Unknown"}]}
-    assert correction.correction(unknown, s) == kept  # a reset after the re-plan keeps it
-    assert correction.correction({**verdict("True", 1.1, 1.0), "correction": kept}, s) is None
+    assert correction.correction(typed(unknown), s) == kept  # a reset after the re-plan keeps it
+    assert correction.correction(typed({**verdict("True", 1.1, 1.0), "correction": kept}), s) is None
     other = spec(serving={"speculative": "off", "quantization": "int4", "maxContextLength": 2048})
-    assert correction.correction(unknown, other) is None
+    assert correction.correction(typed(unknown), other) is None
     # Load and SLO are not physics: a new rate keeps the factor.
-    assert correction.correction(unknown, spec(load={"requestsPerSecond": 8})) == kept
+    assert correction.correction(typed(unknown), spec(load={"requestsPerSecond": 8})) == kept
     # Under `external` an HPA owns the replicas: the plan is not re-planned from observations.
-    assert correction.correction(verdict("False", 3.0, 3.0), spec(autoscaling={"mode": "external"})) is None
+    assert correction.correction(typed(verdict("False", 3.0, 3.0)), spec(autoscaling={"mode": "external"})) is None
 
 
 def test_stale_asks_for_a_re_plan_only_when_the_verdict_changes_the_factors() -> None:
     s = spec()
     missed = verdict("False", 6.0, 5.0)
-    assert correction.stale(missed, s)
-    applied = {**missed, "correction": correction.correction(missed, s)}
-    assert not correction.stale(applied, s)
-    assert not correction.stale({}, s)
-    assert correction.stale({**verdict("True", 1.0, 1.0), "correction": applied["correction"]}, s)
+    assert correction.stale(typed(missed), s)
+    applied = {**missed, "correction": correction.correction(typed(missed), s)}
+    assert not correction.stale(typed(applied), s)
+    assert not correction.stale(typed({}), s)
+    assert correction.stale(typed({**verdict("True", 1.0, 1.0), "correction": applied["correction"]}), s)
 
 
 def test_reconcile_writes_the_correction_and_plans_replicas_with_it() -> None:
@@ -109,12 +114,12 @@ def _ran_ngram(acceptance: float, state: str = "False", window: str = "2026-12-0
 
 def test_the_observed_acceptance_rides_along_and_stays_once_the_plan_leaves_the_mode() -> None:
     s = spec(serving={"speculative": "auto", "maxContextLength": 2048})
-    found = correction.correction(_ran_ngram(0.02), s)
+    found = correction.correction(typed(_ran_ngram(0.02)), s)
     assert found is not None and found["acceptance"] == {"ngram": 0.02}
     assert correction.factors(found) == (1.0, 1.6, (("ngram", 0.02),))
     # The re-plan left ngram: no new reports of it, the observation stays with a later window.
     later = verdict("False", 1.0, 1.3, "2026-12-01T10:00:15Z") | {"plan": {"speculative": "off"}}
-    again = correction.correction({**later, "correction": found}, s)
+    again = correction.correction(typed({**later, "correction": found}), s)
     assert again is not None and again["acceptance"] == {"ngram": 0.02} and again["tpot"] != found["tpot"]
 
 

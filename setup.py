@@ -15,6 +15,10 @@ def packages(root: str) -> list[str]:
 
 setup(
     packages=packages("engine") + packages("operator"),
-    # Plain data the code reads at run time: the built-in CPU device profiles.
-    package_data={"kvpilot.operator.planning": ["profiles/*.json"]},
+    # Plain data the code reads at run time: the built-in CPU device profiles, and the C++ source
+    # of the engine's CPU kernels, which an engine builds at start-up where no library is cached.
+    package_data={
+        "kvpilot.operator.planning": ["profiles/*.json"],
+        "kvpilot.engine.model": ["kernels/*.cpp"],
+    },
 )

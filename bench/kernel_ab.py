@@ -1,7 +1,8 @@
 """A kernel of a git revision against the working tree's, side by side in one process (the VM's
 speed moves too much between runs to compare two).
 
-Both sources (engine/model/cpu_kernels.py) are built under operator namespaces of their own and
+Both sources (engine/model/kernels/cpu_kernels.cpp; before it, the string in
+engine/model/cpu_kernels.py) are built under operator namespaces of their own and
 called alternately on the embedded model's shapes, one call per layer of its 30 making a step;
 times in ms per step, the median of 12 alternating rounds, and the outputs of the two compared.
 
@@ -40,15 +41,21 @@ from kvpilot.engine.worker.cpu_features import read_cpu_flags
 LAYERS, KV_HEADS, DIM, HEADS, SLOTS, BLOCK = 30, 3, 64, 9, 8192, 16
 INT4_SHAPES = {name: SHAPES[name] for name in ("qkv", "o", "gate_up", "down")}
 INT4_GROUP = 32
-KERNEL = "engine/model/cpu_kernels.py"
+KERNEL = "engine/model/kernels/cpu_kernels.cpp"
+# Where revisions before the .cpp file held the source: a string in the loader module.
+OLD_KERNEL = "engine/model/cpu_kernels.py"
 Step = Callable[[], torch.Tensor]  # one call of the kernel on one layer's inputs
 
 
 def _source_at(rev: str) -> str:
-    """The kernel source of engine/model/cpu_kernels.py at a git revision."""
-    text = subprocess.run(["git", "show", f"{rev}:{KERNEL}"], capture_output=True, text=True, check=True).stdout
+    """The kernel source at a git revision: its .cpp file, else (an older revision) the string in the
+    loader module, its constants already substituted (the defines the build passes go unused)."""
+    shown = subprocess.run(["git", "show", f"{rev}:{KERNEL}"], capture_output=True, text=True)
+    if shown.returncode == 0:
+        return shown.stdout
+    text = subprocess.run(["git", "show", f"{rev}:{OLD_KERNEL}"], capture_output=True, text=True, check=True).stdout
     scope: dict[str, object] = {"__name__": "kernels_at_rev"}
-    exec(compile(text, f"{rev}:{KERNEL}", "exec"), scope)
+    exec(compile(text, f"{rev}:{OLD_KERNEL}", "exec"), scope)
     return str(scope["_SOURCE"])
 
 
@@ -61,7 +68,7 @@ def _build(namespace: str, source: str, level: cpu_kernels.Level) -> object:
     load_inline(
         namespace,
         cpp_sources=renamed,
-        extra_cflags=["-O3", "-fopenmp", *level.cflags],
+        extra_cflags=cpu_kernels.compile_flags(level),
         extra_ldflags=["-fopenmp"],
         build_directory=tempfile.mkdtemp(prefix=f"{namespace}-"),
         is_python_module=False,
@@ -150,7 +157,7 @@ def main() -> None:
     level = runnable[args.level]
     ops = {
         args.rev: _build("kv_rev", _source_at(args.rev), level),
-        "tree": _build("kv_tree", cpu_kernels._SOURCE, level),
+        "tree": _build("kv_tree", cpu_kernels.SOURCE.read_text(), level),
     }
     print(f"level {level.name} ({' '.join(level.cflags)})")
     torch.manual_seed(0)

@@ -1,6 +1,7 @@
 """The wheel is what the images install (`pip install .` in engine/Dockerfile and operator/Dockerfile):
-built and installed here the same way, not editable, it ships every module of both halves, each
-imports from the installed copy, and the `kvpilot` command runs from it.
+built and installed here the same way, not editable, it ships every module of both halves and the
+kernels' C++ source, each module imports from the installed copy, and the `kvpilot` command runs
+from it.
 
 Every other test runs on the editable install, which finds modules in the checkout whether or not
 the wheel would ship them. The throwaway environment has only the wheel of its own; the
@@ -98,6 +99,20 @@ def test_the_wheel_ships_every_module_of_both_halves(installed: tuple[Path, Path
             if name.endswith(".py")
         }
     assert set(modules()) - shipped == set()
+
+
+def test_the_wheel_ships_the_cpu_kernels_source(installed: tuple[Path, Path]) -> None:
+    """The kernels' C++ is package data: an engine with no library cached or prebuilt builds it from
+    the installed copy, and `kvpilot build-kernels` in engine/Dockerfile builds from it too."""
+    from kvpilot.engine.model import cpu_kernels
+
+    wheel, _ = installed
+    sources = sorted(cpu_kernels.SOURCE.parent.iterdir())
+    assert cpu_kernels.SOURCE in sources
+    with zipfile.ZipFile(wheel) as archive:
+        for source in sources:
+            shipped = archive.read(f"kvpilot/engine/model/kernels/{source.name}")
+            assert shipped == source.read_bytes(), source.name
 
 
 def test_every_module_imports_from_the_installed_wheel(installed: tuple[Path, Path]) -> None:

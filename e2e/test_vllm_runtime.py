@@ -45,8 +45,17 @@ SPEC: dict[str, Any] = {
 BUSY = [{"running": 8, "waiting": 24, "kv_usage": 0.5, "ttfts": [0.2, 0.3], "itls": [0.02]}]
 
 
+# The KV blocks each vLLM pod says it allocated (vllm:cache_config_info), set beside the plan's.
+ALLOCATED_BLOCKS = 4321
+
+
 def _vllm_exposition(steps: list[dict[str, Any]]) -> str:
-    case = {"argv": ["--tensor-parallel-size=2"], "config": config_json(MODELS["llama-3-70b"]), "steps": steps}
+    case = {
+        "argv": ["--tensor-parallel-size=2"],
+        "config": config_json(MODELS["llama-3-70b"]),
+        "steps": steps,
+        "num_gpu_blocks": ALLOCATED_BLOCKS,
+    }
     return env.run("exposition", json.dumps(case), timeout_s=600)
 
 
@@ -134,6 +143,14 @@ def test_a_vllm_service_is_split_over_gpus_rolls_out_and_is_scaled_on_vllm_metri
             return int(k8s.kubectl_json("get", "deployment", name, "-n", namespace)["spec"]["replicas"]) == 2 or None
 
         poll(scaled, 120, "the autoscaler's scale-up to 2 on vLLM's queue", interval_s=1.0)
+
+        def blocks_compared() -> dict[str, Any] | None:
+            pods.sync()
+            status = kvis.get(k8s, namespace, name).get("status", {})
+            return (status.get("planAccuracy") or {}).get("kvBlocks")
+
+        compared = poll(blocks_compared, 120, "planAccuracy.kvBlocks from vLLM's cache_config_info", interval_s=1.0)
+    assert compared["observed"] == ALLOCATED_BLOCKS and compared["predicted"] == expected.kv_blocks, compared
     events = [e for e in kvis.events(k8s, namespace, name) if e["reason"] == "ScaledUp"]
     assert any("1 -> 2" in e["message"] and "waiting 24.0/replica" in e["message"] for e in events), [
         e["message"] for e in events

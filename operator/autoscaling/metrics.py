@@ -304,7 +304,7 @@ def parse_gateway(text: str) -> dict[tuple[str, str], float]:
 
 
 HISTOGRAM_NAMES = (*TTFT_NAMES, *TPOT_NAMES)
-GAUGE_NAMES = (*WAITING_NAMES, *RUNNING_NAMES, *KV_USAGE_NAMES)
+GAUGE_NAMES = (*WAITING_NAMES, *RUNNING_NAMES, *KV_USAGE_NAMES, CACHE_CONFIG_NAME)
 COUNTER_NAMES = (*DRAFT_TOKENS_NAMES, *ACCEPTED_TOKENS_NAMES, *PREFIX_QUERIES_NAMES, *PREFIX_HITS_NAMES)
 # The series a Prometheus holds for what `parse` reads, each with its family and the TYPE the text
 # format gives it: a histogram's buckets and count, and its `_created` gauge (prometheus_client

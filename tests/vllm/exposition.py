@@ -33,10 +33,11 @@ def main() -> None:
         args.model = args.model_tag
         config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
     logger = PrometheusStatLogger(config)
-    # What the engine core does once it has sized its KV pool: the blocks go into the cache config,
-    # which the logger exports as vllm:cache_config_info.
-    config.cache_config.num_gpu_blocks = case["num_gpu_blocks"]
-    logger.log_engine_initialized()
+    if "num_gpu_blocks" in case:
+        # What the engine core does once it has sized its KV pool: the blocks go into the cache
+        # config, which the logger exports as vllm:cache_config_info.
+        config.cache_config.num_gpu_blocks = case["num_gpu_blocks"]
+        logger.log_engine_initialized()
     spec_tokens = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
     for step in case["steps"]:
         scheduler = SchedulerStats(

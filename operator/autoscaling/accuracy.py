@@ -53,7 +53,7 @@ _SHARES = (
 )
 
 
-def kv_blocks_entry(predicted: int | None, observed: int | None, last: int | None) -> dict[str, Any] | None:
+def _kv_blocks_entry(predicted: int | None, observed: int | None, last: int | None) -> dict[str, Any] | None:
     """The plan's KV blocks beside the engines' (the `last` observed stays while none reports)."""
     seen = last if observed is None else observed
     if not predicted or seen is None:
@@ -165,7 +165,7 @@ def _block(
             block[key] = {name: value for name, value in share.items() if value is not None}
     # The last observed pool stays only beside the plan that predicted it (another plan's pool is another).
     last_blocks = old.kv_blocks if old.kv_blocks and old.kv_blocks.predicted == plan.kv_blocks else None
-    if blocks := kv_blocks_entry(plan.kv_blocks, signals.kv_blocks, last_blocks.observed if last_blocks else None):
+    if blocks := _kv_blocks_entry(plan.kv_blocks, signals.kv_blocks, last_blocks.observed if last_blocks else None):
         block["kvBlocks"] = blocks
     return block, bool(fresh)
 

@@ -112,7 +112,7 @@ class HubClient:
     def _single_file_bytes(self, where: _Repository) -> int | None:
         """The tensors' bytes of a single model.safetensors, from its header; None without one."""
         try:
-            first = self._get(where, SINGLE_FILE, 8, (0, 7))
+            first = self._get(where, SINGLE_FILE, 8, start=0)
         except HubError as error:
             if error.status == 404:
                 return None
@@ -120,32 +120,32 @@ class HubClient:
         url = where.url(SINGLE_FILE)
         try:
             length = safetensors.header_length(first)
-            return safetensors.tensors_bytes(_parsed(url, self._get(where, SINGLE_FILE, length, (8, 8 + length - 1))))
+            return safetensors.tensors_bytes(_parsed(url, self._get(where, SINGLE_FILE, length, start=8)))
         except ValueError as error:
             raise HubError(None, f"{url}: {error}") from None
 
     def _json(self, where: _Repository, name: str) -> dict[str, Any]:
         return _parsed(where.url(name), self._get(where, name, MAX_JSON_BYTES))
 
-    def _get(self, where: _Repository, name: str, most: int, byte_range: tuple[int, int] | None = None) -> bytes:
-        """At most `most` bytes of a file (of `byte_range`, both ends included, when given)."""
+    def _get(self, where: _Repository, name: str, most: int, start: int | None = None) -> bytes:
+        """At most `most` bytes of a file; with `start`, exactly the `most` bytes from there (a range)."""
         url = where.url(name)
         headers = {"Authorization": f"Bearer {where.token}"} if where.token else {}
-        if byte_range is not None:
-            headers["Range"] = f"bytes={byte_range[0]}-{byte_range[1]}"
+        if start is not None:
+            headers["Range"] = f"bytes={start}-{start + most - 1}"
         request = urllib.request.Request(url, headers=headers)  # noqa: S310 - _repository checks the scheme
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:  # noqa: S310 - likewise
                 # A server that ignores the range sends the whole file (200): skip to the range's start.
-                skip = byte_range[0] if byte_range is not None and response.status == 200 else 0
+                skip = start if start is not None and response.status == 200 else 0
                 body = response.read(skip + most + 1)[skip:]
         except urllib.error.HTTPError as error:
             raise HubError(error.code, f"{url}: {_answer(error)}") from None
         except (urllib.error.URLError, OSError) as error:
             raise HubError(None, f"{url}: no answer: {getattr(error, 'reason', error)}") from None
-        if byte_range is None and len(body) > most:
+        if start is None and len(body) > most:
             raise HubError(None, f"{url}: over {most} bytes, not a {name}")
-        if byte_range is not None and len(body) < most:
+        if start is not None and len(body) < most:
             raise HubError(None, f"{url}: {len(body)} bytes where {most} were asked")
         return body[:most]
 

@@ -14,7 +14,7 @@ from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.latency import SPECULATION_MAX_BATCH, Perf, draft_acceptance, fewest_replicas
 from kvpilot.operator.planning.memory import Memory, divide_memory, with_plain_weights
 from kvpilot.operator.planning.models import MODELS, find_model
-from kvpilot.operator.planning.reasons import failed_plan, gib, listed, ms
+from kvpilot.operator.planning.reasons import failed_plan, gib, listed, ms, rejected_because
 from kvpilot.operator.planning.replica import DRAFTED, Draft, Inputs
 from kvpilot.operator.runtimes import RUNTIMES
 
@@ -322,5 +322,5 @@ def kv_cache_dtype_reason(spec: InferenceServiceSpec, chosen: Plan, earlier: Seq
         for o in earlier
         if (o.gpu, o.quantization, o.gpu_count) == (chosen.gpu, chosen.quantization, chosen.gpu_count)
     ]
-    why = (same[-1].reason if not same[-1].fits else same[-1].reasons["replicas"]) if same else "not tried"
+    why = rejected_because(same[-1]) if same else "not tried"
     return {"kvCacheDtype": f"fp8: one byte per value, twice the tokens of the 16-bit cache (with it: {why})"}

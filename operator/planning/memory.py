@@ -172,7 +172,7 @@ def divide_memory(inputs: Inputs, device: tuple[Device, int], quantization: str)
     # A runtime that measures its pool refuses to start when one full sequence does not fit in what
     # it finds: the prediction must fit it with the margin it may be over (test_vllm_memory.py).
     margin = MEASURED_POOL_MARGIN if runtime.measures_kv_pool else 0.0
-    if fitting == 0 or per_sequence > pool * (1 - margin):
+    if per_sequence > pool * (1 - margin):
         return failed_plan(
             spec,
             "ContextDoesNotFit",

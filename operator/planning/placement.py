@@ -13,7 +13,7 @@ from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSp
 from kvpilot.operator.planning import cpus
 from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.gpus import GPUS, find_gpu
-from kvpilot.operator.planning.reasons import failed_plan
+from kvpilot.operator.planning.reasons import failed_plan, rejected_because
 from kvpilot.operator.runtimes import RUNTIMES
 
 
@@ -110,7 +110,7 @@ def tp_reason(spec: InferenceServiceSpec, chosen: Plan, smaller: Sequence[Plan],
     text = f"{tp}: the smallest of runtime {spec.runtime}'s sizes ({sizes}) on {chosen.gpu} that {why}"
     if tp > 1:
         text += f", over {find_gpu(str(chosen.gpu)).link}"  # type: ignore[union-attr]
-    rejected = [f"TP {o.gpu_count}: {o.reason if not o.fits else o.reasons['replicas']}" for o in smaller]
+    rejected = [f"TP {o.gpu_count}: {rejected_because(o)}" for o in smaller]
     return text + (f" (rejected {'; '.join(rejected)})" if rejected else "") + (f"; {ruled_out}" if ruled_out else "")
 
 

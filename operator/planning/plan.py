@@ -46,7 +46,7 @@ from kvpilot.operator.planning.placement import (
     tensor_parallel_sizes,
     tp_reason,
 )
-from kvpilot.operator.planning.reasons import failed_plan, gib, ms
+from kvpilot.operator.planning.reasons import failed_plan, gib, ms, rejected_because
 from kvpilot.operator.planning.replica import DRAFTED, Inputs
 from kvpilot.operator.runtimes import RUNTIMES
 
@@ -211,7 +211,7 @@ def _choice_reasons(
     """Why this quantization and this GPU: what was tried before the chosen option and why not."""
     passed = [
         f"{o.gpu}/{o.quantization}/TP {o.gpu_count}{'/FP8 KV' if o.kv_cache_dtype == 'fp8' else ''}: "
-        f"{o.reason if not o.fits else o.reasons['replicas']}"
+        f"{rejected_because(o)}"
         for o in rejected
     ]
     if spec.model.quantization is not None:

@@ -31,5 +31,11 @@ def failed_plan(spec: InferenceServiceSpec, failure: str, reason: str, sizes: Si
     )
 
 
+def rejected_because(option: Plan) -> str:
+    """Why an option tried before the chosen one lost: why it does not fit, else its replicas' reason
+    (the SLO it misses)."""
+    return option.reasons["replicas"] if option.fits else option.reason
+
+
 def listed(options: Iterable[str]) -> str:
     return ", ".join(options) or "nothing"

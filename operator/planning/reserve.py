@@ -27,7 +27,6 @@ from typing import NamedTuple
 
 from kvpilot.operator.api.spec import Architecture
 from kvpilot.operator.planning import sizing
-from kvpilot.operator.planning.device import Device
 
 # Bytes per logit of the sampler's profiling run (top-k/top-p over every row: fp32 logits, their
 # sorted copy, int64 indices, softmax): the logs measure 14.9-16.0, the highest is taken.
@@ -93,14 +92,3 @@ def vllm_reserve(arch: Architecture, batched_tokens: int, max_num_seqs: int, tp:
         non_torch=NON_TORCH_TP_BYTES + tp * NON_TORCH_PER_TP_GPU_BYTES if tp > 1 else NON_TORCH_BYTES,
         cuda_graphs=graphs + (CUDA_GRAPH_EXPERTS_BYTES if experts else 0),
     )
-
-
-def vllm_kv_pool_per_gpu(
-    arch: Architecture, group: tuple[Device, int], quantization: str, utilization: float, batch: tuple[int, int]
-) -> int:
-    """The KV pool vLLM allocates on each of `group`'s GPUs (a GPU type, the tensor-parallel size)
-    at `utilization`, profiling (max_num_batched_tokens, max_num_seqs) = `batch`: the planner's pool
-    for runtime vllm, per GPU, and what the calibration test holds against vLLM's own logs."""
-    gpu, tp = group
-    weights = sizing.weight_bytes(arch, quantization, quantized_lm_head=False) // tp
-    return int(gpu.memory_bytes * utilization) - weights - vllm_reserve(arch, *batch, tp).total

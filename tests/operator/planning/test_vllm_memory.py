@@ -25,7 +25,7 @@ from kvpilot.operator.planning.gpus import GPUS
 from kvpilot.operator.planning.model_config import read_config
 from kvpilot.operator.planning.models import MODELS
 from kvpilot.operator.planning.plan import plan
-from kvpilot.operator.planning.reserve import vllm_kv_pool_per_gpu, vllm_reserve
+from kvpilot.operator.planning.reserve import vllm_reserve
 
 HERE = Path(__file__).parent
 POINTS: list[dict[str, Any]] = json.loads((HERE / "vllm_startup_logs.json").read_text())
@@ -46,12 +46,14 @@ def allocated_gib(point: dict[str, Any]) -> float:
 
 
 def predicted_gib(point: dict[str, Any], batch: tuple[int, int] | None = None) -> float:
-    gpu = GPUS[point["gpu"]]
-    batch = batch or (point["max_num_batched_tokens"], point["max_num_seqs"])
-    group = (gpu, point["tensor_parallel_size"])
+    """vLLM's division of one GPU with the planner's terms: utilization x CUDA's total - the weights
+    per GPU - the reserve vLLM profiles at `batch` (max_num_batched_tokens, max_num_seqs)."""
+    gpu, tp = GPUS[point["gpu"]], point["tensor_parallel_size"]
+    tokens, seqs = batch or (point["max_num_batched_tokens"], point["max_num_seqs"])
     arch = architecture(point["architecture"])
-    pool = vllm_kv_pool_per_gpu(arch, group, point["quantization"], point["gpu_memory_utilization"], batch)
-    return pool / sizing.GiB
+    weights = sizing.weight_bytes(arch, point["quantization"], quantized_lm_head=False) // tp
+    reserve = vllm_reserve(arch, tokens, seqs, tp).total
+    return (int(gpu.memory_bytes * point["gpu_memory_utilization"]) - weights - reserve) / sizing.GiB
 
 
 def test_the_points_cover_tensor_parallelism_quantization_and_experts() -> None:

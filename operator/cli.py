@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from kvpilot.engine.device_profile import DeviceProfile, load_device_profile
 from kvpilot.operator.api import names
 from kvpilot.operator.api.crd import crd_yaml
-from kvpilot.operator.api.plan import Plan
+from kvpilot.operator.api.plan import MixedPlan, Plan
 from kvpilot.operator.api.spec import (
     CPU_TYPE,
     Architecture,
@@ -48,6 +48,7 @@ from kvpilot.operator.planning import cpus, sizing
 from kvpilot.operator.planning.gpus import GPUS, find_gpu
 from kvpilot.operator.planning.model_config import read_config
 from kvpilot.operator.planning.plan import PlanContext, plan
+from kvpilot.operator.planning.variants import VariantRequest, plan_variants
 
 PEERING_NAME = "kvpilot"
 
@@ -73,7 +74,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="plan a model from its Hugging Face config.json (a file, or a checkpoint folder holding one), offline",
     )
     planner.add_argument(
-        "--gpu", help=f"one of {', '.join(GPUS)} (with --model or --model-config; or --device-profile)"
+        "--gpu",
+        type=_gpu_types,
+        metavar="TYPE[:MAX],...",
+        help=f"one of {', '.join(GPUS)} (with --model or --model-config; or --device-profile); several, "
+        "comma-separated, plan a mixed pool: a variant per type, each with at most MAX replicas (default "
+        "--max-replicas), sharing the load cheapest per req/s first",
+    )
+    planner.add_argument(
+        "--gpu-price",
+        type=_gpu_price,
+        action="append",
+        default=[],
+        metavar="TYPE=USD",
+        help="what one GPU-hour of TYPE costs, for a mixed pool (default: approximate on-demand list prices)",
     )
     planner.add_argument(
         "--device-profile",
@@ -217,6 +231,30 @@ def run_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gpu_types(value: str) -> list[VariantRequest]:
+    """--gpu: TYPE[:MAX] items, comma-separated."""
+    wanted = []
+    for item in value.split(","):
+        gpu, _, most = item.strip().partition(":")
+        if not gpu or (most and (not most.isdigit() or int(most) < 1)):
+            raise argparse.ArgumentTypeError(f"{item!r}: expected TYPE or TYPE:MAX with MAX a positive integer")
+        wanted.append(VariantRequest(gpu, int(most) if most else None))
+    return wanted
+
+
+def _gpu_price(value: str) -> tuple[str, float]:
+    """--gpu-price: TYPE=USD, a catalog GPU and its price per GPU-hour."""
+    name, _, price = value.partition("=")
+    gpu = find_gpu(name)
+    try:
+        usd = float(price)
+    except ValueError:
+        usd = -1.0
+    if gpu is None or not usd >= 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected TYPE=USD with TYPE one of {', '.join(GPUS)}")
+    return gpu.name, usd
+
+
 def _address(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit():
@@ -299,6 +337,9 @@ def _spec(args: argparse.Namespace, profile: DeviceProfile | None) -> dict[str, 
 
     if args.filename is not None:
         return _manifest(args.filename)["spec"]
+    gpus: list[VariantRequest] = args.gpu or []
+    if len(gpus) == 1 and gpus[0].max_replicas is not None:
+        raise ValueError("--gpu TYPE:MAX bounds one type of several; for one type use --max-replicas")
     if not args.gpu and profile is None:
         raise ValueError("--gpu or --device-profile is required with --model or --model-config")
     if args.gpu and profile is not None:
@@ -306,7 +347,7 @@ def _spec(args: argparse.Namespace, profile: DeviceProfile | None) -> dict[str, 
     return {
         "model": _configured_model(args.model_config) if args.model_config is not None else _named_model(args.model),
         **given(runtime=args.runtime),
-        "accelerator": given(type=args.gpu, count=args.gpus)
+        "accelerator": given(type=gpus[0].gpu if len(gpus) == 1 else None, count=args.gpus)
         if profile is None
         else {"type": CPU_TYPE, "profile": profile.name, **given(count=args.gpus)},
         "serving": given(
@@ -385,12 +426,48 @@ def format_plan(result: Plan, spec: InferenceServiceSpec) -> str:
                 f"{result.replicas} for {spec.load.requests_per_second:g} req/s "
                 f"({'meets' if result.meets_slo else 'MISSES'} the SLO)",
             ),
+            ("capacity", f"{result.capacity_rps:g} req/s per replica within the SLO"),
         ]
     width = max(len(label) for label, _ in rows)
     lines = [f"{label:<{width}}  {value}" for label, value in rows]
     lines += ["", "why:", *(f"  {key}: {why}" for key, why in result.reasons.items())]
     if not result.fits:
         lines.append(f"  {result.reason}")
+    return "\n".join(lines)
+
+
+def format_mixed_plan(mixed: MixedPlan, spec: InferenceServiceSpec) -> str:
+    """A mixed pool's plan as a person reads it: a line per variant, why, then each variant's plan."""
+    verdict = "meets" if mixed.meets_slo else "MISSES"
+    rows = [
+        (
+            "variants",
+            f"{len(mixed.variants)}, {mixed.replicas} replica(s), ${mixed.cost_per_hour:g}/h, {verdict} the SLO",
+        )
+    ]
+    for v in mixed.variants:
+        per = f"${v.cost_per_rps_hour:g}/h per req/s" if v.cost_per_rps_hour is not None else "misses the SLO alone"
+        served = (
+            f"{v.plan.replicas} x {v.plan.gpu_count} GPU(s) serve {v.requests_per_second:g} req/s"
+            if v.plan.replicas
+            else "stands by"
+        )
+        rows.append(
+            (
+                v.gpu,
+                f"{served} (max {v.max_replicas}); {v.plan.capacity_rps:g} req/s per replica at "
+                f"${v.price_per_gpu_hour:g}/GPU-h: {per}; ${v.cost_per_hour:g}/h",
+            )
+        )
+    rows += [(gpu, f"left out: {why}") for gpu, why in mixed.left_out.items()]
+    width = max(len(label) for label, _ in rows)
+    lines = [f"{label:<{width}}  {value}" for label, value in rows]
+    lines += ["", f"why: {mixed.reason}"]
+    for v in mixed.variants:
+        at = spec.model_copy(
+            update={"load": spec.load.model_copy(update={"requests_per_second": v.requests_per_second})}
+        )
+        lines += ["", f"== {v.gpu} ==", format_plan(v.plan, at)]
     return "\n".join(lines)
 
 
@@ -422,7 +499,18 @@ def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         print(f"kvpilot plan: {error}", file=sys.stderr)
         return 2
     profiles = {profile.name: profile} if profile else {}
-    result = plan(spec, PlanContext(device_profiles=profiles, checkpoint=checkpoint))
+    context = PlanContext(device_profiles=profiles, checkpoint=checkpoint)
+    if args.gpu and len(args.gpu) > 1:
+        mixed = plan_variants(spec, args.gpu, context, dict(args.gpu_price))
+        if args.json:
+            body = mixed.model_dump(mode="json")
+            for variant, shown in zip(mixed.variants, body["variants"], strict=True):
+                shown["args"] = _runtime_args(spec, variant.plan)
+            out.write(json.dumps(body, indent=2) + "\n")
+        else:
+            out.write(format_mixed_plan(mixed, spec) + "\n")
+        return 0 if mixed.fits else 1
+    result = plan(spec, context)
     if args.json:
         body = result.model_dump(mode="json") | ({"args": _runtime_args(spec, result)} if result.fits else {})
         out.write(json.dumps(body, indent=2) + "\n")

@@ -53,6 +53,42 @@ class Plan(BaseModel):
     predicted_tpot_ms: float = 0.0
     predicted_latency_ms: float = 0.0
     replicas: int = 0
+    # The most requests per second one replica serves within the SLO at the load's request shape:
+    # what a mixed pool shares the load by (0.0 where even a lone request misses the SLO).
+    capacity_rps: float = 0.0
     meets_slo: bool = False
     # One line per choice: model, gpu, quantization, kvCache, batching, speculative, replicas.
     reasons: dict[str, str] = {}
+
+
+class Variant(BaseModel):
+    """One GPU type of a mixed pool: its own plan (made for the whole load, then held at the share it
+    serves: its replicas and latencies are those of that share) and what it costs."""
+
+    model_config = ConfigDict(frozen=True)
+
+    gpu: str
+    plan: Plan
+    max_replicas: int
+    requests_per_second: float  # the share of the load it serves
+    price_per_gpu_hour: float
+    # A replica-hour's price over its capacity: what ranks the variants (None: it cannot meet the SLO).
+    cost_per_rps_hour: float | None
+    cost_per_hour: float  # at its replicas
+
+
+class MixedPlan(BaseModel):
+    """One service across several GPU types: a variant per type that can serve the model, cheapest
+    per unit of capacity first, and the types left out with why."""
+
+    model_config = ConfigDict(frozen=True)
+
+    fits: bool
+    failure: str | None = None
+    reason: str
+    model: str
+    variants: list[Variant] = []
+    left_out: dict[str, str] = {}  # GPU type -> why it cannot serve the model
+    replicas: int = 0
+    meets_slo: bool = False
+    cost_per_hour: float = 0.0

@@ -203,3 +203,24 @@ _BY_KEY: dict[str, Device] = {_key(alias): gpu for gpu in GPUS.values() for alia
 def find_gpu(name: str) -> Device | None:
     """A catalog GPU by name or node product string, case-insensitively; None when unknown."""
     return _BY_KEY.get(_key(name))
+
+
+# What one GPU-hour costs by default, in US dollars, where the cluster's own price table
+# (the chart's gpuPrices, or `kvpilot plan --gpu-price`) does not say: approximate on-demand list
+# prices, the instance's hourly price over its GPUs, AWS us-east-1 in 2025 (g4dn.xlarge,
+# g6.xlarge, g5.xlarge, g6e.xlarge, p4d/p4de.24xlarge, p5/p5en.48xlarge, p6-b200.48xlarge; MI300X:
+# Azure's ND MI300X v5). They only rank GPU types by cost when nobody has stated the cluster's
+# (reserved, spot and other clouds' prices differ by 2-3x); a mixed pool's own prices belong in
+# its price table.
+LIST_PRICE_PER_GPU_HOUR: dict[str, float] = {
+    "T4": 0.53,
+    "L4": 0.80,
+    "A10G": 1.01,
+    "L40S": 1.86,
+    "A100-40GB": 2.75,
+    "A100-80GB": 3.43,
+    "H100-80GB": 6.88,
+    "H200": 7.91,
+    "B200": 14.24,
+    "MI300X": 6.00,
+}

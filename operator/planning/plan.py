@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from kvpilot.engine.device_profile import DeviceProfile
 from kvpilot.operator.api.plan import Plan
@@ -36,7 +37,7 @@ from kvpilot.operator.planning.choices import (
 from kvpilot.operator.planning.context import NO_CORRECTION, PlanContext
 from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.gpus import GPUS
-from kvpilot.operator.planning.latency import Perf, computed_prompt_tokens, draft_acceptance, predict
+from kvpilot.operator.planning.latency import Perf, capacity_rps, computed_prompt_tokens, draft_acceptance, predict
 from kvpilot.operator.planning.memory import divide_memory, replica_sizes, tp_group
 from kvpilot.operator.planning.models import MODELS, find_model
 from kvpilot.operator.planning.placement import (
@@ -51,8 +52,16 @@ from kvpilot.operator.planning.replica import DRAFTED, Inputs
 from kvpilot.operator.runtimes import RUNTIMES
 
 
-def _size(inputs: Inputs, device: tuple[Device, int], quantization: str) -> Plan:
-    """The plan for one (GPU type, tensor-parallel size, quantization). The runtime splits a draft
+class Option(NamedTuple):
+    """One (GPU type, tensor-parallel size, quantization, KV dtype) tried: its plan, and for one that
+    fits the speculation it runs (which the chosen option's capacity is measured with)."""
+
+    plan: Plan
+    speculation: Speculation | None = None
+
+
+def _size(inputs: Inputs, device: tuple[Device, int], quantization: str) -> Option:
+    """The option of one (GPU type, tensor-parallel size, quantization). The runtime splits a draft
     over the target's GPUs, so a draft whose heads the size does not divide is left out (or, pinned,
     makes the option fail)."""
     spec, gpu, tp = inputs.spec, *device
@@ -66,7 +75,7 @@ def _size(inputs: Inputs, device: tuple[Device, int], quantization: str) -> Plan
                 f"serving.draftModel {draft.source}: {problem}, and the runtime splits the draft over the "  # type: ignore[union-attr]
                 "target's GPUs",
             )
-            return failed.model_copy(update={"gpu": gpu.name, "quantization": quantization, "gpu_count": tp})
+            return Option(failed.model_copy(update={"gpu": gpu.name, "quantization": quantization, "gpu_count": tp}))
         draft = None
     fp8 = [
         what
@@ -74,19 +83,21 @@ def _size(inputs: Inputs, device: tuple[Device, int], quantization: str) -> Plan
         if value == "fp8"
     ]
     if fp8 and not gpu.fp8:
-        return failed_plan(
+        failed = failed_plan(
             spec,
             "UnsupportedOnGPU",
             f"{gpu.name} has no FP8 tensor cores, which {' and '.join(fp8)} run on (GPUs with them: "
             f"{', '.join(g.name for g in GPUS.values() if g.fp8)})",
             replica_sizes(inputs._replace(draft=None), (tp_group(gpu, tp), tp), quantization, 0),
         )
+        return Option(failed)
     # Sized with the draft when the spec pins a drafted mode; auto adds it only where speculation pays.
     pinned = draft if spec.serving.speculative in DRAFTED else None
     memory = divide_memory(inputs._replace(draft=pinned), device, quantization)
     if isinstance(memory, Plan):
-        return memory.model_copy(update={"gpu_count": tp})
-    return _fitting_plan(spec, choose_speculation(inputs._replace(draft=draft), memory, device))
+        return Option(memory.model_copy(update={"gpu_count": tp}))
+    speculation = choose_speculation(inputs._replace(draft=draft), memory, device)
+    return Option(_fitting_plan(spec, speculation), speculation)
 
 
 def _replicas_reason(spec: InferenceServiceSpec, chosen: Speculation) -> tuple[str, Perf]:
@@ -237,17 +248,19 @@ def _choice_reasons(
 
 def _options(
     inputs: Inputs, gpus: Sequence[Device], schemes: Sequence[str], per_node: Mapping[str, int]
-) -> tuple[list[Plan], dict[str, str]]:
+) -> tuple[list[Option], dict[str, str]]:
     """A plan for every GPU type, scheme and tensor-parallel size, in the order of preference
     (cheapest GPU, least lossy scheme, fewest GPUs per replica), and per GPU type the sizes ruled out."""
     spec, arch, capabilities = inputs.spec, inputs.arch, inputs.capabilities
-    options: list[Plan] = []
+    options: list[Option] = []
     ruled_out: dict[str, str] = {}
     for gpu in gpus:
         sizes, ruled_out[gpu.name] = tensor_parallel_sizes(spec, arch, gpu, capabilities, per_node.get(gpu.name))
         if not sizes:
             options.append(
-                failed_plan(spec, "NoTensorParallelSize", f"{spec.model.name} on {gpu.name}: {ruled_out[gpu.name]}")
+                Option(
+                    failed_plan(spec, "NoTensorParallelSize", f"{spec.model.name} on {gpu.name}: {ruled_out[gpu.name]}")
+                )
             )
         kv_dtypes = kv_cache_dtypes(spec, capabilities, gpu)
         options += [
@@ -293,7 +306,8 @@ def plan(spec: InferenceServiceSpec, context: PlanContext | None = None) -> Plan
     per_node = most_per_node(gpus_per_node or {})
     context_length = spec.serving.max_context_length or arch.max_context
     inputs = Inputs(spec, arch, context_length, capabilities, draft, correction or NO_CORRECTION)
-    options, ruled_out = _options(inputs, gpus, schemes, per_node)
+    tried, ruled_out = _options(inputs, gpus, schemes, per_node)
+    options = [option.plan for option in tried]
     chosen = next((o for o in options if o.fits and o.meets_slo), None) or next((o for o in options if o.fits), None)
     if chosen is None:
         # The most capable option tried (largest GPU, most compressed scheme, most GPUs) says best why
@@ -312,7 +326,10 @@ def plan(spec: InferenceServiceSpec, context: PlanContext | None = None) -> Plan
         "tensorParallel": tp_reason(spec, chosen, smaller, ruled_out[str(chosen.gpu)]),
         **chosen.reasons,
     }
-    return chosen.model_copy(update={"reasons": reasons, **_cpu_fields(cpu, reasons)})
+    speculation = tried[options.index(chosen)].speculation
+    assert speculation is not None  # a plan that fits has run its speculation choice
+    capacity = capacity_rps(spec, speculation.memory.replica, speculation.mode)
+    return chosen.model_copy(update={"reasons": reasons, "capacity_rps": capacity, **_cpu_fields(cpu, reasons)})
 
 
 def _cpu_fields(cpu: tuple[Device, DeviceProfile] | None, reasons: dict[str, str]) -> dict[str, object]:

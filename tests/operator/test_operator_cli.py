@@ -66,6 +66,33 @@ def test_plan_exit_codes_for_no_fit_and_invalid_input(capsys: pytest.CaptureFixt
     assert code == 0 and "speculative         draft (k=4)" in text
 
 
+def test_plan_on_several_gpu_types_prints_a_variant_each() -> None:
+    code, text = run("plan --model llama-3-8b --runtime vllm --rps 8 --gpu H100-80GB,L4:2,A10G --gpu-price L4=0.3")
+    assert code == 0
+    assert text.startswith("variants ")
+    assert all(f"== {gpu} ==" in text for gpu in ("H100-80GB", "L4", "A10G"))
+    lines = text.splitlines()
+    assert lines[1].startswith("L4 ") and "(max 2)" in lines[1] and "$0.3/GPU-h" in lines[1]
+    assert "stands by" in text and "capacity            " in text
+    code, text = run("plan --model llama-3-70b --runtime vllm --rps 2 --gpu H100-80GB,T4 --json")
+    body = json.loads(text)
+    assert code == 0 and body["fits"] and list(body["left_out"]) == ["T4"]
+    (variant,) = body["variants"]
+    assert f"--max-num-seqs={variant['plan']['max_num_seqs']}" in variant["args"]
+    assert f"--tensor-parallel-size={variant['plan']['gpu_count']}" in variant["args"]
+
+
+def test_plan_on_several_gpu_types_refuses_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    code, text = run("plan --model llama-3-70b --runtime vllm --gpu T4,A10G")
+    assert code == 1 and "NoVariantFits" not in text and "fits none of the GPU types" in text
+    code, _ = run("plan --model llama-3-8b --gpu L4:3")
+    assert code == 2 and "for one type use --max-replicas" in capsys.readouterr().err
+    for bad in ("--gpu L4:0,A10G", "--gpu L4,A10G --gpu-price L4=cheap", "--gpu L4,A10G --gpu-price TPU=1"):
+        with pytest.raises(SystemExit):
+            run(f"plan --model llama-3-8b {bad}")
+        assert "expected TYPE" in capsys.readouterr().err
+
+
 class Recorder:
     def __init__(self) -> None:
         self.peerings: list[tuple[str, list[str] | None]] = []

@@ -6,6 +6,7 @@ from kvpilot.engine.config import CAPABILITIES, EngineCapabilities
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec, Quantization, Speculative
 from kvpilot.operator.planning import choices, latency, sizing
+from kvpilot.operator.planning import plan as plan_module
 from kvpilot.operator.planning.choices import Situation, choose_speculative
 from kvpilot.operator.planning.plan import PlanContext, plan
 
@@ -427,6 +428,8 @@ def test_replicas_are_searched_in_log_time_up_to_the_crd_maximum(monkeypatch: py
     calls = []
     predict = latency.predict
     monkeypatch.setattr(latency, "predict", lambda *a, **k: calls.append(a[2]) or predict(*a, **k))
+    # The chosen replica's capacity is a search of its own (test_variants.py): not counted here.
+    monkeypatch.setattr(plan_module, "capacity_rps", lambda *a: 0.0)
 
     def at_most(replicas: int) -> Plan:
         return plan(

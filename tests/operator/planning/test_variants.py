@@ -1,0 +1,140 @@
+"""A mixed GPU pool: a plan per GPU type, a replica's capacity, and the load shared cheapest first."""
+
+import math
+from typing import Any
+
+import pytest
+
+from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.planning import latency
+from kvpilot.operator.planning import plan as plan_module
+from kvpilot.operator.planning.gpus import LIST_PRICE_PER_GPU_HOUR
+from kvpilot.operator.planning.plan import plan
+from kvpilot.operator.planning.variants import VariantRequest, plan_variants
+
+THREE = [VariantRequest("H100-80GB"), VariantRequest("L4"), VariantRequest("A10G")]
+
+
+def spec(model: str = "llama-3-8b", rate: float = 8, **sections: Any) -> InferenceServiceSpec:
+    body = {"model": {"name": model}, "runtime": "vllm", "load": {"requestsPerSecond": rate}, **sections}
+    return InferenceServiceSpec.model_validate(body)
+
+
+@pytest.mark.parametrize(("gpu", "rate"), [("L4", 8), ("A10G", 8), ("H100-80GB", 50), ("H100-80GB", 120)])
+def test_a_replicas_capacity_is_the_rate_at_which_it_stops_meeting_the_slo(gpu: str, rate: float) -> None:
+    # predict sees only the rate per replica: n replicas meet the SLO exactly while R / n <= capacity.
+    alone = plan(spec(rate=rate, accelerator={"type": gpu}, autoscaling={"maxReplicas": 32}))
+    assert alone.fits and alone.meets_slo and alone.capacity_rps > 0
+    assert alone.replicas == math.ceil(rate / alone.capacity_rps)
+    held = {"type": gpu, "count": alone.gpu_count}
+    at_capacity = plan(spec(rate=alone.capacity_rps, accelerator=held, serving={"quantization": alone.quantization}))
+    beyond = plan(spec(rate=alone.capacity_rps * 1.01, accelerator=held, serving={"quantization": alone.quantization}))
+    assert (at_capacity.replicas, at_capacity.meets_slo) == (1, True)
+    assert beyond.replicas == 2
+
+
+def test_llama_3_8b_on_three_gpu_types_gets_three_plans_of_their_own() -> None:
+    mixed = plan_variants(spec(rate=8), THREE)
+    assert mixed.fits and mixed.meets_slo and not mixed.left_out
+    by_gpu = {v.gpu: v for v in mixed.variants}
+    assert set(by_gpu) == {"H100-80GB", "L4", "A10G"}
+    h100, l4, a10g = by_gpu["H100-80GB"].plan, by_gpu["L4"].plan, by_gpu["A10G"].plan
+    # One H100 serves the load; an L4 or an A10G replica serves a fraction of it.
+    assert h100.capacity_rps > 8 > max(l4.capacity_rps, a10g.capacity_rps)
+    assert len({(p.gpu, p.kv_pool_bytes, p.max_num_seqs, p.capacity_rps) for p in (h100, l4, a10g)}) == 3
+    # At list prices an H100's req/s is the cheapest: it takes the whole load, the others stand by.
+    assert [v.gpu for v in mixed.variants][0] == "H100-80GB"
+    assert (h100.replicas, l4.replicas, a10g.replicas) == (1, 0, 0)
+    assert mixed.cost_per_hour == pytest.approx(LIST_PRICE_PER_GPU_HOUR["H100-80GB"])
+    assert "H100-80GB: type 1 of the 3" in h100.reasons["gpu"]
+    ranks = [v.cost_per_rps_hour for v in mixed.variants]
+    assert ranks == sorted(ranks)  # type: ignore[type-var]
+
+
+def test_prices_change_which_variant_scales_first() -> None:
+    cheap_l4 = plan_variants(spec(rate=8), THREE, prices={"L4": 0.3})
+    first = cheap_l4.variants[0]
+    assert first.gpu == "L4" and first.price_per_gpu_hour == 0.3
+    assert first.plan.replicas == math.ceil(8 / first.plan.capacity_rps) >= 2  # several L4s
+    assert first.requests_per_second == 8 and first.plan.meets_slo
+    assert all(v.plan.replicas == 0 for v in cheap_l4.variants[1:])
+    assert cheap_l4.cost_per_hour == pytest.approx(first.plan.replicas * first.plan.gpu_count * 0.3)
+    assert cheap_l4.cost_per_hour < plan_variants(spec(rate=8), THREE).cost_per_hour
+
+
+def test_a_full_variant_hands_the_rest_of_the_load_to_the_next() -> None:
+    mixed = plan_variants(
+        spec(rate=8),
+        [VariantRequest("L4", max_replicas=1, count=1), VariantRequest("H100-80GB")],
+        prices={"L4": 0.15},
+    )
+    l4, h100 = mixed.variants
+    assert (l4.gpu, l4.plan.replicas, h100.gpu, h100.plan.replicas) == ("L4", 1, "H100-80GB", 1)
+    # The L4 serves what one replica can within the SLO; the H100 the rest, each planned at its share.
+    assert l4.requests_per_second == pytest.approx(l4.plan.capacity_rps, abs=1e-3)
+    assert l4.requests_per_second + h100.requests_per_second == pytest.approx(8, abs=1e-3)
+    assert mixed.meets_slo and l4.plan.meets_slo and h100.plan.meets_slo
+    assert f"1 replica(s) for {h100.requests_per_second:g} req/s" in h100.plan.reasons["replicas"]
+    assert mixed.replicas == 2
+    assert mixed.cost_per_hour == pytest.approx(
+        l4.plan.gpu_count * 0.15 + LIST_PRICE_PER_GPU_HOUR["H100-80GB"], abs=0.01
+    )
+
+
+def test_more_load_than_every_variant_at_its_maximum_misses_the_slo() -> None:
+    mixed = plan_variants(
+        spec(rate=8), [VariantRequest("L4", max_replicas=1, count=1), VariantRequest("A10G", max_replicas=1, count=1)]
+    )
+    assert mixed.fits and not mixed.meets_slo
+    assert [v.plan.replicas for v in mixed.variants] == [1, 1]
+    assert "the SLO is not met even with every variant at its maxReplicas" in mixed.reason
+
+
+def test_a_type_the_model_does_not_fit_is_left_out_with_its_reason() -> None:
+    mixed = plan_variants(spec("llama-3-70b", rate=2), [VariantRequest("H100-80GB"), VariantRequest("T4")])
+    assert [v.gpu for v in mixed.variants] == ["H100-80GB"]
+    assert mixed.left_out["T4"].startswith("WeightsDoNotFit: llama-3-70b")
+    unknown = plan_variants(spec(rate=2), [VariantRequest("TPU-v5"), VariantRequest("L4")])
+    assert "UnknownGPU" in unknown.left_out["TPU-v5"] and [v.gpu for v in unknown.variants] == ["L4"]
+    none = plan_variants(spec("llama-3-70b", rate=2), [VariantRequest("T4"), VariantRequest("A10G")])
+    assert not none.fits and none.failure == "NoVariantFits"
+    assert "T4: WeightsDoNotFit" in none.reason and "A10G: WeightsDoNotFit" in none.reason
+
+
+def test_without_load_the_floor_waits_on_the_cheapest_replica() -> None:
+    mixed = plan_variants(spec(rate=0), THREE)
+    assert {v.gpu: v.plan.replicas for v in mixed.variants} == {"H100-80GB": 0, "L4": 1, "A10G": 0}
+    assert mixed.cost_per_hour == pytest.approx(LIST_PRICE_PER_GPU_HOUR["L4"])
+    to_zero = plan_variants(spec(rate=0, autoscaling={"minReplicas": 0}), THREE)
+    assert to_zero.replicas == 0 and to_zero.cost_per_hour == 0
+
+
+def test_a_variant_holds_its_own_bounds_and_settings() -> None:
+    mixed = plan_variants(
+        spec(rate=8), [VariantRequest("L4", max_replicas=8, count=1), VariantRequest("H100-80GB")], prices={"L4": 0.15}
+    )
+    l4 = mixed.variants[0]
+    assert (l4.gpu, l4.max_replicas, l4.plan.gpu_count) == ("L4", 8, 1)
+    assert l4.plan.replicas == math.ceil(8 / l4.plan.capacity_rps)
+    # The variant planned alone chose its quantization and KV dtype; at its share it holds them.
+    alone = plan(spec(rate=8, accelerator={"type": "L4", "count": 1}, autoscaling={"maxReplicas": 8}))
+    assert (l4.plan.quantization, l4.plan.kv_cache_dtype, l4.plan.kv_blocks) == (
+        alone.quantization,
+        alone.kv_cache_dtype,
+        alone.kv_blocks,
+    )
+    assert l4.plan.reasons["quantization"] == alone.reasons["quantization"]
+
+
+def test_the_capacity_search_takes_a_few_dozen_predictions(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    predict = latency.predict
+    monkeypatch.setattr(latency, "predict", lambda *a, **k: calls.append(a[2]) or predict(*a, **k))
+    h100 = spec(rate=120, accelerator={"type": "H100-80GB"}, serving={"quantization": "none", "speculative": "off"})
+    measured = plan(h100)
+    with_capacity = len(calls)
+    calls.clear()
+    monkeypatch.setattr(plan_module, "capacity_rps", lambda *a: 0.0)
+    plan(h100)
+    # Doubling from 1/8 req/s to ~64, then bisecting to 0.1 %: about 20 predictions, not one per thousandth.
+    assert measured.capacity_rps > 32 and 0 < with_capacity - len(calls) <= 25

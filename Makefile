@@ -21,10 +21,12 @@ serve: $(STAMP)
 	@echo 'when ready, try: curl -s 127.0.0.1:8000/v1/chat/completions -H "Content-Type: application/json" -d '"'"'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'"'"
 	$(VENV)/bin/kvpilot serve --host 127.0.0.1 --port 8000
 
-# ruff's lint and format check (pyproject's [tool.ruff]); `ruff format .` fixes the format.
+# ruff's lint and format check (pyproject's [tool.ruff]); `ruff format .` fixes the format. Then the
+# links of README.md, docs/ and bench/ (offline: relative links and anchors resolve, URLs are well-formed).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) -m tests.check_links
 
 # Lint first (seconds): a style slip fails before the long suite starts.
 test: lint

@@ -1,8 +1,8 @@
 """`kvpilot serve` as on a CPU without some of this one's flags: the kernel path, the dtype and the
 C++ kernels' ISA level follow the reduced flags, so another CPU type's code is served and timed
-here (bench/RESULTS.md, "The Ice Lake path on a Zen 5"). Hiding avx512_bf16 and amx_bf16 on a CPU
-with AVX512-VNNI gives an Ice Lake's engine: the vnni path (fp32 activations) and the avx512 level
-(INT4 as 16-bit integer products).
+here (bench/history/2026-12-02-serving-cpu-decode.md, "The Ice Lake path on a Zen 5"). Hiding
+avx512_bf16 and amx_bf16 on a CPU with AVX512-VNNI gives an Ice Lake's engine: the vnni path (fp32
+activations) and the avx512 level (INT4 as 16-bit integer products).
 
     .venv/bin/python -m bench.serve_as --hide avx512_bf16,amx_bf16 -- --quantization int4 --compile-decode --port 8124
     .venv/bin/kvpilot bench serve --base-url http://127.0.0.1:8124 --backends kvpilot ...

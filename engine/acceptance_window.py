@@ -1,8 +1,9 @@
 """Per-request acceptance window for speculative decoding: a request whose recent drafts were mostly
 rejected stops proposing for a while, then probes again.
 
-Verifying k drafts costs a step more than decoding one token (on a compute-bound CPU a 5-token
-verification costs ~1.5x a decode at batch 1, more in larger batches; bench/RESULTS.md), and pays
+Verifying k drafts costs a step more than decoding one token (on a compute-bound CPU each draft
+row costs nearly what a decoded token does, more so in larger batches; bench/RESULTS.md,
+"Speculative decoding"), and pays
 only when enough drafts are accepted. Whether they are depends on the request: an answer that
 copies its prompt accepts most n-gram drafts, one written from scratch few. So each request keeps
 the outcome of its last `window` verification steps (drafts proposed, drafts accepted); once that

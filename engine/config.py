@@ -28,18 +28,19 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # CPU kernel paths (kvpilot.engine.worker.cpu_features); auto: from the CPU's flags.
 CPU_KERNELS = ("auto", "bf16", "vnni", "fp32")
 
-# Above this many sequences per step, verifying drafts costs more than it saves (bench/RESULTS.md,
-# "Speculative decoding"); the planner predicts with the same number.
+# Above this many sequences per step, verifying drafts costs more than it saves: a bigger batch is
+# nearer compute-bound, where each draft row costs what a decoded token does (bench/RESULTS.md,
+# "Speculative decoding", and its history); the planner predicts with the same number.
 SPECULATIVE_MAX_BATCH_SIZE = 8
 
 # A request stops proposing drafts for SPECULATIVE_BACKOFF_STEPS steps once fewer than
 # SPECULATIVE_MIN_ACCEPTANCE of the drafts of its last SPECULATIVE_ACCEPTANCE_WINDOW verification steps
 # were accepted (engine/acceptance_window.py). Chosen on the n-gram benchmark's prompts
-# (bench/RESULTS.md, "The acceptance window"): answers that copy accept 0.7-0.8 of their drafts,
-# answers written from scratch 0.1-0.35. Under 0.3 over 4 steps (16 drafts) no copying request
-# there ever backed off (0.5 cut 13 % of their accepted drafts), while open-ended requests verify
-# half as many rejected drafts; a back-off of 32 steps cut them 10 % more than 16 at no cost to
-# the copying ones, and a window of 2 steps cost the copying ones a third of their accepted drafts.
+# (bench/RESULTS.md, "The acceptance window"; the settings compared are in its history): answers
+# that copy accept most of their drafts, answers written from scratch few, and 0.3 over 4 steps
+# (16 drafts) lies between the two, so copying requests keep speculating while open-ended ones
+# stop verifying most of their rejected drafts. A stricter minimum or a shorter window also backed
+# off copying requests; a longer back-off saves more on open-ended ones at no cost to copying ones.
 SPECULATIVE_ACCEPTANCE_WINDOW = 4
 SPECULATIVE_MIN_ACCEPTANCE = 0.3
 SPECULATIVE_BACKOFF_STEPS = 32
@@ -213,8 +214,10 @@ class EngineConfig(BaseModel):
         import torch
 
         if self.dtype == "auto":
-            # bf16 matmuls run ~3x faster than fp32 where the CPU has bf16 instructions; elsewhere
-            # they are emulated and slower, so fp32 stays. Attention and norms compute in fp32.
+            # bf16 matmuls read half the bytes of fp32 and multiply natively where the CPU has bf16
+            # instructions (bench/history/2026-11-29-engine-offline-throughput.md, "CPU default
+            # dtype"); elsewhere they are emulated and slower, so fp32 stays. Attention and norms
+            # compute in fp32.
             native = device.type == "cuda" or cpu_bf16
             return torch.bfloat16 if native else torch.float32
         return getattr(torch, self.dtype)

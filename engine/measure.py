@@ -201,7 +201,7 @@ def compiled_step_factor(steps: int, progress: Progress) -> float:
     """The embedded model's batch-1 decode step with compile_decode over the same engine's eager
     step (its compile, from the compile cache when there is one, before the timing). The two are
     timed in alternating rounds on one sequence, so that the ratio holds while the machine's speed
-    drifts between minutes (two threads on a shared VM: 20-60 %, bench/RESULTS.md)."""
+    drifts between minutes (two threads on a shared VM; bench/RESULTS.md, "Device profile")."""
     progress("compiling the decode step (compile_decode; tens of seconds without a compile cache)")
     engine = _engine(1, compile_decode=True)
     per_round = 4

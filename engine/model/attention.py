@@ -121,8 +121,9 @@ def paged_attention(
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """cache[slots] in `dtype`; index_select over the flattened slots is 2-3x cheaper than advanced
-    indexing on CPU (measured: 50-90 us against ~150 us per layer and step)."""
+    """cache[slots] in `dtype`; index_select over the flattened slots is cheaper than advanced
+    indexing on CPU (one contiguous gather kernel instead of advanced indexing's general path;
+    bench/history/2026-11-29-engine-offline-throughput.md, "Fused QKV and gate/up projections")."""
     rows = cache.index_select(0, slots.reshape(-1))
     return rows.view(*slots.shape, *cache.shape[1:]).to(dtype)
 

@@ -4,13 +4,14 @@ where it lies, and the weight-only INT4 and INT8 matmuls of a few tokens.
 Attention. The portable path (attention.py) gathers a decode's context out of the cache into an
 fp32 copy and runs SDPA over that copy: per cached token and layer it reads the bf16 row, writes
 it twice as wide and reads it again, which made most of a compiled single-sequence step's growth
-with the context (5.8 us per context token per step on 2 Zen 5 cores). This kernel reads each K
+with the context. This kernel reads each K
 and V row once, in the cache's dtype, by slot, and keeps the softmax in fp32: the context is cut
 into chunks that the threads share (any number of sequences and KV heads keeps both cores busy;
 a short context is cut finer), and the chunks' partial softmax sums are merged per query head as
 flash-decoding does. Within a chunk the rows are widened to fp32 once for all the KV head's query
 heads, scores are taken 16 (AVX512) or 8 (AVX2) keys at a time, one lane-sum for all their dot products, and the
-value sums stay in registers over the chunk's rows (bench/RESULTS.md, "Decode attention").
+value sums stay in registers over the chunk's rows (measured: bench/history/2026-12-02-serving-cpu-decode.md,
+"Decode attention").
 
 Matmuls. PyTorch's packed kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) read
 a decode step's weights at about half the memory bandwidth of 2 Zen 5 cores; these read the same
@@ -20,10 +21,11 @@ dense route of quantization.py is unchanged). INT4 where the CPU has AVX512-BF16
 bf16 dot products: exact products, fp32 sums, at about all of the bandwidth. Elsewhere (AVX2,
 AVX512 without bf16) INT4 multiplies in integers as llama.cpp's Q4 x Q8 does, with each token's
 group of inputs as 16-bit integers (two int8 halves) instead of 8-bit ones: its rounding, 2^-15
-of the group's largest input, is below the bf16 rounding PyTorch's kernel applies, and the kernel
-is ~3x faster than PyTorch's at one token on an AVX2 Zen 3 (bench/RESULTS.md, "INT4 on AVX2").
-INT8 converts to fp32 and multiplies there with AVX512; with AVX2 only it multiplies in integers
-as INT4 does (16-bit activations per block of 32 inputs): 2.3x PyTorch's kernel on the LM head.
+of the group's largest input, is below the bf16 rounding PyTorch's kernel applies, and integer
+products need no conversion of the weights to floats (measured on an AVX2 Zen 3:
+bench/history/2026-12-02-serving-cpu-decode.md, "INT4 on AVX2"). INT8 converts to fp32 and
+multiplies there with AVX512; with AVX2 only it multiplies in integers as INT4 does (16-bit
+activations per block of 32 inputs).
 
 The library is built for a level of the x86-64 ISA (AVX512 with BF16, AVX512, AVX2, baseline),
 the widest the CPU runs, and registers the operators `kvpilot::paged_decode_attention`,

@@ -1,12 +1,11 @@
 """Full-precision linear layers on x86 CPUs with their weights in oneDNN's blocked layout.
 
 `F.linear` hands oneDNN a plain [out, in] weight on every call, and for 2-16 rows oneDNN then
-picks a kernel that reads the weight about half as fast as its one-row GEMV: on the embedded
-model's layers a 2-row bf16 matmul took 2x a 1-row one, and a whole batch-2 decode step 1.6x a
-batch-1 step, which is what a verification step (1 + drafts rows) or a second running request
-costs. Reordered once into the layout oneDNN's kernels read (what inductor's freezing does to
-linear weights), 2-5 rows cost about what 1 row does, and fp32 weights run 2x faster at most row
-counts (bench/RESULTS.md, "oneDNN-packed weights").
+picks a kernel that reads the weight about half as fast as its one-row GEMV, so a second row costs
+nearly as much as the first: that is what a verification step (1 + drafts rows) or a second running
+request pays. Reordered once into the layout oneDNN's kernels read (what inductor's freezing does
+to linear weights), a few rows cost about what one row does, and fp32 weights gain most (measured:
+bench/RESULTS.md, "oneDNN-packed weights").
 
 The packed weight is an opaque mkldnn tensor: inductor takes one only as a constant it folded
 itself, and its graph cache cannot pickle one, so a model that torch.compile traces

@@ -12,8 +12,9 @@ Kernels: on CPU, PyTorch's `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cp
 bf16 activations (fp32 activations are cast: these kernels are 10-100x slower on fp32). Both are
 decode kernels: their time grows with the tokens of a step as a dense GEMM's does not, so from
 INT8_DENSE_TOKENS / INT4_DENSE_TOKENS tokens on (prefill chunks, large batches) the layer
-dequantizes its weight for that matmul and runs the dense GEMM instead (bench/RESULTS.md, "Routing
-by tokens per step"): INT8 from its plain int8 weight, INT4 by unpacking PyTorch's CPU layout
+dequantizes its weight for that matmul and runs the dense GEMM instead
+(bench/history/2026-11-30-quantization.md, "Routing by tokens per step"): INT8 from its plain int8
+weight, INT4 by unpacking PyTorch's CPU layout
 (`_unpack_cpu_int4pack`; layers whose output width is not a multiple of 64 keep the packed
 kernel). Decode-sized INT4 and INT8 matmuls run cpu_kernels' C++ kernels where the CPU has
 AVX2 or wider: on a CPU without AVX512-BF16 its INT4 one takes the activations as 16-bit integers
@@ -46,22 +47,23 @@ from kvpilot.engine.model import cpu_kernels
 _INT4_MID = 8
 # Inner K tiles of PyTorch's packed int4 layout on CPU.
 _INNER_K_TILES = 2
-# From this many tokens in one matmul, INT8 on CPU dequantizes and runs the dense GEMM: measured on
-# a 3072x576 layer (2 threads, bf16), the packed kernel / (dequantize + GEMM) is 0.52x at 16 tokens,
-# 0.61x at 32, 1.25x at 64, 2.2x at 256 and 2.5x at 1024. Not from 64: a decode step of 64
-# sequences (max_num_seqs' default) then dequantized every layer, the 49152-row LM head among
-# them, and ran 1.5x slower than on the packed kernels (bench/RESULTS.md, "The dense-route
-# thresholds"); prefill chunks, from 128 tokens, keep the dense route.
+# From this many tokens in one matmul, INT8 on CPU dequantizes and runs the dense GEMM: the packed
+# kernel's time grows with the tokens and the GEMM's far less, so past a crossover (near 64 tokens
+# on the embedded model's layers) dequantizing pays. Not from 64 itself: a decode step of 64
+# sequences (max_num_seqs' default) would then dequantize every layer each step, the 49152-row LM
+# head among them; prefill chunks, from 128 tokens, keep the dense route. Measured:
+# bench/history/2026-12-01-cpu-kernel-paths-w8a8.md, "The dense-route thresholds" and the section
+# after it.
 INT8_DENSE_TOKENS = 128
-# The same for INT4 (the embedded model's 3072x576, 576x1536, 960x576 and 576x576 layers, 2
-# threads, bf16): packed kernel / (unpack + dequantize + GEMM) is 0.3-0.5x at 64 tokens, 0.5-0.9x
-# at 128, 0.5-1.0x at 256, 1.35-1.7x at 512 and 1.7-1.9x at 1024.
+# The same for INT4, whose dense route also unpacks PyTorch's layout, a cost per layer whatever the
+# step: the crossover comes later, between 256 and 512 tokens on the embedded model's layers
+# (bench/history/2026-11-30-quantization.md, "Routing by tokens per step").
 INT4_DENSE_TOKENS = 512
 # From this many output rows kvpilot's INT8 matmul (cpu_kernels.py) beats PyTorch's packed one at
-# decode sizes (2 threads, Zen 5, weights read from memory: `python -m bench.cpu_kernels --copies 8`):
-# the 49152-row LM head 1.0 vs 2.8 ms at 1 token and 8.9 vs 13.2 at 16, the 3072-row gate_up 0.055
-# vs 0.065 at 1 token; narrower layers (576 and 960 rows) ran on par at 1 token and up to 2x slower
-# at 4-64 tokens, so they keep PyTorch's.
+# decode sizes (weights read from memory: `python -m bench.cpu_kernels --copies 8`): a wide layer
+# streams its weight at the memory's speed, while on narrow ones (576 and 960 rows) the kernel's
+# fixed cost per call is not paid back, so they keep PyTorch's
+# (bench/history/2026-12-02-serving-cpu-decode.md, "Matmuls in C++").
 INT8_KERNEL_ROWS = 3072
 
 

@@ -551,9 +551,9 @@ def serve(config: EngineConfig, settings: ServerConfig) -> int:
         access_log=False,
         timeout_graceful_shutdown=5,
         lifespan="on",
-        # httptools (C) rather than h11 (pure Python): with uvloop, the event loop's CPU per streamed
-        # token falls by a quarter, time it would otherwise take from the engine's threads
-        # (bench/RESULTS.md, "Where a served token's host time goes").
+        # httptools (C) rather than h11 (pure Python): with uvloop, the event loop parses and writes
+        # in C, CPU per streamed token it would otherwise take from the engine's threads
+        # (bench/history/2026-12-02-serving-cpu-decode.md, "Where a served token's host time goes").
         http="httptools",
     )
     uv_server: _DrainingServer

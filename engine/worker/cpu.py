@@ -2,7 +2,8 @@
 
 In a pod, os.cpu_count() is the node's core count while the container gets a CFS quota
 (`resources.limits.cpu`); more torch threads than the quota only makes them wait on each other
-(measured here: two threads beside a busy process run ~3x slower than one).
+(an OpenMP thread descheduled by the quota holds up the others at every barrier: two threads
+beside a busy process ran slower than one).
 """
 
 from __future__ import annotations

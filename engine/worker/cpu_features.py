@@ -3,14 +3,15 @@
 Three paths, chosen at start-up from /proc/cpuinfo (or forced by `cpu_kernels`):
 
 - bf16: the CPU has bf16 arithmetic (AVX512-BF16, AMX-BF16). Activations and weights compute in
-  bf16 (dtype auto), ~3x faster than fp32 here; W8A8 multiplies int8 x int8 (oneDNN).
+  bf16 (dtype auto), half the bytes of fp32 to read and native products; W8A8 multiplies int8 x
+  int8 (oneDNN).
 - vnni: int8 dot products (AVX512-VNNI, AVX-VNNI, AMX-INT8) but no bf16, whose conversions would
   be emulated: activations stay fp32 (dtype auto), and the integer kernels are the fast path: W8A8
   multiplies int8 x int8 in int32.
 - fp32: neither (an AVX2-only x86, a CPU whose flags are not x86's). Activations fp32; W8A8
   computes its integer products with the fp32 GEMM, the portable choice (on an x86 limited to
-  AVX2 by ONEDNN_MAX_CPU_ISA, the int8 GEMM was no faster at 1 token and 1.6-2x faster at 16-64:
-  bench/RESULTS.md, "W8A8").
+  AVX2, oneDNN's int8 GEMM would gain from 16 tokens on: bench/history/2026-12-01-cpu-kernel-paths-w8a8.md,
+  "W8A8 without integer dot products").
 
 Weight-only INT8/INT4 run PyTorch's packed kernels on every path (their activations cast to bf16),
 except the decode-sized steps that the engine's C++ kernels serve where the CPU has their ISA

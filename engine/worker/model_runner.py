@@ -247,8 +247,9 @@ class ModelRunner:
         built before serving (cpu_kernels' library, which the graph calls, is loaded by then).
 
         On CPU most of a single-sequence decode step is the dispatch of ~170 small ops per layer
-        around a few matmuls; one compiled forward fuses them into a few kernels (bench/RESULTS.md,
-        "The single stream with a compiled decode step"). Several sequences per step gain nothing
+        around a few matmuls; one compiled forward fuses them into a few kernels
+        (bench/history/2026-11-30-serving.md, "The single stream with a compiled decode step").
+        Several sequences per step gain nothing
         measurable (the matmuls and the attention's KV reads dominate), so only this shape is
         compiled. Compiling takes tens of seconds, far too long to happen on a request, so it
         happens here, and its artifacts are kept in compile_cache_dir for the next start
@@ -274,8 +275,10 @@ class ModelRunner:
         """The compiled forward, traced and built on one decode in blocks no request holds yet,
         whose KV is overwritten before anything reads it; returned as the bytecode Dynamo made of
         it, which `_forward` calls without Dynamo's guards (as vLLM dispatches to its compiled
-        code). The guards check every parameter, KV cache and module hook on each call: ~5000
-        checks, 1.5-1.9 ms of a 12 ms batch-1 step on 2 cores (bench/RESULTS.md). They hold by
+        code). The guards check every parameter, KV cache and module hook on each call, thousands
+        of checks, a large share of a small model's batch-1 step on CPU
+        (bench/history/2026-12-02-serving-cpu-decode.md, "The compiled step without Dynamo's
+        guards"). They hold by
         construction here: the weights and caches are this runner's for its life, the graph is
         called only for the steps it was traced for (`_traced_for`), and fullgraph leaves no
         part of the forward to Dynamo at run time."""
@@ -295,7 +298,8 @@ class ModelRunner:
         # modules' floats (RMSNorm's eps) are constants of the graph, not tensors made from them on
         # every call, and its parameters and buffers are frozen into it, so the bytecode before
         # the graph passes only the step's inputs, not ~430 weights looked up attribute by
-        # attribute: 0.41 ms of a 5 ms batch-1 step before, 0.01 ms after (bench/RESULTS.md).
+        # attribute (bench/history/2026-12-02-serving-cpu-decode.md, "The compiled step's weights
+        # frozen into its graph").
         try:
             with (
                 torch.inference_mode(),

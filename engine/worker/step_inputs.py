@@ -12,8 +12,8 @@ import torch
 from kvpilot.engine.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 
 # Decodes sorted by context length are attended this many at a time: small enough that padding to
-# the group's longest context wastes little, large enough to keep per-call overhead low (on 2 CPU
-# cores, 64 decodes of 50-768 tokens: 1 group 45 ms per layer, groups of 16 17 ms, of 8 16 ms).
+# the group's longest context wastes little, large enough to keep per-call overhead low (measured on
+# 64 decodes of 50-768 tokens: bench/history/2026-11-29-engine-offline-throughput.md).
 DECODE_GROUP_SIZE = 8
 
 

@@ -295,9 +295,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
-// Weight-only INT4 and INT8 matmuls for the few tokens of a decode step (bench/RESULTS.md, "Matmuls
-// in C++"): what PyTorch's packed kernels compute, from the same buffers, at the machine's memory
-// bandwidth where those reach about half of it.
+// Weight-only INT4 and INT8 matmuls for the few tokens of a decode step: what PyTorch's packed kernels
+// compute, from the same buffers, at the machine's memory bandwidth where those reach about half of it
+// (bench/history/2026-12-02-serving-cpu-decode.md, "Matmuls in C++").
 
 #if defined(__AVX512BF16__)
 // PyTorch's CPU int4 layout: per block of 64 output rows, byte [k, r] holds row r (low nibble)

@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench demo demo-down
+.PHONY: install serve test lint bench demo demo-down images
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -31,6 +31,11 @@ lint: $(STAMP)
 # Lint first (seconds): a style slip fails before the long suite starts.
 test: lint
 	$(PY) -m pytest tests e2e
+
+# The engine (CPU) and operator images from their Dockerfiles, with buildah on a local Debian base
+# (e2e/images.sh: installs buildah, podman, runc and mmdebstrap if missing; caches in ~/.cache/kvpilot).
+images:
+	bash e2e/images.sh >/dev/null
 
 # The benchmarks are scripts in bench/ (see bench/RESULTS.md); this one is engine vs HF generate offline.
 bench: $(STAMP)

@@ -427,6 +427,11 @@ def format_plan(result: Plan, spec: InferenceServiceSpec) -> str:
                 f"({'meets' if result.meets_slo else 'MISSES'} the SLO)",
             ),
             ("capacity", f"{result.capacity_rps:g} req/s per replica within the SLO"),
+            (
+                "time to ready",
+                f"~{result.predicted_ready_s:g} s (startup probe allows {result.startup_budget_s} s"
+                + (f" after {result.download_budget_s} s for downloads)" if result.download_budget_s else ")"),
+            ),
         ]
     width = max(len(label) for label, _ in rows)
     lines = [f"{label:<{width}}  {value}" for label, value in rows]

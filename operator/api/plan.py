@@ -57,6 +57,12 @@ class Plan(BaseModel):
     # what a mixed pool shares the load by (0.0 where even a lone request misses the SLO).
     capacity_rps: float = 0.0
     meets_slo: bool = False
+    # Seconds from a replica's pod starting to ready, typically (its downloads, then the engine's
+    # start: planning/startup.py), and the bounds no healthy start passes: the engine container's
+    # (its startup probe) and the downloads' (with the engine's, the rollout's progress deadline).
+    predicted_ready_s: float = 0.0
+    startup_budget_s: int = 0
+    download_budget_s: int = 0
     # One line per choice: model, gpu, quantization, kvCache, batching, speculative, replicas.
     reasons: dict[str, str] = {}
 

@@ -58,6 +58,14 @@ class PlanStatus(_Status):
     max_num_batched_tokens: int | None = None
     predicted_ttft_ms: float | None = None
     predicted_tpot_ms: float | None = None
+    capacity_rps: float | None = Field(
+        default=None, description="The most requests per second one replica serves within the SLO."
+    )
+    predicted_ready_seconds: float | None = Field(
+        default=None,
+        description="Seconds from a replica's pod starting to ready, typically: its downloads, the engine's "
+        "process, reading the checkpoint and the runtime's warm-up.",
+    )
     assumed_draft_acceptance: float | None = Field(
         default=None,
         description="The per-token draft acceptance the predicted TPOT assumes; status.latency.draftAcceptance is "

@@ -41,6 +41,7 @@ from kvpilot.operator.api.spec import (
 from kvpilot.operator.controller.inference_pool import inference_pool
 from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.gpus import find_gpu
+from kvpilot.operator.planning.startup import downloaded_bytes
 from kvpilot.operator.runtimes import RUNTIMES
 from kvpilot.operator.runtimes.runtime import Launch
 
@@ -94,10 +95,7 @@ def download_disk_bytes(spec: InferenceServiceSpec, plan: Plan) -> tuple[int, in
     """(the ephemeral storage to request, the cache emptyDir's sizeLimit) for the hf:// checkpoints
     the pod downloads: their bytes and a margin for tokenizer and config files; the limit leaves
     room for a checkpoint stored at 32 bits, since passing it evicts the pod."""
-    checkpoints = (plan.checkpoint_bytes if hub_source(spec.model.source) else 0) + (
-        plan.draft_weight_bytes if hub_source(plan.draft_model) else 0
-    )
-    needed = int(checkpoints * 1.1) + DOWNLOAD_MARGIN_BYTES
+    needed = int(downloaded_bytes(spec, plan) * 1.1) + DOWNLOAD_MARGIN_BYTES
     return needed, 2 * needed
 
 
@@ -223,17 +221,16 @@ HOST_MEMORY_MARGIN_BYTES = 2 * 1024**3
 ENGINE_CPU_REQUEST = "2"
 # Beside a download's weights: tokenizer, config and the downloader's partial files.
 DOWNLOAD_MARGIN_BYTES = 1024**3
-# The startup probe's period; its budget is this times the runtime's startup_failures: how long a
-# model may load.
+# The startup probe's period; its budget is the plan's (planning/startup.py): how long a healthy
+# engine may take to load and warm up.
 STARTUP_PERIOD_S = 10
 # Tensor parallelism shares tensors between the GPUs' worker processes through /dev/shm, which a
 # container's default 64 MiB cannot hold: a memory-backed emptyDir replaces it.
 SHM_VOLUME = "dshm"
 SHM_SIZE = "16Gi"
 # A Deployment reports ProgressDeadlineExceeded after this long without a new ready pod: the
-# startup budget, a download at an assumed floor of 50 MB/s from the hub, and a margin, so a
-# healthy long load never shows as a failed rollout.
-DOWNLOAD_BYTES_PER_S = 50e6
+# plan's bounds on the downloads and the engine's start, and a margin, so a healthy long load
+# never shows as a failed rollout.
 PROGRESS_MARGIN_S = 300
 
 
@@ -336,9 +333,16 @@ def _downloads(spec: InferenceServiceSpec, plan: Plan) -> bool:
     return any(hub_source(source) for source in (spec.model.source, plan.draft_model))
 
 
-def progress_deadline_seconds(spec: InferenceServiceSpec, plan: Plan) -> int:
-    download = download_disk_bytes(spec, plan)[0] / DOWNLOAD_BYTES_PER_S if _downloads(spec, plan) else 0
-    return math.ceil(STARTUP_PERIOD_S * RUNTIMES[spec.runtime].startup_failures + download + PROGRESS_MARGIN_S)
+def _startup_failures(plan: Plan) -> int:
+    """The startup probe's failures before the kubelet restarts the engine: the plan's bound on a
+    healthy start, in probe periods."""
+    if plan.startup_budget_s < 1:
+        raise ValueError("the plan has no start-up budget (planning.plan sets it): its probe would kill every pod")
+    return math.ceil(plan.startup_budget_s / STARTUP_PERIOD_S)
+
+
+def progress_deadline_seconds(plan: Plan) -> int:
+    return STARTUP_PERIOD_S * _startup_failures(plan) + plan.download_budget_s + PROGRESS_MARGIN_S
 
 
 def _tolerations(spec: InferenceServiceSpec, gpu: Device | None) -> list[Manifest]:
@@ -414,7 +418,7 @@ def _engine_container(
             "httpGet": {"path": ready, **http},
             "periodSeconds": STARTUP_PERIOD_S,
             "timeoutSeconds": PROBE_TIMEOUT_S,
-            "failureThreshold": runtime.startup_failures,
+            "failureThreshold": _startup_failures(plan),
         },
         "readinessProbe": {
             "httpGet": {"path": ready, **http},
@@ -544,7 +548,7 @@ def deployment(
         "spec": {
             "replicas": spec.replicas if spec.replicas is not None else plan.replicas,
             "selector": {"matchLabels": selector_labels(name)},
-            "progressDeadlineSeconds": progress_deadline_seconds(spec, plan),
+            "progressDeadlineSeconds": progress_deadline_seconds(plan),
             # spec.rollout's default surges one pod so a single replica keeps serving (see the CRD).
             "strategy": {
                 "type": "RollingUpdate",

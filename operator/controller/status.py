@@ -45,6 +45,8 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "maxNumBatchedTokens": plan.max_num_batched_tokens,
         "predictedTtftMs": plan.predicted_ttft_ms,
         "predictedTpotMs": plan.predicted_tpot_ms,
+        "capacityRps": plan.capacity_rps,
+        "predictedReadySeconds": plan.predicted_ready_s,
         "replicas": plan.replicas,
         "meetsSlo": plan.meets_slo,
         "reasons": dict(plan.reasons),

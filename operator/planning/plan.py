@@ -49,6 +49,7 @@ from kvpilot.operator.planning.placement import (
 )
 from kvpilot.operator.planning.reasons import failed_plan, gib, ms, rejected_because
 from kvpilot.operator.planning.replica import DRAFTED, Inputs
+from kvpilot.operator.planning.startup import startup_fields
 from kvpilot.operator.runtimes import RUNTIMES
 
 
@@ -306,8 +307,8 @@ def plan(spec: InferenceServiceSpec, context: PlanContext | None = None) -> Plan
     per_node = most_per_node(gpus_per_node or {})
     context_length = spec.serving.max_context_length or arch.max_context
     inputs = Inputs(spec, arch, context_length, capabilities, draft, correction or NO_CORRECTION)
-    tried, ruled_out = _options(inputs, gpus, schemes, per_node)
-    options = [option.plan for option in tried]
+    sized, ruled_out = _options(inputs, gpus, schemes, per_node)
+    options = [option.plan for option in sized]
     chosen = next((o for o in options if o.fits and o.meets_slo), None) or next((o for o in options if o.fits), None)
     if chosen is None:
         # The most capable option tried (largest GPU, most compressed scheme, most GPUs) says best why
@@ -326,10 +327,23 @@ def plan(spec: InferenceServiceSpec, context: PlanContext | None = None) -> Plan
         "tensorParallel": tp_reason(spec, chosen, smaller, ruled_out[str(chosen.gpu)]),
         **chosen.reasons,
     }
-    speculation = tried[options.index(chosen)].speculation
+    return _completed(spec, arch, sized[options.index(chosen)], reasons, cpu)
+
+
+def _completed(
+    spec: InferenceServiceSpec,
+    arch: Architecture,
+    chosen: Option,
+    reasons: dict[str, str],
+    cpu: tuple[Device, DeviceProfile] | None,
+) -> Plan:
+    """The chosen option with all its reasons, what one replica serves and how long one takes to start."""
+    speculation = chosen.speculation
     assert speculation is not None  # a plan that fits has run its speculation choice
     capacity = capacity_rps(spec, speculation.memory.replica, speculation.mode)
-    return chosen.model_copy(update={"reasons": reasons, "capacity_rps": capacity, **_cpu_fields(cpu, reasons)})
+    planned = chosen.plan.model_copy(update={"reasons": reasons, "capacity_rps": capacity, **_cpu_fields(cpu, reasons)})
+    startup, reasons["startup"] = startup_fields(spec, arch, planned)
+    return planned.model_copy(update={"reasons": reasons, **startup})
 
 
 def _cpu_fields(cpu: tuple[Device, DeviceProfile] | None, reasons: dict[str, str]) -> dict[str, object]:

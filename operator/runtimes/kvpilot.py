@@ -65,5 +65,4 @@ RUNTIME = Runtime(
     args=engine_args,
     ready_path="/ready",
     api_key_env="KVPILOT_API_KEY",
-    startup_failures=90,
 )

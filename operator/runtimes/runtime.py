@@ -37,8 +37,6 @@ class Runtime:
     ready_path: str
     # Where the runtime reads the API key it requires on /v1 (its /metrics and probes stay open).
     api_key_env: str
-    # Startup probe periods before the kubelet gives up: how long a model may take to load.
-    startup_failures: int
     # Variables the container always gets, before the API key and the spec's own.
     env: tuple[tuple[str, str], ...] = ()
     # Whether its image has `kvpilot download` (else the downloads run in the operator's engine image).

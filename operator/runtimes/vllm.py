@@ -102,9 +102,6 @@ RUNTIME = Runtime(
     args=vllm_args,
     ready_path="/health",
     api_key_env="VLLM_API_KEY",
-    # vLLM answers nothing until its engine is up (weights loaded, CUDA graphs captured, on every
-    # GPU of a tensor-parallel group): a 70B load from a network volume takes tens of minutes.
-    startup_failures=180,
     # The files are local (image, PVC or the download's cache): vLLM never asks the hub, and sends
     # no usage report from the cluster.
     env=(("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1")),

@@ -337,8 +337,11 @@ def test_engine_pods_are_hardened_for_long_loads_and_drains() -> None:
     assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
     startup = engine(deployment)["startupProbe"]
     budget = startup["periodSeconds"] * startup["failureThreshold"]
-    # The startup budget, the 14.8 GiB download at 50 MB/s (318 s) and a 300 s margin.
-    assert deployment["spec"]["progressDeadlineSeconds"] == budget + 318 + 300 > budget
+    planned = plan(s)
+    assert planned.startup_budget_s <= budget < planned.startup_budget_s + startup["periodSeconds"]
+    # The startup budget, the 12.6 GiB download at 50 MB/s (270 s) and a 300 s margin.
+    assert planned.download_budget_s == math.ceil(planned.checkpoint_bytes / 50e6) == 270
+    assert deployment["spec"]["progressDeadlineSeconds"] == budget + 270 + 300 > budget
     # A model in the image: nothing to download, no disk asked for, the budget and the margin.
     local = spec(model={"name": "llama-2-7b", "source": "/opt/llama"})
     rendered = render.deployment("chat", "ml", UID, local, plan(local))

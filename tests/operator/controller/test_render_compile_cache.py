@@ -49,6 +49,7 @@ def cpu_plan(compile_decode: bool = True) -> Plan:
         predicted_tpot_ms=8,
         replicas=1,
         meets_slo=True,
+        startup_budget_s=160,
     )
 
 

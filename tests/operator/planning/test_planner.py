@@ -249,6 +249,7 @@ def test_every_fitting_plan_carries_a_reason_per_choice() -> None:
         "batching",
         "speculative",
         "replicas",
+        "startup",
         "tensorParallel",
     }
     assert all(result.reasons.values())

@@ -44,8 +44,8 @@ if ((${#missing[@]})); then
   log "installing ${missing[*]} from Debian"
   [[ $(id -u) == 0 ]] || die "${missing[*]} missing, and installing them needs root"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -q >&2 && apt-get install -y -q --no-install-recommends \
-    buildah podman runc mmdebstrap fuse-overlayfs uidmap >&2 || die "apt-get install ${missing[*]} failed"
+  apt-get update -q >&2 && apt-get install -y -q buildah podman runc mmdebstrap >&2 \
+    || die "apt-get install ${missing[*]} failed"
 fi
 
 mkdir -p "${IMAGES}/tmp"

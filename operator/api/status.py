@@ -146,6 +146,16 @@ class KvBlocksAccuracy(_Status):
     ratio: float | None = Field(default=None, description="observed / predicted.")
 
 
+class ReadySecondsAccuracy(_Status):
+    predicted: float | None = Field(default=None, description="status.plan.predictedReadySeconds.")
+    observed: float | None = Field(
+        default=None,
+        description="Seconds from the newest ready engine pod's start (status.startTime) to its Ready condition.",
+    )
+    ratio: float | None = Field(default=None, description="observed / predicted.")
+    pod: str | None = Field(default=None, description="The pod observed.")
+
+
 class PlanAccuracy(_Status):
     window_seconds: float | None = None
     band: list[float] | None = Field(
@@ -158,6 +168,7 @@ class PlanAccuracy(_Status):
     draft_acceptance: DraftAcceptanceAccuracy | None = None
     prefix_share: PrefixShareAccuracy | None = None
     kv_blocks: KvBlocksAccuracy | None = None
+    ready_seconds: ReadySecondsAccuracy | None = None
     outside_periods: int | None = Field(
         default=None, description="Periods in a row in which a ratio was outside the band."
     )

@@ -6,7 +6,9 @@ reported over the autoscaler's window, their ratio (observed / predicted) and th
 it; and the draft acceptance and prefix share the plan assumed beside the observed ones (shown, not
 judged: a prefix share far from the assumed one explains a TTFT ratio), and the KV blocks the plan
 predicted beside the fewest an engine allocated (`kvBlocks`: vLLM measures its own pool from
---gpu-memory-utilization, so this is where a wrong memory model shows). A p95 counts only from a
+--gpu-memory-utilization, so this is where a wrong memory model shows), and the time to ready the
+plan predicted beside the newest ready pod's (`readySeconds`: from the pod's start, so its image
+pull counts, its scheduling does not). A p95 counts only from a
 window of at least MIN_OBSERVATIONS requests (a p95 of a few is mostly their maximum, as for the
 autoscaler's own decisions).
 
@@ -24,7 +26,7 @@ The message always carries the numbers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -59,6 +61,36 @@ def _kv_blocks_entry(predicted: int | None, observed: int | None, last: int | No
     if not predicted or seen is None:
         return None
     return {"predicted": predicted, "observed": seen, "ratio": round(seen / predicted, 3)}
+
+
+def newest_ready_seconds(pods: Sequence[Mapping[str, Any]]) -> tuple[str, float] | None:
+    """(name, seconds from its start to Ready) of the ready engine pod that started last; None
+    when no pod is ready (or none says when)."""
+    started = []
+    for pod in pods:
+        status = pod.get("status") or {}
+        ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+        if ready and ready.get("status") == "True" and status.get("startTime") and ready.get("lastTransitionTime"):
+            start, at = _seconds(status["startTime"]), _seconds(ready["lastTransitionTime"])
+            started.append((start, pod["metadata"]["name"], max(0.0, at - start)))
+    if not started:
+        return None
+    _, name, seconds = max(started)
+    return name, seconds
+
+
+def _seconds(timestamp: str) -> float:
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
+
+
+def _ready_entry(predicted: float | None, observed: tuple[str, float] | None, last: Any) -> dict[str, Any] | None:
+    """The plan's time to ready beside the newest pod's (the `last` observed stays while no pod is ready)."""
+    if not predicted:
+        return None
+    if observed is None:
+        return last.dump() if last is not None and last.predicted == predicted else None
+    pod, seconds = observed
+    return {"predicted": predicted, "observed": round(seconds, 1), "ratio": round(seconds / predicted, 3), "pod": pod}
 
 
 def comparison(predicted_ms: float | None, observed_seconds: float | None, requests: int) -> dict[str, Any] | None:
@@ -97,6 +129,8 @@ def _numbers(block: Mapping[str, Any]) -> str:
             )
     if blocks := block.get("kvBlocks"):
         text += f"; KV blocks allocated {blocks['observed']}, predicted {blocks['predicted']} ({blocks['ratio']:.2f}x)"
+    if ready := block.get("readySeconds"):
+        text += f"; ready in {ready['observed']:g} s ({ready['pod']}), predicted {ready['predicted']:g} s"
     return text
 
 
@@ -135,7 +169,11 @@ def _verdict(block: Mapping[str, Any], judged: bool, predicts: bool, old: Condit
 
 
 def _block(
-    status: InferenceServiceStatus, signals: Signals, window_seconds: float, now: float
+    status: InferenceServiceStatus,
+    signals: Signals,
+    window_seconds: float,
+    now: float,
+    ready: tuple[str, float] | None,
 ) -> tuple[dict[str, Any], bool]:
     """The new planAccuracy, and whether this window judged any signal."""
     plan = status.plan or PlanStatus()
@@ -167,15 +205,23 @@ def _block(
     last_blocks = old.kv_blocks if old.kv_blocks and old.kv_blocks.predicted == plan.kv_blocks else None
     if blocks := _kv_blocks_entry(plan.kv_blocks, signals.kv_blocks, last_blocks.observed if last_blocks else None):
         block["kvBlocks"] = blocks
+    if ready_entry := _ready_entry(plan.predicted_ready_seconds, ready, old.ready_seconds):
+        block["readySeconds"] = ready_entry
     return block, bool(fresh)
 
 
 def accuracy_patch(
-    status: InferenceServiceStatus, signals: Signals, window_seconds: float, now: float, generation: int
+    status: InferenceServiceStatus,
+    signals: Signals,
+    window_seconds: float,
+    now: float,
+    generation: int,
+    ready: tuple[str, float] | None = None,
 ) -> dict[str, Any]:
     """The status fields a period writes for the plan's accuracy: `planAccuracy`, and the
-    conditions with PlanAccurate replaced (a merge patch replaces a list whole)."""
-    block, judged = _block(status, signals, window_seconds, now)
+    conditions with PlanAccurate replaced (a merge patch replaces a list whole); `ready`: the
+    newest ready pod's time to ready (newest_ready_seconds)."""
+    block, judged = _block(status, signals, window_seconds, now, ready)
     plan = status.plan or PlanStatus()
     predicts = any((getattr(plan, predicted) or 0) > 0 for _, predicted, _, _ in _SIGNALS)
     conditions = status.conditions or []

@@ -164,14 +164,22 @@ class Policy(_SpecSettings):  # type: ignore[misc, valid-type]
     window_seconds: float = Field(default=WINDOW_SECONDS, gt=0)
     # The engines' batch limit (the plan's max_num_seqs); None: no occupancy signal.
     max_num_seqs: int | None = Field(default=None, gt=0)
+    # A replica's predicted time to ready (the plan's): scaling to zero waits at least this long
+    # without a request, since a zero pays only when idle for longer than a replica takes to return.
+    cold_start_seconds: float = Field(default=0.0, ge=0)
     target_batch_occupancy: float = Field(default=TARGET_BATCH_OCCUPANCY, gt=0, le=1)
 
     @classmethod
     def from_spec(
-        cls, spec: InferenceServiceSpec, max_num_seqs: int | None = None, interval_seconds: float = INTERVAL_SECONDS
+        cls,
+        spec: InferenceServiceSpec,
+        max_num_seqs: int | None = None,
+        interval_seconds: float = INTERVAL_SECONDS,
+        cold_start_seconds: float = 0.0,
     ) -> Policy:
         return cls(
             max_num_seqs=max_num_seqs,
+            cold_start_seconds=cold_start_seconds,
             window_seconds=WINDOW_PERIODS * interval_seconds,
             ttft_p95_seconds=spec.slo.ttft_p95_ms / 1000,
             tpot_p95_seconds=spec.slo.tpot_p95_ms / 1000,
@@ -804,6 +812,8 @@ def _at_or_under_band(period: _Period) -> tuple[AutoscalerState, Decision]:
     if thin_latency:
         recommended = current
     down_window = policy.scale_down_stabilization_seconds
+    if recommended == 0:
+        down_window = max(down_window, policy.cold_start_seconds)
     recent = tuple(r for r in state.recommendations if r.at > obs.now - down_window)
     recs = (*recent, Recommendation(at=obs.now, replicas=recommended))
     kept = {"over_since": None, "recommendations": recs}
@@ -817,7 +827,8 @@ def _at_or_under_band(period: _Period) -> tuple[AutoscalerState, Decision]:
             "scale_down_window",
             current,
             f"under the band ({recommended} replicas would do), for "
-            f"{observed:.0f} s of the {down_window:.0f} s scale-down window",
+            f"{observed:.0f} s of the {down_window:.0f} s scale-down window"
+            + (" (to zero: at least one cold start)" if recommended == 0 and policy.cold_start_seconds else ""),
             **kept,
         )
     desired = max(r.replicas for r in recs)

@@ -52,7 +52,7 @@ from pydantic import ValidationError
 from kvpilot.operator.api.names import API_VERSION, KIND, SCALED_TO_ZERO_AT
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.api.status import InferenceServiceStatus, Latency, status_of
-from kvpilot.operator.autoscaling.accuracy import accuracy_patch
+from kvpilot.operator.autoscaling.accuracy import accuracy_patch, newest_ready_seconds
 from kvpilot.operator.autoscaling.decisions import (
     INTERVAL_SECONDS,
     AutoscalerState,
@@ -176,7 +176,11 @@ def prepare(
     state = saved_state(status)
     if not due(state, now, interval):
         return None
-    return Policy.from_spec(spec, max_num_seqs=plan_max_num_seqs(status), interval_seconds=interval), state
+    cold_start = status.plan.predicted_ready_seconds if status.plan and status.plan.predicted_ready_seconds else 0.0
+    policy = Policy.from_spec(
+        spec, max_num_seqs=plan_max_num_seqs(status), interval_seconds=interval, cold_start_seconds=cold_start
+    )
+    return policy, state
 
 
 def decide(
@@ -469,12 +473,13 @@ class AutoscalingLoop:
         outcome = decide(body, deployment, reads, now, self.interval, gateway)
         if outcome is None:
             return None
-        return await asyncio.to_thread(self._write, body, reads, *outcome)
+        return await asyncio.to_thread(self._write, body, reads, newest_ready_seconds(engine_pods), *outcome)
 
     def _write(
         self,
         body: Mapping[str, Any],
         reads: Sequence[PodRead],
+        ready: tuple[str, float] | None,
         policy: Policy,
         state: AutoscalerState,
         decision: Decision,
@@ -493,7 +498,7 @@ class AutoscalingLoop:
         fields = {
             **status_patch(state, decision, old.latency, zeroed_at),
             **accuracy_patch(
-                old, decision.signals, policy.window_seconds, decision.at, int(metadata.get("generation") or 0)
+                old, decision.signals, policy.window_seconds, decision.at, int(metadata.get("generation") or 0), ready
             ),
         }
         try:

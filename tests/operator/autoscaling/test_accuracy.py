@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvpilot.operator.api.status import InferenceServiceStatus
-from kvpilot.operator.autoscaling.accuracy import BAND, SUSTAIN_PERIODS, accuracy_patch
+from kvpilot.operator.autoscaling.accuracy import BAND, SUSTAIN_PERIODS, accuracy_patch, newest_ready_seconds
 from kvpilot.operator.autoscaling.decisions import MIN_OBSERVATIONS, Signals
 from kvpilot.operator.kube.events import iso
 
@@ -37,11 +37,11 @@ class Service:
         self.status: dict[str, Any] = {"plan": dict(PLAN if plan is None else plan), "conditions": [READY]}
         self.now = NOW
 
-    def period(self, signals: Signals) -> dict[str, Any]:
+    def period(self, signals: Signals, ready: tuple[str, float] | None = None) -> dict[str, Any]:
         self.now += PERIOD
         self.status = {
             **self.status,
-            **accuracy_patch(InferenceServiceStatus.model_validate(self.status), signals, 60.0, self.now, 3),
+            **accuracy_patch(InferenceServiceStatus.model_validate(self.status), signals, 60.0, self.now, 3, ready),
         }
         return self.accurate()
 
@@ -189,3 +189,33 @@ def test_the_kv_blocks_an_engine_allocated_go_beside_the_plan_s() -> None:
     service.status["plan"] = {**PLAN, "kvBlocks": 20_000}  # another pool: the old engines' count no longer compares
     service.period(window())
     assert "kvBlocks" not in service.status["planAccuracy"]
+
+
+def pod(name: str, started: str, ready_at: str | None, ready: str = "True") -> dict[str, Any]:
+    conditions = [{"type": "Ready", "status": ready, "lastTransitionTime": ready_at}] if ready_at else []
+    return {"metadata": {"name": name}, "status": {"startTime": started, "conditions": conditions}}
+
+
+def test_the_newest_ready_pod_s_time_to_ready_goes_beside_the_plan_s() -> None:
+    pods = [
+        pod("old", "2026-12-06T09:00:00Z", "2026-12-06T09:01:10Z"),
+        pod("new", "2026-12-06T09:30:00Z", "2026-12-06T09:31:35Z"),
+        pod("loading", "2026-12-06T09:40:00Z", "2026-12-06T09:40:00Z", ready="False"),
+        pod("pending", "2026-12-06T09:45:00Z", None),
+    ]
+    assert newest_ready_seconds(pods) == ("new", 95.0)
+    assert newest_ready_seconds(pods[2:]) is None
+    service = Service(plan={**PLAN, "predictedReadySeconds": 80.0})
+    condition = service.period(window(), newest_ready_seconds(pods))
+    assert service.status["planAccuracy"]["readySeconds"] == {
+        "predicted": 80.0,
+        "observed": 95.0,
+        "ratio": 1.188,
+        "pod": "new",
+    }
+    assert "ready in 95 s (new), predicted 80 s" in condition["message"]
+    service.period(window())  # no pod ready now (scaled to zero): the last one stays
+    assert service.status["planAccuracy"]["readySeconds"]["observed"] == 95.0
+    service.status["plan"] = {**PLAN, "predictedReadySeconds": 30.0}  # another plan: the old pod no longer compares
+    service.period(window())
+    assert "readySeconds" not in service.status["planAccuracy"]

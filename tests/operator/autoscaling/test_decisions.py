@@ -433,6 +433,24 @@ def test_scale_to_zero_only_when_idle() -> None:
     assert min(i for i, d in enumerate(decisions) if d.replicas == 0) >= 4  # the window emptied first
 
 
+def test_scale_to_zero_waits_at_least_one_cold_start() -> None:
+    """Idle for the 60 s window, but a replica takes 150 s to come back: zero only after 150 s
+    without a request (10 periods of 15 s, not 4); scaling 2 -> 1 keeps the 60 s window."""
+
+    def first(replicas: int, cold_start: float, wanted: int, **tick: float) -> tuple[int, str]:
+        policy = Policy(min_replicas=0, scale_down_stabilization_seconds=60, cold_start_seconds=cold_start)
+        loop = Loop(policy, replicas=replicas)
+        decisions = [loop.tick(**tick) for _ in range(14)]  # type: ignore[arg-type]
+        at = next(i for i, d in enumerate(decisions) if d.replicas == wanted)
+        return at, decisions[at - 1].reason
+
+    idle = {"ttft": None, "waiting": 0, "kv": 0}
+    assert first(1, 0, 0, **idle)[0] == 4
+    at, reason = first(1, 150, 0, **idle)
+    assert at == 10 and "for 135 s of the 150 s scale-down window (to zero: at least one cold start)" in reason
+    assert first(2, 150, 1, ttft=0.2, n=20, waiting=0, kv=0.01)[0] == 4
+
+
 def test_replicas_set_by_someone_else_start_a_new_regime() -> None:
     """The gateway scales from zero (or a person scales by hand): the scale-down recommendations
     made before are not a reason to undo it at once; a full stabilization window must pass."""

@@ -565,7 +565,7 @@ def test_a_scale_down_marks_the_pods_with_the_least_work_to_go_first(action: str
     ]
     loop = AutoscalingLoop(Cluster(), {}, {}, {}, {})  # type: ignore[arg-type]
     decision = Decision(at=NOW, action=action, replicas=replicas, previous=3, reason="r", signals=Signals())
-    loop._write(body(), reads, Policy(), AutoscalerState(), decision)
+    loop._write(body(), reads, None, Policy(), AutoscalerState(), decision)
     costs = [("costs", "ml", {"busy": 8, "idle": 0, "broken": -1})] if action == "down" else []
     assert calls == ["status", *costs, ("replicas", replicas, "8")]
 

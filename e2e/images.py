@@ -108,7 +108,7 @@ def _mounts(pod: Manifest, container: Manifest, root: Path) -> list[str]:
     argv = []
     for mount in container.get("volumeMounts", []):
         volume = volumes[mount["name"]]
-        read_only = ",ro" if mount.get("readOnly") or volume.get("persistentVolumeClaim", {}).get("readOnly") else ""
+        read_only = mount.get("readOnly") or volume.get("persistentVolumeClaim", {}).get("readOnly")
         if volume.get("emptyDir", {}).get("medium") == "Memory":
             size = volume["emptyDir"].get("sizeLimit", "64Mi").replace("i", "")
             argv += ["--tmpfs", f"{mount['mountPath']}:rw,size={size.lower()},mode=1777"]
@@ -120,7 +120,7 @@ def _mounts(pod: Manifest, container: Manifest, root: Path) -> list[str]:
             # A missing subPath the kubelet creates as root (render.py's compile-cache init container).
             source = source / mount["subPath"]
             source.mkdir(mode=0o755, exist_ok=True)
-        argv += ["--volume", f"{source}:{mount['mountPath']}:rw{read_only}"]
+        argv += ["--volume", f"{source}:{mount['mountPath']}:{'ro' if read_only else 'rw'}"]
     return argv
 
 

@@ -19,9 +19,13 @@ machine: 127.79.0.x here, apart from the gateway tests' 127.77.0.x and kwok's po
 
 from __future__ import annotations
 
+import filecmp
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,7 @@ import pytest
 from e2e import kvis
 from e2e.chart import Installation
 from e2e.cluster import Cluster
+from e2e.hub_server import HubServer
 from e2e.images import RUN_OPTIONS, TOKEN_DIR, Container, Images, build_images, container_argv, start_container
 from e2e.local_gateway import LocalGateway
 from e2e.local_operator import LocalOperator
@@ -53,7 +58,8 @@ GiB = 1024**3
 ENGINE_BUDGET = 8 * GiB
 # Python, the venv and the operator's dependencies (kubernetes, kopf, pydantic): no torch.
 OPERATOR_BUDGET = 512 * 1024**2
-HOST = "127.79.0.1"  # the engine's address in the first test
+HOST = "127.79.0.1"  # the engines' address in the tests of the rendered pod
+API_KEY = "image-test-key"  # the value of the API-key Secret the pod's env names
 MODEL = "SmolLM2-135M-Instruct"
 CPU_SPEC = {
     "model": {"name": MODEL},
@@ -111,79 +117,124 @@ def test_every_module_imports_in_the_images(images: Images) -> None:
     assert found.stdout.strip() == "None"
 
 
-@pytest.fixture()
-def cpu_engine(images: Images, tmp_path: Path) -> Iterator[tuple[Container, dict[str, Any], float, dict[str, Any]]]:
-    """The engine image running the pod the operator renders for CPU_SPEC."""
-    spec = InferenceServiceSpec.model_validate(CPU_SPEC)
-    result = plan(spec)
+@dataclass
+class RenderedPod:
+    """The engine image running the pod render.deployment makes for a spec."""
+
+    engine: Container
+    pod: dict[str, Any]  # the pod spec
+    url: str
+    ready_s: float  # from `podman run` to /ready answering 200
+
+
+@contextmanager
+def rendered_pod(
+    images: Images, name: str, spec: dict[str, Any], workdir: Path, env: dict[str, str] | None = None
+) -> Iterator[RenderedPod]:
+    """Run the pod's init containers to completion, then its engine until /ready answers, within
+    the startup probe's budget; `env` overrides values of the rendered env (the hub's address)."""
+    parsed = InferenceServiceSpec.model_validate(spec)
+    result = plan(parsed)
     assert result.fits, result.reason
-    deployment = render.deployment("smollm2-cpu", "default", "", spec, result, default_image=images.engine)
-    pod = deployment["spec"]["template"]["spec"]
+    pod = render.deployment(name, "default", "", parsed, result, default_image=images.engine)["spec"]["template"][
+        "spec"
+    ]
+    secrets = {(api_key_secret(name), API_KEY_SECRET_KEY): API_KEY}
+    volumes = workdir / "volumes"
+    for init in pod.get("initContainers", []):
+        init_name = f"kvpilot-{name}-{init['name']}-{free_port()}"
+        argv = container_argv(images, pod, init, name=init_name, volumes_root=volumes, secrets=secrets)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0, f"init container {init['name']}: {done.stderr[-3000:]}"
     (container,) = pod["containers"]
-    assert container["image"] == images.engine and "initContainers" not in pod
+    assert container["image"] == images.engine
     probe = container["startupProbe"]
     budget_s = probe["periodSeconds"] * probe["failureThreshold"]
     # Only the address moves, from the pod's 0.0.0.0:8000 to a free loopback port here.
     port = free_port(HOST)
     args = _set(_set(container["args"], "--host", HOST), "--port", str(port))
-    name = f"kvpilot-engine-{port}"
-    argv = container_argv(
-        images,
-        pod,
-        container,
-        name=name,
-        volumes_root=tmp_path / "volumes",
-        args=args,
-        secrets={(api_key_secret("smollm2-cpu"), API_KEY_SECRET_KEY): "image-test-key"},
-    )
+    engine_name = f"kvpilot-{name}-{port}"
+    argv = container_argv(images, pod, container, name=engine_name, volumes_root=volumes, args=args, secrets=secrets)
+    url = f"http://{HOST}:{port}"
     started = time.monotonic()
-    engine = start_container(argv, name, images, tmp_path / "engine.log", f"http://{HOST}:{port}/ready", budget_s)
-    ready_s = time.monotonic() - started
+    engine = start_container(argv, engine_name, images, workdir / "engine.log", f"{url}/ready", budget_s)
     try:
-        yield engine, container, ready_s, pod
+        yield RenderedPod(engine, pod, url, time.monotonic() - started)
     finally:
         assert engine.stop() == 0, engine.process.log_tail()
 
 
-def test_the_engine_image_runs_the_rendered_cpu_pod(
-    cpu_engine: tuple[Container, dict[str, Any], float, dict[str, Any]],
-) -> None:
-    engine, container, ready_s, pod = cpu_engine
-    args = engine.process.argv
-    host, port = args[args.index("--host") + 1], int(args[args.index("--port") + 1])
-    print(f"engine image ready in {ready_s:.1f} s")
-    # The rendered securityContext as the kernel sees it: the pod's uid and gid (not root; the
-    # image's own USER is 65532, the operator renders render.RUN_AS_USER), no capabilities, a
-    # read-only root; /tmp (its emptyDir) is the one writable place; no service-account token.
+def _check_as_rendered(running: RenderedPod) -> None:
+    """The rendered securityContext as the kernel sees it: the pod's uid and gid (not root; the
+    image's own USER is 65532, the operator renders render.RUN_AS_USER), no capabilities, no
+    privilege escalation, a read-only root where only the volumes are writable, no token; the
+    engine logged no failed write, and answers the openai client with the key and /metrics."""
+    engine, pod = running.engine, running.pod
     pid = engine.images.run("inspect", "--format", "{{.State.Pid}}", engine.name).stdout.strip()
     assert "kvpilot" in Path(f"/proc/{pid}/cmdline").read_text()
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
     uid = str(pod["securityContext"]["runAsUser"])
     assert uid != "0" and fields["Uid"].split() == [uid] * 4 and fields["Gid"].split()[0] == uid
-    user = engine.images.run("image", "inspect", "--format", "{{.Config.User}}", engine.images.engine).stdout
-    assert user.strip() == "65532:65532"
     assert int(fields["CapEff"].strip(), 16) == 0 and int(fields["CapPrm"].strip(), 16) == 0
     assert fields["NoNewPrivs"].strip() == "1"
+    readonly = engine.images.run("inspect", "--format", "{{.HostConfig.ReadonlyRootfs}}", engine.name).stdout
+    assert readonly.strip() == "true"
     for place in ("/", "/opt/kvpilot", "/var/cache/kvpilot", "/src", "/var/tmp", "/run"):
         wrote = engine.exec("touch", f"{place}/written-by-the-test")
         assert wrote.returncode != 0 and "Read-only file system" in wrote.stderr, (place, wrote)
     assert engine.exec("touch", "/tmp/written-by-the-test").returncode == 0
     assert engine.exec("ls", TOKEN_DIR).returncode != 0
-    assert engine.images.run("inspect", "--format", "{{.HostConfig.ReadonlyRootfs}}", engine.name).stdout.strip() == (
-        "true"
-    )
-    # What the image ships is where the engine looks: the converted model, the kernels of this CPU's level.
     log = engine.process.log_text()
-    assert "event=cpu_kernels source=prebuilt" in log and "converting" not in log, log[-3000:]
     assert "Read-only file system" not in log and "Permission denied" not in log, log[-3000:]
-
-    base = f"http://{host}:{port}"
-    assert _chat(f"{base}/v1", "image-test-key")
+    assert _chat(f"{running.url}/v1", API_KEY)
     with httpx.Client(trust_env=False, timeout=30) as http:
-        assert http.get(f"{base}/v1/models").status_code == 401  # the key from the Secret is required
-        metrics = http.get(f"{base}/metrics")
+        assert http.get(f"{running.url}/v1/models").status_code == 401  # the key from the Secret is required
+        metrics = http.get(f"{running.url}/metrics")
     assert metrics.status_code == 200 and "vllm:time_to_first_token_seconds" in metrics.text
-    assert container["env"][0] == {"name": "HOME", "value": "/tmp"}
+
+
+def test_the_engine_image_runs_the_rendered_cpu_pod(images: Images, tmp_path: Path) -> None:
+    with rendered_pod(images, "smollm2-cpu", CPU_SPEC, tmp_path) as running:
+        print(f"engine image ready in {running.ready_s:.1f} s")
+        assert "initContainers" not in running.pod
+        assert [v["name"] for v in running.pod["volumes"]] == ["tmp"]
+        _check_as_rendered(running)
+        # What the image ships is where the engine looks: the converted model, the kernels of this CPU's level.
+        log = running.engine.process.log_text()
+        assert "event=cpu_kernels source=prebuilt" in log and "converting" not in log, log[-3000:]
+    user = images.run("image", "inspect", "--format", "{{.Config.User}}", images.engine).stdout
+    assert user.strip() == "65532:65532"
+
+
+def test_the_engine_image_downloads_into_the_model_cache_claim_and_serves_from_it(
+    images: Images, tmp_path: Path
+) -> None:
+    """An hf:// source on a model.cache claim: the compile-cache and download init containers run in
+    the engine image (`kvpilot download` from a hub stand-in on loopback), the engine reads the
+    claim read-only and keeps its compile cache in its writable folder of it."""
+    from kvpilot.engine.model.loader import embedded_model_dir
+
+    repo = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    with HubServer(repo, embedded_model_dir()) as hub:
+        spec = {
+            **CPU_SPEC,
+            "model": {"name": MODEL, "source": f"hf://{repo}", "cache": {"claimName": "models"}},
+            "env": [{"name": "HF_ENDPOINT", "value": hub.url}],
+        }
+        with rendered_pod(images, "smollm2-hub", spec, tmp_path) as running:
+            print(f"engine image ready in {running.ready_s:.1f} s after its init containers")
+            inits = [c["name"] for c in running.pod["initContainers"]]
+            assert inits == ["compile-cache", "download"]
+            claim = tmp_path / "volumes" / "models"
+            served = claim / "hf" / f"{repo}@main"
+            assert filecmp.cmp(served / "model.safetensors", embedded_model_dir() / "model.safetensors", shallow=False)
+            uid = running.pod["securityContext"]["runAsUser"]
+            assert (claim / "kvpilot-compiled").stat().st_uid == uid  # made by the init container, as the pod's user
+            _check_as_rendered(running)
+            wrote = running.engine.exec("touch", "/model-cache/written-by-the-test")
+            assert wrote.returncode != 0 and "Read-only file system" in wrote.stderr
+        weights = [r for r in hub.requests if r.method == "GET" and r.path.endswith("/model.safetensors")]
+        assert len(weights) == 1
 
 
 class _InImage(LocalProcess):

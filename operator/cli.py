@@ -48,7 +48,7 @@ from kvpilot.operator.planning import cpus, sizing
 from kvpilot.operator.planning.gpus import GPUS, find_gpu
 from kvpilot.operator.planning.model_config import read_config
 from kvpilot.operator.planning.plan import PlanContext, plan
-from kvpilot.operator.planning.variants import VariantRequest, plan_variants
+from kvpilot.operator.planning.variants import VariantRequest, as_one_plan, plan_variants, requested
 
 PEERING_NAME = "kvpilot"
 
@@ -176,6 +176,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         metavar="NAMESPACE:SELECTOR",
         help="the gateway's pods (e.g. kvpilot-system:app.kubernetes.io/name=kvpilot-gateway): the autoscaler "
         "reads what they hold for each service as waiting work; by default no gateway is read",
+    )
+    operator.add_argument(
+        "--gpu-price",
+        type=_gpu_price,
+        action="append",
+        default=[],
+        metavar="TYPE=USD",
+        help="what one GPU-hour of TYPE costs in this cluster, which ranks a mixed pool's GPU types (chart "
+        "gpuPrices; default: approximate on-demand list prices)",
     )
     operator.add_argument("-v", "--verbose", action="store_true")
     operator.set_defaults(func=run_operator)
@@ -347,7 +356,7 @@ def _spec(args: argparse.Namespace, profile: DeviceProfile | None) -> dict[str, 
     return {
         "model": _configured_model(args.model_config) if args.model_config is not None else _named_model(args.model),
         **given(runtime=args.runtime),
-        "accelerator": given(type=gpus[0].gpu if len(gpus) == 1 else None, count=args.gpus)
+        "accelerator": _accelerator(gpus, args.gpus)
         if profile is None
         else {"type": CPU_TYPE, "profile": profile.name, **given(count=args.gpus)},
         "serving": given(
@@ -367,6 +376,22 @@ def _spec(args: argparse.Namespace, profile: DeviceProfile | None) -> dict[str, 
             temperature=args.temperature,
         ),
         "autoscaling": given(minReplicas=args.min_replicas, maxReplicas=args.max_replicas),
+    }
+
+
+def _accelerator(gpus: list[VariantRequest], count: int | None) -> dict[str, Any]:
+    """accelerator of --gpu: one type, or several as a mixed pool's variants."""
+    if len(gpus) == 1:
+        return {"type": gpus[0].gpu, **({"count": count} if count else {})}
+    return {
+        "variants": [
+            {
+                "type": g.gpu,
+                **({"maxReplicas": g.max_replicas} if g.max_replicas else {}),
+                **({"count": count} if count else {}),
+            }
+            for g in gpus
+        ]
     }
 
 
@@ -505,8 +530,8 @@ def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         return 2
     profiles = {profile.name: profile} if profile else {}
     context = PlanContext(device_profiles=profiles, checkpoint=checkpoint)
-    if args.gpu and len(args.gpu) > 1:
-        mixed = plan_variants(spec, args.gpu, context, dict(args.gpu_price))
+    if spec.accelerator.variants:
+        mixed = plan_variants(spec, requested(spec), context, dict(args.gpu_price))
         if args.json:
             body = mixed.model_dump(mode="json")
             for variant, shown in zip(mixed.variants, body["variants"], strict=True):
@@ -535,7 +560,8 @@ def run_render(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         print(f"kvpilot render: {error}", file=sys.stderr)
         return 2
     metadata = manifest.get("metadata") or {}
-    result = plan(spec)
+    mixed = plan_variants(spec, requested(spec)) if spec.accelerator.variants else None
+    result = plan(spec) if mixed is None else as_one_plan(spec, mixed)
     objects = render.children(
         str(metadata.get("name", "unnamed")),
         str(metadata.get("namespace", "default")),
@@ -543,6 +569,7 @@ def run_render(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         spec,
         result,
         default_image=args.engine_image,
+        mixed=mixed,
     )
     if not result.fits:
         print(f"kvpilot render: no Deployment: {result.failure}: {result.reason}", file=sys.stderr)
@@ -590,6 +617,7 @@ def run_operator(args: argparse.Namespace) -> int:
             prometheus_url_allow=tuple(args.prometheus_url_allow),
             gateway_pods=args.gateway_pods,
             metrics_address=args.metrics,
+            gpu_prices=dict(args.gpu_price),
         ),
     )
     return 0

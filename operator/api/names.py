@@ -44,6 +44,20 @@ def selector_labels(name: str) -> dict[str, str]:
     return {key: labels(name)[key] for key in (APP_NAME_LABEL, INSTANCE_LABEL)}
 
 
+# A mixed pool's Deployments, one per GPU type: `<service>-<gpu type, lower case>`, their pods labelled
+# with the type (the Service and the gateway select the service's pods across them).
+VARIANT_LABEL = f"{GROUP}/gpu-variant"
+
+
+def variant(gpu: str) -> str:
+    """A GPU type as a variant's label value and name suffix (H100-80GB -> h100-80gb)."""
+    return gpu.lower()
+
+
+def variant_deployment(name: str, gpu: str) -> str:
+    return f"{name}-{variant(gpu)}"
+
+
 def label_selector(labels: Mapping[str, str]) -> str:
     """`labels` as a label selector string (`key=value,...`, sorted)."""
     return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))

@@ -285,12 +285,52 @@ class ModelSpec(_Camel):
         return self
 
 
+# The most GPU types one service spreads over (a bound for CEL's cost estimate too).
+MAX_VARIANTS = 8
+VARIANTS_REPLACE = "accelerator.variants replaces type, count and nodeSelector: each variant names its GPU type"
+VARIANTS_UNIQUE = "accelerator.variants: each GPU type once"
+VARIANT_IS_A_GPU = "accelerator.variants[].type: a GPU type (a CPU node pool is accelerator.type cpu)"
+
+
+class GPUVariantSpec(_Camel):
+    """One GPU type of a service spread over several (a mixed pool): the planner makes it a plan and a
+    Deployment of its own."""
+
+    model_config = ConfigDict(json_schema_extra=cel(("self.type != 'cpu'", VARIANT_IS_A_GPU)))
+
+    type: str = Field(min_length=1, max_length=63, description="GPU catalog name (as accelerator.type).")
+    max_replicas: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_REPLICAS,
+        description="The most replicas of this type (the GPUs of it the service may take); unset: "
+        "autoscaling.maxReplicas.",
+    )
+    count: int | None = Field(
+        default=None, ge=1, description="GPUs per replica of this type; unset means the planner picks it."
+    )
+
+    @model_validator(mode="after")
+    def _a_gpu(self) -> GPUVariantSpec:
+        if self.type == CPU_TYPE:
+            raise ValueError(VARIANT_IS_A_GPU)
+        return self
+
+
 class AcceleratorSpec(_Camel):
     model_config = ConfigDict(
         json_schema_extra=cel(
             (
                 "!has(self.nodeSelector) || size(self.nodeSelector) == 0 || has(self.type)",
                 "accelerator.nodeSelector needs accelerator.type: the planner sizes for a known GPU",
+            ),
+            (
+                "!has(self.variants) || size(self.variants) == 0 || (!has(self.type) && !has(self.count))",
+                VARIANTS_REPLACE,
+            ),
+            (
+                "!has(self.variants) || self.variants.all(v, self.variants.exists_one(w, w.type == v.type))",
+                VARIANTS_UNIQUE,
             ),
             (
                 "(has(self.type) && self.type == 'cpu') == has(self.profile)",
@@ -331,8 +371,22 @@ class AcceleratorSpec(_Camel):
         "family, or a ConfigMap of this name in the operator's namespace holding profile.json.",
     )
 
+    # A mixed pool: the GPU types one service runs on, each with its own plan and Deployment; the
+    # load goes to the cheapest per request per second first (planning/variants.py).
+    variants: list[GPUVariantSpec] = Field(
+        default_factory=list,
+        max_length=MAX_VARIANTS,
+        description="A mixed GPU pool: the GPU types the service may run on, each planned and rolled out as a "
+        "Deployment of its own; replicas go to the type with the lowest cost per request per second first "
+        "(the operator's GPU prices), up to its maxReplicas. Replaces type and count.",
+    )
+
     @model_validator(mode="after")
     def _selector_needs_type(self) -> AcceleratorSpec:
+        if self.variants and (self.type is not None or self.count is not None):
+            raise ValueError(VARIANTS_REPLACE)
+        if len({v.type for v in self.variants}) < len(self.variants):
+            raise ValueError(VARIANTS_UNIQUE)
         if self.node_selector and not self.type:
             raise ValueError("accelerator.nodeSelector needs accelerator.type: the planner sizes for a known GPU")
         cpu = self.type == CPU_TYPE

@@ -221,6 +221,25 @@ class Condition(_Status):
     observed_generation: Int64 | None = None
 
 
+class VariantStatus(_Status):
+    """One GPU type of a mixed pool (spec.accelerator.variants): its Deployment, plan and cost."""
+
+    gpu: str | None = None
+    deployment: str | None = None
+    replicas: int | None = Field(default=None, description="Its Deployment's desired replicas.")
+    ready_replicas: int | None = None
+    max_replicas: int | None = None
+    gpu_count: int | None = Field(default=None, description="GPUs per replica.")
+    quantization: str | None = None
+    capacity_rps: float | None = Field(
+        default=None, description="The most requests per second one replica serves within the SLO."
+    )
+    predicted_ttft_ms: float | None = None
+    predicted_tpot_ms: float | None = None
+    price_per_gpu_hour: float | None = Field(default=None, description="US dollars (the operator's GPU prices).")
+    cost_per_hour: float | None = Field(default=None, description="At its desired replicas.")
+
+
 class InferenceServiceStatus(_Status):
     observed_generation: Int64 | None = None
     replicas: int | None = None
@@ -229,6 +248,10 @@ class InferenceServiceStatus(_Status):
     selector: str | None = None
     url: str | None = Field(default=None, description="OpenAI-compatible base URL of the Service inside the cluster.")
     plan: PlanStatus | None = None
+    variants: list[VariantStatus] | None = Field(
+        default=None,
+        description="A mixed pool's GPU types (spec.accelerator.variants), cheapest per request per second first.",
+    )
     last_good_plan: LastGoodPlan | None = Field(
         default=None,
         description="The last plan that fit, kept while the spec stays the same apart from replicas (a scale does "

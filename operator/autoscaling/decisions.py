@@ -786,6 +786,13 @@ def _why_not_fewer(
     return "min_replicas", f"under the band, at minReplicas {policy.min_replicas}"
 
 
+def _down_window(policy: Policy, recommended: int) -> float:
+    """The scale-down window; to zero, at least one cold start: a zero pays only when the service is
+    idle for longer than a replica takes to come back."""
+    window = policy.scale_down_stabilization_seconds
+    return max(window, policy.cold_start_seconds) if recommended == 0 else window
+
+
 def _at_or_under_band(period: _Period) -> tuple[AutoscalerState, Decision]:
     """The fewest replicas at which this load stays under 1 - tolerance, in every signal and (once
     known) in the request rate at which this service went over; down to them only when every
@@ -811,9 +818,7 @@ def _at_or_under_band(period: _Period) -> tuple[AutoscalerState, Decision]:
     thin_latency = _thin_latency_not_under(policy, signals) if recommended < current else None
     if thin_latency:
         recommended = current
-    down_window = policy.scale_down_stabilization_seconds
-    if recommended == 0:
-        down_window = max(down_window, policy.cold_start_seconds)
+    down_window = _down_window(policy, recommended)
     recent = tuple(r for r in state.recommendations if r.at > obs.now - down_window)
     recs = (*recent, Recommendation(at=obs.now, replicas=recommended))
     kept = {"over_since": None, "recommendations": recs}

@@ -99,9 +99,11 @@ class Reconciler:
         default_image: str,
         operator_namespace: str | None,
         hub: HubClient | None = None,
+        gpu_prices: Mapping[str, float] | None = None,
     ) -> None:
         self.queue = WorkQueue()
         self.cluster, self.services, self.logger, self.hub = cluster, services, logger, hub
+        self.gpu_prices = dict(gpu_prices or {})
         self.default_image, self.operator_namespace = default_image, operator_namespace
         self._versions: dict[Key, str] = {}
         self._workers: list[asyncio.Task[None]] = []
@@ -150,6 +152,7 @@ class Reconciler:
                 operator_namespace=self.operator_namespace,
                 known=known,
                 hub=self.hub,
+                gpu_prices=self.gpu_prices,
             )
         except WriteConflict as error:
             # Something changed it meanwhile: read again, soon.
@@ -220,6 +223,7 @@ async def start_reconciler(memo: kopf.Memo, logger: logging.Logger, autoscaled_s
         os.environ.get(names.OPERATOR_NAMESPACE_ENV) or None,
         # Where model configs are read when a service's env names no HF_ENDPOINT of its own.
         HubClient(os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT),
+        memo.get("gpu_prices"),
     )
     memo.reconciler.start()
 

@@ -45,19 +45,21 @@ from pydantic import ValidationError
 from kvpilot.engine.device_profile import DeviceProfile
 from kvpilot.operator.api import names
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND
-from kvpilot.operator.api.plan import Plan
+from kvpilot.operator.api.plan import MixedPlan, Plan
 from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec
 from kvpilot.operator.api.status import InferenceServiceStatus, KeptCheckpoint, LastGoodPlan, status_of
 from kvpilot.operator.controller import correction, render, status
 from kvpilot.operator.controller.checkpoint import Unreadable, read_checkpoint, reads_checkpoint, with_checkpoint
 from kvpilot.operator.hub.client import HubClient
 from kvpilot.operator.kube.cluster import Cluster, Manifest, WriteRefused, describe
+from kvpilot.operator.kube.indexes import pooled
 from kvpilot.operator.kube.merge_patch import merge_patch
 from kvpilot.operator.planning import cpus
 from kvpilot.operator.planning.context import Correction
 from kvpilot.operator.planning.model_config import ModelConfig
 from kvpilot.operator.planning.plan import PlanContext, plan
 from kvpilot.operator.planning.reasons import failed_plan
+from kvpilot.operator.planning.variants import plan_variants, requested
 from kvpilot.operator.runtimes import RUNTIMES
 
 # The hash of the rendered manifest, on each child: unchanged hash (and no field of ours edited by
@@ -413,17 +415,48 @@ class Decision(NamedTuple):
     """What a reconcile does and reports, decided from an Observed alone."""
 
     spec: InferenceServiceSpec | None
-    result: Plan  # the spec's plan (or why it has none)
+    result: Plan  # the spec's plan (or why it has none); a mixed pool's: its first variant's
     wanted: list[Manifest]  # the children to converge, stamped (with a new key's Secret)
     key: _ApiKey
     last_good: LastGoodPlan | None  # status.lastGoodPlan to write
     correction: dict[str, Any] | None  # status.correction, which `result` was planned with
+    mixed: MixedPlan | None = None  # accelerator.variants: a plan per GPU type
 
 
-def decide(observed: Observed, default_image: str, operator_namespace: str | None) -> Decision:
+def _mixed_plan(
+    spec: InferenceServiceSpec,
+    observed: Observed,
+    corrected: Correction | None,
+    checkpoint: Architecture | None,
+    gpu_prices: Mapping[str, float],
+) -> tuple[MixedPlan, Plan]:
+    """A mixed pool's plan (accelerator.variants), and the Plan the status shows for it: its first
+    variant's (the cheapest per request per second) with the pool's reason and replicas, or why no
+    variant can serve the model."""
+    context = PlanContext(
+        gpus_per_node=observed.nodes, device_profiles=observed.profiles, correction=corrected, checkpoint=checkpoint
+    )
+    mixed = plan_variants(spec, requested(spec), context, gpu_prices)
+    if not mixed.fits:
+        return mixed, failed_plan(spec, str(mixed.failure), mixed.reason)
+    first = mixed.variants[0].plan
+    reasons = {**first.reasons, "variants": mixed.reason}
+    return mixed, first.model_copy(
+        update={"replicas": mixed.replicas, "meets_slo": mixed.meets_slo, "reasons": reasons}
+    )
+
+
+def decide(
+    observed: Observed,
+    default_image: str,
+    operator_namespace: str | None,
+    gpu_prices: Mapping[str, float] | None = None,
+) -> Decision:
     """Plan the spec and render the children (pure). A spec that does not plan keeps the last
-    good plan's Deployment (rendered with the rest of the spec as it is now); an invalid one renders
-    nothing; a key that cannot be had (a foreign or empty Secret) blocks the rollout."""
+    good plan's Deployment (rendered with the rest of the spec as it is now; a mixed pool's stay
+    as they are); an invalid one renders nothing; a key that cannot be had (a foreign or empty
+    Secret) blocks the rollout. `gpu_prices`: US dollars per GPU-hour (the operator's
+    --gpu-price), which rank a mixed pool's GPU types."""
     body, spec, kept = observed.body, observed.spec, observed.kept
     if isinstance(spec, ValidationError):
         return Decision(None, _invalid(body, spec), [], _ApiKey(), kept, None)
@@ -433,13 +466,18 @@ def decide(observed: Observed, default_image: str, operator_namespace: str | Non
     corrected = correction.correction(status_of(body), spec)
     checkpoint = observed.checkpoint
     read = checkpoint if isinstance(checkpoint, ModelConfig) else None
+    mixed = None
     if isinstance(checkpoint, Unreadable):
         result = failed_plan(spec, checkpoint.failure, checkpoint.message)
     else:
         spec = with_checkpoint(spec, read)
-        result = _plan(spec, planned, observed, correction.factors(corrected), read.architecture if read else None)
+        factors, architecture = correction.factors(corrected), read.architecture if read else None
+        if spec.accelerator.variants:
+            mixed, result = _mixed_plan(spec, observed, factors, architecture, gpu_prices or {})
+        else:
+            result = _plan(spec, planned, observed, factors, architecture)
     key = _api_key(observed.api_key_secret, name, namespace, uid) if render.operator_api_key(spec) else _ApiKey()
-    serving = (spec, result) if result.fits else _last_good_serving(kept, spec, observed.profiles)
+    serving = (spec, result) if result.fits or mixed else _last_good_serving(kept, spec, observed.profiles)
     children = render.children(
         name,
         namespace,
@@ -448,10 +486,11 @@ def decide(observed: Observed, default_image: str, operator_namespace: str | Non
         default_image=default_image,
         api_key_sha256=key.sha256,
         operator_namespace=operator_namespace,
+        mixed=mixed,
     )
     wanted = [stamped(m) for m in [*children, *([key.secret] if key.secret else [])]]
     good = last_good(planned, str(result.gpu), result.reasons.get("gpu"), read) if result.fits else kept
-    return Decision(spec, result, wanted, key, good, corrected)
+    return Decision(spec, result, wanted, key, good, corrected, mixed)
 
 
 def reconcile(
@@ -462,23 +501,29 @@ def reconcile(
     default_image: str = render.DEFAULT_ENGINE_IMAGE,
     operator_namespace: str | None = None,
     hub: HubClient | None = None,
+    gpu_prices: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """Converge the children of `body` and return the status to write; `default_image` is the
     engine image for specs that do not set one, `operator_namespace` where the operator and the
-    gateway run (the engines' NetworkPolicy lets their pods in), `hub` where configs are read."""
+    gateway run (the engines' NetworkPolicy lets their pods in), `hub` where configs are read,
+    `gpu_prices` what a GPU-hour of each type costs (decide)."""
     metadata = body["metadata"]
     name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
-    decision = decide(observe(body, cluster, operator_namespace, hub), default_image, operator_namespace)
-    wanted, key = decision.wanted, decision.key
-    found = {m["kind"]: cluster.get(m["apiVersion"], m["kind"], namespace, m["metadata"]["name"]) for m in wanted}
-    if "Deployment" not in found:
-        found["Deployment"] = cluster.get("apps/v1", "Deployment", namespace, name)
+    decision = decide(observe(body, cluster, operator_namespace, hub), default_image, operator_namespace, gpu_prices)
+    key, old = decision.key, status_of(body)
+    wanted = [*decision.wanted, *_retired(cluster, decision, old, name, namespace, uid)]
+    found = {_key(m): cluster.get(m["apiVersion"], m["kind"], namespace, m["metadata"]["name"]) for m in wanted}
+    if decision.mixed is None and ("Deployment", name) not in found:
+        found["Deployment", name] = cluster.get("apps/v1", "Deployment", namespace, name)
+    for running in (v.deployment for v in old.variants or [] if decision.mixed is not None and v.deployment):
+        # A pool whose spec does not plan keeps its Deployments as they are: the status reads them.
+        if ("Deployment", running) not in found:
+            found["Deployment", running] = cluster.get("apps/v1", "Deployment", namespace, running)
 
     # Without its key the service's pods would serve open (or with someone else's): nothing rolls out.
     blocked = key.blocked or _converge(cluster, wanted, found, uid)
-    deployment = found["Deployment"]
-    if deployment is not None and not owned_by(deployment, uid):
-        deployment = None
+    owned = [d for (kind, _), d in found.items() if kind == "Deployment" and d is not None and owned_by(d, uid)]
+    deployment = pooled(owned)
     # Pods are read only while some are not ready, to say why; a healthy service costs no list.
     pods: list[dict[str, Any]] = []
     if deployment is not None and _not_all_ready(deployment):
@@ -490,28 +535,60 @@ def reconcile(
         plan=decision.result,
         spec=decision.spec,
         deployment=deployment,
-        old=status_of(body),
+        old=old,
         now=now,
         blocked=blocked,
         pods=pods,
         last_good=decision.last_good,
         # A new key counts once its Secret is made.
         api_key=(key.sha256, names.api_key_secret(name))
-        if key.sha256 and (key.secret is None or found.get("Secret"))
+        if key.sha256 and (key.secret is None or found.get(("Secret", names.api_key_secret(name))))
         else None,
         correction=decision.correction,
+        variants=status.variant_rows(decision.mixed, name, {d["metadata"]["name"]: d for d in owned}),
     )
 
 
+def _key(manifest: Manifest) -> tuple[str, str]:
+    return manifest["kind"], manifest["metadata"]["name"]
+
+
+def _retired(
+    cluster: Cluster, decision: Decision, old: InferenceServiceStatus, name: str, namespace: str, uid: str
+) -> list[Manifest]:
+    """The service's Deployments its plan no longer has, scaled to zero: a GPU type dropped from
+    accelerator.variants, the one Deployment of a service that became a mixed pool, or a pool's of
+    one that no longer is. Only once the new plan fits (a spec that does not plan keeps what runs);
+    kept at zero, not deleted: the owner reference removes them with the service."""
+    if not decision.result.fits:
+        return []
+    kept = {m["metadata"]["name"] for m in decision.wanted if m["kind"] == "Deployment"}
+    before = {v.deployment for v in old.variants or [] if v.deployment} | ({name} if decision.mixed else set())
+    retired = []
+    for stale in sorted(before - kept):
+        existing = cluster.get("apps/v1", "Deployment", namespace, stale)
+        if existing is None or not owned_by(existing, uid) or not (existing.get("spec") or {}).get("replicas"):
+            continue
+        meta = existing["metadata"]
+        manifest = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {k: meta[k] for k in ("name", "namespace", "labels", "ownerReferences") if k in meta},
+            "spec": {**existing["spec"], "replicas": 0},
+        }
+        retired.append(stamped(manifest))
+    return retired
+
+
 def _converge(
-    cluster: Cluster, wanted: list[Manifest], found: dict[str, Manifest | None], uid: str
+    cluster: Cluster, wanted: list[Manifest], found: dict[tuple[str, str], Manifest | None], uid: str
 ) -> tuple[str, str] | None:
     """Create or update each wanted child (`found` records what is there afterwards), unless one of
     them belongs to someone else; (reason, message) when the children could not all be written."""
     foreign = [
-        f"{describe(m)} exists and is controlled by {_owner_words(found[m['kind']] or {})}"
+        f"{describe(m)} exists and is controlled by {_owner_words(found[_key(m)] or {})}"
         for m in wanted
-        if found[m["kind"]] is not None and not owned_by(found[m["kind"]], uid)
+        if found[_key(m)] is not None and not owned_by(found[_key(m)], uid)
     ]
     if foreign:
         return (
@@ -521,12 +598,12 @@ def _converge(
         )
     refused = []
     for manifest in wanted:
-        existing = found[manifest["kind"]]
+        existing = found[_key(manifest)]
         try:
             if existing is None:
-                found[manifest["kind"]] = cluster.create(manifest)
+                found[_key(manifest)] = cluster.create(manifest)
             elif not unchanged(existing, manifest):
-                found[manifest["kind"]] = cluster.update(manifest, existing["metadata"]["resourceVersion"])
+                found[_key(manifest)] = cluster.update(manifest, existing["metadata"]["resourceVersion"])
         except WriteRefused as error:
             refused.append(f"{error.what}: {error.message}")
     return ("ApplyFailed", "the API server refused " + "; ".join(refused)) if refused else None
@@ -552,6 +629,7 @@ def refresh(
     operator_namespace: str | None = None,
     known: Mapping[str, Any] | None = None,
     hub: HubClient | None = None,
+    gpu_prices: Mapping[str, float] | None = None,
 ) -> Refreshed | None:
     """Reconcile the InferenceService `namespace/name` and write its status if it changed (for
     events of its children); `known` is the object as the caller knows it is now (else it is
@@ -559,7 +637,15 @@ def refresh(
     body = known if known is not None else cluster.get(API_VERSION, KIND, namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return None
-    new = reconcile(body, cluster, now, default_image=default_image, operator_namespace=operator_namespace, hub=hub)
+    new = reconcile(
+        body,
+        cluster,
+        now,
+        default_image=default_image,
+        operator_namespace=operator_namespace,
+        hub=hub,
+        gpu_prices=gpu_prices,
+    )
     # A merge patch is a diff against the status as stored, not as the types read it.
     patch = merge_patch(body.get("status") or {}, new)
     # What was written, read back as the status's readers read it.

@@ -13,6 +13,7 @@ import math
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
+from kvpilot.operator.api import names
 from kvpilot.operator.api.names import (
     API_KEY_ANNOTATION,
     API_KEY_SECRET_KEY,
@@ -25,12 +26,13 @@ from kvpilot.operator.api.names import (
     OPERATOR_APP,
     PORT,
     PORT_NAME,
+    VARIANT_LABEL,
     api_key_secret,
     child_metadata,
     labels,
     selector_labels,
 )
-from kvpilot.operator.api.plan import Plan
+from kvpilot.operator.api.plan import MixedPlan, Plan
 from kvpilot.operator.api.spec import (
     CPU_TYPE,
     PVC_SCHEME,
@@ -42,6 +44,7 @@ from kvpilot.operator.controller.inference_pool import inference_pool
 from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.gpus import find_gpu
 from kvpilot.operator.planning.startup import downloaded_bytes
+from kvpilot.operator.planning.variants import fill
 from kvpilot.operator.runtimes import RUNTIMES
 from kvpilot.operator.runtimes.runtime import Launch
 
@@ -535,26 +538,39 @@ def deployment(
     *,
     default_image: str = DEFAULT_ENGINE_IMAGE,
     api_key_sha256: str | None = None,
+    variant: tuple[str, int] | None = None,
 ) -> Manifest:
     """The engines' Deployment; `default_image` is the operator's image for specs without one,
-    `api_key_sha256` the digest of the key in the service's API-key Secret."""
+    `api_key_sha256` the digest of the key in the service's API-key Secret; `variant`: (its GPU type,
+    its replicas) for one Deployment of a mixed pool's."""
     gpu = find_gpu(str(plan.gpu))
     if not plan.fits or (gpu is None and plan.gpu != CPU_TYPE):
         raise ValueError(f"no Deployment for a plan that does not fit: {plan.reason}")
+    replicas = spec.replicas if spec.replicas is not None else plan.replicas
+    selector, template = selector_labels(name), _pod_template(name, spec, plan, gpu, default_image, api_key_sha256)
+    metadata = child_metadata(name, namespace, uid)
+    if variant is not None:
+        gpu_type, replicas = variant
+        selector = {**selector, VARIANT_LABEL: names.variant(gpu_type)}
+        template["metadata"]["labels"][VARIANT_LABEL] = names.variant(gpu_type)
+        metadata = {
+            **child_metadata(names.variant_deployment(name, gpu_type), namespace, uid),
+            "labels": {**metadata["labels"], VARIANT_LABEL: names.variant(gpu_type)},
+        }
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": child_metadata(name, namespace, uid),
+        "metadata": metadata,
         "spec": {
-            "replicas": spec.replicas if spec.replicas is not None else plan.replicas,
-            "selector": {"matchLabels": selector_labels(name)},
+            "replicas": replicas,
+            "selector": {"matchLabels": selector},
             "progressDeadlineSeconds": progress_deadline_seconds(plan),
             # spec.rollout's default surges one pod so a single replica keeps serving (see the CRD).
             "strategy": {
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxSurge": spec.rollout.max_surge, "maxUnavailable": spec.rollout.max_unavailable},
             },
-            "template": _pod_template(name, spec, plan, gpu, default_image, api_key_sha256),
+            "template": template,
         },
     }
 
@@ -648,9 +664,12 @@ def children(
     default_image: str = DEFAULT_ENGINE_IMAGE,
     api_key_sha256: str | None = None,
     operator_namespace: str | None = None,
+    mixed: MixedPlan | None = None,
 ) -> list[Manifest]:
-    """What should exist: no Deployment when the plan does not fit; the InferencePool when the spec
-    asks for one. The API-key Secret is not among them: its key is made once (reconcile)."""
+    """What should exist: no Deployment when the plan does not fit, a Deployment per GPU type of a
+    mixed pool (`mixed`, whose variants share the service's replicas cheapest first); the
+    InferencePool when the spec asks for one. The API-key Secret is not among them: its key is made
+    once (reconcile)."""
     objects = [
         service(name, namespace, uid),
         pod_disruption_budget(name, namespace, uid),
@@ -658,7 +677,22 @@ def children(
     ]
     if spec.inference_pool.enabled:
         objects.append(inference_pool(name, namespace, uid, spec.inference_pool.endpoint_picker))
-    if plan.fits:
+    if mixed is not None and mixed.fits:
+        total = spec.replicas if spec.replicas is not None else mixed.replicas
+        objects[:0] = [
+            deployment(
+                name,
+                namespace,
+                uid,
+                spec,
+                v.plan,
+                default_image=default_image,
+                api_key_sha256=api_key_sha256,
+                variant=(v.gpu, replicas),
+            )
+            for v, replicas in zip(mixed.variants, fill(mixed, total), strict=True)
+        ]
+    elif plan.fits:
         objects.insert(
             0,
             deployment(name, namespace, uid, spec, plan, default_image=default_image, api_key_sha256=api_key_sha256),

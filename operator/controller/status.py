@@ -11,8 +11,8 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 from kvpilot.operator.api.conditions import PLAN_ACCURATE, with_transition_times
-from kvpilot.operator.api.names import API_KEY_SHA256, selector, service_url
-from kvpilot.operator.api.plan import Plan
+from kvpilot.operator.api.names import API_KEY_SHA256, selector, service_url, variant_deployment
+from kvpilot.operator.api.plan import MixedPlan, Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.api.status import InferenceServiceStatus, LastGoodPlan, PlanAccuracy
 from kvpilot.operator.planning import sizing
@@ -52,6 +52,51 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "reasons": dict(plan.reasons),
     }
     return {key: value for key, value in summary.items() if value is not None}
+
+
+def _desired(
+    plan: Plan,
+    spec: InferenceServiceSpec | None,
+    deployment: Mapping[str, Any] | None,
+    variants: list[dict[str, Any]] | None,
+) -> int:
+    """The replicas the service wants: its mixed pool's, its spec's or plan's, else (a spec that does
+    not plan) what the Deployment of the last good plan runs."""
+    if variants:
+        return sum(v["replicas"] for v in variants)
+    if plan.fits and spec is not None:
+        return spec.replicas if spec.replicas is not None else plan.replicas
+    return int(((deployment or {}).get("spec") or {}).get("replicas") or 0)
+
+
+def variant_rows(
+    mixed: MixedPlan | None, name: str, deployments: Mapping[str, Mapping[str, Any]]
+) -> list[dict[str, Any]] | None:
+    """status.variants: each GPU type of a mixed pool with its Deployment's replicas (as they are,
+    else as planned) and what they cost an hour."""
+    if mixed is None or not mixed.fits:
+        return None
+    rows = []
+    for v in mixed.variants:
+        deployment = deployments.get(variant_deployment(name, v.gpu)) or {}
+        replicas = int((deployment.get("spec") or {}).get("replicas", v.plan.replicas) or 0)
+        rows.append(
+            {
+                "gpu": v.gpu,
+                "deployment": variant_deployment(name, v.gpu),
+                "replicas": replicas,
+                "readyReplicas": int((deployment.get("status") or {}).get("readyReplicas") or 0),
+                "maxReplicas": v.max_replicas,
+                "gpuCount": v.plan.gpu_count,
+                "quantization": v.plan.quantization,
+                "capacityRps": v.plan.capacity_rps,
+                "predictedTtftMs": v.plan.predicted_ttft_ms,
+                "predictedTpotMs": v.plan.predicted_tpot_ms,
+                "pricePerGpuHour": v.price_per_gpu_hour,
+                "costPerHour": round(replicas * v.plan.gpu_count * v.price_per_gpu_hour, 2),
+            }
+        )
+    return rows
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -274,16 +319,13 @@ def build(
     last_good: LastGoodPlan | None = None,
     api_key: tuple[str, str] | None = None,
     correction: Mapping[str, Any] | None = None,
+    variants: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The whole `status` to write; `deployment` is the owned Deployment, if any; `last_good` is
     `lastGoodPlan`, the record of the last plan that fit (reconcile.last_good); `api_key` the
     SHA-256 of the service's API key and the Secret holding it, for the gateway's check;
     `correction` the factors the plan's replicas were chosen with (controller/correction.py)."""
-    desired = 0
-    if plan.fits and spec is not None:
-        desired = spec.replicas if spec.replicas is not None else plan.replicas
-    elif deployment is not None:
-        desired = int((deployment.get("spec") or {}).get("replicas") or 0)
+    desired = _desired(plan, spec, deployment, variants)
     observed = (deployment or {}).get("status", {})
     fresh = conditions(plan, spec, desired, deployment, blocked, pod_problem(deployment, pods))
     # The autoscaler's loop (autoscaling/loop.py) writes these, and the PlanAccurate condition; a
@@ -306,6 +348,7 @@ def build(
         # The Service exists whether or not the plan fits, so the address is stable from the start.
         "url": service_url(name, namespace),
         "plan": plan_summary(plan),
+        **({"variants": variants} if variants else {}),
         **({"lastGoodPlan": last_good.dump()} if last_good else {}),
         **({"auth": {API_KEY_SHA256: api_key[0], "secretName": api_key[1]}} if api_key else {}),
         # Predicted until the autoscaler reports what the engines measure.

@@ -71,8 +71,9 @@ def children(
     replicasets: Sequence[Mapping[str, Any]],
     pods: Sequence[Mapping[str, Any]],
 ) -> tuple[Mapping[str, Any] | None, list[Mapping[str, Any]]]:
-    """The Deployment this InferenceService controls (None: there is none, or a same-named one of
-    someone else) and its engine pods, out of one round's lists of the operator's children.
+    """The Deployment this InferenceService controls (a mixed pool's read as one: `pooled`; None:
+    there is none, or only same-named ones of someone else) and its engine pods, out of one round's
+    lists of the operator's children.
 
     Anyone who can create a pod can give it the labels the indexes select by, so a pod counts
     (its metrics, gateway traffic) only through the controller references Kubernetes keeps, by uid:
@@ -81,21 +82,17 @@ def children(
     hash>`): a pod chooses its owner reference's name and its labels, and nothing checks them."""
     metadata = body["metadata"]
     namespace, name = metadata["namespace"], metadata["name"]
-    deployment = next(
-        (
-            d
-            for d in deployments
-            if (d["metadata"].get("namespace"), d["metadata"].get("name")) == (namespace, name)
-            and _controlled_by(d, {metadata["uid"]})
-        ),
-        None,
-    )
+    controlled = [
+        d for d in deployments if d["metadata"].get("namespace") == namespace and _controlled_by(d, {metadata["uid"]})
+    ]
+    deployment = pooled(controlled)
     if deployment is None:
         return None, []
     owned = {
         rs["metadata"]["uid"]
         for rs in replicasets
-        if rs["metadata"].get("namespace") == namespace and _controlled_by(rs, {deployment["metadata"]["uid"]})
+        if rs["metadata"].get("namespace") == namespace
+        and _controlled_by(rs, {d["metadata"]["uid"] for d in controlled})
     }
     mine = [
         p
@@ -105,6 +102,34 @@ def children(
         and _controlled_by(p, owned)
     ]
     return deployment, mine
+
+
+_COUNTED = ("replicas", "readyReplicas", "updatedReplicas", "availableReplicas", "unavailableReplicas")
+
+
+def pooled(deployments: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The Deployments of one InferenceService read as one: the one itself, or a mixed pool's
+    (a Deployment per GPU type) with their replicas of every kind summed, their generation observed
+    only once every one's is, and every condition of each (the first named). None when there are none."""
+    if len(deployments) < 2:
+        return deployments[0] if deployments else None
+
+    def total(part: str, key: str) -> int:
+        return sum(int((d.get(part) or {}).get(key) or 0) for d in deployments)
+
+    current = all(
+        int((d.get("status") or {}).get("observedGeneration") or 0) >= int(d["metadata"].get("generation") or 0)
+        for d in deployments
+    )
+    return {
+        "metadata": {**deployments[0]["metadata"], "generation": 1},
+        "spec": {"replicas": total("spec", "replicas")},
+        "status": {
+            **{key: total("status", key) for key in _COUNTED},
+            "observedGeneration": 1 if current else 0,
+            "conditions": [c for d in deployments for c in (d.get("status") or {}).get("conditions") or []],
+        },
+    }
 
 
 # generation: the operator reconciles from an InferenceService's entry (controller/handlers.py's

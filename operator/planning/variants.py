@@ -22,6 +22,7 @@ from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.planning.context import PlanContext
 from kvpilot.operator.planning.gpus import GPUS, LIST_PRICE_PER_GPU_HOUR, find_gpu
 from kvpilot.operator.planning.plan import plan
+from kvpilot.operator.planning.reasons import failed_plan
 
 
 class VariantRequest(NamedTuple):
@@ -31,6 +32,11 @@ class VariantRequest(NamedTuple):
     gpu: str
     max_replicas: int | None = None
     count: int | None = None
+
+
+def requested(spec: InferenceServiceSpec) -> list[VariantRequest]:
+    """The GPU types spec.accelerator.variants names, with their bounds."""
+    return [VariantRequest(v.type, v.max_replicas, v.count) for v in spec.accelerator.variants]
 
 
 class _Alone(NamedTuple):
@@ -58,7 +64,7 @@ def _with(spec: InferenceServiceSpec, **parts: dict[str, object]) -> InferenceSe
 
 
 def _alone(spec: InferenceServiceSpec, wanted: VariantRequest, context: PlanContext) -> Plan:
-    accelerator = {"type": wanted.gpu, "count": wanted.count or spec.accelerator.count, "node_selector": {}}
+    accelerator = {"type": wanted.gpu, "count": wanted.count, "node_selector": {}, "variants": []}
     autoscaling = {"max_replicas": wanted.max_replicas or spec.autoscaling.max_replicas}
     return plan(_with(spec, accelerator=accelerator, autoscaling=autoscaling), context)
 
@@ -74,7 +80,7 @@ def _at_share(spec: InferenceServiceSpec, alone: _Alone, replicas: int, rate: fl
     }
     held = _with(
         spec,
-        accelerator={"type": chosen.gpu, "count": chosen.gpu_count, "node_selector": {}},
+        accelerator={"type": chosen.gpu, "count": chosen.gpu_count, "node_selector": {}, "variants": []},
         serving=serving,
         load={"requests_per_second": rate},
         autoscaling={"min_replicas": replicas, "max_replicas": replicas},
@@ -115,11 +121,25 @@ def _shares(spec: InferenceServiceSpec, ranked: Sequence[_Alone]) -> tuple[list[
         return shares, False
     total = sum(replicas for replicas, _ in shares)
     if total < spec.autoscaling.min_replicas:
-        # The floor the service keeps waits for load: on the cheapest replica that meets the SLO.
-        floor = min((i for i, v in enumerate(ranked) if v.plan.capacity_rps > 0), key=lambda i: ranked[i].replica_price)
-        replicas, served = shares[floor]
-        shares[floor] = (replicas + spec.autoscaling.min_replicas - total, served)
+        # The floor the service keeps goes where the load would go first.
+        replicas, served = shares[0]
+        shares[0] = (replicas + spec.autoscaling.min_replicas - total, served)
     return shares, left <= 1e-9
+
+
+def fill(mixed: MixedPlan, total: int) -> list[int]:
+    """Replicas per variant (in `mixed.variants`' order, cheapest per req/s first) for `total`
+    replicas of the service: each variant that meets the SLO in turn up to its maxReplicas, so a
+    scale-up goes to the cheapest with room and a scale-down leaves the most expensive first. At the
+    planned total, the planned split (a variant takes load only once those before it are full)."""
+    serving = [v for v in mixed.variants if v.cost_per_rps_hour is not None] or mixed.variants[:1]
+    counts, left = [], total
+    for v in mixed.variants:
+        counts.append(min(left, v.max_replicas) if v in serving else 0)
+        left -= counts[-1]
+    if left > 0:  # beyond every maxReplicas: the autoscaler's bound is the service's, not the types'
+        counts[mixed.variants.index(serving[0])] += left
+    return counts
 
 
 def plan_variants(
@@ -200,3 +220,14 @@ def _reason(spec: InferenceServiceSpec, variants: Sequence[Variant], meets_slo: 
     if not meets_slo:
         head += " (the SLO is not met even with every variant at its maxReplicas)"
     return head + ": " + "; ".join(parts)
+
+
+def as_one_plan(spec: InferenceServiceSpec, mixed: MixedPlan) -> Plan:
+    """The Plan a mixed pool shows as the service's (status.plan): its first variant's (the cheapest
+    per request per second) with the pool's replicas, SLO verdict and reason, or why no variant can
+    serve the model."""
+    if not mixed.fits:
+        return failed_plan(spec, str(mixed.failure), mixed.reason)
+    first = mixed.variants[0].plan
+    reasons = {**first.reasons, "variants": mixed.reason}
+    return first.model_copy(update={"replicas": mixed.replicas, "meets_slo": mixed.meets_slo, "reasons": reasons})

@@ -109,6 +109,9 @@ collector), keep its peering record alive, and post events.
 {{- if and .Values.gateway.enabled .Values.autoscaler.gatewayQueue }}
 - --gateway-pods={{ .Release.Namespace }}:app.kubernetes.io/name=kvpilot-gateway,app.kubernetes.io/instance={{ .Release.Name }}
 {{- end }}
+{{- range $gpu, $price := .Values.gpuPrices }}
+- {{ printf "--gpu-price=%s=%v" $gpu $price | quote }}
+{{- end }}
 {{- if eq .Values.logLevel "debug" }}
 - --verbose
 {{- end }}

@@ -10,7 +10,7 @@ from kvpilot.operator.planning import latency
 from kvpilot.operator.planning import plan as plan_module
 from kvpilot.operator.planning.gpus import LIST_PRICE_PER_GPU_HOUR
 from kvpilot.operator.planning.plan import plan
-from kvpilot.operator.planning.variants import VariantRequest, plan_variants
+from kvpilot.operator.planning.variants import VariantRequest, fill, plan_variants
 
 THREE = [VariantRequest("H100-80GB"), VariantRequest("L4"), VariantRequest("A10G")]
 
@@ -101,12 +101,31 @@ def test_a_type_the_model_does_not_fit_is_left_out_with_its_reason() -> None:
     assert "T4: WeightsDoNotFit" in none.reason and "A10G: WeightsDoNotFit" in none.reason
 
 
-def test_without_load_the_floor_waits_on_the_cheapest_replica() -> None:
+def test_without_load_the_floor_waits_where_the_load_would_go_first() -> None:
     mixed = plan_variants(spec(rate=0), THREE)
-    assert {v.gpu: v.plan.replicas for v in mixed.variants} == {"H100-80GB": 0, "L4": 1, "A10G": 0}
-    assert mixed.cost_per_hour == pytest.approx(LIST_PRICE_PER_GPU_HOUR["L4"])
+    assert {v.gpu: v.plan.replicas for v in mixed.variants} == {"H100-80GB": 1, "L4": 0, "A10G": 0}
+    assert mixed.cost_per_hour == pytest.approx(LIST_PRICE_PER_GPU_HOUR["H100-80GB"])
     to_zero = plan_variants(spec(rate=0, autoscaling={"minReplicas": 0}), THREE)
     assert to_zero.replicas == 0 and to_zero.cost_per_hour == 0
+
+
+@pytest.mark.parametrize("rate", [0, 2, 8, 20, 60])
+def test_any_total_fills_the_cheapest_first_and_the_planned_total_is_the_planned_split(rate: float) -> None:
+    wanted = [
+        VariantRequest("L4", max_replicas=3, count=1),
+        VariantRequest("A10G", max_replicas=2),
+        VariantRequest("T4"),
+    ]
+    mixed = plan_variants(spec(rate=rate), wanted)
+    planned = [v.plan.replicas for v in mixed.variants]
+    assert fill(mixed, mixed.replicas) == planned
+    for total in range(sum(v.max_replicas for v in mixed.variants) + 1):
+        counts = fill(mixed, total)
+        assert sum(counts) == total
+        # A variant has replicas only once every cheaper one is at its maxReplicas.
+        for i, count in enumerate(counts):
+            if count:
+                assert all(counts[j] == mixed.variants[j].max_replicas for j in range(i))
 
 
 def test_a_variant_holds_its_own_bounds_and_settings() -> None:

@@ -1,0 +1,135 @@
+"""A mixed GPU pool through the reconcile: a Deployment per GPU type, the service's replicas shared
+cheapest per request per second first, the status per type, and a type dropped scaled to zero."""
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from kvpilot.operator.api.names import INSTANCE_LABEL, VARIANT_LABEL
+from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.controller.reconcile import reconcile
+from kvpilot.operator.kube.indexes import children, pooled
+from tests.operator.controller.test_reconcile import NOW, FakeCluster, apply_merge_patch, body
+
+VARIANTS = [{"type": "L4", "maxReplicas": 2, "count": 1}, {"type": "H100-80GB"}]
+SPEC = {
+    "model": {"name": "llama-3-8b"},
+    "runtime": "vllm",
+    "accelerator": {"variants": VARIANTS},
+    "load": {"requestsPerSecond": 8},
+}
+CHEAP_L4 = {"L4": 0.15}
+
+
+def run(cluster: FakeCluster, spec: dict[str, Any], prices: dict[str, float] | None = None) -> dict[str, Any]:
+    """One reconcile of `chat` with `spec`, its status written back as the API server would."""
+    old = cluster.objects.get(("InferenceService", "ml", "chat"), {}).get("status") or {}
+    service = cluster.put(body(spec, status=old))
+    status = reconcile(service, cluster, NOW, gpu_prices=prices)
+    cluster.objects[("InferenceService", "ml", "chat")]["status"] = apply_merge_patch(old, status)
+    return status
+
+
+def deployments(cluster: FakeCluster) -> dict[str, dict[str, Any]]:
+    return {name: obj for (kind, _, name), obj in cluster.objects.items() if kind == "Deployment"}
+
+
+def replicas(cluster: FakeCluster) -> dict[str, int]:
+    return {name: d["spec"]["replicas"] for name, d in deployments(cluster).items()}
+
+
+def test_a_deployment_per_gpu_type_each_from_its_own_plan() -> None:
+    cluster = FakeCluster()
+    status = run(cluster, SPEC, CHEAP_L4)
+    made = deployments(cluster)
+    assert set(made) == {"chat-l4", "chat-h100-80gb"}
+    l4, h100 = made["chat-l4"], made["chat-h100-80gb"]
+    for deployment, variant, product in ((l4, "l4", "NVIDIA-L4"), (h100, "h100-80gb", "NVIDIA-H100-80GB-HBM3")):
+        selector = deployment["spec"]["selector"]["matchLabels"]
+        assert selector[VARIANT_LABEL] == variant and selector[INSTANCE_LABEL] == "chat"
+        pod = deployment["spec"]["template"]
+        assert pod["metadata"]["labels"][VARIANT_LABEL] == variant
+        assert pod["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == product
+    # Each runs its own plan: the L4's one GPU per replica, the H100's own KV pool and batch.
+    args = {name: d["spec"]["template"]["spec"]["containers"][0]["args"] for name, d in made.items()}
+    assert "--tensor-parallel-size=1" in args["chat-l4"]
+    assert {a for a in args["chat-l4"] if a.startswith("--max-num-seqs")} != {
+        a for a in args["chat-h100-80gb"] if a.startswith("--max-num-seqs")
+    }
+    # The Service spans both types' pods.
+    service = cluster.objects[("Service", "ml", "chat")]
+    assert VARIANT_LABEL not in service["spec"]["selector"]
+    # The status: each type with its plan, replicas and cost; the pool's first type as status.plan.
+    rows = {row["gpu"]: row for row in status["variants"]}
+    assert [row["gpu"] for row in status["variants"]] == ["L4", "H100-80GB"]  # cheapest per req/s first
+    assert rows["L4"]["deployment"] == "chat-l4" and rows["L4"]["maxReplicas"] == 2
+    assert rows["L4"]["replicas"] == replicas(cluster)["chat-l4"]
+    assert rows["L4"]["costPerHour"] == pytest.approx(rows["L4"]["replicas"] * 0.15)
+    assert rows["H100-80GB"]["capacityRps"] > rows["L4"]["capacityRps"] > 0
+    assert status["plan"]["gpu"] == "L4" and "variants" in status["plan"]["reasons"]
+    assert status["desiredReplicas"] == sum(replicas(cluster).values())
+
+
+def test_the_service_s_replicas_fill_the_cheapest_type_first_and_leave_the_dearest_first() -> None:
+    cluster = FakeCluster()
+    seen = []
+    for total in (1, 2, 3, 4, 3, 1):  # up to autoscaling.maxReplicas 4, which bounds the service's total
+        run(cluster, {**SPEC, "replicas": total}, CHEAP_L4)
+        seen.append((replicas(cluster)["chat-l4"], replicas(cluster)["chat-h100-80gb"]))
+    # Up: the L4s to their maxReplicas 2, then H100s; down: the H100s go first.
+    assert seen == [(1, 0), (2, 0), (2, 1), (2, 2), (2, 1), (1, 0)]
+
+
+def test_prices_decide_which_type_fills_first() -> None:
+    cluster = FakeCluster()
+    run(cluster, {**SPEC, "replicas": 1}, {"L4": 2.0})  # an H100's req/s is the cheaper
+    assert replicas(cluster) == {"chat-l4": 0, "chat-h100-80gb": 1}
+    run(cluster, {**SPEC, "replicas": 1}, CHEAP_L4)
+    assert replicas(cluster) == {"chat-l4": 1, "chat-h100-80gb": 0}
+
+
+def test_a_type_dropped_from_the_pool_is_scaled_to_zero_and_a_pool_of_a_single_service_too() -> None:
+    cluster = FakeCluster()
+    single = {**SPEC, "accelerator": {"type": "H100-80GB"}, "replicas": 2}
+    run(cluster, single)
+    assert replicas(cluster) == {"chat": 2}
+    # The service becomes a pool: its one Deployment goes to zero, the pool's come up.
+    run(cluster, {**SPEC, "replicas": 3}, CHEAP_L4)
+    assert replicas(cluster) == {"chat": 0, "chat-l4": 2, "chat-h100-80gb": 1}
+    # The H100s leave the pool: theirs go to zero, the L4s take the replicas up to their maximum.
+    status = run(cluster, {**SPEC, "accelerator": {"variants": VARIANTS[:1]}, "replicas": 2}, CHEAP_L4)
+    assert replicas(cluster) == {"chat": 0, "chat-l4": 2, "chat-h100-80gb": 0}
+    assert [row["gpu"] for row in status["variants"]] == ["L4"]
+    # A pool that no longer plans keeps what runs.
+    run(cluster, {**SPEC, "accelerator": {"variants": [{"type": "T4", "count": 1}]}, "model": {"name": "llama-3-70b"}})
+    assert replicas(cluster) == {"chat": 0, "chat-l4": 2, "chat-h100-80gb": 0}
+
+
+def test_the_autoscaler_reads_a_pool_s_deployments_as_one() -> None:
+    cluster = FakeCluster()
+    run(cluster, {**SPEC, "replicas": 3}, CHEAP_L4)
+    made = list(deployments(cluster).values())
+    for d, ready in zip(made, (2, 1), strict=True):
+        d["status"] = {"observedGeneration": 1, "replicas": ready, "readyReplicas": ready, "updatedReplicas": ready}
+        d["metadata"]["uid"] = f"uid-{d['metadata']['name']}"
+    service = cluster.objects[("InferenceService", "ml", "chat")]
+    one, pods = children(service, made, [], [])
+    assert one is not None and pods == []
+    assert (one["spec"]["replicas"], one["status"]["readyReplicas"], one["status"]["observedGeneration"]) == (3, 3, 1)
+    made[0]["status"]["observedGeneration"] = 0  # one type's rollout not yet seen
+    assert pooled(made)["status"]["observedGeneration"] == 0  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "words"),
+    [
+        ({"type": "L4", "variants": VARIANTS}, "replaces type"),
+        ({"count": 2, "variants": VARIANTS}, "replaces type"),
+        ({"variants": [{"type": "L4"}, {"type": "L4", "maxReplicas": 2}]}, "each GPU type once"),
+        ({"variants": [{"type": "cpu"}]}, "a GPU type"),
+    ],
+)
+def test_variants_that_cannot_be_served_are_refused(accelerator: dict[str, Any], words: str) -> None:
+    with pytest.raises(ValidationError, match=words):
+        InferenceServiceSpec.model_validate({**SPEC, "accelerator": accelerator})

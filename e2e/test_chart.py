@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ import yaml
 
 from e2e.chart import CHART_DIR, CRD, Installation
 from e2e.cluster import Binaries, Cluster
+from kvpilot.operator import cli
 from kvpilot.operator.api import names
 from kvpilot.operator.controller import render
 from kvpilot.operator.controller.handlers import ENGINE_IMAGE_ENV
@@ -84,6 +86,21 @@ def test_the_gateway_can_be_left_out(k8s_binaries: Binaries, tmp_path: Path) -> 
     operator = next(d for d in rendered if d["kind"] == "Deployment")
     (container,) = operator["spec"]["template"]["spec"]["containers"]
     assert [p["name"] for p in container["ports"]] == ["healthz", "metrics"]
+
+
+def test_gpu_prices_reach_the_operator_as_its_own_flags(k8s_binaries: Binaries, tmp_path: Path) -> None:
+    values = tmp_path / "prices.yaml"
+    values.write_text("gpuPrices:\n  L4: 0.45\n  H100-80GB: 4.2\n")
+    operator = next(d for d in _template(k8s_binaries, tmp_path, "-f", str(values)) if d["kind"] == "Deployment")
+    args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith("--gpu-price")] == ["--gpu-price=H100-80GB=4.2", "--gpu-price=L4=0.45"]
+    # What `kvpilot operator` parses them into: the prices the reconcile ranks a mixed pool by.
+    top = argparse.ArgumentParser(prog="kvpilot")
+    cli.register(top.add_subparsers(dest="command", required=True))
+    assert dict(top.parse_args(args).gpu_price) == {"H100-80GB": 4.2, "L4": 0.45}
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        _template(k8s_binaries, tmp_path, "--set-json", 'gpuPrices={"L4": -1}')
+    assert "gpuPrices" in refused.value.stderr
 
 
 def _template(binaries: Binaries, tmp_path: Path, *values: str) -> list[dict[str, Any]]:

@@ -64,7 +64,8 @@ def build_images(timeout_s: float = 3000) -> Images:
     if done.returncode != 0:
         raise RuntimeError(f"{SCRIPT} failed ({done.returncode}):\n{done.stderr[-6000:]}")
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    return Images(found["engine"], found["operator"], found["base"], tuple(found["storage"]))
+    # By ID: a run from another checkout may move the tags while this one's tests run.
+    return Images(found["engine_id"], found["operator_id"], found["base"], tuple(found["storage"]))
 
 
 def _security(pod: Manifest, container: Manifest) -> list[str]:

@@ -121,8 +121,9 @@ build() { # <Dockerfile> <tag>
 build operator/Dockerfile "${OPERATOR_IMAGE}"
 build engine/Dockerfile "${ENGINE_IMAGE}"
 # The layers of earlier builds that no tag reaches any more (the cache keeps the current ones), then
-# the bases of other recipes, which nothing is built on now.
-podman image prune -f >/dev/null
+# the bases of other recipes, which nothing is built on now. Only those older than two hours: a
+# concurrent run from another checkout may have just built, and be about to run, one untagged since.
+podman image prune -f --filter until=2h >/dev/null
 for old in $(podman images --format '{{.Repository}}:{{.Tag}}' localhost/kvpilot-base); do
   [[ "${old}" == "${BASE_IMAGE}" ]] || podman rmi "${old}" >/dev/null || log "kept ${old}: an image is built on it"
 done
@@ -132,5 +133,9 @@ for image in "${BASE_IMAGE}" "${OPERATOR_IMAGE}" "${ENGINE_IMAGE}"; do
   log "$(podman image inspect --format '{{.Size}}' "${image}" | numfmt --to=iec) ${image}"
 done
 log "done in ${SECONDS}s"
-printf '{"engine": "%s", "operator": "%s", "base": "%s", "storage": ["%s"]}\n' \
-  "${ENGINE_IMAGE}" "${OPERATOR_IMAGE}" "${BASE_IMAGE}" "$(IFS=,; printf '%s' "${STORAGE[*]}" | sed 's/,/", "/g')"
+# The IDs too: a concurrent run from another checkout may move the tags.
+printf '{"engine": "%s", "operator": "%s", "base": "%s", "engine_id": "%s", "operator_id": "%s", "storage": ["%s"]}\n' \
+  "${ENGINE_IMAGE}" "${OPERATOR_IMAGE}" "${BASE_IMAGE}" \
+  "$(podman image inspect --format '{{.Id}}' "${ENGINE_IMAGE}")" \
+  "$(podman image inspect --format '{{.Id}}' "${OPERATOR_IMAGE}")" \
+  "$(IFS=,; printf '%s' "${STORAGE[*]}" | sed 's/,/", "/g')"

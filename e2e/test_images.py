@@ -362,6 +362,6 @@ def test_the_operator_image_reconciles_and_its_gateway_routes_to_the_engine_imag
     # Both ran from the image, not from this checkout, as the chart's securityContext says.
     for component in (in_operator, in_gateway):
         assert component.container is not None and component.container.process.argv[0] == "podman"
-        inspect = "{{.HostConfig.ReadonlyRootfs}} {{.Config.User}} {{.ImageName}}"
+        inspect = "{{.HostConfig.ReadonlyRootfs}} {{.Config.User}} {{.Image}}"
         found = images.run("inspect", "--format", inspect, component.container.name).stdout.split()
         assert found[0] == "true" and not found[1].startswith("0") and found[2] == images.operator, found

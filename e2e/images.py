@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,11 @@ class Images:
 def build_images(timeout_s: float = 3000) -> Images:
     """Build (or reuse from the layer cache) the base, engine and operator images; fail with the
     script's output when it fails."""
-    done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=timeout_s, check=False)
+    # This interpreter's pip fills the wheelhouse: a python3.11 on PATH may have none.
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", str(SCRIPT)], capture_output=True, text=True, timeout=timeout_s, check=False, env=env
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{SCRIPT} failed ({done.returncode}):\n{done.stderr[-6000:]}")
     found = json.loads(done.stdout.strip().splitlines()[-1])

@@ -56,9 +56,9 @@ if ! flock -n 9; then
   flock 9
 fi
 
-# The container storage of these images, apart from the machine's own. runc: crun fails on this
-# sandbox's cgroup layout.
-STORAGE=(--root "${IMAGES}/storage" --runroot "${IMAGES}/run" --storage-driver overlay)
+# The container storage of these images, apart from the machine's own; its run state on /run, a
+# tmpfs, so that a reboot leaves no stale mount counts behind.
+STORAGE=(--root "${IMAGES}/storage" --runroot /run/kvpilot-images --storage-driver overlay)
 podman() { command podman "${STORAGE[@]}" "$@"; }
 # TMPDIR: where buildah keeps the Dockerfiles' cache mounts (pip's cache, torch's wheel among it).
 buildah() { TMPDIR="${IMAGES}/tmp" command nice -n "${NICE}" buildah "${STORAGE[@]}" "$@"; }

@@ -14,6 +14,7 @@ CPU and memory limits are not applied (no cgroup delegation here).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -29,6 +30,8 @@ SCRIPT = Path(__file__).with_name("images.sh")
 # Every `podman run` here: runc (crun fails on this sandbox's cgroup layout), and ulimits at or
 # below this machine's (podman may not raise them without CAP_SYS_RESOURCE).
 RUN_OPTIONS = ["--pull=never", "--runtime=runc", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096"]
+# How long a container must stay up after it first answers (start_container).
+SETTLE_S = 2.0
 # Where a Pod's service-account token would be: nothing may be there when the pod opts out.
 TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
@@ -206,6 +209,11 @@ def start_container(
     """Run `argv` (a `podman run` from container_argv) until `ready_url` answers 200."""
     try:
         process = start_http(argv, log, ready_url, timeout_s)
+        # Still running a moment later: another run's server on the same loopback address (two e2e
+        # runs on one machine get the same kwok pod IPs) answers for a container that could not bind.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.popen.wait(timeout=SETTLE_S)
+        process.raise_if_exited()
     except BaseException:
         images.run("rm", "--force", "--ignore", name, check=False)
         raise

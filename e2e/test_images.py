@@ -41,6 +41,7 @@ from e2e.images import RUN_OPTIONS, TOKEN_DIR, Container, Images, build_images, 
 from e2e.local_gateway import LocalGateway
 from e2e.local_operator import LocalOperator
 from e2e.local_process import LocalProcess
+from e2e.polling import poll
 from e2e.procs import free_port
 from kvpilot.operator.api.names import API_KEY_SECRET_KEY, api_key_secret
 from kvpilot.operator.api.spec import InferenceServiceSpec
@@ -354,7 +355,17 @@ def test_the_operator_image_reconciles_and_its_gateway_routes_to_the_engine_imag
     budget_s = probe["periodSeconds"] * probe["failureThreshold"]
     engine = start_container(argv, engine_name, images, tmp_path / "engine.log", f"http://{ip}:{port}/ready", budget_s)
     try:
-        assert _chat(in_gateway.base_url(namespace), key)
+        # The gateway checks the key against the digest in the service's status, which its watch
+        # brings a moment after Ready: wait until it lists the model to the key.
+        base = in_gateway.base_url(namespace)
+
+        def listed() -> bool | None:
+            with httpx.Client(trust_env=False, timeout=10) as http:
+                found = http.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"})
+            return found.status_code == 200 and MODEL in [m["id"] for m in found.json()["data"]] or None
+
+        poll(listed, 30, f"the gateway listing {MODEL} to the service's key")
+        assert _chat(base, key)
         with httpx.Client(trust_env=False, timeout=30) as http:
             assert http.get(in_operator.metrics_url).status_code == 200
     finally:

@@ -104,6 +104,21 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         'spec.model.name: Invalid value: "integer": spec.model.name in body must be of type string',
     ),
     (
+        "variants-beside-type",
+        _with("accelerator.variants", [{"type": "L4"}, {"type": "H100-80GB"}]),
+        "accelerator.variants replaces type, count and nodeSelector",
+    ),
+    (
+        "a-gpu-type-twice",
+        {**GOOD, "accelerator": {"variants": [{"type": "L4"}, {"type": "L4", "maxReplicas": 2}]}},
+        "accelerator.variants: each GPU type once",
+    ),
+    (
+        "a-cpu-variant",
+        {**GOOD, "accelerator": {"variants": [{"type": "cpu"}]}},
+        "accelerator.variants[].type: a GPU type",
+    ),
+    (
         "bad-toleration-operator",
         _with("tolerations", [{"key": "gpu", "operator": "Maybe"}]),
         'spec.tolerations[0].operator: Unsupported value: "Maybe"',

@@ -231,6 +231,7 @@ class VariantStatus(_Status):
     max_replicas: int | None = None
     gpu_count: int | None = Field(default=None, description="GPUs per replica.")
     quantization: str | None = None
+    max_num_seqs: int | None = None
     capacity_rps: float | None = Field(
         default=None, description="The most requests per second one replica serves within the SLO."
     )

@@ -89,6 +89,7 @@ def variant_rows(
                 "maxReplicas": v.max_replicas,
                 "gpuCount": v.plan.gpu_count,
                 "quantization": v.plan.quantization,
+                "maxNumSeqs": v.plan.max_num_seqs,
                 "capacityRps": v.plan.capacity_rps,
                 "predictedTtftMs": v.plan.predicted_ttft_ms,
                 "predictedTpotMs": v.plan.predicted_tpot_ms,

@@ -14,10 +14,11 @@ import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
+from kvpilot.operator.api.names import VARIANT_LABEL, variant
 from kvpilot.operator.api.status import status_of
-from kvpilot.operator.kube.indexes import current_replicas
+from kvpilot.operator.kube.indexes import current_replicas, engine_urls
 
 # An engine gets up to this many times its plan's max_num_seqs at once: the batch plus an equal
 # queue in the engine, where the autoscaler reads it (waiting requests); beyond that a request waits
@@ -115,19 +116,61 @@ class Engines:
         return not any(self.in_flight.values())
 
 
-def _usable(urls: Sequence[tuple[str, str]], engines: Engines, capacity: int, now: float) -> list[str]:
-    """The engines not backed off and below `capacity`."""
+class Share(NamedTuple):
+    """What one engine of a mixed pool is sent: requests at once (ENGINE_QUEUE_FACTOR x its own
+    plan's max_num_seqs), and its weight among the others (its GPU type's capacity in req/s)."""
+
+    capacity: int
+    weight: float
+
+
+def shares(service: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> dict[str, Share]:
+    """Per ready engine URL of a mixed pool (status.variants): its GPU type's share, so an L4 pod is
+    not sent an H100's part of the requests. Empty for a service of one type: its engines are alike."""
+    variants = {variant(v.gpu): v for v in status_of(service).variants or [] if v.gpu}
+    if not variants:
+        return {}
+    labels = {p["metadata"]["name"]: p["metadata"].get("labels") or {} for p in pods}
+    found = {}
+    for name, url in engine_urls(pods):
+        row = variants.get(labels.get(name, {}).get(VARIANT_LABEL, ""))
+        if row is not None and row.capacity_rps and row.max_num_seqs:
+            found[url] = Share(ENGINE_QUEUE_FACTOR * row.max_num_seqs, row.capacity_rps)
+    return found
+
+
+def _usable(
+    urls: Sequence[tuple[str, str]], engines: Engines, capacity: int, now: float, weights: Mapping[str, Share]
+) -> list[str]:
+    """The engines not backed off and below their capacity (`weights`' where it has one)."""
     return [
         url
         for _, url in urls
-        if engines.backoff_until.get(url, 0.0) <= now and engines.in_flight.get(url, 0) < capacity
+        if engines.backoff_until.get(url, 0.0) <= now
+        and engines.in_flight.get(url, 0) < (weights[url].capacity if url in weights else capacity)
     ]
 
 
-def choose(urls: Sequence[tuple[str, str]], engines: Engines, capacity: int, now: float) -> str | None:
-    """The base URL with the fewest requests in flight among the engines not backed off and below
-    `capacity` (None: no engine to try now)."""
-    return min(_usable(urls, engines, capacity, now), key=lambda url: engines.in_flight.get(url, 0), default=None)
+def _weight(weights: Mapping[str, Share], url: str) -> float:
+    return weights[url].weight if url in weights else 1.0
+
+
+def choose(
+    urls: Sequence[tuple[str, str]],
+    engines: Engines,
+    capacity: int,
+    now: float,
+    weights: Mapping[str, Share] | None = None,
+) -> str | None:
+    """The base URL with the fewest requests in flight for its weight (`weights`: a mixed pool's
+    engines' shares; alike without) among the engines not backed off and below their capacity
+    (None: no engine to try now)."""
+    weights = weights or {}
+    return min(
+        _usable(urls, engines, capacity, now, weights),
+        key=lambda url: (engines.in_flight.get(url, 0) + 1) / _weight(weights, url),
+        default=None,
+    )
 
 
 def _hash(text: str) -> int:
@@ -140,34 +183,46 @@ def _ring(urls: tuple[str, ...]) -> tuple[tuple[int, str], ...]:
 
 
 def choose_by_prefix(
-    urls: Sequence[tuple[str, str]], engines: Engines, capacity: int, now: float, prefix: str
+    urls: Sequence[tuple[str, str]],
+    engines: Engines,
+    capacity: int,
+    now: float,
+    prefix: str,
+    weights: Mapping[str, Share] | None = None,
 ) -> str | None:
     """The engine `prefix` hashes to on a ring of every ready engine, or the next one clockwise
-    whose load stays within LOAD_FACTOR x the mean (None: no engine to try now). An engine that
-    comes or goes moves only the keys next to its points; the rest keep their engine and its cache."""
-    usable = set(_usable(urls, engines, capacity, now))
+    whose load stays within LOAD_FACTOR x its share of the load (the mean, where engines are alike;
+    by weight in a mixed pool) (None: no engine to try now). An engine that comes or goes moves only
+    the keys next to its points; the rest keep their engine and its cache."""
+    weights = weights or {}
+    usable = set(_usable(urls, engines, capacity, now, weights))
     if not usable:
         return None
     load = engines.in_flight
-    bound = math.ceil(LOAD_FACTOR * (sum(load.get(url, 0) for url in usable) + 1) / len(usable))
+    total, weight = sum(load.get(url, 0) for url in usable) + 1, sum(_weight(weights, url) for url in usable)
     ring = _ring(tuple(sorted(url for _, url in urls)))
     start = bisect.bisect(ring, (_hash(prefix), ""))
     for offset in range(len(ring)):
         url = ring[(start + offset) % len(ring)][1]
-        if url in usable and load.get(url, 0) + 1 <= bound:
+        if url in usable and load.get(url, 0) + 1 <= math.ceil(LOAD_FACTOR * total * _weight(weights, url) / weight):
             return url
-    return choose(urls, engines, capacity, now)
+    return choose(urls, engines, capacity, now, weights)
 
 
 def pick(
-    service: Mapping[str, Any], urls: Sequence[tuple[str, str]], engines: Engines, now: float, prefix: str
+    service: Mapping[str, Any],
+    urls: Sequence[tuple[str, str]],
+    engines: Engines,
+    now: float,
+    prefix: str,
+    weights: Mapping[str, Share] | None = None,
 ) -> str | None:
-    """The engine for a request to `service` by its routing.strategy."""
+    """The engine for a request to `service` by its routing.strategy (`weights`: `shares`)."""
     capacity = engine_capacity(service)
     strategy = (((service.get("spec") or {}).get("routing")) or {}).get("strategy", "LeastLoad")
     if strategy == "PrefixHash":
-        return choose_by_prefix(urls, engines, capacity, now, prefix)
-    return choose(urls, engines, capacity, now)
+        return choose_by_prefix(urls, engines, capacity, now, prefix, weights)
+    return choose(urls, engines, capacity, now, weights)
 
 
 def wake_refusal(service: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> str | None:

@@ -42,7 +42,7 @@ from kvpilot.operator.gateway.body import BadBody, read_body
 from kvpilot.operator.gateway.headers import client_response_headers, upstream_request_headers
 from kvpilot.operator.gateway.limits import RETRY_AFTER_SECONDS, Admission, Limits, Refusal
 from kvpilot.operator.gateway.metrics import GatewayMetrics, Now
-from kvpilot.operator.gateway.routing import Engines, pick, route, served_in, wake_refusal
+from kvpilot.operator.gateway.routing import Engines, pick, route, served_in, shares, wake_refusal
 from kvpilot.operator.kube.events import scaling_event
 from kvpilot.operator.kube.indexes import (
     children,
@@ -327,7 +327,7 @@ class Gateway:
                 deployment, pods = self._children(service)
                 urls = engine_urls(pods)
                 engines.forget_except([url for _, url in urls])
-                url = pick(service, urls, engines, time.monotonic(), prefix)
+                url = pick(service, urls, engines, time.monotonic(), prefix, shares(service, pods))
                 if url is not None:
                     if held:
                         self.admission.release(key)

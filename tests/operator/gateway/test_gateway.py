@@ -15,6 +15,7 @@ import time
 import aiohttp
 import pytest
 
+from kvpilot.operator.api.names import VARIANT_LABEL
 from kvpilot.operator.gateway import routing
 from kvpilot.operator.gateway import server as gw
 from kvpilot.operator.gateway.limits import RETRY_AFTER_SECONDS
@@ -367,3 +368,34 @@ def test_a_scale_write_that_fails_is_tried_again_while_the_request_is_held(monke
             await engine.stop()
 
     run(scenario, on_scale=flaky)
+
+
+def test_a_mixed_pool_s_engines_are_sent_requests_by_their_gpu_type_s_capacity() -> None:
+    """Issue 41: an H100 pod serves three times an L4 pod's requests per second within the SLO
+    (status.variants), so least-load sends it three in four; each engine is filled to its own
+    plan's batch limit, not the pool's first type's."""
+    rows = [
+        {"gpu": "H100-80GB", "capacityRps": 30.0, "maxNumSeqs": 200},
+        {"gpu": "L4", "capacityRps": 10.0, "maxNumSeqs": 4},
+    ]
+    pool = service(status={"plan": {"maxNumSeqs": 200}, "variants": rows})
+    pods = [pod("chat-h100-80gb-1", "127.77.3.1"), pod("chat-l4-1", "127.77.3.2")]
+    pods[0]["metadata"]["labels"][VARIANT_LABEL] = "h100-80gb"
+    pods[1]["metadata"]["labels"][VARIANT_LABEL] = "l4"
+    weights = routing.shares(pool, pods)
+    h100, l4 = "http://127.77.3.1:8000", "http://127.77.3.2:8000"
+    assert weights == {h100: routing.Share(400, 30.0), l4: routing.Share(8, 10.0)}
+    urls = [(p["metadata"]["name"], f"http://{p['status']['podIP']}:8000") for p in pods]
+    for strategy, prefixes in (("LeastLoad", ["same"] * 16), ("PrefixHash", [f"user-{i}" for i in range(16)])):
+        engines = routing.Engines()
+        pool["spec"]["routing"] = {"strategy": strategy}
+        for prefix in prefixes:  # requests that stay in flight
+            chosen = routing.pick(pool, urls, engines, 0.0, prefix, weights)
+            assert chosen is not None
+            engines.in_flight[chosen] = engines.in_flight.get(chosen, 0) + 1
+        assert engines.in_flight[h100] >= 11 and 3 <= engines.in_flight[l4] <= 5, (strategy, engines.in_flight)
+    # The L4 engine takes no more than twice its own batch limit at once: the rest go to the H100.
+    busy = routing.Engines(in_flight={l4: 8, h100: 100})
+    assert routing.pick(pool, urls, busy, 0.0, "x", weights) == h100
+    # A service of one type: no shares, its engines alike.
+    assert routing.shares(service(status={"plan": {"maxNumSeqs": 200}}), pods) == {}

@@ -154,6 +154,25 @@ def test_a_mixed_pool_gets_a_deployment_per_gpu_type_filled_cheapest_first(
     print(k8s.kubectl("get", "kvis,deploy,pods", "-n", ns, "-o", "wide").stdout)
 
 
+def test_replicas_a_full_gpu_type_cannot_place_go_to_the_next_type(
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
+) -> None:
+    """Issue 41: ten replicas, the cheaper type per req/s first; its one node has 8 GPUs, so the
+    pods beyond them stay Pending, and the operator gives those replicas to the other type."""
+    ns, name = kvpilot.watch_namespaces[0], "full-pool"
+    variants = [{"type": "H100-80GB", "maxReplicas": 20}, {"type": "L4", "maxReplicas": 20}]
+    autoscaling = {"mode": "off", "maxReplicas": 20}
+    apply_isvc(name, _spec("llama-3-8b", replicas=10, accelerator={"variants": variants}, autoscaling=autoscaling))
+    obj = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=2 * CONVERGE_S)
+    first, second = obj["status"]["variants"]
+    # The first type's node is full: it keeps what it holds, the rest run on the second type.
+    assert first["schedulableReplicas"] == first["replicas"] <= 8 and first["fullSince"]
+    assert second["replicas"] == 10 - first["replicas"] >= 2
+    assert obj["status"]["readyReplicas"] == 10
+    pending = [p for p in kvis.children(k8s, ns, name, "pods") if p["status"].get("phase") == "Pending"]
+    assert pending == []
+
+
 def test_lifecycle_generation_repair_restart_and_garbage_collection(
     k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
 ) -> None:

@@ -239,6 +239,12 @@ class VariantStatus(_Status):
     predicted_tpot_ms: float | None = None
     price_per_gpu_hour: float | None = Field(default=None, description="US dollars (the operator's GPU prices).")
     cost_per_hour: float | None = Field(default=None, description="At its desired replicas.")
+    schedulable_replicas: int | None = Field(
+        default=None,
+        description="Set while this type's nodes are full: the replicas they held when its next pods stayed "
+        "Pending; the rest go to the next type until fullSince is a few minutes old.",
+    )
+    full_since: DateTime | None = None
 
 
 class InferenceServiceStatus(_Status):

@@ -52,6 +52,7 @@ from kvpilot.operator.controller import correction, render, status
 from kvpilot.operator.controller.checkpoint import Unreadable, read_checkpoint, reads_checkpoint, with_checkpoint
 from kvpilot.operator.hub.client import HubClient
 from kvpilot.operator.kube.cluster import Cluster, Manifest, WriteRefused, describe
+from kvpilot.operator.kube.events import iso
 from kvpilot.operator.kube.indexes import pooled
 from kvpilot.operator.kube.merge_patch import merge_patch
 from kvpilot.operator.planning import cpus
@@ -451,12 +452,14 @@ def decide(
     default_image: str,
     operator_namespace: str | None,
     gpu_prices: Mapping[str, float] | None = None,
+    room: Mapping[str, int] | None = None,
 ) -> Decision:
     """Plan the spec and render the children (pure). A spec that does not plan keeps the last
     good plan's Deployment (rendered with the rest of the spec as it is now; a mixed pool's stay
     as they are); an invalid one renders nothing; a key that cannot be had (a foreign or empty
     Secret) blocks the rollout. `gpu_prices`: US dollars per GPU-hour (the operator's
-    --gpu-price), which rank a mixed pool's GPU types."""
+    --gpu-price), which rank a mixed pool's GPU types; `room`: the replicas a type's full nodes
+    hold (`still_full`)."""
     body, spec, kept = observed.body, observed.spec, observed.kept
     if isinstance(spec, ValidationError):
         return Decision(None, _invalid(body, spec), [], _ApiKey(), kept, None)
@@ -487,6 +490,7 @@ def decide(
         api_key_sha256=key.sha256,
         operator_namespace=operator_namespace,
         mixed=mixed,
+        room=room,
     )
     wanted = [stamped(m) for m in [*children, *([key.secret] if key.secret else [])]]
     good = last_good(planned, str(result.gpu), result.reasons.get("gpu"), read) if result.fits else kept
@@ -509,8 +513,13 @@ def reconcile(
     `gpu_prices` what a GPU-hour of each type costs (decide)."""
     metadata = body["metadata"]
     name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
-    decision = decide(observe(body, cluster, operator_namespace, hub), default_image, operator_namespace, gpu_prices)
-    key, old = decision.key, status_of(body)
+    old = status_of(body)
+    full = still_full(old, now)
+    room = {gpu: held for gpu, (held, _) in full.items()}
+    decision = decide(
+        observe(body, cluster, operator_namespace, hub), default_image, operator_namespace, gpu_prices, room
+    )
+    key = decision.key
     wanted = [*decision.wanted, *_retired(cluster, decision, old, name, namespace, uid)]
     found = {_key(m): cluster.get(m["apiVersion"], m["kind"], namespace, m["metadata"]["name"]) for m in wanted}
     if decision.mixed is None and ("Deployment", name) not in found:
@@ -528,6 +537,8 @@ def reconcile(
     pods: list[dict[str, Any]] = []
     if deployment is not None and _not_all_ready(deployment):
         pods = cluster.list_pods(namespace, names.selector_labels(name))
+    by_name = {d["metadata"]["name"]: d for d in owned}
+    full = {**full, **found_full(decision.mixed, name, by_name, pods, now)}
     return status.build(
         name=name,
         namespace=namespace,
@@ -545,8 +556,50 @@ def reconcile(
         if key.sha256 and (key.secret is None or found.get(("Secret", names.api_key_secret(name))))
         else None,
         correction=decision.correction,
-        variants=status.variant_rows(decision.mixed, name, {d["metadata"]["name"]: d for d in owned}),
+        variants=status.variant_rows(decision.mixed, name, by_name, full),
     )
+
+
+# A GPU type found full is given only the replicas its nodes held for this long; then its next
+# replicas try its nodes again (a node may have been added or freed meanwhile).
+FULL_RETRY_SECONDS = 300
+
+
+def still_full(old: InferenceServiceStatus, now: datetime) -> dict[str, tuple[int, str]]:
+    """The GPU types of a mixed pool found full less than FULL_RETRY_SECONDS ago: (the replicas
+    their nodes held, since when), by type."""
+    full = {}
+    for row in old.variants or []:
+        if row.gpu and row.schedulable_replicas is not None and row.full_since:
+            since = datetime.fromisoformat(row.full_since.replace("Z", "+00:00"))
+            if (now - since).total_seconds() < FULL_RETRY_SECONDS:
+                full[row.gpu] = (row.schedulable_replicas, row.full_since)
+    return full
+
+
+def found_full(
+    mixed: MixedPlan | None,
+    name: str,
+    deployments: Mapping[str, Mapping[str, Any]],
+    pods: Sequence[Mapping[str, Any]],
+    now: datetime,
+) -> dict[str, tuple[int, str]]:
+    """The GPU types of a mixed pool whose pods no node can take: (the replicas the nodes hold,
+    now), by type. Their next reconcile gives the pending replicas to the next type."""
+    if mixed is None or not mixed.fits:
+        return {}
+    stuck = status.unschedulable(pods)
+    full = {}
+    for v in mixed.variants:
+        pending = sum(
+            1 for p in stuck if (p["metadata"].get("labels") or {}).get(names.VARIANT_LABEL) == names.variant(v.gpu)
+        )
+        if pending:
+            replicas = int(
+                (deployments.get(names.variant_deployment(name, v.gpu)) or {}).get("spec", {}).get("replicas") or 0
+            )
+            full[v.gpu] = (max(0, replicas - pending), iso(now.timestamp()))
+    return full
 
 
 def _key(manifest: Manifest) -> tuple[str, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import copy
 import math
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
@@ -665,9 +666,11 @@ def children(
     api_key_sha256: str | None = None,
     operator_namespace: str | None = None,
     mixed: MixedPlan | None = None,
+    room: Mapping[str, int] | None = None,
 ) -> list[Manifest]:
     """What should exist: no Deployment when the plan does not fit, a Deployment per GPU type of a
-    mixed pool (`mixed`, whose variants share the service's replicas cheapest first); the
+    mixed pool (`mixed`, whose variants share the service's replicas cheapest first, each within the
+    `room` its nodes were found to have); the
     InferencePool when the spec asks for one. The API-key Secret is not among them: its key is made
     once (reconcile)."""
     objects = [
@@ -690,7 +693,7 @@ def children(
                 api_key_sha256=api_key_sha256,
                 variant=(v.gpu, replicas),
             )
-            for v, replicas in zip(mixed.variants, fill(mixed, total), strict=True)
+            for v, replicas in zip(mixed.variants, fill(mixed, total, room), strict=True)
         ]
     elif plan.fits:
         objects.insert(

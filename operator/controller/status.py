@@ -70,14 +70,19 @@ def _desired(
 
 
 def variant_rows(
-    mixed: MixedPlan | None, name: str, deployments: Mapping[str, Mapping[str, Any]]
+    mixed: MixedPlan | None,
+    name: str,
+    deployments: Mapping[str, Mapping[str, Any]],
+    full: Mapping[str, tuple[int, str]],
 ) -> list[dict[str, Any]] | None:
     """status.variants: each GPU type of a mixed pool with its Deployment's replicas (as they are,
-    else as planned) and what they cost an hour."""
+    else as planned), what they cost an hour, and (`full`) the replicas its nodes held when they
+    were found full, and since when."""
     if mixed is None or not mixed.fits:
         return None
     rows = []
     for v in mixed.variants:
+        held, since = full.get(v.gpu, (None, None))
         deployment = deployments.get(variant_deployment(name, v.gpu)) or {}
         replicas = int((deployment.get("spec") or {}).get("replicas", v.plan.replicas) or 0)
         rows.append(
@@ -95,9 +100,22 @@ def variant_rows(
                 "predictedTpotMs": v.plan.predicted_tpot_ms,
                 "pricePerGpuHour": v.price_per_gpu_hour,
                 "costPerHour": round(replicas * v.plan.gpu_count * v.price_per_gpu_hour, 2),
+                **({"schedulableReplicas": held, "fullSince": since} if held is not None else {}),
             }
         )
     return rows
+
+
+def unschedulable(pods: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The pods no node can take (PodScheduled False, reason Unschedulable)."""
+    return [
+        pod
+        for pod in pods
+        if any(
+            (c.get("type"), c.get("status"), c.get("reason")) == ("PodScheduled", "False", "Unschedulable")
+            for c in (pod.get("status") or {}).get("conditions") or []
+        )
+    ]
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -146,11 +164,7 @@ def pod_problem(deployment: Mapping[str, Any] | None, pods: Sequence[Mapping[str
                 detail = waiting.get("message") or waiting["reason"]
                 return waiting["reason"], f"pod {name}, container {container.get('name')}: {detail}"
         for condition in pod_status.get("conditions") or []:
-            if (condition.get("type"), condition.get("status"), condition.get("reason")) == (
-                "PodScheduled",
-                "False",
-                "Unschedulable",
-            ):
+            if unschedulable([pod]) and condition.get("type") == "PodScheduled":
                 return "Unschedulable", f"pod {name}: {condition.get('message', 'no node fits it')}"
     for condition in ((deployment or {}).get("status") or {}).get("conditions") or []:
         if condition.get("type") == "Progressing" and condition.get("reason") == "ProgressDeadlineExceeded":

@@ -127,15 +127,17 @@ def _shares(spec: InferenceServiceSpec, ranked: Sequence[_Alone]) -> tuple[list[
     return shares, left <= 1e-9
 
 
-def fill(mixed: MixedPlan, total: int) -> list[int]:
+def fill(mixed: MixedPlan, total: int, room: Mapping[str, int] | None = None) -> list[int]:
     """Replicas per variant (in `mixed.variants`' order, cheapest per req/s first) for `total`
-    replicas of the service: each variant that meets the SLO in turn up to its maxReplicas, so a
-    scale-up goes to the cheapest with room and a scale-down leaves the most expensive first. At the
-    planned total, the planned split (a variant takes load only once those before it are full)."""
+    replicas of the service: each variant that meets the SLO in turn up to its maxReplicas (and the
+    `room` its nodes were found to have: its pods beyond it stayed Pending), so a scale-up goes to
+    the cheapest with room and a scale-down leaves the most expensive first. At the planned total,
+    the planned split (a variant takes load only once those before it are full)."""
+    room = room or {}
     serving = [v for v in mixed.variants if v.cost_per_rps_hour is not None] or mixed.variants[:1]
     counts, left = [], total
     for v in mixed.variants:
-        counts.append(min(left, v.max_replicas) if v in serving else 0)
+        counts.append(min(left, v.max_replicas, room.get(v.gpu, v.max_replicas)) if v in serving else 0)
         left -= counts[-1]
     if left > 0:  # beyond every maxReplicas: the autoscaler's bound is the service's, not the types'
         counts[mixed.variants.index(serving[0])] += left

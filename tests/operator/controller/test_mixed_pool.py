@@ -1,14 +1,16 @@
 """A mixed GPU pool through the reconcile: a Deployment per GPU type, the service's replicas shared
 cheapest per request per second first, the status per type, and a type dropped scaled to zero."""
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
+from kvpilot.operator.api import names
 from kvpilot.operator.api.names import INSTANCE_LABEL, VARIANT_LABEL
 from kvpilot.operator.api.spec import InferenceServiceSpec
-from kvpilot.operator.controller.reconcile import reconcile
+from kvpilot.operator.controller.reconcile import FULL_RETRY_SECONDS, reconcile
 from kvpilot.operator.kube.indexes import children, pooled
 from tests.operator.controller.test_reconcile import NOW, FakeCluster, apply_merge_patch, body
 
@@ -133,3 +135,47 @@ def test_the_autoscaler_reads_a_pool_s_deployments_as_one() -> None:
 def test_variants_that_cannot_be_served_are_refused(accelerator: dict[str, Any], words: str) -> None:
     with pytest.raises(ValidationError, match=words):
         InferenceServiceSpec.model_validate({**SPEC, "accelerator": accelerator})
+
+
+def pending_pod(cluster: FakeCluster, name: str, variant: str) -> None:
+    cluster.put(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": "ml",
+                "labels": {**names.selector_labels("chat"), VARIANT_LABEL: variant},
+            },
+            "status": {
+                "phase": "Pending",
+                "conditions": [
+                    {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/4 nodes"}
+                ],
+            },
+        }
+    )
+
+
+def test_replicas_a_full_gpu_type_cannot_place_go_to_the_next_type_until_it_is_tried_again() -> None:
+    cluster = FakeCluster()
+    spec = {**SPEC, "replicas": 3}
+    run(cluster, spec, CHEAP_L4)
+    assert replicas(cluster) == {"chat-l4": 2, "chat-h100-80gb": 1}
+    # The L4 nodes take one of the two: the other stays Pending.
+    pending_pod(cluster, "chat-l4-x", "l4")
+    status = run(cluster, spec, CHEAP_L4)
+    (l4,) = [row for row in status["variants"] if row["gpu"] == "L4"]
+    assert (l4["schedulableReplicas"], l4["fullSince"]) == (1, "2025-01-01T00:00:00Z")
+    del cluster.objects[("Pod", "ml", "chat-l4-x")]  # the scale-down removes the pending pod first
+    run(cluster, spec, CHEAP_L4)
+    assert replicas(cluster) == {"chat-l4": 1, "chat-h100-80gb": 2}  # at once, not after a wait
+    # While the type is held full, scale-ups go past it; after FULL_RETRY_SECONDS it is tried again.
+    run(cluster, {**spec, "replicas": 4}, CHEAP_L4)
+    assert replicas(cluster) == {"chat-l4": 1, "chat-h100-80gb": 3}
+    later = cluster.put(
+        body({**spec, "replicas": 4}, status=cluster.objects[("InferenceService", "ml", "chat")]["status"])
+    )
+    retried = reconcile(later, cluster, NOW + timedelta(seconds=FULL_RETRY_SECONDS), gpu_prices=CHEAP_L4)
+    assert replicas(cluster) == {"chat-l4": 2, "chat-h100-80gb": 2}
+    assert all("schedulableReplicas" not in row for row in retried["variants"])

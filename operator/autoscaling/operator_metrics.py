@@ -1,6 +1,7 @@
 """The operator's own /metrics (`kvpilot operator --metrics HOST:PORT`): per InferenceService, what
 the plan predicted beside the SLO and what the engines measured, replicas desired and ready, and
-the autoscaler's decisions by action and cause.
+the autoscaler's decisions by action and cause; a mixed pool's replicas, capacity and cost per GPU
+type; a replica's predicted and observed time to ready.
 
 The gauges are read at scrape time from the InferenceServices the operator's watch holds (their
 spec and the status the reconcile and the autoscaler wrote), so every replica of the operator
@@ -119,6 +120,23 @@ _GAUGES: tuple[tuple[str, str, Callable[[Mapping[str, Any], InferenceServiceStat
     ),
     ("replicas", "Engine pods of the service's Deployment", lambda _, s: s.replicas),
     ("ready_replicas", "Engine pods ready", lambda _, s: s.ready_replicas),
+    (
+        "predicted_ready_seconds",
+        "The plan's time from a replica's pod starting to ready",
+        lambda _, s: s.plan.predicted_ready_seconds if s.plan else None,
+    ),
+    (
+        "observed_ready_seconds",
+        "The newest ready engine pod's time from its start to ready",
+        lambda _, s: _accuracy(s, "ready_seconds", "observed"),
+    ),
+)
+# A mixed pool's GPU types (status.variants), labelled with the type: (name, help, the row's field).
+_VARIANT_GAUGES = (
+    ("variant_replicas", "Replicas of one GPU type of a mixed pool", "replicas"),
+    ("variant_ready_replicas", "Ready replicas of one GPU type of a mixed pool", "ready_replicas"),
+    ("variant_cost_dollars_per_hour", "What one GPU type's replicas of a mixed pool cost an hour", "cost_per_hour"),
+    ("variant_capacity_rps", "Requests per second one replica of the type serves within the SLO", "capacity_rps"),
 )
 
 
@@ -129,6 +147,9 @@ class _Collector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         bodies = indexed_services(self._services)
         families = {name: GaugeMetricFamily(PREFIX + name, doc, labels=LABELS) for name, doc, _ in _GAUGES}
+        variants = {
+            name: GaugeMetricFamily(PREFIX + name, doc, labels=[*LABELS, "gpu"]) for name, doc, _ in _VARIANT_GAUGES
+        }
         for body in sorted(bodies, key=lambda b: (b["metadata"]["namespace"], b["metadata"]["name"])):
             labels = [body["metadata"]["namespace"], body["metadata"]["name"]]
             spec, status = body.get("spec") or {}, status_of(body)
@@ -136,7 +157,12 @@ class _Collector(Collector):
                 value = read(spec, status)
                 if value is not None:
                     families[name].add_metric(labels, float(value))
+            for row in status.variants or []:
+                for name, _, field in _VARIANT_GAUGES:
+                    if (value := getattr(row, field)) is not None and row.gpu:
+                        variants[name].add_metric([*labels, row.gpu], float(value))
         yield from families.values()
+        yield from variants.values()
         decisions = CounterMetricFamily(
             PREFIX + "autoscaler_decisions",
             "The SLO autoscaler's decisions made by this operator process, by action and cause",

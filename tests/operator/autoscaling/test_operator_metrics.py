@@ -180,3 +180,22 @@ def test_an_address_the_operator_cannot_listen_on_is_logged_and_it_runs_on(caplo
         server, port = asyncio.run(run())
     assert server is None
     assert any(f"cannot serve /metrics on 127.0.0.1:{port}" in r.getMessage() for r in caplog.records)
+
+
+def test_a_mixed_pool_s_types_and_the_time_to_ready_are_gauges() -> None:
+    status = {
+        "plan": {"predictedReadySeconds": 25.0},
+        "planAccuracy": {"readySeconds": {"predicted": 25.0, "observed": 31.5, "ratio": 1.26, "pod": "chat-l4-1"}},
+        "variants": [
+            {"gpu": "L4", "replicas": 2, "readyReplicas": 1, "costPerHour": 0.9, "capacityRps": 5.2},
+            {"gpu": "H100-80GB", "replicas": 1, "readyReplicas": 1, "costPerHour": 6.88, "capacityRps": 37.2},
+        ],
+    }
+    body = {"metadata": {"namespace": "ml", "name": "chat"}, "status": status}
+    found = samples(OperatorMetrics({("ml", "chat"): [body]}).exposition().decode())
+    assert of_chat(found, "kvpilot_operator_predicted_ready_seconds") == 25.0
+    assert of_chat(found, "kvpilot_operator_observed_ready_seconds") == 31.5
+    assert of_chat(found, "kvpilot_operator_variant_replicas", gpu="L4") == 2
+    assert of_chat(found, "kvpilot_operator_variant_ready_replicas", gpu="L4") == 1
+    assert of_chat(found, "kvpilot_operator_variant_cost_dollars_per_hour", gpu="H100-80GB") == 6.88
+    assert of_chat(found, "kvpilot_operator_variant_capacity_rps", gpu="H100-80GB") == 37.2

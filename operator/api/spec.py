@@ -89,15 +89,33 @@ class Architecture(BaseModel):
         ),
     )
 
-    layers: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    attention_heads: int = Field(gt=0)
-    kv_heads: int = Field(gt=0)
-    head_dim: int | None = Field(default=None, gt=0)
-    vocab_size: int = Field(gt=0)
-    parameters: int = Field(gt=0, json_schema_extra=INT64)
-    active_parameters: int | None = Field(default=None, gt=0, json_schema_extra=INT64)
-    max_context: int = Field(gt=0)
+    layers: int = Field(gt=0, description="Decoder layers (config.json's num_hidden_layers).")
+    hidden_size: int = Field(gt=0, description="The hidden dimension (config.json's hidden_size).")
+    attention_heads: int = Field(gt=0, description="Query heads per layer (config.json's num_attention_heads).")
+    kv_heads: int = Field(
+        gt=0,
+        description="Key/value heads per layer (config.json's num_key_value_heads; fewer than attentionHeads "
+        "under GQA/MQA): the KV cache scales with them.",
+    )
+    head_dim: int | None = Field(
+        default=None, gt=0, description="The dimension of one attention head; unset: hiddenSize / attentionHeads."
+    )
+    vocab_size: int = Field(gt=0, description="Tokens in the vocabulary (config.json's vocab_size).")
+    parameters: int = Field(
+        gt=0, json_schema_extra=INT64, description="All the model's parameters (every expert of a mixture of experts)."
+    )
+    active_parameters: int | None = Field(
+        default=None,
+        gt=0,
+        json_schema_extra=INT64,
+        description="The parameters one token passes through (a mixture of experts' active experts), which "
+        "prefill and decode time are predicted from; unset: parameters.",
+    )
+    max_context: int = Field(
+        gt=0,
+        description="The longest context the model takes, in tokens (config.json's max_position_embeddings); "
+        "serving.maxContextLength may not exceed it.",
+    )
     # config.json's tie_word_embeddings: the LM head is the embedding (counted once in parameters).
     tie_word_embeddings: bool = Field(
         default=False,
@@ -138,7 +156,11 @@ class Architecture(BaseModel):
         "beside config.json): what a download writes, and what a runtime that holds a quantized checkpoint as "
         "stored (vLLM) holds, in place of the per-scheme arithmetic.",
     )
-    source: str = Field(default="", json_schema_extra=no_crd_default)
+    source: str = Field(
+        default="",
+        description="Where these numbers come from (a config.json's URL, say), quoted in the plan's model reason.",
+        json_schema_extra=no_crd_default,
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Architecture:
@@ -214,8 +236,8 @@ def hub_source(source: str | None) -> HubSource | None:
 
 
 class SecretKeyRef(_Camel):
-    name: str = Field(min_length=1)
-    key: str = Field(default="token", min_length=1)
+    name: str = Field(min_length=1, description="The Secret's name, in the InferenceService's namespace.")
+    key: str = Field(default="token", min_length=1, description="The key in the Secret that holds the token.")
 
 
 class ModelCacheSpec(_Camel):
@@ -265,7 +287,11 @@ class ModelSpec(_Camel):
         description="Where the hf:// downloads (model.source and serving.draftModel) go. Unset, an emptyDir "
         "(every new pod downloads again).",
     )
-    served_model_name: str | None = None
+    served_model_name: str | None = Field(
+        default=None,
+        description="The model name clients send (the OpenAI API's `model`) and the engines answer to; unset: "
+        "model.name.",
+    )
     architecture: Architecture | None = Field(
         default=None, description="Overrides the catalog; needed for models the catalog lacks."
     )
@@ -423,15 +449,30 @@ class ServingSpec(_Camel):
         )
     )
 
-    max_context_length: int | None = Field(default=None, gt=0)
-    quantization: Quantization = "auto"
+    max_context_length: int | None = Field(
+        default=None,
+        gt=0,
+        description="The longest sequence (prompt and output, in tokens) the engines accept (max_model_len); "
+        "unset: the model's maximum context. At most the model's maximum.",
+    )
+    quantization: Quantization = Field(
+        default="auto",
+        description="The weights' quantization scheme the runtime applies on load (none, int8, fp8, w8a8, int4); "
+        "auto: the least lossy scheme the runtime runs that fits and meets the SLO. A quantized checkpoint "
+        "(model.quantization) is served as stored.",
+    )
     kv_cache_dtype: KvCacheDtype = Field(
         default="auto",
         description="The KV cache's values: 'model' (the model's 16-bit dtype), 'fp8' (one byte each: twice the "
         "tokens, on GPUs with FP8 and a runtime that stores it), or 'auto': fp8 only where the 16-bit cache "
         "leaves a context or the batch short or misses the SLO.",
     )
-    speculative: Speculative = "auto"
+    speculative: Speculative = Field(
+        default="auto",
+        description="Speculative decoding: off, ngram (drafts looked up in the prompt), draft (serving.draftModel "
+        "proposes), eagle (serving.draftModel is an EAGLE head; only when set here); auto: draft or ngram "
+        "where the predicted batch is small, load.temperature low and TPOT nearer its SLO than TTFT, else off.",
+    )
     # Where the draft model's files are, in the forms of model.source; the engine loads it beside
     # the target (unquantized, its KV cache slot for slot with the target's). Its size comes from the
     # catalog (by the repository or folder name) or from draftModelArchitecture.
@@ -447,9 +488,21 @@ class ServingSpec(_Camel):
         description="The draft model's architecture, as model.architecture; needed for drafts the catalog lacks "
         "(found by the repository or folder name of draftModel).",
     )
-    num_speculative_tokens: int = Field(default=4, ge=1, le=16)
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    block_size: int = 16
+    num_speculative_tokens: int = Field(
+        default=4, ge=1, le=16, description="Draft tokens proposed per decode step while the engines speculate."
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="The share of a GPU's memory (as CUDA reports it) the engine fills: weights, runtime reserve "
+        "and the KV pool, which takes the rest (vLLM's --gpu-memory-utilization).",
+    )
+    block_size: int = Field(
+        default=16,
+        description="Tokens per KV cache block, a power of two up to 1024; a runtime runs only the sizes it "
+        "declares (vllm: 16, 32, 64).",
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> ServingSpec:
@@ -471,20 +524,43 @@ class SLOSpec(_Camel):
         )
     )
 
-    ttft_p95_ms: float = Field(default=2000, gt=0, json_schema_extra=bound_by_cel)
-    tpot_p95_ms: float = Field(default=100, gt=0, json_schema_extra=bound_by_cel)
+    ttft_p95_ms: float = Field(
+        default=2000,
+        gt=0,
+        description="The p95 time to first token to meet, in ms: the plan sizes replicas for it and the slo "
+        "autoscaler scales on it.",
+        json_schema_extra=bound_by_cel,
+    )
+    tpot_p95_ms: float = Field(
+        default=100,
+        gt=0,
+        description="The p95 time per output token after the first to meet, in ms: the plan sizes replicas and "
+        "batching for it and the slo autoscaler scales on it.",
+        json_schema_extra=bound_by_cel,
+    )
 
 
 class LoadSpec(_Camel):
-    requests_per_second: float = Field(default=1, ge=0)
-    mean_prompt_tokens: int = Field(default=512, gt=0)
-    mean_output_tokens: int = Field(default=256, gt=0)
-    # The share of a prompt's tokens the engines' prefix cache serves (a system prompt or few-shot
-    # examples every request repeats): prefill computes only the rest. The engines report it
-    # (prefix cache hits / queries), shown beside this in status.planAccuracy.
-    prefix_share: float = Field(default=0, ge=0, le=0.99)
-    # The traffic's typical sampling temperature: speculation pays off only at low temperature.
-    temperature: float = Field(default=0.7, ge=0)
+    requests_per_second: float = Field(
+        default=1, ge=0, description="The expected request rate of the whole service, in req/s."
+    )
+    mean_prompt_tokens: int = Field(default=512, gt=0, description="The mean prompt length of a request, in tokens.")
+    mean_output_tokens: int = Field(default=256, gt=0, description="The mean number of tokens a request generates.")
+    # The engines report the observed share (prefix cache hits / queries), shown beside this in
+    # status.planAccuracy.
+    prefix_share: float = Field(
+        default=0,
+        ge=0,
+        le=0.99,
+        description="The share of a prompt's tokens the engines' prefix cache serves (a system prompt or few-shot "
+        "examples every request repeats): the plan's prefill computes only the rest.",
+    )
+    temperature: float = Field(
+        default=0.7,
+        ge=0,
+        description="The traffic's typical sampling temperature: serving.speculative auto speculates only below "
+        "1, since drafts are rarely accepted at high temperature.",
+    )
 
 
 class AutoscalingSpec(_Camel):
@@ -504,23 +580,46 @@ class AutoscalingSpec(_Camel):
         description="slo: the operator sets replicas from the engines' TTFT/TPOT, queue and KV usage; external: "
         "an HPA or KEDA sets them and the operator never writes replicas; off: nobody does.",
     )
-    min_replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS)
+    min_replicas: int = Field(
+        default=1,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="The fewest replicas the slo autoscaler keeps; 0 lets it scale an idle service to zero "
+        "(the gateway wakes it).",
+    )
     max_replicas: int = Field(
         default=4,
         ge=1,
         le=MAX_REPLICAS,
         description=f"At most {MAX_REPLICAS}; a larger fleet is several InferenceServices.",
     )
-    scale_up_stabilization_seconds: int = Field(default=0, ge=0)
-    scale_down_stabilization_seconds: int = Field(default=300, ge=0)
+    scale_up_stabilization_seconds: int = Field(
+        default=0, ge=0, description="Seconds the signals must stay over the band before a scale-up."
+    )
+    scale_down_stabilization_seconds: int = Field(
+        default=300,
+        ge=0,
+        description="Seconds under the band before a scale-down, which goes to the most replicas any period of "
+        "that window needed; to zero, at least the plan's predicted time to ready.",
+    )
     # Replicas added or removed by one decision, at most.
     max_step: int = Field(default=2, ge=1, description="Replicas added or removed by one decision at most.")
     # Signals within 1 +- tolerance of their targets move nothing (noise).
     tolerance: float = Field(
         default=0.1, ge=0, le=0.5, description="Signals within 1 +- tolerance of their targets move nothing."
     )
-    max_waiting_per_replica: float = Field(default=4, gt=0)
-    target_kv_cache_usage: float = Field(default=0.9, gt=0, le=1)
+    max_waiting_per_replica: float = Field(
+        default=4,
+        gt=0,
+        description="Target of waiting requests per replica (the engines' queues and the requests the gateways "
+        "hold), one of the signals the autoscaler scales on.",
+    )
+    target_kv_cache_usage: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="Target share of the engines' KV cache in use, one of the signals the autoscaler scales on.",
+    )
     # Read the engines' series from this Prometheus (labels namespace and pod, as a ServiceMonitor
     # gives them) instead of each pod's /metrics: for clusters where the operator cannot reach pods.
     prometheus_url: str | None = Field(
@@ -539,21 +638,47 @@ class AutoscalingSpec(_Camel):
 
 
 class ResourcesSpec(_Camel):
-    requests: dict[str, Annotated[str | int, Field(json_schema_extra=INT_OR_STRING)]] = Field(default_factory=dict)
-    limits: dict[str, Annotated[str | int, Field(json_schema_extra=INT_OR_STRING)]] = Field(default_factory=dict)
+    requests: dict[str, Annotated[str | int, Field(json_schema_extra=INT_OR_STRING)]] = Field(
+        default_factory=dict,
+        description="The engine container's requests (Kubernetes quantities by resource name), over the "
+        "operator's (CPU, memory for the weights, disk for downloads); the GPUs are the plan's.",
+    )
+    limits: dict[str, Annotated[str | int, Field(json_schema_extra=INT_OR_STRING)]] = Field(
+        default_factory=dict,
+        description="The engine container's limits (Kubernetes quantities by resource name); the plan's GPUs are "
+        "added.",
+    )
 
 
 class Toleration(_Camel):
-    key: str | None = None
-    operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = Field(default=None, json_schema_extra=INT64)
+    key: str | None = Field(default=None, description="The taint key tolerated; unset with Exists: every taint.")
+    operator: Literal["Exists", "Equal"] | None = Field(
+        default=None, description="Equal (the taint's value must equal value) or Exists (any value)."
+    )
+    value: str | None = Field(default=None, description="The taint value Equal matches.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="The taint effect tolerated; unset: every effect."
+    )
+    toleration_seconds: int | None = Field(
+        default=None,
+        json_schema_extra=INT64,
+        description="For NoExecute: seconds the pod stays bound after the taint appears; unset: for ever.",
+    )
 
 
 class RolloutSpec(_Camel):
-    max_surge: int | str = Field(default=1, json_schema_extra=INT_OR_STRING)
-    max_unavailable: int | str = Field(default=0, json_schema_extra=INT_OR_STRING)
+    max_surge: int | str = Field(
+        default=1,
+        description="The Deployment's rollingUpdate.maxSurge: pods started above the desired replicas during an "
+        "update (a number or a percentage).",
+        json_schema_extra=INT_OR_STRING,
+    )
+    max_unavailable: int | str = Field(
+        default=0,
+        description="The Deployment's rollingUpdate.maxUnavailable: desired pods that may be missing during an "
+        "update (a number or a percentage).",
+        json_schema_extra=INT_OR_STRING,
+    )
     # The most a stopping engine waits for its requests in flight (the drain is sized for the
     # longest request it accepts, which for long contexts can be far longer than anyone waits).
     max_drain_seconds: int = Field(
@@ -586,7 +711,7 @@ class EndpointPickerSpec(_Camel):
         pattern=DNS_1035_LABEL,
         description="Unset, <name>-epp (what the extension's inferencepool chart names its picker).",
     )
-    port: int = Field(default=9002, ge=1, le=65535)
+    port: int = Field(default=9002, ge=1, le=65535, description="The port of the endpoint picker's Service.")
     # What the Gateway does while the picker does not answer: refuse the request, or route it anyway.
     failure_mode: Literal["FailOpen", "FailClose"] = Field(
         default="FailClose",
@@ -595,9 +720,11 @@ class EndpointPickerSpec(_Camel):
 
 
 class InferencePoolSpec(_Camel):
-    # Render an InferencePool (Gateway API Inference Extension) of the engine pods, for a Gateway
-    # and an endpoint picker (llm-d's, the extension's) to route to them.
-    enabled: bool = False
+    enabled: bool = Field(
+        default=False,
+        description="Render an InferencePool (Gateway API Inference Extension) of the engine pods, for a Gateway "
+        "and an endpoint picker (llm-d's, the extension's) to route to them.",
+    )
     endpoint_picker: EndpointPickerSpec = Field(
         default=EndpointPickerSpec(),
         description="The endpoint picker's Service, in the InferenceService's namespace.",
@@ -634,7 +761,7 @@ class NetworkSpec(_Camel):
 
 
 class ImagePullSecret(_Camel):
-    name: str
+    name: str = Field(description="A Secret with registry credentials, in the InferenceService's namespace.")
 
 
 class InferenceServiceSpec(_Camel):
@@ -655,21 +782,42 @@ class InferenceServiceSpec(_Camel):
         )
     )
 
-    model: ModelSpec
+    model: ModelSpec = Field(
+        description="The model to serve: its name, where its weights are, and its architecture where the catalog "
+        "lacks it."
+    )
     runtime: Runtime = Field(
         default="kvpilot",
         description="What runs the model in the pods - kvpilot (this project's engine, one accelerator) or vllm "
         "(vLLM's official image, tensor parallelism).",
     )
-    accelerator: AcceleratorSpec = Field(default=AcceleratorSpec(), json_schema_extra=CREATED_EMPTY)
-    serving: ServingSpec = Field(default=ServingSpec(), json_schema_extra=CREATED_EMPTY)
-    slo: SLOSpec = Field(default=SLOSpec(), json_schema_extra=CREATED_EMPTY)
+    accelerator: AcceleratorSpec = Field(
+        default=AcceleratorSpec(),
+        description="What a replica runs on: a GPU type and count, a CPU node pool, or several GPU types; what "
+        "is unset the planner chooses.",
+        json_schema_extra=CREATED_EMPTY,
+    )
+    serving: ServingSpec = Field(
+        default=ServingSpec(),
+        description="How the engines serve: context length, quantization, KV cache, speculative decoding and "
+        "memory; auto leaves the choice to the planner.",
+        json_schema_extra=CREATED_EMPTY,
+    )
+    slo: SLOSpec = Field(
+        default=SLOSpec(),
+        description="The p95 latencies the plan sizes replicas for and the slo autoscaler keeps.",
+        json_schema_extra=CREATED_EMPTY,
+    )
     load: LoadSpec = Field(
         default=LoadSpec(),
         description="The expected traffic the plan sizes replicas for.",
         json_schema_extra=CREATED_EMPTY,
     )
-    autoscaling: AutoscalingSpec = Field(default=AutoscalingSpec(), json_schema_extra=CREATED_EMPTY)
+    autoscaling: AutoscalingSpec = Field(
+        default=AutoscalingSpec(),
+        description="Who sets replicas, and how the slo autoscaler moves them.",
+        json_schema_extra=CREATED_EMPTY,
+    )
     # Written by `kubectl scale` / the autoscaler through the scale subresource; when absent the
     # plan's replica count for the stated load is used.
     replicas: int | None = Field(
@@ -685,14 +833,23 @@ class InferenceServiceSpec(_Camel):
         min_length=1,
         description="Engine image; unset means the operator's default (the chart's engine.image).",
     )
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="The pull policy of the engine pods' containers."
+    )
     # No `default: {}`: an absent section stays absent in the stored object.
     resources: ResourcesSpec = Field(
         default=ResourcesSpec(),
         description="CPU and memory for the engine container; the GPU count comes from accelerator.",
     )
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[Toleration] = Field(default_factory=list)
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description="Node labels the engine pods require, beside the GPU's selector (which wins on a clash).",
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list,
+        description="The engine pods' tolerations; on NVIDIA GPUs the operator adds one for the nvidia.com/gpu "
+        "NoSchedule taint.",
+    )
     rollout: RolloutSpec = Field(
         default=RolloutSpec(),
         description="The engines' rolling update. The default surges one pod so a single-replica service keeps "
@@ -712,8 +869,14 @@ class InferenceServiceSpec(_Camel):
         "the extension's CRDs.",
         json_schema_extra=CREATED_EMPTY,
     )
-    auth: AuthSpec = Field(default=AuthSpec(), json_schema_extra=CREATED_EMPTY)
-    network: NetworkSpec = Field(default=NetworkSpec(), json_schema_extra=CREATED_EMPTY)
+    auth: AuthSpec = Field(
+        default=AuthSpec(), description="Whether the service requires an API key.", json_schema_extra=CREATED_EMPTY
+    )
+    network: NetworkSpec = Field(
+        default=NetworkSpec(),
+        description="Who may connect to the engines directly.",
+        json_schema_extra=CREATED_EMPTY,
+    )
     # Passed through to the engine pods as written (Kubernetes' own types, validated by the API server).
     env: list[dict[str, Any]] = Field(
         default_factory=list,
@@ -723,15 +886,23 @@ class InferenceServiceSpec(_Camel):
     env_from: list[dict[str, Any]] = Field(
         default_factory=list, description="Kubernetes EnvFromSource objects for the engine container."
     )
-    image_pull_secrets: list[ImagePullSecret] = Field(default_factory=list)
+    image_pull_secrets: list[ImagePullSecret] = Field(
+        default_factory=list, description="Secrets the engine pods pull their images with."
+    )
     affinity: dict[str, Any] | None = Field(default=None, description="The engine pods' Kubernetes Affinity.")
-    topology_spread_constraints: list[dict[str, Any]] = Field(default_factory=list)
-    priority_class_name: str | None = None
+    topology_spread_constraints: list[dict[str, Any]] = Field(
+        default_factory=list, description="The engine pods' Kubernetes TopologySpreadConstraint objects."
+    )
+    priority_class_name: str | None = Field(default=None, description="The engine pods' PriorityClass.")
     pod_labels: dict[str, str] = Field(
         default_factory=dict,
         description="Labels added to the engine pods (the operator's own labels win on a clash).",
     )
-    pod_annotations: dict[str, str] = Field(default_factory=dict)
+    pod_annotations: dict[str, str] = Field(
+        default_factory=dict,
+        description="Annotations added to the engine pods (the operator's own, Prometheus's scrape annotations "
+        "among them, win on a clash).",
+    )
 
     @model_validator(mode="after")
     def _replicas_within_the_autoscaler_bounds(self) -> InferenceServiceSpec:

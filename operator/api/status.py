@@ -33,10 +33,16 @@ class _Status(BaseModel):
 class PlanStatus(_Status):
     """The plan's camelCase view (controller/status.py writes it from api/plan.py's Plan)."""
 
-    fits: bool | None = None
-    reason: str | None = None
-    runtime: str | None = None
-    gpu: str | None = None
+    fits: bool | None = Field(
+        default=None,
+        description="false: the spec does not plan (reason says why, the Planned condition's reason names it).",
+    )
+    reason: str | None = Field(
+        default=None,
+        description="The plan in a line (device, sequences, KV pool, predicted latencies), or why it failed.",
+    )
+    runtime: str | None = Field(default=None, description="The runtime planned for (spec.runtime).")
+    gpu: str | None = Field(default=None, description="The GPU type planned for (a catalog name), or cpu.")
     gpu_count: int | None = Field(default=None, description="GPUs per replica: the tensor-parallel size.")
     device_profile: str | None = Field(default=None, description="A CPU plan's device profile (accelerator.profile).")
     cpus: int | None = Field(
@@ -46,18 +52,48 @@ class PlanStatus(_Status):
         default=None,
         description="The engine compiles a lone sequence's decode step (CPU plans whose TPOT needs it).",
     )
-    quantization: str | None = None
-    speculative: str | None = None
-    weights_gib: float | None = Field(default=None, alias="weightsGiB")
-    kv_bytes_per_token: int | None = None
+    quantization: str | None = Field(default=None, description="The weights' quantization scheme the engines run.")
+    speculative: str | None = Field(
+        default=None, description="The speculative decoding mode the engines run (off, ngram, draft, eagle)."
+    )
+    weights_gib: float | None = Field(
+        default=None, alias="weightsGiB", description="GiB of weights a replica holds (a draft model's included)."
+    )
+    kv_bytes_per_token: int | None = Field(
+        default=None,
+        description="Bytes of KV cache one token takes over all layers and KV heads (a draft model's included); "
+        "each GPU of a replica holds its share.",
+    )
     kv_cache_dtype: str | None = Field(default=None, description="The KV cache's values: model (16-bit) or fp8.")
-    kv_pool_gib: float | None = Field(default=None, alias="kvPoolGiB")
-    kv_blocks: int | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    predicted_ttft_ms: float | None = None
-    predicted_tpot_ms: float | None = None
+    kv_pool_gib: float | None = Field(
+        default=None, alias="kvPoolGiB", description="GiB of KV cache a replica has, all its GPUs together."
+    )
+    kv_blocks: int | None = Field(
+        default=None, description="KV cache blocks (of serving.blockSize tokens) in a replica's pool."
+    )
+    max_model_len: int | None = Field(
+        default=None, description="The longest sequence (prompt and output, in tokens) the engines accept."
+    )
+    max_num_seqs: int | None = Field(
+        default=None,
+        description="The most sequences an engine runs at once: those that fit the KV pool at the load's mean "
+        "context (prompt and half the output), capped.",
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None,
+        description="Tokens an engine step processes at most, sized so that a prefill chunk that long takes a "
+        "share of the TPOT SLO and leaves room for the step's decodes.",
+    )
+    predicted_ttft_ms: float | None = Field(
+        default=None,
+        description="The predicted p95 time to first token, in ms, at the plan's replicas for spec.load "
+        "(uncorrected by status.correction).",
+    )
+    predicted_tpot_ms: float | None = Field(
+        default=None,
+        description="The predicted p95 time per output token, in ms, at the plan's replicas for spec.load "
+        "(uncorrected by status.correction).",
+    )
     capacity_rps: float | None = Field(
         default=None, description="The most requests per second one replica serves within the SLO."
     )
@@ -76,19 +112,35 @@ class PlanStatus(_Status):
         description="The share of prompt tokens the predicted TTFT assumes the prefix cache serves "
         "(spec.load.prefixShare); status.latency.prefixShare is the observed one.",
     )
-    replicas: int | None = None
-    meets_slo: bool | None = None
-    reasons: dict[str, str] | None = None
+    replicas: int | None = Field(
+        default=None,
+        description="The replicas spec.load needs within the SLO, by the plan: the count used while spec.replicas "
+        "is unset.",
+    )
+    meets_slo: bool | None = Field(
+        default=None, description="Whether the predicted latencies at those replicas are within spec.slo."
+    )
+    reasons: dict[str, str] | None = Field(
+        default=None,
+        description="Each decision (model, gpu, quantization, tensorParallel, kvCache, batching, speculative, "
+        "replicas, startup, ...) with why, a line each.",
+    )
 
 
 class KeptCheckpoint(_Status):
-    architecture: Architecture | None = None
-    quantization: CheckpointQuantization | None = None
+    architecture: Architecture | None = Field(
+        default=None, description="The model's architecture as read from its config.json."
+    )
+    quantization: CheckpointQuantization | None = Field(
+        default=None, description="The scheme the checkpoint is stored in, as read from its config.json."
+    )
 
 
 class LastGoodPlan(_Status):
-    gpu: str | None = None
-    gpu_reason: str | None = None
+    gpu: str | None = Field(default=None, description="The GPU type the plan chose, kept for later plans.")
+    gpu_reason: str | None = Field(
+        default=None, description="Why that GPU type (the plan's gpu reason), repeated by the later plans that keep it."
+    )
     spec: dict[str, Any] | None = Field(
         default=None, description="The spec the plan was made for, without replicas and defaults."
     )
@@ -100,8 +152,12 @@ class LastGoodPlan(_Status):
 
 
 class Latency(_Status):
-    ttft_p95_ms: float | None = None
-    tpot_p95_ms: float | None = None
+    ttft_p95_ms: float | None = Field(
+        default=None, description="The p95 time to first token, in ms (observed or predicted: see source)."
+    )
+    tpot_p95_ms: float | None = Field(
+        default=None, description="The p95 time per output token, in ms (observed or predicted: see source)."
+    )
     draft_acceptance: float | None = Field(
         default=None,
         description="Observed: draft tokens accepted over proposed in the autoscaler's window (speculative decoding).",
@@ -111,7 +167,11 @@ class Latency(_Status):
         description="Observed: prompt tokens served from the prefix cache over those looked up in the "
         "autoscaler's window.",
     )
-    source: Literal["predicted", "observed"] | None = None
+    source: Literal["predicted", "observed"] | None = Field(
+        default=None,
+        description="observed: the engines' p95s over the autoscaler's window; predicted: the plan's, until the "
+        "engines report.",
+    )
 
 
 class LatencyWindow(_Status):
@@ -157,27 +217,49 @@ class ReadySecondsAccuracy(_Status):
 
 
 class PlanAccuracy(_Status):
-    window_seconds: float | None = None
+    window_seconds: float | None = Field(default=None, description="The autoscaler's window, in seconds.")
     band: list[float] | None = Field(
         default=None,
         max_length=2,
         description="The lowest and highest observed/predicted ratio of an accurate plan.",
     )
-    ttft: LatencyWindow | None = None
-    tpot: LatencyWindow | None = None
-    draft_acceptance: DraftAcceptanceAccuracy | None = None
-    prefix_share: PrefixShareAccuracy | None = None
-    kv_blocks: KvBlocksAccuracy | None = None
-    ready_seconds: ReadySecondsAccuracy | None = None
+    ttft: LatencyWindow | None = Field(
+        default=None, description="p95 time to first token: predicted against observed, of the last judged window."
+    )
+    tpot: LatencyWindow | None = Field(
+        default=None, description="p95 time per output token: predicted against observed, of the last judged window."
+    )
+    draft_acceptance: DraftAcceptanceAccuracy | None = Field(
+        default=None, description="The draft acceptance the plan assumed beside the observed one (shown, not judged)."
+    )
+    prefix_share: PrefixShareAccuracy | None = Field(
+        default=None, description="The prefix share the plan assumed beside the observed one (shown, not judged)."
+    )
+    kv_blocks: KvBlocksAccuracy | None = Field(
+        default=None, description="The KV blocks the plan predicted beside those the engines allocated."
+    )
+    ready_seconds: ReadySecondsAccuracy | None = Field(
+        default=None, description="The predicted time to ready beside the newest engine pod's."
+    )
     outside_periods: int | None = Field(
         default=None, description="Periods in a row in which a ratio was outside the band."
     )
-    outside_since: DateTime | None = None
+    outside_since: DateTime | None = Field(
+        default=None, description="When the present run of periods outside the band began."
+    )
 
 
 class Correction(_Status):
-    ttft: float | None = None
-    tpot: float | None = None
+    ttft: float | None = Field(
+        default=None,
+        description="The factor the plan's TTFT is multiplied by when choosing replicas (observed / "
+        "predicted p95, smoothed).",
+    )
+    tpot: float | None = Field(
+        default=None,
+        description="The factor the plan's TPOT is multiplied by when choosing replicas (observed / "
+        "predicted p95, smoothed).",
+    )
     acceptance: dict[str, float] | None = Field(
         default=None,
         description="The draft acceptance per token the engines reported, by speculative mode: predictions of "
@@ -188,55 +270,79 @@ class Correction(_Status):
 
 
 class AuthStatus(_Status):
-    api_key_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    api_key_sha256: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="The SHA-256 (hex) of the service's API key, which the gateway checks requests' keys against.",
+    )
     secret_name: str | None = Field(default=None, description="The Secret (key api-key) the engines read the key from.")
 
 
 class Decision(_Status):
-    time: DateTime | None = None
-    action: Literal["up", "down", "hold"] | None = None
-    replicas: int | None = None
-    previous: int | None = None
-    reason: str | None = None
+    time: DateTime | None = Field(default=None, description="When the autoscaler decided.")
+    action: Literal["up", "down", "hold"] | None = Field(
+        default=None, description="Scale up, scale down, or keep the replicas."
+    )
+    replicas: int | None = Field(default=None, description="The replicas it decided on.")
+    previous: int | None = Field(default=None, description="The replicas before the decision.")
+    reason: str | None = Field(default=None, description="Why, with the signals' numbers against their targets.")
 
 
 class AutoscalerStatus(_Status):
-    last_decision: Decision | None = None
-    unknown_pods: list[str] | None = None
+    last_decision: Decision | None = Field(default=None, description="The autoscaler's latest decision.")
+    unknown_pods: list[str] | None = Field(
+        default=None,
+        description="The engine pods whose metrics could not be read or trusted in the latest period (left out "
+        "of the signals; the operator's log says why).",
+    )
     scaled_to_zero_at: DateTime | None = Field(
         default=None,
         description="When the autoscaler set the present 0 replicas; the gateway wakes only such a zero.",
     )
-    state: dict[str, Any] | None = None
+    state: dict[str, Any] | None = Field(
+        default=None,
+        description="The state the autoscaler's next period continues from (windows, cool-downs, the learned "
+        "request rate), so that a restarted operator carries on; not for people.",
+    )
 
 
 class Condition(_Status):
     """A status condition as Kubernetes writes them (conditions.py); type is its key in the list."""
 
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str | None = None
-    message: str | None = None
-    last_transition_time: DateTime | None = None
-    observed_generation: Int64 | None = None
+    type: str = Field(
+        description="Planned, Progressing, Ready, Degraded (the reconcile's) or PlanAccurate (the autoscaler's)."
+    )
+    status: Literal["True", "False", "Unknown"] = Field(description="Whether the condition holds.")
+    reason: str | None = Field(default=None, description="Why, as a CamelCase code.")
+    message: str | None = Field(default=None, description="Why, for people, with the numbers.")
+    last_transition_time: DateTime | None = Field(default=None, description="When status last changed.")
+    observed_generation: Int64 | None = Field(
+        default=None, description="The metadata.generation the condition was written for."
+    )
 
 
 class VariantStatus(_Status):
     """One GPU type of a mixed pool (spec.accelerator.variants): its Deployment, plan and cost."""
 
-    gpu: str | None = None
-    deployment: str | None = None
+    gpu: str | None = Field(default=None, description="The GPU type (spec.accelerator.variants[].type).")
+    deployment: str | None = Field(default=None, description="Its Deployment's name (<service>-<gpu type>).")
     replicas: int | None = Field(default=None, description="Its Deployment's desired replicas.")
-    ready_replicas: int | None = None
-    max_replicas: int | None = None
+    ready_replicas: int | None = Field(default=None, description="Its Deployment's ready replicas.")
+    max_replicas: int | None = Field(
+        default=None, description="The most replicas of this type (its maxReplicas, else autoscaling.maxReplicas)."
+    )
     gpu_count: int | None = Field(default=None, description="GPUs per replica.")
-    quantization: str | None = None
-    max_num_seqs: int | None = None
+    quantization: str | None = Field(default=None, description="The weights' quantization scheme its plan runs.")
+    max_num_seqs: int | None = Field(default=None, description="The most sequences one of its engines runs at once.")
     capacity_rps: float | None = Field(
         default=None, description="The most requests per second one replica serves within the SLO."
     )
-    predicted_ttft_ms: float | None = None
-    predicted_tpot_ms: float | None = None
+    predicted_ttft_ms: float | None = Field(
+        default=None, description="Predicted p95 time to first token, in ms, for the share of the load it serves."
+    )
+    predicted_tpot_ms: float | None = Field(
+        default=None, description="Predicted p95 time per output token, in ms, for the share of the load it serves."
+    )
     price_per_gpu_hour: float | None = Field(default=None, description="US dollars (the operator's GPU prices).")
     cost_per_hour: float | None = Field(default=None, description="At its desired replicas.")
     schedulable_replicas: int | None = Field(
@@ -244,17 +350,33 @@ class VariantStatus(_Status):
         description="Set while this type's nodes are full: the replicas they held when its next pods stayed "
         "Pending; the rest go to the next type until fullSince is a few minutes old.",
     )
-    full_since: DateTime | None = None
+    full_since: DateTime | None = Field(
+        default=None, description="When this type's nodes were found full (its pods Pending as Unschedulable)."
+    )
 
 
 class InferenceServiceStatus(_Status):
-    observed_generation: Int64 | None = None
-    replicas: int | None = None
-    ready_replicas: int | None = None
-    desired_replicas: int | None = None
-    selector: str | None = None
+    observed_generation: Int64 | None = Field(
+        default=None, description="The metadata.generation the last reconcile acted on."
+    )
+    replicas: int | None = Field(
+        default=None, description="The engine pods the Deployment has (its status.replicas; the scale subresource's)."
+    )
+    ready_replicas: int | None = Field(default=None, description="The Deployment's ready engine pods.")
+    desired_replicas: int | None = Field(
+        default=None,
+        description="The replicas the service wants: spec.replicas, else the plan's (a mixed pool: its types' sum; "
+        "a spec that does not plan: the running Deployment's).",
+    )
+    selector: str | None = Field(
+        default=None, description="The engine pods' label selector, for the scale subresource (an HPA, KEDA)."
+    )
     url: str | None = Field(default=None, description="OpenAI-compatible base URL of the Service inside the cluster.")
-    plan: PlanStatus | None = None
+    plan: PlanStatus | None = Field(
+        default=None,
+        description="The plan for the present spec: the device, what the engines run with, the predicted latencies "
+        "and replicas, and each decision's reason.",
+    )
     variants: list[VariantStatus] | None = Field(
         default=None,
         description="A mixed pool's GPU types (spec.accelerator.variants), cheapest per request per second first.",
@@ -265,7 +387,11 @@ class InferenceServiceStatus(_Status):
         "not re-plan, so a new node type does not roll the service and no GPU on the nodes does not stop a "
         "scale). While the spec does not plan, its Deployment is rendered from this.",
     )
-    latency: Latency | None = None
+    latency: Latency | None = Field(
+        default=None,
+        description="The p95 latencies the engines reported over the autoscaler's window, else the plan's "
+        "predicted ones.",
+    )
     plan_accuracy: PlanAccuracy | None = Field(
         default=None,
         description="The plan's predicted p95 latencies beside the ones the engines reported over the autoscaler's "
@@ -295,6 +421,7 @@ class InferenceServiceStatus(_Status):
     # autoscaler's PlanAccurate).
     conditions: list[Condition] | None = Field(
         default=None,
+        description="Planned, Progressing, Ready and Degraded (the reconcile's) and PlanAccurate (the autoscaler's).",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
 

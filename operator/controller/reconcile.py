@@ -521,14 +521,7 @@ def reconcile(
     )
     key = decision.key
     wanted = [*decision.wanted, *_retired(cluster, decision, old, name, namespace, uid)]
-    found = {_key(m): cluster.get(m["apiVersion"], m["kind"], namespace, m["metadata"]["name"]) for m in wanted}
-    if decision.mixed is None and ("Deployment", name) not in found:
-        found["Deployment", name] = cluster.get("apps/v1", "Deployment", namespace, name)
-    for running in (v.deployment for v in old.variants or [] if decision.mixed is not None and v.deployment):
-        # A pool whose spec does not plan keeps its Deployments as they are: the status reads them.
-        if ("Deployment", running) not in found:
-            found["Deployment", running] = cluster.get("apps/v1", "Deployment", namespace, running)
-
+    found = _read(cluster, wanted, decision, old, name, namespace)
     # Without its key the service's pods would serve open (or with someone else's): nothing rolls out.
     blocked = key.blocked or _converge(cluster, wanted, found, uid)
     owned = [d for (kind, _), d in found.items() if kind == "Deployment" and d is not None and owned_by(d, uid)]
@@ -600,6 +593,25 @@ def found_full(
             )
             full[v.gpu] = (max(0, replicas - pending), iso(now.timestamp()))
     return full
+
+
+def _read(
+    cluster: Cluster,
+    wanted: Sequence[Manifest],
+    decision: Decision,
+    old: InferenceServiceStatus,
+    name: str,
+    namespace: str,
+) -> dict[tuple[str, str], Manifest | None]:
+    """What is there of the wanted children, and of the Deployments the status reads besides them:
+    a single type's (also while its spec does not plan) and a mixed pool's as the status lists them
+    (kept as they are while its spec does not plan)."""
+    found = {_key(m): cluster.get(m["apiVersion"], m["kind"], namespace, m["metadata"]["name"]) for m in wanted}
+    listed = [v.deployment for v in old.variants or [] if v.deployment] if decision.mixed is not None else [name]
+    for deployment in listed:
+        if ("Deployment", deployment) not in found:
+            found["Deployment", deployment] = cluster.get("apps/v1", "Deployment", namespace, deployment)
+    return found
 
 
 def _key(manifest: Manifest) -> tuple[str, str]:

@@ -33,7 +33,7 @@ from typing import Any
 from kvpilot.operator.api.conditions import PLAN_ACCURATE, with_transition_times
 from kvpilot.operator.api.status import Condition, InferenceServiceStatus, PlanAccuracy, PlanStatus
 from kvpilot.operator.autoscaling.decisions import MIN_OBSERVATIONS, Signals
-from kvpilot.operator.kube.events import iso
+from kvpilot.operator.kube.events import iso, seconds_of
 
 STATUS_KEY = "planAccuracy"
 # Observed / predicted p95 within this band is a plan that holds: the planner works from datasheet
@@ -71,16 +71,12 @@ def newest_ready_seconds(pods: Sequence[Mapping[str, Any]]) -> tuple[str, float]
         status = pod.get("status") or {}
         ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
         if ready and ready.get("status") == "True" and status.get("startTime") and ready.get("lastTransitionTime"):
-            start, at = _seconds(status["startTime"]), _seconds(ready["lastTransitionTime"])
+            start, at = seconds_of(status["startTime"]), seconds_of(ready["lastTransitionTime"])
             started.append((start, pod["metadata"]["name"], max(0.0, at - start)))
     if not started:
         return None
     _, name, seconds = max(started)
     return name, seconds
-
-
-def _seconds(timestamp: str) -> float:
-    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
 
 
 def _ready_entry(predicted: float | None, observed: tuple[str, float] | None, last: Any) -> dict[str, Any] | None:

@@ -52,7 +52,7 @@ from kvpilot.operator.controller import correction, render, status
 from kvpilot.operator.controller.checkpoint import Unreadable, read_checkpoint, reads_checkpoint, with_checkpoint
 from kvpilot.operator.hub.client import HubClient
 from kvpilot.operator.kube.cluster import Cluster, Manifest, WriteRefused, describe
-from kvpilot.operator.kube.events import iso
+from kvpilot.operator.kube.events import iso, seconds_of
 from kvpilot.operator.kube.indexes import pooled
 from kvpilot.operator.kube.merge_patch import merge_patch
 from kvpilot.operator.planning import cpus
@@ -564,8 +564,7 @@ def still_full(old: InferenceServiceStatus, now: datetime) -> dict[str, tuple[in
     full = {}
     for row in old.variants or []:
         if row.gpu and row.schedulable_replicas is not None and row.full_since:
-            since = datetime.fromisoformat(row.full_since.replace("Z", "+00:00"))
-            if (now - since).total_seconds() < FULL_RETRY_SECONDS:
+            if now.timestamp() - seconds_of(row.full_since) < FULL_RETRY_SECONDS:
                 full[row.gpu] = (row.schedulable_replicas, row.full_since)
     return full
 

@@ -106,16 +106,21 @@ def variant_rows(
     return rows
 
 
-def unschedulable(pods: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The pods no node can take (PodScheduled False, reason Unschedulable)."""
-    return [
-        pod
-        for pod in pods
-        if any(
-            (c.get("type"), c.get("status"), c.get("reason")) == ("PodScheduled", "False", "Unschedulable")
+def _unschedulable(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The pod's PodScheduled condition when no node can take it (False, reason Unschedulable)."""
+    return next(
+        (
+            c
             for c in (pod.get("status") or {}).get("conditions") or []
-        )
-    ]
+            if (c.get("type"), c.get("status"), c.get("reason")) == ("PodScheduled", "False", "Unschedulable")
+        ),
+        None,
+    )
+
+
+def unschedulable(pods: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The pods no node can take."""
+    return [pod for pod in pods if _unschedulable(pod) is not None]
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -163,9 +168,8 @@ def pod_problem(deployment: Mapping[str, Any] | None, pods: Sequence[Mapping[str
             if waiting.get("reason") in _STUCK_CONTAINER_REASONS:
                 detail = waiting.get("message") or waiting["reason"]
                 return waiting["reason"], f"pod {name}, container {container.get('name')}: {detail}"
-        for condition in pod_status.get("conditions") or []:
-            if unschedulable([pod]) and condition.get("type") == "PodScheduled":
-                return "Unschedulable", f"pod {name}: {condition.get('message', 'no node fits it')}"
+        if (condition := _unschedulable(pod)) is not None:
+            return "Unschedulable", f"pod {name}: {condition.get('message', 'no node fits it')}"
     for condition in ((deployment or {}).get("status") or {}).get("conditions") or []:
         if condition.get("type") == "Progressing" and condition.get("reason") == "ProgressDeadlineExceeded":
             return "ProgressDeadlineExceeded", condition.get("message", "the rollout made no progress in time")

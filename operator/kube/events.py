@@ -15,6 +15,11 @@ def iso(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def seconds_of(timestamp: str) -> float:
+    """`iso`'s inverse, for any RFC 3339 time the API server writes."""
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
+
+
 def scaling_event(body: Mapping[str, Any], reason: str, message: str, at: float, instance: str) -> dict[str, Any]:
     """A core/v1 Event on the InferenceService for a change of replicas (the autoscaler's, or the
     gateway's scale from zero)."""

@@ -311,6 +311,61 @@ class ModelSpec(_Camel):
         return self
 
 
+HUB_SETTINGS = (
+    "model.tokenSecret and model.cache apply only to hf:// sources (model.source, serving.draftModel or adapters)"
+)
+# The most adapters one service lists (a bound for CEL's cost estimate and for the engines' CPU
+# cache of adapters, max_cpu_loras, which holds them all).
+MAX_ADAPTERS = 64
+# The largest LoRA rank a runtime takes (vLLM 0.33's largest max_lora_rank).
+MAX_ADAPTER_RANK = 512
+# An adapter name is a model name clients send; DNS-ish, so that it can also name Kubernetes things.
+ADAPTER_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+ADAPTER_IS_NOT_THE_MODEL = (
+    "adapters[].name must differ from the served model name (model.servedModelName or model.name)"
+)
+
+
+class AdapterSpec(_Camel):
+    """A LoRA adapter of the base model, served under its own model name beside the base model."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            (
+                f"self.source.matches('{SOURCE_PATTERN}')",
+                "adapters[].source must be hf://org/repo[@revision], pvc://claim/path or an absolute path in the "
+                "engine image",
+            )
+        )
+    )
+
+    name: str = Field(
+        max_length=63,
+        pattern=ADAPTER_NAME,
+        description="The model name clients send (the OpenAI API's `model`) for this adapter, listed by /v1/models "
+        "beside the base model.",
+    )
+    source: str = Field(
+        description="Where the adapter's files (PEFT's adapter_config.json and safetensors) are: "
+        "hf://org/repo[@revision] (with model.tokenSecret for gated repositories), pvc://claim/path, or an absolute "
+        "path in the engine image.",
+    )
+    # The adapter's own rank (adapter_config.json's r): any PEFT rank; the runtime's max_lora_rank is
+    # the smallest it accepts at or above the largest of them.
+    rank: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_ADAPTER_RANK,
+        description="The adapter's LoRA rank (adapter_config.json's r), which the engines' adapter slots are sized "
+        "for; unset: counted as rank 16 (an adapter above the plan's max_lora_rank is refused when it is loaded).",
+    )
+
+    @model_validator(mode="after")
+    def _source(self) -> AdapterSpec:
+        check_source("adapters[].source", self.source)
+        return self
+
+
 # The most GPU types one service spreads over (a bound for CEL's cost estimate too).
 MAX_VARIANTS = 8
 VARIANTS_REPLACE = "accelerator.variants replaces type, count and nodeSelector: each variant names its GPU type"
@@ -770,8 +825,9 @@ class InferenceServiceSpec(_Camel):
             (
                 "!(has(self.model.tokenSecret) || has(self.model.cache)) || (has(self.model.source) && "
                 "self.model.source.startsWith('hf://')) || (has(self.serving) && has(self.serving.draftModel) && "
-                "self.serving.draftModel.startsWith('hf://'))",
-                "model.tokenSecret and model.cache apply only to hf:// sources (model.source or serving.draftModel)",
+                "self.serving.draftModel.startsWith('hf://')) || (has(self.adapters) && "
+                "self.adapters.exists(a, a.source.startsWith('hf://')))",
+                HUB_SETTINGS,
             ),
             (
                 "!has(self.replicas) || !has(self.autoscaling) || !has(self.autoscaling.mode) || "
@@ -779,12 +835,24 @@ class InferenceServiceSpec(_Camel):
                 "self.replicas <= self.autoscaling.maxReplicas",
                 "replicas must be <= autoscaling.maxReplicas in autoscaling mode slo",
             ),
+            (
+                "!has(self.adapters) || self.adapters.all(a, a.name != (has(self.model.servedModelName) ? "
+                "self.model.servedModelName : self.model.name))",
+                ADAPTER_IS_NOT_THE_MODEL,
+            ),
         )
     )
 
     model: ModelSpec = Field(
         description="The model to serve: its name, where its weights are, and its architecture where the catalog "
         "lacks it."
+    )
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        description="LoRA adapters of the model, each served under its own name beside the base model; the plan "
+        "sizes the engines' adapter slots (max_loras resident at max_lora_rank) and counts their memory.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     runtime: Runtime = Field(
         default="kvpilot",
@@ -921,10 +989,19 @@ class InferenceServiceSpec(_Camel):
 
     @model_validator(mode="after")
     def _hub_settings_need_a_hub_source(self) -> InferenceServiceSpec:
-        if (self.model.token_secret or self.model.cache) and not any(
-            hub_source(s) for s in (self.model.source, self.serving.draft_model)
-        ):
-            raise ValueError(
-                "model.tokenSecret and model.cache apply only to hf:// sources (model.source or serving.draftModel)"
-            )
+        sources = (self.model.source, self.serving.draft_model, *(a.source for a in self.adapters))
+        if (self.model.token_secret or self.model.cache) and not any(hub_source(s) for s in sources):
+            raise ValueError(HUB_SETTINGS)
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_named_apart(self) -> InferenceServiceSpec:
+        # Each adapter is a model name of its own: two of one name, or one named as the base model, would
+        # make a request's `model` ambiguous (the API server refuses both too: a list map, and CEL).
+        names = [a.name for a in self.adapters]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"adapters: each name once ({', '.join(twice)} repeated)")
+        if (self.model.served_model_name or self.model.name) in names:
+            raise ValueError(ADAPTER_IS_NOT_THE_MODEL)
         return self

@@ -173,8 +173,11 @@ def test_token_and_cache_belong_to_hf_sources(extra: dict[str, Any], source: str
         spec(model)
     with pytest.raises(ValidationError, match="apply only to hf:// sources"):
         spec(model, serving={"draftModel": "/opt/draft"})
-    # An hf:// draft model is downloaded with them.
+    # An hf:// draft model is downloaded with them, an hf:// adapter loaded with the token.
     spec(model, serving={"draftModel": "hf://TinyLlama/TinyLlama-1.1B-Chat-v1.0"})
+    InferenceServiceSpec.model_validate(
+        {"model": {"name": "llama-2-7b", **model}, "adapters": [{"name": "sql", "source": "hf://org/sql-lora"}]}
+    )
 
 
 def _crd_rules(section: str) -> list[dict[str, str]]:
@@ -218,6 +221,7 @@ def test_the_crd_puts_token_and_cache_with_either_hf_source() -> None:
         "!(has(self.model.tokenSecret) || has(self.model.cache)) || "
         "(has(self.model.source) && self.model.source.startsWith('hf://')) || "
         "(has(self.serving) && has(self.serving.draftModel) && "
-        "self.serving.draftModel.startsWith('hf://'))"
+        "self.serving.draftModel.startsWith('hf://')) || "
+        "(has(self.adapters) && self.adapters.exists(a, a.source.startsWith('hf://')))"
     )
     assert "apply only to hf:// sources" in rule["message"]

@@ -346,6 +346,7 @@ class AdapterSpec(_Camel):
         "beside the base model.",
     )
     source: str = Field(
+        max_length=512,
         description="Where the adapter's files (PEFT's adapter_config.json and safetensors) are: "
         "hf://org/repo[@revision] (with model.tokenSecret for gated repositories), pvc://claim/path, or an absolute "
         "path in the engine image.",

@@ -10,8 +10,10 @@ checks the count against transformers' own modules built from the same config. A
 allocates, not what the config names: vLLM 0.33 reads a Llama-style model's windows from layer_types
 only (Mistral-7B-v0.1's sliding_window alone is full attention there) and never gives Qwen layers a
 window. A family this module does not describe, or a feature of one that changes the KV rule
-(linear-attention or Mamba layers, a vision tower it does not count), is refused with the reason
-(`UnsupportedArchitecture`), never planned as if it were plain attention.
+(a vision tower it does not count), is refused with the reason (`UnsupportedArchitecture`), never
+planned as if it were plain attention; a hybrid with Mamba or linear-attention layers is refused
+with the per-sequence state vLLM gives them (planning/recurrent.py), which an Architecture cannot
+carry yet.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from kvpilot.operator.api.spec import Architecture, CheckpointQuantization
+from kvpilot.operator.planning.recurrent import RecurrentState, Serving, hybrid_kv, recurrent_state
 
 
 class Family(NamedTuple):
@@ -252,6 +255,9 @@ def _language_model(config: Mapping[str, Any], name: str) -> tuple[Mapping[str, 
     wrapper's text_config), or why it is not read."""
     if "text_config" not in config:
         family = FAMILIES.get(name)
+        state = recurrent_state(config)
+        if state is not None:
+            return _stateful(name, state)
         if family is None:
             readable = ", ".join([*FAMILIES, *WRAPPERS])
             return f"{name} is not an architecture the planner reads ({readable}); set spec.model.architecture"
@@ -263,6 +269,17 @@ def _language_model(config: Mapping[str, Any], name: str) -> tuple[Mapping[str, 
         )
     text, tower = WRAPPERS[name]
     return {**config["text_config"], "architectures": [text]}, FAMILIES[text], tower
+
+
+def _stateful(name: str, state: RecurrentState) -> str:
+    """Why a hybrid whose state layers vLLM sizes (planning/recurrent.py) is not planned yet."""
+    hybrid = hybrid_kv(state, Serving(gpu=""))
+    return (
+        f"{name} keeps a state per sequence in {state.layers} of its {state.layers + state.attention_layers} "
+        f"layers ({state.kind}: {hybrid.state_bytes:,} bytes per layer and sequence on one GPU, which vLLM 0.33 "
+        f"holds in pages of {hybrid.block_size}-token attention blocks), beside {state.attention_layers} "
+        "attention layers; a plan's architecture (spec.model.architecture) cannot describe that state yet"
+    )
 
 
 def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:

@@ -191,13 +191,25 @@ STEPS_IN_FLIGHT = 2
 
 class KVLayout(NamedTuple):
     """The KV cache as vLLM 0.33 lays it out (v1/core/kv_cache_planning.py): the layers of each kind
-    (full attention, sliding window) in groups of one size, every group with its own block table over
-    one pool of blocks, a block `block_size` tokens of the widest group's layers."""
+    (full attention, sliding window, a per-sequence state: planning/recurrent.py) in groups of one
+    size, every group with its own block table over one pool of blocks, a block `block_size` tokens
+    of the widest group's layers."""
 
     group_bytes_per_token: int  # one token in the widest group's layers (and the draft's, if any)
     full_groups: int  # groups that keep every token of a sequence
     sliding_groups: int  # groups that keep only the window (and the tokens in flight)
     window: int | None
+    state_groups: int = 0  # groups of layers that keep a state per sequence, whatever its length
+    state_blocks: int = 0  # the blocks one sequence's state takes in each of them
+
+
+def group_size(kinds: list[int]) -> int:
+    """How many layers vLLM puts in each group, given the layers of each kind: the smallest kind's
+    count, or the largest's when it is under 1.5 times the smallest (get_kv_cache_groups: fewer
+    padding layers); the last group of a kind is padded."""
+    present = [count for count in kinds if count]
+    smallest, largest = min(present), max(present)
+    return largest if 2 * largest < 3 * smallest else smallest
 
 
 def kv_layout(arch: Architecture, bytes_per_value: int = KV_BYTES_PER_VALUE, tp: int = 1, draft: int = 0) -> KVLayout:
@@ -207,9 +219,7 @@ def kv_layout(arch: Architecture, bytes_per_value: int = KV_BYTES_PER_VALUE, tp:
     rule, padding the last group of a kind)."""
     sliding = arch.windowed_layers
     full = arch.layers - sliding
-    size = min(full, sliding) or max(full, sliding)
-    if 2 * max(full, sliding) < 3 * size:
-        size = max(full, sliding)
+    size = group_size([full, sliding])
     return KVLayout(
         group_bytes_per_token=size * _layer_bytes_per_token(arch, bytes_per_value, tp) + draft,
         full_groups=math.ceil(full / size),
@@ -228,10 +238,11 @@ def tokens_in_flight(max_num_batched_tokens: int) -> int:
 
 
 def sequence_blocks(layout: KVLayout, tokens: int, block_size: int, in_flight: int) -> int:
-    """Blocks one sequence of `tokens` takes: every token's in each full group; in each sliding group
-    the window less one plus the `in_flight` tokens (at most the sequence), and a block more for a
-    window that starts inside a block (SlidingWindowSpec.max_admission_blocks_per_request)."""
-    blocks = layout.full_groups * blocks_per_sequence(tokens, block_size)
+    """Blocks one sequence of `tokens` takes: every token's in each full group, its state's in each
+    state group; in each sliding group the window less one plus the `in_flight` tokens (at most the
+    sequence), and a block more for a window that starts inside a block
+    (SlidingWindowSpec.max_admission_blocks_per_request)."""
+    blocks = layout.full_groups * blocks_per_sequence(tokens, block_size) + layout.state_groups * layout.state_blocks
     if layout.window is None:
         return blocks
     held = min(layout.window - 1 + in_flight, tokens)

@@ -10,6 +10,15 @@ scheduling (its GPU default) and `available` bytes: its groups, blocks, and the 
 max_model_len sequence takes. The checkpoint's quantization_config is left out of that build (this
 CPU-only venv has no kernels for FP8 or MXFP4 layers; the KV cache stays in the model's dtype).
 
+A hybrid model (Mamba or linear-attention layers beside attention) is planned as vLLM on a CUDA GPU
+plans it with the prefix caching the operator renders (mamba_cache_mode "align"): the model built,
+the block size raised until an attention page holds a layer's state
+(Platform._align_hybrid_block_size, with FlashAttention's kernel block sizes), the state's dtype as
+the CUDA platform leaves it (this CPU platform would store it in fp32), and, for a case with
+"flashinfer_gdn", Gated DeltaNet's prefill on FlashInfer as vLLM runs it on Hopper GPUs. The state
+and block size at tensor-parallel size 2 come from the model class's own state shapes (building
+the model needs its GPUs).
+
 The model folder holds only the config.json, so nothing is downloaded and no weights are read.
 """
 
@@ -19,18 +28,23 @@ import json
 import socket
 import sys
 import tempfile
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
 from vllm.model_executor.model_loader.utils import get_model_architecture
+from vllm.platforms.interface import Platform
 from vllm.utils.math_utils import cdiv
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec, MambaSpec
 
 BLOCK_SIZE = 16
 MAX_NUM_BATCHED_TOKENS = 8192
@@ -53,47 +67,79 @@ def kv_spec(folder: Path) -> dict[str, Any]:
     }
 
 
-def _layer_specs(vllm_config: VllmConfig) -> dict[str, KVCacheSpec]:
-    """Every attention layer's KV cache spec, at BLOCK_SIZE (the CPU backend picks its own)."""
-    with set_current_vllm_config(vllm_config):
+def _layer_specs(vllm_config: VllmConfig, flashinfer_gdn: bool = False) -> dict[str, KVCacheSpec]:
+    """Every attention layer's KV cache spec, at BLOCK_SIZE (the CPU backend picks its own), or, for a
+    hybrid, at the block size vLLM aligns to its state pages once the layers are built."""
+    hybrid = vllm_config.model_config.is_hybrid
+    with ExitStack() as stack:
+        stack.enter_context(set_current_vllm_config(vllm_config))
+        if flashinfer_gdn:
+            on_flashinfer = mock.patch.object(
+                qwen_gdn_linear_attn, "_resolve_gdn_prefill_backend", lambda _: ("auto", "flashinfer")
+            )
+            stack.enter_context(on_flashinfer)
         model_class, _ = get_model_architecture(vllm_config.model_config)
         with torch.device("meta"):
             model = model_class(vllm_config=vllm_config, prefix="")
+        if hybrid:
+            cuda_backends = classmethod(lambda cls, config: [FlashAttentionBackend])
+            stack.enter_context(mock.patch.object(Platform, "_find_non_ssm_backends", cuda_backends))
+            Platform._align_hybrid_block_size(vllm_config, FlashAttentionBackend)
         specs = {
             name: module.get_kv_cache_spec(vllm_config)
             for name, module in model.named_modules()
             if isinstance(module, AttentionLayerBase)
         }
+    block_size = vllm_config.cache_config.block_size if hybrid else BLOCK_SIZE
     return {
-        name: replace(spec, block_size=BLOCK_SIZE) if isinstance(spec, AttentionSpec) else spec
+        name: replace(spec, block_size=block_size) if isinstance(spec, AttentionSpec) else spec
         for name, spec in specs.items()
         if spec is not None
     }
 
 
-def kv_pool(folder: Path) -> dict[str, Any]:
-    """The layers' specs and vLLM's planning of AVAILABLE bytes with them."""
+def _layer(spec: KVCacheSpec, vllm_config: VllmConfig) -> dict[str, Any]:
+    """What one layer's spec allocates: bytes per token of K and V, or a state's page per sequence."""
+    attention, state = isinstance(spec, AttentionSpec), isinstance(spec, MambaSpec)
+    return {
+        "kind": type(spec).__name__,
+        "bytes_per_token": spec.page_size_bytes // spec.block_size if attention else None,
+        "sliding_window": getattr(spec, "sliding_window", None),
+        "max_tp_shards": getattr(spec, "max_tp_shards", None),
+        "state_bytes": spec.real_page_size_bytes if state else None,
+        "page_bytes": spec.page_size_bytes if state else None,
+        "pages_per_sequence": spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes if state else None,
+    }
+
+
+def _vllm_config(folder: Path, tp: int = 1) -> VllmConfig:
+    """vLLM's config of the model in `folder` as its CUDA GPUs take it, on `tp` of them."""
     config = json.loads((folder / "config.json").read_text())
     config.pop("quantization_config", None)
     (folder / "config.json").write_text(json.dumps(config))
     model = ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16")
-    vllm_config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BLOCK_SIZE))
+    # A hybrid's prefix caching (as the operator renders it) keeps its states block by block.
+    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=model.is_hybrid)
+    with mock.patch.object(torch.cpu, "_is_avx512_bf16_supported", lambda: False):
+        # This CPU platform would store a Gated DeltaNet's state in fp32 for its own kernels.
+        vllm_config = VllmConfig(
+            model_config=model, cache_config=cache, parallel_config=ParallelConfig(tensor_parallel_size=tp)
+        )
     vllm_config.scheduler_config.async_scheduling = True
     # The engine core resolves it from the backends (FlashAttention: NHD); pages of one size pack the
     # same in every layout.
     vllm_config.cache_config.kv_cache_layout = "LBNHC"
     vllm_config.scheduler_config.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
-    specs = _layer_specs(vllm_config)
-    layers = [
-        {
-            "kind": type(spec).__name__,
-            "bytes_per_token": spec.page_size_bytes // spec.block_size if isinstance(spec, AttentionSpec) else None,
-            "sliding_window": getattr(spec, "sliding_window", None),
-            "max_tp_shards": getattr(spec, "max_tp_shards", None),
-        }
-        for spec in specs.values()
-    ]
-    if not specs or any(not isinstance(spec, AttentionSpec) for spec in specs.values()):
+    return vllm_config
+
+
+def kv_pool(folder: Path, flashinfer_gdn: bool = False) -> dict[str, Any]:
+    """The layers' specs and vLLM's planning of AVAILABLE bytes with them."""
+    vllm_config = _vllm_config(folder)
+    specs = _layer_specs(vllm_config, flashinfer_gdn)
+    layers = [_layer(spec, vllm_config) for spec in specs.values()]
+    kinds = (AttentionSpec | MambaSpec) if vllm_config.model_config.is_hybrid else AttentionSpec
+    if not specs or any(not isinstance(spec, kinds) for spec in specs.values()):
         return {"layer_specs": layers}
     groups = get_kv_cache_groups(vllm_config, specs)
     planned = get_kv_cache_config_from_groups(vllm_config, groups, AVAILABLE)
@@ -103,16 +149,31 @@ def kv_pool(folder: Path) -> dict[str, Any]:
     return {
         "layer_specs": layers,
         "pool": {
-            "block_size": BLOCK_SIZE,
+            "block_size": vllm_config.cache_config.block_size,
             "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
             "max_in_flight_tokens": vllm_config.max_in_flight_tokens,
             "available": AVAILABLE,
             "groups": [type(g.kv_cache_spec).__name__ for g in groups],
             "num_blocks": planned.num_blocks,
             "blocks_per_request": per_request,
-            "max_model_len": model.max_model_len,
+            "max_model_len": vllm_config.model_config.max_model_len,
         },
     }
+
+
+def hybrid_on_two_gpus(folder: Path) -> dict[str, Any]:
+    """A hybrid's state page per GPU and the block size vLLM aligns to it at tensor-parallel size 2,
+    from the model class's state shapes and dtypes (Triton kernels: no checkpoint grid)."""
+    vllm_config = _vllm_config(folder, tp=2)
+    model_class, _ = get_model_architecture(vllm_config.model_config)
+    state = MambaSpec(
+        shapes=model_class.get_mamba_state_shape_from_config(vllm_config),
+        dtypes=model_class.get_mamba_state_dtype_from_config(vllm_config),
+        block_size=-1,
+    )
+    with mock.patch.object(Platform, "_find_non_ssm_backends", classmethod(lambda cls, c: [FlashAttentionBackend])):
+        Platform._align_hybrid_block_size(vllm_config, FlashAttentionBackend)
+    return {"state_bytes": state.page_size_bytes, "block_size": vllm_config.cache_config.block_size}
 
 
 def _init_distributed() -> None:
@@ -135,7 +196,9 @@ def main() -> None:
             (folder / "config.json").write_text(json.dumps(case["config"]))
             try:
                 found: dict[str, Any] = kv_spec(folder)
-                found |= kv_pool(folder)
+                found |= kv_pool(folder, bool(case.get("flashinfer_gdn")))
+                if found["hybrid"] and not case.get("flashinfer_gdn"):
+                    found["two_gpus"] = hybrid_on_two_gpus(folder)
             except Exception as error:  # noqa: BLE001 - reported per case, for the test to show
                 found = {"error": f"{type(error).__name__}: {error}"}
             print(json.dumps({"id": case["id"], **found}), flush=True)

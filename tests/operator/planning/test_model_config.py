@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from e2e.hub_server import HubServer
-from kvpilot.operator.planning import sizing
+from kvpilot.operator.planning import recurrent, sizing
 from kvpilot.operator.planning.model_config import FAMILIES, WRAPPERS, read_config
 from kvpilot.operator.planning.models import MODELS
 from tests.vllm import env
@@ -386,10 +386,10 @@ def test_a_quantized_checkpoint_s_own_bytes_are_the_weights_vllm_holds(tmp_path:
 # for the reason named here.
 HF_CONFIGS = Path(__file__).parent / "hf_configs"
 REFUSED = {
-    "Qwen--Qwen3-Next-80B-A3B-Thinking": "Qwen3NextForCausalLM is not",  # linear-attention layers
+    "Qwen--Qwen3-Next-80B-A3B-Thinking": "keeps a state per sequence in 36 of its 48 layers (gated_deltanet",
     "llava-hf--llava-1.5-7b-hf": "with a vision tower whose weights the planner does not count",
     "microsoft--Phi-mini-MoE-instruct": "PhiMoEForCausalLM is not",
-    "nvidia--Nemotron-H-56B-Base-8K": "NemotronHForCausalLM is not",  # Mamba layers
+    "nvidia--Nemotron-H-56B-Base-8K": "keeps a state per sequence in 54 of its 64 layers (mamba2",
     "tiiuae--falcon-mamba-7b": "FalconMambaForCausalLM is not",
 }
 # What vLLM allocates as plain attention, refused only because the planner does not count its parameters.
@@ -435,8 +435,51 @@ def vllm_kv_specs() -> dict[str, dict[str, Any]]:
     cases = [
         json.dumps({"id": n, "config": json.loads((HF_CONFIGS / f"{n}.json").read_text())}) for n in real_configs()
     ]
+    # The hybrids again as vLLM runs them on Hopper GPUs (FlashInfer's Gated DeltaNet prefill).
+    cases += [
+        json.dumps({"id": f"{n}@{HOPPER}", "config": json.loads((HF_CONFIGS / f"{n}.json").read_text()), **FLASHINFER})
+        for n in HYBRIDS
+    ]
     out = env.run("kv_specs", "\n".join(cases) + "\n")
     return {found["id"]: found for found in map(json.loads, out.splitlines())}
+
+
+# The real configs of hybrids (Mamba-2, Gated DeltaNet) and a GPU vLLM runs each kernel path on.
+HYBRIDS = ("Qwen--Qwen3-Next-80B-A3B-Thinking", "nvidia--Nemotron-H-56B-Base-8K")
+HOPPER, TRITON = "H100-80GB", "L40S"
+FLASHINFER = {"flashinfer_gdn": True}
+
+
+@pytest.mark.parametrize("gpu", [TRITON, HOPPER])
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_vllm_holds_a_hybrids_per_sequence_state_as_the_planner_sizes_it(
+    name: str, gpu: str, vllm_kv_specs: dict[str, dict[str, Any]]
+) -> None:
+    found = vllm_kv_specs[name if gpu == TRITON else f"{name}@{HOPPER}"]
+    state = recurrent.recurrent_state(json.loads((HF_CONFIGS / f"{name}.json").read_text()))
+    assert state is not None and found["hybrid"], found
+    hybrid = recurrent.hybrid_kv(state, recurrent.Serving(gpu))
+    layers = found["layer_specs"]
+    assert Counter(layer["kind"] for layer in layers) == {
+        "FullAttentionSpec": state.attention_layers,
+        "MambaSpec": state.layers,
+    }
+    attention = [layer for layer in layers if layer["kind"] == "FullAttentionSpec"]
+    states = [layer for layer in layers if layer["kind"] == "MambaSpec"]
+    assert {layer["bytes_per_token"] for layer in attention} == {recurrent.attention_token_bytes(state, 1, 2)}
+    # One layer's state per sequence, padded to one attention page, and the pages a sequence keeps.
+    assert {layer["state_bytes"] for layer in states} == {hybrid.state_bytes}
+    assert {layer["page_bytes"] for layer in states} == {hybrid.page_bytes}
+    assert {layer["pages_per_sequence"] for layer in states} == {hybrid.layout.state_blocks}
+    pool, layout = found["pool"], hybrid.layout
+    assert pool["block_size"] == hybrid.block_size
+    assert Counter(pool["groups"]) == {"FullAttentionSpec": layout.full_groups, "MambaSpec": layout.state_groups}
+    assert pool["num_blocks"] == pool["available"] // sizing.kv_block_bytes(layout, hybrid.block_size)
+    assert pool["blocks_per_request"] == sizing.sequence_blocks(layout, pool["max_model_len"], hybrid.block_size, 0)
+    if gpu == TRITON:
+        # Split over two GPUs (Triton's kernels): each holds half the state, in blocks of the same size.
+        two = recurrent.hybrid_kv(state, recurrent.Serving(gpu, tp=2))
+        assert found["two_gpus"] == {"state_bytes": two.state_bytes, "block_size": two.block_size}
 
 
 SIZED_KINDS = {"FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec"}

@@ -1,0 +1,197 @@
+"""Layers that keep a state per sequence instead of K and V per token (Mamba-2 mixers, Gated DeltaNet
+linear attention), and the KV cache of a hybrid model as vLLM 0.33 lays it out beside them.
+
+vLLM holds each such layer's state (a short convolution window and the recurrent state) in one page
+per sequence, in the same pool of blocks as the attention layers' K and V: it raises the attention
+block size until an attention page (block size x one token's K and V in one layer) holds the state
+(`Platform._align_hybrid_block_size`), pads the state to that page, and groups the layers of each
+kind as it groups full and sliding-window attention (sizing.KVLayout). With prefix caching (which
+the operator always renders) a sequence keeps 2 state pages per group plus a checkpoint page where
+the layer exports one (MambaSpec.max_memory_usage_bytes, mamba_cache_mode "align").
+tests/operator/planning/test_recurrent.py checks each number against vLLM's own code run on the real
+config.json files of tests/operator/planning/hf_configs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from kvpilot.operator.planning import sizing
+
+# Attention backends on CUDA (FlashAttention, FlashInfer) take blocks of any multiple of 16 tokens:
+# vLLM's hybrid block size is a multiple of it.
+KERNEL_BLOCK_ALIGNMENT = 16
+# FlashInfer's Gated DeltaNet prefill (vLLM's choice on Hopper, SM 9.x) exports the state from inside
+# a prefill at multiples of 64 tokens (vllm/v1/attention/backends/gdn_attn.py), so under prefix
+# caching the block is a multiple of 64 and each sequence keeps one more state page (its checkpoint).
+# Elsewhere (Ampere, Ada; Blackwell needs CUDA 13, which vLLM 0.33's wheels are not built with) the
+# Triton kernels run and neither holds.
+FLASHINFER_GDN_ALIGNMENT = 64
+FLASHINFER_GDN_GPUS = ("H100-80GB", "H200")
+# State pages a sequence keeps per group under prefix caching: the running state and the last full
+# block's (MambaSpec.max_memory_usage_bytes in "align" mode), besides a checkpoint page.
+ALIGN_MODE_PAGES = 2
+FP32_BYTES = 4
+
+
+class RecurrentState(NamedTuple):
+    """What one of a model's state layers holds per sequence, before tensor parallelism splits it."""
+
+    kind: str  # "mamba2" (Nemotron-H) or "gated_deltanet" (Qwen3-Next)
+    layers: int  # the layers that keep it
+    attention_layers: int  # the full-attention layers beside them
+    conv_channels: int  # the short convolution's channels (split over the GPUs)
+    conv_width: int  # tokens the convolution keeps: its kernel less one
+    groups: int  # Mamba-2's B/C groups, each conv_group_channels wide (0: none)
+    conv_group_channels: int
+    heads: int  # the recurrent state's heads (split over the GPUs)
+    head_values: int  # one head's recurrent state
+    fp32_state: bool  # the recurrent state in fp32 (Nemotron-H's default), else in the model's dtype
+    kv_heads: int  # the attention layers' K and V heads
+    head_dim: int
+
+
+def _count(types: list[str], kind: str) -> int:
+    return sum(1 for t in types if t == kind)
+
+
+def _nemotron_h(config: Mapping[str, Any]) -> RecurrentState:
+    """Nemotron-H: hybrid_override_pattern names each layer (M: Mamba-2, *: attention, -: MLP)."""
+    pattern = str(config["hybrid_override_pattern"])
+    heads, head_dim = int(config["mamba_num_heads"]), int(config["mamba_head_dim"])
+    state = int(config["ssm_state_size"])
+    return RecurrentState(
+        kind="mamba2",
+        layers=pattern.count("M"),
+        attention_layers=pattern.count("*"),
+        conv_channels=heads * head_dim,
+        conv_width=int(config["conv_kernel"]) - 1,
+        groups=int(config["n_groups"]),
+        conv_group_channels=2 * state,
+        heads=heads,
+        head_values=head_dim * state,
+        # vLLM's NemotronHForCausalLMConfig: the config's mamba_ssm_cache_dtype, else float32.
+        fp32_state=config.get("mamba_ssm_cache_dtype", "float32") == "float32",
+        kv_heads=int(config["num_key_value_heads"]),
+        head_dim=int(config.get("attention_head_dim") or config["hidden_size"] // config["num_attention_heads"]),
+    )
+
+
+def _gated_deltanet(config: Mapping[str, Any]) -> RecurrentState:
+    """Qwen3-Next: layer_types (else every full_attention_interval-th layer full) of
+    linear_attention (Gated DeltaNet) and full_attention."""
+    layers = int(config["num_hidden_layers"])
+    interval = int(config.get("full_attention_interval") or 4)
+    types = config.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)
+    ]
+    key_heads, value_heads = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
+    key_dim, value_dim = int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"])
+    return RecurrentState(
+        kind="gated_deltanet",
+        layers=_count(types, "linear_attention"),
+        attention_layers=_count(types, "full_attention"),
+        conv_channels=2 * key_heads * key_dim + value_heads * value_dim,
+        conv_width=int(config["linear_conv_kernel_dim"]) - 1,
+        groups=0,
+        conv_group_channels=0,
+        heads=value_heads,
+        head_values=value_dim * key_dim,
+        # In the model's dtype unless vLLM is told otherwise (--mamba-ssm-cache-dtype, never rendered).
+        fp32_state=False,
+        kv_heads=int(config["num_key_value_heads"]),
+        head_dim=int(config["head_dim"]),
+    )
+
+
+# architectures[0] (or a wrapper's language model's) -> how its config names the state layers.
+READERS = {
+    "NemotronHForCausalLM": _nemotron_h,
+    "Qwen3NextForCausalLM": _gated_deltanet,
+}
+
+
+def recurrent_state(config: Mapping[str, Any]) -> RecurrentState | None:
+    """The per-sequence state of a hybrid model's config.json, None for a model without state layers."""
+    reader = READERS.get(str((config.get("architectures") or [""])[0]))
+    return reader(config) if reader else None
+
+
+def state_page_bytes(state: RecurrentState, tp: int, bytes_per_value: int = sizing.BYTES_PER_VALUE) -> int:
+    """One layer's state of one sequence on each of `tp` GPUs: the convolution window (Mamba-2's
+    groups copied to every GPU where `tp` does not divide them, as vLLM's
+    extra_groups_for_head_shards does) in the model's dtype, and the recurrent state."""
+    groups = state.groups if state.groups % tp == 0 else max(state.groups, tp)
+    conv = state.conv_width * (state.conv_channels + groups * state.conv_group_channels) // tp
+    recurrent = state.heads // tp * state.head_values
+    return conv * bytes_per_value + recurrent * (FP32_BYTES if state.fp32_state else bytes_per_value)
+
+
+def attention_token_bytes(state: RecurrentState, tp: int, bytes_per_value: int) -> int:
+    """One token's K and V in one attention layer on each of `tp` GPUs (a KV head on every GPU at least)."""
+    return 2 * max(1, state.kv_heads // tp) * state.head_dim * bytes_per_value
+
+
+def checkpoint_pages(state: RecurrentState, gpu: str) -> int:
+    """The checkpoint page a sequence keeps per state group under prefix caching: Mamba-2's mixer
+    always exports one, Gated DeltaNet where FlashInfer runs its prefill."""
+    return int(state.kind == "mamba2" or gpu in FLASHINFER_GDN_GPUS)
+
+
+def block_alignment(state: RecurrentState, gpu: str) -> int:
+    """What vLLM rounds a hybrid's block size to on `gpu`: the kernels' 16 tokens, or FlashInfer's
+    Gated DeltaNet checkpoint grid under prefix caching."""
+    if state.kind == "gated_deltanet" and gpu in FLASHINFER_GDN_GPUS:
+        return math.lcm(KERNEL_BLOCK_ALIGNMENT, FLASHINFER_GDN_ALIGNMENT)
+    return KERNEL_BLOCK_ALIGNMENT
+
+
+def hybrid_block_size(token_bytes: int, page_bytes: int, block_size: int, alignment: int) -> int:
+    """vLLM's attention block size beside state pages of `page_bytes` (Platform._align_hybrid_block_size):
+    the fewest tokens, a multiple of `alignment` and of `block_size` (at least the kernels' 16), whose
+    K and V of `token_bytes` per token fill a page that holds the state; `block_size` where larger."""
+    step = math.lcm(max(KERNEL_BLOCK_ALIGNMENT, block_size), alignment)
+    needed = step * math.ceil(page_bytes / (step * token_bytes))
+    return max(block_size, KERNEL_BLOCK_ALIGNMENT * math.ceil(needed / KERNEL_BLOCK_ALIGNMENT))
+
+
+class HybridKV(NamedTuple):
+    """A hybrid model's KV cache on one replica as vLLM 0.33 allocates it."""
+
+    block_size: int  # tokens per attention block, raised until a page holds a state
+    state_bytes: int  # one layer's state of one sequence on one GPU
+    page_bytes: int  # one layer's block on one GPU: the attention page, the state padded to it
+    layout: sizing.KVLayout  # the replica's groups (its bytes over all of its GPUs)
+
+
+class Serving(NamedTuple):
+    """Where and how the hybrid is served: `tp` GPUs of type `gpu` (a catalog name), the block size
+    the plan asks for and the bytes of one K or V value."""
+
+    gpu: str
+    tp: int = 1
+    block_size: int = 16
+    bytes_per_value: int = sizing.BYTES_PER_VALUE
+
+
+def hybrid_kv(state: RecurrentState, serving: Serving) -> HybridKV:
+    """The block size, the state and page bytes, and the groups of `state`'s model served as `serving`
+    says: the layers of each kind in groups of one size (sizing.group_size), each attention group
+    holding a sequence's tokens, each state group ALIGN_MODE_PAGES pages and its checkpoint."""
+    tp = serving.tp
+    token = attention_token_bytes(state, tp, serving.bytes_per_value)
+    # vLLM keeps the recurrent state in the model's dtype whatever the KV cache's (--kv-cache-dtype).
+    page = state_page_bytes(state, tp)
+    block = hybrid_block_size(token, page, serving.block_size, block_alignment(state, serving.gpu))
+    size = sizing.group_size([state.attention_layers, state.layers])
+    layout = sizing.KVLayout(
+        group_bytes_per_token=size * token * tp,
+        full_groups=math.ceil(state.attention_layers / size),
+        sliding_groups=0,
+        window=None,
+        state_groups=math.ceil(state.layers / size),
+        state_blocks=ALIGN_MODE_PAGES + checkpoint_pages(state, serving.gpu),
+    )
+    return HybridKV(block_size=block, state_bytes=page, page_bytes=block * token, layout=layout)

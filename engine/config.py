@@ -179,6 +179,20 @@ class EngineConfig(BaseModel):
         description="compile the decode step of a lone sequence with torch.compile before serving (on CPU ~1.3x "
         "faster single-stream decoding; startup takes ~25 s more on 2 cores)",
     )
+    enable_lora: bool = Field(
+        False,
+        description="serve LoRA adapters (PEFT format) beside the base model: a request names one as its model",
+    )
+    max_loras: int = Field(1, ge=1, description="distinct adapters in one step at most (their weights resident)")
+    max_lora_rank: int = Field(16, ge=1, description="highest adapter rank accepted")
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=1,
+        description="adapters held in memory at most, least recently used first out (default: max_loras)",
+    )
+    lora_modules: list[str] | None = Field(
+        None, description="adapters to load at start, as name=path (a folder in PEFT's format)"
+    )
     compile_cache_dir: str | None = Field(
         None,
         description="where a CPU engine keeps its built C++ kernels and compile_decode its compiled artifacts for "
@@ -194,6 +208,35 @@ class EngineConfig(BaseModel):
                 f"ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _lora(self) -> EngineConfig:
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("lora_modules needs enable_lora")
+            return self
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        # The compiled decode step is traced without the adapters' layers, and a self-speculative
+        # draft runs the target's layers outside the step that sets their adapters.
+        if self.compile_decode:
+            raise ValueError("compile_decode is not supported with enable_lora (the eager step serves adapters)")
+        if self.speculative == "draft":
+            raise ValueError("speculative=draft is not supported with enable_lora (ngram is)")
+        for module in self.lora_modules or []:
+            name, sep, path = module.partition("=")
+            if not (sep and name and path):
+                raise ValueError(f"lora_modules entry {module!r} is not name=path")
+        return self
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """--lora-modules as name -> path."""
+        return dict(m.partition("=")[::2] for m in self.lora_modules or [])
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters held in memory at most: max_cpu_loras, or max_loras when unset (as vLLM)."""
+        return self.max_cpu_loras or self.max_loras
 
     @field_validator("block_size")
     @classmethod
@@ -276,6 +319,9 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
             parser.add_argument(
                 _flag(name), action=argparse.BooleanOptionalAction, default=field.default, help=help_text
             )
+        elif typing.get_origin(kind) is list:
+            element = typing.get_args(kind)[0]
+            parser.add_argument(_flag(name), nargs="+", type=element, default=field.default, help=help_text)
         elif typing.get_origin(kind) is typing.Literal:
             parser.add_argument(_flag(name), choices=typing.get_args(kind), default=field.default, help=help_text)
         else:
@@ -300,6 +346,8 @@ def to_argv(config: BaseModel) -> list[str]:
             continue
         if isinstance(value, bool):
             argv.append(_flag(name) if value else "--no-" + name.replace("_", "-"))
+        elif isinstance(value, list):
+            argv += [_flag(name), *map(str, value)]
         else:
             argv += [_flag(name), repr(value) if isinstance(value, float) else str(value)]
     return argv

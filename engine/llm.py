@@ -26,7 +26,9 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_name: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_name`: the registered LoRA adapter of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text or as token ids
         prompts = list(prompts)
@@ -34,13 +36,16 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        loras = [lora_name] * len(prompts) if lora_name is None or isinstance(lora_name, str) else list(lora_name)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} adapter names for {len(prompts)} prompts")
 
         groups: list[list[Request]] = []
         finals: dict[str, CompletionOutput] = {}
         prompt_logprobs: dict[str, list] = {}
         try:
-            for prompt, params in zip(prompts, sampling_params):
-                groups.append([self.engine.add_request(prompt, p) for p in params.per_sequence()])
+            for prompt, params, lora in zip(prompts, sampling_params, loras):
+                groups.append([self.engine.add_request(prompt, p, lora_name=lora) for p in params.per_sequence()])
                 for index, request in enumerate(groups[-1]):
                     finals[request.request_id] = CompletionOutput(index=index, text="", token_ids=[])
             while self.engine.has_unfinished():

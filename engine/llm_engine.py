@@ -14,6 +14,8 @@ from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import FinishReason, Request
 from kvpilot.engine.core.sampling_params import SamplingParams
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from kvpilot.engine.lora.adapter import LoRAAdapter, load_adapter
+from kvpilot.engine.lora.registry import AdapterRegistry
 from kvpilot.engine.model.loader import EMBEDDED_MODEL, load_config, load_tokenizer, resolve_model
 from kvpilot.engine.output_processor import OutputProcessor
 from kvpilot.engine.outputs import ModelRunnerOutput, StepOutput
@@ -56,7 +58,11 @@ class LLMEngine:
                 self.config.speculative_min_acceptance,
                 self.config.speculative_backoff_steps,
             ),
+            max_loras=self.config.max_loras if self.config.enable_lora else None,
         )
+        self.loras = AdapterRegistry(self.config.cpu_loras, self.read_adapter)
+        for name, path in self.config.lora_module_paths().items():
+            self.add_lora(name, path)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -89,6 +95,26 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
 
+    def read_adapter(self, name: str, path: str) -> LoRAAdapter:
+        """Read and check the PEFT adapter at `path` for this model (AdapterError if it cannot serve);
+        touches no engine state, so a server calls it off the engine thread."""
+        if not self.config.enable_lora:
+            raise ValueError("LoRA adapters need enable_lora")
+        if name == self.model_name:
+            raise ValueError(f"an adapter cannot take the base model's name {name!r}")
+        return load_adapter(name, path, self.runner.hf_config, self.config.max_lora_rank, self.runner.dtype)
+
+    def add_lora(self, name: str, path: str, adapter: LoRAAdapter | None = None) -> LoRAAdapter:
+        """Serve the adapter at `path` under `name` (`adapter`: read_adapter's result, if already read)."""
+        adapter = self.loras.add(name, path, adapter or self.read_adapter(name, path))
+        log.info("event=lora_loaded name=%s path=%s rank=%d bytes=%d", name, path, adapter.rank, adapter.nbytes)
+        return adapter
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter `name`; its requests in flight finish with it."""
+        self.loras.remove(name)
+        log.info("event=lora_unloaded name=%s", name)
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -107,7 +133,9 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> Request:
+        """Queue a request; `lora_name`: a registered adapter to run it with (None: the base model)."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         if not token_ids:
@@ -122,7 +150,8 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, token_ids, params, arrival_time, cache_salt)
+        lora = self.loras.get(lora_name) if lora_name is not None else None
+        request = Request(request_id, token_ids, params, arrival_time, cache_salt, lora)
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.output_processor.add_request(request)

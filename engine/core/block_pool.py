@@ -17,16 +17,21 @@ from dataclasses import dataclass
 BlockHash = bytes
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int], cache_salt: str | None = None) -> BlockHash:
-    """Key of a full block: SHA-256 over its parent's key, the request's cache salt (first block
-    only) and its token ids, so equal blocks match only under equal prefixes and equal salts.
+def hash_block(
+    parent: BlockHash | None, token_ids: Sequence[int], cache_salt: str | None = None, lora_id: int | None = None
+) -> BlockHash:
+    """Key of a full block: SHA-256 over its parent's key, the request's cache salt and LoRA adapter
+    (first block only) and its token ids, so equal blocks match only under equal prefixes, equal
+    salts and the same adapter (an adapter changes every layer's K and V).
 
     A cryptographic hash, not Python's hash(): hash() of an int tuple is the same in every process,
     so a colliding prompt can be searched for offline and would be served another request's KV
     (the class of vLLM's CVE-2025-25183). The digest is taken over exactly these bytes:
 
-        first block:   b"\x00" + salt + tokens
+        first block:   b"\x00" + salt + tokens                       base model
+                       b"\x02" + adapter + salt + tokens             a LoRA adapter's request
         later blocks:  b"\x01" + parent + tokens
+          adapter = lora_id.to_bytes(8, "little")                the adapter's registration id
           salt   = b"\x00"                                   no cache_salt
                  | b"\x01" + len(s).to_bytes(8, "little") + s  s = cache_salt.encode("utf-8")
           parent = the parent block's 32-byte key
@@ -37,18 +42,20 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], cache_salt: s
     equals None), and the tokens fill the rest at a fixed 4 bytes each, so their count and values
     read back unambiguously. Token ids outside [0, 2**32) cannot be encoded and raise struct.error
     rather than wrap (vocabularies are far below 2**32). The salt goes into the first block only:
-    it reaches every later block through the parent key.
+    it reaches every later block through the parent key, and so does the adapter.
     """
     if parent is None:
+        first = b"\x00" if lora_id is None else b"\x02" + lora_id.to_bytes(8, "little")
         if cache_salt is None:
-            header = b"\x00\x00"
+            header = first + b"\x00"
         else:
             salt = cache_salt.encode("utf-8")
-            header = b"\x00\x01" + len(salt).to_bytes(8, "little") + salt
+            header = first + b"\x01" + len(salt).to_bytes(8, "little") + salt
     else:
-        if cache_salt is not None:
+        if cache_salt is not None or lora_id is not None:
             raise ValueError(
-                "cache_salt is mixed into the first block only; later blocks inherit it from the parent key"
+                "cache_salt and lora_id are mixed into the first block only; later blocks inherit them from the "
+                "parent key"
             )
         if len(parent) != 32:
             raise ValueError(f"a parent key is a 32-byte SHA-256 digest, got {len(parent)} bytes")

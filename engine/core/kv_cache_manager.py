@@ -103,9 +103,11 @@ class KVCacheManager:
         while len(hashes) < num_blocks:
             i = len(hashes)
             tokens = request.token_ids[i * bs : (i + 1) * bs]
-            # The salt goes into the first block's key; later blocks inherit it through the parent.
+            # The salt and the adapter go into the first block's key; later blocks inherit them
+            # through the parent.
             if i == 0:
-                hashes.append(hash_block(None, tokens, request.cache_salt))
+                lora_id = request.lora.lora_id if request.lora is not None else None
+                hashes.append(hash_block(None, tokens, request.cache_salt, lora_id))
             else:
                 hashes.append(hash_block(hashes[-1], tokens))
         return hashes

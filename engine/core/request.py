@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvpilot.engine.lora.adapter import LoRAAdapter
 
 
 class RequestStatus(enum.Enum):
@@ -28,8 +32,12 @@ class Request:
         params: SamplingParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> None:
         self.request_id = request_id
+        # The LoRA adapter it runs with (None: the base model); held until it finishes, so that
+        # unloading the adapter meanwhile does not change it.
+        self.lora = lora
         # Mixed into the prefix-cache key of the first block: requests share cached KV only with
         # requests of the same salt (one salt per tenant keeps tenants' caches apart).
         self.cache_salt = cache_salt

@@ -105,6 +105,13 @@ class SchedulerStats:
     # Requests scheduled for the first time since the previous stats: (request id, seconds queued).
     first_scheduled: tuple[tuple[str, float], ...] = ()
     spec_decoding: SpecDecodingStats = SpecDecodingStats()
+    # LoRA adapters of the running and of the waiting requests, by name (vllm:lora_requests_info).
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+
+
+def _lora_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
 
 
 class Scheduler:
@@ -118,8 +125,11 @@ class Scheduler:
         eos_token_ids: Collection[int] = (),
         num_lookahead_tokens: int = 0,
         acceptance_policy: AcceptancePolicy | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.kv = kv
+        # Distinct LoRA adapters in the running batch at most (None: LoRA is off).
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -166,9 +176,24 @@ class Scheduler:
                 i += 1
 
         # Admitting new work right after a preemption would only thrash the cache.
+        if not out.preempted:
+            self._admit(budget, scheduled)
+        out.scheduled = [ScheduledRequest(r, n, self.kv.block_ids(r), d, self._proposes(r)) for r, n, d in scheduled]
+        return out
+
+    def _admit(self, budget: int, scheduled: list[tuple[Request, int, list[int]]]) -> None:
+        """Admit waiting prompts in arrival order while the budget, the sequence cap and the blocks
+        allow. A request whose LoRA adapter would be one more than max_loras in the running batch
+        waits, and those behind it go on (as vLLM's scheduler skips it)."""
         now = time.monotonic()
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        loras = {r.lora.lora_id for r in self.running if r.lora is not None}
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            lora_id = request.lora.lora_id if request.lora is not None else None
+            if lora_id is not None and lora_id not in loras and len(loras) >= (self.max_loras or 0):
+                skipped.append(self.waiting.popleft())
+                continue
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
@@ -184,10 +209,11 @@ class Scheduler:
                 self._first_scheduled.append((request.request_id, now - request.arrival_time))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if lora_id is not None:
+                loras.add(lora_id)
             scheduled.append((request, num_new, []))
             budget -= num_new
-        out.scheduled = [ScheduledRequest(r, n, self.kv.block_ids(r), d, self._proposes(r)) for r, n, d in scheduled]
-        return out
+        self.waiting.extendleft(reversed(skipped))
 
     def _proposes(self, request: Request) -> bool:
         window = self.acceptance.get(request.request_id)
@@ -323,4 +349,6 @@ class Scheduler:
             prefix_cache_hits=pool.stats.hits,
             first_scheduled=first,
             spec_decoding=self.spec_decoding,
+            running_loras=_lora_names(self.running) if self.max_loras else (),
+            waiting_loras=_lora_names(self.waiting) if self.max_loras else (),
         )

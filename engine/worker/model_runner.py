@@ -17,6 +17,9 @@ from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.sampling_params import MAX_LOGPROBS
 from kvpilot.engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from kvpilot.engine.lora.adapter import LoRAAdapter
+from kvpilot.engine.lora.layers import LoRABatch, wrap
+from kvpilot.engine.lora.registry import Resident
 from kvpilot.engine.model import cpu_kernels, onednn_linear
 from kvpilot.engine.model.attention import AttentionMetadata, PrefillChunk, allocate_kv_caches
 from kvpilot.engine.model.layers import Linear, pack_for_onednn
@@ -63,6 +66,7 @@ class _Batch(NamedTuple):
     sample_rows: list[int]  # rows whose logits sample: a request's last known token and each draft
     sampled: list[ScheduledRequest]  # requests that sample, with the drafts they verify
     scored: list[tuple[Request, int, int, int]]  # (request, first row, first position, tokens) to score
+    adapters: list[tuple[LoRAAdapter, int, int]]  # (a request's LoRA adapter, its first row, its rows)
 
 
 class ModelRunner:
@@ -89,15 +93,7 @@ class ModelRunner:
         self.block_size = config.block_size
         # The engine reads the model's config once and hands it over; read here when run alone.
         self.hf_config = hf_config if hf_config is not None else load_config(model_path)
-        self.model = load_model(
-            model_path,
-            self.hf_config,
-            self.dtype,
-            self.device,
-            config.quantization,
-            config.quantization_group_size,
-            self.cpu_kernels.integer_kernels,
-        )
+        self.model, self.lora_batch = self._load_target(model_path)
         self.num_layers = self.hf_config.num_hidden_layers
         self.num_kv_heads, self.head_dim = kv_shape(self.model)
         self.draft_model, self.draft_layers = self._load_draft()
@@ -129,6 +125,28 @@ class ModelRunner:
         cache_root = resolve_root(config.compile_cache_dir)
         self._load_cpu_kernels(cache_root)
         self._decode_forward = self._compile_decode(cache_root) if config.compile_decode else None
+
+    def _load_target(self, model_path: Path) -> tuple[LlamaForCausalLM, LoRABatch | None]:
+        """The served model and, with LoRA, what its target projections read each step's adapters
+        from: they add the deltas of up to max_loras adapters resident on the device
+        (kvpilot.engine.lora). Without LoRA the model stays exactly the one that serves the base
+        model alone."""
+        config = self.config
+        model = load_model(
+            model_path,
+            self.hf_config,
+            self.dtype,
+            self.device,
+            config.quantization,
+            config.quantization_group_size,
+            self.cpu_kernels.integer_kernels,
+        )
+        self.resident = Resident(config.max_loras, self.device)
+        if not config.enable_lora:
+            return model, None
+        batch = LoRABatch()
+        wrap(model, batch)
+        return model, batch
 
     def _models(self) -> list[torch.nn.Module]:
         """The target model and the draft, once each (a draft may be the target itself)."""
@@ -417,7 +435,13 @@ class ModelRunner:
     def _run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._forget(scheduler_output)
         batch = self._batch(scheduler_output)
-        hidden = self._forward(*batch.inputs.build())
+        if self.lora_batch is not None:
+            self.lora_batch.groups = self._lora_groups(batch)
+        try:
+            hidden = self._forward(*batch.inputs.build())
+        finally:
+            if self.lora_batch is not None:
+                self.lora_batch.groups = []
         out = ModelRunnerOutput(
             prompt_logprobs={
                 r.request_id: self._prompt_logprobs(hidden, r, row, pos, n) for r, row, pos, n in batch.scored
@@ -452,7 +476,7 @@ class ModelRunner:
         order = sorted(
             scheduler_output.scheduled, key=lambda s: (not _is_decode(s), s.num_tokens, s.request.num_computed_tokens)
         )
-        batch = _Batch(StepInputs(self.block_size, self.device, self.decode_kernel), [], [], [])
+        batch = _Batch(StepInputs(self.block_size, self.device, self.decode_kernel), [], [], [], [])
         for item in order:
             request, n = item.request, item.num_tokens
             start = request.num_computed_tokens
@@ -460,6 +484,8 @@ class ModelRunner:
             row = batch.inputs.add(
                 request.token_ids[start : start + n - len(drafts)] + drafts, start, item.block_ids, _is_decode(item)
             )
+            if request.lora is not None:
+                batch.adapters.append((request.lora, row, n))
             if request.params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
                 batch.scored.append((request, row, start, n))
             if start + n == request.num_tokens + len(drafts):
@@ -467,6 +493,17 @@ class ModelRunner:
                 batch.sample_rows.extend(range(row + n - 1 - len(drafts), row + n))
                 batch.sampled.append(item)
         return batch
+
+    def _lora_groups(self, batch: _Batch) -> list[tuple[LoRAAdapter, torch.Tensor]]:
+        """Each adapter of the step, resident on the device, with the rows of its requests."""
+        rows: dict[int, tuple[LoRAAdapter, list[int]]] = {}
+        for adapter, row, n in batch.adapters:
+            rows.setdefault(adapter.lora_id, (adapter, []))[1].extend(range(row, row + n))
+        resident = self.resident.activate([adapter for adapter, _ in rows.values()])
+        return [
+            (adapter, torch.tensor(ids, dtype=torch.long, device=self.device))
+            for adapter, (_, ids) in zip(resident, rows.values())
+        ]
 
     def _sample(self, hidden: torch.Tensor, batch: _Batch, out: ModelRunnerOutput, speculate: bool) -> list[DraftInput]:
         """Sample every sampling row (verifying drafts), record each request's new tokens in `out`,

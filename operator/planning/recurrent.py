@@ -120,10 +120,10 @@ def recurrent_state(config: Mapping[str, Any]) -> RecurrentState | None:
 
 
 def state_page_bytes(state: RecurrentState, tp: int, bytes_per_value: int = sizing.BYTES_PER_VALUE) -> int:
-    """One layer's state of one sequence on each of `tp` GPUs: the convolution window (Mamba-2's
-    groups copied to every GPU where `tp` does not divide them, as vLLM's
-    extra_groups_for_head_shards does) in the model's dtype, and the recurrent state."""
-    groups = state.groups if state.groups % tp == 0 else max(state.groups, tp)
+    """One layer's state of one sequence on each of `tp` GPUs: the convolution window in the model's
+    dtype (Mamba-2's groups made `tp` where `tp` does not divide them, vLLM's
+    extra_groups_for_head_shards, so every GPU holds one), and the recurrent state."""
+    groups = state.groups if state.groups % tp == 0 else tp
     conv = state.conv_width * (state.conv_channels + groups * state.conv_group_channels) // tp
     recurrent = state.heads // tp * state.head_values
     return conv * bytes_per_value + recurrent * (FP32_BYTES if state.fp32_state else bytes_per_value)

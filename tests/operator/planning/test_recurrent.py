@@ -1,0 +1,82 @@
+"""A hybrid's per-sequence state and KV cache as vLLM 0.33 allocates them (planning/recurrent.py), on
+the real configs; test_model_config.py checks the same numbers against vLLM's own code."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from kvpilot.operator.planning import recurrent, sizing
+from tests.operator.planning.test_model_config import plan_command
+
+HF_CONFIGS = Path(__file__).parent / "hf_configs"
+QWEN3_NEXT = HF_CONFIGS / "Qwen--Qwen3-Next-80B-A3B-Thinking.json"
+NEMOTRON_H = HF_CONFIGS / "nvidia--Nemotron-H-56B-Base-8K.json"
+
+
+def state_of(path: Path) -> recurrent.RecurrentState:
+    state = recurrent.recurrent_state(json.loads(path.read_text()))
+    assert state is not None
+    return state
+
+
+def test_qwen3_next_on_two_h100s_keeps_its_gated_deltanet_state_in_576_token_blocks() -> None:
+    state = state_of(QWEN3_NEXT)
+    assert (state.layers, state.attention_layers) == (36, 12)
+    hybrid = recurrent.hybrid_kv(state, recurrent.Serving("H100-80GB", tp=2))
+    # Per GPU: a 3-token window of 8192 / 2 channels and 16 of 32 heads' 128 x 128 state, in bf16.
+    assert hybrid.state_bytes == 3 * 4096 * 2 + 16 * 128 * 128 * 2 == 548_864
+    # One KV head of 256 values per GPU: 1024 bytes a token; FlashInfer's 64-token grid on Hopper.
+    assert hybrid.block_size == 64 * math.ceil(548_864 / (64 * 1024)) == 576
+    assert hybrid.page_bytes == 576 * 1024
+    layout = hybrid.layout
+    assert (layout.full_groups, layout.state_groups, layout.state_blocks) == (1, 3, 3)
+    block = sizing.kv_block_bytes(layout, hybrid.block_size)
+    assert block == 2 * 12 * 576 * 1024  # a block on each of the 2 GPUs, for the 12 layers of a group
+    assert sizing.sequence_blocks(layout, 262_144, hybrid.block_size, 0) == 456 + 9
+    assert sizing.sequence_blocks(layout, 32_768, hybrid.block_size, 0) == 57 + 9
+    # 40 GiB on each GPU: 6068 blocks, 13 sequences of the full context, 91 of 32k tokens.
+    pool = 2 * 40 * sizing.GiB
+    assert pool // block == 6068
+    assert sizing.sequences_that_fit(pool, layout, 262_144, hybrid.block_size) == 13
+    assert sizing.sequences_that_fit(pool, layout, 32_768, hybrid.block_size) == 91
+
+
+def test_without_flashinfer_the_block_is_a_multiple_of_16_and_no_checkpoint_page_is_kept() -> None:
+    hybrid = recurrent.hybrid_kv(state_of(QWEN3_NEXT), recurrent.Serving("L40S", tp=2))
+    assert hybrid.block_size == 16 * math.ceil(548_864 / (16 * 1024)) == 544
+    assert hybrid.layout.state_blocks == 2
+
+
+def test_nemotron_h_keeps_its_mamba_2_state_in_fp32_with_a_checkpoint_page() -> None:
+    state = state_of(NEMOTRON_H)
+    assert (state.layers, state.attention_layers, state.fp32_state) == (54, 10, True)
+    hybrid = recurrent.hybrid_kv(state, recurrent.Serving("H100-80GB"))
+    # 3 tokens of 256 x 64 channels and 8 groups of 2 x 256 in bf16; 256 heads of 64 x 256 in fp32.
+    assert hybrid.state_bytes == 3 * (16_384 + 8 * 512) * 2 + 256 * 64 * 256 * 4
+    # 8 KV heads of 128 values: 4096 bytes a token per layer.
+    assert hybrid.block_size == 16 * math.ceil(hybrid.state_bytes / (16 * 4096)) == 4128
+    # 10 attention and 54 state layers: groups of 10, the last state group padded.
+    assert (hybrid.layout.full_groups, hybrid.layout.state_groups, hybrid.layout.state_blocks) == (1, 6, 3)
+
+
+@pytest.mark.parametrize(("groups", "tp"), [(1, 2), (8, 16)])
+def test_mamba_2_groups_are_made_the_gpu_count_where_it_does_not_divide_them(groups: int, tp: int) -> None:
+    state = state_of(NEMOTRON_H)._replace(groups=groups, heads=48 * tp)
+    conv = 3 * (state.conv_channels + tp * 512) // tp * 2
+    assert recurrent.state_page_bytes(state, tp) == conv + 48 * 64 * 256 * 4
+
+
+def test_a_larger_block_the_plan_asks_for_is_kept() -> None:
+    assert recurrent.hybrid_block_size(1024, 548_864, 1024, 16) == 1024
+    assert recurrent.hybrid_block_size(1024, 548_864, 32, 16) == 32 * 17
+
+
+def test_kvpilot_plan_refuses_qwen3_next_saying_its_per_sequence_state() -> None:
+    run = plan_command("--model-config", str(QWEN3_NEXT), "--gpu", "H100-80GB", "--gpus", "2", "--runtime", "vllm")
+    assert run.returncode == 2 and "UnsupportedArchitecture" in run.stderr, run.stderr
+    assert "keeps a state per sequence in 36 of its 48 layers" in run.stderr
+    assert "1,097,728 bytes per layer and sequence on one GPU" in run.stderr

@@ -6,9 +6,11 @@ refused writes, puts no finalizer on InferenceServices and costs nothing while i
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -16,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from e2e import kvis
 from e2e.chart import Installation
-from e2e.cluster import Cluster
+from e2e.cluster import Cluster, default_gpu_nodes, node_manifest
 from e2e.local_operator import LocalOperator
 from e2e.polling import poll
 from kvpilot.operator.api import names
@@ -113,6 +115,95 @@ def test_unset_gpu_type_is_planned_for_a_gpu_the_nodes_have(
     (pod,) = kvis.running_pods(k8s, ns, name)
     node = k8s.kubectl_json("get", "node", pod["spec"]["nodeName"])
     assert node["metadata"]["labels"][gpu.product_label] == gpu.product
+
+
+# Node indexes (their loopback IPs and pod CIDRs) past the session's fleet.
+OWN_NODE_INDEX = 60
+OWN_FLEET = (("L40S", 8), ("A100-40GB", 8))
+
+
+@contextlib.contextmanager
+def _own_gpu_nodes(k8s: Cluster, suffix: str, fleet: tuple[tuple[str, int], ...] = OWN_FLEET) -> Iterator[None]:
+    """Fresh kwok nodes, one per (GPU type, GPUs), of types the session's fleet lacks (L40S,
+    A100-40GB): a mixed pool's pods find these GPUs free, whatever earlier tests' pods still hold.
+    Deleted (waited for) at the end, so the next test's pods cannot land on them."""
+    specs = [replace(n, name=f"{n.name}-{suffix}") for n in default_gpu_nodes(fleet)]
+    k8s.apply(*(node_manifest(n, OWN_NODE_INDEX + i) for i, n in enumerate(specs)))
+
+    def ready(node: str) -> bool:
+        conditions = k8s.kubectl_json("get", "node", node)["status"].get("conditions") or []
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    # Ready before the pods come: a pod the scheduler tried while they were not would hold its type full.
+    poll(lambda: all(ready(n.name) for n in specs) or None, CONVERGE_S, "the test's own GPU nodes Ready")
+    try:
+        yield
+    finally:
+        k8s.kubectl("delete", "node", *(n.name for n in specs), "--wait=true", timeout=CONVERGE_S)
+
+
+POOL = [{"type": "L40S", "maxReplicas": 2}, {"type": "A100-40GB", "maxReplicas": 2}]
+
+
+def test_a_mixed_pool_gets_a_deployment_per_gpu_type_filled_cheapest_first(
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
+) -> None:
+    """Issue 41: one InferenceService over two GPU types, at most 2 replicas of each; each type's
+    pods on its own nodes, the replicas on the cheaper type per req/s first, and the dearer type's
+    pods the first to go when the service scales down."""
+    ns, name = kvpilot.watch_namespaces[0], "mixed-pool"
+    with _own_gpu_nodes(k8s, "mixed"):
+        apply_isvc(name, _spec("llama-3-8b", replicas=3, accelerator={"variants": POOL}))
+        # Three pods of two Deployments through the scheduler and kwok: twice the usual wait.
+        obj = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=2 * CONVERGE_S)
+        rows = obj["status"]["variants"]
+        assert {row["gpu"] for row in rows} == {"L40S", "A100-40GB"}
+        # Cheapest per req/s first: it is full (2) before the other takes the third replica.
+        per_rps = [row["pricePerGpuHour"] * row["gpuCount"] / row["capacityRps"] for row in rows]
+        assert per_rps == sorted(per_rps)
+        assert [row["replicas"] for row in rows] == [2, 1]
+        assert (obj["status"]["replicas"], obj["status"]["readyReplicas"]) == (3, 3)
+        running = kvis.running_pods(k8s, ns, name)
+        for row in rows:
+            gpu = GPUS[row["gpu"]]
+            deployment = k8s.kubectl_json("get", "deployment", row["deployment"], "-n", ns)
+            assert deployment["spec"]["replicas"] == row["replicas"]
+            pods = [p for p in running if p["metadata"]["labels"].get(names.VARIANT_LABEL) == names.variant(row["gpu"])]
+            assert len(pods) == row["replicas"]
+            for pod in pods:
+                node = k8s.kubectl_json("get", "node", pod["spec"]["nodeName"])
+                assert node["metadata"]["labels"][gpu.product_label] == gpu.product
+        # Down to one replica: the dearer type's goes, the cheaper keeps one.
+        k8s.kubectl("scale", "inferenceservice", name, "-n", ns, "--replicas=1")
+        poll(
+            lambda: [r["replicas"] for r in kvis.get(k8s, ns, name)["status"].get("variants", [])] == [1, 0] or None,
+            CONVERGE_S,
+            "the mixed pool scaled down to one replica of its cheaper type",
+        )
+        print(k8s.kubectl("get", "kvis,deploy,pods", "-n", ns, "-o", "wide").stdout)
+
+
+def test_replicas_a_full_gpu_type_cannot_place_go_to_the_next_type(
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
+) -> None:
+    """Issue 41: seven replicas, the cheaper type per req/s first; its one node has 4 GPUs, so the
+    pods beyond them stay Pending, and the operator gives those replicas to the other type."""
+    ns, name = kvpilot.watch_namespaces[0], "full-pool"
+    variants = [{"type": t, "maxReplicas": 20} for t, _ in OWN_FLEET]
+    autoscaling = {"mode": "off", "maxReplicas": 20}
+    with _own_gpu_nodes(k8s, "full", (("L40S", 4), ("A100-40GB", 8))):
+        spec = _spec("llama-3-8b", replicas=7, accelerator={"variants": variants}, autoscaling=autoscaling)
+        apply_isvc(name, spec)
+        obj = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=2 * CONVERGE_S)
+        first, second = obj["status"]["variants"]
+        # The first type's node is full: it keeps what the scheduler placed, the rest run on the second
+        # type (the scheduler may have bound fewer than 4 when it first refused one: never more).
+        assert first["gpu"] == "L40S" and first["fullSince"]
+        assert first["schedulableReplicas"] == first["replicas"] <= 4
+        assert second["replicas"] == 7 - first["replicas"] >= 3
+        assert obj["status"]["readyReplicas"] == 7
+        pending = [p for p in kvis.children(k8s, ns, name, "pods") if p["status"].get("phase") == "Pending"]
+        assert pending == []
 
 
 def test_lifecycle_generation_repair_restart_and_garbage_collection(

@@ -46,6 +46,7 @@ from kvpilot.operator.controller.reconcile import (
     Refreshed,
     as_rendered,
     controller_of,
+    full_retry_in,
     refresh,
     retry_reason,
 )
@@ -177,6 +178,9 @@ class Reconciler:
         else:
             self.queue.forget(key)
             if retry is None:
+                full = full_retry_in(result.status, datetime.now(UTC))
+                if full is not None:
+                    self.queue.add_after(key, full)
                 return
             delay = _retry_seconds(retry[0])
             self.queue.add_after(key, delay)

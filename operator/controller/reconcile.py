@@ -531,7 +531,7 @@ def reconcile(
     if deployment is not None and _not_all_ready(deployment):
         pods = cluster.list_pods(namespace, names.selector_labels(name))
     by_name = {d["metadata"]["name"]: d for d in owned}
-    full = {**full, **found_full(decision.mixed, name, by_name, pods, now)}
+    full = {**full, **found_full(decision.mixed, pods, now)}
     return status.build(
         name=name,
         namespace=namespace,
@@ -569,29 +569,34 @@ def still_full(old: InferenceServiceStatus, now: datetime) -> dict[str, tuple[in
     return full
 
 
-def found_full(
-    mixed: MixedPlan | None,
-    name: str,
-    deployments: Mapping[str, Mapping[str, Any]],
-    pods: Sequence[Mapping[str, Any]],
-    now: datetime,
-) -> dict[str, tuple[int, str]]:
+def found_full(mixed: MixedPlan | None, pods: Sequence[Mapping[str, Any]], now: datetime) -> dict[str, tuple[int, str]]:
     """The GPU types of a mixed pool whose pods no node can take: (the replicas the nodes hold,
-    now), by type. Their next reconcile gives the pending replicas to the next type."""
+    now), by type. Held is what the scheduler placed (a node named), not the replicas less the
+    pods found unschedulable: a pod it has not tried yet is neither, and counting it as placed
+    held the type above what its nodes take. Their next reconcile gives the rest to the next type."""
     if mixed is None or not mixed.fits:
         return {}
-    stuck = status.unschedulable(pods)
+    stuck = {id(p) for p in status.unschedulable(pods)}
     full = {}
     for v in mixed.variants:
-        pending = sum(
-            1 for p in stuck if (p["metadata"].get("labels") or {}).get(names.VARIANT_LABEL) == names.variant(v.gpu)
-        )
-        if pending:
-            replicas = int(
-                (deployments.get(names.variant_deployment(name, v.gpu)) or {}).get("spec", {}).get("replicas") or 0
+        mine = [p for p in pods if (p["metadata"].get("labels") or {}).get(names.VARIANT_LABEL) == names.variant(v.gpu)]
+        if any(id(p) in stuck for p in mine):
+            placed = sum(
+                1 for p in mine if (p.get("spec") or {}).get("nodeName") and not p["metadata"].get("deletionTimestamp")
             )
-            full[v.gpu] = (max(0, replicas - pending), iso(now.timestamp()))
+            full[v.gpu] = (placed, iso(now.timestamp()))
     return full
+
+
+def full_retry_in(state: InferenceServiceStatus, now: datetime) -> float | None:
+    """Seconds until the first GPU type held full is tried again: nothing the operator watches
+    changes when another service frees that type's GPUs, so its reconcile must come back by itself."""
+    waits = [
+        FULL_RETRY_SECONDS - (now.timestamp() - seconds_of(row.full_since))
+        for row in state.variants or []
+        if row.full_since
+    ]
+    return max(1.0, min(waits)) if waits else None
 
 
 def _read(

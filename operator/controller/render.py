@@ -554,8 +554,11 @@ def deployment(
         gpu_type, replicas = variant
         selector = {**selector, VARIANT_LABEL: names.variant(gpu_type)}
         template["metadata"]["labels"][VARIANT_LABEL] = names.variant(gpu_type)
+        # Its own name, its owner's reference: the garbage collector deletes a child whose reference
+        # names no object of that uid (it did, over and over, once it rechecked owners).
         metadata = {
-            **child_metadata(names.variant_deployment(name, gpu_type), namespace, uid),
+            **metadata,
+            "name": names.variant_deployment(name, gpu_type),
             "labels": {**metadata["labels"], VARIANT_LABEL: names.variant(gpu_type)},
         }
     return {

@@ -10,7 +10,8 @@ from pydantic import ValidationError
 from kvpilot.operator.api import names
 from kvpilot.operator.api.names import INSTANCE_LABEL, VARIANT_LABEL
 from kvpilot.operator.api.spec import InferenceServiceSpec
-from kvpilot.operator.controller.reconcile import FULL_RETRY_SECONDS, reconcile
+from kvpilot.operator.api.status import status_of
+from kvpilot.operator.controller.reconcile import FULL_RETRY_SECONDS, full_retry_in, reconcile
 from kvpilot.operator.kube.indexes import children, pooled
 from tests.operator.controller.test_reconcile import NOW, FakeCluster, apply_merge_patch, body
 
@@ -37,6 +38,10 @@ def deployments(cluster: FakeCluster) -> dict[str, dict[str, Any]]:
     return {name: obj for (kind, _, name), obj in cluster.objects.items() if kind == "Deployment"}
 
 
+def service_uid(cluster: FakeCluster) -> str:
+    return cluster.objects[("InferenceService", "ml", "chat")]["metadata"]["uid"]
+
+
 def replicas(cluster: FakeCluster) -> dict[str, int]:
     return {name: d["spec"]["replicas"] for name, d in deployments(cluster).items()}
 
@@ -53,6 +58,10 @@ def test_a_deployment_per_gpu_type_each_from_its_own_plan() -> None:
         pod = deployment["spec"]["template"]
         assert pod["metadata"]["labels"][VARIANT_LABEL] == variant
         assert pod["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == product
+        # Owned by the service itself, by name and uid: a reference naming the Deployment is
+        # dangling to the garbage collector, which deleted such Deployments in the e2e.
+        (owner,) = deployment["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["name"], owner["uid"]) == ("InferenceService", "chat", service_uid(cluster))
     # Each runs its own plan: the L4's one GPU per replica, the H100's own KV pool and batch.
     args = {name: d["spec"]["template"]["spec"]["containers"][0]["args"] for name, d in made.items()}
     assert "--tensor-parallel-size=1" in args["chat-l4"]
@@ -137,7 +146,9 @@ def test_variants_that_cannot_be_served_are_refused(accelerator: dict[str, Any],
         InferenceServiceSpec.model_validate({**SPEC, "accelerator": accelerator})
 
 
-def pending_pod(cluster: FakeCluster, name: str, variant: str) -> None:
+def put_pod(cluster: FakeCluster, name: str, variant: str, node: str | None = None) -> None:
+    """A pod of `variant` running on `node`, or Pending with no node that can take it."""
+    unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/4 nodes"}
     cluster.put(
         {
             "apiVersion": "v1",
@@ -147,12 +158,8 @@ def pending_pod(cluster: FakeCluster, name: str, variant: str) -> None:
                 "namespace": "ml",
                 "labels": {**names.selector_labels("chat"), VARIANT_LABEL: variant},
             },
-            "status": {
-                "phase": "Pending",
-                "conditions": [
-                    {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/4 nodes"}
-                ],
-            },
+            "spec": {"nodeName": node} if node else {},
+            "status": {"phase": "Running"} if node else {"phase": "Pending", "conditions": [unschedulable]},
         }
     )
 
@@ -163,10 +170,14 @@ def test_replicas_a_full_gpu_type_cannot_place_go_to_the_next_type_until_it_is_t
     run(cluster, spec, CHEAP_L4)
     assert replicas(cluster) == {"chat-l4": 2, "chat-h100-80gb": 1}
     # The L4 nodes take one of the two: the other stays Pending.
-    pending_pod(cluster, "chat-l4-x", "l4")
+    put_pod(cluster, "chat-l4-a", "l4", node="l4-node")
+    put_pod(cluster, "chat-l4-x", "l4")
     status = run(cluster, spec, CHEAP_L4)
     (l4,) = [row for row in status["variants"] if row["gpu"] == "L4"]
     assert (l4["schedulableReplicas"], l4["fullSince"]) == (1, "2025-01-01T00:00:00Z")
+    # Nothing watched changes when the type's GPUs free up: the reconcile comes back by itself.
+    assert full_retry_in(status_of({"status": status}), NOW) == FULL_RETRY_SECONDS
+    assert full_retry_in(status_of({"status": status}), NOW + timedelta(seconds=FULL_RETRY_SECONDS - 30)) == 30
     del cluster.objects[("Pod", "ml", "chat-l4-x")]  # the scale-down removes the pending pod first
     run(cluster, spec, CHEAP_L4)
     assert replicas(cluster) == {"chat-l4": 1, "chat-h100-80gb": 2}  # at once, not after a wait

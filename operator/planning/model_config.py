@@ -1,7 +1,8 @@
 """A model's Architecture read from its Hugging Face `config.json`, for the families whose KV cache
 the planner sizes exactly as vLLM 0.33 allocates it: full attention over grouped (or multi-) query
 heads, sliding-window layers beside full ones (Gemma 2/3, gpt-oss), multi-head latent attention
-(DeepSeek V2/V3, Kimi K2), dense or a mixture of experts, and Gemma 3's multimodal wrapper.
+(DeepSeek V2/V3, Kimi K2), dense or a mixture of experts, and the multimodal wrappers of Gemma 3 (a
+SigLIP tower) and LLaVA (a CLIP tower).
 
 The parameters are counted from the config the way the model's modules hold them (embedding, each
 layer's attention, MLP or experts and norms, the final norm, an untied LM head, a vision tower), so a
@@ -59,8 +60,33 @@ FAMILIES: dict[str, Family] = {
     "DeepseekV2ForCausalLM": Family(tie_default=False, experts="deepseek", windows="none", latent=True),
     "DeepseekV3ForCausalLM": Family(tie_default=False, experts="deepseek", windows="none", latent=True),
 }
-# Multimodal wrappers: the language model's architecture (text_config) and the vision tower's layout.
-WRAPPERS: dict[str, tuple[str, str]] = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "siglip")}
+
+
+class Wrapper(NamedTuple):
+    """A multimodal wrapper: its language model (text_config), the vision tower and projector beside it."""
+
+    language_model: str  # the architecture text_config describes
+    tower: str  # the vision tower's layout: "siglip" or "clip"
+    projector: str  # from the tower to the language model: "gemma3" (a norm and one matrix) or "llava" (an MLP)
+    # The text config class's defaults, which a wrapper's text_config leaves out where they hold (LLaVA's
+    # lists only what differs from LlamaConfig's), and the model_type they are the defaults of.
+    text_defaults: Mapping[str, Any] = {}
+
+
+# transformers' LlamaConfig defaults of the fields the count reads.
+LLAMA_DEFAULTS = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 2048,
+    "vocab_size": 32000,
+}
+WRAPPERS: dict[str, Wrapper] = {
+    "Gemma3ForConditionalGeneration": Wrapper("Gemma3ForCausalLM", "siglip", "gemma3"),
+    "LlavaForConditionalGeneration": Wrapper("LlamaForCausalLM", "clip", "llava", LLAMA_DEFAULTS),
+}
 
 # quantization_config.quant_method -> the scheme a checkpoint stores (spec.model.quantization);
 # compressed-tensors names its scheme in its config groups (_compressed_tensors_scheme).
@@ -237,20 +263,39 @@ def _parameters(config: Mapping[str, Any], family: Family, shape: _Shape, tied: 
     return total + outside, active + outside
 
 
-def _siglip(vision: Mapping[str, Any], text_hidden: int) -> int:
-    """A SigLIP vision tower (patch and position embeddings, pre-norm encoder layers with biases,
-    the final norm, the attention-pooling head where vision_use_head) and Gemma 3's projector."""
+def _vision_tower(vision: Mapping[str, Any], tower: str) -> int:
+    """A ViT vision tower as transformers builds it: patch embeddings (a biased convolution in SigLIP,
+    an unbiased one and a class token in CLIP), position embeddings, CLIP's pre-norm, pre-norm encoder
+    layers with biases, the final norm, and SigLIP's attention-pooling head where vision_use_head."""
     hidden, size = _int(vision, "hidden_size"), _int(vision, "intermediate_size")
     patch, channels = _int(vision, "patch_size"), int(vision.get("num_channels", 3))
-    embeddings = channels * patch * patch * hidden + hidden + (_int(vision, "image_size") // patch) ** 2 * hidden
+    positions = (_int(vision, "image_size") // patch) ** 2
     mlp = 2 * hidden * size + size + hidden
     layer = 4 * (hidden * hidden + hidden) + 4 * hidden + mlp
-    head = hidden + 4 * (hidden * hidden + hidden) + 2 * hidden + mlp if vision.get("vision_use_head", True) else 0
-    projector = hidden * text_hidden + hidden
-    return embeddings + _int(vision, "num_hidden_layers") * layer + 2 * hidden + head + projector
+    if tower == "clip":
+        embeddings = channels * patch * patch * hidden + hidden + (positions + 1) * hidden + 2 * hidden
+        head = 0
+    else:
+        embeddings = channels * patch * patch * hidden + hidden + positions * hidden
+        head = hidden + 4 * (hidden * hidden + hidden) + 2 * hidden + mlp if vision.get("vision_use_head", True) else 0
+    return embeddings + _int(vision, "num_hidden_layers") * layer + 2 * hidden + head
 
 
-def _language_model(config: Mapping[str, Any], name: str) -> tuple[Mapping[str, Any], Family, str | None] | str:
+def _projector(projector: str, vision_hidden: int, text_hidden: int) -> int:
+    """From the tower's features to the language model's: Gemma 3's norm and matrix, or LLaVA's two
+    biased linear layers."""
+    if projector == "gemma3":
+        return vision_hidden * text_hidden + vision_hidden
+    return vision_hidden * text_hidden + text_hidden + text_hidden * text_hidden + text_hidden
+
+
+def _vision_parameters(config: Mapping[str, Any], wrapper: Wrapper, text_hidden: int) -> int:
+    vision = config["vision_config"]
+    projector = _projector(wrapper.projector, _int(vision, "hidden_size"), text_hidden)
+    return _vision_tower(vision, wrapper.tower) + projector
+
+
+def _language_model(config: Mapping[str, Any], name: str) -> tuple[Mapping[str, Any], Family, Wrapper | None] | str:
     """The config, family and vision tower of the language model `config` describes (a multimodal
     wrapper's text_config), or why it is not read."""
     if "text_config" not in config:
@@ -267,8 +312,12 @@ def _language_model(config: Mapping[str, Any], name: str) -> tuple[Mapping[str, 
             f"{name} wraps a language model (text_config) with a vision tower whose weights the planner "
             f"does not count; it counts {', '.join(WRAPPERS)}'s"
         )
-    text, tower = WRAPPERS[name]
-    return {**config["text_config"], "architectures": [text]}, FAMILIES[text], tower
+    wrapper, text = WRAPPERS[name], config["text_config"]
+    defaults = wrapper.text_defaults
+    if defaults and text.get("model_type", defaults["model_type"]) != defaults["model_type"]:
+        return f"{name} over a {text['model_type']} language model is not read yet ({defaults['model_type']} is)"
+    language = {**defaults, **text, "architectures": [wrapper.language_model]}
+    return language, FAMILIES[wrapper.language_model], wrapper
 
 
 def _stateful(name: str, state: RecurrentState) -> str:
@@ -289,12 +338,12 @@ def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:
     found = _language_model(config, name)
     if isinstance(found, str):
         return found
-    text, family, tower = found
+    text, family, wrapper = found
     try:
         scheme = stored_scheme(config)
         architecture = _architecture(text, name, family, source)
-        if tower is not None:
-            vision = _siglip(config["vision_config"], architecture.hidden_size)
+        if wrapper is not None and not isinstance(architecture, str):
+            vision = _vision_parameters(config, wrapper, architecture.hidden_size)
             architecture = architecture.model_copy(
                 update={
                     "parameters": architecture.parameters + vision,

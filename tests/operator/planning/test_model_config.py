@@ -216,7 +216,11 @@ MIXED_QWEN_WINDOWS = config_of(
             {**TINY, "architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512},
             "DeepseekV3ForCausalLM: config.json's qk_nope_head_dim is None",
         ),
-        ({"architectures": ["LlavaForConditionalGeneration"], "text_config": TINY}, "does not count"),
+        ({"architectures": ["Mistral3ForConditionalGeneration"], "text_config": TINY}, "does not count"),
+        (
+            {"architectures": ["LlavaForConditionalGeneration"], "text_config": {**TINY, "model_type": "qwen2"}},
+            "over a qwen2 language model is not read yet",
+        ),
         ({**TINY}, "(no architectures) is not"),
         (
             config_of({"model_type": "llama", "quantization_config": {"quant_method": "bitsandbytes"}}),
@@ -387,7 +391,6 @@ def test_a_quantized_checkpoint_s_own_bytes_are_the_weights_vllm_holds(tmp_path:
 HF_CONFIGS = Path(__file__).parent / "hf_configs"
 REFUSED = {
     "Qwen--Qwen3-Next-80B-A3B-Thinking": "keeps a state per sequence in 36 of its 48 layers (gated_deltanet",
-    "llava-hf--llava-1.5-7b-hf": "with a vision tower whose weights the planner does not count",
     "microsoft--Phi-mini-MoE-instruct": "PhiMoEForCausalLM is not",
     "nvidia--Nemotron-H-56B-Base-8K": "keeps a state per sequence in 54 of its 64 layers (mamba2",
     "tiiuae--falcon-mamba-7b": "FalconMambaForCausalLM is not",
@@ -429,12 +432,24 @@ def test_a_real_config_is_read_as_transformers_builds_it_or_refused_with_its_rea
         assert read.architecture.parameters == PUBLISHED[name]
 
 
+def _wraps(name: str) -> bool:
+    return "text_config" in json.loads((HF_CONFIGS / f"{name}.json").read_text())
+
+
+def _language_model_of(name: str) -> dict[str, Any]:
+    config = json.loads((HF_CONFIGS / f"{name}.json").read_text())
+    return {**config["text_config"], "architectures": [WRAPPERS[config["architectures"][0]].language_model]}
+
+
 @pytest.fixture(scope="module")
 def vllm_kv_specs() -> dict[str, dict[str, Any]]:
     """What vLLM's own ModelConfig (tests/vllm/kv_specs.py, the pinned version) makes of each real config."""
     cases = [
         json.dumps({"id": n, "config": json.loads((HF_CONFIGS / f"{n}.json").read_text())}) for n in real_configs()
     ]
+    # A wrapper's language model alone (this venv cannot inspect a vision tower: no torchvision), as
+    # the wrapper builds it from text_config; the tower holds no KV cache.
+    cases += [json.dumps({"id": f"{n}#text", "config": _language_model_of(n)}) for n in real_configs() if _wraps(n)]
     # The hybrids again as vLLM runs them on Hopper GPUs (FlashInfer's Gated DeltaNet prefill).
     cases += [
         json.dumps({"id": f"{n}@{HOPPER}", "config": json.loads((HF_CONFIGS / f"{n}.json").read_text()), **FLASHINFER})
@@ -504,7 +519,7 @@ def _without_quantization(name: str) -> dict[str, Any]:
 def test_vllm_allocates_the_kv_cache_by_the_same_layout_or_sees_what_the_planner_refuses(
     name: str, vllm_kv_specs: dict[str, dict[str, Any]]
 ) -> None:
-    found = vllm_kv_specs[name]
+    found = vllm_kv_specs[f"{name}#text" if _wraps(name) else name]
     read = read_config(_without_quantization(name), name)
     if isinstance(read, str):
         assert name in NOT_COUNTED or _beyond_what_is_sized(found), (read, found)

@@ -405,6 +405,20 @@ def _device_rows(result: Plan) -> list[tuple[str, str]]:
     return [("gpu", f"{gpu.name} ({figures}, {gpu.fp16_tflops:g} FP16 TFLOPS)")]
 
 
+def _lora_rows(result: Plan) -> list[tuple[str, str]]:
+    """The adapter slots of spec.adapters, none without adapters."""
+    lora = result.lora
+    if lora is None:
+        return []
+    return [
+        (
+            "LoRA adapters",
+            f"{lora.adapters}: max_loras {lora.max_loras}, max_lora_rank {lora.max_lora_rank}, max_cpu_loras "
+            f"{lora.max_cpu_loras}; slots {lora.slot_bytes / sizing.GiB:.2f} GiB (taken from the KV pool)",
+        )
+    ]
+
+
 def format_plan(result: Plan, spec: InferenceServiceSpec) -> str:
     """The plan as a table a person reads: the numbers first, then why."""
     gib = sizing.GiB
@@ -436,6 +450,7 @@ def format_plan(result: Plan, spec: InferenceServiceSpec) -> str:
                 ),
             ),
             ("max batched tokens", str(result.max_num_batched_tokens)),
+            *_lora_rows(result),
             (
                 "speculative",
                 result.speculative + (f" (k={result.num_speculative_tokens})" if result.num_speculative_tokens else ""),

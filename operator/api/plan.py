@@ -6,7 +6,21 @@ status shows its camelCase view (controller/status.py), so it lives beside the s
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
+
+
+class LoraPlan(BaseModel):
+    """The runtime's LoRA settings for spec.adapters (planning/adapters.py), and the memory they take."""
+
+    model_config = ConfigDict(frozen=True)
+
+    adapters: int  # how many spec.adapters lists
+    max_loras: int  # adapter slots resident on the GPU
+    max_lora_rank: int
+    max_cpu_loras: int  # adapters cached in host memory: all of them
+    slot_bytes: int  # the GPU memory of the max_loras slots, all GPUs of a replica together
 
 
 class Plan(BaseModel):
@@ -65,6 +79,15 @@ class Plan(BaseModel):
     download_budget_s: int = 0
     # One line per choice: model, gpu, quantization, kvCache, batching, speculative, replicas.
     reasons: dict[str, str] = {}
+    lora: LoraPlan | None = None  # spec.adapters' settings; None: the spec lists no adapter
+
+    @model_serializer(mode="wrap")
+    def _without_absent_lora(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A plan without adapters reads as it did before adapters existed (`kvpilot plan --json`, status).
+        dumped: dict[str, Any] = handler(self)
+        if dumped.get("lora", "") is None:
+            del dumped["lora"]
+        return dumped
 
 
 class Variant(BaseModel):

@@ -75,7 +75,31 @@ def unsupported_pins(spec: InferenceServiceSpec, capabilities: EngineCapabilitie
             f"accelerator.count {count}: {runtime} runs {listed(map(str, capabilities.tensor_parallel_sizes))} "
             "GPU(s) per replica" + (f"; runtime: {others[0]} runs tensor parallelism over {count}" if others else "")
         )
-    return "; ".join(problems) or None
+    return "; ".join(problems + _adapter_pins(spec)) or None
+
+
+def _adapter_pins(spec: InferenceServiceSpec) -> list[str]:
+    """Why the runtime cannot serve the spec's adapters as it pins the rest, [] when it can."""
+    runtime = RUNTIMES[spec.runtime]
+    if not spec.adapters:
+        return []
+    if not runtime.lora:
+        return [f"spec.adapters: runtime {spec.runtime} serves no LoRA adapters"]
+    mode = spec.serving.speculative
+    if mode != "auto" and mode not in runtime.lora_speculative:
+        return [
+            f"serving.speculative {mode!r}: runtime {spec.runtime} does not run it with spec.adapters (with them: "
+            f"{listed(runtime.lora_speculative)}; or 'auto')"
+        ]
+    return []
+
+
+def with_adapters(spec: InferenceServiceSpec, capabilities: EngineCapabilities) -> EngineCapabilities:
+    """What the runtime runs for this spec: with adapters, only the speculative modes it runs beside them."""
+    if not spec.adapters:
+        return capabilities
+    modes = RUNTIMES[spec.runtime].lora_speculative
+    return capabilities.model_copy(update={"speculative": tuple(m for m in capabilities.speculative if m in modes)})
 
 
 def draft_model(
@@ -194,11 +218,28 @@ def choose_speculation(inputs: Inputs, memory: Memory, device: tuple[Device, int
     if mode == "off":
         off = off._replace(reason=reason)
     else:
+        memory = _adapters_verify_in_one_step(spec, memory)
         speculating = Speculation(mode, reason, memory, *fewest_replicas(spec, memory.replica, mode))
         if serving.speculative != "auto" or not _observed_worse(speculating, off):
             return speculating
         off = off._replace(reason=_observed_reason(speculating, off, k))
-    return _compiled(spec, off) if off.memory.replica.gpu.compiled_step_factor else off
+    # Adapters run in the engine's eager step only, which a compiled decode step would bypass.
+    return _compiled(spec, off) if off.memory.replica.gpu.compiled_step_factor and not spec.adapters else off
+
+
+def _adapters_verify_in_one_step(spec: InferenceServiceSpec, memory: Memory) -> Memory:
+    """A speculating replica serving adapters: vLLM refuses LoRA beside speculation unless every running
+    sequence's k + 1 verified tokens fit one step (max_num_batched_tokens >= max_num_seqs x (k + 1)), so
+    it runs at most budget / (k + 1) sequences (our engine is planned alike)."""
+    k = spec.serving.num_speculative_tokens
+    cap = memory.budget // (k + 1)
+    if not spec.adapters or memory.replica.max_num_seqs <= cap:
+        return memory
+    return memory._replace(
+        replica=memory.replica._replace(max_num_seqs=cap),
+        kv_reason=f"{memory.kv_reason}; {cap} sequences run at most: with adapters and speculation each "
+        f"step verifies k + 1 = {k + 1} tokens of every running sequence within its {memory.budget}-token budget",
+    )
 
 
 def _observed_worse(speculating: Speculation, off: Speculation) -> bool:

@@ -9,6 +9,7 @@ from typing import NamedTuple
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
 from kvpilot.operator.planning import sizing
+from kvpilot.operator.planning.adapters import lora_settings, resident_bytes
 from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.latency import batched_tokens, step_seconds
 from kvpilot.operator.planning.reasons import failed_plan, gib, ms
@@ -54,7 +55,10 @@ def replica_sizes(inputs: Inputs, group: tuple[Device, int], quantization: str, 
     draft_weights, draft_kv = (draft.weights, draft.kv_per_token) if draft else (0, 0)
     # The engine gives the draft a KV slot for every slot of the target's, so each slot holds both.
     weights = _target_weights(inputs, gpu, quantization) + draft_weights
-    pool = sizing.kv_pool_bytes(gpu.memory_bytes, spec.serving.gpu_memory_utilization, weights, reserve)
+    lora = lora_settings(spec.adapters)
+    # The runtime allocates the adapters' slots as it loads the weights: the pool is what both leave.
+    adapters = resident_bytes(arch, lora, tp, gpu.bytes_per_value) if lora else 0
+    pool = sizing.kv_pool_bytes(gpu.memory_bytes, spec.serving.gpu_memory_utilization, weights + adapters, reserve)
     kv_bytes = sizing.FP8_BYTES_PER_VALUE if inputs.kv_cache_dtype == "fp8" else gpu.bytes_per_value
     return Sizes(
         gpu=gpu.name,
@@ -69,6 +73,7 @@ def replica_sizes(inputs: Inputs, group: tuple[Device, int], quantization: str, 
         max_model_len=context,
         kv_cache_dtype=inputs.kv_cache_dtype,
         kv_layout=sizing.kv_layout(arch, kv_bytes, tp, draft_kv),
+        adapter_bytes=adapters,
     )
 
 
@@ -154,8 +159,11 @@ def divide_memory(inputs: Inputs, device: tuple[Device, int], quantization: str)
         + (f"{tp} x {gpu.name} report" if tp > 1 else f"{gpu.name} reports")
         + f" ({gib(usable)} GiB)"
     )
-    weighed = f"{quantization} weights {gib(target_weights)} GiB" + (
-        f" + draft model weights {gib(draft_weights)} GiB" if draft else ""
+    adapters = f" + LoRA slots {gib(sizes.adapter_bytes)} GiB" if sizes.adapter_bytes else ""
+    weighed = (
+        f"{quantization} weights {gib(target_weights)} GiB"
+        + (f" + draft model weights {gib(draft_weights)} GiB" if draft else "")
+        + adapters
     )
     if pool <= 0:
         # The draft's lookahead slots (the positions it writes ahead of each sequence) count below.
@@ -198,6 +206,7 @@ def divide_memory(inputs: Inputs, device: tuple[Device, int], quantization: str)
         f"sequence, pool {gib(pool)} "
         f"GiB = {where} - weights {gib(target_weights)} GiB"
         + (f" - draft model weights {gib(draft_weights)} GiB" if draft else "")
+        + adapters.replace("+", "-")
         + f" - reserve {gib(reserve)} GiB{reserve_parts}"
         + (f"; capped at {MAX_NUM_SEQS_CAP}" if fitting_mean > MAX_NUM_SEQS_CAP else "")
     )
@@ -208,6 +217,8 @@ def divide_memory(inputs: Inputs, device: tuple[Device, int], quantization: str)
         if gpu.is_cpu
         else sizing.decode_weight_bytes(arch, quantization, runtime)
     )
+    # A decode step also reads the resident adapters' low-rank weights (planning/adapters.py).
+    decode_bytes += sizes.adapter_bytes
     replica = Replica(
         arch, gpu, tp, decode_bytes, target_kv, quantization, max_num_seqs, draft, correction=inputs.correction
     )
@@ -264,7 +275,7 @@ def with_plain_weights(spec: InferenceServiceSpec, memory: Memory) -> tuple[Size
     left = sizing.kv_pool_bytes(
         gpu.memory_bytes,
         spec.serving.gpu_memory_utilization,
-        weights,
+        weights + sizes.adapter_bytes,
         sizing.runtime_reserve_bytes(arch, memory.budget),
     )
     if left < sizes.kv_pool_bytes:

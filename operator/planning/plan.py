@@ -22,9 +22,10 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from kvpilot.engine.device_profile import DeviceProfile
-from kvpilot.operator.api.plan import Plan
+from kvpilot.operator.api.plan import LoraPlan, Plan
 from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
 from kvpilot.operator.planning import cpus, sizing
+from kvpilot.operator.planning.adapters import adapter_problem, describe, lora_settings
 from kvpilot.operator.planning.choices import (
     Speculation,
     choose_speculation,
@@ -33,12 +34,13 @@ from kvpilot.operator.planning.choices import (
     kv_cache_dtypes,
     quantization_schemes,
     unsupported_pins,
+    with_adapters,
 )
 from kvpilot.operator.planning.context import NO_CORRECTION, PlanContext
 from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.gpus import GPUS
 from kvpilot.operator.planning.latency import Perf, capacity_rps, computed_prompt_tokens, draft_acceptance, predict
-from kvpilot.operator.planning.memory import divide_memory, replica_sizes, tp_group
+from kvpilot.operator.planning.memory import Memory, divide_memory, replica_sizes, tp_group
 from kvpilot.operator.planning.models import MODELS, find_model
 from kvpilot.operator.planning.placement import (
     devices_to_try,
@@ -140,6 +142,7 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: Speculation) -> Plan:
     latency = sizing.request_latency(perf.ttft_s, perf.tpot_s, spec.load.mean_output_tokens)
     finite = math.isfinite(perf.tpot_s)
     speculating = chosen.mode != "off"
+    lora, lora_reason = _adapters(spec, memory)
     return Plan(
         fits=True,
         reason=(
@@ -179,12 +182,39 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: Speculation) -> Plan:
         reasons={
             "kvCache": memory.kv_reason,
             "batching": memory.batching_reason,
+            **lora_reason,
             "speculative": chosen.reason,
             "replicas": replicas_reason,
             **({"compiledDecode": chosen.compiled} if chosen.compiled else {}),
         },
+        lora=lora,
         **sizes.reported(),
     )
+
+
+def _adapters(spec: InferenceServiceSpec, memory: Memory) -> tuple[LoraPlan | None, dict[str, str]]:
+    """The plan's LoRA settings and their reason; none where the spec lists no adapter."""
+    settings = lora_settings(spec.adapters)
+    if settings is None:
+        return None, {}
+    replica, slots = memory.replica, memory.sizes.adapter_bytes
+    lora = LoraPlan(
+        adapters=settings.adapters,
+        max_loras=settings.max_loras,
+        max_lora_rank=settings.max_lora_rank,
+        max_cpu_loras=settings.max_cpu_loras,
+        slot_bytes=slots,
+    )
+    return lora, {"adapters": describe(settings, slots, slots / replica.gpu.bandwidth_bytes_per_s, replica.arch)}
+
+
+def _adapters_problem(spec: InferenceServiceSpec, arch: Architecture, where: str) -> Plan | None:
+    """Why the spec's adapters cannot be planned on this model (their slots cannot be sized), None when
+    they can or there are none."""
+    problem = adapter_problem(arch) if spec.adapters else None
+    if problem is not None:
+        return failed_plan(spec, "AdaptersNotPlanned", f"spec.adapters on {spec.model.name} ({where}): {problem}")
+    return None
 
 
 def _architecture(spec: InferenceServiceSpec, checkpoint: Architecture | None) -> tuple[Architecture, str] | Plan:
@@ -214,7 +244,7 @@ def _architecture(spec: InferenceServiceSpec, checkpoint: Architecture | None) -
             "ContextTooLong",
             f"maxContextLength {context} exceeds {spec.model.name}'s maximum context {arch.max_context}",
         )
-    return arch, where
+    return _adapters_problem(spec, arch, where) or (arch, where)
 
 
 def _choice_reasons(
@@ -281,6 +311,7 @@ def plan(spec: InferenceServiceSpec, context: PlanContext | None = None) -> Plan
     if unsupported:
         # No GPU or model changes what the runtime can run: say so before anything else.
         return failed_plan(spec, "UnsupportedByRuntime", unsupported)
+    capabilities = with_adapters(spec, capabilities)
     found = _architecture(spec, context.checkpoint)
     if isinstance(found, Plan):
         return found

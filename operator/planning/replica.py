@@ -84,7 +84,8 @@ class Sizes(NamedTuple):
     max_model_len: int
     kv_cache_dtype: str
     kv_layout: sizing.KVLayout  # how a sequence holds kv_bytes_per_token in the pool's blocks
+    adapter_bytes: int = 0  # the LoRA slots' (planning/adapters.py), beside the weights; a Plan's lora reports it
 
     def reported(self) -> dict[str, object]:
         """The fields a Plan reports (the layout is the planner's own)."""
-        return {k: v for k, v in self._asdict().items() if k != "kv_layout"}
+        return {k: v for k, v in self._asdict().items() if k not in ("kv_layout", "adapter_bytes")}

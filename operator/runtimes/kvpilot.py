@@ -53,8 +53,23 @@ def engine_args(launch: Launch) -> list[str]:
         speculative=plan.speculative,
         **({"num_speculative_tokens": plan.num_speculative_tokens} if plan.num_speculative_tokens else {}),
         **({"draft_model": launch.draft_model} if launch.draft_model else {}),
+        **lora_fields(launch),
     )
     return serve_argv(server, engine)
+
+
+def lora_fields(launch: Launch) -> dict[str, object]:
+    """The engine's adapter slots for spec.adapters (its flags are vLLM's names); the adapters
+    themselves are loaded while it runs (`/v1/load_lora_adapter`), so that adding one restarts no pod."""
+    lora = launch.plan.lora
+    if lora is None:
+        return {}
+    return {
+        "enable_lora": True,
+        "max_loras": lora.max_loras,
+        "max_lora_rank": lora.max_lora_rank,
+        "max_cpu_loras": lora.max_cpu_loras,
+    }
 
 
 RUNTIME = Runtime(
@@ -65,4 +80,9 @@ RUNTIME = Runtime(
     args=engine_args,
     ready_path="/ready",
     api_key_env="KVPILOT_API_KEY",
+    # Adapters are planned for it once its config has the LoRA flags (an engine without them would
+    # refuse the argv).
+    lora="enable_lora" in EngineConfig.model_fields,
+    # Its draft model runs no adapter (the engine refuses speculative draft with enable_lora); n-grams need none.
+    lora_speculative=("off", "ngram"),
 )

@@ -41,3 +41,8 @@ class Runtime:
     env: tuple[tuple[str, str], ...] = ()
     # Whether its image has `kvpilot download` (else the downloads run in the operator's engine image).
     ships_downloader: bool = True
+    # Whether it serves LoRA adapters (spec.adapters) with `--enable-lora --max-loras --max-lora-rank
+    # --max-cpu-loras`.
+    lora: bool = False
+    # The speculative modes it runs beside adapters.
+    lora_speculative: tuple[str, ...] = ()

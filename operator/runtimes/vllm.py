@@ -91,7 +91,20 @@ def vllm_args(launch: Launch) -> list[str]:
     speculative = speculative_config(plan, launch.draft_model)
     if speculative is not None:
         args.append("--speculative-config=" + json.dumps(speculative, separators=(",", ":")))
-    return args
+    return args + lora_args(plan)
+
+
+def lora_args(plan: Plan) -> list[str]:
+    """The adapter slots of spec.adapters; the adapters themselves are loaded while the engine runs
+    (`/v1/load_lora_adapter`), so that adding one restarts no pod."""
+    if plan.lora is None:
+        return []
+    return [
+        "--enable-lora",
+        f"--max-loras={plan.lora.max_loras}",
+        f"--max-lora-rank={plan.lora.max_lora_rank}",
+        f"--max-cpu-loras={plan.lora.max_cpu_loras}",
+    ]
 
 
 RUNTIME = Runtime(
@@ -104,6 +117,11 @@ RUNTIME = Runtime(
     api_key_env="VLLM_API_KEY",
     # The files are local (image, PVC or the download's cache): vLLM never asks the hub, and sends
     # no usage report from the cluster.
-    env=(("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1")),
+    # Runtime LoRA updating: /v1/load_lora_adapter and /v1/unload_lora_adapter, which vLLM serves only
+    # with it (it is off unless asked for; harmless without adapters, which a later spec may add).
+    env=(("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1"), ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")),
     ships_downloader=False,
+    lora=True,
+    # Its drafters run without the adapters, the target with them.
+    lora_speculative=VLLM_CAPABILITIES.speculative,
 )

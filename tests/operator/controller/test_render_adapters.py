@@ -1,0 +1,100 @@
+"""The engine pods of a service with spec.adapters: both runtimes get the plan's adapter slots under
+vLLM's flag names (`--enable-lora --max-loras --max-lora-rank --max-cpu-loras`), vLLM its runtime LoRA
+updating, and neither the adapters' sources (the operator loads adapters through the running engines'
+API, so that adding one restarts no pod). Our engine parses the flags with its own parser; vLLM's
+parser checks them in test_vllm_contract.py."""
+
+from __future__ import annotations
+
+from itertools import product
+from typing import Any
+
+import pytest
+
+from kvpilot.engine.cli import build_parser, engine_config_from_args
+from kvpilot.operator.api.plan import Plan
+from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.controller import render
+from kvpilot.operator.planning.gpus import GPUS
+from kvpilot.operator.planning.plan import plan
+
+ADAPTERS = [
+    {"name": "sql", "source": "hf://org/sql-lora", "rank": 8},
+    {"name": "support", "source": "pvc://adapters/support", "rank": 32},
+    {"name": "legal", "source": "/adapters/legal"},
+]
+LORA_FLAGS = ("--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras")
+
+
+def _planned(runtime: str, adapters: list[dict[str, Any]], **sections: Any) -> tuple[InferenceServiceSpec, Plan]:
+    spec = InferenceServiceSpec.model_validate(
+        {
+            "runtime": runtime,
+            "model": {"name": "llama-3-8b", "source": "hf://meta-llama/Meta-Llama-3-8B-Instruct"},
+            "accelerator": {"type": "L40S"},
+            "adapters": adapters,
+            **sections,
+        }
+    )
+    result = plan(spec)
+    assert result.fits, result.reason
+    return spec, result
+
+
+def _container(spec: InferenceServiceSpec, result: Plan) -> dict[str, Any]:
+    return render.deployment("svc", "ns", "uid", spec, result)["spec"]["template"]["spec"]["containers"][0]
+
+
+def _no_adapter_source(container: dict[str, Any]) -> None:
+    rendered = " ".join(container["args"])
+    assert not any(a["source"] in rendered or a["name"] in container["args"] for a in ADAPTERS), rendered
+
+
+def test_vllm_gets_the_slots_and_runtime_lora_updating() -> None:
+    spec, result = _planned("vllm", ADAPTERS)
+    assert result.lora is not None
+    container = _container(spec, result)
+    assert container["args"][-4:] == ["--enable-lora", "--max-loras=3", "--max-lora-rank=32", "--max-cpu-loras=3"]
+    assert {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in container["env"]
+    _no_adapter_source(container)
+    # Without adapters: no LoRA flag, so the slots cost nothing.
+    bare = _container(*_planned("vllm", []))
+    assert not any(arg.startswith(LORA_FLAGS) for arg in bare["args"]), bare["args"]
+
+
+def test_our_engine_parses_the_slots_with_its_own_parser() -> None:
+    spec, result = _planned("kvpilot", ADAPTERS)
+    container = _container(spec, result)
+    assert container["command"] == ["kvpilot", "serve"]
+    engine = engine_config_from_args(build_parser("serve").parse_args(["serve", *container["args"]]))
+    assert (engine.enable_lora, engine.max_loras, engine.max_lora_rank, engine.max_cpu_loras) == (True, 3, 32, 3)
+    _no_adapter_source(container)
+    bare = _container(*_planned("kvpilot", []))
+    assert not any(arg in LORA_FLAGS for arg in bare["args"]), bare["args"]
+
+
+@pytest.mark.parametrize("runtime", ["kvpilot", "vllm"])
+def test_every_plan_with_adapters_renders_on_every_gpu(runtime: str) -> None:
+    # Every GPU, each speculative choice the runtime runs beside adapters, one adapter and more than the
+    # slots: a pod that renders (our engine's config accepts it) with the plan's slots.
+    many = [{"name": f"a{i}", "source": f"/adapters/a{i}", "rank": 16} for i in range(9)]
+    rendered = 0
+    for gpu, speculative, adapters in product(GPUS, ("auto", "off", "ngram"), ([ADAPTERS[0]], many)):
+        spec = InferenceServiceSpec.model_validate(
+            {
+                "runtime": runtime,
+                "model": {"name": "llama-3.2-1b"},
+                "accelerator": {"type": gpu},
+                "serving": {"speculative": speculative},
+                "adapters": adapters,
+            }
+        )
+        result = plan(spec)
+        if not result.fits:
+            continue
+        assert result.lora is not None
+        args = " ".join(_container(spec, result)["args"])
+        slots = str(result.lora.max_loras)
+        assert f"--max-loras={slots}" in args or f"--max-loras {slots}" in args, args
+        rendered += 1
+    assert rendered >= len(GPUS) * 4

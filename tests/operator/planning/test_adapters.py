@@ -4,10 +4,15 @@ the adapter sets that cannot be served."""
 
 from __future__ import annotations
 
+import argparse
+import io
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvpilot.operator import cli
 from kvpilot.operator.api.spec import AdapterSpec, InferenceServiceSpec
 from kvpilot.operator.planning import adapters, sizing
 from kvpilot.operator.planning.models import MODELS
@@ -199,3 +204,59 @@ def test_the_slots_scale_with_rank_slots_and_tensor_parallelism() -> None:
     one, two = adapters.slot_bytes(arch, 16, 1, 2), adapters.slot_bytes(arch, 16, 2, 2)
     assert one < two < 2 * one
     assert sizing.GiB > 4 * one
+
+
+MANIFEST = """
+apiVersion: kvpilot.dev/v1alpha1
+kind: InferenceService
+metadata: {name: chat, namespace: team-a}
+spec:
+  runtime: vllm
+  model: {name: llama-3-8b}
+  accelerator: {type: A100-80GB}
+  adapters:
+    - {name: sql, source: "hf://org/sql-lora", rank: 16}
+    - {name: support, source: "pvc://adapters/support", rank: 16}
+    - {name: legal, source: /adapters/legal}
+    - {name: hr, source: /adapters/hr, rank: 8}
+"""
+
+
+def _plan_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    top = argparse.ArgumentParser(prog="kvpilot")
+    cli.register(top.add_subparsers(dest="command", required=True))
+    args = top.parse_args(argv)
+    out = io.StringIO()
+    code = cli.run_plan(args, out=out)
+    return code, out.getvalue() + capsys.readouterr().err
+
+
+def test_kvpilot_plan_reads_the_adapters_of_a_manifest_and_shows_their_slots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = tmp_path / "chat.yaml"
+    manifest.write_text(MANIFEST)
+    code, text = _plan_cli(["plan", "-f", str(manifest)], capsys)
+    assert code == 0, text
+    assert (
+        "LoRA adapters       4: max_loras 4, max_lora_rank 16, max_cpu_loras 4; slots 0.34 GiB (taken from the KV pool)"
+        in text
+    )
+    assert "  adapters: max_loras 4, max_lora_rank 16, max_cpu_loras 4: 4 of the 4 adapter(s) resident" in text
+    code, text = _plan_cli(["plan", "-f", str(manifest), "--json"], capsys)
+    body = json.loads(text)
+    assert body["lora"] == {
+        "adapters": 4,
+        "max_loras": 4,
+        "max_lora_rank": 16,
+        "max_cpu_loras": 4,
+        "slot_bytes": 369_426_432,
+    }
+    assert body["args"][-4:] == ["--enable-lora", "--max-loras=4", "--max-lora-rank=16", "--max-cpu-loras=4"]
+    # The spec's own rules hold for a manifest as the API server's do.
+    manifest.write_text(MANIFEST.replace("name: hr", "name: sql"))
+    code, text = _plan_cli(["plan", "-f", str(manifest)], capsys)
+    assert code == 2 and "adapters: each name once (sql repeated)" in text
+    # Without adapters the table has no LoRA row and no adapters reason.
+    code, text = _plan_cli(["plan", "--model", "llama-3-8b", "--gpu", "A100-80GB", "--runtime", "vllm"], capsys)
+    assert code == 0 and "LoRA" not in text and "adapters:" not in text

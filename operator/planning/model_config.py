@@ -2,7 +2,7 @@
 the planner sizes exactly as vLLM 0.33 allocates it: full attention over grouped (or multi-) query
 heads, sliding-window layers beside full ones (Gemma 2/3, gpt-oss), multi-head latent attention
 (DeepSeek V2/V3, Kimi K2), dense or a mixture of experts, and the multimodal wrappers of Gemma 3 (a
-SigLIP tower) and LLaVA (a CLIP tower).
+SigLIP tower) and LLaVA and LLaVA-NeXT over a Llama (a CLIP tower).
 
 The parameters are counted from the config the way the model's modules hold them (embedding, each
 layer's attention, MLP or experts and norms, the final norm, an untied LM head, a vision tower), so a
@@ -67,7 +67,9 @@ class Wrapper(NamedTuple):
 
     language_model: str  # the architecture text_config describes
     tower: str  # the vision tower's layout: "siglip" or "clip"
-    projector: str  # from the tower to the language model: "gemma3" (a norm and one matrix) or "llava" (an MLP)
+    # From the tower to the language model: "gemma3" (a norm and one matrix), "llava" (an MLP) or
+    # "llava_next" (an MLP and a newline token).
+    projector: str
     # The text config class's defaults, which a wrapper's text_config leaves out where they hold (LLaVA's
     # lists only what differs from LlamaConfig's), and the model_type they are the defaults of.
     text_defaults: Mapping[str, Any] = {}
@@ -86,6 +88,7 @@ LLAMA_DEFAULTS = {
 WRAPPERS: dict[str, Wrapper] = {
     "Gemma3ForConditionalGeneration": Wrapper("Gemma3ForCausalLM", "siglip", "gemma3"),
     "LlavaForConditionalGeneration": Wrapper("LlamaForCausalLM", "clip", "llava", LLAMA_DEFAULTS),
+    "LlavaNextForConditionalGeneration": Wrapper("LlamaForCausalLM", "clip", "llava_next", LLAMA_DEFAULTS),
 }
 
 # quantization_config.quant_method -> the scheme a checkpoint stores (spec.model.quantization);
@@ -281,18 +284,22 @@ def _vision_tower(vision: Mapping[str, Any], tower: str) -> int:
     return embeddings + _int(vision, "num_hidden_layers") * layer + 2 * hidden + head
 
 
-def _projector(projector: str, vision_hidden: int, text_hidden: int) -> int:
+def _projector(config: Mapping[str, Any], projector: str, text_hidden: int) -> int:
     """From the tower's features to the language model's: Gemma 3's norm and matrix, or LLaVA's two
-    biased linear layers."""
+    linear layers (biased unless multimodal_projector_bias is false) over the features of every layer
+    vision_feature_layer names, and LLaVA-NeXT's learned newline token between image rows."""
+    vision_hidden = _int(config["vision_config"], "hidden_size")
     if projector == "gemma3":
         return vision_hidden * text_hidden + vision_hidden
-    return vision_hidden * text_hidden + text_hidden + text_hidden * text_hidden + text_hidden
+    feature_layers = config.get("vision_feature_layer", -2)
+    features = vision_hidden * (len(feature_layers) if isinstance(feature_layers, list) else 1)
+    biases = 2 * text_hidden if config.get("multimodal_projector_bias", True) else 0
+    newline = text_hidden if projector == "llava_next" else 0
+    return features * text_hidden + text_hidden * text_hidden + biases + newline
 
 
 def _vision_parameters(config: Mapping[str, Any], wrapper: Wrapper, text_hidden: int) -> int:
-    vision = config["vision_config"]
-    projector = _projector(wrapper.projector, _int(vision, "hidden_size"), text_hidden)
-    return _vision_tower(vision, wrapper.tower) + projector
+    return _vision_tower(config["vision_config"], wrapper.tower) + _projector(config, wrapper.projector, text_hidden)
 
 
 def _language_model(config: Mapping[str, Any], name: str) -> tuple[Mapping[str, Any], Family, Wrapper | None] | str:

@@ -170,27 +170,66 @@ def test_parameters_and_kv_geometry_are_as_transformers_builds_the_model(name: s
 WINDOWED = {"gemma2": 128, "gemma3": 128, "gpt-oss": 128}
 
 
-def test_gemma_3s_multimodal_wrapper_counts_its_vision_tower_as_transformers_builds_it() -> None:
-    text = config_of(FAMILY_CONFIGS["gemma3"])
-    vision = {"hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 2, "num_attention_heads": 4}
-    for head in (True, False):
-        config = {
-            "architectures": list(WRAPPERS),
-            "model_type": "gemma3",
-            "mm_tokens_per_image": 4,
-            "text_config": {key: value for key, value in text.items() if key != "architectures"},
-            "vision_config": {**vision, "image_size": 56, "patch_size": 14, "vision_use_head": head},
-        }
-        read = read_config(config, "test")
-        assert not isinstance(read, str), read
-        arch = read.architecture
-        text_only = read_config(text, "test")
-        assert not isinstance(text_only, str)
-        assert arch.parameters == sum(p.numel() for p in transformers_model(config).parameters())
-        assert arch.vision_parameters == arch.parameters - text_only.architecture.parameters
-        # A text token goes through the language model only; its KV rule is the language model's.
-        assert arch.parameters_per_token == text_only.architecture.parameters
-        assert sizing.kv_layout(arch) == sizing.kv_layout(text_only.architecture)
+# Tiny configs of every multimodal wrapper: the language model's and the vision tower's, with the
+# options that change the count (SigLIP's pooling head; LLaVA's projector biases and feature layers).
+VISION = {"hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 2, "num_attention_heads": 4}
+WRAPPER_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma3": ("gemma3", {"vision_config": {**VISION, "image_size": 56, "patch_size": 14}, "mm_tokens_per_image": 4}),
+    "gemma3-no-head": (
+        "gemma3",
+        {"vision_config": {**VISION, "image_size": 56, "patch_size": 14, "vision_use_head": False}},
+    ),
+    "llava": ("llama", {"model_type": "llava", "vision_config": {**VISION, "image_size": 28, "patch_size": 14}}),
+    "llava-unbiased-layers": (
+        "llama",
+        {
+            "model_type": "llava",
+            "vision_config": {**VISION, "image_size": 28, "patch_size": 14},
+            "multimodal_projector_bias": False,
+            "vision_feature_layer": [-2, -1],
+        },
+    ),
+    "llava-next": (
+        "llama",
+        {
+            "model_type": "llava_next",
+            "vision_config": {**VISION, "image_size": 28, "patch_size": 14},
+            "image_grid_pinpoints": [[28, 28]],
+        },
+    ),
+}
+WRAPPER_ARCHITECTURES = {
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
+    "llava_next": "LlavaNextForConditionalGeneration",
+}
+
+
+def test_every_wrapper_is_covered_here() -> None:
+    assert {WRAPPER_ARCHITECTURES[c.get("model_type", "gemma3")] for _, c in WRAPPER_CONFIGS.values()} == set(WRAPPERS)
+
+
+@pytest.mark.parametrize("name", WRAPPER_CONFIGS)
+def test_a_multimodal_wrapper_counts_its_vision_tower_as_transformers_builds_it(name: str) -> None:
+    family, wrapper = WRAPPER_CONFIGS[name]
+    text = config_of(FAMILY_CONFIGS["gemma3" if family == "gemma3" else "llama-biases"])
+    model_type = wrapper.get("model_type", "gemma3")
+    config = {
+        **wrapper,
+        "architectures": [WRAPPER_ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "text_config": {key: value for key, value in text.items() if key != "architectures"},
+    }
+    read = read_config(config, "test")
+    assert not isinstance(read, str), read
+    arch = read.architecture
+    text_only = read_config(text, "test")
+    assert not isinstance(text_only, str)
+    assert arch.parameters == sum(p.numel() for p in transformers_model(config).parameters())
+    assert arch.vision_parameters == arch.parameters - text_only.architecture.parameters
+    # A text token goes through the language model only; its KV rule is the language model's.
+    assert arch.parameters_per_token == text_only.architecture.parameters
+    assert sizing.kv_layout(arch) == sizing.kv_layout(text_only.architecture)
 
 
 def test_the_embedded_models_real_config_counts_the_catalogs_parameters(model_dir: Path) -> None:

@@ -233,5 +233,6 @@ def _step_output(
         arrival_time=request.arrival_time,
         first_token_time=request.first_token_time,
         queue_time=None if request.first_scheduled_time is None else request.first_scheduled_time - request.queued_time,
+        lora_name=request.lora.name if request.lora is not None else None,
         **extra,
     )

@@ -42,6 +42,7 @@ class StepOutput:
     # On a sequence's first output, when asked for: one per prompt token (None for the first).
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     error: str | None = None  # serving this sequence raised; it was dropped (finish_reason "abort")
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
     @property
     def finished(self) -> bool:

@@ -1,7 +1,9 @@
 """`kvpilot serve`: the OpenAI-compatible HTTP server over the AsyncEngine.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (behind the API key when
-one is set); GET /health (process alive), GET /ready (model loaded and not draining), GET /metrics.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, and with --enable-lora
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter as vLLM's (behind the API key when one is
+set); GET /health (process alive), GET /ready (model loaded and not draining), GET /metrics. A
+request names a LoRA adapter as its `model`; /v1/models lists each beside the base model.
 
 Errors are answered in OpenAI's shape (errors.py), responses are shaped in responses.py, and the
 engine runs in its own thread behind async_engine.py. Shutdown drains: the first SIGTERM or SIGINT
@@ -31,6 +33,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvpilot.engine.config import EngineConfig, ServerConfig
 from kvpilot.engine.core.sampling_params import SamplingParams
 from kvpilot.engine.core.structured_output import StructuredOutput
+from kvpilot.engine.lora.adapter import AdapterNotFoundError
+from kvpilot.engine.lora.registry import UnknownAdapterError
 from kvpilot.engine.model.loader import EMBEDDED_MODEL
 from kvpilot.engine.serving.async_engine import (
     AsyncEngine,
@@ -42,7 +46,14 @@ from kvpilot.engine.serving.async_engine import (
 )
 from kvpilot.engine.serving.errors import RETRY_AFTER_S, APIError, install_error_handlers
 from kvpilot.engine.serving.metrics import ServingMetrics
-from kvpilot.engine.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from kvpilot.engine.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    ModelCard,
+    ModelList,
+    UnloadLoRAAdapterRequest,
+)
 from kvpilot.engine.serving.responses import SSE_HEADERS, ChatCompletionFormat, CompletionFormat, Format, sse, usage
 
 log = logging.getLogger(__name__)
@@ -150,6 +161,9 @@ class OpenAIServer:
             settings = settings.model_copy(update={"served_model_name": config.model or EMBEDDED_MODEL})
         self.settings = settings
         self.metrics = ServingMetrics(settings.served_model_name, settings.vllm_compatible_metrics)
+        self.enable_lora = config.enable_lora
+        if config.enable_lora:
+            self.metrics.on_lora_enabled(config.max_loras)
         self.engine = AsyncEngine(config, self.metrics, settings.max_waiting_requests)
         self.engine.on_crash(self._on_engine_crash)
         self.draining = False
@@ -219,6 +233,8 @@ class OpenAIServer:
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"])
+        app.add_api_route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"])
         return app
 
     async def health(self) -> JSONResponse:
@@ -250,9 +266,46 @@ class OpenAIServer:
 
     async def models(self) -> ModelList:
         max_len = self.engine.max_model_len if self.engine.ready else None
-        return ModelList(
-            data=[ModelCard(id=self.settings.served_model_name, created=self.started, max_model_len=max_len)]
-        )
+        base = self.settings.served_model_name
+        adapters = [
+            ModelCard(id=name, created=self.started, root=path, parent=base, max_model_len=max_len)
+            for name, path in self.engine.adapters.items()
+        ]
+        return ModelList(data=[ModelCard(id=base, created=self.started, max_model_len=max_len), *adapters])
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
+        """As vLLM's: 404 for no adapter at the path, 400 for one that cannot serve or a name taken."""
+        name = body.lora_name
+        self._check_lora_route()
+        if name == self.settings.served_model_name:
+            raise APIError(400, f"an adapter cannot take the base model's name {name!r}", param="lora_name")
+        if name in self.engine.adapters and not body.load_inplace:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        try:
+            if name in self.engine.adapters:
+                await self.engine.unload_lora(name)
+            await self.engine.load_lora(name, body.lora_path)
+        except AdapterNotFoundError as err:
+            raise APIError(404, str(err), param="lora_path", code="adapter_not_found") from err
+        except ValueError as err:
+            raise APIError(400, str(err), param="lora_path", code="invalid_adapter") from err
+        log.info("event=lora_adapter_loaded name=%s path=%s", name, body.lora_path)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
+        self._check_lora_route()
+        try:
+            await self.engine.unload_lora(body.lora_name)
+        except UnknownAdapterError as err:
+            raise APIError(404, str(err), param="lora_name", code="adapter_not_found") from err
+        log.info("event=lora_adapter_unloaded name=%s", body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
+    def _check_lora_route(self) -> None:
+        if not self.enable_lora:
+            raise APIError(400, "this server serves no LoRA adapters: start it with --enable-lora")
+        if self.draining or not self.engine.ready:
+            raise APIError(503, "the server is not ready to load adapters", retry_after=RETRY_AFTER_S)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
@@ -279,7 +332,7 @@ class OpenAIServer:
             )
         fmt = CompletionFormat(
             f"cmpl-{uuid.uuid4().hex}",
-            self.settings.served_model_name,
+            body.model,
             n=body.n,
             echo_texts=echo_texts,
             first_tokens=first_tokens,
@@ -303,7 +356,7 @@ class OpenAIServer:
             raise APIError(
                 400, "the conversation cannot be rendered with the model's chat template", param="messages"
             ) from err
-        fmt = ChatCompletionFormat(f"chatcmpl-{uuid.uuid4().hex}", self.settings.served_model_name)
+        fmt = ChatCompletionFormat(f"chatcmpl-{uuid.uuid4().hex}", body.model)
         return await self._generate(request, body, [ids], body.requested_max_tokens, "messages", fmt, arrival)
 
     # ---- shared request path -----------------------------------------------------------------
@@ -317,10 +370,12 @@ class OpenAIServer:
                 "the model is not loaded" + ("" if self.engine.alive else ": the engine failed"),
                 retry_after=RETRY_AFTER_S,
             )
-        if body.model != self.settings.served_model_name:
+        if body.model != self.settings.served_model_name and body.model not in self.engine.adapters:
             raise APIError(
                 404,
-                f"The model `{body.model}` does not exist; this server serves `{self.settings.served_model_name}`.",
+                f"The model `{body.model}` does not exist; this server serves `{self.settings.served_model_name}`"
+                + "".join(f", `{name}`" for name in self.engine.adapters)
+                + ".",
                 param="model",
                 code="model_not_found",
             )
@@ -436,8 +491,13 @@ class OpenAIServer:
             except ValueError as err:
                 raise APIError(400, str(err), param=structured_param, code="invalid_structured_output") from err
         sequences = [(prompts[i // body.n], p) for i, p in enumerate(params)]
+        lora = None if body.model == self.settings.served_model_name else body.model
         try:
-            stream = await self.engine.submit(fmt.request_id, sequences, arrival, cache_salt=body.cache_salt)
+            stream = await self.engine.submit(
+                fmt.request_id, sequences, arrival, cache_salt=body.cache_salt, lora_name=lora
+            )
+        except UnknownAdapterError as err:  # unloaded since _check_request saw it
+            raise APIError(404, str(err), param="model", code="model_not_found") from err
         except QueueFullError as err:
             raise APIError(429, str(err), code="queue_full", retry_after=RETRY_AFTER_S) from err
         except EngineUnavailableError as err:

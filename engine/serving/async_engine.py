@@ -2,8 +2,9 @@
 
 LLMEngine is not thread-safe, and its step() blocks for the whole forward pass, so it runs in a
 dedicated thread. Handlers hand it work through a thread-safe inbox (submit a group of sequences,
-abort them, stop); the thread drains the inbox between steps and sends each step's outputs back to
-the event loop with one call_soon_threadsafe per step, into one asyncio queue per HTTP request.
+abort them, load or unload a LoRA adapter, stop); the thread drains the inbox between steps and
+sends each step's outputs back to the event loop with one call_soon_threadsafe per step, into one
+asyncio queue per HTTP request.
 
 Admission control lives here too: sequences submitted but not yet scheduled are counted, and a
 submission that would take that count past max_waiting_requests is refused at once.
@@ -75,6 +76,15 @@ class _Submit:
     arrival_time: float
     accepted: asyncio.Future[None]
     cache_salt: str | None = None
+    lora_name: str | None = None  # the LoRA adapter the sequences run with (None: the base model)
+
+
+@dataclass
+class _Call:
+    """Run `fn` on the engine thread between steps (what changes the engine's adapters)."""
+
+    fn: Callable[[LLMEngine], object]
+    done: asyncio.Future[None]
 
 
 @dataclass
@@ -163,6 +173,9 @@ class AsyncEngine:
         self._on_crash: Callable[[BaseException], None] | None = None
         # When the step in progress began (engine thread writes, the watchdog on /health reads).
         self._step_started: float | None = None
+        # Event-loop side: the LoRA adapters served, name -> path (the engine thread's registry
+        # holds the weights; this copy answers /v1/models and routes requests by model name).
+        self.adapters: dict[str, str] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -235,6 +248,7 @@ class AsyncEngine:
         sequences: list[tuple[list[int], SamplingParams]],
         arrival_time: float,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> GenerationStream:
         """Queue sequences for generation. Raises QueueFullError, or ValueError for input the
         engine refuses (its message is meant for the client)."""
@@ -251,7 +265,7 @@ class AsyncEngine:
         assert self._loop is not None
         stream = GenerationStream(self, request_id, len(sequences))
         accepted: asyncio.Future[None] = self._loop.create_future()
-        self._inbox.put(_Submit(stream, sequences, arrival_time, accepted, cache_salt))
+        self._inbox.put(_Submit(stream, sequences, arrival_time, accepted, cache_salt, lora_name))
         try:
             # Resolves right after add_request, before the step that first schedules the request.
             await asyncio.shield(accepted)
@@ -261,6 +275,28 @@ class AsyncEngine:
         self._active.add(stream)
         self._idle.clear()
         return stream
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serve the adapter at `path` as model `name`: read and checked in a worker thread (an
+        AdapterError for one that cannot serve), then registered on the engine thread between steps."""
+        engine = self.llm_engine
+        adapter = await asyncio.to_thread(engine.read_adapter, name, path)
+        await self._on_engine_thread(lambda e: e.add_lora(name, path, adapter))
+        self.adapters[name] = path
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name` (UnknownAdapterError if it is not served); its requests in
+        flight finish with it."""
+        await self._on_engine_thread(lambda e: e.remove_lora(name))
+        self.adapters.pop(name, None)
+
+    async def _on_engine_thread(self, fn: Callable[[LLMEngine], object]) -> None:
+        if not self.ready:
+            raise EngineUnavailableError(str(self._error) if self._error else "the model is still loading")
+        assert self._loop is not None
+        done: asyncio.Future[None] = self._loop.create_future()
+        self._inbox.put(_Call(fn, done))
+        await done
 
     @property
     def num_in_flight(self) -> int:
@@ -313,6 +349,7 @@ class AsyncEngine:
         # machine), stalling /health and a decode step alike. Keep them out of every collection.
         gc.collect()
         gc.freeze()
+        self.adapters = self._engine.loras.names()  # --lora-modules, loaded with the model
         self._publish_state(self._engine.stats(), {})
         self.metrics.on_engine_loaded(
             self.config.block_size, self._engine.runner.num_blocks, self.config.enable_prefix_caching
@@ -343,6 +380,8 @@ class AsyncEngine:
         for command in commands:
             if isinstance(command, _Submit):
                 self._call(self._resolve, command.accepted, error)  # a no-op for those already answered
+            elif isinstance(command, _Call):
+                self._call(self._resolve, command.done, error)
         if failed:
             self._call(self._deliver, failed)
 
@@ -369,9 +408,19 @@ class AsyncEngine:
                     self._add(engine, command, unscheduled)
                 elif isinstance(command, _Abort):
                     self._abort(engine, command.stream, unscheduled)
+                elif isinstance(command, _Call):
+                    self._run_call(engine, command)
             if engine.has_unfinished():
                 self._step(engine, unscheduled)
             self._publish_state(engine.stats(), unscheduled)
+
+    def _run_call(self, engine: LLMEngine, command: _Call) -> None:
+        try:
+            command.fn(engine)
+        except ValueError as err:  # the adapter's own error, for the client
+            self._call(self._resolve, command.done, err)
+            return
+        self._call(self._resolve, command.done, None)
 
     def _add(self, engine: LLMEngine, command: _Submit, unscheduled: dict[str, Request]) -> None:
         stream = command.stream
@@ -382,7 +431,12 @@ class AsyncEngine:
                 # thread got round to it (it may have been busy with a step).
                 added.append(
                     engine.add_request(
-                        prompt, params, engine_id, arrival_time=command.arrival_time, cache_salt=command.cache_salt
+                        prompt,
+                        params,
+                        engine_id,
+                        arrival_time=command.arrival_time,
+                        cache_salt=command.cache_salt,
+                        lora_name=command.lora_name,
                     )
                 )
         except ValueError as err:
@@ -395,7 +449,7 @@ class AsyncEngine:
             self._streams[request.request_id] = stream
             self._index[request.request_id] = index
             unscheduled[request.request_id] = request
-            self.metrics.on_admitted(request.num_prompt_tokens)
+            self.metrics.on_admitted(request.num_prompt_tokens, request.lora.name if request.lora else None)
         self._call(self._resolve, command.accepted, None)
 
     def _abort(self, engine: LLMEngine, stream: GenerationStream, unscheduled: dict[str, Request]) -> None:

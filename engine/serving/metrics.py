@@ -36,6 +36,14 @@ per-request TPOT is `vllm:request_time_per_output_token_seconds` (the old
 engine core); kvpilot runs one engine per server and leaves that label out. vLLM's
 `vllm:admission_rejections` counts 503s for its `--max-num-queued-reqs` (waiting + running), a
 different limit from our 429 on the waiting queue, so our rejections have no vllm: name.
+
+With LoRA on, `vllm:lora_requests_info` is exported whatever vllm_compatible says (it has no
+kvpilot_ twin, and endpoint pickers route adapters by it), exactly as vLLM 0.33's
+PrometheusStatLogger does: a gauge documented "Running stats on lora requests.", labelled
+max_lora, waiting_lora_adapters and running_lora_adapters (the adapters' names joined by commas),
+no model_name label, whose value is the time (set_to_current_time) the labels were last true, so
+the series with the highest value is the current one. Beside it, kvpilot_lora_requests_total and
+kvpilot_lora_generation_tokens_total count per adapter.
 """
 
 from __future__ import annotations
@@ -197,6 +205,13 @@ SPECS = {
     "rejected": MetricSpec(
         Counter, "requests_rejected", None, "HTTP requests refused with 429 because the waiting queue was full."
     ),
+    # Per LoRA adapter (vLLM exports no per-adapter counters; its vllm:lora_requests_info is below).
+    "lora_requests": MetricSpec(
+        Counter, "lora_requests", None, "Sequences admitted, by the LoRA adapter they run with.", ("lora_name",)
+    ),
+    "lora_generation_tokens": MetricSpec(
+        Counter, "lora_generation_tokens", None, "Output tokens generated, by LoRA adapter.", ("lora_name",)
+    ),
 }
 
 
@@ -243,6 +258,8 @@ class ServingMetrics:
         self._token_times: dict[str, tuple[float, float]] = {}
         # The engine keeps cumulative totals; counters advance by the difference.
         self._seen: dict[tuple[str, str], int] = {}
+        self._lora_info: Gauge | None = None  # vllm:lora_requests_info, once LoRA is on
+        self._lora_labels: dict[str, str] = {}
 
     def _make(self, spec: MetricSpec, name: str, model_label: str) -> Counter | Gauge | Histogram:
         kwargs = {"registry": self.registry, "labelnames": (model_label, *spec.labels)}
@@ -273,8 +290,10 @@ class ServingMetrics:
 
     # ---- events, in the order a sequence meets them ----------------------------------------
 
-    def on_admitted(self, num_prompt_tokens: int) -> None:
+    def on_admitted(self, num_prompt_tokens: int, lora_name: str | None = None) -> None:
         self._family("prompt_tokens").inc(num_prompt_tokens)
+        if lora_name is not None:
+            self._ours("lora_requests", lora_name=lora_name).inc()
 
     def on_rejected(self) -> None:
         self._family("rejected").inc()
@@ -286,6 +305,8 @@ class ServingMetrics:
         """A step gave the sequence tokens (`now`: when the step ended)."""
         num_tokens = len(output.new_token_ids)
         self._family("generation_tokens").inc(num_tokens)
+        if output.lora_name is not None:
+            self._ours("lora_generation_tokens", lora_name=output.lora_name).inc(num_tokens)
         times = self._token_times.get(output.request_id)
         if times is None:
             assert output.first_token_time is not None
@@ -339,12 +360,34 @@ class ServingMetrics:
         )
         gauge.labels(**info).set(1)
 
+    def on_lora_enabled(self, max_loras: int) -> None:
+        """Export vllm:lora_requests_info (see the module's docstring), empty until the first step."""
+        self._lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self.registry,
+        )
+        self._lora_labels = {"max_lora": str(max_loras), "waiting_lora_adapters": "", "running_lora_adapters": ""}
+        self._lora_info.labels(**self._lora_labels).set_to_current_time()
+
+    def _set_lora_state(self, stats: SchedulerStats) -> None:
+        labels = self._lora_labels | {
+            "waiting_lora_adapters": ",".join(stats.waiting_loras),
+            "running_lora_adapters": ",".join(stats.running_loras),
+        }
+        if labels != self._lora_labels:  # the series's time says since when its labels hold
+            self._lora_labels = labels
+            self._lora_info.labels(**labels).set_to_current_time()  # type: ignore[union-attr]
+
     # ---- engine state, after every step ----------------------------------------------------
 
     def set_state(self, stats: SchedulerStats) -> None:
         self._family("running").set(stats.num_running)
         self._family("waiting").set(stats.num_waiting)
         self._family("kv_usage").set(stats.kv_cache_usage)
+        if self._lora_info is not None:
+            self._set_lora_state(stats)
         spec = stats.spec_decoding
         totals = [
             ("preemptions", "", stats.num_preemptions),

@@ -349,7 +349,30 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "kvpilot"
+    # As vLLM's: where the weights came from, and for a LoRA adapter the base model it runs on.
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter, as vLLM's."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    # Replace an adapter already served under lora_name (vLLM's in-place reload).
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter, as vLLM's (lora_int_id is accepted and not needed)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
 
 
 class ModelList(BaseModel):

@@ -26,7 +26,7 @@ SPECS = (
 )
 # lora_B's spread: PEFT starts B at zero (a no-op adapter); this makes the delta change the tokens
 # without swamping the base model's output.
-B_STD = 0.02
+B_STD = 0.05
 
 
 def make_adapter(model_dir: Path, spec: AdapterSpec, folder: Path) -> PreTrainedModel:

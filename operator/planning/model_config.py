@@ -2,7 +2,8 @@
 the planner sizes exactly as vLLM 0.33 allocates it: full attention over grouped (or multi-) query
 heads, sliding-window layers beside full ones (Gemma 2/3, gpt-oss), multi-head latent attention
 (DeepSeek V2/V3, Kimi K2), dense or a mixture of experts, and the multimodal wrappers of Gemma 3 (a
-SigLIP tower) and LLaVA and LLaVA-NeXT over a Llama (a CLIP tower).
+SigLIP tower), LLaVA and LLaVA-NeXT over a Llama (a CLIP tower), Mistral 3 (Pixtral's tower) and
+Qwen2.5-VL.
 
 The parameters are counted from the config the way the model's modules hold them (embedding, each
 layer's attention, MLP or experts and norms, the final norm, an untied LM head, a vision tower), so a
@@ -66,9 +67,9 @@ class Wrapper(NamedTuple):
     """A multimodal wrapper: its language model (text_config), the vision tower and projector beside it."""
 
     language_model: str  # the architecture text_config describes
-    tower: str  # the vision tower's layout: "siglip" or "clip"
-    # From the tower to the language model: "gemma3" (a norm and one matrix), "llava" (an MLP) or
-    # "llava_next" (an MLP and a newline token).
+    tower: str  # the vision tower's layout: "siglip", "clip", "pixtral" or "qwen2_5_vl"
+    # From the tower to the language model: "gemma3" (a norm and one matrix), "llava" (an MLP),
+    # "llava_next" (an MLP and a newline token), "mistral3" (a patch merger and an MLP) or "none".
     projector: str
     # The text config class's defaults, which a wrapper's text_config leaves out where they hold (LLaVA's
     # lists only what differs from LlamaConfig's), and the model_type they are the defaults of.
@@ -89,6 +90,10 @@ WRAPPERS: dict[str, Wrapper] = {
     "Gemma3ForConditionalGeneration": Wrapper("Gemma3ForCausalLM", "siglip", "gemma3"),
     "LlavaForConditionalGeneration": Wrapper("LlamaForCausalLM", "clip", "llava", LLAMA_DEFAULTS),
     "LlavaNextForConditionalGeneration": Wrapper("LlamaForCausalLM", "clip", "llava_next", LLAMA_DEFAULTS),
+    "Mistral3ForConditionalGeneration": Wrapper("MistralForCausalLM", "pixtral", "mistral3", {"model_type": "mistral"}),
+    # Its language model is Qwen2's (mrope's positions aside), in text_config or, as first published,
+    # beside vision_config at the top level.
+    "Qwen2_5_VLForConditionalGeneration": Wrapper("Qwen2ForCausalLM", "qwen2_5_vl", "none"),
 }
 
 # quantization_config.quant_method -> the scheme a checkpoint stores (spec.model.quantization);
@@ -267,9 +272,18 @@ def _parameters(config: Mapping[str, Any], family: Family, shape: _Shape, tied: 
 
 
 def _vision_tower(vision: Mapping[str, Any], tower: str) -> int:
-    """A ViT vision tower as transformers builds it: patch embeddings (a biased convolution in SigLIP,
-    an unbiased one and a class token in CLIP), position embeddings, CLIP's pre-norm, pre-norm encoder
-    layers with biases, the final norm, and SigLIP's attention-pooling head where vision_use_head."""
+    """A vision tower as transformers builds it: a ViT (SigLIP, CLIP), Pixtral's or Qwen2.5-VL's."""
+    if tower == "pixtral":
+        return _pixtral(vision)
+    if tower == "qwen2_5_vl":
+        return _qwen2_5_vl(vision)
+    return _vit(vision, tower)
+
+
+def _vit(vision: Mapping[str, Any], tower: str) -> int:
+    """A ViT: patch embeddings (a biased convolution in SigLIP, an unbiased one and a class token in
+    CLIP), position embeddings, CLIP's pre-norm, pre-norm encoder layers with biases, the final norm,
+    and SigLIP's attention-pooling head where vision_use_head."""
     hidden, size = _int(vision, "hidden_size"), _int(vision, "intermediate_size")
     patch, channels = _int(vision, "patch_size"), int(vision.get("num_channels", 3))
     positions = (_int(vision, "image_size") // patch) ** 2
@@ -284,28 +298,57 @@ def _vision_tower(vision: Mapping[str, Any], tower: str) -> int:
     return embeddings + _int(vision, "num_hidden_layers") * layer + 2 * hidden + head
 
 
+def _pixtral(vision: Mapping[str, Any]) -> int:
+    """Pixtral's tower: an unbiased patch convolution, a pre-norm, and layers of RMS-normed unbiased
+    attention and gated MLP (rotary positions: no position embeddings)."""
+    hidden, size = _int(vision, "hidden_size"), _int(vision, "intermediate_size")
+    patch, channels = _int(vision, "patch_size"), int(vision.get("num_channels", 3))
+    layer = 2 * hidden + 4 * hidden * hidden + 3 * hidden * size
+    return channels * patch * patch * hidden + hidden + _int(vision, "num_hidden_layers") * layer
+
+
+def _qwen2_5_vl(vision: Mapping[str, Any]) -> int:
+    """Qwen2.5-VL's tower: an unbiased spatio-temporal patch convolution, blocks of RMS-normed biased
+    attention and gated MLP, and the merger (a norm and a two-layer MLP over spatial_merge_size^2
+    patches) into out_hidden_size."""
+    hidden, size = _int(vision, "hidden_size"), _int(vision, "intermediate_size")
+    patch, channels = _int(vision, "patch_size"), int(vision.get("in_channels", 3))
+    conv = channels * int(vision.get("temporal_patch_size", 2)) * patch * patch * hidden
+    block = (
+        2 * hidden + 3 * hidden * hidden + 3 * hidden + hidden * hidden + hidden + 3 * hidden * size + 2 * size + hidden
+    )
+    merged = hidden * int(vision.get("spatial_merge_size", 2)) ** 2
+    merger = hidden + merged * merged + merged + (merged + 1) * _int(vision, "out_hidden_size")
+    return conv + _int(vision, "depth") * block + merger
+
+
 def _projector(config: Mapping[str, Any], projector: str, text_hidden: int) -> int:
-    """From the tower's features to the language model's: Gemma 3's norm and matrix, or LLaVA's two
-    linear layers (biased unless multimodal_projector_bias is false) over the features of every layer
-    vision_feature_layer names, and LLaVA-NeXT's learned newline token between image rows."""
+    """From the tower's features to the language model's: Gemma 3's norm and matrix, or two linear
+    layers over the features of every layer vision_feature_layer names (biased unless
+    multimodal_projector_bias is false), with LLaVA-NeXT's learned newline token between image rows
+    or Mistral 3's norm and patch merger before them; none where the tower merges (Qwen2.5-VL)."""
     vision_hidden = _int(config["vision_config"], "hidden_size")
-    if projector == "gemma3":
-        return vision_hidden * text_hidden + vision_hidden
-    feature_layers = config.get("vision_feature_layer", -2)
+    if projector in ("gemma3", "none"):
+        return vision_hidden * text_hidden + vision_hidden if projector == "gemma3" else 0
+    mistral = projector == "mistral3"
+    feature_layers = config.get("vision_feature_layer", -1 if mistral else -2)
     features = vision_hidden * (len(feature_layers) if isinstance(feature_layers, list) else 1)
-    biases = 2 * text_hidden if config.get("multimodal_projector_bias", True) else 0
-    newline = text_hidden if projector == "llava_next" else 0
-    return features * text_hidden + text_hidden * text_hidden + biases + newline
+    biases = 2 * text_hidden if config.get("multimodal_projector_bias", not mistral) else 0
+    merger = vision_hidden + vision_hidden * int(config.get("spatial_merge_size", 2)) ** 2 * vision_hidden
+    extra = {"llava_next": text_hidden, "mistral3": merger}.get(projector, 0)
+    return features * text_hidden + text_hidden * text_hidden + biases + extra
 
 
 def _vision_parameters(config: Mapping[str, Any], wrapper: Wrapper, text_hidden: int) -> int:
+    if not isinstance(config.get("vision_config"), Mapping):
+        raise ValueError("config.json has no vision_config, whose tower the wrapper holds")
     return _vision_tower(config["vision_config"], wrapper.tower) + _projector(config, wrapper.projector, text_hidden)
 
 
 def _language_model(config: Mapping[str, Any], name: str) -> tuple[Mapping[str, Any], Family, Wrapper | None] | str:
     """The config, family and vision tower of the language model `config` describes (a multimodal
-    wrapper's text_config), or why it is not read."""
-    if "text_config" not in config:
+    wrapper's text_config, or its top-level fields beside vision_config), or why it is not read."""
+    if "text_config" not in config and name not in WRAPPERS:
         family = FAMILIES.get(name)
         state = recurrent_state(config)
         if state is not None:
@@ -319,11 +362,14 @@ def _language_model(config: Mapping[str, Any], name: str) -> tuple[Mapping[str, 
             f"{name} wraps a language model (text_config) with a vision tower whose weights the planner "
             f"does not count; it counts {', '.join(WRAPPERS)}'s"
         )
-    wrapper, text = WRAPPERS[name], config["text_config"]
+    wrapper = WRAPPERS[name]
+    text = config.get("text_config") or {key: value for key, value in config.items() if key != "vision_config"}
     defaults = wrapper.text_defaults
     if defaults and text.get("model_type", defaults["model_type"]) != defaults["model_type"]:
         return f"{name} over a {text['model_type']} language model is not read yet ({defaults['model_type']} is)"
-    language = {**defaults, **text, "architectures": [wrapper.language_model]}
+    # A tied head as text_config says, else as the wrapper's config.json says at its top level.
+    tied = {key: config[key] for key in ("tie_word_embeddings",) if key in config}
+    language = {**defaults, **tied, **text, "architectures": [wrapper.language_model]}
     return language, FAMILIES[wrapper.language_model], wrapper
 
 

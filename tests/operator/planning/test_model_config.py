@@ -129,7 +129,7 @@ def transformers_model(config: dict[str, Any]) -> torch.nn.Module:
     """The model transformers builds from `config`, on the meta device (no memory, no weights)."""
     fields = {key: value for key, value in config.items() if key != "model_type"}
     model_type = MODEL_TYPES.get(config["model_type"], config["model_type"])
-    auto = AutoModelForImageTextToText if "text_config" in config else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
     with torch.device("meta"):
         return auto.from_config(AutoConfig.for_model(model_type, **fields))
 
@@ -170,6 +170,16 @@ def test_parameters_and_kv_geometry_are_as_transformers_builds_the_model(name: s
 WINDOWED = {"gemma2": 128, "gemma3": 128, "gpt-oss": 128}
 
 
+QWEN_VISION = {
+    "depth": 2,
+    "hidden_size": 32,
+    "intermediate_size": 40,
+    "num_heads": 4,
+    "out_hidden_size": 64,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
 # Tiny configs of every multimodal wrapper: the language model's and the vision tower's, with the
 # options that change the count (SigLIP's pooling head; LLaVA's projector biases and feature layers).
 VISION = {"hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -197,12 +207,37 @@ WRAPPER_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             "image_grid_pinpoints": [[28, 28]],
         },
     ),
+    # Mistral3Config ties the head unless told (transformers 5); the checkpoints' language models do not.
+    "mistral3": (
+        "mistral",
+        {
+            "model_type": "mistral3",
+            "vision_config": {**VISION, "image_size": 56, "patch_size": 14},
+            "tie_word_embeddings": False,
+        },
+    ),
+    "mistral3-biased-layers": (
+        "mistral",
+        {
+            "model_type": "mistral3",
+            "vision_config": {**VISION, "image_size": 56, "patch_size": 14},
+            "multimodal_projector_bias": True,
+            "vision_feature_layer": [-2, -1],
+            "spatial_merge_size": 1,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "qwen2.5-vl": ("qwen2", {"model_type": "qwen2_5_vl", "vision_config": QWEN_VISION}),
 }
 WRAPPER_ARCHITECTURES = {
     "gemma3": "Gemma3ForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
     "llava_next": "LlavaNextForConditionalGeneration",
+    "mistral3": "Mistral3ForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
+# Qwen2.5-VL's positions in 3 sections of a head's rotary half (the tiny head's 8 values: 4).
+MROPE = {"rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}}
 
 
 def test_every_wrapper_is_covered_here() -> None:
@@ -212,13 +247,14 @@ def test_every_wrapper_is_covered_here() -> None:
 @pytest.mark.parametrize("name", WRAPPER_CONFIGS)
 def test_a_multimodal_wrapper_counts_its_vision_tower_as_transformers_builds_it(name: str) -> None:
     family, wrapper = WRAPPER_CONFIGS[name]
-    text = config_of(FAMILY_CONFIGS["gemma3" if family == "gemma3" else "llama-biases"])
+    text = config_of(FAMILY_CONFIGS["llama-biases" if family == "llama" else family])
     model_type = wrapper.get("model_type", "gemma3")
     config = {
         **wrapper,
         "architectures": [WRAPPER_ARCHITECTURES[model_type]],
         "model_type": model_type,
-        "text_config": {key: value for key, value in text.items() if key != "architectures"},
+        "text_config": {key: value for key, value in text.items() if key != "architectures"}
+        | (MROPE if family == "qwen2" else {}),
     }
     read = read_config(config, "test")
     assert not isinstance(read, str), read
@@ -255,7 +291,8 @@ MIXED_QWEN_WINDOWS = config_of(
             {**TINY, "architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512},
             "DeepseekV3ForCausalLM: config.json's qk_nope_head_dim is None",
         ),
-        ({"architectures": ["Mistral3ForConditionalGeneration"], "text_config": TINY}, "does not count"),
+        ({"architectures": ["Llama4ForConditionalGeneration"], "text_config": TINY}, "does not count"),
+        ({"architectures": ["Mistral3ForConditionalGeneration"], "text_config": TINY}, "has no vision_config"),
         (
             {"architectures": ["LlavaForConditionalGeneration"], "text_config": {**TINY, "model_type": "qwen2"}},
             "over a qwen2 language model is not read yet",
@@ -617,3 +654,16 @@ def test_kvpilot_plan_sizes_deepseek_v3_on_8_h200s_by_its_576_value_latent() -> 
     assert planned["kv_bytes_per_token"] == 8 * 61 * 576 * 2
     assert planned["kv_blocks"] == planned["kv_pool_bytes"] // (8 * 61 * 576 * 2 * planned["block_size"])
     assert "576-value latent" in planned["reasons"]["kvCache"]
+
+
+def test_qwen2_5_vl_as_first_published_holds_its_language_model_beside_the_vision_config() -> None:
+    text = config_of(FAMILY_CONFIGS["qwen2"])
+    flat = {**text, **MROPE, "architectures": [WRAPPER_ARCHITECTURES["qwen2_5_vl"]], "model_type": "qwen2_5_vl"}
+    flat["vision_config"] = QWEN_VISION
+    read = read_config(flat, "test")
+    assert not isinstance(read, str), read
+    assert read.architecture.parameters == sum(p.numel() for p in transformers_model(flat).parameters())
+    nested = read_config(
+        {**WRAPPER_CONFIGS["qwen2.5-vl"][1], "architectures": flat["architectures"], "text_config": text}, "t"
+    )
+    assert not isinstance(nested, str) and nested.architecture == read.architecture.model_copy(update={"source": "t"})

@@ -352,7 +352,7 @@ def _language_model(config: Mapping[str, Any], name: str) -> tuple[Mapping[str, 
         family = FAMILIES.get(name)
         state = recurrent_state(config)
         if state is not None:
-            return _stateful(name, state)
+            return _stateful(config, name, state)
         if family is None:
             readable = ", ".join([*FAMILIES, *WRAPPERS])
             return f"{name} is not an architecture the planner reads ({readable}); set spec.model.architecture"
@@ -373,15 +373,69 @@ def _language_model(config: Mapping[str, Any], name: str) -> tuple[Mapping[str, 
     return language, FAMILIES[wrapper.language_model], wrapper
 
 
-def _stateful(name: str, state: RecurrentState) -> str:
+def _stateful(config: Mapping[str, Any], name: str, state: RecurrentState) -> str:
     """Why a hybrid whose state layers vLLM sizes (planning/recurrent.py) is not planned yet."""
     hybrid = hybrid_kv(state, Serving(gpu=""))
+    try:
+        total, active = hybrid_parameters(config, state)
+        counted = f"{total:,} parameters, {active:,} a token"
+    except ValueError as error:
+        counted = f"parameters not counted: {error}"
     return (
-        f"{name} keeps a state per sequence in {state.layers} of its {state.layers + state.attention_layers} "
-        f"layers ({state.kind}: {hybrid.state_bytes:,} bytes per layer and sequence on one GPU, which vLLM 0.33 "
-        f"holds in pages of {hybrid.block_size}-token attention blocks), beside {state.attention_layers} "
-        "attention layers; a plan's architecture (spec.model.architecture) cannot describe that state yet"
+        f"{name} ({counted}) keeps a state per sequence in {state.layers} layers ({state.kind}: "
+        f"{hybrid.state_bytes:,} bytes per layer and sequence on one GPU, which vLLM 0.33 holds in pages of "
+        f"{hybrid.block_size}-token attention blocks) beside {state.attention_layers} attention layers; a plan's "
+        "architecture (spec.model.architecture) cannot describe that state yet"
     )
+
+
+def hybrid_parameters(config: Mapping[str, Any], state: RecurrentState) -> tuple[int, int]:
+    """All of a hybrid's parameters and those one token multiplies with: its state and attention
+    layers, their MLPs or experts and norms, the embedding, the final norm and an untied head."""
+    hidden, vocab = _int(config, "hidden_size"), _int(config, "vocab_size")
+    layers = _nemotron_h_layers if state.kind == "mamba2" else _qwen3_next_layers
+    total, active = layers(config, state, hidden)
+    outside = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2) + hidden
+    return total + outside, active + outside
+
+
+def _qwen3_next_layers(config: Mapping[str, Any], state: RecurrentState, hidden: int) -> tuple[int, int]:
+    """Qwen3-Next's layers: gated full attention (q doubled for its output gate, per-head norms),
+    Gated DeltaNet (q, k, v and z; b and a; the convolution; dt_bias and A_log; the gated norm; out),
+    two norms, and Qwen2-MoE's experts with a gated shared expert."""
+    heads, head_dim = _int(config, "num_attention_heads"), state.head_dim
+    attention = 3 * hidden * heads * head_dim + 2 * hidden * state.kv_heads * head_dim + 2 * head_dim
+    key = _int(config, "linear_num_key_heads") * _int(config, "linear_key_head_dim")
+    value_heads, value_dim = _int(config, "linear_num_value_heads"), _int(config, "linear_value_head_dim")
+    value = value_heads * value_dim
+    linear = hidden * (2 * key + 2 * value + 2 * value_heads) + state.conv_channels * (state.conv_width + 1)
+    linear += 2 * value_heads + value_dim + value * hidden
+    layers = state.layers + state.attention_layers
+    mixers = state.attention_layers * attention + state.layers * linear + 2 * layers * hidden
+    moe = _experts(config, "qwen2_moe", hidden)
+    sparse, dense = layers - len(moe.dense), len(moe.dense) * _mlp(config, hidden, _int(config, "intermediate_size"))
+    total = mixers + sparse * (moe.router + moe.routed * moe.expert + moe.shared) + dense
+    return total, mixers + sparse * (moe.router + moe.active * moe.expert + moe.shared) + dense
+
+
+def _nemotron_h_layers(config: Mapping[str, Any], state: RecurrentState, hidden: int) -> tuple[int, int]:
+    """Nemotron-H's layers, one norm and one mixer each: Mamba-2 (in, the biased convolution, dt_bias,
+    A_log and D, the gated norm, out), attention, or an ungated MLP."""
+    for option in ("mamba_proj_bias", "use_bias", "attention_bias", "mlp_bias"):
+        if config.get(option):
+            raise ValueError(f"{option} is not counted yet")
+    pattern = str(config["hybrid_override_pattern"])
+    if set(pattern) - set("M*-"):
+        raise ValueError(f"hybrid_override_pattern's {''.join(sorted(set(pattern) - set('M*-')))} layers")
+    inner, heads = state.conv_channels, state.heads
+    conv = inner + state.groups * state.conv_group_channels
+    bias = conv if config.get("use_conv_bias", True) else 0
+    mamba = hidden * (inner + conv + heads) + conv * (state.conv_width + 1) + bias + 3 * heads + inner + inner * hidden
+    attention_heads, kv = _int(config, "num_attention_heads") * state.head_dim, state.kv_heads * state.head_dim
+    attention = 2 * hidden * attention_heads + 2 * hidden * kv
+    mlp = 2 * hidden * _int(config, "intermediate_size")
+    total = pattern.count("M") * mamba + pattern.count("*") * attention + pattern.count("-") * mlp
+    return total + len(pattern) * hidden, total + len(pattern) * hidden
 
 
 def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:

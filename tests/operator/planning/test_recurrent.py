@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvpilot.operator.planning import recurrent, sizing
-from tests.operator.planning.test_model_config import plan_command
+from kvpilot.operator.planning.model_config import hybrid_parameters
+from tests.operator.planning.test_model_config import TINY, plan_command, transformers_model
 
 HF_CONFIGS = Path(__file__).parent / "hf_configs"
 QWEN3_NEXT = HF_CONFIGS / "Qwen--Qwen3-Next-80B-A3B-Thinking.json"
@@ -75,8 +76,55 @@ def test_a_larger_block_the_plan_asks_for_is_kept() -> None:
     assert recurrent.hybrid_block_size(1024, 548_864, 32, 16) == 32 * 17
 
 
+# Tiny hybrids with what changes the count: a dense layer among Qwen3-Next's experts, Mamba-2 groups.
+TINY_HYBRIDS = {
+    "Qwen3NextForCausalLM": {
+        **TINY,
+        "model_type": "qwen3_next",
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 12,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "mlp_only_layers": [1],
+    },
+    "NemotronHForCausalLM": {
+        **TINY,
+        "model_type": "nemotron_h",
+        "hybrid_override_pattern": "M*-M",
+        "num_hidden_layers": 4,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 16,
+        "ssm_state_size": 16,
+        "n_groups": 2,
+        "conv_kernel": 4,
+        "head_dim": 8,
+        "attention_head_dim": 8,
+    },
+}
+
+
+@pytest.mark.parametrize("config", [*TINY_HYBRIDS.items(), *(("", path) for path in (QWEN3_NEXT, NEMOTRON_H))])
+def test_a_hybrids_parameters_are_counted_as_transformers_builds_it(config: tuple[str, dict | Path]) -> None:
+    name, given = config
+    read = json.loads(given.read_text()) if isinstance(given, Path) else {**given, "architectures": [name]}
+    built = transformers_model({k: v for k, v in read.items() if k not in ("auto_map", "architectures")})
+    total, active = hybrid_parameters(read, recurrent.recurrent_state(read))
+    assert total == sum(p.numel() for p in built.parameters())
+    assert active <= total
+    if isinstance(given, Path) and "Qwen3" in given.name:
+        # 80B with 3B active, as the model's name says (its multi-token-prediction layer aside).
+        assert (total, active) == (79_674_391_296, 3_874_929_408)
+
+
 def test_kvpilot_plan_refuses_qwen3_next_saying_its_per_sequence_state() -> None:
     run = plan_command("--model-config", str(QWEN3_NEXT), "--gpu", "H100-80GB", "--gpus", "2", "--runtime", "vllm")
     assert run.returncode == 2 and "UnsupportedArchitecture" in run.stderr, run.stderr
-    assert "keeps a state per sequence in 36 of its 48 layers" in run.stderr
+    assert "keeps a state per sequence in 36 layers" in run.stderr and "beside 12 attention layers" in run.stderr
     assert "1,097,728 bytes per layer and sequence on one GPU" in run.stderr

@@ -282,9 +282,7 @@ class OpenAIServer:
         if name in self.engine.adapters and not body.load_inplace:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
         try:
-            if name in self.engine.adapters:
-                await self.engine.unload_lora(name)
-            await self.engine.load_lora(name, body.lora_path)
+            await self.engine.load_lora(name, body.lora_path, replace=body.load_inplace)
         except AdapterNotFoundError as err:
             raise APIError(404, str(err), param="lora_path", code="adapter_not_found") from err
         except ValueError as err:

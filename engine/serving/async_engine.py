@@ -276,12 +276,19 @@ class AsyncEngine:
         self._idle.clear()
         return stream
 
-    async def load_lora(self, name: str, path: str) -> None:
+    async def load_lora(self, name: str, path: str, replace: bool = False) -> None:
         """Serve the adapter at `path` as model `name`: read and checked in a worker thread (an
-        AdapterError for one that cannot serve), then registered on the engine thread between steps."""
+        AdapterError for one that cannot serve), then registered on the engine thread between steps.
+        `replace`: in place of the adapter served as `name`, which serves on if the new one fails."""
         engine = self.llm_engine
         adapter = await asyncio.to_thread(engine.read_adapter, name, path)
-        await self._on_engine_thread(lambda e: e.add_lora(name, path, adapter))
+
+        def register(e: LLMEngine) -> None:
+            if replace and name in e.loras.names():
+                e.remove_lora(name)
+            e.add_lora(name, path, adapter)
+
+        await self._on_engine_thread(register)
         self.adapters[name] = path
 
     async def unload_lora(self, name: str) -> None:
@@ -415,9 +422,13 @@ class AsyncEngine:
             self._publish_state(engine.stats(), unscheduled)
 
     def _run_call(self, engine: LLMEngine, command: _Call) -> None:
+        """A failed call is its caller's error (an adapter that cannot serve), not the engine's:
+        it changed nothing that the steps use, so the engine serves on."""
         try:
             command.fn(engine)
-        except ValueError as err:  # the adapter's own error, for the client
+        except Exception as err:
+            if not isinstance(err, ValueError):  # a ValueError's message says all
+                log.exception("event=engine_call_failed")
             self._call(self._resolve, command.done, err)
             return
         self._call(self._resolve, command.done, None)

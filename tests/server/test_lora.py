@@ -97,6 +97,19 @@ def test_load_and_unload_at_runtime_while_a_request_streams(lora_server: Server,
     assert again.status_code == 404 and "cannot be found" in again.json()["error"]["message"]
 
 
+def test_load_inplace_replaces_an_adapter(lora_server: Server, adapters, tokenizer):
+    client, http = lora_server.client(), lora_server.http
+    prompt = tokenizer.encode("Glaciers leave lakes behind them.", add_special_tokens=False)
+    first = {"lora_name": "gamma", "lora_path": str(adapters["beta"][0])}
+    assert http.post("/v1/load_lora_adapter", json=first).status_code == 200
+    assert complete(client, "gamma", prompt) == expected_text(adapters["beta"][1], tokenizer, prompt, 10)
+    swap = {"lora_name": "gamma", "lora_path": str(adapters["alpha"][0]), "load_inplace": True}
+    assert http.post("/v1/load_lora_adapter", json=swap).status_code == 200
+    # A new registration: alpha's weights, and none of the KV cached under beta's.
+    assert complete(client, "gamma", prompt) == expected_text(adapters["alpha"][1], tokenizer, prompt, 10)
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"}).status_code == 200
+
+
 def test_bad_adapters_are_refused_while_the_others_keep_serving(lora_server: Server, adapters, tokenizer, tmp_path):
     dora = tmp_path / "dora"
     dora.mkdir()

@@ -106,7 +106,7 @@ def _gated_deltanet(config: Mapping[str, Any]) -> RecurrentState:
     )
 
 
-# architectures[0] (or a wrapper's language model's) -> how its config names the state layers.
+# architectures[0] -> how its config names the state layers.
 READERS = {
     "NemotronHForCausalLM": _nemotron_h,
     "Qwen3NextForCausalLM": _gated_deltanet,
@@ -119,14 +119,14 @@ def recurrent_state(config: Mapping[str, Any]) -> RecurrentState | None:
     return reader(config) if reader else None
 
 
-def state_page_bytes(state: RecurrentState, tp: int, bytes_per_value: int = sizing.BYTES_PER_VALUE) -> int:
+def state_page_bytes(state: RecurrentState, tp: int) -> int:
     """One layer's state of one sequence on each of `tp` GPUs: the convolution window in the model's
-    dtype (Mamba-2's groups made `tp` where `tp` does not divide them, vLLM's
-    extra_groups_for_head_shards, so every GPU holds one), and the recurrent state."""
+    16-bit dtype whatever the KV cache's (Mamba-2's groups made `tp` where `tp` does not divide them,
+    vLLM's extra_groups_for_head_shards, so every GPU holds one), and the recurrent state."""
     groups = state.groups if state.groups % tp == 0 else tp
     conv = state.conv_width * (state.conv_channels + groups * state.conv_group_channels) // tp
     recurrent = state.heads // tp * state.head_values
-    return conv * bytes_per_value + recurrent * (FP32_BYTES if state.fp32_state else bytes_per_value)
+    return conv * sizing.BYTES_PER_VALUE + recurrent * (FP32_BYTES if state.fp32_state else sizing.BYTES_PER_VALUE)
 
 
 def attention_token_bytes(state: RecurrentState, tp: int, bytes_per_value: int) -> int:
@@ -182,7 +182,6 @@ def hybrid_kv(state: RecurrentState, serving: Serving) -> HybridKV:
     holding a sequence's tokens, each state group ALIGN_MODE_PAGES pages and its checkpoint."""
     tp = serving.tp
     token = attention_token_bytes(state, tp, serving.bytes_per_value)
-    # vLLM keeps the recurrent state in the model's dtype whatever the KV cache's (--kv-cache-dtype).
     page = state_page_bytes(state, tp)
     block = hybrid_block_size(token, page, serving.block_size, block_alignment(state, serving.gpu))
     size = sizing.group_size([state.attention_layers, state.layers])

@@ -667,3 +667,16 @@ def test_qwen2_5_vl_as_first_published_holds_its_language_model_beside_the_visio
         {**WRAPPER_CONFIGS["qwen2.5-vl"][1], "architectures": flat["architectures"], "text_config": text}, "t"
     )
     assert not isinstance(nested, str) and nested.architecture == read.architecture.model_copy(update={"source": "t"})
+
+
+def test_kvpilot_plan_sizes_llava_with_its_vision_tower_for_vllm() -> None:
+    config = HF_CONFIGS / "llava-hf--llava-1.5-7b-hf.json"
+    run = plan_command("--model-config", str(config), "--gpu", "H100-80GB", "--runtime", "vllm", "--json")
+    assert run.returncode == 0, run.stderr
+    planned = json.loads(run.stdout)
+    # Every parameter in 16 bits, the CLIP tower's and projector's 324,487,168 with the Llama's.
+    assert planned["fits"] and planned["weight_bytes"] == 2 * 7_063_427_072
+    # The language model's KV: 32 layers x 32 heads x 128 x K and V in 16 bits; its 4096 positions.
+    assert (planned["kv_bytes_per_token"], planned["max_model_len"]) == (32 * 32 * 128 * 2 * 2, 4096)
+    refused = plan_command("--model-config", str(config), "--gpu", "H100-80GB", "--runtime", "kvpilot")
+    assert "UnsupportedByRuntime" in refused.stdout + refused.stderr and "a vision tower" in refused.stdout

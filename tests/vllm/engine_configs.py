@@ -1,6 +1,7 @@
 """Run by the vLLM venv (tests/vllm/env.py), never imported by the project: each stdin line is a
-case {"id", "argv", "models": {path in argv: config.json}}; each stdout line is what vLLM's own
-`serve` parser, `validate_parsed_serve_args` and `create_engine_config` made of it, or the error.
+case {"id", "argv", "models": {path in argv: config.json}, "env": the container's variables (optional)};
+each stdout line is what vLLM's own `serve` parser, `validate_parsed_serve_args` and
+`create_engine_config` made of it, or the error.
 
 The model folders hold only the config.json synthesized by the test (`--skip-tokenizer-init`), so
 nothing is downloaded and no weights are read.
@@ -9,11 +10,14 @@ nothing is downloaded and no weights are read.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from vllm import envs
+from vllm.config.lora import LoRAConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.cli.serve import ServeSubcommand
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -50,7 +54,29 @@ def numbers(argv: list[str]) -> dict[str, Any]:
         "speculative_method": speculative.method if speculative else None,
         "num_speculative_tokens": speculative.num_speculative_tokens if speculative else None,
         "draft_model": speculative.model if speculative and speculative.method != "ngram" else None,
+        **_lora(config.lora_config),
     }
+
+
+def _lora(lora: LoRAConfig | None) -> dict[str, Any]:
+    """The adapter slots vLLM configured (None each without --enable-lora)."""
+    return {
+        "max_loras": lora.max_loras if lora else None,
+        "max_lora_rank": lora.max_lora_rank if lora else None,
+        "max_cpu_loras": lora.max_cpu_loras if lora else None,
+    }
+
+
+def runtime_lora_updating(env: dict[str, str]) -> bool:
+    """Whether vLLM, in the container's environment, serves /v1/load_lora_adapter (its own reading of
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING, outside the cache of variables a running server keeps)."""
+    saved = dict(os.environ)
+    try:
+        os.environ.update(env)
+        return bool(envs.environment_variables["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]())
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def main() -> None:
@@ -69,6 +95,7 @@ def main() -> None:
                 argv = [arg.replace(path, folder) for arg in argv]
             try:
                 result: dict[str, Any] = {"id": case["id"], "ok": True, **numbers(argv)}
+                result["runtime_lora_updating"] = runtime_lora_updating(case.get("env", {}))
                 result["model"] = next((p for p, f in folders.items() if f == result["model"]), result["model"])
                 result["draft_model"] = next(
                     (p for p, f in folders.items() if f == result["draft_model"]), result["draft_model"]

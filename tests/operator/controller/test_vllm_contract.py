@@ -7,7 +7,8 @@ every model.quantization vLLM reads), each speculative choice and each tensor-pa
 planner's, and every size pinned), is planned for vLLM; each plan that fits is rendered, and its
 container's command line goes to vLLM itself (tests/vllm/engine_configs.py, in the venv that
 tests/vllm/env.py builds once) against a folder holding the model's config.json synthesized from the
-catalog architecture (and the draft's), offline.
+catalog architecture (and the draft's), offline. Plans with spec.adapters also carry vLLM's LoRA flags,
+which its config builder must configure as planned, with runtime LoRA updating on.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Any
 
 from kvpilot.operator.api import names
 from kvpilot.operator.api.plan import Plan
-from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
 from kvpilot.operator.controller import render
+from kvpilot.operator.planning import adapters
 from kvpilot.operator.planning.gpus import GPUS, find_gpu
 from kvpilot.operator.planning.models import MODELS
 from kvpilot.operator.planning.plan import plan
@@ -124,6 +126,12 @@ def _expected(spec: InferenceServiceSpec, result: Plan) -> dict[str, Any]:
         ],
         "num_speculative_tokens": result.num_speculative_tokens,
         "draft_model": result.draft_model,
+        # spec.adapters' slots; a plan without adapters enables no LoRA.
+        "max_loras": result.lora.max_loras if result.lora else None,
+        "max_lora_rank": result.lora.max_lora_rank if result.lora else None,
+        "max_cpu_loras": result.lora.max_cpu_loras if result.lora else None,
+        # /v1/load_lora_adapter, which the operator loads adapters through, is served.
+        "runtime_lora_updating": True,
     }
 
 
@@ -139,8 +147,9 @@ def _mismatches(expected: dict[str, Any], got: dict[str, Any], gpu: str) -> list
     return wrong
 
 
-def test_every_vllm_plan_that_fits_is_a_command_line_vllm_configures_as_planned() -> None:
-    cases = _cases()
+def _configured_as_planned(cases: list[tuple[InferenceServiceSpec, Plan]]) -> None:
+    """Each plan's rendered container goes to vLLM's own parser and config builder, which must
+    configure what the plan says."""
     lines, expected = [], {}
     for index, (spec, result) in enumerate(cases):
         container = render.deployment("svc", "ns", "uid", spec, result)["spec"]["template"]["spec"]["containers"][0]
@@ -150,7 +159,8 @@ def test_every_vllm_plan_that_fits_is_a_command_line_vllm_configures_as_planned(
             head = spec.serving.draft_model_architecture
             assert head is not None
             models[result.draft_model] = config_json(head)
-        lines.append(json.dumps({"id": str(index), "argv": container["args"], "models": models}))
+        variables = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        lines.append(json.dumps({"id": str(index), "argv": container["args"], "models": models, "env": variables}))
         expected[str(index)] = (spec, result, container["args"])
     out = env.run("engine_configs", "\n".join(lines) + "\n")
     answers = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -164,7 +174,102 @@ def test_every_vllm_plan_that_fits_is_a_command_line_vllm_configures_as_planned(
         else:
             broken += [f"{where}: {m}" for m in _mismatches(_expected(spec, result), answer, str(result.gpu))]
     assert not broken, f"{len(broken)} of {len(cases)} plans:\n" + "\n".join(broken[:20])
+
+
+def test_every_vllm_plan_that_fits_is_a_command_line_vllm_configures_as_planned() -> None:
+    cases = _cases()
+    _configured_as_planned(cases)
     # The matrix exercises what the runtime adds: tensor parallelism and every scheme.
     assert {r.gpu_count for _, r in cases} == set(VLLM_CAPABILITIES.tensor_parallel_sizes)
     assert {s.model.quantization or r.quantization for s, r in cases} >= {"none", "fp8", "int4", "awq", "gptq", "w8a8"}
     assert {r.kv_cache_dtype for _, r in cases} == set(VLLM_CAPABILITIES.kv_cache_dtypes)
+
+
+# Adapter sets: one small adapter; more than the resident slots, of mixed and unstated ranks (max_loras
+# 4, rank 64, all 6 cached); one whose rank vLLM rounds up to its 320.
+ADAPTER_SETS: list[list[dict[str, Any]]] = [
+    [{"name": "sql", "source": "hf://org/sql-lora", "rank": 8}],
+    [
+        {"name": f"a{i}", "source": f"/adapters/a{i}", **({"rank": r} if r else {})}
+        for i, r in enumerate((12, 64, None, 8, 16, 1))
+    ],
+    [{"name": "wide", "source": "pvc://adapters/wide", "rank": 300}],
+]
+
+
+def _with_adapters(spec: InferenceServiceSpec, adapters: list[dict[str, Any]]) -> InferenceServiceSpec:
+    return InferenceServiceSpec.model_validate(
+        {**spec.model_dump(by_alias=True, exclude_unset=True), "adapters": adapters}
+    )
+
+
+def test_every_vllm_plan_with_adapters_is_a_command_line_vllm_configures_as_planned() -> None:
+    # Dense models (the planner sizes no mixture of experts' slots), on every GPU, the planner's
+    # tensor-parallel size and 2, each speculative choice vLLM runs beside adapters.
+    dense = [m for m, a in MODELS.items() if a.active_parameters is None]
+    specs = [
+        _with_adapters(_spec(model, gpu, ("auto", None), speculation, tp, {}), adapters)
+        for model, gpu, tp, speculation, adapters in product(dense, GPUS, (None, 2), SPECULATION[:2], ADAPTER_SETS)
+    ]
+    cases = [(spec, result) for spec in specs if (result := plan(spec)).fits]
+    _configured_as_planned(cases)
+    assert all(r.lora is not None for _, r in cases)
+    assert {r.lora.max_lora_rank for _, r in cases if r.lora} == {8, 64, 320}
+    assert {(r.lora.max_loras, r.lora.max_cpu_loras) for _, r in cases if r.lora} == {(1, 1), (4, 6)}
+    assert {r.gpu_count for _, r in cases} >= {1, 2}
+    # Speculation beside adapters is in the matrix (vLLM then wants k + 1 tokens of every sequence per step).
+    assert {r.speculative for _, r in cases} == {"off", "ngram"}
+
+
+def _llama(hidden: int, mlp: int, layers: int, heads: tuple[int, int], vocab: int, tied: bool) -> dict[str, Any]:
+    """A Llama config.json and the planner's Architecture of it (its parameters counted as HF counts them)."""
+    attention, kv_heads = heads
+    head = hidden // attention
+    per_layer = hidden * (attention + 2 * kv_heads) * head + attention * head * hidden + 3 * hidden * mlp + 2 * hidden
+    parameters = vocab * hidden * (1 if tied else 2) + hidden + layers * per_layer
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": mlp,
+        "num_hidden_layers": layers,
+        "num_attention_heads": attention,
+        "num_key_value_heads": kv_heads,
+        "vocab_size": vocab,
+        "max_position_embeddings": 256,
+        "torch_dtype": "bfloat16",
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": tied,
+    }
+    arch = Architecture(
+        layers=layers,
+        hidden_size=hidden,
+        attention_heads=attention,
+        kv_heads=kv_heads,
+        vocab_size=vocab,
+        parameters=parameters,
+        max_context=256,
+        tie_word_embeddings=tied,
+    )
+    return {"config": config, "arch": arch}
+
+
+def test_the_planned_lora_slots_are_the_bytes_vllm_allocates() -> None:
+    # vLLM's own LoRAModelManager wraps a Llama built by vLLM itself on the CPU; the bytes of every slot
+    # tensor it allocates are what the planner counts (planning/adapters.py), per shape and setting.
+    shapes = [
+        _llama(64, 192, 2, (4, 2), 512, False),
+        _llama(128, 352, 3, (8, 8), 1000, True),
+        _llama(96, 256, 2, (6, 1), 320, False),
+    ]
+    cases = [
+        {"id": str(index), "config": shape["config"], "max_loras": slots, "max_lora_rank": rank}
+        for index, (shape, slots, rank) in enumerate(product(shapes, (1, 3), (8, 64, 320)))
+    ]
+    out = env.run("lora_slots", "\n".join(json.dumps(case) for case in cases) + "\n")
+    answers = {a["id"]: a for a in (json.loads(line) for line in out.splitlines() if line.startswith("{"))}
+    assert len(answers) == len(cases), out[-3000:]
+    for index, (shape, slots, rank) in enumerate(product(shapes, (1, 3), (8, 64, 320))):
+        answer = answers[str(index)]
+        assert answer["modules"] == ["down_proj", "embed_tokens", "gate_up_proj", "lm_head", "o_proj", "qkv_proj"]
+        assert slots * adapters.slot_bytes(shape["arch"], rank, 1, 2) == answer["bytes"], (shape["config"], slots, rank)

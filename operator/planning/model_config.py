@@ -393,8 +393,10 @@ def hybrid_parameters(config: Mapping[str, Any], state: RecurrentState) -> tuple
     """All of a hybrid's parameters and those one token multiplies with: its state and attention
     layers, their MLPs or experts and norms, the embedding, the final norm and an untied head."""
     hidden, vocab = _int(config, "hidden_size"), _int(config, "vocab_size")
-    layers = _nemotron_h_layers if state.kind == "mamba2" else _qwen3_next_layers
-    total, active = layers(config, state, hidden)
+    name = str(config["architectures"][0])
+    if name not in HYBRID_LAYERS:
+        raise ValueError(f"{name}'s layers are not counted yet ({', '.join(HYBRID_LAYERS)}'s are)")
+    total, active = HYBRID_LAYERS[name](config, state, hidden)
     outside = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2) + hidden
     return total + outside, active + outside
 
@@ -436,6 +438,10 @@ def _nemotron_h_layers(config: Mapping[str, Any], state: RecurrentState, hidden:
     mlp = 2 * hidden * _int(config, "intermediate_size")
     total = pattern.count("M") * mamba + pattern.count("*") * attention + pattern.count("-") * mlp
     return total + len(pattern) * hidden, total + len(pattern) * hidden
+
+
+# A hybrid's architecture -> its layers' parameters (all, and a token's).
+HYBRID_LAYERS = {"Qwen3NextForCausalLM": _qwen3_next_layers, "NemotronHForCausalLM": _nemotron_h_layers}
 
 
 def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:

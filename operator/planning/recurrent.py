@@ -1,5 +1,5 @@
-"""Layers that keep a state per sequence instead of K and V per token (Mamba-2 mixers, Gated DeltaNet
-linear attention), and the KV cache of a hybrid model as vLLM 0.33 lays it out beside them.
+"""Layers that keep a state per sequence instead of K and V per token (Mamba and Mamba-2 mixers,
+Gated DeltaNet linear attention), and the KV cache of a hybrid model as vLLM 0.33 lays it out beside them.
 
 vLLM holds each such layer's state (a short convolution window and the recurrent state) in one page
 per sequence, in the same pool of blocks as the attention layers' K and V: it raises the attention
@@ -39,7 +39,7 @@ FP32_BYTES = 4
 class RecurrentState(NamedTuple):
     """What one of a model's state layers holds per sequence, before tensor parallelism splits it."""
 
-    kind: str  # "mamba2" (Nemotron-H) or "gated_deltanet" (Qwen3-Next)
+    kind: str  # "mamba2" (Nemotron-H, Granite 4.0-H, Falcon-H1), "mamba1" (Jamba) or "gated_deltanet" (Qwen3-Next)
     layers: int  # the layers that keep it
     attention_layers: int  # the full-attention layers beside them
     conv_channels: int  # the short convolution's channels (split over the GPUs)
@@ -106,10 +106,78 @@ def _gated_deltanet(config: Mapping[str, Any]) -> RecurrentState:
     )
 
 
+def _granite_hybrid(config: Mapping[str, Any]) -> RecurrentState:
+    """Granite 4.0-H: layer_types of mamba (Mamba-2, mamba_expand x hidden_size channels) and attention
+    (as its checkpoints spell them; transformers 5 saves linear_attention and full_attention)."""
+    types, hidden = list(config["layer_types"]), int(config["hidden_size"])
+    heads, state = int(config["mamba_n_heads"]), int(config["mamba_d_state"])
+    return RecurrentState(
+        kind="mamba2",
+        layers=_count(types, "mamba") + _count(types, "linear_attention"),
+        attention_layers=_count(types, "attention") + _count(types, "full_attention"),
+        conv_channels=int(config["mamba_expand"]) * hidden,
+        conv_width=int(config["mamba_d_conv"]) - 1,
+        groups=int(config["mamba_n_groups"]),
+        conv_group_channels=2 * state,
+        heads=heads,
+        head_values=int(config["mamba_d_head"]) * state,
+        fp32_state=False,
+        kv_heads=int(config["num_key_value_heads"]),
+        head_dim=hidden // int(config["num_attention_heads"]),
+    )
+
+
+def _falcon_h1(config: Mapping[str, Any]) -> RecurrentState:
+    """Falcon-H1: attention and a Mamba-2 mixer side by side in every layer (mamba_d_ssm channels,
+    else mamba_expand x hidden_size)."""
+    layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+    heads, state = int(config["mamba_n_heads"]), int(config["mamba_d_state"])
+    return RecurrentState(
+        kind="mamba2",
+        layers=layers,
+        attention_layers=layers,
+        conv_channels=int(config.get("mamba_d_ssm") or int(config["mamba_expand"]) * hidden),
+        conv_width=int(config["mamba_d_conv"]) - 1,
+        groups=int(config["mamba_n_groups"]),
+        conv_group_channels=2 * state,
+        heads=heads,
+        head_values=int(config["mamba_d_head"]) * state,
+        fp32_state=False,
+        kv_heads=int(config["num_key_value_heads"]),
+        head_dim=int(config.get("head_dim") or hidden // int(config["num_attention_heads"])),
+    )
+
+
+def _jamba(config: Mapping[str, Any]) -> RecurrentState:
+    """Jamba: attention in every attn_layer_period-th layer from attn_layer_offset, Mamba (1) in the
+    others, whose state is mamba_expand x hidden_size channels of mamba_d_state values."""
+    layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+    period, offset = int(config["attn_layer_period"]), int(config["attn_layer_offset"])
+    attention = sum(1 for i in range(layers) if i % period == offset)
+    inner = int(config["mamba_expand"]) * hidden
+    return RecurrentState(
+        kind="mamba1",
+        layers=layers - attention,
+        attention_layers=attention,
+        conv_channels=inner,
+        conv_width=int(config["mamba_d_conv"]) - 1,
+        groups=0,
+        conv_group_channels=0,
+        heads=inner,
+        head_values=int(config["mamba_d_state"]),
+        fp32_state=False,
+        kv_heads=int(config["num_key_value_heads"]),
+        head_dim=hidden // int(config["num_attention_heads"]),
+    )
+
+
 # architectures[0] -> how its config names the state layers.
 READERS = {
     "NemotronHForCausalLM": _nemotron_h,
     "Qwen3NextForCausalLM": _gated_deltanet,
+    "GraniteMoeHybridForCausalLM": _granite_hybrid,
+    "FalconH1ForCausalLM": _falcon_h1,
+    "JambaForCausalLM": _jamba,
 }
 
 
@@ -136,8 +204,8 @@ def attention_token_bytes(state: RecurrentState, tp: int, bytes_per_value: int) 
 
 def checkpoint_pages(state: RecurrentState, gpu: str) -> int:
     """The checkpoint page a sequence keeps per state group under prefix caching: Mamba-2's mixer
-    always exports one, Gated DeltaNet where FlashInfer runs its prefill."""
-    return int(state.kind == "mamba2" or gpu in FLASHINFER_GDN_GPUS)
+    always exports one, Gated DeltaNet where FlashInfer runs its prefill, Mamba (1) none."""
+    return int(state.kind == "mamba2" or (state.kind == "gated_deltanet" and gpu in FLASHINFER_GDN_GPUS))
 
 
 def block_alignment(state: RecurrentState, gpu: str) -> int:

@@ -24,6 +24,10 @@ Rules (each has a test in tests/operator/autoscaling/test_decisions.py):
   least one more, at most `maxStep` more; never while pods of the last scale-up are not ready
   (more pending pods do not help a scheduler that cannot place the first ones), and once they
   are, the window starts again (what it held was the reason for that scale-up);
+- lead time (with the plan's cold start): the request rate's line over the last TREND_POINTS
+  periods, when its slope is clear of the noise, grows the ratio to where it will be one cold
+  start on; an up comes when that is over the band, pods of a scale-up still within one cold
+  start get more while the rate rises, and a scale-down counts the grown load;
 - down: each period recommends the fewest replicas n at which the observed load would still sit
   under 1 − tolerance, taking the load per replica to grow as replicas/n. That holds for the
   queue, KV and batch, and for the affine part of latency, but queueing makes latency convex in
@@ -57,7 +61,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 from pydantic import (
@@ -96,6 +100,12 @@ MIN_OBSERVATIONS = 20
 INTERVAL_SECONDS = 15.0
 WINDOW_PERIODS = 4
 WINDOW_SECONDS = WINDOW_PERIODS * INTERVAL_SECONDS
+# The lead time follows the request rate per replica of each period (first tokens, not the window's
+# mean: periods apart are independent samples) over the last TREND_POINTS periods, and acts on a
+# rise only when its slope is TREND_T standard errors above zero: a steady load's Poisson noise
+# extrapolated over a cold start must not look like a ramp.
+TREND_POINTS = 12
+TREND_T = 4.0
 # Floating-point slack for ceil(): 2 × 0.45 / 0.9 must be 1, not 1.0000000000000002 -> 2.
 _EPSILON = 1e-9
 
@@ -103,6 +113,7 @@ Action = Literal["up", "down", "hold"]
 # Why, in one word a dashboard can group by (the operator's decisions counter): an up names the
 # signal over the band; a hold or down names the rule that decided.
 Cause = Literal[
+    "trend",
     "ttft",
     "tpot",
     "waiting",
@@ -269,6 +280,13 @@ class Recommendation(_Data):
     replicas: int
 
 
+class TrendPoint(_Data):
+    """One period's first tokens per second per replica: a point of the trend the lead time follows."""
+
+    at: float
+    rate: float
+
+
 class Signals(_Data):
     """The numbers a decision rests on (None: nothing observed)."""
 
@@ -333,6 +351,8 @@ class AutoscalerState(_Data):
     backlog_at: float | None = None
     last_scale_up: Recommendation | None = None
     last_decision: Decision | None = None
+    # The last TREND_POINTS periods' ratios under these replicas (a change of replicas starts anew).
+    trend: tuple[TrendPoint, ...] = ()
 
     # Kept in the status, written every period that changes something: compact. Every pod's
     # baseline holds two histograms whose bucket bounds are the same for all pods (1,246 bytes a
@@ -435,6 +455,15 @@ def _signals(policy: Policy, window: Sequence[WindowEntry], obs: Observation) ->
         reporting=len(readings),
         unknown=tuple(sorted(p.name for p in reads if p.reading is None)),
     )
+    known = signal_ratios(policy, signals)
+    if not known or not (readings or held):
+        return signals
+    limiting = max(known, key=known.__getitem__)
+    return signals.model_copy(update={"ratio": known[limiting], "limiting": limiting})
+
+
+def signal_ratios(policy: Policy, signals: Signals) -> dict[str, float]:
+    """Each known signal over its target (a p95 only of MIN_OBSERVATIONS requests or more)."""
     enough_ttft = signals.ttft_observations >= MIN_OBSERVATIONS
     enough_tpot = signals.tpot_observations >= MIN_OBSERVATIONS
     ratios = {
@@ -444,11 +473,7 @@ def _signals(policy: Policy, window: Sequence[WindowEntry], obs: Observation) ->
         "KV": (signals.kv_cache_usage, policy.target_kv_cache_usage),
         "batch": (signals.batch_occupancy, policy.target_batch_occupancy),
     }
-    known = {name: value / target for name, (value, target) in ratios.items() if value is not None}
-    if not known or not (readings or held):
-        return signals
-    limiting = max(known, key=known.__getitem__)
-    return signals.model_copy(update={"ratio": known[limiting], "limiting": limiting})
+    return {name: value / target for name, (value, target) in ratios.items() if value is not None}
 
 
 def describe(policy: Policy, s: Signals, knee: float | None) -> str:
@@ -628,6 +653,10 @@ def _observe(policy: Policy, state: AutoscalerState, obs: Observation) -> _Perio
         # requests that waited in it) is no reason for another scale-up: start it again.
         window = window[-1:]
     signals = _signals(policy, window, obs)
+    settled = obs.now - since >= policy.window_seconds
+    trend, newest = state.trend, window[-1]
+    if newest.at == obs.now and newest.ttft is not None and newest.seconds > 0:
+        trend = (*trend, TrendPoint(at=obs.now, rate=newest.ttft.count / newest.seconds))[-TREND_POINTS:]
     backlog_at = state.backlog_at
     held_now = _held_share(obs.gateway.held if obs.gateway else None, signals.reporting or current)
     if held_now > policy.max_waiting_per_replica or any(
@@ -640,7 +669,7 @@ def _observe(policy: Policy, state: AutoscalerState, obs: Observation) -> _Perio
         signals,
         window,
         backlog_at,
-        steady=obs.now - since >= policy.window_seconds and last_up is None,
+        steady=settled and last_up is None,
     )
     state = state.model_copy(
         update={
@@ -650,6 +679,7 @@ def _observe(policy: Policy, state: AutoscalerState, obs: Observation) -> _Perio
             "last_scale_up": last_up,
             "knee": knee,
             "backlog_at": backlog_at,
+            "trend": trend,
         }
     )
     return _Period(policy, obs, state, signals, describe(policy, signals, knee), since, knee)
@@ -680,8 +710,12 @@ def step(policy: Policy, state: AutoscalerState, obs: Observation) -> tuple[Auto
         )
     if period.signals.ratio is None:
         return period.decide("hold", "no_signal", current, "no signal (no pod reported metrics)")
-    if period.signals.ratio > 1 + policy.tolerance:
-        return _over_band(period)
+    # Where the load is heading one cold start on: what replicas asked for now will meet.
+    # Where the load is heading one cold start on (the signals grown with the request rate): what
+    # replicas asked for now will meet when they are ready.
+    ahead = period.signals.ratio * (projected_growth(period.state.trend, policy.cold_start_seconds) or 1.0)
+    if max(period.signals.ratio, ahead) > 1 + policy.tolerance:
+        return _over_band(period, max(period.signals.ratio, ahead))
     if _blind(period.signals):
         # Neither the latency signals nor the load can be trusted to be low: hold, and restart the
         # scale-down window (what it held before this did not see the load either).
@@ -698,17 +732,20 @@ def step(policy: Policy, state: AutoscalerState, obs: Observation) -> tuple[Auto
     return _at_or_under_band(period)
 
 
-def _over_band(period: _Period) -> tuple[AutoscalerState, Decision]:
-    """Up by the ratio (at most maxStep), once the scale-up window has passed and the last
-    scale-up's pods are ready."""
+def _over_band(period: _Period, ratio: float) -> tuple[AutoscalerState, Decision]:
+    """Up by `ratio` (at most maxStep), once the scale-up window has passed and the last scale-up's
+    pods are ready: the ratio now, or the one its trend reaches within one cold start (the lead
+    time: pods asked for now serve when it is there)."""
     policy, obs, state = period.policy, period.obs, period.state
-    current, ratio = obs.replicas, period.signals.ratio or 0.0
+    current = obs.replicas
+    now_over = (period.signals.ratio or 0.0) > 1 + policy.tolerance
+    band = "over the SLO band" if now_over else f"heading over the SLO band ({ratio:.2f}x in one cold start)"
     over_since = state.over_since if state.over_since is not None else obs.now
     rec = Recommendation(at=obs.now, replicas=current)
     held = {"over_since": over_since, "recommendations": (*state.recommendations, rec)}
     if current >= policy.max_replicas:
         return period.decide(
-            "hold", "max_replicas", current, f"over the SLO band but at maxReplicas {policy.max_replicas}", **held
+            "hold", "max_replicas", current, f"{band} but at maxReplicas {policy.max_replicas}", **held
         )
     waited = obs.now - over_since
     up_window = policy.scale_up_stabilization_seconds
@@ -717,28 +754,66 @@ def _over_band(period: _Period) -> tuple[AutoscalerState, Decision]:
             "hold",
             "scale_up_window",
             current,
-            f"over the SLO band for {waited:.0f} s of the {up_window:.0f} s scale-up window",
+            f"{band} for {waited:.0f} s of the {up_window:.0f} s scale-up window",
             **held,
         )
     last = state.last_scale_up
-    if last is not None:
-        return period.decide(
-            "hold",
-            "pods_pending",
-            current,
-            f"over the SLO band, but the last scale-up to {last.replicas} "
-            f"has {obs.ready_replicas} ready: waiting for its pods",
-            **held,
-        )
     wanted = max(current + 1, math.ceil(current * ratio - _EPSILON))
+    if last is not None:
+        # Its pods were sized for the load then. While they are still within one cold start of
+        # being asked for (starting, not stuck on a full node), a request rate still rising asks
+        # for more: as many more as it will have grown by when they are ready. What the ready
+        # pods measure meanwhile (the queue the starting ones come to drain) is no measure of it.
+        starting = obs.now - last.at < policy.cold_start_seconds
+        growth = projected_growth(state.trend, policy.cold_start_seconds) if starting else None
+        wanted = math.ceil(current * (growth or 1.0) - _EPSILON)
+        if wanted <= current:
+            return period.decide(
+                "hold",
+                "pods_pending",
+                current,
+                f"{band}, but the last scale-up to {last.replicas} has {obs.ready_replicas} ready: "
+                "waiting for its pods",
+                **held,
+            )
     desired = min(policy.max_replicas, current + policy.max_step, wanted)
     return period.decide(
         "up",
-        _UP_CAUSES[str(period.signals.limiting)],  # over the band: some signal is the limiting one
+        # Over the band: some signal is the limiting one.
+        _UP_CAUSES[str(period.signals.limiting)] if now_over else "trend",
         desired,
-        f"over the SLO band (> {1 + policy.tolerance:.2f}x): {current} -> {desired}",
+        f"{band} (> {1 + policy.tolerance:.2f}x): {current} -> {desired}",
         last_scale_up=Recommendation(at=obs.now, replicas=desired),
     )
+
+
+def projected_growth(trend: Sequence[TrendPoint], ahead: float) -> float | None:
+    """How many times today's request rate the rate will be `ahead` seconds on, on the
+    least-squares line through the last TREND_POINTS periods' rates; None without a lead time, with
+    fewer points, or when the rise is not clear of the noise (TREND_T)."""
+    if ahead <= 0 or len(trend) < TREND_POINTS:
+        return None
+    now = trend[-1].at
+    line = _rising_line([(p.at, p.rate) for p in trend])
+    if line is None:
+        return None
+    at_now = line(now)
+    return line(now + ahead) / at_now if at_now > 0 else None
+
+
+def _rising_line(points: Sequence[tuple[float, float]]) -> Callable[[float], float] | None:
+    """The least-squares line through `points`, when its slope is TREND_T standard errors above
+    zero; None otherwise."""
+    mean_t = sum(t for t, _ in points) / len(points)
+    mean_r = sum(r for _, r in points) / len(points)
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    if not spread or len(points) < 3:
+        return None
+    slope = sum((t - mean_t) * (r - mean_r) for t, r in points) / spread
+    residual = sum((r - mean_r - slope * (t - mean_t)) ** 2 for t, r in points) / (len(points) - 2)
+    if slope <= TREND_T * math.sqrt(residual / spread):
+        return None
+    return lambda t: mean_r + slope * (t - mean_t)
 
 
 # The signal over the band (Signals.limiting) as the cause of a scale-up.
@@ -793,15 +868,25 @@ def _down_window(policy: Policy, recommended: int) -> float:
     return max(window, policy.cold_start_seconds) if recommended == 0 else window
 
 
+def _load(period: _Period) -> float:
+    """The largest signal ratio as a scale-down sees it: grown to where a rising request rate takes
+    it within one cold start (fewer replicas now would be asked back before they could return),
+    and no lower than the rate per replica over the learned knee."""
+    load = (period.signals.ratio or 0.0) * (
+        projected_growth(period.state.trend, period.policy.cold_start_seconds) or 1.0
+    )
+    if period.knee is not None and period.signals.rate_per_replica is not None:
+        load = max(load, period.signals.rate_per_replica / period.knee)
+    return load
+
+
 def _at_or_under_band(period: _Period) -> tuple[AutoscalerState, Decision]:
     """The fewest replicas at which this load stays under 1 - tolerance, in every signal and (once
     known) in the request rate at which this service went over; down to them only when every
     recommendation of the scale-down window agrees."""
     policy, obs, state, signals = period.policy, period.obs, period.state, period.signals
     current, ratio, tol = obs.replicas, signals.ratio or 0.0, policy.tolerance
-    load = ratio
-    if period.knee is not None and signals.rate_per_replica is not None:
-        load = max(load, signals.rate_per_replica / period.knee)
+    load = _load(period)
     if load <= 1 - tol:
         fewest = math.ceil(current * load / (1 - tol) - _EPSILON)
         if signals.ttft_observations or signals.tpot_observations or signals.waiting_per_replica or signals.unknown:

@@ -11,11 +11,14 @@ from kvpilot.engine.serving.metrics import LATENCY_BUCKETS
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.autoscaling.decisions import (
     MIN_OBSERVATIONS,
+    TREND_POINTS,
     AutoscalerState,
     Decision,
     Observation,
     PodRead,
     Policy,
+    TrendPoint,
+    projected_growth,
     step,
 )
 from kvpilot.operator.autoscaling.metrics import EngineReading, Histogram
@@ -449,6 +452,35 @@ def test_scale_to_zero_waits_at_least_one_cold_start() -> None:
     at, reason = first(1, 150, 0, **idle)
     assert at == 10 and "for 135 s of the 150 s scale-down window (to zero: at least one cold start)" in reason
     assert first(2, 150, 1, ttft=0.2, n=20, waiting=0, kv=0.01)[0] == 4
+
+
+def test_a_rising_load_scales_up_one_cold_start_ahead() -> None:
+    """The lead time: the request rate rises steadily (3 more requests every 15 s) while the
+    signals sit under the band (KV 0.78x its target). With a 120 s cold start, the replicas are
+    asked for when the rate's trend says the load will be over the band by the time they are
+    ready; without one, nothing moves until it is."""
+
+    def decisions(cold_start: float) -> list[Decision]:
+        loop = Loop(Policy(max_replicas=10, cold_start_seconds=cold_start), replicas=2)
+        return [loop.tick(n=10 + 3 * i, kv=0.7) for i in range(TREND_POINTS + 2)]
+
+    assert all(d.action == "hold" for d in decisions(0))
+    ups = [d for d in decisions(120) if d.action == "up"]
+    assert ups and ups[0].cause == "trend" and ups[0].signals.ratio < 1  # not over the band yet
+    assert "heading over the SLO band" in ups[0].reason and "in one cold start" in ups[0].reason
+
+
+def test_the_trend_is_a_rate_rising_clear_of_its_noise() -> None:
+    rising = [TrendPoint(at=15.0 * i, rate=2.0 + 0.1 * i) for i in range(TREND_POINTS)]
+    # 3.1 req/s at the last point, +0.1 every 15 s: 3.9 two minutes on.
+    assert projected_growth(rising, 120) == pytest.approx(3.9 / 3.1)
+    assert projected_growth(rising, 0) is None  # no cold start known: no lead time
+    assert projected_growth(rising[1:], 120) is None  # too few periods to call it a trend
+    assert projected_growth([p.model_copy(update={"rate": 2.0}) for p in rising], 120) is None
+    assert projected_growth([p.model_copy(update={"rate": 4.0 - p.rate}) for p in rising], 120) is None
+    # The same rise under noise as large as the rise itself: not clear of it.
+    noisy = [p.model_copy(update={"rate": p.rate + (1.2 if i % 2 else -1.2)}) for i, p in enumerate(rising)]
+    assert projected_growth(noisy, 120) is None
 
 
 def test_replicas_set_by_someone_else_start_a_new_regime() -> None:

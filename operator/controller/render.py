@@ -408,7 +408,8 @@ def _engine_container(
     """The engine container: the runtime serving the plan's arguments, probes and resources."""
     http = {"port": PORT_NAME}
     runtime = RUNTIMES[spec.runtime]
-    ready, env = runtime.ready_path, [{"name": name, "value": value} for name, value in runtime.env]
+    fixed = (*runtime.env, *(runtime.lora_env if plan.lora else ()))
+    ready, env = runtime.ready_path, [{"name": name, "value": value} for name, value in fixed]
     container = {
         "name": CONTAINER,
         "image": image,

@@ -39,6 +39,9 @@ class Runtime:
     api_key_env: str
     # Variables the container always gets, before the API key and the spec's own.
     env: tuple[tuple[str, str], ...] = ()
+    # Variables it gets only when the plan has adapter slots (a service without adapters keeps its pod
+    # template, so an operator upgrade that adds one rolls no pod).
+    lora_env: tuple[tuple[str, str], ...] = ()
     # Whether its image has `kvpilot download` (else the downloads run in the operator's engine image).
     ships_downloader: bool = True
     # Whether it serves LoRA adapters (spec.adapters) with `--enable-lora --max-loras --max-lora-rank

@@ -117,9 +117,10 @@ RUNTIME = Runtime(
     api_key_env="VLLM_API_KEY",
     # The files are local (image, PVC or the download's cache): vLLM never asks the hub, and sends
     # no usage report from the cluster.
+    env=(("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1")),
     # Runtime LoRA updating: /v1/load_lora_adapter and /v1/unload_lora_adapter, which vLLM serves only
-    # with it (it is off unless asked for; harmless without adapters, which a later spec may add).
-    env=(("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1"), ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")),
+    # with it (off unless asked for).
+    lora_env=(("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),),
     ships_downloader=False,
     lora=True,
     # Its drafters run without the adapters, the target with them.

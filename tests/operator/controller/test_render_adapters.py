@@ -60,6 +60,8 @@ def test_vllm_gets_the_slots_and_runtime_lora_updating() -> None:
     # Without adapters: no LoRA flag, so the slots cost nothing.
     bare = _container(*_planned("vllm", []))
     assert not any(arg.startswith(LORA_FLAGS) for arg in bare["args"]), bare["args"]
+    # Nor the variable: the pods of a service without adapters are as an older operator rendered them.
+    assert all(e["name"] != "VLLM_ALLOW_RUNTIME_LORA_UPDATING" for e in bare["env"])
 
 
 def test_our_engine_parses_the_slots_with_its_own_parser() -> None:

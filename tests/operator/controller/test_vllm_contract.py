@@ -130,8 +130,9 @@ def _expected(spec: InferenceServiceSpec, result: Plan) -> dict[str, Any]:
         "max_loras": result.lora.max_loras if result.lora else None,
         "max_lora_rank": result.lora.max_lora_rank if result.lora else None,
         "max_cpu_loras": result.lora.max_cpu_loras if result.lora else None,
-        # /v1/load_lora_adapter, which the operator loads adapters through, is served.
-        "runtime_lora_updating": True,
+        # /v1/load_lora_adapter, which the operator loads adapters through, is served where there are
+        # adapters (and the pods of a service without them keep the template they had).
+        "runtime_lora_updating": result.lora is not None,
     }
 
 

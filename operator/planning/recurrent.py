@@ -26,8 +26,9 @@ KERNEL_BLOCK_ALIGNMENT = 16
 # FlashInfer's Gated DeltaNet prefill (vLLM's choice on Hopper, SM 9.x) exports the state from inside
 # a prefill at multiples of 64 tokens (vllm/v1/attention/backends/gdn_attn.py), so under prefix
 # caching the block is a multiple of 64 and each sequence keeps one more state page (its checkpoint).
-# Elsewhere (Ampere, Ada; Blackwell needs CUDA 13, which vLLM 0.33's wheels are not built with) the
-# Triton kernels run and neither holds.
+# Elsewhere (Ampere, Ada) the Triton kernels run and neither holds. Blackwell takes FlashInfer only
+# with a CUDA 13 runtime and 128-value key heads; which runtime the deployed image has is not known
+# here, so B200 is planned as Triton's (unverified).
 FLASHINFER_GDN_ALIGNMENT = 64
 FLASHINFER_GDN_GPUS = ("H100-80GB", "H200")
 # State pages a sequence keeps per group under prefix caching: the running state and the last full

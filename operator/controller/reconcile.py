@@ -549,8 +549,24 @@ def reconcile(
         if key.sha256 and (key.secret is None or found.get(("Secret", names.api_key_secret(name))))
         else None,
         correction=decision.correction,
-        variants=status.variant_rows(decision.mixed, name, by_name, full),
+        variants=_variant_rows(decision, old, name, by_name, full),
     )
+
+
+def _variant_rows(
+    decision: Decision,
+    old: InferenceServiceStatus,
+    name: str,
+    deployments: Mapping[str, Mapping[str, Any]],
+    full: Mapping[str, tuple[int, str]],
+) -> list[dict[str, Any]] | None:
+    """status.variants: the pool's types as planned, or, while the spec does not plan (invalid, or
+    nothing fits), as they were: nothing that runs changed, and a type dropped from the spec in that
+    interlude is still known to be retired once it plans again."""
+    rows = status.variant_rows(decision.mixed, name, deployments, full)
+    if rows is None and not decision.result.fits:
+        return [row.model_dump(mode="json", by_alias=True, exclude_none=True) for row in old.variants or []] or None
+    return rows
 
 
 # A GPU type found full is given only the replicas its nodes held for this long; then its next

@@ -117,6 +117,17 @@ def test_a_type_dropped_from_the_pool_is_scaled_to_zero_and_a_pool_of_a_single_s
     assert replicas(cluster) == {"chat": 0, "chat-l4": 2, "chat-h100-80gb": 0}
 
 
+def test_a_type_dropped_while_the_spec_was_invalid_is_still_scaled_to_zero() -> None:
+    cluster = FakeCluster()
+    run(cluster, {**SPEC, "replicas": 3}, CHEAP_L4)
+    assert replicas(cluster) == {"chat-l4": 2, "chat-h100-80gb": 1}
+    invalid = run(cluster, {**SPEC, "replicas": 3, "slo": {"ttftP95Ms": -1}}, CHEAP_L4)
+    assert {c["type"]: c["reason"] for c in invalid["conditions"]}["Planned"] == "InvalidSpec"
+    assert [row["gpu"] for row in invalid["variants"]] == ["L4", "H100-80GB"]  # what runs, unchanged
+    run(cluster, {**SPEC, "accelerator": {"variants": VARIANTS[:1]}, "replicas": 2}, CHEAP_L4)
+    assert replicas(cluster) == {"chat-l4": 2, "chat-h100-80gb": 0}
+
+
 def test_the_autoscaler_reads_a_pool_s_deployments_as_one() -> None:
     cluster = FakeCluster()
     run(cluster, {**SPEC, "replicas": 3}, CHEAP_L4)

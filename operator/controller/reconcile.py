@@ -37,6 +37,7 @@ import hashlib
 import json
 import secrets
 from collections.abc import Mapping, Sequence
+from contextlib import suppress
 from datetime import datetime
 from typing import Any, NamedTuple
 
@@ -50,8 +51,9 @@ from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSp
 from kvpilot.operator.api.status import InferenceServiceStatus, KeptCheckpoint, LastGoodPlan, status_of
 from kvpilot.operator.controller import correction, render, status
 from kvpilot.operator.controller.checkpoint import Unreadable, read_checkpoint, reads_checkpoint, with_checkpoint
+from kvpilot.operator.controller.variant_events import variant_events, variant_replicas
 from kvpilot.operator.hub.client import HubClient
-from kvpilot.operator.kube.cluster import Cluster, Manifest, WriteRefused, describe
+from kvpilot.operator.kube.cluster import Cluster, Manifest, WriteConflict, WriteRefused, describe
 from kvpilot.operator.kube.events import iso, seconds_of
 from kvpilot.operator.kube.indexes import pooled
 from kvpilot.operator.kube.merge_patch import merge_patch
@@ -522,6 +524,7 @@ def reconcile(
     key = decision.key
     wanted = [*decision.wanted, *_retired(cluster, decision, old, name, namespace, uid)]
     found = _read(cluster, wanted, decision, old, name, namespace)
+    before = variant_replicas(found.values())
     # Without its key the service's pods would serve open (or with someone else's): nothing rolls out.
     blocked = key.blocked or _converge(cluster, wanted, found, uid)
     owned = [d for (kind, _), d in found.items() if kind == "Deployment" and d is not None and owned_by(d, uid)]
@@ -532,6 +535,7 @@ def reconcile(
         pods = cluster.list_pods(namespace, names.selector_labels(name))
     by_name = {d["metadata"]["name"]: d for d in owned}
     full = {**full, **found_full(decision.mixed, pods, now)}
+    _post(cluster, variant_events(body, decision.mixed, before, variant_replicas(owned), full, now.timestamp()))
     return status.build(
         name=name,
         namespace=namespace,
@@ -551,6 +555,14 @@ def reconcile(
         correction=decision.correction,
         variants=_variant_rows(decision, old, name, by_name, full),
     )
+
+
+def _post(cluster: Cluster, events: Sequence[Manifest]) -> None:
+    """Post `events`; one the API server refuses is lost, not retried: an Event is news about a
+    change that happened, and the status says the same."""
+    for event in events:
+        with suppress(WriteRefused, WriteConflict):
+            cluster.post_event(event)
 
 
 def _variant_rows(

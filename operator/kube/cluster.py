@@ -123,6 +123,10 @@ class Cluster(Protocol):
         carries (the GPU count label, else the node's allocatable GPUs)."""
         ...
 
+    def post_event(self, event: Manifest) -> None:
+        """Post a core/v1 Event (named by generateName); WriteRefused when the API server refuses it."""
+        ...
+
     def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[Manifest]:
         """The pods in `namespace` that carry all of `labels`."""
         ...
@@ -244,6 +248,10 @@ class KubeCluster:
                 content_type="application/merge-patch+json",
             )
             self._resource("v1", "Event").create(body=event, namespace=metadata["namespace"])
+
+    def post_event(self, event: Manifest) -> None:
+        with _translated(f"Event on {event['involvedObject']['kind']} {event['involvedObject']['name']}"):
+            self._resource("v1", "Event").create(body=event, namespace=event["metadata"]["namespace"])
 
     def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[Manifest]:
         found = self._resource("v1", "Pod").get(namespace=namespace, label_selector=label_selector(labels))

@@ -92,6 +92,24 @@ def test_the_service_s_replicas_fill_the_cheapest_type_first_and_leave_the_deare
     assert seen == [(1, 0), (2, 0), (2, 1), (2, 2), (2, 1), (1, 0)]
 
 
+def test_each_type_s_change_is_an_event_naming_the_type_and_why() -> None:
+    cluster = FakeCluster()
+    run(cluster, {**SPEC, "replicas": 3}, CHEAP_L4)
+    made = [e["message"] for e in cluster.events]
+    assert all(e["reason"] == "VariantScaled" and e["involvedObject"]["name"] == "chat" for e in cluster.events)
+    assert made[0].startswith("chat-h100-80gb: 0 -> 1 replicas: H100-80GB is type 2 of 2 by cost per req/s")
+    assert made[1].startswith("chat-l4: 0 -> 2 replicas: L4 is type 1 of 2 by cost per req/s ($")
+    assert "cheapest with room take the load first (at most 2" in made[1]
+    run(cluster, {**SPEC, "replicas": 3}, CHEAP_L4)
+    assert len(cluster.events) == 2  # nothing changed, nothing said
+    run(cluster, {**SPEC, "replicas": 2}, CHEAP_L4)
+    assert cluster.events[-1]["message"].startswith("chat-h100-80gb: 1 -> 0 replicas")
+    assert "fewer replicas wanted, the dearest go first" in cluster.events[-1]["message"]
+    run(cluster, {**SPEC, "accelerator": {"variants": VARIANTS[1:]}, "replicas": 2}, CHEAP_L4)
+    said = {e["message"].split(":")[0]: e["message"] for e in cluster.events[-2:]}
+    assert "no longer in spec.accelerator.variants" in said["chat-l4"]
+
+
 def test_prices_decide_which_type_fills_first() -> None:
     cluster = FakeCluster()
     run(cluster, {**SPEC, "replicas": 1}, {"L4": 2.0})  # an H100's req/s is the cheaper

@@ -112,6 +112,9 @@ class FakeCluster:
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         self.objects.pop((kind, namespace, name), None)
 
+    def post_event(self, event: dict[str, Any]) -> None:
+        self.events = [*getattr(self, "events", []), event]
+
     def patch_status(self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> str:
         self.status_patches.append(patch)
         obj = self.objects[(kind, namespace, name)]

@@ -63,6 +63,56 @@ def bound_by_cel(schema: dict[str, Any]) -> None:
     del schema["exclusiveMinimum"]
 
 
+# The kinds of state layers vLLM 0.33 keeps per sequence (planning/recurrent.py): Mamba (Jamba),
+# Mamba-2 (Nemotron-H, Granite 4.0-H, Falcon-H1) and Gated DeltaNet (Qwen3-Next).
+StateKind = Literal["mamba1", "mamba2", "gated_deltanet"]
+
+
+class StateLayers(BaseModel):
+    """Also the CRD's `spec.model.architecture.state`: a hybrid's layers that keep a state per sequence."""
+
+    model_config = ConfigDict(
+        frozen=True,
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        json_schema_extra=cel(("self.groups == 0 || self.groupChannels > 0", "groups needs groupChannels")),
+    )
+
+    kind: StateKind = Field(
+        description="The state layers' mixer: mamba1 (Jamba), mamba2 (Nemotron-H, Granite 4.0-H, Falcon-H1) or "
+        "gated_deltanet (Qwen3-Next's linear attention); it sets the block alignment and the checkpoint pages "
+        "vLLM keeps per sequence under prefix caching."
+    )
+    layers: int = Field(gt=0, description="The layers that keep a state per sequence, whatever its length.")
+    attention_layers: int = Field(
+        gt=0,
+        description="The full-attention layers beside them (the only ones with K and V per token; layers "
+        "with neither, such as Nemotron-H's MLP-only layers, are in neither count).",
+    )
+    conv_channels: int = Field(
+        gt=0, description="The short convolution's channels (Mamba's intermediate size, split over the GPUs)."
+    )
+    conv_width: int = Field(gt=0, description="The tokens the convolution keeps per sequence: its kernel less one.")
+    groups: int = Field(
+        default=0, ge=0, description="Mamba-2's B/C groups, each groupChannels wide in the convolution (0: none)."
+    )
+    group_channels: int = Field(default=0, ge=0, description="The convolution channels of one of Mamba-2's groups.")
+    heads: int = Field(gt=0, description="The recurrent state's heads (split over the GPUs).")
+    head_values: int = Field(gt=0, description="The values of one head's recurrent state.")
+    fp32_state: bool = Field(
+        default=False,
+        description="The recurrent state is held in fp32 (Nemotron-H's default), else in the model's dtype.",
+        json_schema_extra=no_crd_default,
+    )
+
+    @model_validator(mode="after")
+    def _grouped(self) -> StateLayers:
+        if self.groups and not self.group_channels:
+            raise ValueError("groups needs groupChannels")
+        return self
+
+
 class Architecture(BaseModel):
     """Also the CRD's `spec.model.architecture`, hence the camelCase aliases."""
 
@@ -85,6 +135,14 @@ class Architecture(BaseModel):
             (
                 "!has(self.visionParameters) || self.visionParameters < self.parameters",
                 "visionParameters must be fewer than parameters",
+            ),
+            (
+                "!has(self.state) || self.state.layers + self.state.attentionLayers <= self.layers",
+                "state.layers + state.attentionLayers must not exceed layers",
+            ),
+            (
+                "!has(self.state) || (!has(self.slidingWindow) && !has(self.latentDim))",
+                "state goes with neither slidingWindow nor latentDim",
             ),
         ),
     )
@@ -148,6 +206,12 @@ class Architecture(BaseModel):
         description="Of parameters, the vision tower's and its projector's (a multimodal checkpoint): "
         "held in memory, off a text token's path.",
     )
+    state: StateLayers | None = Field(
+        default=None,
+        description="A hybrid's layers that keep a state per sequence (Mamba, Gated DeltaNet) beside its attention "
+        "layers, read from config.json: vLLM 0.33 holds each state in a page of the KV pool and raises the "
+        "attention block size until a page holds it.",
+    )
     checkpoint_bytes: int | None = Field(
         default=None,
         gt=0,
@@ -174,6 +238,10 @@ class Architecture(BaseModel):
             raise ValueError("latentDim (latent attention) and slidingWindow do not go together")
         if self.vision_parameters is not None and self.vision_parameters >= self.parameters:
             raise ValueError(f"visionParameters {self.vision_parameters:,} is not fewer than parameters")
+        if self.state is not None and self.state.layers + self.state.attention_layers > self.layers:
+            raise ValueError(f"state.layers + state.attentionLayers exceed layers {self.layers}")
+        if self.state is not None and (self.sliding_window is not None or self.latent_dim is not None):
+            raise ValueError("state (a hybrid's state layers) goes with neither slidingWindow nor latentDim")
         return self
 
     @property

@@ -173,6 +173,12 @@ def test_a_mixed_pool_gets_a_deployment_per_gpu_type_filled_cheapest_first(
             for pod in pods:
                 node = k8s.kubectl_json("get", "node", pod["spec"]["nodeName"])
                 assert node["metadata"]["labels"][gpu.product_label] == gpu.product
+        # Each type's change is an Event naming the type and why (the API server took them).
+        events = k8s.kubectl_json(
+            "get", "events", "-n", ns, "--field-selector", f"involvedObject.name={name},reason=VariantScaled"
+        )["items"]
+        said = " | ".join(e["message"] for e in events)
+        assert f"{name}-l40s: 0 -> 2 replicas: L40S is type 1 of 2" in said, said
         # Down to one replica: the dearer type's goes, the cheaper keeps one.
         k8s.kubectl("scale", "inferenceservice", name, "-n", ns, "--replicas=1")
         poll(

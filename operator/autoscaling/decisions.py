@@ -179,6 +179,10 @@ class Policy(_SpecSettings):  # type: ignore[misc, valid-type]
     # without a request, since a zero pays only when idle for longer than a replica takes to return.
     cold_start_seconds: float = Field(default=0.0, ge=0)
     target_batch_occupancy: float = Field(default=TARGET_BATCH_OCCUPANCY, gt=0, le=1)
+    # A mixed pool's capacity (req/s within the SLO) of each replica in the order the pool adds them
+    # (cheapest per req/s first, status.variants): replicas of unequal capacity are scaled in
+    # capacity, not in count. Empty: every replica alike.
+    replica_capacity: tuple[float, ...] = ()
 
     @classmethod
     def from_spec(
@@ -187,10 +191,12 @@ class Policy(_SpecSettings):  # type: ignore[misc, valid-type]
         max_num_seqs: int | None = None,
         interval_seconds: float = INTERVAL_SECONDS,
         cold_start_seconds: float = 0.0,
+        replica_capacity: tuple[float, ...] = (),
     ) -> Policy:
         return cls(
             max_num_seqs=max_num_seqs,
             cold_start_seconds=cold_start_seconds,
+            replica_capacity=replica_capacity,
             window_seconds=WINDOW_PERIODS * interval_seconds,
             ttft_p95_seconds=spec.slo.ttft_p95_ms / 1000,
             tpot_p95_seconds=spec.slo.tpot_p95_ms / 1000,
@@ -599,6 +605,32 @@ def _learn_knee(
     return knee
 
 
+def _capacity(policy: Policy, replicas: int) -> float:
+    """What `replicas` of a mixed pool serve (req/s), the pool's first ones first; past the listed
+    ones, each counts as the last listed (they go where the pool puts its overflow)."""
+    listed = policy.replica_capacity
+    return sum(listed[:replicas]) + max(0, replicas - len(listed)) * listed[-1]
+
+
+def _share_kept(policy: Policy, current: int) -> float:
+    """What one replica fewer serves, as a share of what `current` serve (the last added goes first)."""
+    if not policy.replica_capacity:
+        return max(current - 1, 1) / current
+    total = _capacity(policy, current)
+    return _capacity(policy, max(current - 1, 1)) / total if total else 1.0
+
+
+def scaled(policy: Policy, current: int, factor: float) -> int:
+    """The fewest replicas with `factor` times what `current` replicas serve: current x factor where
+    every replica is alike, else counted in the pool's order (an L4 replica added is not an H100)."""
+    if not policy.replica_capacity:
+        return math.ceil(current * factor - _EPSILON)
+    needed, n = _capacity(policy, current) * factor, 0
+    while _capacity(policy, n) < needed - _EPSILON and n < max(policy.max_replicas, current):
+        n += 1
+    return n
+
+
 def _clamp(policy: Policy, replicas: int) -> int:
     return max(policy.min_replicas, min(policy.max_replicas, replicas))
 
@@ -758,7 +790,7 @@ def _over_band(period: _Period, ratio: float) -> tuple[AutoscalerState, Decision
             **held,
         )
     last = state.last_scale_up
-    wanted = max(current + 1, math.ceil(current * ratio - _EPSILON))
+    wanted = max(current + 1, scaled(policy, current, ratio))
     if last is not None:
         # Its pods were sized for the load then. While they are still within one cold start of
         # being asked for (starting, not stuck on a full node), a request rate still rising asks
@@ -766,7 +798,7 @@ def _over_band(period: _Period, ratio: float) -> tuple[AutoscalerState, Decision
         # pods measure meanwhile (the queue the starting ones come to drain) is no measure of it.
         starting = obs.now - last.at < policy.cold_start_seconds
         growth = projected_growth(state.trend, policy.cold_start_seconds) if starting else None
-        wanted = math.ceil(current * (growth or 1.0) - _EPSILON)
+        wanted = scaled(policy, current, growth or 1.0)
         if wanted <= current:
             return period.decide(
                 "hold",
@@ -856,7 +888,7 @@ def _why_not_fewer(
     if ratio > 1 - policy.tolerance:
         return "in_band", "within the tolerance band"
     if current > policy.min_replicas:
-        fewer = load * current / max(current - 1, 1)
+        fewer = load / _share_kept(policy, current)
         return "would_overload", f"under the band, but {current - 1} replicas would not be (x{fewer:.2f})"
     return "min_replicas", f"under the band, at minReplicas {policy.min_replicas}"
 
@@ -888,7 +920,7 @@ def _at_or_under_band(period: _Period) -> tuple[AutoscalerState, Decision]:
     current, ratio, tol = obs.replicas, signals.ratio or 0.0, policy.tolerance
     load = _load(period)
     if load <= 1 - tol:
-        fewest = math.ceil(current * load / (1 - tol) - _EPSILON)
+        fewest = scaled(policy, current, load / (1 - tol))
         if signals.ttft_observations or signals.tpot_observations or signals.waiting_per_replica or signals.unknown:
             # Requests came, or a pod could not say (an engine still loading for a request the
             # gateway holds): zero only after a window in which every pod saw none.

@@ -160,6 +160,22 @@ def plan_max_num_seqs(status: InferenceServiceStatus) -> int | None:
     return status.plan.max_num_seqs if status.plan and status.plan.max_num_seqs else None
 
 
+def replica_capacity(status: InferenceServiceStatus, max_replicas: int) -> tuple[float, ...]:
+    """A mixed pool's replicas' capacities in the order its reconcile adds them (variant.fill:
+    each type that meets the SLO, cheapest first, up to its maxReplicas and the replicas its full
+    nodes hold); empty for a service of one GPU type."""
+    rows = [row for row in status.variants or [] if row.capacity_rps]
+    if len(rows) < 2:
+        return ()
+    capacities: list[float] = []
+    for row in rows:
+        held = row.schedulable_replicas if row.schedulable_replicas is not None else max_replicas
+        capacities += [float(row.capacity_rps or 0)] * min(row.max_replicas or max_replicas, held)
+    # Past every type's maxReplicas the pool's overflow goes to its first type (fill).
+    capacities += [float(rows[0].capacity_rps or 0)] * max(0, max_replicas - len(capacities))
+    return tuple(capacities[:max_replicas])
+
+
 def prepare(
     body: Mapping[str, Any], deployment: Mapping[str, Any] | None, now: float, interval: float = INTERVAL_SECONDS
 ) -> tuple[Policy, AutoscalerState] | None:
@@ -178,7 +194,11 @@ def prepare(
         return None
     cold_start = status.plan.predicted_ready_seconds if status.plan and status.plan.predicted_ready_seconds else 0.0
     policy = Policy.from_spec(
-        spec, max_num_seqs=plan_max_num_seqs(status), interval_seconds=interval, cold_start_seconds=cold_start
+        spec,
+        max_num_seqs=plan_max_num_seqs(status),
+        interval_seconds=interval,
+        cold_start_seconds=cold_start,
+        replica_capacity=replica_capacity(status, spec.autoscaling.max_replicas),
     )
     return policy, state
 

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from kvpilot.engine.serving.metrics import LATENCY_BUCKETS
 from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.api.status import InferenceServiceStatus
 from kvpilot.operator.autoscaling.decisions import (
     MIN_OBSERVATIONS,
     TREND_POINTS,
@@ -19,8 +20,10 @@ from kvpilot.operator.autoscaling.decisions import (
     Policy,
     TrendPoint,
     projected_growth,
+    scaled,
     step,
 )
+from kvpilot.operator.autoscaling.loop import replica_capacity
 from kvpilot.operator.autoscaling.metrics import EngineReading, Histogram
 
 PERIOD = 15.0
@@ -481,6 +484,37 @@ def test_the_trend_is_a_rate_rising_clear_of_its_noise() -> None:
     # The same rise under noise as large as the rise itself: not clear of it.
     noisy = [p.model_copy(update={"rate": p.rate + (1.2 if i % 2 else -1.2)}) for i, p in enumerate(rising)]
     assert projected_growth(noisy, 120) is None
+
+
+def test_a_mixed_pool_scales_in_capacity_not_in_replicas() -> None:
+    """Two H100 replicas of 10 req/s each come first, then L4s of 2: 3 replicas serve 22 req/s.
+    1.2x that is 26.4, which takes three more L4s, not the one a count of replicas would add; and
+    a load a third of it is served by the two H100s alone."""
+    pool = (10.0, 10.0) + (2.0,) * 6
+    assert scaled(Policy(max_replicas=8, replica_capacity=pool), 3, 1.2) == 6
+    assert scaled(Policy(max_replicas=8), 3, 1.2) == 4  # every replica alike
+    assert scaled(Policy(max_replicas=8, replica_capacity=pool), 5, 0.4 / 0.9) == 2
+    assert scaled(Policy(max_replicas=8), 5, 0.4 / 0.9) == 3
+    loop = Loop(Policy(max_replicas=8, max_step=4, replica_capacity=pool), replicas=3)
+    loop.tick(ttft=None, waiting=0, kv=0.1)
+    d = loop.tick(ttft=None, waiting=0, kv=0.9 * 1.2 * 2 - 0.1 * 1)  # window mean: 1.2x the KV target
+    assert (d.action, d.replicas) == ("up", 6), d.reason
+
+
+def test_a_mixed_pool_s_replica_capacities_follow_its_fill_order() -> None:
+    status = InferenceServiceStatus.model_validate(
+        {
+            "variants": [
+                {"gpu": "L4", "capacityRps": 2.0, "maxReplicas": 3, "schedulableReplicas": 1},
+                {"gpu": "H100-80GB", "capacityRps": 10.0, "maxReplicas": 2},
+                {"gpu": "T4", "capacityRps": 0.0, "maxReplicas": 4},  # misses the SLO: never filled
+            ]
+        }
+    )
+    # The L4s' full nodes hold one; then the H100s; past both maxima the overflow goes to the first.
+    assert replica_capacity(status, 6) == (2.0, 10.0, 10.0, 2.0, 2.0, 2.0)
+    one = InferenceServiceStatus.model_validate({"variants": [{"gpu": "L4", "capacityRps": 2.0, "maxReplicas": 3}]})
+    assert replica_capacity(one, 6) == ()
 
 
 def test_replicas_set_by_someone_else_start_a_new_regime() -> None:

@@ -1,4 +1,4 @@
-"""InferenceServices in a live cluster: manifests, the samples, and waiting on their status."""
+"""InferenceServices in a live cluster: manifests, the examples, and waiting on their status."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from e2e.cluster import Cluster
 from e2e.polling import poll
 from kvpilot.operator.api.names import API_KEY_SECRET_KEY, API_VERSION, KIND, api_key_secret, selector
 
-SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 
 
 def sample(name: str) -> dict[str, Any]:
-    """A manifest from e2e/samples/ (the file name without .yaml)."""
-    manifest: dict[str, Any] = yaml.safe_load((SAMPLES_DIR / f"{name}.yaml").read_text())
+    """A manifest from examples/ (the file name without .yaml)."""
+    manifest: dict[str, Any] = yaml.safe_load((EXAMPLES_DIR / f"{name}.yaml").read_text())
     return manifest
 
 

@@ -49,6 +49,19 @@ def test_plan_json_is_the_plan() -> None:
     assert (result.max_num_seqs, result.kv_bytes_per_token, result.max_model_len) == (20, 524288, 4096)
 
 
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_every_example_plans_and_renders_offline(example: Path) -> None:
+    """The manifests the docs use (e2e/test_examples.py applies them to a cluster): each plans (exit
+    0: it fits) and renders its Deployments, here in seconds."""
+    code, text = run(f"plan -f {example}")
+    assert code == 0, text
+    code, text = run(f"render -f {example}")
+    assert code == 0 and "kind: Deployment" in text, text
+
+
 def test_plan_exit_codes_for_no_fit_and_invalid_input(capsys: pytest.CaptureFixture[str]) -> None:
     code, text = run("plan --model llama-3-70b --gpu A10G")
     assert code == 1 and "NO (WeightsDoNotFit)" in text and "42.8 GiB" in text  # even at INT4

@@ -204,10 +204,10 @@ PRESTOP_SLEEP_S = 5
 # Probe timeout: one Python process serves probes beside the engine thread, so a busy step can hold
 # an answer back for a while; Kubernetes' default of 1 s would fail healthy pods under load.
 PROBE_TIMEOUT_S = 5
-# Where a CPU engine keeps its built C++ kernels (engine/model/cpu_kernels.py, ~40 s to build on 2
-# cores) and a compiled decode step its compiled code (engine/worker/compile_cache.py) without a
+# Where a CPU engine keeps its built C++ kernels (engine/model/cpu_kernels.py, tens of seconds to
+# build) and a compiled decode step its compiled code (engine/worker/compile_cache.py) without a
 # model.cache claim: the pod's writable /tmp emptyDir, so a restarted engine container starts warm
-# (~10 s here against ~40 s cold; bench/RESULTS.md); a new pod builds again.
+# instead of building again; a new pod builds again.
 COMPILE_CACHE_DIR = "/tmp/kvpilot-compiled"
 # With a claim: a folder of it, mounted writable on its own (the model files stay read-only), so
 # new pods, replicas and rollouts start warm too. Pods and engine versions share it safely: an

@@ -116,9 +116,9 @@ def non_decreasing(values: Sequence[float]) -> list[float]:
 def _steady(scheme: SchemeSteps) -> SchemeSteps:
     """One scheme's steps with their seconds fitted non-decreasing, decode by batch and prefill by
     prompt tokens. A step of more sequences or tokens does at least the work of a smaller one; one
-    measured faster caught the machine in a faster minute (two threads on a shared VM drift 20-60 %
-    between minutes, bench/RESULTS.md), and taken as it is, it would make a second sequence or an
-    n-gram verification cost nothing."""
+    measured faster caught the machine in a faster minute (threads on a shared VM drift between
+    minutes), and taken as it is, it would make a second sequence or an n-gram verification cost
+    nothing."""
 
     def fitted(steps: Sequence[Step], size: Callable[[Step], int]) -> tuple[Step, ...]:
         ordered = sorted(steps, key=size)
@@ -136,8 +136,8 @@ def _steady(scheme: SchemeSteps) -> SchemeSteps:
 def _prefill_curve(scheme: SchemeSteps, scale: float) -> tuple[tuple[int, float], ...]:
     """One scheme's prefill steps by prompt tokens, scaled by `scale` (the parameters a token of the
     served model meets over the measured one's: prefill is arithmetic). Measured at several lengths
-    and interpolated, not a line nor the matmul micro-benchmark: the packed INT4 kernel costs 280 ms
-    at 108 tokens where 64 take 109 and 256 take 430 (bench/RESULTS.md)."""
+    and interpolated, not a line nor the matmul micro-benchmark: packed kernels' cost jumps between
+    lengths with how the tokens fall into their tiles, which neither of those sees."""
     return tuple((step.tokens, step.seconds * scale) for step in scheme.prefill)
 
 

@@ -23,9 +23,8 @@ import random
 from kvpilot.engine.acceptance_window import AcceptancePolicy, AcceptanceWindow
 from kvpilot.engine.config import SPECULATIVE_ACCEPTANCE_WINDOW, SPECULATIVE_BACKOFF_STEPS, SPECULATIVE_MIN_ACCEPTANCE
 
-# ngram: measured as a share of 4 drafts (bench/RESULTS.md, "Speculative decoding"): 0.29 on
-# open-ended chat answers at batch 32 (0.11 at batch 1, 0.35 at 8), the conservative choice where
-# answers that copy their prompt accept 0.71-0.81.
+# ngram: measured as a share of 4 drafts (bench/RESULTS.md, "Speculative decoding"): the figure of
+# open-ended chat answers, the conservative choice (answers that copy their prompt accept far more).
 NGRAM_ACCEPTANCE = 0.29
 # draft, eagle: NOT measured, per-token figures from the literature, converted to a share of the
 # spec's k drafts. draft: a small draft of the target's own family (Leviathan et al. 2023, Medusa,

@@ -14,7 +14,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from kvpilot.operator.api.spec import INT64, Architecture, CheckpointQuantization
+from kvpilot.operator.api.spec import (
+    INT64,
+    MAX_ADAPTERS,
+    MAX_REPLICAS,
+    Architecture,
+    CheckpointQuantization,
+)
 
 # A timestamp as the status writes it (RFC 3339, e.g. 2025-01-31T12:00:00Z).
 DateTime = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
@@ -355,6 +361,36 @@ class VariantStatus(_Status):
     )
 
 
+class AdapterError(_Status):
+    """The last failed load of an adapter on a pod (autoscaling/adapter_sync.py)."""
+
+    pod: str | None = Field(default=None, max_length=253, description="The engine pod that refused or failed it.")
+    message: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="What the engine answered (its status and message), or why it could not be asked.",
+    )
+    time: DateTime | None = Field(default=None, description="When that load was tried.")
+
+
+class AdapterStatus(_Status):
+    """One of spec.adapters as the engines hold it (the operator loads and unloads them on every
+    ready engine pod, autoscaling/adapter_sync.py)."""
+
+    name: str = Field(max_length=63, description="The adapter's model name (spec.adapters[].name).")
+    source: str | None = Field(default=None, max_length=512, description="Its spec.adapters[].source.")
+    loaded_on: list[Annotated[str, Field(max_length=253)]] | None = Field(
+        default=None,
+        max_length=MAX_REPLICAS,
+        description="The ready engine pods that hold it from this source; the gateway sends its requests only "
+        "to these.",
+    )
+    pods: int | None = Field(default=None, description="The ready engine pods read: loadedOn of pods.")
+    error: AdapterError | None = Field(
+        default=None, description="While a pod does not hold it: its last failed load there (retried with backoff)."
+    )
+
+
 class InferenceServiceStatus(_Status):
     observed_generation: Int64 | None = Field(
         default=None, description="The metadata.generation the last reconcile acted on."
@@ -416,6 +452,13 @@ class InferenceServiceStatus(_Status):
         default=None,
         description="The SLO autoscaler's last decision with its reason, the pods whose metrics could not be read, "
         "and the state its next period continues from.",
+    )
+    adapters: list[AdapterStatus] | None = Field(
+        default=None,
+        max_length=MAX_ADAPTERS,
+        description="spec.adapters as the ready engine pods hold them: where each is loaded and its last load "
+        "error (the operator's autoscaling loop loads and unloads them on running engines every period).",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     # A list-type map keyed by type: one condition of each type (the reconcile's Ready, the
     # autoscaler's PlanAccurate).

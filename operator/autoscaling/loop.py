@@ -8,6 +8,9 @@ status, and, in `slo` mode only, set replicas
 through the scale subresource and post an Event for every change. `external` computes and shows
 the same numbers but never writes replicas, so an HPA or KEDA owns them; `off` is left alone.
 
+Each period also keeps the service's LoRA adapters loaded on its ready engines (adapter_sync.py),
+whatever its autoscaling mode.
+
 It runs as an asyncio task started by a kopf startup handler (operator/process.py), not as a kopf timer
 or daemon: those make kopf put a finalizer on every InferenceService, and deleting one must never
 wait for a running operator.
@@ -53,6 +56,7 @@ from kvpilot.operator.api.names import API_VERSION, KIND, SCALED_TO_ZERO_AT
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.api.status import InferenceServiceStatus, Latency, status_of
 from kvpilot.operator.autoscaling.accuracy import accuracy_patch, newest_ready_seconds
+from kvpilot.operator.autoscaling.adapter_sync import AdapterSync
 from kvpilot.operator.autoscaling.decisions import (
     INTERVAL_SECONDS,
     AutoscalerState,
@@ -433,6 +437,8 @@ class AutoscalingLoop:
         self._indexes = services, deployments, replicasets, pods
         self._instance = socket.gethostname()
         self._session: aiohttp.ClientSession | None = None
+        # Every service's LoRA adapters, loaded on its ready engines each period (any autoscaling mode).
+        self.adapters = AdapterSync(cluster, self._http)
 
     def _http(self) -> aiohttp.ClientSession:
         # Made on the running event loop, which it belongs to. No proxy from the environment: pod
@@ -548,18 +554,24 @@ class AutoscalingLoop:
         replicasets: Sequence[Mapping[str, Any]],
         pods: Sequence[Mapping[str, Any]],
     ) -> None:
-        """`one`, with its failure logged: a bug or an API error met by one service is its own."""
+        """`one`, then the adapters' sync, each with its failure logged: a bug or an API error met by
+        one service is its own, and the autoscaler's does not stop the adapters'."""
         where = f"{body['metadata']['namespace']}/{body['metadata']['name']}"
         try:
             decision = await self.one(body, deployments, replicasets, pods, datetime.now(UTC).timestamp())
+            if decision is not None and decision.action != "hold":
+                log.info(f"autoscaler: {where}: {decision.reason}")
         except (WriteRefused, WriteConflict, OSError) as error:
             log.warning(f"autoscaler: {where}: {error}")
-            return
         except Exception:
             log.exception(f"autoscaler: {where}")
-            return
-        if decision is not None and decision.action != "hold":
-            log.info(f"autoscaler: {where}: {decision.reason}")
+        try:
+            engine_pods = children(body, deployments, replicasets, pods)[1]
+            await self.adapters.sync(body, engine_pods, datetime.now(UTC).timestamp())
+        except (WriteRefused, WriteConflict, OSError) as error:
+            log.warning(f"adapters: {where}: {error}")
+        except Exception:
+            log.exception(f"adapters: {where}")
 
     def start_periods(self, running: dict[tuple[str, str], asyncio.Task[None]]) -> None:
         """A period's task for every InferenceService whose last one has finished, from the

@@ -42,26 +42,38 @@ def served_model(service: Mapping[str, Any]) -> str | None:
     return model.get("servedModelName") or model.get("name")
 
 
+def adapter_names(service: Mapping[str, Any]) -> list[str]:
+    """The names of its LoRA adapters (spec.adapters), each a model name of its own."""
+    return [str(a["name"]) for a in (service.get("spec") or {}).get("adapters") or [] if a.get("name")]
+
+
+def served_names(service: Mapping[str, Any]) -> list[str]:
+    """Every model name a service answers to: its served model's, then its adapters'."""
+    model = served_model(service)
+    return [*([model] if model else []), *adapter_names(service)]
+
+
 def served_in(namespace: str, services: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The model names served in `namespace` (nothing of any other)."""
+    """The model names (adapters' included) served in `namespace` (nothing of any other)."""
     return sorted(
         {
             m
             for s in services
             if s["metadata"]["namespace"] == namespace and not s["metadata"].get("deletionTimestamp")
-            if (m := served_model(s))
+            for m in served_names(s)
         }
     )
 
 
 def route(namespace: str, model: str, services: Sequence[Mapping[str, Any]]) -> str:
-    """The name of the InferenceService in `namespace` serving `model`; LookupError with what a
-    client can act on (in its own namespace only) when none or several do."""
+    """The name of the InferenceService in `namespace` serving `model` (as its model or one of its
+    adapters); LookupError with what a client can act on (in its own namespace only) when none or
+    several do."""
     matches = sorted(
         s["metadata"]["name"]
         for s in services
         if s["metadata"]["namespace"] == namespace
-        and served_model(s) == model
+        and model in served_names(s)
         and not s["metadata"].get("deletionTimestamp")
     )
     if not matches:
@@ -73,6 +85,21 @@ def route(namespace: str, model: str, services: Sequence[Mapping[str, Any]]) -> 
             f"({', '.join(matches)}): give them distinct servedModelName"
         )
     return matches[0]
+
+
+def adapter_of(service: Mapping[str, Any], model: str) -> str | None:
+    """`model` when it names one of the service's adapters (its requests go only to pods holding
+    it), None for the base model."""
+    return model if model != served_model(service) and model in adapter_names(service) else None
+
+
+def holding(service: Mapping[str, Any], adapter: str, urls: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The engines among `urls` (pod name, URL) that hold `adapter`, as status.adapters says the
+    operator last read them (autoscaling/adapter_sync.py): a pod not listed yet (just ready, still
+    loading it) is sent none of its requests."""
+    rows = status_of(service).adapters or []
+    loaded = set(next((row.loaded_on or [] for row in rows if row.name == adapter), []))
+    return [(pod, url) for pod, url in urls if pod in loaded]
 
 
 def engine_capacity(service: Mapping[str, Any]) -> int:

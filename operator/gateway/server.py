@@ -5,11 +5,13 @@ It is its own process (`kvpilot gateway`, the chart's gateway Deployment) and re
 watches hold (kube/watches.py): the InferenceServices, their Deployments, ReplicaSets and pods,
 so routing costs no API reads. A client addresses a namespace in the path and a model in the body:
 `POST /namespaces/<namespace>/v1/chat/completions` with `"model": "<servedModelName or model.name>"`
-(routing.py). The request goes to the ready engine pod with the fewest requests in flight through
-this gateway, up to twice its plan's max_num_seqs. When none can take it, it is held:
+(routing.py), or a LoRA adapter's name (spec.adapters), whose requests go only to the pods that
+hold it (status.adapters[].loadedOn, which the operator writes as it loads adapters). The request
+goes to the ready engine pod with the fewest requests in flight through this gateway, up to twice
+its plan's max_num_seqs. When none can take it, it is held:
 - at 0 replicas that the SLO autoscaler set (routing.wake_refusal), the gateway sets 1 through the
   scale subresource and posts an Event; any other zero is a 503 at once;
-- while pods start, or every engine is full or refuses it, it waits;
+- while pods start, no pod holds the adapter yet, or every engine is full or refuses it, it waits;
 until an engine takes it or the hold ends (503 with Retry-After). An engine refuses with a 503 and
 Retry-After before generating anything (its model still loading behind a pod the cluster already
 calls Ready, the engine draining): the gateway passes it over for that long and tries another. What it holds is bounded
@@ -42,7 +44,16 @@ from kvpilot.operator.gateway.body import BadBody, read_body
 from kvpilot.operator.gateway.headers import client_response_headers, upstream_request_headers
 from kvpilot.operator.gateway.limits import RETRY_AFTER_SECONDS, Admission, Limits, Refusal
 from kvpilot.operator.gateway.metrics import GatewayMetrics, Now
-from kvpilot.operator.gateway.routing import Engines, pick, route, served_in, shares, wake_refusal
+from kvpilot.operator.gateway.routing import (
+    Engines,
+    adapter_of,
+    holding,
+    pick,
+    route,
+    served_in,
+    shares,
+    wake_refusal,
+)
 from kvpilot.operator.kube.events import scaling_event
 from kvpilot.operator.kube.indexes import (
     children,
@@ -271,7 +282,8 @@ class Gateway:
             service = self._service((taken.namespace, taken.service))
             if service is None or not admits(service, digest):
                 return _unauthorized()  # before any wake
-            return await self._dispatch(request, (taken.namespace, taken.service), raw, routed.prefix)
+            adapter = adapter_of(service, routed.model)
+            return await self._dispatch(request, (taken.namespace, taken.service), raw, routed.prefix, adapter)
         except BadBody as bad:
             return error(400, str(bad))
         except LookupError as missing:
@@ -312,8 +324,10 @@ class Gateway:
         return body
 
     async def _dispatch(
-        self, request: web.Request, key: tuple[str, str], raw: bytearray, prefix: str
+        self, request: web.Request, key: tuple[str, str], raw: bytearray, prefix: str, adapter: str | None = None
     ) -> web.StreamResponse:
+        """Forward to an engine of `key` (`adapter`: one holding that LoRA adapter), holding the
+        request while none can take it."""
         engines = self._engines.setdefault(key, Engines())
         headers = upstream_request_headers(request.headers.items(), request.remote)
         deadline = time.monotonic() + self.limits.hold_seconds
@@ -327,7 +341,11 @@ class Gateway:
                 deployment, pods = self._children(service)
                 urls = engine_urls(pods)
                 engines.forget_except([url for _, url in urls])
-                url = pick(service, urls, engines, time.monotonic(), prefix, shares(service, pods))
+                candidates = urls if adapter is None else holding(service, adapter, urls)
+                if urls and not candidates:
+                    # Its pods are loading it (autoscaling/adapter_sync.py): held, as while pods start.
+                    not_taken = f"none of its {len(urls)} ready replica(s) holds the adapter `{adapter}` yet"
+                url = pick(service, candidates, engines, time.monotonic(), prefix, shares(service, pods))
                 if url is not None:
                     if held:
                         self.admission.release(key)

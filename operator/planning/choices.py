@@ -177,6 +177,15 @@ def choose_speculative(
     )
 
 
+# vLLM 0.33 does speculate beside a hybrid's state layers, but each speculative token widens every
+# layer's convolution state by a row and keeps one more state page per sequence and group
+# (MambaSpec.num_speculative_blocks), which the memory division does not size yet.
+STATE_SPECULATION = (
+    "a hybrid's state layers: vLLM 0.33 would widen each one's convolution state by a row and keep a "
+    "state page more per sequence and group for every speculative token, which the planner does not size yet"
+)
+
+
 def choose_speculation(inputs: Inputs, memory: Memory, device: tuple[Device, int]) -> Speculation:
     """The speculative mode for a replica whose memory is `memory` (sized with the draft when the
     spec pins one; `inputs.draft` is the draft a mode may run), and the replicas it then needs."""
@@ -196,6 +205,9 @@ def choose_speculation(inputs: Inputs, memory: Memory, device: tuple[Device, int
         )
 
     mode, reason = choose(draft.source if draft else None)
+    if mode != "off" and inputs.arch.state is not None:
+        # plan() refuses a pinned mode beside state layers; auto leaves speculation off.
+        mode, reason = "off", f"off: {STATE_SPECULATION}"
     if mode == "draft" and serving.speculative != "draft":
         # Chosen for the target alone: the draft's weights and KV must fit beside it too.
         with_draft = divide_memory(inputs, device, memory.sizes.quantization)

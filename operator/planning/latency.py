@@ -152,7 +152,8 @@ def step_seconds(replica: Replica, running: float, context: float, tokens_per_se
     tokens = running * tokens_per_sequence
     # A mixture of experts reads only the experts its tokens route to; a dense model reads all.
     share = min(1.0, tokens * arch.parameters_per_token / arch.parameters)
-    kv_bytes = running * context * replica.kv_per_token
+    # A hybrid's state layers read each running sequence's state and write it back (0 for other models).
+    kv_bytes = running * context * replica.kv_per_token + running * 2 * replica.state_per_sequence
     # Where attention was measured (a CPU) it runs after the GEMMs at its own rate; else the KV is
     # read at the bandwidth with the weights. The engine's own work grows with the token rows of the
     # step (a verification's k + 1 per sequence costs what a decode step of as many sequences does).

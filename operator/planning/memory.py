@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
-from kvpilot.operator.planning import sizing
+from kvpilot.operator.planning import recurrent, sizing
 from kvpilot.operator.planning.adapters import lora_settings, resident_bytes
 from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.latency import batched_tokens, step_seconds
@@ -60,6 +60,7 @@ def replica_sizes(inputs: Inputs, group: tuple[Device, int], quantization: str, 
     adapters = resident_bytes(arch, lora, tp, gpu.bytes_per_value) if lora else 0
     pool = sizing.kv_pool_bytes(gpu.memory_bytes, spec.serving.gpu_memory_utilization, weights + adapters, reserve)
     kv_bytes = sizing.FP8_BYTES_PER_VALUE if inputs.kv_cache_dtype == "fp8" else gpu.bytes_per_value
+    layout, block, state_bytes = _kv_layout(inputs, group, kv_bytes, draft_kv)
     return Sizes(
         gpu=gpu.name,
         quantization=quantization,
@@ -72,9 +73,25 @@ def replica_sizes(inputs: Inputs, group: tuple[Device, int], quantization: str, 
         kv_pool_bytes=max(pool, 0),
         max_model_len=context,
         kv_cache_dtype=inputs.kv_cache_dtype,
-        kv_layout=sizing.kv_layout(arch, kv_bytes, tp, draft_kv),
+        kv_layout=layout,
         adapter_bytes=adapters,
+        block_size=block,
+        state_bytes=state_bytes,
     )
+
+
+def _kv_layout(
+    inputs: Inputs, group: tuple[Device, int], kv_bytes: int, draft_kv: int
+) -> tuple[sizing.KVLayout, int, int]:
+    """How vLLM lays out the KV cache of a replica's GPUs, in blocks of how many tokens, and a hybrid's
+    state of one layer and sequence on one GPU (0 for other models): a hybrid's attention block is
+    raised until its page holds a state (planning/recurrent.py), which the pod is rendered with."""
+    arch, block = inputs.arch, inputs.spec.serving.block_size
+    state = recurrent.architecture_state(arch)
+    if state is None:
+        return sizing.kv_layout(arch, kv_bytes, group[1], draft_kv), block, 0
+    hybrid = recurrent.hybrid_kv(state, recurrent.Serving(group[0].name, group[1], block, kv_bytes))
+    return hybrid.layout, hybrid.block_size, recurrent.state_page_bytes(state, group[1])
 
 
 def in_flight(budget: int) -> int:
@@ -83,9 +100,18 @@ def in_flight(budget: int) -> int:
     return sizing.tokens_in_flight(max(budget, MAX_NUM_SEQS_CAP))
 
 
-def kv_rule(arch: Architecture, layout: sizing.KVLayout, held: int, tp: int) -> str:
+def kv_rule(arch: Architecture, sizes: Sizes, held: int, tp: int) -> str:
     """What a token or a sequence keeps beyond full attention over K and V heads, for the reason
     text ('' when nothing)."""
+    layout = sizes.kv_layout
+    if arch.state is not None:
+        return (
+            f" in {arch.state.attention_layers} attention layers; and in each of {arch.state.layers} {arch.state.kind} "
+            f"layers a state per sequence of {sizes.state_bytes:,} bytes per GPU, which vLLM 0.33 holds in "
+            f"{sizes.block_size}-token blocks raised until an attention page ({sizes.block_size} x one token's K and V "
+            f"in one layer) holds it ({layout.full_groups} attention and {layout.state_groups} state layer groups; "
+            f"{layout.state_blocks} state pages per sequence and group under prefix caching)"
+        )
     if arch.latent_dim is not None:
         return f" (one {arch.latent_dim}-value latent per token and layer, whole on each of the {tp} GPUs)"
     if layout.window is None:
@@ -129,7 +155,7 @@ def _reserve(inputs: Inputs, group: tuple[Device, int], quantization: str, budge
         unsampled.kv_pool_bytes,
         unsampled.kv_layout,
         mean_sequence_tokens(inputs.spec, inputs.context) + lookahead,
-        inputs.spec.serving.block_size,
+        unsampled.block_size,
         in_flight(budget),
     )
     seqs = min(fitting, MAX_NUM_SEQS_CAP)
@@ -174,9 +200,9 @@ def divide_memory(inputs: Inputs, device: tuple[Device, int], quantization: str)
             sizes,
         )
     drafted = f" with its draft's KV and {lookahead} lookahead slots" if draft else ""
-    layout, held = sizes.kv_layout, in_flight(budget)
-    per_sequence = sizing.sequence_bytes(layout, context + lookahead, serving.block_size, held)
-    fitting = sizing.sequences_that_fit(pool, layout, context + lookahead, serving.block_size, held)
+    layout, held, block = sizes.kv_layout, in_flight(budget), sizes.block_size
+    per_sequence = sizing.sequence_bytes(layout, context + lookahead, block, held)
+    fitting = sizing.sequences_that_fit(pool, layout, context + lookahead, block, held)
     # A runtime that measures its pool refuses to start when one full sequence does not fit in what
     # it finds: the prediction must fit it with the margin it may be over (test_vllm_memory.py).
     margin = MEASURED_POOL_MARGIN if runtime.measures_kv_pool else 0.0
@@ -192,7 +218,7 @@ def divide_memory(inputs: Inputs, device: tuple[Device, int], quantization: str)
     # Sized for the mean context (prompt + half the output: what a sequence holds on average over its
     # life), as vLLM sizes its batch: the few sequences that grow long are preempted and recomputed.
     mean_context = mean_sequence_tokens(spec, context)
-    fitting_mean = sizing.sequences_that_fit(pool, layout, mean_context + lookahead, serving.block_size, held)
+    fitting_mean = sizing.sequences_that_fit(pool, layout, mean_context + lookahead, block, held)
     max_num_seqs = min(fitting_mean, MAX_NUM_SEQS_CAP)
     kv = (
         f"{kv_per_token / sizing.MiB:.3g} MiB/token"
@@ -202,7 +228,7 @@ def divide_memory(inputs: Inputs, device: tuple[Device, int], quantization: str)
     kv_reason = (
         f"{fitting_mean} sequences at the mean context of {mean_context} tokens (prompt + half "
         f"the output) fit, {fitting} at the full {context}{drafted}; preemption covers sequences "
-        f"that grow long: KV {kv}{kv_rule(arch, sizes.kv_layout, held, tp)}, {gib(per_sequence)} GiB per full "
+        f"that grow long: KV {kv}{kv_rule(arch, sizes, held, tp)}, {gib(per_sequence)} GiB per full "
         f"sequence, pool {gib(pool)} "
         f"GiB = {where} - weights {gib(target_weights)} GiB"
         + (f" - draft model weights {gib(draft_weights)} GiB" if draft else "")
@@ -219,8 +245,18 @@ def divide_memory(inputs: Inputs, device: tuple[Device, int], quantization: str)
     )
     # A decode step also reads the resident adapters' low-rank weights (planning/adapters.py).
     decode_bytes += sizes.adapter_bytes
+    state = recurrent.architecture_state(arch)
     replica = Replica(
-        arch, gpu, tp, decode_bytes, target_kv, quantization, max_num_seqs, draft, correction=inputs.correction
+        arch,
+        gpu,
+        tp,
+        decode_bytes,
+        target_kv,
+        quantization,
+        max_num_seqs,
+        draft,
+        correction=inputs.correction,
+        state_per_sequence=recurrent.sequence_state_bytes(state, tp) if state else 0,
     )
     if gpu.is_cpu:
         replica, sizes, kv_reason = _cpu_batch(spec, replica, sizes, (mean_context, context, lookahead), kv_reason)

@@ -13,9 +13,10 @@ allocates, not what the config names: vLLM 0.33 reads a Llama-style model's wind
 only (Mistral-7B-v0.1's sliding_window alone is full attention there) and never gives Qwen layers a
 window. A family this module does not describe, or a feature of one that changes the KV rule
 (a vision tower it does not count), is refused with the reason (`UnsupportedArchitecture`), never
-planned as if it were plain attention; a hybrid with Mamba or linear-attention layers is refused
-with the per-sequence state vLLM gives them (planning/recurrent.py), which an Architecture cannot
-carry yet.
+planned as if it were plain attention. A hybrid with Mamba or linear-attention layers (Qwen3-Next,
+Nemotron-H) is read with its state layers (Architecture.state), whose per-sequence pages
+planning/recurrent.py sizes as vLLM 0.33 allocates them; one whose other layers are not counted yet
+(Granite 4.0-H, Falcon-H1, Jamba) is refused with its state.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from kvpilot.operator.api.spec import Architecture, CheckpointQuantization
-from kvpilot.operator.planning.recurrent import RecurrentState, Serving, hybrid_kv, recurrent_state
+from kvpilot.operator.planning.recurrent import RecurrentState, Serving, hybrid_kv, recurrent_state, state_layers
 
 
 class Family(NamedTuple):
@@ -350,9 +351,6 @@ def _language_model(config: Mapping[str, Any], name: str) -> tuple[Mapping[str, 
     wrapper's text_config, or its top-level fields beside vision_config), or why it is not read."""
     if "text_config" not in config and name not in WRAPPERS:
         family = FAMILIES.get(name)
-        state = recurrent_state(config)
-        if state is not None:
-            return _stateful(config, name, state)
         if family is None:
             readable = ", ".join([*FAMILIES, *WRAPPERS])
             return f"{name} is not an architecture the planner reads ({readable}); set spec.model.architecture"
@@ -373,19 +371,32 @@ def _language_model(config: Mapping[str, Any], name: str) -> tuple[Mapping[str, 
     return language, FAMILIES[wrapper.language_model], wrapper
 
 
-def _stateful(config: Mapping[str, Any], name: str, state: RecurrentState) -> str:
-    """Why a hybrid whose state layers vLLM sizes (planning/recurrent.py) is not planned yet."""
-    hybrid = hybrid_kv(state, Serving(gpu=""))
+def _hybrid(config: Mapping[str, Any], name: str, state: RecurrentState, source: str) -> Architecture | str:
+    """A hybrid's Architecture with its state layers (planning/recurrent.py sizes vLLM 0.33's pages of
+    them), or why it is not planned: its parameters are not counted."""
     try:
         total, active = hybrid_parameters(config, state)
-        counted = f"{total:,} parameters, {active:,} a token"
     except ValueError as error:
-        counted = f"parameters not counted: {error}"
-    return (
-        f"{name} ({counted}) keeps a state per sequence in {state.layers} layers ({state.kind}: "
-        f"{hybrid.state_bytes:,} bytes per layer and sequence on one GPU, which vLLM 0.33 holds in pages of "
-        f"{hybrid.block_size}-token attention blocks) beside {state.attention_layers} attention layers; a plan's "
-        "architecture (spec.model.architecture) cannot describe that state yet"
+        hybrid = hybrid_kv(state, Serving(gpu=""))
+        return (
+            f"{name} (parameters not counted: {error}) keeps a state per sequence in {state.layers} layers "
+            f"({state.kind}: {hybrid.state_bytes:,} bytes per layer and sequence on one GPU, which vLLM 0.33 holds "
+            f"in pages of {hybrid.block_size}-token attention blocks) beside {state.attention_layers} attention layers"
+        )
+    tied = bool(config.get("tie_word_embeddings", False))
+    return Architecture(
+        layers=_int(config, "num_hidden_layers"),
+        hidden_size=_int(config, "hidden_size"),
+        attention_heads=_int(config, "num_attention_heads"),
+        kv_heads=state.kv_heads,
+        head_dim=state.head_dim,
+        vocab_size=_int(config, "vocab_size"),
+        parameters=total,
+        active_parameters=active if active != total else None,
+        max_context=_int(config, "max_position_embeddings"),
+        tie_word_embeddings=tied,
+        state=state_layers(state),
+        source=source,
     )
 
 
@@ -448,6 +459,13 @@ def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:
     """The Architecture (and the checkpoint's stored scheme) of a config.json, or why it cannot be
     planned from it; `source` says where the config came from."""
     name = str((config.get("architectures") or ["(no architectures)"])[0])
+    state = recurrent_state(config)
+    if state is not None:
+        try:
+            hybrid = _hybrid(config, name, state, source)
+            return hybrid if isinstance(hybrid, str) else ModelConfig(hybrid, stored_scheme(config))
+        except ValueError as error:  # pydantic's ValidationError is one
+            return f"{name}: {error}"
     found = _language_model(config, name)
     if isinstance(found, str):
         return found

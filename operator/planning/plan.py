@@ -21,12 +21,14 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+from kvpilot.engine.config import EngineCapabilities
 from kvpilot.engine.device_profile import DeviceProfile
 from kvpilot.operator.api.plan import LoraPlan, Plan
 from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
 from kvpilot.operator.planning import cpus, sizing
 from kvpilot.operator.planning.adapters import adapter_problem, describe, lora_settings
 from kvpilot.operator.planning.choices import (
+    STATE_SPECULATION,
     Speculation,
     choose_speculation,
     draft_model,
@@ -168,9 +170,9 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: Speculation) -> Plan:
             else None
         ),
         assumed_prefix_share=spec.load.prefix_share,
-        block_size=serving.block_size,
+        block_size=sizes.block_size,
         gpu_memory_utilization=serving.gpu_memory_utilization,
-        kv_blocks=sizes.kv_pool_bytes // sizing.kv_block_bytes(sizes.kv_layout, serving.block_size),
+        kv_blocks=sizes.kv_pool_bytes // sizing.kv_block_bytes(sizes.kv_layout, sizes.block_size),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=memory.budget,
         predicted_batch=round(perf.batch, 2) if finite else 0.0,
@@ -300,6 +302,27 @@ def _options(
     return options, ruled_out
 
 
+def _runtime_refusal(
+    spec: InferenceServiceSpec, arch: Architecture, capabilities: EngineCapabilities, model_reason: str
+) -> Plan | None:
+    """Why the runtime does not run this model as the spec asks, None when it does."""
+    beyond = sizing.beyond_plain_decoder(arch)
+    if beyond and capabilities.plain_decoders_only:
+        return failed_plan(
+            spec,
+            "UnsupportedByRuntime",
+            f"{spec.model.name} has {beyond} ({model_reason}); runtime {spec.runtime} runs only decoders whose "
+            "every layer attends to the whole sequence over K and V heads, text only: use runtime vllm",
+        )
+    if arch.state is not None and spec.serving.speculative not in ("auto", "off"):
+        return failed_plan(
+            spec,
+            "UnsupportedByRuntime",
+            f"serving.speculative {spec.serving.speculative!r} beside {STATE_SPECULATION}; set it to off or auto",
+        )
+    return None
+
+
 def plan(spec: InferenceServiceSpec, context: PlanContext | None = None) -> Plan:
     """Plan serving `spec` on its runtime (or on `context.capabilities`), with what the cluster and the
     service's engines showed (PlanContext); a Plan with fits=False says why it cannot be served."""
@@ -316,14 +339,9 @@ def plan(spec: InferenceServiceSpec, context: PlanContext | None = None) -> Plan
     if isinstance(found, Plan):
         return found
     arch, model_reason = found
-    beyond = sizing.beyond_plain_decoder(arch)
-    if beyond and capabilities.plain_decoders_only:
-        return failed_plan(
-            spec,
-            "UnsupportedByRuntime",
-            f"{spec.model.name} has {beyond} ({model_reason}); runtime {spec.runtime} runs only decoders whose "
-            "every layer attends to the whole sequence over K and V heads, text only: use runtime vllm",
-        )
+    refused = _runtime_refusal(spec, arch, capabilities, model_reason)
+    if refused is not None:
+        return refused
     devices = devices_to_try(spec, arch, available_gpus, device_profiles or {})
     if isinstance(devices, Plan):
         return devices

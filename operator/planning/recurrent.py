@@ -18,6 +18,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from kvpilot.operator.api.spec import Architecture, StateLayers
 from kvpilot.operator.planning import sizing
 
 # Attention backends on CUDA (FlashAttention, FlashInfer) take blocks of any multiple of 16 tokens:
@@ -263,3 +264,47 @@ def hybrid_kv(state: RecurrentState, serving: Serving) -> HybridKV:
         state_blocks=ALIGN_MODE_PAGES + checkpoint_pages(state, serving.gpu),
     )
     return HybridKV(block_size=block, state_bytes=page, page_bytes=block * token, layout=layout)
+
+
+def state_layers(state: RecurrentState) -> StateLayers:
+    """`state` as an Architecture carries it (spec.model.architecture.state)."""
+    return StateLayers(
+        kind=state.kind,  # type: ignore[arg-type]
+        layers=state.layers,
+        attention_layers=state.attention_layers,
+        conv_channels=state.conv_channels,
+        conv_width=state.conv_width,
+        groups=state.groups,
+        group_channels=state.conv_group_channels,
+        heads=state.heads,
+        head_values=state.head_values,
+        fp32_state=state.fp32_state,
+    )
+
+
+def architecture_state(arch: Architecture) -> RecurrentState | None:
+    """The per-sequence state of `arch`'s hybrid layers (its attention's K and V heads beside them),
+    None for a model without state layers."""
+    layers = arch.state
+    if layers is None:
+        return None
+    return RecurrentState(
+        kind=layers.kind,
+        layers=layers.layers,
+        attention_layers=layers.attention_layers,
+        conv_channels=layers.conv_channels,
+        conv_width=layers.conv_width,
+        groups=layers.groups,
+        conv_group_channels=layers.group_channels,
+        heads=layers.heads,
+        head_values=layers.head_values,
+        fp32_state=layers.fp32_state,
+        kv_heads=arch.kv_heads,
+        head_dim=arch.head_size,
+    )
+
+
+def sequence_state_bytes(state: RecurrentState, tp: int) -> int:
+    """One sequence's state in every state layer over a replica's `tp` GPUs, unpadded: what a decode
+    step reads and writes back for each running sequence."""
+    return state.layers * state_page_bytes(state, tp) * tp

@@ -68,6 +68,8 @@ class Replica(NamedTuple):
     compiled: bool = False  # a lone sequence's decode step is compiled (compile_decode)
     # Observed / predicted p95 latencies and draft acceptance the predictions are multiplied by or made with.
     correction: Correction = NO_CORRECTION
+    # A hybrid's state of one sequence (planning/recurrent.py), which every decode step reads and writes.
+    state_per_sequence: int = 0
 
 
 class Sizes(NamedTuple):
@@ -85,7 +87,11 @@ class Sizes(NamedTuple):
     kv_cache_dtype: str
     kv_layout: sizing.KVLayout  # how a sequence holds kv_bytes_per_token in the pool's blocks
     adapter_bytes: int = 0  # the LoRA slots' (planning/adapters.py), beside the weights; a Plan's lora reports it
+    # Tokens per block: serving.blockSize, or what vLLM raises a hybrid's to (planning/recurrent.py).
+    block_size: int = 16
+    state_bytes: int = 0  # a hybrid's state of one layer and sequence on one GPU, before its padding
 
     def reported(self) -> dict[str, object]:
-        """The fields a Plan reports (the layout is the planner's own)."""
-        return {k: v for k, v in self._asdict().items() if k not in ("kv_layout", "adapter_bytes")}
+        """The fields a Plan reports (the layout, the block and the state are the planner's own)."""
+        own = ("kv_layout", "adapter_bytes", "block_size", "state_bytes")
+        return {k: v for k, v in self._asdict().items() if k not in own}

@@ -169,7 +169,9 @@ def _layer_bytes_per_token(arch: Architecture, bytes_per_value: int, tp: int) ->
 def kv_bytes_per_token(arch: Architecture, bytes_per_value: int = KV_BYTES_PER_VALUE, tp: int = 1) -> int:
     """A token's KV in every layer: 2 (K and V) × layers × KV heads × head dim × bytes (GQA/MQA shrink
     it through KV heads), or layers × the latent × bytes on each of the `tp` GPUs under latent attention."""
-    return arch.layers * _layer_bytes_per_token(arch, bytes_per_value, tp)
+    # A hybrid's state layers keep no K and V per token (their state is per sequence: planning/recurrent.py).
+    layers = arch.state.attention_layers if arch.state is not None else arch.layers
+    return layers * _layer_bytes_per_token(arch, bytes_per_value, tp)
 
 
 def beyond_plain_decoder(arch: Architecture) -> str | None:
@@ -179,6 +181,9 @@ def beyond_plain_decoder(arch: Architecture) -> str | None:
         f"sliding-window layers (window {arch.sliding_window})" if arch.sliding_window is not None else "",
         "latent attention (MLA)" if arch.latent_dim is not None else "",
         "a vision tower" if arch.vision_parameters is not None else "",
+        f"{arch.state.layers} {arch.state.kind} layers that keep a state per sequence"
+        if arch.state is not None
+        else "",
     ]
     return ", ".join(f for f in features if f) or None
 

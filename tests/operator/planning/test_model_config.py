@@ -466,9 +466,7 @@ def test_a_quantized_checkpoint_s_own_bytes_are_the_weights_vllm_holds(tmp_path:
 # for the reason named here.
 HF_CONFIGS = Path(__file__).parent / "hf_configs"
 REFUSED = {
-    "Qwen--Qwen3-Next-80B-A3B-Thinking": "keeps a state per sequence in 36 layers (gated_deltanet",
     "microsoft--Phi-mini-MoE-instruct": "PhiMoEForCausalLM is not",
-    "nvidia--Nemotron-H-56B-Base-8K": "keeps a state per sequence in 54 layers (mamba2",
     "tiiuae--falcon-mamba-7b": "FalconMambaForCausalLM is not",
 }
 # What vLLM allocates as plain attention, refused only because the planner does not count its parameters.
@@ -657,6 +655,15 @@ def test_vllm_allocates_the_kv_cache_by_the_same_layout_or_sees_what_the_planner
         assert name in NOT_COUNTED or _beyond_what_is_sized(found), (read, found)
         return
     arch, layers = read.architecture, found["layer_specs"]
+    if arch.state is not None:
+        # A hybrid: its Architecture carries the state vLLM sees (its pool: test_vllm_holds_a_hybrids_...).
+        state = recurrent.architecture_state(arch)
+        assert state == recurrent.recurrent_state(_without_quantization(name)) and state is not None
+        kinds = Counter(layer["kind"] for layer in layers)
+        assert kinds == {"FullAttentionSpec": state.attention_layers, "MambaSpec": state.layers}
+        attention = {layer["bytes_per_token"] for layer in layers if layer["kind"] == "FullAttentionSpec"}
+        assert attention == {sizing.kv_bytes_per_token(arch) // state.attention_layers}
+        return
     assert not _beyond_what_is_sized(found), found
     full_kind = "MLAAttentionSpec" if arch.latent_dim else "FullAttentionSpec"
     kinds = {full_kind: arch.layers - arch.windowed_layers, "SlidingWindowSpec": arch.windowed_layers}

@@ -8,8 +8,8 @@ status, and, in `slo` mode only, set replicas
 through the scale subresource and post an Event for every change. `external` computes and shows
 the same numbers but never writes replicas, so an HPA or KEDA owns them; `off` is left alone.
 
-Each period also keeps the service's LoRA adapters loaded on its ready engines (adapter_sync.py),
-whatever its autoscaling mode.
+Beside each period, a task of its own keeps the service's LoRA adapters loaded on its ready engines
+(adapter_sync.py), whatever its autoscaling mode.
 
 It runs as an asyncio task started by a kopf startup handler (operator/process.py), not as a kopf timer
 or daemon: those make kopf put a finalizer on every InferenceService, and deleting one must never
@@ -554,17 +554,30 @@ class AutoscalingLoop:
         replicasets: Sequence[Mapping[str, Any]],
         pods: Sequence[Mapping[str, Any]],
     ) -> None:
-        """`one`, then the adapters' sync, each with its failure logged: a bug or an API error met by
-        one service is its own, and the autoscaler's does not stop the adapters'."""
+        """`one`, with its failure logged: a bug or an API error met by one service is its own."""
         where = f"{body['metadata']['namespace']}/{body['metadata']['name']}"
         try:
             decision = await self.one(body, deployments, replicasets, pods, datetime.now(UTC).timestamp())
-            if decision is not None and decision.action != "hold":
-                log.info(f"autoscaler: {where}: {decision.reason}")
         except (WriteRefused, WriteConflict, OSError) as error:
             log.warning(f"autoscaler: {where}: {error}")
+            return
         except Exception:
             log.exception(f"autoscaler: {where}")
+            return
+        if decision is not None and decision.action != "hold":
+            log.info(f"autoscaler: {where}: {decision.reason}")
+
+    async def adapters_period(
+        self,
+        body: Mapping[str, Any],
+        deployments: Sequence[Mapping[str, Any]],
+        replicasets: Sequence[Mapping[str, Any]],
+        pods: Sequence[Mapping[str, Any]],
+    ) -> None:
+        """One service's adapters brought to its spec on its ready engines (adapter_sync.py), with its
+        failure logged. A task of its own beside `period`: a slow load (a large adapter read, vLLM
+        fetching a repository) does not hold up the service's scaling."""
+        where = f"{body['metadata']['namespace']}/{body['metadata']['name']}"
         try:
             engine_pods = children(body, deployments, replicasets, pods)[1]
             await self.adapters.sync(body, engine_pods, datetime.now(UTC).timestamp())
@@ -573,25 +586,28 @@ class AutoscalingLoop:
         except Exception:
             log.exception(f"adapters: {where}")
 
-    def start_periods(self, running: dict[tuple[str, str], asyncio.Task[None]]) -> None:
-        """A period's task for every InferenceService whose last one has finished, from the
-        indexes as they are now (taken on kopf's event loop, which updates them): a service whose
-        engines answer slowly, or not at all, holds up only its own decisions."""
+    def start_periods(self, running: dict[tuple[str, str, str], asyncio.Task[None]]) -> None:
+        """A period's task and an adapters' task for every InferenceService whose last one of each
+        has finished (keyed by what, namespace, name), from the indexes as they are now (taken on
+        kopf's event loop, which updates them): a service whose engines answer slowly, or not at
+        all, holds up only its own decisions."""
         for key in [key for key, task in running.items() if task.done()]:
             del running[key]
         self._queues = None  # a new round reads the gateways again
         services_index, deployments, replicasets, pods = self._indexes
         for body in indexed_services(services_index):
             metadata = body["metadata"]
-            key = (metadata["namespace"], metadata["name"])
-            if metadata.get("deletionTimestamp") or key in running:
+            if metadata.get("deletionTimestamp"):
                 continue
             lists = indexed_children(deployments, replicasets, pods, body)
-            running[key] = asyncio.create_task(self.period(body, *lists), name=f"kvpilot-autoscaler {'/'.join(key)}")
+            for what, work in (("autoscaler", self.period), ("adapters", self.adapters_period)):
+                key = (what, metadata["namespace"], metadata["name"])
+                if key not in running:
+                    running[key] = asyncio.create_task(work(body, *lists), name=f"kvpilot-{'/'.join(key)}")
 
     async def run(self) -> None:
         """Periods until cancelled; the blocking client calls run in threads, off kopf's loop."""
-        running: dict[tuple[str, str], asyncio.Task[None]] = {}
+        running: dict[tuple[str, str, str], asyncio.Task[None]] = {}
         try:
             while True:
                 try:

@@ -149,7 +149,7 @@ def test_adapters_are_loaded_and_unloaded_on_running_engines_without_a_restart()
         loop = AutoscalingLoop(cluster, {}, {}, {}, {}, interval=0.1)
 
         async def period() -> None:
-            await loop.period(body, [deployment], [replicaset], pods)
+            await loop.adapters_period(body, [deployment], [replicaset], pods)
 
         try:
             await period()
@@ -217,17 +217,51 @@ def test_a_moved_source_is_loaded_in_place_and_a_refusal_of_the_key_is_an_error(
         cluster = Cluster(body)  # no status.auth: the operator holds no key, the engine wants one
         loop = AutoscalingLoop(cluster, {}, {}, {}, {}, interval=0.1)
         try:
-            await loop.period(body, [deployment], [replicaset], [pod])
+            await loop.adapters_period(body, [deployment], [replicaset], [pod])
             error = rows(body)["sql"]["error"]
             assert error["pod"] == "chat-0" and error["message"].startswith("its adapters could not be read: HTTP 401")
             sha = hashlib.sha256(KEY.encode()).hexdigest()
             body["status"]["auth"] = {"apiKeySha256": sha, "secretName": "chat-api-key"}
-            await loop.period(body, [deployment], [replicaset], [pod])
+            await loop.adapters_period(body, [deployment], [replicaset], [pod])
             assert engine.calls == [("load-inplace", "sql")] and engine.adapters == {"sql": "/adapters/sql-v2"}
             assert rows(body)["sql"] == {"name": "sql", "source": "/adapters/sql-v2", "loadedOn": ["chat-0"], "pods": 1}
         finally:
             await loop.close()
             assert engine.runner is not None
             await engine.runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_the_loops_rounds_sync_adapters_of_a_service_it_does_not_scale() -> None:
+    """`run` starts the adapters' task of every service beside its autoscaler period, whatever
+    autoscaling.mode says (here off: nothing is scaled, the adapter is still loaded)."""
+
+    async def scenario() -> None:
+        engine = Engine()
+        body, deployment, replicaset, pod = service("chat", await engine.start())
+        body["spec"] = {
+            "model": {"name": BASE},
+            "autoscaling": {"mode": "off"},
+            "adapters": adapters(("sql", "/a/sql")),
+        }
+        body["status"] = {
+            "auth": {"apiKeySha256": hashlib.sha256(KEY.encode()).hexdigest(), "secretName": "chat-api-key"}
+        }
+        cluster = Cluster(body)
+        indexes = [{("ml", "chat"): [one]} for one in (body, deployment, replicaset, pod)]
+        loop = AutoscalingLoop(cluster, *indexes, interval=0.1)
+        task = asyncio.create_task(loop.run())
+        try:
+            for _ in range(100):
+                if rows(body).get("sql", {}).get("loadedOn"):
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            assert engine.runner is not None
+            await engine.runner.cleanup()
+        assert engine.adapters == {"sql": "/a/sql"} and rows(body)["sql"]["loadedOn"] == ["chat-0"]
 
     asyncio.run(scenario())

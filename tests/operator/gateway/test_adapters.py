@@ -36,6 +36,20 @@ def test_an_adapter_routes_to_its_service_and_only_to_the_pods_holding_it() -> N
     assert routing.holding(svc, "legal", urls) == []  # no row yet: the operator has not loaded it
 
 
+def test_prefix_hash_routing_works_among_the_pods_holding_the_adapter() -> None:
+    svc = with_adapters([service()], {"sql": ["chat-p1", "chat-p2"]})[0]
+    svc["spec"]["routing"] = {"strategy": "PrefixHash"}
+    urls = [("chat-p0", "http://a"), ("chat-p1", "http://b"), ("chat-p2", "http://c")]
+    candidates = routing.holding(svc, "sql", urls)
+
+    def picked(prefix: str) -> str | None:
+        return routing.pick(svc, candidates, routing.Engines(), 0.0, prefix)
+
+    chosen = {prefix: picked(prefix) for prefix in (f"system prompt {i}" for i in range(20))}
+    assert set(chosen.values()) == {"http://b", "http://c"}  # spread over both holders, never the other pod
+    assert all(picked(prefix) == url for prefix, url in chosen.items())  # a prefix keeps its engine
+
+
 def test_adapter_requests_go_to_the_pods_that_hold_it_base_requests_to_all() -> None:
     async def scenario(ix: Indexes, rec: Recorder, base: str, http: aiohttp.ClientSession) -> None:
         ix.put(*with_adapters(serving(POD_IPS[:2]), {"sql": ["chat-p1"], "legal": ["chat-p0", "chat-p1"]}))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from itertools import product
+from pathlib import Path
 from typing import Any
 
 from kvpilot.operator.api import names
@@ -23,12 +24,16 @@ from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
 from kvpilot.operator.controller import render
 from kvpilot.operator.planning import adapters
 from kvpilot.operator.planning.gpus import GPUS, find_gpu
+from kvpilot.operator.planning.model_config import read_config
 from kvpilot.operator.planning.models import MODELS
 from kvpilot.operator.planning.plan import plan
 from kvpilot.operator.runtimes.vllm import VLLM_CAPABILITIES
 from tests.vllm import env
 from tests.vllm.model_configs import config_json, eagle_head
 
+# Hybrids whose real config.json (tests/operator/planning/hf_configs) the pods' model folders hold.
+HF_CONFIGS = Path(__file__).parents[1] / "planning" / "hf_configs"
+HYBRIDS = {"qwen3-next-80b": "Qwen--Qwen3-Next-80B-A3B-Thinking", "nemotron-h-56b": "nvidia--Nemotron-H-56B-Base-8K"}
 # A catalog draft per vocabulary (vLLM drafts with the target's tokens), as test_contract's.
 DRAFTS = {32000: "tinyllama-1.1b", 128256: "llama-3.2-1b", 152064: "qwen2.5-7b", 49152: "smollm2-135m"}
 # (serving.quantization, model.quantization): each on-load choice, and each stored scheme under auto.
@@ -148,6 +153,14 @@ def _mismatches(expected: dict[str, Any], got: dict[str, Any], gpu: str) -> list
     return wrong
 
 
+def _config_of(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The config.json in the pod's model folder: a hybrid's real one, else one synthesized from the
+    catalog's architecture."""
+    if spec.model.name in HYBRIDS:
+        return json.loads((HF_CONFIGS / f"{HYBRIDS[spec.model.name]}.json").read_text())
+    return config_json(MODELS[spec.model.name], spec.model.quantization)
+
+
 def _configured_as_planned(cases: list[tuple[InferenceServiceSpec, Plan]]) -> None:
     """Each plan's rendered container goes to vLLM's own parser and config builder, which must
     configure what the plan says."""
@@ -155,7 +168,7 @@ def _configured_as_planned(cases: list[tuple[InferenceServiceSpec, Plan]]) -> No
     for index, (spec, result) in enumerate(cases):
         container = render.deployment("svc", "ns", "uid", spec, result)["spec"]["template"]["spec"]["containers"][0]
         assert container["command"] == ["vllm", "serve"], container["command"]
-        models = {str(spec.model.source): config_json(MODELS[spec.model.name], spec.model.quantization)}
+        models = {str(spec.model.source): _config_of(spec)}
         if result.draft_model:
             head = spec.serving.draft_model_architecture
             assert head is not None
@@ -184,6 +197,40 @@ def test_every_vllm_plan_that_fits_is_a_command_line_vllm_configures_as_planned(
     assert {r.gpu_count for _, r in cases} == set(VLLM_CAPABILITIES.tensor_parallel_sizes)
     assert {s.model.quantization or r.quantization for s, r in cases} >= {"none", "fp8", "int4", "awq", "gptq", "w8a8"}
     assert {r.kv_cache_dtype for _, r in cases} == set(VLLM_CAPABILITIES.kv_cache_dtypes)
+
+
+def _hybrid_spec(model: str, gpu: str, tp: int | None, kv_cache_dtype: str) -> InferenceServiceSpec:
+    config = json.loads((HF_CONFIGS / f"{HYBRIDS[model]}.json").read_text())
+    read = read_config(config, HYBRIDS[model])
+    assert not isinstance(read, str), read
+    return InferenceServiceSpec.model_validate(
+        {
+            "runtime": "vllm",
+            "model": {
+                "name": model,
+                "source": f"/models/{model}",
+                "architecture": read.architecture.model_dump(by_alias=True, exclude_none=True),
+            },
+            "accelerator": {"type": gpu, **({"count": tp} if tp else {})},
+            "serving": {"kvCacheDtype": kv_cache_dtype},
+        }
+    )
+
+
+def test_every_vllm_plan_of_a_hybrid_is_a_command_line_vllm_configures_as_planned() -> None:
+    # The real config.json of Qwen3-Next (Gated DeltaNet) and Nemotron-H (Mamba-2) on every GPU, each
+    # tensor-parallel choice and KV dtype: vLLM keeps the block size the plan raised for the state pages.
+    specs = [
+        _hybrid_spec(model, gpu, tp, kv)
+        for model, gpu, tp, kv in product(HYBRIDS, GPUS, TENSOR_PARALLEL, ("auto", *VLLM_CAPABILITIES.kv_cache_dtypes))
+    ]
+    cases = [(spec, result) for spec in specs if (result := plan(spec)).fits]
+    _configured_as_planned(cases)
+    assert {s.model.name for s, _ in cases} == set(HYBRIDS)
+    assert {r.quantization for _, r in cases} == {"none", "fp8"}
+    assert {r.gpu_count for _, r in cases} >= {2, 4, 8} and {r.kv_cache_dtype for _, r in cases} == {"model", "fp8"}
+    # Every block is one vLLM raised beside the state pages, well beyond the 16 asked for.
+    assert all(r.block_size > 64 and r.speculative == "off" for _, r in cases)
 
 
 # Adapter sets: one small adapter; more than the resident slots, of mixed and unstated ranks (max_loras

@@ -62,11 +62,14 @@ def lora_settings(adapters: Sequence[AdapterSpec]) -> LoraSettings | None:
 
 def adapter_problem(arch: Architecture) -> str | None:
     """Why the adapters' slots of this model cannot be sized, None when they can: a mixture of experts
-    holds a slot per expert (the architecture does not say how many), latent attention other modules."""
+    holds a slot per expert (the architecture does not say how many), latent attention and a hybrid's
+    state layers other modules."""
     if arch.active_parameters is not None:
         return "LoRA slots of a mixture of experts are allocated per expert, which the architecture does not state"
     if arch.latent_dim is not None:
         return "latent attention's projections (not q/k/v) hold LoRA slots the planner does not size"
+    if arch.state is not None:
+        return f"{arch.state.kind} layers' projections (not q/k/v) hold LoRA slots the planner does not size"
     return None
 
 

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.planning import recurrent, sizing
 from kvpilot.operator.planning.model_config import hybrid_parameters, read_config
+from kvpilot.operator.planning.plan import plan
 from tests.operator.planning.test_model_config import TINY, plan_command, transformers_model
 
 HF_CONFIGS = Path(__file__).parent / "hf_configs"
@@ -163,3 +165,23 @@ def test_kvpilot_plan_sizes_a_hybrid_for_vllm_with_its_state_pages(
     refused = json.loads(ours.stdout)
     assert ours.returncode == 1 and refused["failure"] == "UnsupportedByRuntime", refused
     assert f"{state.layers} {state.kind} layers that keep a state per sequence" in refused["reason"]
+
+
+def test_adapters_on_a_hybrid_are_not_planned_as_if_its_state_layers_were_attention() -> None:
+    read = read_config(json.loads(NEMOTRON_H.read_text()), "t")
+    assert not isinstance(read, str), read
+    spec = InferenceServiceSpec.model_validate(
+        {
+            "runtime": "vllm",
+            "model": {
+                "name": "nemotron-h",
+                "architecture": read.architecture.model_dump(by_alias=True, exclude_none=True),
+            },
+            "accelerator": {"type": "H100-80GB"},
+            "adapters": [{"name": "sql", "source": "hf://org/sql-lora", "rank": 8}],
+        }
+    )
+    refused = plan(spec)
+    assert refused.failure == "AdaptersNotPlanned" and "mamba2 layers' projections" in refused.reason, refused.reason
+    # Without adapters the same spec plans.
+    assert plan(spec.model_copy(update={"adapters": []})).fits

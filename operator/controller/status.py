@@ -347,15 +347,18 @@ def build(
     desired = _desired(plan, spec, deployment, variants)
     observed = (deployment or {}).get("status", {})
     fresh = conditions(plan, spec, desired, deployment, blocked, pod_problem(deployment, pods))
-    # The autoscaler's loop (autoscaling/loop.py) writes these, and the PlanAccurate condition; a
-    # reconcile carries them over, since the merge patch of this status would otherwise remove
-    # what it does not list.
+    # The autoscaler's loop (autoscaling/loop.py) writes these, and the PlanAccurate condition, and
+    # its adapter sync status.adapters (autoscaling/adapter_sync.py); a reconcile carries them over,
+    # since the merge patch of this status would otherwise remove what it does not list.
     if old.latency and old.latency.source == "observed":
         latency = old.latency.dump()
     else:
         latency = {"ttftP95Ms": plan.predicted_ttft_ms, "tpotP95Ms": plan.predicted_tpot_ms, "source": "predicted"}
     autoscaler = old.autoscaler.dump() if old.autoscaler else {}
-    carried = {"autoscaler": autoscaler} if autoscaler else {}
+    carried = {
+        **({"autoscaler": autoscaler} if autoscaler else {}),
+        **({"adapters": [a.dump() for a in old.adapters]} if old.adapters else {}),
+    }
     accuracy, accurate = plan_accuracy(old, plan, now, generation)
     return {
         **carried,

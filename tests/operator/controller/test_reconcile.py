@@ -617,6 +617,16 @@ def test_a_reconcile_patches_only_what_changed_and_removes_what_is_gone() -> Non
     assert patch["plan"]["fits"] is False
 
 
+def test_a_reconcile_carries_over_what_the_operator_s_loops_wrote() -> None:
+    """status.autoscaler and status.adapters are written by the autoscaler's loop and its adapter
+    sync; a reconcile's status (written as a merge patch) must not remove them."""
+    adapters = [{"name": "sql", "source": "pvc://adapters/sql", "loadedOn": ["chat-0"], "pods": 1}]
+    saved = {"autoscaler": {"unknownPods": []}, "adapters": adapters}
+    status = reconcile(body(SPEC, status=saved), FakeCluster(), NOW)
+    assert status["adapters"] == adapters and status["autoscaler"] == saved["autoscaler"]
+    assert "adapters" not in reconcile(body(SPEC), FakeCluster(), NOW)
+
+
 def test_a_blocked_service_is_reconciled_again_later_after_writing_its_status() -> None:
     cluster = FakeCluster()
     cluster.put(

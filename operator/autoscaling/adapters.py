@@ -2,7 +2,7 @@
 functions over what the pods were read to hold (adapter_sync.py does the reading and the calls).
 
 A pod holds exactly spec.adapters: each under its name, from the path its source has inside the
-pod (`pod_path`), as the engine's /v1/models lists it (an adapter's `root`). A load that failed
+pod (`render.source_path`), as the engine's /v1/models lists it (an adapter's `root`). A load that failed
 is tried again on that pod only after a backoff that doubles with each failure in a row, so a
 malformed adapter costs one request per backoff, not one per period, and never stops the others.
 """
@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from kvpilot.operator.api.spec import PVC_SCHEME, AdapterSpec, hub_source
-from kvpilot.operator.controller.render import MODEL_MOUNT, hub_model_dir
+from kvpilot.operator.api.spec import AdapterSpec
+from kvpilot.operator.controller.render import source_path
 from kvpilot.operator.kube.events import iso
 
 # The first retry of a failed load waits this long (about one autoscaler period), doubling with
@@ -25,22 +25,9 @@ MAX_RETRY_SECONDS = 600.0
 MAX_MESSAGE = 1024
 
 
-def pod_path(source: str) -> str:
-    """Where an adapter's files are inside the engine container, as render.py places sources:
-    hf:// in the download cache's folder of that repository and revision, pvc://claim/path under
-    the claim's mount, an absolute path as it is."""
-    hub = hub_source(source)
-    if hub is not None:
-        return hub_model_dir(hub)
-    if source.startswith(PVC_SCHEME):
-        claim, _, path = source.removeprefix(PVC_SCHEME).partition("/")
-        return f"{MODEL_MOUNT}/{claim}/{path}".rstrip("/")
-    return source
-
-
 def wanted(adapters: Sequence[AdapterSpec]) -> dict[str, str]:
     """name -> path in the pod, of the adapters every pod must hold."""
-    return {adapter.name: pod_path(adapter.source) for adapter in adapters}
+    return {adapter.name: source_path(adapter.source) for adapter in adapters}
 
 
 class Step(NamedTuple):
@@ -111,7 +98,7 @@ def adapter_rows(
     some pod does not, the latest failure there."""
     rows = []
     for adapter in adapters:
-        path = pod_path(adapter.source)
+        path = source_path(adapter.source)
         loaded = sorted(pod for pod, names in held.items() if names is not None and names.get(adapter.name) == path)
         row: dict[str, Any] = {"name": adapter.name, "source": adapter.source, "loadedOn": loaded, "pods": len(held)}
         missing = [

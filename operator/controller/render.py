@@ -55,6 +55,8 @@ MODEL_MOUNT = "/models"
 # The volumes of pvc:// sources: the model's, and the draft model's when it is on another claim.
 MODEL_VOLUME = "model"
 DRAFT_MODEL_VOLUME = "draft-model"
+# pvc:// adapters on claims of their own: adapter-<its index in spec.adapters>.
+ADAPTER_VOLUME = "adapter"
 # hf:// sources: the volume the download init containers fill and the engine reads.
 MODEL_CACHE_VOLUME = "model-cache"
 MODEL_CACHE_MOUNT = "/model-cache"
@@ -112,6 +114,19 @@ def _cache_on_pod(spec: InferenceServiceSpec) -> bool:
     return spec.model.cache is None or not spec.model.cache.claim_name
 
 
+def source_path(source: str) -> str:
+    """Where a source's files are in the engine container: hf:// in the download cache's folder of
+    that repository and revision, pvc://claim/path under the claim's mount, a path in the image (or
+    the embedded model's name) as it is. The adapter sync loads adapters from these paths."""
+    hub = hub_source(source)
+    if hub is not None:
+        return hub_model_dir(hub)
+    if source.startswith(PVC_SCHEME):
+        claim, _, path = source.removeprefix(PVC_SCHEME).partition("/")
+        return f"{MODEL_MOUNT}/{claim}/{path}".rstrip("/")
+    return source
+
+
 def _model_files(spec: InferenceServiceSpec, plan: Plan, source: str, pvc_volume: str) -> _ModelFiles:
     """A source's files: pvc://claim/path mounts the claim read-only (as `pvc_volume`); hf:// mounts
     the cache volume that a download init container fills, read-only as well; a path in the image
@@ -125,26 +140,28 @@ def _model_files(spec: InferenceServiceSpec, plan: Plan, source: str, pvc_volume
             else {"persistentVolumeClaim": {"claimName": cache.claim_name}}
         )
         return _ModelFiles(
-            hub_model_dir(hub),
+            source_path(source),
             [{"name": MODEL_CACHE_VOLUME, **volume}],
             [{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT, "readOnly": True}],
             hub,
         )
     if not source.startswith(PVC_SCHEME):
         return _ModelFiles(source, [], [], None)
-    claim, _, path = source.removeprefix(PVC_SCHEME).partition("/")
+    claim = source.removeprefix(PVC_SCHEME).partition("/")[0]
     mount = f"{MODEL_MOUNT}/{claim}"
     volume = {"name": pvc_volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
     return _ModelFiles(
-        f"{mount}/{path}".rstrip("/"), [volume], [{"name": pvc_volume, "mountPath": mount, "readOnly": True}], None
+        source_path(source), [volume], [{"name": pvc_volume, "mountPath": mount, "readOnly": True}], None
     )
 
 
-def _pod_files(spec: InferenceServiceSpec, plan: Plan) -> tuple[_ModelFiles, _ModelFiles | None]:
-    """The model's files, and the draft model's when the plan runs one."""
+def _pod_files(spec: InferenceServiceSpec, plan: Plan) -> tuple[_ModelFiles, _ModelFiles | None, list[_ModelFiles]]:
+    """The model's files, the draft model's when the plan runs one, and each adapter's (loaded
+    while the engine runs, from where these put them)."""
     model = _model_files(spec, plan, spec.model.source or spec.model.name, MODEL_VOLUME)
     draft = _model_files(spec, plan, plan.draft_model, DRAFT_MODEL_VOLUME) if plan.draft_model else None
-    return model, draft
+    adapters = [_model_files(spec, plan, a.source, f"{ADAPTER_VOLUME}-{i}") for i, a in enumerate(spec.adapters)]
+    return model, draft, adapters
 
 
 def _volumes_and_mounts(
@@ -334,7 +351,8 @@ def _resources(spec: InferenceServiceSpec, plan: Plan, gpu: Device | None) -> Ma
 
 
 def _downloads(spec: InferenceServiceSpec, plan: Plan) -> bool:
-    return any(hub_source(source) for source in (spec.model.source, plan.draft_model))
+    sources = (spec.model.source, plan.draft_model, *(a.source for a in spec.adapters))
+    return any(hub_source(source) for source in sources)
 
 
 def _startup_failures(plan: Plan) -> int:
@@ -482,14 +500,16 @@ def _pod_template(
     runtime = RUNTIMES[spec.runtime]
     image = spec.image or runtime.image or default_image
     downloader = image if runtime.ships_downloader else default_image
-    model, draft = _pod_files(spec, plan)
+    model, draft, adapters = _pod_files(spec, plan)
     compiled = _compile_cache(spec, plan, image)
-    volumes, mounts = _volumes_and_mounts([model] + ([draft] if draft else []), compiled)
+    volumes, mounts = _volumes_and_mounts([model, *([draft] if draft else []), *adapters], compiled)
     # One download per hf:// source, the model's first: init containers run one after the other.
+    sources = [(model, DOWNLOAD_CONTAINER), (draft, DRAFT_DOWNLOAD_CONTAINER)]
+    sources += [(files, f"{DOWNLOAD_CONTAINER}-{ADAPTER_VOLUME}-{i}") for i, files in enumerate(adapters)]
     init = [compiled.init] if compiled else []
     init += [
         _download_container(spec, files.download, downloader, container, guaranteed=plan.cpus > 0)
-        for files, container in ((model, DOWNLOAD_CONTAINER), (draft, DRAFT_DOWNLOAD_CONTAINER))
+        for files, container in sources
         if files is not None and files.download is not None
     ]
     pod: Manifest = {

@@ -82,9 +82,13 @@ class StartupPlan(NamedTuple):
 
 
 def downloaded_bytes(spec: InferenceServiceSpec, plan: Plan) -> int:
-    """The bytes a new pod downloads: its hf:// checkpoints (the model's as stored, a draft's)."""
-    return (plan.checkpoint_bytes if hub_source(spec.model.source) else 0) + (
-        plan.draft_weight_bytes if hub_source(plan.draft_model) else 0
+    """The bytes a new pod downloads: its hf:// checkpoints (the model's as stored, a draft's) and
+    adapters (each at most a slot's bytes: a slot holds every module at the largest rank)."""
+    adapters = sum(1 for a in spec.adapters if hub_source(a.source))
+    return (
+        (plan.checkpoint_bytes if hub_source(spec.model.source) else 0)
+        + (plan.draft_weight_bytes if hub_source(plan.draft_model) else 0)
+        + (adapters * plan.lora.slot_bytes // max(plan.lora.max_loras, 1) if plan.lora else 0)
     )
 
 

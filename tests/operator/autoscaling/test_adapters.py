@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from kvpilot.operator.api.spec import AdapterSpec
 from kvpilot.operator.autoscaling import adapters
-from kvpilot.operator.autoscaling.adapters import Failures, Step, adapter_rows, pod_path, steps, wanted
+from kvpilot.operator.autoscaling.adapters import Failures, Step, adapter_rows, steps, wanted
+from kvpilot.operator.controller.render import source_path
 
 
 def test_sources_map_to_where_render_puts_them_in_the_pod() -> None:
-    assert pod_path("hf://org/sql-lora") == "/model-cache/hf/org/sql-lora@main"
-    assert pod_path("hf://org/sql-lora@refs/pr/1") == "/model-cache/hf/org/sql-lora@refs%2Fpr%2F1"
-    assert pod_path("pvc://adapters/support/v2") == "/models/adapters/support/v2"
-    assert pod_path("pvc://adapters") == "/models/adapters"
-    assert pod_path("/adapters/legal") == "/adapters/legal"
+    assert source_path("hf://org/sql-lora") == "/model-cache/hf/org/sql-lora@main"
+    assert source_path("hf://org/sql-lora@refs/pr/1") == "/model-cache/hf/org/sql-lora@refs%2Fpr%2F1"
+    assert source_path("pvc://adapters/support/v2") == "/models/adapters/support/v2"
+    assert source_path("pvc://adapters") == "/models/adapters"
+    assert source_path("/adapters/legal") == "/adapters/legal"
 
 
 def test_a_pod_is_brought_to_exactly_the_wanted_adapters() -> None:

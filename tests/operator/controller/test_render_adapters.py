@@ -1,7 +1,8 @@
 """The engine pods of a service with spec.adapters: both runtimes get the plan's adapter slots under
 vLLM's flag names (`--enable-lora --max-loras --max-lora-rank --max-cpu-loras`), vLLM its runtime LoRA
-updating, and neither the adapters' sources (the operator loads adapters through the running engines'
-API, so that adding one restarts no pod). Our engine parses the flags with its own parser; vLLM's
+updating, and no adapter source on the command line (the operator loads adapters through the running
+engines' API, so that adding one restarts no pod); the pod has each adapter's files where that load
+looks for them. Our engine parses the flags with its own parser; vLLM's
 parser checks them in test_vllm_contract.py."""
 
 from __future__ import annotations
@@ -100,3 +101,29 @@ def test_every_plan_with_adapters_renders_on_every_gpu(runtime: str) -> None:
         assert f"--max-loras={slots}" in args or f"--max-loras {slots}" in args, args
         rendered += 1
     assert rendered >= len(GPUS) * 4
+
+
+@pytest.mark.parametrize("runtime", ["vllm", "kvpilot"])
+def test_the_pod_has_each_adapter_s_files_where_the_operator_loads_them_from(runtime: str) -> None:
+    """An hf:// adapter is downloaded into the cache beside the model before the engine starts, a
+    pvc:// one's claim is mounted read-only, a path in the image needs nothing; the engine container
+    sees each at render.source_path, the path the adapter sync loads it from."""
+    spec, result = _planned(runtime, ADAPTERS)
+    pod = render.deployment("svc", "ns", "uid", spec, result)["spec"]["template"]["spec"]
+    downloads = {c["name"]: c["args"] for c in pod["initContainers"] if c["command"] == ["kvpilot", "download"]}
+    assert downloads["download-adapter-0"][0] == "org/sql-lora"
+    assert render.source_path(ADAPTERS[0]["source"]) in downloads["download-adapter-0"]
+    assert len(downloads) == 2  # the model's and the hf:// adapter's
+    claims = {
+        v["persistentVolumeClaim"]["claimName"]: v["name"] for v in pod["volumes"] if "persistentVolumeClaim" in v
+    }
+    assert claims == {"adapters": "adapter-1"}
+    (engine,) = pod["containers"]
+    mounts = {m["mountPath"]: m for m in engine["volumeMounts"]}
+    for adapter in ADAPTERS[:2]:
+        path = render.source_path(adapter["source"])
+        assert any(path.startswith(mount) and m["readOnly"] for mount, m in mounts.items()), (path, mounts)
+    # The cache the downloads fill is sized for the adapter too (at most one slot's bytes).
+    bare_spec, bare = _planned(runtime, ADAPTERS[1:])
+    with_hf, without = render.download_disk_bytes(spec, result)[0], render.download_disk_bytes(bare_spec, bare)[0]
+    assert with_hf > without

@@ -34,9 +34,13 @@ from kvpilot.operator.planning.reserve import mlp_width
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # An adapter whose rank the spec does not state is planned at vLLM's default max_lora_rank.
 ASSUMED_RANK = 16
-# Slots resident on the GPU at most (max_loras): each costs memory whether used or not, and a batch
-# mixing more adapters than this waits for a slot; more adapters stay in the engine's CPU cache.
+# Slots resident on the GPU (max_loras): each costs memory whether used or not, and a batch mixing
+# more adapters than this waits for a slot; more adapters stay in the engine's CPU cache. Fixed, not
+# one per adapter: the flags are in the pod's arguments, and adding an adapter must not roll the pods.
 MAX_RESIDENT = 4
+# Adapters cached in host memory (max_cpu_loras) at least, for the same reason: a service may grow to
+# this many adapters without a restart (beyond it, the flag and so the pods change once).
+CPU_CACHED = 16
 
 
 class LoraSettings(NamedTuple):
@@ -50,14 +54,15 @@ class LoraSettings(NamedTuple):
 
 
 def lora_settings(adapters: Sequence[AdapterSpec]) -> LoraSettings | None:
-    """The adapter flags for the spec's adapters, None when it lists none: a slot for each up to
-    MAX_RESIDENT, the rank of the largest (rounded up to one the runtime takes), all of them cached."""
+    """The adapter flags for the spec's adapters, None when it lists none: MAX_RESIDENT slots, the
+    rank of the largest (rounded up to one the runtime takes), all of them cached (at least
+    CPU_CACHED): flags that stay as they are while adapters come and go within those bounds."""
     if not adapters:
         return None
     ranks = [a.rank or ASSUMED_RANK for a in adapters]
     rank = next(r for r in MAX_LORA_RANKS if r >= max(ranks))
     count = len(adapters)
-    return LoraSettings(count, min(count, MAX_RESIDENT), rank, count, sum(a.rank is None for a in adapters))
+    return LoraSettings(count, MAX_RESIDENT, rank, max(count, CPU_CACHED), sum(a.rank is None for a in adapters))
 
 
 def adapter_problem(arch: Architecture) -> str | None:
@@ -98,9 +103,10 @@ def resident_bytes(arch: Architecture, settings: LoraSettings, tp: int, bytes_pe
 
 def describe(settings: LoraSettings, memory_bytes: int, step_s: float, arch: Architecture) -> str:
     """The plan's `adapters` reason: the settings, the memory the slots take and their step cost."""
-    resident = f"{settings.max_loras} of the {settings.adapters} adapter(s) resident on the GPU"
-    if settings.adapters > MAX_RESIDENT:
-        resident += f" (at most {MAX_RESIDENT}: each slot costs memory whether used or not)"
+    resident = (
+        f"{settings.max_loras} slots on the GPU for {settings.adapters} adapter(s), room for "
+        f"{settings.max_cpu_loras} without a restart"
+    )
     assumed = (
         f"; {settings.unranked} adapter(s) without a rank counted as rank {ASSUMED_RANK} (one above "
         "max_lora_rank is refused when loaded)"

@@ -55,7 +55,7 @@ def test_vllm_gets_the_slots_and_runtime_lora_updating() -> None:
     spec, result = _planned("vllm", ADAPTERS)
     assert result.lora is not None
     container = _container(spec, result)
-    assert container["args"][-4:] == ["--enable-lora", "--max-loras=3", "--max-lora-rank=32", "--max-cpu-loras=3"]
+    assert container["args"][-4:] == ["--enable-lora", "--max-loras=4", "--max-lora-rank=32", "--max-cpu-loras=16"]
     assert {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in container["env"]
     _no_adapter_source(container)
     # Without adapters: no LoRA flag, so the slots cost nothing.
@@ -70,7 +70,7 @@ def test_our_engine_parses_the_slots_with_its_own_parser() -> None:
     container = _container(spec, result)
     assert container["command"] == ["kvpilot", "serve"]
     engine = engine_config_from_args(build_parser("serve").parse_args(["serve", *container["args"]]))
-    assert (engine.enable_lora, engine.max_loras, engine.max_lora_rank, engine.max_cpu_loras) == (True, 3, 32, 3)
+    assert (engine.enable_lora, engine.max_loras, engine.max_lora_rank, engine.max_cpu_loras) == (True, 4, 32, 16)
     _no_adapter_source(container)
     bare = _container(*_planned("kvpilot", []))
     assert not any(arg in LORA_FLAGS for arg in bare["args"]), bare["args"]
@@ -127,3 +127,21 @@ def test_the_pod_has_each_adapter_s_files_where_the_operator_loads_them_from(run
     bare_spec, bare = _planned(runtime, ADAPTERS[1:])
     with_hf, without = render.download_disk_bytes(spec, result)[0], render.download_disk_bytes(bare_spec, bare)[0]
     assert with_hf > without
+
+
+@pytest.mark.parametrize("runtime", ["vllm", "kvpilot"])
+def test_adding_or_removing_an_adapter_in_the_image_or_a_mounted_claim_rolls_no_pod(runtime: str) -> None:
+    """The adapters are loaded through the running engines' API: the pod template (flags, volumes,
+    init containers) stays as it is while adapters come and go within max_lora_rank and the cached
+    count, so the Deployment rolls no pod."""
+    one = ADAPTERS[1:2]  # pvc://adapters/support, rank 32
+    more = [
+        *one,
+        {"name": "legal", "source": "/adapters/legal", "rank": 8},
+        {"name": "ops", "source": "pvc://adapters/ops"},
+    ]
+    templates = [
+        render.deployment("svc", "ns", "uid", *_planned(runtime, adapters))["spec"]["template"]
+        for adapters in (one, more, more[:2])
+    ]
+    assert templates[0] == templates[1] == templates[2]

@@ -233,13 +233,13 @@ def test_every_vllm_plan_of_a_hybrid_is_a_command_line_vllm_configures_as_planne
     assert all(r.block_size > 64 and r.speculative == "off" for _, r in cases)
 
 
-# Adapter sets: one small adapter; more than the resident slots, of mixed and unstated ranks (max_loras
-# 4, rank 64, all 6 cached); one whose rank vLLM rounds up to its 320.
+# Adapter sets: one small adapter; more than the resident slots and the cached minimum, of mixed and
+# unstated ranks (max_loras 4, rank 64, all 18 cached); one whose rank vLLM rounds up to its 320.
 ADAPTER_SETS: list[list[dict[str, Any]]] = [
     [{"name": "sql", "source": "hf://org/sql-lora", "rank": 8}],
     [
         {"name": f"a{i}", "source": f"/adapters/a{i}", **({"rank": r} if r else {})}
-        for i, r in enumerate((12, 64, None, 8, 16, 1))
+        for i, r in enumerate((12, 64, None, 8, 16, 1) * 3)
     ],
     [{"name": "wide", "source": "pvc://adapters/wide", "rank": 300}],
 ]
@@ -263,7 +263,7 @@ def test_every_vllm_plan_with_adapters_is_a_command_line_vllm_configures_as_plan
     _configured_as_planned(cases)
     assert all(r.lora is not None for _, r in cases)
     assert {r.lora.max_lora_rank for _, r in cases if r.lora} == {8, 64, 320}
-    assert {(r.lora.max_loras, r.lora.max_cpu_loras) for _, r in cases if r.lora} == {(1, 1), (4, 6)}
+    assert {(r.lora.max_loras, r.lora.max_cpu_loras) for _, r in cases if r.lora} == {(4, 16), (4, 18)}
     assert {r.gpu_count for _, r in cases} >= {1, 2}
     # Speculation beside adapters is in the matrix (vLLM then wants k + 1 tokens of every sequence per step).
     assert {r.speculative for _, r in cases} == {"off", "ngram"}

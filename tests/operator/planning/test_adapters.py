@@ -78,13 +78,14 @@ def test_llama_3_8b_slots_are_what_vllm_allocates() -> None:
 @pytest.mark.parametrize(
     ("ranks", "expected"),
     [
-        ((8,), (1, 8, 1, 0)),
-        ((12, 16), (2, 16, 2, 0)),
-        ((None,), (1, adapters.ASSUMED_RANK, 1, 1)),
-        ((4, 64, None, 8, 16, 1), (adapters.MAX_RESIDENT, 64, 6, 1)),
-        ((300,), (1, 320, 1, 0)),
-        ((512, 1), (2, 512, 2, 0)),
-        ((2,), (1, 8, 1, 0)),
+        ((8,), (4, 8, 16, 0)),
+        ((12, 16), (4, 16, 16, 0)),
+        ((None,), (4, adapters.ASSUMED_RANK, 16, 1)),
+        ((4, 64, None, 8, 16, 1), (adapters.MAX_RESIDENT, 64, 16, 1)),
+        ((300,), (4, 320, 16, 0)),
+        ((512, 1), (4, 512, 16, 0)),
+        ((2,), (4, 8, 16, 0)),
+        ((8,) * 20, (4, 8, 20, 0)),  # past CPU_CACHED: every adapter cached
     ],
 )
 def test_settings_hold_every_adapter_in_host_memory_and_a_few_on_the_gpu(
@@ -107,14 +108,14 @@ def test_the_slots_come_out_of_the_kv_pool_and_the_reasons_say_how_much() -> Non
         5,
         4,
         16,
-        5,
+        16,
     )
     assert served.lora.slot_bytes == 369_426_432
     assert base.kv_pool_bytes - served.kv_pool_bytes == served.lora.slot_bytes
     assert served.weight_bytes == base.weight_bytes  # the weights are the model's; the slots are apart
     assert "LoRA slots 0.3 GiB" in served.reasons["kvCache"]
     why = served.reasons["adapters"]
-    assert why.startswith("max_loras 4, max_lora_rank 16, max_cpu_loras 5: 4 of the 5 adapter(s) resident")
+    assert why.startswith("max_loras 4, max_lora_rank 16, max_cpu_loras 16: 4 slots on the GPU for 5 adapter(s)")
     assert "352 MiB of GPU memory from the KV pool" in why
     assert "1 adapter(s) without a rank counted as rank 16" in why
     assert "a decode step reads them, +0.18 ms at most" in why  # 352 MiB at the A100's 2039 GB/s
@@ -126,7 +127,8 @@ def test_the_slots_come_out_of_the_kv_pool_and_the_reasons_say_how_much() -> Non
 
 def test_vllm_plans_count_the_slots_with_the_weights_it_profiles() -> None:
     base, served = plan(spec([])), plan(spec(lora(64, 64)))
-    assert served.lora is not None and served.lora.slot_bytes == 2 * adapters.slot_bytes(MODELS["llama-3-8b"], 64, 1, 2)
+    slots = adapters.MAX_RESIDENT * adapters.slot_bytes(MODELS["llama-3-8b"], 64, 1, 2)
+    assert served.lora is not None and served.lora.slot_bytes == slots
     # vLLM's sampler reserve follows max_num_seqs, which a smaller pool lowers: the pool shrinks by about the slots.
     shrink = base.kv_pool_bytes - served.kv_pool_bytes
     assert served.lora.slot_bytes * 0.95 <= shrink <= served.lora.slot_bytes
@@ -238,21 +240,19 @@ def test_kvpilot_plan_reads_the_adapters_of_a_manifest_and_shows_their_slots(
     manifest.write_text(MANIFEST)
     code, text = _plan_cli(["plan", "-f", str(manifest)], capsys)
     assert code == 0, text
-    assert (
-        "LoRA adapters       4: max_loras 4, max_lora_rank 16, max_cpu_loras 4; slots 0.34 GiB (taken from the KV pool)"
-        in text
-    )
-    assert "  adapters: max_loras 4, max_lora_rank 16, max_cpu_loras 4: 4 of the 4 adapter(s) resident" in text
+    settings = "4: max_loras 4, max_lora_rank 16, max_cpu_loras 16; slots 0.34 GiB (taken from the KV pool)"
+    assert f"LoRA adapters       {settings}" in text
+    assert "  adapters: max_loras 4, max_lora_rank 16, max_cpu_loras 16: 4 slots on the GPU for 4 adapter(s)" in text
     code, text = _plan_cli(["plan", "-f", str(manifest), "--json"], capsys)
     body = json.loads(text)
     assert body["lora"] == {
         "adapters": 4,
         "max_loras": 4,
         "max_lora_rank": 16,
-        "max_cpu_loras": 4,
+        "max_cpu_loras": 16,
         "slot_bytes": 369_426_432,
     }
-    assert body["args"][-4:] == ["--enable-lora", "--max-loras=4", "--max-lora-rank=16", "--max-cpu-loras=4"]
+    assert body["args"][-4:] == ["--enable-lora", "--max-loras=4", "--max-lora-rank=16", "--max-cpu-loras=16"]
     # The spec's own rules hold for a manifest as the API server's do.
     manifest.write_text(MANIFEST.replace("name: hr", "name: sql"))
     code, text = _plan_cli(["plan", "-f", str(manifest)], capsys)

@@ -2,7 +2,7 @@
 functions over what the pods were read to hold (adapter_sync.py does the reading and the calls).
 
 A pod holds exactly spec.adapters: each under its name, from the path its source has inside the
-pod (`render.source_path`), as the engine's /v1/models lists it (an adapter's `root`). A load that failed
+pod (`api/model_paths.source_path`), as the engine's /v1/models lists it (an adapter's `root`). A load that failed
 is tried again on that pod only after a backoff that doubles with each failure in a row, so a
 malformed adapter costs one request per backoff, not one per period, and never stops the others.
 """
@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
+from kvpilot.operator.api.model_paths import source_path
 from kvpilot.operator.api.spec import AdapterSpec
-from kvpilot.operator.controller.render import source_path
 from kvpilot.operator.kube.events import iso
 
 # The first retry of a failed load waits this long (about one autoscaler period), doubling with

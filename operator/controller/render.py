@@ -12,9 +12,9 @@ import copy
 import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
-from urllib.parse import quote
 
 from kvpilot.operator.api import names
+from kvpilot.operator.api.model_paths import MODEL_CACHE_MOUNT, MODEL_MOUNT, hub_model_dir, source_path
 from kvpilot.operator.api.names import (
     API_KEY_ANNOTATION,
     API_KEY_SECRET_KEY,
@@ -51,7 +51,6 @@ from kvpilot.operator.runtimes.runtime import Launch
 
 Manifest = dict[str, Any]
 
-MODEL_MOUNT = "/models"
 # The volumes of pvc:// sources: the model's, and the draft model's when it is on another claim.
 MODEL_VOLUME = "model"
 DRAFT_MODEL_VOLUME = "draft-model"
@@ -59,7 +58,6 @@ DRAFT_MODEL_VOLUME = "draft-model"
 ADAPTER_VOLUME = "adapter"
 # hf:// sources: the volume the download init containers fill and the engine reads.
 MODEL_CACHE_VOLUME = "model-cache"
-MODEL_CACHE_MOUNT = "/model-cache"
 DOWNLOAD_CONTAINER = "download"
 DRAFT_DOWNLOAD_CONTAINER = "download-draft"
 # One process streaming to disk needs little; these stay below the engine's requests, so the pod's
@@ -71,12 +69,6 @@ RUN_AS_USER = 1000
 # The engine image when neither spec.image nor the operator's configured default names one;
 # tests/operator/controller/test_render.py keeps its tag equal to the chart's appVersion.
 DEFAULT_ENGINE_IMAGE = "ghcr.io/kvpilot/kvpilot:0.1.0"
-
-
-def hub_model_dir(source: HubSource) -> str:
-    """The folder an hf:// download fills and the engine loads: one per repository and revision (a
-    shared PVC holds several), the revision quoted so that a branch like refs/pr/1 stays one name."""
-    return f"{MODEL_CACHE_MOUNT}/hf/{source.repo}@{quote(source.revision, safe='')}"
 
 
 def download_args(source: HubSource) -> list[str]:
@@ -112,19 +104,6 @@ def _gi(n: int) -> str:
 def _cache_on_pod(spec: InferenceServiceSpec) -> bool:
     """hf:// files go to an emptyDir of the pod (no model.cache claim), so to the node's disk."""
     return spec.model.cache is None or not spec.model.cache.claim_name
-
-
-def source_path(source: str) -> str:
-    """Where a source's files are in the engine container: hf:// in the download cache's folder of
-    that repository and revision, pvc://claim/path under the claim's mount, a path in the image (or
-    the embedded model's name) as it is. The adapter sync loads adapters from these paths."""
-    hub = hub_source(source)
-    if hub is not None:
-        return hub_model_dir(hub)
-    if source.startswith(PVC_SCHEME):
-        claim, _, path = source.removeprefix(PVC_SCHEME).partition("/")
-        return f"{MODEL_MOUNT}/{claim}/{path}".rstrip("/")
-    return source
 
 
 def _model_files(spec: InferenceServiceSpec, plan: Plan, source: str, pvc_volume: str) -> _ModelFiles:
@@ -350,6 +329,25 @@ def _resources(spec: InferenceServiceSpec, plan: Plan, gpu: Device | None) -> Ma
     }
 
 
+def _downloads_first_to_last(
+    spec: InferenceServiceSpec,
+    plan: Plan,
+    image: str,
+    model: _ModelFiles,
+    draft: _ModelFiles | None,
+    adapters: list[_ModelFiles],
+) -> list[Manifest]:
+    """One download init container per hf:// source, the model's first, then the draft's and the
+    adapters': init containers run one after the other."""
+    sources = [(model, DOWNLOAD_CONTAINER), (draft, DRAFT_DOWNLOAD_CONTAINER)]
+    sources += [(files, f"{DOWNLOAD_CONTAINER}-{ADAPTER_VOLUME}-{i}") for i, files in enumerate(adapters)]
+    return [
+        _download_container(spec, files.download, image, container, guaranteed=plan.cpus > 0)
+        for files, container in sources
+        if files is not None and files.download is not None
+    ]
+
+
 def _downloads(spec: InferenceServiceSpec, plan: Plan) -> bool:
     sources = (spec.model.source, plan.draft_model, *(a.source for a in spec.adapters))
     return any(hub_source(source) for source in sources)
@@ -503,14 +501,9 @@ def _pod_template(
     model, draft, adapters = _pod_files(spec, plan)
     compiled = _compile_cache(spec, plan, image)
     volumes, mounts = _volumes_and_mounts([model, *([draft] if draft else []), *adapters], compiled)
-    # One download per hf:// source, the model's first: init containers run one after the other.
-    sources = [(model, DOWNLOAD_CONTAINER), (draft, DRAFT_DOWNLOAD_CONTAINER)]
-    sources += [(files, f"{DOWNLOAD_CONTAINER}-{ADAPTER_VOLUME}-{i}") for i, files in enumerate(adapters)]
-    init = [compiled.init] if compiled else []
-    init += [
-        _download_container(spec, files.download, downloader, container, guaranteed=plan.cpus > 0)
-        for files, container in sources
-        if files is not None and files.download is not None
+    init = [
+        *([compiled.init] if compiled else []),
+        *_downloads_first_to_last(spec, plan, downloader, model, draft, adapters),
     ]
     pod: Manifest = {
         "metadata": _pod_metadata(name, spec, api_key_sha256),

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
+from kvpilot.operator.api.model_paths import source_path
 from kvpilot.operator.api.spec import AdapterSpec
 from kvpilot.operator.autoscaling import adapters
 from kvpilot.operator.autoscaling.adapters import Failures, Step, adapter_rows, steps, wanted
-from kvpilot.operator.controller.render import source_path
 
 
 def test_sources_map_to_where_render_puts_them_in_the_pod() -> None:

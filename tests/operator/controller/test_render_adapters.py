@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from kvpilot.engine.cli import build_parser, engine_config_from_args
+from kvpilot.operator.api.model_paths import source_path
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import render
@@ -107,12 +108,12 @@ def test_every_plan_with_adapters_renders_on_every_gpu(runtime: str) -> None:
 def test_the_pod_has_each_adapter_s_files_where_the_operator_loads_them_from(runtime: str) -> None:
     """An hf:// adapter is downloaded into the cache beside the model before the engine starts, a
     pvc:// one's claim is mounted read-only, a path in the image needs nothing; the engine container
-    sees each at render.source_path, the path the adapter sync loads it from."""
+    sees each at source_path, the path the adapter sync loads it from."""
     spec, result = _planned(runtime, ADAPTERS)
     pod = render.deployment("svc", "ns", "uid", spec, result)["spec"]["template"]["spec"]
     downloads = {c["name"]: c["args"] for c in pod["initContainers"] if c["command"] == ["kvpilot", "download"]}
     assert downloads["download-adapter-0"][0] == "org/sql-lora"
-    assert render.source_path(ADAPTERS[0]["source"]) in downloads["download-adapter-0"]
+    assert source_path(ADAPTERS[0]["source"]) in downloads["download-adapter-0"]
     assert len(downloads) == 2  # the model's and the hf:// adapter's
     claims = {
         v["persistentVolumeClaim"]["claimName"]: v["name"] for v in pod["volumes"] if "persistentVolumeClaim" in v
@@ -121,7 +122,7 @@ def test_the_pod_has_each_adapter_s_files_where_the_operator_loads_them_from(run
     (engine,) = pod["containers"]
     mounts = {m["mountPath"]: m for m in engine["volumeMounts"]}
     for adapter in ADAPTERS[:2]:
-        path = render.source_path(adapter["source"])
+        path = source_path(adapter["source"])
         assert any(path.startswith(mount) and m["readOnly"] for mount, m in mounts.items()), (path, mounts)
     # The cache the downloads fill is sized for the adapter too (at most one slot's bytes).
     bare_spec, bare = _planned(runtime, ADAPTERS[1:])

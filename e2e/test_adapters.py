@@ -86,7 +86,13 @@ def _loaded(k8s: Cluster, ns: str, pod: str, *names: str) -> dict[str, dict[str,
 
 
 def _complete(http: httpx.Client, url: str, key: str, model: str) -> httpx.Response:
-    body = {"model": model, "prompt": "Once upon a time, in a small village,", "max_tokens": 24, "temperature": 0}
+    body = {
+        "model": model,
+        "prompt": "Once upon a time, in a small village,",
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": 1,
+    }
     return http.post(f"{url}/completions", json=body, headers={"Authorization": f"Bearer {key}"})
 
 
@@ -102,14 +108,15 @@ def test_adapters_load_on_the_running_engine_route_through_the_gateway_and_unloa
     poll(lambda: _loaded(k8s, ns, pod_name, "alpha", "beta"), SYNC_S, "alpha and beta loaded on the pod")
     key = kvis.api_key(k8s, ns, NAME)
     with httpx.Client(trust_env=False, timeout=120) as http:
-        # Through the gateway, by the adapter's name: the engine answers as that adapter.
-        texts = {}
+        # Through the gateway, by the adapter's name: the engine answers as that adapter, whose
+        # delta moves the first token's log-probability off the base model's.
+        first = {}
         for model in ("alpha", "beta", "SmolLM2-135M-Instruct"):
             answer = _complete(http, gateway.base_url(ns), key, model)
             assert answer.status_code == 200, answer.text
             assert answer.json()["model"] == model
-            texts[model] = answer.json()["choices"][0]["text"]
-        assert len(set(texts.values())) > 1, texts  # the adapters change the tokens
+            first[model] = answer.json()["choices"][0]["logprobs"]["token_logprobs"][0]
+        assert len({round(v, 4) for v in first.values()}) == 3, first
         # A third adapter and a malformed one: loaded on the running engine, no restart.
         kvis.patch_spec(k8s, ns, NAME, {"adapters": _adapters(adapter_dirs, "alpha", "beta", "gamma", "broken")})
         rows = poll(lambda: _loaded(k8s, ns, pod_name, "gamma"), SYNC_S, "gamma loaded on the running engine")

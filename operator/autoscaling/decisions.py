@@ -625,10 +625,14 @@ def scaled(policy: Policy, current: int, factor: float) -> int:
     every replica is alike, else counted in the pool's order (an L4 replica added is not an H100)."""
     if not policy.replica_capacity:
         return math.ceil(current * factor - _EPSILON)
-    needed, n = _capacity(policy, current) * factor, 0
-    while _capacity(policy, n) < needed - _EPSILON and n < max(policy.max_replicas, current):
-        n += 1
-    return n
+    listed, needed = policy.replica_capacity, _capacity(policy, current) * factor - _EPSILON
+    bound, served = max(policy.max_replicas, current), 0.0
+    # One running sum, not a sum per candidate: a pool's list is as long as its maxReplicas.
+    for n in range(bound):
+        if served >= needed:
+            return n
+        served += listed[n] if n < len(listed) else listed[-1]
+    return bound
 
 
 def _clamp(policy: Policy, replicas: int) -> int:

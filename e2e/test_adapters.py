@@ -69,6 +69,8 @@ def served(
     (pod,) = kvis.running_pods(k8s, ns, NAME)
     deployment = k8s.kubectl_json("get", "deployment", NAME, "-n", ns)
     assert "--enable-lora" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    gates = deployment["spec"]["template"]["spec"]["readinessGates"]
+    assert gates == [{"conditionType": "kvpilot.dev/adapters-loaded"}]
     process, url = start_engine(deployment, pod, tmp_path / "engine.log", env=key_env(k8s, ns, deployment))
     try:
         yield pod, process, url
@@ -83,6 +85,16 @@ def _rows(k8s: Cluster, ns: str) -> dict[str, dict[str, Any]]:
 def _loaded(k8s: Cluster, ns: str, pod: str, *names: str) -> dict[str, dict[str, Any]] | None:
     rows = _rows(k8s, ns)
     return rows if all(pod in rows.get(n, {}).get("loadedOn", []) for n in names) else None
+
+
+def _gate(k8s: Cluster, ns: str, pod: str) -> dict[str, Any] | None:
+    """The pod's adapters-loaded condition as the operator writes it (kwok sets every readiness gate
+    True itself when the pod starts, with no reason: the operator's carries one)."""
+    conditions = k8s.kubectl_json("get", "pod", pod, "-n", ns)["status"].get("conditions") or []
+    return next(
+        (c for c in conditions if c["type"] == "kvpilot.dev/adapters-loaded" and c.get("reason") == "AdaptersLoaded"),
+        None,
+    )
 
 
 def _complete(http: httpx.Client, url: str, key: str, model: str) -> httpx.Response:
@@ -106,6 +118,9 @@ def test_adapters_load_on_the_running_engine_route_through_the_gateway_and_unloa
     pod, process, url = served
     ns, pod_name, pid = kvpilot.watch_namespaces[0], pod["metadata"]["name"], process.popen.pid
     poll(lambda: _loaded(k8s, ns, pod_name, "alpha", "beta"), SYNC_S, "alpha and beta loaded on the pod")
+    # The readiness gate, set through pods/status with the chart's RBAC once the pod held both.
+    gate = poll(lambda: _gate(k8s, ns, pod_name), SYNC_S, "the pod's readiness gate set by the operator")
+    assert gate["status"] == "True" and gate["message"] == "holds 2 of 2 adapters", gate
     key = kvis.api_key(k8s, ns, NAME)
     with httpx.Client(trust_env=False, timeout=120) as http:
         # Through the gateway, by the adapter's name: the engine answers as that adapter, whose

@@ -36,6 +36,7 @@ ALLOWED = [
     ("create", "events", None),
     ("watch", "pods", None),
     ("patch", "pods", None),  # the deletion cost the autoscaler sets before a scale-down
+    ("patch", "pods/status", None),  # the adapters' readiness gate
     ("watch", "replicasets.apps", None),  # which pods are the service's own
     ("list", "nodes", ""),
     ("watch", "customresourcedefinitions.apiextensions.k8s.io", ""),
@@ -49,6 +50,7 @@ DENIED = [
     ("delete", "networkpolicies.networking.k8s.io", None),
     ("create", "pods", None),
     ("delete", "pods", None),
+    ("update", "pods/status", None),
     ("delete", "inferenceservices.kvpilot.dev", None),
     ("delete", "services", None),
     # Nothing deletes a child: a plan that stops fitting keeps the last good Deployment, and

@@ -101,6 +101,11 @@ def api_key_secret(name: str) -> str:
     return f"{name}-api-key"
 
 
+# The readiness gate of a service with LoRA adapters: the adapter sync sets this pod condition once
+# the pod holds the adapters, so Kubernetes keeps a new pod out of the Service until then.
+ADAPTERS_LOADED_CONDITION = f"{GROUP}/adapters-loaded"
+
+
 # The chart's operator and gateway pods (helm/kvpilot/templates: app.kubernetes.io/name): the
 # peers an engine's NetworkPolicy lets in.
 APP_NAME_LABEL = "app.kubernetes.io/name"

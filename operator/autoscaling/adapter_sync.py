@@ -3,8 +3,11 @@ spec.adapters, read what each ready engine pod holds (`GET /v1/models`: the entr
 `parent`, the base model), load what it lacks and unload what was removed, through the runtime
 API vLLM serves with VLLM_ALLOW_RUNTIME_LORA_UPDATING and our engine serves as vLLM does
 (`POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`), and write status.adapters when it
-changed. No pod restarts; a pod that becomes ready gets the whole list at its first period, and
-until then the gateway sends it no adapter's requests (it routes by status.adapters[].loadedOn).
+changed. No pod restarts. A pod of a service with adapters carries a readiness gate
+(`kvpilot.dev/adapters-loaded`, render.py): its engine answers (its containers are ready) but
+Kubernetes keeps it out of the Service until this sync has tried every adapter there and set the
+gate's condition on the pod, so a pod started later serves only once it holds the list; the gateway
+routes an adapter's requests by status.adapters[].loadedOn besides.
 
 What to call is decided by adapters.py (pure); this module is the I/O. The engines require the
 service's API key on /v1 (auth.apiKey), so it is read once from the Secret the status names and
@@ -31,8 +34,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvpilot.operator.api.names import API_KEY_SECRET_KEY, API_VERSION, KIND
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.api.status import status_of
-from kvpilot.operator.autoscaling.adapters import Failures, Step, adapter_rows, steps, wanted
-from kvpilot.operator.kube.indexes import engine_urls
+from kvpilot.operator.autoscaling.adapters import (
+    Failures,
+    Step,
+    adapter_rows,
+    gate_condition,
+    gate_written,
+    steps,
+    wanted,
+)
+from kvpilot.operator.kube.cluster import WriteConflict, WriteRefused
+from kvpilot.operator.kube.indexes import started_engine_urls
 
 # /v1/models and an unload answer at once; a load reads the adapter's files (and vLLM may fetch a
 # hub repository), so it gets longer.
@@ -94,6 +106,8 @@ class StatusWriter(Protocol):
     ) -> str: ...
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    def set_pod_condition(self, namespace: str, name: str, condition: dict[str, Any]) -> None: ...
 
 
 def _message(status: int, body: bytes) -> str:
@@ -189,8 +203,9 @@ class AdapterSync:
             return
         want, key = wanted(spec.adapters), await asyncio.to_thread(self._api_key, body)
         failures = self._failures.setdefault(where, Failures())
-        targets = engine_urls(pods)
+        targets = started_engine_urls(pods)
         held = dict(await asyncio.gather(*(self._pod(name, url, key, want, failures, now) for name, url in targets)))
+        await self._open_gates(metadata["namespace"], pods, want, held, failures, now)
         failures.keep_only(want, held)
         rows = adapter_rows(spec.adapters, held, failures)
         if rows != stored:
@@ -221,6 +236,27 @@ class AdapterSync:
             else:
                 held[step.name] = step.path or ""
         return pod, held
+
+    async def _open_gates(
+        self,
+        namespace: str,
+        pods: Sequence[Mapping[str, Any]],
+        want: Mapping[str, str],
+        held: Mapping[str, dict[str, str] | None],
+        failures: Failures,
+        now: float,
+    ) -> None:
+        """Set the readiness gate of each pod that has now been given every adapter (a refused
+        write is tried again next period: the pod stays out of the Service meanwhile)."""
+        for pod in pods:
+            name = pod["metadata"]["name"]
+            condition = None if gate_written(pod) else gate_condition(name, want, held.get(name), failures, now)
+            if condition is None:
+                continue
+            try:
+                await asyncio.to_thread(self.cluster.set_pod_condition, namespace, name, condition)
+            except (WriteConflict, WriteRefused) as error:
+                log.info(f"adapters: pod {name}: its readiness gate could not be set: {error}")
 
     def _api_key(self, body: Mapping[str, Any]) -> str | None:
         """The key the engines require (None where the operator keeps none: auth.apiKey false), from

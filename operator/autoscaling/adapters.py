@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from kvpilot.operator.api.model_paths import source_path
+from kvpilot.operator.api.names import ADAPTERS_LOADED_CONDITION
 from kvpilot.operator.api.spec import AdapterSpec
 from kvpilot.operator.kube.events import iso
 
@@ -54,8 +55,11 @@ def steps(want: Mapping[str, str], held: Mapping[str, str]) -> list[Step]:
 class Failure(NamedTuple):
     message: str
     at: float  # when it failed (epoch seconds)
-    count: int  # failures in a row
+    count: int  # failures in a row (0: the pod could not be read, nothing was tried)
     until: float  # not tried again before
+
+
+_UNTRIED = Failure("", 0.0, 0, 0.0)
 
 
 @dataclass
@@ -111,3 +115,42 @@ def adapter_rows(
             row["error"] = {"pod": pod, "message": failure.message, "time": iso(at)}
         rows.append(row)
     return rows
+
+
+# The readiness gate's condition as the adapter sync writes it (its reason tells it from one any
+# other writer set).
+GATE_REASON = "AdaptersLoaded"
+
+
+def gate_condition(
+    pod: str, want: Mapping[str, str], held: Mapping[str, str] | None, failures: Failures, now: float
+) -> dict[str, Any] | None:
+    """The pod's readiness-gate condition once every adapter of the spec was tried there: held
+    from its path, or refused by the engine (an error on that adapter, not a pod kept out of
+    service for it); None while the pod could not be read or an adapter is still to be loaded."""
+    if held is None:
+        return None
+    refused = sorted(
+        name for name in want if held.get(name) != want[name] and failures.by_key.get((pod, name), _UNTRIED).count
+    )
+    loaded = [name for name in want if held.get(name) == want[name]]
+    if len(loaded) + len(refused) < len(want):
+        return None
+    message = f"holds {len(loaded)} of {len(want)} adapters" + (f"; refused: {', '.join(refused)}" if refused else "")
+    return {
+        "type": ADAPTERS_LOADED_CONDITION,
+        "status": "True",
+        "reason": GATE_REASON,
+        "message": message,
+        "lastTransitionTime": iso(now),
+    }
+
+
+def gate_written(pod: Mapping[str, Any]) -> bool:
+    """Whether the sync already set `pod`'s gate (it is never taken back: an adapter added later
+    is loaded while the pod serves, not by taking it out of the Service)."""
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(
+        c.get("type") == ADAPTERS_LOADED_CONDITION and c.get("status") == "True" and c.get("reason") == GATE_REASON
+        for c in conditions
+    )

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 from kvpilot.operator.api import names
 from kvpilot.operator.api.model_paths import MODEL_CACHE_MOUNT, MODEL_MOUNT, hub_model_dir, source_path
 from kvpilot.operator.api.names import (
+    ADAPTERS_LOADED_CONDITION,
     API_KEY_ANNOTATION,
     API_KEY_SECRET_KEY,
     APP_NAME_LABEL,
@@ -72,7 +73,7 @@ DEFAULT_ENGINE_IMAGE = "ghcr.io/kvpilot/kvpilot:0.1.0"
 
 
 def download_args(source: HubSource) -> list[str]:
-    """The `kvpilot download` arguments of the init container (engine/download.py)."""
+    """The `kvpilot download` arguments of the init container (engine/tools/download.py)."""
     return [source.repo, "--revision", source.revision, "--local-dir", hub_model_dir(source)]
 
 
@@ -200,8 +201,8 @@ PRESTOP_SLEEP_S = 5
 # Probe timeout: one Python process serves probes beside the engine thread, so a busy step can hold
 # an answer back for a while; Kubernetes' default of 1 s would fail healthy pods under load.
 PROBE_TIMEOUT_S = 5
-# Where a CPU engine keeps its built C++ kernels (engine/model/cpu_kernels.py, tens of seconds to
-# build) and a compiled decode step its compiled code (engine/worker/compile_cache.py) without a
+# Where a CPU engine keeps its built C++ kernels (engine/cpu/kernels.py, tens of seconds to
+# build) and a compiled decode step its compiled code (engine/cpu/compile_cache.py) without a
 # model.cache claim: the pod's writable /tmp emptyDir, so a restarted engine container starts warm
 # instead of building again; a new pod builds again.
 COMPILE_CACHE_DIR = "/tmp/kvpilot-compiled"
@@ -539,6 +540,8 @@ def _pod_template(
         "affinity": _affinity(spec, gpu),
         "topologySpreadConstraints": spec.topology_spread_constraints,
         "priorityClassName": spec.priority_class_name,
+        # Out of the Service until the adapter sync has loaded the adapters (api/names.py).
+        "readinessGates": [{"conditionType": ADAPTERS_LOADED_CONDITION}] if spec.adapters else [],
     }
     pod["spec"].update({key: value for key, value in optional.items() if value})
     return pod

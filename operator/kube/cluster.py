@@ -118,6 +118,10 @@ class Cluster(Protocol):
         `resource_version` when given (else WriteConflict); the object's new resourceVersion."""
         ...
 
+    def set_pod_condition(self, namespace: str, name: str, condition: Manifest) -> None:
+        """Set one condition of a pod's status (a readiness gate's), the others left as they are."""
+        ...
+
     def gpu_nodes(self) -> dict[str, int]:
         """The nodes' GPU products (their product labels), each with the most GPUs one node of it
         carries (the GPU count label, else the node's allocatable GPUs)."""
@@ -218,6 +222,17 @@ class KubeCluster:
                 body=body, name=name, namespace=namespace, content_type="application/merge-patch+json"
             )
         return str(patched.metadata.resourceVersion)
+
+    def set_pod_condition(self, namespace: str, name: str, condition: Manifest) -> None:
+        # A strategic merge patch merges status.conditions by type; a JSON merge patch would
+        # replace the list, Ready and the kubelet's others with it.
+        with _translated(f"Pod {namespace}/{name} status"):
+            self._resource("v1", "Pod").status.patch(
+                body={"status": {"conditions": [condition]}},
+                name=name,
+                namespace=namespace,
+                content_type="application/strategic-merge-patch+json",
+            )
 
     def set_deletion_costs(self, namespace: str, costs: Mapping[str, int]) -> None:
         """Annotate pods with controller.kubernetes.io/pod-deletion-cost (the ReplicaSet removes

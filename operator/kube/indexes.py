@@ -16,12 +16,23 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
-def pod_urls(pods: Sequence[Mapping[str, Any]], port: Callable[[Mapping[str, Any]], int]) -> list[tuple[str, str]]:
-    """(pod name, base URL on `port(pod)`) of the ready pods that are not going away."""
+def containers_ready(pod: Mapping[str, Any]) -> bool:
+    """Its containers pass their readiness probes, whether or not its readiness gates are set:
+    the engine answers, though the pod may not be in the Service yet."""
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return pod_ready(pod) or any(c.get("type") == "ContainersReady" and c.get("status") == "True" for c in conditions)
+
+
+def pod_urls(
+    pods: Sequence[Mapping[str, Any]],
+    port: Callable[[Mapping[str, Any]], int],
+    ready: Callable[[Mapping[str, Any]], bool] = pod_ready,
+) -> list[tuple[str, str]]:
+    """(pod name, base URL on `port(pod)`) of the `ready` pods that are not going away."""
     urls = []
     for pod in pods:
         ip = (pod.get("status") or {}).get("podIP")
-        if not ip or pod["metadata"].get("deletionTimestamp") or not pod_ready(pod):
+        if not ip or pod["metadata"].get("deletionTimestamp") or not ready(pod):
             continue
         host = f"[{ip}]" if ":" in ip else ip
         urls.append((pod["metadata"]["name"], f"http://{host}:{port(pod)}"))
@@ -32,6 +43,12 @@ def engine_urls(pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
     """(pod name, base URL) of the ready engine pods that are not going away. Pods that are not
     ready yet (starting, loading the model) are no one's load: they are the pending ones."""
     return pod_urls(pods, lambda _: PORT)
+
+
+def started_engine_urls(pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(pod name, base URL) of the engine pods whose engine answers, Ready or held back by a
+    readiness gate (the adapters a pod must hold before it serves), that are not going away."""
+    return pod_urls(pods, lambda _: PORT, containers_ready)
 
 
 def current_replicas(body: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> int:

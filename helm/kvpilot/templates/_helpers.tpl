@@ -79,6 +79,10 @@ collector), keep its peering record alive, and post events.
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch, patch]
+# The readiness gate of a service with LoRA adapters: set on a pod once it holds them.
+- apiGroups: [""]
+  resources: [pods/status]
+  verbs: [patch]
 # The engine pods' ReplicaSets, read only: a pod counts (metrics, gateway traffic) only when its
 # ReplicaSet is controlled by the service's own Deployment, not for carrying its labels.
 - apiGroups: [apps]

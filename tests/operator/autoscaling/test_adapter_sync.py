@@ -17,6 +17,7 @@ from aiohttp import web
 
 from kvpilot.operator.api.names import PORT
 from kvpilot.operator.autoscaling.loop import AutoscalingLoop
+from kvpilot.operator.kube.cluster import WriteRefused
 
 from .test_loop_io import service
 
@@ -94,6 +95,8 @@ class Cluster:
         self.body = body
         self.writes: list[dict[str, Any]] = []
         self.secret_reads = 0
+        self.pod_conditions: list[tuple[str, dict[str, Any]]] = []
+        self.refuse_pod_writes = 0
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         assert (kind, namespace, name) == ("Secret", "ml", "chat-api-key")
@@ -111,6 +114,13 @@ class Cluster:
             else:
                 status[key] = value
         return "9"
+
+    def set_pod_condition(self, namespace: str, name: str, condition: dict[str, Any]) -> None:
+        assert namespace == "ml"
+        if self.refuse_pod_writes:
+            self.refuse_pod_writes -= 1
+            raise WriteRefused(f"Pod {namespace}/{name} status", 403, "pods/status is forbidden")
+        self.pod_conditions.append((name, copy.deepcopy(condition)))
 
     def write_replicas(self, *args: Any, **kwargs: Any) -> None:
         raise AssertionError("autoscaling mode off: replicas are never written")
@@ -263,5 +273,61 @@ def test_the_loops_rounds_sync_adapters_of_a_service_it_does_not_scale() -> None
             assert engine.runner is not None
             await engine.runner.cleanup()
         assert engine.adapters == {"sql": "/a/sql"} and rows(body)["sql"]["loadedOn"] == ["chat-0"]
+
+    asyncio.run(scenario())
+
+
+def test_a_starting_pod_is_given_the_adapters_before_its_readiness_gate_opens() -> None:
+    """A pod whose engine answers but whose readiness gate holds it out of the Service (Ready False,
+    ContainersReady True) gets every adapter, then the gate's condition (a refused adapter counts
+    as given: an error on it, not a pod kept out); a refused write is tried again the next period,
+    a written gate is not written again; a pod whose engine does not answer yet is left alone."""
+
+    async def scenario() -> None:
+        engines = [Engine(), Engine()]
+        body, deployment, replicaset, first = service("chat", await engines[0].start())
+        body["spec"] = {
+            "model": {"name": BASE},
+            "autoscaling": {"mode": "off"},
+            "adapters": adapters(("sql", "/adapters/sql"), ("broken", "/adapters/malformed")),
+        }
+        body["status"] = {
+            "auth": {"apiKeySha256": hashlib.sha256(KEY.encode()).hexdigest(), "secretName": "chat-api-key"}
+        }
+        gated, starting = copy.deepcopy(first), copy.deepcopy(first)
+        gated["metadata"]["name"], gated["status"]["podIP"] = "chat-1", await engines[1].start()
+        gated["status"]["conditions"] = [
+            {"type": "Ready", "status": "False", "reason": "ReadinessGatesNotReady"},
+            {"type": "ContainersReady", "status": "True"},
+        ]
+        starting["metadata"]["name"], starting["status"]["podIP"] = "chat-2", "127.0.0.2"
+        starting["status"]["conditions"] = [{"type": "ContainersReady", "status": "False"}]
+        pods = [first, gated, starting]
+        cluster = Cluster(body)
+        cluster.refuse_pod_writes = 1
+        loop = AutoscalingLoop(cluster, {}, {}, {}, {}, interval=0.1)
+
+        async def period() -> list[str]:
+            """The pods whose gate this period set, each brought back on its pod as the watch does."""
+            before = len(cluster.pod_conditions)
+            await loop.adapters_period(body, [deployment], [replicaset], pods)
+            for name, condition in cluster.pod_conditions[before:]:
+                next(p for p in pods if p["metadata"]["name"] == name)["status"]["conditions"].append(condition)
+            return [name for name, _ in cluster.pod_conditions[before:]]
+
+        try:
+            assert await period() == ["chat-1"]  # chat-0's write was refused
+            assert all(e.adapters == {"sql": "/adapters/sql"} for e in engines)
+            assert await period() == ["chat-0"]
+            assert await period() == []
+            for _, condition in cluster.pod_conditions:
+                assert condition["type"] == "kvpilot.dev/adapters-loaded" and condition["status"] == "True"
+                assert condition["message"] == "holds 1 of 2 adapters; refused: broken"
+            assert rows(body)["sql"]["loadedOn"] == ["chat-0", "chat-1"]
+        finally:
+            await loop.close()
+            for engine in engines:
+                assert engine.runner is not None
+                await engine.runner.cleanup()
 
     asyncio.run(scenario())

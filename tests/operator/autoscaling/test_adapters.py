@@ -6,7 +6,15 @@ from __future__ import annotations
 from kvpilot.operator.api.model_paths import source_path
 from kvpilot.operator.api.spec import AdapterSpec
 from kvpilot.operator.autoscaling import adapters
-from kvpilot.operator.autoscaling.adapters import Failures, Step, adapter_rows, steps, wanted
+from kvpilot.operator.autoscaling.adapters import (
+    Failures,
+    Step,
+    adapter_rows,
+    gate_condition,
+    gate_written,
+    steps,
+    wanted,
+)
 
 
 def test_sources_map_to_where_render_puts_them_in_the_pod() -> None:
@@ -87,3 +95,30 @@ def test_status_rows_say_where_each_adapter_is_and_its_last_error() -> None:
             },
         },
     ]
+
+
+def test_the_readiness_gate_opens_once_every_adapter_was_given_to_the_pod() -> None:
+    want = {"sql": "/a/sql", "bad": "/a/bad"}
+    failures = Failures()
+    assert gate_condition("p0", want, None, failures, 100.0) is None  # not read
+    assert gate_condition("p0", want, {"sql": "/a/sql"}, failures, 100.0) is None  # bad not tried yet
+    failures.unread("p0", ["bad"], 100.0, "HTTP 503")
+    assert gate_condition("p0", want, {"sql": "/a/sql"}, failures, 100.0) is None  # nothing tried
+    assert gate_condition("p0", want, {"sql": "/a/old", "bad": "/a/bad"}, failures, 100.0) is None  # moved
+    # A refused adapter is an error on it, not a pod kept out of the Service.
+    failures.failed("p0", "bad", 101.0, "HTTP 400: malformed")
+    condition = gate_condition("p0", want, {"sql": "/a/sql"}, failures, 101.0)
+    assert condition is not None
+    assert (condition["type"], condition["status"], condition["reason"]) == (
+        "kvpilot.dev/adapters-loaded",
+        "True",
+        "AdaptersLoaded",
+    )
+    assert condition["message"] == "holds 1 of 2 adapters; refused: bad"
+    assert gate_condition("p1", want, {"sql": "/a/sql"}, failures, 101.0) is None  # p1 never tried bad
+    full = gate_condition("p1", want, {"sql": "/a/sql", "bad": "/a/bad"}, failures, 101.0)
+    assert full is not None and full["message"] == "holds 2 of 2 adapters"
+    # Written once: a gate another writer set (kwok sets every gate True) is written over with ours.
+    assert gate_written({"status": {"conditions": [condition]}})
+    assert not gate_written({"status": {"conditions": [{**condition, "reason": None}]}})
+    assert not gate_written({"status": {"conditions": [{"type": "Ready", "status": "True"}]}})

@@ -146,3 +146,14 @@ def test_adding_or_removing_an_adapter_in_the_image_or_a_mounted_claim_rolls_no_
         for adapters in (one, more, more[:2])
     ]
     assert templates[0] == templates[1] == templates[2]
+
+
+@pytest.mark.parametrize("runtime", ["vllm", "kvpilot"])
+def test_a_pod_with_adapters_waits_for_them_before_it_is_ready(runtime: str) -> None:
+    """The readiness gate the adapter sync sets (a pod started later is out of the Service until
+    it holds the adapters); a service without adapters has none, or no one would ever set it."""
+    with_adapters = render.deployment("svc", "ns", "uid", *_planned(runtime, ADAPTERS[:1]))
+    without = render.deployment("svc", "ns", "uid", *_planned(runtime, []))
+    gates = with_adapters["spec"]["template"]["spec"]["readinessGates"]
+    assert gates == [{"conditionType": "kvpilot.dev/adapters-loaded"}]
+    assert "readinessGates" not in without["spec"]["template"]["spec"]

@@ -67,7 +67,7 @@ from typing import Any
 from bench.machine import machine, write_result
 from bench.serve import RequestResult, WorkItem, poisson_arrivals, run_rate, summarize
 from e2e.procs import LOOPBACK, free_port, kvpilot_executable, start_http
-from kvpilot.engine.device_profile import DeviceProfile, load_device_profile
+from kvpilot.engine.contract.device_profile import DeviceProfile, load_device_profile
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import CPU_TYPE, InferenceServiceSpec
 from kvpilot.operator.controller import render
@@ -654,7 +654,7 @@ def _list(text: str) -> list[str]:
 
 def _lscpu_flags() -> list[str]:
     """The lscpu flags that decide the CPU kernels' paths."""
-    from kvpilot.engine.device_profile import CPU_FLAGS
+    from kvpilot.engine.contract.device_profile import CPU_FLAGS
 
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
     flags = next((line.split(":", 1)[1].split() for line in lscpu.splitlines() if line.startswith("Flags")), [])

@@ -39,7 +39,7 @@ from e2e.local_engine import kvpilot_executable
 from e2e.local_operator import LocalOperator
 from e2e.pod_runner import PodRunner
 from e2e.polling import poll
-from kvpilot.engine.device_profile import DeviceProfile, load_device_profile
+from kvpilot.engine.contract.device_profile import DeviceProfile, load_device_profile
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.autoscaling.accuracy import BAND

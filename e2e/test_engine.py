@@ -28,7 +28,7 @@ from e2e.hub_server import HubServer
 from e2e.local_engine import PodVolumes, engine_argv, key_env, start_engine
 from e2e.local_operator import LocalOperator
 from e2e.procs import Process, kvpilot_executable
-from kvpilot.engine.config import CAPABILITIES
+from kvpilot.engine.contract.config import CAPABILITIES
 
 
 @pytest.fixture()

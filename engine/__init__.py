@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "LLM": "kvpilot.engine.llm",
     "LLMEngine": "kvpilot.engine.llm_engine",
-    "EngineConfig": "kvpilot.engine.config",
+    "EngineConfig": "kvpilot.engine.contract.config",
     "SamplingParams": "kvpilot.engine.core.sampling_params",
     "RequestOutput": "kvpilot.engine.outputs",
     "CompletionOutput": "kvpilot.engine.outputs",
@@ -21,7 +21,7 @@ __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
     # For type checkers only: at run time __getattr__ imports these on first use.
-    from kvpilot.engine.config import EngineConfig  # noqa: F401
+    from kvpilot.engine.contract.config import EngineConfig  # noqa: F401
     from kvpilot.engine.core.sampling_params import SamplingParams  # noqa: F401
     from kvpilot.engine.llm import LLM  # noqa: F401
     from kvpilot.engine.llm_engine import LLMEngine  # noqa: F401

@@ -2,7 +2,7 @@
 
 Each side registers its commands from its own module, and only the module of the command being
 run is imported: `kvpilot serve` never loads the operator (kopf, kubernetes), `kvpilot plan` never
-loads torch, and the operator image needs nothing of the engine beyond its contract (config.py).
+loads torch, and the operator image needs nothing of the engine beyond its contract (engine/contract/).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from kvpilot.engine.config import EngineConfig, ServerConfig, add_flags, from_args
+from kvpilot.engine.contract.config import EngineConfig, ServerConfig, add_flags, from_args
 
 # command -> (the module whose register(subparsers) adds it, its one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {

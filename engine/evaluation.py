@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvpilot.engine.config import QUANTIZATION_SCHEMES, EngineConfig
+from kvpilot.engine.contract.config import QUANTIZATION_SCHEMES, EngineConfig
 from kvpilot.engine.core.sampling_params import SamplingParams
 from kvpilot.engine.eval_tasks import CAPITALS, choices
 from kvpilot.engine.llm import LLM

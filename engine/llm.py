@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.contract.config import EngineConfig
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.sampling_params import SamplingParams
 from kvpilot.engine.llm_engine import LLMEngine

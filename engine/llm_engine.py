@@ -8,8 +8,8 @@ import logging
 import torch
 from transformers import PretrainedConfig
 
-from kvpilot.engine.acceptance_window import AcceptancePolicy
-from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.contract.acceptance_window import AcceptancePolicy
+from kvpilot.engine.contract.config import EngineConfig
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import FinishReason, Request
 from kvpilot.engine.core.sampling_params import SamplingParams

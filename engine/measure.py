@@ -19,9 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvpilot.engine.config import EngineConfig
-from kvpilot.engine.core.sampling_params import SamplingParams
-from kvpilot.engine.device_profile import (
+from kvpilot.engine.contract.config import EngineConfig
+from kvpilot.engine.contract.device_profile import (
     EngineStep,
     EngineSteps,
     MatmulPoint,
@@ -29,6 +28,7 @@ from kvpilot.engine.device_profile import (
     PrefillStep,
     SchemeSteps,
 )
+from kvpilot.engine.core.sampling_params import SamplingParams
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.model import cpu_kernels, onednn_linear
 from kvpilot.engine.model.layers import Linear

@@ -1,5 +1,5 @@
 """`kvpilot profile`: measure the machine it runs on and write its device profile
-(kvpilot.engine.device_profile), with a progress line per measurement on stderr.
+(kvpilot.engine.contract.device_profile), with a progress line per measurement on stderr.
 
 This module reads the host's facts (CPU model and flags, cores, memory) without torch, so that
 `kvpilot --help` stays light; the measurements themselves (kvpilot.engine.measure) load torch when
@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from kvpilot.engine.cli import COMMANDS
-from kvpilot.engine.device_profile import CPU_FLAGS, DeviceProfile, Matmuls
+from kvpilot.engine.contract.device_profile import CPU_FLAGS, DeviceProfile, Matmuls
 from kvpilot.engine.worker.cpu import cpu_threads
 from kvpilot.engine.worker.cpu_features import read_cpu_flags
 

@@ -20,7 +20,7 @@ import yaml
 from kubernetes.config.config_exception import ConfigException
 from pydantic import ValidationError
 
-from kvpilot.engine.device_profile import DeviceProfile, load_device_profile
+from kvpilot.engine.contract.device_profile import DeviceProfile, load_device_profile
 from kvpilot.operator.api import names
 from kvpilot.operator.api.crd import crd_yaml
 from kvpilot.operator.api.plan import MixedPlan, Plan

@@ -1,6 +1,7 @@
 """What each side of the `kvpilot` command imports: the engine image needs no operator stack, the
-operator image no torch and no engine code beyond its contract (config.py, device_profile.py, and
-acceptance_window.py, which the planner runs to predict speculation) and the dispatcher."""
+operator image no torch and no engine code beyond its contract (engine/contract/: the flags, the
+device profile's schema, the acceptance window the planner runs to predict speculation) and the
+dispatcher (engine/__init__.py, engine/cli.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,9 @@ from tests.test_imports import modules
 
 ROOT = Path(__file__).resolve().parents[1]
 OPERATOR_MODULES = sorted(m for m in modules() if m.startswith("kvpilot.operator"))
-ENGINE_CONTRACT = {
-    "kvpilot.engine",
-    "kvpilot.engine.acceptance_window",
-    "kvpilot.engine.config",
-    "kvpilot.engine.cli",
-    "kvpilot.engine.device_profile",
-}
+# The dispatcher's two files and the whole contract package: what operator/Dockerfile copies.
+DISPATCHER = ("kvpilot.engine", "kvpilot.engine.cli")
+ENGINE_CONTRACT = {*DISPATCHER, *(m for m in modules() if m.startswith("kvpilot.engine.contract"))}
 HEAVY = ("torch", "transformers", "fastapi")
 
 
@@ -68,12 +65,13 @@ def test_operator_imports_only_the_engines_contract() -> None:
 
 def test_operator_image_copies_only_the_contract() -> None:
     # No Docker here: check the Dockerfile's lines against the contract instead. setup.py finds the
-    # packages that are there, so the image's wheel holds the operator and these three modules.
+    # packages that are there, so the image's wheel holds the operator, the dispatcher and contract/.
+    assert {"kvpilot.engine.contract.config", "kvpilot.engine.contract.device_profile"} <= ENGINE_CONTRACT
     dockerfile = (ROOT / "operator" / "Dockerfile").read_text()
-    contract = " ".join(
-        f"engine/{m.removeprefix('kvpilot.engine').lstrip('.') or '__init__'}.py" for m in sorted(ENGINE_CONTRACT)
+    dispatcher = " ".join(
+        f"engine/{m.removeprefix('kvpilot.engine').lstrip('.') or '__init__'}.py" for m in sorted(DISPATCHER)
     )
-    assert f"COPY {contract} engine/\n" in dockerfile
+    assert f"COPY {dispatcher} engine/\nCOPY engine/contract engine/contract\n" in dockerfile
     assert "COPY pyproject.toml setup.py README.md ./\n" in dockerfile
     # The engine image installs its dependencies from pyproject.toml in a layer of their own (torch's
     # gigabytes are not rebuilt for a code change), then the package from setup.py.

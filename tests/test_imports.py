@@ -22,13 +22,13 @@ ABOVE_THE_MODEL = ("kvpilot.engine.worker", "kvpilot.engine.serving", "kvpilot.e
 # up to cli.py, which wires them all.
 ROOMS = {
     "api": set(),
-    "runtimes": {"api", "kvpilot.engine.config"},
+    "runtimes": {"api", "kvpilot.engine.contract.config"},
     "planning": {
         "api",
         "runtimes",
-        "kvpilot.engine.acceptance_window",
-        "kvpilot.engine.config",
-        "kvpilot.engine.device_profile",
+        "kvpilot.engine.contract.acceptance_window",
+        "kvpilot.engine.contract.config",
+        "kvpilot.engine.contract.device_profile",
     },
     "kube": {"api"},
     "hub": {"api"},
@@ -38,8 +38,8 @@ ROOMS = {
         "planning",
         "kube",
         "hub",
-        "kvpilot.engine.config",
-        "kvpilot.engine.device_profile",
+        "kvpilot.engine.contract.config",
+        "kvpilot.engine.contract.device_profile",
     },
     "autoscaling": {"api", "kube"},
     "gateway": {"api", "kube"},

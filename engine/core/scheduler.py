@@ -15,7 +15,7 @@ text: the output processor finds them and finishes the request through `finish_r
 Speculative decoding: a decoding request may carry draft tokens (proposed by the model runner after
 its last step). They are scheduled with it, inside the token budget, and the step computes their KV
 too; `update_from_output` keeps the KV of the accepted drafts and rolls back the rejected ones.
-It also records each verification in the request's acceptance window (engine/acceptance_window.py):
+It also records each verification in the request's acceptance window (engine/contract/acceptance_window.py):
 a request backing off gets no drafts, and its scheduled step tells the runner not to propose any.
 """
 
@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from kvpilot.engine.acceptance_window import AcceptancePolicy, AcceptanceWindow
+from kvpilot.engine.contract.acceptance_window import AcceptancePolicy, AcceptanceWindow
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import FinishReason, Request, RequestStatus
 from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs

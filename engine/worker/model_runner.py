@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.convert_frame import register_bytecode_hook
 from transformers import PretrainedConfig
 
-from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.contract.config import EngineConfig
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.sampling_params import MAX_LOGPROBS
 from kvpilot.engine.core.scheduler import ScheduledRequest, SchedulerOutput

@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from kvpilot.engine.device_profile import DeviceProfile
+from kvpilot.engine.contract.device_profile import DeviceProfile
 from kvpilot.operator.api import names
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND
 from kvpilot.operator.api.plan import MixedPlan, Plan

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvpilot.engine.config import EngineCapabilities
-from kvpilot.engine.device_profile import DeviceProfile
+from kvpilot.engine.contract.config import EngineCapabilities
+from kvpilot.engine.contract.device_profile import DeviceProfile
 from kvpilot.operator.api.spec import Architecture
 
 

@@ -18,7 +18,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-from kvpilot.engine.device_profile import (
+from kvpilot.engine.contract.device_profile import (
     DeviceProfile,
     EngineStep,
     EngineSteps,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from kvpilot.engine.config import SPECULATIVE_MAX_BATCH_SIZE
+from kvpilot.engine.contract.config import SPECULATIVE_MAX_BATCH_SIZE
 from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec, LoadSpec
 from kvpilot.operator.planning import sizing, speculation
 from kvpilot.operator.planning.context import Correction

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from kvpilot.engine.config import EngineCapabilities
-from kvpilot.engine.device_profile import DeviceProfile
+from kvpilot.engine.contract.config import EngineCapabilities
+from kvpilot.engine.contract.device_profile import DeviceProfile
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec
 from kvpilot.operator.planning import cpus

@@ -21,8 +21,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from kvpilot.engine.config import EngineCapabilities
-from kvpilot.engine.device_profile import DeviceProfile
+from kvpilot.engine.contract.config import EngineCapabilities
+from kvpilot.engine.contract.device_profile import DeviceProfile
 from kvpilot.operator.api.plan import LoraPlan, Plan
 from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
 from kvpilot.operator.planning import cpus, sizing

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kvpilot.engine.config import EngineCapabilities
+from kvpilot.engine.contract.config import EngineCapabilities
 from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
 from kvpilot.operator.planning import sizing
 from kvpilot.operator.planning.context import NO_CORRECTION, Correction

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from kvpilot.engine.config import EngineCapabilities, EngineConfig
+from kvpilot.engine.contract.config import EngineCapabilities, EngineConfig
 from kvpilot.operator.api.spec import Architecture
 
 GiB = 1024**3

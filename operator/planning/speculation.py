@@ -6,7 +6,7 @@ figure the engines export (ours and vLLM's) and status.latency shows: a verifica
 then yields 1 + k x acceptance tokens on average. The literature quotes a per-token acceptance
 instead, the chance that a draft is kept given the ones before it were; `accepted_share` converts.
 
-The engine's acceptance window (engine/acceptance_window.py) stops a request from proposing
+The engine's acceptance window (engine/contract/acceptance_window.py) stops a request from proposing
 for a back-off of plain steps once its recent verifications kept too few drafts, and probes with one
 verification after each back-off. `verifying_share` predicts the share of a request's steps that
 verify, so that a low acceptance costs what the engine makes it cost: a few verifications per
@@ -20,8 +20,12 @@ from __future__ import annotations
 import functools
 import random
 
-from kvpilot.engine.acceptance_window import AcceptancePolicy, AcceptanceWindow
-from kvpilot.engine.config import SPECULATIVE_ACCEPTANCE_WINDOW, SPECULATIVE_BACKOFF_STEPS, SPECULATIVE_MIN_ACCEPTANCE
+from kvpilot.engine.contract.acceptance_window import AcceptancePolicy, AcceptanceWindow
+from kvpilot.engine.contract.config import (
+    SPECULATIVE_ACCEPTANCE_WINDOW,
+    SPECULATIVE_BACKOFF_STEPS,
+    SPECULATIVE_MIN_ACCEPTANCE,
+)
 
 # ngram: measured as a share of 4 drafts (bench/RESULTS.md, "Speculative decoding"): the figure of
 # open-ended chat answers, the conservative choice (answers that copy their prompt accept far more).

@@ -1,4 +1,4 @@
-"""kvpilot's own engine: `kvpilot serve`, its capabilities declared by the engine (engine/config.py).
+"""kvpilot's own engine: `kvpilot serve`, its capabilities declared by the engine (engine/contract/config.py).
 
 Its arguments are rendered from the engine's own config models, so every flag is one `kvpilot serve`
 has and every value one it accepts; a plan asking for something the engine lacks raises here (a
@@ -7,7 +7,7 @@ pydantic ValidationError, a ValueError) instead of becoming a pod that exits at 
 
 from __future__ import annotations
 
-from kvpilot.engine.config import CAPABILITIES, EngineConfig, ServerConfig, serve_argv
+from kvpilot.engine.contract.config import CAPABILITIES, EngineConfig, ServerConfig, serve_argv
 from kvpilot.operator.api.names import PORT
 from kvpilot.operator.api.spec import CPU_TYPE
 from kvpilot.operator.runtimes.runtime import Launch, Runtime

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from kvpilot.engine.config import EngineCapabilities, EngineConfig
+from kvpilot.engine.contract.config import EngineCapabilities, EngineConfig
 from kvpilot.operator.api.names import PORT
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.runtimes.runtime import Launch, Runtime

@@ -10,7 +10,7 @@ verifies what was scheduled (the engine-level tests in test_spec_decode.py run t
 from __future__ import annotations
 
 from kvpilot.engine import SamplingParams
-from kvpilot.engine.acceptance_window import AcceptancePolicy, AcceptanceWindow
+from kvpilot.engine.contract.acceptance_window import AcceptancePolicy, AcceptanceWindow
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.scheduler import Scheduler

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.contract.config import EngineConfig
 from kvpilot.engine.model.quantization import Int8Dynamic
 from kvpilot.engine.worker.cpu_features import KERNEL_PATHS, choose_kernel_path, kernel_path, read_cpu_flags
 from tests.engine.conftest import make_prompts

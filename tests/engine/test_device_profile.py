@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvpilot.engine import measure
-from kvpilot.engine.device_profile import (
+from kvpilot.engine.contract.device_profile import (
     PROFILE_VERSION,
     DeviceProfile,
     load_device_profile,
@@ -226,7 +226,7 @@ def test_the_operator_side_loads_it_without_torch(measured: tuple[Path, str]) ->
     script = (
         "import sys\n"
         "sys.modules['torch'] = None\n"
-        "from kvpilot.engine.device_profile import load_device_profile\n"
+        "from kvpilot.engine.contract.device_profile import load_device_profile\n"
         "profile = load_device_profile(sys.argv[1])\n"
         "assert not [m for m in sys.modules if m.split('.')[0] == 'transformers' or m == 'kvpilot.engine.measure']\n"
         "print(profile.name, profile.cores, profile.matmul.bf16.peak_flop_per_s)\n"

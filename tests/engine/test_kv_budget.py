@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.contract.config import EngineConfig
 from kvpilot.engine.worker.model_runner import ModelRunner, kv_budget_after_profile
 from kvpilot.engine.worker.sampler import Sampler, SamplingMetadata
 from tests.engine.test_tiny_llama import make_tiny_llama

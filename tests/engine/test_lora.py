@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.contract.config import EngineConfig
 from kvpilot.engine.lora.adapter import AdapterError, AdapterNotFoundError, load_adapter
 from kvpilot.engine.lora.registry import UnknownAdapterError
 from tests.engine.conftest import make_prompts

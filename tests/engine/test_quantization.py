@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.config import CAPABILITIES, EngineConfig
+from kvpilot.engine.contract.config import CAPABILITIES, EngineConfig
 from kvpilot.engine.model import quantization
 from kvpilot.engine.model.layers import FusedLinear, Linear
 from kvpilot.engine.model.quantization import Int4WeightOnly, Int8Dynamic, Int8WeightOnly

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.engine.config import CAPABILITIES, EngineCapabilities
+from kvpilot.engine.contract.config import CAPABILITIES, EngineCapabilities
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvpilot.engine.config import EngineConfig, ServerConfig
+from kvpilot.engine.contract.config import EngineConfig, ServerConfig
 from kvpilot.engine.core.sampling_params import SamplingParams
 from kvpilot.engine.serving.api_server import OpenAIServer
 from kvpilot.engine.serving.async_engine import AsyncEngine, EngineUnavailableError

@@ -22,7 +22,7 @@ from kvpilot.engine.cli import (
     engine_config_from_args,
     server_config_from_args,
 )
-from kvpilot.engine.config import CAPABILITIES, EngineConfig
+from kvpilot.engine.contract.config import CAPABILITIES, EngineConfig
 from kvpilot.operator.api import names
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import (

@@ -20,7 +20,7 @@ import kopf
 import pytest
 
 from e2e.hub_server import HubServer
-from kvpilot.engine.config import CAPABILITIES
+from kvpilot.engine.contract.config import CAPABILITIES
 from kvpilot.operator.api import names
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import handlers, render

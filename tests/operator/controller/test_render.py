@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpilot.engine.config import EngineCapabilities
+from kvpilot.engine.contract.config import EngineCapabilities
 from kvpilot.operator.api import names
 from kvpilot.operator.api.spec import InferencePoolSpec, InferenceServiceSpec
 from kvpilot.operator.controller import render

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvpilot.engine.device_profile import DeviceProfile
+from kvpilot.engine.contract.device_profile import DeviceProfile
 
 
 def faster(profile: DeviceProfile, name: str, speed: float) -> DeviceProfile:

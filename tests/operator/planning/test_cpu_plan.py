@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from kvpilot.engine.device_profile import DeviceProfile, SchemeSteps
+from kvpilot.engine.contract.device_profile import DeviceProfile, SchemeSteps
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import render
 from kvpilot.operator.controller.reconcile import device_profiles

@@ -135,7 +135,7 @@ def test_the_planners_draft_bytes_are_what_the_engine_allocates(tmp_path: Path) 
     with a draft: its weight bytes and its KV bytes per slot are the planner's (RoPE's frequency
     tables aside), and so is its block count for a given KV budget."""
     pytest.importorskip("torch")
-    from kvpilot.engine.config import EngineConfig
+    from kvpilot.engine.contract.config import EngineConfig
     from kvpilot.engine.worker.model_runner import ModelRunner
     from tests.operator.planning.small_llama import TWO_LAYERS, small_llama
 

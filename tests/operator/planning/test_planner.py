@@ -2,7 +2,7 @@ from typing import Any, get_args
 
 import pytest
 
-from kvpilot.engine.config import CAPABILITIES, EngineCapabilities
+from kvpilot.engine.contract.config import CAPABILITIES, EngineCapabilities
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec, Quantization, Speculative
 from kvpilot.operator.planning import choices, latency, sizing

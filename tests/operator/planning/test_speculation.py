@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.engine.acceptance_window import AcceptancePolicy
-from kvpilot.engine.config import SPECULATIVE_BACKOFF_STEPS
+from kvpilot.engine.contract.acceptance_window import AcceptancePolicy
+from kvpilot.engine.contract.config import SPECULATIVE_BACKOFF_STEPS
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller.correction import Correction
 from kvpilot.operator.planning import speculation

@@ -35,7 +35,7 @@ SPECULATIVE_MAX_BATCH_SIZE = 8
 
 # A request stops proposing drafts for SPECULATIVE_BACKOFF_STEPS steps once fewer than
 # SPECULATIVE_MIN_ACCEPTANCE of the drafts of its last SPECULATIVE_ACCEPTANCE_WINDOW verification steps
-# were accepted (engine/acceptance_window.py). Chosen on the n-gram benchmark's prompts
+# were accepted (engine/contract/acceptance_window.py). Chosen on the n-gram benchmark's prompts
 # (bench/RESULTS.md, "The acceptance window"; the settings compared are in its history): answers
 # that copy accept most of their drafts, answers written from scratch few, and 0.3 over 4 steps
 # (16 drafts) lies between the two, so copying requests keep speculating while open-ended ones

@@ -7,7 +7,7 @@ bf16 GEMM (their dense routes, INT8_DENSE_TOKENS / INT4_DENSE_TOKENS), W8A8's in
 plain weight (`F.linear`) and on the weight packed in oneDNN's layout (engine/model/onednn_linear.py,
 where the engine serves unquantized layers on x86), and kvpilot's own INT8 / INT4 matmuls
 (engine/model/cpu_kernels.py) where this CPU runs them. Times in ms, the fastest of repeated calls
-(kvpilot.engine.measure.call_seconds). `--copies N` rotates each call over N copies of the weight,
+(kvpilot.engine.profiling.measure.call_seconds). `--copies N` rotates each call over N copies of the weight,
 so that a decode-sized call reads it from memory as a model's step does (one copy stays in cache).
 
     .venv/bin/python -m bench.cpu_kernels [--tokens 1,16,64,256] [--min-seconds 0.2] [--threads N]
@@ -22,9 +22,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvpilot.engine.measure import call_seconds
 from kvpilot.engine.model import cpu_kernels, onednn_linear
 from kvpilot.engine.model.quantization import Int4WeightOnly, Int8Dynamic, Int8WeightOnly, cpu_int4_layout
+from kvpilot.engine.profiling.measure import call_seconds
 from kvpilot.engine.worker.compile_cache import resolve_root
 from kvpilot.engine.worker.cpu import cpu_threads
 from kvpilot.engine.worker.cpu_features import onednn_dtypes, read_cpu_flags

@@ -15,7 +15,7 @@ import argparse
 import statistics
 
 from bench.quantization import decoding_engine
-from kvpilot.engine.measure import call_seconds
+from kvpilot.engine.profiling.measure import call_seconds
 
 STEPS_PER_ROUND = 4
 

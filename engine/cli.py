@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "benchmarks of a source checkout's bench/ (serve: kvpilot, llama.cpp, HF side by side)",
     ),
     "profile": (
-        "kvpilot.engine.profile",
+        "kvpilot.engine.profiling.profile",
         "measure this machine (bandwidth, matmul rates, engine step) and print its CPU device profile",
     ),
     "download": (

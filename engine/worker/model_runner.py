@@ -251,7 +251,7 @@ class ModelRunner:
     def use_cpu_kernels(self, on: bool, schemes: frozenset[str] | None = None) -> None:
         """Whether single-query decodes attend through cpu_kernels' attention and the weight-only
         matmuls of `schemes` (default: the ones in use) run its kernels; never before the library
-        loaded (measure.py times a step with and without them)."""
+        loaded (profiling/measure.py times a step with and without them)."""
         on = on and self._cpu_kernels_loaded
         self.decode_kernel = on
         self.matmul_kernels = self.matmul_kernels if schemes is None else schemes

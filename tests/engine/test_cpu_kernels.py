@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.measure import engine_linear
 from kvpilot.engine.model import cpu_kernels
 from kvpilot.engine.model.layers import Linear
 from kvpilot.engine.model.quantization import INT8_KERNEL_ROWS, Int4Layout, cpu_int4_layout
+from kvpilot.engine.profiling.measure import engine_linear
 from kvpilot.engine.worker.cpu_features import read_cpu_flags
 from kvpilot.engine.worker.step_inputs import StepInputs
 from tests.engine.conftest import make_prompts

@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 
-from kvpilot.engine import measure
 from kvpilot.engine.contract.device_profile import (
     PROFILE_VERSION,
     DeviceProfile,
     load_device_profile,
     parse_device_profile,
 )
-from kvpilot.engine.profile import cpu_flags, cpu_model, default_name, memory_bytes
+from kvpilot.engine.profiling import measure
+from kvpilot.engine.profiling.profile import cpu_flags, cpu_model, default_name, memory_bytes
 from kvpilot.engine.worker.cpu_features import kernel_path, read_cpu_flags
 
 KVPILOT = Path(sys.executable).parent / "kvpilot"
@@ -228,7 +228,8 @@ def test_the_operator_side_loads_it_without_torch(measured: tuple[Path, str]) ->
         "sys.modules['torch'] = None\n"
         "from kvpilot.engine.contract.device_profile import load_device_profile\n"
         "profile = load_device_profile(sys.argv[1])\n"
-        "assert not [m for m in sys.modules if m.split('.')[0] == 'transformers' or m == 'kvpilot.engine.measure']\n"
+        "measure = 'kvpilot.engine.profiling.measure'\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'transformers' or m == measure]\n"
         "print(profile.name, profile.cores, profile.matmul.bf16.peak_flop_per_s)\n"
     )
     result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True)

@@ -2,7 +2,7 @@
 (kvpilot.engine.contract.device_profile), with a progress line per measurement on stderr.
 
 This module reads the host's facts (CPU model and flags, cores, memory) without torch, so that
-`kvpilot --help` stays light; the measurements themselves (kvpilot.engine.measure) load torch when
+`kvpilot --help` stays light; the measurements themselves (kvpilot.engine.profiling.measure) load torch when
 the command runs. Torch uses as many threads as the engine would (kvpilot.engine.worker.cpu).
 """
 
@@ -88,7 +88,7 @@ def measure(sizes: Sizes, name: str | None, quick: bool, compiled: bool = False)
     """This machine's profile, measured now; progress on stderr."""
     import torch
 
-    from kvpilot.engine import measure as m
+    from kvpilot.engine.profiling import measure as m
 
     def progress(line: str) -> None:
         print(f"kvpilot profile: {line}", file=sys.stderr, flush=True)

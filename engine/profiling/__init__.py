@@ -1,0 +1,1 @@
+"""`kvpilot profile`: the host's facts and the measurements that make its CPU device profile."""

@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "write a model folder as a compressed-tensors INT4/INT8 checkpoint (W4A16, W8A16)",
     ),
     "bench": (
-        "kvpilot.engine.benchmarks",
+        "kvpilot.engine.tools.benchmarks",
         "benchmarks of a source checkout's bench/ (serve: kvpilot, llama.cpp, HF side by side)",
     ),
     "profile": (
@@ -37,7 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "measure this machine (bandwidth, matmul rates, engine step) and print its CPU device profile",
     ),
     "download": (
-        "kvpilot.engine.download",
+        "kvpilot.engine.tools.download",
         "download a model from the Hugging Face Hub into a local folder (an engine pod's init step)",
     ),
     "plan": (
@@ -94,7 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvpilot.engine.evaluation import run
+    from kvpilot.engine.tools.evaluation import run
 
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     return run(schemes, args.num_tokens, engine_config_from_args(args), Path(args.output) if args.output else None)

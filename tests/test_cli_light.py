@@ -50,7 +50,7 @@ def test_serve_parser_imports_no_operator() -> None:
 def test_download_imports_neither_torch_nor_the_operator() -> None:
     # The engine image runs it as an init container: it starts fast and needs no accelerator.
     loaded = _imported_after("from kvpilot.engine.cli import build_parser; build_parser('download')")
-    assert "kvpilot.engine.download" in loaded
+    assert "kvpilot.engine.tools.download" in loaded
     assert not _top(loaded, (*HEAVY, "kopf", "kubernetes"))
     assert not sorted(m for m in loaded if m.startswith("kvpilot.operator"))
 

@@ -19,14 +19,14 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.cli import main
-from kvpilot.engine.eval_tasks import CAPITALS
-from kvpilot.engine.evaluation import corpus_text
 from kvpilot.engine.model.layers import Linear
 from kvpilot.engine.model.llama import LlamaForCausalLM
 from kvpilot.engine.model.loader import load_config, load_model
 from kvpilot.engine.quantize.awq import apply_awq, prefill_batch
 from kvpilot.engine.quantize.calibration import PASSAGES
 from kvpilot.engine.quantize.writer import int4_round_trip, weight_args
+from kvpilot.engine.tools.eval_tasks import CAPITALS
+from kvpilot.engine.tools.evaluation import corpus_text
 from tests.engine.oracle import check_greedy, greedy_reference
 from tests.engine.test_tiny_llama import GQA_BIASES, make_tiny_llama
 

@@ -17,7 +17,7 @@ from e2e.polling import poll
 from e2e.procs import free_port, kvpilot_executable, start
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.cli import main
-from kvpilot.engine.download import MARKER, STATE_DIR, DownloadError, Marker, download
+from kvpilot.engine.tools.download import MARKER, STATE_DIR, DownloadError, Marker, download
 
 REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 WEIGHTS = "model.safetensors"

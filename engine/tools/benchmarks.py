@@ -14,8 +14,8 @@ from pathlib import Path
 
 from kvpilot.engine.cli import COMMANDS
 
-# The checkout that holds bench/ (engine/ is kvpilot.engine in an editable install).
-CHECKOUT = Path(__file__).resolve().parents[1]
+# The checkout that holds bench/ (engine/tools/ is kvpilot.engine.tools in an editable install).
+CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 def _bench_module(name: str):  # noqa: ANN202 - a module

@@ -4,7 +4,7 @@
   `pydoc_data` (PSF license), cut into windows the model scores token by token.
 - Greedy agreement: the share of positions where the scheme's most likely next token is the
   unquantized model's.
-- Task accuracy: 101 four-way questions (engine/eval_tasks.py), answered by the choice the model
+- Task accuracy: 101 four-way questions (engine/tools/eval_tasks.py), answered by the choice the model
   gives the highest log-probability.
 
 Everything is scored with the engine's own prompt log-probabilities, so it measures what serving
@@ -21,8 +21,8 @@ from pathlib import Path
 
 from kvpilot.engine.contract.config import QUANTIZATION_SCHEMES, EngineConfig
 from kvpilot.engine.core.sampling_params import SamplingParams
-from kvpilot.engine.eval_tasks import CAPITALS, choices
 from kvpilot.engine.llm import LLM
+from kvpilot.engine.tools.eval_tasks import CAPITALS, choices
 
 WINDOW_TOKENS = 512
 

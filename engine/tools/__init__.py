@@ -1,0 +1,1 @@
+"""Commands beside serving: `kvpilot eval`, `kvpilot download`, `kvpilot bench`."""

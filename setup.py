@@ -19,6 +19,6 @@ setup(
     # of the engine's CPU kernels, which an engine builds at start-up where no library is cached.
     package_data={
         "kvpilot.operator.planning": ["profiles/*.json"],
-        "kvpilot.engine.model": ["kernels/*.cpp"],
+        "kvpilot.engine.cpu": ["csrc/*.cpp"],
     },
 )

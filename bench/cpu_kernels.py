@@ -4,9 +4,9 @@ For each weight shape (the embedded model's four body layers and a 2048x2048 one
 the weight-only packed kernels (INT8, INT4 group 32) against the same weight dequantized into a
 bf16 GEMM (their dense routes, INT8_DENSE_TOKENS / INT4_DENSE_TOKENS), W8A8's int8 x int8 GEMM
 (activation quantization included) on fp32 and bf16 activations, and the bf16 / fp32 GEMMs, on the
-plain weight (`F.linear`) and on the weight packed in oneDNN's layout (engine/model/onednn_linear.py,
+plain weight (`F.linear`) and on the weight packed in oneDNN's layout (engine/cpu/onednn_linear.py,
 where the engine serves unquantized layers on x86), and kvpilot's own INT8 / INT4 matmuls
-(engine/model/cpu_kernels.py) where this CPU runs them. Times in ms, the fastest of repeated calls
+(engine/cpu/kernels.py) where this CPU runs them. Times in ms, the fastest of repeated calls
 (kvpilot.engine.profiling.measure.call_seconds). `--copies N` rotates each call over N copies of the weight,
 so that a decode-sized call reads it from memory as a model's step does (one copy stays in cache).
 
@@ -22,12 +22,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvpilot.engine.model import cpu_kernels, onednn_linear
+from kvpilot.engine.cpu import kernels as cpu_kernels
+from kvpilot.engine.cpu import onednn_linear
+from kvpilot.engine.cpu.compile_cache import resolve_root
+from kvpilot.engine.cpu.features import onednn_dtypes, read_cpu_flags
+from kvpilot.engine.cpu.threads import cpu_threads
 from kvpilot.engine.model.quantization import Int4WeightOnly, Int8Dynamic, Int8WeightOnly, cpu_int4_layout
 from kvpilot.engine.profiling.measure import call_seconds
-from kvpilot.engine.worker.compile_cache import resolve_root
-from kvpilot.engine.worker.cpu import cpu_threads
-from kvpilot.engine.worker.cpu_features import onednn_dtypes, read_cpu_flags
 
 SHAPES = {
     "qkv": (960, 576),

@@ -1,4 +1,4 @@
-"""An engine's decode step on its C++ kernels (engine/model/cpu_kernels.py) against the same
+"""An engine's decode step on its C++ kernels (engine/cpu/kernels.py) against the same
 engine's step on PyTorch's, per scheme and batch, in alternating rounds.
 
     .venv/bin/python -m bench.engine_kernels [--schemes none,int8,int4,w8a8] [--batches 1,16] [--rounds 4]

@@ -1,8 +1,8 @@
 """A kernel of a git revision against the working tree's, side by side in one process (the VM's
 speed moves too much between runs to compare two).
 
-Both sources (engine/model/kernels/cpu_kernels.cpp; before it, the string in
-engine/model/cpu_kernels.py) are built under operator namespaces of their own and
+Both sources (engine/cpu/csrc/cpu_kernels.cpp; before it, the string in
+engine/cpu/kernels.py) are built under operator namespaces of their own and
 called alternately on the embedded model's shapes, one call per layer of its 30 making a step;
 times in ms per step, the median of 12 alternating rounds, and the outputs of the two compared.
 
@@ -35,15 +35,15 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 from bench.cpu_kernels import SHAPES
-from kvpilot.engine.model import cpu_kernels
-from kvpilot.engine.worker.cpu_features import read_cpu_flags
+from kvpilot.engine.cpu import kernels as cpu_kernels
+from kvpilot.engine.cpu.features import read_cpu_flags
 
 LAYERS, KV_HEADS, DIM, HEADS, SLOTS, BLOCK = 30, 3, 64, 9, 8192, 16
 INT4_SHAPES = {name: SHAPES[name] for name in ("qkv", "o", "gate_up", "down")}
 INT4_GROUP = 32
-KERNEL = "engine/model/kernels/cpu_kernels.cpp"
+KERNEL = "engine/cpu/csrc/cpu_kernels.cpp"
 # Where revisions before the .cpp file held the source: a string in the loader module.
-OLD_KERNEL = "engine/model/cpu_kernels.py"
+OLD_KERNEL = "engine/cpu/kernels.py"
 Step = Callable[[], torch.Tensor]  # one call of the kernel on one layer's inputs
 
 

@@ -14,7 +14,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from kvpilot.engine.worker import cpu_features, model_runner
+from kvpilot.engine.cpu import features as cpu_features
+from kvpilot.engine.worker import model_runner
 
 
 def hiding(read: Callable[..., frozenset[str]], hidden: frozenset[str]) -> Callable[..., frozenset[str]]:

@@ -104,9 +104,9 @@ def _build_kernels(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from kvpilot.engine.model import cpu_kernels
+    from kvpilot.engine.cpu import kernels as cpu_kernels
+    from kvpilot.engine.cpu.features import read_cpu_flags
     from kvpilot.engine.model.loader import cache_root
-    from kvpilot.engine.worker.cpu_features import read_cpu_flags
 
     by_name = {level.name: level for level in cpu_kernels.BUILDABLE}
     if args.levels == "all":

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from bench import serve_as
-from kvpilot.engine.worker import cpu_features, model_runner
+from kvpilot.engine.cpu import features as cpu_features
+from kvpilot.engine.worker import model_runner
 
 ZEN5 = "flags\t\t: fpu avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni\n"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.engine.worker.cpu_features import read_cpu_flags
+from kvpilot.engine.cpu.features import read_cpu_flags
 from tests.test_imports import PACKAGES, modules
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,14 +104,14 @@ def test_the_wheel_ships_every_module_of_both_halves(installed: tuple[Path, Path
 def test_the_wheel_ships_the_cpu_kernels_source(installed: tuple[Path, Path]) -> None:
     """The kernels' C++ is package data: an engine with no library cached or prebuilt builds it from
     the installed copy, and `kvpilot build-kernels` in engine/Dockerfile builds from it too."""
-    from kvpilot.engine.model import cpu_kernels
+    from kvpilot.engine.cpu import kernels as cpu_kernels
 
     wheel, _ = installed
     sources = sorted(cpu_kernels.SOURCE.parent.iterdir())
     assert cpu_kernels.SOURCE in sources
     with zipfile.ZipFile(wheel) as archive:
         for source in sources:
-            shipped = archive.read(f"kvpilot/engine/model/kernels/{source.name}")
+            shipped = archive.read(f"kvpilot/engine/cpu/csrc/{source.name}")
             assert shipped == source.read_bytes(), source.name
 
 
@@ -148,7 +148,7 @@ def test_the_engine_image_ships_the_kernels_of_every_level(installed: tuple[Path
     """engine/Dockerfile's build step, run from the wheel: the C++ kernels of every ISA level, built
     here whatever this CPU runs, into the image's $KVPILOT_CACHE/kernels; an engine started with an
     empty compile cache then serves on its level's library from there, with no compiler run."""
-    from kvpilot.engine.model import cpu_kernels
+    from kvpilot.engine.cpu import kernels as cpu_kernels
     from kvpilot.engine.model.loader import cache_root
 
     _, bin_dir = installed

@@ -25,7 +25,7 @@ QUANTIZATION_SCHEMES = ("none", "int8", "int4", "w8a8")
 CPU_ONLY_QUANTIZATION = ("w8a8",)
 SPECULATIVE_MODES = ("off", "ngram", "draft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# CPU kernel paths (kvpilot.engine.worker.cpu_features); auto: from the CPU's flags.
+# CPU kernel paths (kvpilot.engine.cpu.features); auto: from the CPU's flags.
 CPU_KERNELS = ("auto", "bf16", "vnni", "fp32")
 
 # Above this many sequences per step, verifying drafts costs more than it saves: a bigger batch is

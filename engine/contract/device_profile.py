@@ -126,7 +126,7 @@ class EngineSteps(_Data):
     # as the "none" scheme's batch-1 step times the compiled/eager ratio measured side by side:
     # what the planner weighs when a plan's lone sequences miss the TPOT SLO eagerly.
     compiled_step_s: float | None = Field(None, gt=0, allow_inf_nan=False)
-    # The engine served full-precision weights from oneDNN's layout (engine/model/onednn_linear.py),
+    # The engine served full-precision weights from oneDNN's layout (engine/cpu/onednn_linear.py),
     # so "none" holds its own copy of a tied LM head beside the embedding (in its weight_bytes).
     onednn_weights: bool = False
 

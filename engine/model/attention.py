@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpilot.engine.model.cpu_kernels import decode_attention
+from kvpilot.engine.cpu.kernels import decode_attention
 
 
 @dataclass

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvpilot.engine.model import onednn_linear
+from kvpilot.engine.cpu import onednn_linear
 from kvpilot.engine.model.quantization import LinearQuantization
 
 # A checkpoint tensor -> the values of the parameter rows it fills, given their shape.
@@ -136,7 +136,7 @@ class Linear(nn.Module):
         self.checkpoint_format.process_weights_after_loading(self)
 
     def pack_for_onednn(self, keep_plain: bool = False) -> bool:
-        """Serve the full-precision weight from oneDNN's blocked layout (onednn_linear.py); a
+        """Serve the full-precision weight from oneDNN's blocked layout (cpu/onednn_linear.py); a
         quantized or already packed layer stays as it is. A tied weight stays with its other owner,
         the layer keeping a packed copy. `keep_plain`: the plain weight stays too, for a graph that
         torch.compile traces (it cannot take the packed one), the eager calls taking the packed one.

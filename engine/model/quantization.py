@@ -28,7 +28,7 @@ W8A8 stores its weight as INT8 does and quantizes the activations too, per token
 matmul, symmetric, from the row's largest magnitude (dynamic: no calibration). The int8 x int8
 products sum exactly in int32 (`torch._int_mm`, oneDNN's int8 GEMM: VNNI / AMX-INT8 dot products
 where the CPU has them) and are scaled back by both scales in fp32. Without integer dot products
-(the "fp32" CPU kernel path, kvpilot.engine.worker.cpu_features) the same numbers come from an
+(the "fp32" CPU kernel path, kvpilot.engine.cpu.features) the same numbers come from an
 fp32 GEMM of the integer values (exact while a row's sum stays under 2^24). It runs on CPUs only.
 """
 
@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from kvpilot.engine.model import cpu_kernels
+from kvpilot.engine.cpu import kernels as cpu_kernels
 
 # PyTorch's int4 kernel: values 0..15 around a midpoint, w = (q - 8) * scale + zero.
 _INT4_MID = 8
@@ -59,7 +59,7 @@ INT8_DENSE_TOKENS = 128
 # step: the crossover comes later, between 256 and 512 tokens on the embedded model's layers
 # (bench/history/2026-11-30-quantization.md, "Routing by tokens per step").
 INT4_DENSE_TOKENS = 512
-# From this many output rows kvpilot's INT8 matmul (cpu_kernels.py) beats PyTorch's packed one at
+# From this many output rows kvpilot's INT8 matmul (cpu/kernels.py) beats PyTorch's packed one at
 # decode sizes (weights read from memory: `python -m bench.cpu_kernels --copies 8`): a wide layer
 # streams its weight at the memory's speed, while on narrow ones (576 and 960 rows) the kernel's
 # fixed cost per call is not paid back, so they keep PyTorch's
@@ -84,7 +84,7 @@ class LinearQuantization(abc.ABC):
     """How one linear layer stores and multiplies its weight."""
 
     name: str
-    # Whether a matmul of a few tokens runs kvpilot's C++ kernel (cpu_kernels.py) instead of
+    # Whether a matmul of a few tokens runs kvpilot's C++ kernel (cpu/kernels.py) instead of
     # PyTorch's packed one: set by the model runner once it has loaded the library.
     cpu_kernel: bool = False
 

@@ -29,19 +29,20 @@ from kvpilot.engine.contract.device_profile import (
     SchemeSteps,
 )
 from kvpilot.engine.core.sampling_params import SamplingParams
+from kvpilot.engine.cpu import kernels as cpu_kernels
+from kvpilot.engine.cpu import onednn_linear
+from kvpilot.engine.cpu.compile_cache import resolve_root
+from kvpilot.engine.cpu.features import choose_kernel_path, read_cpu_flags
 from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.model import cpu_kernels, onednn_linear
 from kvpilot.engine.model.layers import Linear
 from kvpilot.engine.model.loader import EMBEDDED_MODEL, cache_root, embedded_model_dir
 from kvpilot.engine.model.quantization import INT4_DENSE_TOKENS, INT8_DENSE_TOKENS, for_scheme
-from kvpilot.engine.worker.compile_cache import resolve_root
-from kvpilot.engine.worker.cpu_features import choose_kernel_path, read_cpu_flags
 
 Progress = Callable[[str], None]
 
 GROUP_SIZE: int = EngineConfig.model_fields["quantization_group_size"].default
 # Profile name -> (the engine's quantization scheme, the activations' dtype, what runs); W8A8's
-# activations and GEMM are those of this CPU's kernel path (kvpilot.engine.worker.cpu_features).
+# activations and GEMM are those of this CPU's kernel path (kvpilot.engine.cpu.features).
 SCHEMES: dict[str, tuple[str, torch.dtype | None, str]] = {
     "fp32": ("none", torch.float32, "the engine's unquantized linear, fp32 weight and activations"),
     "bf16": ("none", torch.bfloat16, "the engine's unquantized linear, bf16 weight and activations"),

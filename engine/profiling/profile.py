@@ -3,7 +3,7 @@
 
 This module reads the host's facts (CPU model and flags, cores, memory) without torch, so that
 `kvpilot --help` stays light; the measurements themselves (kvpilot.engine.profiling.measure) load torch when
-the command runs. Torch uses as many threads as the engine would (kvpilot.engine.worker.cpu).
+the command runs. Torch uses as many threads as the engine would (kvpilot.engine.cpu.threads).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from kvpilot.engine.cli import COMMANDS
 from kvpilot.engine.contract.device_profile import CPU_FLAGS, DeviceProfile, Matmuls
-from kvpilot.engine.worker.cpu import cpu_threads
-from kvpilot.engine.worker.cpu_features import read_cpu_flags
+from kvpilot.engine.cpu.features import read_cpu_flags
+from kvpilot.engine.cpu.threads import cpu_threads
 
 MiB = 1 << 20
 _CGROUP_MEMORY_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))

@@ -17,19 +17,20 @@ from kvpilot.engine.contract.config import EngineConfig
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.sampling_params import MAX_LOGPROBS
 from kvpilot.engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from kvpilot.engine.cpu import kernels as cpu_kernels
+from kvpilot.engine.cpu import onednn_linear
+from kvpilot.engine.cpu.compile_cache import compile_with_cache, key_inputs, resolve_root
+from kvpilot.engine.cpu.features import choose_kernel_path, read_cpu_flags
+from kvpilot.engine.cpu.threads import cpu_threads
 from kvpilot.engine.lora.adapter import LoRAAdapter
 from kvpilot.engine.lora.layers import LoRABatch, wrap
 from kvpilot.engine.lora.registry import Resident
-from kvpilot.engine.model import cpu_kernels, onednn_linear
 from kvpilot.engine.model.attention import AttentionMetadata, PrefillChunk, allocate_kv_caches
 from kvpilot.engine.model.layers import Linear, pack_for_onednn
 from kvpilot.engine.model.llama import LlamaForCausalLM, kv_shape
 from kvpilot.engine.model.loader import cache_root, load_config, load_model, resolve_model
 from kvpilot.engine.model.quantization import cpu_int4_layout
 from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs
-from kvpilot.engine.worker.compile_cache import compile_with_cache, key_inputs, resolve_root
-from kvpilot.engine.worker.cpu import cpu_threads
-from kvpilot.engine.worker.cpu_features import choose_kernel_path, read_cpu_flags
 from kvpilot.engine.worker.grammar import GrammarMatchers, Grammars
 from kvpilot.engine.worker.sampler import RowPenalty, Sampler, SamplingMetadata, token_logprobs
 from kvpilot.engine.worker.spec_decode import DraftInput, Proposer
@@ -153,7 +154,7 @@ class ModelRunner:
         return list({id(m): m for m in (self.model, self.draft_model) if m is not None}.values())
 
     def _packs_weights(self) -> bool:
-        """Whether full-precision linear weights are served from oneDNN's layout (onednn_linear.py):
+        """Whether full-precision linear weights are served from oneDNN's layout (cpu/onednn_linear.py):
         where the CPU favours it for this dtype."""
         return onednn_linear.serves(self.device, self.dtype, self.cpu_kernels.onednn_dtypes)
 

@@ -16,8 +16,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.model.cpu_kernels import KERNELS
-from kvpilot.engine.worker.compile_cache import MANIFEST, Manifest, publish, resolve_root, seed
+from kvpilot.engine.cpu.compile_cache import MANIFEST, Manifest, publish, resolve_root, seed
+from kvpilot.engine.cpu.kernels import KERNELS
 from tests.engine.conftest import make_prompts
 from tests.engine.oracle import check_greedy
 
@@ -99,7 +99,7 @@ def test_an_entry_inductor_cannot_load_is_ignored_with_a_warning_and_rebuilt(
         manifest.files[name] = hashlib.sha256(b"not a shared object").hexdigest()
     (entry / MANIFEST).write_text(manifest.model_dump_json())
     before = _inductor_counts()
-    with caplog.at_level(logging.WARNING, "kvpilot.engine.worker.compile_cache"):
+    with caplog.at_level(logging.WARNING, "kvpilot.engine.cpu.compile_cache"):
         llm = _engine(published)
     assert "event=compile_cache_ignored" in caplog.text
     assert _delta(before, "fxgraph_cache_miss") == 1
@@ -127,7 +127,7 @@ def test_a_file_that_does_not_match_the_manifest_is_ignored_with_a_warning(
     (entry / "ab" / "kernel.so").write_bytes(b"\x7fELF trunc")
     work = tmp_path / "seeded"
     work.mkdir()
-    with caplog.at_level(logging.WARNING, "kvpilot.engine.worker.compile_cache"):
+    with caplog.at_level(logging.WARNING, "kvpilot.engine.cpu.compile_cache"):
         assert seed(entry, KEY, work) is False
     assert "does not match its sha256" in caplog.text
     assert list(work.iterdir()) == []
@@ -137,7 +137,7 @@ def test_an_entry_of_another_torch_build_is_ignored_with_a_warning(tmp_path, cap
     entry = _published_entry(tmp_path, {"ab/kernel.so": b"\x7fELF"})
     work = tmp_path / "seeded"
     work.mkdir()
-    with caplog.at_level(logging.WARNING, "kvpilot.engine.worker.compile_cache"):
+    with caplog.at_level(logging.WARNING, "kvpilot.engine.cpu.compile_cache"):
         assert seed(entry, {**KEY, "torch": "2.98.0"}, work) is False
     assert "2.99.0" in caplog.text and "2.98.0" in caplog.text
     (entry / MANIFEST).write_text("{not json")
@@ -204,11 +204,11 @@ def test_the_root_is_off_a_path_or_beside_the_cached_models(tmp_path, monkeypatc
 
 def test_an_unwritable_root_still_serves(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
     """A read-only volume: the engine compiles, serves and says the next start compiles again."""
-    from kvpilot.engine.worker.compile_cache import compile_with_cache
+    from kvpilot.engine.cpu.compile_cache import compile_with_cache
 
     root = tmp_path / "file-not-folder"
     root.write_text("")
-    with caplog.at_level(logging.WARNING, "kvpilot.engine.worker.compile_cache"):
+    with caplog.at_level(logging.WARNING, "kvpilot.engine.cpu.compile_cache"):
         result, state = compile_with_cache(_write_a_kernel, root, KEY)
     assert (result, state) == ("compiled", "unwritable")
     assert "event=compile_cache_unwritable" in caplog.text

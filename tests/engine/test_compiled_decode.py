@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.model import onednn_linear
+from kvpilot.engine.cpu import onednn_linear
 from kvpilot.engine.model.layers import Linear
 from tests.engine.conftest import make_prompts
 from tests.engine.oracle import check_greedy

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpilot.engine.worker.cpu import cpu_threads, quota_cpus
+from kvpilot.engine.cpu.threads import cpu_threads, quota_cpus
 
 
 def test_cgroup_v2_quota_is_read():

@@ -10,8 +10,8 @@ import torch
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.contract.config import EngineConfig
+from kvpilot.engine.cpu.features import KERNEL_PATHS, choose_kernel_path, kernel_path, read_cpu_flags
 from kvpilot.engine.model.quantization import Int8Dynamic
-from kvpilot.engine.worker.cpu_features import KERNEL_PATHS, choose_kernel_path, kernel_path, read_cpu_flags
 from tests.engine.conftest import make_prompts
 from tests.engine.oracle import check_greedy
 

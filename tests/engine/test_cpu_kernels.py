@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.model import cpu_kernels
+from kvpilot.engine.cpu import kernels as cpu_kernels
+from kvpilot.engine.cpu.features import read_cpu_flags
 from kvpilot.engine.model.layers import Linear
 from kvpilot.engine.model.quantization import INT8_KERNEL_ROWS, Int4Layout, cpu_int4_layout
 from kvpilot.engine.profiling.measure import engine_linear
-from kvpilot.engine.worker.cpu_features import read_cpu_flags
 from kvpilot.engine.worker.step_inputs import StepInputs
 from tests.engine.conftest import make_prompts
 
@@ -35,7 +35,7 @@ def _load_in_a_new_process(root: Path, prebuilt: Path | None = None) -> str:
     prebuilt libraries)."""
     code = (
         "import logging, sys; from pathlib import Path; logging.basicConfig(level=logging.INFO);"
-        "from kvpilot.engine.model import cpu_kernels; from kvpilot.engine.worker.cpu_features import read_cpu_flags;"
+        "from kvpilot.engine.cpu import kernels as cpu_kernels; from kvpilot.engine.cpu.features import read_cpu_flags;"
         "cpu_kernels.load(Path(sys.argv[1]), read_cpu_flags(), *(Path(a) for a in sys.argv[2:]))"
     )
     argv = [str(root)] + ([str(prebuilt)] if prebuilt else [])

@@ -20,9 +20,9 @@ from kvpilot.engine.contract.device_profile import (
     load_device_profile,
     parse_device_profile,
 )
+from kvpilot.engine.cpu.features import kernel_path, read_cpu_flags
 from kvpilot.engine.profiling import measure
 from kvpilot.engine.profiling.profile import cpu_flags, cpu_model, default_name, memory_bytes
-from kvpilot.engine.worker.cpu_features import kernel_path, read_cpu_flags
 
 KVPILOT = Path(sys.executable).parent / "kvpilot"
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.worker.cpu_features import kernel_path, read_cpu_flags
+from kvpilot.engine.cpu.features import kernel_path, read_cpu_flags
 from kvpilot.engine.worker.sampler import SamplerOutput, SamplingMetadata
 from tests.engine.conftest import make_prompts
 

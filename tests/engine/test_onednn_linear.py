@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.model import onednn_linear
+from kvpilot.engine.cpu import features as cpu_features
+from kvpilot.engine.cpu import onednn_linear
 from kvpilot.engine.model.layers import Linear, pack_for_onednn
-from kvpilot.engine.worker import cpu_features
 from tests.engine.conftest import make_prompts
 from tests.engine.oracle import check_greedy
 

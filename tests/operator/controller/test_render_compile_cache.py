@@ -105,7 +105,7 @@ def test_without_a_claim_the_compile_cache_stays_on_the_pods_tmp() -> None:
 
 
 def test_a_cpu_pod_without_compiled_decoding_keeps_its_kernels_on_the_claim_too() -> None:
-    # Every CPU engine builds its C++ kernels (engine/model/cpu_kernels.py): ~40 s a cold start.
+    # Every CPU engine builds its C++ kernels (engine/cpu/kernels.py): ~40 s a cold start.
     rendered = pod(spec({"source": HUB, "cache": {"claimName": "models"}}), cpu_plan(compile_decode=False))
     engine = rendered["containers"][0]
     assert served_cache_dir(engine, compile_decode=False) == render.COMPILE_CACHE_MOUNT

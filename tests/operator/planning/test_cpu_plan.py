@@ -284,7 +284,7 @@ def test_compiled_decoding_is_rendered_where_the_plan_tpot_needs_it() -> None:
 
 def test_compiled_decoding_counts_the_plain_weights_its_graph_reads_and_is_left_off_where_they_do_not_fit() -> None:
     # The built-in profile's engine packed its weights for oneDNN: eager steps read the packed ones,
-    # the compiled graph the plain ones kept beside (engine/model/onednn_linear.py).
+    # the compiled graph the plain ones kept beside (engine/cpu/onednn_linear.py).
     assert builtin().engine is not None and builtin().engine.onednn_weights
     eager_ms = _steps(builtin(), "none").decode[0].seconds * 1000
     tight = {"load": {"requestsPerSecond": 0.2, "meanPromptTokens": 60, "meanOutputTokens": 64}}
@@ -315,7 +315,7 @@ def test_compiled_decoding_counts_the_plain_weights_its_graph_reads_and_is_left_
 
 def test_an_engine_that_packs_for_onednn_holds_a_tied_head_twice_and_reads_it_once() -> None:
     # The same steps measured by an engine that served full-precision weights from oneDNN's layout
-    # ("none" holding the tied head's packed copy too: engine/model/onednn_linear.py) and by one
+    # ("none" holding the tied head's packed copy too: engine/cpu/onednn_linear.py) and by one
     # that did not.
     engine = builtin().engine
     assert engine is not None

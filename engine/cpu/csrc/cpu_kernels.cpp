@@ -1,8 +1,8 @@
-// The CPU kernels of engine/model/cpu_kernels.py (its docstring says what they do and why), built by
+// The CPU kernels of engine/cpu/kernels.py (its docstring says what they do and why), built by
 // its loader once per ISA level. The constants the Python side shares with them come from it as
 // defines (-D), so the two cannot disagree.
 #if !defined(KVPILOT_CHUNK) || !defined(KVPILOT_INT4_GROUP_COLUMNS)
-#error "build with cpu_kernels.build(), which defines KVPILOT_CHUNK and KVPILOT_INT4_GROUP_COLUMNS"
+#error "build with kvpilot.engine.cpu.kernels.build(), which defines KVPILOT_CHUNK and KVPILOT_INT4_GROUP_COLUMNS"
 #endif
 
 #include <ATen/ATen.h>

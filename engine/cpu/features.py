@@ -15,10 +15,10 @@ Three paths, chosen at start-up from /proc/cpuinfo (or forced by `cpu_kernels`):
 
 Weight-only INT8/INT4 run PyTorch's packed kernels on every path (their activations cast to bf16),
 except the decode-sized steps that the engine's C++ kernels serve where the CPU has their ISA
-(engine/model/cpu_kernels.py, from AVX2 on: bf16 dot products with AVX512-BF16, integer ones of
+(engine/cpu/kernels.py, from AVX2 on: bf16 dot products with AVX512-BF16, integer ones of
 16-bit activations elsewhere).
 On an x86 CPU (AVX2 or newer) full-precision weights are served from oneDNN's blocked layout, fp32
-ones always and bf16 ones where the CPU has bf16 arithmetic (engine/model/onednn_linear.py).
+ones always and bf16 ones where the CPU has bf16 arithmetic (engine/cpu/onednn_linear.py).
 """
 
 from __future__ import annotations

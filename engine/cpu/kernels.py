@@ -33,7 +33,7 @@ the widest the CPU runs, and registers the operators `kvpilot::paged_decode_atte
 engine takes it from the compile cache root's `kernels/` folder, else from the libraries an image
 ships prebuilt for every level (`kvpilot build-kernels --levels all` into $KVPILOT_CACHE/kernels),
 else builds it at start-up (~40 s on 2 cores) with the compiler torch.compile's CPU kernels use
-and keeps it in the compile cache root. Each file is named by a hash of its source (kernels/
+and keeps it in the compile cache root. Each file is named by a hash of its source (csrc/
 cpu_kernels.cpp), torch's version, the architecture, the level and the compiler's flags.
 """
 
@@ -71,7 +71,7 @@ _CHUNK = 128
 # The C++ source, package data (setup.py). The constants it shares with this module reach it as
 # defines rather than by editing its text, so the file compiles as it is read and the compiler's
 # messages point at its own lines.
-SOURCE = Path(__file__).parent / "kernels" / "cpu_kernels.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 _DEFINES = (f"-DKVPILOT_CHUNK={_CHUNK}", f"-DKVPILOT_INT4_GROUP_COLUMNS={INT4_GROUP_COLUMNS}")
 
 

@@ -12,7 +12,7 @@ directory of this process, and that directory is shared through a published entr
         manifest.json        what it was built for and every file's sha256; written last
         <inductor's files>
     <root>/.tmp-<random>/    an entry being published (renamed into place once complete)
-    <root>/kernels/          not an entry: the C++ kernels engine/model/cpu_kernels.py builds
+    <root>/kernels/          not an entry: the C++ kernels engine/cpu/kernels.py builds
 
 A start copies the entry into its private directory, checking every file against the manifest,
 and compiles there; when the compile added files (a cold start, or a model or torch change),

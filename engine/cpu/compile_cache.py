@@ -1,6 +1,6 @@
 """A persistent cache of the compiled decode step: torch.compile's artifacts kept between starts.
 
-Compiling the decode step (model_runner.py, `_compile_decode`) takes ~30 s on 2 cores, most of it
+Compiling the decode step (compiled_decode.py) takes ~30 s on 2 cores, most of it
 inductor generating and building C++ kernels; inductor's own cache (its FX graph cache and the built
 kernels, under TORCHINDUCTOR_CACHE_DIR) cuts that to the tracing alone when it finds them
 (AOTAutograd's cache refuses the step's graph, whose weights are frozen into it). The cache it keeps

@@ -210,14 +210,14 @@ def compiled_step_factor(steps: int, progress: Progress) -> float:
     # Tokens for every timed step and each round's untimed first call, so that no step runs empty.
     _admit(engine, 1, engine.tokenize(_PASSAGE), _PROMPT_TOKENS, 2 * rounds * (per_round + 1) + 8)
     runner = engine.runner
-    compiled_forward, times = runner._decode_forward, {True: [], False: []}
+    compiled_decode, times = runner.compiled_decode, {True: [], False: []}
     for _ in range(rounds):
         for compiled in (True, False):
             # Without its compiled forward the runner runs the lone sequence's step as an engine
             # without compile_decode does: eagerly, on the same C++ kernels.
-            runner._decode_forward = compiled_forward if compiled else None
+            runner.compiled_decode = compiled_decode if compiled else None
             times[compiled] += call_seconds(engine.step, 0.0, min_calls=per_round)
-    runner._decode_forward = compiled_forward
+    runner.compiled_decode = compiled_decode
     compiled_s, eager_s = statistics.median(times[True]), statistics.median(times[False])
     progress(
         f"engine decode step, batch 1, compiled: {compiled_s * 1e3:.2f} ms against {eager_s * 1e3:.2f} ms eager "

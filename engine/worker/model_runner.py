@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 import logging
-import time
-import types
-from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from torch._dynamo.convert_frame import register_bytecode_hook
 from transformers import PretrainedConfig
 
 from kvpilot.engine.contract.config import EngineConfig
 from kvpilot.engine.core.request import Request
-from kvpilot.engine.core.sampling_params import MAX_LOGPROBS
 from kvpilot.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from kvpilot.engine.cpu import kernels as cpu_kernels
 from kvpilot.engine.cpu import onednn_linear
-from kvpilot.engine.cpu.compile_cache import compile_with_cache, key_inputs, resolve_root
+from kvpilot.engine.cpu.compile_cache import resolve_root
+from kvpilot.engine.cpu.compiled_decode import CompiledDecode, KernelState, compile_decode
 from kvpilot.engine.cpu.features import choose_kernel_path, read_cpu_flags
 from kvpilot.engine.cpu.threads import cpu_threads
 from kvpilot.engine.lora.adapter import LoRAAdapter
@@ -28,22 +24,17 @@ from kvpilot.engine.lora.registry import Resident
 from kvpilot.engine.model.attention import AttentionMetadata, PrefillChunk, allocate_kv_caches
 from kvpilot.engine.model.layers import Linear, pack_for_onednn
 from kvpilot.engine.model.llama import LlamaForCausalLM, kv_shape
-from kvpilot.engine.model.loader import cache_root, load_config, load_model, resolve_model
+from kvpilot.engine.model.loader import cache_root, load_config, load_model
 from kvpilot.engine.model.quantization import cpu_int4_layout
 from kvpilot.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from kvpilot.engine.worker.grammar import GrammarMatchers, Grammars
-from kvpilot.engine.worker.sampler import RowPenalty, Sampler, SamplingMetadata, token_logprobs
-from kvpilot.engine.worker.spec_decode import DraftInput, Proposer
-from kvpilot.engine.worker.spec_decode.draft_proposer import DraftProposer
-from kvpilot.engine.worker.spec_decode.ngram_proposer import NgramProposer
+from kvpilot.engine.worker.sampler import Sampler, token_logprobs
+from kvpilot.engine.worker.sampling_inputs import sampling_metadata, worst_case_sampling
+from kvpilot.engine.worker.spec_decode import DraftInput
+from kvpilot.engine.worker.spec_decode.proposer import load_draft, make_proposer
 from kvpilot.engine.worker.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
-
-# The compiled decode step is traced at this position: its context length (41) must equal no
-# dimension of the model (a head count of 3, say) nor be 1, or torch.compile would specialise the
-# graph to that length instead of keeping it dynamic.
-WARM_UP_POSITION = 40
 
 # Without a device to profile, the pool is sized like vLLM's CPU backend: a fixed budget.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -71,9 +62,6 @@ class _Batch(NamedTuple):
 
 
 class ModelRunner:
-    # _kernel_state() when the compiled decode step was traced (None: no compiled step).
-    _traced_with: tuple[bool, frozenset[str]] | None = None
-
     def __init__(
         self,
         config: EngineConfig,
@@ -97,7 +85,7 @@ class ModelRunner:
         self.model, self.lora_batch = self._load_target(model_path)
         self.num_layers = self.hf_config.num_hidden_layers
         self.num_kv_heads, self.head_dim = kv_shape(self.model)
-        self.draft_model, self.draft_layers = self._load_draft()
+        self.draft_model, self.draft_layers = load_draft(config, self.model, self.hf_config, self.dtype, self.device)
         models = self._models()
         # A compiled graph reads plain weights: compile_decode keeps them beside the packed ones.
         self.onednn_layers = (
@@ -106,7 +94,9 @@ class ModelRunner:
         # What the weights take in memory as served (quantized layers in their low-bit form).
         self.weight_bytes = sum(t.numel() * t.element_size() for m in models for t in (*m.parameters(), *m.buffers()))
         self.num_blocks = self._num_kv_blocks()
-        self.proposer = self._make_proposer()
+        self.proposer = make_proposer(
+            config, self.draft_model, self.draft_layers, self.num_blocks * self.block_size, self.dtype, self.device
+        )
         self._log_config(threads, why)
         # Unseeded sampling draws from one generator seeded by the engine's seed; seeded requests
         # get their own, kept until they finish (a preempted request continues its stream).
@@ -125,7 +115,13 @@ class ModelRunner:
         self.decode_kernel, self.matmul_kernels, self._cpu_kernels_loaded = False, frozenset[str](), False
         cache_root = resolve_root(config.compile_cache_dir)
         self._load_cpu_kernels(cache_root)
-        self._decode_forward = self._compile_decode(cache_root) if config.compile_decode else None
+        self.compiled_decode: CompiledDecode | None = (
+            compile_decode(
+                self.model, self.hf_config, self.kv_caches, self.block_size, self._kernel_state(), cache_root
+            )
+            if config.compile_decode
+            else None
+        )
 
     def _load_target(self, model_path: Path) -> tuple[LlamaForCausalLM, LoRABatch | None]:
         """The served model and, with LoRA, what its target projections read each step's adapters
@@ -188,45 +184,6 @@ class ModelRunner:
             per_token += self.draft_layers * heads * dim
         return 2 * per_token * self.dtype.itemsize
 
-    def _load_draft(self) -> tuple[LlamaForCausalLM | None, int]:
-        """The draft model and the layers it runs: a separate model, or the target's first layers."""
-        config = self.config
-        if config.speculative != "draft":
-            return None, 0
-        if config.draft_model is None:
-            layers = config.draft_layers or max(1, self.num_layers // 4)
-            if layers >= self.num_layers:
-                raise ValueError(f"draft_layers {layers} must be fewer than the model's {self.num_layers} layers")
-            return self.model, layers
-        path = resolve_model(config.draft_model)
-        hf_config = load_config(path)
-        if hf_config.vocab_size != self.hf_config.vocab_size:
-            raise ValueError(
-                f"draft model {config.draft_model!r} has a vocabulary of {hf_config.vocab_size} tokens, "
-                f"the target {self.hf_config.vocab_size}: drafts must be the target's tokens"
-            )
-        model = load_model(path, hf_config, self.dtype, self.device)
-        return model, min(config.draft_layers or hf_config.num_hidden_layers, hf_config.num_hidden_layers)
-
-    def _make_proposer(self) -> Proposer | None:
-        config = self.config
-        if config.speculative == "ngram":
-            return NgramProposer(
-                config.num_speculative_tokens, config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max
-            )
-        if config.speculative == "draft":
-            return DraftProposer(
-                self.draft_model,
-                self.draft_layers,
-                config.num_speculative_tokens,
-                self.num_blocks * self.block_size,
-                self.block_size,
-                self.dtype,
-                self.device,
-                config.max_num_batched_tokens,
-            )
-        return None
-
     def _load_cpu_kernels(self, root: Path | None) -> None:
         """Serve with cpu_kernels' C++ library on every CPU engine: from the compile cache root
         (`compile_cache_dir`), else from an image's prebuilt ones ($KVPILOT_CACHE/kernels), or
@@ -261,100 +218,15 @@ class ModelRunner:
                 if isinstance(layer, Linear) and layer.quantization is not None:
                     layer.quantization.cpu_kernel = on and layer.quantization.name in self.matmul_kernels
 
-    def _compile_decode(self, root: Path | None) -> Callable[..., torch.Tensor]:
-        """The forward compiled by torch.compile (inductor) for a lone sequence's decode step,
-        built before serving (cpu_kernels' library, which the graph calls, is loaded by then).
-
-        On CPU most of a single-sequence decode step is the dispatch of ~170 small ops per layer
-        around a few matmuls; one compiled forward fuses them into a few kernels
-        (bench/history/2026-11-30-serving.md, "The single stream with a compiled decode step").
-        Several sequences per step gain nothing
-        measurable (the matmuls and the attention's KV reads dominate), so only this shape is
-        compiled. Compiling takes tens of seconds, far too long to happen on a request, so it
-        happens here, and its artifacts are kept in compile_cache_dir for the next start
-        (compile_cache.py; bench/RESULTS.md, "Compiled decoding: cold and warm starts")."""
-        if self.num_blocks * self.block_size <= WARM_UP_POSITION:
-            raise ValueError(
-                f"compile_decode needs a KV pool of more than {WARM_UP_POSITION} tokens, "
-                f"this one holds {self.num_blocks * self.block_size}"
-            )
-        if self.device.type == "cpu" and not cpu_kernels.has_compiler():
-            raise ValueError(
-                "compile_decode needs a C++ compiler for torch.compile's CPU kernels: g++ or clang++ "
-                "on PATH (or $CXX); install one or leave compile_decode off"
-            )
-        key = key_inputs(self.model, self.hf_config, self.dtype, self.device, self.model.quantization)
-        log.info("event=decode_compile_started cache_dir=%s", root)
-        started = time.monotonic()
-        forward, cache = compile_with_cache(self._trace_decode, root, key)
-        log.info("event=decode_compiled seconds=%.1f cache=%s", time.monotonic() - started, cache)
-        return forward
-
-    def _trace_decode(self) -> Callable[..., torch.Tensor]:
-        """The compiled forward, traced and built on one decode in blocks no request holds yet,
-        whose KV is overwritten before anything reads it; returned as the bytecode Dynamo made of
-        it, which `_forward` calls without Dynamo's guards (as vLLM dispatches to its compiled
-        code). The guards check every parameter, KV cache and module hook on each call, thousands
-        of checks, a large share of a small model's batch-1 step on CPU
-        (bench/history/2026-12-02-serving-cpu-decode.md, "The compiled step without Dynamo's
-        guards"). They hold by
-        construction here: the weights and caches are this runner's for its life, the graph is
-        called only for the steps it was traced for (`_traced_for`), and fullgraph leaves no
-        part of the forward to Dynamo at run time."""
-        code = type(self.model).forward
-        # A code object of this runner's own: Dynamo keeps what it compiled per code object, so
-        # the bytecode captured below is this trace's, never another engine's in the process.
-        forward = types.FunctionType(code.__code__.replace(), code.__globals__, code.__name__, closure=code.__closure__)
-        compiled = torch.compile(types.MethodType(forward, self.model), dynamic=True, fullgraph=True)
-        made: list[types.CodeType] = []
-
-        def keep(original: types.CodeType, transformed: types.CodeType) -> None:
-            if original is forward.__code__:
-                made.append(transformed)
-
-        hook = register_bytecode_hook(keep)
-        # Inside inference mode as in execute(): the graph is built for inference tensors. The
-        # modules' floats (RMSNorm's eps) are constants of the graph, not tensors made from them on
-        # every call, and its parameters and buffers are frozen into it, so the bytecode before
-        # the graph passes only the step's inputs, not ~430 weights looked up attribute by
-        # attribute (bench/history/2026-12-02-serving-cpu-decode.md, "The compiled step's weights
-        # frozen into its graph").
-        try:
-            with (
-                torch.inference_mode(),
-                torch._dynamo.config.patch(specialize_float=True),
-                torch._inductor.config.patch({"freezing": True, "cpp.weight_prepack": False}),
-            ):
-                inputs = StepInputs(self.block_size, self.device, self.decode_kernel)
-                blocks = list(range(-(-(WARM_UP_POSITION + 1) // self.block_size)))
-                inputs.add([0], WARM_UP_POSITION, blocks, decode=True)
-                input_ids, positions, meta = inputs.build()
-                compiled(input_ids, positions, self.kv_caches, meta)
-        finally:
-            hook.remove()
-        if len(made) != 1:
-            raise RuntimeError(f"torch.compile made {len(made)} versions of the decode step's code, expected one")
-        self._traced_with = self._kernel_state()
-        return types.MethodType(
-            types.FunctionType(made[0], code.__globals__, code.__name__, closure=code.__closure__), self.model
-        )
-
-    def _kernel_state(self) -> tuple[bool, frozenset[str]]:
+    def _kernel_state(self) -> KernelState:
         """What a traced graph bakes in of the C++ kernels: the attention kernel, the matmul schemes."""
         return self.decode_kernel, self.matmul_kernels
 
-    def _traced_for(self, meta: AttentionMetadata) -> bool:
-        """Whether the compiled forward computes this step: one sequence decoding one token, at a
-        context of 2 tokens or more (the graph's shapes are dynamic from 2: Dynamo specialises 0
-        and 1), with the kernels it was traced with."""
-        return (
-            _single_decode(meta) and meta.decodes[0].slots.shape[1] >= 2 and self._kernel_state() == self._traced_with
-        )
-
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The compiled forward for the steps it was traced for, the eager one otherwise."""
-        if self._decode_forward is not None and self._traced_for(meta):
-            return self._decode_forward(input_ids, positions, self.kv_caches, meta)
+        compiled = self.compiled_decode
+        if compiled is not None and compiled.traced_for(meta, self._kernel_state()):
+            return compiled.forward(input_ids, positions, self.kv_caches, meta)
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _num_kv_blocks(self) -> int:
@@ -397,7 +269,7 @@ class ModelRunner:
         logits = self.model.logits(hidden[-rows:])
         # A sampler of its own: the engine's is not made yet, and profiling must not draw from its generator.
         Sampler(torch.Generator(self.device))(
-            logits, _worst_case_sampling(rows, config.speculative != "off", self.device)
+            logits, worst_case_sampling(rows, config.speculative != "off", self.device)
         )
         del logits
         if self.draft_model is not None:
@@ -513,7 +385,7 @@ class ModelRunner:
         logits = self.model.logits(hidden[torch.tensor(batch.sample_rows, dtype=torch.long, device=device)])
         rows = [item.request for item in batch.sampled for _ in range(len(item.spec_token_ids) + 1)]
         draft_rows = [token for item in batch.sampled for token in (*item.spec_token_ids, -1)]
-        meta = self._sampling_metadata(rows)
+        meta = sampling_metadata(rows, self._generators, self.eos_token_ids, self.matchers, device)
         if len(draft_rows) > len(batch.sampled):
             meta.draft_token_ids = torch.tensor(draft_rows, dtype=torch.long, device=device)
         result = self.sampler(logits, meta)
@@ -555,70 +427,6 @@ class ModelRunner:
         k = request.params.prompt_logprobs or 0
         scores = token_logprobs(logprobs, targets, {i: k for i in range(count)})
         return position + 1, [TokenLogprobs(int(t), *scores[i]) for i, t in enumerate(targets.tolist())]
-
-    def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
-        """Per row; a request verifying drafts has a row per draft, and one more (speculable
-        requests have no per-row state: no penalties, bans, logprobs or seeded generator)."""
-        params = [r.params for r in requests]
-        device = self.device
-        greedy = [p.greedy for p in params]
-        generators = {}
-        penalties = []
-        banned = {}
-        for row, request in enumerate(requests):
-            p = request.params
-            if p.seed is not None and not greedy[row]:
-                generator = self._generators.get(request.request_id)
-                if generator is None:
-                    generator = self._generators[request.request_id] = torch.Generator(device).manual_seed(p.seed)
-                generators[row] = generator
-            if p.penalized:
-                output_ids = torch.tensor(request.output_token_ids, dtype=torch.long, device=device)
-                seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.long, device=device)
-                penalties.append(
-                    RowPenalty(row, output_ids, seen, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
-                )
-            if request.num_output_tokens < p.min_tokens:
-                banned[row] = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
-        min_p = [p.min_p for p in params]
-        return SamplingMetadata(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            all_greedy=all(greedy),
-            generators=generators,
-            min_p=torch.tensor(min_p, dtype=torch.float32, device=device) if any(min_p) else None,
-            penalties=penalties,
-            banned={row: ids for row, ids in banned.items() if ids},
-            num_logprobs={row: p.logprobs for row, p in enumerate(params) if p.logprobs is not None},
-            token_bitmask=self.matchers.bitmask(requests, device) if self.matchers is not None else None,
-        )
-
-
-def _worst_case_sampling(rows: int, drafts: bool, device: torch.device) -> SamplingMetadata:
-    """Sampling settings under which the sampler allocates the most: every row sampled under
-    top-k, top-p and min-p, asking for the most logprobs, and verifying a draft when speculating."""
-    return SamplingMetadata(
-        temperature=torch.ones(rows, device=device),
-        top_k=torch.full((rows,), 50, dtype=torch.long, device=device),
-        top_p=torch.full((rows,), 0.9, device=device),
-        greedy=torch.zeros(rows, dtype=torch.bool, device=device),
-        all_greedy=False,
-        min_p=torch.full((rows,), 0.05, device=device),
-        num_logprobs=dict.fromkeys(range(rows), MAX_LOGPROBS),
-        draft_token_ids=torch.zeros(rows, dtype=torch.long, device=device) if drafts else None,
-    )
-
-
-def _single_decode(meta: AttentionMetadata) -> bool:
-    """The step is one sequence decoding one token."""
-    return (
-        not meta.prefills
-        and len(meta.decodes) == 1
-        and meta.decodes[0].num_queries == 1
-        and meta.decodes[0].slots.shape[0] == 1
-    )
 
 
 def _is_decode(item: ScheduledRequest) -> bool:

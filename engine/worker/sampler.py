@@ -37,7 +37,7 @@ class RowPenalty:
 
 @dataclass
 class SamplingMetadata:
-    """Per-row settings of one step's logits; built by the model runner."""
+    """Per-row settings of one step's logits; built by sampling_inputs.py."""
 
     temperature: torch.Tensor  # [rows] float
     top_k: torch.Tensor  # [rows] long; 0 means all tokens

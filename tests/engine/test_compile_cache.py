@@ -52,7 +52,7 @@ def _files(folder: Path) -> dict[str, tuple[int, int]]:
 
 
 def _check_greedy_through_graph(llm: LLM, corpus_ids: list[int], hf_greedy) -> None:
-    assert llm.engine.runner._decode_forward is not None
+    assert llm.engine.runner.compiled_decode is not None
     for prompt in make_prompts(corpus_ids, [17, 90]):
         out = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0))[0].outputs[0]
         ref = hf_greedy(prompt, 10)

@@ -19,15 +19,15 @@ def compiled() -> tuple[LLM, list[int]]:
     whose compiled forward counts its calls: a decode step served without it shows in the count."""
     llm = LLM(dtype="float32", compile_decode=True, kv_cache_memory_bytes=64 << 20, compile_cache_dir="off")
     runner = llm.engine.runner
-    compiled_forward = runner._decode_forward
-    assert compiled_forward is not None
+    assert runner.compiled_decode is not None
+    compiled_forward = runner.compiled_decode.forward
     calls = [0]
 
     def counted(*args: object) -> torch.Tensor:
         calls[0] += 1
         return compiled_forward(*args)
 
-    runner._decode_forward = counted
+    runner.compiled_decode.forward = counted
     return llm, calls
 
 

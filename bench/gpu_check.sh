@@ -42,7 +42,7 @@ step() {
 }
 
 step tests "${TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/engine/test_exactness.py \
-  tests/engine/test_logprobs.py tests/engine/test_quantization.py tests/engine/test_engine_behaviour.py
+  tests/engine/test_logprobs.py tests/engine/model/test_quantization.py tests/engine/test_engine_behaviour.py
 
 # The GPU the engines take, as the catalog names it; the engine's GPU schemes are none, int8 and
 # int4 (w8a8 is CPU-only): none and int8, each with speculation off and ngram, at planned batches

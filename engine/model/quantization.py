@@ -324,7 +324,7 @@ def _unpack_cpu_int4pack(
     packed: torch.Tensor, out_features: int, in_features: int, layout: Int4Layout | None = None
 ) -> torch.Tensor:
     """The 0..15 values [out, in] of `_convert_weight_to_int4pack_for_cpu`'s output, for an output
-    width that is a multiple of the layout's block (tests/engine/test_quantization.py checks it
+    width that is a multiple of the layout's block (tests/engine/model/test_quantization.py checks it
     against the op under each ISA ATen runs)."""
     layout = layout or cpu_int4_layout()
     blocks = packed.view(out_features // layout.rows, in_features, layout.rows // 2)

@@ -3,7 +3,7 @@
 Source: written for kvpilot (no third-party text), in the genres a small instruct model serves:
 narrative, explanation, instructions, dialogue, correspondence, news, and a little code. It is kept
 apart from what `kvpilot eval` scores: no CPython documentation (the perplexity text) and no
-country capitals (the task set); tests/engine/test_awq.py checks that they share no phrase.
+country capitals (the task set); tests/engine/quantize/test_awq.py checks that they share no phrase.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Full-precision weights served from oneDNN's blocked layout on an x86 CPU: the same products as
 the plain weight; a tied LM head packed as its own copy, counted in the weights; the engine's greedy
 tokens HF's with and without packing; a layer that torch.compile traces (compile_decode) reads the
-plain weight it keeps beside the packed one (tests/engine/test_compiled_decode.py for the engine)."""
+plain weight it keeps beside the packed one (tests/engine/cpu/test_compiled_decode.py for the engine)."""
 
 from __future__ import annotations
 

@@ -372,10 +372,10 @@ def test_every_narrower_level_this_cpu_runs_gives_the_same_products(tmp_path) ->
     narrower = cpu_kernels.runnable_levels(read_cpu_flags())[1:]
     assert narrower or cpu_kernels.BUILDABLE == (cpu_kernels.BASELINE,)
     code = (
-        "import json, sys; from tests.engine.test_cpu_kernels import _errors_at_level;"
+        "import json, sys; from tests.engine.cpu.test_cpu_kernels import _errors_at_level;"
         "print(json.dumps(_errors_at_level(sys.argv[1], sys.argv[2])))"
     )
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     for level in narrower:
         done = subprocess.run(
             [sys.executable, "-c", code, str(tmp_path), level.name],

@@ -1,0 +1,1 @@
+"""The torch-free contract with the operator (kvpilot.engine.contract)."""

@@ -1,0 +1,1 @@
+"""The engine's bookkeeping (kvpilot.engine.core): blocks, the KV-cache manager, the scheduler."""

@@ -1,0 +1,1 @@
+"""LoRA adapters (kvpilot.engine.lora)."""

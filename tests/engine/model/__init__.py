@@ -1,0 +1,1 @@
+"""The model side (kvpilot.engine.model): quantized layers and checkpoints."""

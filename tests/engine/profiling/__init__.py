@@ -1,0 +1,1 @@
+"""`kvpilot profile` and the device profile it writes (kvpilot.engine.profiling)."""

@@ -1,0 +1,1 @@
+"""The offline quantization tools (kvpilot.engine.quantize)."""

@@ -1,0 +1,1 @@
+"""The commands beside serving (kvpilot.engine.tools)."""

@@ -1,7 +1,8 @@
 """Scenario 10: `runtime: vllm` on the real control plane. A 70B model on the fake H100 nodes (8 GPUs
-each) is planned with tensor parallelism, rolls out `vllm serve` pods requesting that many GPUs,
-becomes Ready from its pods' readiness, is what `kvpilot render` prints, and is scaled by the
-autoscaler from what vLLM's own metrics code reports.
+each) is planned with tensor parallelism, rolls out `vllm serve` pods requesting that many GPUs
+(with no model.source, downloading the catalog model's Hub repository before vLLM starts), becomes
+Ready from its pods' readiness, is what `kvpilot render` prints, and is scaled by the autoscaler from
+what vLLM's own metrics code reports.
 
 kwok runs no containers: each pod's /metrics is served on its loopback address by a stand-in whose
 body vLLM 0.33's PrometheusStatLogger wrote (tests/vllm/exposition.py) after steps with a queue far
@@ -129,6 +130,10 @@ def test_a_vllm_service_is_split_over_gpus_rolls_out_and_is_scaled_on_vllm_metri
     assert engine["command"] == ["vllm", "serve"] and engine["image"].startswith("vllm/vllm-openai:")
     assert f"--tensor-parallel-size={expected.gpu_count}" in engine["args"]
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == str(expected.gpu_count)
+    # No model.source: vLLM, offline in the pod, loads the catalog model's repository, which an init
+    # container downloads first (kwok runs neither).
+    assert engine["args"][0] == "/model-cache/hf/meta-llama/Meta-Llama-3-70B@main"
+    assert deployment["spec"]["template"]["spec"]["initContainers"][0]["args"][0] == "meta-llama/Meta-Llama-3-70B"
     # What `kvpilot render -f` prints for the stored object is what the operator applied.
     assert _engine(_rendered_by_the_cli(obj, tmp_path))["args"] == engine["args"]
     # The scheduler placed it on an H100 node, whose 8 GPUs hold the pod's share.

@@ -48,6 +48,8 @@ from kvpilot.operator.planning import cpus, sizing
 from kvpilot.operator.planning.gpus import GPUS, find_gpu
 from kvpilot.operator.planning.model_config import read_config
 from kvpilot.operator.planning.plan import PlanContext, plan
+from kvpilot.operator.planning.reasons import failed_plan
+from kvpilot.operator.planning.sources import MODEL_SOURCE_REQUIRED, missing_source, with_model_source
 from kvpilot.operator.planning.variants import VariantRequest, as_one_plan, plan_variants, requested
 
 PEERING_NAME = "kvpilot"
@@ -539,7 +541,8 @@ def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Exit 0 when the model fits, 1 when it does not, 2 for invalid arguments."""
     try:
         profile = _device_profile(args)
-        spec, checkpoint = _read_checkpoint(InferenceServiceSpec.model_validate(_spec(args, profile)))
+        spec = with_model_source(InferenceServiceSpec.model_validate(_spec(args, profile)))
+        spec, checkpoint = _read_checkpoint(spec)
     except (ValidationError, ValueError) as error:
         print(f"kvpilot plan: {error}", file=sys.stderr)
         return 2
@@ -570,13 +573,17 @@ def run_render(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     2 for an invalid manifest."""
     try:
         manifest = _manifest(args.filename)
-        spec = InferenceServiceSpec.model_validate(manifest["spec"])
+        spec = with_model_source(InferenceServiceSpec.model_validate(manifest["spec"]))
     except (ValidationError, ValueError) as error:
         print(f"kvpilot render: {error}", file=sys.stderr)
         return 2
     metadata = manifest.get("metadata") or {}
-    mixed = plan_variants(spec, requested(spec)) if spec.accelerator.variants else None
-    result = plan(spec) if mixed is None else as_one_plan(spec, mixed)
+    missing = missing_source(spec)
+    mixed = plan_variants(spec, requested(spec)) if spec.accelerator.variants and not missing else None
+    if missing:
+        result = failed_plan(spec, MODEL_SOURCE_REQUIRED, missing)
+    else:
+        result = plan(spec) if mixed is None else as_one_plan(spec, mixed)
     objects = render.children(
         str(metadata.get("name", "unnamed")),
         str(metadata.get("namespace", "default")),

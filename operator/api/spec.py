@@ -335,12 +335,15 @@ class ModelSpec(_Camel):
         description="Catalog model (e.g. llama-2-7b), or any name when architecture is given or source is an "
         "hf:// repository (the operator reads its config.json).",
     )
-    # Unset: the engine's --model is `name` (the embedded model's name, say). See SOURCE_PATTERN.
+    # Unset: kvpilot's --model is `name` (the embedded model's name, say); vLLM, which loads only
+    # local files, gets the Hub repository `name` stands for (planning/sources.py). See SOURCE_PATTERN.
     source: str | None = Field(
         default=None,
         description="Where the weights are: hf://org/repo[@revision] (an init container downloads it into "
         "model.cache before the engine starts), pvc://claim/path (mounted read-only), or an absolute path "
-        "in the engine image. Unset: the engine loads model.name.",
+        "in the engine image. Unset: runtime kvpilot loads model.name (its embedded model); runtime vllm "
+        "downloads hf://<model.name> when model.name is a repository (org/repo), else the catalog model's "
+        "repository, and is Ready=False (ModelSourceRequired) for any other name.",
     )
     # For every hf:// source of the service (this one and serving.draftModel): the Secret key holding
     # a hub token (HF_TOKEN of the downloads), for gated or private repositories; and the volume the
@@ -380,7 +383,8 @@ class ModelSpec(_Camel):
 
 
 HUB_SETTINGS = (
-    "model.tokenSecret and model.cache apply only to hf:// sources (model.source, serving.draftModel or adapters)"
+    "model.tokenSecret and model.cache apply only to hf:// sources (model.source, serving.draftModel or adapters; "
+    "runtime vllm without model.source downloads the repository model.name stands for)"
 )
 # The most adapters one service lists (a bound for CEL's cost estimate and for the engines' CPU
 # cache of adapters, max_cpu_loras, which holds them all).
@@ -892,8 +896,9 @@ class InferenceServiceSpec(_Camel):
     model_config = ConfigDict(
         json_schema_extra=cel(
             (
-                "!(has(self.model.tokenSecret) || has(self.model.cache)) || (has(self.model.source) && "
-                "self.model.source.startsWith('hf://')) || (has(self.serving) && has(self.serving.draftModel) && "
+                "!(has(self.model.tokenSecret) || has(self.model.cache)) || (has(self.model.source) ? "
+                "self.model.source.startsWith('hf://') : (has(self.runtime) && self.runtime == 'vllm')) || "
+                "(has(self.serving) && has(self.serving.draftModel) && "
                 "self.serving.draftModel.startsWith('hf://')) || (has(self.adapters) && "
                 "self.adapters.exists(a, a.source.startsWith('hf://')))",
                 HUB_SETTINGS,
@@ -1059,7 +1064,10 @@ class InferenceServiceSpec(_Camel):
     @model_validator(mode="after")
     def _hub_settings_need_a_hub_source(self) -> InferenceServiceSpec:
         sources = (self.model.source, self.serving.draft_model, *(a.source for a in self.adapters))
-        if (self.model.token_secret or self.model.cache) and not any(hub_source(s) for s in sources):
+        # vLLM without model.source downloads the repository model.name stands for (the operator
+        # knows which, from its catalog; the API server does not).
+        defaulted = self.runtime == "vllm" and self.model.source is None
+        if (self.model.token_secret or self.model.cache) and not defaulted and not any(hub_source(s) for s in sources):
             raise ValueError(HUB_SETTINGS)
         return self
 

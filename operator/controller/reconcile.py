@@ -62,6 +62,7 @@ from kvpilot.operator.planning.context import Correction
 from kvpilot.operator.planning.model_config import ModelConfig
 from kvpilot.operator.planning.plan import PlanContext, plan
 from kvpilot.operator.planning.reasons import failed_plan
+from kvpilot.operator.planning.sources import MODEL_SOURCE_REQUIRED, missing_source, with_model_source
 from kvpilot.operator.planning.variants import plan_variants, requested
 from kvpilot.operator.runtimes import RUNTIMES
 
@@ -239,7 +240,7 @@ def _kept_spec(kept: LastGoodPlan | None, spec: InferenceServiceSpec) -> Inferen
         return None
     current = spec.model_dump(mode="json", by_alias=True, exclude=set(PLANNED), exclude_defaults=True)
     try:
-        return InferenceServiceSpec.model_validate({**current, **_planned_part(kept.spec)})
+        return with_model_source(InferenceServiceSpec.model_validate({**current, **_planned_part(kept.spec)}))
     except ValidationError:
         return None
 
@@ -388,7 +389,7 @@ class Observed(NamedTuple):
 
 def _valid_spec(body: Mapping[str, Any]) -> InferenceServiceSpec | ValidationError:
     try:
-        return InferenceServiceSpec.model_validate(body.get("spec", {}))
+        return with_model_source(InferenceServiceSpec.model_validate(body.get("spec", {})))
     except ValidationError as error:
         return error
 
@@ -465,6 +466,7 @@ def decide(
     body, spec, kept = observed.body, observed.spec, observed.kept
     if isinstance(spec, ValidationError):
         return Decision(None, _invalid(body, spec), [], _ApiKey(), kept, None)
+    spec = with_model_source(spec)  # observe's already is; a snapshot's may not be
     metadata = body["metadata"]
     name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
     planned = planned_fields(spec)
@@ -474,6 +476,8 @@ def decide(
     mixed = None
     if isinstance(checkpoint, Unreadable):
         result = failed_plan(spec, checkpoint.failure, checkpoint.message)
+    elif (missing := missing_source(spec)) is not None:
+        result = failed_plan(spec, MODEL_SOURCE_REQUIRED, missing)
     else:
         spec = with_checkpoint(spec, read)
         factors, architecture = correction.factors(corrected), read.architecture if read else None

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import re
 
-from kvpilot.operator.api.spec import Architecture
+from kvpilot.operator.api.spec import HF_SCHEME, SOURCE_PATTERN, Architecture
+
+HF_CONFIG_URL = "https://huggingface.co/{repo}/blob/main/config.json"
 
 
 def _hf(repo: str) -> str:
-    return f"https://huggingface.co/{repo}/blob/main/config.json"
+    return HF_CONFIG_URL.format(repo=repo)
 
 
 MODELS: dict[str, Architecture] = {
@@ -168,3 +170,28 @@ _BY_KEY: dict[str, Architecture] = {_key(name): arch for name, arch in MODELS.it
 def find_model(name: str) -> Architecture | None:
     """A catalog architecture by model or repo name; None when unknown."""
     return _BY_KEY.get(_key(name))
+
+
+# The repository a catalog entry's numbers were copied from: its `source` starts with that
+# config.json's URL (mixtral's adds a second reference after it).
+_REPO_IN_URL = re.compile(re.escape(HF_CONFIG_URL).replace(re.escape("{repo}"), "([^/ ]+/[^/ ]+)"))
+
+
+def catalog_repo(name: str) -> str | None:
+    """The Hugging Face repository of the catalog model `name`, None when it has none recorded."""
+    found = _REPO_IN_URL.match(MODELS[name].source)
+    return found.group(1) if found else None
+
+
+def hub_repo(name: str) -> str | None:
+    """The Hub repository (org/repo[@revision]) a model name stands for: the name itself when it
+    is one, else the catalog model it names exactly, by its key or its repository's name; None
+    otherwise. Not by find_model's looser match: `Meta-Llama-3-8B-Instruct` finds llama-3-8b's
+    architecture, but llama-3-8b's repository holds the base model's weights, not the instruct's."""
+    if "/" in name:
+        return name if re.fullmatch(SOURCE_PATTERN, HF_SCHEME + name) else None
+    for key in MODELS:
+        repo = catalog_repo(key)
+        if repo is not None and name.lower() in (key, repo.rsplit("/", 1)[-1].lower()):
+            return repo
+    return None

@@ -44,6 +44,9 @@ class Runtime:
     lora_env: tuple[tuple[str, str], ...] = ()
     # Whether its image has `kvpilot download` (else the downloads run in the operator's engine image).
     ships_downloader: bool = True
+    # Whether it loads only the files the pod has (no model by name): a spec without model.source
+    # then gets the Hub repository model.name stands for (planning/sources.py).
+    local_files_only: bool = False
     # Whether it serves LoRA adapters (spec.adapters) with `--enable-lora --max-loras --max-lora-rank
     # --max-cpu-loras`.
     lora: bool = False

@@ -91,7 +91,17 @@ class UnloadAdapter(BaseModel):
 
 
 class CallFailed(Exception):
-    """An engine call that did not succeed, and why (for the status)."""
+    """An engine call that did not succeed, and why (for the status); `status`: the engine's HTTP
+    answer, None when there was none."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def refused(self) -> bool:
+        """The engine said no to the call itself: not a 503 (not ready yet) and not silence."""
+        return self.status is not None and self.status != 503
 
 
 class StatusWriter(Protocol):
@@ -137,7 +147,7 @@ async def call(
         ):
             answer = await response.content.read(MAX_ANSWER_BYTES + 1)
             if response.status != 200:
-                raise CallFailed(_message(response.status, answer))
+                raise CallFailed(_message(response.status, answer), response.status)
             if len(answer) > MAX_ANSWER_BYTES:
                 raise CallFailed(f"the answer is larger than {MAX_ANSWER_BYTES} bytes")
             return answer
@@ -229,7 +239,7 @@ class AdapterSync:
             except CallFailed as error:
                 log.info(f"adapters: pod {pod}: {step.action} {step.name} ({step.path}) failed: {error}")
                 if step.action != "unload":
-                    failures.failed(pod, step.name, now, f"{step.action} from {step.path}: {error}")
+                    failures.failed(pod, step.name, now, f"{step.action} from {step.path}: {error}", error.refused)
                 continue
             if step.action == "unload":
                 held.pop(step.name, None)

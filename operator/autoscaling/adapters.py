@@ -57,9 +57,9 @@ class Failure(NamedTuple):
     at: float  # when it failed (epoch seconds)
     count: int  # failures in a row (0: the pod could not be read, nothing was tried)
     until: float  # not tried again before
-
-
-_UNTRIED = Failure("", 0.0, 0, 0.0)
+    # The engine answered the load with a refusal (not a 503 "not ready yet", not a lost connection):
+    # the adapter is bad there, and the pod is not held back for it.
+    refused: bool = False
 
 
 @dataclass
@@ -72,10 +72,10 @@ class Failures:
         failure = self.by_key.get((pod, name))
         return failure is None or now >= failure.until
 
-    def failed(self, pod: str, name: str, now: float, message: str) -> None:
+    def failed(self, pod: str, name: str, now: float, message: str, refused: bool = True) -> None:
         count = self.by_key[(pod, name)].count + 1 if (pod, name) in self.by_key else 1
         wait = min(RETRY_SECONDS * 2 ** (count - 1), MAX_RETRY_SECONDS)
-        self.by_key[(pod, name)] = Failure(message[:MAX_MESSAGE], now, count, now + wait)
+        self.by_key[(pod, name)] = Failure(message[:MAX_MESSAGE], now, count, now + wait, refused)
 
     def unread(self, pod: str, names: Sequence[str], now: float, message: str) -> None:
         """A pod whose adapters could not be read: said on each adapter (since when, so the
@@ -127,11 +127,14 @@ def gate_condition(
 ) -> dict[str, Any] | None:
     """The pod's readiness-gate condition once every adapter of the spec was tried there: held
     from its path, or refused by the engine (an error on that adapter, not a pod kept out of
-    service for it); None while the pod could not be read or an adapter is still to be loaded."""
+    service for it); None while the pod could not be read or an adapter is still to be loaded
+    (not tried, or the engine was not ready for it)."""
     if held is None:
         return None
     refused = sorted(
-        name for name in want if held.get(name) != want[name] and failures.by_key.get((pod, name), _UNTRIED).count
+        name
+        for name in want
+        if held.get(name) != want[name] and (failure := failures.by_key.get((pod, name))) and failure.refused
     )
     loaded = [name for name in want if held.get(name) == want[name]]
     if len(loaded) + len(refused) < len(want):

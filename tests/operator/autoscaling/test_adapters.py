@@ -105,6 +105,9 @@ def test_the_readiness_gate_opens_once_every_adapter_was_given_to_the_pod() -> N
     failures.unread("p0", ["bad"], 100.0, "HTTP 503")
     assert gate_condition("p0", want, {"sql": "/a/sql"}, failures, 100.0) is None  # nothing tried
     assert gate_condition("p0", want, {"sql": "/a/old", "bad": "/a/bad"}, failures, 100.0) is None  # moved
+    # An engine not ready for it (503) or not answering has not refused it: the pod waits.
+    failures.failed("p0", "bad", 100.0, "HTTP 503: the server is not ready to load adapters", refused=False)
+    assert gate_condition("p0", want, {"sql": "/a/sql"}, failures, 100.0) is None
     # A refused adapter is an error on it, not a pod kept out of the Service.
     failures.failed("p0", "bad", 101.0, "HTTP 400: malformed")
     condition = gate_condition("p0", want, {"sql": "/a/sql"}, failures, 101.0)

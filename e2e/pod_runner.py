@@ -23,6 +23,7 @@ IP, its engine answered the broken pod's /metrics, and the autoscaler saw no unk
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,10 @@ class PodRunner(Background):
         self.started = 0
         self.stopped = 0
         self.duplicates: list[str] = []  # pods deleted for an IP another pod already had
+        # A slow-loading engine: a pod's engine starts this long after the pod is first seen
+        # Running (a test sets it; kwok's pod is Running at once, a real image pulls and loads).
+        self.start_delay_s = 0.0
+        self._first_seen: dict[str, float] = {}
 
     def close(self) -> None:
         with self._lock:
@@ -111,7 +116,15 @@ class PodRunner(Background):
             gone = [e for pod, e in self._engines.items() if pod not in running]
             for engine in gone:
                 del self._engines[engine.pod]
-            new = [(pod, ip) for pod, ip in running.items() if pod not in self._engines and pod not in self._left_alone]
+            now = time.monotonic()
+            self._first_seen = {pod: self._first_seen.get(pod, now) for pod in running}
+            new = [
+                (pod, ip)
+                for pod, ip in running.items()
+                if pod not in self._engines
+                and pod not in self._left_alone
+                and now - self._first_seen[pod] >= self.start_delay_s
+            ]
         for engine in gone:
             self._stop_engine(engine)
         if new:

@@ -42,6 +42,8 @@ PROMPT = (
     + "The team reviewed the release plan, the open bugs, the test coverage and the rollout schedule. " * 6
 )
 WINDOW_S = WINDOW_PERIODS * AUTOSCALE_INTERVAL_S
+# A woken engine's injected load time (the wake scenario): longer than its scale-down window.
+SLOW_START_S = 40.0
 # Where to also write the scale-up/scale-down cycle's timeline (bench/autoscale_plot.py plots it).
 TIMELINE_ENV = "KVPILOT_AUTOSCALE_TIMELINE"
 
@@ -66,6 +68,22 @@ def autoscaled_spec(mode: str, min_replicas: int) -> dict[str, Any]:
 
 def replicas(k8s: Cluster, namespace: str, name: str) -> int:
     return int(k8s.kubectl_json("get", "deployment", name, "-n", namespace)["spec"]["replicas"])
+
+
+class ReplicaSampler(Background):
+    """The Deployment's replicas, read once a second for the length of its block."""
+
+    def __init__(self, k8s: Cluster, namespace: str, name: str) -> None:
+        super().__init__("replica-sampler")
+        self.k8s, self.namespace, self.name = k8s, namespace, name
+        self.counts: list[int] = []
+
+    def loop(self) -> None:
+        while not self.stopping.wait(1.0):
+            try:
+                self.counts.append(replicas(self.k8s, self.namespace, self.name))
+            except Exception:  # noqa: BLE001 - a slow kubectl read skips one sample
+                continue
 
 
 class Timeline(Background):
@@ -248,17 +266,27 @@ def test_an_idle_service_scales_to_zero_and_the_gateway_holds_the_next_request(
     assert replicas(k8s, namespace, name) == 0
 
     # The next request is held by the gateway, which scales to 1; it is answered once the new
-    # pod's engine has loaded the model.
+    # pod's engine has loaded the model. That engine loads slowly (it starts SLOW_START_S after
+    # its pod runs, longer than the 30 s scale-down window): it is not scaled back to zero while
+    # the request waits, and its startup probe's budget covers the delay.
+    pod_spec = k8s.kubectl_json("get", "deployment", name, "-n", namespace)["spec"]["template"]["spec"]
+    probe = pod_spec["containers"][0]["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] > SLOW_START_S + 20, probe
+    runner.start_delay_s = SLOW_START_S
     started = time.monotonic()
-    woken = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0
-    )
+    with ReplicaSampler(k8s, namespace, name) as sampled:
+        woken = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0
+        )
     held_s = time.monotonic() - started
     assert woken.choices[0].message.content
+    assert held_s > SLOW_START_S, held_s
+    # Once woken, never back to 0 while the request waited.
+    woken_at = sampled.counts.index(1) if 1 in sampled.counts else len(sampled.counts)
+    assert sampled.counts[woken_at:] and 0 not in sampled.counts[woken_at:], sampled.counts
     # The gateway probes the new pod's /ready itself and may forward before the runner's next poll
     # marks that engine ready: count the engines started, not the ones seen ready.
     assert replicas(k8s, namespace, name) == 1 and len(runner.engines()) == 1, runner.snapshot()
-    assert held_s > 1.0, held_s  # an engine started for it: seconds, not a refusal
     reasons = [(e["reason"], e["message"]) for e in kvis.events(k8s, namespace, name)]
     assert any(r == "ScaledDown" and "1 -> 0" in m for r, m in reasons), reasons
     assert any(r == "ScaledUp" and "a request arrived at 0 replicas: 0 -> 1" in m for r, m in reasons), reasons

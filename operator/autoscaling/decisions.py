@@ -14,7 +14,8 @@ Signals, each a ratio to its target (1.0 = at the target):
   waiting work too, shared among the replicas: a queue in the gateway scales up, even while the
   replicas are still loading;
 - KV-cache usage against `targetKvCacheUsage`: a full cache preempts and recomputes;
-- running sequences per replica against the plan's max_num_seqs x TARGET_BATCH_OCCUPANCY.
+- running sequences per replica against the plan's max_num_seqs x TARGET_BATCH_OCCUPANCY, each
+  pod's against its own engine's limit (a mixed pool's GPU types each have theirs).
 Gauges are averaged over the window's reads: one read is a sample of something that moves with
 every request.
 
@@ -210,6 +211,9 @@ class PodRead(_Data):
     name: str
     reading: EngineReading | None = None
     error: str | None = None
+    # Its engine's batch limit where pods differ (a mixed pool: its GPU type's planned max_num_seqs);
+    # None: the policy's.
+    max_num_seqs: int | None = Field(default=None, gt=0)
 
 
 class Observation(_Data):
@@ -270,6 +274,8 @@ class WindowEntry(_Data):
     pods_with_baseline: int = 0
     waiting: Mean = Mean()
     running: Mean = Mean()
+    # Each pod's running sequences over its own engine's max_num_seqs.
+    occupancy: Mean = Mean()
     kv_usage: Mean = Mean()
     # Requests the gateways held for the service (one sample a period, when they were read).
     held: Mean = Mean()
@@ -308,7 +314,7 @@ class Signals(_Data):
     gateway_unknown: tuple[str, ...] = ()
     kv_cache_usage: float | None = None
     running_per_replica: float | None = None
-    batch_occupancy: float | None = None  # mean running / max_num_seqs
+    batch_occupancy: float | None = None  # mean of each pod's running / its max_num_seqs
     # Requests per second per replica (first tokens in the window): unlike latency, it grows in
     # exact proportion to the load per replica.
     rate_per_replica: float | None = None
@@ -456,7 +462,7 @@ def _signals(policy: Policy, window: Sequence[WindowEntry], obs: Observation) ->
         gateway_unknown=obs.gateway.unknown if obs.gateway is not None else (),
         kv_cache_usage=sum((e.kv_usage for e in window), Mean()).value(),
         running_per_replica=running,
-        batch_occupancy=running / policy.max_num_seqs if running is not None and policy.max_num_seqs else None,
+        batch_occupancy=sum((e.occupancy for e in window), Mean()).value(),
         rate_per_replica=started / replica_seconds if replica_seconds > 0 else None,
         reporting=len(readings),
         unknown=tuple(sorted(p.name for p in reads if p.reading is None)),
@@ -529,6 +535,15 @@ def _held_sample(gateway: GatewayRead | None) -> Mean:
     return Mean.of([gateway.held])
 
 
+def _occupancy(policy: Policy, pod: PodRead) -> float | None:
+    """A pod's running sequences as a fraction of its own engine's batch limit: an L4 full at 24 is
+    not a third full by an H100's 72."""
+    limit = pod.max_num_seqs or policy.max_num_seqs
+    if pod.reading is None or pod.reading.running is None or not limit:
+        return None
+    return pod.reading.running / limit
+
+
 def _advance_window(
     policy: Policy, state: AutoscalerState, obs: Observation
 ) -> tuple[dict[str, Baseline], tuple[WindowEntry, ...]]:
@@ -568,6 +583,7 @@ def _advance_window(
         pods_with_baseline=with_baseline,
         waiting=Mean.of([r.waiting for r in readings]),
         running=Mean.of([r.running for r in readings]),
+        occupancy=Mean.of([_occupancy(policy, pod) for pod in obs.pods]),
         kv_usage=Mean.of([r.kv_usage for r in readings]),
         held=_held_sample(obs.gateway),
         **counted,

@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvpilot.engine.serving.metrics import LATENCY_BUCKETS
+from kvpilot.operator.api.names import VARIANT_LABEL
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.api.status import InferenceServiceStatus
 from kvpilot.operator.autoscaling.decisions import (
@@ -23,7 +24,7 @@ from kvpilot.operator.autoscaling.decisions import (
     scaled,
     step,
 )
-from kvpilot.operator.autoscaling.loop import replica_capacity
+from kvpilot.operator.autoscaling.loop import replica_capacity, with_batch_limits
 from kvpilot.operator.autoscaling.metrics import EngineReading, Histogram
 
 PERIOD = 15.0
@@ -515,6 +516,37 @@ def test_a_mixed_pool_s_replica_capacities_follow_its_fill_order() -> None:
     assert replica_capacity(status, 6) == (2.0, 10.0, 10.0, 2.0, 2.0, 2.0)
     one = InferenceServiceStatus.model_validate({"variants": [{"gpu": "L4", "capacityRps": 2.0, "maxReplicas": 3}]})
     assert replica_capacity(one, 6) == ()
+
+
+def test_each_pod_s_batch_occupancy_is_over_its_own_gpu_type_s_max_num_seqs() -> None:
+    # A mixed pool whose status.plan (the policy's limit) is its first type's: an L4's 24; the H100s' 96.
+    status = InferenceServiceStatus.model_validate(
+        {"variants": [{"gpu": "L4", "maxNumSeqs": 24}, {"gpu": "H100-80GB", "maxNumSeqs": 96}]}
+    )
+    pods = [
+        {"metadata": {"name": "l4-0", "labels": {VARIANT_LABEL: "l4"}}},
+        {"metadata": {"name": "h100-0", "labels": {VARIANT_LABEL: "h100-80gb"}}},
+        {"metadata": {"name": "stray", "labels": {}}},
+    ]
+
+    def read(name: str, running: float) -> PodRead:
+        return PodRead(name=name, reading=EngineReading(waiting=0.0, running=running, kv_usage=0.1))
+
+    reads = with_batch_limits([read("l4-0", 12.0), read("h100-0", 48.0)], pods, status)
+    assert [r.max_num_seqs for r in reads] == [24, 96]
+    # Both half full: 50 %. By the L4's limit the H100 would read 200 % and the mean 125 %: a scale-up.
+    policy = Policy(max_num_seqs=24, max_replicas=8)
+    obs = Observation(now=1_000_000.0, replicas=2, ready_replicas=2, pods=tuple(reads))
+    _, decision = step(policy, AutoscalerState(), obs)
+    assert decision.signals.batch_occupancy == 0.5 and decision.action != "up", decision.reason
+    by_first_type = Observation(
+        now=1_000_000.0, replicas=2, ready_replicas=2, pods=(read("l4-0", 12.0), read("h100-0", 48.0))
+    )
+    assert step(policy, AutoscalerState(), by_first_type)[1].signals.batch_occupancy == 1.25
+    # A pod of no known type is counted by the policy's limit; a pool of one type keeps its reads.
+    (stray,) = with_batch_limits([read("stray", 12.0)], pods, status)
+    assert stray.max_num_seqs is None
+    assert with_batch_limits(reads, pods, InferenceServiceStatus()) == reads
 
 
 def test_replicas_set_by_someone_else_start_a_new_regime() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -74,11 +75,12 @@ class Case(NamedTuple):
     tp: int
     quantization: str
     prompt: int
-    output: int
+    output: float
     concurrency: int
     ttft_ms: float | None  # published: median, else mean
     tpot_ms: float | None
     held_out: bool
+    source: str  # the first word of the point's source: its address
 
 
 def catalog_gpu(described: str) -> str:
@@ -133,11 +135,12 @@ def case(index: int, point: dict[str, Any]) -> Case | str:
         point["tensor_parallel_size"],
         scheme(point["quantization"]),
         round(point["input_len"]),
-        round(point["output_len"]),
+        point["output_len"],
         point["max_concurrency"],
         point["median_ttft_ms"] or point["mean_ttft_ms"],
         point["median_tpot_ms"] or point["mean_tpot_ms"],
         model in HELD_OUT_MODELS,
+        point["source"].split()[0],
     )
 
 
@@ -146,14 +149,14 @@ def replica(c: Case) -> Replica:
     config_name = dict(MODEL_CONFIGS)[c.model]
     arch = architecture(config_name, c.model)
     stored = None if c.quantization == "none" else c.quantization
-    context = c.prompt + c.output
+    context = c.prompt + math.ceil(c.output)
     spec = InferenceServiceSpec.model_validate(
         {
             "runtime": "vllm",
             "model": {"name": c.model.split("/")[1].lower(), "architecture": arch.model_dump(), "quantization": stored},
             "accelerator": {"type": c.gpu, "count": c.tp},
             "serving": {"maxContextLength": context, "speculative": "off"},
-            "load": {"meanPromptTokens": c.prompt, "meanOutputTokens": c.output},
+            "load": {"meanPromptTokens": c.prompt, "meanOutputTokens": math.ceil(c.output)},
         }
     )
     inputs = Inputs(spec, arch, context, RUNTIMES["vllm"].capabilities, None, NO_CORRECTION)
@@ -171,19 +174,8 @@ def vllm_batched_tokens(gpu: str) -> int:
 
 
 def predicted_ms(c: Case) -> tuple[float, float]:
-    """The planner's mean TTFT and TPOT (ms) for the case: its open-loop means (latency.predict's
-    means(), without speculation) at the rate that keeps `concurrency` requests in the system
-    (Little's law: rate = c / (TTFT + (N - 1) TPOT)), since the planner has no closed loop."""
-    r = replica(c)
-    prefill = latency._prefill_seconds(r.arch, r.gpu, r.quantization, c.prompt)
-    prefill += latency._allreduces_seconds(r.arch, r.gpu, r.tp, c.prompt)
-    step = latency.step_seconds(r, c.concurrency, c.prompt + c.output / 2)
-    ttft, tpot = prefill + step / 2, step
-    for _ in range(200):
-        rate = (c.concurrency - 1) / (ttft + (c.output - 1) * tpot)  # the others' arrivals
-        busy = min(rate * prefill, 0.99)
-        ttft = prefill * busy / (1 - busy) + step / 2 + prefill
-        tpot = step / (1 - busy)
+    """The planner's mean TTFT and TPOT (ms) for the case."""
+    ttft, tpot = latency.at_concurrency(replica(c), (c.prompt, c.output), c.concurrency, vllm_batched_tokens(c.gpu))
     return ttft * 1000, tpot * 1000
 
 
@@ -249,16 +241,23 @@ def _cell(ours: float, theirs: float | None) -> str:
     return "-" if theirs is None else f"{theirs:.4g} / {ours:.4g} ({ours / theirs:.2f})"
 
 
+def _label(address: str) -> str:
+    """A source's repository (owner/name) for a table cell."""
+    parts = address.split("/")
+    return "/".join(parts[3:5]) if address.startswith("https://github.com/") else address
+
+
 def table(found: list[Row]) -> str:
     head = (
-        "| # | model | GPU x TP | scheme | in / out | c | TTFT ms: published / ours (ratio) "
+        "| # | source | model | GPU x TP | scheme | in / out | c | TTFT ms: published / ours (ratio) "
         "| TPOT ms: published / ours (ratio) | set |"
     )
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 10]
     for r in found:
         c = r.case
         lines.append(
-            f"| {c.index} | {c.model} | {c.gpu} x {c.tp} | {c.quantization} | {c.prompt} / {c.output} | "
+            f"| {c.index} | [{_label(c.source)}]({c.source}) | {c.model} | {c.gpu} x {c.tp} | {c.quantization} | "
+            f"{c.prompt} / {c.output:g} | "
             f"{c.concurrency} | {_cell(r.ttft_ms, c.ttft_ms)} | {_cell(r.tpot_ms, c.tpot_ms)} | "
             f"{'held out' if c.held_out else 'fit'} |"
         )

@@ -42,6 +42,22 @@ MIN_BATCHED_TOKENS = 256
 MAX_BATCHED_TOKENS = 8192
 
 
+# What a GPU's engine (vLLM) spends beside the arithmetic and the reads a spec sheet times, ASSUMED
+# from public measurements (bench/latency_calibration.py, bench/RESULTS.md: chosen on its fit points,
+# checked on the held-out ones). Every step: scheduling, preparing the inputs, sampling and handing
+# the tokens out, ~1 ms even with the next step scheduled while one runs. Every layer of every step:
+# under CUDA graphs a layer still runs ~10 kernels (norms, QKV, RoPE, attention, output, MLP), each
+# with a floor of a few microseconds whatever its size. Qwen3-1.7B on an A100 decodes a lone
+# sequence in 4.6 ms where its weights take 3.3 ms to read (28 layers); gpt-oss-120b on 8 H100s at
+# 4 sequences in 3.7 ms where its experts' reads and all-reduces take 1.3 ms (36 layers).
+GPU_STEP_OVERHEAD_S = 1e-3
+GPU_LAYER_OVERHEAD_S = 25e-6
+# A request's own cost before its first token beside its prefill: the HTTP request, tokenizing and
+# templating the prompt, scheduling it, detokenizing and streaming the token: a lone 128-token
+# prompt of Qwen3-1.7B on an A100 comes back in 11.4 ms, of which its prefill step is ~6 ms.
+GPU_REQUEST_OVERHEAD_S = 5e-3
+
+
 # A replica's capacity is found to this many requests per second (or 0.1 %), and is reported as at most the
 # other (no replica of any catalog device serves a million requests a second).
 CAPACITY_PRECISION_RPS = 0.001
@@ -145,10 +161,88 @@ def _allreduces_seconds(arch: Architecture, gpu: Device, tp: int, tokens: float)
     return 2 * arch.layers * sizing.allreduce_seconds(hidden_bytes, tp, gpu.link_bytes_per_s, gpu.link_latency_us / 1e6)
 
 
+def gpu_overhead_seconds(arch: Architecture) -> float:
+    """The engine's own time in one step on a GPU, beside the step's reads and arithmetic."""
+    return GPU_STEP_OVERHEAD_S + arch.layers * GPU_LAYER_OVERHEAD_S
+
+
+def _attention_flops(arch: Architecture, tokens: float, attended: float) -> float:
+    """Attention's arithmetic for `tokens` rows attending to `attended` tokens each on average: QK^T
+    and PV, 2 x 2 FLOPs per head dimension and attended token in every attention layer, a sliding
+    layer attending to its window at most (a hybrid's state layers attend to nothing)."""
+    layers = arch.state.attention_layers if arch.state is not None else arch.layers
+    sliding = arch.windowed_layers
+    windowed = min(attended, arch.sliding_window) if arch.sliding_window is not None else 0.0
+    return 4 * arch.attention_heads * arch.head_size * tokens * ((layers - sliding) * attended + sliding * windowed)
+
+
+def _prompt_parameters(arch: Architecture) -> int:
+    """The parameters a prompt token is multiplied by: those it routes to but the embedding (a
+    lookup) and the LM head, which a prefill runs for the prompt's last token only."""
+    embedding = arch.vocab_size * arch.hidden_size
+    return max(arch.parameters_per_token - embedding - (0 if arch.tie_word_embeddings else embedding), 1)
+
+
+def gpu_step_seconds(
+    replica: Replica, decoding: tuple[float, float], prefilling: tuple[float, float] = (0.0, 0.0)
+) -> float:
+    """One engine step on a GPU: `decoding` (sequences, the tokens each holds) compute a token each,
+    beside `prefilling` (prompt tokens, the tokens each attends to on average: chunked prefill puts
+    both in one step). It reads the weights its tokens route to (all of a dense model's) and the
+    decoding sequences' KV, multiplies 2 FLOPs per parameter and token plus attention's, and takes
+    the slower of the two at the usual efficiencies, then the engine's own time and the all-reduces."""
+    arch, gpu = replica.arch, replica.gpu
+    (running, context), (prompt_tokens, attended) = decoding, prefilling
+    tokens = running + prompt_tokens
+    share = min(1.0, tokens * arch.parameters_per_token / arch.parameters)
+    kv_bytes = running * context * replica.kv_per_token + running * 2 * replica.state_per_sequence
+    reads = replica.decode_weight_bytes * share + kv_bytes
+    head = 2 * arch.vocab_size * arch.hidden_size if prompt_tokens else 0.0  # the prompt's last token's logits
+    flops = (
+        2 * arch.parameters_per_token * running
+        + 2 * _prompt_parameters(arch) * prompt_tokens
+        + head
+        + _attention_flops(arch, running, context)
+        + _attention_flops(arch, prompt_tokens, attended)
+    )
+    memory = reads / (gpu.bandwidth_bytes_per_s * sizing.DECODE_BANDWIDTH_EFFICIENCY)
+    compute = flops / (gpu.matmul_flops(replica.quantization, tokens) * sizing.PREFILL_COMPUTE_EFFICIENCY)
+    return max(memory, compute) + gpu_overhead_seconds(arch) + _allreduces_seconds(arch, gpu, replica.tp, tokens)
+
+
+def at_concurrency(
+    replica: Replica, lengths: tuple[int, float], concurrency: int, batched_tokens: int
+) -> tuple[float, float]:
+    """Mean TTFT and TPOT on a GPU in a benchmark's closed loop: `concurrency` clients each sending a
+    request of `lengths` (prompt, output tokens) as soon as its previous one ends, as `vllm bench
+    serve --max-concurrency` does with fixed lengths.
+
+    Requests of one length started together stay in step: they finish on the same step, and the
+    next `concurrency` arrive together (a wave). The wave's prompts are prefilled first come first
+    served, `batched_tokens` per step (beside the decodes of those already past their prompts), so
+    the k-th first token waits for k prompts: on average (c + 1) / 2. After its first token a request
+    decodes one token per step, through the prefill steps of the wave's later prompts ((c - 1) / 2 on
+    average) and then the wave's plain decode steps: those interruptions are what TPOT gains at high
+    concurrency."""
+    prompt, output = lengths
+    c = concurrency
+    decode = gpu_step_seconds(replica, (c, prompt + output / 2))
+    chunk = min(batched_tokens, c * prompt)
+    prefill = gpu_step_seconds(replica, ((c - 1) / 2, prompt), (chunk, prompt / 2))
+    per_prompt = prefill * prompt / chunk
+    ttft = GPU_REQUEST_OVERHEAD_S + per_prompt * (c + 1) / 2
+    steps = max(output - 1, 1.0)
+    interrupted = min((c - 1) / 2 * prompt / chunk, steps)
+    return ttft, (interrupted * prefill + (steps - interrupted) * decode) / steps
+
+
 def step_seconds(replica: Replica, running: float, context: float, tokens_per_sequence: float = 1) -> float:
     """One decode step of `running` sequences holding `context` tokens each, computing
     `tokens_per_sequence` each on average (1; k + 1 in a speculative verification)."""
     arch, gpu, tp = replica.arch, replica.gpu, replica.tp
+    if gpu.measured is None:
+        extra = running * (tokens_per_sequence - 1)  # a verification's drafted rows, at the context too
+        return gpu_step_seconds(replica, (running, context), (extra, context))
     tokens = running * tokens_per_sequence
     # A mixture of experts reads only the experts its tokens route to; a dense model reads all.
     share = min(1.0, tokens * arch.parameters_per_token / arch.parameters)
@@ -182,16 +276,27 @@ def _drafting(spec: InferenceServiceSpec, replica: Replica, speculative: str) ->
     return Drafting(draft, k, speculation.verifying_share(acceptance, k, output_tokens - 1), acceptance)
 
 
+def _request_prefill_seconds(replica: Replica, load: LoadSpec, computed: float) -> float:
+    """The step that computes a request's `computed` prompt tokens (the rest from the prefix cache,
+    which they attend to)."""
+    arch, gpu = replica.arch, replica.gpu
+    if gpu.measured is None:
+        return gpu_step_seconds(replica, (0.0, 0.0), (computed, load.mean_prompt_tokens - computed / 2))
+    prefill = _prefill_seconds(arch, gpu, replica.quantization, computed)
+    return prefill + _allreduces_seconds(arch, gpu, replica.tp, computed)
+
+
 def predict(spec: InferenceServiceSpec, replica: Replica, replicas: int, speculative: str) -> Perf:
     """The running batch and p95 TTFT and TPOT of one of `replicas` replicas at the spec's load, or
     (Perf.overload) why that load does not fit it."""
-    arch, gpu, tp, max_num_seqs = replica.arch, replica.gpu, replica.tp, replica.max_num_seqs
+    gpu, max_num_seqs = replica.gpu, replica.max_num_seqs
     correction = replica.correction
     draft = replica.draft if speculative in DRAFTED else None
     load, computed = spec.load, computed_prompt_tokens(spec.load)
     rate = load.requests_per_second / replicas if replicas else 0.0
-    prefill = _prefill_seconds(arch, gpu, replica.quantization, computed)
-    prefill += _allreduces_seconds(arch, gpu, tp, computed)
+    prefill = _request_prefill_seconds(replica, load, computed)
+    # The server's own work on a request (GPU_REQUEST_OVERHEAD_S) runs beside the GPU's steps.
+    request = GPU_REQUEST_OVERHEAD_S if gpu.measured is None else 0.0
     if draft is not None:
         # The draft computes the prompt too, in the step that samples the first token.
         prefill += _gemm_prefill_seconds(draft.arch, gpu, "none", computed)
@@ -218,7 +323,7 @@ def predict(spec: InferenceServiceSpec, replica: Replica, replicas: int, specula
         if drafting is not None and running <= SPECULATION_MAX_BATCH:
             uninterrupted = _speculative_step(replica, (running, context), step, drafting)
         # M/M/1 wait for the prefill server, plus half a step to reach the next step boundary.
-        ttft = prefill * busy / (1 - busy) + step / 2 + prefill
+        ttft = prefill * busy / (1 - busy) + step / 2 + prefill + request
         return ttft * correction.ttft, uninterrupted / (1 - busy) * correction.tpot, step, uninterrupted
 
     batch = 0.0
@@ -238,7 +343,7 @@ def predict(spec: InferenceServiceSpec, replica: Replica, replicas: int, specula
             break
     _, _, step, uninterrupted = means(batch)
     ttft_p95, tpot_p95 = p95(Prefills(prefill, busy, rate), step, uninterrupted, load.mean_output_tokens)
-    return Perf(batch, ttft_p95 * correction.ttft, tpot_p95 * correction.tpot, None)
+    return Perf(batch, (ttft_p95 + request) * correction.ttft, tpot_p95 * correction.tpot, None)
 
 
 def _speculative_step(replica: Replica, batch: tuple[float, float], step: float, drafting: Drafting) -> float:

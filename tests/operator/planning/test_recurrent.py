@@ -132,7 +132,10 @@ def test_a_hybrids_parameters_are_counted_as_transformers_builds_it(config: tupl
 def test_kvpilot_plan_sizes_a_hybrid_for_vllm_with_its_state_pages(
     config: Path, tp: int, block: int, state_bytes: int
 ) -> None:
-    run = plan_command("--model-config", str(config), "--gpu", "H100-80GB", "--runtime", "vllm", "--json")
+    # At a load light enough (a batch under 8) that auto would otherwise speculate.
+    run = plan_command(
+        "--model-config", str(config), "--gpu", "H100-80GB", "--runtime", "vllm", "--rps", "0.5", "--json"
+    )
     assert run.returncode == 0, run.stderr
     planned = json.loads(run.stdout)
     read = read_config(json.loads(config.read_text()), "t")

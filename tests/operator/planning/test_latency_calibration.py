@@ -1,0 +1,97 @@
+"""The planner's GPU latency against published vLLM serving benchmarks at fixed concurrency
+(bench/latency_calibration.py over bench/public/vllm_serving_points.json: each point's source, model,
+GPU, tensor parallelism, checkpoint scheme, lengths and concurrency).
+
+The bounds are the counts the calibrated model reaches, so that a change which loses a point fails
+here; every point outside them is named below with why. The constants were chosen on the fit points
+(newer vLLM, models up to 120B); the held-out ones (DeepSeek-R1 and Llama 3.1 405B on 8 GPUs, older
+vLLM builds) were not looked at while choosing them, and the model misses them all: those builds ran
+far below what the same GPUs reach with the vLLM the planner renders for.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import latency_calibration as lc
+from kvpilot.operator.planning import latency
+
+ROWS = lc.rows()
+BY_INDEX = {row.case.index: row for row in ROWS}
+
+DEEPSEEK = (
+    "vLLM 0.7.3 / 0.7.4 (early 2025) on DeepSeek-R1: the TTFT follows the wave's (c + 1) / 2 prompts (its ratio is "
+    "flat over c = 4..128) but each 3200-token prefill takes 5-10x our estimate, and decoding 1.6-3x our reads "
+    "(those builds' MLA prefill and block-FP8 fused MoE)"
+)
+ROCM_405B = (
+    "an early ROCm source build of vLLM 0.6.3 (Oct 2024) on 8 MI300X: decode at ~2 TB/s of each GPU's 5.3 (1.6x our "
+    "estimate, 4-5x from c = 64 on: their note blames its CUDA-graph sizes), prefill at ~5 % of peak"
+)
+# Published point -> why the model misses it (TPOT beyond 25 % or TTFT beyond 50 %).
+MISSES: dict[int, str] = {
+    **{i: DEEPSEEK for i in range(17, 29)},
+    **{i: ROCM_405B for i in (29, 30, 31, 32, 34, 35, 36, 37, 38)},
+    13: "a custom chat client (AsyncOpenAI, a reasoning model's first streamed chunk): 20 ms beyond our 19 ms",
+    14: "the same client at 16: its outputs vary (929 of 1000 tokens on average), so requests drift out of step and "
+    "arrive one at a time, not in the waves we assume",
+    15: "the same client on an MI300X: 77 ms, twice the H200's, where its spec sheet is faster",
+    16: "the same client on a B200: 43 ms, no faster than the H200's 39: the harness's own time",
+    39: "a report of slowness (vllm-project/vllm#20469): AWQ decoding 2.2x its reads at 16k context",
+    41: "an 8192-token prefill at ~78 % of the A100's peak where the model assumes 50 % (sizing.PREFILL_COMPUTE_"
+    "EFFICIENCY)",
+    49: "1k in / 8k out doubles the 1k / 1k TPOT at the same concurrency where our KV reads add 10 %; a power-capping "
+    "sweep (the source's title)",
+}
+
+
+def _missed(row: lc.Row) -> bool:
+    tpot, ttft = row.tpot_ratio, row.ttft_ratio
+    return (tpot is not None and abs(tpot - 1) > lc.TPOT_BOUND) or (ttft is not None and abs(ttft - 1) > lc.TTFT_BOUND)
+
+
+def test_the_points_cover_gpus_sizes_schemes_and_concurrency() -> None:
+    points = json.loads(lc.POINTS_FILE.read_text())
+    assert len(ROWS) == 33 and all(points[r.case.index]["source"] for r in ROWS)
+    assert sum(1 for r in ROWS if r.tpot_ratio) == 29 and sum(1 for r in ROWS if r.case.concurrency == 1) == 12
+    assert {r.case.gpu for r in ROWS} >= {"A100-40GB", "A100-80GB", "H100-80GB", "H200", "B200", "MI300X"}
+    assert {r.case.tp for r in ROWS} == {1, 8} and {r.case.quantization for r in ROWS} == {
+        "none",
+        "awq",
+        "fp8",
+        "mxfp4",
+    }
+    assert max(r.case.concurrency for r in ROWS) == 256 and max(r.case.prompt for r in ROWS) == 128000
+
+
+def test_every_miss_is_named_and_the_fit_points_hold() -> None:
+    missed = {r.case.index for r in ROWS if _missed(r)}
+    assert missed <= set(MISSES), {i: (BY_INDEX[i].ttft_ratio, BY_INDEX[i].tpot_ratio) for i in missed - set(MISSES)}
+    found = lc.summaries(ROWS)
+    assert found["TPOT fit"].within >= 6 and 0.85 <= found["TPOT fit"].median <= 1.1, found["TPOT fit"]
+    assert found["TPOT all"].within >= 6 and found["TTFT all"].within >= 3
+    assert found["TTFT c=1 fit"].within >= 3
+
+
+@pytest.mark.parametrize("index", sorted(set(BY_INDEX) - set(MISSES)))
+def test_a_point_the_model_explains_stays_within_its_bounds(index: int) -> None:
+    row = BY_INDEX[index]
+    assert not _missed(row), (row.case, row.ttft_ms, row.tpot_ms)
+
+
+def test_a_wave_of_concurrent_prompts_waits_its_turn_and_interrupts_the_decodes() -> None:
+    """At fixed lengths, TTFT grows as the (c + 1) / 2 prompts a request waits for; TPOT grows by
+    the later prompts' prefill steps it decodes through; a lone request pays its own costs."""
+    replica = lc.replica(BY_INDEX[40].case)  # Qwen3-14B on an A100, 2048 tokens per step
+
+    def at(c: int) -> tuple[float, float]:
+        return latency.at_concurrency(replica, (1024, 256), c, 2048)
+
+    (ttft_1, tpot_1), (ttft_16, tpot_16), (ttft_32, tpot_32) = at(1), at(16), at(32)
+    waiting = [t - latency.GPU_REQUEST_OVERHEAD_S for t in (ttft_1, ttft_16, ttft_32)]
+    assert waiting[1] / waiting[0] == pytest.approx(17 / 2, rel=0.15) and waiting[2] / waiting[1] > 1.8
+    decode_32 = latency.gpu_step_seconds(replica, (32, 1024 + 128))
+    assert tpot_1 < tpot_16 < tpot_32 and tpot_32 > 1.2 * decode_32
+    assert ttft_1 > latency.GPU_REQUEST_OVERHEAD_S + latency.gpu_overhead_seconds(replica.arch)

@@ -48,6 +48,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "render": ("kvpilot.operator.cli", "print the objects the operator would apply for an InferenceService manifest"),
     "crd": ("kvpilot.operator.cli", "print the InferenceService CRD generated from the operator's pydantic types"),
     "gateway": ("kvpilot.operator.cli", "run the gateway: routes by namespace and model, wakes services from zero"),
+    "inspect-checkpoint": (
+        "kvpilot.operator.cli",
+        "print a checkpoint folder's architecture as the planner reads it (the operator's inspection Job of "
+        "a pvc:// model)",
+    ),
 }
 
 

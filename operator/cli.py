@@ -1,5 +1,5 @@
-"""`kvpilot plan`, `kvpilot render`, `kvpilot crd`, `kvpilot operator` and `kvpilot gateway`, registered into
-the engine's `kvpilot` command."""
+"""`kvpilot plan`, `kvpilot render`, `kvpilot crd`, `kvpilot operator`, `kvpilot gateway` and
+`kvpilot inspect-checkpoint`, registered into the engine's `kvpilot` command."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import os
 import random
 import sys
 import urllib.parse
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, TextIO, get_args
 
@@ -23,6 +24,7 @@ from pydantic import ValidationError
 from kvpilot.engine.contract.device_profile import DeviceProfile, load_device_profile
 from kvpilot.operator.api import names
 from kvpilot.operator.api.crd import crd_yaml
+from kvpilot.operator.api.inspection import TERMINATION_MESSAGE_LIMIT, TERMINATION_MESSAGE_PATH, UNSUPPORTED
 from kvpilot.operator.api.plan import MixedPlan, Plan
 from kvpilot.operator.api.spec import (
     CPU_TYPE,
@@ -38,7 +40,7 @@ from kvpilot.operator.autoscaling.decisions import INTERVAL_SECONDS, WINDOW_PERI
 from kvpilot.operator.autoscaling.gateways import GatewayPods
 from kvpilot.operator.autoscaling.loop import prometheus_allowed
 from kvpilot.operator.controller import render
-from kvpilot.operator.controller.checkpoint import Unreadable, read_checkpoint, with_checkpoint
+from kvpilot.operator.controller.checkpoint import Unreadable, inspect_folder, read_checkpoint, with_checkpoint
 from kvpilot.operator.gateway import main as gateway_main
 from kvpilot.operator.gateway.limits import Limits
 from kvpilot.operator.hub.client import DEFAULT_ENDPOINT, HubClient
@@ -191,6 +193,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     operator.add_argument("-v", "--verbose", action="store_true")
     operator.set_defaults(func=run_operator)
     register_gateway(subparsers)
+    register_inspect(subparsers)
+
+
+def register_inspect(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    inspect = subparsers.add_parser(
+        "inspect-checkpoint",
+        help="print a checkpoint folder's architecture as the planner reads it (the operator's inspection Job of "
+        "a pvc:// model)",
+    )
+    inspect.add_argument("folder", type=Path, help="the checkpoint's folder, holding config.json")
+    inspect.add_argument(
+        "--termination-log",
+        type=Path,
+        default=Path(TERMINATION_MESSAGE_PATH),
+        help="where the result (or the refusal) is written too, for the operator to read (default %(default)s; "
+        "skipped where it cannot be written)",
+    )
+    inspect.set_defaults(func=run_inspect_checkpoint)
 
 
 # Seconds a stopping gateway lets its streams run (the chart's grace period covers it).
@@ -597,6 +617,33 @@ def run_render(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         print(f"kvpilot render: no Deployment: {result.failure}: {result.reason}", file=sys.stderr)
     yaml.safe_dump_all(objects, out, sort_keys=False)
     return 0 if result.fits else 1
+
+
+def run_inspect_checkpoint(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """The folder's CheckpointInspection as compact JSON on `out` and in the termination log; a
+    refusal (`UnsupportedArchitecture: ...` or why the folder cannot be read) on stderr and there,
+    with exit status 1."""
+    found = inspect_folder(args.folder)
+    try:
+        if isinstance(found, Unreadable):
+            raise ValueError(f"{found.failure}: {found.message}" if found.failure == UNSUPPORTED else found.message)
+        result = found.message()
+    except ValueError as error:
+        # Cut to what the kubelet keeps, at a character's boundary.
+        refusal = str(error).encode()[:TERMINATION_MESSAGE_LIMIT].decode(errors="ignore")
+        _termination_log(args.termination_log, refusal)
+        print(refusal, file=sys.stderr)
+        return 1
+    _termination_log(args.termination_log, result)
+    out.write(result + "\n")
+    return 0
+
+
+def _termination_log(path: Path, message: str) -> None:
+    """Write the message where the kubelet reads it; outside a pod (no such file's folder, or no
+    right to it) stdout and stderr are enough."""
+    with suppress(OSError):
+        path.write_text(message)
 
 
 def run_crd(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:

@@ -1,13 +1,19 @@
 """A model's architecture from its checkpoint on the Hub (its config.json, and its safetensors'
 bytes), for a spec that gives none and names no catalog model: what the reconciler (with the
-service's token and endpoint) and `kvpilot plan` (with HF_TOKEN and HF_ENDPOINT) read alike."""
+service's token and endpoint) and `kvpilot plan` (with HF_TOKEN and HF_ENDPOINT) read alike. A
+checkpoint on a claim is read the same way from its folder (inspect_folder), by the inspection
+Job the operator runs (`kvpilot inspect-checkpoint`)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import NamedTuple
 
+from kvpilot.operator.api.inspection import UNSUPPORTED, CheckpointInspection
 from kvpilot.operator.api.spec import HubSource, InferenceServiceSpec, hub_source
 from kvpilot.operator.hub.client import HubClient, HubError
+from kvpilot.operator.hub.safetensors import local_weights_bytes
 from kvpilot.operator.planning.model_config import ModelConfig, read_config
 from kvpilot.operator.planning.models import find_model
 
@@ -43,6 +49,23 @@ def read_checkpoint(
     if isinstance(read, str):
         return Unreadable("UnsupportedArchitecture", f"{spec.model.source}: {read}")
     return read._replace(architecture=read.architecture.model_copy(update={"checkpoint_bytes": weights}))
+
+
+def inspect_folder(folder: Path) -> CheckpointInspection | Unreadable:
+    """A checkpoint folder's config.json read as the Hub's is (read_config), with its safetensors'
+    bytes: what `kvpilot inspect-checkpoint` reports from a claim, or why it cannot."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        weights = local_weights_bytes(folder)
+    except (OSError, ValueError) as error:
+        return Unreadable("ModelConfigUnavailable", f"{folder}: {error}")
+    if not isinstance(config, dict):
+        return Unreadable("ModelConfigUnavailable", f"{folder}/config.json is not a JSON object")
+    read = read_config(config, f"config.json of {folder}")
+    if isinstance(read, str):
+        return Unreadable(UNSUPPORTED, f"{folder}: {read}")
+    architecture = read.architecture.model_copy(update={"checkpoint_bytes": weights})
+    return CheckpointInspection(architecture=architecture, quantization=read.quantization)
 
 
 def with_checkpoint(spec: InferenceServiceSpec, checkpoint: ModelConfig | None) -> InferenceServiceSpec:

@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from kvpilot.engine.model.loader import EMBEDDED_MODEL, load_tokenizer, resolve_model
+from kvpilot.engine.contract.config import EMBEDDED_MODEL
+from kvpilot.engine.model.loader import load_tokenizer, resolve_model
 from kvpilot.engine.serving.protocol import CompletionChoice, CompletionResponse, Usage
 
 

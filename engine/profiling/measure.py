@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvpilot.engine.contract.config import EngineConfig
+from kvpilot.engine.contract.config import EMBEDDED_MODEL, EngineConfig
 from kvpilot.engine.contract.device_profile import (
     EngineStep,
     EngineSteps,
@@ -35,7 +35,7 @@ from kvpilot.engine.cpu.compile_cache import resolve_root
 from kvpilot.engine.cpu.features import choose_kernel_path, read_cpu_flags
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.model.layers import Linear
-from kvpilot.engine.model.loader import EMBEDDED_MODEL, cache_root, embedded_model_dir
+from kvpilot.engine.model.loader import cache_root, embedded_model_dir
 from kvpilot.engine.model.quantization import INT4_DENSE_TOKENS, INT8_DENSE_TOKENS, for_scheme
 
 Progress = Callable[[str], None]

@@ -30,12 +30,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvpilot.engine.contract.config import EngineConfig, ServerConfig
+from kvpilot.engine.contract.config import EMBEDDED_MODEL, EngineConfig, ServerConfig
 from kvpilot.engine.core.sampling_params import SamplingParams
 from kvpilot.engine.core.structured_output import StructuredOutput
 from kvpilot.engine.lora.adapter import AdapterNotFoundError
 from kvpilot.engine.lora.registry import UnknownAdapterError
-from kvpilot.engine.model.loader import EMBEDDED_MODEL
 from kvpilot.engine.serving.async_engine import (
     AsyncEngine,
     EngineUnavailableError,

@@ -335,15 +335,15 @@ class ModelSpec(_Camel):
         description="Catalog model (e.g. llama-2-7b), or any name when architecture is given or source is an "
         "hf:// repository (the operator reads its config.json).",
     )
-    # Unset: kvpilot's --model is `name` (the embedded model's name, say); vLLM, which loads only
-    # local files, gets the Hub repository `name` stands for (planning/sources.py). See SOURCE_PATTERN.
+    # Unset: both runtimes load only files (ours carries its embedded model besides), so the pod gets
+    # the Hub repository `name` stands for (planning/sources.py). See SOURCE_PATTERN.
     source: str | None = Field(
         default=None,
         description="Where the weights are: hf://org/repo[@revision] (an init container downloads it into "
         "model.cache before the engine starts), pvc://claim/path (mounted read-only), or an absolute path "
-        "in the engine image. Unset: runtime kvpilot loads model.name (its embedded model); runtime vllm "
-        "downloads hf://<model.name> when model.name is a repository (org/repo), else the catalog model's "
-        "repository, and is Ready=False (ModelSourceRequired) for any other name.",
+        "in the engine image. Unset: the pod downloads hf://<model.name> when model.name is a repository "
+        "(org/repo), else the catalog model's repository, and is Ready=False (ModelSourceRequired) for any "
+        "other name; runtime kvpilot loads its embedded model (SmolLM2-135M-Instruct) by name.",
     )
     # For every hf:// source of the service (this one and serving.draftModel): the Secret key holding
     # a hub token (HF_TOKEN of the downloads), for gated or private repositories; and the volume the
@@ -384,7 +384,7 @@ class ModelSpec(_Camel):
 
 HUB_SETTINGS = (
     "model.tokenSecret and model.cache apply only to hf:// sources (model.source, serving.draftModel or adapters; "
-    "runtime vllm without model.source downloads the repository model.name stands for)"
+    "without model.source the operator downloads the repository model.name stands for)"
 )
 # The most adapters one service lists (a bound for CEL's cost estimate and for the engines' CPU
 # cache of adapters, max_cpu_loras, which holds them all).
@@ -896,8 +896,8 @@ class InferenceServiceSpec(_Camel):
     model_config = ConfigDict(
         json_schema_extra=cel(
             (
-                "!(has(self.model.tokenSecret) || has(self.model.cache)) || (has(self.model.source) ? "
-                "self.model.source.startsWith('hf://') : (has(self.runtime) && self.runtime == 'vllm')) || "
+                "!(has(self.model.tokenSecret) || has(self.model.cache)) || !has(self.model.source) || "
+                "self.model.source.startsWith('hf://') || "
                 "(has(self.serving) && has(self.serving.draftModel) && "
                 "self.serving.draftModel.startsWith('hf://')) || (has(self.adapters) && "
                 "self.adapters.exists(a, a.source.startsWith('hf://')))",
@@ -1064,9 +1064,9 @@ class InferenceServiceSpec(_Camel):
     @model_validator(mode="after")
     def _hub_settings_need_a_hub_source(self) -> InferenceServiceSpec:
         sources = (self.model.source, self.serving.draft_model, *(a.source for a in self.adapters))
-        # vLLM without model.source downloads the repository model.name stands for (the operator
-        # knows which, from its catalog; the API server does not).
-        defaulted = self.runtime == "vllm" and self.model.source is None
+        # Without model.source the operator downloads the repository model.name stands for (it
+        # knows which, from its catalog; the API server does not), unless the image carries the model.
+        defaulted = self.model.source is None
         if (self.model.token_secret or self.model.cache) and not defaulted and not any(hub_source(s) for s in sources):
             raise ValueError(HUB_SETTINGS)
         return self

@@ -265,7 +265,11 @@ def _last_good_serving(
 def _kept_gpu(spec: InferenceServiceSpec, planned: dict[str, Any], kept: LastGoodPlan | None) -> str | None:
     """The GPU of the last plan that fit, when it was made for this spec (replicas aside) and
     the spec does not name a type."""
-    if spec.accelerator.type or kept is None or _planned_part(kept.spec or {}) != planned or not kept.gpu:
+    if spec.accelerator.type:
+        return None
+    # Compared as this operator reads it: a plan kept before it defaulted model.source is the same plan.
+    kept_spec = _kept_spec(kept, spec)
+    if kept is None or kept_spec is None or planned_fields(kept_spec) != planned:
         return None
     return kept.gpu
 

@@ -1,8 +1,8 @@
 """model.source where the spec leaves it unset and the runtime loads only the files the pod has
-(vLLM, offline in the pod): the Hub repository model.name stands for, downloaded by the init
-container like any hf:// source, as `vllm serve org/repo` would fetch it. The reconciler and the
-CLI both read specs through `with_model_source`, so the plan (a download's bytes and time), the pod
-and `kvpilot render` agree."""
+(vLLM, offline in the pod; our engine, which carries only its embedded model): the Hub repository
+model.name stands for, downloaded by the init container like any hf:// source, as `vllm serve
+org/repo` would fetch it. The reconciler and the CLI both read specs through `with_model_source`,
+so the plan (a download's bytes and time), the pod and `kvpilot render` agree."""
 
 from __future__ import annotations
 
@@ -13,10 +13,18 @@ from kvpilot.operator.runtimes import RUNTIMES
 MODEL_SOURCE_REQUIRED = "ModelSourceRequired"
 
 
+def _needs_files(spec: InferenceServiceSpec) -> bool:
+    """Whether the pod must be given the model's files: no model.source, and a runtime that loads
+    only files, unless model.name is a model its image carries."""
+    runtime = RUNTIMES[spec.runtime]
+    builtin = {name.lower() for name in runtime.builtin_models}
+    return spec.model.source is None and runtime.local_files_only and spec.model.name.lower() not in builtin
+
+
 def with_model_source(spec: InferenceServiceSpec) -> InferenceServiceSpec:
     """`spec` with model.source set to hf://<repo> where the runtime needs files and model.name
     stands for a Hub repository (hub_repo); else `spec` as it is."""
-    if spec.model.source is not None or not RUNTIMES[spec.runtime].local_files_only:
+    if not _needs_files(spec):
         return spec
     repo = hub_repo(spec.model.name)
     if repo is None:
@@ -27,7 +35,7 @@ def with_model_source(spec: InferenceServiceSpec) -> InferenceServiceSpec:
 def missing_source(spec: InferenceServiceSpec) -> str | None:
     """Why the runtime would start with nothing to load (a spec read through with_model_source):
     model.source unset and model.name no repository; None when it has files."""
-    if spec.model.source is not None or not RUNTIMES[spec.runtime].local_files_only:
+    if not _needs_files(spec):
         return None
     return (
         f"runtime {spec.runtime} loads the files the pod has, and model.name {spec.model.name!r} is neither a "

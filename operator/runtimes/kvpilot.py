@@ -7,7 +7,7 @@ pydantic ValidationError, a ValueError) instead of becoming a pod that exits at 
 
 from __future__ import annotations
 
-from kvpilot.engine.contract.config import CAPABILITIES, EngineConfig, ServerConfig, serve_argv
+from kvpilot.engine.contract.config import CAPABILITIES, EMBEDDED_MODEL, EngineConfig, ServerConfig, serve_argv
 from kvpilot.operator.api.names import PORT
 from kvpilot.operator.api.spec import CPU_TYPE
 from kvpilot.operator.runtimes.runtime import Launch, Runtime
@@ -80,6 +80,9 @@ RUNTIME = Runtime(
     args=engine_args,
     ready_path="/ready",
     api_key_env="KVPILOT_API_KEY",
+    # `--model` is a folder with config.json, or the embedded model's name.
+    local_files_only=True,
+    builtin_models=(EMBEDDED_MODEL,),
     # Adapters are planned for it once its config has the LoRA flags (an engine without them would
     # refuse the argv).
     lora="enable_lora" in EngineConfig.model_fields,

@@ -47,6 +47,8 @@ class Runtime:
     # Whether it loads only the files the pod has (no model by name): a spec without model.source
     # then gets the Hub repository model.name stands for (planning/sources.py).
     local_files_only: bool = False
+    # The models its image carries, loaded by name with no files of the pod's (case-insensitive).
+    builtin_models: tuple[str, ...] = ()
     # Whether it serves LoRA adapters (spec.adapters) with `--enable-lora --max-loras --max-lora-rank
     # --max-cpu-loras`.
     lora: bool = False

@@ -166,7 +166,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("extra", [{"tokenSecret": {"name": "hf"}}, {"cache": {"claimName": "c"}}])
-@pytest.mark.parametrize("source", [None, "pvc://weights/x", "/opt/llama"])
+@pytest.mark.parametrize("source", ["pvc://weights/x", "/opt/llama"])
 def test_token_and_cache_belong_to_hf_sources(extra: dict[str, Any], source: str | None) -> None:
     model = {**({"source": source} if source else {}), **extra}
     with pytest.raises(ValidationError, match="apply only to hf:// sources"):
@@ -181,12 +181,13 @@ def test_token_and_cache_belong_to_hf_sources(extra: dict[str, Any], source: str
 
 
 @pytest.mark.parametrize("extra", [{"tokenSecret": {"name": "hf"}}, {"cache": {"claimName": "c"}}])
-def test_token_and_cache_go_with_the_repository_a_vllm_model_name_stands_for(extra: dict[str, Any]) -> None:
-    # No model.source on vLLM: the operator downloads the catalog's (or the named) repository, which
-    # a gated one (meta-llama's) needs the token for.
-    spec(extra, runtime="vllm")
+@pytest.mark.parametrize("runtime", ["kvpilot", "vllm"])
+def test_token_and_cache_go_with_the_repository_a_model_name_stands_for(extra: dict[str, Any], runtime: str) -> None:
+    # No model.source: the operator downloads the catalog's (or the named) repository, which a gated
+    # one (meta-llama's) needs the token for.
+    spec(extra, runtime=runtime)
     with pytest.raises(ValidationError, match="apply only to hf:// sources"):
-        spec({"source": "pvc://weights/x", **extra}, runtime="vllm")
+        spec({"source": "pvc://weights/x", **extra}, runtime=runtime)
 
 
 def _crd_rules(section: str) -> list[dict[str, str]]:
@@ -228,8 +229,7 @@ def test_the_crd_puts_token_and_cache_with_either_hf_source() -> None:
     rule = next(r for r in _crd_rules("spec") if "tokenSecret" in r["rule"])
     assert rule["rule"] == (
         "!(has(self.model.tokenSecret) || has(self.model.cache)) || "
-        "(has(self.model.source) ? self.model.source.startsWith('hf://') : "
-        "(has(self.runtime) && self.runtime == 'vllm')) || "
+        "!has(self.model.source) || self.model.source.startsWith('hf://') || "
         "(has(self.serving) && has(self.serving.draftModel) && "
         "self.serving.draftModel.startsWith('hf://')) || "
         "(has(self.adapters) && self.adapters.exists(a, a.source.startsWith('hf://')))"

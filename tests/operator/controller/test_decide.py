@@ -16,6 +16,7 @@ from kvpilot.operator.controller import render
 from kvpilot.operator.controller.reconcile import Observed, decide, last_good, observe, planned_fields
 from kvpilot.operator.hub.client import HubError
 from kvpilot.operator.planning.models import MODELS
+from kvpilot.operator.planning.sources import with_model_source
 from tests.operator.controller.test_reconcile import OPERATOR_NAMESPACE, SPEC, body
 
 SECRET_NAME = names.api_key_secret("chat")
@@ -65,7 +66,7 @@ def test_without_a_gpu_type_the_nodes_read_choose_it() -> None:
     l4 = decide(snapshot(unset, nodes={"NVIDIA-L4": 8}, secret=secret()), render.DEFAULT_ENGINE_IMAGE, None)
     assert l4.result.fits and l4.result.gpu == "L4" and "Deployment" in kinds(l4.wanted)
     assert l4.last_good == last_good(
-        planned_fields(InferenceServiceSpec.model_validate(unset)), "L4", l4.result.reasons["gpu"]
+        planned_fields(with_model_source(InferenceServiceSpec.model_validate(unset))), "L4", l4.result.reasons["gpu"]
     )
 
 

@@ -361,7 +361,8 @@ def test_the_last_good_deployment_deleted_by_hand_comes_back_while_the_spec_does
     status = cluster.objects[("InferenceService", "ml", "chat")]["status"]
     assert (condition(status, "Planned")["reason"], status["desiredReplicas"]) == ("WeightsDoNotFit", 2)
     assert status["lastGoodPlan"]["spec"] == {
-        "model": {"name": "llama-2-7b"},
+        # The repository our engine is given for the catalog's name (planning/sources.py).
+        "model": {"name": "llama-2-7b", "source": "hf://meta-llama/Llama-2-7b-hf"},
         "accelerator": {"type": "A10G"},
         "load": {"requestsPerSecond": 4.0},
     }
@@ -1013,7 +1014,7 @@ def test_last_good_plan_keeps_only_what_planning_needs_and_pods_follow_the_spec_
     cluster = FakeCluster()
     first = reconcile(body(placed), cluster, NOW)
     assert first["lastGoodPlan"]["spec"] == {
-        "model": {"name": "llama-2-7b"},
+        "model": {"name": "llama-2-7b", "source": "hf://meta-llama/Llama-2-7b-hf"},
         "accelerator": {"type": "A10G"},
         "load": {"requestsPerSecond": 4.0},
     }

@@ -1,5 +1,6 @@
-"""model.source where a vLLM spec leaves it unset: vLLM runs offline in the pod (HF_HUB_OFFLINE=1),
-so `vllm serve llama-3-8b` would load nothing; the spec gets the repository its name stands for."""
+"""model.source where a spec leaves it unset: vLLM runs offline in the pod (HF_HUB_OFFLINE=1), so
+`vllm serve llama-3-8b` would load nothing, and our engine loads a folder or its embedded model only;
+the spec gets the repository its name stands for."""
 
 from __future__ import annotations
 
@@ -56,9 +57,23 @@ def test_vllm_without_a_source_downloads_the_catalog_models_repository() -> None
 def test_a_source_given_and_kvpilots_named_models_stay_as_they_are() -> None:
     given = spec({"name": "llama-3-8b", "source": "pvc://weights/llama"})
     assert with_model_source(given) is given
-    # The kvpilot engine loads its embedded model by name, with no download.
-    embedded = spec({"name": "SmolLM2-135M-Instruct"}, runtime="kvpilot")
-    assert with_model_source(embedded) is embedded and missing_source(embedded) is None
+    # The kvpilot engine loads its embedded model by name (as its loader: any case), with no download.
+    for name in ("SmolLM2-135M-Instruct", "smollm2-135m-instruct"):
+        embedded = spec({"name": name}, runtime="kvpilot")
+        assert with_model_source(embedded) is embedded and missing_source(embedded) is None
+
+
+def test_our_engine_gets_the_files_of_any_other_model() -> None:
+    """It loads a folder with config.json or its embedded model, nothing else by name: a catalog name
+    is downloaded as for vLLM (the catalog's key for the embedded model too), another is refused."""
+    assert with_model_source(spec({"name": "llama-3-8b"}, runtime="kvpilot")).model.source == (
+        "hf://meta-llama/Meta-Llama-3-8B"
+    )
+    assert with_model_source(spec({"name": "smollm2-135m"}, runtime="kvpilot")).model.source == (
+        "hf://HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
+    why = missing_source(with_model_source(spec({"name": "my-finetune"}, runtime="kvpilot")))
+    assert why is not None and why.startswith("runtime kvpilot loads the files the pod has")
 
 
 def test_vllm_with_a_name_that_stands_for_no_repository_says_to_set_the_source() -> None:

@@ -38,6 +38,8 @@ ALLOWED = [
     ("patch", "pods", None),  # the deletion cost the autoscaler sets before a scale-down
     ("patch", "pods/status", None),  # the adapters' readiness gate
     ("watch", "replicasets.apps", None),  # which pods are the service's own
+    ("patch", "jobs.batch", None),  # a pvc:// checkpoint's inspection Job, made once (a server-side apply)
+    ("get", "jobs.batch", None),
     ("list", "nodes", ""),
     ("watch", "customresourcedefinitions.apiextensions.k8s.io", ""),
     ("watch", "namespaces", ""),
@@ -57,6 +59,8 @@ DENIED = [
     # deleting an InferenceService leaves its children to the garbage collector.
     ("delete", "deployments.apps", None),
     ("delete", "poddisruptionbudgets.policy", None),
+    ("delete", "jobs.batch", None),
+    ("create", "jobs.batch", "default"),
     ("watch", "deployments.apps", "default"),
     ("create", "kopfpeerings.kopf.dev", None),
     ("patch", "deployments.apps", "default"),

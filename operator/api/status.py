@@ -142,6 +142,14 @@ class KeptCheckpoint(_Status):
     )
 
 
+class InspectedCheckpoint(KeptCheckpoint):
+    source: str = Field(
+        max_length=512,
+        description="The model.source (pvc://claim/path) whose checkpoint the inspection Job read: read again "
+        "once model.source changes.",
+    )
+
+
 class LastGoodPlan(_Status):
     gpu: str | None = Field(default=None, description="The GPU type the plan chose, kept for later plans.")
     gpu_reason: str | None = Field(
@@ -422,6 +430,11 @@ class InferenceServiceStatus(_Status):
         description="The last plan that fit, kept while the spec stays the same apart from replicas (a scale does "
         "not re-plan, so a new node type does not roll the service and no GPU on the nodes does not stop a "
         "scale). While the spec does not plan, its Deployment is rendered from this.",
+    )
+    inspected_checkpoint: InspectedCheckpoint | None = Field(
+        default=None,
+        description="The architecture of a pvc:// model the spec and the catalog do not describe, as its "
+        "inspection Job read it from the claim's config.json (docs/model-sources.md).",
     )
     latency: Latency | None = Field(
         default=None,

@@ -1,9 +1,10 @@
 """One reconciliation of an InferenceService: observe, decide, apply, report.
 
 `observe` reads everything the decision needs (the nodes' GPUs when the plan chooses among them,
-the CPU profile ConfigMaps the specs name, the API-key Secret); `decide` is pure: it plans (the
-spec, else the last good plan's) and renders the children; `apply` converges them; the status is
-built from the decision and what the children are afterwards.
+the CPU profile ConfigMaps the specs name, the API-key Secret, a model's config.json from the Hub or
+from its claim's inspection Job and that Job's pods); `decide` is pure: it plans (the spec, else the
+last good plan's) and renders the children (an inspection Job among them while one is needed);
+`apply` converges them; the status is built from the decision and what the children are afterwards.
 
 Level-triggered and idempotent: it derives everything from the object as it is now (and the
 status it wrote last), so create, update, resume and every child event run the same function, a
@@ -48,8 +49,14 @@ from kvpilot.operator.api import names
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND
 from kvpilot.operator.api.plan import MixedPlan, Plan
 from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec
-from kvpilot.operator.api.status import InferenceServiceStatus, KeptCheckpoint, LastGoodPlan, status_of
-from kvpilot.operator.controller import correction, render, status
+from kvpilot.operator.api.status import (
+    InferenceServiceStatus,
+    InspectedCheckpoint,
+    KeptCheckpoint,
+    LastGoodPlan,
+    status_of,
+)
+from kvpilot.operator.controller import correction, inspection, render, status
 from kvpilot.operator.controller.checkpoint import Unreadable, read_checkpoint, reads_checkpoint, with_checkpoint
 from kvpilot.operator.controller.variant_events import variant_events, variant_replicas
 from kvpilot.operator.hub.client import HubClient
@@ -71,7 +78,8 @@ from kvpilot.operator.runtimes import RUNTIMES
 RENDERED_HASH = f"{GROUP}/rendered-hash"
 # Reasons of a status that no event will change: the reconcile is retried after a delay instead;
 # those BACKED_OFF wait longer after each failure in a row (the Hub refusing or unreachable).
-RETRIED = ("NameConflict", "ApplyFailed", "NoGPUType", "ModelConfigUnavailable")
+# A pending inspection Job is looked at again too, should its pod's events be missed.
+RETRIED = ("NameConflict", "ApplyFailed", "NoGPUType", "ModelConfigUnavailable", inspection.PENDING)
 BACKED_OFF = ("ModelConfigUnavailable",)
 
 
@@ -377,6 +385,27 @@ def _checkpoint(
     return read_checkpoint(spec, hub, token, endpoint, note)
 
 
+def _inspection(
+    spec: InferenceServiceSpec, cluster: Cluster, body: Mapping[str, Any], old: InferenceServiceStatus
+) -> ModelConfig | Unreadable | None:
+    """The config of a pvc:// checkpoint (controller/inspection.py): as the status recorded it for
+    this source, else as its inspection Job found it (a Job of someone else's is not read: the
+    create of ours reports the conflict)."""
+    source = inspection.inspected_source(spec)
+    if source is None:
+        return None
+    kept = inspection.recorded(old.inspected_checkpoint, source)
+    if kept is not None:
+        return kept
+    name, namespace, uid = body["metadata"]["name"], body["metadata"]["namespace"], body["metadata"]["uid"]
+    job_name = inspection.job_name(name, uid, source)
+    job = cluster.get("batch/v1", "Job", namespace, job_name)
+    if job is not None and not owned_by(job, uid):
+        job = None
+    pods = cluster.list_pods(namespace, {inspection.JOB_NAME_LABEL: job_name}) if job is not None else []
+    return inspection.result(job, pods, namespace, job_name, source)
+
+
 class Observed(NamedTuple):
     """What one reconcile read of the cluster: all that `decide` needs."""
 
@@ -386,8 +415,9 @@ class Observed(NamedTuple):
     nodes: dict[str, int]  # GPU product -> most GPUs one node carries; empty when not read
     profiles: dict[str, DeviceProfile | str]  # the CPU profiles the spec and the kept spec name
     api_key_secret: Manifest | None  # the service's API-key Secret, when the operator makes the key
-    # The model's config.json read from the Hub, when neither the spec nor the catalog give its
-    # architecture; Unreadable says why it could not be had.
+    # The model's config.json read from the Hub (or from its claim by an inspection Job), when
+    # neither the spec nor the catalog give its architecture; Unreadable says why it could not be
+    # had (or that the Job has not finished).
     checkpoint: ModelConfig | Unreadable | None = None
 
 
@@ -416,7 +446,8 @@ def observe(
     secret = None
     if render.operator_api_key(spec):
         secret = cluster.get("v1", "Secret", metadata["namespace"], names.api_key_secret(metadata["name"]))
-    return Observed(body, spec, kept, nodes, profiles, secret, _checkpoint(spec, cluster, metadata["namespace"], hub))
+    checkpoint = _checkpoint(spec, cluster, metadata["namespace"], hub) or _inspection(spec, cluster, body, old)
+    return Observed(body, spec, kept, nodes, profiles, secret, checkpoint)
 
 
 class Decision(NamedTuple):
@@ -429,6 +460,7 @@ class Decision(NamedTuple):
     last_good: LastGoodPlan | None  # status.lastGoodPlan to write
     correction: dict[str, Any] | None  # status.correction, which `result` was planned with
     mixed: MixedPlan | None = None  # accelerator.variants: a plan per GPU type
+    inspected: InspectedCheckpoint | None = None  # status.inspectedCheckpoint to write
 
 
 def _mixed_plan(
@@ -452,6 +484,24 @@ def _mixed_plan(
     return mixed, first.model_copy(
         update={"replicas": mixed.replicas, "meets_slo": mixed.meets_slo, "reasons": reasons}
     )
+
+
+def _inspecting(
+    observed: Observed, spec: InferenceServiceSpec, default_image: str
+) -> tuple[list[Manifest], InspectedCheckpoint | None]:
+    """The inspection Job of a pvc:// checkpoint while it has not finished (made in the operator's
+    image: it runs `kvpilot inspect-checkpoint`, whichever runtime the spec runs), and the record
+    of what one found, for the status."""
+    source, checkpoint = inspection.inspected_source(spec), observed.checkpoint
+    if source is None:
+        return [], None
+    if isinstance(checkpoint, ModelConfig):
+        return [], inspection.record(source, checkpoint)
+    if isinstance(checkpoint, Unreadable) and checkpoint.failure == inspection.PENDING:
+        metadata = observed.body["metadata"]
+        name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
+        return [inspection.job(name, namespace, uid, spec, source, default_image)], None
+    return [], None
 
 
 def decide(
@@ -502,9 +552,10 @@ def decide(
         mixed=mixed,
         room=room,
     )
-    wanted = [stamped(m) for m in [*children, *([key.secret] if key.secret else [])]]
+    jobs, inspected = _inspecting(observed, spec, default_image)
+    wanted = [stamped(m) for m in [*children, *jobs, *([key.secret] if key.secret else [])]]
     good = last_good(planned, str(result.gpu), result.reasons.get("gpu"), read) if result.fits else kept
-    return Decision(spec, result, wanted, key, good, corrected, mixed)
+    return Decision(spec, result, wanted, key, good, corrected, mixed, inspected)
 
 
 def reconcile(
@@ -562,6 +613,7 @@ def reconcile(
         else None,
         correction=decision.correction,
         variants=_variant_rows(decision, old, name, by_name, full),
+        inspected=decision.inspected,
     )
 
 

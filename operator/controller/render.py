@@ -77,7 +77,7 @@ def download_args(source: HubSource) -> list[str]:
     return [source.repo, "--revision", source.revision, "--local-dir", hub_model_dir(source)]
 
 
-def _container_security() -> Manifest:
+def container_security() -> Manifest:
     return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
 
 
@@ -184,7 +184,7 @@ def _download_container(
             "requests": dict(DOWNLOAD_REQUESTS),
             **({"limits": dict(DOWNLOAD_REQUESTS)} if guaranteed else {}),
         },
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
         "volumeMounts": [
             {"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT},
             {"name": "tmp", "mountPath": "/tmp"},
@@ -264,7 +264,7 @@ def _compile_cache(spec: InferenceServiceSpec, plan: Plan, image: str) -> _Compi
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["sh", "-c", f'mkdir -p "$1" || {unwritable}', "sh", folder],
         "resources": {"requests": dict(COMPILE_CACHE_RESOURCES), "limits": dict(COMPILE_CACHE_RESOURCES)},
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
         "volumeMounts": [{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT}],
     }
     return _CompileCache(
@@ -458,7 +458,7 @@ def _engine_container(
         "resources": _resources(spec, plan, gpu),
         # Caches that libraries write (Hugging Face, Triton, torch) go to the writable /tmp.
         "env": [{"name": "HOME", "value": "/tmp"}, *env, *_api_key_env(name, spec), *spec.env],
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
         "volumeMounts": [
             *mounts,
             {"name": "tmp", "mountPath": "/tmp"},

@@ -14,7 +14,7 @@ from kvpilot.operator.api.conditions import PLAN_ACCURATE, with_transition_times
 from kvpilot.operator.api.names import API_KEY_SHA256, selector, service_url, variant_deployment
 from kvpilot.operator.api.plan import MixedPlan, Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec
-from kvpilot.operator.api.status import InferenceServiceStatus, LastGoodPlan, PlanAccuracy
+from kvpilot.operator.api.status import InferenceServiceStatus, InspectedCheckpoint, LastGoodPlan, PlanAccuracy
 from kvpilot.operator.planning import sizing
 
 CONDITION_TYPES = ("Planned", "Progressing", "Ready", "Degraded")
@@ -339,11 +339,12 @@ def build(
     api_key: tuple[str, str] | None = None,
     correction: Mapping[str, Any] | None = None,
     variants: list[dict[str, Any]] | None = None,
+    inspected: InspectedCheckpoint | None = None,
 ) -> dict[str, Any]:
-    """The whole `status` to write; `deployment` is the owned Deployment, if any; `last_good` is
-    `lastGoodPlan`, the record of the last plan that fit (reconcile.last_good); `api_key` the
-    SHA-256 of the service's API key and the Secret holding it, for the gateway's check;
-    `correction` the factors the plan's replicas were chosen with (controller/correction.py)."""
+    """The whole `status` to write; `deployment` is the owned Deployment, if any; `last_good` the
+    last plan that fit (reconcile.last_good); `api_key` the SHA-256 of the service's API key and its
+    Secret, for the gateway's check; `correction` the factors the plan's replicas were chosen with
+    (controller/correction.py); `inspected` what a pvc:// checkpoint's inspection Job found."""
     desired = _desired(plan, spec, deployment, variants)
     observed = (deployment or {}).get("status", {})
     fresh = conditions(plan, spec, desired, deployment, blocked, pod_problem(deployment, pods))
@@ -371,7 +372,7 @@ def build(
         "url": service_url(name, namespace),
         "plan": plan_summary(plan),
         **({"variants": variants} if variants else {}),
-        **({"lastGoodPlan": last_good.dump()} if last_good else {}),
+        **{k: v.dump() for k, v in (("lastGoodPlan", last_good), ("inspectedCheckpoint", inspected)) if v},
         **({"auth": {API_KEY_SHA256: api_key[0], "secretName": api_key[1]}} if api_key else {}),
         # Predicted until the autoscaler reports what the engines measure.
         "latency": latency,

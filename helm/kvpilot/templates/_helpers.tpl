@@ -83,6 +83,12 @@ collector), keep its peering record alive, and post events.
 - apiGroups: [""]
   resources: [pods/status]
   verbs: [patch]
+# The inspection Job of a pvc:// model the spec and the catalog do not describe: made once per
+# source (a server-side apply, hence patch) and read; its pod's result is read like an engine pod's.
+# Never deleted: its ttlSecondsAfterFinished removes it.
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, create, patch]
 # The engine pods' ReplicaSets, read only: a pod counts (metrics, gateway traffic) only when its
 # ReplicaSet is controlled by the service's own Deployment, not for carrying its labels.
 - apiGroups: [apps]

@@ -1,0 +1,167 @@
+"""A pvc:// model the spec and the catalog do not describe, on the real control plane: the operator
+runs an inspection Job that mounts the claim (controller/inspection.py), plans from what its pod
+reports, and rolls out.
+
+kwok runs no containers: its stages complete a Job's pod by themselves (pod-ready, then pod-complete:
+phase Succeeded, exit code 0, no message; kwok v0.8 kustomize/stage/pod/fast). So the test plays the
+rest of the kubelet: it runs the same `kvpilot inspect-checkpoint` here on a folder standing for the
+claim, and writes its result into the ended container's termination message, as the kubelet does
+from /dev/termination-log."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e import kvis
+from e2e.chart import Installation
+from e2e.cluster import Cluster
+from e2e.local_operator import LocalOperator
+from e2e.polling import poll
+from kvpilot.operator.api.inspection import CheckpointInspection
+from kvpilot.operator.controller import inspection
+
+ApplyISVC = Callable[[str, dict[str, Any]], dict[str, Any]]
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "tests" / "operator" / "planning" / "hf_configs" / "Qwen--Qwen3-8B.json"
+CLAIM = "inspected-models"
+SOURCE = f"pvc://{CLAIM}/qwen3-8b"
+# The weights' bytes the checkpoint's safetensors index states (about Qwen3-8B's in bf16).
+TOTAL_SIZE = 16_381_470_720
+CONVERGE_S = 60.0
+
+
+@pytest.fixture()
+def claim(k8s: Cluster, kvpilot: Installation) -> Iterator[str]:
+    """A claim bound to a volume of its own (no provisioner here), so that both the Job's pod and the
+    engine's schedule; kwok mounts nothing."""
+    ns = kvpilot.watch_namespaces[0]
+    volume = f"{ns}-{CLAIM}"
+    k8s.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": volume},
+            "spec": {
+                "capacity": {"storage": "20Gi"},
+                "accessModes": ["ReadOnlyMany"],
+                "storageClassName": "",
+                "hostPath": {"path": "/models"},
+                "claimRef": {"namespace": ns, "name": CLAIM},
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": CLAIM, "namespace": ns},
+            "spec": {
+                "accessModes": ["ReadOnlyMany"],
+                "storageClassName": "",
+                "volumeName": volume,
+                "resources": {"requests": {"storage": "20Gi"}},
+            },
+        },
+    )
+    yield CLAIM
+    k8s.kubectl("delete", "pvc", CLAIM, "-n", ns, "--ignore-not-found", "--wait=false")
+    k8s.kubectl("delete", "pv", volume, "--ignore-not-found", "--wait=false")
+
+
+def _inspected_here(tmp_path: Path) -> str:
+    """What the Job's container reports for the checkpoint: `kvpilot inspect-checkpoint` run on a
+    folder holding Qwen3-8B's config.json and a safetensors index."""
+    folder = tmp_path / "qwen3-8b"
+    folder.mkdir()
+    shutil.copy(CONFIG, folder / "config.json")
+    index = {"metadata": {"total_size": TOTAL_SIZE}, "weight_map": {}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    log = tmp_path / "termination-log"
+    command = [sys.executable, "-m", "kvpilot.engine.cli", "inspect-checkpoint", str(folder), "--termination-log"]
+    subprocess.run([*command, str(log)], check=True, cwd=ROOT, capture_output=True, text=True)
+    return log.read_text()
+
+
+def _job_pod(k8s: Cluster, ns: str, job: str) -> dict[str, Any]:
+    """The Job's pod once kwok has ended it (Succeeded)."""
+
+    def ended() -> dict[str, Any] | None:
+        pods = k8s.kubectl_json("get", "pods", "-n", ns, "-l", f"{inspection.JOB_NAME_LABEL}={job}")["items"]
+        return next((p for p in pods if (p.get("status") or {}).get("phase") == "Succeeded"), None)
+
+    return poll(ended, CONVERGE_S, f"the pod of Job {ns}/{job} Succeeded")
+
+
+def test_a_pvc_model_is_planned_from_the_config_json_its_inspection_job_reports(
+    k8s: Cluster,
+    kvpilot: Installation,
+    operator: LocalOperator,
+    apply_isvc: ApplyISVC,
+    claim: str,
+    tmp_path: Path,
+) -> None:
+    ns, name = kvpilot.watch_namespaces[0], "pvc-qwen3"
+    apply_isvc(name, {"model": {"name": "my-qwen3", "source": SOURCE}, "accelerator": {"type": "L4"}, "replicas": 1})
+    pending = kvis.wait_condition(k8s, ns, name, "Planned", "False", timeout_s=CONVERGE_S)
+    job = inspection.job_name(name, pending["metadata"]["uid"], SOURCE)
+    assert kvis.condition(pending, "Planned")["reason"] in ("ModelConfigPending", "ModelConfigUnavailable")
+
+    manifest = k8s.kubectl_json("get", "job", job, "-n", ns)
+    (owner,) = manifest["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["uid"], owner["controller"]) == ("InferenceService", pending["metadata"]["uid"], True)
+    pod_spec = manifest["spec"]["template"]["spec"]
+    assert pod_spec["containers"][0]["args"] == [f"/models/{claim}/qwen3-8b"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}} in pod_spec["volumes"]
+
+    # kwok ended the container without a message: a result is what the kubelet would have read.
+    pod = _job_pod(k8s, ns, job)
+    result = _inspected_here(tmp_path)
+    patch = [{"op": "add", "path": "/status/containerStatuses/0/state/terminated/message", "value": result}]
+    k8s.kubectl(
+        "patch",
+        "pod",
+        pod["metadata"]["name"],
+        "-n",
+        ns,
+        "--subresource=status",
+        "--type=json",
+        "-p",
+        json.dumps(patch),
+    )
+
+    ready = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
+    inspected = ready["status"]["inspectedCheckpoint"]
+    assert inspected["source"] == SOURCE
+    recorded = CheckpointInspection.model_validate({k: v for k, v in inspected.items() if k != "source"})
+    assert recorded == CheckpointInspection.model_validate_json(result)
+    assert inspected["architecture"]["checkpointBytes"] == TOTAL_SIZE
+    assert ready["status"]["plan"]["reasons"]["model"].startswith("the checkpoint's config.json of /")
+    (engine,) = kvis.running_pods(k8s, ns, name)
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}} in engine["spec"][
+        "volumes"
+    ]
+    # Read once: no second Job or pod for the same source.
+    pods = k8s.kubectl_json("get", "pods", "-n", ns, "-l", f"{inspection.JOB_NAME_LABEL}={job}")["items"]
+    assert len(pods) == 1
+
+    # Another source is another checkpoint: a new Job, the running Deployment kept meanwhile.
+    other = f"pvc://{claim}/other"
+    kvis.patch_spec(k8s, ns, name, {"model": {"name": "my-qwen3", "source": other}})
+    replanned = kvis.wait_condition(k8s, ns, name, "Planned", "False", timeout_s=CONVERGE_S, generation=2)
+    assert "inspectedCheckpoint" not in replanned["status"]
+    poll(
+        lambda: (
+            k8s.kubectl(
+                "get", "job", inspection.job_name(name, pending["metadata"]["uid"], other), "-n", ns, check=False
+            ).returncode
+            == 0
+        ),
+        CONVERGE_S,
+        "the new source's inspection Job",
+    )

@@ -27,7 +27,7 @@ from kvpilot.operator.api.model_paths import MODEL_MOUNT, source_path
 from kvpilot.operator.api.spec import PVC_SCHEME, InferenceServiceSpec
 from kvpilot.operator.api.status import InspectedCheckpoint
 from kvpilot.operator.controller.checkpoint import Unreadable
-from kvpilot.operator.controller.render import RUN_AS_USER, container_security
+from kvpilot.operator.controller.render import container_security, pod_security
 from kvpilot.operator.planning.model_config import ModelConfig
 from kvpilot.operator.planning.models import find_model
 
@@ -100,13 +100,7 @@ def job(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, source:
         # It reads files, never the API server.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "fsGroup": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security(),
         "containers": [container],
         "volumes": [
             {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}},

@@ -81,6 +81,17 @@ def container_security() -> Manifest:
     return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
 
 
+def pod_security() -> Manifest:
+    """The pod's: a non-root uid of ours (the images' files are readable by it), the runtime's seccomp."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 class _ModelFiles(NamedTuple):
     """Where one model source's files are in the engine container, and what puts them there."""
 
@@ -511,13 +522,7 @@ def _pod_template(
         "spec": {
             # The engine never talks to the API server: no token of the namespace's default account.
             "automountServiceAccountToken": False,
-            "securityContext": {
-                "runAsNonRoot": True,
-                "runAsUser": RUN_AS_USER,
-                "runAsGroup": RUN_AS_USER,
-                "fsGroup": RUN_AS_USER,
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },
+            "securityContext": pod_security(),
             **({"initContainers": init} if init else {}),
             "containers": [_engine_container(name, spec, plan, gpu, image, model, draft, mounts)],
             "volumes": [

@@ -26,6 +26,7 @@ from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import render, status
 from kvpilot.operator.planning.gpus import GPUS
 from kvpilot.operator.planning.plan import plan
+from kvpilot.operator.planning.sources import with_model_source
 
 ApplyISVC = Callable[[str, dict[str, Any]], dict[str, Any]]
 # Children come back on the events of their deletion, Ready follows the Deployment's events:
@@ -69,8 +70,10 @@ def test_inference_service_rolls_out_its_plan_on_the_right_gpus(
     apply_isvc(name, _spec("llama-3-8b", "L4", replicas=2, context=8192))
     obj = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
 
-    # The plan, recomputed here from the spec as the API server stored it (with its defaults).
-    spec = InferenceServiceSpec.model_validate(obj["spec"])
+    # The plan, recomputed here from the spec as the API server stored it (with its defaults), read
+    # as the operator reads it: with no model.source, the engine is given the catalog's repository.
+    spec = with_model_source(InferenceServiceSpec.model_validate(obj["spec"]))
+    assert spec.model.source == "hf://meta-llama/Meta-Llama-3-8B"
     expected = plan(spec)
     assert expected.fits
     assert obj["status"]["plan"] == status.plan_summary(expected)

@@ -23,12 +23,16 @@ class Unreadable(NamedTuple):
     message: str
 
 
+def described(spec: InferenceServiceSpec) -> bool:
+    """Whether the spec (model.architecture) or the catalog give the architecture: no checkpoint's
+    config.json is read then, on the Hub or on a claim."""
+    return spec.model.architecture is not None or find_model(spec.model.name) is not None
+
+
 def reads_checkpoint(spec: InferenceServiceSpec) -> HubSource | None:
     """The hf:// repository whose config.json gives the architecture, None when the spec or the
     catalog give it (or the weights are not on a hub)."""
-    if spec.model.architecture is not None or find_model(spec.model.name) is not None:
-        return None
-    return hub_source(spec.model.source)
+    return None if described(spec) else hub_source(spec.model.source)
 
 
 def read_checkpoint(

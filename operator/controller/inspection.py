@@ -26,10 +26,9 @@ from kvpilot.operator.api.inspection import TERMINATION_MESSAGE_PATH, UNSUPPORTE
 from kvpilot.operator.api.model_paths import MODEL_MOUNT, source_path
 from kvpilot.operator.api.spec import PVC_SCHEME, InferenceServiceSpec
 from kvpilot.operator.api.status import InspectedCheckpoint
-from kvpilot.operator.controller.checkpoint import Unreadable
+from kvpilot.operator.controller.checkpoint import Unreadable, described
 from kvpilot.operator.controller.render import container_security, pod_security
 from kvpilot.operator.planning.model_config import ModelConfig
-from kvpilot.operator.planning.models import find_model
 
 Manifest = dict[str, Any]
 
@@ -57,9 +56,7 @@ def inspected_source(spec: InferenceServiceSpec) -> str | None:
     """The pvc:// model.source whose checkpoint gives the architecture: None when the spec (its
     model.architecture) or the catalog give it, or the model is not on a claim."""
     source = spec.model.source
-    if spec.model.architecture is not None or find_model(spec.model.name) is not None:
-        return None
-    return source if source is not None and source.startswith(PVC_SCHEME) else None
+    return source if not described(spec) and source is not None and source.startswith(PVC_SCHEME) else None
 
 
 def job_name(name: str, uid: str, source: str) -> str:

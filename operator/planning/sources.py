@@ -14,11 +14,10 @@ MODEL_SOURCE_REQUIRED = "ModelSourceRequired"
 
 
 def _needs_files(spec: InferenceServiceSpec) -> bool:
-    """Whether the pod must be given the model's files: no model.source, and a runtime that loads
-    only files, unless model.name is a model its image carries."""
-    runtime = RUNTIMES[spec.runtime]
-    builtin = {name.lower() for name in runtime.builtin_models}
-    return spec.model.source is None and runtime.local_files_only and spec.model.name.lower() not in builtin
+    """Whether the pod must be given the model's files: no model.source, and model.name is no model
+    the runtime's image carries."""
+    builtin = {name.lower() for name in RUNTIMES[spec.runtime].builtin_models}
+    return spec.model.source is None and spec.model.name.lower() not in builtin
 
 
 def with_model_source(spec: InferenceServiceSpec) -> InferenceServiceSpec:

@@ -81,7 +81,6 @@ RUNTIME = Runtime(
     ready_path="/ready",
     api_key_env="KVPILOT_API_KEY",
     # `--model` is a folder with config.json, or the embedded model's name.
-    local_files_only=True,
     builtin_models=(EMBEDDED_MODEL,),
     # Adapters are planned for it once its config has the LoRA flags (an engine without them would
     # refuse the argv).

@@ -44,10 +44,9 @@ class Runtime:
     lora_env: tuple[tuple[str, str], ...] = ()
     # Whether its image has `kvpilot download` (else the downloads run in the operator's engine image).
     ships_downloader: bool = True
-    # Whether it loads only the files the pod has (no model by name): a spec without model.source
-    # then gets the Hub repository model.name stands for (planning/sources.py).
-    local_files_only: bool = False
-    # The models its image carries, loaded by name with no files of the pod's (case-insensitive).
+    # The models its image carries, loaded by name with no files of the pod's (case-insensitive); any
+    # other model is files the pod is given: without model.source, the Hub repository model.name stands
+    # for (planning/sources.py).
     builtin_models: tuple[str, ...] = ()
     # Whether it serves LoRA adapters (spec.adapters) with `--enable-lora --max-loras --max-lora-rank
     # --max-cpu-loras`.

@@ -122,7 +122,6 @@ RUNTIME = Runtime(
     # with it (off unless asked for).
     lora_env=(("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),),
     ships_downloader=False,
-    local_files_only=True,
     lora=True,
     # Its drafters run without the adapters, the target with them.
     lora_speculative=VLLM_CAPABILITIES.speculative,

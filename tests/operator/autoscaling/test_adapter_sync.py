@@ -87,6 +87,10 @@ class Engine:
             return ip
         raise RuntimeError("no free loopback address for a stand-in engine")
 
+    async def stop(self) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
 
 class Cluster:
     """The cluster adapter: the API-key Secret, and status merge patches applied to the body."""
@@ -207,8 +211,7 @@ def test_adapters_are_loaded_and_unloaded_on_running_engines_without_a_restart()
         finally:
             await loop.close()
             for engine in engines:
-                assert engine.runner is not None
-                await engine.runner.cleanup()
+                await engine.stop()
 
     asyncio.run(scenario())
 
@@ -237,8 +240,7 @@ def test_a_moved_source_is_loaded_in_place_and_a_refusal_of_the_key_is_an_error(
             assert rows(body)["sql"] == {"name": "sql", "source": "/adapters/sql-v2", "loadedOn": ["chat-0"], "pods": 1}
         finally:
             await loop.close()
-            assert engine.runner is not None
-            await engine.runner.cleanup()
+            await engine.stop()
 
     asyncio.run(scenario())
 
@@ -270,8 +272,7 @@ def test_the_loops_rounds_sync_adapters_of_a_service_it_does_not_scale() -> None
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            assert engine.runner is not None
-            await engine.runner.cleanup()
+            await engine.stop()
         assert engine.adapters == {"sql": "/a/sql"} and rows(body)["sql"]["loadedOn"] == ["chat-0"]
 
     asyncio.run(scenario())
@@ -327,7 +328,6 @@ def test_a_starting_pod_is_given_the_adapters_before_its_readiness_gate_opens() 
         finally:
             await loop.close()
             for engine in engines:
-                assert engine.runner is not None
-                await engine.runner.cleanup()
+                await engine.stop()
 
     asyncio.run(scenario())

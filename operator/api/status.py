@@ -18,6 +18,7 @@ from kvpilot.operator.api.spec import (
     INT64,
     MAX_ADAPTERS,
     MAX_REPLICAS,
+    MAX_VARIANTS,
     Architecture,
     CheckpointQuantization,
 )
@@ -230,6 +231,31 @@ class ReadySecondsAccuracy(_Status):
     pod: str | None = Field(default=None, description="The pod observed.")
 
 
+class VariantAccuracy(_Status):
+    """One GPU type of a mixed pool: its own plan's predictions beside its own pods' p95s, and its
+    share of the requests beside its share of the pool's planned capacity (shown, not judged)."""
+
+    gpu: str | None = Field(default=None, max_length=63, description="The GPU type (status.variants[].gpu).")
+    variant: str | None = Field(
+        default=None, max_length=63, description="Its pods' kvpilot.dev/gpu-variant label value."
+    )
+    ttft: LatencyWindow | None = Field(
+        default=None, description="p95 time to first token: its plan's prediction against its pods' p95."
+    )
+    tpot: LatencyWindow | None = Field(
+        default=None, description="p95 time per output token: its plan's prediction against its pods' p95."
+    )
+    planned_share: float | None = Field(
+        default=None,
+        description="Its replicas' planned capacity (replicas x capacityRps) over the pool's: the share of the "
+        "requests the gateway's capacity weights give it.",
+    )
+    observed_share: float | None = Field(
+        default=None, description="Its pods' share of the requests the pool's engines started in the window."
+    )
+    requests: int | None = Field(default=None, description="Requests its pods started in the window.")
+
+
 class PlanAccuracy(_Status):
     window_seconds: float | None = Field(default=None, description="The autoscaler's window, in seconds.")
     band: list[float] | None = Field(
@@ -254,6 +280,12 @@ class PlanAccuracy(_Status):
     )
     ready_seconds: ReadySecondsAccuracy | None = Field(
         default=None, description="The predicted time to ready beside the newest engine pod's."
+    )
+    variants: list[VariantAccuracy] | None = Field(
+        default=None,
+        max_length=MAX_VARIANTS,
+        description="A mixed pool: each GPU type's predicted and observed p95s and its share of the traffic "
+        "(shown, not judged: PlanAccurate judges the pool's merged p95s).",
     )
     outside_periods: int | None = Field(
         default=None, description="Periods in a row in which a ratio was outside the band."

@@ -8,7 +8,9 @@ judged: a prefix share far from the assumed one explains a TTFT ratio), and the 
 predicted beside the fewest an engine allocated (`kvBlocks`: vLLM measures its own pool from
 --gpu-memory-utilization, so this is where a wrong memory model shows), and the time to ready the
 plan predicted beside the newest ready pod's (`readySeconds`: from the pod's start, so its image
-pull counts, its scheduling does not). A p95 counts only from a
+pull counts, its scheduling does not). A mixed pool adds `variants`: each GPU type's own plan's
+p95s beside its own pods' (variant_windows), and its share of the requests beside its share of
+the pool's planned capacity: the gateway's split by capacity, measured. A p95 counts only from a
 window of at least MIN_OBSERVATIONS requests (a p95 of a few is mostly their maximum, as for the
 autoscaler's own decisions).
 
@@ -31,8 +33,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kvpilot.operator.api.conditions import PLAN_ACCURATE, with_transition_times
-from kvpilot.operator.api.status import Condition, InferenceServiceStatus, PlanAccuracy, PlanStatus
+from kvpilot.operator.api.names import variant
+from kvpilot.operator.api.status import Condition, InferenceServiceStatus, PlanAccuracy, PlanStatus, VariantStatus
 from kvpilot.operator.autoscaling.decisions import MIN_OBSERVATIONS, Signals
+from kvpilot.operator.autoscaling.variant_windows import VariantSignals
 from kvpilot.operator.kube.events import iso, seconds_of
 
 STATUS_KEY = "planAccuracy"
@@ -103,6 +107,72 @@ def comparison(predicted_ms: float | None, observed_seconds: float | None, reque
     }
 
 
+def _variant_entry(
+    row: VariantStatus, seen: VariantSignals, started: int, planned: float | None, last: Any, now: float
+) -> dict[str, Any]:
+    """One GPU type's predictions beside its pods' p95s (the last judged window stays while this
+    one holds too few requests, beside the same prediction), and its shares."""
+    key = variant(row.gpu or "")
+    entry: dict[str, Any] = {"gpu": row.gpu, "variant": key}
+    for field, predicted, p95, requests in _SIGNALS:
+        fresh = comparison(getattr(row, predicted), getattr(seen, p95), getattr(seen, requests))
+        kept = getattr(last, field) if last is not None else None
+        if fresh is not None:
+            entry[field] = {**fresh, "time": iso(now)}
+        elif kept is not None and kept.predicted_ms == getattr(row, predicted):
+            entry[field] = kept.dump()
+    if planned is not None:
+        entry["plannedShare"] = round(planned, 3)
+    if started:
+        entry["observedShare"] = round(seen.ttft_observations / started, 3)
+        entry["requests"] = seen.ttft_observations
+    elif last is not None and last.observed_share is not None:
+        entry["observedShare"], entry["requests"] = last.observed_share, last.requests
+    return entry
+
+
+def variant_entries(status: InferenceServiceStatus, signals: Signals, now: float) -> list[dict[str, Any]] | None:
+    """A mixed pool's planAccuracy.variants: each type (status.variants, cheapest first) with its
+    own plan's predicted p95s beside its own pods' (signals.variants, by variant label), and its
+    share of the requests started in the window beside its share of the pool's planned capacity
+    (replicas x capacityRps). None for a service of one GPU type."""
+    rows = [row for row in status.variants or [] if row.gpu]
+    if len(rows) < 2:
+        return None
+    old = status.plan_accuracy.variants if status.plan_accuracy and status.plan_accuracy.variants else []
+    last = {entry.variant: entry for entry in old}
+    capacity = {variant(row.gpu or ""): (row.replicas or 0) * (row.capacity_rps or 0.0) for row in rows}
+    pool = sum(capacity.values())
+    started = sum(seen.ttft_observations for seen in signals.variants.values())
+    return [
+        _variant_entry(
+            row,
+            signals.variants.get(key := variant(row.gpu or ""), VariantSignals()),
+            started,
+            capacity[key] / pool if pool > 0 else None,
+            last.get(key),
+            now,
+        )
+        for row in rows
+    ]
+
+
+def _variant_numbers(entries: Sequence[Mapping[str, Any]]) -> str:
+    """Each type's p95s and share, for PlanAccurate's message."""
+    parts = []
+    for entry in entries:
+        said = [
+            f"p95 {key.upper()} {window['observedMs']:g}/{window['predictedMs']:g} ms"
+            for key, _, _, _ in _SIGNALS
+            if (window := entry.get(key))
+        ]
+        if "observedShare" in entry:
+            said.append(f"{entry['observedShare']:.0%} of requests (planned {entry.get('plannedShare', 0):.0%})")
+        if said:
+            parts.append(f"{entry['gpu']}: {', '.join(said)}")
+    return "; ".join(parts)
+
+
 def _inside(entry: Mapping[str, Any]) -> bool:
     return BAND[0] <= entry["ratio"] <= BAND[1]
 
@@ -127,6 +197,8 @@ def _numbers(block: Mapping[str, Any]) -> str:
         text += f"; KV blocks allocated {blocks['observed']}, predicted {blocks['predicted']} ({blocks['ratio']:.2f}x)"
     if ready := block.get("readySeconds"):
         text += f"; ready in {ready['observed']:g} s ({ready['pod']}), predicted {ready['predicted']:g} s"
+    if by_type := _variant_numbers(block.get("variants") or []):
+        text += f"; by GPU type: {by_type}"
     return text
 
 
@@ -203,6 +275,8 @@ def _block(
         block["kvBlocks"] = blocks
     if ready_entry := _ready_entry(plan.predicted_ready_seconds, ready, old.ready_seconds):
         block["readySeconds"] = ready_entry
+    if variants := variant_entries(status, signals, now):
+        block["variants"] = variants
     return block, bool(fresh)
 
 

@@ -86,6 +86,13 @@ from kvpilot.operator.autoscaling.metrics import (
     increase,
     merge,
 )
+from kvpilot.operator.autoscaling.variant_windows import (
+    PodIncrease,
+    VariantSignals,
+    VariantWindow,
+    period_by_variant,
+    variant_signals,
+)
 
 QUANTILE = 0.95
 # Running sequences per replica, as a fraction of max_num_seqs, that counts as fully used: a
@@ -214,6 +221,8 @@ class PodRead(_Data):
     # Its engine's batch limit where pods differ (a mixed pool: its GPU type's planned max_num_seqs);
     # None: the policy's.
     max_num_seqs: int | None = Field(default=None, gt=0)
+    # Its variant's label value in a mixed pool (names.VARIANT_LABEL); None: a service of one type.
+    variant: str | None = None
 
 
 class Observation(_Data):
@@ -285,6 +294,8 @@ class WindowEntry(_Data):
     accepted_tokens: float = 0.0
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
+    # A mixed pool's increases per variant (variant_windows): each type's own p95s, shown.
+    variants: dict[str, VariantWindow] = Field(default_factory=dict)
 
 
 class Recommendation(_Data):
@@ -327,6 +338,8 @@ class Signals(_Data):
     # The fewest KV blocks a reporting engine allocated (None: none says): the measured counterpart
     # of the plan's kvBlocks. Shown, not acted on.
     kv_blocks: int | None = None
+    # A mixed pool's p95s per variant (label value) over the window. Shown, not acted on.
+    variants: dict[str, VariantSignals] = Field(default_factory=dict)
     reporting: int = 0
     unknown: tuple[str, ...] = ()
     # The largest ratio of a signal to its target, and which signal it is.
@@ -464,6 +477,7 @@ def _signals(policy: Policy, window: Sequence[WindowEntry], obs: Observation) ->
         running_per_replica=running,
         batch_occupancy=sum((e.occupancy for e in window), Mean()).value(),
         rate_per_replica=started / replica_seconds if replica_seconds > 0 else None,
+        variants=variant_signals((e.variants for e in window), QUANTILE),
         reporting=len(readings),
         unknown=tuple(sorted(p.name for p in reads if p.reading is None)),
     )
@@ -549,8 +563,7 @@ def _advance_window(
 ) -> tuple[dict[str, Baseline], tuple[WindowEntry, ...]]:
     """New baselines and the window with this period's increases appended, old entries dropped."""
     baselines: dict[str, Baseline] = {}
-    ttft: list[Histogram] = []
-    tpot: list[Histogram] = []
+    increases: list[PodIncrease] = []
     with_baseline = 0
     counted = dict.fromkeys(COUNTERS, 0.0)
     previous = state.last_decision.at if state.last_decision is not None else obs.now
@@ -561,12 +574,13 @@ def _advance_window(
             baselines[pod.name] = before
             continue
         r = pod.reading
+        ttft = tpot = None
         if r.ttft is not None:
-            increased, whole_period = _period_increase(before.ttft, r.ttft, previous)
-            ttft.append(increased)
+            ttft, whole_period = _period_increase(before.ttft, r.ttft, previous)
             with_baseline += whole_period
         if r.tpot is not None:
-            tpot.append(_period_increase(before.tpot, r.tpot, previous)[0])
+            tpot = _period_increase(before.tpot, r.tpot, previous)[0]
+        increases.append((pod.variant or "", ttft, tpot))
         for counter in COUNTERS:
             counted[counter] += counter_increase(getattr(before, counter), getattr(r, counter))
         baselines[pod.name] = Baseline(ttft=r.ttft, tpot=r.tpot, **{c: getattr(r, c) for c in COUNTERS})
@@ -578,14 +592,15 @@ def _advance_window(
     entry = WindowEntry(
         at=obs.now,
         seconds=period,
-        ttft=merge(ttft),
-        tpot=merge(tpot),
+        ttft=merge(h for _, h, _ in increases if h is not None),
+        tpot=merge(h for _, _, h in increases if h is not None),
         pods_with_baseline=with_baseline,
         waiting=Mean.of([r.waiting for r in readings]),
         running=Mean.of([r.running for r in readings]),
         occupancy=Mean.of([_occupancy(policy, pod) for pod in obs.pods]),
         kv_usage=Mean.of([r.kv_usage for r in readings]),
         held=_held_sample(obs.gateway),
+        variants=period_by_variant(increases),
         **counted,
     )
     window = tuple(e for e in state.window if e.at > obs.now - policy.window_seconds) + (entry,)

@@ -164,16 +164,22 @@ def plan_max_num_seqs(status: InferenceServiceStatus) -> int | None:
     return status.plan.max_num_seqs if status.plan and status.plan.max_num_seqs else None
 
 
-def with_batch_limits(
+def with_variants(
     reads: Sequence[PodRead], pods: Sequence[Mapping[str, Any]], status: InferenceServiceStatus
 ) -> list[PodRead]:
-    """Each read with its engine's own max_num_seqs: in a mixed pool its GPU type's plan's
-    (status.variants, by the pod's variant label), where status.plan holds only the first type's."""
-    limits = {variant(row.gpu): row.max_num_seqs for row in status.variants or [] if row.gpu and row.max_num_seqs}
+    """Each read of a mixed pool with its pod's variant (its label) and its engine's own
+    max_num_seqs: its GPU type's plan's (status.variants), where status.plan holds only the first
+    type's. A service of one type: the reads as they are."""
+    limits = {variant(row.gpu): row.max_num_seqs for row in status.variants or [] if row.gpu}
     if not limits:
         return list(reads)
     of_pod = {p["metadata"]["name"]: (p["metadata"].get("labels") or {}).get(VARIANT_LABEL, "") for p in pods}
-    return [read.model_copy(update={"max_num_seqs": limits.get(of_pod.get(read.name, ""))}) for read in reads]
+    return [
+        read.model_copy(
+            update={"max_num_seqs": limits.get(of_pod.get(read.name, "")), "variant": of_pod.get(read.name) or None}
+        )
+        for read in reads
+    ]
 
 
 def replica_capacity(status: InferenceServiceStatus, max_replicas: int) -> tuple[float, ...]:
@@ -508,7 +514,7 @@ class AutoscalingLoop:
         reads, gateway = await asyncio.gather(
             self.read_all(body, metrics_targets(engine_pods)), self.gateway_read(body)
         )
-        reads = with_batch_limits(reads, engine_pods, status_of(body))
+        reads = with_variants(reads, engine_pods, status_of(body))
         outcome = decide(body, deployment, reads, now, self.interval, gateway)
         if outcome is None:
             return None

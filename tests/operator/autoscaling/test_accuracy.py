@@ -11,6 +11,7 @@ import pytest
 from kvpilot.operator.api.status import InferenceServiceStatus
 from kvpilot.operator.autoscaling.accuracy import BAND, SUSTAIN_PERIODS, accuracy_patch, newest_ready_seconds
 from kvpilot.operator.autoscaling.decisions import MIN_OBSERVATIONS, Signals
+from kvpilot.operator.autoscaling.variant_windows import VariantSignals
 from kvpilot.operator.kube.events import iso
 
 NOW = 1_800_000_000.0
@@ -219,3 +220,59 @@ def test_the_newest_ready_pod_s_time_to_ready_goes_beside_the_plan_s() -> None:
     service.status["plan"] = {**PLAN, "predictedReadySeconds": 30.0}  # another plan: the old pod no longer compares
     service.period(window())
     assert "readySeconds" not in service.status["planAccuracy"]
+
+
+# A mixed pool: two L4 replicas of 5 req/s each, one H100 of 30 (planned shares 0.25 and 0.75).
+POOL = [
+    {"gpu": "L4", "replicas": 2, "capacityRps": 5.0, "predictedTtftMs": 400.0, "predictedTpotMs": 40.0},
+    {"gpu": "H100-80GB", "replicas": 1, "capacityRps": 30.0, "predictedTtftMs": 100.0, "predictedTpotMs": 10.0},
+]
+
+
+def per_type(l4: tuple[float, float, int], h100: tuple[float, float, int]) -> dict[str, VariantSignals]:
+    return {
+        name: VariantSignals(
+            ttft_p95_seconds=ttft / 1000, tpot_p95_seconds=tpot / 1000, ttft_observations=n, tpot_observations=n
+        )
+        for name, (ttft, tpot, n) in (("l4", l4), ("h100-80gb", h100))
+    }
+
+
+def test_a_mixed_pool_shows_each_gpu_type_against_its_own_plan_and_its_share_of_the_traffic() -> None:
+    service = Service()
+    service.status["variants"] = POOL
+    # The L4s run twice as slow as their plan; the H100 as planned; the L4s took 40 % of the requests.
+    condition = service.period(window(variants=per_type((800.0, 80.0, 40), (110.0, 10.0, 60))))
+    l4, h100 = service.status["planAccuracy"]["variants"]
+    assert (l4["gpu"], l4["variant"], h100["gpu"]) == ("L4", "l4", "H100-80GB")
+    assert l4["ttft"]["ratio"] == 2.0 and l4["tpot"] == {
+        "predictedMs": 40.0,
+        "observedMs": 80.0,
+        "ratio": 2.0,
+        "requests": 40,
+        "time": iso(service.now),
+    }
+    assert h100["ttft"]["ratio"] == 1.1 and h100["tpot"]["ratio"] == 1.0
+    assert (l4["plannedShare"], l4["observedShare"], l4["requests"]) == (0.25, 0.4, 40)
+    assert (h100["plannedShare"], h100["observedShare"], h100["requests"]) == (0.75, 0.6, 60)
+    assert (
+        "by GPU type: L4: p95 TTFT 800/400 ms, p95 TPOT 80/40 ms, 40% of requests (planned 25%)"
+        in (condition["message"])
+    )
+    # A window too thin for the H100's p95 keeps its last one (beside the same prediction); the
+    # shares follow the new window.
+    service.period(window(variants=per_type((700.0, 70.0, 30), (500.0, 50.0, MIN_OBSERVATIONS - 1))))
+    l4, h100 = service.status["planAccuracy"]["variants"]
+    assert l4["ttft"]["observedMs"] == 700.0 and h100["ttft"]["observedMs"] == 110.0
+    assert h100["requests"] == MIN_OBSERVATIONS - 1 and l4["observedShare"] == round(30 / (30 + 19), 3)
+    # A new plan for the H100 (another prediction): its old window is not judged against it.
+    service.status["variants"] = [POOL[0], {**POOL[1], "predictedTtftMs": 150.0}]
+    service.period(window(variants=per_type((700.0, 70.0, 30), (500.0, 50.0, 5))))
+    assert "ttft" not in service.status["planAccuracy"]["variants"][1]
+
+
+def test_a_service_of_one_gpu_type_has_no_per_type_rows() -> None:
+    service = Service()
+    service.status["variants"] = POOL[:1]
+    service.period(window(variants=per_type((800.0, 80.0, 40), (110.0, 10.0, 60))))
+    assert "variants" not in service.status["planAccuracy"]

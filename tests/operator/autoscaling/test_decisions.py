@@ -24,7 +24,7 @@ from kvpilot.operator.autoscaling.decisions import (
     scaled,
     step,
 )
-from kvpilot.operator.autoscaling.loop import replica_capacity, with_batch_limits
+from kvpilot.operator.autoscaling.loop import replica_capacity, with_variants
 from kvpilot.operator.autoscaling.metrics import EngineReading, Histogram
 
 PERIOD = 15.0
@@ -532,8 +532,9 @@ def test_each_pod_s_batch_occupancy_is_over_its_own_gpu_type_s_max_num_seqs() ->
     def read(name: str, running: float) -> PodRead:
         return PodRead(name=name, reading=EngineReading(waiting=0.0, running=running, kv_usage=0.1))
 
-    reads = with_batch_limits([read("l4-0", 12.0), read("h100-0", 48.0)], pods, status)
+    reads = with_variants([read("l4-0", 12.0), read("h100-0", 48.0)], pods, status)
     assert [r.max_num_seqs for r in reads] == [24, 96]
+    assert [r.variant for r in reads] == ["l4", "h100-80gb"]
     # Both half full: 50 %. By the L4's limit the H100 would read 200 % and the mean 125 %: a scale-up.
     policy = Policy(max_num_seqs=24, max_replicas=8)
     obs = Observation(now=1_000_000.0, replicas=2, ready_replicas=2, pods=tuple(reads))
@@ -544,9 +545,39 @@ def test_each_pod_s_batch_occupancy_is_over_its_own_gpu_type_s_max_num_seqs() ->
     )
     assert step(policy, AutoscalerState(), by_first_type)[1].signals.batch_occupancy == 1.25
     # A pod of no known type is counted by the policy's limit; a pool of one type keeps its reads.
-    (stray,) = with_batch_limits([read("stray", 12.0)], pods, status)
+    (stray,) = with_variants([read("stray", 12.0)], pods, status)
     assert stray.max_num_seqs is None
-    assert with_batch_limits(reads, pods, InferenceServiceStatus()) == reads
+    assert with_variants(reads, pods, InferenceServiceStatus()) == reads
+
+
+def test_a_mixed_pool_s_window_keeps_each_gpu_type_s_p95s_apart() -> None:
+    """The pool scales on one merged p95, where the H100's many fast requests hide the L4s' slow
+    ones; each type's own p95s (over its pods' increases, by their variant label) are kept beside."""
+    l4, h100 = Pod("l4-0"), Pod("h100-0")
+    state, now = AutoscalerState(), 1_000_000.0
+    for _ in range(3):
+        now += PERIOD
+        l4.serve(4, ttft=1.5, tpot=0.09)
+        h100.serve(96, ttft=0.1, tpot=0.01)
+        reads = (
+            l4.read().model_copy(update={"variant": "l4"}),
+            h100.read().model_copy(update={"variant": "h100-80gb"}),
+        )
+        obs = Observation(now=now, replicas=2, ready_replicas=2, pods=reads)
+        state, decision = step(Policy(max_replicas=4), state, obs)
+    signals = decision.signals
+    # Two periods of increases (the first read is a baseline): 8 and 192 requests.
+    slow, fast = signals.variants["l4"], signals.variants["h100-80gb"]
+    assert (slow.ttft_observations, fast.ttft_observations, signals.ttft_observations) == (8, 192, 200)
+    assert slow.ttft_p95_seconds is not None and slow.ttft_p95_seconds > 1.0
+    assert fast.ttft_p95_seconds is not None and fast.ttft_p95_seconds < 0.2
+    assert signals.ttft_p95_seconds is not None and signals.ttft_p95_seconds < 1.0  # merged: the L4s hidden
+    assert slow.tpot_p95_seconds is not None and slow.tpot_p95_seconds > 0.05 > (fast.tpot_p95_seconds or 1)
+    # They live in the saved state's window, and come back from it as written.
+    assert AutoscalerState.model_validate(state.model_dump(mode="json", by_alias=True)) == state
+    # A service of one type keeps no per-variant window.
+    one = step(Policy(), AutoscalerState(), Observation(now=now, replicas=1, ready_replicas=1, pods=(l4.read(),)))
+    assert one[0].window[-1].variants == {} and one[1].signals.variants == {}
 
 
 def test_replicas_set_by_someone_else_start_a_new_regime() -> None:

@@ -1,7 +1,7 @@
 """The operator's own /metrics (`kvpilot operator --metrics HOST:PORT`): per InferenceService, what
 the plan predicted beside the SLO and what the engines measured, replicas desired and ready, and
-the autoscaler's decisions by action and cause; a mixed pool's replicas, capacity and cost per GPU
-type; a replica's predicted and observed time to ready.
+the autoscaler's decisions by action and cause; a mixed pool's replicas, capacity, cost, observed
+p95s and share of the traffic per GPU type; a replica's predicted and observed time to ready.
 
 The gauges are read at scrape time from the InferenceServices the operator's watch holds (their
 spec and the status the reconcile and the autoscaler wrote), so every replica of the operator
@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from kvpilot.operator.api.conditions import PLAN_ACCURATE
 from kvpilot.operator.api.spec import InferenceServiceSpec
-from kvpilot.operator.api.status import InferenceServiceStatus, status_of
+from kvpilot.operator.api.status import InferenceServiceStatus, VariantAccuracy, status_of
 from kvpilot.operator.autoscaling.decisions import Decision
 from kvpilot.operator.kube.indexes import indexed_services
 
@@ -139,6 +139,40 @@ _VARIANT_GAUGES = (
     ("variant_capacity_rps", "Requests per second one replica of the type serves within the SLO", "capacity_rps"),
 )
 
+# A mixed pool's GPU types as planAccuracy.variants shows them: (name, help, value from the row).
+_VARIANT_ACCURACY_GAUGES: tuple[tuple[str, str, Callable[[VariantAccuracy], float | None]], ...] = (
+    (
+        "variant_observed_ttft_p95_seconds",
+        "p95 TTFT of one GPU type's pods of a mixed pool over the autoscaler's window",
+        lambda v: _ms(v.ttft.observed_ms) if v.ttft else None,
+    ),
+    (
+        "variant_observed_tpot_p95_seconds",
+        "p95 TPOT of one GPU type's pods of a mixed pool over the autoscaler's window",
+        lambda v: _ms(v.tpot.observed_ms) if v.tpot else None,
+    ),
+    (
+        "variant_ttft_observed_over_predicted",
+        "Observed over predicted p95 TTFT of one GPU type of a mixed pool (its own plan's)",
+        lambda v: v.ttft.ratio if v.ttft else None,
+    ),
+    (
+        "variant_tpot_observed_over_predicted",
+        "Observed over predicted p95 TPOT of one GPU type of a mixed pool (its own plan's)",
+        lambda v: v.tpot.ratio if v.tpot else None,
+    ),
+    (
+        "variant_observed_traffic_share",
+        "One GPU type's share of the requests a mixed pool's engines started in the window",
+        lambda v: v.observed_share,
+    ),
+    (
+        "variant_planned_traffic_share",
+        "One GPU type's share of a mixed pool's planned capacity (replicas x capacityRps)",
+        lambda v: v.planned_share,
+    ),
+)
+
 
 class _Collector(Collector):
     def __init__(self, services: Mapping[Any, Any], metrics: OperatorMetrics) -> None:
@@ -148,7 +182,8 @@ class _Collector(Collector):
         bodies = indexed_services(self._services)
         families = {name: GaugeMetricFamily(PREFIX + name, doc, labels=LABELS) for name, doc, _ in _GAUGES}
         variants = {
-            name: GaugeMetricFamily(PREFIX + name, doc, labels=[*LABELS, "gpu"]) for name, doc, _ in _VARIANT_GAUGES
+            name: GaugeMetricFamily(PREFIX + name, doc, labels=[*LABELS, "gpu"])
+            for name, doc, _ in (*_VARIANT_GAUGES, *_VARIANT_ACCURACY_GAUGES)
         }
         for body in sorted(bodies, key=lambda b: (b["metadata"]["namespace"], b["metadata"]["name"])):
             labels = [body["metadata"]["namespace"], body["metadata"]["name"]]
@@ -161,6 +196,10 @@ class _Collector(Collector):
                 for name, _, field in _VARIANT_GAUGES:
                     if (value := getattr(row, field)) is not None and row.gpu:
                         variants[name].add_metric([*labels, row.gpu], float(value))
+            for accuracy in (status.plan_accuracy.variants if status.plan_accuracy else None) or []:
+                for name, _, read_row in _VARIANT_ACCURACY_GAUGES:
+                    if (value := read_row(accuracy)) is not None and accuracy.gpu:
+                        variants[name].add_metric([*labels, accuracy.gpu], float(value))
         yield from families.values()
         yield from variants.values()
         decisions = CounterMetricFamily(

@@ -185,7 +185,20 @@ def test_an_address_the_operator_cannot_listen_on_is_logged_and_it_runs_on(caplo
 def test_a_mixed_pool_s_types_and_the_time_to_ready_are_gauges() -> None:
     status = {
         "plan": {"predictedReadySeconds": 25.0},
-        "planAccuracy": {"readySeconds": {"predicted": 25.0, "observed": 31.5, "ratio": 1.26, "pod": "chat-l4-1"}},
+        "planAccuracy": {
+            "readySeconds": {"predicted": 25.0, "observed": 31.5, "ratio": 1.26, "pod": "chat-l4-1"},
+            "variants": [
+                {
+                    "gpu": "L4",
+                    "variant": "l4",
+                    "tpot": {"predictedMs": 40.0, "observedMs": 80.0, "ratio": 2.0, "requests": 40},
+                    "plannedShare": 0.22,
+                    "observedShare": 0.4,
+                    "requests": 40,
+                },
+                {"gpu": "H100-80GB", "variant": "h100-80gb", "plannedShare": 0.78},
+            ],
+        },
         "variants": [
             {"gpu": "L4", "replicas": 2, "readyReplicas": 1, "costPerHour": 0.9, "capacityRps": 5.2},
             {"gpu": "H100-80GB", "replicas": 1, "readyReplicas": 1, "costPerHour": 6.88, "capacityRps": 37.2},
@@ -199,3 +212,10 @@ def test_a_mixed_pool_s_types_and_the_time_to_ready_are_gauges() -> None:
     assert of_chat(found, "kvpilot_operator_variant_ready_replicas", gpu="L4") == 1
     assert of_chat(found, "kvpilot_operator_variant_cost_dollars_per_hour", gpu="H100-80GB") == 6.88
     assert of_chat(found, "kvpilot_operator_variant_capacity_rps", gpu="H100-80GB") == 37.2
+    # Each type's own p95 against its own plan, and its share of the traffic beside the planned one.
+    assert of_chat(found, "kvpilot_operator_variant_observed_tpot_p95_seconds", gpu="L4") == 0.08
+    assert of_chat(found, "kvpilot_operator_variant_tpot_observed_over_predicted", gpu="L4") == 2.0
+    assert of_chat(found, "kvpilot_operator_variant_observed_traffic_share", gpu="L4") == 0.4
+    assert of_chat(found, "kvpilot_operator_variant_planned_traffic_share", gpu="H100-80GB") == 0.78
+    # Nothing observed of the H100s yet: no sample (not a zero).
+    assert of_chat(found, "kvpilot_operator_variant_observed_traffic_share", gpu="H100-80GB") is None

@@ -1,22 +1,26 @@
 """A model's Architecture read from its Hugging Face `config.json`, for the families whose KV cache
 the planner sizes exactly as vLLM 0.33 allocates it: full attention over grouped (or multi-) query
 heads, sliding-window layers beside full ones (Gemma 2/3, gpt-oss), multi-head latent attention
-(DeepSeek V2/V3, Kimi K2), dense or a mixture of experts, and the multimodal wrappers of Gemma 3 (a
-SigLIP tower), LLaVA and LLaVA-NeXT over a Llama (a CLIP tower), Mistral 3 (Pixtral's tower) and
-Qwen2.5-VL.
+(DeepSeek V2/V3, Kimi K2), Llama 4's chunked local attention, dense or a mixture of experts, and the
+multimodal wrappers of Gemma 3 (a SigLIP tower), LLaVA and LLaVA-NeXT over a Llama (a CLIP tower),
+Mistral 3 (Pixtral's tower), Qwen2.5-VL and Llama 4 (its own tower).
 
 The parameters are counted from the config the way the model's modules hold them (embedding, each
-layer's attention, MLP or experts and norms, the final norm, an untied LM head, a vision tower), so a
-checkpoint's weights are sized without reading its files; tests/operator/planning/test_model_config.py
-checks the count against transformers' own modules built from the same config. A window is what vLLM
-allocates, not what the config names: vLLM 0.33 reads a Llama-style model's windows from layer_types
-only (Mistral-7B-v0.1's sliding_window alone is full attention there) and never gives Qwen layers a
-window. A family this module does not describe, or a feature of one that changes the KV rule
-(a vision tower it does not count), is refused with the reason (`UnsupportedArchitecture`), never
-planned as if it were plain attention. A hybrid with Mamba or linear-attention layers (Qwen3-Next,
-Nemotron-H) is read with its state layers (Architecture.state), whose per-sequence pages
-planning/recurrent.py sizes as vLLM 0.33 allocates them; one whose other layers are not counted yet
-(Granite 4.0-H, Falcon-H1, Jamba) is refused with its state.
+layer's attention, MLP or experts and norms, the final norm, an untied LM head, a vision tower), so
+a checkpoint's weights are sized without reading its files;
+tests/operator/planning/test_model_config.py checks the count against transformers' own modules
+built from the same config. A window is what vLLM allocates, not what the config names: vLLM 0.33
+reads a Llama-style model's windows from layer_types only (Mistral-7B-v0.1's sliding_window alone is
+full attention there) and never gives Qwen layers a window. Llama 4's chunked layers
+(ChunkedLocalAttentionSpec: the current chunk and the tokens in flight) are carried as
+sliding-window layers of the chunk's size, which the planner holds one block more of per sequence
+and group than vLLM does (a window may start inside a block, a chunk does not): a little fewer
+sequences, never more. A family this module does not describe, or a feature of one that changes the
+KV rule (a vision tower it does not count), is refused with the reason (`UnsupportedArchitecture`),
+never planned as if it were plain attention. A hybrid with Mamba or linear-attention layers
+(Qwen3-Next, Nemotron-H) is read with its state layers (Architecture.state), whose per-sequence
+pages planning/recurrent.py sizes as vLLM 0.33 allocates them; one whose other layers are not
+counted yet (Granite 4.0-H, Falcon-H1, Jamba) is refused with its state.
 """
 
 from __future__ import annotations
@@ -35,16 +39,19 @@ class Family(NamedTuple):
     qkv_bias: bool = False  # q, k and v projections carry a bias whatever attention_bias says
     attention_bias: bool = False  # attention_bias when the config leaves it out
     head_norms: bool = False  # q_norm and k_norm over each head (Qwen3, Gemma 3)
-    # The MoE layout: "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss" or "deepseek".
+    # The MoE layout: "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek" or "llama4".
     experts: str | None = None
     norms: int = 2  # per decoder layer (Gemma: around both attention and MLP)
     # Where vLLM 0.33's modelling code takes its sliding windows from: "layer_types" (config.json's,
-    # else every `pattern`-th layer full), "none" (never), or "none_or_refused" (never, and it refuses
-    # a model whose layers mix windows with full attention: Qwen2/3's use_sliding_window).
+    # else every `pattern`-th layer full), "none" (never), "none_or_refused" (never, and it refuses
+    # a model whose layers mix windows with full attention: Qwen2/3's use_sliding_window), or
+    # "chunked" (Llama 4's attention_chunk_size in its rotary layers: _chunked_layer_types).
     windows: str = "layer_types"
     pattern: int | None = None  # config.sliding_window_pattern's default, where layer_types is derived
     latent: bool = False  # multi-head latent attention (kv_lora_rank, qk_rope_head_dim)
     sinks: bool = False  # a learned attention sink per head (gpt-oss)
+    # The intermediate size of the dense MLP of a layer without experts (Llama 4's differs from its experts').
+    dense_intermediate: str = "intermediate_size"
 
 
 FAMILIES: dict[str, Family] = {
@@ -61,6 +68,10 @@ FAMILIES: dict[str, Family] = {
     "GptOssForCausalLM": Family(tie_default=False, attention_bias=True, experts="gpt_oss", pattern=2, sinks=True),
     "DeepseekV2ForCausalLM": Family(tie_default=False, experts="deepseek", windows="none", latent=True),
     "DeepseekV3ForCausalLM": Family(tie_default=False, experts="deepseek", windows="none", latent=True),
+    # Chunked local attention in the layers with rotary positions, full attention in the others (NoPE).
+    "Llama4ForCausalLM": Family(
+        tie_default=False, experts="llama4", windows="chunked", dense_intermediate="intermediate_size_mlp"
+    ),
 }
 
 
@@ -68,9 +79,10 @@ class Wrapper(NamedTuple):
     """A multimodal wrapper: its language model (text_config), the vision tower and projector beside it."""
 
     language_model: str  # the architecture text_config describes
-    tower: str  # the vision tower's layout: "siglip", "clip", "pixtral" or "qwen2_5_vl"
+    tower: str  # the vision tower's layout: "siglip", "clip", "pixtral", "qwen2_5_vl" or "llama4"
     # From the tower to the language model: "gemma3" (a norm and one matrix), "llava" (an MLP),
-    # "llava_next" (an MLP and a newline token), "mistral3" (a patch merger and an MLP) or "none".
+    # "llava_next" (an MLP and a newline token), "mistral3" (a patch merger and an MLP), "llama4"
+    # (one matrix) or "none".
     projector: str
     # The text config class's defaults, which a wrapper's text_config leaves out where they hold (LLaVA's
     # lists only what differs from LlamaConfig's), and the model_type they are the defaults of.
@@ -95,6 +107,7 @@ WRAPPERS: dict[str, Wrapper] = {
     # Its language model is Qwen2's (mrope's positions aside), in text_config or, as first published,
     # beside vision_config at the top level.
     "Qwen2_5_VLForConditionalGeneration": Wrapper("Qwen2ForCausalLM", "qwen2_5_vl", "none"),
+    "Llama4ForConditionalGeneration": Wrapper("Llama4ForCausalLM", "llama4", "llama4"),
 }
 
 # quantization_config.quant_method -> the scheme a checkpoint stores (spec.model.quantization);
@@ -115,11 +128,14 @@ class _Shape(NamedTuple):
     head_dim: int
 
 
-def _int(config: Mapping[str, Any], key: str) -> int:
-    value = config.get(key)
+def _positive(value: Any, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"config.json's {key} is {value!r}, not a positive integer")
+        raise ValueError(f"config.json's {what} is {value!r}, not a positive integer")
     return value
+
+
+def _int(config: Mapping[str, Any], key: str) -> int:
+    return _positive(config.get(key), key)
 
 
 def stored_scheme(config: Mapping[str, Any]) -> CheckpointQuantization | None:
@@ -163,9 +179,17 @@ def _compressed_tensors_scheme(quantization: Mapping[str, Any]) -> CheckpointQua
     return schemes.pop()
 
 
+# Llama 4's defaults (Llama4TextConfig) where its config.json leaves them out: the chunk its local
+# layers attend within, and every how-many-th layer is a global (NoPE) one.
+LLAMA4_CHUNK = 8192
+LLAMA4_NOPE_INTERVAL = 4
+
+
 def _layer_types(config: Mapping[str, Any], family: Family, layers: int) -> list[str]:
     """config.json's layer_types, else as the config class derives them (every `pattern`-th layer
     full; Qwen's use_sliding_window: the layers from max_window_layers on)."""
+    if family.windows == "chunked":
+        return _chunked_layer_types(config, layers)
     if config.get("layer_types"):
         return list(config["layer_types"])
     if family.pattern is not None:
@@ -175,9 +199,31 @@ def _layer_types(config: Mapping[str, Any], family: Family, layers: int) -> list
     return ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
 
 
+def _chunked_layer_types(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Llama 4's layers as vLLM 0.33 builds them: chunked local attention where no_rope_layers says
+    the layer rotates (1), full attention where it does not (0: NoPE); an empty or missing list is
+    every no_rope_layer_interval-th layer NoPE (its config class's default). vLLM reads no_rope_layers,
+    not layer_types, so neither does this."""
+    flags = config.get("no_rope_layers") or [
+        int((i + 1) % int(config.get("no_rope_layer_interval") or LLAMA4_NOPE_INTERVAL) != 0) for i in range(layers)
+    ]
+    if len(flags) != layers:
+        raise ValueError(f"no_rope_layers names {len(flags)} layers of {layers}")
+    return ["sliding_attention" if flag else "full_attention" for flag in flags]
+
+
+def _window(config: Mapping[str, Any], family: Family) -> int | None:
+    """The tokens a windowed layer keeps: the sliding window, or Llama 4's attention chunk (8192
+    unless the config says otherwise; null: no chunking)."""
+    if family.windows == "chunked":
+        return config.get("attention_chunk_size", LLAMA4_CHUNK)
+    return config.get("sliding_window")
+
+
 def _sliding_layers(config: Mapping[str, Any], name: str, family: Family, layers: int) -> int | str:
-    """How many layers vLLM 0.33 gives `config`'s sliding window, or why it would not load them."""
-    if config.get("sliding_window") is None:
+    """How many layers vLLM 0.33 gives `config`'s sliding window (or attention chunk), or why it
+    would not load them."""
+    if _window(config, family) is None:
         return 0
     sliding = _layer_types(config, family, layers).count("sliding_attention")
     if family.windows == "none_or_refused" and 0 < sliding < layers:
@@ -185,7 +231,7 @@ def _sliding_layers(config: Mapping[str, Any], name: str, family: Family, layers
             f"{name} holds sliding-window layers beside full-attention ones (use_sliding_window, "
             f"max_window_layers {config.get('max_window_layers')}), which vLLM 0.33 refuses to load"
         )
-    return sliding if family.windows == "layer_types" else 0
+    return sliding if family.windows in ("layer_types", "chunked") else 0
 
 
 def _attention(config: Mapping[str, Any], family: Family, shape: _Shape) -> int:
@@ -238,6 +284,8 @@ def _experts(config: Mapping[str, Any], layout: str, hidden: int) -> _Experts:
         expert = _mlp(config, hidden, size) + ((2 * size + hidden) if biased else 0)
         router = hidden * routed + (routed if biased else 0)
         return _Experts(routed, active, expert, 0, router, set())
+    if layout == "llama4":
+        return _llama4_experts(config, hidden, layers, active)
     if layout == "deepseek":
         routed, size = _int(config, "n_routed_experts"), _int(config, "moe_intermediate_size")
         shared = _mlp(config, hidden, size * int(config.get("n_shared_experts") or 0))
@@ -254,12 +302,24 @@ def _experts(config: Mapping[str, Any], layout: str, hidden: int) -> _Experts:
     return _Experts(routed, active, _mlp(config, hidden, size), shared, hidden * routed, dense)
 
 
+def _llama4_experts(config: Mapping[str, Any], hidden: int, layers: int, active: int) -> _Experts:
+    """Llama 4's experts: routed ones of intermediate_size and one shared expert of the same size
+    beside them, in the layers moe_layers lists, else every interleave_moe_layer_step-th layer (the
+    others hold a dense MLP of intermediate_size_mlp)."""
+    routed, size = _int(config, "num_local_experts"), _int(config, "intermediate_size")
+    step = _int(config, "interleave_moe_layer_step") if "interleave_moe_layer_step" in config else 1
+    sparse = config.get("moe_layers")
+    sparse = set(range(step - 1, layers, step)) if sparse is None else set(sparse)
+    expert = _mlp(config, hidden, size)
+    return _Experts(routed, active, expert, expert, hidden * routed, set(range(layers)) - sparse)
+
+
 def _parameters(config: Mapping[str, Any], family: Family, shape: _Shape, tied: bool) -> tuple[int, int]:
     """All parameters and those one token's forward pass multiplies with (fewer under experts)."""
     layers, vocab = _int(config, "num_hidden_layers"), _int(config, "vocab_size")
     per_layer = _attention(config, family, shape) + family.norms * shape.hidden
     total = active = layers * per_layer
-    dense = _mlp(config, shape.hidden, _int(config, "intermediate_size"))
+    dense = _mlp(config, shape.hidden, _int(config, family.dense_intermediate))
     if family.experts is None:
         total += layers * dense
         active += layers * dense
@@ -278,6 +338,8 @@ def _vision_tower(vision: Mapping[str, Any], tower: str) -> int:
         return _pixtral(vision)
     if tower == "qwen2_5_vl":
         return _qwen2_5_vl(vision)
+    if tower == "llama4":
+        return _llama4_vision(vision)
     return _vit(vision, tower)
 
 
@@ -323,12 +385,28 @@ def _qwen2_5_vl(vision: Mapping[str, Any]) -> int:
     return conv + _int(vision, "depth") * block + merger
 
 
+def _llama4_vision(vision: Mapping[str, Any]) -> int:
+    """Llama 4's tower: an unbiased linear patch embedding, a class token and position embeddings,
+    LayerNorms before and after the encoder, pre-norm encoder layers with biased attention and MLP
+    (rotary positions inside), and the pixel-shuffle adapter's two unbiased matrices."""
+    hidden, size = _int(vision, "hidden_size"), _int(vision, "intermediate_size")
+    patch, channels = _int(vision, "patch_size"), int(vision.get("num_channels", 3))
+    positions = (_int(vision, "image_size") // patch) ** 2 + 1  # the patches and the class token
+    embeddings = channels * patch * patch * hidden + hidden + positions * hidden + 2 * 2 * hidden
+    layer = 4 * (hidden * hidden + hidden) + 2 * hidden * size + size + hidden + 2 * 2 * hidden
+    projector_out = _int(vision, "projector_output_dim")
+    adapter = size * _int(vision, "projector_input_dim") + projector_out * projector_out
+    return embeddings + _int(vision, "num_hidden_layers") * layer + adapter
+
+
 def _projector(config: Mapping[str, Any], projector: str, text_hidden: int) -> int:
     """From the tower's features to the language model's: Gemma 3's norm and matrix, or two linear
     layers over the features of every layer vision_feature_layer names (biased unless
     multimodal_projector_bias is false), with LLaVA-NeXT's learned newline token between image rows
     or Mistral 3's norm and patch merger before them; none where the tower merges (Qwen2.5-VL)."""
     vision_hidden = _int(config["vision_config"], "hidden_size")
+    if projector == "llama4":  # one unbiased matrix from the adapter's output
+        return _int(config["vision_config"], "vision_output_dim") * text_hidden
     if projector in ("gemma3", "none"):
         return vision_hidden * text_hidden + vision_hidden if projector == "gemma3" else 0
     mistral = projector == "mistral3"
@@ -515,7 +593,7 @@ def _architecture(config: Mapping[str, Any], name: str, family: Family, source: 
         active_parameters=active if active != total else None,
         max_context=_int(config, "max_position_embeddings"),
         tie_word_embeddings=tied,
-        sliding_window=_int(config, "sliding_window") if sliding else None,
+        sliding_window=_positive(_window(config, family), "the window") if sliding else None,
         sliding_layers=sliding if sliding and sliding < layers else None,
         latent_dim=_int(config, "kv_lora_rank") + _int(config, "qk_rope_head_dim") if family.latent else None,
         source=source,

@@ -105,6 +105,7 @@ def _layer(spec: KVCacheSpec, vllm_config: VllmConfig) -> dict[str, Any]:
         "kind": type(spec).__name__,
         "bytes_per_token": spec.page_size_bytes // spec.block_size if attention else None,
         "sliding_window": getattr(spec, "sliding_window", None),
+        "attention_chunk_size": getattr(spec, "attention_chunk_size", None),
         "max_tp_shards": getattr(spec, "max_tp_shards", None),
         "state_bytes": spec.real_page_size_bytes if state else None,
         "page_bytes": spec.page_size_bytes if state else None,

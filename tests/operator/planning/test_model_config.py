@@ -100,6 +100,18 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         "n_group": 1,
         "topk_group": 1,
     },
+    # Chunked local attention in layers 0 and 2 (every 2nd layer NoPE, full), experts with a shared
+    # one in layer 1 (every 2nd), a dense MLP of its own size in the others.
+    "llama4": {
+        "model_type": "llama4_text",
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 2,
+        "intermediate_size_mlp": 128,
+        "attention_chunk_size": 128,
+        "no_rope_layer_interval": 2,
+    },
 }
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -115,6 +127,7 @@ ARCHITECTURES = {
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
 }
 # Model types transformers does not know under the name a config.json gives, with the one its
 # auto_map names (Kimi K2 ships DeepSeek V3's modelling code).
@@ -158,16 +171,17 @@ def test_parameters_and_kv_geometry_are_as_transformers_builds_the_model(name: s
     else:
         assert attention.k_proj.out_features == attention.v_proj.out_features == kv_width
     assert sizing.kv_bytes_per_token(arch) == 2 * arch.layers * arch.kv_heads * arch.head_size * 2
-    if "moe" in name or name in ("mixtral", "gpt-oss"):
+    if "moe" in name or name in ("mixtral", "gpt-oss", "llama4"):
         assert arch.active_parameters is not None and arch.active_parameters < arch.parameters
     else:
         assert arch.active_parameters is None
-    sliding = [t for t in model.config.layer_types if t == "sliding_attention"] if name in WINDOWED else []
+    local = ("sliding_attention", "chunked_attention")  # Llama 4's chunks are held as windows
+    sliding = [t for t in model.config.layer_types if t in local] if name in WINDOWED else []
     assert (arch.sliding_window, arch.windowed_layers) == (WINDOWED.get(name), len(sliding))
 
 
 # The families whose windows vLLM 0.33 allocates, and the window each tiny config gives.
-WINDOWED = {"gemma2": 128, "gemma3": 128, "gpt-oss": 128}
+WINDOWED = {"gemma2": 128, "gemma3": 128, "gpt-oss": 128, "llama4": 128}
 
 
 QWEN_VISION = {
@@ -228,6 +242,21 @@ WRAPPER_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "qwen2.5-vl": ("qwen2", {"model_type": "qwen2_5_vl", "vision_config": QWEN_VISION}),
+    "llama4": (
+        "llama4",
+        {
+            "model_type": "llama4",
+            "vision_config": {
+                **VISION,
+                "image_size": 28,
+                "patch_size": 14,
+                "projector_input_dim": 24,
+                "projector_output_dim": 24,
+                "vision_output_dim": 24,
+                "pixel_shuffle_ratio": 0.5,
+            },
+        },
+    ),
 }
 WRAPPER_ARCHITECTURES = {
     "gemma3": "Gemma3ForConditionalGeneration",
@@ -235,6 +264,7 @@ WRAPPER_ARCHITECTURES = {
     "llava_next": "LlavaNextForConditionalGeneration",
     "mistral3": "Mistral3ForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "llama4": "Llama4ForConditionalGeneration",
 }
 # Qwen2.5-VL's positions in 3 sections of a head's rotary half (the tiny head's 8 values: 4).
 MROPE = {"rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}}
@@ -264,7 +294,7 @@ def test_a_multimodal_wrapper_counts_its_vision_tower_as_transformers_builds_it(
     assert arch.parameters == sum(p.numel() for p in transformers_model(config).parameters())
     assert arch.vision_parameters == arch.parameters - text_only.architecture.parameters
     # A text token goes through the language model only; its KV rule is the language model's.
-    assert arch.parameters_per_token == text_only.architecture.parameters
+    assert arch.parameters_per_token == text_only.architecture.parameters_per_token
     assert sizing.kv_layout(arch) == sizing.kv_layout(text_only.architecture)
 
 
@@ -291,7 +321,9 @@ MIXED_QWEN_WINDOWS = config_of(
             {**TINY, "architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512},
             "DeepseekV3ForCausalLM: config.json's qk_nope_head_dim is None",
         ),
-        ({"architectures": ["Llama4ForConditionalGeneration"], "text_config": TINY}, "does not count"),
+        ({"architectures": ["Idefics3ForConditionalGeneration"], "text_config": TINY}, "does not count"),
+        (config_of({**FAMILY_CONFIGS["llama4"], "no_rope_layers": [1, 0]}), "no_rope_layers names 2 layers of 3"),
+        (config_of({**FAMILY_CONFIGS["llama4"], "attention_chunk_size": 0}), "the window is 0"),
         ({"architectures": ["Mistral3ForConditionalGeneration"], "text_config": TINY}, "has no vision_config"),
         (
             {"architectures": ["LlavaForConditionalGeneration"], "text_config": {**TINY, "model_type": "qwen2"}},
@@ -480,6 +512,12 @@ PUBLISHED = {
     "mistralai--Mixtral-8x7B-v0.1": MODELS["mixtral-8x7b"].parameters,
 }
 
+# Sizes the model cards state, rounded (total and active parameters): the count is within 2 % of each.
+CARD_SIZES = {
+    "meta-llama--Llama-4-Scout-17B-16E-Instruct": (109e9, 17e9),
+    "meta-llama--Llama-4-Maverick-17B-128E-Instruct": (400e9, 17e9),
+}
+
 
 def real_configs() -> list[str]:
     return sorted(p.stem for p in HF_CONFIGS.glob("*.json"))
@@ -504,6 +542,11 @@ def test_a_real_config_is_read_as_transformers_builds_it_or_refused_with_its_rea
     assert read.architecture.parameters == sum(p.numel() for p in built.parameters())
     if name in PUBLISHED:
         assert read.architecture.parameters == PUBLISHED[name]
+    if name in CARD_SIZES:
+        total, active = CARD_SIZES[name]
+        arch = read.architecture
+        assert arch.parameters == pytest.approx(total, rel=0.02)
+        assert arch.parameters_per_token == pytest.approx(active, rel=0.02)
 
 
 def _wraps(name: str) -> bool:
@@ -627,7 +670,7 @@ def test_vllm_holds_a_hybrids_per_sequence_state_as_the_planner_sizes_it(
         assert found["two_gpus"] == {"state_bytes": two.state_bytes, "block_size": two.block_size}
 
 
-SIZED_KINDS = {"FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec"}
+SIZED_KINDS = {"FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec", "ChunkedLocalAttentionSpec"}
 
 
 def _beyond_what_is_sized(found: dict[str, Any]) -> bool:
@@ -636,6 +679,13 @@ def _beyond_what_is_sized(found: dict[str, Any]) -> bool:
     if "error" in found or found["multimodal"] or not found["layer_specs"]:
         return True
     return any(layer["kind"] not in SIZED_KINDS for layer in found["layer_specs"])
+
+
+def _chunked(name: str) -> bool:
+    """Whether the model's windowed layers are chunked local attention (Llama 4), not sliding windows."""
+    config = json.loads((HF_CONFIGS / f"{name}.json").read_text())
+    language = WRAPPERS[config["architectures"][0]].language_model if _wraps(name) else config["architectures"][0]
+    return FAMILIES.get(language) is not None and FAMILIES[language].windows == "chunked"
 
 
 def _without_quantization(name: str) -> dict[str, Any]:
@@ -666,12 +716,13 @@ def test_vllm_allocates_the_kv_cache_by_the_same_layout_or_sees_what_the_planner
         return
     assert not _beyond_what_is_sized(found), found
     full_kind = "MLAAttentionSpec" if arch.latent_dim else "FullAttentionSpec"
-    kinds = {full_kind: arch.layers - arch.windowed_layers, "SlidingWindowSpec": arch.windowed_layers}
+    chunked = _chunked(name)
+    local_kind = "ChunkedLocalAttentionSpec" if chunked else "SlidingWindowSpec"
+    kinds = {full_kind: arch.layers - arch.windowed_layers, local_kind: arch.windowed_layers}
     assert Counter(layer["kind"] for layer in layers) == +Counter(kinds)
     assert {layer["bytes_per_token"] for layer in layers} == {sizing.kv_bytes_per_token(arch) // arch.layers}
-    assert {layer["sliding_window"] for layer in layers} == {arch.sliding_window, None} - (
-        {None} if arch.windowed_layers == arch.layers else set()
-    )
+    windows = {layer["attention_chunk_size"] if chunked else layer["sliding_window"] for layer in layers}
+    assert windows == {arch.sliding_window, None} - ({None} if arch.windowed_layers == arch.layers else set())
     if arch.latent_dim:
         # vLLM's single KV head of the latent's width, never split over tensor-parallel GPUs.
         assert (found["kv_heads"], found["head_size"]) == (1, arch.latent_dim)
@@ -684,7 +735,11 @@ def test_vllm_allocates_the_kv_cache_by_the_same_layout_or_sees_what_the_planner
     assert pool["max_in_flight_tokens"] == in_flight
     assert len(pool["groups"]) == layout.full_groups + layout.sliding_groups
     assert pool["num_blocks"] == pool["available"] // sizing.kv_block_bytes(layout, pool["block_size"])
-    assert pool["blocks_per_request"] == sizing.sequence_blocks(
+    # A chunk is held as a window (Architecture has no field to tell them apart): chunk - 1 tokens and
+    # a block for a window starting inside one, where vLLM keeps the whole chunk from a block's start
+    # (ChunkedLocalAttentionSpec.max_admission_blocks_per_request): a block more per chunked group.
+    over = layout.sliding_groups if chunked else 0
+    assert pool["blocks_per_request"] + over == sizing.sequence_blocks(
         layout, pool["max_model_len"], pool["block_size"], in_flight
     )
 

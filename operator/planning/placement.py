@@ -74,10 +74,19 @@ def _gpus(spec: InferenceServiceSpec, available: Iterable[str]) -> list[Device] 
 
 
 def heads_problem(arch: Architecture, tp: int) -> str | None:
-    """Why `tp` GPUs cannot split `arch`'s attention, None when its heads divide evenly (a latent is
-    not split: every GPU keeps it whole)."""
-    if arch.attention_heads % tp or (arch.latent_dim is None and arch.kv_heads % tp):
+    """Why `tp` GPUs cannot split `arch`'s attention, None when vLLM 0.33 splits it: the attention
+    heads evenly, the KV heads evenly or, fewer than the GPUs, each copied to tp / KV heads of them
+    (QKVParallelLinear's num_kv_head_replicas: a KV head on every GPU); a latent is not split (every
+    GPU keeps it whole); a hybrid's state layers split their heads and convolution channels evenly."""
+    kv_split = arch.kv_heads % tp == 0 or tp % arch.kv_heads == 0
+    if arch.attention_heads % tp or (arch.latent_dim is None and not kv_split):
         return f"TP {tp} does not divide {arch.attention_heads} attention heads and {arch.kv_heads} KV heads"
+    state = arch.state
+    if state is not None and (state.heads % tp or state.conv_channels % tp):
+        return (
+            f"TP {tp} does not divide the {state.kind} layers' {state.heads} heads and "
+            f"{state.conv_channels} convolution channels"
+        )
     return None
 
 

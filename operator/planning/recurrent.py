@@ -201,7 +201,7 @@ def state_page_bytes(state: RecurrentState, tp: int) -> int:
 
 def attention_token_bytes(state: RecurrentState, tp: int, bytes_per_value: int) -> int:
     """One token's K and V in one attention layer on each of `tp` GPUs (a KV head on every GPU at least)."""
-    return 2 * max(1, state.kv_heads // tp) * state.head_dim * bytes_per_value
+    return 2 * sizing.kv_heads_per_gpu(state.kv_heads, tp) * state.head_dim * bytes_per_value
 
 
 def checkpoint_pages(state: RecurrentState, gpu: str) -> int:

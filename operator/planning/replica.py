@@ -44,13 +44,16 @@ class Draft(NamedTuple):
     kv_per_token: int
     head_copy: int = 0  # of `weights`, a tied head's packed copy, which a step reads in place of the rows
 
-    def on(self, gpu: Device) -> Draft:
-        """The draft as the engine holds it on `gpu`: 4 bytes per value on a CPU that computes in
-        fp32, and a tied head twice where the engine packs weights for oneDNN (sizing.weight_bytes)."""
+    def on(self, gpu: Device, tp: int = 1) -> Draft:
+        """The draft as the engine holds it on `tp` GPUs of type `gpu`: 4 bytes per value on a CPU that
+        computes in fp32, a tied head twice where the engine packs weights for oneDNN
+        (sizing.weight_bytes), and its KV heads copied where the GPUs outnumber them."""
         plain = sizing.weight_bytes(self.arch, "none", held=sizing.HeldAs(gpu.bytes_per_value))
         held = sizing.weight_bytes(self.arch, "none", held=sizing.HeldAs(gpu.bytes_per_value, gpu.packs_weights))
         return self._replace(
-            weights=held, kv_per_token=sizing.kv_bytes_per_token(self.arch, gpu.bytes_per_value), head_copy=held - plain
+            weights=held,
+            kv_per_token=sizing.kv_bytes_per_token(self.arch, gpu.bytes_per_value, tp),
+            head_copy=held - plain,
         )
 
 

@@ -158,12 +158,19 @@ def decode_weight_bytes(arch: Architecture, quantization: str, runtime: EngineCa
     return stored + 2 * BYTES_PER_VALUE * (body + embedding)
 
 
+def kv_heads_per_gpu(kv_heads: int, tp: int) -> int:
+    """The KV heads each of `tp` GPUs holds: its share, or one where the GPUs outnumber the heads
+    (vLLM copies each head to tp / KV heads GPUs: ModelConfig.get_num_kv_heads)."""
+    return max(1, kv_heads // tp)
+
+
 def _layer_bytes_per_token(arch: Architecture, bytes_per_value: int, tp: int) -> int:
-    """One token's KV in one layer over a replica's `tp` GPUs: K and V of every KV head (the GPUs
-    split the heads), or latent attention's one latent, which vLLM keeps whole on every GPU."""
+    """One token's KV in one layer over a replica's `tp` GPUs: K and V of each GPU's KV heads (the
+    GPUs split the heads, or copy them where they outnumber them), or latent attention's one latent,
+    which vLLM keeps whole on every GPU."""
     if arch.latent_dim is not None:
         return arch.latent_dim * bytes_per_value * tp
-    return 2 * arch.kv_heads * arch.head_size * bytes_per_value
+    return 2 * kv_heads_per_gpu(arch.kv_heads, tp) * tp * arch.head_size * bytes_per_value
 
 
 def kv_bytes_per_token(arch: Architecture, bytes_per_value: int = KV_BYTES_PER_VALUE, tp: int = 1) -> int:

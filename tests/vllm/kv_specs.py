@@ -16,8 +16,9 @@ the block size raised until an attention page holds a layer's state
 (Platform._align_hybrid_block_size, with FlashAttention's kernel block sizes), the state's dtype as
 the CUDA platform leaves it (this CPU platform would store it in fp32), and, for a case with
 "flashinfer_gdn", Gated DeltaNet's prefill on FlashInfer as vLLM runs it on Hopper GPUs. The state
-and block size at tensor-parallel size 2 come from the model class's own state shapes (building
-the model needs its GPUs).
+and block size at tensor-parallel sizes 2, 4 and 8 come from the model class's own state shapes
+(building the model needs its GPUs), and so do every model's KV heads per GPU at those sizes
+(ModelConfig.get_num_kv_heads: copied where the GPUs outnumber them).
 
 The model folder holds only the config.json, so nothing is downloaded and no weights are read.
 """
@@ -49,6 +50,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec, MambaSpec
 BLOCK_SIZE = 16
 MAX_NUM_BATCHED_TOKENS = 8192
 AVAILABLE = 40 * 1024**3
+TP_SIZES = (2, 4, 8)
 
 
 def kv_spec(folder: Path) -> dict[str, Any]:
@@ -64,6 +66,9 @@ def kv_spec(folder: Path) -> dict[str, Any]:
         "attention_free": bool(getattr(config, "is_attention_free", False)),
         "multimodal": bool(config.is_multimodal_model),
         "max_model_len": config.max_model_len,
+        "kv_heads_per_gpu": {
+            str(tp): config.get_num_kv_heads(ParallelConfig(tensor_parallel_size=tp)) for tp in TP_SIZES
+        },
     }
 
 
@@ -162,10 +167,22 @@ def kv_pool(folder: Path, flashinfer_gdn: bool = False) -> dict[str, Any]:
     }
 
 
-def hybrid_on_two_gpus(folder: Path) -> dict[str, Any]:
-    """A hybrid's state page per GPU and the block size vLLM aligns to it at tensor-parallel size 2,
-    from the model class's state shapes and dtypes (Triton kernels: no checkpoint grid)."""
-    vllm_config = _vllm_config(folder, tp=2)
+def hybrid_split(folder: Path) -> dict[str, Any]:
+    """A hybrid's state page per GPU and the block size vLLM aligns to it at each of TP_SIZES (or why
+    vLLM cannot split it so)."""
+    split: dict[str, Any] = {}
+    for tp in TP_SIZES:
+        try:
+            split[str(tp)] = _hybrid_on(folder, tp)
+        except Exception as error:  # noqa: BLE001 - reported per size, for the test to show
+            split[str(tp)] = {"error": f"{type(error).__name__}: {error}"}
+    return split
+
+
+def _hybrid_on(folder: Path, tp: int) -> dict[str, Any]:
+    """A hybrid's state page per GPU and the block size vLLM aligns to it on `tp` GPUs, from the
+    model class's state shapes and dtypes (Triton kernels: no checkpoint grid)."""
+    vllm_config = _vllm_config(folder, tp=tp)
     model_class, _ = get_model_architecture(vllm_config.model_config)
     state = MambaSpec(
         shapes=model_class.get_mamba_state_shape_from_config(vllm_config),
@@ -199,7 +216,7 @@ def main() -> None:
                 found: dict[str, Any] = kv_spec(folder)
                 found |= kv_pool(folder, bool(case.get("flashinfer_gdn")))
                 if found["hybrid"] and not case.get("flashinfer_gdn"):
-                    found["two_gpus"] = hybrid_on_two_gpus(folder)
+                    found["split"] = hybrid_split(folder)
             except Exception as error:  # noqa: BLE001 - reported per case, for the test to show
                 found = {"error": f"{type(error).__name__}: {error}"}
             print(json.dumps({"id": case["id"], **found}), flush=True)

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from e2e.hub_server import HubServer
+from kvpilot.operator.api.spec import Architecture
 from kvpilot.operator.planning import recurrent, sizing
 from kvpilot.operator.planning.model_config import FAMILIES, WRAPPERS, read_config
 from kvpilot.operator.planning.models import MODELS
@@ -665,9 +666,11 @@ def test_vllm_holds_a_hybrids_per_sequence_state_as_the_planner_sizes_it(
     assert pool["num_blocks"] == pool["available"] // sizing.kv_block_bytes(layout, hybrid.block_size)
     assert pool["blocks_per_request"] == sizing.sequence_blocks(layout, pool["max_model_len"], hybrid.block_size, 0)
     if gpu == TRITON:
-        # Split over two GPUs (Triton's kernels): each holds half the state, in blocks of the same size.
-        two = recurrent.hybrid_kv(state, recurrent.Serving(gpu, tp=2))
-        assert found["two_gpus"] == {"state_bytes": two.state_bytes, "block_size": two.block_size}
+        # Split over 2, 4 and 8 GPUs (Triton's kernels): each holds its share of the state and, where
+        # the GPUs outnumber the KV heads (Qwen3-Next's 2 at TP 4 and 8), a copy of one KV head.
+        for tp, split in found["split"].items():
+            ours = recurrent.hybrid_kv(state, recurrent.Serving(gpu, tp=int(tp)))
+            assert split == {"state_bytes": ours.state_bytes, "block_size": ours.block_size}, tp
 
 
 SIZED_KINDS = {"FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec", "ChunkedLocalAttentionSpec"}
@@ -713,6 +716,7 @@ def test_vllm_allocates_the_kv_cache_by_the_same_layout_or_sees_what_the_planner
         assert kinds == {"FullAttentionSpec": state.attention_layers, "MambaSpec": state.layers}
         attention = {layer["bytes_per_token"] for layer in layers if layer["kind"] == "FullAttentionSpec"}
         assert attention == {sizing.kv_bytes_per_token(arch) // state.attention_layers}
+        _assert_kv_heads_per_gpu_agree(arch, found)
         return
     assert not _beyond_what_is_sized(found), found
     full_kind = "MLAAttentionSpec" if arch.latent_dim else "FullAttentionSpec"
@@ -729,6 +733,7 @@ def test_vllm_allocates_the_kv_cache_by_the_same_layout_or_sees_what_the_planner
         assert {layer["max_tp_shards"] for layer in layers} == {1}
     else:
         assert (found["layers"], found["kv_heads"], found["head_size"]) == (arch.layers, arch.kv_heads, arch.head_size)
+        _assert_kv_heads_per_gpu_agree(arch, found)
     # vLLM's own planning of the pool: its blocks, and the blocks one max_model_len sequence takes.
     pool, layout = found["pool"], sizing.kv_layout(arch)
     in_flight = sizing.tokens_in_flight(pool["max_num_batched_tokens"])
@@ -742,6 +747,16 @@ def test_vllm_allocates_the_kv_cache_by_the_same_layout_or_sees_what_the_planner
     assert pool["blocks_per_request"] + over == sizing.sequence_blocks(
         layout, pool["max_model_len"], pool["block_size"], in_flight
     )
+
+
+def _assert_kv_heads_per_gpu_agree(arch: Architecture, found: dict[str, Any]) -> None:
+    """vLLM's KV heads per GPU at each tensor-parallel size (each copied to tp / KV heads GPUs where
+    they are fewer) are the planner's, and a token's KV over the replica's GPUs is theirs."""
+    layers = arch.state.attention_layers if arch.state is not None else arch.layers
+    for tp, heads in found["kv_heads_per_gpu"].items():
+        assert sizing.kv_heads_per_gpu(arch.kv_heads, int(tp)) == heads, tp
+        per_gpu = layers * 2 * heads * arch.head_size * 2
+        assert sizing.kv_bytes_per_token(arch, 2, int(tp)) == int(tp) * per_gpu, tp
 
 
 def test_kvpilot_plan_sizes_gemma_2s_sliding_window_layers_for_vllm() -> None:

@@ -3,13 +3,19 @@ SLO, per-GPU memory, the all-reduce cost, and the heads and node bounds that rul
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
-from kvpilot.operator.api.spec import InferenceServiceSpec
+import pytest
+
+from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
 from kvpilot.operator.controller.render import engine_args
-from kvpilot.operator.planning import sizing, speculation
+from kvpilot.operator.planning import recurrent, sizing, speculation
 from kvpilot.operator.planning.gpus import GPUS
+from kvpilot.operator.planning.model_config import read_config
 from kvpilot.operator.planning.models import MODELS
+from kvpilot.operator.planning.placement import heads_problem
 from kvpilot.operator.planning.plan import PlanContext, plan
 
 
@@ -135,3 +141,75 @@ def test_an_eagle_head_is_planned_beside_the_target_on_vllm() -> None:
     assert eagle.runtime == "vllm"
     args = engine_args(eagle, result, "/m", "/e")
     assert '--speculative-config={"method":"eagle","model":"/e","num_speculative_tokens":4}' in args
+
+
+QWEN3_NEXT = Path(__file__).parent / "hf_configs" / "Qwen--Qwen3-Next-80B-A3B-Thinking.json"
+
+
+def _architecture(path: Path) -> Architecture:
+    read = read_config(json.loads(path.read_text()), path.stem)
+    assert not isinstance(read, str), read
+    return read.architecture
+
+
+def _with(arch: Architecture, gpu: str, tp: int) -> InferenceServiceSpec:
+    return spec(
+        "model",
+        gpu,
+        accelerator={"count": tp},
+        serving={"quantization": "none"},
+        load={"requestsPerSecond": 0.5},
+    ).model_copy(
+        update={
+            "model": InferenceServiceSpec.model_validate(
+                {"model": {"name": "model", "architecture": arch.model_dump(by_alias=True, exclude_none=True)}}
+            ).model
+        }
+    )
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_qwen3_next_s_two_kv_heads_are_copied_where_the_gpus_outnumber_them(tp: int) -> None:
+    arch = _architecture(QWEN3_NEXT)
+    assert (arch.kv_heads, arch.attention_heads, arch.head_size) == (2, 16, 256)
+    result = plan(_with(arch, "H200", tp))
+    assert result.fits and result.gpu_count == tp, result.reason
+    # One KV head per GPU: its share at TP 2, a copy at 4 and 8 (vLLM's num_kv_head_replicas), so a
+    # token's K and V over the replica grow with the GPUs instead of staying 2 heads' worth.
+    attention_layers = arch.state.attention_layers if arch.state else 0
+    assert result.kv_bytes_per_token == tp * attention_layers * 2 * 1 * arch.head_size * 2
+    # The Gated DeltaNet state splits evenly: a tp-th of the convolution's channels and of the heads.
+    state = recurrent.architecture_state(arch)
+    assert state is not None
+    conv, recurrent_values = state.conv_width * state.conv_channels // tp, state.heads // tp * state.head_values
+    state_bytes = recurrent.state_page_bytes(state, tp)
+    assert state_bytes == (conv + recurrent_values) * 2
+    assert f"a state per sequence of {state_bytes:,} bytes per GPU" in result.reasons["kvCache"]
+    assert result.block_size == recurrent.hybrid_kv(state, recurrent.Serving("H200", tp)).block_size
+
+
+def test_a_dense_model_s_kv_heads_are_copied_where_the_gpus_outnumber_them() -> None:
+    two_kv_heads = MODELS["llama-3-8b"].model_copy(update={"kv_heads": 2})
+    for tp in (1, 2, 4, 8):
+        # 2 heads' K and V per token on one or two GPUs; one head on each of 4 or 8.
+        heads_held = max(2, tp)
+        expected = two_kv_heads.layers * 2 * heads_held * two_kv_heads.head_size * 2
+        assert sizing.kv_bytes_per_token(two_kv_heads, 2, tp) == expected
+        assert heads_problem(two_kv_heads, tp) is None
+        assert sizing.kv_layout(two_kv_heads, 2, tp).group_bytes_per_token == expected
+    result = plan(_with(two_kv_heads, "H100-80GB", 4))
+    assert result.fits and result.kv_bytes_per_token == two_kv_heads.layers * 2 * 4 * two_kv_heads.head_size * 2
+
+
+def test_kv_or_state_heads_the_size_neither_divides_nor_copies_evenly_rule_it_out() -> None:
+    six = MODELS["llama-3-8b"].model_copy(update={"kv_heads": 6, "attention_heads": 24})
+    assert heads_problem(six, 4) == "TP 4 does not divide 24 attention heads and 6 KV heads"
+    assert heads_problem(six, 2) is None
+    arch = _architecture(QWEN3_NEXT)
+    assert arch.state is not None
+    odd_state = arch.model_copy(update={"state": arch.state.model_copy(update={"heads": 12})})
+    assert (
+        heads_problem(odd_state, 8)
+        == "TP 8 does not divide the gated_deltanet layers' 12 heads and 8192 convolution channels"
+    )
+    assert heads_problem(odd_state, 4) is None

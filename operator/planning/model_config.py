@@ -20,11 +20,12 @@ KV rule (a vision tower it does not count), is refused with the reason (`Unsuppo
 never planned as if it were plain attention. A hybrid with Mamba or linear-attention layers
 (Qwen3-Next, Nemotron-H) is read with its state layers (Architecture.state), whose per-sequence
 pages planning/recurrent.py sizes as vLLM 0.33 allocates them; one whose other layers are not
-counted yet (Granite 4.0-H, Falcon-H1, Jamba) is refused with its state.
+counted yet (Granite 4.0-H, Falcon-H1) is refused with its state.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -529,8 +530,39 @@ def _nemotron_h_layers(config: Mapping[str, Any], state: RecurrentState, hidden:
     return total + len(pattern) * hidden, total + len(pattern) * hidden
 
 
+def _jamba_mamba(config: Mapping[str, Any], state: RecurrentState, hidden: int) -> int:
+    """One Jamba Mamba mixer: in (x and the gate), the depthwise convolution, x_proj (dt's rank, B and
+    C), dt_proj (biased), A_log and D, the RMS norms of dt, B and C, and out."""
+    inner, d_state = state.conv_channels, state.head_values
+    rank = config.get("mamba_dt_rank", "auto")
+    rank = math.ceil(hidden / 16) if rank == "auto" else _positive(rank, "mamba_dt_rank")
+    projection_bias = inner * 2 + hidden if config.get("mamba_proj_bias", False) else 0
+    conv = inner * (state.conv_width + 1) + (inner if config.get("mamba_conv_bias", True) else 0)
+    ssm = inner * (rank + 2 * d_state) + rank * inner + inner + inner * d_state + inner
+    return hidden * 2 * inner + conv + ssm + inner * hidden + projection_bias + rank + 2 * d_state
+
+
+def _jamba_layers(config: Mapping[str, Any], state: RecurrentState, hidden: int) -> tuple[int, int]:
+    """Jamba's layers, two norms each: attention (every attn_layer_period-th from attn_layer_offset)
+    or a Mamba mixer, and experts (every expert_layer_period-th from expert_layer_offset, where
+    num_experts > 1) or a dense MLP of intermediate_size."""
+    layers, experts = _int(config, "num_hidden_layers"), _int(config, "num_experts")
+    period, offset = _int(config, "expert_layer_period"), int(config.get("expert_layer_offset", 0))
+    sparse = sum(1 for i in range(layers) if i % period == offset) if experts > 1 else 0
+    heads = _int(config, "num_attention_heads")
+    attention = 2 * hidden * heads * state.head_dim + 2 * hidden * state.kv_heads * state.head_dim
+    mixers = state.attention_layers * attention + state.layers * _jamba_mamba(config, state, hidden)
+    mlp = _mlp(config, hidden, _int(config, "intermediate_size"))
+    common = mixers + 2 * layers * hidden + (layers - sparse) * mlp + sparse * hidden * experts
+    return common + sparse * experts * mlp, common + sparse * _int(config, "num_experts_per_tok") * mlp
+
+
 # A hybrid's architecture -> its layers' parameters (all, and a token's).
-HYBRID_LAYERS = {"Qwen3NextForCausalLM": _qwen3_next_layers, "NemotronHForCausalLM": _nemotron_h_layers}
+HYBRID_LAYERS = {
+    "Qwen3NextForCausalLM": _qwen3_next_layers,
+    "NemotronHForCausalLM": _nemotron_h_layers,
+    "JambaForCausalLM": _jamba_layers,
+}
 
 
 def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:

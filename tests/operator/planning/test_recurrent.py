@@ -109,6 +109,25 @@ TINY_HYBRIDS = {
         "head_dim": 8,
         "attention_head_dim": 8,
     },
+    # Experts in layers 1 and 3 of 4, attention in layer 2; biased projections, an unbiased convolution
+    # and dt's rank from hidden_size ("auto").
+    "JambaForCausalLM": {
+        **TINY,
+        "model_type": "jamba",
+        "num_hidden_layers": 4,
+        "attn_layer_period": 4,
+        "attn_layer_offset": 2,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "mamba_d_state": 8,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_dt_rank": "auto",
+        "mamba_proj_bias": True,
+        "mamba_conv_bias": False,
+    },
 }
 
 
@@ -127,14 +146,25 @@ def test_a_hybrids_parameters_are_counted_as_transformers_builds_it(config: tupl
 
 @pytest.mark.parametrize(
     ("config", "tp", "block", "state_bytes"),
-    [(QWEN3_NEXT, 2, 576, 548_864), (NEMOTRON_H, 2, 4128, 8_450_048)],
+    # Qwen3-Next at TP 4 too: its 2 KV heads copied, one on each GPU (vLLM's num_kv_head_replicas).
+    [(QWEN3_NEXT, 2, 576, 548_864), (QWEN3_NEXT, 4, 320, 274_432), (NEMOTRON_H, 2, 4128, 8_450_048)],
 )
 def test_kvpilot_plan_sizes_a_hybrid_for_vllm_with_its_state_pages(
     config: Path, tp: int, block: int, state_bytes: int
 ) -> None:
-    # At a load light enough (a batch under 8) that auto would otherwise speculate.
+    # At a load light enough (a batch under 8) that auto would otherwise speculate, on `tp` GPUs.
     run = plan_command(
-        "--model-config", str(config), "--gpu", "H100-80GB", "--runtime", "vllm", "--rps", "0.5", "--json"
+        "--model-config",
+        str(config),
+        "--gpu",
+        "H100-80GB",
+        "--gpus",
+        str(tp),
+        "--runtime",
+        "vllm",
+        "--rps",
+        "0.5",
+        "--json",
     )
     assert run.returncode == 0, run.stderr
     planned = json.loads(run.stdout)

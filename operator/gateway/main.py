@@ -25,11 +25,12 @@ log = logging.getLogger(__name__)
 
 _MANAGED = names.label_selector(names.MANAGED_BY)
 # What the gateway routes by, cluster-wide, in the order Gateway takes them: the InferenceServices,
-# and the Deployments, ReplicaSets and pods the operator manages (keyed as the operator's kopf
-# indexes are).
+# and the Deployments, ReplicaSets and pods the operator manages, the three keyed by their
+# InferenceService (its instance label): a mixed pool's Deployments are named after their GPU
+# types (<service>-<type>), and keyed by name the service would have no Deployment and no pods.
 WATCHED = (
     Watched(names.API_VERSION, names.KIND),
-    Watched("apps/v1", "Deployment", _MANAGED),
+    Watched("apps/v1", "Deployment", _MANAGED, names.INSTANCE_LABEL),
     Watched("apps/v1", "ReplicaSet", _MANAGED, names.INSTANCE_LABEL),
     Watched("v1", "Pod", _MANAGED, names.INSTANCE_LABEL),
 )

@@ -17,6 +17,7 @@ from e2e.procs import free_port
 from kvpilot.operator.api.names import INSTANCE_LABEL, PORT, SCALED_TO_ZERO_AT
 from kvpilot.operator.gateway import server as gw
 from kvpilot.operator.gateway.limits import Limits
+from kvpilot.operator.gateway.main import WATCHED
 from kvpilot.operator.kube.indexes import index_entry
 
 NS = "team"
@@ -60,13 +61,18 @@ def asleep(**changes: Any) -> dict[str, Any]:
     )
 
 
-def deployment(name: str = "chat", replicas: int = 1, uid: str = UID, namespace: str = NS) -> dict[str, Any]:
+def deployment(
+    name: str = "chat", replicas: int = 1, uid: str = UID, namespace: str = NS, instance: str | None = None
+) -> dict[str, Any]:
+    """The service's Deployment (`instance`: the service's name where the Deployment's differs, as
+    a mixed pool's `<service>-<gpu type>`)."""
     return {
         "kind": "Deployment",
         "metadata": {
             "name": name,
             "namespace": namespace,
-            "uid": f"dep-{uid}",
+            "uid": f"dep-{uid}" if instance is None else f"dep-{uid}-{name}",
+            "labels": {INSTANCE_LABEL: instance or name},
             "ownerReferences": [{"controller": True, "uid": uid}],
         },
         "spec": {"replicas": replicas},
@@ -124,8 +130,12 @@ def serving(ips: tuple[str, ...] = POD_IPS[:1], namespace: str = NS, **changes: 
     ]
 
 
+# Each kind's key label, as the gateway's watches key them (gateway/main.py).
+KEY_LABELS = {watched.kind: watched.key_label for watched in WATCHED}
+
+
 class Indexes:
-    """What the watches would hold, keyed as kube/indexes.py keys them."""
+    """What the watches would hold, keyed as the gateway's watches key them."""
 
     def __init__(self) -> None:
         self.services: dict[Any, list[Any]] = {}
@@ -141,8 +151,7 @@ class Indexes:
                 "ReplicaSet": self.replicasets,
                 "Pod": self.pods,
             }[obj["kind"]]
-            by_instance = obj["kind"] in ("ReplicaSet", "Pod")
-            for key, value in index_entry(obj, INSTANCE_LABEL if by_instance else None).items():
+            for key, value in index_entry(obj, KEY_LABELS[obj["kind"]]).items():
                 index[key] = [v for v in index.get(key, []) if v["metadata"]["name"] != obj["metadata"]["name"]]
                 index[key].append(value)
 

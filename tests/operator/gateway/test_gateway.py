@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Any
 
 import aiohttp
 import pytest
@@ -403,3 +404,42 @@ def test_a_mixed_pool_s_engines_are_sent_requests_by_their_gpu_type_s_capacity()
     assert routing.pick(pool, urls, busy, 0.0, "x", weights) == h100
     # A service of one type: no shares, its engines alike.
     assert routing.shares(service(status={"plan": {"maxNumSeqs": 200}}), pods) == {}
+
+
+def _mixed_pool() -> list[dict[str, Any]]:
+    """A mixed pool as the operator makes it: a Deployment per GPU type named after it, each with
+    its ReplicaSet and one ready pod labelled with its type; an H100 pod weighs three L4 pods."""
+    rows = [
+        {"gpu": "H100-80GB", "capacityRps": 30.0, "maxNumSeqs": 200},
+        {"gpu": "L4", "capacityRps": 10.0, "maxNumSeqs": 200},
+    ]
+    objects = [service(replicas=2, status={"plan": {"maxNumSeqs": 200}, "variants": rows})]
+    for ip, gpu in zip(POD_IPS, ("h100-80gb", "l4"), strict=False):
+        name = f"chat-{gpu}"
+        objects.append(deployment(name, instance="chat"))
+        objects.append(replicaset(f"{name}-5d8f", owner=f"dep-{UID}-{name}"))
+        engine_pod = pod(f"{name}-p0", ip, replicaset=f"{name}-5d8f")
+        engine_pod["metadata"]["labels"][VARIANT_LABEL] = gpu
+        objects.append(engine_pod)
+    return objects
+
+
+def test_a_mixed_pool_is_routed_through_its_deployments_named_after_their_gpu_types() -> None:
+    """Issue 41 end to end in the gateway: its watches key a mixed pool's Deployments (named
+    <service>-<type>) by their service, so its pods are found and weighed by their type's capacity.
+    Four requests held in flight at once: three to the H100 pod, one to the L4 pod (an even split
+    would be two and two; Deployments keyed by name left the service none, and every request held)."""
+    barrier = asyncio.Barrier(4)
+
+    async def scenario(ix: Indexes, rec: Recorder, base: str, http: aiohttp.ClientSession) -> None:
+        ix.put(*_mixed_pool())
+        engines = [await Engine(gpu, barrier=barrier).start(ip) for ip, gpu in zip(POD_IPS, ("h100", "l4"))]
+        try:
+            answers = await asyncio.gather(*(complete(http, base) for _ in range(4)))
+        finally:
+            for engine in engines:
+                await engine.stop()
+        assert [status for status, _, _ in answers] == [200] * 4, answers
+        assert sorted(engine for _, engine, _ in answers) == ["h100", "h100", "h100", "l4"]
+
+    run(scenario, hold_seconds=3.0)

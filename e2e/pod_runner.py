@@ -11,6 +11,9 @@ Deployment therefore really adds and removes engines, and the operator's autosca
 Every engine gets OMP_NUM_THREADS=1: a pod requests its own cores, and here the engines of all
 pods share the machine's two.
 
+A mixed pool's pods (several GPU types) belong to one Deployment per type: each pod's engine runs
+its own type's Deployment's arguments (`<name>-<variant label>`), so the runner follows them all.
+
 kwok now and then hands two pods created together the same IP (measured: a CI run where two
 replicas of one Deployment both got 127.1.2.1, so the second engine could not bind and the first
 answered for both pods). No real cluster does that, and every test here addresses engines by pod
@@ -33,6 +36,7 @@ from e2e.cluster import Cluster
 from e2e.local_engine import base_url, engine_argv, key_env
 from e2e.polling import Background
 from e2e.procs import Process, http_ok, start
+from kvpilot.operator.api.names import VARIANT_LABEL
 
 
 @dataclass
@@ -107,11 +111,14 @@ class PodRunner(Background):
         if code not in (0, -15):
             self.errors.append(f"engine of {engine.pod} exited with {code}:\n{engine.process.log_tail()}")
 
+    def _deployment(self, pod: dict[str, Any]) -> str:
+        """The name of `pod`'s Deployment: the service's, or its GPU type's in a mixed pool."""
+        variant = (pod["metadata"].get("labels") or {}).get(VARIANT_LABEL)
+        return f"{self.name}-{variant}" if variant else self.name
+
     def _sync(self) -> None:
-        running = {
-            p["metadata"]["name"]: p["status"]["podIP"]
-            for p in kvis.running_pods(self.cluster, self.namespace, self.name)
-        }
+        pods = {p["metadata"]["name"]: p for p in kvis.running_pods(self.cluster, self.namespace, self.name)}
+        running = {pod: p["status"]["podIP"] for pod, p in pods.items()}
         with self._lock:
             gone = [e for pod, e in self._engines.items() if pod not in running]
             for engine in gone:
@@ -127,8 +134,10 @@ class PodRunner(Background):
             ]
         for engine in gone:
             self._stop_engine(engine)
-        if new:
-            deployment = self.cluster.kubectl_json("get", "deployment", self.name, "-n", self.namespace)
+        deployments = {
+            name: self.cluster.kubectl_json("get", "deployment", name, "-n", self.namespace)
+            for name in {self._deployment(pods[pod]) for pod, _ in new}
+        }
         with self._lock:
             # A broken pod's address is still its own: an engine started there would answer for it.
             taken = {e.ip for e in self._engines.values()} | {running[p] for p in self._left_alone if p in running}
@@ -139,7 +148,7 @@ class PodRunner(Background):
                     self.duplicates.append(pod)
                 continue
             taken.add(ip)
-            engine = self._start_engine(deployment, pod, ip)
+            engine = self._start_engine(deployments[self._deployment(pods[pod])], pod, ip)
             with self._lock:
                 self._engines[pod] = engine
         with self._lock:

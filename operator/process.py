@@ -32,9 +32,12 @@ def autoscaled_services(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict
     return index_entry(body)
 
 
+# Keyed by their InferenceService (its instance label), as the ReplicaSets and pods are: a mixed
+# pool's Deployments are named after their GPU types (<service>-<type>), and keyed by name the
+# service would have no Deployment, so no autoscaler period and no adapter sync.
 @kopf.index("apps/v1", "deployments", labels=names.MANAGED_BY)
 def engine_deployments(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-    return index_entry(body)
+    return index_entry(body, key_label=names.INSTANCE_LABEL)
 
 
 # The Deployment controller gives a ReplicaSet its pod template's labels (managed-by among them):

@@ -178,6 +178,7 @@ def engine_objects(ip: str) -> list[dict[str, Any]]:
             "metadata": {
                 "name": "chat",
                 "uid": "dep-chat",
+                "labels": {INSTANCE_LABEL: "chat"},
                 "ownerReferences": [{"controller": True, "uid": "uid-chat"}],
                 **meta,
             },
@@ -216,9 +217,13 @@ class Indexes:
         self.replicasets: dict[Any, list[Any]] = {}
         self.pods: dict[Any, list[Any]] = {}
         for obj in objects:
-            index = {"InferenceService": self.services, "Deployment": self.deployments}.get(obj["kind"])
-            by_instance = index is None
-            index = index if index is not None else self.replicasets if obj["kind"] == "ReplicaSet" else self.pods
+            index = {
+                "InferenceService": self.services,
+                "Deployment": self.deployments,
+                "ReplicaSet": self.replicasets,
+                "Pod": self.pods,
+            }[obj["kind"]]
+            by_instance = obj["kind"] != "InferenceService"  # the children by their service (process.py)
             for key, value in index_entry(obj, INSTANCE_LABEL if by_instance else None).items():
                 index.setdefault(key, []).append(value)
 

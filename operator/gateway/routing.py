@@ -145,24 +145,46 @@ class Engines:
 
 class Share(NamedTuple):
     """What one engine of a mixed pool is sent: requests at once (ENGINE_QUEUE_FACTOR x its own
-    plan's max_num_seqs), and its weight among the others (its GPU type's capacity in req/s)."""
+    plan's max_num_seqs), and its weight among the others (its GPU type's capacity in req/s, as
+    corrected by what its pods showed)."""
 
     capacity: int
     weight: float
 
 
+# How far what a type's pods show moves its weight from its plan's capacity: a factor of four
+# either way. A type twice as slow as planned serves about half the requests per second.
+SPEED_BOUNDS = (0.25, 4.0)
+
+
+def _speeds(service: Mapping[str, Any]) -> dict[str, float]:
+    """Per variant label: predicted over observed p95 TPOT of its own pods (status.planAccuracy.variants,
+    the autoscaler's window): how much faster its engines decode than its plan says. TPOT, not TTFT:
+    TTFT is mostly the queue, which least-load already follows."""
+    accuracy = status_of(service).plan_accuracy
+    found = {}
+    for row in (accuracy.variants if accuracy else None) or []:
+        if row.variant and row.tpot and row.tpot.ratio:
+            found[row.variant] = min(max(1 / row.tpot.ratio, SPEED_BOUNDS[0]), SPEED_BOUNDS[1])
+    return found
+
+
 def shares(service: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> dict[str, Share]:
     """Per ready engine URL of a mixed pool (status.variants): its GPU type's share, so an L4 pod is
-    not sent an H100's part of the requests. Empty for a service of one type: its engines are alike."""
+    not sent an H100's part of the requests; the planned capacity scaled by how fast the type's pods
+    decode against their plan (`_speeds`), so a type slower than planned is sent less. Empty for a
+    service of one type: its engines are alike."""
     variants = {variant(v.gpu): v for v in status_of(service).variants or [] if v.gpu}
     if not variants:
         return {}
+    speeds = _speeds(service)
     labels = {p["metadata"]["name"]: p["metadata"].get("labels") or {} for p in pods}
     found = {}
     for name, url in engine_urls(pods):
-        row = variants.get(labels.get(name, {}).get(VARIANT_LABEL, ""))
+        label = labels.get(name, {}).get(VARIANT_LABEL, "")
+        row = variants.get(label)
         if row is not None and row.capacity_rps and row.max_num_seqs:
-            found[url] = Share(ENGINE_QUEUE_FACTOR * row.max_num_seqs, row.capacity_rps)
+            found[url] = Share(ENGINE_QUEUE_FACTOR * row.max_num_seqs, row.capacity_rps * speeds.get(label, 1.0))
     return found
 
 

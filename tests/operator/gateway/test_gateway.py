@@ -404,6 +404,16 @@ def test_a_mixed_pool_s_engines_are_sent_requests_by_their_gpu_type_s_capacity()
     assert routing.pick(pool, urls, busy, 0.0, "x", weights) == h100
     # A service of one type: no shares, its engines alike.
     assert routing.shares(service(status={"plan": {"maxNumSeqs": 200}}), pods) == {}
+    # The L4s decode twice as slowly as their plan says, the H100s as planned (the autoscaler's
+    # planAccuracy.variants): the L4 weight halves. A ratio past the bounds moves it by 4x at most.
+    observed = [
+        {"variant": "l4", "tpot": {"predictedMs": 40.0, "observedMs": 80.0, "ratio": 2.0}},
+        {"variant": "h100-80gb", "tpot": {"predictedMs": 10.0, "observedMs": 10.0, "ratio": 1.0}},
+    ]
+    pool["status"]["planAccuracy"] = {"variants": observed}
+    assert routing.shares(pool, pods) == {h100: routing.Share(400, 30.0), l4: routing.Share(8, 5.0)}
+    observed[0]["tpot"]["ratio"] = 100.0
+    assert routing.shares(pool, pods)[l4] == routing.Share(8, 10.0 * routing.SPEED_BOUNDS[0])
 
 
 def _mixed_pool() -> list[dict[str, Any]]:

@@ -103,6 +103,45 @@ def test_gpu_prices_reach_the_operator_as_its_own_flags(k8s_binaries: Binaries, 
     assert "gpuPrices" in refused.value.stderr
 
 
+def test_capacity_classes_reach_the_operator_as_its_own_flags(k8s_binaries: Binaries, tmp_path: Path) -> None:
+    values = tmp_path / "classes.yaml"
+    values.write_text(
+        "gpuPrices: {L4: 0.45}\n"
+        "capacityClasses:\n"
+        "  spot:\n"
+        "    nodeSelector: {karpenter.sh/capacity-type: spot, example.com/pool: gpu}\n"
+        "    gpuPrices: {L4: 0.2, H100-80GB: 2.1}\n"
+        "  on-demand:\n"
+        "    nodeSelector: {karpenter.sh/capacity-type: on-demand}\n"
+    )
+    operator = next(d for d in _template(k8s_binaries, tmp_path, "-f", str(values)) if d["kind"] == "Deployment")
+    args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith(("--capacity-class", "--gpu-price"))] == [
+        "--gpu-price=L4=0.45",
+        "--capacity-class=on-demand=karpenter.sh/capacity-type=on-demand",
+        "--capacity-class=spot=example.com/pool=gpu,karpenter.sh/capacity-type=spot",
+        "--gpu-price=H100-80GB@spot=2.1",
+        "--gpu-price=L4@spot=0.2",
+    ]
+    # What `kvpilot operator` makes of them: each class's node labels, and its own prices beside the types'.
+    top = argparse.ArgumentParser(prog="kvpilot")
+    cli.register(top.add_subparsers(dest="command", required=True))
+    prices, classes = cli.pool_settings(top.parse_args(args))
+    assert classes == {
+        "spot": {"karpenter.sh/capacity-type": "spot", "example.com/pool": "gpu"},
+        "on-demand": {"karpenter.sh/capacity-type": "on-demand"},
+    }
+    assert prices == {"L4": 0.45, "L4@spot": 0.2, "H100-80GB@spot": 2.1}
+    # A class without node labels would select every node: the chart refuses it, and a class name no label takes.
+    for bad in (
+        'capacityClasses={"spot": {"gpuPrices": {"L4": 0.2}}}',
+        'capacityClasses={"Spot!": {"nodeSelector": {"a": "b"}}}',
+    ):
+        with pytest.raises(subprocess.CalledProcessError) as refused:
+            _template(k8s_binaries, tmp_path, "--set-json", bad)
+        assert "capacityClasses" in refused.value.stderr
+
+
 def _template(binaries: Binaries, tmp_path: Path, *values: str) -> list[dict[str, Any]]:
     return _docs(_helm(binaries, tmp_path, "template", "kvpilot", str(CHART_DIR), "-n", "ops", *values).stdout)
 

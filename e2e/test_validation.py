@@ -111,7 +111,12 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     (
         "a-gpu-type-twice",
         {**GOOD, "accelerator": {"variants": [{"type": "L4"}, {"type": "L4", "maxReplicas": 2}]}},
-        "accelerator.variants: each GPU type once",
+        "accelerator.variants: each (type, capacityClass) once",
+    ),
+    (
+        "a-gpu-type-twice-on-one-capacity-class",
+        {**GOOD, "accelerator": {"variants": [{"type": "L4", "capacityClass": "spot"}] * 2}},
+        "accelerator.variants: each (type, capacityClass) once",
     ),
     (
         "a-cpu-variant",
@@ -147,6 +152,17 @@ def test_the_valid_base_spec_is_accepted_with_defaults(k8s: Cluster, kvpilot: In
     )
     stored = yaml.safe_load(out.stdout)["spec"]
     assert stored["serving"]["blockSize"] == 16 and stored["autoscaling"]["maxReplicas"] == 4
+
+
+def test_one_gpu_type_on_several_capacity_classes_is_accepted(k8s: Cluster, kvpilot: Installation) -> None:
+    # The uniqueness rule is on (type, capacityClass): spot, on-demand and any node of L4 are three variants.
+    ns = kvpilot.watch_namespaces[0]
+    variants = [{"type": "L4", "capacityClass": "spot"}, {"type": "L4", "capacityClass": "on-demand"}, {"type": "L4"}]
+    spec = {"model": GOOD["model"], "accelerator": {"variants": variants}}
+    out = k8s.kubectl(
+        "create", "--dry-run=server", "-o", "json", "-f", "-", input=yaml.safe_dump(kvis.manifest("classes", ns, spec))
+    )
+    assert yaml.safe_load(out.stdout)["spec"]["accelerator"]["variants"] == variants
 
 
 NAME_RULE = (

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import random
+import re
 import sys
 import urllib.parse
 from contextlib import suppress
@@ -28,6 +29,8 @@ from kvpilot.operator.api.inspection import TERMINATION_MESSAGE_LIMIT, TERMINATI
 from kvpilot.operator.api.plan import MixedPlan, Plan
 from kvpilot.operator.api.spec import (
     CPU_TYPE,
+    DNS_1123_LABEL,
+    MAX_CLASS_NAME,
     Architecture,
     InferenceServiceSpec,
     KvCacheDtype,
@@ -80,19 +83,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     planner.add_argument(
         "--gpu",
         type=_gpu_types,
-        metavar="TYPE[:MAX],...",
+        metavar="TYPE[@CLASS][:MAX],...",
         help=f"one of {', '.join(GPUS)} (with --model or --model-config; or --device-profile); several, "
         "comma-separated, plan a mixed pool: a variant per type, each with at most MAX replicas (default "
-        "--max-replicas), sharing the load cheapest per req/s first",
+        "--max-replicas), sharing the load cheapest per req/s first; TYPE@CLASS: the type on a --capacity-class's "
+        "nodes (L4@spot,L4@on-demand: one type as two variants, each at its own price)",
     )
-    planner.add_argument(
-        "--gpu-price",
-        type=_gpu_price,
-        action="append",
-        default=[],
-        metavar="TYPE=USD",
-        help="what one GPU-hour of TYPE costs, for a mixed pool (default: approximate on-demand list prices)",
-    )
+    _pool_arguments(planner, "for a mixed pool")
     planner.add_argument(
         "--device-profile",
         metavar="FILE_OR_NAME",
@@ -128,6 +125,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=render.DEFAULT_ENGINE_IMAGE,
         help="the operator's engine image (the chart's engine.image)",
     )
+    _pool_arguments(renderer, "as the operator's (the chart's gpuPrices and capacityClasses)")
     renderer.set_defaults(func=run_render)
 
     crd = subparsers.add_parser(
@@ -181,14 +179,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="the gateway's pods (e.g. kvpilot-system:app.kubernetes.io/name=kvpilot-gateway): the autoscaler "
         "reads what they hold for each service as waiting work; by default no gateway is read",
     )
-    operator.add_argument(
-        "--gpu-price",
-        type=_gpu_price,
-        action="append",
-        default=[],
-        metavar="TYPE=USD",
-        help="what one GPU-hour of TYPE costs in this cluster, which ranks a mixed pool's GPU types (chart "
-        "gpuPrices; default: approximate on-demand list prices)",
+    _pool_arguments(
+        operator, "in this cluster, which rank a mixed pool's variants (the chart's gpuPrices and capacityClasses)"
     )
     operator.add_argument("-v", "--verbose", action="store_true")
     operator.set_defaults(func=run_operator)
@@ -262,28 +254,90 @@ def run_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pool_arguments(parser: argparse.ArgumentParser, purpose: str) -> None:
+    """--gpu-price and --capacity-class: a mixed pool's prices and node classes, the same flags for
+    `kvpilot operator` (the chart renders them) as for `plan` and `render` (which plan as it would)."""
+    parser.add_argument(
+        "--gpu-price",
+        type=_gpu_price,
+        action="append",
+        default=[],
+        metavar="TYPE[@CLASS]=USD",
+        help=f"what one GPU-hour of TYPE costs {purpose}; TYPE@CLASS: on that capacity class's nodes (default: "
+        "the type's price, else an approximate on-demand list price)",
+    )
+    parser.add_argument(
+        "--capacity-class",
+        type=_capacity_class,
+        action="append",
+        default=[],
+        metavar="CLASS=LABEL=VALUE[,LABEL=VALUE]",
+        help="a class of nodes a mixed pool's variant may name (accelerator.variants[].capacityClass), by the node "
+        "labels its pods then select, e.g. spot=karpenter.sh/capacity-type=spot; repeatable",
+    )
+
+
+def pool_settings(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, dict[str, str]]]:
+    """The prices and capacity classes of --gpu-price and --capacity-class; ValueError when a
+    price names a class no --capacity-class declares (a typo would price nothing, silently)."""
+    classes = dict(args.capacity_class)
+    prices = dict(args.gpu_price)
+    undeclared = sorted({key for key in prices if key.partition(names.CLASS_SEPARATOR)[2] not in ("", *classes)})
+    if undeclared:
+        known = ", ".join(sorted(classes)) or "none"
+        raise ValueError(f"--gpu-price {', '.join(undeclared)}: no such --capacity-class (declared: {known})")
+    return prices, classes
+
+
+def _class_name(value: str, name: str) -> str:
+    if not re.fullmatch(DNS_1123_LABEL, name) or len(name) > MAX_CLASS_NAME:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: the capacity class {name!r} is not a DNS-1123 label of at most {MAX_CLASS_NAME} characters"
+        )
+    return name
+
+
 def _gpu_types(value: str) -> list[VariantRequest]:
-    """--gpu: TYPE[:MAX] items, comma-separated."""
+    """--gpu: TYPE[@CLASS][:MAX] items, comma-separated."""
     wanted = []
     for item in value.split(","):
-        gpu, _, most = item.strip().partition(":")
+        named, _, most = item.strip().partition(":")
+        gpu, at, capacity_class = named.partition(names.CLASS_SEPARATOR)
         if not gpu or (most and (not most.isdigit() or int(most) < 1)):
-            raise argparse.ArgumentTypeError(f"{item!r}: expected TYPE or TYPE:MAX with MAX a positive integer")
-        wanted.append(VariantRequest(gpu, int(most) if most else None))
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected TYPE[@CLASS] or TYPE[@CLASS]:MAX with MAX a positive integer"
+            )
+        wanted.append(
+            VariantRequest(gpu, int(most) if most else None, None, _class_name(item, capacity_class) if at else None)
+        )
     return wanted
 
 
 def _gpu_price(value: str) -> tuple[str, float]:
-    """--gpu-price: TYPE=USD, a catalog GPU and its price per GPU-hour."""
-    name, _, price = value.partition("=")
+    """--gpu-price: TYPE[@CLASS]=USD, a catalog GPU (on a capacity class's nodes) and its price per
+    GPU-hour, keyed as the planner looks it up (L4, L4@spot)."""
+    named, _, price = value.partition("=")
+    name, at, capacity_class = named.partition(names.CLASS_SEPARATOR)
     gpu = find_gpu(name)
     try:
         usd = float(price)
     except ValueError:
         usd = -1.0
     if gpu is None or not usd >= 0:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected TYPE=USD with TYPE one of {', '.join(GPUS)}")
-    return gpu.name, usd
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: expected TYPE[@CLASS]=USD with TYPE one of {', '.join(GPUS)} and USD >= 0"
+        )
+    return names.variant_key(gpu.name, _class_name(value, capacity_class) if at else None), usd
+
+
+def _capacity_class(value: str) -> tuple[str, dict[str, str]]:
+    """--capacity-class: CLASS=LABEL=VALUE[,LABEL=VALUE], a class name and the node labels of its
+    nodes (label keys and values hold no '=' or ',')."""
+    name, _, pairs = value.partition("=")
+    labels = dict(pair.partition("=")[::2] for pair in pairs.split(",") if pair)
+    if not labels or any(not key or "=" in label for key, label in labels.items()):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected CLASS=LABEL=VALUE[,LABEL=VALUE]")
+    return _class_name(value, name), labels
 
 
 def _address(value: str) -> tuple[str, int]:
@@ -402,13 +456,15 @@ def _spec(args: argparse.Namespace, profile: DeviceProfile | None) -> dict[str, 
 
 
 def _accelerator(gpus: list[VariantRequest], count: int | None) -> dict[str, Any]:
-    """accelerator of --gpu: one type, or several as a mixed pool's variants."""
-    if len(gpus) == 1:
+    """accelerator of --gpu: one type, or several (or one on a capacity class) as a mixed pool's
+    variants."""
+    if len(gpus) == 1 and not gpus[0].capacity_class:
         return {"type": gpus[0].gpu, **({"count": count} if count else {})}
     return {
         "variants": [
             {
                 "type": g.gpu,
+                **({"capacityClass": g.capacity_class} if g.capacity_class else {}),
                 **({"maxReplicas": g.max_replicas} if g.max_replicas else {}),
                 **({"count": count} if count else {}),
             }
@@ -521,7 +577,7 @@ def format_mixed_plan(mixed: MixedPlan, spec: InferenceServiceSpec) -> str:
         )
         rows.append(
             (
-                v.gpu,
+                v.key,
                 f"{served} (max {v.max_replicas}); {v.plan.capacity_rps:g} req/s per replica at "
                 f"${v.price_per_gpu_hour:g}/GPU-h: {per}; ${v.cost_per_hour:g}/h",
             )
@@ -534,7 +590,7 @@ def format_mixed_plan(mixed: MixedPlan, spec: InferenceServiceSpec) -> str:
         at = spec.model_copy(
             update={"load": spec.load.model_copy(update={"requests_per_second": v.requests_per_second})}
         )
-        lines += ["", f"== {v.gpu} ==", format_plan(v.plan, at)]
+        lines += ["", f"== {v.key} ==", format_plan(v.plan, at)]
     return "\n".join(lines)
 
 
@@ -560,6 +616,7 @@ def _device_profile(args: argparse.Namespace) -> DeviceProfile | None:
 def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Exit 0 when the model fits, 1 when it does not, 2 for invalid arguments."""
     try:
+        prices, classes = pool_settings(args)
         profile = _device_profile(args)
         spec = with_model_source(InferenceServiceSpec.model_validate(_spec(args, profile)))
         spec, checkpoint = _read_checkpoint(spec)
@@ -569,7 +626,7 @@ def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     profiles = {profile.name: profile} if profile else {}
     context = PlanContext(device_profiles=profiles, checkpoint=checkpoint)
     if spec.accelerator.variants:
-        mixed = plan_variants(spec, requested(spec), context, dict(args.gpu_price))
+        mixed = plan_variants(spec, requested(spec), context, prices, classes)
         if args.json:
             body = mixed.model_dump(mode="json")
             for variant, shown in zip(mixed.variants, body["variants"], strict=True):
@@ -592,6 +649,7 @@ def run_render(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     label: set accelerator.type); exit 1 when the plan does not fit (only the Service and PDB then),
     2 for an invalid manifest."""
     try:
+        prices, classes = pool_settings(args)
         manifest = _manifest(args.filename)
         spec = with_model_source(InferenceServiceSpec.model_validate(manifest["spec"]))
     except (ValidationError, ValueError) as error:
@@ -599,7 +657,8 @@ def run_render(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         return 2
     metadata = manifest.get("metadata") or {}
     missing = missing_source(spec)
-    mixed = plan_variants(spec, requested(spec)) if spec.accelerator.variants and not missing else None
+    wanted = spec.accelerator.variants and not missing
+    mixed = plan_variants(spec, requested(spec), prices=prices, classes=classes) if wanted else None
     if missing:
         result = failed_plan(spec, MODEL_SOURCE_REQUIRED, missing)
     else:
@@ -653,6 +712,11 @@ def run_crd(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 
 
 def run_operator(args: argparse.Namespace) -> int:
+    try:
+        prices, classes = pool_settings(args)
+    except ValueError as error:
+        print(f"kvpilot operator: {error}", file=sys.stderr)
+        return 2
     # Registers the handlers in kopf's default registry; only this command wants that. The
     # reconcile handlers first: their startup handler completes the memo the others use.
     importlib.import_module("kvpilot.operator.controller.handlers")
@@ -686,7 +750,8 @@ def run_operator(args: argparse.Namespace) -> int:
             prometheus_url_allow=tuple(args.prometheus_url_allow),
             gateway_pods=args.gateway_pods,
             metrics_address=args.metrics,
-            gpu_prices=dict(args.gpu_price),
+            gpu_prices=prices,
+            capacity_classes=classes,
         ),
     )
     return 0

@@ -78,6 +78,12 @@ PRINTER_COLUMNS = [
     _column("Ready-Replicas", "integer", ".status.readyReplicas"),
     _column("TTFT-P95", "number", ".status.latency.ttftP95Ms", "TTFT p95 in ms (predicted until engines report it)"),
     _column("TPOT-P95", "number", ".status.latency.tpotP95Ms", "TPOT p95 in ms (predicted until engines report it)"),
+    _column(
+        "Cost-Per-Hour",
+        "number",
+        ".status.costPerHour",
+        "US dollars an hour for the desired replicas at the operator's GPU prices (a mixed pool: all its variants)",
+    ),
     _column("Age", "date", ".metadata.creationTimestamp"),
     _column("URL", "string", ".status.url", priority=1),
     _column(

@@ -44,18 +44,29 @@ def selector_labels(name: str) -> dict[str, str]:
     return {key: labels(name)[key] for key in (APP_NAME_LABEL, INSTANCE_LABEL)}
 
 
-# A mixed pool's Deployments, one per GPU type: `<service>-<gpu type, lower case>`, their pods labelled
-# with the type (the Service and the gateway select the service's pods across them).
+# A mixed pool's Deployments, one per GPU type (and capacity class): `<service>-<gpu type, lower
+# case>[-<class>]`, their pods labelled with the same suffix (the Service and the gateway select the
+# service's pods across them).
 VARIANT_LABEL = f"{GROUP}/gpu-variant"
+# How a variant of a capacity class is written where one word names it (prices, messages): L4@spot.
+CLASS_SEPARATOR = "@"
 
 
-def variant(gpu: str) -> str:
-    """A GPU type as a variant's label value and name suffix (H100-80GB -> h100-80gb)."""
-    return gpu.lower()
+def variant(gpu: str, capacity_class: str | None = None) -> str:
+    """A variant's label value and name suffix: its GPU type, lower case, and its capacity class
+    (H100-80GB -> h100-80gb, L4 on spot nodes -> l4-spot). Without a class, what it always was:
+    a pool made before capacity classes keeps its Deployments' names and selectors."""
+    return f"{gpu.lower()}-{capacity_class}" if capacity_class else gpu.lower()
 
 
-def variant_deployment(name: str, gpu: str) -> str:
-    return f"{name}-{variant(gpu)}"
+def variant_deployment(name: str, gpu: str, capacity_class: str | None = None) -> str:
+    return f"{name}-{variant(gpu, capacity_class)}"
+
+
+def variant_key(gpu: str, capacity_class: str | None = None) -> str:
+    """A variant as people and the price list name it: the GPU type, with its capacity class
+    (L4, L4@spot)."""
+    return f"{gpu}{CLASS_SEPARATOR}{capacity_class}" if capacity_class else gpu
 
 
 def label_selector(labels: Mapping[str, str]) -> str:

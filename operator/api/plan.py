@@ -10,6 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
 
+from kvpilot.operator.api.names import variant, variant_key
+
 
 class LoraPlan(BaseModel):
     """The runtime's LoRA settings for spec.adapters (planning/adapters.py), and the memory they take."""
@@ -91,19 +93,34 @@ class Plan(BaseModel):
 
 
 class Variant(BaseModel):
-    """One GPU type of a mixed pool: its own plan (made for the whole load, then held at the share it
-    serves: its replicas and latencies are those of that share) and what it costs."""
+    """One GPU type (on one capacity class of nodes, when it names one) of a mixed pool: its own plan
+    (made for the whole load, then held at the share it serves: its replicas and latencies are those
+    of that share) and what it costs."""
 
     model_config = ConfigDict(frozen=True)
 
     gpu: str
     plan: Plan
+    # The operator's capacity class it runs on (spot, on-demand) and that class's node labels, which
+    # its pods select beside the GPU's own; None: any node of the type.
+    capacity_class: str | None = None
+    node_selector: dict[str, str] = {}
     max_replicas: int
     requests_per_second: float  # the share of the load it serves
     price_per_gpu_hour: float
     # A replica-hour's price over its capacity: what ranks the variants (None: it cannot meet the SLO).
     cost_per_rps_hour: float | None
     cost_per_hour: float  # at its replicas
+
+    @property
+    def key(self) -> str:
+        """How prices, messages and the full types' map name it: L4, L4@spot."""
+        return variant_key(self.gpu, self.capacity_class)
+
+    @property
+    def label(self) -> str:
+        """Its pods' variant label value and its Deployment's name suffix: l4, l4-spot."""
+        return variant(self.gpu, self.capacity_class)
 
 
 class MixedPlan(BaseModel):
@@ -117,7 +134,7 @@ class MixedPlan(BaseModel):
     reason: str
     model: str
     variants: list[Variant] = []
-    left_out: dict[str, str] = {}  # GPU type -> why it cannot serve the model
+    left_out: dict[str, str] = {}  # GPU type (L4, L4@spot) -> why it cannot serve the model
     replicas: int = 0
     meets_slo: bool = False
     cost_per_hour: float = 0.0

@@ -442,7 +442,13 @@ class AdapterSpec(_Camel):
 # The most GPU types one service spreads over (a bound for CEL's cost estimate too).
 MAX_VARIANTS = 8
 VARIANTS_REPLACE = "accelerator.variants replaces type, count and nodeSelector: each variant names its GPU type"
-VARIANTS_UNIQUE = "accelerator.variants: each GPU type once"
+VARIANTS_UNIQUE = (
+    "accelerator.variants: each (type, capacityClass) once: a GPU type appears once per capacity class, and once "
+    "without one"
+)
+# A capacity class's name (the chart's capacityClasses): a label value's suffix of its variant's pods
+# (names.variant), so short enough that `<gpu type>-<class>` stays a label value.
+MAX_CLASS_NAME = 40
 VARIANT_IS_A_GPU = "accelerator.variants[].type: a GPU type (a CPU node pool is accelerator.type cpu)"
 
 
@@ -462,6 +468,16 @@ class GPUVariantSpec(_Camel):
     )
     count: int | None = Field(
         default=None, ge=1, description="GPUs per replica of this type; unset means the planner picks it."
+    )
+    # Spot and on-demand nodes of one type as two variants: the cluster admin names the classes once
+    # (the chart's capacityClasses: their node labels and prices); a spec only names one.
+    capacity_class: str | None = Field(
+        default=None,
+        max_length=MAX_CLASS_NAME,
+        pattern=DNS_1123_LABEL,
+        description="A capacity class of the operator (the chart's capacityClasses, e.g. spot or on-demand): this "
+        "variant's pods go only to the nodes with the class's labels, and cost the class's price for the type. "
+        "Unset: any node of the type, at the type's price.",
     )
 
     @model_validator(mode="after")
@@ -483,7 +499,8 @@ class AcceleratorSpec(_Camel):
                 VARIANTS_REPLACE,
             ),
             (
-                "!has(self.variants) || self.variants.all(v, self.variants.exists_one(w, w.type == v.type))",
+                "!has(self.variants) || self.variants.all(v, self.variants.exists_one(w, w.type == v.type && "
+                "(has(w.capacityClass) ? w.capacityClass : '') == (has(v.capacityClass) ? v.capacityClass : '')))",
                 VARIANTS_UNIQUE,
             ),
             (
@@ -539,7 +556,7 @@ class AcceleratorSpec(_Camel):
     def _selector_needs_type(self) -> AcceleratorSpec:
         if self.variants and (self.type is not None or self.count is not None):
             raise ValueError(VARIANTS_REPLACE)
-        if len({v.type for v in self.variants}) < len(self.variants):
+        if len({(v.type, v.capacity_class) for v in self.variants}) < len(self.variants):
             raise ValueError(VARIANTS_UNIQUE)
         if self.node_selector and not self.type:
             raise ValueError("accelerator.nodeSelector needs accelerator.type: the planner sizes for a known GPU")

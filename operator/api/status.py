@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
+from kvpilot.operator.api.names import variant, variant_key
 from kvpilot.operator.api.spec import (
     INT64,
     MAX_ADAPTERS,
@@ -368,10 +369,18 @@ class Condition(_Status):
 
 
 class VariantStatus(_Status):
-    """One GPU type of a mixed pool (spec.accelerator.variants): its Deployment, plan and cost."""
+    """One GPU type (on one capacity class of nodes, when it names one) of a mixed pool
+    (spec.accelerator.variants): its Deployment, plan and cost."""
 
     gpu: str | None = Field(default=None, description="The GPU type (spec.accelerator.variants[].type).")
-    deployment: str | None = Field(default=None, description="Its Deployment's name (<service>-<gpu type>).")
+    capacity_class: str | None = Field(
+        default=None,
+        description="The capacity class its pods run on (spec.accelerator.variants[].capacityClass); unset: any "
+        "node of the type.",
+    )
+    deployment: str | None = Field(
+        default=None, description="Its Deployment's name (<service>-<gpu type>[-<capacity class>])."
+    )
     replicas: int | None = Field(default=None, description="Its Deployment's desired replicas.")
     ready_replicas: int | None = Field(default=None, description="Its Deployment's ready replicas.")
     max_replicas: int | None = Field(
@@ -399,6 +408,16 @@ class VariantStatus(_Status):
     full_since: DateTime | None = Field(
         default=None, description="When this type's nodes were found full (its pods Pending as Unschedulable)."
     )
+
+    @property
+    def key(self) -> str:
+        """How the planner's prices and full types name it: L4, L4@spot (names.variant_key)."""
+        return variant_key(self.gpu or "", self.capacity_class)
+
+    @property
+    def label(self) -> str:
+        """Its pods' variant label value (names.VARIANT_LABEL): l4, l4-spot."""
+        return variant(self.gpu or "", self.capacity_class)
 
 
 class AdapterError(_Status):
@@ -456,6 +475,12 @@ class InferenceServiceStatus(_Status):
     variants: list[VariantStatus] | None = Field(
         default=None,
         description="A mixed pool's GPU types (spec.accelerator.variants), cheapest per request per second first.",
+    )
+    cost_per_hour: float | None = Field(
+        default=None,
+        description="What the service's desired replicas cost an hour, in US dollars at the operator's GPU prices: "
+        "a mixed pool's variants' costPerHour summed; one GPU type's replicas x GPUs per replica x its price. "
+        "Unset on CPU.",
     )
     last_good_plan: LastGoodPlan | None = Field(
         default=None,

@@ -101,10 +101,12 @@ class Reconciler:
         operator_namespace: str | None,
         hub: HubClient | None = None,
         gpu_prices: Mapping[str, float] | None = None,
+        capacity_classes: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.queue = WorkQueue()
         self.cluster, self.services, self.logger, self.hub = cluster, services, logger, hub
         self.gpu_prices = dict(gpu_prices or {})
+        self.capacity_classes = {name: dict(labels) for name, labels in (capacity_classes or {}).items()}
         self.default_image, self.operator_namespace = default_image, operator_namespace
         self._versions: dict[Key, str] = {}
         self._workers: list[asyncio.Task[None]] = []
@@ -154,6 +156,7 @@ class Reconciler:
                 known=known,
                 hub=self.hub,
                 gpu_prices=self.gpu_prices,
+                capacity_classes=self.capacity_classes,
             )
         except WriteConflict as error:
             # Something changed it meanwhile: read again, soon.
@@ -228,6 +231,7 @@ async def start_reconciler(memo: kopf.Memo, logger: logging.Logger, autoscaled_s
         # Where model configs are read when a service's env names no HF_ENDPOINT of its own.
         HubClient(os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT),
         memo.get("gpu_prices"),
+        memo.get("capacity_classes"),
     )
     memo.reconciler.start()
 

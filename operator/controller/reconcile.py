@@ -66,6 +66,7 @@ from kvpilot.operator.kube.indexes import pooled
 from kvpilot.operator.kube.merge_patch import merge_patch
 from kvpilot.operator.planning import cpus
 from kvpilot.operator.planning.context import Correction
+from kvpilot.operator.planning.gpus import LIST_PRICE_PER_GPU_HOUR
 from kvpilot.operator.planning.model_config import ModelConfig
 from kvpilot.operator.planning.plan import PlanContext, plan
 from kvpilot.operator.planning.reasons import failed_plan
@@ -469,6 +470,7 @@ def _mixed_plan(
     corrected: Correction | None,
     checkpoint: Architecture | None,
     gpu_prices: Mapping[str, float],
+    capacity_classes: Mapping[str, Mapping[str, str]],
 ) -> tuple[MixedPlan, Plan]:
     """A mixed pool's plan (accelerator.variants), and the Plan the status shows for it: its first
     variant's (the cheapest per request per second) with the pool's reason and replicas, or why no
@@ -476,7 +478,7 @@ def _mixed_plan(
     context = PlanContext(
         gpus_per_node=observed.nodes, device_profiles=observed.profiles, correction=corrected, checkpoint=checkpoint
     )
-    mixed = plan_variants(spec, requested(spec), context, gpu_prices)
+    mixed = plan_variants(spec, requested(spec), context, gpu_prices, capacity_classes)
     if not mixed.fits:
         return mixed, failed_plan(spec, str(mixed.failure), mixed.reason)
     first = mixed.variants[0].plan
@@ -510,13 +512,15 @@ def decide(
     operator_namespace: str | None,
     gpu_prices: Mapping[str, float] | None = None,
     room: Mapping[str, int] | None = None,
+    capacity_classes: Mapping[str, Mapping[str, str]] | None = None,
 ) -> Decision:
     """Plan the spec and render the children (pure). A spec that does not plan keeps the last
     good plan's Deployment (rendered with the rest of the spec as it is now; a mixed pool's stay
     as they are); an invalid one renders nothing; a key that cannot be had (a foreign or empty
     Secret) blocks the rollout. `gpu_prices`: US dollars per GPU-hour (the operator's
-    --gpu-price), which rank a mixed pool's GPU types; `room`: the replicas a type's full nodes
-    hold (`still_full`)."""
+    --gpu-price, TYPE or TYPE@CLASS), which rank a mixed pool's variants; `room`: the replicas a
+    variant's full nodes hold (`still_full`); `capacity_classes`: the operator's (--capacity-class),
+    each with the node labels its variants' pods select."""
     body, spec, kept = observed.body, observed.spec, observed.kept
     if isinstance(spec, ValidationError):
         return Decision(None, _invalid(body, spec), [], _ApiKey(), kept, None)
@@ -536,7 +540,7 @@ def decide(
         spec = with_checkpoint(spec, read)
         factors, architecture = correction.factors(corrected), read.architecture if read else None
         if spec.accelerator.variants:
-            mixed, result = _mixed_plan(spec, observed, factors, architecture, gpu_prices or {})
+            mixed, result = _mixed_plan(spec, observed, factors, architecture, gpu_prices or {}, capacity_classes or {})
         else:
             result = _plan(spec, planned, observed, factors, architecture)
     key = _api_key(observed.api_key_secret, name, namespace, uid) if render.operator_api_key(spec) else _ApiKey()
@@ -567,19 +571,20 @@ def reconcile(
     operator_namespace: str | None = None,
     hub: HubClient | None = None,
     gpu_prices: Mapping[str, float] | None = None,
+    capacity_classes: Mapping[str, Mapping[str, str]] | None = None,
 ) -> dict[str, Any]:
     """Converge the children of `body` and return the status to write; `default_image` is the
     engine image for specs that do not set one, `operator_namespace` where the operator and the
     gateway run (the engines' NetworkPolicy lets their pods in), `hub` where configs are read,
-    `gpu_prices` what a GPU-hour of each type costs (decide)."""
+    `gpu_prices` what a GPU-hour of each type costs and `capacity_classes` the node classes a mixed
+    pool's variants may name (decide)."""
     metadata = body["metadata"]
     name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
     old = status_of(body)
     full = still_full(old, now)
     room = {gpu: held for gpu, (held, _) in full.items()}
-    decision = decide(
-        observe(body, cluster, operator_namespace, hub), default_image, operator_namespace, gpu_prices, room
-    )
+    observed = observe(body, cluster, operator_namespace, hub)
+    decision = decide(observed, default_image, operator_namespace, gpu_prices, room, capacity_classes)
     key = decision.key
     wanted = [*decision.wanted, *_retired(cluster, decision, old, name, namespace, uid)]
     found = _read(cluster, wanted, decision, old, name, namespace)
@@ -614,6 +619,7 @@ def reconcile(
         correction=decision.correction,
         variants=_variant_rows(decision, old, name, by_name, full),
         inspected=decision.inspected,
+        gpu_prices={**LIST_PRICE_PER_GPU_HOUR, **(gpu_prices or {})},
     )
 
 
@@ -647,19 +653,20 @@ FULL_RETRY_SECONDS = 300
 
 
 def still_full(old: InferenceServiceStatus, now: datetime) -> dict[str, tuple[int, str]]:
-    """The GPU types of a mixed pool found full less than FULL_RETRY_SECONDS ago: (the replicas
-    their nodes held, since when), by type."""
+    """The variants of a mixed pool found full less than FULL_RETRY_SECONDS ago: (the replicas
+    their nodes held, since when), by Variant.key (a spot class's nodes fill apart from the type's
+    on-demand ones)."""
     full = {}
     for row in old.variants or []:
         if row.gpu and row.schedulable_replicas is not None and row.full_since:
             if now.timestamp() - seconds_of(row.full_since) < FULL_RETRY_SECONDS:
-                full[row.gpu] = (row.schedulable_replicas, row.full_since)
+                full[row.key] = (row.schedulable_replicas, row.full_since)
     return full
 
 
 def found_full(mixed: MixedPlan | None, pods: Sequence[Mapping[str, Any]], now: datetime) -> dict[str, tuple[int, str]]:
-    """The GPU types of a mixed pool whose pods no node can take: (the replicas the nodes hold,
-    now), by type. Held is what the scheduler placed (a node named), not the replicas less the
+    """The variants of a mixed pool whose pods no node can take: (the replicas the nodes hold,
+    now), by Variant.key. Held is what the scheduler placed (a node named), not the replicas less the
     pods found unschedulable: a pod it has not tried yet is neither, and counting it as placed
     held the type above what its nodes take. Their next reconcile gives the rest to the next type."""
     if mixed is None or not mixed.fits:
@@ -667,12 +674,12 @@ def found_full(mixed: MixedPlan | None, pods: Sequence[Mapping[str, Any]], now: 
     stuck = {id(p) for p in status.unschedulable(pods)}
     full = {}
     for v in mixed.variants:
-        mine = [p for p in pods if (p["metadata"].get("labels") or {}).get(names.VARIANT_LABEL) == names.variant(v.gpu)]
+        mine = [p for p in pods if (p["metadata"].get("labels") or {}).get(names.VARIANT_LABEL) == v.label]
         if any(id(p) in stuck for p in mine):
             placed = sum(
                 1 for p in mine if (p.get("spec") or {}).get("nodeName") and not p["metadata"].get("deletionTimestamp")
             )
-            full[v.gpu] = (placed, iso(now.timestamp()))
+            full[v.key] = (placed, iso(now.timestamp()))
     return full
 
 
@@ -787,6 +794,7 @@ def refresh(
     known: Mapping[str, Any] | None = None,
     hub: HubClient | None = None,
     gpu_prices: Mapping[str, float] | None = None,
+    capacity_classes: Mapping[str, Mapping[str, str]] | None = None,
 ) -> Refreshed | None:
     """Reconcile the InferenceService `namespace/name` and write its status if it changed (for
     events of its children); `known` is the object as the caller knows it is now (else it is
@@ -802,6 +810,7 @@ def refresh(
         operator_namespace=operator_namespace,
         hub=hub,
         gpu_prices=gpu_prices,
+        capacity_classes=capacity_classes,
     )
     # A merge patch is a diff against the status as stored, not as the types read it.
     patch = merge_patch(body.get("status") or {}, new)

@@ -34,7 +34,7 @@ from kvpilot.operator.api.names import (
     labels,
     selector_labels,
 )
-from kvpilot.operator.api.plan import MixedPlan, Plan
+from kvpilot.operator.api.plan import MixedPlan, Plan, Variant
 from kvpilot.operator.api.spec import (
     CPU_TYPE,
     PVC_SCHEME,
@@ -561,11 +561,11 @@ def deployment(
     *,
     default_image: str = DEFAULT_ENGINE_IMAGE,
     api_key_sha256: str | None = None,
-    variant: tuple[str, int] | None = None,
+    variant: tuple[Variant, int] | None = None,
 ) -> Manifest:
     """The engines' Deployment; `default_image` is the operator's image for specs without one,
-    `api_key_sha256` the digest of the key in the service's API-key Secret; `variant`: (its GPU type,
-    its replicas) for one Deployment of a mixed pool's."""
+    `api_key_sha256` the digest of the key in the service's API-key Secret; `variant`: (the mixed
+    pool's variant, its replicas) for one Deployment of a mixed pool's."""
     gpu = find_gpu(str(plan.gpu))
     if not plan.fits or (gpu is None and plan.gpu != CPU_TYPE):
         raise ValueError(f"no Deployment for a plan that does not fit: {plan.reason}")
@@ -573,16 +573,7 @@ def deployment(
     selector, template = selector_labels(name), _pod_template(name, spec, plan, gpu, default_image, api_key_sha256)
     metadata = child_metadata(name, namespace, uid)
     if variant is not None:
-        gpu_type, replicas = variant
-        selector = {**selector, VARIANT_LABEL: names.variant(gpu_type)}
-        template["metadata"]["labels"][VARIANT_LABEL] = names.variant(gpu_type)
-        # Its own name, its owner's reference: the garbage collector deletes a child whose reference
-        # names no object of that uid (it did, over and over, once it rechecked owners).
-        metadata = {
-            **metadata,
-            "name": names.variant_deployment(name, gpu_type),
-            "labels": {**metadata["labels"], VARIANT_LABEL: names.variant(gpu_type)},
-        }
+        metadata, selector, replicas = _as_variant(name, metadata, selector, template, *variant)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -599,6 +590,26 @@ def deployment(
             "template": template,
         },
     }
+
+
+def _as_variant(
+    name: str, metadata: Manifest, selector: dict[str, str], template: Manifest, variant: Variant, replicas: int
+) -> tuple[Manifest, dict[str, str], int]:
+    """One mixed-pool variant's Deployment metadata, selector and replicas; its pod `template` gets
+    the variant's label and its capacity class's node labels (beside the GPU's own selector, which
+    they narrow: the class's labels win where both name a key, as the admin said where the class is)."""
+    label = variant.label
+    template["metadata"]["labels"][VARIANT_LABEL] = label
+    if variant.node_selector:
+        template["spec"]["nodeSelector"] = {**template["spec"].get("nodeSelector", {}), **variant.node_selector}
+    # Its own name, its owner's reference: the garbage collector deletes a child whose reference
+    # names no object of that uid (it did, over and over, once it rechecked owners).
+    metadata = {
+        **metadata,
+        "name": names.variant_deployment(name, variant.gpu, variant.capacity_class),
+        "labels": {**metadata["labels"], VARIANT_LABEL: label},
+    }
+    return metadata, {**selector, VARIANT_LABEL: label}, replicas
 
 
 def service(name: str, namespace: str, uid: str) -> Manifest:
@@ -693,9 +704,9 @@ def children(
     mixed: MixedPlan | None = None,
     room: Mapping[str, int] | None = None,
 ) -> list[Manifest]:
-    """What should exist: no Deployment when the plan does not fit, a Deployment per GPU type of a
-    mixed pool (`mixed`, whose variants share the service's replicas cheapest first, each within the
-    `room` its nodes were found to have); the
+    """What should exist: no Deployment when the plan does not fit, a Deployment per variant (GPU
+    type, or type and capacity class) of a mixed pool (`mixed`, whose variants share the service's
+    replicas cheapest first, each within the `room` its nodes were found to have, by Variant.key); the
     InferencePool when the spec asks for one. The API-key Secret is not among them: its key is made
     once (reconcile)."""
     objects = [
@@ -716,7 +727,7 @@ def children(
                 v.plan,
                 default_image=default_image,
                 api_key_sha256=api_key_sha256,
-                variant=(v.gpu, replicas),
+                variant=(v, replicas),
             )
             for v, replicas in zip(mixed.variants, fill(mixed, total, room), strict=True)
         ]

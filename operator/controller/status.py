@@ -75,20 +75,23 @@ def variant_rows(
     deployments: Mapping[str, Mapping[str, Any]],
     full: Mapping[str, tuple[int, str]],
 ) -> list[dict[str, Any]] | None:
-    """status.variants: each GPU type of a mixed pool with its Deployment's replicas (as they are,
-    else as planned), what they cost an hour, and (`full`) the replicas its nodes held when they
-    were found full, and since when."""
+    """status.variants: each variant (GPU type, and capacity class) of a mixed pool with its
+    Deployment's replicas (as they are, else as planned), what they cost an hour, and (`full`, by
+    Variant.key) the replicas its nodes held when they were found full, and since when."""
     if mixed is None or not mixed.fits:
         return None
     rows = []
     for v in mixed.variants:
-        held, since = full.get(v.gpu, (None, None))
-        deployment = deployments.get(variant_deployment(name, v.gpu)) or {}
+        held, since = full.get(v.key, (None, None))
+        named = variant_deployment(name, v.gpu, v.capacity_class)
+        deployment = deployments.get(named) or {}
         replicas = int((deployment.get("spec") or {}).get("replicas", v.plan.replicas) or 0)
         rows.append(
             {
                 "gpu": v.gpu,
-                "deployment": variant_deployment(name, v.gpu),
+                # Only when it names one: a pool without classes reads as it always did.
+                **({"capacityClass": v.capacity_class} if v.capacity_class else {}),
+                "deployment": named,
                 "replicas": replicas,
                 "readyReplicas": int((deployment.get("status") or {}).get("readyReplicas") or 0),
                 "maxReplicas": v.max_replicas,
@@ -104,6 +107,20 @@ def variant_rows(
             }
         )
     return rows
+
+
+def cost_per_hour(
+    plan: Plan, desired: int, variants: Sequence[Mapping[str, Any]] | None, prices: Mapping[str, float]
+) -> float | None:
+    """status.costPerHour: a mixed pool's rows' costPerHour summed (each at its own class's price);
+    one GPU type's `desired` replicas x GPUs per replica x its price per GPU-hour (`prices`, which
+    hold the list prices of the types the operator was given none for). None for a CPU plan or one
+    that does not fit: the status then says nothing it cannot know."""
+    if variants:
+        return round(sum(float(row.get("costPerHour") or 0) for row in variants), 2)
+    if not plan.fits or plan.gpu not in prices:
+        return None
+    return round(desired * plan.gpu_count * prices[str(plan.gpu)], 2)
 
 
 def _unschedulable(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -323,6 +340,22 @@ def plan_accuracy(
     return accuracy.dump() or None, with_transition_times([condition], old.conditions or [], now, generation)[0]
 
 
+def _carried(old: InferenceServiceStatus, plan: Plan) -> dict[str, Any]:
+    """What the autoscaler's loop (autoscaling/loop.py) writes, besides the PlanAccurate condition,
+    and its adapter sync's status.adapters (autoscaling/adapter_sync.py): a reconcile carries them
+    over, since the merge patch of this status would otherwise remove what it does not list. The
+    latency is the plan's predicted one until the autoscaler reports what the engines measure."""
+    if old.latency and old.latency.source == "observed":
+        latency = old.latency.dump()
+    else:
+        latency = {"ttftP95Ms": plan.predicted_ttft_ms, "tpotP95Ms": plan.predicted_tpot_ms, "source": "predicted"}
+    return {
+        **({"autoscaler": old.autoscaler.dump()} if old.autoscaler and old.autoscaler.dump() else {}),
+        **({"adapters": [a.dump() for a in old.adapters]} if old.adapters else {}),
+        "latency": latency,
+    }
+
+
 def build(
     *,
     name: str,
@@ -340,29 +373,20 @@ def build(
     correction: Mapping[str, Any] | None = None,
     variants: list[dict[str, Any]] | None = None,
     inspected: InspectedCheckpoint | None = None,
+    gpu_prices: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The whole `status` to write; `deployment` is the owned Deployment, if any; `last_good` the
     last plan that fit (reconcile.last_good); `api_key` the SHA-256 of the service's API key and its
     Secret, for the gateway's check; `correction` the factors the plan's replicas were chosen with
-    (controller/correction.py); `inspected` what a pvc:// checkpoint's inspection Job found."""
+    (controller/correction.py); `inspected` what a pvc:// checkpoint's inspection Job found;
+    `gpu_prices` US dollars per GPU-hour by type (with the list prices), for status.costPerHour."""
     desired = _desired(plan, spec, deployment, variants)
+    cost = cost_per_hour(plan, desired, variants, gpu_prices or {})
     observed = (deployment or {}).get("status", {})
     fresh = conditions(plan, spec, desired, deployment, blocked, pod_problem(deployment, pods))
-    # The autoscaler's loop (autoscaling/loop.py) writes these, and the PlanAccurate condition, and
-    # its adapter sync status.adapters (autoscaling/adapter_sync.py); a reconcile carries them over,
-    # since the merge patch of this status would otherwise remove what it does not list.
-    if old.latency and old.latency.source == "observed":
-        latency = old.latency.dump()
-    else:
-        latency = {"ttftP95Ms": plan.predicted_ttft_ms, "tpotP95Ms": plan.predicted_tpot_ms, "source": "predicted"}
-    autoscaler = old.autoscaler.dump() if old.autoscaler else {}
-    carried = {
-        **({"autoscaler": autoscaler} if autoscaler else {}),
-        **({"adapters": [a.dump() for a in old.adapters]} if old.adapters else {}),
-    }
     accuracy, accurate = plan_accuracy(old, plan, now, generation)
     return {
-        **carried,
+        **_carried(old, plan),
         "observedGeneration": generation,
         "replicas": int(observed.get("replicas", 0)),
         "readyReplicas": int(observed.get("readyReplicas", 0)),
@@ -372,10 +396,9 @@ def build(
         "url": service_url(name, namespace),
         "plan": plan_summary(plan),
         **({"variants": variants} if variants else {}),
+        **({"costPerHour": cost} if cost is not None else {}),
         **{k: v.dump() for k, v in (("lastGoodPlan", last_good), ("inspectedCheckpoint", inspected)) if v},
         **({"auth": {API_KEY_SHA256: api_key[0], "secretName": api_key[1]}} if api_key else {}),
-        # Predicted until the autoscaler reports what the engines measure.
-        "latency": latency,
         **({"planAccuracy": accuracy} if accuracy else {}),
         **({"correction": dict(correction)} if correction else {}),
         "conditions": [

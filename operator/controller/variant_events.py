@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kvpilot.operator.api.names import VARIANT_LABEL, variant
+from kvpilot.operator.api.names import VARIANT_LABEL
 from kvpilot.operator.api.plan import MixedPlan
 from kvpilot.operator.kube.events import EVENT_COMPONENT, scaling_event
 
@@ -16,7 +16,8 @@ REASON = "VariantScaled"
 
 
 def variant_replicas(deployments: Iterable[Mapping[str, Any] | None]) -> dict[str, tuple[str, int]]:
-    """A pool's Deployments by their variant label (the GPU type, lower case): (name, replicas)."""
+    """A pool's Deployments by their variant label (the GPU type, lower case, and its capacity
+    class: l4, l4-spot): (name, replicas)."""
     found = {}
     for d in deployments:
         label = (d["metadata"].get("labels") or {}).get(VARIANT_LABEL) if d is not None else None
@@ -26,16 +27,17 @@ def variant_replicas(deployments: Iterable[Mapping[str, Any] | None]) -> dict[st
 
 
 def why(mixed: MixedPlan | None, label: str, grew: bool, full: Mapping[str, tuple[int, str]]) -> str:
-    """Why the GPU type labelled `label` got more (`grew`) or fewer replicas."""
+    """Why the variant labelled `label` got more (`grew`) or fewer replicas; `full` by Variant.key.
+    A variant of a capacity class is named with it (L4@spot): its nodes, price and rank are its own."""
     variants = mixed.variants if mixed is not None and mixed.fits else []
-    rank, found = next(((i, v) for i, v in enumerate(variants) if variant(v.gpu) == label), (0, None))
+    rank, found = next(((i, v) for i, v in enumerate(variants) if v.label == label), (0, None))
     if found is None:
         return "its GPU type is no longer in spec.accelerator.variants"
-    if found.gpu in full:
-        held, since = full[found.gpu]
-        return f"its nodes took {held} (no free {found.gpu} since {since}); the rest go to the next type"
+    if found.key in full:
+        held, since = full[found.key]
+        return f"its nodes took {held} (no free {found.key} since {since}); the rest go to the next type"
     cost = f"${found.cost_per_rps_hour:.3g}/h per req/s" if found.cost_per_rps_hour is not None else "misses the SLO"
-    place = f"{found.gpu} is type {rank + 1} of {len(variants)} by cost per req/s ({cost})"
+    place = f"{found.key} is type {rank + 1} of {len(variants)} by cost per req/s ({cost})"
     if grew:
         return f"{place}: the cheapest with room take the load first (at most {found.max_replicas} of it)"
     return f"{place}: fewer replicas wanted, the dearest go first"

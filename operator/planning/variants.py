@@ -6,9 +6,12 @@ tensor-parallel size, quantization, KV pool, batch limits and speculation), so i
 hold whatever share it is later given. Its replicas' capacity (Plan.capacity_rps: the most requests
 per second one serves within the SLO) and the price of a replica-hour rank the variants: the load
 goes to the one with the lowest cost per request per second first, up to its maxReplicas, the rest
-to the next, and so on. A variant with a share is then planned again at it with its settings held,
-so its replicas and predicted latencies are those of the share it serves; the others stand by at
-zero replicas, next in line when the cheaper ones are full.
+to the next, and so on. A GPU type may be a variant once per capacity class (the operator's: spot
+and on-demand nodes, each with its own node labels and price): it is planned once, so its classes
+run the same engine settings, and ranked, priced, bounded and filled per class. A variant with a
+share is then planned again at it with its settings held, so its replicas and predicted latencies
+are those of the share it serves; the others stand by at zero replicas, next in line when the
+cheaper ones are full.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+from kvpilot.operator.api.names import variant_key
 from kvpilot.operator.api.plan import MixedPlan, Plan, Variant
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.planning.context import PlanContext
@@ -27,24 +31,50 @@ from kvpilot.operator.planning.reasons import failed_plan
 
 class VariantRequest(NamedTuple):
     """A GPU type a service may run on, with its own bounds: the most replicas of it (else the
-    service's maxReplicas) and GPUs per replica (else the planner's choice)."""
+    service's maxReplicas) and GPUs per replica (else the planner's choice), on the nodes of one
+    capacity class (else any node of the type)."""
 
     gpu: str
     max_replicas: int | None = None
     count: int | None = None
+    capacity_class: str | None = None
+
+    @property
+    def key(self) -> str:
+        return variant_key(self.gpu, self.capacity_class)
 
 
 def requested(spec: InferenceServiceSpec) -> list[VariantRequest]:
     """The GPU types spec.accelerator.variants names, with their bounds."""
-    return [VariantRequest(v.type, v.max_replicas, v.count) for v in spec.accelerator.variants]
+    return [VariantRequest(v.type, v.max_replicas, v.count, v.capacity_class) for v in spec.accelerator.variants]
+
+
+# The Planned=False reason of a variant naming a capacity class the operator was not given.
+UNKNOWN_CAPACITY_CLASS = "UnknownCapacityClass"
+
+
+def price_per_gpu_hour(prices: Mapping[str, float], gpu: str, capacity_class: str | None = None) -> float:
+    """US dollars per GPU-hour of the catalog type `gpu` on the nodes of `capacity_class`: that
+    class's price for the type (prices["L4@spot"]), else the type's (prices["L4"]), else its list
+    price. The admin states a class's price only where it differs."""
+    for key in (variant_key(gpu, capacity_class), gpu):
+        if key in prices:
+            return prices[key]
+    return LIST_PRICE_PER_GPU_HOUR[gpu]
 
 
 class _Alone(NamedTuple):
-    """A variant planned for the whole load, with its bounds and price."""
+    """A variant planned for the whole load, with its bounds and price, and its capacity class."""
 
     plan: Plan
     max_replicas: int
     price_per_gpu_hour: float
+    capacity_class: str | None = None
+    node_selector: Mapping[str, str] = {}
+
+    @property
+    def key(self) -> str:
+        return variant_key(str(self.plan.gpu), self.capacity_class)
 
     @property
     def replica_price(self) -> float:
@@ -96,11 +126,12 @@ def _at_share(spec: InferenceServiceSpec, alone: _Alone, replicas: int, rate: fl
     )
 
 
-def _ranked(variant: Plan, rank: int, of: int) -> Plan:
-    """The variant's plan, its GPU's reason its rank in the pool (the GPU was not set by hand)."""
-    gpu = f"{variant.gpu}: type {rank} of the {of} the pool's load goes to, cheapest per req/s first"
+def _ranked(variant: Plan, key: str, rank: int, of: int) -> Plan:
+    """The variant's plan, its GPU's reason its rank in the pool (the GPU was not set by hand);
+    `key` names the variant (L4, L4@spot)."""
+    gpu = f"{key}: type {rank} of the {of} the pool's load goes to, cheapest per req/s first"
     if not variant.capacity_rps:
-        gpu = f"{variant.gpu}: type {rank} of {of}, last: even a lone request misses the SLO on it"
+        gpu = f"{key}: type {rank} of {of}, last: even a lone request misses the SLO on it"
     return variant.model_copy(update={"reasons": {**variant.reasons, "gpu": gpu}})
 
 
@@ -130,18 +161,78 @@ def _shares(spec: InferenceServiceSpec, ranked: Sequence[_Alone]) -> tuple[list[
 def fill(mixed: MixedPlan, total: int, room: Mapping[str, int] | None = None) -> list[int]:
     """Replicas per variant (in `mixed.variants`' order, cheapest per req/s first) for `total`
     replicas of the service: each variant that meets the SLO in turn up to its maxReplicas (and the
-    `room` its nodes were found to have: its pods beyond it stayed Pending), so a scale-up goes to
-    the cheapest with room and a scale-down leaves the most expensive first. At the planned total,
-    the planned split (a variant takes load only once those before it are full)."""
+    `room` its nodes were found to have, by Variant.key: its pods beyond it stayed Pending), so a
+    scale-up goes to the cheapest with room and a scale-down leaves the most expensive first. At
+    the planned total, the planned split (a variant takes load only once those before it are full)."""
     room = room or {}
     serving = [v for v in mixed.variants if v.cost_per_rps_hour is not None] or mixed.variants[:1]
     counts, left = [], total
     for v in mixed.variants:
-        counts.append(min(left, v.max_replicas, room.get(v.gpu, v.max_replicas)) if v in serving else 0)
+        counts.append(min(left, v.max_replicas, room.get(v.key, v.max_replicas)) if v in serving else 0)
         left -= counts[-1]
     if left > 0:  # beyond every maxReplicas: the autoscaler's bound is the service's, not the types'
         counts[mixed.variants.index(serving[0])] += left
     return counts
+
+
+def _unknown_classes(
+    spec: InferenceServiceSpec, wanted: Sequence[VariantRequest], classes: Mapping[str, Mapping[str, str]]
+) -> MixedPlan | None:
+    """Why the pool cannot be planned when a variant names a capacity class the operator was not
+    given: its pods would select no node (or the wrong ones), and leaving the variant out would
+    silently move its share to the others."""
+    unknown = sorted({r.capacity_class for r in wanted if r.capacity_class and r.capacity_class not in classes})
+    if not unknown:
+        return None
+    known = ", ".join(sorted(classes)) or "none"
+    return MixedPlan(
+        fits=False,
+        failure=UNKNOWN_CAPACITY_CLASS,
+        reason=f"accelerator.variants names the capacity class(es) {', '.join(unknown)}, which the operator does "
+        f"not know (known: {known}); the cluster admin declares them in the chart's capacityClasses",
+        model=spec.model.name,
+    )
+
+
+def _plan_alone(
+    spec: InferenceServiceSpec,
+    wanted: Sequence[VariantRequest],
+    context: PlanContext,
+    prices: Mapping[str, float],
+    classes: Mapping[str, Mapping[str, str]],
+) -> tuple[list[_Alone], dict[str, str]]:
+    """Each wanted variant planned for the whole load, and those left out with why. A GPU type is
+    planned once per GPU count, for the most replicas its capacity classes may have together: its
+    spot and on-demand variants run the same engine settings, only their prices and bounds differ."""
+    found = {r.key: find_gpu(r.gpu) for r in wanted}
+    most: dict[tuple[str, int | None], int] = {}
+    for request in wanted:
+        if (gpu := found[request.key]) is not None:
+            most[gpu.name, request.count] = most.get((gpu.name, request.count), 0) + (
+                request.max_replicas or spec.autoscaling.max_replicas
+            )
+    planned = {key: _alone(spec, VariantRequest(key[0], bound, key[1]), context) for key, bound in most.items()}
+    alone: list[_Alone] = []
+    left_out: dict[str, str] = {}
+    for request in wanted:
+        gpu = found[request.key]
+        if gpu is None:
+            left_out[request.key] = f"UnknownGPU: not in the catalog ({', '.join(GPUS)})"
+            continue
+        chosen = planned[gpu.name, request.count]
+        if not chosen.fits:
+            left_out[variant_key(gpu.name, request.capacity_class)] = f"{chosen.failure}: {chosen.reason}"
+            continue
+        alone.append(
+            _Alone(
+                chosen,
+                request.max_replicas or spec.autoscaling.max_replicas,
+                price_per_gpu_hour(prices, gpu.name, request.capacity_class),
+                request.capacity_class,
+                dict(classes.get(request.capacity_class, {})) if request.capacity_class else {},
+            )
+        )
+    return alone, left_out
 
 
 def plan_variants(
@@ -149,23 +240,18 @@ def plan_variants(
     wanted: Sequence[VariantRequest],
     context: PlanContext | None = None,
     prices: Mapping[str, float] | None = None,
+    classes: Mapping[str, Mapping[str, str]] | None = None,
 ) -> MixedPlan:
     """Plan `spec` on each wanted GPU type and share its load among the types that can serve it, at
-    the lowest cost. `prices`: US dollars per GPU-hour by catalog name (else the catalog's list prices)."""
+    the lowest cost. `prices`: US dollars per GPU-hour by catalog name, or TYPE@CLASS for a capacity
+    class's own (else the type's, else the catalog's list prices); `classes`: the operator's
+    capacity classes, each with the node labels its variants' pods select."""
+    classes = classes or {}
+    unknown = _unknown_classes(spec, wanted, classes)
+    if unknown is not None:
+        return unknown
     context = context or PlanContext()
-    prices = {**LIST_PRICE_PER_GPU_HOUR, **(prices or {})}
-    alone: list[_Alone] = []
-    left_out: dict[str, str] = {}
-    for request in wanted:
-        gpu = find_gpu(request.gpu)
-        if gpu is None:
-            left_out[request.gpu] = f"UnknownGPU: not in the catalog ({', '.join(GPUS)})"
-            continue
-        planned = _alone(spec, request._replace(gpu=gpu.name), context)
-        if not planned.fits:
-            left_out[gpu.name] = f"{planned.failure}: {planned.reason}"
-            continue
-        alone.append(_Alone(planned, request.max_replicas or spec.autoscaling.max_replicas, prices[gpu.name]))
+    alone, left_out = _plan_alone(spec, wanted, context, prices or {}, classes)
     if not alone:
         return MixedPlan(
             fits=False,
@@ -181,8 +267,11 @@ def plan_variants(
     variants = [
         Variant(
             gpu=str(v.plan.gpu),
+            capacity_class=v.capacity_class,
+            node_selector=dict(v.node_selector),
             plan=_ranked(
                 _at_share(spec, v, replicas, rate, context) if replicas else v.plan.model_copy(update={"replicas": 0}),
+                v.key,
                 rank,
                 len(ranked),
             ),
@@ -217,7 +306,7 @@ def _reason(spec: InferenceServiceSpec, variants: Sequence[Variant], meets_slo: 
         served = (
             f"{v.plan.replicas} replica(s) serve {v.requests_per_second:g} req/s" if v.plan.replicas else "stands by"
         )
-        parts.append(f"{v.gpu}: {served} ({capacity}: {per})")
+        parts.append(f"{v.key}: {served} ({capacity}: {per})")
     head = f"{rate:g} req/s over {len(variants)} GPU type(s), cheapest per req/s first"
     if not meets_slo:
         head += " (the SLO is not met even with every variant at its maxReplicas)"

@@ -106,6 +106,75 @@ def test_plan_on_several_gpu_types_refuses_bad_input(capsys: pytest.CaptureFixtu
         assert "expected TYPE" in capsys.readouterr().err
 
 
+CLASS_FLAGS = (
+    "--capacity-class spot=karpenter.sh/capacity-type=spot "
+    "--capacity-class on-demand=karpenter.sh/capacity-type=on-demand,example.com/pool=gpu"
+)
+
+
+def test_plan_says_spot_and_on_demand_of_one_type_as_variants_of_their_own() -> None:
+    code, text = run(
+        f"plan --model llama-3-8b --runtime vllm --rps 8 --gpu L4@spot:2,L4@on-demand "
+        f"{CLASS_FLAGS} --gpu-price L4@spot=0.1 --gpu-price L4=0.2"
+    )
+    assert code == 0, text
+    lines = text.splitlines()
+    # Spot first (the cheaper per req/s, to its maxReplicas), then on-demand at the type's price.
+    assert lines[1].startswith("L4@spot ") and "(max 2)" in lines[1] and "$0.1/GPU-h" in lines[1]
+    assert lines[2].startswith("L4@on-demand ") and "$0.2/GPU-h" in lines[2]
+    assert "== L4@spot ==" in text and "== L4@on-demand ==" in text
+    code, text = run(f"plan --model llama-3-8b --runtime vllm --rps 8 --gpu L4@spot {CLASS_FLAGS} --json")
+    (spot,) = json.loads(text)["variants"]
+    assert (spot["capacity_class"], spot["node_selector"]) == ("spot", {"karpenter.sh/capacity-type": "spot"})
+
+
+def test_plan_refuses_a_class_it_was_not_told_of(capsys: pytest.CaptureFixture[str]) -> None:
+    code, text = run("plan --model llama-3-8b --runtime vllm --gpu L4@spot,H100-80GB")
+    assert code == 1 and "capacity class(es) spot, which the operator does not know (known: none)" in text
+    # A price of a class no --capacity-class declares would price nothing: refused, not ignored.
+    code, _ = run(f"plan --model llama-3-8b --gpu L4@spot,H100-80GB {CLASS_FLAGS} --gpu-price L4@spto=0.1")
+    assert code == 2 and "--gpu-price L4@spto: no such --capacity-class (declared: on-demand, spot)" in (
+        capsys.readouterr().err
+    )
+    refusals = {
+        "--gpu L4@Spot,A10G": "the capacity class 'Spot' is not a DNS-1123 label",
+        "--gpu-price L4@=1": "the capacity class '' is not a DNS-1123 label",
+        "--capacity-class spot": "expected CLASS=LABEL=VALUE",
+        "--capacity-class spot==x": "expected CLASS=LABEL=VALUE",
+    }
+    for bad, words in refusals.items():
+        with pytest.raises(SystemExit):
+            run(f"plan --model llama-3-8b --gpu L4,A10G {bad}")
+        assert words in capsys.readouterr().err
+
+
+SPOT_POOL = """
+apiVersion: kvpilot.dev/v1alpha1
+kind: InferenceService
+metadata: {name: chat, namespace: ml}
+spec:
+  runtime: vllm
+  model: {name: llama-3-8b}
+  accelerator:
+    variants: [{type: L4, capacityClass: spot, count: 1}, {type: L4, count: 1}]
+  load: {requestsPerSecond: 8}
+"""
+
+
+def test_render_rolls_out_a_class_s_variant_on_its_nodes(tmp_path: Path) -> None:
+    manifest = tmp_path / "chat.yaml"
+    manifest.write_text(SPOT_POOL)
+    code, text = run(f"render -f {manifest} {CLASS_FLAGS} --gpu-price L4@spot=0.1")
+    assert code == 0
+    made = {d["metadata"]["name"]: d for d in yaml.safe_load_all(text) if d["kind"] == "Deployment"}
+    assert set(made) == {"chat-l4-spot", "chat-l4"}
+    selectors = {name: d["spec"]["template"]["spec"]["nodeSelector"] for name, d in made.items()}
+    assert selectors["chat-l4-spot"] == {"nvidia.com/gpu.product": "NVIDIA-L4", "karpenter.sh/capacity-type": "spot"}
+    assert selectors["chat-l4"] == {"nvidia.com/gpu.product": "NVIDIA-L4"}
+    # Spot is the cheaper: it fills to its maxReplicas (autoscaling's default 4) before any node of the type.
+    assert made["chat-l4-spot"]["spec"]["replicas"] == 4 and made["chat-l4"]["spec"]["replicas"] > 0
+
+
 class Recorder:
     def __init__(self) -> None:
         self.peerings: list[tuple[str, list[str] | None]] = []
@@ -231,3 +300,17 @@ def test_render_refuses_what_is_not_an_inference_service(tmp_path: Path, capsys:
     assert args.func(args, out=io.StringIO()) == 2 and "not an InferenceService manifest" in capsys.readouterr().err
     code, _ = run("plan --model llama-2-7b")
     assert code == 2 and "--gpu or --device-profile is required with --model" in capsys.readouterr().err
+
+
+def test_operator_takes_capacity_classes_and_their_prices(
+    recorder: Recorder, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(f"operator -A {CLASS_FLAGS} --gpu-price L4=0.45 --gpu-price L4@spot=0.2")[0] == 0
+    memo = recorder.runs[-1]["memo"]
+    assert memo.capacity_classes == {
+        "spot": {"karpenter.sh/capacity-type": "spot"},
+        "on-demand": {"karpenter.sh/capacity-type": "on-demand", "example.com/pool": "gpu"},
+    }
+    assert memo.gpu_prices == {"L4": 0.45, "L4@spot": 0.2}
+    assert run("operator -A --gpu-price L4@spot=0.2")[0] == 2
+    assert "no such --capacity-class" in capsys.readouterr().err

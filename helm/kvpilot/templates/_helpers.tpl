@@ -122,6 +122,17 @@ collector), keep its peering record alive, and post events.
 {{- range $gpu, $price := .Values.gpuPrices }}
 - {{ printf "--gpu-price=%s=%v" $gpu $price | quote }}
 {{- end }}
+{{- /* A capacity class: its node labels (sorted, as range reads a map), then its own prices. */}}
+{{- range $class, $spec := .Values.capacityClasses }}
+{{- $labels := list }}
+{{- range $key, $value := $spec.nodeSelector }}
+{{- $labels = append $labels (printf "%s=%s" $key $value) }}
+{{- end }}
+- {{ printf "--capacity-class=%s=%s" $class (join "," $labels) | quote }}
+{{- range $gpu, $price := $spec.gpuPrices }}
+- {{ printf "--gpu-price=%s@%s=%v" $gpu $class $price | quote }}
+{{- end }}
+{{- end }}
 {{- if eq .Values.logLevel "debug" }}
 - --verbose
 {{- end }}

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvpilot.operator.api.crd import crd as generated_crd
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from kvpilot.operator.api.spec import BLOCK_SIZES, InferenceServiceSpec
+from kvpilot.operator.api.spec import BLOCK_SIZES, VARIANTS_UNIQUE, InferenceServiceSpec
 from kvpilot.operator.api.status import InferenceServiceStatus
 from kvpilot.operator.autoscaling.accuracy import SUSTAIN_PERIODS, accuracy_patch
 from kvpilot.operator.autoscaling.decisions import Signals
@@ -224,6 +224,8 @@ def test_printer_columns(crd: dict[str, Any]) -> None:
         "Status": '.status.conditions[?(@.type=="Ready")].reason',
         "TTFT-P95": ".status.latency.ttftP95Ms",
         "TPOT-P95": ".status.latency.tpotP95Ms",
+        # What the service costs an hour: kubectl get shows the total (a mixed pool's variants summed).
+        "Cost-Per-Hour": ".status.costPerHour",
         "Age": ".metadata.creationTimestamp",
         "URL": ".status.url",
         "Plan-Accurate": '.status.conditions[?(@.type=="PlanAccurate")].status',
@@ -252,6 +254,48 @@ def test_cel_rules_cover_what_the_schema_cannot_say(crd: dict[str, Any]) -> None
     assert "self.speculative in ['draft', 'eagle']" in rules("serving") and "has(self.draftModel)" in rules("serving")
     architecture = spec["model"]["properties"]["architecture"]["x-kubernetes-validations"]
     assert architecture[0]["rule"] == "self.attentionHeads % self.kvHeads == 0"
+
+
+def _variants_unique(rule: str) -> Any:
+    """The accelerator's (type, capacityClass) uniqueness rule as a Python predicate over the
+    variants' list: its CEL read term by term (has(x.f) ? x.f : '' is x.get(f, '')), so a rule that
+    stops saying what pydantic says fails here, not first on an API server."""
+    match = re.fullmatch(
+        r"!has\(self\.variants\) \|\| self\.variants\.all\(v, self\.variants\.exists_one\(w, (.*)\)\)", rule
+    )
+    assert match is not None, rule
+    condition = re.sub(r"\(has\((\w)\.(\w+)\) \? \1\.\2 : ''\)", r"\1.get('\2', '')", match[1])
+    condition = re.sub(r"\b([vw])\.(?!get\()(\w+)", r"\1['\2']", condition).replace("&&", "and")
+    assert set(re.findall(r"\w+", condition)) <= {"v", "w", "get", "type", "capacityClass", "and"}, condition
+    return lambda variants: all(
+        sum(1 for w in variants if eval(condition, {}, {"v": v, "w": w})) == 1 for v in variants
+    )
+
+
+@pytest.mark.parametrize(
+    "variants",
+    [
+        [{"type": "L4"}, {"type": "H100-80GB"}],
+        [{"type": "L4", "capacityClass": "spot"}, {"type": "L4", "capacityClass": "on-demand"}, {"type": "L4"}],
+        [{"type": "L4"}, {"type": "L4", "maxReplicas": 2}],
+        [{"type": "L4", "capacityClass": "spot"}, {"type": "H100-80GB"}, {"type": "L4", "capacityClass": "spot"}],
+    ],
+    ids=["two-types", "one-type-three-classes", "a-type-twice", "a-type-twice-on-one-class"],
+)
+def test_a_variant_is_one_per_type_and_capacity_class_in_cel_as_in_pydantic(
+    crd: dict[str, Any], variants: list[dict[str, Any]]
+) -> None:
+    accelerator = root(crd)["properties"]["spec"]["properties"]["accelerator"]
+    (rule,) = [r for r in accelerator["x-kubernetes-validations"] if r["message"] == VARIANTS_UNIQUE]
+    cel_accepts = _variants_unique(rule["rule"])(variants)
+    try:
+        InferenceServiceSpec.model_validate({"model": {"name": "llama-3-8b"}, "accelerator": {"variants": variants}})
+        pydantic_accepts = True
+    except ValidationError as error:
+        assert VARIANTS_UNIQUE in str(error)
+        pydantic_accepts = False
+    assert cel_accepts == pydantic_accepts
+    assert cel_accepts == (len({(v["type"], v.get("capacityClass")) for v in variants}) == len(variants))
 
 
 def test_the_name_must_be_able_to_name_a_service(crd: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.api.status import status_of
 from kvpilot.operator.controller.reconcile import FULL_RETRY_SECONDS, full_retry_in, reconcile
 from kvpilot.operator.kube.indexes import children, pooled
+from kvpilot.operator.planning.gpus import LIST_PRICE_PER_GPU_HOUR
 from tests.operator.controller.test_reconcile import NOW, FakeCluster, apply_merge_patch, body
 
 VARIANTS = [{"type": "L4", "maxReplicas": 2, "count": 1}, {"type": "H100-80GB"}]
@@ -25,11 +26,16 @@ SPEC = {
 CHEAP_L4 = {"L4": 0.15}
 
 
-def run(cluster: FakeCluster, spec: dict[str, Any], prices: dict[str, float] | None = None) -> dict[str, Any]:
+def run(
+    cluster: FakeCluster,
+    spec: dict[str, Any],
+    prices: dict[str, float] | None = None,
+    classes: dict[str, dict[str, str]] | None = None,
+) -> dict[str, Any]:
     """One reconcile of `chat` with `spec`, its status written back as the API server would."""
     old = cluster.objects.get(("InferenceService", "ml", "chat"), {}).get("status") or {}
     service = cluster.put(body(spec, status=old))
-    status = reconcile(service, cluster, NOW, gpu_prices=prices)
+    status = reconcile(service, cluster, NOW, gpu_prices=prices, capacity_classes=classes)
     cluster.objects[("InferenceService", "ml", "chat")]["status"] = apply_merge_patch(old, status)
     return status
 
@@ -166,7 +172,12 @@ def test_the_autoscaler_reads_a_pool_s_deployments_as_one() -> None:
     [
         ({"type": "L4", "variants": VARIANTS}, "replaces type"),
         ({"count": 2, "variants": VARIANTS}, "replaces type"),
-        ({"variants": [{"type": "L4"}, {"type": "L4", "maxReplicas": 2}]}, "each GPU type once"),
+        ({"variants": [{"type": "L4"}, {"type": "L4", "maxReplicas": 2}]}, r"each \(type, capacityClass\) once"),
+        (
+            {"variants": [{"type": "L4", "capacityClass": "spot"}, {"type": "L4", "capacityClass": "spot"}]},
+            r"each \(type, capacityClass\) once",
+        ),
+        ({"variants": [{"type": "L4", "capacityClass": "Spot!"}]}, "capacityClass"),
         ({"variants": [{"type": "cpu"}]}, "a GPU type"),
     ],
 )
@@ -219,3 +230,106 @@ def test_replicas_a_full_gpu_type_cannot_place_go_to_the_next_type_until_it_is_t
     retried = reconcile(later, cluster, NOW + timedelta(seconds=FULL_RETRY_SECONDS), gpu_prices=CHEAP_L4)
     assert replicas(cluster) == {"chat-l4": 2, "chat-h100-80gb": 2}
     assert all("schedulableReplicas" not in row for row in retried["variants"])
+
+
+# The operator's capacity classes (--capacity-class, the chart's capacityClasses) and prices.
+CLASSES = {"spot": {"karpenter.sh/capacity-type": "spot"}, "on-demand": {"karpenter.sh/capacity-type": "on-demand"}}
+CLASS_PRICES = {"L4": 0.2, "L4@spot": 0.1}
+SPOT_POOL = [
+    {"type": "L4", "capacityClass": "spot", "maxReplicas": 2, "count": 1},
+    {"type": "L4", "capacityClass": "on-demand", "count": 1},
+    {"type": "H100-80GB"},
+]
+
+
+def test_spot_and_on_demand_of_one_type_are_deployments_of_their_own() -> None:
+    cluster = FakeCluster()
+    status = run(cluster, {**SPEC, "accelerator": {"variants": SPOT_POOL}, "replicas": 3}, CLASS_PRICES, CLASSES)
+    made = deployments(cluster)
+    # A variant without a class keeps the name it always had: no rollout when the operator is upgraded.
+    assert set(made) == {"chat-l4-spot", "chat-l4-on-demand", "chat-h100-80gb"}
+    for name, label, capacity in (
+        ("chat-l4-spot", "l4-spot", "spot"),
+        ("chat-l4-on-demand", "l4-on-demand", "on-demand"),
+    ):
+        deployment = made[name]
+        assert deployment["metadata"]["labels"][VARIANT_LABEL] == label
+        assert deployment["spec"]["selector"]["matchLabels"][VARIANT_LABEL] == label
+        pod = deployment["spec"]["template"]
+        assert pod["metadata"]["labels"][VARIANT_LABEL] == label
+        # The class's node labels beside the GPU's own: only that class's L4 nodes take its pods.
+        assert pod["spec"]["nodeSelector"] == {
+            "nvidia.com/gpu.product": "NVIDIA-L4",
+            "karpenter.sh/capacity-type": capacity,
+        }
+    assert "karpenter.sh/capacity-type" not in made["chat-h100-80gb"]["spec"]["template"]["spec"]["nodeSelector"]
+    # The two L4 classes run the same engine settings.
+    args = {name: d["spec"]["template"]["spec"]["containers"][0]["args"] for name, d in made.items()}
+    assert args["chat-l4-spot"] == args["chat-l4-on-demand"]
+    # Spot is the cheaper per req/s: it fills to its maxReplicas first, then on-demand.
+    assert replicas(cluster) == {"chat-l4-spot": 2, "chat-l4-on-demand": 1, "chat-h100-80gb": 0}
+    rows = {(row["gpu"], row.get("capacityClass")): row for row in status["variants"]}
+    assert [(row["gpu"], row.get("capacityClass")) for row in status["variants"]][:2] == [
+        ("L4", "spot"),
+        ("L4", "on-demand"),
+    ]
+    spot, on_demand = rows["L4", "spot"], rows["L4", "on-demand"]
+    # Each at its own class's price: spot's own, on-demand's the type's (the class states none).
+    assert (spot["deployment"], spot["pricePerGpuHour"]) == ("chat-l4-spot", CLASS_PRICES["L4@spot"])
+    assert (on_demand["deployment"], on_demand["pricePerGpuHour"]) == ("chat-l4-on-demand", CLASS_PRICES["L4"])
+    assert spot["costPerHour"] == pytest.approx(2 * CLASS_PRICES["L4@spot"])
+    assert on_demand["costPerHour"] == pytest.approx(CLASS_PRICES["L4"])
+    assert "capacityClass" not in rows["H100-80GB", None]
+    # The total: every variant's cost, summed.
+    assert status["costPerHour"] == pytest.approx(sum(row["costPerHour"] for row in status["variants"]))
+    assert status["costPerHour"] == pytest.approx(2 * CLASS_PRICES["L4@spot"] + CLASS_PRICES["L4"])
+    # The Events name the class: its rank, price and bounds are its own.
+    said = {e["message"].split(":")[0]: e["message"] for e in cluster.events}
+    assert "L4@spot is type 1 of 3 by cost per req/s" in said["chat-l4-spot"] and "(at most 2" in said["chat-l4-spot"]
+    assert "L4@on-demand is type 2 of 3" in said["chat-l4-on-demand"]
+
+
+def test_a_full_spot_class_hands_its_replicas_to_on_demand() -> None:
+    cluster = FakeCluster()
+    spec = {**SPEC, "accelerator": {"variants": SPOT_POOL}, "replicas": 3}
+    run(cluster, spec, CLASS_PRICES, CLASSES)
+    # The spot nodes take one of the two: the other stays Pending. On-demand L4s are not full.
+    put_pod(cluster, "chat-l4-spot-a", "l4-spot", node="spot-node")
+    put_pod(cluster, "chat-l4-spot-x", "l4-spot")
+    put_pod(cluster, "chat-l4-on-demand-a", "l4-on-demand", node="on-demand-node")
+    status = run(cluster, spec, CLASS_PRICES, CLASSES)
+    full = {(row["gpu"], row.get("capacityClass")): row.get("schedulableReplicas") for row in status["variants"]}
+    assert full == {("L4", "spot"): 1, ("L4", "on-demand"): None, ("H100-80GB", None): None}
+    del cluster.objects[("Pod", "ml", "chat-l4-spot-x")]
+    run(cluster, spec, CLASS_PRICES, CLASSES)
+    assert replicas(cluster) == {"chat-l4-spot": 1, "chat-l4-on-demand": 2, "chat-h100-80gb": 0}
+    assert "no free L4@spot since" in cluster.events[-2]["message"] + cluster.events[-1]["message"]
+
+
+def test_a_capacity_class_the_operator_does_not_know_is_not_ready_and_rolls_out_nothing() -> None:
+    cluster = FakeCluster()
+    pool = [{"type": "L4", "capacityClass": "spto"}, {"type": "H100-80GB"}]
+    status = run(cluster, {**SPEC, "accelerator": {"variants": pool}}, CLASS_PRICES, CLASSES)
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert (conditions["Planned"]["status"], conditions["Planned"]["reason"]) == ("False", "UnknownCapacityClass")
+    assert conditions["Ready"]["status"] == "False"
+    assert "spto" in conditions["Planned"]["message"] and "known: on-demand, spot" in conditions["Planned"]["message"]
+    assert deployments(cluster) == {}
+    # Once the operator knows the class, the pool rolls out.
+    run(cluster, {**SPEC, "accelerator": {"variants": pool}}, CLASS_PRICES, {**CLASSES, "spto": {"pool": "x"}})
+    assert set(deployments(cluster)) == {"chat-l4-spto", "chat-h100-80gb"}
+
+
+def test_the_status_says_what_the_service_costs_an_hour() -> None:
+    cluster = FakeCluster()
+    # One GPU type: its replicas x GPUs per replica x its price per GPU-hour.
+    single = run(cluster, {**SPEC, "accelerator": {"type": "H100-80GB", "count": 2}, "replicas": 3}, {"H100-80GB": 4})
+    assert single["plan"]["gpuCount"] == 2
+    assert single["costPerHour"] == pytest.approx(3 * 2 * 4)
+    # Without a price of the operator's: the type's list price.
+    listed = run(cluster, {**SPEC, "accelerator": {"type": "L4", "count": 1}, "replicas": 2})
+    assert listed["costPerHour"] == pytest.approx(2 * LIST_PRICE_PER_GPU_HOUR["L4"], abs=0.01)
+    # A mixed pool: its variants' costs summed, each at its desired replicas.
+    pool = run(cluster, {**SPEC, "replicas": 3}, CHEAP_L4)
+    assert pool["costPerHour"] == pytest.approx(sum(row["costPerHour"] for row in pool["variants"]))
+    assert pool["costPerHour"] == pytest.approx(2 * 0.15 + LIST_PRICE_PER_GPU_HOUR["H100-80GB"], abs=0.01)

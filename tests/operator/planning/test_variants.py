@@ -8,9 +8,16 @@ import pytest
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.planning import latency
 from kvpilot.operator.planning import plan as plan_module
+from kvpilot.operator.planning import variants as variants_module
 from kvpilot.operator.planning.gpus import LIST_PRICE_PER_GPU_HOUR
 from kvpilot.operator.planning.plan import plan
-from kvpilot.operator.planning.variants import VariantRequest, fill, plan_variants
+from kvpilot.operator.planning.variants import (
+    UNKNOWN_CAPACITY_CLASS,
+    VariantRequest,
+    fill,
+    plan_variants,
+    price_per_gpu_hour,
+)
 
 THREE = [VariantRequest("H100-80GB"), VariantRequest("L4"), VariantRequest("A10G")]
 
@@ -157,3 +164,86 @@ def test_the_capacity_search_takes_a_few_dozen_predictions(monkeypatch: pytest.M
     plan(h100)
     # Doubling from 1/8 req/s to ~64, then bisecting to 0.1 %: about 20 predictions, not one per thousandth.
     assert measured.capacity_rps > 32 and 0 < with_capacity - len(calls) <= 25
+
+
+# The operator's capacity classes (the chart's capacityClasses): a class's node labels.
+CLASSES = {
+    "spot": {"karpenter.sh/capacity-type": "spot"},
+    "on-demand": {"karpenter.sh/capacity-type": "on-demand"},
+}
+SPOT_AND_ON_DEMAND = [
+    VariantRequest("L4", max_replicas=2, count=1, capacity_class="spot"),
+    VariantRequest("L4", count=1, capacity_class="on-demand"),
+]
+
+
+def test_a_cheaper_spot_class_takes_replicas_before_the_same_type_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:
+    prices = {"L4": 0.8, "L4@spot": 0.3}
+    whole_load: list[str | None] = []
+    planned = variants_module.plan
+
+    def counted(s: InferenceServiceSpec, context: Any = None) -> Any:
+        if s.load.requests_per_second == 8:  # a plan for the whole load: the one per type
+            whole_load.append(s.accelerator.type)
+        return planned(s, context)
+
+    monkeypatch.setattr(variants_module, "plan", counted)
+    mixed = plan_variants(spec(rate=8), SPOT_AND_ON_DEMAND, prices=prices, classes=CLASSES)
+    assert whole_load == ["L4"]  # once for the type, whatever its classes
+    assert mixed.fits and mixed.meets_slo and not mixed.left_out
+    spot, on_demand = mixed.variants
+    assert (spot.key, on_demand.key) == ("L4@spot", "L4@on-demand")
+    # Each class costs its own price; on-demand states none of its own: the type's.
+    assert (spot.price_per_gpu_hour, on_demand.price_per_gpu_hour) == (0.3, 0.8)
+    assert spot.cost_per_rps_hour is not None and on_demand.cost_per_rps_hour is not None
+    assert spot.cost_per_rps_hour < on_demand.cost_per_rps_hour
+    # Planned once per type: the classes run the same engine settings and serve the same per replica.
+    settings = [
+        (v.plan.quantization, v.plan.kv_cache_dtype, v.plan.max_num_seqs, v.plan.capacity_rps) for v in mixed.variants
+    ]
+    assert settings[0] == settings[1]
+    # The spot L4s fill to their maxReplicas first; on-demand takes the rest of the load.
+    needed = math.ceil(8 / spot.plan.capacity_rps)
+    assert needed > 2, "the load must need more L4s than spot's maxReplicas for the test to say anything"
+    assert (spot.plan.replicas, on_demand.plan.replicas) == (2, needed - 2)
+    assert spot.requests_per_second + on_demand.requests_per_second == pytest.approx(8, abs=1e-3)
+    assert mixed.cost_per_hour == pytest.approx(2 * 0.3 + (needed - 2) * 0.8, abs=0.01)
+    # Each variant's pods select its class's nodes; the reasons name the class.
+    assert (spot.node_selector, on_demand.node_selector) == (CLASSES["spot"], CLASSES["on-demand"])
+    assert "L4@spot: type 1 of the 2" in spot.plan.reasons["gpu"] and "L4@spot: 2 replica(s)" in mixed.reason
+    # Priced the other way round, on-demand goes first: the ranking is per class, not per type.
+    dear_spot = plan_variants(spec(rate=8), SPOT_AND_ON_DEMAND, prices={"L4@spot": 0.9, "L4": 0.5}, classes=CLASSES)
+    assert [v.key for v in dear_spot.variants] == ["L4@on-demand", "L4@spot"]
+
+
+def test_a_class_and_a_type_without_a_class_are_variants_of_their_own() -> None:
+    wanted = [VariantRequest("L4", max_replicas=1, count=1, capacity_class="spot"), VariantRequest("H100-80GB")]
+    mixed = plan_variants(spec(rate=8), wanted, prices={"L4@spot": 0.1}, classes=CLASSES)
+    spot, h100 = mixed.variants
+    assert (spot.key, spot.label, h100.key, h100.label) == ("L4@spot", "l4-spot", "H100-80GB", "h100-80gb")
+    assert h100.capacity_class is None and h100.node_selector == {}
+    # A class that states no price of the type: the type's list price.
+    listed = plan_variants(spec(rate=8), wanted, classes=CLASSES)
+    assert {v.key: v.price_per_gpu_hour for v in listed.variants}["L4@spot"] == LIST_PRICE_PER_GPU_HOUR["L4"]
+
+
+def test_a_class_the_operator_does_not_know_plans_nothing_and_names_the_known_ones() -> None:
+    wanted = [VariantRequest("L4", capacity_class="spto"), VariantRequest("H100-80GB")]
+    mixed = plan_variants(spec(rate=8), wanted, classes=CLASSES)
+    assert not mixed.fits and mixed.failure == UNKNOWN_CAPACITY_CLASS and mixed.variants == []
+    assert "spto" in mixed.reason and "known: on-demand, spot" in mixed.reason
+    assert "known: none" in plan_variants(spec(rate=8), wanted).reason
+
+
+def test_room_is_per_class_a_full_spot_class_hands_its_replicas_to_on_demand() -> None:
+    mixed = plan_variants(spec(rate=8), SPOT_AND_ON_DEMAND, prices={"L4": 0.8, "L4@spot": 0.3}, classes=CLASSES)
+    assert fill(mixed, 3) == [2, 1]
+    assert fill(mixed, 3, room={"L4@spot": 1}) == [1, 2]
+    assert fill(mixed, 3, room={"L4": 0}) == [2, 1]  # the type's key is another variant's, not these
+
+
+def test_a_class_s_price_falls_back_to_the_type_s_then_to_the_list_price() -> None:
+    assert price_per_gpu_hour({"L4@spot": 0.2, "L4": 0.45}, "L4", "spot") == 0.2
+    assert price_per_gpu_hour({"L4": 0.45}, "L4", "spot") == 0.45
+    assert price_per_gpu_hour({"L4@spot": 0.2}, "L4") == LIST_PRICE_PER_GPU_HOUR["L4"]
+    assert price_per_gpu_hour({}, "H100-80GB", "on-demand") == LIST_PRICE_PER_GPU_HOUR["H100-80GB"]

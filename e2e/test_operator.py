@@ -171,7 +171,12 @@ def test_a_mixed_pool_gets_a_deployment_per_gpu_type_filled_cheapest_first(
             gpu = GPUS[row["gpu"]]
             deployment = k8s.kubectl_json("get", "deployment", row["deployment"], "-n", ns)
             assert deployment["spec"]["replicas"] == row["replicas"]
-            pods = [p for p in running if p["metadata"]["labels"].get(names.VARIANT_LABEL) == names.variant(row["gpu"])]
+            pods = [
+                p
+                for p in running
+                if p["metadata"]["labels"].get(names.VARIANT_LABEL)
+                == names.variant(row["gpu"], row.get("capacityClass"))
+            ]
             assert len(pods) == row["replicas"]
             for pod in pods:
                 node = k8s.kubectl_json("get", "node", pod["spec"]["nodeName"])

@@ -237,6 +237,9 @@ class VariantAccuracy(_Status):
     share of the requests beside its share of the pool's planned capacity (shown, not judged)."""
 
     gpu: str | None = Field(default=None, max_length=63, description="The GPU type (status.variants[].gpu).")
+    capacity_class: str | None = Field(
+        default=None, max_length=63, description="Its capacity class (status.variants[].capacityClass), if any."
+    )
     variant: str | None = Field(
         default=None, max_length=63, description="Its pods' kvpilot.dev/gpu-variant label value."
     )

@@ -33,7 +33,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kvpilot.operator.api.conditions import PLAN_ACCURATE, with_transition_times
-from kvpilot.operator.api.names import variant
 from kvpilot.operator.api.status import Condition, InferenceServiceStatus, PlanAccuracy, PlanStatus, VariantStatus
 from kvpilot.operator.autoscaling.decisions import MIN_OBSERVATIONS, Signals
 from kvpilot.operator.autoscaling.variant_windows import VariantSignals
@@ -112,8 +111,9 @@ def _variant_entry(
 ) -> dict[str, Any]:
     """One GPU type's predictions beside its pods' p95s (the last judged window stays while this
     one holds too few requests, beside the same prediction), and its shares."""
-    key = variant(row.gpu or "")
-    entry: dict[str, Any] = {"gpu": row.gpu, "variant": key}
+    entry: dict[str, Any] = {"gpu": row.gpu, "variant": row.label}
+    if row.capacity_class:
+        entry["capacityClass"] = row.capacity_class
     for field, predicted, p95, requests in _SIGNALS:
         fresh = comparison(getattr(row, predicted), getattr(seen, p95), getattr(seen, requests))
         kept = getattr(last, field) if last is not None else None
@@ -141,13 +141,13 @@ def variant_entries(status: InferenceServiceStatus, signals: Signals, now: float
         return None
     old = status.plan_accuracy.variants if status.plan_accuracy and status.plan_accuracy.variants else []
     last = {entry.variant: entry for entry in old}
-    capacity = {variant(row.gpu or ""): (row.replicas or 0) * (row.capacity_rps or 0.0) for row in rows}
+    capacity = {row.label: (row.replicas or 0) * (row.capacity_rps or 0.0) for row in rows}
     pool = sum(capacity.values())
     started = sum(seen.ttft_observations for seen in signals.variants.values())
     return [
         _variant_entry(
             row,
-            signals.variants.get(key := variant(row.gpu or ""), VariantSignals()),
+            signals.variants.get(key := row.label, VariantSignals()),
             started,
             capacity[key] / pool if pool > 0 else None,
             last.get(key),
@@ -169,7 +169,8 @@ def _variant_numbers(entries: Sequence[Mapping[str, Any]]) -> str:
         if "observedShare" in entry:
             said.append(f"{entry['observedShare']:.0%} of requests (planned {entry.get('plannedShare', 0):.0%})")
         if said:
-            parts.append(f"{entry['gpu']}: {', '.join(said)}")
+            where = f"{entry['gpu']}@{entry['capacityClass']}" if "capacityClass" in entry else entry["gpu"]
+            parts.append(f"{where}: {', '.join(said)}")
     return "; ".join(parts)
 
 

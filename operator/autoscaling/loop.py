@@ -52,7 +52,7 @@ from typing import Any
 import aiohttp
 from pydantic import ValidationError
 
-from kvpilot.operator.api.names import API_VERSION, KIND, SCALED_TO_ZERO_AT, VARIANT_LABEL, variant
+from kvpilot.operator.api.names import API_VERSION, KIND, SCALED_TO_ZERO_AT, VARIANT_LABEL
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.api.status import InferenceServiceStatus, Latency, status_of
 from kvpilot.operator.autoscaling.accuracy import accuracy_patch, newest_ready_seconds
@@ -170,7 +170,7 @@ def with_variants(
     """Each read of a mixed pool with its pod's variant (its label) and its engine's own
     max_num_seqs: its GPU type's plan's (status.variants), where status.plan holds only the first
     type's. A service of one type: the reads as they are."""
-    limits = {variant(row.gpu): row.max_num_seqs for row in status.variants or [] if row.gpu}
+    limits = {row.label: row.max_num_seqs for row in status.variants or [] if row.gpu}
     if not limits:
         return list(reads)
     of_pod = {p["metadata"]["name"]: (p["metadata"].get("labels") or {}).get(VARIANT_LABEL, "") for p in pods}

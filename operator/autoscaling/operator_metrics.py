@@ -131,7 +131,8 @@ _GAUGES: tuple[tuple[str, str, Callable[[Mapping[str, Any], InferenceServiceStat
         lambda _, s: _accuracy(s, "ready_seconds", "observed"),
     ),
 )
-# A mixed pool's GPU types (status.variants), labelled with the type: (name, help, the row's field).
+# A mixed pool's GPU types (status.variants), labelled with the type and its capacity class (empty:
+# none, the same series as before classes): (name, help, the row's field).
 _VARIANT_GAUGES = (
     ("variant_replicas", "Replicas of one GPU type of a mixed pool", "replicas"),
     ("variant_ready_replicas", "Ready replicas of one GPU type of a mixed pool", "ready_replicas"),
@@ -182,7 +183,7 @@ class _Collector(Collector):
         bodies = indexed_services(self._services)
         families = {name: GaugeMetricFamily(PREFIX + name, doc, labels=LABELS) for name, doc, _ in _GAUGES}
         variants = {
-            name: GaugeMetricFamily(PREFIX + name, doc, labels=[*LABELS, "gpu"])
+            name: GaugeMetricFamily(PREFIX + name, doc, labels=[*LABELS, "gpu", "capacity_class"])
             for name, doc, _ in (*_VARIANT_GAUGES, *_VARIANT_ACCURACY_GAUGES)
         }
         for body in sorted(bodies, key=lambda b: (b["metadata"]["namespace"], b["metadata"]["name"])):
@@ -195,11 +196,11 @@ class _Collector(Collector):
             for row in status.variants or []:
                 for name, _, field in _VARIANT_GAUGES:
                     if (value := getattr(row, field)) is not None and row.gpu:
-                        variants[name].add_metric([*labels, row.gpu], float(value))
+                        variants[name].add_metric([*labels, row.gpu, row.capacity_class or ""], float(value))
             for accuracy in (status.plan_accuracy.variants if status.plan_accuracy else None) or []:
                 for name, _, read_row in _VARIANT_ACCURACY_GAUGES:
                     if (value := read_row(accuracy)) is not None and accuracy.gpu:
-                        variants[name].add_metric([*labels, accuracy.gpu], float(value))
+                        variants[name].add_metric([*labels, accuracy.gpu, accuracy.capacity_class or ""], float(value))
         yield from families.values()
         yield from variants.values()
         decisions = CounterMetricFamily(

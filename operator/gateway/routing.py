@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from kvpilot.operator.api.names import VARIANT_LABEL, variant
+from kvpilot.operator.api.names import VARIANT_LABEL
 from kvpilot.operator.api.status import status_of
 from kvpilot.operator.kube.indexes import current_replicas, engine_urls
 
@@ -174,7 +174,7 @@ def shares(service: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> dic
     not sent an H100's part of the requests; the planned capacity scaled by how fast the type's pods
     decode against their plan (`_speeds`), so a type slower than planned is sent less. Empty for a
     service of one type: its engines are alike."""
-    variants = {variant(v.gpu): v for v in status_of(service).variants or [] if v.gpu}
+    variants = {v.label: v for v in status_of(service).variants or [] if v.gpu}
     if not variants:
         return {}
     speeds = _speeds(service)

@@ -276,3 +276,20 @@ def test_a_service_of_one_gpu_type_has_no_per_type_rows() -> None:
     service.status["variants"] = POOL[:1]
     service.period(window(variants=per_type((800.0, 80.0, 40), (110.0, 10.0, 60))))
     assert "variants" not in service.status["planAccuracy"]
+
+
+def test_spot_and_on_demand_of_one_gpu_type_are_rows_of_their_own() -> None:
+    service = Service()
+    service.status["variants"] = [{**POOL[0], "capacityClass": "spot"}, POOL[0]]
+    seen = {
+        "l4-spot": VariantSignals(
+            ttft_p95_seconds=0.8, tpot_p95_seconds=0.08, ttft_observations=30, tpot_observations=30
+        ),
+        "l4": VariantSignals(ttft_p95_seconds=0.4, tpot_p95_seconds=0.04, ttft_observations=10, tpot_observations=10),
+    }
+    condition = service.period(window(variants=seen))
+    spot, on_demand = service.status["planAccuracy"]["variants"]
+    assert (spot["variant"], spot["capacityClass"], on_demand["variant"]) == ("l4-spot", "spot", "l4")
+    assert "capacityClass" not in on_demand
+    assert (spot["observedShare"], spot["plannedShare"], spot["tpot"]["ratio"]) == (0.75, 0.5, 2.0)
+    assert "L4@spot: p95 TTFT 800/400 ms" in condition["message"]

@@ -548,6 +548,13 @@ def test_each_pod_s_batch_occupancy_is_over_its_own_gpu_type_s_max_num_seqs() ->
     (stray,) = with_variants([read("stray", 12.0)], pods, status)
     assert stray.max_num_seqs is None
     assert with_variants(reads, pods, InferenceServiceStatus()) == reads
+    # An L4 variant on spot nodes (label l4-spot) has its own row and limit.
+    spot = InferenceServiceStatus.model_validate(
+        {"variants": [{"gpu": "L4", "maxNumSeqs": 24}, {"gpu": "L4", "capacityClass": "spot", "maxNumSeqs": 8}]}
+    )
+    spot_pod = {"metadata": {"name": "l4-spot-0", "labels": {VARIANT_LABEL: "l4-spot"}}}
+    (read_spot,) = with_variants([read("l4-spot-0", 4.0)], [spot_pod], spot)
+    assert (read_spot.variant, read_spot.max_num_seqs) == ("l4-spot", 8)
 
 
 def test_a_mixed_pool_s_window_keeps_each_gpu_type_s_p95s_apart() -> None:

@@ -202,20 +202,23 @@ def test_a_mixed_pool_s_types_and_the_time_to_ready_are_gauges() -> None:
         "variants": [
             {"gpu": "L4", "replicas": 2, "readyReplicas": 1, "costPerHour": 0.9, "capacityRps": 5.2},
             {"gpu": "H100-80GB", "replicas": 1, "readyReplicas": 1, "costPerHour": 6.88, "capacityRps": 37.2},
+            {"gpu": "L4", "capacityClass": "spot", "replicas": 3, "costPerHour": 0.6, "capacityRps": 5.2},
         ],
     }
     body = {"metadata": {"namespace": "ml", "name": "chat"}, "status": status}
     found = samples(OperatorMetrics({("ml", "chat"): [body]}).exposition().decode())
     assert of_chat(found, "kvpilot_operator_predicted_ready_seconds") == 25.0
     assert of_chat(found, "kvpilot_operator_observed_ready_seconds") == 31.5
-    assert of_chat(found, "kvpilot_operator_variant_replicas", gpu="L4") == 2
-    assert of_chat(found, "kvpilot_operator_variant_ready_replicas", gpu="L4") == 1
-    assert of_chat(found, "kvpilot_operator_variant_cost_dollars_per_hour", gpu="H100-80GB") == 6.88
-    assert of_chat(found, "kvpilot_operator_variant_capacity_rps", gpu="H100-80GB") == 37.2
+    assert of_chat(found, "kvpilot_operator_variant_replicas", gpu="L4", capacity_class="") == 2
+    assert of_chat(found, "kvpilot_operator_variant_ready_replicas", gpu="L4", capacity_class="") == 1
+    assert of_chat(found, "kvpilot_operator_variant_cost_dollars_per_hour", gpu="H100-80GB", capacity_class="") == 6.88
+    assert of_chat(found, "kvpilot_operator_variant_capacity_rps", gpu="H100-80GB", capacity_class="") == 37.2
     # Each type's own p95 against its own plan, and its share of the traffic beside the planned one.
-    assert of_chat(found, "kvpilot_operator_variant_observed_tpot_p95_seconds", gpu="L4") == 0.08
-    assert of_chat(found, "kvpilot_operator_variant_tpot_observed_over_predicted", gpu="L4") == 2.0
-    assert of_chat(found, "kvpilot_operator_variant_observed_traffic_share", gpu="L4") == 0.4
-    assert of_chat(found, "kvpilot_operator_variant_planned_traffic_share", gpu="H100-80GB") == 0.78
+    assert of_chat(found, "kvpilot_operator_variant_observed_tpot_p95_seconds", gpu="L4", capacity_class="") == 0.08
+    assert of_chat(found, "kvpilot_operator_variant_tpot_observed_over_predicted", gpu="L4", capacity_class="") == 2.0
+    assert of_chat(found, "kvpilot_operator_variant_observed_traffic_share", gpu="L4", capacity_class="") == 0.4
+    assert of_chat(found, "kvpilot_operator_variant_planned_traffic_share", gpu="H100-80GB", capacity_class="") == 0.78
     # Nothing observed of the H100s yet: no sample (not a zero).
-    assert of_chat(found, "kvpilot_operator_variant_observed_traffic_share", gpu="H100-80GB") is None
+    assert of_chat(found, "kvpilot_operator_variant_observed_traffic_share", gpu="H100-80GB", capacity_class="") is None
+    # Spot and on-demand L4s are two series, told apart by their class (none: empty, as before classes).
+    assert of_chat(found, "kvpilot_operator_variant_replicas", gpu="L4", capacity_class="spot") == 3

@@ -414,6 +414,10 @@ def test_a_mixed_pool_s_engines_are_sent_requests_by_their_gpu_type_s_capacity()
     assert routing.shares(pool, pods) == {h100: routing.Share(400, 30.0), l4: routing.Share(8, 5.0)}
     observed[0]["tpot"]["ratio"] = 100.0
     assert routing.shares(pool, pods)[l4] == routing.Share(8, 10.0 * routing.SPEED_BOUNDS[0])
+    # The L4s on spot nodes are a variant of their own (label l4-spot), with their own row.
+    pool["status"]["variants"] = [*rows, {"gpu": "L4", "capacityClass": "spot", "capacityRps": 2.0, "maxNumSeqs": 2}]
+    pods[1]["metadata"]["labels"][VARIANT_LABEL] = "l4-spot"
+    assert routing.shares(pool, pods)[l4] == routing.Share(4, 2.0)
 
 
 def _mixed_pool() -> list[dict[str, Any]]:

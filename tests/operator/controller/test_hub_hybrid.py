@@ -18,7 +18,9 @@ QWEN3_NEXT = Path(__file__).parents[1] / "planning" / "hf_configs" / "Qwen--Qwen
 
 def test_a_hybrid_known_only_by_its_repository_is_planned_for_vllm_with_its_state_pages() -> None:
     config = json.loads(QWEN3_NEXT.read_text())
-    spec = {**HUB_SPEC, "runtime": "vllm", "accelerator": {"type": "H100-80GB"}}
+    # Two GPUs pinned: the state page per GPU below is TP 2's (left to itself the planner takes 4, which
+    # vLLM runs with the 2 KV heads copied: tests/operator/planning/test_tensor_parallel.py).
+    spec = {**HUB_SPEC, "runtime": "vllm", "accelerator": {"type": "H100-80GB", "count": 2}}
     decided = decide(observe(body(spec), Secrets(), None, FakeHub(config)), "i", None)  # type: ignore[arg-type]
     result = decided.result
     assert result.fits and result.reasons["model"] == "the checkpoint's config.json of hf://acme/tiny-chat@v2"
@@ -36,6 +38,7 @@ def test_a_hybrid_known_only_by_its_repository_is_planned_for_vllm_with_its_stat
     kept = typed.checkpoint.architecture if typed.checkpoint else None
     assert kept is not None and recurrent.architecture_state(kept) == recurrent.recurrent_state(config)
     # Our engine runs no state layers: a clear refusal, no Deployment of a guess.
-    ours = decide(observe(body({**spec, "runtime": "kvpilot"}), Secrets(), None, FakeHub(config)), "i", None)  # type: ignore[arg-type]
+    one_gpu = {**spec, "runtime": "kvpilot", "accelerator": {"type": "H100-80GB"}}
+    ours = decide(observe(body(one_gpu), Secrets(), None, FakeHub(config)), "i", None)  # type: ignore[arg-type]
     assert ours.result.failure == "UnsupportedByRuntime" and "gated_deltanet layers" in ours.result.reason
     assert "Deployment" not in kinds(ours.wanted)

@@ -450,6 +450,10 @@ VARIANTS_UNIQUE = (
 # (names.variant), so short enough that `<gpu type>-<class>` stays a label value.
 MAX_CLASS_NAME = 40
 VARIANT_IS_A_GPU = "accelerator.variants[].type: a GPU type (a CPU node pool is accelerator.type cpu)"
+# A variant of this type stands for every GPU type the nodes carry that no other variant (of its
+# capacity class) names: a pool over whatever the cluster has, opted into (an unset accelerator
+# still means the one cheapest type, as it always did).
+ANY_GPU = "*"
 
 
 class GPUVariantSpec(_Camel):
@@ -458,13 +462,18 @@ class GPUVariantSpec(_Camel):
 
     model_config = ConfigDict(json_schema_extra=cel(("self.type != 'cpu'", VARIANT_IS_A_GPU)))
 
-    type: str = Field(min_length=1, max_length=63, description="GPU catalog name (as accelerator.type).")
+    type: str = Field(
+        min_length=1,
+        max_length=63,
+        description="GPU catalog name (as accelerator.type), or * for every GPU type the nodes carry that no other "
+        "variant of its capacity class names (each a variant of its own, with this entry's bounds).",
+    )
     max_replicas: int | None = Field(
         default=None,
         ge=1,
         le=MAX_REPLICAS,
-        description="The most replicas of this type (the GPUs of it the service may take); unset: "
-        "autoscaling.maxReplicas.",
+        description="The most replicas of this type (the GPUs of it the service may take; with type *: of each "
+        "type); unset: autoscaling.maxReplicas.",
     )
     count: int | None = Field(
         default=None, ge=1, description="GPUs per replica of this type; unset means the planner picks it."

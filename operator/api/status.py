@@ -19,7 +19,6 @@ from kvpilot.operator.api.spec import (
     INT64,
     MAX_ADAPTERS,
     MAX_REPLICAS,
-    MAX_VARIANTS,
     Architecture,
     CheckpointQuantization,
 )
@@ -287,7 +286,6 @@ class PlanAccuracy(_Status):
     )
     variants: list[VariantAccuracy] | None = Field(
         default=None,
-        max_length=MAX_VARIANTS,
         description="A mixed pool: each GPU type's predicted and observed p95s and its share of the traffic "
         "(shown, not judged: PlanAccurate judges the pool's merged p95s).",
     )

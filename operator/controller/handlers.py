@@ -181,7 +181,7 @@ class Reconciler:
         else:
             self.queue.forget(key)
             if retry is None:
-                full = full_retry_in(result.status, datetime.now(UTC))
+                full = full_retry_in(result.status, datetime.now(UTC), result.any_gpu)
                 if full is not None:
                     self.queue.add_after(key, full)
                 return

@@ -48,7 +48,7 @@ from kvpilot.engine.contract.device_profile import DeviceProfile
 from kvpilot.operator.api import names
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND
 from kvpilot.operator.api.plan import MixedPlan, Plan
-from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec
+from kvpilot.operator.api.spec import ANY_GPU, CPU_TYPE, Architecture, InferenceServiceSpec
 from kvpilot.operator.api.status import (
     InferenceServiceStatus,
     InspectedCheckpoint,
@@ -478,7 +478,7 @@ def _mixed_plan(
     context = PlanContext(
         gpus_per_node=observed.nodes, device_profiles=observed.profiles, correction=corrected, checkpoint=checkpoint
     )
-    mixed = plan_variants(spec, requested(spec), context, gpu_prices, capacity_classes)
+    mixed = plan_variants(spec, requested(spec, observed.nodes), context, gpu_prices, capacity_classes)
     if not mixed.fits:
         return mixed, failed_plan(spec, str(mixed.failure), mixed.reason)
     first = mixed.variants[0].plan
@@ -683,14 +683,18 @@ def found_full(mixed: MixedPlan | None, pods: Sequence[Mapping[str, Any]], now: 
     return full
 
 
-def full_retry_in(state: InferenceServiceStatus, now: datetime) -> float | None:
-    """Seconds until the first GPU type held full is tried again: nothing the operator watches
-    changes when another service frees that type's GPUs, so its reconcile must come back by itself."""
+def full_retry_in(state: InferenceServiceStatus, now: datetime, any_gpu: bool = False) -> float | None:
+    """Seconds until the reconcile must come back by itself, since nothing the operator watches
+    changes meanwhile: when the first GPU type held full is tried again (another service freeing
+    that type's GPUs), and, for a pool over every type the nodes carry (`any_gpu`: a variant of type
+    *), when the nodes are read again (a node pool added or gone)."""
     waits = [
         FULL_RETRY_SECONDS - (now.timestamp() - seconds_of(row.full_since))
         for row in state.variants or []
         if row.full_since
     ]
+    if any_gpu:
+        waits.append(FULL_RETRY_SECONDS)
     return max(1.0, min(waits)) if waits else None
 
 
@@ -781,6 +785,7 @@ def _not_all_ready(deployment: Mapping[str, Any]) -> bool:
 class Refreshed(NamedTuple):
     version: str  # the object's resourceVersion afterwards
     status: InferenceServiceStatus  # the status it now has
+    any_gpu: bool = False  # its spec has a variant of type *: its GPU types are the nodes' (full_retry_in)
 
 
 def refresh(
@@ -816,9 +821,11 @@ def refresh(
     patch = merge_patch(body.get("status") or {}, new)
     # What was written, read back as the status's readers read it.
     written = InferenceServiceStatus.model_validate(new)
+    variants = ((body.get("spec") or {}).get("accelerator") or {}).get("variants") or []
+    any_gpu = any(isinstance(v, Mapping) and v.get("type") == ANY_GPU for v in variants)
     if patch:
-        return Refreshed(cluster.patch_status(API_VERSION, KIND, namespace, name, patch), written)
-    return Refreshed(str(body["metadata"]["resourceVersion"]), written)
+        return Refreshed(cluster.patch_status(API_VERSION, KIND, namespace, name, patch), written, any_gpu)
+    return Refreshed(str(body["metadata"]["resourceVersion"]), written, any_gpu)
 
 
 def retry_reason(status: InferenceServiceStatus) -> tuple[str, str] | None:

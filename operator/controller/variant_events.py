@@ -32,7 +32,7 @@ def why(mixed: MixedPlan | None, label: str, grew: bool, full: Mapping[str, tupl
     variants = mixed.variants if mixed is not None and mixed.fits else []
     rank, found = next(((i, v) for i, v in enumerate(variants) if v.label == label), (0, None))
     if found is None:
-        return "its GPU type is no longer in spec.accelerator.variants"
+        return "its GPU type is no longer in spec.accelerator.variants (or, for type *, on the nodes)"
     if found.key in full:
         held, since = full[found.key]
         return f"its nodes took {held} (no free {found.key} since {since}); the rest go to the next type"

@@ -16,6 +16,10 @@ from kvpilot.operator.planning.gpus import GPUS, find_gpu
 from kvpilot.operator.planning.reasons import failed_plan, rejected_because
 from kvpilot.operator.runtimes import RUNTIMES
 
+# Nothing to plan for: no GPU type named, none on the nodes. The reconcile looks again later
+# (controller/reconcile.py's RETRIED), when nodes may have come.
+NO_GPU_TYPE = "NoGPUType"
+
 
 def devices_to_try(
     spec: InferenceServiceSpec,
@@ -67,7 +71,7 @@ def _gpus(spec: InferenceServiceSpec, available: Iterable[str]) -> list[Device] 
     found = {gpu.name: gpu for gpu in map(find_gpu, available) if gpu is not None}
     if not found:
         return failed_plan(
-            spec, "NoGPUType", "spec.accelerator.type is not set and no node carries a known GPU product label"
+            spec, NO_GPU_TYPE, "spec.accelerator.type is not set and no node carries a known GPU product label"
         )
     # Smallest (cheapest) first, so the first that works wastes the least.
     return sorted(found.values(), key=lambda g: (g.memory_gib, g.bandwidth_gbps))

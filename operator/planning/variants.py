@@ -17,14 +17,15 @@ cheaper ones are full.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from kvpilot.operator.api.names import variant_key
 from kvpilot.operator.api.plan import MixedPlan, Plan, Variant
-from kvpilot.operator.api.spec import InferenceServiceSpec
+from kvpilot.operator.api.spec import ANY_GPU, InferenceServiceSpec
 from kvpilot.operator.planning.context import PlanContext
 from kvpilot.operator.planning.gpus import GPUS, LIST_PRICE_PER_GPU_HOUR, find_gpu
+from kvpilot.operator.planning.placement import NO_GPU_TYPE
 from kvpilot.operator.planning.plan import plan
 from kvpilot.operator.planning.reasons import failed_plan
 
@@ -44,9 +45,22 @@ class VariantRequest(NamedTuple):
         return variant_key(self.gpu, self.capacity_class)
 
 
-def requested(spec: InferenceServiceSpec) -> list[VariantRequest]:
-    """The GPU types spec.accelerator.variants names, with their bounds."""
-    return [VariantRequest(v.type, v.max_replicas, v.count, v.capacity_class) for v in spec.accelerator.variants]
+def requested(spec: InferenceServiceSpec, on_nodes: Iterable[str] | None = None) -> list[VariantRequest]:
+    """The GPU types spec.accelerator.variants names, with their bounds. A variant of type * stands
+    for each catalog GPU type the nodes carry (`on_nodes`: their product labels; None, planning
+    without a cluster: every catalog type) that no variant of its capacity class names."""
+    entries = spec.accelerator.variants
+    wanted = [VariantRequest(v.type, v.max_replicas, v.count, v.capacity_class) for v in entries if v.type != ANY_GPU]
+    named = {(gpu.name if (gpu := find_gpu(r.gpu)) else r.gpu, r.capacity_class) for r in wanted}
+    found = [find_gpu(product) for product in on_nodes] if on_nodes is not None else list(GPUS.values())
+    carried = [name for name in GPUS if name in {gpu.name for gpu in found if gpu is not None}]
+    for any_type in (v for v in entries if v.type == ANY_GPU):
+        wanted += [
+            VariantRequest(name, any_type.max_replicas, any_type.count, any_type.capacity_class)
+            for name in carried
+            if (name, any_type.capacity_class) not in named
+        ]
+    return wanted
 
 
 # The Planned=False reason of a variant naming a capacity class the operator was not given.
@@ -175,6 +189,19 @@ def fill(mixed: MixedPlan, total: int, room: Mapping[str, int] | None = None) ->
     return counts
 
 
+def _no_gpu_type(spec: InferenceServiceSpec, wanted: Sequence[VariantRequest]) -> MixedPlan | None:
+    """Why a pool of only `*` variants cannot be planned on a cluster whose nodes carry no GPU type."""
+    if wanted:
+        return None
+    return MixedPlan(
+        fits=False,
+        failure=NO_GPU_TYPE,
+        reason="accelerator.variants: type * found no GPU type on the nodes (none carries a known GPU product "
+        "label) and no other variant names one",
+        model=spec.model.name,
+    )
+
+
 def _unknown_classes(
     spec: InferenceServiceSpec, wanted: Sequence[VariantRequest], classes: Mapping[str, Mapping[str, str]]
 ) -> MixedPlan | None:
@@ -247,9 +274,9 @@ def plan_variants(
     class's own (else the type's, else the catalog's list prices); `classes`: the operator's
     capacity classes, each with the node labels its variants' pods select."""
     classes = classes or {}
-    unknown = _unknown_classes(spec, wanted, classes)
-    if unknown is not None:
-        return unknown
+    refused = _no_gpu_type(spec, wanted) or _unknown_classes(spec, wanted, classes)
+    if refused is not None:
+        return refused
     context = context or PlanContext()
     alone, left_out = _plan_alone(spec, wanted, context, prices or {}, classes)
     if not alone:

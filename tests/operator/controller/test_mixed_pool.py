@@ -333,3 +333,31 @@ def test_the_status_says_what_the_service_costs_an_hour() -> None:
     pool = run(cluster, {**SPEC, "replicas": 3}, CHEAP_L4)
     assert pool["costPerHour"] == pytest.approx(sum(row["costPerHour"] for row in pool["variants"]))
     assert pool["costPerHour"] == pytest.approx(2 * 0.15 + LIST_PRICE_PER_GPU_HOUR["H100-80GB"], abs=0.01)
+
+
+def test_a_variant_of_type_any_is_every_gpu_type_the_nodes_carry() -> None:
+    """`type: *` (opted into: an unset accelerator still plans the one cheapest type) makes a variant
+    of each catalog type on the nodes that no other variant names, with its bounds; types the nodes
+    gain or lose are found when the reconcile comes back by itself."""
+    cluster = FakeCluster(gpu_products=["NVIDIA-L4", "NVIDIA-H100-80GB-HBM3", "some-unknown-gpu"])
+    pool = {"variants": [{"type": "*", "maxReplicas": 3, "count": 1}, {"type": "H100-80GB", "maxReplicas": 1}]}
+    status = run(cluster, {**SPEC, "accelerator": pool, "replicas": 2}, CHEAP_L4)
+    rows = {row["gpu"]: row for row in status["variants"]}
+    assert set(rows) == {"L4", "H100-80GB"} and set(deployments(cluster)) == {"chat-l4", "chat-h100-80gb"}
+    # The named H100 keeps its own bound; the L4 has the * entry's.
+    assert (rows["L4"]["maxReplicas"], rows["H100-80GB"]["maxReplicas"]) == (3, 1)
+    assert replicas(cluster) == {"chat-l4": 2, "chat-h100-80gb": 0}
+    # The L4 nodes go: their variant goes to zero, and the replicas to the type that is left.
+    cluster.products = ["NVIDIA-H100-80GB-HBM3"]
+    status = run(cluster, {**SPEC, "accelerator": pool, "replicas": 2}, CHEAP_L4)
+    assert [row["gpu"] for row in status["variants"]] == ["H100-80GB"]
+    assert replicas(cluster)["chat-l4"] == 0 and replicas(cluster)["chat-h100-80gb"] == 2
+    # No GPU node at all, and no type named: nothing to plan, looked at again later.
+    cluster.products = []
+    status = run(cluster, {**SPEC, "accelerator": {"variants": [{"type": "*"}]}}, CHEAP_L4)
+    planned = next(c for c in status["conditions"] if c["type"] == "Planned")
+    assert (planned["status"], planned["reason"]) == ("False", "NoGPUType")
+    assert "type * found no GPU type on the nodes" in planned["message"]
+    # Such a pool comes back by itself to read the nodes again, though no type is full.
+    assert full_retry_in(status_of({"status": status}), NOW, any_gpu=True) == FULL_RETRY_SECONDS
+    assert full_retry_in(status_of({"status": status}), NOW) is None

@@ -66,6 +66,9 @@ def bound_by_cel(schema: dict[str, Any]) -> None:
 # The kinds of state layers vLLM 0.33 keeps per sequence (planning/recurrent.py): Mamba (Jamba),
 # Mamba-2 (Nemotron-H, Granite 4.0-H, Falcon-H1) and Gated DeltaNet (Qwen3-Next).
 StateKind = Literal["mamba1", "mamba2", "gated_deltanet"]
+# How a local layer holds its slidingWindow tokens, as vLLM 0.33 allocates them: a window sliding with
+# each token (SlidingWindowSpec), or fixed chunks a token attends within (ChunkedLocalAttentionSpec).
+SlidingKind = Literal["window", "chunk"]
 
 
 class StateLayers(BaseModel):
@@ -127,6 +130,10 @@ class Architecture(BaseModel):
             (
                 "!has(self.slidingLayers) || self.slidingLayers <= self.layers",
                 "slidingLayers must not exceed layers",
+            ),
+            (
+                "!has(self.slidingKind) || self.slidingKind == 'window' || has(self.slidingWindow)",
+                "slidingKind chunk needs slidingWindow",
             ),
             (
                 "!has(self.latentDim) || !has(self.slidingWindow)",
@@ -193,6 +200,16 @@ class Architecture(BaseModel):
         description="How many of the layers attend within slidingWindow (the rest attend to the whole "
         "sequence); unset with slidingWindow: all of them.",
     )
+    sliding_kind: SlidingKind = Field(
+        default="window",
+        description="How those layers attend within slidingWindow: window (default; each token to the "
+        "slidingWindow tokens before it: Gemma 2/3, gpt-oss) or chunk (chunked local attention: each token to "
+        "the tokens of its own slidingWindow-token chunk, which start at multiples of it: Llama 4's "
+        "attention_chunk_size). vLLM keeps a window's last slidingWindow - 1 tokens and a block more, a "
+        "chunk's whole slidingWindow, each with the tokens in flight; beside an EAGLE head it keeps every "
+        "token of a chunked model's layers.",
+        json_schema_extra=no_crd_default,
+    )
     latent_dim: int | None = Field(
         default=None,
         gt=0,
@@ -234,6 +251,8 @@ class Architecture(BaseModel):
             raise ValueError("slidingLayers needs slidingWindow")
         if self.sliding_layers is not None and self.sliding_layers > self.layers:
             raise ValueError(f"slidingLayers {self.sliding_layers} exceeds layers {self.layers}")
+        if self.sliding_kind == "chunk" and self.sliding_window is None:
+            raise ValueError("slidingKind chunk needs slidingWindow")
         if self.latent_dim is not None and self.sliding_window is not None:
             raise ValueError("latentDim (latent attention) and slidingWindow do not go together")
         if self.vision_parameters is not None and self.vision_parameters >= self.parameters:
@@ -245,8 +264,13 @@ class Architecture(BaseModel):
         return self
 
     @property
+    def chunked(self) -> bool:
+        """Whether the local layers are chunked local attention (slidingKind chunk), not sliding windows."""
+        return self.sliding_window is not None and self.sliding_kind == "chunk"
+
+    @property
     def windowed_layers(self) -> int:
-        """The layers that keep only the sliding window of a sequence."""
+        """The layers that keep only the sliding window (or the chunk) of a sequence."""
         if self.sliding_window is None:
             return 0
         return self.sliding_layers if self.sliding_layers is not None else self.layers

@@ -89,7 +89,9 @@ def _kv_layout(
     arch, block = inputs.arch, inputs.spec.serving.block_size
     state = recurrent.architecture_state(arch)
     if state is None:
-        return sizing.kv_layout(arch, kv_bytes, group[1], draft_kv), block, 0
+        draft = inputs.draft.arch if inputs.draft is not None else None
+        every_token = sizing.every_token_held(arch, inputs.spec.serving.speculative, draft)
+        return sizing.kv_layout(arch, kv_bytes, group[1], draft_kv, every_token), block, 0
     hybrid = recurrent.hybrid_kv(state, recurrent.Serving(group[0].name, group[1], block, kv_bytes))
     return hybrid.layout, hybrid.block_size, recurrent.state_page_bytes(state, group[1])
 
@@ -114,8 +116,20 @@ def kv_rule(arch: Architecture, sizes: Sizes, held: int, tp: int) -> str:
         )
     if arch.latent_dim is not None:
         return f" (one {arch.latent_dim}-value latent per token and layer, whole on each of the {tp} GPUs)"
+    if arch.chunked and layout.window is None:
+        return (
+            f" (every token in all {arch.layers} layers, the {arch.windowed_layers} chunked local attention ones "
+            "too: vLLM 0.33 turns its hybrid KV cache manager off for chunked local attention beside an EAGLE "
+            "head and allocates them as full attention)"
+        )
     if layout.window is None:
         return ""
+    if layout.chunked:
+        return (
+            f" ({layout.sliding_groups} chunked local attention and {layout.full_groups} full-attention layer "
+            f"groups: the chunked ones keep at most the current {layout.window}-token chunk + {held} tokens "
+            "in flight)"
+        )
     return (
         f" ({layout.sliding_groups} sliding-window and {layout.full_groups} full-attention layer groups: "
         f"the sliding ones keep at most the {layout.window}-token window + {held} tokens in flight)"

@@ -12,12 +12,11 @@ tests/operator/planning/test_model_config.py checks the count against transforme
 built from the same config. A window is what vLLM allocates, not what the config names: vLLM 0.33
 reads a Llama-style model's windows from layer_types only (Mistral-7B-v0.1's sliding_window alone is
 full attention there) and never gives Qwen layers a window. Llama 4's chunked layers
-(ChunkedLocalAttentionSpec: the current chunk and the tokens in flight) are carried as
-sliding-window layers of the chunk's size, which the planner holds one block more of per sequence
-and group than vLLM does (a window may start inside a block, a chunk does not): a little fewer
-sequences, never more. A family this module does not describe, or a feature of one that changes the
-KV rule (a vision tower it does not count), is refused with the reason (`UnsupportedArchitecture`),
-never planned as if it were plain attention. A hybrid with Mamba or linear-attention layers
+(ChunkedLocalAttentionSpec: the current chunk and the tokens in flight) are carried as local
+layers of the chunk's size with slidingKind chunk, which the planner holds as vLLM does. A family
+this module does not describe, or a feature of one that changes the KV rule (a vision tower it
+does not count), is refused with the reason (`UnsupportedArchitecture`), never planned as if it
+were plain attention. A hybrid with Mamba or linear-attention layers
 (Qwen3-Next, Nemotron-H) is read with its state layers (Architecture.state), whose per-sequence
 pages planning/recurrent.py sizes as vLLM 0.33 allocates them; one whose other layers are not
 counted yet (Granite 4.0-H, Falcon-H1) is refused with its state.
@@ -627,6 +626,7 @@ def _architecture(config: Mapping[str, Any], name: str, family: Family, source: 
         tie_word_embeddings=tied,
         sliding_window=_positive(_window(config, family), "the window") if sliding else None,
         sliding_layers=sliding if sliding and sliding < layers else None,
+        sliding_kind="chunk" if sliding and family.windows == "chunked" else "window",
         latent_dim=_int(config, "kv_lora_rank") + _int(config, "qk_rope_head_dim") if family.latent else None,
         source=source,
     )

@@ -185,7 +185,10 @@ def beyond_plain_decoder(arch: Architecture) -> str | None:
     """What `arch` holds beyond a decoder whose every layer attends to the whole sequence over K and
     V heads, text only; None when nothing."""
     features = [
-        f"sliding-window layers (window {arch.sliding_window})" if arch.sliding_window is not None else "",
+        f"{'chunked local attention' if arch.chunked else 'sliding-window'} layers "
+        f"({'chunk' if arch.chunked else 'window'} {arch.sliding_window})"
+        if arch.sliding_window is not None
+        else "",
         "latent attention (MLA)" if arch.latent_dim is not None else "",
         "a vision tower" if arch.vision_parameters is not None else "",
         f"{arch.state.layers} {arch.state.kind} layers that keep a state per sequence"
@@ -213,6 +216,7 @@ class KVLayout(NamedTuple):
     window: int | None
     state_groups: int = 0  # groups of layers that keep a state per sequence, whatever its length
     state_blocks: int = 0  # the blocks one sequence's state takes in each of them
+    chunked: bool = False  # the sliding groups' window is a chunk (ChunkedLocalAttentionSpec)
 
 
 def group_size(kinds: list[int]) -> int:
@@ -224,19 +228,38 @@ def group_size(kinds: list[int]) -> int:
     return largest if 2 * largest < 3 * smallest else smallest
 
 
-def kv_layout(arch: Architecture, bytes_per_value: int = KV_BYTES_PER_VALUE, tp: int = 1, draft: int = 0) -> KVLayout:
+def every_token_held(arch: Architecture, speculative: str, draft: Architecture | None) -> bool:
+    """Whether vLLM 0.33 keeps every token in `arch`'s local layers too, under the `speculative` mode
+    with `draft`: VllmConfig turns its hybrid KV cache manager off where chunked local attention
+    meets an EAGLE-style drafter (speculative_config.use_eagle(); sliding windows alone keep it on),
+    and unify_hybrid_kv_cache_specs then allocates the local layers as full attention wherever a
+    full-attention layer is among the target's or the draft's (Llama 4's NoPE layers always are)."""
+    if not arch.chunked or speculative != "eagle" or draft is None:
+        return False
+    return arch.windowed_layers < arch.layers or draft.windowed_layers < draft.layers
+
+
+def kv_layout(
+    arch: Architecture,
+    bytes_per_value: int = KV_BYTES_PER_VALUE,
+    tp: int = 1,
+    draft: int = 0,
+    every_token: bool = False,
+) -> KVLayout:
     """How vLLM groups `arch`'s layers on `tp` GPUs, with a draft model's `draft` bytes per token
     beside every block's (its KV slot for each of the target's). A mix of kinds is split into groups
     of the smaller kind's count, or of the larger's when it is under 1.5 times the smaller (vLLM's
-    rule, padding the last group of a kind)."""
-    sliding = arch.windowed_layers
+    rule, padding the last group of a kind). `every_token` (every_token_held): the local layers are
+    held as full attention, all in one group."""
+    sliding = 0 if every_token else arch.windowed_layers
     full = arch.layers - sliding
     size = group_size([full, sliding])
     return KVLayout(
         group_bytes_per_token=size * _layer_bytes_per_token(arch, bytes_per_value, tp) + draft,
         full_groups=math.ceil(full / size),
         sliding_groups=math.ceil(sliding / size),
-        window=arch.sliding_window,
+        window=arch.sliding_window if sliding else None,
+        chunked=arch.chunked and bool(sliding),
     )
 
 
@@ -253,10 +276,16 @@ def sequence_blocks(layout: KVLayout, tokens: int, block_size: int, in_flight: i
     """Blocks one sequence of `tokens` takes: every token's in each full group, its state's in each
     state group; in each sliding group the window less one plus the `in_flight` tokens (at most the
     sequence), and a block more for a window that starts inside a block
-    (SlidingWindowSpec.max_admission_blocks_per_request)."""
+    (SlidingWindowSpec.max_admission_blocks_per_request); in each chunked group the whole chunk plus
+    the tokens in flight (at most the sequence), from a block's start: a chunk starts at a multiple
+    of its size, a multiple of the block size (vLLM's local-attention metadata asserts it)
+    (ChunkedLocalAttentionSpec.max_admission_blocks_per_request)."""
     blocks = layout.full_groups * blocks_per_sequence(tokens, block_size) + layout.state_groups * layout.state_blocks
     if layout.window is None:
         return blocks
+    if layout.chunked:
+        held = min(layout.window + in_flight, tokens)
+        return blocks + layout.sliding_groups * blocks_per_sequence(held, block_size)
     held = min(layout.window - 1 + in_flight, tokens)
     return blocks + layout.sliding_groups * (blocks_per_sequence(held, block_size) + 1)
 

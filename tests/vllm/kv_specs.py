@@ -20,6 +20,12 @@ and block size at tensor-parallel sizes 2, 4 and 8 come from the model class's o
 (building the model needs its GPUs), and so do every model's KV heads per GPU at those sizes
 (ModelConfig.get_num_kv_heads: copied where the GPUs outnumber them).
 
+A case with an "eagle_head" (an EAGLE head's config.json) is planned again with that head as vLLM's
+EAGLE drafter (SpeculativeConfig method "eagle"): whether VllmConfig turns the hybrid KV cache
+manager off, and the pool vLLM then plans of the target's layers and the head's one decoder layer
+(a full-attention layer of the target's KV shape, as Llama 4's NoPE-layer head is: the head's own
+module is not built here).
+
 The model folder holds only the config.json, so nothing is downloaded and no weights are read.
 """
 
@@ -36,7 +42,14 @@ from typing import Any
 from unittest import mock
 
 import torch
-from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+from vllm.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SpeculativeConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
@@ -45,7 +58,7 @@ from vllm.platforms.interface import Platform
 from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec, MambaSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec
 
 BLOCK_SIZE = 16
 MAX_NUM_BATCHED_TOKENS = 8192
@@ -118,18 +131,29 @@ def _layer(spec: KVCacheSpec, vllm_config: VllmConfig) -> dict[str, Any]:
     }
 
 
-def _vllm_config(folder: Path, tp: int = 1) -> VllmConfig:
-    """vLLM's config of the model in `folder` as its CUDA GPUs take it, on `tp` of them."""
+def _vllm_config(folder: Path, tp: int = 1, eagle_head: Path | None = None) -> VllmConfig:
+    """vLLM's config of the model in `folder` as its CUDA GPUs take it, on `tp` of them, with the
+    EAGLE head in `eagle_head` as its drafter, if any."""
     config = json.loads((folder / "config.json").read_text())
     config.pop("quantization_config", None)
     (folder / "config.json").write_text(json.dumps(config))
     model = ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16")
     # A hybrid's prefix caching (as the operator renders it) keeps its states block by block.
     cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=model.is_hybrid)
+    parallel = ParallelConfig(tensor_parallel_size=tp)
+    speculative = None
+    if eagle_head is not None:
+        speculative = SpeculativeConfig(
+            method="eagle",
+            model=str(eagle_head),
+            num_speculative_tokens=4,
+            target_model_config=model,
+            target_parallel_config=parallel,
+        )
     with mock.patch.object(torch.cpu, "_is_avx512_bf16_supported", lambda: False):
         # This CPU platform would store a Gated DeltaNet's state in fp32 for its own kernels.
         vllm_config = VllmConfig(
-            model_config=model, cache_config=cache, parallel_config=ParallelConfig(tensor_parallel_size=tp)
+            model_config=model, cache_config=cache, parallel_config=parallel, speculative_config=speculative
         )
     vllm_config.scheduler_config.async_scheduling = True
     # The engine core resolves it from the backends (FlashAttention: NHD); pages of one size pack the
@@ -147,23 +171,42 @@ def kv_pool(folder: Path, flashinfer_gdn: bool = False) -> dict[str, Any]:
     kinds = (AttentionSpec | MambaSpec) if vllm_config.model_config.is_hybrid else AttentionSpec
     if not specs or any(not isinstance(spec, kinds) for spec in specs.values()):
         return {"layer_specs": layers}
+    return {"layer_specs": layers, "pool": _planned(vllm_config, specs)}
+
+
+def with_eagle(folder: Path, head: dict[str, Any]) -> dict[str, Any]:
+    """The model planned beside the EAGLE head `head`: whether vLLM turns its hybrid KV cache manager
+    off, and the pool of the target's layers and the head's decoder layer."""
+    (folder.parent / f"{folder.name}-eagle").mkdir()
+    (folder.parent / f"{folder.name}-eagle" / "config.json").write_text(json.dumps(head))
+    vllm_config = _vllm_config(folder, eagle_head=folder.parent / f"{folder.name}-eagle")
+    specs = _layer_specs(vllm_config)
+    full = next(spec for spec in specs.values() if type(spec) is FullAttentionSpec)
+    # The head's layer after the target's (vLLM names it past the target's last layer).
+    specs["draft_model.model.layers.0.self_attn.attn"] = full
+    return {
+        "hybrid_manager_off": bool(vllm_config.scheduler_config.disable_hybrid_kv_cache_manager),
+        "pool": _planned(vllm_config, specs),
+    }
+
+
+def _planned(vllm_config: VllmConfig, specs: dict[str, KVCacheSpec]) -> dict[str, Any]:
+    """vLLM's planning of AVAILABLE bytes with the layers' `specs`: its groups, blocks, and the blocks
+    one max_model_len sequence takes."""
     groups = get_kv_cache_groups(vllm_config, specs)
     planned = get_kv_cache_config_from_groups(vllm_config, groups, AVAILABLE)
     per_request = sum(
         cdiv(g.kv_cache_spec.max_memory_usage_bytes(vllm_config), g.kv_cache_spec.page_size_bytes) for g in groups
     )
     return {
-        "layer_specs": layers,
-        "pool": {
-            "block_size": vllm_config.cache_config.block_size,
-            "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-            "max_in_flight_tokens": vllm_config.max_in_flight_tokens,
-            "available": AVAILABLE,
-            "groups": [type(g.kv_cache_spec).__name__ for g in groups],
-            "num_blocks": planned.num_blocks,
-            "blocks_per_request": per_request,
-            "max_model_len": vllm_config.model_config.max_model_len,
-        },
+        "block_size": vllm_config.cache_config.block_size,
+        "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+        "max_in_flight_tokens": vllm_config.max_in_flight_tokens,
+        "available": AVAILABLE,
+        "groups": [type(g.kv_cache_spec).__name__ for g in groups],
+        "num_blocks": planned.num_blocks,
+        "blocks_per_request": per_request,
+        "max_model_len": vllm_config.model_config.max_model_len,
     }
 
 
@@ -217,6 +260,8 @@ def main() -> None:
                 found |= kv_pool(folder, bool(case.get("flashinfer_gdn")))
                 if found["hybrid"] and not case.get("flashinfer_gdn"):
                     found["split"] = hybrid_split(folder)
+                if case.get("eagle_head"):
+                    found["eagle"] = with_eagle(folder, case["eagle_head"])
             except Exception as error:  # noqa: BLE001 - reported per case, for the test to show
                 found = {"error": f"{type(error).__name__}: {error}"}
             print(json.dumps({"id": case["id"], **found}), flush=True)

@@ -341,6 +341,22 @@ def test_the_name_must_be_able_to_name_a_service(crd: dict[str, Any]) -> None:
                 },
             }
         },
+        # A chunk needs its size (slidingWindow): CEL's "slidingKind chunk needs slidingWindow".
+        {
+            "model": {
+                "name": "x",
+                "architecture": {
+                    "layers": 2,
+                    "hiddenSize": 64,
+                    "attentionHeads": 4,
+                    "kvHeads": 2,
+                    "vocabSize": 10,
+                    "parameters": 10,
+                    "maxContext": 16,
+                    "slidingKind": "chunk",
+                },
+            }
+        },
     ],
 )
 def test_pydantic_spec_enforces_the_same_rules_as_cel(bad: dict[str, Any]) -> None:
@@ -408,6 +424,7 @@ def test_the_field_check_sees_a_field_missing_or_misnamed(crd: dict[str, Any]) -
         {"model": {"name": "x", "quantization": "int3"}},
         {"model": {"name": "x", "architecture": {**ARCHITECTURE, "layers": 0}}},
         {"model": {"name": "x", "architecture": {**ARCHITECTURE, "parameters": 0}}},
+        {"model": {"name": "x", "architecture": {**ARCHITECTURE, "slidingWindow": 8, "slidingKind": "cyclic"}}},
         {"serving": {"numSpeculativeTokens": 17}},
         {"serving": {"gpuMemoryUtilization": 0}},
         {"serving": {"gpuMemoryUtilization": 1.01}},

@@ -176,9 +176,11 @@ def test_parameters_and_kv_geometry_are_as_transformers_builds_the_model(name: s
         assert arch.active_parameters is not None and arch.active_parameters < arch.parameters
     else:
         assert arch.active_parameters is None
-    local = ("sliding_attention", "chunked_attention")  # Llama 4's chunks are held as windows
-    sliding = [t for t in model.config.layer_types if t in local] if name in WINDOWED else []
+    # transformers names Llama 4's local layers chunked_attention, the others' sliding_attention.
+    local = "chunked_attention" if arch.chunked else "sliding_attention"
+    sliding = [t for t in model.config.layer_types if t == local] if name in WINDOWED else []
     assert (arch.sliding_window, arch.windowed_layers) == (WINDOWED.get(name), len(sliding))
+    assert arch.chunked == (name == "llama4")
 
 
 # The families whose windows vLLM 0.33 allocates, and the window each tiny config gives.
@@ -575,8 +577,41 @@ def vllm_kv_specs() -> dict[str, dict[str, Any]]:
     ]
     # Hybrids whose real config.json is not among hf_configs, as tiny configs in their checkpoints' keys.
     cases += [json.dumps({"id": name, "config": config}) for name, config in TINY_HYBRIDS.items()]
+    # Chunked and sliding local layers again beside an EAGLE head.
+    cases += [
+        json.dumps({"id": f"{n}#eagle", "config": _language_model_of(n) if _wraps(n) else _config(n), "eagle_head": h})
+        for n, h in ((n, _eagle_head_config(n)) for n in EAGLE_TARGETS)
+    ]
     out = env.run("kv_specs", "\n".join(cases) + "\n")
     return {found["id"]: found for found in map(json.loads, out.splitlines())}
+
+
+# Models with local layers planned beside an EAGLE head: chunked (Llama 4) and sliding (gpt-oss).
+SCOUT = "meta-llama--Llama-4-Scout-17B-16E-Instruct"
+EAGLE_TARGETS = (SCOUT, "openai--gpt-oss-20b")
+
+
+def _config(name: str) -> dict[str, Any]:
+    return json.loads((HF_CONFIGS / f"{name}.json").read_text())
+
+
+def _eagle_head_config(name: str) -> dict[str, Any]:
+    """An EAGLE head of one decoder layer for `name`, as vLLM's drafters read it: Llama 4's own (its
+    layer past the target's, full attention: no_rope_layers pads it NoPE), else a Llama layer of the
+    target's shapes."""
+    text = _language_model_of(name) if _wraps(name) else _config(name)
+    if _wraps(name):
+        shapes = {"num_hidden_layers": 1, "moe_layers": [], "no_rope_layers": [], "interleave_moe_layer_step": 0}
+        return {**text, **shapes, "architectures": ["EagleLlama4ForCausalLM"]}
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+    return {
+        **{key: text[key] for key in keys},
+        "architectures": ["EagleLlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "intermediate_size": 4 * text["hidden_size"],
+        "max_position_embeddings": text["max_position_embeddings"],
+    }
 
 
 # The real configs of hybrids (Mamba-2, Gated DeltaNet) and a GPU vLLM runs each kernel path on.
@@ -684,13 +719,6 @@ def _beyond_what_is_sized(found: dict[str, Any]) -> bool:
     return any(layer["kind"] not in SIZED_KINDS for layer in found["layer_specs"])
 
 
-def _chunked(name: str) -> bool:
-    """Whether the model's windowed layers are chunked local attention (Llama 4), not sliding windows."""
-    config = json.loads((HF_CONFIGS / f"{name}.json").read_text())
-    language = WRAPPERS[config["architectures"][0]].language_model if _wraps(name) else config["architectures"][0]
-    return FAMILIES.get(language) is not None and FAMILIES[language].windows == "chunked"
-
-
 def _without_quantization(name: str) -> dict[str, Any]:
     """The config as a 16-bit checkpoint of it holds it: the KV rule is the same however the weights
     are stored."""
@@ -720,7 +748,7 @@ def test_vllm_allocates_the_kv_cache_by_the_same_layout_or_sees_what_the_planner
         return
     assert not _beyond_what_is_sized(found), found
     full_kind = "MLAAttentionSpec" if arch.latent_dim else "FullAttentionSpec"
-    chunked = _chunked(name)
+    chunked = arch.chunked  # vLLM's kinds below say whether the planner told them apart rightly
     local_kind = "ChunkedLocalAttentionSpec" if chunked else "SlidingWindowSpec"
     kinds = {full_kind: arch.layers - arch.windowed_layers, local_kind: arch.windowed_layers}
     assert Counter(layer["kind"] for layer in layers) == +Counter(kinds)
@@ -740,13 +768,47 @@ def test_vllm_allocates_the_kv_cache_by_the_same_layout_or_sees_what_the_planner
     assert pool["max_in_flight_tokens"] == in_flight
     assert len(pool["groups"]) == layout.full_groups + layout.sliding_groups
     assert pool["num_blocks"] == pool["available"] // sizing.kv_block_bytes(layout, pool["block_size"])
-    # A chunk is held as a window (Architecture has no field to tell them apart): chunk - 1 tokens and
-    # a block for a window starting inside one, where vLLM keeps the whole chunk from a block's start
-    # (ChunkedLocalAttentionSpec.max_admission_blocks_per_request): a block more per chunked group.
-    over = layout.sliding_groups if chunked else 0
-    assert pool["blocks_per_request"] + over == sizing.sequence_blocks(
+    # A chunked group keeps the whole chunk from a block's start, a sliding one the window less one
+    # and a block more (Architecture.slidingKind tells them apart).
+    assert layout.chunked == chunked
+    assert pool["blocks_per_request"] == sizing.sequence_blocks(
         layout, pool["max_model_len"], pool["block_size"], in_flight
     )
+
+
+@pytest.mark.parametrize("name", EAGLE_TARGETS)
+def test_vllm_keeps_every_token_of_chunked_layers_beside_an_eagle_head_as_the_planner_sizes_it(
+    name: str, vllm_kv_specs: dict[str, dict[str, Any]]
+) -> None:
+    found = vllm_kv_specs[f"{name}#eagle"]
+    assert "error" not in found, found
+    read = read_config(_without_quantization(name), name)
+    assert not isinstance(read, str), read
+    arch = read.architecture
+    head = arch.model_copy(update={"layers": 1, "sliding_window": None, "sliding_layers": None})
+    held_whole = sizing.every_token_held(arch, "eagle", head)
+    # vLLM turns its hybrid KV cache manager off for Llama 4's chunks, not for gpt-oss's windows.
+    assert found["eagle"]["hybrid_manager_off"] == held_whole == arch.chunked
+    pool = found["eagle"]["pool"]
+    layout = sizing.kv_layout(arch, draft=sizing.kv_bytes_per_token(head), every_token=held_whole)
+    in_flight = pool["max_in_flight_tokens"]
+    if held_whole:
+        # Every layer allocated as full attention, the head's with them: one group, every token.
+        assert pool["groups"] == ["FullAttentionSpec"]
+        assert layout.group_bytes_per_token == sizing.kv_bytes_per_token(arch) + sizing.kv_bytes_per_token(head)
+        assert pool["num_blocks"] == pool["available"] // sizing.kv_block_bytes(layout, pool["block_size"])
+    else:
+        # The groups as without the head (whose layer the planner holds beside every block's, not in
+        # a group of its own: its pool is not compared).
+        assert len(pool["groups"]) == layout.full_groups + layout.sliding_groups
+        return
+    assert pool["blocks_per_request"] == sizing.sequence_blocks(
+        layout, pool["max_model_len"], pool["block_size"], in_flight
+    )
+    # Held in chunks (the hybrid manager on), the same sequence would take under a third of the bytes.
+    local = sizing.kv_layout(arch, draft=sizing.kv_bytes_per_token(head))
+    sequence = (pool["max_model_len"], pool["block_size"], in_flight)
+    assert 3 * sizing.sequence_bytes(local, *sequence) < sizing.sequence_bytes(layout, *sequence)
 
 
 def _assert_kv_heads_per_gpu_agree(arch: Architecture, found: dict[str, Any]) -> None:

@@ -52,6 +52,44 @@ def test_sliding_window_groups_keep_the_window_and_the_tokens_in_flight_full_one
     assert sizing.sequences_that_fit(2 * GiB, layout, 32768, 16, 100) == (2 * GiB // (16 * 4096)) // 2288
 
 
+def test_chunked_groups_keep_the_current_chunk_and_the_tokens_in_flight_from_a_blocks_start() -> None:
+    # Llama 4's shape: 48 layers, every fourth full (NoPE), the others in 8192-token chunks.
+    llama4 = LLAMA_2_7B.model_copy(
+        update={"layers": 48, "kv_heads": 8, "sliding_window": 8192, "sliding_layers": 36, "sliding_kind": "chunk"}
+    )
+    layout = sizing.kv_layout(llama4)
+    assert llama4.chunked and layout.chunked
+    assert (layout.full_groups, layout.sliding_groups, layout.window) == (1, 3, 8192)
+    # ceil((8192 + 100) / 16) = 519 blocks per chunked group: no block more for a start inside one
+    # (a sliding window of the same size takes ceil((8191 + 100) / 16) + 1 = 520).
+    assert sizing.sequence_blocks(layout, 32768, 16, in_flight=100) == 2048 + 3 * 519
+    windowed = sizing.kv_layout(llama4.model_copy(update={"sliding_kind": "window"}))
+    assert not windowed.chunked
+    assert sizing.sequence_blocks(windowed, 32768, 16, in_flight=100) == 2048 + 3 * 520
+    # A sequence shorter than the chunk keeps all of it in every group, in as many blocks.
+    assert sizing.sequence_blocks(layout, 100, 16, in_flight=100) == 4 * 7
+
+
+def test_vllm_holds_every_token_of_chunked_layers_beside_an_eagle_head_only() -> None:
+    chunked = LLAMA_2_7B.model_copy(
+        update={"layers": 48, "kv_heads": 8, "sliding_window": 8192, "sliding_layers": 36, "sliding_kind": "chunk"}
+    )
+    head = chunked.model_copy(update={"layers": 1, "sliding_window": None, "sliding_layers": None})
+    assert sizing.every_token_held(chunked, "eagle", head)
+    # A draft model, another mode, or sliding windows keep vLLM's hybrid KV cache manager on.
+    assert not sizing.every_token_held(chunked, "draft", head)
+    assert not sizing.every_token_held(chunked, "eagle", None)
+    assert not sizing.every_token_held(chunked.model_copy(update={"sliding_kind": "window"}), "eagle", head)
+    # Nothing full anywhere (every layer chunked, the head's too): the specs stay uniform, unpromoted.
+    all_chunked = chunked.model_copy(update={"sliding_layers": None})
+    assert not sizing.every_token_held(all_chunked, "eagle", all_chunked.model_copy(update={"layers": 1}))
+    assert sizing.every_token_held(all_chunked, "eagle", head)
+    # Held whole: one group of all 48 layers, every token of the sequence.
+    whole = sizing.kv_layout(chunked, every_token=True)
+    assert whole == sizing.KVLayout(48 * 2 * 8 * 128 * 2, full_groups=1, sliding_groups=0, window=None)
+    assert sizing.sequence_blocks(whole, 32768, 16, in_flight=100) == 2048
+
+
 def test_a_latent_is_one_per_token_and_layer_and_whole_on_every_gpu() -> None:
     deepseek = LLAMA_2_7B.model_copy(update={"layers": 61, "kv_heads": 1, "latent_dim": 576})
     assert sizing.kv_bytes_per_token(deepseek) == 61 * 576 * 2

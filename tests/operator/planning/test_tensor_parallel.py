@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
 from kvpilot.operator.controller.render import engine_args
 from kvpilot.operator.planning import recurrent, sizing, speculation
@@ -17,6 +18,7 @@ from kvpilot.operator.planning.model_config import read_config
 from kvpilot.operator.planning.models import MODELS
 from kvpilot.operator.planning.placement import heads_problem
 from kvpilot.operator.planning.plan import PlanContext, plan
+from tests.vllm.model_configs import eagle_head
 
 
 def spec(model: str, gpu: str, runtime: str = "vllm", **fields: Any) -> InferenceServiceSpec:
@@ -123,8 +125,6 @@ def test_a_draft_whose_heads_the_size_does_not_divide_is_left_out_or_refused_whe
 
 
 def test_an_eagle_head_is_planned_beside_the_target_on_vllm() -> None:
-    from tests.vllm.model_configs import eagle_head
-
     head = eagle_head(MODELS["llama-3-8b"])
     serving = {
         "speculative": "eagle",
@@ -213,3 +213,52 @@ def test_kv_or_state_heads_the_size_neither_divides_nor_copies_evenly_rule_it_ou
         == "TP 8 does not divide the gated_deltanet layers' 12 heads and 8192 convolution channels"
     )
     assert heads_problem(odd_state, 4) is None
+
+
+SCOUT = Path(__file__).parent / "hf_configs" / "meta-llama--Llama-4-Scout-17B-16E-Instruct.json"
+
+
+def _speculating(arch: Architecture, mode: str, head: Architecture, tp: int) -> InferenceServiceSpec:
+    """`arch` on `tp` H200s drafting with `head` under `mode`, 128k tokens at most."""
+    serving = {
+        "speculative": mode,
+        "draftModel": "hf://org/head",
+        "draftModelArchitecture": head.model_dump(by_alias=True, exclude_none=True),
+        "maxContextLength": 131072,
+    }
+    return InferenceServiceSpec.model_validate(
+        {
+            "runtime": "vllm",
+            "model": {"name": "model", "architecture": arch.model_dump(by_alias=True, exclude_none=True)},
+            "accelerator": {"type": "H200", "count": tp},
+            "serving": serving,
+            "load": {"requestsPerSecond": 0.2},
+        }
+    )
+
+
+def test_llama_4_beside_an_eagle_head_keeps_every_token_of_its_chunked_layers() -> None:
+    scout = _architecture(SCOUT)
+    assert scout.chunked and (scout.layers, scout.windowed_layers) == (48, 36)
+    # A head of one full-attention decoder layer of Scout's KV shape (sizes beside the KV are not checked).
+    local = {"sliding_window": None, "sliding_layers": None, "sliding_kind": "window", "vision_parameters": None}
+    head = Architecture.model_validate(eagle_head(scout.model_copy(update=local)).model_dump())
+    eagle, drafted = (plan(_speculating(scout, mode, head, 2)) for mode in ("eagle", "draft"))
+    assert eagle.fits and drafted.fits, (eagle.reason, drafted.reason)
+    assert eagle.kv_bytes_per_token == drafted.kv_bytes_per_token == 49 * 2 * 8 * 128 * 2
+    # EAGLE: vLLM turns its hybrid KV cache manager off, so a block holds a token of all 48 layers and
+    # the head's, and a 128k sequence every token of them.
+    assert eagle.kv_blocks == eagle.kv_pool_bytes // (16 * eagle.kv_bytes_per_token)
+    assert "every token in all 48 layers, the 36 chunked local attention ones too" in eagle.reasons["kvCache"]
+    assert f"{131072 * eagle.kv_bytes_per_token / sizing.GiB:.1f} GiB per full sequence" in eagle.reasons["kvCache"]
+    # A draft model keeps it on: blocks of one group of 12 layers (and the draft's slot), and chunked
+    # groups that keep the current chunk.
+    group = 12 * 2 * 8 * 128 * 2 + drafted.draft_kv_bytes_per_token
+    assert drafted.kv_blocks == drafted.kv_pool_bytes // (16 * group)
+    assert "3 chunked local attention and 1 full-attention layer groups" in drafted.reasons["kvCache"]
+    assert _full_sequences(eagle) < _full_sequences(drafted)
+
+
+def _full_sequences(result: Plan) -> int:
+    """How many max_model_len sequences the plan's reason says fit."""
+    return int(result.reasons["kvCache"].split(" at the full ")[0].rsplit(" ", 1)[1])

@@ -262,3 +262,26 @@ def test_llama_4_beside_an_eagle_head_keeps_every_token_of_its_chunked_layers() 
 def _full_sequences(result: Plan) -> int:
     """How many max_model_len sequences the plan's reason says fit."""
     return int(result.reasons["kvCache"].split(" at the full ")[0].rsplit(" ", 1)[1])
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_a_drafts_kv_heads_are_copied_on_the_targets_gpus_where_they_outnumber_them(tp: int) -> None:
+    # Llama-3-70B (8 KV heads: its share on each GPU) drafting with a 1B of 2 KV heads: split over
+    # 2 GPUs, copied to tp / 2 GPUs each over 4 and 8 (vLLM's num_kv_head_replicas), so the draft's
+    # slot of a token over the replica holds tp heads, not 2.
+    draft = MODELS["llama-3.2-1b"].model_copy(update={"kv_heads": 2})
+    serving = {
+        "speculative": "draft",
+        "draftModel": "hf://org/draft",
+        "draftModelArchitecture": draft.model_dump(by_alias=True, exclude_none=True),
+        "quantization": "none",
+    }
+    result = plan(spec("llama-3-70b", "H200", accelerator={"count": tp}, serving=serving))
+    assert result.fits and (result.gpu_count, result.speculative) == (tp, "draft"), result.reason
+    heads_held = max(draft.kv_heads, tp)
+    draft_kv = draft.layers * 2 * heads_held * draft.head_size * 2
+    target_kv = 80 * 2 * 8 * 128 * 2  # 8 KV heads: 8 / tp of them on each GPU, never copied here
+    assert (result.draft_kv_bytes_per_token, result.kv_bytes_per_token) == (draft_kv, target_kv + draft_kv)
+    # Every block holds the target's and the draft's slots of its tokens, copies included.
+    assert result.kv_blocks == result.kv_pool_bytes // (16 * (target_kv + draft_kv))
+    assert f"{draft_kv / sizing.MiB:.3g} MiB of KV per token" in result.reasons["speculative"]

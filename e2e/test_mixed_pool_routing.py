@@ -51,13 +51,11 @@ from e2e.chart import Installation
 from e2e.cluster import Cluster
 from e2e.local_gateway import LocalGateway
 from e2e.local_operator import LocalOperator
+from e2e.mixed_pool import MODEL, POOL, engine_urls, pool_spec, variant_rows
 from e2e.pod_runner import PodRunner
 from e2e.polling import Background, poll
-from kvpilot.operator.api.names import VARIANT_LABEL, variant
 
 ApplyISVC = Callable[[str, dict[str, Any]], dict[str, Any]]
-MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-POOL = [{"type": "L4", "maxReplicas": 1}, {"type": "H100-80GB", "maxReplicas": 1}]
 # Clients at once: the weighted allocation at 12 in flight is 10 on the H100 pod and 2 on the L4's.
 CONCURRENCY = 12
 MAX_TOKENS = 8
@@ -71,17 +69,9 @@ COUNT_TOLERANCE = 0.12
 
 
 def mixed_spec() -> dict[str, Any]:
-    """The embedded model (our engine loads it by name) over one L4 and one H100-80GB replica,
-    planned with the CRD's defaults; replicas held by hand (the autoscaler would move them while the
-    load runs); no speculation (alike steps on both)."""
-    return {
-        "model": {"name": MODEL},
-        "runtime": "kvpilot",
-        "replicas": len(POOL),
-        "accelerator": {"variants": POOL},
-        "serving": {"speculative": "off"},
-        "autoscaling": {"mode": "off", "maxReplicas": len(POOL)},
-    }
+    """The pool (e2e/mixed_pool.py) at one L4 and one H100-80GB replica, held by hand (the
+    autoscaler would move them while the load runs)."""
+    return pool_spec(replicas=len(POOL), autoscaling={"mode": "off", "maxReplicas": len(POOL)})
 
 
 def _engine_metrics(http: httpx.Client, url: str) -> dict[str, float]:
@@ -160,18 +150,12 @@ def pool_engines(
     namespace, name = kvpilot.watch_namespaces[0], "mixed-routing"
     apply_isvc(name, mixed_spec())
     obj = kvis.wait_condition(k8s, namespace, name, "Ready", "True", timeout_s=120)
-    rows = {row["gpu"]: row for row in obj["status"]["variants"]}
+    rows = variant_rows(obj)
     assert sorted(rows) == sorted(v["type"] for v in POOL) and all(r["replicas"] == 1 for r in rows.values()), rows
     with PodRunner(k8s, namespace, name, tmp_path) as runner:
         poll(lambda: len(runner.serving()) == len(POOL) or None, 180, f"engines for {name}'s pods", interval_s=1.0)
-        labels = {p["metadata"]["name"]: p["metadata"]["labels"] for p in kvis.running_pods(k8s, namespace, name)}
-        urls = {
-            gpu: url
-            for pod, url in runner.serving().items()
-            for gpu in rows
-            if labels[pod][VARIANT_LABEL] == variant(gpu)
-        }
-        assert sorted(urls) == sorted(rows), (labels, runner.snapshot())
+        urls = engine_urls(k8s, namespace, name, runner)
+        assert sorted(urls) == sorted(rows), runner.snapshot()
         yield name, rows, urls
         assert not runner.errors, runner.snapshot()
 

@@ -184,10 +184,11 @@ def with_variants(
 
 def replica_capacity(status: InferenceServiceStatus, max_replicas: int) -> tuple[float, ...]:
     """A mixed pool's replicas' capacities in the order its reconcile adds them (variant.fill:
-    each type that meets the SLO, cheapest first, up to its maxReplicas and the replicas its full
-    nodes hold); empty for a service of one GPU type."""
-    rows = [row for row in status.variants or [] if row.capacity_rps]
-    if len(rows) < 2:
+    each type in turn, those that meet the SLO first, up to its maxReplicas and the replicas its
+    full nodes hold); empty for a service of one GPU type, or a pool none of whose types meets it."""
+    # Those that miss the SLO come after the others (variants.fill), with no capacity to count.
+    rows = [row for row in status.variants or [] if row.gpu]
+    if len(rows) < 2 or not any(row.capacity_rps for row in rows):
         return ()
     capacities: list[float] = []
     for row in rows:

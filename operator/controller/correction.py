@@ -14,6 +14,8 @@ better than none.
 
 Only in `autoscaling.mode: slo`, where the operator owns the replica count: under `external` an HPA
 or KEDA does, and a re-planned count would move a Deployment the operator promised to leave alone.
+Not for a mixed pool (accelerator.variants): one factor from the pool's merged p95 does not hold for
+each of its types (see `correction`).
 """
 
 from __future__ import annotations
@@ -65,7 +67,10 @@ def _moved(kept: KeptCorrection, ratios: Mapping[str, float]) -> bool:
 
 def correction(status: InferenceServiceStatus, spec: InferenceServiceSpec) -> dict[str, Any] | None:
     """The correction to plan `spec` with (and to write as status.correction), from the last status."""
-    if spec.autoscaling.mode != "slo":
+    if spec.autoscaling.mode != "slo" or spec.accelerator.variants:
+        # A mixed pool's merged p95 against its cheapest type's predictions is no factor for each
+        # type: applied to all it re-ranks them (an L4's capacity falls 75x where an H100's falls
+        # 18x) and moves the replicas. Each type's own ratios are in planAccuracy.variants.
         return None
     # A correction measured under another basis does not hold for this spec.
     kept = status.correction if status.correction and status.correction.basis == basis(spec) else None

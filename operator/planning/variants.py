@@ -173,16 +173,19 @@ def _shares(spec: InferenceServiceSpec, ranked: Sequence[_Alone]) -> tuple[list[
 
 
 def fill(mixed: MixedPlan, total: int, room: Mapping[str, int] | None = None) -> list[int]:
-    """Replicas per variant (in `mixed.variants`' order, cheapest per req/s first) for `total`
-    replicas of the service: each variant that meets the SLO in turn up to its maxReplicas (and the
-    `room` its nodes were found to have, by Variant.key: its pods beyond it stayed Pending), so a
-    scale-up goes to the cheapest with room and a scale-down leaves the most expensive first. At
-    the planned total, the planned split (a variant takes load only once those before it are full)."""
+    """Replicas per variant (in `mixed.variants`' order: those that meet the SLO first, cheapest per
+    req/s first, then those that miss it) for `total` replicas of the service: each variant in turn
+    up to its maxReplicas (and the `room` its nodes were found to have, by Variant.key: its pods
+    beyond it stayed Pending), so a scale-up goes to the cheapest with room and a scale-down leaves
+    the most expensive first. At the planned total, the planned split (a variant takes load only
+    once those before it are full). A variant that misses the SLO takes replicas only once every one
+    that meets it is full: its maxReplicas is the GPUs of it the service may take, and past those of
+    the others the service's replicas go to it rather than past another's maximum."""
     room = room or {}
     serving = [v for v in mixed.variants if v.cost_per_rps_hour is not None] or mixed.variants[:1]
     counts, left = [], total
     for v in mixed.variants:
-        counts.append(min(left, v.max_replicas, room.get(v.key, v.max_replicas)) if v in serving else 0)
+        counts.append(min(left, v.max_replicas, room.get(v.key, v.max_replicas)))
         left -= counts[-1]
     if left > 0:  # beyond every maxReplicas: the autoscaler's bound is the service's, not the types'
         counts[mixed.variants.index(serving[0])] += left

@@ -508,12 +508,15 @@ def test_a_mixed_pool_s_replica_capacities_follow_its_fill_order() -> None:
             "variants": [
                 {"gpu": "L4", "capacityRps": 2.0, "maxReplicas": 3, "schedulableReplicas": 1},
                 {"gpu": "H100-80GB", "capacityRps": 10.0, "maxReplicas": 2},
-                {"gpu": "T4", "capacityRps": 0.0, "maxReplicas": 4},  # misses the SLO: never filled
+                {"gpu": "T4", "capacityRps": 0.0, "maxReplicas": 2},  # misses the SLO: filled last
             ]
         }
     )
-    # The L4s' full nodes hold one; then the H100s; past both maxima the overflow goes to the first.
-    assert replica_capacity(status, 6) == (2.0, 10.0, 10.0, 2.0, 2.0, 2.0)
+    # The L4s' full nodes hold one; then the H100s; then the T4s, which count for no capacity; past
+    # every maximum the overflow goes to the first.
+    assert replica_capacity(status, 8) == (2.0, 10.0, 10.0, 0.0, 0.0, 2.0, 2.0, 2.0)
+    none_meets = [{"gpu": gpu, "capacityRps": 0.0, "maxReplicas": 2} for gpu in ("L4", "T4")]
+    assert replica_capacity(InferenceServiceStatus.model_validate({"variants": none_meets}), 4) == ()
     one = InferenceServiceStatus.model_validate({"variants": [{"gpu": "L4", "capacityRps": 2.0, "maxReplicas": 3}]})
     assert replica_capacity(one, 6) == ()
 

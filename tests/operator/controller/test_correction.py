@@ -149,3 +149,15 @@ def test_an_observed_acceptance_that_makes_speculation_worse_turns_auto_off() ->
     kept = plan(pinned, PlanContext(correction=correction.Correction(1.0, 1.0, (("ngram", 0.02),))))
     assert kept.speculative == "ngram" and kept.assumed_draft_acceptance == 0.02
     assert kept.predicted_tpot_ms > plan(pinned).predicted_tpot_ms
+
+
+def test_a_mixed_pool_is_not_corrected_by_its_merged_p95() -> None:
+    """One factor from the pool's merged p95 against its cheapest type's predictions would re-plan
+    every type with it and re-rank them; a mixed pool keeps its plan (each type's ratios are shown in
+    planAccuracy.variants). The same service on one type is corrected."""
+    pool = InferenceServiceSpec.model_validate(
+        {**SPEC, "model": {"name": "llama-3-8b"}, "accelerator": {"variants": [{"type": "L4"}, {"type": "H100-80GB"}]}}
+    )
+    assert correction.correction(typed(verdict("False", 3.0, 2.5)), pool) is None
+    one_type = pool.model_copy(update={"accelerator": pool.accelerator.model_copy(update={"variants": []})})
+    assert correction.correction(typed(verdict("False", 3.0, 2.5)), one_type) is not None

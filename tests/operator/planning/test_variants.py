@@ -247,3 +247,12 @@ def test_a_class_s_price_falls_back_to_the_type_s_then_to_the_list_price() -> No
     assert price_per_gpu_hour({"L4": 0.45}, "L4", "spot") == 0.45
     assert price_per_gpu_hour({"L4@spot": 0.2}, "L4") == LIST_PRICE_PER_GPU_HOUR["L4"]
     assert price_per_gpu_hour({}, "H100-80GB", "on-demand") == LIST_PRICE_PER_GPU_HOUR["H100-80GB"]
+
+
+def test_types_that_miss_the_slo_take_replicas_past_the_others_maxima_not_past_their_own() -> None:
+    """No type meets a 1 µs TTFT: every one takes replicas in turn up to its own maxReplicas, and
+    only past them all does the first take more (the service's bound, not a type's)."""
+    wanted = [VariantRequest("L4", max_replicas=1, count=1), VariantRequest("H100-80GB", max_replicas=1)]
+    mixed = plan_variants(spec(rate=2, slo={"ttftP95Ms": 0.001}), wanted)
+    assert all(v.cost_per_rps_hour is None for v in mixed.variants)
+    assert fill(mixed, 2) == [1, 1] and fill(mixed, 3) == [2, 1]

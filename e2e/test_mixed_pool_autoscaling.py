@@ -15,11 +15,12 @@ CPU engines are also far from any GPU plan's predictions, so a load whose every 
 autoscaler judges (MIN_OBSERVATIONS requests) would, after accuracy.SUSTAIN_PERIODS periods (16 s
 here), turn PlanAccurate False. The first version of this test found that the planner's correction
 then re-planned both types with the pool's merged factors and re-ranked them (the H100 became the
-cheaper per req/s and took the replica); a mixed pool now takes no such correction
-(controller/correction.py). That verdict is another scenario; this one keeps each run of judged
-windows short (a burst is not a wrong plan), as a load in bursts does: HIGH_RPS until what a phase
-waits for has happened, then TRICKLE_RPS (too few requests to judge, enough that the thin p95 over
-the SLO forbids a scale-down), and asserts that PlanAccurate never went False.
+cheaper per req/s and took the replica); a mixed pool is now judged and corrected type by type,
+each against its own plan (controller/correction.py). That verdict is another scenario; this one
+keeps each run of judged windows short (a burst is not a wrong plan), as a load in bursts does:
+HIGH_RPS until what a phase waits for has happened, then TRICKLE_RPS (too few requests to judge,
+enough that the thin p95 over the SLO forbids a scale-down), and asserts that PlanAccurate never
+went False.
 
 1. At rest the one replica is the L4's (its Deployment at 1, the H100's at 0).
 2. Open-loop load through the gateway: the autoscaler scales 1 -> 2 (ScaledUp) and the new

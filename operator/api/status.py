@@ -286,14 +286,26 @@ class PlanAccuracy(_Status):
     )
     variants: list[VariantAccuracy] | None = Field(
         default=None,
-        description="A mixed pool: each GPU type's predicted and observed p95s and its share of the traffic "
-        "(shown, not judged: PlanAccurate judges the pool's merged p95s).",
+        description="A mixed pool: each GPU type's predicted and observed p95s and its share of the traffic. "
+        "PlanAccurate judges these ratios, each type's pods against its own plan, not the pool's merged p95s.",
     )
     outside_periods: int | None = Field(
         default=None, description="Periods in a row in which a ratio was outside the band."
     )
     outside_since: DateTime | None = Field(
         default=None, description="When the present run of periods outside the band began."
+    )
+
+
+class GpuCorrection(_Status):
+    """One GPU type's factors in a mixed pool's correction."""
+
+    gpu: str | None = Field(default=None, max_length=63, description="The GPU type (status.variants[].gpu).")
+    ttft: float | None = Field(
+        default=None, description="Its pods' observed / its plan's predicted p95 TTFT (planAccuracy.variants)."
+    )
+    tpot: float | None = Field(
+        default=None, description="Its pods' observed / its plan's predicted p95 TPOT (planAccuracy.variants)."
     )
 
 
@@ -312,6 +324,11 @@ class Correction(_Status):
         default=None,
         description="The draft acceptance per token the engines reported, by speculative mode: predictions of "
         "that mode use it, and serving.speculative auto drops a mode it makes no better than off.",
+    )
+    by_gpu: list[GpuCorrection] | None = Field(
+        default=None,
+        description="A mixed pool's factors per GPU type, in place of ttft and tpot: each type's plans are "
+        "corrected by what its own pods showed of its own plan.",
     )
     window: DateTime | None = Field(default=None, description="The end of the last window it follows.")
     basis: str | None = Field(default=None, description="A digest of the spec fields it was measured under.")

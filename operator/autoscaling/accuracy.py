@@ -10,7 +10,8 @@ predicted beside the fewest an engine allocated (`kvBlocks`: vLLM measures its o
 plan predicted beside the newest ready pod's (`readySeconds`: from the pod's start, so its image
 pull counts, its scheduling does not). A mixed pool adds `variants`: each GPU type's own plan's
 p95s beside its own pods' (variant_windows), and its share of the requests beside its share of
-the pool's planned capacity: the gateway's split by capacity, measured. A p95 counts only from a
+the pool's planned capacity: the gateway's split by capacity, measured. PlanAccurate judges a
+mixed pool by these ratios, each type's own (its pool-wide p95s stay shown). A p95 counts only from a
 window of at least MIN_OBSERVATIONS requests (a p95 of a few is mostly their maximum, as for the
 autoscaler's own decisions).
 
@@ -108,17 +109,20 @@ def comparison(predicted_ms: float | None, observed_seconds: float | None, reque
 
 def _variant_entry(
     row: VariantStatus, seen: VariantSignals, started: int, planned: float | None, last: Any, now: float
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One GPU type's predictions beside its pods' p95s (the last judged window stays while this
-    one holds too few requests, beside the same prediction), and its shares."""
+    one holds too few requests, beside the same prediction), and its shares; and the comparisons
+    this window judged."""
     entry: dict[str, Any] = {"gpu": row.gpu, "variant": row.label}
     if row.capacity_class:
         entry["capacityClass"] = row.capacity_class
+    judged = []
     for field, predicted, p95, requests in _SIGNALS:
         fresh = comparison(getattr(row, predicted), getattr(seen, p95), getattr(seen, requests))
         kept = getattr(last, field) if last is not None else None
         if fresh is not None:
             entry[field] = {**fresh, "time": iso(now)}
+            judged.append(fresh)
         elif kept is not None and kept.predicted_ms == getattr(row, predicted):
             entry[field] = kept.dump()
     if planned is not None:
@@ -128,14 +132,17 @@ def _variant_entry(
         entry["requests"] = seen.ttft_observations
     elif last is not None and last.observed_share is not None:
         entry["observedShare"], entry["requests"] = last.observed_share, last.requests
-    return entry
+    return entry, judged
 
 
-def variant_entries(status: InferenceServiceStatus, signals: Signals, now: float) -> list[dict[str, Any]] | None:
+def variant_entries(
+    status: InferenceServiceStatus, signals: Signals, now: float
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
     """A mixed pool's planAccuracy.variants: each type (status.variants, cheapest first) with its
     own plan's predicted p95s beside its own pods' (signals.variants, by variant label), and its
     share of the requests started in the window beside its share of the pool's planned capacity
-    (replicas x capacityRps). None for a service of one GPU type."""
+    (replicas x capacityRps); and the comparisons this window judged, every type's. None for a
+    service of one GPU type."""
     rows = [row for row in status.variants or [] if row.gpu]
     if len(rows) < 2:
         return None
@@ -144,7 +151,7 @@ def variant_entries(status: InferenceServiceStatus, signals: Signals, now: float
     capacity = {row.label: (row.replicas or 0) * (row.capacity_rps or 0.0) for row in rows}
     pool = sum(capacity.values())
     started = sum(seen.ttft_observations for seen in signals.variants.values())
-    return [
+    made = [
         _variant_entry(
             row,
             signals.variants.get(key := row.label, VariantSignals()),
@@ -155,6 +162,7 @@ def variant_entries(status: InferenceServiceStatus, signals: Signals, now: float
         )
         for row in rows
     ]
+    return [entry for entry, _ in made], [window for _, judged in made for window in judged]
 
 
 def _variant_numbers(entries: Sequence[Mapping[str, Any]]) -> str:
@@ -247,8 +255,8 @@ def _block(
     """The new planAccuracy, and whether this window judged any signal."""
     plan = status.plan or PlanStatus()
     old = status.plan_accuracy or PlanAccuracy()
-    judged = ((getattr(old, key), getattr(plan, predicted)) for key, predicted, _, _ in _SIGNALS)
-    if any(window and window.predicted_ms != value for window, value in judged):
+    against = ((getattr(old, key), getattr(plan, predicted)) for key, predicted, _, _ in _SIGNALS)
+    if any(window and window.predicted_ms != value for window, value in against):
         old = PlanAccuracy()  # judged against another plan's predictions: start again
     block: dict[str, Any] = {"windowSeconds": window_seconds, "band": list(BAND)}
     fresh = {}
@@ -258,7 +266,12 @@ def _block(
             fresh[key] = block[key] = {**entry, "time": iso(now)}
         elif last := getattr(old, key):  # nothing new to judge: the last judged window stays
             block[key] = last.dump()
-    if fresh and not all(_inside(entry) for entry in fresh.values()):
+    judged = list(fresh.values())
+    if by_type := variant_entries(status, signals, now):
+        # A mixed pool is judged type by type: its merged p95 against the first type's predictions
+        # measures the pool's mix, not a plan.
+        block["variants"], judged = by_type
+    if judged and not all(_inside(entry) for entry in judged):
         block["outsidePeriods"] = (old.outside_periods or 0) + 1
         block["outsideSince"] = old.outside_since or iso(now)
     for key, field, assumed, _ in _SHARES:
@@ -276,9 +289,7 @@ def _block(
         block["kvBlocks"] = blocks
     if ready_entry := _ready_entry(plan.predicted_ready_seconds, ready, old.ready_seconds):
         block["readySeconds"] = ready_entry
-    if variants := variant_entries(status, signals, now):
-        block["variants"] = variants
-    return block, bool(fresh)
+    return block, bool(judged)
 
 
 def accuracy_patch(

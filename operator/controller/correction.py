@@ -14,8 +14,8 @@ better than none.
 
 Only in `autoscaling.mode: slo`, where the operator owns the replica count: under `external` an HPA
 or KEDA does, and a re-planned count would move a Deployment the operator promised to leave alone.
-Not for a mixed pool (accelerator.variants): one factor from the pool's merged p95 does not hold for
-each of its types (see `correction`).
+A mixed pool (accelerator.variants) gets factors per GPU type (`byGpu`), each from that type's own
+pods against its own plan (planAccuracy.variants), which re-plan that type's variants only.
 """
 
 from __future__ import annotations
@@ -50,41 +50,89 @@ def _verdict(status: InferenceServiceStatus) -> str | None:
     return condition.status if condition else None
 
 
-def _ratios(status: InferenceServiceStatus) -> tuple[dict[str, float], str] | None:
-    """The last window's observed / predicted per signal (1 where the window had none) and its time."""
-    accuracy = status.plan_accuracy
-    found: dict[str, LatencyWindow | None] = {s: getattr(accuracy, s) if accuracy else None for s in _SIGNALS}
-    ratios = {s: entry.ratio for s, entry in found.items() if entry and entry.ratio}
+# The key of a service of one GPU type's factors among a mixed pool's (by GPU type).
+_POOL = ""
+# Factors per key (_POOL, or a GPU type): signal -> observed / predicted.
+Factors = dict[str, dict[str, float]]
+
+
+def _window_ratios(windows: Mapping[str, LatencyWindow | None]) -> tuple[dict[str, float], str] | None:
+    """The windows' observed / predicted per signal (1 where a window had none) and the last one's time."""
+    ratios = {s: entry.ratio for s, entry in windows.items() if entry and entry.ratio}
     if not ratios:
         return None
-    window = max(entry.time or "" for s, entry in found.items() if entry and s in ratios)
+    window = max(entry.time or "" for s, entry in windows.items() if entry and s in ratios)
     return {s: ratios.get(s, 1.0) for s in _SIGNALS}, window
 
 
-def _moved(kept: KeptCorrection, ratios: Mapping[str, float]) -> bool:
-    return any(abs(ratios[s] / getattr(kept, s) - 1) > CHANGE for s in _SIGNALS)
+def _ratios(status: InferenceServiceStatus, mixed: bool) -> tuple[Factors, str] | None:
+    """The last judged windows' ratios, the pool's or (a mixed pool) each GPU type's against its own
+    plan, and the newest window's time. A type on two capacity classes runs one plan: the class
+    whose pods served more requests speaks for it."""
+    accuracy = status.plan_accuracy
+    if accuracy is None:
+        return None
+    if not mixed or not accuracy.variants:
+        # A pool of one type (planAccuracy.variants lists two or more) is judged as a service of one.
+        key = str(status.plan.gpu) if mixed and status.plan and status.plan.gpu else _POOL
+        found = _window_ratios({s: getattr(accuracy, s) for s in _SIGNALS})
+        return ({key: found[0]}, found[1]) if found and (key or not mixed) else None
+    by_gpu: dict[str, tuple[int, dict[str, float], str]] = {}
+    for row in sorted(accuracy.variants, key=lambda row: row.requests or 0):
+        if row.gpu and (found := _window_ratios({s: getattr(row, s) for s in _SIGNALS})):
+            by_gpu[row.gpu] = (row.requests or 0, *found)
+    if not by_gpu:
+        return None
+    return {gpu: ratios for gpu, (_, ratios, _) in by_gpu.items()}, max(when for _, _, when in by_gpu.values())
+
+
+def _kept_factors(kept: KeptCorrection) -> Factors:
+    if kept.by_gpu is not None:
+        return {row.gpu or "": {s: getattr(row, s) or 1.0 for s in _SIGNALS} for row in kept.by_gpu}
+    return {_POOL: {s: getattr(kept, s) or 1.0 for s in _SIGNALS}}
+
+
+def _moved(kept: Factors, ratios: Factors) -> bool:
+    return any(
+        key not in kept or abs(found[s] / kept[key][s] - 1) > CHANGE for key, found in ratios.items() for s in _SIGNALS
+    )
+
+
+def _smoothed(kept: Factors, ratios: Factors) -> Factors:
+    """Each factor half-way (in log space) from the kept one to the window's ratio; a GPU type this
+    window did not judge keeps its own."""
+    made = {key: dict(factors) for key, factors in kept.items()}
+    for key, found in ratios.items():
+        made[key] = {s: math.sqrt(kept[key][s] * found[s]) if key in kept else found[s] for s in _SIGNALS}
+    return {key: {s: round(f, 3) for s, f in factors.items()} for key, factors in made.items()}
 
 
 def correction(status: InferenceServiceStatus, spec: InferenceServiceSpec) -> dict[str, Any] | None:
-    """The correction to plan `spec` with (and to write as status.correction), from the last status."""
-    if spec.autoscaling.mode != "slo" or spec.accelerator.variants:
-        # A mixed pool's merged p95 against its cheapest type's predictions is no factor for each
-        # type: applied to all it re-ranks them (an L4's capacity falls 75x where an H100's falls
-        # 18x) and moves the replicas. Each type's own ratios are in planAccuracy.variants.
+    """The correction to plan `spec` with (and to write as status.correction), from the last status:
+    a mixed pool's by GPU type, each from its own pods against its own plan (planAccuracy.variants),
+    since the pool's merged p95 against its cheapest type's predictions is no factor for each type:
+    applied to all it re-ranked them (an L4's capacity fell 75x where an H100's fell 18x)."""
+    if spec.autoscaling.mode != "slo":
         return None
     # A correction measured under another basis does not hold for this spec.
     kept = status.correction if status.correction and status.correction.basis == basis(spec) else None
     verdict = _verdict(status)
     if verdict == "True":
         return None
-    found = _ratios(status)
+    mixed = bool(spec.accelerator.variants)
+    found = _ratios(status, mixed)
     if verdict != "False" or found is None:
         return kept.dump() if kept else None
     ratios, window = found
-    if kept and (kept.window == window or not _moved(kept, ratios)):
+    old = _kept_factors(kept) if kept else {}
+    if kept and (kept.window == window or not _moved(old, ratios)):
         return kept.dump()
-    factors = {s: math.sqrt(getattr(kept, s) * ratios[s]) if kept else ratios[s] for s in _SIGNALS}
-    made = {**{s: round(f, 3) for s, f in factors.items()}, "window": window, "basis": basis(spec)}
+    factors = _smoothed(old, ratios)
+    if mixed:
+        made: dict[str, Any] = {"byGpu": [{"gpu": gpu, **f} for gpu, f in sorted(factors.items())]}
+    else:
+        made = dict(factors[_POOL])
+    made |= {"window": window, "basis": basis(spec)}
     acceptance = {**((kept.acceptance if kept else None) or {}), **_observed_acceptance(status)}
     return made | ({ACCEPTANCE_KEY: acceptance} if acceptance else {})
 
@@ -109,4 +157,5 @@ def factors(found: Mapping[str, Any] | None) -> Correction | None:
     if not found:
         return None
     acceptance = tuple(sorted((mode, float(a)) for mode, a in (found.get(ACCEPTANCE_KEY) or {}).items()))
-    return Correction(float(found["ttft"]), float(found["tpot"]), acceptance)
+    by_gpu = tuple((row["gpu"], float(row["ttft"]), float(row["tpot"])) for row in found.get("byGpu") or [])
+    return Correction(float(found.get("ttft", 1.0)), float(found.get("tpot", 1.0)), acceptance, by_gpu)

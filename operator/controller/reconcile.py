@@ -71,7 +71,7 @@ from kvpilot.operator.planning.model_config import ModelConfig
 from kvpilot.operator.planning.plan import PlanContext, plan
 from kvpilot.operator.planning.reasons import failed_plan
 from kvpilot.operator.planning.sources import MODEL_SOURCE_REQUIRED, missing_source, with_model_source
-from kvpilot.operator.planning.variants import plan_variants, requested
+from kvpilot.operator.planning.variants import as_one_plan, plan_variants, requested
 from kvpilot.operator.runtimes import RUNTIMES
 
 # The hash of the rendered manifest, on each child: unchanged hash (and no field of ours edited by
@@ -479,13 +479,7 @@ def _mixed_plan(
         gpus_per_node=observed.nodes, device_profiles=observed.profiles, correction=corrected, checkpoint=checkpoint
     )
     mixed = plan_variants(spec, requested(spec, observed.nodes), context, gpu_prices, capacity_classes)
-    if not mixed.fits:
-        return mixed, failed_plan(spec, str(mixed.failure), mixed.reason)
-    first = mixed.variants[0].plan
-    reasons = {**first.reasons, "variants": mixed.reason}
-    return mixed, first.model_copy(
-        update={"replicas": mixed.replicas, "meets_slo": mixed.meets_slo, "reasons": reasons}
-    )
+    return mixed, as_one_plan(spec, mixed)
 
 
 def _inspecting(

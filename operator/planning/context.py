@@ -13,11 +13,20 @@ from kvpilot.operator.api.spec import Architecture
 
 class Correction(NamedTuple):
     """What a service's engines showed of the plan (status.correction): observed / predicted p95
-    TTFT and TPOT, and the draft acceptance per token by speculative mode."""
+    TTFT and TPOT, and the draft acceptance per token by speculative mode; a mixed pool's factors
+    per GPU type instead (`by_gpu`: catalog name, TTFT, TPOT), each type's own pods against its own
+    plan, which `for_gpu` gives that type's plans."""
 
     ttft: float
     tpot: float
     acceptance: tuple[tuple[str, float], ...] = ()
+    by_gpu: tuple[tuple[str, float, float], ...] = ()
+
+    def for_gpu(self, gpu: str) -> Correction:
+        """The correction of a mixed pool's plans on `gpu`: its own factors (none: the model's
+        predictions as they are), the pool's draft acceptance."""
+        ttft, tpot = next(((t, p) for name, t, p in self.by_gpu if name == gpu), (1.0, 1.0))
+        return Correction(ttft, tpot, self.acceptance)
 
 
 # A service whose engines have shown nothing yet: the model's predictions as they are.

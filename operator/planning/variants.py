@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 from kvpilot.operator.api.names import variant_key
@@ -107,10 +108,16 @@ def _with(spec: InferenceServiceSpec, **parts: dict[str, object]) -> InferenceSe
     )
 
 
+def _on(context: PlanContext, gpu: str) -> PlanContext:
+    """`context` with the correction of `gpu`'s own pods: a pool-wide factor would move every type
+    by what the pool's mix showed, where each type's own pods say how far its own plan is off."""
+    return replace(context, correction=context.correction.for_gpu(gpu)) if context.correction else context
+
+
 def _alone(spec: InferenceServiceSpec, wanted: VariantRequest, context: PlanContext) -> Plan:
     accelerator = {"type": wanted.gpu, "count": wanted.count, "node_selector": {}, "variants": []}
     autoscaling = {"max_replicas": wanted.max_replicas or spec.autoscaling.max_replicas}
-    return plan(_with(spec, accelerator=accelerator, autoscaling=autoscaling), context)
+    return plan(_with(spec, accelerator=accelerator, autoscaling=autoscaling), _on(context, wanted.gpu))
 
 
 def _at_share(spec: InferenceServiceSpec, alone: _Alone, replicas: int, rate: float, context: PlanContext) -> Plan:
@@ -129,7 +136,7 @@ def _at_share(spec: InferenceServiceSpec, alone: _Alone, replicas: int, rate: fl
         load={"requests_per_second": rate},
         autoscaling={"min_replicas": replicas, "max_replicas": replicas},
     )
-    shared = plan(held, context)
+    shared = plan(held, _on(context, str(chosen.gpu)))
     if not shared.fits:  # the same settings on the same GPU: only a changed catalog could get here
         return chosen.model_copy(update={"replicas": replicas})
     return shared.model_copy(

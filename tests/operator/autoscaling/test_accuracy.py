@@ -293,3 +293,25 @@ def test_spot_and_on_demand_of_one_gpu_type_are_rows_of_their_own() -> None:
     assert "capacityClass" not in on_demand
     assert (spot["observedShare"], spot["plannedShare"], spot["tpot"]["ratio"]) == (0.75, 0.5, 2.0)
     assert "L4@spot: p95 TTFT 800/400 ms" in condition["message"]
+
+
+def test_a_mixed_pool_is_judged_type_by_type_not_by_its_merged_p95() -> None:
+    """The pool's merged p95 (inside the band against its first type's predictions) hides an L4
+    three times slower than its plan: PlanAccurate judges each type against its own plan, so a
+    sustained run of such windows turns it False; a window whose types are all inside turns it True
+    although the merged p95 is far outside."""
+    service = Service({**PLAN, "predictedTtftMs": 400.0, "predictedTpotMs": 40.0})
+    service.status["variants"] = POOL
+    slow_l4 = per_type((1200.0, 120.0, 30), (100.0, 10.0, 60))
+    for period in range(1, SUSTAIN_PERIODS + 1):
+        condition = service.period(window(500.0, 50.0, variants=slow_l4))
+        assert service.status["planAccuracy"]["ttft"]["ratio"] == 1.25  # the merged p95: inside
+        assert service.status["planAccuracy"]["outsidePeriods"] == period
+    assert (condition["status"], condition["reason"]) == ("False", "OutsideBand")
+    assert "L4: p95 TTFT 1200/400 ms, p95 TPOT 120/40 ms" in condition["message"]
+    as_planned = per_type((400.0, 40.0, 30), (100.0, 10.0, 60))
+    condition = service.period(window(2000.0, 200.0, variants=as_planned))
+    assert (condition["status"], condition["reason"]) == ("True", "WithinBand")
+    # A window in which no type has enough requests judges nothing, whatever the pool's p95s.
+    condition = service.period(window(2000.0, 200.0, variants=per_type((400.0, 40.0, 5), (100.0, 10.0, 5))))
+    assert (condition["status"], "outsidePeriods" in service.status["planAccuracy"]) == ("True", False)

@@ -116,7 +116,7 @@ def test_the_observed_acceptance_rides_along_and_stays_once_the_plan_leaves_the_
     s = spec(serving={"speculative": "auto", "maxContextLength": 2048})
     found = correction.correction(typed(_ran_ngram(0.02)), s)
     assert found is not None and found["acceptance"] == {"ngram": 0.02}
-    assert correction.factors(found) == (1.0, 1.6, (("ngram", 0.02),))
+    assert correction.factors(found) == correction.Correction(1.0, 1.6, (("ngram", 0.02),))
     # The re-plan left ngram: no new reports of it, the observation stays with a later window.
     later = verdict("False", 1.0, 1.3, "2026-12-01T10:00:15Z") | {"plan": {"speculative": "off"}}
     again = correction.correction(typed({**later, "correction": found}), s)
@@ -151,13 +151,69 @@ def test_an_observed_acceptance_that_makes_speculation_worse_turns_auto_off() ->
     assert kept.predicted_tpot_ms > plan(pinned).predicted_tpot_ms
 
 
-def test_a_mixed_pool_is_not_corrected_by_its_merged_p95() -> None:
-    """One factor from the pool's merged p95 against its cheapest type's predictions would re-plan
-    every type with it and re-rank them; a mixed pool keeps its plan (each type's ratios are shown in
-    planAccuracy.variants). The same service on one type is corrected."""
-    pool = InferenceServiceSpec.model_validate(
-        {**SPEC, "model": {"name": "llama-3-8b"}, "accelerator": {"variants": [{"type": "L4"}, {"type": "H100-80GB"}]}}
-    )
-    assert correction.correction(typed(verdict("False", 3.0, 2.5)), pool) is None
-    one_type = pool.model_copy(update={"accelerator": pool.accelerator.model_copy(update={"variants": []})})
-    assert correction.correction(typed(verdict("False", 3.0, 2.5)), one_type) is not None
+POOL_SPEC: dict[str, Any] = {
+    **SPEC,
+    "model": {"name": "llama-3-8b"},
+    "accelerator": {"variants": [{"type": "L4", "maxReplicas": 4}, {"type": "H100-80GB", "maxReplicas": 4}]},
+    "load": {"requestsPerSecond": 4, "meanPromptTokens": 512, "meanOutputTokens": 128},
+    "slo": {"ttftP95Ms": 3000, "tpotP95Ms": 400},
+}
+
+
+def _by_type(ratios: dict[str, tuple[float, int]], window: str = "2026-12-01T10:00:00Z") -> list[dict[str, Any]]:
+    """planAccuracy.variants with each (type or type@class)'s ratio of both signals and its requests."""
+    rows = []
+    for key, (ratio, requests) in ratios.items():
+        gpu, _, capacity_class = key.partition("@")
+        windows = {
+            s: {"predictedMs": 10, "observedMs": 10 * ratio, "ratio": ratio, "time": window} for s in ("ttft", "tpot")
+        }
+        rows.append({"gpu": gpu, "variant": key.lower(), "requests": requests, **windows})
+        if capacity_class:
+            rows[-1]["capacityClass"] = capacity_class
+    return rows
+
+
+def _pool_missed(ratios: dict[str, tuple[float, int]], window: str = "2026-12-01T10:00:00Z") -> dict[str, Any]:
+    # The pool's merged p95 (3.0, 2.5) is no type's factor.
+    status = verdict("False", 3.0, 2.5, window)
+    status["planAccuracy"]["variants"] = _by_type(ratios, window)
+    return status
+
+
+def test_a_mixed_pool_is_corrected_type_by_type_from_its_own_pods() -> None:
+    """Each type's factor is its own pods against its own plan (planAccuracy.variants), not the pool's
+    merged p95 against its cheapest type's predictions, which re-planned every type with one factor
+    and re-ranked them. A later window that judged one type moves that type's factor only."""
+    pool = InferenceServiceSpec.model_validate(POOL_SPEC)
+    found = correction.correction(typed(_pool_missed({"L4": (4.0, 40), "H100-80GB": (1.2, 30)})), pool)
+    assert found is not None and "ttft" not in found and "tpot" not in found
+    assert found["byGpu"] == [{"gpu": "H100-80GB", "ttft": 1.2, "tpot": 1.2}, {"gpu": "L4", "ttft": 4.0, "tpot": 4.0}]
+    assert correction.factors(found).for_gpu("L4") == correction.Correction(4.0, 4.0)
+    assert correction.factors(found).for_gpu("A10G") == correction.Correction(1.0, 1.0)
+    later = _pool_missed({"L4": (9.0, 40)}, "2026-12-01T10:00:15Z")
+    moved = correction.correction(typed({**later, "correction": found}), pool)
+    assert moved is not None and moved["byGpu"] == [
+        {"gpu": "H100-80GB", "ttft": 1.2, "tpot": 1.2},
+        {"gpu": "L4", "ttft": 6.0, "tpot": 6.0},
+    ]
+    # One type on two capacity classes runs one plan: the class whose pods served more speaks for it.
+    classes = _pool_missed({"L4@spot": (5.0, 10), "L4@on-demand": (2.0, 50)})
+    assert correction.correction(typed(classes), pool)["byGpu"] == [{"gpu": "L4", "ttft": 2.0, "tpot": 2.0}]
+    # The same service on one type is corrected by its p95s as before.
+    one_type = spec(**{k: v for k, v in POOL_SPEC.items() if k != "accelerator"}, accelerator={"type": "L4"})
+    alone = correction.correction(typed(_pool_missed({"L4": (4.0, 40)})), one_type)
+    assert alone is not None and (alone["ttft"], alone["tpot"]) == (3.0, 2.5) and "byGpu" not in alone
+
+
+def test_reconcile_re_plans_only_the_type_whose_pods_run_slower_than_planned() -> None:
+    cluster = FakeCluster()
+    first = reconcile(body(POOL_SPEC), cluster, NOW)
+    capacity = {row["gpu"]: row["capacityRps"] for row in first["variants"]}
+    missed = {**first, **_pool_missed({"L4": (3.0, 40), "H100-80GB": (1.0, 30)})}
+    missed["conditions"] = first["conditions"] + missed["conditions"]
+    second = reconcile(body(POOL_SPEC, status=missed), cluster, NOW)
+    assert second["correction"]["byGpu"][1] == {"gpu": "L4", "ttft": 3.0, "tpot": 3.0}
+    corrected = {row["gpu"]: row["capacityRps"] for row in second["variants"]}
+    assert corrected["H100-80GB"] == capacity["H100-80GB"]
+    assert corrected["L4"] < capacity["L4"] / 2, (capacity, corrected)

@@ -191,13 +191,14 @@ def fleet_products(fleet: Sequence[tuple[str, int]] = DEFAULT_FLEET) -> set[str]
 
 
 def default_gpu_nodes(fleet: Sequence[tuple[str, int]] = DEFAULT_FLEET) -> list[GPUNodeSpec]:
-    """One fake node per (catalog GPU name, count), named gpu-<name>-0."""
+    """One fake node per (catalog GPU name, count), named gpu-<name>-<i>, i counting that type's
+    nodes from 0 (a fleet may name a type twice: nodes of one type in two capacity classes)."""
     nodes = []
     for name, count in fleet:
         product, label, resource, mem_gib = _catalog_gpu(name)
         nodes.append(
             GPUNodeSpec(
-                name=f"gpu-{name.lower()}-0",
+                name=f"gpu-{name.lower()}-{sum(n.product == product for n in nodes)}",
                 product=product,
                 gpus=count,
                 gpu_memory_mib=int(mem_gib * 1024),

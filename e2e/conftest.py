@@ -28,6 +28,15 @@ WATCHED = "kvpilot-e2e"
 AUTOSCALE_INTERVAL_S = 2.0
 # One gateway pod, with the local gateway behind its IP (local_gateway.py).
 GATEWAY_REPLICAS = 1
+# The chart's capacityClasses (issue 41): the label a class's nodes carry, and spot's own price of an
+# L40S (well below its list price; on-demand has none, so it costs the list price). No GPU node of the
+# session fleet carries the label, and only test_operator's capacity-class tests name a class.
+CAPACITY_LABEL = "kvpilot.dev/e2e-capacity"
+SPOT_L40S_PRICE = 0.6
+CAPACITY_CLASSES = {
+    "spot": {"nodeSelector": {CAPACITY_LABEL: "spot"}, "gpuPrices": {"L40S": SPOT_L40S_PRICE}},
+    "on-demand": {"nodeSelector": {CAPACITY_LABEL: "on-demand"}},
+}
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +68,11 @@ def kvpilot(k8s: Cluster) -> Installation:
     return install(
         k8s,
         [WATCHED],
-        values={"autoscaler": {"intervalSeconds": AUTOSCALE_INTERVAL_S}, "gateway": {"replicas": GATEWAY_REPLICAS}},
+        values={
+            "autoscaler": {"intervalSeconds": AUTOSCALE_INTERVAL_S},
+            "gateway": {"replicas": GATEWAY_REPLICAS},
+            "capacityClasses": CAPACITY_CLASSES,
+        },
     )
 
 

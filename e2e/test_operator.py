@@ -9,22 +9,24 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e import kvis
 from e2e.chart import Installation
 from e2e.cluster import Cluster, default_gpu_nodes, node_manifest
+from e2e.conftest import CAPACITY_LABEL, SPOT_L40S_PRICE
 from e2e.local_operator import LocalOperator
 from e2e.polling import poll
 from kvpilot.operator.api import names
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import render, status
-from kvpilot.operator.planning.gpus import GPUS
+from kvpilot.operator.planning.gpus import GPUS, LIST_PRICE_PER_GPU_HOUR
 from kvpilot.operator.planning.plan import plan
 from kvpilot.operator.planning.sources import with_model_source
 
@@ -126,11 +128,21 @@ OWN_FLEET = (("L40S", 8), ("A100-40GB", 8))
 
 
 @contextlib.contextmanager
-def _own_gpu_nodes(k8s: Cluster, suffix: str, fleet: tuple[tuple[str, int], ...] = OWN_FLEET) -> Iterator[None]:
+def _own_gpu_nodes(
+    k8s: Cluster,
+    suffix: str,
+    fleet: tuple[tuple[str, int], ...] = OWN_FLEET,
+    labels: tuple[Mapping[str, str], ...] = (),
+) -> Iterator[None]:
     """Fresh kwok nodes, one per (GPU type, GPUs), of types the session's fleet lacks (L40S,
     A100-40GB): a mixed pool's pods find these GPUs free, whatever earlier tests' pods still hold.
+    `labels`, when given: each node's own extra labels, in the fleet's order (a capacity class's).
     Deleted (waited for) at the end, so the next test's pods cannot land on them."""
-    specs = [replace(n, name=f"{n.name}-{suffix}") for n in default_gpu_nodes(fleet)]
+    extra = labels or tuple({} for _ in fleet)
+    specs = [
+        replace(n, name=f"{n.name}-{suffix}", extra_labels=own)
+        for n, own in zip(default_gpu_nodes(fleet), extra, strict=True)
+    ]
     k8s.apply(*(node_manifest(n, OWN_NODE_INDEX + i) for i, n in enumerate(specs)))
 
     def ready(node: str) -> bool:
@@ -218,6 +230,58 @@ def test_replicas_a_full_gpu_type_cannot_place_go_to_the_next_type(
         assert obj["status"]["readyReplicas"] == 7
         pending = [p for p in kvis.children(k8s, ns, name, "pods") if p["status"].get("phase") == "Pending"]
         assert pending == []
+
+
+# Issue 41's capacity classes (the session chart's, conftest.CAPACITY_CLASSES): an L40S node of each
+# class, so that only a class's node labels tell its pods where to go. The spec names on-demand
+# first: spot coming first in the status is the operator's ranking by price, not the spec's order.
+CLASS_FLEET = (("L40S", 2), ("L40S", 2))
+CLASS_NODE_LABELS = ({CAPACITY_LABEL: "spot"}, {CAPACITY_LABEL: "on-demand"})
+CLASS_POOL = [
+    {"type": "L40S", "capacityClass": "on-demand", "maxReplicas": 2},
+    {"type": "L40S", "capacityClass": "spot", "maxReplicas": 1},
+]
+
+
+def test_capacity_classes_of_one_gpu_type_get_their_own_deployments_nodes_and_prices(
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC
+) -> None:
+    """Issue 41: one GPU type on two capacity classes of nodes, spot (at the chart's own lower
+    price) and on-demand (no price of its own: the list price). Two replicas, autoscaling off: the
+    cheaper spot's one (its maxReplicas) first, on-demand's one next; a Deployment per class, named
+    for it, whose pod selects and lands on that class's node; the cost at each class's price."""
+    ns, name = kvpilot.watch_namespaces[0], "spot-pool"
+    prices = {"spot": SPOT_L40S_PRICE, "on-demand": LIST_PRICE_PER_GPU_HOUR["L40S"]}
+    with _own_gpu_nodes(k8s, "class", CLASS_FLEET, CLASS_NODE_LABELS):
+        spec = _spec("llama-3-8b", replicas=2, accelerator={"variants": CLASS_POOL}, autoscaling={"mode": "off"})
+        apply_isvc(name, spec)
+        obj = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=2 * CONVERGE_S)
+        rows = obj["status"]["variants"]
+        assert [(r["gpu"], r.get("capacityClass"), r["replicas"]) for r in rows] == [
+            ("L40S", "spot", 1),
+            ("L40S", "on-demand", 1),
+        ]
+        assert [r["deployment"] for r in rows] == [f"{name}-l40s-spot", f"{name}-l40s-on-demand"]
+        assert [r["pricePerGpuHour"] for r in rows] == [prices["spot"], prices["on-demand"]]
+        cost = sum(r["replicas"] * r["gpuCount"] * prices[r["capacityClass"]] for r in rows)
+        assert obj["status"]["costPerHour"] == pytest.approx(cost, abs=0.01)
+        assert (obj["status"]["replicas"], obj["status"]["readyReplicas"]) == (2, 2)
+        running = kvis.running_pods(k8s, ns, name)
+        for row in rows:
+            klass = row["capacityClass"]
+            deployment = k8s.kubectl_json("get", "deployment", row["deployment"], "-n", ns)
+            assert deployment["spec"]["replicas"] == 1
+            # The selector itself, not only where the pod went: the scheduler could pick the right node by chance.
+            assert deployment["spec"]["template"]["spec"]["nodeSelector"][CAPACITY_LABEL] == klass
+            (pod,) = [
+                p for p in running if p["metadata"]["labels"].get(names.VARIANT_LABEL) == names.variant("L40S", klass)
+            ]
+            node = k8s.kubectl_json("get", "node", pod["spec"]["nodeName"])
+            assert node["metadata"]["labels"][CAPACITY_LABEL] == klass
+        # Events name the variant with its class: both are L40S, and only the class tells them apart.
+        said = " | ".join(e["message"] for e in kvis.events(k8s, ns, name) if e.get("reason") == "VariantScaled")
+        assert f"{name}-l40s-spot: 0 -> 1 replicas: L40S@spot is type 1 of 2" in said, said
+        assert f"{name}-l40s-on-demand: 0 -> 1 replicas: L40S@on-demand is type 2 of 2" in said, said
 
 
 def test_lifecycle_generation_repair_restart_and_garbage_collection(

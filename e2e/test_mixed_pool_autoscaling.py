@@ -117,13 +117,18 @@ class Sampler(Background):
 
     def loop(self) -> None:
         while not self.stopping.wait(1.0):
-            try:
-                self.replicas.append(deployment_replicas(self.k8s, self.namespace, NAME))
-                obj = kvis.get(self.k8s, self.namespace, NAME)
-            except Exception:  # noqa: BLE001 - a slow kubectl read skips one sample
-                continue
-            self.outside.append(obj.get("status", {}).get("planAccuracy", {}).get("outsidePeriods", 0))
-            self.accurate.add(kvis.condition(obj, PLAN_ACCURATE).get("status", "none"))
+            self.sample()
+        # Once more at the end: the state the test waited for may have come after the last tick.
+        self.sample()
+
+    def sample(self) -> None:
+        try:
+            self.replicas.append(deployment_replicas(self.k8s, self.namespace, NAME))
+            obj = kvis.get(self.k8s, self.namespace, NAME)
+        except Exception:  # noqa: BLE001 - a slow kubectl read skips one sample
+            return
+        self.outside.append(obj.get("status", {}).get("planAccuracy", {}).get("outsidePeriods", 0))
+        self.accurate.add(kvis.condition(obj, PLAN_ACCURATE).get("status", "none"))
 
     def changes(self) -> list[dict[str, int]]:
         """The replicas sampled, repeats dropped: each distinct state in the order it came."""

@@ -65,25 +65,23 @@ def _window_ratios(windows: Mapping[str, LatencyWindow | None]) -> tuple[dict[st
     return {s: ratios.get(s, 1.0) for s in _SIGNALS}, window
 
 
-def _ratios(status: InferenceServiceStatus, mixed: bool) -> tuple[Factors, str] | None:
-    """The last judged windows' ratios, the pool's or (a mixed pool) each GPU type's against its own
-    plan, and the newest window's time. A type on two capacity classes runs one plan: the class
-    whose pods served more requests speaks for it."""
+def _ratios(status: InferenceServiceStatus, mixed: bool) -> dict[str, tuple[dict[str, float], str]]:
+    """The last judged windows' ratios and times, the pool's or (a mixed pool) each GPU type's
+    against its own plan. A type on two capacity classes runs one plan: the class whose pods served
+    more requests speaks for it."""
     accuracy = status.plan_accuracy
     if accuracy is None:
-        return None
+        return {}
     if not mixed or not accuracy.variants:
         # A pool of one type (planAccuracy.variants lists two or more) is judged as a service of one.
         key = str(status.plan.gpu) if mixed and status.plan and status.plan.gpu else _POOL
         found = _window_ratios({s: getattr(accuracy, s) for s in _SIGNALS})
-        return ({key: found[0]}, found[1]) if found and (key or not mixed) else None
-    by_gpu: dict[str, tuple[int, dict[str, float], str]] = {}
+        return {key: found} if found and (key or not mixed) else {}
+    by_gpu = {}
     for row in sorted(accuracy.variants, key=lambda row: row.requests or 0):
         if row.gpu and (found := _window_ratios({s: getattr(row, s) for s in _SIGNALS})):
-            by_gpu[row.gpu] = (row.requests or 0, *found)
-    if not by_gpu:
-        return None
-    return {gpu: ratios for gpu, (_, ratios, _) in by_gpu.items()}, max(when for _, _, when in by_gpu.values())
+            by_gpu[row.gpu] = found
+    return by_gpu
 
 
 def _kept_factors(kept: KeptCorrection) -> Factors:
@@ -121,13 +119,16 @@ def correction(status: InferenceServiceStatus, spec: InferenceServiceSpec) -> di
         return None
     mixed = bool(spec.accelerator.variants)
     found = _ratios(status, mixed)
-    if verdict != "False" or found is None:
+    if verdict != "False" or not found:
         return kept.dump() if kept else None
-    ratios, window = found
+    # Only windows after the kept one move it: planAccuracy keeps a type's last window while newer
+    # ones judge the others, and that ratio is in its factor already.
+    since = (kept.window or "") if kept else ""
+    ratios = {key: found_ratios for key, (found_ratios, when) in found.items() if when > since}
     old = _kept_factors(kept) if kept else {}
-    if kept and (kept.window == window or not _moved(old, ratios)):
+    if kept and (not ratios or not _moved(old, ratios)):
         return kept.dump()
-    factors = _smoothed(old, ratios)
+    factors, window = _smoothed(old, ratios), max(when for _, when in found.values())
     if mixed:
         made: dict[str, Any] = {"byGpu": [{"gpu": gpu, **f} for gpu, f in sorted(factors.items())]}
     else:

@@ -197,6 +197,15 @@ def test_a_mixed_pool_is_corrected_type_by_type_from_its_own_pods() -> None:
         {"gpu": "H100-80GB", "ttft": 1.2, "tpot": 1.2},
         {"gpu": "L4", "ttft": 6.0, "tpot": 6.0},
     ]
+    # A type's last window stays in planAccuracy while a newer one judges the other: it is in its
+    # factor already, so only the newer window moves one.
+    h100_later = _pool_missed({"H100-80GB": (4.0, 30)}, "2026-12-01T10:00:30Z")
+    h100_later["planAccuracy"]["variants"] += later["planAccuracy"]["variants"]
+    again = correction.correction(typed({**h100_later, "correction": moved}), pool)
+    assert again is not None and again["byGpu"] == [
+        {"gpu": "H100-80GB", "ttft": round(math.sqrt(1.2 * 4.0), 3), "tpot": round(math.sqrt(1.2 * 4.0), 3)},
+        {"gpu": "L4", "ttft": 6.0, "tpot": 6.0},
+    ]
     # One type on two capacity classes runs one plan: the class whose pods served more speaks for it.
     classes = _pool_missed({"L4@spot": (5.0, 10), "L4@on-demand": (2.0, 50)})
     assert correction.correction(typed(classes), pool)["byGpu"] == [{"gpu": "L4", "ttft": 2.0, "tpot": 2.0}]

@@ -64,6 +64,9 @@ MODEL_CONFIGS: tuple[tuple[str, str], ...] = (
     ("Qwen/Qwen3-14B", "Qwen/Qwen3-14B"),
     ("Qwen/Qwen3-1.7B", "Qwen/Qwen3-1.7B"),
     ("Qwen/Qwen2.5-72B-Instruct", "Qwen/Qwen2.5-72B-Instruct"),
+    ("Qwen/Qwen2.5-32B", "Qwen--Qwen2.5-32B"),
+    ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+    ("Qwen/Qwen2-7B-Instruct", "Qwen/Qwen2-7B-Instruct"),
     # The instruct checkpoint's config.json differs from the base model's only in its eos token.
     ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama--Meta-Llama-3.1-8B"),
 )

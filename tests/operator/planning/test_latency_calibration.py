@@ -7,8 +7,9 @@ here; every point outside them is named below with why. The constants were chose
 (newer vLLM, models up to 120B); the held-out ones (DeepSeek-R1 and Llama 3.1 405B on 8 GPUs, older
 vLLM builds) were not looked at while choosing them, and the model misses them all: those builds ran
 far below what the same GPUs reach with the vLLM the planner renders for. The modern held-out set
-(dense models on vLLM 0.8 and later, gathered after the constants were set, every one a lone request)
-holds every TPOT within 25 % and misses only mid-length prompts' TTFT.
+(dense models on vLLM 0.8 and later, gathered after the constants were set: 16 lone requests and 10
+points at 2-50 concurrent requests) holds every TPOT within 25 % and misses only mid-length prompts'
+TTFT and a 0.5B model's TTFT on an L4 benchmarked from a Kubernetes Job.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ FAST_PREFILL = (
     "2048 tokens in 150 ms on 2 H100s and Qwen3-14B's 4096 in 217 ms (faster than its 2048, 283 ms), would need "
     "more than the GPUs' peak, so they also carry an artifact of that harness (2-8 requests a row)"
 )
+L4_SMALL_MODEL = (
+    "Qwen2.5-0.5B on an L4 (vLLM 0.23, 256-token prompts), benchmarked from a Kubernetes Job, the server on a 4-vCPU "
+    "host: TTFT 38-135 ms at c = 2-32 where our waves of 256-token prefills and 5 ms per request give 11-60 ms "
+    "(0.27-0.44): a fixed 25-75 ms of the client path and host that the model lacks, not the GPU's work"
+)
 # Published point -> why the model misses it (TPOT beyond 25 % or TTFT beyond 50 %).
 MISSES: dict[int, str] = {
     **{i: DEEPSEEK for i in range(17, 29)},
@@ -53,6 +59,7 @@ MISSES: dict[int, str] = {
     49: "1k in / 8k out doubles the 1k / 1k TPOT at the same concurrency where our KV reads add 10 %; a power-capping "
     "sweep (the source's title)",
     **{i: FAST_PREFILL for i in (53, 54, 60, 61, 64)},
+    **{i: L4_SMALL_MODEL for i in range(71, 76)},
 }
 
 
@@ -63,9 +70,9 @@ def _missed(row: lc.Row) -> bool:
 
 def test_the_points_cover_gpus_sizes_schemes_and_concurrency() -> None:
     points = json.loads(lc.POINTS_FILE.read_text())
-    assert len(ROWS) == 49 and all(points[r.case.index]["source"] for r in ROWS)
-    assert sum(1 for r in ROWS if r.tpot_ratio) == 45 and sum(1 for r in ROWS if r.case.concurrency == 1) == 28
-    assert {r.case.gpu for r in ROWS} >= {"A100-40GB", "A100-80GB", "H100-80GB", "H200", "B200", "MI300X"}
+    assert len(ROWS) == 59 and all(points[r.case.index]["source"] for r in ROWS)
+    assert sum(1 for r in ROWS if r.tpot_ratio) == 55 and sum(1 for r in ROWS if r.case.concurrency == 1) == 28
+    assert {r.case.gpu for r in ROWS} >= {"A100-40GB", "A100-80GB", "H100-80GB", "H200", "B200", "MI300X", "L4"}
     assert {r.case.tp for r in ROWS} == {1, 2, 8} and {r.case.quantization for r in ROWS} == {
         "none",
         "awq",
@@ -86,23 +93,41 @@ def test_every_miss_is_named_and_the_fit_points_hold() -> None:
 
 def test_the_modern_held_out_set_is_dense_models_on_vllm_0_8_and_later() -> None:
     """16 lone requests: Qwen2.5-72B on 2 H100s, Qwen3-14B and 1.7B at prompt lengths the fit rows of their
-    tables lack, Llama 3.1 8B on an A100-40GB. TPOT within 3 % median, TTFT pessimistic (median 1.26)."""
+    tables lack, Llama 3.1 8B on an A100-40GB; and 10 points at 2-50 concurrent requests: Qwen2.5-32B and
+    Qwen2-7B on an A100-80GB (vLLM 0.10.1.1, 1024 / 1024), Qwen2.5-0.5B on an L4 (vLLM 0.23, 256 / 128).
+    TPOT within 2 % median, TTFT of the lone requests pessimistic (median 1.26)."""
     points = json.loads(lc.POINTS_FILE.read_text())
     modern = [r for r in ROWS if r.case.part == lc.MODERN]
-    assert len(modern) == 16 and {r.case.concurrency for r in modern} == {1}
+    assert len(modern) == 26 and {r.case.concurrency for r in modern} == {1, 2, 4, 8, 10, 16, 20, 30, 32, 50}
     assert {r.case.model for r in modern} == {
         "Qwen/Qwen2.5-72B-Instruct",
         "Qwen/Qwen3-14B",
         "Qwen/Qwen3-1.7B",
         "meta-llama/Llama-3.1-8B-Instruct",
+        "Qwen/Qwen2.5-32B",
+        "Qwen/Qwen2-7B-Instruct",
+        "Qwen/Qwen2.5-0.5B-Instruct",
     }
     versions = [points[r.case.index]["vllm_version"].split()[0].split(".") for r in modern]
     assert all((int(major), int(minor)) >= (0, 8) for major, minor, *_ in versions)
     found = lc.summaries(ROWS)
-    assert found["TPOT modern"][:2] == (16, 16) and 0.95 <= found["TPOT modern"].median <= 1.1
-    assert found["TPOT modern aim"][:2] == (15, 16)
-    assert found["TTFT modern"][:2] == (10, 15) and found["TTFT modern aim"][:2] == (5, 15)
-    assert 1.1 <= found["TTFT modern"].median <= 1.4
+    assert found["TPOT modern"][:2] == (26, 26) and 0.95 <= found["TPOT modern"].median <= 1.05
+    assert found["TPOT modern aim"][:2] == (24, 26)
+    assert found["TTFT modern"][:2] == (13, 23) and found["TTFT modern aim"][:2] == (8, 23)
+    assert found["TTFT c=1 modern"][:2] == (10, 15) and 1.1 <= found["TTFT c=1 modern"].median <= 1.4
+
+
+def test_the_modern_points_at_concurrency_read_a_tpot_that_grows_faster_than_ours() -> None:
+    """At c > 1 our TPOT is within 25 % everywhere but its ratio falls as c rises: 1.11 to 0.88 for the 0.5B
+    model on an L4 from c = 2 to 32, 0.89-0.93 for Qwen2-7B on an A100 at c = 10-30 and 0.85 at 50. The A100's
+    TTFT (waves of 1024-token prefills) holds within 10 %."""
+    crowd = {r.case.index: r for r in ROWS if r.case.part == lc.MODERN and r.case.concurrency > 1}
+    assert sorted(crowd) == list(range(66, 76))
+    l4 = [crowd[i].tpot_ratio for i in range(71, 76)]
+    assert l4[0] > 1.05 and l4[-1] < 0.9 and l4 == sorted(l4, reverse=True)
+    a100 = [crowd[i].tpot_ratio for i in range(66, 71)]
+    assert all(0.8 <= r <= 0.95 for r in a100) and crowd[70].tpot_ratio == min(a100)
+    assert all(abs(crowd[i].ttft_ratio - 1) <= 0.1 for i in (66, 67, 70))
 
 
 @pytest.mark.parametrize("index", sorted(set(BY_INDEX) - set(MISSES)))

@@ -318,52 +318,6 @@ def test_the_name_must_be_able_to_name_a_service(crd: dict[str, Any]) -> None:
     assert not any(map(allowed, ["7b-chat", "db.v2", "Chat", "chat-", "a" * 64, "my_model", ""]))
 
 
-@pytest.mark.parametrize(
-    "bad",
-    [
-        {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
-        {"slo": {"ttftP95Ms": 0}},
-        {"slo": {"tpotP95Ms": -5}},
-        {"serving": {"blockSize": 24}},
-        {"serving": {"speculative": "draft"}},
-        {"accelerator": {"nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"}}},
-        {
-            "model": {
-                "name": "x",
-                "architecture": {
-                    "layers": 2,
-                    "hiddenSize": 64,
-                    "attentionHeads": 6,
-                    "kvHeads": 4,
-                    "vocabSize": 10,
-                    "parameters": 10,
-                    "maxContext": 16,
-                },
-            }
-        },
-        # A chunk needs its size (slidingWindow): CEL's "slidingKind chunk needs slidingWindow".
-        {
-            "model": {
-                "name": "x",
-                "architecture": {
-                    "layers": 2,
-                    "hiddenSize": 64,
-                    "attentionHeads": 4,
-                    "kvHeads": 2,
-                    "vocabSize": 10,
-                    "parameters": 10,
-                    "maxContext": 16,
-                    "slidingKind": "chunk",
-                },
-            }
-        },
-    ],
-)
-def test_pydantic_spec_enforces_the_same_rules_as_cel(bad: dict[str, Any]) -> None:
-    with pytest.raises(ValidationError):
-        InferenceServiceSpec.model_validate({"model": {"name": "llama-2-7b"}, **bad})
-
-
 ARCHITECTURE = {
     "layers": 2,
     "hiddenSize": 64,
@@ -373,6 +327,25 @@ ARCHITECTURE = {
     "parameters": 10,
     "maxContext": 16,
 }
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
+        {"slo": {"ttftP95Ms": 0}},
+        {"slo": {"tpotP95Ms": -5}},
+        {"serving": {"blockSize": 24}},
+        {"serving": {"speculative": "draft"}},
+        {"accelerator": {"nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"}}},
+        {"model": {"name": "x", "architecture": {**ARCHITECTURE, "attentionHeads": 6, "kvHeads": 4}}},
+        # A chunk needs its size (slidingWindow): CEL's "slidingKind chunk needs slidingWindow".
+        {"model": {"name": "x", "architecture": {**ARCHITECTURE, "slidingKind": "chunk"}}},
+    ],
+)
+def test_pydantic_spec_enforces_the_same_rules_as_cel(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        InferenceServiceSpec.model_validate({"model": {"name": "llama-2-7b"}, **bad})
 
 
 def _nested_model(annotation: Any) -> type[BaseModel] | None:

@@ -35,8 +35,8 @@ from kvpilot.operator.autoscaling.metrics import EngineReading, MetricsError, pa
 from kvpilot.operator.gateway import server as gw
 from kvpilot.operator.gateway.limits import Limits
 from kvpilot.operator.gateway.metrics import GatewayMetrics, Now
-from kvpilot.operator.kube.indexes import index_entry
 from kvpilot.operator.kube.watches import Index
+from tests.operator.gateway.harness import Indexes
 
 PERIOD = 15.0
 IDLE = EngineReading(waiting=0.0, running=0.0, kv_usage=0.0)
@@ -208,29 +208,6 @@ def engine_objects(ip: str) -> list[dict[str, Any]]:
     ]
 
 
-class Indexes:
-    """What the watches hold, keyed as kube/indexes.py keys them (the gateway's and the loop's)."""
-
-    def __init__(self, objects: list[dict[str, Any]]) -> None:
-        self.services: dict[Any, list[Any]] = {}
-        self.deployments: dict[Any, list[Any]] = {}
-        self.replicasets: dict[Any, list[Any]] = {}
-        self.pods: dict[Any, list[Any]] = {}
-        for obj in objects:
-            index = {
-                "InferenceService": self.services,
-                "Deployment": self.deployments,
-                "ReplicaSet": self.replicasets,
-                "Pod": self.pods,
-            }[obj["kind"]]
-            by_instance = obj["kind"] != "InferenceService"  # the children by their service (process.py)
-            for key, value in index_entry(obj, INSTANCE_LABEL if by_instance else None).items():
-                index.setdefault(key, []).append(value)
-
-    def all(self) -> tuple[Any, Any, Any, Any]:
-        return self.services, self.deployments, self.replicasets, self.pods
-
-
 class Cluster:
     """The operator's cluster adapter: records the replicas the loop writes."""
 
@@ -322,7 +299,7 @@ def test_the_loop_scales_up_on_the_requests_a_real_gateway_holds() -> None:
 
     async def main() -> tuple[Decision | None, Cluster]:
         async with serving(idle_engine()) as engine_ip:
-            indexes = Indexes(engine_objects(engine_ip))
+            indexes = Indexes(*engine_objects(engine_ip))
             gateway = gw.Gateway(*indexes.all(), scaler=None, limits=Limits(hold_seconds=30))  # type: ignore[arg-type]
             async with serving(gateway.app, port=8080) as gateway_ip:
                 base = f"http://{gateway_ip}:8080/namespaces/team/v1/completions"
@@ -356,7 +333,7 @@ def test_the_loop_scales_up_on_the_requests_a_real_gateway_holds() -> None:
 def test_a_gateway_the_loop_cannot_read_is_unknown_and_named(gateway_pods: Any, why: str | None) -> None:
     async def main() -> Decision | None:
         async with serving(idle_engine()) as engine_ip:
-            return await one_period(Cluster(), Indexes(engine_objects(engine_ip)), watched(gateway_pods))
+            return await one_period(Cluster(), Indexes(*engine_objects(engine_ip)), watched(gateway_pods))
 
     decision = asyncio.run(main())
     if why is None:

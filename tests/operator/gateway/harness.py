@@ -135,13 +135,19 @@ KEY_LABELS = {watched.kind: watched.key_label for watched in WATCHED}
 
 
 class Indexes:
-    """What the watches would hold, keyed as the gateway's watches key them."""
+    """What the watches would hold, keyed as the gateway's watches key them (the operator's
+    process.py keys its own the same way: children by their service's instance label)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *objects: dict[str, Any]) -> None:
         self.services: dict[Any, list[Any]] = {}
         self.deployments: dict[Any, list[Any]] = {}
         self.replicasets: dict[Any, list[Any]] = {}
         self.pods: dict[Any, list[Any]] = {}
+        self.put(*objects)
+
+    def all(self) -> tuple[Any, Any, Any, Any]:
+        """The four indexes in the order the gateway and the autoscaling loop take them."""
+        return self.services, self.deployments, self.replicasets, self.pods
 
     def put(self, *objects: dict[str, Any]) -> None:
         for obj in objects:

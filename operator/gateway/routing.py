@@ -160,12 +160,17 @@ SPEED_BOUNDS = (0.25, 4.0)
 def _speeds(service: Mapping[str, Any]) -> dict[str, float]:
     """Per variant label: predicted over observed p95 TPOT of its own pods (status.planAccuracy.variants,
     the autoscaler's window): how much faster its engines decode than its plan says. TPOT, not TTFT:
-    TTFT is mostly the queue, which least-load already follows."""
-    accuracy = status_of(service).plan_accuracy
+    TTFT is mostly the queue, which least-load already follows. A type re-planned with its own
+    correction (status.correction.byGpu) has that factor in its capacity already: only what its pods
+    show beyond it moves the weight."""
+    status = status_of(service)
+    accuracy, correction = status.plan_accuracy, status.correction
+    applied = {row.gpu: row.tpot for row in (correction.by_gpu if correction else None) or [] if row.tpot}
     found = {}
     for row in (accuracy.variants if accuracy else None) or []:
         if row.variant and row.tpot and row.tpot.ratio:
-            found[row.variant] = min(max(1 / row.tpot.ratio, SPEED_BOUNDS[0]), SPEED_BOUNDS[1])
+            speed = applied.get(row.gpu, 1.0) / row.tpot.ratio
+            found[row.variant] = min(max(speed, SPEED_BOUNDS[0]), SPEED_BOUNDS[1])
     return found
 
 

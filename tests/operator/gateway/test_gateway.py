@@ -412,6 +412,12 @@ def test_a_mixed_pool_s_engines_are_sent_requests_by_their_gpu_type_s_capacity()
     ]
     pool["status"]["planAccuracy"] = {"variants": observed}
     assert routing.shares(pool, pods) == {h100: routing.Share(400, 30.0), l4: routing.Share(8, 5.0)}
+    # Once the L4 is re-planned with its own correction (status.correction.byGpu), its capacity holds
+    # that factor already: the weight is the capacity, not halved again.
+    observed[0]["gpu"] = "L4"
+    pool["status"]["correction"] = {"byGpu": [{"gpu": "L4", "ttft": 2.0, "tpot": 2.0}]}
+    assert routing.shares(pool, pods)[l4] == routing.Share(8, 10.0)
+    del pool["status"]["correction"]
     observed[0]["tpot"]["ratio"] = 100.0
     assert routing.shares(pool, pods)[l4] == routing.Share(8, 10.0 * routing.SPEED_BOUNDS[0])
     # The L4s on spot nodes are a variant of their own (label l4-spot), with their own row.

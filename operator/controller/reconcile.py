@@ -66,7 +66,6 @@ from kvpilot.operator.kube.indexes import pooled
 from kvpilot.operator.kube.merge_patch import merge_patch
 from kvpilot.operator.planning import cpus
 from kvpilot.operator.planning.context import Correction
-from kvpilot.operator.planning.gpus import LIST_PRICE_PER_GPU_HOUR
 from kvpilot.operator.planning.model_config import ModelConfig
 from kvpilot.operator.planning.plan import PlanContext, plan
 from kvpilot.operator.planning.reasons import failed_plan
@@ -613,7 +612,7 @@ def reconcile(
         correction=decision.correction,
         variants=_variant_rows(decision, old, name, by_name, full),
         inspected=decision.inspected,
-        gpu_prices={**LIST_PRICE_PER_GPU_HOUR, **(gpu_prices or {})},
+        gpu_prices=gpu_prices,
     )
 
 

@@ -16,6 +16,8 @@ from kvpilot.operator.api.plan import MixedPlan, Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.api.status import InferenceServiceStatus, InspectedCheckpoint, LastGoodPlan, PlanAccuracy
 from kvpilot.operator.planning import sizing
+from kvpilot.operator.planning.gpus import LIST_PRICE_PER_GPU_HOUR
+from kvpilot.operator.planning.variants import price_per_gpu_hour
 
 CONDITION_TYPES = ("Planned", "Progressing", "Ready", "Degraded")
 
@@ -113,14 +115,14 @@ def cost_per_hour(
     plan: Plan, desired: int, variants: Sequence[Mapping[str, Any]] | None, prices: Mapping[str, float]
 ) -> float | None:
     """status.costPerHour: a mixed pool's rows' costPerHour summed (each at its own class's price);
-    one GPU type's `desired` replicas x GPUs per replica x its price per GPU-hour (`prices`, which
-    hold the list prices of the types the operator was given none for). None for a CPU plan or one
-    that does not fit: the status then says nothing it cannot know."""
+    one GPU type's `desired` replicas x GPUs per replica x its price per GPU-hour (the operator's
+    `prices`, else its list price). None for a CPU plan or one that does not fit: the status then
+    says nothing it cannot know."""
     if variants:
         return round(sum(float(row.get("costPerHour") or 0) for row in variants), 2)
-    if not plan.fits or plan.gpu not in prices:
+    if not plan.fits or plan.gpu not in LIST_PRICE_PER_GPU_HOUR:
         return None
-    return round(desired * plan.gpu_count * prices[str(plan.gpu)], 2)
+    return round(desired * plan.gpu_count * price_per_gpu_hour(prices, str(plan.gpu)), 2)
 
 
 def _unschedulable(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -379,7 +381,7 @@ def build(
     last plan that fit (reconcile.last_good); `api_key` the SHA-256 of the service's API key and its
     Secret, for the gateway's check; `correction` the factors the plan's replicas were chosen with
     (controller/correction.py); `inspected` what a pvc:// checkpoint's inspection Job found;
-    `gpu_prices` US dollars per GPU-hour by type (with the list prices), for status.costPerHour."""
+    `gpu_prices` US dollars per GPU-hour by type (the operator's --gpu-price), for status.costPerHour."""
     desired = _desired(plan, spec, deployment, variants)
     cost = cost_per_hour(plan, desired, variants, gpu_prices or {})
     observed = (deployment or {}).get("status", {})

@@ -314,6 +314,15 @@ def _runtime_refusal(
             f"{spec.model.name} has {beyond} ({model_reason}); runtime {spec.runtime} runs only decoders whose "
             "every layer attends to the whole sequence over K and V heads, text only: use runtime vllm",
         )
+    block = spec.serving.block_size
+    if arch.chunked and arch.sliding_window % block:
+        return failed_plan(
+            spec,
+            "UnsupportedByRuntime",
+            f"{spec.model.name}'s attention chunks of {arch.sliding_window} tokens ({model_reason}) are not a whole "
+            f"number of serving.blockSize {block}-token blocks: vLLM's chunked local attention maps each chunk to "
+            "whole blocks (it asserts attention_chunk_size % block_size == 0); set a blockSize that divides it",
+        )
     if arch.state is not None and spec.serving.speculative not in ("auto", "off"):
         return failed_plan(
             spec,

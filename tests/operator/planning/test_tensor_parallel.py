@@ -259,6 +259,28 @@ def test_llama_4_beside_an_eagle_head_keeps_every_token_of_its_chunked_layers() 
     assert _full_sequences(eagle) < _full_sequences(drafted)
 
 
+def test_chunks_that_are_not_whole_blocks_are_refused_as_vllm_would() -> None:
+    """vLLM 0.33 asserts attention_chunk_size % block_size == 0 when it maps a chunk to its blocks, on the
+    first request: the planner says so before a pod is rendered."""
+    scout = _architecture(SCOUT)
+
+    def spec(chunk: int, block: int) -> InferenceServiceSpec:
+        arch = scout.model_copy(update={"sliding_window": chunk})
+        return InferenceServiceSpec.model_validate(
+            {
+                "runtime": "vllm",
+                "model": {"name": "scout", "architecture": arch.model_dump(by_alias=True, exclude_none=True)},
+                "accelerator": {"type": "H200", "count": 8},
+                "serving": {"blockSize": block, "maxContextLength": 32768},
+            }
+        )
+
+    assert plan(spec(8192, 64)).fits and plan(spec(8208, 16)).fits
+    refused = plan(spec(8208, 32))
+    assert not refused.fits and refused.failure == "UnsupportedByRuntime"
+    assert "attention chunks of 8208 tokens" in refused.reason and "blockSize 32-token blocks" in refused.reason
+
+
 def _full_sequences(result: Plan) -> int:
     """How many max_model_len sequences the plan's reason says fit."""
     return int(result.reasons["kvCache"].split(" at the full ")[0].rsplit(" ", 1)[1])

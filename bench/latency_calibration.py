@@ -10,9 +10,10 @@ TTFT and TPOT. A point is left out, with the reason, where the planner's catalog
 config of its model is at hand, or it was not measured at a fixed concurrency and fixed lengths.
 
 The split: the constants of latency.py were chosen on the FIT points (newer vLLM, small and mid-sized
-models on A100 and H100/H200/B200/MI300X); the HELD-OUT ones (DeepSeek-R1 on 8 GPUs, Llama 3.1 405B on
-8 MI300X: older builds, the largest models) were not looked at while choosing them, nor were the MODERN
-held-out ones (dense models on vLLM 0.8 and later, gathered after the constants were set). A point's
+models on A100 and H100/H200/B200/MI300X, and every other point, by index, of the modern set, which
+chose the per-sequence step cost and the GEMM efficiency curve); the HELD-OUT ones (DeepSeek-R1 on 8
+GPUs, Llama 3.1 405B on 8 MI300X: older builds, the largest models) were not looked at while choosing
+them, nor were the MODERN held-out ones (dense models on vLLM 0.8 and later, the other half). A point's
 "set" field names its set; a point without one is held out where its model is in HELD_OUT_MODELS, else
 fit. All three are reported.
 """

@@ -56,6 +56,30 @@ GPU_LAYER_OVERHEAD_S = 25e-6
 # templating the prompt, scheduling it, detokenizing and streaming the token: a lone 128-token
 # prompt of Qwen3-1.7B on an A100 comes back in 11.4 ms, of which its prefill step is ~6 ms.
 GPU_REQUEST_OVERHEAD_S = 5e-3
+# Every running sequence in every step: the scheduler's bookkeeping, its rows of the inputs, its
+# sampling and output, in Python per request. Without it TPOT's ratio to the published one fell as
+# concurrency rose (1.11 at 2 to 0.88 at 32 sequences of Qwen2.5-0.5B on an L4; 0.85 at 50 of
+# Qwen2-7B on an A100); 20 us brings those to 1.11 / 0.95 / 0.87 and gpt-oss-120b at 64 on 8 H100s
+# from 0.85 to 1.00.
+GPU_SEQUENCE_OVERHEAD_S = 20e-6
+# The share of the dense peak a step's arithmetic reaches. GEMMs of a few hundred rows reach about
+# half (tile and wave quantisation, short kernels); from a few thousand rows they reach ~70 %, as
+# large prompts on A100s and H100s are published (Qwen2.5-72B's 4-8k-token prompts on 2 H100s at
+# 58-60 %: 1.23-1.26x too slow at a flat 50 %). Attention's QK^T and PV stay at half.
+GPU_ATTENTION_EFFICIENCY = 0.5
+GEMM_EFFICIENCY_LOW, GEMM_EFFICIENCY_HIGH = 0.5, 0.7
+GEMM_TOKENS_LOW, GEMM_TOKENS_HIGH = 512, 4096
+
+
+def gemm_efficiency(tokens: float) -> float:
+    """The share of its dense peak a GPU's GEMMs reach over `tokens` rows: GEMM_EFFICIENCY_LOW up to
+    GEMM_TOKENS_LOW rows, rising with the rows' logarithm to GEMM_EFFICIENCY_HIGH at GEMM_TOKENS_HIGH."""
+    if tokens <= GEMM_TOKENS_LOW:
+        return GEMM_EFFICIENCY_LOW
+    if tokens >= GEMM_TOKENS_HIGH:
+        return GEMM_EFFICIENCY_HIGH
+    share = math.log(tokens / GEMM_TOKENS_LOW) / math.log(GEMM_TOKENS_HIGH / GEMM_TOKENS_LOW)
+    return GEMM_EFFICIENCY_LOW + share * (GEMM_EFFICIENCY_HIGH - GEMM_EFFICIENCY_LOW)
 
 
 # A replica's capacity is found to this many requests per second (or 0.1 %), and is reported as at most the
@@ -161,19 +185,36 @@ def _allreduces_seconds(arch: Architecture, gpu: Device, tp: int, tokens: float)
     return 2 * arch.layers * sizing.allreduce_seconds(hidden_bytes, tp, gpu.link_bytes_per_s, gpu.link_latency_us / 1e6)
 
 
-def gpu_overhead_seconds(arch: Architecture) -> float:
-    """The engine's own time in one step on a GPU, beside the step's reads and arithmetic."""
-    return GPU_STEP_OVERHEAD_S + arch.layers * GPU_LAYER_OVERHEAD_S
+def gpu_overhead_seconds(arch: Architecture, running: float = 0.0) -> float:
+    """The engine's own time in one step on a GPU of `running` decoding sequences, beside the step's
+    reads and arithmetic."""
+    return GPU_STEP_OVERHEAD_S + arch.layers * GPU_LAYER_OVERHEAD_S + running * GPU_SEQUENCE_OVERHEAD_S
+
+
+def _layer_tokens(arch: Architecture, attended: float) -> float:
+    """The tokens all attention layers together attend to where a full-attention layer attends to
+    `attended` (a hybrid's state layers attend to nothing): a sliding layer to its window at most, a
+    chunked one to the tokens since its chunk began, half a chunk on average once past the first."""
+    layers = arch.state.attention_layers if arch.state is not None else arch.layers
+    window = arch.sliding_window
+    if window is None:
+        return layers * attended
+    local = (attended if attended < window else window / 2) if arch.chunked else min(attended, window)
+    return (layers - arch.windowed_layers) * attended + arch.windowed_layers * local
 
 
 def _attention_flops(arch: Architecture, tokens: float, attended: float) -> float:
     """Attention's arithmetic for `tokens` rows attending to `attended` tokens each on average: QK^T
-    and PV, 2 x 2 FLOPs per head dimension and attended token in every attention layer, a sliding
-    layer attending to its window at most (a hybrid's state layers attend to nothing)."""
+    and PV, 2 x 2 FLOPs per head dimension and attended token in every layer (_layer_tokens)."""
+    return 4 * arch.attention_heads * arch.head_size * tokens * _layer_tokens(arch, attended)
+
+
+def _kv_read_bytes(replica: Replica, context: float) -> float:
+    """The K and V one decoding sequence of `context` tokens reads in a step: its tokens' in every
+    full-attention layer, its window's or chunk's in a local one (_layer_tokens)."""
+    arch = replica.arch
     layers = arch.state.attention_layers if arch.state is not None else arch.layers
-    sliding = arch.windowed_layers
-    windowed = min(attended, arch.sliding_window) if arch.sliding_window is not None else 0.0
-    return 4 * arch.attention_heads * arch.head_size * tokens * ((layers - sliding) * attended + sliding * windowed)
+    return replica.kv_per_token * _layer_tokens(arch, context) / layers if layers else 0.0
 
 
 def _prompt_parameters(arch: Architecture) -> int:
@@ -190,24 +231,23 @@ def gpu_step_seconds(
     beside `prefilling` (prompt tokens, the tokens each attends to on average: chunked prefill puts
     both in one step). It reads the weights its tokens route to (all of a dense model's) and the
     decoding sequences' KV, multiplies 2 FLOPs per parameter and token plus attention's, and takes
-    the slower of the two at the usual efficiencies, then the engine's own time and the all-reduces."""
+    the slower of the two (reads at 80 % of the bandwidth, GEMMs at gemm_efficiency of the step's rows,
+    attention at half the peak), then the engine's own time (per step, layer and decoding sequence)
+    and the all-reduces."""
     arch, gpu = replica.arch, replica.gpu
     (running, context), (prompt_tokens, attended) = decoding, prefilling
     tokens = running + prompt_tokens
     share = min(1.0, tokens * arch.parameters_per_token / arch.parameters)
-    kv_bytes = running * context * replica.kv_per_token + running * 2 * replica.state_per_sequence
+    kv_bytes = running * (_kv_read_bytes(replica, context) + 2 * replica.state_per_sequence)
     reads = replica.decode_weight_bytes * share + kv_bytes
     head = 2 * arch.vocab_size * arch.hidden_size if prompt_tokens else 0.0  # the prompt's last token's logits
-    flops = (
-        2 * arch.parameters_per_token * running
-        + 2 * _prompt_parameters(arch) * prompt_tokens
-        + head
-        + _attention_flops(arch, running, context)
-        + _attention_flops(arch, prompt_tokens, attended)
-    )
+    gemms = 2 * arch.parameters_per_token * running + 2 * _prompt_parameters(arch) * prompt_tokens + head
+    attention = _attention_flops(arch, running, context) + _attention_flops(arch, prompt_tokens, attended)
+    peak = gpu.matmul_flops(replica.quantization, tokens)
     memory = reads / (gpu.bandwidth_bytes_per_s * sizing.DECODE_BANDWIDTH_EFFICIENCY)
-    compute = flops / (gpu.matmul_flops(replica.quantization, tokens) * sizing.PREFILL_COMPUTE_EFFICIENCY)
-    return max(memory, compute) + gpu_overhead_seconds(arch) + _allreduces_seconds(arch, gpu, replica.tp, tokens)
+    compute = gemms / (peak * gemm_efficiency(tokens)) + attention / (peak * GPU_ATTENTION_EFFICIENCY)
+    overhead = gpu_overhead_seconds(arch, running)
+    return max(memory, compute) + overhead + _allreduces_seconds(arch, gpu, replica.tp, tokens)
 
 
 def at_concurrency(

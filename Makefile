@@ -30,7 +30,7 @@ lint: $(STAMP)
 
 # Lint first (seconds): a style slip fails before the long suite starts.
 test: lint
-	$(PY) -m pytest tests e2e
+	$(PY) -m pytest tests e2e --durations=25
 
 # The engine (CPU) and operator images from their Dockerfiles, with buildah on a local Debian base
 # (e2e/images.sh: installs buildah, podman, runc and mmdebstrap if missing; caches in ~/.cache/kvpilot).

@@ -269,6 +269,11 @@ class Architecture(BaseModel):
         return self.sliding_window is not None and self.sliding_kind == "chunk"
 
     @property
+    def attention_layer_count(self) -> int:
+        """The layers that attend over K and V per token: all but a hybrid's state layers."""
+        return self.state.attention_layers if self.state is not None else self.layers
+
+    @property
     def windowed_layers(self) -> int:
         """The layers that keep only the sliding window (or the chunk) of a sequence."""
         if self.sliding_window is None:

@@ -195,7 +195,7 @@ def _layer_tokens(arch: Architecture, attended: float) -> float:
     """The tokens all attention layers together attend to where a full-attention layer attends to
     `attended` (a hybrid's state layers attend to nothing): a sliding layer to its window at most, a
     chunked one to the tokens since its chunk began, half a chunk on average once past the first."""
-    layers = arch.state.attention_layers if arch.state is not None else arch.layers
+    layers = arch.attention_layer_count
     window = arch.sliding_window
     if window is None:
         return layers * attended
@@ -212,9 +212,8 @@ def _attention_flops(arch: Architecture, tokens: float, attended: float) -> floa
 def _kv_read_bytes(replica: Replica, context: float) -> float:
     """The K and V one decoding sequence of `context` tokens reads in a step: its tokens' in every
     full-attention layer, its window's or chunk's in a local one (_layer_tokens)."""
-    arch = replica.arch
-    layers = arch.state.attention_layers if arch.state is not None else arch.layers
-    return replica.kv_per_token * _layer_tokens(arch, context) / layers if layers else 0.0
+    layers = replica.arch.attention_layer_count
+    return replica.kv_per_token * _layer_tokens(replica.arch, context) / layers if layers else 0.0
 
 
 def _prompt_parameters(arch: Architecture) -> int:

@@ -177,8 +177,7 @@ def kv_bytes_per_token(arch: Architecture, bytes_per_value: int = KV_BYTES_PER_V
     """A token's KV in every layer: 2 (K and V) × layers × KV heads × head dim × bytes (GQA/MQA shrink
     it through KV heads), or layers × the latent × bytes on each of the `tp` GPUs under latent attention."""
     # A hybrid's state layers keep no K and V per token (their state is per sequence: planning/recurrent.py).
-    layers = arch.state.attention_layers if arch.state is not None else arch.layers
-    return layers * _layer_bytes_per_token(arch, bytes_per_value, tp)
+    return arch.attention_layer_count * _layer_bytes_per_token(arch, bytes_per_value, tp)
 
 
 def beyond_plain_decoder(arch: Architecture) -> str | None:

@@ -5,11 +5,12 @@ images' names with the storage flags podman needs. `container_argv` turns a cont
 pod spec into a `podman run` command line: its command, args and env (Secret keys resolved from a
 mapping), the pod's and the container's securityContext (uid/gid, fsGroup, read-only root, dropped
 capabilities, no privilege escalation), its volumes (an emptyDir, a claim: a folder of this machine
-the pod's group can write, as the kubelet's fsGroup makes it; a memory emptyDir: a tmpfs), and no
-service-account token where the pod says so. It runs on the host's network, so a server binds a
-loopback address of this machine (the caller moves `--host`/`--listen` there), runc as the runtime
-(crun fails on this sandbox's cgroup layout) with ulimits at the shell's (no CAP_SYS_RESOURCE here);
-CPU and memory limits are not applied (no cgroup delegation here).
+the pod's group can write, as the kubelet's fsGroup makes it; a memory emptyDir: a tmpfs; an image
+volume: podman's image mount), and no service-account token where the pod says so. It runs on the
+host's network, so a server binds a loopback address of this machine (the caller moves
+`--host`/`--listen` there), runc as the runtime (crun fails on this sandbox's cgroup layout) with
+ulimits at the shell's (no CAP_SYS_RESOURCE here); CPU and memory limits are not applied (no cgroup
+delegation here).
 """
 
 from __future__ import annotations
@@ -122,8 +123,12 @@ def _mounts(pod: Manifest, container: Manifest, root: Path) -> list[str]:
             size = volume["emptyDir"].get("sizeLimit", "64Mi").replace("i", "")
             argv += ["--tmpfs", f"{mount['mountPath']}:rw,size={size.lower()},mode=1777"]
             continue
+        if "image" in volume:
+            # An image volume: the image's files, read-only (the kubelet mounts it so whatever the mount says).
+            argv += ["--mount", f"type=image,source={volume['image']['reference']},destination={mount['mountPath']}"]
+            continue
         if "emptyDir" not in volume and "persistentVolumeClaim" not in volume:
-            raise ValueError(f"volume {mount['name']}: only emptyDir and persistentVolumeClaim are mapped here")
+            raise ValueError(f"volume {mount['name']}: only emptyDir, persistentVolumeClaim and image are mapped here")
         source = _volume_dir(root, volume, fs_group)
         if mount.get("subPath"):
             # A missing subPath the kubelet creates as root (render.py's compile-cache init container).

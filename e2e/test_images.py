@@ -6,6 +6,8 @@ operator/Dockerfile, run as Kubernetes runs what the operator and the chart rend
   capability dropped, no service-account token, `/tmp` an emptyDir; ready on /ready within the
   rendered startup probe's budget, on the converted model and the prebuilt kernels the image ships
   (nothing converted or built at start-up), answering the `openai` client and /metrics;
+- the engine image runs the inspection Job the operator renders for a model baked into another image
+  (FROM scratch: no Python, no kvpilot), mounted as an image volume, and reports its architecture;
 - every module of both halves imports in the engine image, every operator module in the operator
   image, and the operator image has no torch;
 - the operator image runs `kvpilot operator` and `kvpilot gateway` with the chart's Deployments'
@@ -45,7 +47,9 @@ from e2e.polling import poll
 from e2e.procs import free_port
 from kvpilot.operator.api.names import API_KEY_SECRET_KEY, api_key_secret
 from kvpilot.operator.api.spec import InferenceServiceSpec
-from kvpilot.operator.controller import render
+from kvpilot.operator.controller import inspection, render
+from kvpilot.operator.controller.checkpoint import inspect_folder
+from kvpilot.operator.planning.model_config import ModelConfig
 from kvpilot.operator.planning.plan import plan
 from tests.test_imports import modules
 
@@ -209,6 +213,58 @@ def test_the_engine_image_runs_the_rendered_cpu_pod(images: Images, tmp_path: Pa
         assert "event=cpu_kernels source=prebuilt" in log and "converting" not in log, log[-3000:]
     user = images.run("image", "inspect", "--format", "{{.Config.User}}", images.engine).stdout
     assert user.strip() == "65532:65532"
+
+
+def test_the_engine_image_reads_a_model_baked_into_another_image_as_the_inspection_job_runs(
+    images: Images, tmp_path: Path
+) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    context = tmp_path / "baked"
+    folder = context / "srv" / "models" / "qwen3-8b"
+    folder.mkdir(parents=True)
+    shutil.copy(
+        Path(__file__).parents[1] / "tests/operator/planning/hf_configs/Qwen--Qwen3-8B.json", folder / "config.json"
+    )
+    save_file({"w": torch.zeros(4, 4)}, str(folder / "model.safetensors"))  # 64 bytes of weights
+    # Readable by the pods' non-root users, as a baked model must be for the engine too.
+    for path in folder.iterdir():
+        path.chmod(0o644)
+    (context / "Containerfile").write_text("FROM scratch\nCOPY srv /srv\n")
+    baked = "localhost/kvpilot-e2e-baked:qwen3-8b"
+    images.run("build", "-q", "--isolation", "chroot", "-t", baked, "-f", str(context / "Containerfile"), str(context))
+    spec = InferenceServiceSpec.model_validate(
+        {"model": {"name": "my-qwen3", "source": "/srv/models/qwen3-8b"}, "runtime": "vllm", "image": baked}
+    )
+    inspected = inspection.inspected_source(spec, images.engine)
+    assert inspected == inspection.Inspected("/srv/models/qwen3-8b", baked)
+    job = inspection.job("baked", "ml", "uid-1", spec, inspected, images.engine)
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    # The kubelet's termination-message file, which the container writes and the operator reads.
+    log = tmp_path / "termination-log"
+    log.touch(mode=0o666)
+    log.chmod(0o666)
+    argv = container_argv(
+        images,
+        pod,
+        container,
+        name="kvpilot-e2e-inspect-baked",
+        volumes_root=tmp_path / "volumes",
+        extra=["--volume", f"{log}:{container['terminationMessagePath']}:rw"],
+    )
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ended = {"exitCode": 0, "message": log.read_text()}
+    status = {"containerStatuses": [{"name": inspection.CONTAINER, "state": {"terminated": ended}}]}
+    found = inspection.result(job, [{"metadata": {}, "status": status}], "ml", "baked-inspect", inspected)
+    assert isinstance(found, ModelConfig), found
+    here = inspect_folder(folder)
+    assert not isinstance(here, tuple)
+    assert found.architecture.checkpoint_bytes == 64
+    assert found.architecture.model_copy(update={"source": ""}) == here.architecture.model_copy(update={"source": ""})
+    assert found.architecture.source == "config.json of /inspected-image/srv/models/qwen3-8b"
 
 
 def test_the_engine_image_downloads_into_the_model_cache_claim_and_serves_from_it(

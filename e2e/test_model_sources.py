@@ -1,11 +1,12 @@
-"""A pvc:// model the spec and the catalog do not describe, on the real control plane: the operator
-runs an inspection Job that mounts the claim (controller/inspection.py), plans from what its pod
-reports, and rolls out.
+"""A pvc:// model, or one baked into the engine image, that the spec and the catalog do not describe,
+on the real control plane: the operator runs an inspection Job that mounts the claim, or the image as
+an image volume (controller/inspection.py), plans from what its pod reports, and rolls out.
 
 kwok runs no containers: its stages complete a Job's pod by themselves (pod-ready, then pod-complete:
 phase Succeeded, exit code 0, no message; kwok v0.8 kustomize/stage/pod/fast). So the test plays the
 rest of the kubelet: it runs the same `kvpilot inspect-checkpoint` here on a folder standing for the
-claim, and writes its result into the ended container's termination message, as the kubelet does
+claim (or the image; e2e/test_images.py runs the Job's container on a real image volume), and writes
+its result into the ended container's termination message, as the kubelet does
 from /dev/termination-log."""
 
 from __future__ import annotations
@@ -98,6 +99,26 @@ def _job_pod(k8s: Cluster, ns: str, job: str) -> dict[str, Any]:
     return poll(ended, CONVERGE_S, f"the pod of Job {ns}/{job} Succeeded")
 
 
+def _report(k8s: Cluster, ns: str, job: str, tmp_path: Path) -> str:
+    """Write what the Job's container reports into its ended pod's termination message (kwok ended
+    it without one), as the kubelet would have read it; the result."""
+    pod = _job_pod(k8s, ns, job)
+    result = _inspected_here(tmp_path)
+    patch = [{"op": "add", "path": "/status/containerStatuses/0/state/terminated/message", "value": result}]
+    k8s.kubectl(
+        "patch",
+        "pod",
+        pod["metadata"]["name"],
+        "-n",
+        ns,
+        "--subresource=status",
+        "--type=json",
+        "-p",
+        json.dumps(patch),
+    )
+    return result
+
+
 def test_a_pvc_model_is_planned_from_the_config_json_its_inspection_job_reports(
     k8s: Cluster,
     kvpilot: Installation,
@@ -119,22 +140,7 @@ def test_a_pvc_model_is_planned_from_the_config_json_its_inspection_job_reports(
     assert pod_spec["containers"][0]["args"] == [f"/models/{claim}/qwen3-8b"]
     assert {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}} in pod_spec["volumes"]
 
-    # kwok ended the container without a message: a result is what the kubelet would have read.
-    pod = _job_pod(k8s, ns, job)
-    result = _inspected_here(tmp_path)
-    patch = [{"op": "add", "path": "/status/containerStatuses/0/state/terminated/message", "value": result}]
-    k8s.kubectl(
-        "patch",
-        "pod",
-        pod["metadata"]["name"],
-        "-n",
-        ns,
-        "--subresource=status",
-        "--type=json",
-        "-p",
-        json.dumps(patch),
-    )
-
+    result = _report(k8s, ns, job, tmp_path)
     ready = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
     inspected = ready["status"]["inspectedCheckpoint"]
     assert inspected["source"] == SOURCE
@@ -164,4 +170,39 @@ def test_a_pvc_model_is_planned_from_the_config_json_its_inspection_job_reports(
         ),
         CONVERGE_S,
         "the new source's inspection Job",
+    )
+
+
+def test_a_model_baked_into_the_engine_image_is_planned_from_that_image(
+    k8s: Cluster, kvpilot: Installation, operator: LocalOperator, apply_isvc: ApplyISVC, tmp_path: Path
+) -> None:
+    ns, name = kvpilot.watch_namespaces[0], "baked-qwen3"
+    image, path = "registry.example/vllm-qwen3:1", "/srv/models/qwen3-8b"
+    spec = {"model": {"name": "my-qwen3", "source": path}, "runtime": "vllm", "image": image}
+    apply_isvc(name, {**spec, "accelerator": {"type": "L4"}, "replicas": 1})
+    pending = kvis.wait_condition(k8s, ns, name, "Planned", "False", timeout_s=CONVERGE_S)
+    key = f"{path} in {image}"
+    job = inspection.job_name(name, pending["metadata"]["uid"], key)
+
+    # The API server keeps the image volume (on by default from 1.35) as the operator rendered it.
+    pod_spec = k8s.kubectl_json("get", "job", job, "-n", ns)["spec"]["template"]["spec"]
+    assert pod_spec["containers"][0]["args"] == [f"/inspected-image{path}"]
+    assert {"name": "model", "image": {"reference": image, "pullPolicy": "IfNotPresent"}} in pod_spec["volumes"]
+
+    _report(k8s, ns, job, tmp_path)
+    ready = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
+    assert ready["status"]["inspectedCheckpoint"]["source"] == key
+    assert ready["status"]["inspectedCheckpoint"]["architecture"]["checkpointBytes"] == TOTAL_SIZE
+    (engine,) = kvis.running_pods(k8s, ns, name)
+    assert engine["spec"]["containers"][0]["image"] == image
+
+    # Another image may bake other files at the same path: read afresh.
+    kvis.patch_spec(k8s, ns, name, {"image": "registry.example/vllm-qwen3:2"})
+    replanned = kvis.wait_condition(k8s, ns, name, "Planned", "False", timeout_s=CONVERGE_S, generation=2)
+    assert "inspectedCheckpoint" not in replanned["status"]
+    moved = inspection.job_name(name, pending["metadata"]["uid"], f"{path} in registry.example/vllm-qwen3:2")
+    poll(
+        lambda: k8s.kubectl("get", "job", moved, "-n", ns, check=False).returncode == 0,
+        CONVERGE_S,
+        "the new image's inspection Job",
     )

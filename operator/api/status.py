@@ -145,9 +145,9 @@ class KeptCheckpoint(_Status):
 
 class InspectedCheckpoint(KeptCheckpoint):
     source: str = Field(
-        max_length=512,
-        description="The model.source (pvc://claim/path) whose checkpoint the inspection Job read: read again "
-        "once model.source changes.",
+        max_length=1024,
+        description="What the inspection Job read: the model.source (pvc://claim/path), or for a path in the "
+        "engine image '<path> in <image>'; read again once either changes.",
     )
 
 
@@ -508,8 +508,8 @@ class InferenceServiceStatus(_Status):
     )
     inspected_checkpoint: InspectedCheckpoint | None = Field(
         default=None,
-        description="The architecture of a pvc:// model the spec and the catalog do not describe, as its "
-        "inspection Job read it from the claim's config.json (docs/model-sources.md).",
+        description="The architecture of a model on a claim or in the engine image that the spec and the "
+        "catalog do not describe, as its inspection Job read it from its config.json (docs/model-sources.md).",
     )
     latency: Latency | None = Field(
         default=None,

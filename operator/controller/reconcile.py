@@ -386,24 +386,25 @@ def _checkpoint(
 
 
 def _inspection(
-    spec: InferenceServiceSpec, cluster: Cluster, body: Mapping[str, Any], old: InferenceServiceStatus
+    spec: InferenceServiceSpec, cluster: Cluster, body: Mapping[str, Any], old: InferenceServiceStatus, image: str
 ) -> ModelConfig | Unreadable | None:
-    """The config of a pvc:// checkpoint (controller/inspection.py): as the status recorded it for
-    this source, else as its inspection Job found it (a Job of someone else's is not read: the
-    create of ours reports the conflict)."""
-    source = inspection.inspected_source(spec)
-    if source is None:
+    """The config of a checkpoint on a claim or in the engine image (controller/inspection.py;
+    `image`: the operator's default engine image): as the status recorded it for this source and
+    image, else as its inspection Job found it (a Job of someone else's is not read: the create of
+    ours reports the conflict)."""
+    inspected = inspection.inspected_source(spec, image)
+    if inspected is None:
         return None
-    kept = inspection.recorded(old.inspected_checkpoint, source)
+    kept = inspection.recorded(old.inspected_checkpoint, inspected)
     if kept is not None:
         return kept
     name, namespace, uid = body["metadata"]["name"], body["metadata"]["namespace"], body["metadata"]["uid"]
-    job_name = inspection.job_name(name, uid, source)
+    job_name = inspection.job_name(name, uid, inspected.key)
     job = cluster.get("batch/v1", "Job", namespace, job_name)
     if job is not None and not owned_by(job, uid):
         job = None
     pods = cluster.list_pods(namespace, {inspection.JOB_NAME_LABEL: job_name}) if job is not None else []
-    return inspection.result(job, pods, namespace, job_name, source)
+    return inspection.result(job, pods, namespace, job_name, inspected)
 
 
 class Observed(NamedTuple):
@@ -429,7 +430,11 @@ def _valid_spec(body: Mapping[str, Any]) -> InferenceServiceSpec | ValidationErr
 
 
 def observe(
-    body: Mapping[str, Any], cluster: Cluster, operator_namespace: str | None, hub: HubClient | None = None
+    body: Mapping[str, Any],
+    cluster: Cluster,
+    operator_namespace: str | None,
+    hub: HubClient | None = None,
+    default_image: str = render.DEFAULT_ENGINE_IMAGE,
 ) -> Observed:
     """Read what deciding about `body` needs, and nothing a decision will not use: a healthy
     service with a GPU type and its own key costs one read (its Secret)."""
@@ -446,7 +451,9 @@ def observe(
     secret = None
     if render.operator_api_key(spec):
         secret = cluster.get("v1", "Secret", metadata["namespace"], names.api_key_secret(metadata["name"]))
-    checkpoint = _checkpoint(spec, cluster, metadata["namespace"], hub) or _inspection(spec, cluster, body, old)
+    checkpoint = _checkpoint(spec, cluster, metadata["namespace"], hub) or _inspection(
+        spec, cluster, body, old, default_image
+    )
     return Observed(body, spec, kept, nodes, profiles, secret, checkpoint)
 
 
@@ -484,18 +491,18 @@ def _mixed_plan(
 def _inspecting(
     observed: Observed, spec: InferenceServiceSpec, default_image: str
 ) -> tuple[list[Manifest], InspectedCheckpoint | None]:
-    """The inspection Job of a pvc:// checkpoint while it has not finished (made in the operator's
-    image: it runs `kvpilot inspect-checkpoint`, whichever runtime the spec runs), and the record
-    of what one found, for the status."""
-    source, checkpoint = inspection.inspected_source(spec), observed.checkpoint
-    if source is None:
+    """The inspection Job of a checkpoint on a claim or in the engine image while it has not
+    finished (made in the operator's image: it runs `kvpilot inspect-checkpoint`, whichever runtime
+    the spec runs), and the record of what one found, for the status."""
+    inspected, checkpoint = inspection.inspected_source(spec, default_image), observed.checkpoint
+    if inspected is None:
         return [], None
     if isinstance(checkpoint, ModelConfig):
-        return [], inspection.record(source, checkpoint)
+        return [], inspection.record(inspected, checkpoint)
     if isinstance(checkpoint, Unreadable) and checkpoint.failure == inspection.PENDING:
         metadata = observed.body["metadata"]
         name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
-        return [inspection.job(name, namespace, uid, spec, source, default_image)], None
+        return [inspection.job(name, namespace, uid, spec, inspected, default_image)], None
     return [], None
 
 
@@ -576,7 +583,7 @@ def reconcile(
     old = status_of(body)
     full = still_full(old, now)
     room = {gpu: held for gpu, (held, _) in full.items()}
-    observed = observe(body, cluster, operator_namespace, hub)
+    observed = observe(body, cluster, operator_namespace, hub, default_image)
     decision = decide(observed, default_image, operator_namespace, gpu_prices, room, capacity_classes)
     key = decision.key
     wanted = [*decision.wanted, *_retired(cluster, decision, old, name, namespace, uid)]

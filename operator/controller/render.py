@@ -497,6 +497,12 @@ def _pod_metadata(name: str, spec: InferenceServiceSpec, api_key_sha256: str | N
     }
 
 
+def engine_image(spec: InferenceServiceSpec, default_image: str) -> str:
+    """The engine container's image: the spec's, else its runtime's (vLLM's official), else the
+    operator's default."""
+    return spec.image or RUNTIMES[spec.runtime].image or default_image
+
+
 def _pod_template(
     name: str,
     spec: InferenceServiceSpec,
@@ -507,9 +513,8 @@ def _pod_template(
 ) -> Manifest:
     """The engine pod: init containers (the compile cache's folder; the downloads, `kvpilot download`
     in the engine's image or, where the runtime's lacks it, the operator's), the engine, volumes."""
-    runtime = RUNTIMES[spec.runtime]
-    image = spec.image or runtime.image or default_image
-    downloader = image if runtime.ships_downloader else default_image
+    image = engine_image(spec, default_image)
+    downloader = image if RUNTIMES[spec.runtime].ships_downloader else default_image
     model, draft, adapters = _pod_files(spec, plan)
     compiled = _compile_cache(spec, plan, image)
     volumes, mounts = _volumes_and_mounts([model, *([draft] if draft else []), *adapters], compiled)

@@ -230,7 +230,9 @@ def _architecture(spec: InferenceServiceSpec, checkpoint: Architecture | None) -
             spec,
             "UnknownModel",
             f"model {spec.model.name!r} is not in the catalog ({', '.join(MODELS)}) and "
-            "spec.model.architecture is not set (nor model.source an hf:// repository whose config.json is read)",
+            "spec.model.architecture is not set (nor model.source a checkpoint whose config.json is read: hf:// "
+            "from the Hub; a claim or a path in the image by the operator's inspection Job; offline, "
+            "`kvpilot plan --model-config DIR`)",
         )
     if explicit:
         where = f"spec.model.architecture ({arch.source})" if arch.source else "spec.model.architecture"

@@ -1,5 +1,6 @@
-"""A pvc:// model the spec and the catalog do not describe: its architecture is read from the claim
-by an inspection Job (controller/inspection.py), whose pod reports it in its termination message."""
+"""A pvc:// model, or one at a path in the engine image, that the spec and the catalog do not describe:
+its architecture is read from the claim (or the image, mounted as an image volume) by an inspection
+Job (controller/inspection.py), whose pod reports it in its termination message."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def job_pod(cluster: FakeCluster, exit_code: int, message: str, name: str = "") 
 
 def test_the_job_reads_the_claim_read_only_as_the_engine_would_and_unprivileged() -> None:
     spec = InferenceServiceSpec.model_validate({**SPEC, "imagePullSecrets": [{"name": "pull"}]})
-    job = inspection.job("chat", "ml", "uid-1", spec, SOURCE, IMAGE)
+    job = inspection.job("chat", "ml", "uid-1", spec, inspection.Inspected(SOURCE), IMAGE)
     assert job["metadata"]["name"] == job_name() and len(job_name()) <= 63
     assert job["metadata"]["ownerReferences"] == [names.owner_reference("chat", "uid-1")]
     assert job["metadata"]["labels"][names.INSTANCE_LABEL] == "chat"
@@ -254,3 +255,80 @@ def test_the_job_s_pod_events_reconcile_its_service(tmp_path: Path) -> None:
     assert operator.event(pod_handler, body=pod) == [("ml", "chat")]
     status = cluster.objects[("InferenceService", "ml", "chat")]["status"]
     assert status["inspectedCheckpoint"]["source"] == SOURCE and "Deployment" in cluster.kinds()
+
+
+BAKED = "/srv/models/qwen3-8b"
+VLLM_IMAGE = "registry.example/vllm-with-qwen:1"
+BAKED_SPEC = {
+    "model": {"name": "my-qwen", "source": BAKED},
+    "runtime": "vllm",
+    "image": VLLM_IMAGE,
+    "imagePullPolicy": "Always",
+    "imagePullSecrets": [{"name": "pull"}],
+    "accelerator": {"type": "L4"},
+}
+
+
+def test_a_path_in_the_engine_image_is_read_from_that_image_mounted_as_a_volume() -> None:
+    spec = InferenceServiceSpec.model_validate(BAKED_SPEC)
+    inspected = inspection.inspected_source(spec, IMAGE)
+    assert inspected == inspection.Inspected(BAKED, VLLM_IMAGE)
+    assert inspected.key == f"{BAKED} in {VLLM_IMAGE}"
+    job = inspection.job("chat", "ml", "uid-1", spec, inspected, IMAGE)
+    assert job["metadata"]["name"] == inspection.job_name("chat", "uid-1", inspected.key)
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    # kvpilot's command in the operator's image: vLLM's image has none of ours, and needs none.
+    assert container["image"] == IMAGE
+    assert [*container["command"], *container["args"]] == ["kvpilot", "inspect-checkpoint", f"/inspected-image{BAKED}"]
+    assert {"name": "model", "mountPath": "/inspected-image", "readOnly": True} in container["volumeMounts"]
+    assert {"name": "model", "image": {"reference": VLLM_IMAGE, "pullPolicy": "Always"}} in pod["volumes"]
+    assert pod["imagePullSecrets"] == [{"name": "pull"}]  # the image volume is pulled with them too
+    assert (
+        pod["securityContext"]["runAsNonRoot"] is True and container["securityContext"] == render.container_security()
+    )
+    # Without spec.image, the image the engine pod would run: the runtime's, else the operator's.
+    for runtime, image in (("vllm", render.RUNTIMES["vllm"].image), ("kvpilot", IMAGE)):
+        unpinned = spec.model_copy(update={"image": None, "runtime": runtime})
+        assert inspection.inspected_source(unpinned, IMAGE) == inspection.Inspected(BAKED, image)
+        assert image == render.engine_image(unpinned, IMAGE)
+
+
+def test_a_baked_model_is_planned_from_its_image_and_inspected_again_when_the_image_changes(tmp_path: Path) -> None:
+    cluster = FakeCluster()
+    key = f"{BAKED} in {VLLM_IMAGE}"
+    pending = reconcile(body(BAKED_SPEC), cluster, NOW, default_image=IMAGE)
+    ready = condition(pending, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ModelConfigPending") and key in ready["message"]
+    job_pod(cluster, 0, reported(tmp_path), name=job_name(key))
+    planned = reconcile(body(BAKED_SPEC, status=pending), cluster, NOW, default_image=IMAGE)
+    assert condition(planned, "Planned")["status"] == "True" and "Deployment" in cluster.kinds()
+    assert planned["inspectedCheckpoint"]["source"] == key
+    engine = cluster.objects[("Deployment", "ml", "chat")]["spec"]["template"]["spec"]["containers"][0]
+    assert engine["image"] == VLLM_IMAGE
+
+    # A new image may bake other files at the same path: read afresh, the Deployment kept meanwhile.
+    moved = {**BAKED_SPEC, "image": "registry.example/vllm-with-qwen:2"}
+    changed = reconcile(body(moved, generation=2, status=planned), cluster, NOW, default_image=IMAGE)
+    assert condition(changed, "Planned")["reason"] == "ModelConfigPending"
+    assert ("Job", "ml", job_name(f"{BAKED} in registry.example/vllm-with-qwen:2")) in cluster.objects
+    assert "inspectedCheckpoint" not in changed and "Deployment" in cluster.kinds()
+
+
+def test_an_image_volume_the_cluster_cannot_mount_fails_with_what_it_needs() -> None:
+    cluster = FakeCluster()
+    key = f"{BAKED} in {VLLM_IMAGE}"
+    pending = reconcile(body(BAKED_SPEC), cluster, NOW, default_image=IMAGE)
+    # No pod ever ran (the volume dropped by an older API server, or a runtime that mounts no image).
+    cluster.objects[("Job", "ml", job_name(key))]["status"] = {
+        "conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded", "message": "too long"}]
+    }
+    ready = condition(reconcile(body(BAKED_SPEC, status=pending), cluster, NOW, default_image=IMAGE), "Ready")
+    assert ready["reason"] == "ModelConfigUnavailable"
+    assert "too long" in ready["message"] and inspection.IMAGE_VOLUME_NEEDS in ready["message"]
+    assert "model.architecture" in ready["message"]
+    # A claim's Job that timed out is not an image volume's problem.
+    claim = reconcile(body(SPEC), (other := FakeCluster()), NOW)
+    other.objects[("Job", "ml", job_name())]["status"] = cluster.objects[("Job", "ml", job_name(key))]["status"]
+    said = condition(reconcile(body(SPEC, status=claim), other, NOW), "Ready")["message"]
+    assert "too long" in said and inspection.IMAGE_VOLUME_NEEDS not in said

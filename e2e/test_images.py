@@ -237,7 +237,7 @@ def test_the_engine_image_reads_a_model_baked_into_another_image_as_the_inspecti
     spec = InferenceServiceSpec.model_validate(
         {"model": {"name": "my-qwen3", "source": "/srv/models/qwen3-8b"}, "runtime": "vllm", "image": baked}
     )
-    inspected = inspection.inspected_source(spec, images.engine)
+    inspected = inspection.inspected_source(spec.model.source, spec, images.engine)
     assert inspected == inspection.Inspected("/srv/models/qwen3-8b", baked)
     job = inspection.job("baked", "ml", "uid-1", spec, inspected, images.engine)
     pod = job["spec"]["template"]["spec"]

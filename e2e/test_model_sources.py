@@ -1,6 +1,7 @@
-"""A pvc:// model, or one baked into the engine image, that the spec and the catalog do not describe,
-on the real control plane: the operator runs an inspection Job that mounts the claim, or the image as
-an image volume (controller/inspection.py), plans from what its pod reports, and rolls out.
+"""A pvc:// model, or one baked into the engine image, that the spec and the catalog do not describe
+(or such a draft model), on the real control plane: the operator runs an inspection Job that mounts
+the claim, or the image as an image volume (controller/inspection.py), plans from what its pod
+reports, and rolls out.
 
 kwok runs no containers: its stages complete a Job's pod by themselves (pod-ready, then pod-complete:
 phase Succeeded, exit code 0, no message; kwok v0.8 kustomize/stage/pod/fast). So the test plays the
@@ -31,7 +32,8 @@ from kvpilot.operator.controller import inspection
 
 ApplyISVC = Callable[[str, dict[str, Any]], dict[str, Any]]
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "tests" / "operator" / "planning" / "hf_configs" / "Qwen--Qwen3-8B.json"
+CONFIGS = ROOT / "tests" / "operator" / "planning" / "hf_configs"
+CONFIG = CONFIGS / "Qwen--Qwen3-8B.json"
 CLAIM = "inspected-models"
 SOURCE = f"pvc://{CLAIM}/qwen3-8b"
 # The weights' bytes the checkpoint's safetensors index states (about Qwen3-8B's in bf16).
@@ -75,12 +77,12 @@ def claim(k8s: Cluster, kvpilot: Installation) -> Iterator[str]:
     k8s.kubectl("delete", "pv", volume, "--ignore-not-found", "--wait=false")
 
 
-def _inspected_here(tmp_path: Path) -> str:
+def _inspected_here(tmp_path: Path, config: Path) -> str:
     """What the Job's container reports for the checkpoint: `kvpilot inspect-checkpoint` run on a
-    folder holding Qwen3-8B's config.json and a safetensors index."""
-    folder = tmp_path / "qwen3-8b"
+    folder holding `config` (a config.json) and a safetensors index."""
+    folder = tmp_path / config.stem
     folder.mkdir()
-    shutil.copy(CONFIG, folder / "config.json")
+    shutil.copy(config, folder / "config.json")
     index = {"metadata": {"total_size": TOTAL_SIZE}, "weight_map": {}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     log = tmp_path / "termination-log"
@@ -99,11 +101,11 @@ def _job_pod(k8s: Cluster, ns: str, job: str) -> dict[str, Any]:
     return poll(ended, CONVERGE_S, f"the pod of Job {ns}/{job} Succeeded")
 
 
-def _report(k8s: Cluster, ns: str, job: str, tmp_path: Path) -> str:
-    """Write what the Job's container reports into its ended pod's termination message (kwok ended
-    it without one), as the kubelet would have read it; the result."""
+def _report(k8s: Cluster, ns: str, job: str, tmp_path: Path, config: Path = CONFIG) -> str:
+    """Write what the Job's container reports for `config` into its ended pod's termination message
+    (kwok ended it without one), as the kubelet would have read it; the result."""
     pod = _job_pod(k8s, ns, job)
-    result = _inspected_here(tmp_path)
+    result = _inspected_here(tmp_path, config)
     patch = [{"op": "add", "path": "/status/containerStatuses/0/state/terminated/message", "value": result}]
     k8s.kubectl(
         "patch",
@@ -206,3 +208,43 @@ def test_a_model_baked_into_the_engine_image_is_planned_from_that_image(
         CONVERGE_S,
         "the new image's inspection Job",
     )
+
+
+def test_a_draft_model_on_a_claim_is_planned_from_the_config_json_its_own_job_reports(
+    k8s: Cluster,
+    kvpilot: Installation,
+    operator: LocalOperator,
+    apply_isvc: ApplyISVC,
+    claim: str,
+    tmp_path: Path,
+) -> None:
+    ns, name, draft = kvpilot.watch_namespaces[0], "drafted-llama", f"pvc://{claim}/llama-3.2-3b"
+    serving = {"speculative": "draft", "draftModel": draft}
+    apply_isvc(
+        name,
+        {
+            "model": {"name": "llama-3-8b"},
+            "runtime": "vllm",
+            "accelerator": {"type": "H100-80GB", "count": 1},
+            "serving": serving,
+            "replicas": 1,
+        },
+    )
+    pending = kvis.wait_condition(k8s, ns, name, "Planned", "False", timeout_s=CONVERGE_S)
+    assert kvis.condition(pending, "Planned")["message"].startswith("serving.draftModel: ")
+    job = inspection.job_name(name, pending["metadata"]["uid"], draft)
+    pod_spec = k8s.kubectl_json("get", "job", job, "-n", ns)["spec"]["template"]["spec"]
+    assert pod_spec["containers"][0]["args"] == [f"/models/{claim}/llama-3.2-3b"]
+
+    _report(k8s, ns, job, tmp_path, CONFIGS / "meta-llama--Llama-3.2-3B.json")
+    ready = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
+    # The real API server keeps the draft's record and the plan's copy (the CRD's schema has both).
+    status = ready["status"]
+    assert status["inspectedDraftCheckpoint"]["source"] == draft and "inspectedCheckpoint" not in status
+    assert status["inspectedDraftCheckpoint"]["architecture"]["checkpointBytes"] == TOTAL_SIZE
+    assert status["lastGoodPlan"]["draftCheckpoint"]["architecture"]["layers"] == 28
+    assert status["plan"]["speculative"] == "draft"
+    (engine,) = kvis.running_pods(k8s, ns, name)
+    args = engine["spec"]["containers"][0]["args"]
+    speculative = json.loads(next(a for a in args if a.startswith("--speculative-config=")).partition("=")[2])
+    assert speculative["model"] == f"/models/{claim}/llama-3.2-3b"

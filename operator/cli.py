@@ -14,6 +14,7 @@ import re
 import sys
 import urllib.parse
 from contextlib import suppress
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO, get_args
 
@@ -31,7 +32,6 @@ from kvpilot.operator.api.spec import (
     CPU_TYPE,
     DNS_1123_LABEL,
     MAX_CLASS_NAME,
-    Architecture,
     InferenceServiceSpec,
     KvCacheDtype,
     Quantization,
@@ -43,7 +43,15 @@ from kvpilot.operator.autoscaling.decisions import INTERVAL_SECONDS, WINDOW_PERI
 from kvpilot.operator.autoscaling.gateways import GatewayPods
 from kvpilot.operator.autoscaling.loop import prometheus_allowed
 from kvpilot.operator.controller import render
-from kvpilot.operator.controller.checkpoint import Unreadable, inspect_folder, read_checkpoint, with_checkpoint
+from kvpilot.operator.controller.checkpoint import (
+    Unreadable,
+    as_draft,
+    draft_to_read,
+    inspect_folder,
+    model_to_read,
+    read_checkpoint,
+    with_checkpoint,
+)
 from kvpilot.operator.gateway import main as gateway_main
 from kvpilot.operator.gateway.limits import Limits
 from kvpilot.operator.hub.client import DEFAULT_ENDPOINT, HubClient
@@ -51,7 +59,7 @@ from kvpilot.operator.hub.safetensors import local_weights_bytes
 from kvpilot.operator.kube.cluster import KubeCluster
 from kvpilot.operator.planning import cpus, sizing
 from kvpilot.operator.planning.gpus import GPUS, find_gpu
-from kvpilot.operator.planning.model_config import read_config
+from kvpilot.operator.planning.model_config import ModelConfig, read_config
 from kvpilot.operator.planning.plan import PlanContext, plan
 from kvpilot.operator.planning.reasons import failed_plan
 from kvpilot.operator.planning.sources import MODEL_SOURCE_REQUIRED, missing_source, with_model_source
@@ -404,16 +412,22 @@ def _named_model(model: str) -> dict[str, Any]:
     return {"name": model} if source is None else {"name": source.repo.rsplit("/", 1)[-1], "source": model}
 
 
-def _read_checkpoint(spec: InferenceServiceSpec) -> tuple[InferenceServiceSpec, Architecture | None]:
-    """The spec, and its checkpoint's architecture where the operator would read its config.json
-    from the Hub (here at HF_ENDPOINT with HF_TOKEN); ValueError when the Hub does not give it."""
-    hub = HubClient(os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT)
-    checkpoint = read_checkpoint(spec, hub, os.environ.get("HF_TOKEN") or None, None)
-    if isinstance(checkpoint, Unreadable):
-        raise ValueError(f"{checkpoint.failure}: {checkpoint.message}")
-    if checkpoint is None:
-        return spec, None
-    return with_checkpoint(spec, checkpoint), checkpoint.architecture
+def _read_checkpoints(spec: InferenceServiceSpec) -> tuple[InferenceServiceSpec, PlanContext]:
+    """The spec, and the plan context of the checkpoints whose config.json the operator would read
+    from the Hub (here at HF_ENDPOINT with HF_TOKEN): the model's and its draft's; ValueError when
+    the Hub does not give one."""
+    hub, token = HubClient(os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT), os.environ.get("HF_TOKEN") or None
+
+    def read(source: str | None, draft: bool = False) -> ModelConfig | None:
+        found = read_checkpoint(source, hub, token, None)
+        found = as_draft(found) if draft else found
+        if isinstance(found, Unreadable):
+            raise ValueError(f"{found.failure}: {found.message}")
+        return found
+
+    checkpoint, draft = read(model_to_read(spec)), read(draft_to_read(spec), draft=True)
+    context = PlanContext(checkpoint=checkpoint.architecture if checkpoint else None, draft_checkpoint=draft)
+    return with_checkpoint(spec, checkpoint), context
 
 
 def _spec(args: argparse.Namespace, profile: DeviceProfile | None) -> dict[str, Any]:
@@ -619,12 +633,12 @@ def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         prices, classes = pool_settings(args)
         profile = _device_profile(args)
         spec = with_model_source(InferenceServiceSpec.model_validate(_spec(args, profile)))
-        spec, checkpoint = _read_checkpoint(spec)
+        spec, context = _read_checkpoints(spec)
     except (ValidationError, ValueError) as error:
         print(f"kvpilot plan: {error}", file=sys.stderr)
         return 2
     profiles = {profile.name: profile} if profile else {}
-    context = PlanContext(device_profiles=profiles, checkpoint=checkpoint)
+    context = replace(context, device_profiles=profiles)
     if spec.accelerator.variants:
         mixed = plan_variants(spec, requested(spec), context, prices, classes)
         if args.json:

@@ -164,6 +164,11 @@ class LastGoodPlan(_Status):
         description="The model's config.json as read from the Hub when the plan was made (a model the spec and "
         "the catalog do not describe), so that its Deployment renders again while the Hub is unreachable.",
     )
+    draft_checkpoint: KeptCheckpoint | None = Field(
+        default=None,
+        description="serving.draftModel's config.json as read when the plan was made (a draft that "
+        "serving.draftModelArchitecture and the catalog do not describe), kept for the same reason.",
+    )
 
 
 class Latency(_Status):
@@ -510,6 +515,11 @@ class InferenceServiceStatus(_Status):
         default=None,
         description="The architecture of a model on a claim or in the engine image that the spec and the "
         "catalog do not describe, as its inspection Job read it from its config.json (docs/model-sources.md).",
+    )
+    inspected_draft_checkpoint: InspectedCheckpoint | None = Field(
+        default=None,
+        description="The same for serving.draftModel on a claim or in the engine image, when "
+        "serving.draftModelArchitecture and the catalog do not describe it.",
     )
     latency: Latency | None = Field(
         default=None,

@@ -1,8 +1,9 @@
 """A model's architecture from its checkpoint on the Hub (its config.json, and its safetensors'
-bytes), for a spec that gives none and names no catalog model: what the reconciler (with the
-service's token and endpoint) and `kvpilot plan` (with HF_TOKEN and HF_ENDPOINT) read alike. A
-checkpoint on a claim is read the same way from its folder (inspect_folder), by the inspection
-Job the operator runs (`kvpilot inspect-checkpoint`)."""
+bytes), for a spec that gives none and names no catalog model, and the same for its draft model
+(serving.draftModel): what the reconciler (with the service's token and endpoint) and `kvpilot plan`
+(with HF_TOKEN and HF_ENDPOINT) read alike. A checkpoint on a claim or in the engine image is read
+the same way from its folder (inspect_folder), by the inspection Job the operator runs (`kvpilot
+inspect-checkpoint`)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvpilot.operator.api.inspection import UNSUPPORTED, CheckpointInspection
-from kvpilot.operator.api.spec import HubSource, InferenceServiceSpec, hub_source
+from kvpilot.operator.api.spec import InferenceServiceSpec, hub_source
 from kvpilot.operator.hub.client import HubClient, HubError
 from kvpilot.operator.hub.safetensors import local_weights_bytes
+from kvpilot.operator.planning.choices import drafted_source, given_draft_architecture
 from kvpilot.operator.planning.model_config import ModelConfig, read_config
 from kvpilot.operator.planning.models import find_model
 
@@ -29,29 +31,41 @@ def described(spec: InferenceServiceSpec) -> bool:
     return spec.model.architecture is not None or find_model(spec.model.name) is not None
 
 
-def reads_checkpoint(spec: InferenceServiceSpec) -> HubSource | None:
-    """The hf:// repository whose config.json gives the architecture, None when the spec or the
-    catalog give it (or the weights are not on a hub)."""
-    return None if described(spec) else hub_source(spec.model.source)
+def model_to_read(spec: InferenceServiceSpec) -> str | None:
+    """model.source when its checkpoint's config.json gives the architecture (the spec and the
+    catalog do not), else None."""
+    return None if described(spec) else spec.model.source
+
+
+def draft_to_read(spec: InferenceServiceSpec) -> str | None:
+    """serving.draftModel when a plan may run it and its checkpoint's config.json gives its
+    architecture (serving.draftModelArchitecture and the catalog do not), else None."""
+    source = drafted_source(spec)
+    return source if source is not None and given_draft_architecture(spec) is None else None
+
+
+def as_draft(read: ModelConfig | Unreadable | None) -> ModelConfig | Unreadable | None:
+    """A draft's read, its refusal saying whose checkpoint it is."""
+    return read._replace(message=f"serving.draftModel: {read.message}") if isinstance(read, Unreadable) else read
 
 
 def read_checkpoint(
-    spec: InferenceServiceSpec, hub: HubClient, token: str | None, endpoint: str | None, note: str = ""
+    source: str | None, hub: HubClient, token: str | None, endpoint: str | None, note: str = ""
 ) -> ModelConfig | Unreadable | None:
-    """The config of model.source's repository, with its weights' bytes where it stores them as
-    safetensors (None: not read, see reads_checkpoint), or why it cannot be had (`note` is added to
-    a refusal: how the token was found)."""
-    source = reads_checkpoint(spec)
-    if source is None:
+    """The config of `source`'s repository (model_to_read, draft_to_read), with its weights' bytes where
+    it stores them as safetensors (None: not on a hub), or why it cannot be had (`note` is added to a
+    refusal: how the token was found)."""
+    repository = hub_source(source)
+    if repository is None:
         return None
     try:
-        config = hub.config(source.repo, source.revision, token, endpoint)
-        weights = hub.weights_bytes(source.repo, source.revision, token, endpoint)
+        config = hub.config(repository.repo, repository.revision, token, endpoint)
+        weights = hub.weights_bytes(repository.repo, repository.revision, token, endpoint)
     except HubError as error:
-        return Unreadable("ModelConfigUnavailable", f"{spec.model.source}: {error.message}{note}")
-    read = read_config(config, f"config.json of {spec.model.source}")
+        return Unreadable("ModelConfigUnavailable", f"{source}: {error.message}{note}")
+    read = read_config(config, f"config.json of {source}")
     if isinstance(read, str):
-        return Unreadable("UnsupportedArchitecture", f"{spec.model.source}: {read}")
+        return Unreadable("UnsupportedArchitecture", f"{source}: {read}")
     return read._replace(architecture=read.architecture.model_copy(update={"checkpoint_bytes": weights}))
 
 

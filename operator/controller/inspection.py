@@ -1,18 +1,18 @@
-"""The architecture of a model the spec and the catalog do not describe, learnt from its checkpoint
-where the engine would load it: a short Job, owned by the InferenceService, runs `kvpilot
-inspect-checkpoint` on the model's folder in the operator's default engine image (which also runs the
-hf:// downloads). A pvc:// checkpoint's claim is mounted read-only where the engine mounts it; a path
-in the engine image is read from that image mounted as an image volume (Kubernetes 1.35+, or the
-ImageVolume gate from 1.31), so that an image without kvpilot (vLLM's, or one built on it) needs no
-command of ours. The container reports the result, or the refusal, in its termination message, which
-the operator reads from the Job's pod.
+"""The architecture of a model (or of its draft model) the spec and the catalog do not describe,
+learnt from its checkpoint where the engine would load it: a short Job, owned by the
+InferenceService, runs `kvpilot inspect-checkpoint` on the model's folder in the operator's default
+engine image (which also runs the hf:// downloads). A pvc:// checkpoint's claim is mounted read-only
+where the engine mounts it; a path in the engine image is read from that image mounted as an image
+volume (Kubernetes 1.35+, or the ImageVolume gate from 1.31), so that an image without kvpilot
+(vLLM's, or one built on it) needs no command of ours. The container reports the result, or the
+refusal, in its termination message, which the operator reads from the Job's pod.
 
-The Job is named after the service, its UID and what is inspected (model.source, and the image a
-path is in): a new source or a new image is a new Job, and the result is kept in
-`status.inspectedCheckpoint` with what it was read from, so that it is not inspected again while they
-stay the same. A failed Job stays (the status quotes it) until its ttlSecondsAfterFinished removes
-it; the next reconcile then starts a new one: that is the retry's backoff, which also catches a claim
-whose files were fixed meanwhile.
+The Job is named after the service, its UID and what is inspected (model.source or
+serving.draftModel, and the image a path is in): a new source or a new image is a new Job, and the
+result is kept in `status.inspectedCheckpoint` (the draft's in `inspectedDraftCheckpoint`) with what
+it was read from, so that it is not inspected again while they stay the same. A failed Job stays
+(the status quotes it) until its ttlSecondsAfterFinished removes it; the next reconcile then starts
+a new one: that is the retry's backoff, which also catches a claim whose files were fixed meanwhile.
 
 Pure: observe (controller/reconcile.py) reads the Job and its pods, `result` reads them, and the
 Job to create is one of the children `decide` renders."""
@@ -30,7 +30,7 @@ from kvpilot.operator.api.inspection import TERMINATION_MESSAGE_PATH, UNSUPPORTE
 from kvpilot.operator.api.model_paths import MODEL_MOUNT, source_path
 from kvpilot.operator.api.spec import HF_SCHEME, PVC_SCHEME, InferenceServiceSpec
 from kvpilot.operator.api.status import InspectedCheckpoint
-from kvpilot.operator.controller.checkpoint import Unreadable, described
+from kvpilot.operator.controller.checkpoint import Unreadable
 from kvpilot.operator.controller.render import container_security, engine_image, pod_security
 from kvpilot.operator.planning.model_config import ModelConfig
 
@@ -67,7 +67,8 @@ IMAGE_VOLUME_NEEDS = (
 
 
 class Inspected(NamedTuple):
-    """What an inspection Job reads: model.source, and for a path in the engine image that image."""
+    """What an inspection Job reads: model.source (or serving.draftModel), and for a path in the engine
+    image that image."""
 
     source: str
     image: str | None = None  # None: a pvc:// claim
@@ -79,12 +80,12 @@ class Inspected(NamedTuple):
         return self.source if self.image is None else f"{self.source} in {self.image}"
 
 
-def inspected_source(spec: InferenceServiceSpec, default_image: str) -> Inspected | None:
-    """The checkpoint whose config.json gives the architecture, on a claim or at a path in the engine
-    image (`default_image`: the operator's, for a spec that names none): None when the spec (its
-    model.architecture) or the catalog give it, or the model comes from a hub."""
-    source = spec.model.source
-    if described(spec) or source is None or source.startswith(HF_SCHEME):
+def inspected_source(source: str | None, spec: InferenceServiceSpec, default_image: str) -> Inspected | None:
+    """What an inspection Job reads for the checkpoint at `source` (checkpoint.model_to_read or
+    draft_to_read: None when the spec or the catalog describe it): a claim, or a path in the engine
+    image (`default_image`: the operator's, for a spec that names none); None for a hub's, read from
+    the hub itself."""
+    if source is None or source.startswith(HF_SCHEME):
         return None
     return Inspected(source, None if source.startswith(PVC_SCHEME) else engine_image(spec, default_image))
 

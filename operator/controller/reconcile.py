@@ -39,6 +39,7 @@ import json
 import secrets
 from collections.abc import Mapping, Sequence
 from contextlib import suppress
+from dataclasses import replace
 from datetime import datetime
 from typing import Any, NamedTuple
 
@@ -48,7 +49,7 @@ from kvpilot.engine.contract.device_profile import DeviceProfile
 from kvpilot.operator.api import names
 from kvpilot.operator.api.names import API_VERSION, GROUP, KIND
 from kvpilot.operator.api.plan import MixedPlan, Plan
-from kvpilot.operator.api.spec import ANY_GPU, CPU_TYPE, Architecture, InferenceServiceSpec
+from kvpilot.operator.api.spec import ANY_GPU, CPU_TYPE, HF_SCHEME, InferenceServiceSpec
 from kvpilot.operator.api.status import (
     InferenceServiceStatus,
     InspectedCheckpoint,
@@ -57,7 +58,14 @@ from kvpilot.operator.api.status import (
     status_of,
 )
 from kvpilot.operator.controller import correction, inspection, render, status
-from kvpilot.operator.controller.checkpoint import Unreadable, read_checkpoint, reads_checkpoint, with_checkpoint
+from kvpilot.operator.controller.checkpoint import (
+    Unreadable,
+    as_draft,
+    draft_to_read,
+    model_to_read,
+    read_checkpoint,
+    with_checkpoint,
+)
 from kvpilot.operator.controller.variant_events import variant_events, variant_replicas
 from kvpilot.operator.hub.client import HubClient
 from kvpilot.operator.kube.cluster import Cluster, Manifest, WriteConflict, WriteRefused, describe
@@ -179,20 +187,32 @@ def _planned_part(kept_spec: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def last_good(
-    planned: dict[str, Any], gpu: str, gpu_reason: str | None, checkpoint: ModelConfig | None = None
+    planned: dict[str, Any],
+    gpu: str,
+    gpu_reason: str | None,
+    checkpoint: ModelConfig | None = None,
+    draft: ModelConfig | None = None,
 ) -> LastGoodPlan:
     """`status.lastGoodPlan` for a plan that fits: the spec it was made for (`planned_fields`),
-    the GPU chosen (and why), and the checkpoint's config as read from the Hub, all that rendering
-    its Deployment again needs (the Hub may be down by then)."""
-    held = None
-    if checkpoint is not None:
-        held = KeptCheckpoint(architecture=checkpoint.architecture, quantization=checkpoint.quantization or None)
-    return LastGoodPlan(gpu=gpu, spec=planned, gpu_reason=gpu_reason or None, checkpoint=held)
+    the GPU chosen (and why), and the model's and the draft's configs as read from their checkpoints,
+    all that rendering its Deployment again needs (the Hub may be down by then)."""
+    return LastGoodPlan(
+        gpu=gpu,
+        spec=planned,
+        gpu_reason=gpu_reason or None,
+        checkpoint=_held(checkpoint),
+        draft_checkpoint=_held(draft),
+    )
 
 
-def _kept_checkpoint(kept: LastGoodPlan | None) -> ModelConfig | None:
-    """The checkpoint config `status.lastGoodPlan` holds, None without one."""
-    held = kept.checkpoint if kept else None
+def _held(config: ModelConfig | None) -> KeptCheckpoint | None:
+    if config is None:
+        return None
+    return KeptCheckpoint(architecture=config.architecture, quantization=config.quantization or None)
+
+
+def _config(held: KeptCheckpoint | None) -> ModelConfig | None:
+    """The config a `status.lastGoodPlan` checkpoint holds, None without one."""
     if held is None or held.architecture is None:
         return None
     return ModelConfig(held.architecture, held.quantization)
@@ -257,14 +277,16 @@ def _last_good_serving(
     kept: LastGoodPlan | None, spec: InferenceServiceSpec, profiles: Mapping[str, DeviceProfile | str]
 ) -> tuple[InferenceServiceSpec, Plan] | None:
     """The kept spec (_kept_spec) and its plan, on the GPU it chose; None when it does not plan."""
-    kept_spec, checkpoint = _kept_spec(kept, spec), _kept_checkpoint(kept)
+    kept_spec = _kept_spec(kept, spec)
     if kept is None or kept_spec is None:
         return None
+    checkpoint = _config(kept.checkpoint)
     kept_spec = with_checkpoint(kept_spec, checkpoint)
     context = PlanContext(
         available_gpus=(str(kept.gpu),),
         device_profiles=profiles,
         checkpoint=checkpoint.architecture if checkpoint else None,
+        draft_checkpoint=_config(kept.draft_checkpoint),
     )
     result = plan(kept_spec, context)
     return (kept_spec, result) if result.fits else None
@@ -289,26 +311,13 @@ def _reads_nodes(spec: InferenceServiceSpec, planned: dict[str, Any], kept: Last
     return (_kept_gpu(spec, planned, kept) is None and not spec.accelerator.type) or splits
 
 
-def _plan(
-    spec: InferenceServiceSpec,
-    planned: dict[str, Any],
-    observed: Observed,
-    corrected: Correction | None,
-    checkpoint: Architecture | None,
-) -> Plan:
+def _plan(spec: InferenceServiceSpec, planned: dict[str, Any], observed: Observed, context: PlanContext) -> Plan:
     """The plan of `spec`: on the GPU the last good plan chose while the spec is the same, else on
     the spec's GPU type or the nodes'."""
     kept = observed.kept
     gpu = _kept_gpu(spec, planned, kept)
     available = (gpu,) if gpu is not None else () if spec.accelerator.type else tuple(observed.nodes)
-    context = PlanContext(
-        available_gpus=available,
-        gpus_per_node=observed.nodes,
-        device_profiles=observed.profiles,
-        correction=corrected,
-        checkpoint=checkpoint,
-    )
-    result = plan(spec, context)
+    result = plan(spec, replace(context, available_gpus=available))
     why = kept.gpu_reason if kept else None
     if gpu is None or not result.fits or not why:
         return result
@@ -371,31 +380,32 @@ def _hub_token(cluster: Cluster, namespace: str, spec: InferenceServiceSpec) -> 
     return token, ""
 
 
-def _checkpoint(
-    spec: InferenceServiceSpec, cluster: Cluster, namespace: str, hub: HubClient | None
+def _hub_checkpoint(
+    source: str | None, spec: InferenceServiceSpec, cluster: Cluster, namespace: str, hub: HubClient | None
 ) -> ModelConfig | Unreadable | None:
-    """The model's config.json (controller/checkpoint.py), with the service's token, at the
-    service's HF_ENDPOINT (its env, as its downloads use) or the operator's."""
-    if reads_checkpoint(spec) is None:
+    """The config.json of `source` when it is on a hub (controller/checkpoint.py), with the service's
+    token, at the service's HF_ENDPOINT (its env, as its downloads use) or the operator's."""
+    if source is None or not source.startswith(HF_SCHEME):
         return None
     if hub is None:
         return Unreadable("ModelConfigUnavailable", "this operator reads no Hub")
     token, note = _hub_token(cluster, namespace, spec)
     endpoint = next((e.get("value") for e in spec.env if e.get("name") == "HF_ENDPOINT" and e.get("value")), None)
-    return read_checkpoint(spec, hub, token, endpoint, note)
+    return read_checkpoint(source, hub, token, endpoint, note)
 
 
 def _inspection(
-    spec: InferenceServiceSpec, cluster: Cluster, body: Mapping[str, Any], old: InferenceServiceStatus, image: str
+    inspected: inspection.Inspected | None,
+    recorded: InspectedCheckpoint | None,
+    cluster: Cluster,
+    body: Mapping[str, Any],
 ) -> ModelConfig | Unreadable | None:
-    """The config of a checkpoint on a claim or in the engine image (controller/inspection.py;
-    `image`: the operator's default engine image): as the status recorded it for this source and
-    image, else as its inspection Job found it (a Job of someone else's is not read: the create of
-    ours reports the conflict)."""
-    inspected = inspection.inspected_source(spec, image)
+    """The config of a checkpoint on a claim or in the engine image (controller/inspection.py): as the
+    status `recorded` it for this source and image, else as its inspection Job found it (a Job of
+    someone else's is not read: the create of ours reports the conflict)."""
     if inspected is None:
         return None
-    kept = inspection.recorded(old.inspected_checkpoint, inspected)
+    kept = inspection.recorded(recorded, inspected)
     if kept is not None:
         return kept
     name, namespace, uid = body["metadata"]["name"], body["metadata"]["namespace"], body["metadata"]["uid"]
@@ -416,10 +426,12 @@ class Observed(NamedTuple):
     nodes: dict[str, int]  # GPU product -> most GPUs one node carries; empty when not read
     profiles: dict[str, DeviceProfile | str]  # the CPU profiles the spec and the kept spec name
     api_key_secret: Manifest | None  # the service's API-key Secret, when the operator makes the key
-    # The model's config.json read from the Hub (or from its claim by an inspection Job), when
-    # neither the spec nor the catalog give its architecture; Unreadable says why it could not be
-    # had (or that the Job has not finished).
+    # The model's config.json read from the Hub (or from its claim or image by an inspection Job),
+    # when neither the spec nor the catalog give its architecture; Unreadable says why it could not
+    # be had (or that the Job has not finished).
     checkpoint: ModelConfig | Unreadable | None = None
+    # serving.draftModel's, the same way, when the plan may run it and nothing else describes it.
+    draft_checkpoint: ModelConfig | Unreadable | None = None
 
 
 def _valid_spec(body: Mapping[str, Any]) -> InferenceServiceSpec | ValidationError:
@@ -451,10 +463,15 @@ def observe(
     secret = None
     if render.operator_api_key(spec):
         secret = cluster.get("v1", "Secret", metadata["namespace"], names.api_key_secret(metadata["name"]))
-    checkpoint = _checkpoint(spec, cluster, metadata["namespace"], hub) or _inspection(
-        spec, cluster, body, old, default_image
+    checkpoint, draft = (
+        _hub_checkpoint(source, spec, cluster, metadata["namespace"], hub)
+        or _inspection(inspection.inspected_source(source, spec, default_image), recorded, cluster, body)
+        for source, recorded in (
+            (model_to_read(spec), old.inspected_checkpoint),
+            (draft_to_read(spec), old.inspected_draft_checkpoint),
+        )
     )
-    return Observed(body, spec, kept, nodes, profiles, secret, checkpoint)
+    return Observed(body, spec, kept, nodes, profiles, secret, checkpoint, as_draft(draft))
 
 
 class Decision(NamedTuple):
@@ -468,42 +485,75 @@ class Decision(NamedTuple):
     correction: dict[str, Any] | None  # status.correction, which `result` was planned with
     mixed: MixedPlan | None = None  # accelerator.variants: a plan per GPU type
     inspected: InspectedCheckpoint | None = None  # status.inspectedCheckpoint to write
+    inspected_draft: InspectedCheckpoint | None = None  # status.inspectedDraftCheckpoint to write
 
 
 def _mixed_plan(
     spec: InferenceServiceSpec,
     observed: Observed,
-    corrected: Correction | None,
-    checkpoint: Architecture | None,
+    context: PlanContext,
     gpu_prices: Mapping[str, float],
     capacity_classes: Mapping[str, Mapping[str, str]],
 ) -> tuple[MixedPlan, Plan]:
     """A mixed pool's plan (accelerator.variants), and the Plan the status shows for it: its first
     variant's (the cheapest per request per second) with the pool's reason and replicas, or why no
     variant can serve the model."""
-    context = PlanContext(
-        gpus_per_node=observed.nodes, device_profiles=observed.profiles, correction=corrected, checkpoint=checkpoint
-    )
     mixed = plan_variants(spec, requested(spec, observed.nodes), context, gpu_prices, capacity_classes)
     return mixed, as_one_plan(spec, mixed)
 
 
 def _inspecting(
-    observed: Observed, spec: InferenceServiceSpec, default_image: str
+    source: str | None,
+    read: ModelConfig | Unreadable | None,
+    observed: Observed,
+    spec: InferenceServiceSpec,
+    default_image: str,
 ) -> tuple[list[Manifest], InspectedCheckpoint | None]:
-    """The inspection Job of a checkpoint on a claim or in the engine image while it has not
-    finished (made in the operator's image: it runs `kvpilot inspect-checkpoint`, whichever runtime
+    """The inspection Job of the checkpoint at `source` (on a claim or in the engine image) while it has
+    not finished (made in the operator's image: it runs `kvpilot inspect-checkpoint`, whichever runtime
     the spec runs), and the record of what one found, for the status."""
-    inspected, checkpoint = inspection.inspected_source(spec, default_image), observed.checkpoint
+    inspected = inspection.inspected_source(source, spec, default_image)
     if inspected is None:
         return [], None
-    if isinstance(checkpoint, ModelConfig):
-        return [], inspection.record(inspected, checkpoint)
-    if isinstance(checkpoint, Unreadable) and checkpoint.failure == inspection.PENDING:
+    if isinstance(read, ModelConfig):
+        return [], inspection.record(inspected, read)
+    if isinstance(read, Unreadable) and read.failure == inspection.PENDING:
         metadata = observed.body["metadata"]
         name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
         return [inspection.job(name, namespace, uid, spec, inspected, default_image)], None
     return [], None
+
+
+def _planned(
+    spec: InferenceServiceSpec,
+    observed: Observed,
+    corrected: Correction | None,
+    gpu_prices: Mapping[str, float],
+    capacity_classes: Mapping[str, Mapping[str, str]],
+) -> tuple[InferenceServiceSpec, Plan, MixedPlan | None]:
+    """The spec as planned (with its checkpoint's stored scheme), its plan (or why there is none:
+    a checkpoint not read, a source missing) and a mixed pool's plan."""
+    checkpoint, draft = observed.checkpoint, observed.draft_checkpoint
+    unreadable = next((c for c in (checkpoint, draft) if isinstance(c, Unreadable)), None)
+    if unreadable is not None:
+        return spec, failed_plan(spec, unreadable.failure, unreadable.message), None
+    missing = missing_source(spec)
+    if missing is not None:
+        return spec, failed_plan(spec, MODEL_SOURCE_REQUIRED, missing), None
+    # What the kept GPU is compared with: the spec as written, before its checkpoint's scheme.
+    planned, read = planned_fields(spec), checkpoint if isinstance(checkpoint, ModelConfig) else None
+    context = PlanContext(
+        gpus_per_node=observed.nodes,
+        device_profiles=observed.profiles,
+        correction=correction.factors(corrected),
+        checkpoint=read.architecture if read else None,
+        draft_checkpoint=draft if isinstance(draft, ModelConfig) else None,
+    )
+    spec = with_checkpoint(spec, read)
+    if spec.accelerator.variants:
+        mixed, result = _mixed_plan(spec, observed, context, gpu_prices, capacity_classes)
+        return spec, result, mixed
+    return spec, _plan(spec, planned, observed, context), None
 
 
 def decide(
@@ -529,20 +579,7 @@ def decide(
     name, namespace, uid = metadata["name"], metadata["namespace"], metadata["uid"]
     planned = planned_fields(spec)
     corrected = correction.correction(status_of(body), spec)
-    checkpoint = observed.checkpoint
-    read = checkpoint if isinstance(checkpoint, ModelConfig) else None
-    mixed = None
-    if isinstance(checkpoint, Unreadable):
-        result = failed_plan(spec, checkpoint.failure, checkpoint.message)
-    elif (missing := missing_source(spec)) is not None:
-        result = failed_plan(spec, MODEL_SOURCE_REQUIRED, missing)
-    else:
-        spec = with_checkpoint(spec, read)
-        factors, architecture = correction.factors(corrected), read.architecture if read else None
-        if spec.accelerator.variants:
-            mixed, result = _mixed_plan(spec, observed, factors, architecture, gpu_prices or {}, capacity_classes or {})
-        else:
-            result = _plan(spec, planned, observed, factors, architecture)
+    spec, result, mixed = _planned(spec, observed, corrected, gpu_prices or {}, capacity_classes or {})
     key = _api_key(observed.api_key_secret, name, namespace, uid) if render.operator_api_key(spec) else _ApiKey()
     serving = (spec, result) if result.fits or mixed else _last_good_serving(kept, spec, observed.profiles)
     children = render.children(
@@ -556,10 +593,16 @@ def decide(
         mixed=mixed,
         room=room,
     )
-    jobs, inspected = _inspecting(observed, spec, default_image)
-    wanted = [stamped(m) for m in [*children, *jobs, *([key.secret] if key.secret else [])]]
-    good = last_good(planned, str(result.gpu), result.reasons.get("gpu"), read) if result.fits else kept
-    return Decision(spec, result, wanted, key, good, corrected, mixed, inspected)
+    jobs, inspected = _inspecting(model_to_read(spec), observed.checkpoint, observed, spec, default_image)
+    draft_jobs, inspected_draft = _inspecting(
+        draft_to_read(spec), observed.draft_checkpoint, observed, spec, default_image
+    )
+    wanted = [stamped(m) for m in [*children, *jobs, *draft_jobs, *([key.secret] if key.secret else [])]]
+    good = kept
+    if result.fits:
+        read = [c if isinstance(c, ModelConfig) else None for c in (observed.checkpoint, observed.draft_checkpoint)]
+        good = last_good(planned, str(result.gpu), result.reasons.get("gpu"), *read)
+    return Decision(spec, result, wanted, key, good, corrected, mixed, inspected, inspected_draft)
 
 
 def reconcile(
@@ -619,6 +662,7 @@ def reconcile(
         correction=decision.correction,
         variants=_variant_rows(decision, old, name, by_name, full),
         inspected=decision.inspected,
+        inspected_draft=decision.inspected_draft,
         gpu_prices=gpu_prices,
     )
 

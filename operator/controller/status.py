@@ -375,13 +375,15 @@ def build(
     correction: Mapping[str, Any] | None = None,
     variants: list[dict[str, Any]] | None = None,
     inspected: InspectedCheckpoint | None = None,
+    inspected_draft: InspectedCheckpoint | None = None,
     gpu_prices: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The whole `status` to write; `deployment` is the owned Deployment, if any; `last_good` the
-    last plan that fit (reconcile.last_good); `api_key` the SHA-256 of the service's API key and its
-    Secret, for the gateway's check; `correction` the factors the plan's replicas were chosen with
-    (controller/correction.py); `inspected` what a pvc:// checkpoint's inspection Job found;
-    `gpu_prices` US dollars per GPU-hour by type (the operator's --gpu-price), for status.costPerHour."""
+        last plan that fit (reconcile.last_good); `api_key` the SHA-256 of the service's API key and its
+        Secret, for the gateway's check; `correction` the factors the plan's replicas were chosen with
+        (controller/correction.py); `inspected` and `inspected_draft` what the inspection Jobs of the
+    model's and the draft's checkpoints (on a claim or in the engine image) found;
+        `gpu_prices` US dollars per GPU-hour by type (the operator's --gpu-price), for status.costPerHour."""
     desired = _desired(plan, spec, deployment, variants)
     cost = cost_per_hour(plan, desired, variants, gpu_prices or {})
     observed = (deployment or {}).get("status", {})
@@ -399,7 +401,15 @@ def build(
         "plan": plan_summary(plan),
         **({"variants": variants} if variants else {}),
         **({"costPerHour": cost} if cost is not None else {}),
-        **{k: v.dump() for k, v in (("lastGoodPlan", last_good), ("inspectedCheckpoint", inspected)) if v},
+        **{
+            k: v.dump()
+            for k, v in (
+                ("lastGoodPlan", last_good),
+                ("inspectedCheckpoint", inspected),
+                ("inspectedDraftCheckpoint", inspected_draft),
+            )
+            if v
+        },
         **({"auth": {API_KEY_SHA256: api_key[0], "secretName": api_key[1]}} if api_key else {}),
         **({"planAccuracy": accuracy} if accuracy else {}),
         **({"correction": dict(correction)} if correction else {}),

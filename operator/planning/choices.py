@@ -13,6 +13,7 @@ from kvpilot.operator.planning import sizing, speculation
 from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.latency import SPECULATION_MAX_BATCH, Perf, draft_acceptance, fewest_replicas
 from kvpilot.operator.planning.memory import Memory, divide_memory, with_plain_weights
+from kvpilot.operator.planning.model_config import ModelConfig
 from kvpilot.operator.planning.models import MODELS, find_model
 from kvpilot.operator.planning.reasons import failed_plan, gib, listed, ms, rejected_because
 from kvpilot.operator.planning.replica import DRAFTED, Draft, Inputs
@@ -102,29 +103,73 @@ def with_adapters(spec: InferenceServiceSpec, capabilities: EngineCapabilities) 
     return capabilities.model_copy(update={"speculative": tuple(m for m in capabilities.speculative if m in modes)})
 
 
-def draft_model(
-    spec: InferenceServiceSpec, target: Architecture, capabilities: EngineCapabilities
-) -> Draft | Plan | None:
-    """The draft model a plan may run (serving.draftModel, under a mode that may choose it), a
-    failed Plan when it cannot be sized or the engine would refuse it, None when there is none."""
-    serving = spec.serving
-    source = serving.draft_model
-    mode = "draft" if serving.speculative == "auto" else serving.speculative
-    if source is None or mode not in DRAFTED or mode not in capabilities.speculative:
+def drafted_source(spec: InferenceServiceSpec, capabilities: EngineCapabilities | None = None) -> str | None:
+    """serving.draftModel when a plan may run it (under a mode that may choose it, on a runtime that
+    runs that mode: the spec's, or `capabilities`), else None."""
+    source = spec.serving.draft_model
+    capabilities = capabilities or with_adapters(spec, RUNTIMES[spec.runtime].capabilities)
+    mode = "draft" if spec.serving.speculative == "auto" else spec.serving.speculative
+    return source if source is not None and mode in DRAFTED and mode in capabilities.speculative else None
+
+
+def given_draft_architecture(spec: InferenceServiceSpec) -> Architecture | None:
+    """The draft's architecture as the spec (serving.draftModelArchitecture) or the catalog (by its
+    repository or folder name) give it; None: its checkpoint's config.json is read."""
+    source = spec.serving.draft_model
+    if source is None:
         return None
     hub = hub_source(source)
-    arch = serving.draft_model_architecture or find_model(hub.repo if hub else source.rstrip("/"))
-    if arch is None:
+    return spec.serving.draft_model_architecture or find_model(hub.repo if hub else source.rstrip("/"))
+
+
+def _draft_refusal(
+    spec: InferenceServiceSpec, config: ModelConfig, capabilities: EngineCapabilities
+) -> tuple[str, str] | None:
+    """The failure and the reason why the runtime would not run, or the planner cannot size, this
+    draft; None when it can."""
+    arch, stored = config
+    beyond = sizing.beyond_plain_decoder(arch)
+    runs = f"runtime {spec.runtime}"
+    if arch.state is not None or (beyond and capabilities.plain_decoders_only):
+        return "UnsupportedByRuntime", f"it has {beyond}, and {runs} drafts only with decoders of attention layers"
+    if stored is not None and not capabilities.holds_checkpoint_as_stored:
+        return "UnsupportedByRuntime", f"it is stored as {stored}, and {runs} loads a draft at 16 bits"
+    if stored is not None and arch.checkpoint_bytes is None:
+        return (
+            "InvalidArchitecture",
+            f"it is stored as {stored}, sized from its safetensors' bytes, which are not known",
+        )
+    return None
+
+
+def draft_model(
+    spec: InferenceServiceSpec,
+    target: Architecture,
+    capabilities: EngineCapabilities,
+    checkpoint: ModelConfig | None = None,
+) -> Draft | Plan | None:
+    """The draft model a plan may run (serving.draftModel, under a mode that may choose it), a
+    failed Plan when it cannot be sized or the engine would refuse it, None when there is none.
+    Its architecture: the spec's or the catalog's, else `checkpoint` (its config.json as read)."""
+    source = drafted_source(spec, capabilities)
+    if source is None:
+        return None
+    given = given_draft_architecture(spec)
+    config = ModelConfig(given, None) if given is not None else checkpoint
+    if config is None:
         return failed_plan(
             spec,
             "UnknownDraftModel",
             f"serving.draftModel {source!r} is not a catalog model ({', '.join(MODELS)}) by its "
-            "repository or folder name, and serving.draftModelArchitecture is not set: the "
-            "planner needs the draft's size",
+            "repository or folder name, serving.draftModelArchitecture is not set, and its config.json was "
+            "not read (the operator reads it from the Hub, a claim or the engine image): the planner needs "
+            "the draft's size",
         )
+    arch = config.architecture
     problem = sizing.architecture_problem(arch)
-    if problem is not None:
-        return failed_plan(spec, "InvalidArchitecture", f"serving.draftModel {source!r}: {problem}")
+    refusal = ("InvalidArchitecture", problem) if problem else _draft_refusal(spec, config, capabilities)
+    if refusal is not None:
+        return failed_plan(spec, refusal[0], f"serving.draftModel {source!r}: {refusal[1]}")
     if arch.vocab_size != target.vocab_size:
         return failed_plan(
             spec,
@@ -133,7 +178,9 @@ def draft_model(
             f"{spec.model.name} {target.vocab_size}: the engine drafts only with the target's "
             "tokens, so it would refuse this draft",
         )
-    return Draft(source, arch, sizing.weight_bytes(arch, "none"), sizing.kv_bytes_per_token(arch))
+    stored = arch.checkpoint_bytes if config.quantization else None
+    weights = stored or sizing.weight_bytes(arch, "none")
+    return Draft(source, arch, weights, sizing.kv_bytes_per_token(arch), stored=stored)
 
 
 class Situation(NamedTuple):
@@ -219,7 +266,8 @@ def choose_speculation(inputs: Inputs, memory: Memory, device: tuple[Device, int
     if mode in DRAFTED and draft is not None:
         reason += (
             f"; {'EAGLE head' if mode == 'eagle' else 'draft model'} {draft.source}: {gib(draft.weights)} GiB of "
-            f"weights (unquantized), {draft.kv_per_token / sizing.MiB:.3g} MiB of KV per token; "
+            f"weights ({'as stored' if draft.stored else 'unquantized'}), "
+            f"{draft.kv_per_token / sizing.MiB:.3g} MiB of KV per token; "
             + f"{draft_acceptance(inputs.correction, mode, k):.2f} of drafts accepted, "
             + (
                 "observed (status.correction)"

@@ -9,6 +9,7 @@ from typing import NamedTuple
 from kvpilot.engine.contract.config import EngineCapabilities
 from kvpilot.engine.contract.device_profile import DeviceProfile
 from kvpilot.operator.api.spec import Architecture
+from kvpilot.operator.planning.model_config import ModelConfig
 
 
 class Correction(NamedTuple):
@@ -41,7 +42,9 @@ class PlanContext:
     built-in ones (or why one cannot be read); `correction`: what the service's engines showed,
     which the replicas are chosen with and the draft acceptance predicted with;
     `checkpoint`: the model's architecture as its checkpoint's config.json states it (read from
-    the Hub), used when the spec gives none and the catalog lacks the model;
+    the Hub, a claim or the engine image), used when the spec gives none and the catalog lacks the
+    model; `draft_checkpoint`: serving.draftModel's config (its architecture and stored scheme),
+    read the same way, used when neither serving.draftModelArchitecture nor the catalog give it;
     `capabilities`: another runtime's than the spec's (tests of what a runtime could run)."""
 
     available_gpus: tuple[str, ...] = ()
@@ -49,4 +52,5 @@ class PlanContext:
     device_profiles: Mapping[str, DeviceProfile | str] = field(default_factory=dict)
     correction: Correction | None = None
     checkpoint: Architecture | None = None
+    draft_checkpoint: ModelConfig | None = None
     capabilities: EngineCapabilities | None = None

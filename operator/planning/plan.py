@@ -357,7 +357,7 @@ def plan(spec: InferenceServiceSpec, context: PlanContext | None = None) -> Plan
     if isinstance(devices, Plan):
         return devices
     gpus, cpu = devices
-    draft = draft_model(spec, arch, capabilities)
+    draft = draft_model(spec, arch, capabilities, context.draft_checkpoint)
     if isinstance(draft, Plan):
         return draft
     tried = quantization_schemes(spec, capabilities, cpu[0] if cpu else None)

@@ -43,17 +43,19 @@ class Draft(NamedTuple):
     weights: int
     kv_per_token: int
     head_copy: int = 0  # of `weights`, a tied head's packed copy, which a step reads in place of the rows
+    # A checkpoint stored quantized, which the runtime (vLLM) holds as stored: its safetensors' bytes.
+    stored: int | None = None
 
     def on(self, gpu: Device, tp: int = 1) -> Draft:
-        """The draft as the engine holds it on `tp` GPUs of type `gpu`: 4 bytes per value on a CPU that
-        computes in fp32, a tied head twice where the engine packs weights for oneDNN
-        (sizing.weight_bytes), and its KV heads copied where the GPUs outnumber them."""
+        """The draft as the engine holds it on `tp` GPUs of type `gpu`: as stored, else 4 bytes per value
+        on a CPU that computes in fp32, a tied head twice where the engine packs weights for oneDNN
+        (sizing.weight_bytes); and its KV heads copied where the GPUs outnumber them."""
         plain = sizing.weight_bytes(self.arch, "none", held=sizing.HeldAs(gpu.bytes_per_value))
         held = sizing.weight_bytes(self.arch, "none", held=sizing.HeldAs(gpu.bytes_per_value, gpu.packs_weights))
         return self._replace(
-            weights=held,
+            weights=self.stored or held,
             kv_per_token=sizing.kv_bytes_per_token(self.arch, gpu.bytes_per_value, tp),
-            head_copy=held - plain,
+            head_copy=0 if self.stored else held - plain,
         )
 
 

@@ -270,3 +270,27 @@ def test_a_hub_planned_service_keeps_its_deployment_while_the_hub_is_down() -> N
     # (No API-key Secret was read here, so each decision made a key of its own: the pod specs compare.)
     assert deployment(kept.wanted)["spec"]["template"]["spec"] == deployment(good.wanted)["spec"]["template"]["spec"]
     assert deployment(kept.wanted)["spec"]["replicas"] == 3
+
+
+def test_a_checkpoint_stored_quantized_keeps_the_gpu_type_its_last_good_plan_chose() -> None:
+    """The kept GPU type is the plan of the spec as written: the scheme its checkpoint adds does not
+    make it another spec, so new node types do not roll the service."""
+    awq = {**LLAMA_3_8B, "quantization_config": {"quant_method": "awq", "bits": 4}}
+    unset = {**HUB_SPEC, "runtime": "vllm", "accelerator": {}}
+    first = decide(observe(body(unset), NodesAndSecrets({"NVIDIA-L4": 8}), None, FakeHub(awq)), "i", None)  # type: ignore[arg-type]
+    assert first.result.fits and first.result.gpu == "L4" and first.last_good is not None
+    status = {"lastGoodPlan": first.last_good.dump()}
+    # Its L4 nodes replaced by H100 ones (the nodes choose a type only for a new plan).
+    other = NodesAndSecrets({"NVIDIA-H100-80GB-HBM3": 8})
+    again = decide(observe(body({**unset, "replicas": 2}, status=status), other, None, FakeHub(awq)), "i", None)  # type: ignore[arg-type]
+    assert again.result.gpu == "L4" and again.result.quantization == "awq"
+
+
+class NodesAndSecrets(Secrets):
+    def __init__(self, nodes: dict[str, int]) -> None:
+        super().__init__()
+        self.nodes = nodes
+
+    def gpu_nodes(self) -> dict[str, int]:  # type: ignore[override]
+        super().gpu_nodes()
+        return dict(self.nodes)

@@ -271,7 +271,7 @@ BAKED_SPEC = {
 
 def test_a_path_in_the_engine_image_is_read_from_that_image_mounted_as_a_volume() -> None:
     spec = InferenceServiceSpec.model_validate(BAKED_SPEC)
-    inspected = inspection.inspected_source(spec, IMAGE)
+    inspected = inspection.inspected_source(spec.model.source, spec, IMAGE)
     assert inspected == inspection.Inspected(BAKED, VLLM_IMAGE)
     assert inspected.key == f"{BAKED} in {VLLM_IMAGE}"
     job = inspection.job("chat", "ml", "uid-1", spec, inspected, IMAGE)
@@ -290,7 +290,7 @@ def test_a_path_in_the_engine_image_is_read_from_that_image_mounted_as_a_volume(
     # Without spec.image, the image the engine pod would run: the runtime's, else the operator's.
     for runtime, image in (("vllm", render.RUNTIMES["vllm"].image), ("kvpilot", IMAGE)):
         unpinned = spec.model_copy(update={"image": None, "runtime": runtime})
-        assert inspection.inspected_source(unpinned, IMAGE) == inspection.Inspected(BAKED, image)
+        assert inspection.inspected_source(unpinned.model.source, unpinned, IMAGE) == inspection.Inspected(BAKED, image)
         assert image == render.engine_image(unpinned, IMAGE)
 
 

@@ -3,6 +3,7 @@ like the target's own files, passed to the engine as --draft-model; and the spec
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,11 @@ from kvpilot.engine.cli import build_parser, engine_config_from_args
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.controller import render
+from kvpilot.operator.controller.checkpoint import draft_to_read
 from kvpilot.operator.planning import sizing
+from kvpilot.operator.planning.model_config import ModelConfig, read_config
 from kvpilot.operator.planning.models import MODELS
-from kvpilot.operator.planning.plan import plan
+from kvpilot.operator.planning.plan import PlanContext, plan
 
 UID = "0b7c6e1e-0000-4000-8000-000000000003"
 TINYLLAMA = "hf://TinyLlama/TinyLlama-1.1B-Chat-v1.0"
@@ -345,3 +348,106 @@ def test_a_draft_of_another_vocabulary_is_refused_as_the_engine_would() -> None:
     assert (result.fits, result.failure) == (False, "DraftVocabularyMismatch")
     assert "a vocabulary of 49152 tokens and llama-2-7b 32000" in result.reason
     assert isinstance(result, Plan) and result.draft_model is None
+
+
+# A draft known by its checkpoint's config.json (read by the operator from the Hub, a claim or the
+# engine image: tests/operator/controller/test_draft_checkpoint.py), as the target can be.
+
+HF_CONFIGS = Path(__file__).parent / "hf_configs"
+LLAMA_3_2_3B = "hf://meta-llama/Llama-3.2-3B"
+
+
+def config_json(name: str, **stored: Any) -> ModelConfig:
+    """A real config.json of tests/operator/planning/hf_configs read as the operator reads it, with the
+    checkpoint's bytes (and scheme) `stored` gives."""
+    read = read_config(json.loads((HF_CONFIGS / f"{name}.json").read_text()), f"config.json of {name}")
+    assert isinstance(read, ModelConfig), read
+    architecture = read.architecture.model_copy(update={"checkpoint_bytes": stored.get("bytes")})
+    return ModelConfig(architecture, stored.get("scheme", read.quantization))
+
+
+def test_a_draft_known_by_its_config_json_is_sized_from_it() -> None:
+    draft = config_json("meta-llama--Llama-3.2-3B")
+    drafted = spec("llama-3-8b", "H100-80GB", serving=drafting(LLAMA_3_2_3B, maxContextLength=8192))
+    result = plan(drafted, PlanContext(draft_checkpoint=draft))
+    assert result.fits and (result.speculative, result.draft_model) == ("draft", LLAMA_3_2_3B), result.reason
+    # Llama-3.2-3B by hand: 3,212,749,824 parameters (its head tied to the embedding) at 16 bits; K and V
+    # of 28 layers x 8 heads x 128 at 16 bits per token.
+    assert (result.draft_weight_bytes, result.draft_kv_bytes_per_token) == (3_212_749_824 * 2, 2 * 28 * 8 * 128 * 2)
+    assert f"draft model {LLAMA_3_2_3B}: 6.0 GiB of weights (unquantized)" in result.reasons["speculative"]
+    # The same architecture written in the spec plans the same; what the spec or the catalog give wins.
+    written = draft.architecture.model_dump(by_alias=True, exclude_none=True)
+    given = spec(
+        "llama-3-8b", "H100-80GB", serving=drafting(LLAMA_3_2_3B, maxContextLength=8192, draftModelArchitecture=written)
+    )
+    assert plan(given, PlanContext(draft_checkpoint=config_json("meta-llama--Llama-3.2-3B", bytes=1))) == result
+    catalog = plan(spec(serving=drafting()), PlanContext(draft_checkpoint=draft))
+    assert catalog.draft_weight_bytes == 2 * MODELS["tinyllama-1.1b"].parameters
+
+
+def test_a_draft_stored_quantized_is_held_as_stored_by_vllm_and_refused_by_our_engine() -> None:
+    stored = 3_500_000_000  # an FP8 Llama-3.2-3B's safetensors total
+    fp8 = config_json("meta-llama--Llama-3.2-3B", bytes=stored, scheme="fp8")
+    drafted = {"maxContextLength": 8192, **drafting(LLAMA_3_2_3B)}
+    vllm = plan(spec("llama-3-8b", "H100-80GB", runtime="vllm", serving=drafted), PlanContext(draft_checkpoint=fp8))
+    assert vllm.fits and vllm.speculative == "draft" and vllm.draft_weight_bytes == stored, vllm.reason
+    assert "3.3 GiB of weights (as stored)" in vllm.reasons["speculative"]
+    unknown = fp8._replace(architecture=fp8.architecture.model_copy(update={"checkpoint_bytes": None}))
+    unsized = plan(
+        spec("llama-3-8b", "H100-80GB", runtime="vllm", serving=drafted), PlanContext(draft_checkpoint=unknown)
+    )
+    assert (unsized.fits, unsized.failure) == (False, "InvalidArchitecture")
+    assert "stored as fp8, sized from its safetensors' bytes, which are not known" in unsized.reason
+    ours = plan(spec("llama-3-8b", "H100-80GB", serving=drafted), PlanContext(draft_checkpoint=fp8))
+    assert (ours.fits, ours.failure) == (False, "UnsupportedByRuntime")
+    assert "it is stored as fp8, and runtime kvpilot loads a draft at 16 bits" in ours.reason
+
+
+def test_a_draft_the_runtime_cannot_draft_with_is_refused_by_what_it_holds() -> None:
+    # A hybrid's per-sequence state cannot be rolled back past rejected drafts, on either runtime.
+    hybrid = config_json("Qwen--Qwen3-Next-80B-A3B-Thinking")
+    serving = drafting("hf://Qwen/Qwen3-Next-80B-A3B-Thinking")
+    for runtime in ("kvpilot", "vllm"):
+        refused = plan(
+            spec("qwen2.5-72b", "H100-80GB", runtime=runtime, serving=serving), PlanContext(draft_checkpoint=hybrid)
+        )
+        assert (refused.fits, refused.failure) == (False, "UnsupportedByRuntime")
+        assert "it has 36 gated_deltanet layers that keep a state per sequence" in refused.reason
+    # Sliding-window layers: our engine runs only decoders that attend to the whole sequence.
+    gemma = config_json("google--gemma-2-2b-it")
+    target = {"vocabSize": gemma.architecture.vocab_size}
+    windowed = spec(
+        "gemma-target",
+        "H100-80GB",
+        model_fields={"architecture": MODELS["llama-3-8b"].model_dump(by_alias=True) | target},
+        serving=drafting("hf://google/gemma-2-2b-it"),
+    )
+    refused = plan(windowed, PlanContext(draft_checkpoint=gemma))
+    assert refused.failure == "UnsupportedByRuntime" and "sliding-window layers (window 4096)" in refused.reason
+
+
+@pytest.mark.parametrize(
+    "serving, runtime, adapters, read",
+    [
+        (drafting(LLAMA_3_2_3B), "kvpilot", False, True),
+        ({"draftModel": LLAMA_3_2_3B}, "kvpilot", False, True),  # auto may choose it
+        ({"speculative": "eagle", "draftModel": LLAMA_3_2_3B}, "vllm", False, True),
+        ({"speculative": "ngram", "draftModel": LLAMA_3_2_3B}, "kvpilot", False, False),
+        ({"speculative": "off", "draftModel": LLAMA_3_2_3B}, "vllm", False, False),
+        ({"draftModel": LLAMA_3_2_3B}, "kvpilot", True, False),  # beside adapters our engine drafts no model
+        ({"draftModel": LLAMA_3_2_3B}, "vllm", True, True),
+        (drafting(TINYLLAMA), "kvpilot", False, False),  # the catalog's
+        (
+            drafting(LLAMA_3_2_3B, draftModelArchitecture=MODELS["llama-3.2-1b"].model_dump(by_alias=True)),
+            "vllm",
+            False,
+            False,
+        ),
+    ],
+)
+def test_a_drafts_checkpoint_is_read_only_when_a_plan_may_run_it_and_nothing_describes_it(
+    serving: dict[str, Any], runtime: str, adapters: bool, read: bool
+) -> None:
+    lora = {"adapters": [{"name": "a", "source": "/adapters/a"}]} if adapters else {}
+    drafted = spec("llama-3-8b", "H100-80GB", runtime=runtime, serving=serving, **lora)
+    assert draft_to_read(drafted) == (LLAMA_3_2_3B if read else None)

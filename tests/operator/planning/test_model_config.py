@@ -456,6 +456,22 @@ def test_kvpilot_plan_reads_an_hf_repositorys_config_json_from_the_hub_as_the_op
     assert planned["reasons"]["model"] == "the checkpoint's config.json of hf://acme/tiny-qwen3@main"
 
 
+def test_kvpilot_plan_reads_a_draft_models_config_json_from_the_hub_too(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text((HF_CONFIGS / "meta-llama--Llama-3.2-3B.json").read_text())
+    common = ("--model", "llama-3-8b", "--gpu", "H100-80GB", "--speculative", "draft", "--json")
+    with HubServer("meta-llama/Llama-3.2-3B", tmp_path, token="hf_cli", gated=True) as hub:
+        env = {"HF_ENDPOINT": hub.url}
+        refused = plan_command(*common, "--draft-model", "hf://meta-llama/Llama-3.2-3B", env=env)
+        assert refused.returncode == 2, refused.stderr
+        assert "ModelConfigUnavailable: serving.draftModel: hf://meta-llama/Llama-3.2-3B: " in refused.stderr
+        assert "401" in refused.stderr
+        run = plan_command(*common, "--draft-model", "hf://meta-llama/Llama-3.2-3B", env={**env, "HF_TOKEN": "hf_cli"})
+    assert run.returncode == 0, run.stderr
+    planned = json.loads(run.stdout)
+    assert planned["fits"] and planned["speculative"] == "draft"
+    assert planned["draft_weight_bytes"] == 3_212_749_824 * 2  # Llama-3.2-3B's parameters at 16 bits
+
+
 def test_kvpilot_plan_reads_the_weights_bytes_of_a_local_checkpoint_from_its_metadata(tmp_path: Path) -> None:
     config = json.loads((HF_CONFIGS / "openai--gpt-oss-20b.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -12,6 +12,7 @@ from /dev/termination-log."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -34,19 +35,19 @@ ApplyISVC = Callable[[str, dict[str, Any]], dict[str, Any]]
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "operator" / "planning" / "hf_configs"
 CONFIG = CONFIGS / "Qwen--Qwen3-8B.json"
-CLAIM = "inspected-models"
-SOURCE = f"pvc://{CLAIM}/qwen3-8b"
 # The weights' bytes the checkpoint's safetensors index states (about Qwen3-8B's in bf16).
 TOTAL_SIZE = 16_381_470_720
 CONVERGE_S = 60.0
 
 
 @pytest.fixture()
-def claim(k8s: Cluster, kvpilot: Installation) -> Iterator[str]:
+def claim(k8s: Cluster, kvpilot: Installation, request: pytest.FixtureRequest) -> Iterator[str]:
     """A claim bound to a volume of its own (no provisioner here), so that both the Job's pod and the
     engine's schedule; kwok mounts nothing."""
     ns = kvpilot.watch_namespaces[0]
-    volume = f"{ns}-{CLAIM}"
+    # A claim of its own per test: the one before is still being deleted (its pods end after it).
+    claim = "models-" + hashlib.sha256(request.node.name.encode()).hexdigest()[:8]
+    volume = f"{ns}-{claim}"
     k8s.apply(
         {
             "apiVersion": "v1",
@@ -57,13 +58,13 @@ def claim(k8s: Cluster, kvpilot: Installation) -> Iterator[str]:
                 "accessModes": ["ReadOnlyMany"],
                 "storageClassName": "",
                 "hostPath": {"path": "/models"},
-                "claimRef": {"namespace": ns, "name": CLAIM},
+                "claimRef": {"namespace": ns, "name": claim},
             },
         },
         {
             "apiVersion": "v1",
             "kind": "PersistentVolumeClaim",
-            "metadata": {"name": CLAIM, "namespace": ns},
+            "metadata": {"name": claim, "namespace": ns},
             "spec": {
                 "accessModes": ["ReadOnlyMany"],
                 "storageClassName": "",
@@ -72,8 +73,8 @@ def claim(k8s: Cluster, kvpilot: Installation) -> Iterator[str]:
             },
         },
     )
-    yield CLAIM
-    k8s.kubectl("delete", "pvc", CLAIM, "-n", ns, "--ignore-not-found", "--wait=false")
+    yield claim
+    k8s.kubectl("delete", "pvc", claim, "-n", ns, "--ignore-not-found", "--wait=false")
     k8s.kubectl("delete", "pv", volume, "--ignore-not-found", "--wait=false")
 
 
@@ -129,10 +130,10 @@ def test_a_pvc_model_is_planned_from_the_config_json_its_inspection_job_reports(
     claim: str,
     tmp_path: Path,
 ) -> None:
-    ns, name = kvpilot.watch_namespaces[0], "pvc-qwen3"
-    apply_isvc(name, {"model": {"name": "my-qwen3", "source": SOURCE}, "accelerator": {"type": "L4"}, "replicas": 1})
+    ns, name, source = kvpilot.watch_namespaces[0], "pvc-qwen3", f"pvc://{claim}/qwen3-8b"
+    apply_isvc(name, {"model": {"name": "my-qwen3", "source": source}, "accelerator": {"type": "L4"}, "replicas": 1})
     pending = kvis.wait_condition(k8s, ns, name, "Planned", "False", timeout_s=CONVERGE_S)
-    job = inspection.job_name(name, pending["metadata"]["uid"], SOURCE)
+    job = inspection.job_name(name, pending["metadata"]["uid"], source)
     assert kvis.condition(pending, "Planned")["reason"] in ("ModelConfigPending", "ModelConfigUnavailable")
 
     manifest = k8s.kubectl_json("get", "job", job, "-n", ns)
@@ -145,7 +146,7 @@ def test_a_pvc_model_is_planned_from_the_config_json_its_inspection_job_reports(
     result = _report(k8s, ns, job, tmp_path)
     ready = kvis.wait_condition(k8s, ns, name, "Ready", "True", timeout_s=CONVERGE_S)
     inspected = ready["status"]["inspectedCheckpoint"]
-    assert inspected["source"] == SOURCE
+    assert inspected["source"] == source
     recorded = CheckpointInspection.model_validate({k: v for k, v in inspected.items() if k != "source"})
     assert recorded == CheckpointInspection.model_validate_json(result)
     assert inspected["architecture"]["checkpointBytes"] == TOTAL_SIZE

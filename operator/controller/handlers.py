@@ -269,12 +269,15 @@ async def correction_handler(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None
 
 @kopf.on.event("v1", "pods", labels=names.MANAGED_BY)
 async def pod_handler(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """An engine pod changed (scheduled, crash-looping, ready): its InferenceService's status may
-    have a new reason. Pods are owned by ReplicaSets, so the owner comes from the instance label."""
+    """An engine pod changed (scheduled, crash-looping, ready), or an inspection Job's pod ended: its
+    InferenceService's status may have a new reason or a checkpoint's config. Engine pods are owned
+    by ReplicaSets, so the owner comes from the instance label."""
     name = (body["metadata"].get("labels") or {}).get(names.INSTANCE_LABEL)
-    if not name or body["metadata"].get("deletionTimestamp") or pod_ready(body):
-        # A pod becoming ready or going away changes its Deployment's status, whose own event
-        # reconciles; only a pod stuck before ready has something to add.
+    ended = (body.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+    if not name or body["metadata"].get("deletionTimestamp") or (pod_ready(body) and not ended):
+        # A running pod becoming ready or going away changes its Deployment's status, whose own event
+        # reconciles; only a pod stuck before ready, or an inspection Job's ended pod (whatever
+        # its Ready condition says), has something to add.
         return
     _queue(memo, body["metadata"]["namespace"], name)
 

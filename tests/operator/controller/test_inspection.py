@@ -252,6 +252,9 @@ def test_the_job_s_pod_events_reconcile_its_service(tmp_path: Path) -> None:
     reconcile(body(SPEC), cluster, NOW)
     job_pod(cluster, 0, reported(tmp_path))
     pod = copy.deepcopy(next(o for (kind, _, _), o in cluster.objects.items() if kind == "Pod"))
+    # An ended pod whose Ready condition was never turned off (kwok leaves it True; a kubelet turns it
+    # False with reason PodCompleted) still has something to say: it is not an engine pod gone ready.
+    pod["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
     assert operator.event(pod_handler, body=pod) == [("ml", "chat")]
     status = cluster.objects[("InferenceService", "ml", "chat")]["status"]
     assert status["inspectedCheckpoint"]["source"] == SOURCE and "Deployment" in cluster.kinds()

@@ -631,7 +631,7 @@ def _eagle_head_config(name: str) -> dict[str, Any]:
 
 
 # The real configs of hybrids (Mamba-2, Gated DeltaNet) and a GPU vLLM runs each kernel path on.
-HYBRIDS = ("Qwen--Qwen3-Next-80B-A3B-Thinking", "nvidia--Nemotron-H-56B-Base-8K")
+HYBRIDS = ("Qwen--Qwen3-Next-80B-A3B-Thinking", "nvidia--Nemotron-H-56B-Base-8K", "ai21labs--AI21-Jamba-1.5-Mini")
 HOPPER, TRITON = "H100-80GB", "L40S"
 FLASHINFER = {"flashinfer_gdn": True}
 HYBRID_SHAPE = {

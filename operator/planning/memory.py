@@ -91,7 +91,7 @@ def _kv_layout(
     if state is None:
         draft = inputs.draft.arch if inputs.draft is not None else None
         every_token = sizing.every_token_held(arch, inputs.spec.serving.speculative, draft)
-        return sizing.kv_layout(arch, kv_bytes, group[1], draft_kv, every_token), block, 0
+        return sizing.kv_layout(arch, kv_bytes, group[1], draft_kv, every_token, draft), block, 0
     hybrid = recurrent.hybrid_kv(state, recurrent.Serving(group[0].name, group[1], block, kv_bytes))
     return hybrid.layout, hybrid.block_size, recurrent.state_page_bytes(state, group[1])
 
@@ -128,11 +128,22 @@ def kv_rule(arch: Architecture, sizes: Sizes, held: int, tp: int) -> str:
         return (
             f" ({layout.sliding_groups} chunked local attention and {layout.full_groups} full-attention layer "
             f"groups: the chunked ones keep at most the current {layout.window}-token chunk + {held} tokens "
-            "in flight)"
+            f"in flight{_drafted(layout)})"
         )
     return (
         f" ({layout.sliding_groups} sliding-window and {layout.full_groups} full-attention layer groups: "
-        f"the sliding ones keep at most the {layout.window}-token window + {held} tokens in flight)"
+        f"the sliding ones keep at most the {layout.window}-token window + {held} tokens in flight{_drafted(layout)})"
+    )
+
+
+def _drafted(layout: sizing.KVLayout) -> str:
+    """The draft's groups of their own beside local layers, for kv_rule's text ('' when none)."""
+    if not layout.draft_groups:
+        return ""
+    groups = sum(g.groups for g in layout.draft_groups)
+    return (
+        f"; the draft model's layers in {groups} groups of their own, every page raised to the widest "
+        f"(the target's blocks hold {layout.block_factor}x the block size's tokens)"
     )
 
 

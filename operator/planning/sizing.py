@@ -9,6 +9,7 @@ latency = TTFT + (N − 1) × TPOT.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import NamedTuple
 
 from kvpilot.engine.contract.config import EngineCapabilities, EngineConfig
@@ -216,6 +217,21 @@ class KVLayout(NamedTuple):
     state_groups: int = 0  # groups of layers that keep a state per sequence, whatever its length
     state_blocks: int = 0  # the blocks one sequence's state takes in each of them
     chunked: bool = False  # the sliding groups' window is a chunk (ChunkedLocalAttentionSpec)
+    # Beside local layers, a draft's layers whose K and V are shaped otherwise go in groups of their own
+    # (kv_layout), and every page is raised to the widest: a group's block then holds `block_factor`
+    # times block_size tokens.
+    block_factor: int = 1
+    draft_groups: tuple[LayerGroups, ...] = ()
+
+
+class LayerGroups(NamedTuple):
+    """Layers of one kind in groups: a draft model's of their own (KVLayout.draft_groups), or the
+    target's as sequence_blocks counts them."""
+
+    groups: int
+    window: int | None  # None: every token
+    chunked: bool
+    block_factor: int
 
 
 def group_size(kinds: list[int]) -> int:
@@ -244,13 +260,17 @@ def kv_layout(
     tp: int = 1,
     draft: int = 0,
     every_token: bool = False,
+    draft_arch: Architecture | None = None,
 ) -> KVLayout:
     """How vLLM groups `arch`'s layers on `tp` GPUs, with a draft model's `draft` bytes per token
     beside every block's (its KV slot for each of the target's). A mix of kinds is split into groups
     of the smaller kind's count, or of the larger's when it is under 1.5 times the smaller (vLLM's
     rule, padding the last group of a kind). `every_token` (every_token_held): the local layers are
-    held as full attention, all in one group."""
+    held as full attention, all in one group. Beside local layers, the draft's layers (`draft_arch`)
+    are grouped by vLLM's rule among the target's (_with_draft_groups)."""
     sliding = 0 if every_token else arch.windowed_layers
+    if sliding and draft_arch is not None:
+        return _with_draft_groups(arch, draft_arch, bytes_per_value, tp)
     full = arch.layers - sliding
     size = group_size([full, sliding])
     return KVLayout(
@@ -259,6 +279,52 @@ def kv_layout(
         sliding_groups=math.ceil(sliding / size),
         window=arch.sliding_window if sliding else None,
         chunked=arch.chunked and bool(sliding),
+    )
+
+
+class _Kind(NamedTuple):
+    """Layers vLLM 0.33 gives one KV cache spec: K and V of the same shape, held the same way."""
+
+    layer_bytes: int  # one token in one layer, over the replica's GPUs
+    window: int | None
+    chunked: bool
+
+
+def _kinds(arch: Architecture, bytes_per_value: int, tp: int) -> Counter[_Kind]:
+    layer = _layer_bytes_per_token(arch, bytes_per_value, tp)
+    local = arch.windowed_layers
+    found = Counter({_Kind(layer, None, False): arch.attention_layer_count - local})
+    if local:
+        found[_Kind(layer, arch.sliding_window, arch.chunked)] += local
+    return +found
+
+
+def _with_draft_groups(arch: Architecture, draft: Architecture, bytes_per_value: int, tp: int) -> KVLayout:
+    """The layout of a target with local layers beside a draft model's layers, as vLLM 0.33 plans the
+    KV cache of both (get_kv_cache_groups): the layers of each spec (K and V shaped and held alike:
+    a draft's of the target's shape join its) in groups of one size by the rule above; every page
+    raised to the widest by holding more tokens per block (unify_kv_cache_spec_page_size), so that
+    each block of the pool is that many layers' widest page."""
+    target, drafted = _kinds(arch, bytes_per_value, tp), _kinds(draft, bytes_per_value, tp)
+    kinds = target + drafted
+    size = group_size(list(kinds.values()))
+    widest = max(kind.layer_bytes for kind in kinds)
+
+    def factor(kind: _Kind) -> int:
+        # A page that does not divide the widest is padded to it, its block unchanged.
+        return widest // kind.layer_bytes if widest % kind.layer_bytes == 0 else 1
+
+    full, local = (next((k for k in target if (k.window is None) == is_full), None) for is_full in (True, False))
+    assert local is not None and local.window is not None  # kv_layout's caller has local layers
+    extra = [k for k in drafted if k not in target]
+    return KVLayout(
+        group_bytes_per_token=size * widest,
+        full_groups=math.ceil(kinds[full] / size) if full else 0,
+        sliding_groups=math.ceil(kinds[local] / size),
+        window=local.window,
+        chunked=local.chunked,
+        block_factor=factor(local),
+        draft_groups=tuple(LayerGroups(math.ceil(kinds[k] / size), k.window, k.chunked, factor(k)) for k in extra),
     )
 
 
@@ -278,15 +344,24 @@ def sequence_blocks(layout: KVLayout, tokens: int, block_size: int, in_flight: i
     (SlidingWindowSpec.max_admission_blocks_per_request); in each chunked group the whole chunk plus
     the tokens in flight (at most the sequence), from a block's start: a chunk starts at a multiple
     of its size, a multiple of the block size (vLLM's local-attention metadata asserts it)
-    (ChunkedLocalAttentionSpec.max_admission_blocks_per_request)."""
-    blocks = layout.full_groups * blocks_per_sequence(tokens, block_size) + layout.state_groups * layout.state_blocks
-    if layout.window is None:
-        return blocks
-    if layout.chunked:
-        held = min(layout.window + in_flight, tokens)
-        return blocks + layout.sliding_groups * blocks_per_sequence(held, block_size)
-    held = min(layout.window - 1 + in_flight, tokens)
-    return blocks + layout.sliding_groups * (blocks_per_sequence(held, block_size) + 1)
+    (ChunkedLocalAttentionSpec.max_admission_blocks_per_request). A draft's groups of their own
+    count the same way, each at its own tokens per block."""
+    target = LayerGroups(layout.full_groups, None, False, layout.block_factor)
+    local = LayerGroups(layout.sliding_groups, layout.window, layout.chunked, layout.block_factor)
+    groups = (target, *((local,) if layout.window is not None else ()), *layout.draft_groups)
+    held = sum(_held_blocks(g, tokens, block_size, in_flight) for g in groups)
+    return held + layout.state_groups * layout.state_blocks
+
+
+def _held_blocks(groups: LayerGroups, tokens: int, block_size: int, in_flight: int) -> int:
+    """The blocks a sequence of `tokens` takes in `groups` (sequence_blocks)."""
+    block = block_size * groups.block_factor
+    if groups.window is None:
+        return groups.groups * blocks_per_sequence(tokens, block)
+    if groups.chunked:
+        return groups.groups * blocks_per_sequence(min(groups.window + in_flight, tokens), block)
+    held = min(groups.window - 1 + in_flight, tokens)
+    return groups.groups * (blocks_per_sequence(held, block) + 1)
 
 
 def sequence_bytes(layout: KVLayout, tokens: int, block_size: int, in_flight: int) -> int:

@@ -20,6 +20,11 @@ and block size at tensor-parallel sizes 2, 4 and 8 come from the model class's o
 (building the model needs its GPUs), and so do every model's KV heads per GPU at those sizes
 (ModelConfig.get_num_kv_heads: copied where the GPUs outnumber them).
 
+A case with a "draft_model" (a small model's config.json) is planned again with it as vLLM's draft
+model (SpeculativeConfig method "draft_model"): the pool of the target's layers and the draft's,
+both models built here as DraftModelProposer builds the draft (its own ModelConfig, prefix
+"draft_model", no quantization).
+
 A case with an "eagle_head" (an EAGLE head's config.json) is planned again with that head as vLLM's
 EAGLE drafter (SpeculativeConfig method "eagle"): whether VllmConfig turns the hybrid KV cache
 manager off, and the pool vLLM then plans of the target's layers and the head's one decoder layer
@@ -31,6 +36,7 @@ The model folder holds only the config.json, so nothing is downloaded and no wei
 
 from __future__ import annotations
 
+import copy
 import json
 import socket
 import sys
@@ -131,9 +137,9 @@ def _layer(spec: KVCacheSpec, vllm_config: VllmConfig) -> dict[str, Any]:
     }
 
 
-def _vllm_config(folder: Path, tp: int = 1, eagle_head: Path | None = None) -> VllmConfig:
+def _vllm_config(folder: Path, tp: int = 1, eagle_head: Path | None = None, draft: Path | None = None) -> VllmConfig:
     """vLLM's config of the model in `folder` as its CUDA GPUs take it, on `tp` of them, with the
-    EAGLE head in `eagle_head` as its drafter, if any."""
+    EAGLE head in `eagle_head`, or the draft model in `draft`, as its drafter, if any."""
     config = json.loads((folder / "config.json").read_text())
     config.pop("quantization_config", None)
     (folder / "config.json").write_text(json.dumps(config))
@@ -142,10 +148,10 @@ def _vllm_config(folder: Path, tp: int = 1, eagle_head: Path | None = None) -> V
     cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=model.is_hybrid)
     parallel = ParallelConfig(tensor_parallel_size=tp)
     speculative = None
-    if eagle_head is not None:
+    if eagle_head is not None or draft is not None:
         speculative = SpeculativeConfig(
-            method="eagle",
-            model=str(eagle_head),
+            method="eagle" if eagle_head is not None else "draft_model",
+            model=str(eagle_head or draft),
             num_speculative_tokens=4,
             target_model_config=model,
             target_parallel_config=parallel,
@@ -187,6 +193,34 @@ def with_eagle(folder: Path, head: dict[str, Any]) -> dict[str, Any]:
     return {
         "hybrid_manager_off": bool(vllm_config.scheduler_config.disable_hybrid_kv_cache_manager),
         "pool": _planned(vllm_config, specs),
+    }
+
+
+def with_draft(folder: Path, draft: dict[str, Any]) -> dict[str, Any]:
+    """The model planned beside the draft model `draft` (a config.json; SpeculativeConfig method
+    "draft_model"): the pool of the target's layers and the draft's, which DraftModelProposer builds
+    under the prefix "draft_model" into the same forward context."""
+    (folder.parent / f"{folder.name}-draft").mkdir()
+    (folder.parent / f"{folder.name}-draft" / "config.json").write_text(json.dumps(draft))
+    vllm_config = _vllm_config(folder, draft=folder.parent / f"{folder.name}-draft")
+    specs = _layer_specs(vllm_config)
+    speculative = vllm_config.speculative_config
+    assert speculative is not None and speculative.method == "draft_model", speculative
+    # A copy: building the draft's config settles the scheduler's anew (it is shared, not copied).
+    draft_config = replace(copy.deepcopy(vllm_config), model_config=speculative.draft_model_config, quant_config=None)
+    with set_current_vllm_config(draft_config):
+        model_class, _ = get_model_architecture(draft_config.model_config)
+        with torch.device("meta"):
+            model = model_class(vllm_config=draft_config, prefix="draft_model")
+        # Named as the layers register themselves (module names are the draft's own, the target's too).
+        drafted = {
+            f"draft_model.{name}": replace(spec, block_size=BLOCK_SIZE)
+            for name, module in model.named_modules()
+            if isinstance(module, AttentionLayerBase) and (spec := module.get_kv_cache_spec(draft_config)) is not None
+        }
+    return {
+        "draft_layers": [_layer(spec, vllm_config) for spec in drafted.values()],
+        "pool": _planned(vllm_config, {**specs, **drafted}),
     }
 
 
@@ -262,6 +296,8 @@ def main() -> None:
                     found["split"] = hybrid_split(folder)
                 if case.get("eagle_head"):
                     found["eagle"] = with_eagle(folder, case["eagle_head"])
+                if case.get("draft_model"):
+                    found["draft"] = with_draft(folder, case["draft_model"])
             except Exception as error:  # noqa: BLE001 - reported per case, for the test to show
                 found = {"error": f"{type(error).__name__}: {error}"}
             print(json.dumps({"id": case["id"], **found}), flush=True)

@@ -593,6 +593,11 @@ def vllm_kv_specs() -> dict[str, dict[str, Any]]:
     ]
     # Hybrids whose real config.json is not among hf_configs, as tiny configs in their checkpoints' keys.
     cases += [json.dumps({"id": name, "config": config}) for name, config in TINY_HYBRIDS.items()]
+    # Targets beside a draft model (SpeculativeConfig method "draft_model").
+    cases += [
+        json.dumps({"id": f"{target}+{draft}", "config": _config(target), "draft_model": _draft_config(draft, target)})
+        for target, draft in DRAFT_PAIRS
+    ]
     # Chunked and sliding local layers again beside an EAGLE head.
     cases += [
         json.dumps({"id": f"{n}#eagle", "config": _language_model_of(n) if _wraps(n) else _config(n), "eagle_head": h})
@@ -609,6 +614,29 @@ EAGLE_TARGETS = (SCOUT, "openai--gpt-oss-20b")
 
 def _config(name: str) -> dict[str, Any]:
     return json.loads((HF_CONFIGS / f"{name}.json").read_text())
+
+
+# Draft models beside their targets: of the target's layer shape (Llama 3.2 3B), of a narrower one
+# (Llama 3.2 1B's: 64-value heads) beside full attention only, beside sliding windows (gpt-oss), and
+# a draft with windows of its own beside a target with others (Gemma 3 1B beside Gemma 2 2B).
+LLAMA_3_2_1B = "llama-3.2-1b (the catalog's shape)"
+DRAFT_PAIRS = (
+    ("meta-llama--Meta-Llama-3.1-8B", "meta-llama--Llama-3.2-3B"),
+    ("meta-llama--Meta-Llama-3.1-8B", LLAMA_3_2_1B),
+    ("openai--gpt-oss-20b", "meta-llama--Llama-3.2-3B"),
+    ("google--gemma-2-2b-it", "google--gemma-3-1b-it"),
+)
+
+
+def _draft_config(draft: str, target: str) -> dict[str, Any]:
+    """`draft`'s config.json with the target's vocabulary (vLLM drafts only with the target's tokens;
+    the KV cache does not depend on it)."""
+    if draft == LLAMA_3_2_1B:
+        shape = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "head_dim": 64}
+        config = {**_config("meta-llama--Llama-3.2-3B"), **shape, "num_attention_heads": 32}
+    else:
+        config = _config(draft)
+    return {**config, "vocab_size": _config(target)["vocab_size"]}
 
 
 def _eagle_head_config(name: str) -> dict[str, Any]:
@@ -806,25 +834,54 @@ def test_vllm_keeps_every_token_of_chunked_layers_beside_an_eagle_head_as_the_pl
     # vLLM turns its hybrid KV cache manager off for Llama 4's chunks, not for gpt-oss's windows.
     assert found["eagle"]["hybrid_manager_off"] == held_whole == arch.chunked
     pool = found["eagle"]["pool"]
-    layout = sizing.kv_layout(arch, draft=sizing.kv_bytes_per_token(head), every_token=held_whole)
+    head_kv = sizing.kv_bytes_per_token(head)
+    layout = sizing.kv_layout(arch, draft=head_kv, every_token=held_whole, draft_arch=head)
     in_flight = pool["max_in_flight_tokens"]
     if held_whole:
         # Every layer allocated as full attention, the head's with them: one group, every token.
         assert pool["groups"] == ["FullAttentionSpec"]
-        assert layout.group_bytes_per_token == sizing.kv_bytes_per_token(arch) + sizing.kv_bytes_per_token(head)
-        assert pool["num_blocks"] == pool["available"] // sizing.kv_block_bytes(layout, pool["block_size"])
+        assert layout.group_bytes_per_token == sizing.kv_bytes_per_token(arch) + head_kv
     else:
-        # The groups as without the head (whose layer the planner holds beside every block's, not in
-        # a group of its own: its pool is not compared).
-        assert len(pool["groups"]) == layout.full_groups + layout.sliding_groups
-        return
+        # The head's layer, shaped as the target's, joins its full-attention ones: 12 windowed and 13
+        # full layers in groups of 13 (vLLM pads the windowed group).
+        assert (layout.full_groups, layout.sliding_groups, layout.draft_groups) == (1, 1, ())
+        assert len(pool["groups"]) == 2
+    assert pool["num_blocks"] == pool["available"] // sizing.kv_block_bytes(layout, pool["block_size"])
     assert pool["blocks_per_request"] == sizing.sequence_blocks(
         layout, pool["max_model_len"], pool["block_size"], in_flight
     )
+    if not held_whole:
+        return
     # Held in chunks (the hybrid manager on), the same sequence would take under a third of the bytes.
-    local = sizing.kv_layout(arch, draft=sizing.kv_bytes_per_token(head))
+    local = sizing.kv_layout(arch, draft=head_kv, draft_arch=head)
     sequence = (pool["max_model_len"], pool["block_size"], in_flight)
     assert 3 * sizing.sequence_bytes(local, *sequence) < sizing.sequence_bytes(layout, *sequence)
+
+
+@pytest.mark.parametrize(("target", "draft"), DRAFT_PAIRS)
+def test_vllm_holds_a_draft_models_kv_beside_the_targets_as_the_planner_sizes_it(
+    target: str, draft: str, vllm_kv_specs: dict[str, dict[str, Any]]
+) -> None:
+    """Beside full attention only, a draft's layers share the target's blocks (one group, every block
+    both models' pages); beside local layers they are grouped among the target's by spec, every page
+    raised to the widest (gpt-oss's 64-value heads hold 32 tokens a block beside Llama 3.2 3B's 128)."""
+    found = vllm_kv_specs[f"{target}+{draft}"]
+    assert "error" not in found, found
+    arch, drafted = (read_config(c, n) for c, n in ((_config(target), target), (_draft_config(draft, target), draft)))
+    assert not isinstance(arch, str) and not isinstance(drafted, str), (arch, drafted)
+    pool = found["draft"]["pool"]
+    layout = sizing.kv_layout(
+        arch.architecture, draft=sizing.kv_bytes_per_token(drafted.architecture), draft_arch=drafted.architecture
+    )
+    assert len(pool["groups"]) == layout.full_groups + layout.sliding_groups + sum(
+        g.groups for g in layout.draft_groups
+    )
+    assert pool["num_blocks"] == pool["available"] // sizing.kv_block_bytes(layout, pool["block_size"])
+    assert pool["blocks_per_request"] == sizing.sequence_blocks(
+        layout, pool["max_model_len"], pool["block_size"], pool["max_in_flight_tokens"]
+    )
+    # The windowed targets' draft layers go in groups of their own; a plain target's share its blocks.
+    assert bool(layout.draft_groups) == (arch.architecture.sliding_window is not None)
 
 
 def _assert_kv_heads_per_gpu_agree(arch: Architecture, found: dict[str, Any]) -> None:

@@ -110,7 +110,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     planner.add_argument("--quantization", default="auto", choices=get_args(Quantization))
     planner.add_argument("--kv-cache-dtype", default="auto", choices=get_args(KvCacheDtype))
     planner.add_argument("--speculative", default="auto", choices=get_args(Speculative))
-    planner.add_argument("--draft-model")
+    planner.add_argument(
+        "--draft-model",
+        metavar="SOURCE",
+        help="serving.draftModel: hf://org/repo[@revision] (its config.json read from the Hub unless the catalog "
+        "has it), pvc://claim/path or an absolute path",
+    )
+    planner.add_argument(
+        "--draft-model-config",
+        metavar="CONFIG_JSON_OR_DIR",
+        help="plan the draft model from its config.json (a file, or a checkpoint folder holding one), offline; "
+        "its source is --draft-model, else the folder",
+    )
     planner.add_argument("--gpu-memory-utilization", type=float)
     planner.add_argument("--block-size", type=int)
     planner.add_argument("--rps", type=float, help="expected requests per second")
@@ -385,23 +396,29 @@ def _manifest(file: TextIO) -> dict[str, Any]:
     return manifest
 
 
-def _configured_model(path: str) -> dict[str, Any]:
-    """spec.model for a model known by its config.json: its architecture (and stored scheme) read
-    from the file, with the bytes of the safetensors weights beside it, named after the checkpoint's
-    folder; ValueError saying why it cannot be read."""
+def _config_file(path: str, flag: str) -> tuple[Path, ModelConfig]:
+    """The config.json at `path` (a file, or a checkpoint folder holding one) read as the operator reads
+    a checkpoint's, with the bytes of the safetensors weights beside it; ValueError saying why it
+    cannot be read (`flag`: the option that named it)."""
     file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
     try:
         config = json.loads(file.read_text())
         weights = local_weights_bytes(file.parent)
     except (OSError, ValueError) as error:
-        raise ValueError(f"--model-config {path}: {error}") from None
+        raise ValueError(f"{flag} {path}: {error}") from None
     if not isinstance(config, dict):
-        raise ValueError(f"--model-config {path}: not a config.json object")
+        raise ValueError(f"{flag} {path}: not a config.json object")
     read = read_config(config, f"config.json {file}")
     if isinstance(read, str):
-        raise ValueError(f"--model-config {path}: UnsupportedArchitecture: {read}")
-    architecture = read.architecture.model_copy(update={"checkpoint_bytes": weights})
-    model = {"name": file.resolve().parent.name, "architecture": architecture.model_dump(by_alias=True)}
+        raise ValueError(f"{flag} {path}: UnsupportedArchitecture: {read}")
+    return file, read._replace(architecture=read.architecture.model_copy(update={"checkpoint_bytes": weights}))
+
+
+def _configured_model(path: str) -> dict[str, Any]:
+    """spec.model for a model known by its config.json (_config_file), named after the checkpoint's
+    folder, with its stored scheme."""
+    file, read = _config_file(path, "--model-config")
+    model = {"name": file.resolve().parent.name, "architecture": read.architecture.model_dump(by_alias=True)}
     return model | ({"quantization": read.quantization} if read.quantization else {})
 
 
@@ -412,10 +429,10 @@ def _named_model(model: str) -> dict[str, Any]:
     return {"name": model} if source is None else {"name": source.repo.rsplit("/", 1)[-1], "source": model}
 
 
-def _read_checkpoints(spec: InferenceServiceSpec) -> tuple[InferenceServiceSpec, PlanContext]:
+def _read_checkpoints(spec: InferenceServiceSpec, draft_config: str | None) -> tuple[InferenceServiceSpec, PlanContext]:
     """The spec, and the plan context of the checkpoints whose config.json the operator would read
-    from the Hub (here at HF_ENDPOINT with HF_TOKEN): the model's and its draft's; ValueError when
-    the Hub does not give one."""
+    from the Hub (here at HF_ENDPOINT with HF_TOKEN): the model's and its draft's, unless
+    `draft_config` (--draft-model-config) gives the draft's; ValueError when one cannot be had."""
     hub, token = HubClient(os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT), os.environ.get("HF_TOKEN") or None
 
     def read(source: str | None, draft: bool = False) -> ModelConfig | None:
@@ -425,7 +442,11 @@ def _read_checkpoints(spec: InferenceServiceSpec) -> tuple[InferenceServiceSpec,
             raise ValueError(f"{found.failure}: {found.message}")
         return found
 
-    checkpoint, draft = read(model_to_read(spec)), read(draft_to_read(spec), draft=True)
+    checkpoint = read(model_to_read(spec))
+    if draft_config is not None:
+        draft: ModelConfig | None = _config_file(draft_config, "--draft-model-config")[1]
+    else:
+        draft = read(draft_to_read(spec), draft=True)
     context = PlanContext(checkpoint=checkpoint.architecture if checkpoint else None, draft_checkpoint=draft)
     return with_checkpoint(spec, checkpoint), context
 
@@ -454,7 +475,7 @@ def _spec(args: argparse.Namespace, profile: DeviceProfile | None) -> dict[str, 
             quantization=args.quantization,
             kvCacheDtype=args.kv_cache_dtype,
             speculative=args.speculative,
-            draftModel=args.draft_model,
+            draftModel=args.draft_model or _draft_folder(args.draft_model_config),
             gpuMemoryUtilization=args.gpu_memory_utilization,
             blockSize=args.block_size,
         ),
@@ -467,6 +488,13 @@ def _spec(args: argparse.Namespace, profile: DeviceProfile | None) -> dict[str, 
         ),
         "autoscaling": given(minReplicas=args.min_replicas, maxReplicas=args.max_replicas),
     }
+
+
+def _draft_folder(config: str | None) -> str | None:
+    """The draft's source for --draft-model-config without --draft-model: its checkpoint folder."""
+    if config is None:
+        return None
+    return str((Path(config) if Path(config).is_dir() else Path(config).parent).resolve())
 
 
 def _accelerator(gpus: list[VariantRequest], count: int | None) -> dict[str, Any]:
@@ -633,7 +661,7 @@ def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         prices, classes = pool_settings(args)
         profile = _device_profile(args)
         spec = with_model_source(InferenceServiceSpec.model_validate(_spec(args, profile)))
-        spec, context = _read_checkpoints(spec)
+        spec, context = _read_checkpoints(spec, args.draft_model_config)
     except (ValidationError, ValueError) as error:
         print(f"kvpilot plan: {error}", file=sys.stderr)
         return 2

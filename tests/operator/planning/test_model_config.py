@@ -472,6 +472,27 @@ def test_kvpilot_plan_reads_a_draft_models_config_json_from_the_hub_too(tmp_path
     assert planned["draft_weight_bytes"] == 3_212_749_824 * 2  # Llama-3.2-3B's parameters at 16 bits
 
 
+def test_kvpilot_plan_reads_a_draft_models_config_json_offline(tmp_path: Path) -> None:
+    folder = tmp_path / "Llama-3.2-3B"
+    folder.mkdir()
+    (folder / "config.json").write_text((HF_CONFIGS / "meta-llama--Llama-3.2-3B.json").read_text())
+    common = ("--model", "llama-3-8b", "--gpu", "H100-80GB", "--speculative", "draft", "--json")
+    # No hub answers here: the config given is the one planned, the folder its source.
+    offline = {"HF_ENDPOINT": "http://127.0.0.1:9"}
+    run = plan_command(*common, "--draft-model-config", str(folder), env=offline)
+    assert run.returncode == 0, run.stderr
+    planned = json.loads(run.stdout)
+    assert planned["fits"] and planned["draft_model"] == str(folder.resolve())
+    assert planned["draft_weight_bytes"] == 3_212_749_824 * 2
+    named = ("--draft-model", "hf://meta-llama/Llama-3.2-3B", "--draft-model-config", str(folder / "config.json"))
+    run = plan_command(*common, *named, env=offline)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["draft_model"] == "hf://meta-llama/Llama-3.2-3B"
+    (folder / "config.json").write_text("{")
+    broken = plan_command(*common, "--draft-model-config", str(folder), env=offline)
+    assert broken.returncode == 2 and f"--draft-model-config {folder}" in broken.stderr, broken.stderr
+
+
 def test_kvpilot_plan_reads_the_weights_bytes_of_a_local_checkpoint_from_its_metadata(tmp_path: Path) -> None:
     config = json.loads((HF_CONFIGS / "openai--gpt-oss-20b.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -130,8 +130,14 @@ def _draft_refusal(
     arch, stored = config
     beyond = sizing.beyond_plain_decoder(arch)
     runs = f"runtime {spec.runtime}"
-    if arch.state is not None or (beyond and capabilities.plain_decoders_only):
-        return "UnsupportedByRuntime", f"it has {beyond}, and {runs} drafts only with decoders of attention layers"
+    if arch.state is not None:
+        return "UnsupportedByRuntime", f"it has {beyond}, which the planner does not size for a draft"
+    if beyond and capabilities.plain_decoders_only:
+        return (
+            "UnsupportedByRuntime",
+            f"it has {beyond}, and {runs} runs only decoders whose every layer attends to the whole sequence, "
+            "text only: use runtime vllm",
+        )
     if stored is not None and not capabilities.holds_checkpoint_as_stored:
         return "UnsupportedByRuntime", f"it is stored as {stored}, and {runs} loads a draft at 16 bits"
     if stored is not None and arch.checkpoint_bytes is None:

@@ -396,11 +396,16 @@ def _manifest(file: TextIO) -> dict[str, Any]:
     return manifest
 
 
+def _config_json(path: str) -> Path:
+    """The config.json `path` names: the file, or the one in the checkpoint folder."""
+    return Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+
+
 def _config_file(path: str, flag: str) -> tuple[Path, ModelConfig]:
-    """The config.json at `path` (a file, or a checkpoint folder holding one) read as the operator reads
-    a checkpoint's, with the bytes of the safetensors weights beside it; ValueError saying why it
-    cannot be read (`flag`: the option that named it)."""
-    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    """The config.json at `path` (_config_json) read as the operator reads a checkpoint's, with the
+    bytes of the safetensors weights beside it; ValueError saying why it cannot be read (`flag`: the
+    option that named it)."""
+    file = _config_json(path)
     try:
         config = json.loads(file.read_text())
         weights = local_weights_bytes(file.parent)
@@ -494,7 +499,7 @@ def _draft_folder(config: str | None) -> str | None:
     """The draft's source for --draft-model-config without --draft-model: its checkpoint folder."""
     if config is None:
         return None
-    return str((Path(config) if Path(config).is_dir() else Path(config).parent).resolve())
+    return str(_config_json(config).parent.resolve())
 
 
 def _accelerator(gpus: list[VariantRequest], count: int | None) -> dict[str, Any]:

@@ -314,17 +314,18 @@ def _with_draft_groups(arch: Architecture, draft: Architecture, bytes_per_value:
         # A page that does not divide the widest is padded to it, its block unchanged.
         return widest // kind.layer_bytes if widest % kind.layer_bytes == 0 else 1
 
-    full, local = (next((k for k in target if (k.window is None) == is_full), None) for is_full in (True, False))
-    assert local is not None and local.window is not None  # kv_layout's caller has local layers
-    extra = [k for k in drafted if k not in target]
+    layer = _layer_bytes_per_token(arch, bytes_per_value, tp)
+    full, local = _Kind(layer, None, False), _Kind(layer, arch.sliding_window, arch.chunked)
     return KVLayout(
         group_bytes_per_token=size * widest,
-        full_groups=math.ceil(kinds[full] / size) if full else 0,
+        full_groups=math.ceil(kinds[full] / size),
         sliding_groups=math.ceil(kinds[local] / size),
-        window=local.window,
-        chunked=local.chunked,
+        window=arch.sliding_window,
+        chunked=arch.chunked,
         block_factor=factor(local),
-        draft_groups=tuple(LayerGroups(math.ceil(kinds[k] / size), k.window, k.chunked, factor(k)) for k in extra),
+        draft_groups=tuple(
+            LayerGroups(math.ceil(kinds[k] / size), k.window, k.chunked, factor(k)) for k in drafted if k not in target
+        ),
     )
 
 

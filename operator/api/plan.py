@@ -41,6 +41,8 @@ class Plan(BaseModel):
     quantization: str | None = None
     speculative: str = "off"
     draft_model: str | None = None  # serving.draftModel, when the plan runs it
+    # serving.draftModel is an EAGLE-3 head (its config.json's architectures), which vLLM runs as method eagle3.
+    eagle3_head: bool = False
     num_speculative_tokens: int | None = None
     # The share of drafts accepted the plan's TPOT assumes, in the engines' unit (status.latency shows the
     # observed one beside it).

@@ -116,6 +116,10 @@ class StateLayers(BaseModel):
         return self
 
 
+# config.json's architectures of an EAGLE-3 head, as vLLM 0.33 registers them (Eagle3LlamaForCausalLM).
+EAGLE3_HEADS = frozenset({"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"})
+
+
 class Architecture(BaseModel):
     """Also the CRD's `spec.model.architecture`, hence the camelCase aliases."""
 
@@ -229,6 +233,13 @@ class Architecture(BaseModel):
         "layers, read from config.json: vLLM 0.33 holds each state in a page of the KV pool and raises the "
         "attention block size until a page holds it.",
     )
+    hf_architecture: str | None = Field(
+        default=None,
+        min_length=1,
+        description="config.json's architectures[0] (read with it, or given), by which vLLM picks the model's "
+        "code: an EAGLE-3 head (LlamaForCausalLMEagle3, Eagle3LlamaForCausalLM) drafts from three of the target's "
+        "layers' hidden states, which only some of vLLM's model classes give.",
+    )
     checkpoint_bytes: int | None = Field(
         default=None,
         gt=0,
@@ -279,6 +290,11 @@ class Architecture(BaseModel):
         if self.sliding_window is None:
             return 0
         return self.sliding_layers if self.sliding_layers is not None else self.layers
+
+    @property
+    def eagle3_head(self) -> bool:
+        """An EAGLE-3 head: its LM head is over its own draft vocabulary, not vocabSize."""
+        return self.hf_architecture in EAGLE3_HEADS
 
     @property
     def head_size(self) -> int:

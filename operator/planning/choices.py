@@ -13,11 +13,12 @@ from kvpilot.operator.planning import sizing, speculation
 from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.latency import SPECULATION_MAX_BATCH, Perf, draft_acceptance, fewest_replicas
 from kvpilot.operator.planning.memory import Memory, divide_memory, with_plain_weights
-from kvpilot.operator.planning.model_config import ModelConfig
+from kvpilot.operator.planning.model_config import EAGLE3_TARGETS, ModelConfig
 from kvpilot.operator.planning.models import MODELS, find_model
 from kvpilot.operator.planning.reasons import failed_plan, gib, listed, ms, rejected_because
-from kvpilot.operator.planning.replica import DRAFTED, Draft, Inputs
+from kvpilot.operator.planning.replica import DRAFTED, Draft, Inputs, is_eagle3_head
 from kvpilot.operator.runtimes import RUNTIMES
+from kvpilot.operator.runtimes.vllm import VLLM_VERSION
 
 # Least lossy first: INT8 weight-only keeps the activations and rounds each weight to one of 256
 # levels, W8A8 rounds the activations too, INT4 has only 16 levels per group of weights.
@@ -123,7 +124,7 @@ def given_draft_architecture(spec: InferenceServiceSpec) -> Architecture | None:
 
 
 def _draft_refusal(
-    spec: InferenceServiceSpec, config: ModelConfig, capabilities: EngineCapabilities
+    spec: InferenceServiceSpec, config: ModelConfig, capabilities: EngineCapabilities, target: Architecture
 ) -> tuple[str, str] | None:
     """The failure and the reason why the runtime would not run, or the planner cannot size, this
     draft; None when it can."""
@@ -144,6 +145,30 @@ def _draft_refusal(
         return (
             "InvalidArchitecture",
             f"it is stored as {stored}, sized from its safetensors' bytes, which are not known",
+        )
+    return _eagle3_refusal(spec, arch, target)
+
+
+def _eagle3_refusal(spec: InferenceServiceSpec, draft: Architecture, target: Architecture) -> tuple[str, str] | None:
+    """Why vLLM would not draft with an EAGLE-3 head here; None when it would (or it is none)."""
+    if not draft.eagle3_head:
+        return None
+    if spec.serving.speculative != "eagle":
+        return (
+            "UnsupportedByRuntime",
+            "it is an EAGLE-3 head (config.json's architectures): set serving.speculative eagle",
+        )
+    if target.hf_architecture is None:
+        return (
+            "UnsupportedByRuntime",
+            f"it is an EAGLE-3 head, which drafts from the target's hidden states, and {spec.model.name}'s "
+            "architecture class is not known: set model.architecture.hfArchitecture (config.json's architectures[0])",
+        )
+    if target.hf_architecture not in EAGLE3_TARGETS:
+        return (
+            "UnsupportedByRuntime",
+            f"it is an EAGLE-3 head, which drafts from three of the target's layers' hidden states, and vLLM "
+            f"{VLLM_VERSION}'s {target.hf_architecture} does not give them (its {listed(sorted(EAGLE3_TARGETS))} do)",
         )
     return None
 
@@ -173,7 +198,7 @@ def draft_model(
         )
     arch = config.architecture
     problem = sizing.architecture_problem(arch)
-    refusal = ("InvalidArchitecture", problem) if problem else _draft_refusal(spec, config, capabilities)
+    refusal = ("InvalidArchitecture", problem) if problem else _draft_refusal(spec, config, capabilities, target)
     if refusal is not None:
         return failed_plan(spec, refusal[0], f"serving.draftModel {source!r}: {refusal[1]}")
     if arch.vocab_size != target.vocab_size:
@@ -185,8 +210,11 @@ def draft_model(
             "tokens, so it would refuse this draft",
         )
     stored = arch.checkpoint_bytes if config.quantization else None
-    weights = stored or sizing.weight_bytes(arch, "none")
-    return Draft(source, arch, weights, sizing.kv_bytes_per_token(arch), stored=stored)
+    at_most = arch.checkpoint_bytes if arch.eagle3_head else None
+    held = stored or sizing.weight_bytes(arch, "none")
+    return Draft(
+        source, arch, min(held, at_most or held), sizing.kv_bytes_per_token(arch), stored=stored, at_most=at_most
+    )
 
 
 class Situation(NamedTuple):
@@ -271,7 +299,7 @@ def choose_speculation(inputs: Inputs, memory: Memory, device: tuple[Device, int
             memory = with_draft
     if mode in DRAFTED and draft is not None:
         reason += (
-            f"; {'EAGLE head' if mode == 'eagle' else 'draft model'} {draft.source}: {gib(draft.weights)} GiB of "
+            f"; {_drafter(mode, draft)} {draft.source}: {gib(draft.weights)} GiB of "
             f"weights ({'as stored' if draft.stored else 'unquantized'}), "
             f"{draft.kv_per_token / sizing.MiB:.3g} MiB of KV per token; "
             + f"{draft_acceptance(inputs.correction, mode, k):.2f} of drafts accepted, "
@@ -291,6 +319,12 @@ def choose_speculation(inputs: Inputs, memory: Memory, device: tuple[Device, int
         off = off._replace(reason=_observed_reason(speculating, off, k))
     # Adapters run in the engine's eager step only, which a compiled decode step would bypass.
     return _compiled(spec, off) if off.memory.replica.gpu.compiled_step_factor and not spec.adapters else off
+
+
+def _drafter(mode: str, draft: Draft) -> str:
+    if mode != "eagle":
+        return "draft model"
+    return "EAGLE-3 head (vLLM's method eagle3)" if is_eagle3_head(draft) else "EAGLE head"
 
 
 def _adapters_verify_in_one_step(spec: InferenceServiceSpec, memory: Memory) -> Memory:

@@ -28,7 +28,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from kvpilot.operator.api.spec import Architecture, CheckpointQuantization
+from kvpilot.operator.api.spec import EAGLE3_HEADS, Architecture, CheckpointQuantization
 from kvpilot.operator.planning.recurrent import RecurrentState, Serving, hybrid_kv, recurrent_state, state_layers
 
 
@@ -109,6 +109,27 @@ WRAPPERS: dict[str, Wrapper] = {
     "Qwen2_5_VLForConditionalGeneration": Wrapper("Qwen2ForCausalLM", "qwen2_5_vl", "none"),
     "Llama4ForConditionalGeneration": Wrapper("Llama4ForCausalLM", "llama4", "llama4"),
 }
+
+# The architectures (of those read here) whose vLLM 0.33 class gives an EAGLE-3 head the hidden
+# states it drafts from (SupportsEagle3; tests/operator/planning/test_eagle3.py checks the list against vLLM's).
+EAGLE3_TARGETS = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Phi3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "GptOssForCausalLM",
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "Llama4ForCausalLM",
+        "LlavaForConditionalGeneration",
+        "Mistral3ForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
+        "Llama4ForConditionalGeneration",
+    }
+)
 
 # quantization_config.quant_method -> the scheme a checkpoint stores (spec.model.quantization);
 # compressed-tensors names its scheme in its config groups (_compressed_tensors_scheme).
@@ -473,6 +494,7 @@ def _hybrid(config: Mapping[str, Any], name: str, state: RecurrentState, source:
         active_parameters=active if active != total else None,
         max_context=_int(config, "max_position_embeddings"),
         tie_word_embeddings=tied,
+        hf_architecture=name,
         state=state_layers(state),
         source=source,
     )
@@ -575,6 +597,12 @@ def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:
             return hybrid if isinstance(hybrid, str) else ModelConfig(hybrid, stored_scheme(config))
         except ValueError as error:  # pydantic's ValidationError is one
             return f"{name}: {error}"
+    if name in EAGLE3_HEADS:
+        try:
+            head = _eagle3_head(config, name, source)
+        except ValueError as error:  # pydantic's ValidationError is one
+            return f"{name}: {error}"
+        return head if isinstance(head, str) else ModelConfig(head, stored_scheme(config))
     found = _language_model(config, name)
     if isinstance(found, str):
         return found
@@ -596,6 +624,34 @@ def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:
     if isinstance(architecture, str):
         return architecture
     return ModelConfig(architecture, scheme)
+
+
+def _eagle3_head(config: Mapping[str, Any], name: str, source: str) -> Architecture | str:
+    """An EAGLE-3 head as vLLM 0.33 builds it (Eagle3LlamaForCausalLM): Llama decoder layers, the first
+    attending over the token's embedding and the target's hidden state side by side; a projection of
+    three of the target's layers' hidden states (fc); an LM head over its own draft vocabulary. Its
+    KV is its Llama layers', its parameters those vLLM allocates for it.
+    The embedding is among them, though vLLM drops it for the target's when the head's checkpoint
+    has none (the checkpoint's bytes then say less, and the planner takes the smaller)."""
+    llama = FAMILIES["LlamaForCausalLM"]
+    head = _architecture(config, name, llama, source)
+    if isinstance(head, str):
+        return head
+    hidden, vocab, layers = head.hidden_size, head.vocab_size, head.layers
+    shape = _Shape(hidden, head.attention_heads, head.kv_heads, head.head_size)
+    qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+    per_layer = _attention(config, llama, shape) + 3 * hidden + _mlp(config, hidden, _int(config, "intermediate_size"))
+    eagle = config.get("eagle_config") or {}
+    aux = config.get("num_aux_hidden_states") or len(eagle.get("eagle_aux_hidden_state_layer_ids") or ()) or 3
+    fc_in = aux * int(config.get("target_hidden_size") or hidden) if eagle.get("use_aux_hidden_state", True) else 0
+    fc_norms = fc_in * (bool(eagle.get("norm_before_fc", config.get("norm_before_fc"))) + bool(config.get("fc_norm")))
+    draft_vocab = int(config.get("draft_vocab_size") or vocab)
+    # The draft-to-target token map: an int64 per draft token, four 16-bit values' bytes.
+    token_map = 4 * draft_vocab if draft_vocab != vocab else 0
+    parameters = (
+        layers * per_layer + hidden * qkv + vocab * hidden + fc_in * hidden + fc_norms + hidden + draft_vocab * hidden
+    )
+    return head.model_copy(update={"parameters": parameters + token_map, "tie_word_embeddings": False})
 
 
 def _architecture(config: Mapping[str, Any], name: str, family: Family, source: str) -> Architecture | str:
@@ -628,5 +684,6 @@ def _architecture(config: Mapping[str, Any], name: str, family: Family, source: 
         sliding_layers=sliding if sliding and sliding < layers else None,
         sliding_kind="chunk" if sliding and family.windows == "chunked" else "window",
         latent_dim=_int(config, "kv_lora_rank") + _int(config, "qk_rope_head_dim") if family.latent else None,
+        hf_architecture=name,
         source=source,
     )

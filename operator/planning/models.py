@@ -27,6 +27,7 @@ MODELS: dict[str, Architecture] = {
         vocab_size=32000,
         parameters=6_738_415_616,
         max_context=4096,
+        hf_architecture="LlamaForCausalLM",
         source=_hf("meta-llama/Llama-2-7b-hf"),
     ),
     "llama-2-13b": Architecture(
@@ -37,6 +38,7 @@ MODELS: dict[str, Architecture] = {
         vocab_size=32000,
         parameters=13_015_864_320,
         max_context=4096,
+        hf_architecture="LlamaForCausalLM",
         source=_hf("meta-llama/Llama-2-13b-hf"),
     ),
     "llama-2-70b": Architecture(
@@ -47,6 +49,7 @@ MODELS: dict[str, Architecture] = {
         vocab_size=32000,
         parameters=68_976_648_192,
         max_context=4096,
+        hf_architecture="LlamaForCausalLM",
         source=_hf("meta-llama/Llama-2-70b-hf"),
     ),
     "llama-3-8b": Architecture(
@@ -57,6 +60,7 @@ MODELS: dict[str, Architecture] = {
         vocab_size=128256,
         parameters=8_030_261_248,
         max_context=8192,
+        hf_architecture="LlamaForCausalLM",
         source=_hf("meta-llama/Meta-Llama-3-8B"),
     ),
     "llama-3-70b": Architecture(
@@ -67,6 +71,7 @@ MODELS: dict[str, Architecture] = {
         vocab_size=128256,
         parameters=70_553_706_496,
         max_context=8192,
+        hf_architecture="LlamaForCausalLM",
         source=_hf("meta-llama/Meta-Llama-3-70B"),
     ),
     # max_position_embeddings is 32768; attention uses a 4096-token sliding window, which this
@@ -79,6 +84,7 @@ MODELS: dict[str, Architecture] = {
         vocab_size=32000,
         parameters=7_241_732_096,
         max_context=32768,
+        hf_architecture="MistralForCausalLM",
         source=_hf("mistralai/Mistral-7B-v0.1"),
     ),
     "mixtral-8x7b": Architecture(
@@ -90,6 +96,7 @@ MODELS: dict[str, Architecture] = {
         parameters=46_702_792_704,
         active_parameters=12_900_000_000,
         max_context=32768,
+        hf_architecture="MixtralForCausalLM",
         source=_hf("mistralai/Mixtral-8x7B-v0.1")
         + " ; active 12.9B per token: https://mistral.ai/news/mixtral-of-experts",
     ),
@@ -102,6 +109,7 @@ MODELS: dict[str, Architecture] = {
         vocab_size=152064,
         parameters=7_615_616_512,
         max_context=32768,
+        hf_architecture="Qwen2ForCausalLM",
         source=_hf("Qwen/Qwen2.5-7B-Instruct"),
     ),
     "qwen2.5-72b": Architecture(
@@ -113,6 +121,7 @@ MODELS: dict[str, Architecture] = {
         vocab_size=152064,
         parameters=72_706_203_648,
         max_context=32768,
+        hf_architecture="Qwen2ForCausalLM",
         source=_hf("Qwen/Qwen2.5-72B-Instruct"),
     ),
     # Small models of the Llama-2 and Llama-3 vocabularies: the usual draft models for their
@@ -125,6 +134,7 @@ MODELS: dict[str, Architecture] = {
         vocab_size=32000,
         parameters=1_100_048_384,
         max_context=2048,
+        hf_architecture="LlamaForCausalLM",
         source=_hf("TinyLlama/TinyLlama-1.1B-Chat-v1.0"),
     ),
     "llama-3.2-1b": Architecture(
@@ -137,6 +147,7 @@ MODELS: dict[str, Architecture] = {
         parameters=1_235_814_400,
         max_context=131072,
         tie_word_embeddings=True,
+        hf_architecture="LlamaForCausalLM",
         source=_hf("meta-llama/Llama-3.2-1B-Instruct"),
     ),
     "smollm2-135m": Architecture(
@@ -149,6 +160,7 @@ MODELS: dict[str, Architecture] = {
         parameters=134_515_008,
         max_context=8192,
         tie_word_embeddings=True,
+        hf_architecture="LlamaForCausalLM",
         source=_hf("HuggingFaceTB/SmolLM2-135M-Instruct"),
     ),
 }

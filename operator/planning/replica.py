@@ -45,6 +45,9 @@ class Draft(NamedTuple):
     head_copy: int = 0  # of `weights`, a tied head's packed copy, which a step reads in place of the rows
     # A checkpoint stored quantized, which the runtime (vLLM) holds as stored: its safetensors' bytes.
     stored: int | None = None
+    # An EAGLE-3 head's checkpoint bytes, when they are fewer than its counted weights: vLLM gives a
+    # head whose checkpoint has no embedding the target's.
+    at_most: int | None = None
 
     def on(self, gpu: Device, tp: int = 1) -> Draft:
         """The draft as the engine holds it on `tp` GPUs of type `gpu`: as stored, else 4 bytes per value
@@ -53,10 +56,14 @@ class Draft(NamedTuple):
         plain = sizing.weight_bytes(self.arch, "none", held=sizing.HeldAs(gpu.bytes_per_value))
         held = sizing.weight_bytes(self.arch, "none", held=sizing.HeldAs(gpu.bytes_per_value, gpu.packs_weights))
         return self._replace(
-            weights=self.stored or held,
+            weights=self.stored or min(held, self.at_most or held),
             kv_per_token=sizing.kv_bytes_per_token(self.arch, gpu.bytes_per_value, tp),
             head_copy=0 if self.stored else held - plain,
         )
+
+
+def is_eagle3_head(draft: Draft | None) -> bool:
+    return draft is not None and draft.arch.eagle3_head
 
 
 class Replica(NamedTuple):

@@ -64,10 +64,12 @@ DECODE_BANDWIDTH_EFFICIENCY = 0.8
 
 
 def _embedding_norms_body(arch: Architecture) -> tuple[int, int, int]:
-    """Parameters of the embedding, of the norms, and of the decoder layers' linear weights."""
+    """Parameters of the embedding, of the norms, and of the decoder layers' linear weights (with an
+    EAGLE-3 head's LM head, which is over its draft vocabulary)."""
     embedding = arch.vocab_size * arch.hidden_size
     norms = (2 * arch.layers + 1) * arch.hidden_size  # two per decoder layer and the final one
-    return embedding, norms, arch.parameters - embedding - norms - (0 if arch.tie_word_embeddings else embedding)
+    head = 0 if arch.tie_word_embeddings or arch.eagle3_head else embedding
+    return embedding, norms, arch.parameters - embedding - norms - head
 
 
 def architecture_problem(arch: Architecture) -> str | None:

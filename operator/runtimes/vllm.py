@@ -29,7 +29,7 @@ VLLM_IMAGE = f"vllm/vllm-openai:v{VLLM_VERSION}"
 # compressed-tensors (W8A16, FP8, W8A8, W4A16), AWQ and GPTQ checkpoints, choosing their kernels
 # itself. Its quantized layers multiply with low-bit kernels (Marlin, Machete, CUTLASS), and it keeps
 # the embedding and the LM head in 16 bits. Speculation: prompt n-grams, a draft model, and an EAGLE
-# head (serving.draftModel under `speculative: eagle`).
+# head, EAGLE-1 or EAGLE-3 (serving.draftModel under `speculative: eagle`).
 VLLM_CAPABILITIES = EngineCapabilities(
     quantization=("none", "fp8"),
     speculative=("off", "ngram", "draft", "eagle"),
@@ -61,7 +61,7 @@ def speculative_config(plan: Plan, draft_model: str | None) -> dict[str, object]
             "prompt_lookup_min": NGRAM_MIN,
         }
     if plan.speculative in ("draft", "eagle"):
-        method = "draft_model" if plan.speculative == "draft" else "eagle"
+        method = "draft_model" if plan.speculative == "draft" else "eagle3" if plan.eagle3_head else "eagle"
         return {"method": method, "model": draft_model, "num_speculative_tokens": plan.num_speculative_tokens}
     return None
 

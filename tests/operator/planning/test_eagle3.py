@@ -1,0 +1,181 @@
+"""EAGLE-3 heads (serving.draftModel under `speculative: eagle`) as vLLM 0.33 runs them: read from their
+config.json (real heads, tests/operator/planning/eagle3_heads, sources in SOURCES.tsv), sized as vLLM
+builds them, rendered as method eagle3, and refused where vLLM would not run them. vLLM's side is its
+own code in the contract venv (tests/vllm/eagle3_heads.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
+from kvpilot.operator.planning import sizing
+from kvpilot.operator.planning.model_config import EAGLE3_TARGETS, FAMILIES, WRAPPERS, ModelConfig, read_config
+from kvpilot.operator.planning.models import MODELS
+from kvpilot.operator.planning.plan import PlanContext, plan
+from kvpilot.operator.runtimes.vllm import speculative_config
+from tests.vllm import env
+
+HEADS = Path(__file__).parent / "eagle3_heads"
+HF_CONFIGS = Path(__file__).parent / "hf_configs"
+LLAMA_70B_HEAD = "sgl-project--SpecForge--llama3-70B-ealge3"
+QWEN3_32B_HEAD = "sgl-project--SpecForge--qwen3-32b-eagle3"
+# Each head beside the target it was trained for.
+PAIRS = {LLAMA_70B_HEAD: "meta-llama--Llama-3.3-70B-Instruct", QWEN3_32B_HEAD: "Qwen--Qwen3-32B"}
+HEAD_SOURCE = "hf://org/eagle3-head"
+
+
+def head_config(name: str) -> dict[str, Any]:
+    return json.loads((HEADS / f"{name}.json").read_text())
+
+
+def read(folder: Path, name: str, checkpoint_bytes: int | None = None) -> ModelConfig:
+    found = read_config(json.loads((folder / f"{name}.json").read_text()), f"config.json of {name}")
+    assert isinstance(found, ModelConfig), found
+    return found._replace(architecture=found.architecture.model_copy(update={"checkpoint_bytes": checkpoint_bytes}))
+
+
+@pytest.fixture(scope="module")
+def vllm_heads() -> dict[str, dict[str, Any]]:
+    """What vLLM 0.33 makes of each head beside its target, and which classes give EAGLE-3 its states."""
+    cases = [{"id": "support", "supports_eagle3": [*FAMILIES, *WRAPPERS]}]
+    cases += [
+        {"id": head, "config": json.loads((HF_CONFIGS / f"{target}.json").read_text()), "head": head_config(head)}
+        for head, target in PAIRS.items()
+    ]
+    out = env.run("eagle3_heads", "".join(json.dumps(case) + "\n" for case in cases))
+    return {found["id"]: found for found in map(json.loads, out.splitlines())}
+
+
+@pytest.mark.parametrize("head", PAIRS)
+def test_a_head_is_sized_as_vllm_builds_it(head: str, vllm_heads: dict[str, dict[str, Any]]) -> None:
+    found = vllm_heads[head]
+    assert "error" not in found, found["error"]
+    # vLLM runs it as an EAGLE-3 head under method eagle3, and has no class for it under method eagle.
+    assert (found["method"], found["head_class"]) == ("eagle3", "Eagle3LlamaForCausalLM")
+    assert "EagleLlamaForCausalLMEagle3" in found["as_eagle"] and "not supported" in found["as_eagle"]
+    arch = read(HEADS, head).architecture
+    assert arch.hf_architecture == "LlamaForCausalLMEagle3"
+    # Its parameters' bytes in the 16-bit dtype vLLM loads it in (the int64 token map at 8 bytes a value).
+    assert sizing.weight_bytes(arch, "none") == found["parameter_bytes"]
+    [layer] = found["head_layers"]
+    assert (layer["kind"], layer["bytes_per_token"]) == ("FullAttentionSpec", sizing.kv_bytes_per_token(arch))
+
+
+def test_the_llama_70b_head_by_hand() -> None:
+    arch = read(HEADS, LLAMA_70B_HEAD).architecture
+    hidden, qkv = 8192, (64 + 2 * 8) * 128
+    layer = 2 * hidden * qkv + 64 * 128 * hidden + 3 * hidden * 28672 + 3 * hidden  # qkv over 2 x hidden
+    embedding, fc, lm_head, token_map = 128256 * hidden, 3 * hidden * hidden, 32000 * hidden, 4 * 32000
+    assert arch.parameters == layer + embedding + fc + hidden + lm_head + token_map
+    assert sizing.kv_bytes_per_token(arch) == 2 * 8 * 128 * 2
+
+
+@pytest.mark.parametrize("head", PAIRS)
+def test_vllm_holds_a_heads_kv_beside_the_targets_as_the_planner_sizes_it(
+    head: str, vllm_heads: dict[str, dict[str, Any]]
+) -> None:
+    pool = vllm_heads[head]["pool"]
+    target, drafted = read(HF_CONFIGS, PAIRS[head]).architecture, read(HEADS, head).architecture
+    layout = sizing.kv_layout(target, draft=sizing.kv_bytes_per_token(drafted), draft_arch=drafted)
+    assert pool["available"] // sizing.kv_block_bytes(layout, pool["block_size"]) == pool["num_blocks"]
+
+
+def test_the_targets_an_eagle3_head_drafts_beside_are_vllms(vllm_heads: dict[str, dict[str, Any]]) -> None:
+    found = vllm_heads["support"]["supports_eagle3"]
+
+    def supports(name: str) -> bool:
+        given = found[name]
+        if isinstance(given, bool):
+            return given
+        # A wrapper this venv cannot import (its tower needs torchvision): its own declared interfaces.
+        assert given[0] == "nn.Module", (name, given)
+        return "SupportsEagle3" in given
+
+    assert {name for name in found if supports(name)} == EAGLE3_TARGETS
+
+
+def spec(target: str | Architecture, **serving: Any) -> InferenceServiceSpec:
+    model: dict[str, Any] = {"name": target} if isinstance(target, str) else {"name": "target", "architecture": target}
+    return InferenceServiceSpec.model_validate(
+        {
+            "model": model,
+            "accelerator": {"type": "H100-80GB"},
+            "runtime": "vllm",
+            "serving": {"speculative": "eagle", "draftModel": HEAD_SOURCE, "maxContextLength": 8192, **serving},
+        }
+    )
+
+
+def test_a_plan_with_a_head_renders_method_eagle3_and_counts_its_checkpoint_when_smaller() -> None:
+    target = read(HF_CONFIGS, "Qwen--Qwen3-32B").architecture
+    counted = read(HEADS, QWEN3_32B_HEAD)
+    result = plan(spec(target), PlanContext(draft_checkpoint=counted))
+    assert result.fits and result.eagle3_head, result.reason
+    assert result.draft_weight_bytes == 3_011_020_800  # vLLM's bytes above, the embedding among them
+    assert speculative_config(result, "/models/head") == {
+        "method": "eagle3",
+        "model": "/models/head",
+        "num_speculative_tokens": result.num_speculative_tokens,
+    }
+    assert "EAGLE-3 head (vLLM's method eagle3) hf://org/eagle3-head" in result.reasons["speculative"]
+    # A head published without an embedding (vLLM gives it the target's): its safetensors' bytes.
+    without_embedding = 3_011_020_800 - 151936 * 5120 * 2
+    stored = plan(spec(target), PlanContext(draft_checkpoint=read(HEADS, QWEN3_32B_HEAD, without_embedding)))
+    assert stored.draft_weight_bytes == without_embedding and stored.eagle3_head
+    # An EAGLE-1 head (a plain Llama layer) stays method eagle.
+    eagle = read(HF_CONFIGS, "meta-llama--Llama-3.2-3B")
+    plain = plan(spec("llama-3-8b"), PlanContext(draft_checkpoint=eagle))
+    assert plain.fits and not plain.eagle3_head and speculative_config(plain, "/h")["method"] == "eagle"  # type: ignore[index]
+
+
+def test_a_head_given_in_the_spec_with_its_class_plans_the_same() -> None:
+    target = read(HF_CONFIGS, "Qwen--Qwen3-32B").architecture
+    counted = read(HEADS, QWEN3_32B_HEAD)
+    written = counted.architecture.model_dump(by_alias=True, exclude_none=True)
+    assert written["hfArchitecture"] == "LlamaForCausalLMEagle3"
+    given = plan(spec(target, draftModelArchitecture=written))
+    assert given == plan(spec(target), PlanContext(draft_checkpoint=counted))
+
+
+@pytest.mark.parametrize(
+    "target, serving, failure, message",
+    [
+        (
+            "google--gemma-3-1b-it",
+            {},
+            "UnsupportedByRuntime",
+            "vLLM 0.33.0's Gemma3ForCausalLM does not give them",
+        ),
+        ("Qwen--Qwen3-32B", {"speculative": "draft"}, "UnsupportedByRuntime", "set serving.speculative eagle"),
+        ("Qwen--Qwen3-32B", {"speculative": "auto"}, "UnsupportedByRuntime", "set serving.speculative eagle"),
+    ],
+)
+def test_a_head_vllm_would_not_run_is_refused_with_the_reason(
+    target: str, serving: dict[str, Any], failure: str, message: str
+) -> None:
+    head = QWEN3_32B_HEAD if target.startswith("Qwen") else "sgl-project--SpecForge--gemma3-1b-eagle3"
+    refused = plan(
+        spec(read(HF_CONFIGS, target).architecture, **serving), PlanContext(draft_checkpoint=read(HEADS, head))
+    )
+    assert (refused.fits, refused.failure) == (False, failure), refused.reason
+    assert message in refused.reason and "serving.draftModel 'hf://org/eagle3-head'" in refused.reason
+
+
+def test_a_target_of_unknown_class_is_refused_until_the_spec_names_it() -> None:
+    target = read(HF_CONFIGS, "Qwen--Qwen3-32B").architecture.model_copy(update={"hf_architecture": None})
+    head = PlanContext(draft_checkpoint=read(HEADS, QWEN3_32B_HEAD))
+    refused = plan(spec(target), head)
+    assert refused.failure == "UnsupportedByRuntime" and "set model.architecture.hfArchitecture" in refused.reason
+    named = plan(spec(target.model_copy(update={"hf_architecture": "Qwen3ForCausalLM"})), head)
+    assert named.fits and named.eagle3_head, named.reason
+    # The catalog's models carry their class.
+    assert {arch.hf_architecture for arch in MODELS.values()} <= {*FAMILIES}
+
+
+def test_a_head_vllm_has_no_class_for_is_not_read() -> None:
+    refused = read_config(head_config("sgl-project--SpecForge--gpt-oss-20B-eagle3"), "config.json")
+    assert isinstance(refused, str) and refused.startswith("GptOssForCausalLMEagle3 is not an architecture")

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
+from kvpilot.operator.controller import render
 from kvpilot.operator.planning import sizing
 from kvpilot.operator.planning.model_config import EAGLE3_TARGETS, FAMILIES, WRAPPERS, ModelConfig, read_config
 from kvpilot.operator.planning.models import MODELS
@@ -179,3 +180,34 @@ def test_a_target_of_unknown_class_is_refused_until_the_spec_names_it() -> None:
 def test_a_head_vllm_has_no_class_for_is_not_read() -> None:
     refused = read_config(head_config("sgl-project--SpecForge--gpt-oss-20B-eagle3"), "config.json")
     assert isinstance(refused, str) and refused.startswith("GptOssForCausalLMEagle3 is not an architecture")
+
+
+@pytest.mark.parametrize("head", PAIRS)
+def test_the_rendered_pod_is_a_command_line_vllm_configures_with_the_head(head: str) -> None:
+    target = PAIRS[head]
+    served = InferenceServiceSpec.model_validate(
+        {
+            "runtime": "vllm",
+            "model": {
+                "name": "target",
+                "source": f"/models/{target}",
+                "architecture": read(HF_CONFIGS, target).architecture.model_dump(by_alias=True, exclude_none=True),
+            },
+            "accelerator": {"type": "H100-80GB"},
+            "serving": {"speculative": "eagle", "draftModel": f"/heads/{head}", "maxContextLength": 8192},
+        }
+    )
+    result = plan(served, PlanContext(draft_checkpoint=read(HEADS, head)))
+    assert result.fits and result.eagle3_head, result.reason
+    args = render.deployment("svc", "ns", "uid", served, result)["spec"]["template"]["spec"]["containers"][0]["args"]
+    models = {
+        f"/models/{target}": json.loads((HF_CONFIGS / f"{target}.json").read_text()),
+        f"/heads/{head}": head_config(head),
+    }
+    [answer] = map(
+        json.loads,
+        env.run("engine_configs", json.dumps({"id": head, "argv": args, "models": models}) + "\n").splitlines(),
+    )
+    assert answer["ok"], answer["error"]
+    assert (answer["speculative_method"], answer["draft_model"]) == ("eagle3", f"/heads/{head}")
+    assert (answer["tensor_parallel_size"], answer["max_model_len"]) == (result.gpu_count, result.max_model_len)

@@ -44,6 +44,12 @@ L4_SMALL_MODEL = (
     "host: TTFT 38-135 ms at c = 2-32 where our waves of 256-token prefills and 5 ms per request give 11-60 ms "
     "(0.27-0.44): a fixed 25-75 ms of the client path and host that the model lacks, not the GPU's work"
 )
+CHAT_CLIENT_SHAREGPT = (
+    "Qwen3-8B on an H100 (vLLM 0.11, gpustack's performance lab): ShareGPT prompts of 233 tokens on average through "
+    "the chat endpoint, TTFT a flat 60-65 ms at c = 1-8 where ours is 13-30 ms: ~47 ms a request beyond our 5 ms "
+    "(the page's SGLang, same client and GPU: 27 ms) that no GPU work explains; and prompts of varying length keep "
+    "the clients out of step, so the waves our closed loop assumes (ours rising with c) do not form"
+)
 # Published point -> why the model misses it (TPOT beyond 25 % or TTFT beyond 50 %).
 MISSES: dict[int, str] = {
     **{i: DEEPSEEK for i in range(17, 29)},
@@ -56,6 +62,7 @@ MISSES: dict[int, str] = {
     "sweep (the source's title)",
     **{i: FAST_PREFILL for i in (53, 61)},
     **{i: L4_SMALL_MODEL for i in range(71, 76)},
+    **{i: CHAT_CLIENT_SHAREGPT for i in range(76, 80)},
 }
 
 
@@ -66,8 +73,8 @@ def _missed(row: lc.Row) -> bool:
 
 def test_the_points_cover_gpus_sizes_schemes_and_concurrency() -> None:
     points = json.loads(lc.POINTS_FILE.read_text())
-    assert len(ROWS) == 59 and all(points[r.case.index]["source"] for r in ROWS)
-    assert sum(1 for r in ROWS if r.tpot_ratio) == 55 and sum(1 for r in ROWS if r.case.concurrency == 1) == 28
+    assert len(ROWS) == 63 and all(points[r.case.index]["source"] for r in ROWS)
+    assert sum(1 for r in ROWS if r.tpot_ratio) == 59 and sum(1 for r in ROWS if r.case.concurrency == 1) == 29
     assert {r.case.gpu for r in ROWS} >= {"A100-40GB", "A100-80GB", "H100-80GB", "H200", "B200", "MI300X", "L4"}
     assert {r.case.tp for r in ROWS} == {1, 2, 8} and {r.case.quantization for r in ROWS} == {
         "none",
@@ -118,7 +125,7 @@ def test_a_per_sequence_step_cost_keeps_tpot_level_as_concurrency_rises(monkeypa
     from c = 2 to 32, 0.85 for Qwen2-7B on an A100 at c = 50, 0.85 for gpt-oss-120b at 64 on 8 H100s); with it
     those points stay within 15 %. The A100's TTFT in waves of 1024-token prompts reads as a prefill at half the
     peak, where the lone prompts of the same GPU read faster: 0.73-0.83."""
-    crowd = {r.case.index: r for r in ROWS if r.case.part != lc.HELD_OUT and r.case.concurrency > 1}
+    crowd = {r.case.index: r for r in ROWS if r.case.part not in (lc.HELD_OUT, lc.LATER) and r.case.concurrency > 1}
     assert sorted(crowd) == [14, 46, 47, 48, 49, *range(66, 76)]
     assert all(abs(crowd[i].tpot_ratio - 1) <= 0.15 for i in (*range(66, 76), 46, 48))
     l4 = [crowd[i].tpot_ratio for i in range(71, 76)]
@@ -167,3 +174,18 @@ def test_local_layers_attend_to_their_window_or_chunk_and_read_only_its_kv() -> 
     assert latency._kv_read_bytes(replica, 10_000) == pytest.approx(replica.kv_per_token * (10_000 + 128) / 2)
     assert latency._kv_read_bytes(full, 10_000) == replica.kv_per_token * 10_000
     assert latency.gpu_step_seconds(replica, (64, 10_000)) < latency.gpu_step_seconds(full, (64, 10_000))
+
+
+def test_the_later_held_out_set_decodes_within_the_aim_and_misses_the_chat_clients_ttft() -> None:
+    """Points gathered after the constants were last set (2026-12-07), never used to choose them: Qwen3-8B on
+    one H100 at c = 1, 2, 4 and 8 (vLLM 0.11, ShareGPT through the chat endpoint). TPOT within 15 % but every
+    one pessimistic (1.09-1.12: 7.2-7.7 ms published, where our 1 ms + 25 us a layer of step cost beside 6.1 ms
+    of weight reads gives 8.0-8.4), as Llama-3.1-8B on an A100 (vLLM 0.23, #65: 1.11) is: recent vLLM's
+    step costs less than the mid-2025 builds the constant was read off. TTFT misses (CHAT_CLIENT_SHAREGPT)."""
+    later = [r for r in ROWS if r.case.part == lc.LATER]
+    assert [(r.case.index, r.case.concurrency) for r in later] == [(76, 1), (77, 2), (78, 4), (79, 8)]
+    assert all(1.05 <= r.tpot_ratio <= 1.15 for r in later if r.tpot_ratio)
+    ttft = [r.ttft_ratio for r in later]
+    assert all(t is not None and t < 0.5 for t in ttft) and ttft == sorted(ttft), ttft
+    found = lc.summaries(ROWS)
+    assert found["TPOT later aim"][:2] == (4, 4) and found["TTFT later"][:2] == (0, 4)

@@ -597,6 +597,12 @@ def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:
             return hybrid if isinstance(hybrid, str) else ModelConfig(hybrid, stored_scheme(config))
         except ValueError as error:  # pydantic's ValidationError is one
             return f"{name}: {error}"
+    if config.get("speculators_model_type"):
+        return (
+            f"{name} is a Speculators-format {config['speculators_model_type']} head (its layers in "
+            "transformer_layer_config), which the planner does not read yet: give serving.draftModelArchitecture "
+            "(hfArchitecture Eagle3LlamaForCausalLM for an EAGLE-3 head)"
+        )
     if name in EAGLE3_HEADS:
         try:
             head = _eagle3_head(config, name, source)

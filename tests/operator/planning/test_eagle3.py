@@ -211,3 +211,18 @@ def test_the_rendered_pod_is_a_command_line_vllm_configures_with_the_head(head: 
     assert answer["ok"], answer["error"]
     assert (answer["speculative_method"], answer["draft_model"]) == ("eagle3", f"/heads/{head}")
     assert (answer["tensor_parallel_size"], answer["max_model_len"]) == (result.gpu_count, result.max_model_len)
+
+
+def test_a_speculators_format_head_is_refused_with_what_to_give_instead() -> None:
+    # A head trained with vLLM's Speculators (vllm-project/speculators#1065, its config as posted there).
+    speculators = {
+        "architectures": ["Eagle3DraftModel"],
+        "draft_vocab_size": 32000,
+        "eagle_aux_hidden_state_layer_ids": [2, 46, 91, 93],
+        "norm_before_fc": True,
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": {"hidden_size": 4096, "num_hidden_layers": 1, "vocab_size": 151936},
+    }
+    refused = read_config(speculators, "config.json")
+    assert isinstance(refused, str) and "Speculators-format eagle3 head" in refused
+    assert "serving.draftModelArchitecture" in refused

@@ -52,14 +52,16 @@ def replica_sizes(inputs: Inputs, group: tuple[Device, int], quantization: str, 
     weights do not fit."""
     spec, arch, context, runtime, draft = inputs.spec, inputs.arch, inputs.context, inputs.capabilities, inputs.draft
     gpu, tp = group
-    draft_weights, draft_kv = (draft.weights, draft.kv_per_token) if draft else (0, 0)
-    # The engine gives the draft a KV slot for every slot of the target's, so each slot holds both.
+    kv_bytes = sizing.FP8_BYTES_PER_VALUE if inputs.kv_cache_dtype == "fp8" else gpu.bytes_per_value
+    # The engine gives the draft a KV slot for every slot of the target's, so each slot holds both, in
+    # the cache's dtype (vLLM's draft layers take the target's cache config).
+    draft_weights = draft.weights if draft else 0
+    draft_kv = sizing.kv_bytes_per_token(draft.arch, kv_bytes, tp) if draft else 0
     weights = _target_weights(inputs, gpu, quantization) + draft_weights
     lora = lora_settings(spec.adapters)
     # The runtime allocates the adapters' slots as it loads the weights: the pool is what both leave.
     adapters = resident_bytes(arch, lora, tp, gpu.bytes_per_value) if lora else 0
     pool = sizing.kv_pool_bytes(gpu.memory_bytes, spec.serving.gpu_memory_utilization, weights + adapters, reserve)
-    kv_bytes = sizing.FP8_BYTES_PER_VALUE if inputs.kv_cache_dtype == "fp8" else gpu.bytes_per_value
     layout, block, state_bytes = _kv_layout(inputs, group, kv_bytes, draft_kv)
     return Sizes(
         gpu=gpu.name,

@@ -21,7 +21,8 @@ and block size at tensor-parallel sizes 2, 4 and 8 come from the model class's o
 (ModelConfig.get_num_kv_heads: copied where the GPUs outnumber them).
 
 A case with a "draft_model" (a small model's config.json) is planned again with it as vLLM's draft
-model (SpeculativeConfig method "draft_model"): the pool of the target's layers and the draft's,
+model (SpeculativeConfig method "draft_model"), its KV cache in the case's "kv_cache_dtype" (auto
+when it has none): the pool of the target's layers and the draft's,
 both models built here as DraftModelProposer builds the draft (its own ModelConfig, prefix
 "draft_model", no quantization).
 
@@ -137,15 +138,18 @@ def _layer(spec: KVCacheSpec, vllm_config: VllmConfig) -> dict[str, Any]:
     }
 
 
-def _vllm_config(folder: Path, tp: int = 1, eagle_head: Path | None = None, draft: Path | None = None) -> VllmConfig:
+def _vllm_config(
+    folder: Path, tp: int = 1, eagle_head: Path | None = None, draft: Path | None = None, cache_dtype: str = "auto"
+) -> VllmConfig:
     """vLLM's config of the model in `folder` as its CUDA GPUs take it, on `tp` of them, with the
-    EAGLE head in `eagle_head`, or the draft model in `draft`, as its drafter, if any."""
+    EAGLE head in `eagle_head`, or the draft model in `draft`, as its drafter, if any, and its KV
+    cache in `cache_dtype`."""
     config = json.loads((folder / "config.json").read_text())
     config.pop("quantization_config", None)
     (folder / "config.json").write_text(json.dumps(config))
     model = ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16")
     # A hybrid's prefix caching (as the operator renders it) keeps its states block by block.
-    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=model.is_hybrid)
+    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=model.is_hybrid, cache_dtype=cache_dtype)
     parallel = ParallelConfig(tensor_parallel_size=tp)
     speculative = None
     if eagle_head is not None or draft is not None:
@@ -196,13 +200,13 @@ def with_eagle(folder: Path, head: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def with_draft(folder: Path, draft: dict[str, Any]) -> dict[str, Any]:
+def with_draft(folder: Path, draft: dict[str, Any], cache_dtype: str = "auto") -> dict[str, Any]:
     """The model planned beside the draft model `draft` (a config.json; SpeculativeConfig method
     "draft_model"): the pool of the target's layers and the draft's, which DraftModelProposer builds
     under the prefix "draft_model" into the same forward context."""
     (folder.parent / f"{folder.name}-draft").mkdir()
     (folder.parent / f"{folder.name}-draft" / "config.json").write_text(json.dumps(draft))
-    vllm_config = _vllm_config(folder, draft=folder.parent / f"{folder.name}-draft")
+    vllm_config = _vllm_config(folder, draft=folder.parent / f"{folder.name}-draft", cache_dtype=cache_dtype)
     specs = _layer_specs(vllm_config)
     speculative = vllm_config.speculative_config
     assert speculative is not None and speculative.method == "draft_model", speculative
@@ -297,7 +301,7 @@ def main() -> None:
                 if case.get("eagle_head"):
                     found["eagle"] = with_eagle(folder, case["eagle_head"])
                 if case.get("draft_model"):
-                    found["draft"] = with_draft(folder, case["draft_model"])
+                    found["draft"] = with_draft(folder, case["draft_model"], case.get("kv_cache_dtype", "auto"))
             except Exception as error:  # noqa: BLE001 - reported per case, for the test to show
                 found = {"error": f"{type(error).__name__}: {error}"}
             print(json.dumps({"id": case["id"], **found}), flush=True)

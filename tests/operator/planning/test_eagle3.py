@@ -24,17 +24,27 @@ HEADS = Path(__file__).parent / "eagle3_heads"
 HF_CONFIGS = Path(__file__).parent / "hf_configs"
 LLAMA_70B_HEAD = "sgl-project--SpecForge--llama3-70B-ealge3"
 QWEN3_32B_HEAD = "sgl-project--SpecForge--qwen3-32b-eagle3"
+GPT_OSS_HEAD = "sgl-project--SpecForge--gpt-oss-20B-eagle3"
 # Each head beside the target it was trained for.
-PAIRS = {LLAMA_70B_HEAD: "meta-llama--Llama-3.3-70B-Instruct", QWEN3_32B_HEAD: "Qwen--Qwen3-32B"}
+PAIRS = {
+    LLAMA_70B_HEAD: "meta-llama--Llama-3.3-70B-Instruct",
+    QWEN3_32B_HEAD: "Qwen--Qwen3-32B",
+    # Beside sliding-window layers: SpecForge's gpt-oss-20b head as vLLM would load it (its class named
+    # LlamaForCausalLMEagle3, its model_type llama; its shapes as published).
+    f"{GPT_OSS_HEAD}#llama": "openai--gpt-oss-20b",
+}
 HEAD_SOURCE = "hf://org/eagle3-head"
 
 
 def head_config(name: str) -> dict[str, Any]:
-    return json.loads((HEADS / f"{name}.json").read_text())
+    published, _, renamed = name.partition("#")
+    config = json.loads((HEADS / f"{published}.json").read_text())
+    return {**config, "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama"} if renamed else config
 
 
 def read(folder: Path, name: str, checkpoint_bytes: int | None = None) -> ModelConfig:
-    found = read_config(json.loads((folder / f"{name}.json").read_text()), f"config.json of {name}")
+    config = head_config(name) if folder == HEADS else json.loads((folder / f"{name}.json").read_text())
+    found = read_config(config, f"config.json of {name}")
     assert isinstance(found, ModelConfig), found
     return found._replace(architecture=found.architecture.model_copy(update={"checkpoint_bytes": checkpoint_bytes}))
 
@@ -83,6 +93,12 @@ def test_vllm_holds_a_heads_kv_beside_the_targets_as_the_planner_sizes_it(
     target, drafted = read(HF_CONFIGS, PAIRS[head]).architecture, read(HEADS, head).architecture
     layout = sizing.kv_layout(target, draft=sizing.kv_bytes_per_token(drafted), draft_arch=drafted)
     assert pool["available"] // sizing.kv_block_bytes(layout, pool["block_size"]) == pool["num_blocks"]
+    assert len(pool["groups"]) == layout.full_groups + layout.sliding_groups + sum(
+        g.groups for g in layout.draft_groups
+    )
+    assert pool["blocks_per_request"] == sizing.sequence_blocks(
+        layout, pool["max_model_len"], pool["block_size"], pool["max_in_flight_tokens"]
+    )
 
 
 def test_the_targets_an_eagle3_head_drafts_beside_are_vllms(vllm_heads: dict[str, dict[str, Any]]) -> None:

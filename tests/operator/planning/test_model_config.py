@@ -18,10 +18,11 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from e2e.hub_server import HubServer
-from kvpilot.operator.api.spec import Architecture
+from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
 from kvpilot.operator.planning import recurrent, sizing
 from kvpilot.operator.planning.model_config import FAMILIES, WRAPPERS, read_config
 from kvpilot.operator.planning.models import MODELS
+from kvpilot.operator.planning.plan import plan
 from tests.vllm import env
 
 # Small shapes of every family, with the options that change the count: biases, tied heads, an
@@ -619,6 +620,10 @@ def vllm_kv_specs() -> dict[str, dict[str, Any]]:
         json.dumps({"id": f"{target}+{draft}", "config": _config(target), "draft_model": _draft_config(draft, target)})
         for target, draft in DRAFT_PAIRS
     ]
+    # A draft's KV under an FP8 KV cache.
+    target, draft = FP8_DRAFT_PAIR
+    config = {"config": _config(target), "draft_model": _draft_config(draft, target), "kv_cache_dtype": "fp8"}
+    cases.append(json.dumps({"id": f"{target}+{draft}@fp8", **config}))
     # Chunked and sliding local layers again beside an EAGLE head.
     cases += [
         json.dumps({"id": f"{n}#eagle", "config": _language_model_of(n) if _wraps(n) else _config(n), "eagle_head": h})
@@ -641,6 +646,7 @@ def _config(name: str) -> dict[str, Any]:
 # (Llama 3.2 1B's: 64-value heads) beside full attention only, beside sliding windows (gpt-oss), and
 # a draft with windows of its own beside a target with others (Gemma 3 1B beside Gemma 2 2B).
 LLAMA_3_2_1B = "llama-3.2-1b (the catalog's shape)"
+FP8_DRAFT_PAIR = ("meta-llama--Meta-Llama-3.1-8B", "meta-llama--Llama-3.2-3B")
 DRAFT_PAIRS = (
     ("meta-llama--Meta-Llama-3.1-8B", "meta-llama--Llama-3.2-3B"),
     ("meta-llama--Meta-Llama-3.1-8B", LLAMA_3_2_1B),
@@ -903,6 +909,35 @@ def test_vllm_holds_a_draft_models_kv_beside_the_targets_as_the_planner_sizes_it
     )
     # The windowed targets' draft layers go in groups of their own; a plain target's share its blocks.
     assert bool(layout.draft_groups) == (arch.architecture.sliding_window is not None)
+
+
+def test_under_an_fp8_kv_cache_a_draft_models_kv_is_fp8_too(vllm_kv_specs: dict[str, dict[str, Any]]) -> None:
+    """vLLM gives the draft's layers the target's cache dtype: a replica planned with --kv-cache-dtype
+    fp8 counts the draft's K and V at one byte a value, every block both models' pages."""
+    target, draft = FP8_DRAFT_PAIR
+    found = vllm_kv_specs[f"{target}+{draft}@fp8"]
+    assert "error" not in found, found
+    drafted = read_config(_draft_config(draft, target), draft)
+    assert not isinstance(drafted, str), drafted
+    served = InferenceServiceSpec.model_validate(
+        {
+            "runtime": "vllm",
+            "model": {"name": "llama-3-8b"},
+            "accelerator": {"type": "H100-80GB"},
+            "serving": {
+                "kvCacheDtype": "fp8",
+                "speculative": "draft",
+                "draftModel": "/drafts/llama-3.2-3b",
+                "draftModelArchitecture": drafted.architecture.model_dump(by_alias=True, exclude_none=True),
+                "maxContextLength": 8192,
+            },
+        }
+    )
+    result = plan(served)
+    assert result.fits and result.kv_cache_dtype == "fp8", result.reason
+    assert result.draft_kv_bytes_per_token == sum(layer["bytes_per_token"] for layer in found["draft"]["draft_layers"])
+    pool = found["draft"]["pool"]
+    assert pool["available"] // (result.kv_bytes_per_token * pool["block_size"]) == pool["num_blocks"]
 
 
 def _assert_kv_heads_per_gpu_agree(arch: Architecture, found: dict[str, Any]) -> None:

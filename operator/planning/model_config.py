@@ -598,11 +598,10 @@ def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:
         except ValueError as error:  # pydantic's ValidationError is one
             return f"{name}: {error}"
     if config.get("speculators_model_type"):
-        return (
-            f"{name} is a Speculators-format {config['speculators_model_type']} head (its layers in "
-            "transformer_layer_config), which the planner does not read yet: give serving.draftModelArchitecture "
-            "(hfArchitecture Eagle3LlamaForCausalLM for an EAGLE-3 head)"
-        )
+        flattened = _speculators_head(config)
+        if isinstance(flattened, str):
+            return f"{name} is {flattened}: give serving.draftModelArchitecture"
+        config, name = flattened, flattened["architectures"][0]
     if name in EAGLE3_HEADS:
         try:
             head = _eagle3_head(config, name, source)
@@ -632,6 +631,23 @@ def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:
     return ModelConfig(architecture, scheme)
 
 
+def _speculators_head(config: Mapping[str, Any]) -> Mapping[str, Any] | str:
+    """A Speculators-format head's config as vLLM 0.33 reads it (SpeculatorsConfig, update_eagle3): its
+    transformer_layer_config with the head's own fields beside it; or what the head is, where the
+    planner does not count it."""
+    kind, layer = config["speculators_model_type"], config.get("transformer_layer_config")
+    if kind != "eagle3" or not isinstance(layer, Mapping):
+        return f"a Speculators-format {kind} head, which the planner does not read (it reads eagle3 heads)"
+    if layer.get("model_type", "llama") != "llama":
+        return f"a Speculators-format EAGLE-3 head over a {layer['model_type']} layer (the planner counts llama's)"
+    own = ("draft_vocab_size", "target_hidden_size", "norm_before_fc", "fc_norm", "eagle_aux_hidden_state_layer_ids")
+    return {
+        **layer,
+        **{k: config[k] for k in own if config.get(k) is not None},
+        "architectures": ["Eagle3LlamaForCausalLM"],
+    }
+
+
 def _eagle3_head(config: Mapping[str, Any], name: str, source: str) -> Architecture | str:
     """An EAGLE-3 head as vLLM 0.33 builds it (Eagle3LlamaForCausalLM): Llama decoder layers, the first
     attending over the token's embedding and the target's hidden state side by side; a projection of
@@ -649,6 +665,12 @@ def _eagle3_head(config: Mapping[str, Any], name: str, source: str) -> Architect
     per_layer = _attention(config, llama, shape) + 3 * hidden + _mlp(config, hidden, _int(config, "intermediate_size"))
     eagle = config.get("eagle_config") or {}
     aux = config.get("num_aux_hidden_states") or len(eagle.get("eagle_aux_hidden_state_layer_ids") or ()) or 3
+    listed = config.get("eagle_aux_hidden_state_layer_ids") or ()
+    if listed and len(listed) != aux:
+        return (
+            f"{name} lists {len(listed)} of the target's layers (eagle_aux_hidden_state_layer_ids) where vLLM 0.33 "
+            f"builds its fc for {aux} (it counts eagle_config's list), so it would not load the head's weights"
+        )
     fc_in = aux * int(config.get("target_hidden_size") or hidden) if eagle.get("use_aux_hidden_state", True) else 0
     fc_norms = fc_in * (bool(eagle.get("norm_before_fc", config.get("norm_before_fc"))) + bool(config.get("fc_norm")))
     draft_vocab = int(config.get("draft_vocab_size") or vocab)

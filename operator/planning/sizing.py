@@ -268,10 +268,10 @@ def kv_layout(
     beside every block's (its KV slot for each of the target's). A mix of kinds is split into groups
     of the smaller kind's count, or of the larger's when it is under 1.5 times the smaller (vLLM's
     rule, padding the last group of a kind). `every_token` (every_token_held): the local layers are
-    held as full attention, all in one group. Beside local layers, the draft's layers (`draft_arch`)
-    are grouped by vLLM's rule among the target's (_with_draft_groups)."""
+    held as full attention, all in one group. Where the target's or the draft's (`draft_arch`) layers
+    are local, the draft's are grouped by vLLM's rule among the target's (_with_draft_groups)."""
     sliding = 0 if every_token else arch.windowed_layers
-    if sliding and draft_arch is not None:
+    if draft_arch is not None and not every_token and (sliding or draft_arch.windowed_layers):
         return _with_draft_groups(arch, draft_arch, bytes_per_value, tp)
     full = arch.layers - sliding
     size = group_size([full, sliding])
@@ -302,7 +302,7 @@ def _kinds(arch: Architecture, bytes_per_value: int, tp: int) -> Counter[_Kind]:
 
 
 def _with_draft_groups(arch: Architecture, draft: Architecture, bytes_per_value: int, tp: int) -> KVLayout:
-    """The layout of a target with local layers beside a draft model's layers, as vLLM 0.33 plans the
+    """The layout of a target beside a draft's layers, either with local layers, as vLLM 0.33 plans the
     KV cache of both (get_kv_cache_groups): the layers of each spec (K and V shaped and held alike:
     a draft's of the target's shape join its) in groups of one size by the rule above; every page
     raised to the widest by holding more tokens per block (unify_kv_cache_spec_page_size), so that
@@ -321,7 +321,7 @@ def _with_draft_groups(arch: Architecture, draft: Architecture, bytes_per_value:
     return KVLayout(
         group_bytes_per_token=size * widest,
         full_groups=math.ceil(kinds[full] / size),
-        sliding_groups=math.ceil(kinds[local] / size),
+        sliding_groups=math.ceil(kinds[local] / size) if arch.sliding_window is not None else 0,
         window=arch.sliding_window,
         chunked=arch.chunked,
         block_factor=factor(local),

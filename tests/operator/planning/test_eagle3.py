@@ -25,6 +25,7 @@ HF_CONFIGS = Path(__file__).parent / "hf_configs"
 LLAMA_70B_HEAD = "sgl-project--SpecForge--llama3-70B-ealge3"
 QWEN3_32B_HEAD = "sgl-project--SpecForge--qwen3-32b-eagle3"
 GPT_OSS_HEAD = "sgl-project--SpecForge--gpt-oss-20B-eagle3"
+SPECULATORS_HEAD = "vllm-project--speculators--issue-1065"
 # Each head beside the target it was trained for.
 PAIRS = {
     LLAMA_70B_HEAD: "meta-llama--Llama-3.3-70B-Instruct",
@@ -32,14 +33,21 @@ PAIRS = {
     # Beside sliding-window layers: SpecForge's gpt-oss-20b head as vLLM would load it (its class named
     # LlamaForCausalLMEagle3, its model_type llama; its shapes as published).
     f"{GPT_OSS_HEAD}#llama": "openai--gpt-oss-20b",
+    # A Speculators-format head with a sliding-window layer beside a full-attention target, with the
+    # three aux layers vLLM 0.33 builds its fc for (as published it lists four).
+    f"{SPECULATORS_HEAD}#aux3": "Qwen--Qwen3-235B-A22B",
+}
+# How a variant of a published head differs from it.
+VARIANTS = {
+    "llama": {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama"},
+    "aux3": {"eagle_aux_hidden_state_layer_ids": [2, 46, 91]},
 }
 HEAD_SOURCE = "hf://org/eagle3-head"
 
 
 def head_config(name: str) -> dict[str, Any]:
-    published, _, renamed = name.partition("#")
-    config = json.loads((HEADS / f"{published}.json").read_text())
-    return {**config, "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama"} if renamed else config
+    published, _, variant = name.partition("#")
+    return {**json.loads((HEADS / f"{published}.json").read_text()), **VARIANTS.get(variant, {})}
 
 
 def read(folder: Path, name: str, checkpoint_bytes: int | None = None) -> ModelConfig:
@@ -53,9 +61,10 @@ def read(folder: Path, name: str, checkpoint_bytes: int | None = None) -> ModelC
 def vllm_heads() -> dict[str, dict[str, Any]]:
     """What vLLM 0.33 makes of each head beside its target, and which classes give EAGLE-3 its states."""
     cases = [{"id": "support", "supports_eagle3": [*FAMILIES, *WRAPPERS]}]
+    pairs = {**PAIRS, SPECULATORS_HEAD: PAIRS[f"{SPECULATORS_HEAD}#aux3"]}
     cases += [
         {"id": head, "config": json.loads((HF_CONFIGS / f"{target}.json").read_text()), "head": head_config(head)}
-        for head, target in PAIRS.items()
+        for head, target in pairs.items()
     ]
     out = env.run("eagle3_heads", "".join(json.dumps(case) + "\n" for case in cases))
     return {found["id"]: found for found in map(json.loads, out.splitlines())}
@@ -65,15 +74,20 @@ def vllm_heads() -> dict[str, dict[str, Any]]:
 def test_a_head_is_sized_as_vllm_builds_it(head: str, vllm_heads: dict[str, dict[str, Any]]) -> None:
     found = vllm_heads[head]
     assert "error" not in found, found["error"]
-    # vLLM runs it as an EAGLE-3 head under method eagle3, and has no class for it under method eagle.
+    # vLLM runs it as an EAGLE-3 head under method eagle3, and has no class for a native one under method
+    # eagle (a Speculators config names its class itself, whatever the method).
     assert (found["method"], found["head_class"]) == ("eagle3", "Eagle3LlamaForCausalLM")
-    assert "EagleLlamaForCausalLMEagle3" in found["as_eagle"] and "not supported" in found["as_eagle"]
+    if not head.startswith(SPECULATORS_HEAD):
+        assert "EagleLlamaForCausalLMEagle3" in found["as_eagle"] and "not supported" in found["as_eagle"]
     arch = read(HEADS, head).architecture
-    assert arch.hf_architecture == "LlamaForCausalLMEagle3"
+    assert arch.hf_architecture in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
     # Its parameters' bytes in the 16-bit dtype vLLM loads it in (the int64 token map at 8 bytes a value).
     assert sizing.weight_bytes(arch, "none") == found["parameter_bytes"]
     [layer] = found["head_layers"]
-    assert (layer["kind"], layer["bytes_per_token"]) == ("FullAttentionSpec", sizing.kv_bytes_per_token(arch))
+    assert layer["bytes_per_token"] == sizing.kv_bytes_per_token(arch)
+    assert (layer["kind"], layer["sliding_window"]) == (
+        ("SlidingWindowSpec", arch.sliding_window) if arch.sliding_window else ("FullAttentionSpec", None)
+    )
 
 
 def test_the_llama_70b_head_by_hand() -> None:
@@ -229,16 +243,26 @@ def test_the_rendered_pod_is_a_command_line_vllm_configures_with_the_head(head: 
     assert (answer["tensor_parallel_size"], answer["max_model_len"]) == (result.gpu_count, result.max_model_len)
 
 
-def test_a_speculators_format_head_is_refused_with_what_to_give_instead() -> None:
-    # A head trained with vLLM's Speculators (vllm-project/speculators#1065, its config as posted there).
-    speculators = {
-        "architectures": ["Eagle3DraftModel"],
-        "draft_vocab_size": 32000,
-        "eagle_aux_hidden_state_layer_ids": [2, 46, 91, 93],
-        "norm_before_fc": True,
-        "speculators_model_type": "eagle3",
-        "transformer_layer_config": {"hidden_size": 4096, "num_hidden_layers": 1, "vocab_size": 151936},
-    }
-    refused = read_config(speculators, "config.json")
-    assert isinstance(refused, str) and "Speculators-format eagle3 head" in refused
-    assert "serving.draftModelArchitecture" in refused
+def test_a_head_vllm_builds_for_fewer_aux_layers_than_it_lists_is_refused(
+    vllm_heads: dict[str, dict[str, Any]],
+) -> None:
+    # As published it lists four of the target's layers; vLLM 0.33 builds the same head as for three
+    # (its fc over 3 x 4096), which the checkpoint's fc (4 x 4096) would not load into.
+    assert vllm_heads[SPECULATORS_HEAD]["parameter_bytes"] == vllm_heads[f"{SPECULATORS_HEAD}#aux3"]["parameter_bytes"]
+    refused = read_config(head_config(SPECULATORS_HEAD), "config.json")
+    assert isinstance(refused, str), refused
+    assert "lists 4 of the target's layers" in refused and "builds its fc for 3" in refused
+
+
+@pytest.mark.parametrize(
+    "change, refusal",
+    [
+        ({"speculators_model_type": "dflash"}, "a Speculators-format dflash head"),
+        ({"transformer_layer_config": {"model_type": "qwen3"}}, "over a qwen3 layer"),
+    ],
+)
+def test_a_speculators_head_the_planner_does_not_count_is_refused_with_what_to_give(
+    change: dict[str, Any], refusal: str
+) -> None:
+    refused = read_config({**head_config(SPECULATORS_HEAD), **change}, "config.json")
+    assert isinstance(refused, str) and refusal in refused and "serving.draftModelArchitecture" in refused

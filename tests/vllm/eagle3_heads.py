@@ -19,11 +19,12 @@ import importlib.util
 import json
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.config import SpeculativeConfig, set_current_vllm_config
+from vllm.config import set_current_vllm_config
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.model_loader.utils import get_model_architecture
 from vllm.model_executor.models.interfaces import supports_eagle3
@@ -67,26 +68,19 @@ def with_head(folder: Path, head: dict[str, Any]) -> dict[str, Any]:
     head_folder = folder.parent / f"{folder.name}-head"
     head_folder.mkdir()
     (head_folder / "config.json").write_text(json.dumps(head))
-    vllm_config = _vllm_config(folder)
-    vllm_config.speculative_config = SpeculativeConfig(
-        method="eagle3",
-        model=str(head_folder),
-        num_speculative_tokens=4,
-        target_model_config=vllm_config.model_config,
-        target_parallel_config=vllm_config.parallel_config,
-    )
+    vllm_config = _vllm_config(folder, eagle_head=head_folder, eagle_method="eagle3")
     speculative = vllm_config.speculative_config
+    assert speculative is not None
     specs = _layer_specs(vllm_config)
     with set_current_vllm_config(vllm_config):
         model_class, _ = get_model_architecture(speculative.draft_model_config)
         with torch.device("meta"):
             model = model_class(vllm_config=vllm_config, prefix="draft_model")
         drafted = {
-            f"draft_model.{name}": spec
+            f"draft_model.{name}": replace(spec, block_size=BLOCK_SIZE)
             for name, module in model.named_modules()
             if isinstance(module, AttentionLayerBase) and (spec := module.get_kv_cache_spec(vllm_config)) is not None
         }
-    drafted = {name: type(spec)(**{**spec.__dict__, "block_size": BLOCK_SIZE}) for name, spec in drafted.items()}
     return {
         "method": speculative.method,
         "head_class": model_class.__name__,

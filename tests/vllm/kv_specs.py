@@ -139,11 +139,16 @@ def _layer(spec: KVCacheSpec, vllm_config: VllmConfig) -> dict[str, Any]:
 
 
 def _vllm_config(
-    folder: Path, tp: int = 1, eagle_head: Path | None = None, draft: Path | None = None, cache_dtype: str = "auto"
+    folder: Path,
+    tp: int = 1,
+    eagle_head: Path | None = None,
+    draft: Path | None = None,
+    cache_dtype: str = "auto",
+    eagle_method: str = "eagle",
 ) -> VllmConfig:
     """vLLM's config of the model in `folder` as its CUDA GPUs take it, on `tp` of them, with the
-    EAGLE head in `eagle_head`, or the draft model in `draft`, as its drafter, if any, and its KV
-    cache in `cache_dtype`."""
+    EAGLE head in `eagle_head` (under `eagle_method`), or the draft model in `draft`, as its drafter,
+    if any, and its KV cache in `cache_dtype`."""
     config = json.loads((folder / "config.json").read_text())
     config.pop("quantization_config", None)
     (folder / "config.json").write_text(json.dumps(config))
@@ -154,7 +159,7 @@ def _vllm_config(
     speculative = None
     if eagle_head is not None or draft is not None:
         speculative = SpeculativeConfig(
-            method="eagle" if eagle_head is not None else "draft_model",
+            method=eagle_method if eagle_head is not None else "draft_model",
             model=str(eagle_head or draft),
             num_speculative_tokens=4,
             target_model_config=model,

@@ -19,18 +19,15 @@ import importlib.util
 import json
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.config import set_current_vllm_config
-from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.model_loader.utils import get_model_architecture
 from vllm.model_executor.models.interfaces import supports_eagle3
 from vllm.model_executor.models.registry import ModelRegistry
 
-from tests.vllm.kv_specs import BLOCK_SIZE, _init_distributed, _layer, _layer_specs, _planned, _vllm_config
+from tests.vllm.kv_specs import _init_distributed, _layer, _layer_specs, _planned, _vllm_config, drafter
 
 BYTES_AS_LOADED = 2  # vLLM loads the head's floating-point weights in the target's 16-bit dtype
 
@@ -72,18 +69,10 @@ def with_head(folder: Path, head: dict[str, Any]) -> dict[str, Any]:
     speculative = vllm_config.speculative_config
     assert speculative is not None
     specs = _layer_specs(vllm_config)
-    with set_current_vllm_config(vllm_config):
-        model_class, _ = get_model_architecture(speculative.draft_model_config)
-        with torch.device("meta"):
-            model = model_class(vllm_config=vllm_config, prefix="draft_model")
-        drafted = {
-            f"draft_model.{name}": replace(spec, block_size=BLOCK_SIZE)
-            for name, module in model.named_modules()
-            if isinstance(module, AttentionLayerBase) and (spec := module.get_kv_cache_spec(vllm_config)) is not None
-        }
+    model, drafted = drafter(vllm_config, speculative.draft_model_config)
     return {
         "method": speculative.method,
-        "head_class": model_class.__name__,
+        "head_class": type(model).__name__,
         "parameter_bytes": _parameter_bytes(model),
         "head_layers": [_layer(spec, vllm_config) for spec in drafted.values()],
         "pool": _planned(vllm_config, {**specs, **drafted}),

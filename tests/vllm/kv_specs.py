@@ -205,6 +205,21 @@ def with_eagle(folder: Path, head: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def drafter(vllm_config: VllmConfig, model_config: ModelConfig) -> tuple[torch.nn.Module, dict[str, KVCacheSpec]]:
+    """The drafter `model_config` describes, built on the meta device under `vllm_config` as vLLM's
+    proposers build it (prefix "draft_model"), and its attention layers' KV specs at BLOCK_SIZE, named
+    as the layers register themselves (module names are the drafter's own, the target's too)."""
+    with set_current_vllm_config(vllm_config):
+        model_class, _ = get_model_architecture(model_config)
+        with torch.device("meta"):
+            model = model_class(vllm_config=vllm_config, prefix="draft_model")
+        return model, {
+            f"draft_model.{name}": replace(spec, block_size=BLOCK_SIZE)
+            for name, module in model.named_modules()
+            if isinstance(module, AttentionLayerBase) and (spec := module.get_kv_cache_spec(vllm_config)) is not None
+        }
+
+
 def with_draft(folder: Path, draft: dict[str, Any], cache_dtype: str = "auto") -> dict[str, Any]:
     """The model planned beside the draft model `draft` (a config.json; SpeculativeConfig method
     "draft_model"): the pool of the target's layers and the draft's, which DraftModelProposer builds
@@ -217,16 +232,7 @@ def with_draft(folder: Path, draft: dict[str, Any], cache_dtype: str = "auto") -
     assert speculative is not None and speculative.method == "draft_model", speculative
     # A copy: building the draft's config settles the scheduler's anew (it is shared, not copied).
     draft_config = replace(copy.deepcopy(vllm_config), model_config=speculative.draft_model_config, quant_config=None)
-    with set_current_vllm_config(draft_config):
-        model_class, _ = get_model_architecture(draft_config.model_config)
-        with torch.device("meta"):
-            model = model_class(vllm_config=draft_config, prefix="draft_model")
-        # Named as the layers register themselves (module names are the draft's own, the target's too).
-        drafted = {
-            f"draft_model.{name}": replace(spec, block_size=BLOCK_SIZE)
-            for name, module in model.named_modules()
-            if isinstance(module, AttentionLayerBase) and (spec := module.get_kv_cache_spec(draft_config)) is not None
-        }
+    _, drafted = drafter(draft_config, draft_config.model_config)
     return {
         "draft_layers": [_layer(spec, vllm_config) for spec in drafted.values()],
         "pool": _planned(vllm_config, {**specs, **drafted}),

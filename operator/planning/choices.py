@@ -16,7 +16,7 @@ from kvpilot.operator.planning.memory import Memory, divide_memory, with_plain_w
 from kvpilot.operator.planning.model_config import EAGLE3_TARGETS, ModelConfig
 from kvpilot.operator.planning.models import MODELS, find_model
 from kvpilot.operator.planning.reasons import failed_plan, gib, listed, ms, rejected_because
-from kvpilot.operator.planning.replica import DRAFTED, Draft, Inputs, is_eagle3_head
+from kvpilot.operator.planning.replica import DRAFTED, Draft, Inputs, held_weights
 from kvpilot.operator.runtimes import RUNTIMES
 from kvpilot.operator.runtimes.vllm import VLLM_VERSION
 
@@ -210,11 +210,8 @@ def draft_model(
             "tokens, so it would refuse this draft",
         )
     stored = arch.checkpoint_bytes if config.quantization else None
-    at_most = arch.checkpoint_bytes if arch.eagle3_head else None
-    held = stored or sizing.weight_bytes(arch, "none")
-    return Draft(
-        source, arch, min(held, at_most or held), sizing.kv_bytes_per_token(arch), stored=stored, at_most=at_most
-    )
+    weights = held_weights(arch, stored, sizing.weight_bytes(arch, "none"))
+    return Draft(source, arch, weights, sizing.kv_bytes_per_token(arch), stored=stored)
 
 
 class Situation(NamedTuple):
@@ -324,7 +321,7 @@ def choose_speculation(inputs: Inputs, memory: Memory, device: tuple[Device, int
 def _drafter(mode: str, draft: Draft) -> str:
     if mode != "eagle":
         return "draft model"
-    return "EAGLE-3 head (vLLM's method eagle3)" if is_eagle3_head(draft) else "EAGLE head"
+    return "EAGLE-3 head (vLLM's method eagle3)" if draft.arch.eagle3_head else "EAGLE head"
 
 
 def _adapters_verify_in_one_step(spec: InferenceServiceSpec, memory: Memory) -> Memory:

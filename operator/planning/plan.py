@@ -52,7 +52,7 @@ from kvpilot.operator.planning.placement import (
     tp_reason,
 )
 from kvpilot.operator.planning.reasons import failed_plan, gib, ms, rejected_because
-from kvpilot.operator.planning.replica import DRAFTED, Inputs, is_eagle3_head
+from kvpilot.operator.planning.replica import DRAFTED, Inputs
 from kvpilot.operator.planning.startup import startup_fields
 from kvpilot.operator.runtimes import RUNTIMES
 
@@ -162,7 +162,9 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: Speculation) -> Plan:
         gpu_count=memory.replica.tp,
         speculative=chosen.mode,
         draft_model=serving.draft_model if chosen.mode in DRAFTED else None,
-        eagle3_head=chosen.mode == "eagle" and is_eagle3_head(memory.replica.draft),
+        eagle3_head=chosen.mode == "eagle"
+        and memory.replica.draft is not None
+        and memory.replica.draft.arch.eagle3_head,
         num_speculative_tokens=serving.num_speculative_tokens if speculating else None,
         compile_decode=memory.replica.compiled,
         assumed_draft_acceptance=(

@@ -45,9 +45,6 @@ class Draft(NamedTuple):
     head_copy: int = 0  # of `weights`, a tied head's packed copy, which a step reads in place of the rows
     # A checkpoint stored quantized, which the runtime (vLLM) holds as stored: its safetensors' bytes.
     stored: int | None = None
-    # An EAGLE-3 head's checkpoint bytes, when they are fewer than its counted weights: vLLM gives a
-    # head whose checkpoint has no embedding the target's.
-    at_most: int | None = None
 
     def on(self, gpu: Device, tp: int = 1) -> Draft:
         """The draft as the engine holds it on `tp` GPUs of type `gpu`: as stored, else 4 bytes per value
@@ -56,14 +53,18 @@ class Draft(NamedTuple):
         plain = sizing.weight_bytes(self.arch, "none", held=sizing.HeldAs(gpu.bytes_per_value))
         held = sizing.weight_bytes(self.arch, "none", held=sizing.HeldAs(gpu.bytes_per_value, gpu.packs_weights))
         return self._replace(
-            weights=self.stored or min(held, self.at_most or held),
+            weights=held_weights(self.arch, self.stored, held),
             kv_per_token=sizing.kv_bytes_per_token(self.arch, gpu.bytes_per_value, tp),
             head_copy=0 if self.stored else held - plain,
         )
 
 
-def is_eagle3_head(draft: Draft | None) -> bool:
-    return draft is not None and draft.arch.eagle3_head
+def held_weights(arch: Architecture, stored: int | None, counted: int) -> int:
+    """A draft's weights as the runtime holds them: as stored (quantized), else as counted, or an
+    EAGLE-3 head's checkpoint bytes where fewer (vLLM gives a head without an embedding the target's)."""
+    if stored:
+        return stored
+    return min(counted, arch.checkpoint_bytes or counted) if arch.eagle3_head else counted
 
 
 class Replica(NamedTuple):

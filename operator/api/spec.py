@@ -91,7 +91,8 @@ class StateLayers(BaseModel):
     attention_layers: int = Field(
         gt=0,
         description="The full-attention layers beside them (the only ones with K and V per token; layers "
-        "with neither, such as Nemotron-H's MLP-only layers, are in neither count).",
+        "with neither, such as Nemotron-H's MLP-only layers, are in neither count; a layer with both, as "
+        "each of Falcon-H1's, is in both).",
     )
     conv_channels: int = Field(
         gt=0, description="The short convolution's channels (Mamba's intermediate size, split over the GPUs)."
@@ -148,8 +149,8 @@ class Architecture(BaseModel):
                 "visionParameters must be fewer than parameters",
             ),
             (
-                "!has(self.state) || self.state.layers + self.state.attentionLayers <= self.layers",
-                "state.layers + state.attentionLayers must not exceed layers",
+                "!has(self.state) || (self.state.layers <= self.layers && self.state.attentionLayers <= self.layers)",
+                "state.layers and state.attentionLayers must not exceed layers",
             ),
             (
                 "!has(self.state) || (!has(self.slidingWindow) && !has(self.latentDim))",
@@ -268,8 +269,9 @@ class Architecture(BaseModel):
             raise ValueError("latentDim (latent attention) and slidingWindow do not go together")
         if self.vision_parameters is not None and self.vision_parameters >= self.parameters:
             raise ValueError(f"visionParameters {self.vision_parameters:,} is not fewer than parameters")
-        if self.state is not None and self.state.layers + self.state.attention_layers > self.layers:
-            raise ValueError(f"state.layers + state.attentionLayers exceed layers {self.layers}")
+        # Not their sum: Falcon-H1 runs attention and a Mamba-2 mixer side by side in every layer.
+        if self.state is not None and max(self.state.layers, self.state.attention_layers) > self.layers:
+            raise ValueError(f"state.layers or state.attentionLayers exceeds layers {self.layers}")
         if self.state is not None and (self.sliding_window is not None or self.latent_dim is not None):
             raise ValueError("state (a hybrid's state layers) goes with neither slidingWindow nor latentDim")
         return self

@@ -16,10 +16,10 @@ full attention there) and never gives Qwen layers a window. Llama 4's chunked la
 layers of the chunk's size with slidingKind chunk, which the planner holds as vLLM does. A family
 this module does not describe, or a feature of one that changes the KV rule (a vision tower it
 does not count), is refused with the reason (`UnsupportedArchitecture`), never planned as if it
-were plain attention. A hybrid with Mamba or linear-attention layers
-(Qwen3-Next, Nemotron-H) is read with its state layers (Architecture.state), whose per-sequence
-pages planning/recurrent.py sizes as vLLM 0.33 allocates them; one whose other layers are not
-counted yet (Granite 4.0-H, Falcon-H1) is refused with its state.
+were plain attention. A hybrid with Mamba or linear-attention layers (Qwen3-Next, Nemotron-H,
+Granite 4.0-H, Falcon-H1, Jamba) is read with its state layers (Architecture.state), whose
+per-sequence pages planning/recurrent.py sizes as vLLM 0.33 allocates them; an option its
+parameters are not counted with (biases vLLM does not build) is refused with its state.
 """
 
 from __future__ import annotations
@@ -472,7 +472,7 @@ def _language_model(config: Mapping[str, Any], name: str) -> tuple[Mapping[str, 
 
 def _hybrid(config: Mapping[str, Any], name: str, state: RecurrentState, source: str) -> Architecture | str:
     """A hybrid's Architecture with its state layers (planning/recurrent.py sizes vLLM 0.33's pages of
-    them), or why it is not planned: its parameters are not counted."""
+    them), or why it is not planned: an option its parameters are not counted with."""
     try:
         total, active = hybrid_parameters(config, state)
     except ValueError as error:
@@ -504,10 +504,7 @@ def hybrid_parameters(config: Mapping[str, Any], state: RecurrentState) -> tuple
     """All of a hybrid's parameters and those one token multiplies with: its state and attention
     layers, their MLPs or experts and norms, the embedding, the final norm and an untied head."""
     hidden, vocab = _int(config, "hidden_size"), _int(config, "vocab_size")
-    name = str(config["architectures"][0])
-    if name not in HYBRID_LAYERS:
-        raise ValueError(f"{name}'s layers are not counted yet ({', '.join(HYBRID_LAYERS)}'s are)")
-    total, active = HYBRID_LAYERS[name](config, state, hidden)
+    total, active = HYBRID_LAYERS[str(config["architectures"][0])](config, state, hidden)
     outside = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2) + hidden
     return total + outside, active + outside
 
@@ -531,24 +528,72 @@ def _qwen3_next_layers(config: Mapping[str, Any], state: RecurrentState, hidden:
     return total, mixers + sparse * (moe.router + moe.active * moe.expert + moe.shared) + dense
 
 
-def _nemotron_h_layers(config: Mapping[str, Any], state: RecurrentState, hidden: int) -> tuple[int, int]:
-    """Nemotron-H's layers, one norm and one mixer each: Mamba-2 (in, the biased convolution, dt_bias,
-    A_log and D, the gated norm, out), attention, or an ungated MLP."""
-    for option in ("mamba_proj_bias", "use_bias", "attention_bias", "mlp_bias"):
+def _mamba2_mixer(state: RecurrentState, hidden: int, conv_bias: bool, proj_bias: bool, gated_norm: bool) -> int:
+    """One Mamba-2 mixer: in (x, the gate, B, C and dt), the depthwise convolution over x, B and C,
+    dt_bias, A_log and D, the gated norm where it has one, and out."""
+    inner, heads = state.conv_channels, state.heads
+    conv = inner + state.groups * state.conv_group_channels
+    projection = inner + conv + heads
+    mixer = hidden * projection + conv * (state.conv_width + 1) + 3 * heads + inner * hidden
+    return mixer + (conv if conv_bias else 0) + (projection + hidden if proj_bias else 0) + (inner if gated_norm else 0)
+
+
+def _attention_projections(config: Mapping[str, Any], state: RecurrentState, hidden: int) -> int:
+    """A hybrid's attention layer: q, k, v and o over state.head_dim-wide heads, biased where
+    attention_bias says."""
+    query, kv = _int(config, "num_attention_heads") * state.head_dim, state.kv_heads * state.head_dim
+    bias = query + 2 * kv + hidden if config.get("attention_bias") else 0
+    return 2 * hidden * query + 2 * hidden * kv + bias
+
+
+def _refuse_options(config: Mapping[str, Any], options: tuple[str, ...]) -> None:
+    for option in options:
         if config.get(option):
             raise ValueError(f"{option} is not counted yet")
+
+
+def _nemotron_h_layers(config: Mapping[str, Any], state: RecurrentState, hidden: int) -> tuple[int, int]:
+    """Nemotron-H's layers, one norm and one mixer each: Mamba-2 (with a biased convolution and a
+    gated norm), attention, or an ungated MLP."""
+    _refuse_options(config, ("mamba_proj_bias", "use_bias", "attention_bias", "mlp_bias"))
     pattern = str(config["hybrid_override_pattern"])
     if set(pattern) - set("M*-"):
         raise ValueError(f"hybrid_override_pattern's {''.join(sorted(set(pattern) - set('M*-')))} layers")
-    inner, heads = state.conv_channels, state.heads
-    conv = inner + state.groups * state.conv_group_channels
-    bias = conv if config.get("use_conv_bias", True) else 0
-    mamba = hidden * (inner + conv + heads) + conv * (state.conv_width + 1) + bias + 3 * heads + inner + inner * hidden
-    attention_heads, kv = _int(config, "num_attention_heads") * state.head_dim, state.kv_heads * state.head_dim
-    attention = 2 * hidden * attention_heads + 2 * hidden * kv
+    mamba = _mamba2_mixer(state, hidden, bool(config.get("use_conv_bias", True)), False, True)
+    attention = _attention_projections(config, state, hidden)
     mlp = 2 * hidden * _int(config, "intermediate_size")
     total = pattern.count("M") * mamba + pattern.count("*") * attention + pattern.count("-") * mlp
     return total + len(pattern) * hidden, total + len(pattern) * hidden
+
+
+def _granite_hybrid_layers(config: Mapping[str, Any], state: RecurrentState, hidden: int) -> tuple[int, int]:
+    """Granite 4.0-H's layers, two norms each: Mamba-2 (gated norm; proj biases where
+    mamba_proj_bias says) or attention, then a shared MLP of shared_intermediate_size beside
+    num_local_experts experts with a router (none where it is 0). Absent keys take the config
+    class's defaults, as transformers and vLLM read them."""
+    mamba = _mamba2_mixer(
+        state, hidden, bool(config.get("mamba_conv_bias", True)), bool(config.get("mamba_proj_bias", False)), True
+    )
+    mixers = state.layers * mamba + state.attention_layers * _attention_projections(config, state, hidden)
+    layers = state.layers + state.attention_layers
+    shared = 3 * hidden * int(config.get("shared_intermediate_size", 1024))
+    experts, top_k = int(config.get("num_local_experts", 8)), int(config.get("num_experts_per_tok", 2))
+    expert = 3 * hidden * _int(config, "intermediate_size") if experts > 0 else 0
+    common = mixers + layers * (2 * hidden + shared + experts * hidden)
+    return common + layers * experts * expert, common + layers * min(top_k, experts) * expert
+
+
+def _falcon_h1_layers(config: Mapping[str, Any], state: RecurrentState, hidden: int) -> tuple[int, int]:
+    """Falcon-H1's layers, each attention and a Mamba-2 mixer side by side (a gated norm only where
+    mamba_rms_norm says), a gated MLP, and two norms. vLLM 0.33 builds its attention, MLP and
+    out projection without biases whatever the config says, so a config with them is refused."""
+    _refuse_options(config, ("attention_bias", "mlp_bias", "projectors_bias", "mamba_proj_bias"))
+    mamba = _mamba2_mixer(
+        state, hidden, bool(config.get("mamba_conv_bias", True)), False, bool(config.get("mamba_rms_norm", False))
+    )
+    mlp = 3 * hidden * _int(config, "intermediate_size")
+    layer = _attention_projections(config, state, hidden) + mamba + mlp + 2 * hidden
+    return state.layers * layer, state.layers * layer
 
 
 def _jamba_mamba(config: Mapping[str, Any], state: RecurrentState, hidden: int) -> int:
@@ -582,6 +627,8 @@ def _jamba_layers(config: Mapping[str, Any], state: RecurrentState, hidden: int)
 HYBRID_LAYERS = {
     "Qwen3NextForCausalLM": _qwen3_next_layers,
     "NemotronHForCausalLM": _nemotron_h_layers,
+    "GraniteMoeHybridForCausalLM": _granite_hybrid_layers,
+    "FalconH1ForCausalLM": _falcon_h1_layers,
     "JambaForCausalLM": _jamba_layers,
 }
 

@@ -108,25 +108,37 @@ def _gated_deltanet(config: Mapping[str, Any]) -> RecurrentState:
     )
 
 
+def _mamba2_head_dim(config: Mapping[str, Any], inner: int) -> int:
+    """mamba_d_head, or, where the config says "auto", the mixer's channels over its heads (as both
+    config classes settle it)."""
+    head = config.get("mamba_d_head", "auto")
+    return inner // int(config["mamba_n_heads"]) if head == "auto" else int(head)
+
+
 def _granite_hybrid(config: Mapping[str, Any]) -> RecurrentState:
     """Granite 4.0-H: layer_types of mamba (Mamba-2, mamba_expand x hidden_size channels) and attention
     (as its checkpoints spell them; transformers 5 saves linear_attention and full_attention)."""
     types, hidden = list(config["layer_types"]), int(config["hidden_size"])
     heads, state = int(config["mamba_n_heads"]), int(config["mamba_d_state"])
+    inner = int(config.get("mamba_expand", 2)) * hidden
     return RecurrentState(
         kind="mamba2",
         layers=_count(types, "mamba") + _count(types, "linear_attention"),
         attention_layers=_count(types, "attention") + _count(types, "full_attention"),
-        conv_channels=int(config["mamba_expand"]) * hidden,
-        conv_width=int(config["mamba_d_conv"]) - 1,
-        groups=int(config["mamba_n_groups"]),
+        conv_channels=inner,
+        conv_width=int(config.get("mamba_d_conv", 4)) - 1,
+        groups=int(config.get("mamba_n_groups", 1)),
         conv_group_channels=2 * state,
         heads=heads,
-        head_values=int(config["mamba_d_head"]) * state,
+        head_values=_mamba2_head_dim(config, inner) * state,
         fp32_state=False,
-        kv_heads=int(config["num_key_value_heads"]),
+        kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
         head_dim=hidden // int(config["num_attention_heads"]),
     )
+
+
+# FalconH1Config's mamba_d_ssm where config.json leaves it out (an explicit null is mamba_expand x hidden_size).
+FALCON_H1_D_SSM = 1024
 
 
 def _falcon_h1(config: Mapping[str, Any]) -> RecurrentState:
@@ -134,18 +146,21 @@ def _falcon_h1(config: Mapping[str, Any]) -> RecurrentState:
     else mamba_expand x hidden_size)."""
     layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
     heads, state = int(config["mamba_n_heads"]), int(config["mamba_d_state"])
+    d_ssm = config.get("mamba_d_ssm", FALCON_H1_D_SSM)
+    inner = int(config.get("mamba_expand", 2)) * hidden if d_ssm is None else int(d_ssm)
     return RecurrentState(
         kind="mamba2",
         layers=layers,
         attention_layers=layers,
-        conv_channels=int(config.get("mamba_d_ssm") or int(config["mamba_expand"]) * hidden),
-        conv_width=int(config["mamba_d_conv"]) - 1,
-        groups=int(config["mamba_n_groups"]),
+        conv_channels=inner,
+        conv_width=int(config.get("mamba_d_conv", 4)) - 1,
+        groups=int(config.get("mamba_n_groups", 1)),
         conv_group_channels=2 * state,
         heads=heads,
-        head_values=int(config["mamba_d_head"]) * state,
+        head_values=_mamba2_head_dim(config, inner) * state,
         fp32_state=False,
-        kv_heads=int(config["num_key_value_heads"]),
+        # FalconH1Config: 8 where left out, the query heads where null.
+        kv_heads=int(config.get("num_key_value_heads", 8) or config["num_attention_heads"]),
         head_dim=int(config.get("head_dim") or hidden // int(config["num_attention_heads"])),
     )
 

@@ -68,7 +68,7 @@ def with_head(folder: Path, head: dict[str, Any]) -> dict[str, Any]:
     vllm_config = _vllm_config(folder, eagle_head=head_folder, eagle_method="eagle3")
     speculative = vllm_config.speculative_config
     assert speculative is not None
-    specs = _layer_specs(vllm_config)
+    _, specs = _layer_specs(vllm_config)
     model, drafted = drafter(vllm_config, speculative.draft_model_config)
     return {
         "method": speculative.method,

@@ -92,9 +92,11 @@ def kv_spec(folder: Path) -> dict[str, Any]:
     }
 
 
-def _layer_specs(vllm_config: VllmConfig, flashinfer_gdn: bool = False) -> dict[str, KVCacheSpec]:
-    """Every attention layer's KV cache spec, at BLOCK_SIZE (the CPU backend picks its own), or, for a
-    hybrid, at the block size vLLM aligns to its state pages once the layers are built."""
+def _layer_specs(
+    vllm_config: VllmConfig, flashinfer_gdn: bool = False
+) -> tuple[torch.nn.Module, dict[str, KVCacheSpec]]:
+    """The model built, and every attention layer's KV cache spec, at BLOCK_SIZE (the CPU backend picks
+    its own), or, for a hybrid, at the block size vLLM aligns to its state pages once the layers are built."""
     hybrid = vllm_config.model_config.is_hybrid
     with ExitStack() as stack:
         stack.enter_context(set_current_vllm_config(vllm_config))
@@ -116,7 +118,7 @@ def _layer_specs(vllm_config: VllmConfig, flashinfer_gdn: bool = False) -> dict[
             if isinstance(module, AttentionLayerBase)
         }
     block_size = vllm_config.cache_config.block_size if hybrid else BLOCK_SIZE
-    return {
+    return model, {
         name: replace(spec, block_size=block_size) if isinstance(spec, AttentionSpec) else spec
         for name, spec in specs.items()
         if spec is not None
@@ -179,14 +181,18 @@ def _vllm_config(
 
 
 def kv_pool(folder: Path, flashinfer_gdn: bool = False) -> dict[str, Any]:
-    """The layers' specs and vLLM's planning of AVAILABLE bytes with them."""
+    """The parameters of the model as vLLM builds it on one GPU (its embedding and LM head padded to
+    whole 64-row blocks), the layers' specs and vLLM's planning of AVAILABLE bytes with them."""
     vllm_config = _vllm_config(folder)
-    specs = _layer_specs(vllm_config, flashinfer_gdn)
-    layers = [_layer(spec, vllm_config) for spec in specs.values()]
+    model, specs = _layer_specs(vllm_config, flashinfer_gdn)
+    built = {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "layer_specs": [_layer(spec, vllm_config) for spec in specs.values()],
+    }
     kinds = (AttentionSpec | MambaSpec) if vllm_config.model_config.is_hybrid else AttentionSpec
     if not specs or any(not isinstance(spec, kinds) for spec in specs.values()):
-        return {"layer_specs": layers}
-    return {"layer_specs": layers, "pool": _planned(vllm_config, specs)}
+        return built
+    return built | {"pool": _planned(vllm_config, specs)}
 
 
 def with_eagle(folder: Path, head: dict[str, Any]) -> dict[str, Any]:
@@ -195,7 +201,7 @@ def with_eagle(folder: Path, head: dict[str, Any]) -> dict[str, Any]:
     (folder.parent / f"{folder.name}-eagle").mkdir()
     (folder.parent / f"{folder.name}-eagle" / "config.json").write_text(json.dumps(head))
     vllm_config = _vllm_config(folder, eagle_head=folder.parent / f"{folder.name}-eagle")
-    specs = _layer_specs(vllm_config)
+    _, specs = _layer_specs(vllm_config)
     full = next(spec for spec in specs.values() if type(spec) is FullAttentionSpec)
     # The head's layer after the target's (vLLM names it past the target's last layer).
     specs["draft_model.model.layers.0.self_attn.attn"] = full
@@ -227,7 +233,7 @@ def with_draft(folder: Path, draft: dict[str, Any], cache_dtype: str = "auto") -
     (folder.parent / f"{folder.name}-draft").mkdir()
     (folder.parent / f"{folder.name}-draft" / "config.json").write_text(json.dumps(draft))
     vllm_config = _vllm_config(folder, draft=folder.parent / f"{folder.name}-draft", cache_dtype=cache_dtype)
-    specs = _layer_specs(vllm_config)
+    _, specs = _layer_specs(vllm_config)
     speculative = vllm_config.speculative_config
     assert speculative is not None and speculative.method == "draft_model", speculative
     # A copy: building the draft's config settles the scheduler's anew (it is shared, not copied).

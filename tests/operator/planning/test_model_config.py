@@ -19,8 +19,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from e2e.hub_server import HubServer
 from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
-from kvpilot.operator.planning import recurrent, sizing
-from kvpilot.operator.planning.model_config import FAMILIES, WRAPPERS, read_config
+from kvpilot.operator.planning import placement, recurrent, sizing
+from kvpilot.operator.planning.model_config import FAMILIES, WRAPPERS, hybrid_parameters, read_config
 from kvpilot.operator.planning.models import MODELS
 from kvpilot.operator.planning.plan import plan
 from tests.vllm import env
@@ -39,6 +39,110 @@ TINY = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+# Tiny hybrids with what changes the count: a dense layer among Qwen3-Next's experts, Mamba-2 groups,
+# Granite 4.0-H's experts beside its shared MLP (or none), biases, "auto" Mamba heads, Falcon-H1's
+# mamba_d_ssm (left out: its config class's 1024) and gated norm.
+GRANITE_4_H = {
+    **TINY,
+    "architectures": ["GraniteMoeHybridForCausalLM"],
+    "model_type": "granitemoehybrid",
+    "num_hidden_layers": 4,
+    "layer_types": ["mamba", "attention", "mamba", "mamba"],
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 2,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "shared_intermediate_size": 80,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+}
+FALCON_H1 = {
+    **TINY,
+    "architectures": ["FalconH1ForCausalLM"],
+    "model_type": "falcon_h1",
+    "num_hidden_layers": 3,
+    "head_dim": 16,
+    "mamba_d_ssm": 96,
+    "mamba_n_heads": 6,
+    "mamba_d_head": 16,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 1,
+    "mamba_d_conv": 4,
+}
+TINY_COUNTED_HYBRIDS = {
+    "granite-4.0-h-moe-biases": {**GRANITE_4_H, "mamba_proj_bias": True, "attention_bias": True},
+    "granite-4.0-h-dense-auto-heads": {
+        **GRANITE_4_H,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+        "num_hidden_layers": 3,
+        "num_local_experts": 0,
+        "mamba_d_head": "auto",
+        "mamba_conv_bias": False,
+    },
+    "falcon-h1": FALCON_H1,
+    "falcon-h1-default-d-ssm-gated-norm": {
+        **{k: v for k, v in FALCON_H1.items() if k != "mamba_d_ssm"},
+        "mamba_n_heads": 16,
+        "mamba_d_head": "auto",
+        "mamba_rms_norm": True,
+        "tie_word_embeddings": True,
+    },
+    "qwen3-next": {
+        **TINY,
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 12,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "mlp_only_layers": [1],
+    },
+    "nemotron-h": {
+        **TINY,
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "hybrid_override_pattern": "M*-M",
+        "num_hidden_layers": 4,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 16,
+        "ssm_state_size": 16,
+        "n_groups": 2,
+        "conv_kernel": 4,
+        "head_dim": 8,
+        "attention_head_dim": 8,
+    },
+    # Experts in layers 1 and 3 of 4, attention in layer 2; biased projections, an unbiased convolution
+    # and dt's rank from hidden_size ("auto").
+    "jamba": {
+        **TINY,
+        "architectures": ["JambaForCausalLM"],
+        "model_type": "jamba",
+        "num_hidden_layers": 4,
+        "attn_layer_period": 4,
+        "attn_layer_offset": 2,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "mamba_d_state": 8,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_dt_rank": "auto",
+        "mamba_proj_bias": True,
+        "mamba_conv_bias": False,
+    },
+}
+
+
 FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama-biases": {"model_type": "llama", "attention_bias": True, "mlp_bias": True},
     "llama-tied-head-dim": {"model_type": "llama", "tie_word_embeddings": True, "head_dim": 32},
@@ -340,6 +444,11 @@ MIXED_QWEN_WINDOWS = config_of(
         ),
         (config_of({"model_type": "llama", "num_hidden_layers": 0}), "num_hidden_layers is 0"),
         (config_of({"model_type": "llama", "num_key_value_heads": 3}), "not a multiple of kvHeads"),
+        # vLLM 0.33 builds Falcon-H1's out projection without the bias this checkpoint would hold.
+        (
+            {**FALCON_H1, "projectors_bias": True},
+            "FalconH1ForCausalLM (parameters not counted: projectors_bias is not counted yet) keeps a state",
+        ),
     ],
 )
 def test_what_the_planner_does_not_size_is_refused_with_its_reason(config: dict[str, Any], refusal: str) -> None:
@@ -613,7 +722,8 @@ def vllm_kv_specs() -> dict[str, dict[str, Any]]:
         json.dumps({"id": f"{n}@{HOPPER}", "config": json.loads((HF_CONFIGS / f"{n}.json").read_text()), **FLASHINFER})
         for n in HYBRIDS
     ]
-    # Hybrids whose real config.json is not among hf_configs, as tiny configs in their checkpoints' keys.
+    # Tiny hybrids in their checkpoints' keys: families without a real config.json among hf_configs, and
+    # the options that change a count.
     cases += [json.dumps({"id": name, "config": config}) for name, config in TINY_HYBRIDS.items()]
     # Targets beside a draft model (SpeculativeConfig method "draft_model").
     cases += [
@@ -736,6 +846,7 @@ TINY_HYBRIDS: dict[str, dict[str, Any]] = {
         "mamba_expand": 2,
         "mamba_dt_rank": 16,
     },
+    **TINY_COUNTED_HYBRIDS,
 }
 
 
@@ -773,10 +884,31 @@ def test_vllm_holds_a_hybrids_per_sequence_state_as_the_planner_sizes_it(
     assert pool["blocks_per_request"] == sizing.sequence_blocks(layout, pool["max_model_len"], hybrid.block_size, 0)
     if gpu == TRITON:
         # Split over 2, 4 and 8 GPUs (Triton's kernels): each holds its share of the state and, where
-        # the GPUs outnumber the KV heads (Qwen3-Next's 2 at TP 4 and 8), a copy of one KV head.
+        # the GPUs outnumber the KV heads (Qwen3-Next's 2 at TP 4 and 8), a copy of one KV head; vLLM
+        # cannot split the state over GPUs that do not divide its heads, and the planner never tries.
+        read = read_config(_hybrid_config(name), "t")
+        assert not isinstance(read, str), read
         for tp, split in found["split"].items():
+            if placement.heads_problem(read.architecture, int(tp)):
+                assert "error" in split, (tp, split)
+                continue
             ours = recurrent.hybrid_kv(state, recurrent.Serving(gpu, tp=int(tp)))
             assert split == {"state_bytes": ours.state_bytes, "block_size": ours.block_size}, tp
+
+
+# vLLM pads its embedding and LM head to whole blocks of rows (VocabParallelEmbedding).
+VOCAB_PADDING = 64
+
+
+@pytest.mark.parametrize("name", [*HYBRIDS, *TINY_HYBRIDS])
+def test_vllm_builds_a_hybrid_with_the_parameters_the_planner_counts(
+    name: str, vllm_kv_specs: dict[str, dict[str, Any]]
+) -> None:
+    config = _hybrid_config(name)
+    total, _ = hybrid_parameters(config, recurrent.recurrent_state(config))
+    vocab, hidden = config["vocab_size"], config["hidden_size"]
+    padding = (-vocab % VOCAB_PADDING) * hidden * (1 if config.get("tie_word_embeddings") else 2)
+    assert vllm_kv_specs[name]["parameters"] == total + padding
 
 
 SIZED_KINDS = {"FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec", "ChunkedLocalAttentionSpec"}

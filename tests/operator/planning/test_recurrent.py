@@ -11,9 +11,9 @@ import pytest
 
 from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.planning import recurrent, sizing
-from kvpilot.operator.planning.model_config import hybrid_parameters, read_config
+from kvpilot.operator.planning.model_config import HYBRID_LAYERS, hybrid_parameters, read_config
 from kvpilot.operator.planning.plan import plan
-from tests.operator.planning.test_model_config import TINY, plan_command, transformers_model
+from tests.operator.planning.test_model_config import TINY_HYBRIDS, plan_command, transformers_model
 
 HF_CONFIGS = Path(__file__).parent / "hf_configs"
 QWEN3_NEXT = HF_CONFIGS / "Qwen--Qwen3-Next-80B-A3B-Thinking.json"
@@ -78,63 +78,14 @@ def test_a_larger_block_the_plan_asks_for_is_kept() -> None:
     assert recurrent.hybrid_block_size(1024, 548_864, 32, 16) == 32 * 17
 
 
-# Tiny hybrids with what changes the count: a dense layer among Qwen3-Next's experts, Mamba-2 groups.
-TINY_HYBRIDS = {
-    "Qwen3NextForCausalLM": {
-        **TINY,
-        "model_type": "qwen3_next",
-        "num_hidden_layers": 4,
-        "head_dim": 16,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 8,
-        "linear_value_head_dim": 12,
-        "linear_conv_kernel_dim": 4,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 48,
-        "mlp_only_layers": [1],
-    },
-    "NemotronHForCausalLM": {
-        **TINY,
-        "model_type": "nemotron_h",
-        "hybrid_override_pattern": "M*-M",
-        "num_hidden_layers": 4,
-        "mamba_num_heads": 8,
-        "mamba_head_dim": 16,
-        "ssm_state_size": 16,
-        "n_groups": 2,
-        "conv_kernel": 4,
-        "head_dim": 8,
-        "attention_head_dim": 8,
-    },
-    # Experts in layers 1 and 3 of 4, attention in layer 2; biased projections, an unbiased convolution
-    # and dt's rank from hidden_size ("auto").
-    "JambaForCausalLM": {
-        **TINY,
-        "model_type": "jamba",
-        "num_hidden_layers": 4,
-        "attn_layer_period": 4,
-        "attn_layer_offset": 2,
-        "expert_layer_period": 2,
-        "expert_layer_offset": 1,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "mamba_d_state": 8,
-        "mamba_d_conv": 4,
-        "mamba_expand": 2,
-        "mamba_dt_rank": "auto",
-        "mamba_proj_bias": True,
-        "mamba_conv_bias": False,
-    },
-}
+def test_every_hybrid_read_has_its_parameters_counted() -> None:
+    assert set(recurrent.READERS) == set(HYBRID_LAYERS)
 
 
 @pytest.mark.parametrize("config", [*TINY_HYBRIDS.items(), *(("", path) for path in (QWEN3_NEXT, NEMOTRON_H))])
 def test_a_hybrids_parameters_are_counted_as_transformers_builds_it(config: tuple[str, dict | Path]) -> None:
-    name, given = config
-    read = json.loads(given.read_text()) if isinstance(given, Path) else {**given, "architectures": [name]}
+    _, given = config
+    read = json.loads(given.read_text()) if isinstance(given, Path) else given
     built = transformers_model({k: v for k, v in read.items() if k not in ("auto_map", "architectures")})
     total, active = hybrid_parameters(read, recurrent.recurrent_state(read))
     assert total == sum(p.numel() for p in built.parameters())
@@ -218,3 +169,22 @@ def test_adapters_on_a_hybrid_are_not_planned_as_if_its_state_layers_were_attent
     assert refused.failure == "AdaptersNotPlanned" and "mamba2 layers' projections" in refused.reason, refused.reason
     # Without adapters the same spec plans.
     assert plan(spec.model_copy(update={"adapters": []})).fits
+
+
+@pytest.mark.parametrize("name", ["granite-4.0-h-moe-biases", "falcon-h1"])
+def test_kvpilot_plan_sizes_granite_4_h_and_falcon_h1_for_vllm(name: str, tmp_path: Path) -> None:
+    """Their layers counted as vLLM builds them (test_model_config checks the count against vLLM's
+    modules) and their state as vLLM holds it; Falcon-H1's every layer keeps both K and V and a state."""
+    config = TINY_HYBRIDS[name]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    run = plan_command("--model-config", str(tmp_path), "--gpu", "H100-80GB", "--runtime", "vllm", "--json")
+    assert run.returncode == 0, run.stdout + run.stderr
+    planned = json.loads(run.stdout)
+    state = recurrent.recurrent_state(config)
+    assert state is not None
+    total, _ = hybrid_parameters(config, state)
+    block = recurrent.hybrid_kv(state, recurrent.Serving("H100-80GB")).block_size
+    assert planned["fits"] and planned["weight_bytes"] == 2 * total
+    assert planned["block_size"] == block and f"--block-size={block}" in planned["args"]
+    assert f"in each of {state.layers} mamba2 layers a state per sequence" in planned["reasons"]["kvCache"]
+    assert f"in {state.attention_layers} attention layers" in planned["reasons"]["kvCache"]

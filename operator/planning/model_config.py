@@ -312,7 +312,9 @@ def _experts(config: Mapping[str, Any], layout: str, hidden: int) -> _Experts:
         shared = _mlp(config, hidden, size * int(config.get("n_shared_experts") or 0))
         first, step = int(config.get("first_k_dense_replace") or 0), int(config.get("moe_layer_freq") or 1)
         dense = {i for i in range(layers) if i < first or i % step}
-        return _Experts(routed, active, _mlp(config, hidden, size), shared, hidden * routed, dense)
+        # DeepSeek V3's router (Kimi K2's too) keeps a score correction bias per expert beside its weights.
+        router = hidden * routed + (routed if config.get("topk_method") == "noaux_tc" else 0)
+        return _Experts(routed, active, _mlp(config, hidden, size), shared, router, dense)
     routed, size = _int(config, "num_experts"), _int(config, "moe_intermediate_size")
     step = int(config.get("decoder_sparse_step") or 1)
     dense = set(config.get("mlp_only_layers") or ()) | {i for i in range(layers) if (i + 1) % step}

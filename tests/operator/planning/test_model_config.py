@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from e2e.hub_server import HubServer
 from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
 from kvpilot.operator.planning import placement, recurrent, sizing
-from kvpilot.operator.planning.model_config import FAMILIES, WRAPPERS, hybrid_parameters, read_config
+from kvpilot.operator.planning.model_config import FAMILIES, WRAPPERS, read_config
 from kvpilot.operator.planning.models import MODELS
 from kvpilot.operator.planning.plan import plan
 from tests.vllm import env
@@ -205,6 +205,7 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
         "n_group": 1,
         "topk_group": 1,
+        "topk_method": "noaux_tc",
     },
     # Chunked local attention in layers 0 and 2 (every 2nd layer NoPE, full), experts with a shared
     # one in layer 1 (every 2nd), a dense MLP of its own size in the others.
@@ -253,6 +254,18 @@ def transformers_model(config: dict[str, Any]) -> torch.nn.Module:
         return auto.from_config(AutoConfig.for_model(model_type, **fields))
 
 
+def stored_count(model: torch.nn.Module) -> int:
+    """The values a checkpoint of `model` holds: its parameters (a tied head once) and its persistent
+    buffers (DeepSeek V3's router bias is one in transformers, a parameter in vLLM)."""
+    buffers = (
+        buffer.numel()
+        for module in model.modules()
+        for name, buffer in module.named_buffers(recurse=False)
+        if name not in module._non_persistent_buffers_set
+    )
+    return sum(p.numel() for p in model.parameters()) + sum(buffers)
+
+
 def test_every_family_is_covered_here() -> None:
     assert {ARCHITECTURES[c["model_type"]] for c in FAMILY_CONFIGS.values()} == set(FAMILIES)
 
@@ -263,8 +276,7 @@ def test_parameters_and_kv_geometry_are_as_transformers_builds_the_model(name: s
     read = read_config(config, "test")
     assert not isinstance(read, str), read
     model = transformers_model(config)
-    # parameters() yields a tied head once, as the count does.
-    assert read.architecture.parameters == sum(p.numel() for p in model.parameters())
+    assert read.architecture.parameters == stored_count(model)
     attention = next(m for n, m in model.named_modules() if n.endswith("layers.0.self_attn"))
     arch = read.architecture
     kv_width = arch.kv_heads * arch.head_size
@@ -399,7 +411,7 @@ def test_a_multimodal_wrapper_counts_its_vision_tower_as_transformers_builds_it(
     arch = read.architecture
     text_only = read_config(text, "test")
     assert not isinstance(text_only, str)
-    assert arch.parameters == sum(p.numel() for p in transformers_model(config).parameters())
+    assert arch.parameters == stored_count(transformers_model(config))
     assert arch.vision_parameters == arch.parameters - text_only.architecture.parameters
     # A text token goes through the language model only; its KV rule is the language model's.
     assert arch.parameters_per_token == text_only.architecture.parameters_per_token
@@ -689,7 +701,7 @@ def test_a_real_config_is_read_as_transformers_builds_it_or_refused_with_its_rea
         return
     assert not isinstance(read, str), read
     built = transformers_model({k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")})
-    assert read.architecture.parameters == sum(p.numel() for p in built.parameters())
+    assert read.architecture.parameters == stored_count(built)
     if name in PUBLISHED:
         assert read.architecture.parameters == PUBLISHED[name]
     if name in CARD_SIZES:
@@ -900,15 +912,32 @@ def test_vllm_holds_a_hybrids_per_sequence_state_as_the_planner_sizes_it(
 VOCAB_PADDING = 64
 
 
-@pytest.mark.parametrize("name", [*HYBRIDS, *TINY_HYBRIDS])
-def test_vllm_builds_a_hybrid_with_the_parameters_the_planner_counts(
+def _language_parameters(name: str) -> tuple[int, Architecture]:
+    """The parameters the planner counts for the model vLLM built as `name` in vllm_kv_specs (a real
+    config, a tiny hybrid, or a wrapper's language model alone: name#text), and its Architecture."""
+    config = TINY_HYBRIDS[name] if name in TINY_HYBRIDS else _config(name.removesuffix("#text"))
+    read = read_config(config, "t")
+    assert not isinstance(read, str), read
+    arch = read.architecture
+    return arch.parameters - (arch.vision_parameters or 0), arch
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        *(n for n in real_configs() if not _wraps(n) and not isinstance(read_config(_config(n), "t"), str)),
+        *(f"{n}#text" for n in real_configs() if _wraps(n)),
+        *TINY_HYBRIDS,
+    ],
+)
+def test_vllm_builds_the_model_with_the_parameters_the_planner_counts(
     name: str, vllm_kv_specs: dict[str, dict[str, Any]]
 ) -> None:
-    config = _hybrid_config(name)
-    total, _ = hybrid_parameters(config, recurrent.recurrent_state(config))
-    vocab, hidden = config["vocab_size"], config["hidden_size"]
-    padding = (-vocab % VOCAB_PADDING) * hidden * (1 if config.get("tie_word_embeddings") else 2)
-    assert vllm_kv_specs[name]["parameters"] == total + padding
+    """Weights as vLLM holds them: its own classes, built on the meta device, hold the parameters the
+    planner counts (DeepSeek V3's router bias, Granite 4.0-H's shared MLP, Falcon-H1's mixers, ...)."""
+    counted, arch = _language_parameters(name)
+    padding = (-arch.vocab_size % VOCAB_PADDING) * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
+    assert vllm_kv_specs[name]["parameters"] == counted + padding
 
 
 SIZED_KINDS = {"FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec", "ChunkedLocalAttentionSpec"}
@@ -1118,7 +1147,7 @@ def test_qwen2_5_vl_as_first_published_holds_its_language_model_beside_the_visio
     flat["vision_config"] = QWEN_VISION
     read = read_config(flat, "test")
     assert not isinstance(read, str), read
-    assert read.architecture.parameters == sum(p.numel() for p in transformers_model(flat).parameters())
+    assert read.architecture.parameters == stored_count(transformers_model(flat))
     nested = read_config(
         {**WRAPPER_CONFIGS["qwen2.5-vl"][1], "architectures": flat["architectures"], "text_config": text}, "t"
     )

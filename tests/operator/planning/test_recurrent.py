@@ -13,7 +13,7 @@ from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.planning import recurrent, sizing
 from kvpilot.operator.planning.model_config import HYBRID_LAYERS, hybrid_parameters, read_config
 from kvpilot.operator.planning.plan import plan
-from tests.operator.planning.test_model_config import TINY_HYBRIDS, plan_command, transformers_model
+from tests.operator.planning.test_model_config import TINY_HYBRIDS, plan_command, stored_count, transformers_model
 
 HF_CONFIGS = Path(__file__).parent / "hf_configs"
 QWEN3_NEXT = HF_CONFIGS / "Qwen--Qwen3-Next-80B-A3B-Thinking.json"
@@ -88,7 +88,7 @@ def test_a_hybrids_parameters_are_counted_as_transformers_builds_it(config: tupl
     read = json.loads(given.read_text()) if isinstance(given, Path) else given
     built = transformers_model({k: v for k, v in read.items() if k not in ("auto_map", "architectures")})
     total, active = hybrid_parameters(read, recurrent.recurrent_state(read))
-    assert total == sum(p.numel() for p in built.parameters())
+    assert total == stored_count(built)
     assert active <= total
     if isinstance(given, Path) and "Qwen3" in given.name:
         # 80B with 3B active, as the model's name says (its multi-token-prediction layer aside).

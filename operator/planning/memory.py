@@ -13,7 +13,7 @@ from kvpilot.operator.planning.adapters import lora_settings, resident_bytes
 from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.latency import batched_tokens, step_seconds
 from kvpilot.operator.planning.reasons import failed_plan, gib, ms
-from kvpilot.operator.planning.replica import Inputs, Replica, Sizes
+from kvpilot.operator.planning.replica import Inputs, Replica, Sizes, kv_bytes_per_value
 from kvpilot.operator.planning.reserve import vllm_reserve
 
 # Beyond ~1k running sequences the scheduler's per-step bookkeeping, not the GPU, sets the pace
@@ -52,7 +52,7 @@ def replica_sizes(inputs: Inputs, group: tuple[Device, int], quantization: str, 
     weights do not fit."""
     spec, arch, context, runtime, draft = inputs.spec, inputs.arch, inputs.context, inputs.capabilities, inputs.draft
     gpu, tp = group
-    kv_bytes = sizing.FP8_BYTES_PER_VALUE if inputs.kv_cache_dtype == "fp8" else gpu.bytes_per_value
+    kv_bytes = kv_bytes_per_value(gpu, inputs.kv_cache_dtype)
     # The engine gives the draft a KV slot for every slot of the target's, so each slot holds both, in
     # the cache's dtype (vLLM's draft layers take the target's cache config).
     draft_weights = draft.weights if draft else 0

@@ -70,7 +70,7 @@ def _size(inputs: Inputs, device: tuple[Device, int], quantization: str) -> Opti
     over the target's GPUs, so a draft whose heads the size does not divide is left out (or, pinned,
     makes the option fail)."""
     spec, gpu, tp = inputs.spec, *device
-    draft = inputs.draft.on(gpu, tp) if inputs.draft is not None else None
+    draft = inputs.draft.on(gpu, tp, inputs.kv_cache_dtype) if inputs.draft is not None else None
     problem = heads_problem(draft.arch, tp) if draft is not None else None
     if problem is not None:
         if spec.serving.speculative in DRAFTED:

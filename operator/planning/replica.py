@@ -46,17 +46,23 @@ class Draft(NamedTuple):
     # A checkpoint stored quantized, which the runtime (vLLM) holds as stored: its safetensors' bytes.
     stored: int | None = None
 
-    def on(self, gpu: Device, tp: int = 1) -> Draft:
+    def on(self, gpu: Device, tp: int = 1, kv_cache_dtype: str = "model") -> Draft:
         """The draft as the engine holds it on `tp` GPUs of type `gpu`: as stored, else 4 bytes per value
         on a CPU that computes in fp32, a tied head twice where the engine packs weights for oneDNN
-        (sizing.weight_bytes); and its KV heads copied where the GPUs outnumber them."""
+        (sizing.weight_bytes); its KV in the target's cache dtype (vLLM gives the draft's layers the
+        target's cache config), its KV heads copied where the GPUs outnumber them."""
         plain = sizing.weight_bytes(self.arch, "none", held=sizing.HeldAs(gpu.bytes_per_value))
         held = sizing.weight_bytes(self.arch, "none", held=sizing.HeldAs(gpu.bytes_per_value, gpu.packs_weights))
         return self._replace(
             weights=held_weights(self.arch, self.stored, held),
-            kv_per_token=sizing.kv_bytes_per_token(self.arch, gpu.bytes_per_value, tp),
+            kv_per_token=sizing.kv_bytes_per_token(self.arch, kv_bytes_per_value(gpu, kv_cache_dtype), tp),
             head_copy=0 if self.stored else held - plain,
         )
+
+
+def kv_bytes_per_value(gpu: Device, kv_cache_dtype: str) -> int:
+    """One value of the KV cache on `gpu`: a byte in an FP8 cache, else the GPU's unquantized value."""
+    return sizing.FP8_BYTES_PER_VALUE if kv_cache_dtype == "fp8" else gpu.bytes_per_value
 
 
 def held_weights(arch: Architecture, stored: int | None, counted: int) -> int:

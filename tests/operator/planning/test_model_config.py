@@ -1099,6 +1099,9 @@ def test_under_an_fp8_kv_cache_a_draft_models_kv_is_fp8_too(vllm_kv_specs: dict[
     assert result.draft_kv_bytes_per_token == sum(layer["bytes_per_token"] for layer in found["draft"]["draft_layers"])
     pool = found["draft"]["pool"]
     assert pool["available"] // (result.kv_bytes_per_token * pool["block_size"]) == pool["num_blocks"]
+    # The draft's decode steps read its KV at FP8 too, and the reason says so.
+    draft_mib = f"{result.draft_kv_bytes_per_token / sizing.MiB:.3g} MiB of KV per token"
+    assert draft_mib in result.reasons["speculative"], result.reasons["speculative"]
 
 
 def _assert_kv_heads_per_gpu_agree(arch: Architecture, found: dict[str, Any]) -> None:

@@ -3,7 +3,8 @@ the planner sizes exactly as vLLM 0.33 allocates it: full attention over grouped
 heads, sliding-window layers beside full ones (Gemma 2/3, gpt-oss), multi-head latent attention
 (DeepSeek V2/V3, Kimi K2), Llama 4's chunked local attention, dense or a mixture of experts, and the
 multimodal wrappers of Gemma 3 (a SigLIP tower), LLaVA and LLaVA-NeXT over a Llama (a CLIP tower),
-Mistral 3 (Pixtral's tower), Qwen2.5-VL and Llama 4 (its own tower).
+Mistral 3 (Pixtral's tower), Qwen2.5-VL, Qwen3-VL, Qwen3.5 (over a hybrid) and Llama 4 (their own
+towers).
 
 The parameters are counted from the config the way the model's modules hold them (embedding, each
 layer's attention, MLP or experts and norms, the final norm, an untied LM head, a vision tower), so
@@ -25,11 +26,18 @@ parameters are not counted with (biases vLLM does not build) is refused with its
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from kvpilot.operator.api.spec import EAGLE3_HEADS, Architecture, CheckpointQuantization
-from kvpilot.operator.planning.recurrent import RecurrentState, Serving, hybrid_kv, recurrent_state, state_layers
+from kvpilot.operator.planning.recurrent import (
+    READERS,
+    RecurrentState,
+    Serving,
+    hybrid_kv,
+    recurrent_state,
+    state_layers,
+)
 
 
 class Family(NamedTuple):
@@ -79,7 +87,8 @@ class Wrapper(NamedTuple):
     """A multimodal wrapper: its language model (text_config), the vision tower and projector beside it."""
 
     language_model: str  # the architecture text_config describes
-    tower: str  # the vision tower's layout: "siglip", "clip", "pixtral", "qwen2_5_vl" or "llama4"
+    # The vision tower's layout: "siglip", "clip", "pixtral", "qwen2_5_vl", "qwen3_vl", "qwen3_5" or "llama4".
+    tower: str
     # From the tower to the language model: "gemma3" (a norm and one matrix), "llava" (an MLP),
     # "llava_next" (an MLP and a newline token), "mistral3" (a patch merger and an MLP), "llama4"
     # (one matrix) or "none".
@@ -108,6 +117,12 @@ WRAPPERS: dict[str, Wrapper] = {
     # beside vision_config at the top level.
     "Qwen2_5_VLForConditionalGeneration": Wrapper("Qwen2ForCausalLM", "qwen2_5_vl", "none"),
     "Llama4ForConditionalGeneration": Wrapper("Llama4ForCausalLM", "llama4", "llama4"),
+    # Qwen3-VL's language models are Qwen3's (mrope's positions aside); Qwen3.5's are hybrids of Gated
+    # DeltaNet and gated attention (planning/recurrent.py), dense or with experts.
+    "Qwen3VLForConditionalGeneration": Wrapper("Qwen3ForCausalLM", "qwen3_vl", "none"),
+    "Qwen3VLMoeForConditionalGeneration": Wrapper("Qwen3MoeForCausalLM", "qwen3_vl", "none"),
+    "Qwen3_5ForConditionalGeneration": Wrapper("Qwen3_5ForCausalLM", "qwen3_5", "none"),
+    "Qwen3_5MoeForConditionalGeneration": Wrapper("Qwen3_5MoeForCausalLM", "qwen3_5", "none"),
 }
 
 # The architectures (of those read here) whose vLLM 0.33 class gives an EAGLE-3 head the hidden
@@ -128,6 +143,10 @@ EAGLE3_TARGETS = frozenset(
         "Mistral3ForConditionalGeneration",
         "Qwen2_5_VLForConditionalGeneration",
         "Llama4ForConditionalGeneration",
+        "Qwen3VLForConditionalGeneration",
+        "Qwen3VLMoeForConditionalGeneration",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForConditionalGeneration",
     }
 )
 
@@ -361,6 +380,10 @@ def _vision_tower(vision: Mapping[str, Any], tower: str) -> int:
         return _pixtral(vision)
     if tower == "qwen2_5_vl":
         return _qwen2_5_vl(vision)
+    if tower in ("qwen3_vl", "qwen3_5"):
+        # Qwen3-VL's config class lists three deepstack layers where config.json leaves them out;
+        # Qwen3.5's tower has none.
+        return _qwen3_vl(vision, vision.get("deepstack_visual_indexes", (8, 16, 24) if tower == "qwen3_vl" else ()))
     if tower == "llama4":
         return _llama4_vision(vision)
     return _vit(vision, tower)
@@ -408,6 +431,23 @@ def _qwen2_5_vl(vision: Mapping[str, Any]) -> int:
     return conv + _int(vision, "depth") * block + merger
 
 
+def _qwen3_vl(vision: Mapping[str, Any], deepstack: Sequence[int]) -> int:
+    """Qwen3-VL's and Qwen3.5's tower: a biased spatio-temporal patch convolution, learned position
+    embeddings, blocks of LayerNormed biased attention and biased MLP, and the merger (a norm and a
+    two-layer MLP over spatial_merge_size^2 patches) into out_hidden_size, with one more merger
+    (normed after the merge) for each `deepstack` layer whose features go to the language model."""
+    hidden, size = _int(vision, "hidden_size"), _int(vision, "intermediate_size")
+    patch, channels = _int(vision, "patch_size"), int(vision.get("in_channels", 3))
+    conv = channels * int(vision.get("temporal_patch_size", 2)) * patch * patch * hidden + hidden
+    positions = _int(vision, "num_position_embeddings") * hidden
+    block = 4 * hidden + 4 * (hidden * hidden + hidden) + 2 * hidden * size + size + hidden
+    merged, out = hidden * int(vision.get("spatial_merge_size", 2)) ** 2, _int(vision, "out_hidden_size")
+    merger = merged * merged + merged + (merged + 1) * out
+    return (
+        conv + positions + _int(vision, "depth") * block + 2 * hidden + merger + len(deepstack) * (2 * merged + merger)
+    )
+
+
 def _llama4_vision(vision: Mapping[str, Any]) -> int:
     """Llama 4's tower: an unbiased linear patch embedding, a class token and position embeddings,
     LayerNorms before and after the encoder, pre-norm encoder layers with biased attention and MLP
@@ -447,15 +487,14 @@ def _vision_parameters(config: Mapping[str, Any], wrapper: Wrapper, text_hidden:
     return _vision_tower(config["vision_config"], wrapper.tower) + _projector(config, wrapper.projector, text_hidden)
 
 
-def _language_model(config: Mapping[str, Any], name: str) -> tuple[Mapping[str, Any], Family, Wrapper | None] | str:
-    """The config, family and vision tower of the language model `config` describes (a multimodal
-    wrapper's text_config, or its top-level fields beside vision_config), or why it is not read."""
+def _language_model(config: Mapping[str, Any], name: str) -> tuple[Mapping[str, Any], Wrapper | None] | str:
+    """The config and vision tower of the language model `config` describes (a multimodal wrapper's
+    text_config, or its top-level fields beside vision_config), or why it is not read."""
     if "text_config" not in config and name not in WRAPPERS:
-        family = FAMILIES.get(name)
-        if family is None:
-            readable = ", ".join([*FAMILIES, *WRAPPERS])
+        if name not in FAMILIES and name not in READERS:
+            readable = ", ".join([*FAMILIES, *READERS, *WRAPPERS])
             return f"{name} is not an architecture the planner reads ({readable}); set spec.model.architecture"
-        return config, family, None
+        return config, None
     if name not in WRAPPERS:
         return (
             f"{name} wraps a language model (text_config) with a vision tower whose weights the planner "
@@ -468,8 +507,7 @@ def _language_model(config: Mapping[str, Any], name: str) -> tuple[Mapping[str, 
         return f"{name} over a {text['model_type']} language model is not read yet ({defaults['model_type']} is)"
     # A tied head as text_config says, else as the wrapper's config.json says at its top level.
     tied = {key: config[key] for key in ("tie_word_embeddings",) if key in config}
-    language = {**defaults, **tied, **text, "architectures": [wrapper.language_model]}
-    return language, FAMILIES[wrapper.language_model], wrapper
+    return {**defaults, **tied, **text, "architectures": [wrapper.language_model]}, wrapper
 
 
 def _hybrid(config: Mapping[str, Any], name: str, state: RecurrentState, source: str) -> Architecture | str:
@@ -511,23 +549,39 @@ def hybrid_parameters(config: Mapping[str, Any], state: RecurrentState) -> tuple
     return total + outside, active + outside
 
 
-def _qwen3_next_layers(config: Mapping[str, Any], state: RecurrentState, hidden: int) -> tuple[int, int]:
-    """Qwen3-Next's layers: gated full attention (q doubled for its output gate, per-head norms),
-    Gated DeltaNet (q, k, v and z; b and a; the convolution; dt_bias and A_log; the gated norm; out),
-    two norms, and Qwen2-MoE's experts with a gated shared expert."""
+def _gated_deltanet_mixers(config: Mapping[str, Any], state: RecurrentState, hidden: int) -> int:
+    """Qwen3-Next's and Qwen3.5's mixers and norms: gated full attention (q doubled for its output
+    gate, per-head norms), Gated DeltaNet (q, k, v and z; b and a; the convolution; dt_bias and
+    A_log; the gated norm; out), and two norms in every layer."""
+    _refuse_options(config, ("attention_bias", "layer_scale"))
     heads, head_dim = _int(config, "num_attention_heads"), state.head_dim
-    attention = 3 * hidden * heads * head_dim + 2 * hidden * state.kv_heads * head_dim + 2 * head_dim
+    gates = 2 if config.get("attn_output_gate", True) else 1
+    attention = (gates + 1) * hidden * heads * head_dim + 2 * hidden * state.kv_heads * head_dim + 2 * head_dim
     key = _int(config, "linear_num_key_heads") * _int(config, "linear_key_head_dim")
     value_heads, value_dim = _int(config, "linear_num_value_heads"), _int(config, "linear_value_head_dim")
     value = value_heads * value_dim
     linear = hidden * (2 * key + 2 * value + 2 * value_heads) + state.conv_channels * (state.conv_width + 1)
     linear += 2 * value_heads + value_dim + value * hidden
     layers = state.layers + state.attention_layers
-    mixers = state.attention_layers * attention + state.layers * linear + 2 * layers * hidden
+    return state.attention_layers * attention + state.layers * linear + 2 * layers * hidden
+
+
+def _qwen3_next_layers(config: Mapping[str, Any], state: RecurrentState, hidden: int) -> tuple[int, int]:
+    """Qwen3-Next's (and Qwen3.5-MoE's) layers: the mixers, and Qwen2-MoE's experts with a gated
+    shared expert (a dense MLP in mlp_only_layers)."""
+    mixers, layers = _gated_deltanet_mixers(config, state, hidden), state.layers + state.attention_layers
     moe = _experts(config, "qwen2_moe", hidden)
-    sparse, dense = layers - len(moe.dense), len(moe.dense) * _mlp(config, hidden, _int(config, "intermediate_size"))
+    dense = len(moe.dense) * _mlp(config, hidden, _int(config, "intermediate_size")) if moe.dense else 0
+    sparse = layers - len(moe.dense)
     total = mixers + sparse * (moe.router + moe.routed * moe.expert + moe.shared) + dense
     return total, mixers + sparse * (moe.router + moe.active * moe.expert + moe.shared) + dense
+
+
+def _qwen3_5_layers(config: Mapping[str, Any], state: RecurrentState, hidden: int) -> tuple[int, int]:
+    """Qwen3.5's dense layers: the mixers and a gated MLP of intermediate_size in every layer."""
+    mlp = (state.layers + state.attention_layers) * _mlp(config, hidden, _int(config, "intermediate_size"))
+    total = _gated_deltanet_mixers(config, state, hidden) + mlp
+    return total, total
 
 
 def _mamba2_mixer(state: RecurrentState, hidden: int, conv_bias: bool, proj_bias: bool, gated_norm: bool) -> int:
@@ -628,6 +682,8 @@ def _jamba_layers(config: Mapping[str, Any], state: RecurrentState, hidden: int)
 # A hybrid's architecture -> its layers' parameters (all, and a token's).
 HYBRID_LAYERS = {
     "Qwen3NextForCausalLM": _qwen3_next_layers,
+    "Qwen3_5MoeForCausalLM": _qwen3_next_layers,
+    "Qwen3_5ForCausalLM": _qwen3_5_layers,
     "NemotronHForCausalLM": _nemotron_h_layers,
     "GraniteMoeHybridForCausalLM": _granite_hybrid_layers,
     "FalconH1ForCausalLM": _falcon_h1_layers,
@@ -639,13 +695,6 @@ def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:
     """The Architecture (and the checkpoint's stored scheme) of a config.json, or why it cannot be
     planned from it; `source` says where the config came from."""
     name = str((config.get("architectures") or ["(no architectures)"])[0])
-    state = recurrent_state(config)
-    if state is not None:
-        try:
-            hybrid = _hybrid(config, name, state, source)
-            return hybrid if isinstance(hybrid, str) else ModelConfig(hybrid, stored_scheme(config))
-        except ValueError as error:  # pydantic's ValidationError is one
-            return f"{name}: {error}"
     if config.get("speculators_model_type"):
         flattened = _speculators_head(config)
         if isinstance(flattened, str):
@@ -660,10 +709,14 @@ def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:
     found = _language_model(config, name)
     if isinstance(found, str):
         return found
-    text, family, wrapper = found
+    text, wrapper = found
     try:
         scheme = stored_scheme(config)
-        architecture = _architecture(text, name, family, source)
+        state = recurrent_state(text)
+        if state is not None:
+            architecture = _hybrid(text, name, state, source)
+        else:
+            architecture = _architecture(text, name, FAMILIES[str(text["architectures"][0])], source)
         if wrapper is not None and not isinstance(architecture, str):
             vision = _vision_parameters(config, wrapper, architecture.hidden_size)
             architecture = architecture.model_copy(

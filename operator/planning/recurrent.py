@@ -41,7 +41,8 @@ FP32_BYTES = 4
 class RecurrentState(NamedTuple):
     """What one of a model's state layers holds per sequence, before tensor parallelism splits it."""
 
-    kind: str  # "mamba2" (Nemotron-H, Granite 4.0-H, Falcon-H1), "mamba1" (Jamba) or "gated_deltanet" (Qwen3-Next)
+    # "mamba2" (Nemotron-H, Granite 4.0-H, Falcon-H1), "mamba1" (Jamba) or "gated_deltanet" (Qwen3-Next, Qwen3.5)
+    kind: str
     layers: int  # the layers that keep it
     attention_layers: int  # the full-attention layers beside them
     conv_channels: int  # the short convolution's channels (split over the GPUs)
@@ -50,7 +51,7 @@ class RecurrentState(NamedTuple):
     conv_group_channels: int
     heads: int  # the recurrent state's heads (split over the GPUs)
     head_values: int  # one head's recurrent state
-    fp32_state: bool  # the recurrent state in fp32 (Nemotron-H's default), else in the model's dtype
+    fp32_state: bool  # the recurrent state in fp32 (Nemotron-H's default, Qwen3.5's config), else in the model's dtype
     kv_heads: int  # the attention layers' K and V heads
     head_dim: int
 
@@ -106,6 +107,12 @@ def _gated_deltanet(config: Mapping[str, Any]) -> RecurrentState:
         kv_heads=int(config["num_key_value_heads"]),
         head_dim=int(config["head_dim"]),
     )
+
+
+def _qwen3_5(config: Mapping[str, Any]) -> RecurrentState:
+    """Qwen3.5: Qwen3-Next's layers, its recurrent state in the dtype text_config's mamba_ssm_dtype
+    names (vLLM 0.33's Qwen3_5ForConditionalGenerationConfig takes it; the checkpoints say float32)."""
+    return _gated_deltanet(config)._replace(fp32_state=config.get("mamba_ssm_dtype") == "float32")
 
 
 def _mamba2_head_dim(config: Mapping[str, Any], inner: int) -> int:
@@ -192,6 +199,8 @@ def _jamba(config: Mapping[str, Any]) -> RecurrentState:
 READERS = {
     "NemotronHForCausalLM": _nemotron_h,
     "Qwen3NextForCausalLM": _gated_deltanet,
+    "Qwen3_5ForCausalLM": _qwen3_5,
+    "Qwen3_5MoeForCausalLM": _qwen3_5,
     "GraniteMoeHybridForCausalLM": _granite_hybrid,
     "FalconH1ForCausalLM": _falcon_h1,
     "JambaForCausalLM": _jamba,

@@ -33,7 +33,12 @@ from tests.vllm.model_configs import config_json, eagle_head
 
 # Hybrids whose real config.json (tests/operator/planning/hf_configs) the pods' model folders hold.
 HF_CONFIGS = Path(__file__).parents[1] / "planning" / "hf_configs"
-HYBRIDS = {"qwen3-next-80b": "Qwen--Qwen3-Next-80B-A3B-Thinking", "nemotron-h-56b": "nvidia--Nemotron-H-56B-Base-8K"}
+# Qwen3.5 wraps its hybrid language model with a vision tower (vLLM's multimodal class plans it).
+HYBRIDS = {
+    "qwen3-next-80b": "Qwen--Qwen3-Next-80B-A3B-Thinking",
+    "nemotron-h-56b": "nvidia--Nemotron-H-56B-Base-8K",
+    "qwen3.5-35b-a3b": "Qwen--Qwen3.5-35B-A3B",
+}
 # A catalog draft per vocabulary (vLLM drafts with the target's tokens), as test_contract's.
 DRAFTS = {32000: "tinyllama-1.1b", 128256: "llama-3.2-1b", 152064: "qwen2.5-7b", 49152: "smollm2-135m"}
 # (serving.quantization, model.quantization): each on-load choice, and each stored scheme under auto.
@@ -229,7 +234,7 @@ def _hybrid_spec(model: str, gpu: str, tp: int | None, kv_cache_dtype: str) -> I
 
 
 def test_every_vllm_plan_of_a_hybrid_is_a_command_line_vllm_configures_as_planned() -> None:
-    # The real config.json of Qwen3-Next (Gated DeltaNet) and Nemotron-H (Mamba-2) on every GPU, each
+    # The real config.json of Qwen3-Next and Qwen3.5 (Gated DeltaNet) and Nemotron-H (Mamba-2) on every GPU, each
     # tensor-parallel choice and KV dtype: vLLM keeps the block size the plan raised for the state pages.
     specs = [
         _hybrid_spec(model, gpu, tp, kv)

@@ -106,6 +106,38 @@ TINY_COUNTED_HYBRIDS = {
         "shared_expert_intermediate_size": 48,
         "mlp_only_layers": [1],
     },
+    # Qwen3.5's language models: Qwen3-Next's layers, with experts in every layer or a dense MLP.
+    "qwen3.5-moe": {
+        **TINY,
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "model_type": "qwen3_5_moe_text",
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 12,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+    },
+    "qwen3.5": {
+        **TINY,
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
+        "tie_word_embeddings": True,
+    },
     "nemotron-h": {
         **TINY,
         "architectures": ["NemotronHForCausalLM"],
@@ -317,6 +349,15 @@ QWEN_VISION = {
 # Tiny configs of every multimodal wrapper: the language model's and the vision tower's, with the
 # options that change the count (SigLIP's pooling head; LLaVA's projector biases and feature layers).
 VISION = {"hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 2, "num_attention_heads": 4}
+QWEN3_VISION = {
+    "depth": 2,
+    "hidden_size": 32,
+    "intermediate_size": 40,
+    "num_heads": 4,
+    "out_hidden_size": 64,
+    "patch_size": 16,
+    "num_position_embeddings": 16,
+}
 WRAPPER_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3": ("gemma3", {"vision_config": {**VISION, "image_size": 56, "patch_size": 14}, "mm_tokens_per_image": 4}),
     "gemma3-no-head": (
@@ -362,6 +403,23 @@ WRAPPER_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "qwen2.5-vl": ("qwen2", {"model_type": "qwen2_5_vl", "vision_config": QWEN_VISION}),
+    # Qwen3-VL's tower: learned positions, LayerNorms, deepstack mergers (three where left out).
+    "qwen3-vl": (
+        "qwen3",
+        {"model_type": "qwen3_vl", "vision_config": {**QWEN3_VISION, "deepstack_visual_indexes": [0]}},
+    ),
+    "qwen3-vl-default-deepstack": ("qwen3", {"model_type": "qwen3_vl", "vision_config": {**QWEN3_VISION, "depth": 25}}),
+    "qwen3-vl-moe": (
+        "qwen3-moe",
+        {"model_type": "qwen3_vl_moe", "vision_config": {**QWEN3_VISION, "deepstack_visual_indexes": [1]}},
+    ),
+    # Qwen3.5's: Qwen3-VL's without deepstack, over a hybrid language model.
+    # Tied as its language model is (vLLM reads text_config's flag, transformers the top level's).
+    "qwen3.5": ("qwen3.5", {"model_type": "qwen3_5", "vision_config": QWEN3_VISION, "tie_word_embeddings": True}),
+    "qwen3.5-moe": (
+        "qwen3.5-moe",
+        {"model_type": "qwen3_5_moe", "vision_config": QWEN3_VISION, "tie_word_embeddings": False},
+    ),
     "llama4": (
         "llama4",
         {
@@ -384,8 +442,14 @@ WRAPPER_ARCHITECTURES = {
     "llava_next": "LlavaNextForConditionalGeneration",
     "mistral3": "Mistral3ForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "llama4": "Llama4ForConditionalGeneration",
 }
+# The language model of each wrapper above: a family's tiny config, or a tiny hybrid's.
+WRAPPER_TEXT_MODEL_TYPES = {"qwen3": "qwen3_vl_text", "qwen3-moe": "qwen3_vl_moe_text"}
 # Qwen2.5-VL's positions in 3 sections of a head's rotary half (the tiny head's 8 values: 4).
 MROPE = {"rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}}
 
@@ -397,14 +461,20 @@ def test_every_wrapper_is_covered_here() -> None:
 @pytest.mark.parametrize("name", WRAPPER_CONFIGS)
 def test_a_multimodal_wrapper_counts_its_vision_tower_as_transformers_builds_it(name: str) -> None:
     family, wrapper = WRAPPER_CONFIGS[name]
-    text = config_of(FAMILY_CONFIGS["llama-biases" if family == "llama" else family])
+    text = (
+        TINY_HYBRIDS[family]
+        if family in TINY_HYBRIDS
+        else config_of(FAMILY_CONFIGS["llama-biases" if family == "llama" else family])
+    )
     model_type = wrapper.get("model_type", "gemma3")
+    text_model_type = {"model_type": WRAPPER_TEXT_MODEL_TYPES[family]} if family in WRAPPER_TEXT_MODEL_TYPES else {}
     config = {
         **wrapper,
         "architectures": [WRAPPER_ARCHITECTURES[model_type]],
         "model_type": model_type,
         "text_config": {key: value for key, value in text.items() if key != "architectures"}
-        | (MROPE if family == "qwen2" else {}),
+        | (MROPE if family in ("qwen2", "qwen3", "qwen3-moe") else {})
+        | text_model_type,
     }
     read = read_config(config, "test")
     assert not isinstance(read, str), read
@@ -726,14 +796,11 @@ def vllm_kv_specs() -> dict[str, dict[str, Any]]:
     cases = [
         json.dumps({"id": n, "config": json.loads((HF_CONFIGS / f"{n}.json").read_text())}) for n in real_configs()
     ]
-    # A wrapper's language model alone (this venv cannot inspect a vision tower: no torchvision), as
-    # the wrapper builds it from text_config; the tower holds no KV cache.
+    # A wrapper's language model alone, as the wrapper builds it from text_config: the tower holds no
+    # KV cache, and its parameters are checked against transformers' modules.
     cases += [json.dumps({"id": f"{n}#text", "config": _language_model_of(n)}) for n in real_configs() if _wraps(n)]
     # The hybrids again as vLLM runs them on Hopper GPUs (FlashInfer's Gated DeltaNet prefill).
-    cases += [
-        json.dumps({"id": f"{n}@{HOPPER}", "config": json.loads((HF_CONFIGS / f"{n}.json").read_text()), **FLASHINFER})
-        for n in HYBRIDS
-    ]
+    cases += [json.dumps({"id": f"{n}@{HOPPER}", "config": hybrid_config(n), **FLASHINFER}) for n in HYBRIDS]
     # Tiny hybrids in their checkpoints' keys: families without a real config.json among hf_configs, and
     # the options that change a count.
     cases += [json.dumps({"id": name, "config": config}) for name, config in TINY_HYBRIDS.items()]
@@ -808,7 +875,14 @@ def _eagle_head_config(name: str) -> dict[str, Any]:
 
 
 # The real configs of hybrids (Mamba-2, Gated DeltaNet) and a GPU vLLM runs each kernel path on.
-HYBRIDS = ("Qwen--Qwen3-Next-80B-A3B-Thinking", "nvidia--Nemotron-H-56B-Base-8K", "ai21labs--AI21-Jamba-1.5-Mini")
+# Qwen3.5's language models (their wrappers' text_config) planned as vLLM builds them alone.
+HYBRIDS = (
+    "Qwen--Qwen3-Next-80B-A3B-Thinking",
+    "nvidia--Nemotron-H-56B-Base-8K",
+    "ai21labs--AI21-Jamba-1.5-Mini",
+    "Qwen--Qwen3.5-27B",
+    "Qwen--Qwen3.5-35B-A3B",
+)
 HOPPER, TRITON = "H100-80GB", "L40S"
 FLASHINFER = {"flashinfer_gdn": True}
 HYBRID_SHAPE = {
@@ -862,8 +936,16 @@ TINY_HYBRIDS: dict[str, dict[str, Any]] = {
 }
 
 
-def _hybrid_config(name: str) -> dict[str, Any]:
-    return TINY_HYBRIDS[name] if name in TINY_HYBRIDS else json.loads((HF_CONFIGS / f"{name}.json").read_text())
+def hybrid_config(name: str) -> dict[str, Any]:
+    """A hybrid's language model: a tiny one, a real config.json, or a wrapper's text_config."""
+    if name in TINY_HYBRIDS:
+        return TINY_HYBRIDS[name]
+    return _language_model_of(name) if _wraps(name) else _config(name)
+
+
+def _vllm_id(name: str) -> str:
+    """The vllm_kv_specs case of a hybrid's language model alone."""
+    return f"{name}#text" if name not in TINY_HYBRIDS and _wraps(name) else name
 
 
 @pytest.mark.parametrize(
@@ -873,8 +955,8 @@ def _hybrid_config(name: str) -> dict[str, Any]:
 def test_vllm_holds_a_hybrids_per_sequence_state_as_the_planner_sizes_it(
     name: str, gpu: str, vllm_kv_specs: dict[str, dict[str, Any]]
 ) -> None:
-    found = vllm_kv_specs[name if gpu == TRITON else f"{name}@{HOPPER}"]
-    state = recurrent.recurrent_state(_hybrid_config(name))
+    found = vllm_kv_specs[_vllm_id(name) if gpu == TRITON else f"{name}@{HOPPER}"]
+    state = recurrent.recurrent_state(hybrid_config(name))
     assert state is not None and found["hybrid"], found
     hybrid = recurrent.hybrid_kv(state, recurrent.Serving(gpu))
     layers = found["layer_specs"]
@@ -898,7 +980,7 @@ def test_vllm_holds_a_hybrids_per_sequence_state_as_the_planner_sizes_it(
         # Split over 2, 4 and 8 GPUs (Triton's kernels): each holds its share of the state and, where
         # the GPUs outnumber the KV heads (Qwen3-Next's 2 at TP 4 and 8), a copy of one KV head; vLLM
         # cannot split the state over GPUs that do not divide its heads, and the planner never tries.
-        read = read_config(_hybrid_config(name), "t")
+        read = read_config(hybrid_config(name), "t")
         assert not isinstance(read, str), read
         for tp, split in found["split"].items():
             if placement.heads_problem(read.architecture, int(tp)):
@@ -971,7 +1053,7 @@ def test_vllm_allocates_the_kv_cache_by_the_same_layout_or_sees_what_the_planner
     if arch.state is not None:
         # A hybrid: its Architecture carries the state vLLM sees (its pool: test_vllm_holds_a_hybrids_...).
         state = recurrent.architecture_state(arch)
-        assert state == recurrent.recurrent_state(_without_quantization(name)) and state is not None
+        assert state == recurrent.recurrent_state(hybrid_config(name)) and state is not None
         kinds = Counter(layer["kind"] for layer in layers)
         assert kinds == {"FullAttentionSpec": state.attention_layers, "MambaSpec": state.layers}
         attention = {layer["bytes_per_token"] for layer in layers if layer["kind"] == "FullAttentionSpec"}

@@ -13,11 +13,19 @@ from kvpilot.operator.api.spec import InferenceServiceSpec
 from kvpilot.operator.planning import recurrent, sizing
 from kvpilot.operator.planning.model_config import HYBRID_LAYERS, hybrid_parameters, read_config
 from kvpilot.operator.planning.plan import plan
-from tests.operator.planning.test_model_config import TINY_HYBRIDS, plan_command, stored_count, transformers_model
+from tests.operator.planning.test_model_config import (
+    TINY_HYBRIDS,
+    hybrid_config,
+    plan_command,
+    stored_count,
+    transformers_model,
+)
 
 HF_CONFIGS = Path(__file__).parent / "hf_configs"
 QWEN3_NEXT = HF_CONFIGS / "Qwen--Qwen3-Next-80B-A3B-Thinking.json"
 NEMOTRON_H = HF_CONFIGS / "nvidia--Nemotron-H-56B-Base-8K.json"
+# A multimodal wrapper over a hybrid: its language model's state in fp32 (text_config's mamba_ssm_dtype).
+QWEN3_5_MOE = HF_CONFIGS / "Qwen--Qwen3.5-35B-A3B.json"
 
 
 def state_of(path: Path) -> recurrent.RecurrentState:
@@ -98,7 +106,12 @@ def test_a_hybrids_parameters_are_counted_as_transformers_builds_it(config: tupl
 @pytest.mark.parametrize(
     ("config", "tp", "block", "state_bytes"),
     # Qwen3-Next at TP 4 too: its 2 KV heads copied, one on each GPU (vLLM's num_kv_head_replicas).
-    [(QWEN3_NEXT, 2, 576, 548_864), (QWEN3_NEXT, 4, 320, 274_432), (NEMOTRON_H, 2, 4128, 8_450_048)],
+    [
+        (QWEN3_NEXT, 2, 576, 548_864),
+        (QWEN3_NEXT, 4, 320, 274_432),
+        (NEMOTRON_H, 2, 4128, 8_450_048),
+        (QWEN3_5_MOE, 2, 1088, 1_073_152),
+    ],
 )
 def test_kvpilot_plan_sizes_a_hybrid_for_vllm_with_its_state_pages(
     config: Path, tp: int, block: int, state_bytes: int
@@ -122,7 +135,7 @@ def test_kvpilot_plan_sizes_a_hybrid_for_vllm_with_its_state_pages(
     read = read_config(json.loads(config.read_text()), "t")
     assert not isinstance(read, str), read
     state = recurrent.architecture_state(read.architecture)
-    assert state == recurrent.recurrent_state(json.loads(config.read_text()))
+    assert state == recurrent.recurrent_state(hybrid_config(config.stem))
     # FlashInfer's Gated DeltaNet (Hopper) and Mamba-2 both keep a checkpoint page: 3 per group.
     hybrid = recurrent.hybrid_kv(state, recurrent.Serving("H100-80GB", tp))
     assert (planned["gpu_count"], planned["block_size"], hybrid.block_size) == (tp, block, block)

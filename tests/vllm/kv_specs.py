@@ -4,7 +4,8 @@ the layers, KV heads and head size it allocates the KV cache by, and what it see
 attention (latent attention, a sliding window, hybrid or attention-free layers), or the error.
 
 Beside those, the parameters of the model as vLLM builds it, the KV cache spec every attention
-layer of the model reports (the model built on the meta device: no memory, no weights) and what vLLM's own KV cache planning makes of them with
+layer of the model reports (the model built on the meta device: no memory, no weights) and what
+vLLM's own KV cache planning makes of them with
 `block_size` tokens per block, as its CUDA backends take them, `max_num_batched_tokens` under async
 scheduling (its GPU default) and `available` bytes: its groups, blocks, and the blocks one
 max_model_len sequence takes. The checkpoint's quantization_config is left out of that build (this

@@ -1,10 +1,10 @@
 """A model's Architecture read from its Hugging Face `config.json`, for the families whose KV cache
 the planner sizes exactly as vLLM 0.33 allocates it: full attention over grouped (or multi-) query
 heads, sliding-window layers beside full ones (Gemma 2/3, gpt-oss), multi-head latent attention
-(DeepSeek V2/V3, Kimi K2), Llama 4's chunked local attention, dense or a mixture of experts, and the
-multimodal wrappers of Gemma 3 (a SigLIP tower), LLaVA and LLaVA-NeXT over a Llama (a CLIP tower),
-Mistral 3 (Pixtral's tower), Qwen2.5-VL, Qwen3-VL, Qwen3.5 (over a hybrid) and Llama 4 (their own
-towers).
+(DeepSeek V2/V3, Kimi K2), Llama 4's chunked local attention, dense or a mixture of experts (GLM-4.5's
+among them), and the multimodal wrappers of Gemma 3 (a SigLIP tower), LLaVA and LLaVA-NeXT over a
+Llama (a CLIP tower), Mistral 3 (Pixtral's tower), Qwen2.5-VL, Qwen3-VL, Qwen3.5 (over a hybrid) and
+Llama 4 (their own towers).
 
 The parameters are counted from the config the way the model's modules hold them (embedding, each
 layer's attention, MLP or experts and norms, the final norm, an untied LM head, a vision tower), so
@@ -46,8 +46,10 @@ class Family(NamedTuple):
     tie_default: bool  # tie_word_embeddings when the config leaves it out (the config class's default)
     qkv_bias: bool = False  # q, k and v projections carry a bias whatever attention_bias says
     attention_bias: bool = False  # attention_bias when the config leaves it out
+    output_bias: bool = True  # attention_bias biases o as well as q, k and v (not GLM-4.5's)
     head_norms: bool = False  # q_norm and k_norm over each head (Qwen3, Gemma 3)
-    # The MoE layout: "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek" or "llama4".
+    head_norms_key: str | None = None  # the config key that turns them on instead (GLM-4.5's use_qk_norm)
+    # The MoE layout: "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek", "glm4_moe" or "llama4".
     experts: str | None = None
     norms: int = 2  # per decoder layer (Gemma: around both attention and MLP)
     # Where vLLM 0.33's modelling code takes its sliding windows from: "layer_types" (config.json's,
@@ -76,6 +78,11 @@ FAMILIES: dict[str, Family] = {
     "GptOssForCausalLM": Family(tie_default=False, attention_bias=True, experts="gpt_oss", pattern=2, sinks=True),
     "DeepseekV2ForCausalLM": Family(tie_default=False, experts="deepseek", windows="none", latent=True),
     "DeepseekV3ForCausalLM": Family(tie_default=False, experts="deepseek", windows="none", latent=True),
+    # GLM-4.5/4.6/4.7: DeepSeek's experts over grouped-query attention; the multi-token prediction
+    # layer past num_hidden_layers is not built (vLLM serves it only as a speculative drafter).
+    "Glm4MoeForCausalLM": Family(
+        tie_default=False, output_bias=False, head_norms_key="use_qk_norm", experts="glm4_moe", windows="none"
+    ),
     # Chunked local attention in the layers with rotary positions, full attention in the others (NoPE).
     "Llama4ForCausalLM": Family(
         tie_default=False, experts="llama4", windows="chunked", dense_intermediate="intermediate_size_mlp"
@@ -281,10 +288,11 @@ def _attention(config: Mapping[str, Any], family: Family, shape: _Shape) -> int:
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     weights = shape.hidden * (q + 2 * kv) + q * shape.hidden
     if config.get("attention_bias", family.attention_bias):
-        biases = q + 2 * kv + shape.hidden
+        biases = q + 2 * kv + (shape.hidden if family.output_bias else 0)
     else:
         biases = q + 2 * kv if family.qkv_bias else 0
-    return weights + biases + (2 * shape.head_dim if family.head_norms else 0) + (shape.heads if family.sinks else 0)
+    head_norms = config.get(family.head_norms_key, False) if family.head_norms_key else family.head_norms
+    return weights + biases + (2 * shape.head_dim if head_norms else 0) + (shape.heads if family.sinks else 0)
 
 
 def _latent_attention(config: Mapping[str, Any], shape: _Shape) -> int:
@@ -326,13 +334,14 @@ def _experts(config: Mapping[str, Any], layout: str, hidden: int) -> _Experts:
         return _Experts(routed, active, expert, 0, router, set())
     if layout == "llama4":
         return _llama4_experts(config, hidden, layers, active)
-    if layout == "deepseek":
+    if layout in ("deepseek", "glm4_moe"):
         routed, size = _int(config, "n_routed_experts"), _int(config, "moe_intermediate_size")
         shared = _mlp(config, hidden, size * int(config.get("n_shared_experts") or 0))
         first, step = int(config.get("first_k_dense_replace") or 0), int(config.get("moe_layer_freq") or 1)
         dense = {i for i in range(layers) if i < first or i % step}
-        # DeepSeek V3's router (Kimi K2's too) keeps a score correction bias per expert beside its weights.
-        router = hidden * routed + (routed if config.get("topk_method") == "noaux_tc" else 0)
+        # DeepSeek V3's router (Kimi K2's, GLM-4.5's always) keeps a score correction bias per expert.
+        corrected = layout == "glm4_moe" or config.get("topk_method") == "noaux_tc"
+        router = hidden * routed + (routed if corrected else 0)
         return _Experts(routed, active, _mlp(config, hidden, size), shared, router, dense)
     routed, size = _int(config, "num_experts"), _int(config, "moe_intermediate_size")
     step = int(config.get("decoder_sparse_step") or 1)

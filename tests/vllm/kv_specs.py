@@ -64,6 +64,7 @@ from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
 from vllm.model_executor.model_loader.utils import get_model_architecture
 from vllm.platforms.interface import Platform
 from vllm.utils.math_utils import cdiv
+from vllm.utils.torch_utils import set_default_torch_dtype
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec
@@ -107,7 +108,8 @@ def _layer_specs(
             )
             stack.enter_context(on_flashinfer)
         model_class, _ = get_model_architecture(vllm_config.model_config)
-        with torch.device("meta"):
+        # In the model's dtype, as vLLM's loader builds it: what a layer holds in fp32 (routers) stays so.
+        with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"):
             model = model_class(vllm_config=vllm_config, prefix="")
         if hybrid:
             cuda_backends = classmethod(lambda cls, config: [FlashAttentionBackend])
@@ -188,6 +190,8 @@ def kv_pool(folder: Path, flashinfer_gdn: bool = False) -> dict[str, Any]:
     model, specs = _layer_specs(vllm_config, flashinfer_gdn)
     built = {
         "parameters": sum(p.numel() for p in model.parameters()),
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
         "layer_specs": [_layer(spec, vllm_config) for spec in specs.values()],
     }
     kinds = (AttentionSpec | MambaSpec) if vllm_config.model_config.is_hybrid else AttentionSpec

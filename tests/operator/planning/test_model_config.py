@@ -224,6 +224,17 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         "topk_group": 1,
         "topk_method": "noaux_tc",
     },
+    # GLM-4.6/4.7's per-head q and k norms (use_qk_norm), a dense first layer, two shared experts.
+    "glm4-moe-head-norms": {
+        "model_type": "glm4_moe",
+        "head_dim": 16,
+        "use_qk_norm": True,
+        "n_routed_experts": 4,
+        "n_shared_experts": 2,
+        "moe_intermediate_size": 24,
+        "first_k_dense_replace": 1,
+        "num_experts_per_tok": 2,
+    },
     # Chunked local attention in layers 0 and 2 (every 2nd layer NoPE, full), experts with a shared
     # one in layer 1 (every 2nd), a dense MLP of its own size in the others.
     "llama4": {
@@ -251,6 +262,7 @@ ARCHITECTURES = {
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
 }
 # Model types transformers does not know under the name a config.json gives, with the one its
@@ -789,6 +801,8 @@ def vllm_kv_specs() -> dict[str, dict[str, Any]]:
     # Tiny hybrids in their checkpoints' keys: families without a real config.json among hf_configs, and
     # the options that change a count.
     cases += [json.dumps({"id": name, "config": config}) for name, config in TINY_HYBRIDS.items()]
+    # Every family's tiny config, with the options that change a count.
+    cases += [json.dumps({"id": f"tiny-{name}", "config": config_of(c)}) for name, c in FAMILY_CONFIGS.items()]
     # Targets beside a draft model (SpeculativeConfig method "draft_model").
     cases += [
         json.dumps({"id": f"{target}+{draft}", "config": _config(target), "draft_model": _draft_config(draft, target)})
@@ -961,12 +975,19 @@ def test_vllm_holds_a_hybrids_per_sequence_state_as_the_planner_sizes_it(
 
 # vLLM pads its embedding and LM head to whole blocks of rows (VocabParallelEmbedding).
 VOCAB_PADDING = 64
+# The most of a real model's weights vLLM 0.33 holds in fp32 beyond the planner's 16-bit count.
+FP32_SHARE = 0.0005
 
 
 def _language_parameters(name: str) -> tuple[int, Architecture]:
     """The parameters the planner counts for the model vLLM built as `name` in vllm_kv_specs (a real
     config, a tiny hybrid, or a wrapper's language model alone: name#text), and its Architecture."""
-    config = TINY_HYBRIDS[name] if name in TINY_HYBRIDS else _config(name.removesuffix("#text"))
+    if name in TINY_HYBRIDS:
+        config = TINY_HYBRIDS[name]
+    elif name.startswith("tiny-"):
+        config = config_of(FAMILY_CONFIGS[name.removeprefix("tiny-")])
+    else:
+        config = _config(name.removesuffix("#text"))
     read = read_config(config, "t")
     assert not isinstance(read, str), read
     arch = read.architecture
@@ -979,6 +1000,7 @@ def _language_parameters(name: str) -> tuple[int, Architecture]:
         *(n for n in real_configs() if not _wraps(n) and not isinstance(read_config(_config(n), "t"), str)),
         *(f"{n}#text" for n in real_configs() if _wraps(n)),
         *TINY_HYBRIDS,
+        *(f"tiny-{name}" for name in FAMILY_CONFIGS),
     ],
 )
 def test_vllm_builds_the_model_with_the_parameters_the_planner_counts(
@@ -988,7 +1010,14 @@ def test_vllm_builds_the_model_with_the_parameters_the_planner_counts(
     planner counts (DeepSeek V3's router bias, Granite 4.0-H's shared MLP, Falcon-H1's mixers, ...)."""
     counted, arch = _language_parameters(name)
     padding = (-arch.vocab_size % VOCAB_PADDING) * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
-    assert vllm_kv_specs[name]["parameters"] == counted + padding
+    built = vllm_kv_specs[name]
+    assert built["parameters"] == counted + padding
+    if name in TINY_HYBRIDS or name.startswith("tiny-"):
+        return  # a few tiny layers, where a router is a large share of the bytes
+    # In bytes: vLLM holds a few small parts in fp32 where the planner counts 16 bits (routers and
+    # routing biases, Mamba's decays): GLM-4.5-Air's gate is the most, 47 MB of its 214 GB.
+    sixteen_bit = sizing.BYTES_PER_VALUE * (counted + padding)
+    assert sixteen_bit <= built["parameter_bytes"] <= sixteen_bit * (1 + FP32_SHARE)
 
 
 SIZED_KINDS = {"FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec", "ChunkedLocalAttentionSpec"}

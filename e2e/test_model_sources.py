@@ -131,7 +131,9 @@ def test_a_pvc_model_is_planned_from_the_config_json_its_inspection_job_reports(
     tmp_path: Path,
 ) -> None:
     ns, name, source = kvpilot.watch_namespaces[0], "pvc-qwen3", f"pvc://{claim}/qwen3-8b"
-    apply_isvc(name, {"model": {"name": "my-qwen3", "source": source}, "accelerator": {"type": "L4"}, "replicas": 1})
+    # vLLM: our engine loads Llama-family classes only, and Qwen3 is refused for it (UnsupportedByRuntime).
+    spec = {"model": {"name": "my-qwen3", "source": source}, "runtime": "vllm", "accelerator": {"type": "L4"}}
+    apply_isvc(name, {**spec, "replicas": 1})
     pending = kvis.wait_condition(k8s, ns, name, "Planned", "False", timeout_s=CONVERGE_S)
     job = inspection.job_name(name, pending["metadata"]["uid"], source)
     assert kvis.condition(pending, "Planned")["reason"] in ("ModelConfigPending", "ModelConfigUnavailable")

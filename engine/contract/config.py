@@ -25,6 +25,9 @@ QUANTIZATION_SCHEMES = ("none", "int8", "int4", "w8a8")
 CPU_ONLY_QUANTIZATION = ("w8a8",)
 SPECULATIVE_MODES = ("off", "ngram", "draft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The models its Llama-family decoder loads: config.json's model_type, and the architectures[0] the
+# planner knows them by.
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 # CPU kernel paths (kvpilot.engine.cpu.features); auto: from the CPU's flags.
 CPU_KERNELS = ("auto", "bf16", "vnni", "fp32")
 
@@ -76,6 +79,8 @@ class EngineCapabilities(BaseModel):
     # Whether it runs only Llama-style decoders: every layer attends to the whole sequence over K and
     # V heads, text only (no sliding-window layers, latent attention or vision tower).
     plain_decoders_only: bool = False
+    # The model classes (config.json's architectures[0]) it loads; None: every one the planner reads.
+    architectures: tuple[str, ...] | None = None
     # Whether it measures its own KV pool at start from gpu_memory_utilization (vLLM) instead of
     # being told the pool's bytes: the planner then predicts that pool as the runtime counts it
     # (the operator's planning/reserve.py).
@@ -98,6 +103,7 @@ CAPABILITIES = EngineCapabilities(
     dtypes=DTYPES,
     checkpoint_quantization=("int8", "int4"),
     plain_decoders_only=True,
+    architectures=tuple(MODEL_TYPES.values()),
 )
 
 

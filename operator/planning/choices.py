@@ -123,6 +123,15 @@ def given_draft_architecture(spec: InferenceServiceSpec) -> Architecture | None:
     return spec.serving.draft_model_architecture or find_model(hub.repo if hub else source.rstrip("/"))
 
 
+def unloaded_class(arch: Architecture, capabilities: EngineCapabilities, runtime: str) -> str | None:
+    """Why `runtime` would not load `arch`'s model class (config.json's architectures[0]), None when it
+    would; an architecture written by hand (no class) is taken as the plain decoder it describes."""
+    loaded = capabilities.architectures
+    if loaded is None or arch.hf_architecture is None or arch.hf_architecture in loaded:
+        return None
+    return f"it is a {arch.hf_architecture}, and runtime {runtime} loads only {', '.join(loaded)}: use runtime vllm"
+
+
 def _draft_refusal(
     spec: InferenceServiceSpec, config: ModelConfig, capabilities: EngineCapabilities, target: Architecture
 ) -> tuple[str, str] | None:
@@ -139,6 +148,9 @@ def _draft_refusal(
             f"it has {beyond}, and {runs} runs only decoders whose every layer attends to the whole sequence, "
             "text only: use runtime vllm",
         )
+    unloaded = unloaded_class(arch, capabilities, spec.runtime)
+    if unloaded:
+        return "UnsupportedByRuntime", unloaded
     if stored is not None and not capabilities.holds_checkpoint_as_stored:
         return "UnsupportedByRuntime", f"it is stored as {stored}, and {runs} loads a draft at 16 bits"
     if stored is not None and arch.checkpoint_bytes is None:

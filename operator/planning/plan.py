@@ -35,6 +35,7 @@ from kvpilot.operator.planning.choices import (
     kv_cache_dtype_reason,
     kv_cache_dtypes,
     quantization_schemes,
+    unloaded_class,
     unsupported_pins,
     with_adapters,
 )
@@ -319,6 +320,9 @@ def _runtime_refusal(
             f"{spec.model.name} has {beyond} ({model_reason}); runtime {spec.runtime} runs only decoders whose "
             "every layer attends to the whole sequence over K and V heads, text only: use runtime vllm",
         )
+    unloaded = unloaded_class(arch, capabilities, spec.runtime)
+    if unloaded:
+        return failed_plan(spec, "UnsupportedByRuntime", f"{spec.model.name}: {unloaded} ({model_reason})")
     block = spec.serving.block_size
     if arch.chunked and arch.sliding_window % block:
         return failed_plan(

@@ -23,8 +23,8 @@ from kvpilot.operator.controller.reconcile import reconcile, retry_reason
 from tests.operator.controller.test_reconcile import NOW, FakeCluster, Operator, body, condition
 
 CONFIGS = Path(__file__).parents[1] / "planning" / "hf_configs"
-SOURCE = "pvc://models/qwen3-8b"
-SPEC = {"model": {"name": "my-qwen", "source": SOURCE}, "accelerator": {"type": "L4"}}
+SOURCE = "pvc://models/llama-3.1-8b"
+SPEC = {"model": {"name": "my-llama", "source": SOURCE}, "accelerator": {"type": "A100-80GB"}}
 IMAGE = "registry.example/kvpilot:1.2.3"
 
 
@@ -33,10 +33,10 @@ def job_name(source: str = SOURCE) -> str:
 
 
 def reported(tmp_path: Path) -> str:
-    """What `kvpilot inspect-checkpoint` writes for Qwen3-8B's config.json (a folder standing for the claim)."""
-    folder = tmp_path / "qwen3-8b"
+    """What `kvpilot inspect-checkpoint` writes for Llama 3.1 8B's config.json (a folder standing for the claim)."""
+    folder = tmp_path / "llama-3.1-8b"
     folder.mkdir()
-    shutil.copy(CONFIGS / "Qwen--Qwen3-8B.json", folder / "config.json")
+    shutil.copy(CONFIGS / "meta-llama--Meta-Llama-3.1-8B.json", folder / "config.json")
     found = inspect_folder(folder)
     assert isinstance(found, CheckpointInspection)
     return found.message()
@@ -86,7 +86,8 @@ def test_the_job_reads_the_claim_read_only_as_the_engine_would_and_unprivileged(
     pod = job["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["image"] == IMAGE
-    assert [*container["command"], *container["args"]] == ["kvpilot", "inspect-checkpoint", "/models/models/qwen3-8b"]
+    command = [*container["command"], *container["args"]]
+    assert command == ["kvpilot", "inspect-checkpoint", "/models/models/llama-3.1-8b"]
     assert container["terminationMessagePath"] == "/dev/termination-log"
     assert container["securityContext"] == render.container_security()
     assert container["resources"]["limits"] == {"cpu": "1", "memory": "512Mi"}
@@ -155,10 +156,10 @@ def test_pending_then_succeeded_then_planned_and_not_inspected_again(tmp_path: P
     "message, reason",
     [
         (
-            "UnsupportedArchitecture: /models/models/qwen3-8b: FooForCausalLM is not an architecture",
+            "UnsupportedArchitecture: /models/models/llama-3.1-8b: FooForCausalLM is not an architecture",
             "UnsupportedArchitecture",
         ),
-        ("/models/models/qwen3-8b: [Errno 2] No such file or directory: 'config.json'", "ModelConfigUnavailable"),
+        ("/models/models/llama-3.1-8b: [Errno 2] No such file or directory: 'config.json'", "ModelConfigUnavailable"),
     ],
 )
 def test_a_failed_inspection_is_not_ready_with_its_message_and_runs_again_once_removed(

@@ -409,7 +409,7 @@ def test_a_draft_the_runtime_cannot_draft_with_is_refused_by_what_it_holds() -> 
     serving = drafting("hf://Qwen/Qwen3-Next-80B-A3B-Thinking")
     for runtime in ("kvpilot", "vllm"):
         refused = plan(
-            spec("qwen2.5-72b", "H100-80GB", runtime=runtime, serving=serving), PlanContext(draft_checkpoint=hybrid)
+            spec("llama-3-70b", "H100-80GB", runtime=runtime, serving=serving), PlanContext(draft_checkpoint=hybrid)
         )
         assert (refused.fits, refused.failure) == (False, "UnsupportedByRuntime")
         assert "it has 36 gated_deltanet layers that keep a state per sequence" in refused.reason
@@ -424,6 +424,22 @@ def test_a_draft_the_runtime_cannot_draft_with_is_refused_by_what_it_holds() -> 
     )
     refused = plan(windowed, PlanContext(draft_checkpoint=gemma))
     assert refused.failure == "UnsupportedByRuntime" and "sliding-window layers (window 4096)" in refused.reason
+    # A plain decoder of a class our engine does not build (Qwen3): vLLM drafts with it, ours would not load it.
+    qwen3 = config_json("Qwen--Qwen3-8B")
+    for runtime in ("kvpilot", "vllm"):
+        beside_qwen3 = spec(
+            "qwen3-target",
+            "H100-80GB",
+            runtime=runtime,
+            model_fields={"architecture": MODELS["llama-3-8b"].model_dump(by_alias=True) | {"vocabSize": 151936}},
+            serving=drafting("hf://Qwen/Qwen3-8B"),
+        )
+        drafted = plan(beside_qwen3, PlanContext(draft_checkpoint=qwen3))
+        if runtime == "vllm":
+            assert drafted.fits and drafted.speculative == "draft", drafted.reason
+        else:
+            assert drafted.failure == "UnsupportedByRuntime", drafted.reason
+            assert "it is a Qwen3ForCausalLM, and runtime kvpilot loads only LlamaForCausalLM" in drafted.reason
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from e2e.hub_server import HubServer
+from kvpilot.engine.model.loader import load_config
 from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
 from kvpilot.operator.planning import placement, recurrent, sizing
 from kvpilot.operator.planning.model_config import FAMILIES, WRAPPERS, read_config
@@ -612,6 +613,37 @@ def test_a_compressed_tensors_scheme_the_planner_does_not_size_is_refused(
     assert isinstance(read, str) and refusal in read, read
 
 
+def _loads(config: dict[str, Any], folder: Path) -> bool:
+    """Whether our engine's loader takes `config` (it refuses the model types it does not build)."""
+    (folder / "config.json").write_text(json.dumps(config))
+    try:
+        load_config(folder)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", FAMILY_CONFIGS)
+def test_the_planner_plans_for_our_engine_only_the_model_classes_its_loader_builds(name: str, tmp_path: Path) -> None:
+    """A pod of runtime kvpilot whose model the engine would refuse at start is never rendered: every
+    family vLLM runs is planned for vLLM, and for our engine only where its loader takes the config."""
+    config = config_of(FAMILY_CONFIGS[name])
+    read = read_config(config, "t")
+    assert not isinstance(read, str), read
+    architecture = read.architecture.model_dump(by_alias=True, exclude_none=True)
+    model = {"name": name, "architecture": architecture}
+    planned = {
+        runtime: plan(
+            InferenceServiceSpec.model_validate({"runtime": runtime, "model": model, "accelerator": {"type": "L4"}})
+        )
+        for runtime in ("kvpilot", "vllm")
+    }
+    assert planned["vllm"].fits, planned["vllm"].reason
+    refused = planned["kvpilot"].failure == "UnsupportedByRuntime"
+    assert refused != _loads(config, tmp_path), planned["kvpilot"].reason
+    assert refused or planned["kvpilot"].fits, planned["kvpilot"].reason
+
+
 def plan_command(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "kvpilot.engine.cli", "plan", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
@@ -621,7 +653,11 @@ def test_kvpilot_plan_reads_a_config_json_offline(tmp_path: Path) -> None:
     folder = tmp_path / "Tiny-Qwen3"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config_of(FAMILY_CONFIGS["qwen3"])))
-    run = plan_command("--model-config", str(folder), "--gpu", "L4", "--json")
+    # Our engine builds Llama's and Mistral's classes only: a Qwen3 is vLLM's to run.
+    ours = plan_command("--model-config", str(folder), "--gpu", "L4")
+    assert ours.returncode == 1 and "UnsupportedByRuntime" in ours.stdout, ours.stdout
+    assert "it is a Qwen3ForCausalLM, and runtime kvpilot loads only LlamaForCausalLM" in ours.stdout
+    run = plan_command("--model-config", str(folder), "--gpu", "L4", "--runtime", "vllm", "--json")
     assert run.returncode == 0, run.stderr
     planned = json.loads(run.stdout)
     assert planned["model"] == "Tiny-Qwen3" and planned["fits"]
@@ -638,7 +674,8 @@ def test_kvpilot_plan_reads_an_hf_repositorys_config_json_from_the_hub_as_the_op
         assert refused.returncode == 2, refused.stderr
         assert "ModelConfigUnavailable" in refused.stderr and "401" in refused.stderr
         env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_cli"}
-        run = plan_command("--model", "hf://acme/tiny-qwen3@main", "--gpu", "L4", "--json", env=env)
+        vllm = ("--runtime", "vllm", "--json")
+        run = plan_command("--model", "hf://acme/tiny-qwen3@main", "--gpu", "L4", *vllm, env=env)
     assert run.returncode == 0, run.stderr
     planned = json.loads(run.stdout)
     assert planned["model"] == "tiny-qwen3" and planned["fits"]
@@ -694,7 +731,7 @@ def test_kvpilot_plan_reads_the_weights_bytes_of_a_local_checkpoint_from_its_met
     tiny.mkdir()
     (tiny / "config.json").write_text(json.dumps(config_of(FAMILY_CONFIGS["qwen3"])))
     save_file({"w": torch.zeros(16, 8, dtype=torch.bfloat16)}, str(tiny / "model.safetensors"))
-    run = plan_command("--model-config", str(tiny / "config.json"), "--gpu", "L4", "--json")
+    run = plan_command("--model-config", str(tiny / "config.json"), "--gpu", "L4", "--runtime", "vllm", "--json")
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["checkpoint_bytes"] == 16 * 8 * 2
 

@@ -2,9 +2,9 @@
 the planner sizes exactly as vLLM 0.33 allocates it: full attention over grouped (or multi-) query
 heads, sliding-window layers beside full ones (Gemma 2/3, gpt-oss), multi-head latent attention
 (DeepSeek V2/V3, Kimi K2), Llama 4's chunked local attention, dense or a mixture of experts (GLM-4.5's
-among them), and the multimodal wrappers of Gemma 3 (a SigLIP tower), LLaVA and LLaVA-NeXT over a
-Llama (a CLIP tower), Mistral 3 (Pixtral's tower), Qwen2.5-VL, Qwen3-VL, Qwen3.5 (over a hybrid) and
-Llama 4 (their own towers).
+and MiniMax-M2's among them), and the multimodal wrappers of Gemma 3 (a SigLIP tower), LLaVA and
+LLaVA-NeXT over a Llama (a CLIP tower), Mistral 3 (Pixtral's tower), Qwen2.5-VL, Qwen3-VL, Qwen3.5
+(over a hybrid) and Llama 4 (their own towers).
 
 The parameters are counted from the config the way the model's modules hold them (embedding, each
 layer's attention, MLP or experts and norms, the final norm, an untied LM head, a vision tower), so
@@ -47,9 +47,12 @@ class Family(NamedTuple):
     qkv_bias: bool = False  # q, k and v projections carry a bias whatever attention_bias says
     attention_bias: bool = False  # attention_bias when the config leaves it out
     output_bias: bool = True  # attention_bias biases o as well as q, k and v (not GLM-4.5's)
-    head_norms: bool = False  # q_norm and k_norm over each head (Qwen3, Gemma 3)
-    head_norms_key: str | None = None  # the config key that turns them on instead (GLM-4.5's use_qk_norm)
-    # The MoE layout: "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek", "glm4_moe" or "llama4".
+    # q_norm and k_norm: "per_head" (one head's width, shared by the heads: Qwen3, Gemma 3) or
+    # "per_layer" (all the heads' width: MiniMax-M2).
+    head_norms: str | None = None
+    head_norms_key: str | None = None  # the config key that turns them on (GLM-4.5's use_qk_norm); None: always
+    # The MoE layout: "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek", "glm4_moe", "minimax_m2"
+    # or "llama4".
     experts: str | None = None
     norms: int = 2  # per decoder layer (Gemma: around both attention and MLP)
     # Where vLLM 0.33's modelling code takes its sliding windows from: "layer_types" (config.json's,
@@ -68,20 +71,30 @@ FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(tie_default=False),
     "MistralForCausalLM": Family(tie_default=False),
     "Qwen2ForCausalLM": Family(tie_default=False, qkv_bias=True, windows="none_or_refused"),
-    "Qwen3ForCausalLM": Family(tie_default=False, head_norms=True, windows="none_or_refused"),
+    "Qwen3ForCausalLM": Family(tie_default=False, head_norms="per_head", windows="none_or_refused"),
     "Phi3ForCausalLM": Family(tie_default=False),
     "MixtralForCausalLM": Family(tie_default=False, experts="mixtral", windows="none"),
     "Qwen2MoeForCausalLM": Family(tie_default=False, qkv_bias=True, experts="qwen2_moe", windows="none"),
-    "Qwen3MoeForCausalLM": Family(tie_default=False, head_norms=True, experts="qwen3_moe", windows="none"),
+    "Qwen3MoeForCausalLM": Family(tie_default=False, head_norms="per_head", experts="qwen3_moe", windows="none"),
     "Gemma2ForCausalLM": Family(tie_default=True, norms=4, pattern=2),
-    "Gemma3ForCausalLM": Family(tie_default=True, head_norms=True, norms=4, pattern=6),
+    "Gemma3ForCausalLM": Family(tie_default=True, head_norms="per_head", norms=4, pattern=6),
     "GptOssForCausalLM": Family(tie_default=False, attention_bias=True, experts="gpt_oss", pattern=2, sinks=True),
     "DeepseekV2ForCausalLM": Family(tie_default=False, experts="deepseek", windows="none", latent=True),
     "DeepseekV3ForCausalLM": Family(tie_default=False, experts="deepseek", windows="none", latent=True),
     # GLM-4.5/4.6/4.7: DeepSeek's experts over grouped-query attention; the multi-token prediction
     # layer past num_hidden_layers is not built (vLLM serves it only as a speculative drafter).
     "Glm4MoeForCausalLM": Family(
-        tie_default=False, output_bias=False, head_norms_key="use_qk_norm", experts="glm4_moe", windows="none"
+        tie_default=False,
+        output_bias=False,
+        head_norms="per_head",
+        head_norms_key="use_qk_norm",
+        experts="glm4_moe",
+        windows="none",
+    ),
+    # Full attention with norms over all the heads' q and k, experts in every layer (a router and a
+    # routing bias held in fp32 by vLLM); its multi-token prediction modules are not built.
+    "MiniMaxM2ForCausalLM": Family(
+        tie_default=False, output_bias=False, head_norms="per_layer", experts="minimax_m2", windows="none"
     ),
     # Chunked local attention in the layers with rotary positions, full attention in the others (NoPE).
     "Llama4ForCausalLM": Family(
@@ -145,6 +158,7 @@ EAGLE3_TARGETS = frozenset(
         "GptOssForCausalLM",
         "DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM",
+        "MiniMaxM2ForCausalLM",
         "Llama4ForCausalLM",
         "LlavaForConditionalGeneration",
         "Mistral3ForConditionalGeneration",
@@ -291,8 +305,10 @@ def _attention(config: Mapping[str, Any], family: Family, shape: _Shape) -> int:
         biases = q + 2 * kv + (shape.hidden if family.output_bias else 0)
     else:
         biases = q + 2 * kv if family.qkv_bias else 0
-    head_norms = config.get(family.head_norms_key, False) if family.head_norms_key else family.head_norms
-    return weights + biases + (2 * shape.head_dim if head_norms else 0) + (shape.heads if family.sinks else 0)
+    norms = 0
+    if family.head_norms and (family.head_norms_key is None or config.get(family.head_norms_key)):
+        norms = 2 * shape.head_dim if family.head_norms == "per_head" else q + kv
+    return weights + biases + norms + (shape.heads if family.sinks else 0)
 
 
 def _latent_attention(config: Mapping[str, Any], shape: _Shape) -> int:
@@ -325,12 +341,13 @@ class _Experts(NamedTuple):
 def _experts(config: Mapping[str, Any], layout: str, hidden: int) -> _Experts:
     """A mixture-of-experts layout as the config describes it."""
     layers, active = _int(config, "num_hidden_layers"), _int(config, "num_experts_per_tok")
-    if layout in ("mixtral", "gpt_oss"):
+    if layout in ("mixtral", "gpt_oss", "minimax_m2"):
         routed, size = _int(config, "num_local_experts"), _int(config, "intermediate_size")
-        # gpt-oss: biased experts (gate and up fused) and a biased router.
+        # gpt-oss: biased experts (gate and up fused) and a biased router; MiniMax-M2: a routing bias.
         biased = layout == "gpt_oss"
         expert = _mlp(config, hidden, size) + ((2 * size + hidden) if biased else 0)
-        router = hidden * routed + (routed if biased else 0)
+        corrected = layout == "minimax_m2" and config.get("use_routing_bias")
+        router = hidden * routed + (routed if biased or corrected else 0)
         return _Experts(routed, active, expert, 0, router, set())
     if layout == "llama4":
         return _llama4_experts(config, hidden, layers, active)

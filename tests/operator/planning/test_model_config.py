@@ -236,6 +236,16 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 1,
         "num_experts_per_tok": 2,
     },
+    # Norms over all the heads' q and k, experts in every layer with a routing bias.
+    "minimax-m2": {
+        "model_type": "minimax_m2",
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "use_routing_bias": True,
+        "scoring_func": "sigmoid",
+        "rotary_dim": 8,
+    },
     # Chunked local attention in layers 0 and 2 (every 2nd layer NoPE, full), experts with a shared
     # one in layer 1 (every 2nd), a dense MLP of its own size in the others.
     "llama4": {
@@ -264,6 +274,7 @@ ARCHITECTURES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
 }
 # Model types transformers does not know under the name a config.json gives, with the one its
@@ -319,7 +330,7 @@ def test_parameters_and_kv_geometry_are_as_transformers_builds_the_model(name: s
     else:
         assert attention.k_proj.out_features == attention.v_proj.out_features == kv_width
     assert sizing.kv_bytes_per_token(arch) == 2 * arch.layers * arch.kv_heads * arch.head_size * 2
-    if "moe" in name or name in ("mixtral", "gpt-oss", "llama4"):
+    if "moe" in name or name in ("mixtral", "gpt-oss", "llama4", "minimax-m2"):
         assert arch.active_parameters is not None and arch.active_parameters < arch.parameters
     else:
         assert arch.active_parameters is None

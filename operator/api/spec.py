@@ -149,6 +149,10 @@ class Architecture(BaseModel):
                 "visionParameters must be fewer than parameters",
             ),
             (
+                "!has(self.replicatedParameters) || self.replicatedParameters < self.parameters",
+                "replicatedParameters must be fewer than parameters",
+            ),
+            (
                 "!has(self.state) || (self.state.layers <= self.layers && self.state.attentionLayers <= self.layers)",
                 "state.layers and state.attentionLayers must not exceed layers",
             ),
@@ -228,6 +232,14 @@ class Architecture(BaseModel):
         description="Of parameters, the vision tower's and its projector's (a multimodal checkpoint): "
         "held in memory, off a text token's path.",
     )
+    replicated_parameters: int | None = Field(
+        default=None,
+        gt=0,
+        json_schema_extra=INT64,
+        description="Of parameters, those every GPU of a tensor-parallel group holds whole, as vLLM builds them "
+        "(norms, the experts' routers, latent attention's down-projections; read from config.json); unset: "
+        "none. K and V projections copied to GPUs that outnumber the KV heads are counted from kvHeads.",
+    )
     state: StateLayers | None = Field(
         default=None,
         description="A hybrid's layers that keep a state per sequence (Mamba, Gated DeltaNet) beside its attention "
@@ -269,6 +281,8 @@ class Architecture(BaseModel):
             raise ValueError("latentDim (latent attention) and slidingWindow do not go together")
         if self.vision_parameters is not None and self.vision_parameters >= self.parameters:
             raise ValueError(f"visionParameters {self.vision_parameters:,} is not fewer than parameters")
+        if self.replicated_parameters is not None and self.replicated_parameters >= self.parameters:
+            raise ValueError(f"replicatedParameters {self.replicated_parameters:,} is not fewer than parameters")
         # Not their sum: Falcon-H1 runs attention and a Mamba-2 mixer side by side in every layer.
         if self.state is not None and max(self.state.layers, self.state.attention_layers) > self.layers:
             raise ValueError(f"state.layers or state.attentionLayers exceeds layers {self.layers}")

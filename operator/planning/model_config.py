@@ -400,6 +400,24 @@ def _parameters(config: Mapping[str, Any], family: Family, shape: _Shape, tied: 
     return total + outside, active + outside
 
 
+def _replicated(config: Mapping[str, Any], family: Family, shape: _Shape) -> int:
+    """The parameters vLLM 0.33 holds whole on every GPU of a tensor-parallel group: the norms around
+    each layer and the final one, one-head q/k norms, the experts' routers, and latent attention's
+    down-projections (q's and the shared latent's) with their norms."""
+    layers = _int(config, "num_hidden_layers")
+    whole = layers * family.norms * shape.hidden + shape.hidden
+    if family.head_norms == "per_head" and (family.head_norms_key is None or config.get(family.head_norms_key)):
+        whole += layers * 2 * shape.head_dim
+    if family.experts is not None:
+        moe = _experts(config, family.experts, shape.hidden)
+        whole += (layers - len(moe.dense)) * moe.router
+    if family.latent:
+        rank, rope, q_rank = _int(config, "kv_lora_rank"), _int(config, "qk_rope_head_dim"), config.get("q_lora_rank")
+        latent = shape.hidden * (rank + rope) + rank
+        whole += layers * (latent + (shape.hidden * q_rank + q_rank if q_rank else 0))
+    return whole
+
+
 def _vision_tower(vision: Mapping[str, Any], tower: str) -> int:
     """A vision tower as transformers builds it: a ViT (SigLIP, CLIP), Pixtral's or Qwen2.5-VL's."""
     if tower == "pixtral":
@@ -549,6 +567,7 @@ def _hybrid(config: Mapping[str, Any], name: str, state: RecurrentState, source:
             f"in pages of {hybrid.block_size}-token attention blocks) beside {state.attention_layers} attention layers"
         )
     tied = bool(config.get("tie_word_embeddings", False))
+    replicated = HYBRID_REPLICATED.get(str(config["architectures"][0]))
     return Architecture(
         layers=_int(config, "num_hidden_layers"),
         hidden_size=_int(config, "hidden_size"),
@@ -558,6 +577,7 @@ def _hybrid(config: Mapping[str, Any], name: str, state: RecurrentState, source:
         vocab_size=_int(config, "vocab_size"),
         parameters=total,
         active_parameters=active if active != total else None,
+        replicated_parameters=replicated(config, state) if replicated else None,
         max_context=_int(config, "max_position_embeddings"),
         tie_word_embeddings=tied,
         hf_architecture=name,
@@ -590,6 +610,27 @@ def _gated_deltanet_mixers(config: Mapping[str, Any], state: RecurrentState, hid
     linear += 2 * value_heads + value_dim + value * hidden
     layers = state.layers + state.attention_layers
     return state.attention_layers * attention + state.layers * linear + 2 * layers * hidden
+
+
+def _gated_deltanet_replicated(config: Mapping[str, Any], state: RecurrentState) -> int:
+    """What vLLM 0.33 holds whole on every GPU of Qwen3-Next's and Qwen3.5's: the layers' two norms
+    and the final one, the attention layers' one-head q/k norms, Gated DeltaNet's one-head gated norm,
+    and, under experts, each layer's router and shared expert gate."""
+    hidden, layers = _int(config, "hidden_size"), state.layers + state.attention_layers
+    whole = (2 * layers + 1) * hidden + state.attention_layers * 2 * state.head_dim
+    whole += state.layers * _int(config, "linear_value_head_dim")
+    if "num_experts" in config:
+        moe = _experts(config, "qwen2_moe", hidden)
+        whole += (layers - len(moe.dense)) * (moe.router + hidden)
+    return whole
+
+
+# The hybrids whose replicated parameters are counted.
+HYBRID_REPLICATED = {
+    "Qwen3NextForCausalLM": _gated_deltanet_replicated,
+    "Qwen3_5ForCausalLM": _gated_deltanet_replicated,
+    "Qwen3_5MoeForCausalLM": _gated_deltanet_replicated,
+}
 
 
 def _qwen3_next_layers(config: Mapping[str, Any], state: RecurrentState, hidden: int) -> tuple[int, int]:
@@ -824,7 +865,8 @@ def _architecture(config: Mapping[str, Any], name: str, family: Family, source: 
     else:
         head_dim = _int(config, "head_dim") if config.get("head_dim") is not None else hidden // heads
     tied = bool(config.get("tie_word_embeddings", family.tie_default))
-    total, active = _parameters(config, family, _Shape(hidden, heads, kv_heads, head_dim), tied)
+    shape = _Shape(hidden, heads, kv_heads, head_dim)
+    total, active = _parameters(config, family, shape, tied)
     return Architecture(
         layers=layers,
         hidden_size=hidden,
@@ -834,6 +876,7 @@ def _architecture(config: Mapping[str, Any], name: str, family: Family, source: 
         vocab_size=_int(config, "vocab_size"),
         parameters=total,
         active_parameters=active if active != total else None,
+        replicated_parameters=_replicated(config, family, shape),
         max_context=_int(config, "max_position_embeddings"),
         tie_word_embeddings=tied,
         sliding_window=_positive(_window(config, family), "the window") if sliding else None,

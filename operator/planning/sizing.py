@@ -140,6 +140,19 @@ def checkpoint_problem(arch: Architecture, stored: str | None) -> str | None:
     return None
 
 
+def replicated_values(arch: Architecture, tp: int) -> int:
+    """What a tensor-parallel group of `tp` GPUs holds beyond one copy of the weights, in values: what
+    vLLM holds whole on every GPU (replicatedParameters) once more on each of the other tp - 1, and
+    the K and V projections of the KV heads it copies to the GPUs that outnumber them (one head each)."""
+    if tp == 1:
+        return 0
+    copies = (tp - 1) * (arch.replicated_parameters or 0)
+    if arch.latent_dim is None and tp > arch.kv_heads:
+        attention_layers = arch.state.attention_layers if arch.state is not None else arch.layers
+        copies += (tp - arch.kv_heads) * 2 * arch.head_size * arch.hidden_size * attention_layers
+    return copies
+
+
 def allreduce_seconds(bytes_per_gpu: float, gpus: int, link_bytes_per_s: float, latency_s: float) -> float:
     """One ring all-reduce of a `bytes_per_gpu` tensor over `gpus`: each GPU sends and receives
     2 (n - 1) / n of it over its link, after a fixed per-call latency; free on one GPU."""

@@ -19,7 +19,9 @@ the CUDA platform leaves it (this CPU platform would store it in fp32), and, for
 "flashinfer_gdn", Gated DeltaNet's prefill on FlashInfer as vLLM runs it on Hopper GPUs. The state
 and block size at tensor-parallel sizes 2, 4 and 8 come from the model class's own state shapes
 (building the model needs its GPUs), and so do every model's KV heads per GPU at those sizes
-(ModelConfig.get_num_kv_heads: copied where the GPUs outnumber them).
+(ModelConfig.get_num_kv_heads: copied where the GPUs outnumber them). A case with "weights_split"
+reports the parameter bytes one GPU holds at those sizes: the model built as rank 0 of a
+tensor-parallel group that size (the group's size set, no other process).
 
 A case with a "draft_model" (a small model's config.json) is planned again with it as vLLM's draft
 model (SpeculativeConfig method "draft_model"), its KV cache in the case's "kv_cache_dtype" (auto
@@ -58,7 +60,7 @@ from vllm.config import (
     VllmConfig,
     set_current_vllm_config,
 )
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.distributed import init_distributed_environment, initialize_model_parallel, parallel_state
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
 from vllm.model_executor.model_loader.utils import get_model_architecture
@@ -297,6 +299,23 @@ def _hybrid_on(folder: Path, tp: int) -> dict[str, Any]:
     return {"state_bytes": state.page_size_bytes, "block_size": vllm_config.cache_config.block_size}
 
 
+def weights_split(folder: Path) -> dict[str, Any]:
+    """The parameter bytes one GPU holds on each of TP_SIZES GPUs (the model built on the meta device
+    as rank 0 of a tensor-parallel group that size), or why vLLM does not build it so."""
+    group = parallel_state.get_tp_group()
+    split: dict[str, Any] = {}
+    for tp in TP_SIZES:
+        group.world_size = tp
+        try:
+            model, _ = _layer_specs(_vllm_config(folder, tp=tp))
+            split[str(tp)] = sum(p.numel() * p.element_size() for p in model.parameters())
+        except Exception as error:  # noqa: BLE001 - reported per size, for the test to show
+            split[str(tp)] = {"error": f"{type(error).__name__}: {error}"}
+        finally:
+            group.world_size = 1
+    return split
+
+
 def _init_distributed() -> None:
     """One rank of one: the parallel state building a model needs."""
     with socket.socket() as probe:
@@ -320,6 +339,8 @@ def main() -> None:
                 found |= kv_pool(folder, bool(case.get("flashinfer_gdn")))
                 if found["hybrid"] and not case.get("flashinfer_gdn"):
                     found["split"] = hybrid_split(folder)
+                if case.get("weights_split"):
+                    found["weights_split"] = weights_split(folder)
                 if case.get("eagle_head"):
                     found["eagle"] = with_eagle(folder, case["eagle_head"])
                 if case.get("draft_model"):

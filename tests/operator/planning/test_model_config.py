@@ -503,7 +503,9 @@ def test_the_embedded_models_real_config_counts_the_catalogs_parameters(model_di
     read = read_config(json.loads((model_dir / "config.json").read_text()), "embedded")
     assert not isinstance(read, str), read
     catalog = MODELS["smollm2-135m"]
-    assert read.architecture.model_dump(exclude={"source"}) == catalog.model_dump(exclude={"source"})
+    # The catalog leaves out the norms every GPU of a tensor-parallel group holds whole (a one-GPU model).
+    unlisted = {"source", "replicated_parameters"}
+    assert read.architecture.model_dump(exclude=unlisted) == catalog.model_dump(exclude=unlisted)
 
 
 # Qwen3's use_sliding_window from layer 1 of 3: windows beside full attention, which vLLM refuses.
@@ -838,12 +840,17 @@ def _language_model_of(name: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def vllm_kv_specs() -> dict[str, dict[str, Any]]:
     """What vLLM's own ModelConfig (tests/vllm/kv_specs.py, the pinned version) makes of each real config."""
+    # Each built on 2, 4 and 8 GPUs too (the bytes one holds).
+    split = {"weights_split": True}
     cases = [
-        json.dumps({"id": n, "config": json.loads((HF_CONFIGS / f"{n}.json").read_text())}) for n in real_configs()
+        json.dumps({"id": n, "config": json.loads((HF_CONFIGS / f"{n}.json").read_text()), **split})
+        for n in real_configs()
     ]
     # A wrapper's language model alone, as the wrapper builds it from text_config: the tower holds no
     # KV cache, and its parameters are checked against transformers' modules.
-    cases += [json.dumps({"id": f"{n}#text", "config": _language_model_of(n)}) for n in real_configs() if _wraps(n)]
+    cases += [
+        json.dumps({"id": f"{n}#text", "config": _language_model_of(n), **split}) for n in real_configs() if _wraps(n)
+    ]
     # The hybrids again as vLLM runs them on Hopper GPUs (FlashInfer's Gated DeltaNet prefill).
     cases += [json.dumps({"id": f"{n}@{HOPPER}", "config": hybrid_config(n), **FLASHINFER}) for n in HYBRIDS]
     # Tiny hybrids in their checkpoints' keys: families without a real config.json among hf_configs, and
@@ -1023,7 +1030,8 @@ def test_vllm_holds_a_hybrids_per_sequence_state_as_the_planner_sizes_it(
 
 # vLLM pads its embedding and LM head to whole blocks of rows (VocabParallelEmbedding).
 VOCAB_PADDING = 64
-# The most of a real model's weights vLLM 0.33 holds in fp32 beyond the planner's 16-bit count.
+# The most of a real model's weights vLLM 0.33 holds in fp32 beyond the planner's 16-bit count (on one
+# GPU; on tp GPUs, its replicated fp32 routers are up to tp times that share of one GPU's).
 FP32_SHARE = 0.0005
 
 
@@ -1066,6 +1074,50 @@ def test_vllm_builds_the_model_with_the_parameters_the_planner_counts(
     # routing biases, Mamba's decays): GLM-4.5-Air's gate is the most, 47 MB of its 214 GB.
     sixteen_bit = sizing.BYTES_PER_VALUE * (counted + padding)
     assert sixteen_bit <= built["parameter_bytes"] <= sixteen_bit * (1 + FP32_SHARE)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        *(n for n in real_configs() if not _wraps(n) and not isinstance(read_config(_config(n), "t"), str)),
+        *(f"{n}#text" for n in real_configs() if _wraps(n)),
+    ],
+)
+def test_one_gpu_of_a_tensor_parallel_group_holds_the_weights_the_planner_gives_it(
+    name: str, vllm_kv_specs: dict[str, dict[str, Any]]
+) -> None:
+    """vLLM splits the weights over the GPUs but for what it holds whole on each (norms, routers,
+    latent attention's down-projections: replicatedParameters) and the K and V heads it copies where
+    the GPUs outnumber them: sizing.replicated_values, which the planner adds to a replica's weights.
+    DeepSeek V3's GPU holds 1.8 GB (16-bit) more on 8 GPUs than an eighth of its weights."""
+    counted, arch = _language_parameters(name)
+    rows = (-arch.vocab_size % VOCAB_PADDING) * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
+    built = {int(tp): held for tp, held in vllm_kv_specs[name]["weights_split"].items() if isinstance(held, int)}
+    errors = {tp: held for tp, held in vllm_kv_specs[name]["weights_split"].items() if not isinstance(held, int)}
+    # gpt-oss's experts have no unquantized MoE kernel on 4 or 8 GPUs; Gemma 3 1B's one KV head and
+    # Qwen2.5-7B's 28 query heads do not split over 8.
+    assert 2 in built and all(int(tp) >= 4 for tp in errors), errors
+    for tp, held in built.items():
+        if placement.heads_problem(arch, tp):
+            continue
+        ours = sizing.BYTES_PER_VALUE * (counted + rows + sizing.replicated_values(arch, tp)) / tp
+        # Jamba's and Nemotron-H's norms are not counted as replicated (0.025 % and 0.012 % of a GPU's at 8).
+        assert ours <= held <= ours * (1 + FP32_SHARE * tp), (tp, held, ours)
+
+
+def test_a_tensor_parallel_replica_is_planned_with_what_each_gpu_holds_whole() -> None:
+    """Qwen3-235B-A22B on 8 GPUs: its routers and norms on each, and its 4 KV heads' projections
+    copied to the 4 GPUs beyond them, are weights the pool does not get (1.39 GiB over the 8)."""
+    read = read_config(_config("Qwen--Qwen3-235B-A22B"), "t")
+    assert not isinstance(read, str), read
+    arch = read.architecture
+    model = {"name": "qwen3-235b", "architecture": arch.model_dump(by_alias=True, exclude_none=True)}
+    spec = {"runtime": "vllm", "model": model, "accelerator": {"type": "H200", "count": 8}}
+    planned = plan(InferenceServiceSpec.model_validate(spec))
+    assert planned.fits and planned.gpu_count == 8, planned.reason
+    copies = sizing.replicated_values(arch, 8)
+    assert copies == 7 * arch.replicated_parameters + 4 * 2 * arch.head_size * arch.hidden_size * arch.layers
+    assert planned.weight_bytes == sizing.BYTES_PER_VALUE * (arch.parameters + copies)
 
 
 SIZED_KINDS = {"FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec", "ChunkedLocalAttentionSpec"}

@@ -40,6 +40,13 @@ def architecture(name: str) -> Architecture:
     return read.architecture
 
 
+def weights_per_gpu(arch: Architecture, quantization: str, tp: int) -> float:
+    """One GPU's weights as the planner gives a replica of `tp`: its share of one copy and of what
+    every GPU holds whole (sizing.replicated_values), at the weights' mean bytes per value."""
+    weights = sizing.weight_bytes(arch, quantization, quantized_lm_head=False)
+    return (weights + sizing.replicated_values(arch, tp) * weights // arch.parameters) / tp
+
+
 def allocated_gib(point: dict[str, Any]) -> float:
     """What the pinned vLLM allocates where 0.19 logged this point (module docstring)."""
     return point["logged"]["kv_cache_gib"] - point["logged"]["cuda_graphs_gib"]
@@ -51,7 +58,7 @@ def predicted_gib(point: dict[str, Any], batch: tuple[int, int] | None = None) -
     gpu, tp = GPUS[point["gpu"]], point["tensor_parallel_size"]
     tokens, seqs = batch or (point["max_num_batched_tokens"], point["max_num_seqs"])
     arch = architecture(point["architecture"])
-    weights = sizing.weight_bytes(arch, point["quantization"], quantized_lm_head=False) // tp
+    weights = weights_per_gpu(arch, point["quantization"], tp)
     reserve = vllm_reserve(arch, tokens, seqs, tp).total
     return (int(gpu.memory_bytes * point["gpu_memory_utilization"]) - weights - reserve) / sizing.GiB
 
@@ -83,7 +90,7 @@ def test_each_term_is_what_vllm_logged(point: dict[str, Any]) -> None:
     logged, tp = point["logged"], point["tensor_parallel_size"]
     arch = architecture(point["architecture"])
     reserve = vllm_reserve(arch, point["max_num_batched_tokens"], point["max_num_seqs"], tp)
-    weights = sizing.weight_bytes(arch, point["quantization"], quantized_lm_head=False) / tp + reserve.loading
+    weights = weights_per_gpu(arch, point["quantization"], tp) + reserve.loading
     assert weights / sizing.GiB == pytest.approx(logged["weights_gib"], abs=0.1)
     for value, key in (
         (reserve.activation, "activation_gib"),

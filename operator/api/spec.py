@@ -238,7 +238,7 @@ class Architecture(BaseModel):
         json_schema_extra=INT64,
         description="Of parameters, those every GPU of a tensor-parallel group holds whole, as vLLM builds them "
         "(norms, the experts' routers, latent attention's down-projections; read from config.json); unset: "
-        "none. K and V projections copied to GPUs that outnumber the KV heads are counted from kvHeads.",
+        "none counted. K and V projections copied to GPUs that outnumber the KV heads are counted from kvHeads.",
     )
     state: StateLayers | None = Field(
         default=None,

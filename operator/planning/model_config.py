@@ -625,11 +625,26 @@ def _gated_deltanet_replicated(config: Mapping[str, Any], state: RecurrentState)
     return whole
 
 
+def _jamba_replicated(config: Mapping[str, Any], state: RecurrentState) -> int:
+    """Jamba's: the layers' two norms and the final one, the Mamba mixers' norms of dt, B and C, and
+    the routers of the layers with experts."""
+    hidden, layers = _int(config, "hidden_size"), _int(config, "num_hidden_layers")
+    norms = state.layers * (_jamba_dt_rank(config, hidden) + 2 * state.head_values)
+    return (2 * layers + 1) * hidden + norms + _jamba_sparse_layers(config) * hidden * _int(config, "num_experts")
+
+
+def _nemotron_h_replicated(config: Mapping[str, Any], state: RecurrentState) -> int:
+    """Nemotron-H's: each layer's norm and the final one."""
+    return (len(str(config["hybrid_override_pattern"])) + 1) * _int(config, "hidden_size")
+
+
 # The hybrids whose replicated parameters are counted.
 HYBRID_REPLICATED = {
     "Qwen3NextForCausalLM": _gated_deltanet_replicated,
     "Qwen3_5ForCausalLM": _gated_deltanet_replicated,
     "Qwen3_5MoeForCausalLM": _gated_deltanet_replicated,
+    "JambaForCausalLM": _jamba_replicated,
+    "NemotronHForCausalLM": _nemotron_h_replicated,
 }
 
 
@@ -723,21 +738,35 @@ def _jamba_mamba(config: Mapping[str, Any], state: RecurrentState, hidden: int) 
     """One Jamba Mamba mixer: in (x and the gate), the depthwise convolution, x_proj (dt's rank, B and
     C), dt_proj (biased), A_log and D, the RMS norms of dt, B and C, and out."""
     inner, d_state = state.conv_channels, state.head_values
-    rank = config.get("mamba_dt_rank", "auto")
-    rank = math.ceil(hidden / 16) if rank == "auto" else _positive(rank, "mamba_dt_rank")
+    rank = _jamba_dt_rank(config, hidden)
     projection_bias = inner * 2 + hidden if config.get("mamba_proj_bias", False) else 0
     conv = inner * (state.conv_width + 1) + (inner if config.get("mamba_conv_bias", True) else 0)
     ssm = inner * (rank + 2 * d_state) + rank * inner + inner + inner * d_state + inner
     return hidden * 2 * inner + conv + ssm + inner * hidden + projection_bias + rank + 2 * d_state
 
 
+def _jamba_dt_rank(config: Mapping[str, Any], hidden: int) -> int:
+    rank = config.get("mamba_dt_rank", "auto")
+    return math.ceil(hidden / 16) if rank == "auto" else _positive(rank, "mamba_dt_rank")
+
+
+def _jamba_sparse_layers(config: Mapping[str, Any]) -> int:
+    """Jamba's layers with experts: every expert_layer_period-th from expert_layer_offset, where
+    num_experts > 1."""
+    layers, period = _int(config, "num_hidden_layers"), _int(config, "expert_layer_period")
+    offset = int(config.get("expert_layer_offset", 0))
+    return sum(1 for i in range(layers) if i % period == offset) if _int(config, "num_experts") > 1 else 0
+
+
 def _jamba_layers(config: Mapping[str, Any], state: RecurrentState, hidden: int) -> tuple[int, int]:
     """Jamba's layers, two norms each: attention (every attn_layer_period-th from attn_layer_offset)
     or a Mamba mixer, and experts (every expert_layer_period-th from expert_layer_offset, where
     num_experts > 1) or a dense MLP of intermediate_size."""
-    layers, experts = _int(config, "num_hidden_layers"), _int(config, "num_experts")
-    period, offset = _int(config, "expert_layer_period"), int(config.get("expert_layer_offset", 0))
-    sparse = sum(1 for i in range(layers) if i % period == offset) if experts > 1 else 0
+    layers, experts, sparse = (
+        _int(config, "num_hidden_layers"),
+        _int(config, "num_experts"),
+        _jamba_sparse_layers(config),
+    )
     heads = _int(config, "num_attention_heads")
     attention = 2 * hidden * heads * state.head_dim + 2 * hidden * state.kv_heads * state.head_dim
     mixers = state.attention_layers * attention + state.layers * _jamba_mamba(config, state, hidden)

@@ -305,10 +305,15 @@ def _attention(config: Mapping[str, Any], family: Family, shape: _Shape) -> int:
         biases = q + 2 * kv + (shape.hidden if family.output_bias else 0)
     else:
         biases = q + 2 * kv if family.qkv_bias else 0
-    norms = 0
-    if family.head_norms and (family.head_norms_key is None or config.get(family.head_norms_key)):
-        norms = 2 * shape.head_dim if family.head_norms == "per_head" else q + kv
+    kind = _head_norms(config, family)
+    norms = 0 if kind is None else 2 * shape.head_dim if kind == "per_head" else q + kv
     return weights + biases + norms + (shape.heads if family.sinks else 0)
+
+
+def _head_norms(config: Mapping[str, Any], family: Family) -> str | None:
+    """The kind of q/k norms the model has (Family.head_norms), None where it has none."""
+    on = family.head_norms_key is None or config.get(family.head_norms_key)
+    return family.head_norms if on else None
 
 
 def _latent_attention(config: Mapping[str, Any], shape: _Shape) -> int:
@@ -406,7 +411,7 @@ def _replicated(config: Mapping[str, Any], family: Family, shape: _Shape) -> int
     down-projections (q's and the shared latent's) with their norms."""
     layers = _int(config, "num_hidden_layers")
     whole = layers * family.norms * shape.hidden + shape.hidden
-    if family.head_norms == "per_head" and (family.head_norms_key is None or config.get(family.head_norms_key)):
+    if _head_norms(config, family) == "per_head":
         whole += layers * 2 * shape.head_dim
     if family.experts is not None:
         moe = _experts(config, family.experts, shape.hidden)
@@ -746,6 +751,7 @@ def _jamba_mamba(config: Mapping[str, Any], state: RecurrentState, hidden: int) 
 
 
 def _jamba_dt_rank(config: Mapping[str, Any], hidden: int) -> int:
+    """dt's rank: mamba_dt_rank, or hidden_size / 16 rounded up where "auto"."""
     rank = config.get("mamba_dt_rank", "auto")
     return math.ceil(hidden / 16) if rank == "auto" else _positive(rank, "mamba_dt_rank")
 
@@ -762,11 +768,8 @@ def _jamba_layers(config: Mapping[str, Any], state: RecurrentState, hidden: int)
     """Jamba's layers, two norms each: attention (every attn_layer_period-th from attn_layer_offset)
     or a Mamba mixer, and experts (every expert_layer_period-th from expert_layer_offset, where
     num_experts > 1) or a dense MLP of intermediate_size."""
-    layers, experts, sparse = (
-        _int(config, "num_hidden_layers"),
-        _int(config, "num_experts"),
-        _jamba_sparse_layers(config),
-    )
+    layers, experts = _int(config, "num_hidden_layers"), _int(config, "num_experts")
+    sparse = _jamba_sparse_layers(config)
     heads = _int(config, "num_attention_heads")
     attention = 2 * hidden * heads * state.head_dim + 2 * hidden * state.kv_heads * state.head_dim
     mixers = state.attention_layers * attention + state.layers * _jamba_mamba(config, state, hidden)

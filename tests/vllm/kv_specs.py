@@ -193,7 +193,6 @@ def kv_pool(folder: Path, flashinfer_gdn: bool = False) -> dict[str, Any]:
     built = {
         "parameters": sum(p.numel() for p in model.parameters()),
         "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-        "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
         "layer_specs": [_layer(spec, vllm_config) for spec in specs.values()],
     }
     kinds = (AttentionSpec | MambaSpec) if vllm_config.model_config.is_hybrid else AttentionSpec

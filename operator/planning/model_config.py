@@ -91,6 +91,8 @@ FAMILIES: dict[str, Family] = {
         experts="glm4_moe",
         windows="none",
     ),
+    # GLM-4.7-Flash: GLM-4.5's experts beside DeepSeek's latent attention.
+    "Glm4MoeLiteForCausalLM": Family(tie_default=False, experts="glm4_moe", windows="none", latent=True),
     # Full attention with norms over all the heads' q and k, experts in every layer (a router and a
     # routing bias held in fp32 by vLLM); its multi-token prediction modules are not built.
     "MiniMaxM2ForCausalLM": Family(

@@ -236,6 +236,20 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 1,
         "num_experts_per_tok": 2,
     },
+    # GLM-4.7-Flash: latent attention (q through its own low rank) beside GLM-4.5's experts.
+    "glm4-moe-lite": {
+        "model_type": "glm4_moe_lite",
+        "kv_lora_rank": 32,
+        "q_lora_rank": 48,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 24,
+        "first_k_dense_replace": 1,
+        "num_experts_per_tok": 2,
+    },
     # Norms over all the heads' q and k, experts in every layer with a routing bias.
     "minimax-m2": {
         "model_type": "minimax_m2",
@@ -274,6 +288,7 @@ ARCHITECTURES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
 }

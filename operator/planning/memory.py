@@ -57,10 +57,7 @@ def replica_sizes(inputs: Inputs, group: tuple[Device, int], quantization: str, 
     # the cache's dtype (vLLM's draft layers take the target's cache config).
     draft_weights = draft.weights if draft else 0
     draft_kv = sizing.kv_bytes_per_token(draft.arch, kv_bytes, tp) if draft else 0
-    target_weights = _target_weights(inputs, gpu, quantization)
-    # What every GPU of the group holds whole, at the weights' mean bytes per value.
-    copies = sizing.replicated_values(arch, tp) * target_weights // arch.parameters
-    weights = target_weights + copies + draft_weights
+    weights = sizing.held_by_group(arch, _target_weights(inputs, gpu, quantization), tp) + draft_weights
     lora = lora_settings(spec.adapters)
     # The runtime allocates the adapters' slots as it loads the weights: the pool is what both leave.
     adapters = resident_bytes(arch, lora, tp, gpu.bytes_per_value) if lora else 0

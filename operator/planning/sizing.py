@@ -153,6 +153,12 @@ def replicated_values(arch: Architecture, tp: int) -> int:
     return copies
 
 
+def held_by_group(arch: Architecture, weights: int, tp: int) -> int:
+    """`weights` (one copy of the model's) as a tensor-parallel group of `tp` GPUs holds them: with
+    its replicated values (replicated_values) at the weights' mean bytes per value."""
+    return weights + replicated_values(arch, tp) * weights // arch.parameters
+
+
 def allreduce_seconds(bytes_per_gpu: float, gpus: int, link_bytes_per_s: float, latency_s: float) -> float:
     """One ring all-reduce of a `bytes_per_gpu` tensor over `gpus`: each GPU sends and receives
     2 (n - 1) / n of it over its link, after a fixed per-call latency; free on one GPU."""

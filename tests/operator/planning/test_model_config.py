@@ -161,6 +161,20 @@ TINY_COUNTED_HYBRIDS = {
 }
 
 
+# DeepSeek V3's layers, small: latent attention with q through its own rank, a dense first layer,
+# routed experts and a shared one (GLM-4.7-Flash builds the same shapes).
+DEEPSEEK_V3_LAYERS = {
+    "kv_lora_rank": 32,
+    "q_lora_rank": 48,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 24,
+    "first_k_dense_replace": 1,
+    "num_experts_per_tok": 2,
+}
 FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama-biases": {"model_type": "llama", "attention_bias": True, "mlp_bias": True},
     "llama-tied-head-dim": {"model_type": "llama", "tie_word_embeddings": True, "head_dim": 32},
@@ -211,16 +225,7 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     },
     "deepseek-v3": {
         "model_type": "deepseek_v3",
-        "kv_lora_rank": 32,
-        "q_lora_rank": 48,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 16,
-        "n_routed_experts": 4,
-        "n_shared_experts": 1,
-        "moe_intermediate_size": 24,
-        "first_k_dense_replace": 1,
-        "num_experts_per_tok": 2,
+        **DEEPSEEK_V3_LAYERS,
         "n_group": 1,
         "topk_group": 1,
         "topk_method": "noaux_tc",
@@ -237,19 +242,7 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
     },
     # GLM-4.7-Flash: latent attention (q through its own low rank) beside GLM-4.5's experts.
-    "glm4-moe-lite": {
-        "model_type": "glm4_moe_lite",
-        "kv_lora_rank": 32,
-        "q_lora_rank": 48,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 16,
-        "n_routed_experts": 4,
-        "n_shared_experts": 1,
-        "moe_intermediate_size": 24,
-        "first_k_dense_replace": 1,
-        "num_experts_per_tok": 2,
-    },
+    "glm4-moe-lite": {"model_type": "glm4_moe_lite", **DEEPSEEK_V3_LAYERS},
     # Norms over all the heads' q and k, experts in every layer with a routing bias.
     "minimax-m2": {
         "model_type": "minimax_m2",

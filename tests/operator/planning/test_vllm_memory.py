@@ -42,9 +42,8 @@ def architecture(name: str) -> Architecture:
 
 def weights_per_gpu(arch: Architecture, quantization: str, tp: int) -> float:
     """One GPU's weights as the planner gives a replica of `tp`: its share of one copy and of what
-    every GPU holds whole (sizing.replicated_values), at the weights' mean bytes per value."""
-    weights = sizing.weight_bytes(arch, quantization, quantized_lm_head=False)
-    return (weights + sizing.replicated_values(arch, tp) * weights // arch.parameters) / tp
+    every GPU holds whole (sizing.held_by_group)."""
+    return sizing.held_by_group(arch, sizing.weight_bytes(arch, quantization, quantized_lm_head=False), tp) / tp
 
 
 def allocated_gib(point: dict[str, Any]) -> float:

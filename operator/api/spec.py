@@ -121,6 +121,30 @@ class StateLayers(BaseModel):
 EAGLE3_HEADS = frozenset({"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"})
 
 
+class FullAttentionShape(BaseModel):
+    """Also the CRD's `spec.model.architecture.fullAttention`: the full-attention layers' K and V heads
+    where they differ from the sliding-window layers' (Gemma 4)."""
+
+    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    kv_heads: int = Field(
+        gt=0, description="K/V heads of a full-attention layer (Gemma 4's num_global_key_value_heads)."
+    )
+    head_dim: int = Field(
+        gt=0, description="The dimension of a full-attention layer's heads (Gemma 4's global_head_dim)."
+    )
+
+
+class SharedKV(BaseModel):
+    """Also the CRD's `spec.model.architecture.sharedKv`: layers that attend over an earlier layer's K and
+    V and keep none of their own (Gemma 4's last num_kv_shared_layers), by kind."""
+
+    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    full_layers: int = Field(default=0, ge=0, description="Full-attention layers among them.")
+    sliding_layers: int = Field(default=0, ge=0, description="Sliding-window layers among them.")
+
+
 class Architecture(BaseModel):
     """Also the CRD's `spec.model.architecture`, hence the camelCase aliases."""
 
@@ -159,6 +183,18 @@ class Architecture(BaseModel):
             (
                 "!has(self.state) || (!has(self.slidingWindow) && !has(self.latentDim))",
                 "state goes with neither slidingWindow nor latentDim",
+            ),
+            (
+                "!has(self.fullAttention) || has(self.slidingWindow)",
+                "fullAttention (the full-attention layers' own K/V heads) needs slidingWindow",
+            ),
+            (
+                "!has(self.fullAttention) || self.attentionHeads % self.fullAttention.kvHeads == 0",
+                "attentionHeads must be a multiple of fullAttention.kvHeads",
+            ),
+            (
+                "!has(self.sharedKv) || (!has(self.state) && !has(self.latentDim))",
+                "sharedKv goes with neither state nor latentDim",
             ),
         ),
     )
@@ -225,12 +261,24 @@ class Architecture(BaseModel):
         description="Multi-head latent attention (DeepSeek V2/V3, Kimi K2): the values one token caches per "
         "layer (kv_lora_rank + qk_rope_head_dim), in place of K and V heads, whole on every GPU.",
     )
+    full_attention: FullAttentionShape | None = Field(
+        default=None,
+        description="The full-attention layers' K/V heads and head dimension where they differ from the "
+        "sliding-window layers' (Gemma 4: num_global_key_value_heads of global_head_dim); kvHeads and headDim "
+        "are then the sliding-window layers'. vLLM gives each kind its own page and raises the smaller page's "
+        "tokens per block until the pages are one size.",
+    )
+    shared_kv: SharedKV | None = Field(
+        default=None,
+        description="Layers that attend over an earlier layer's K and V and keep no KV cache of their own "
+        "(Gemma 4's last num_kv_shared_layers), by kind: vLLM allocates nothing for them.",
+    )
     vision_parameters: int | None = Field(
         default=None,
         gt=0,
         json_schema_extra=INT64,
-        description="Of parameters, the vision tower's and its projector's (a multimodal checkpoint): "
-        "held in memory, off a text token's path.",
+        description="Of parameters, the vision tower's and its projector's (a multimodal checkpoint; Gemma 4 "
+        "E2B's and E4B's audio tower's too): held in memory, off a text token's path.",
     )
     replicated_parameters: int | None = Field(
         default=None,
@@ -288,6 +336,20 @@ class Architecture(BaseModel):
             raise ValueError(f"state.layers or state.attentionLayers exceeds layers {self.layers}")
         if self.state is not None and (self.sliding_window is not None or self.latent_dim is not None):
             raise ValueError("state (a hybrid's state layers) goes with neither slidingWindow nor latentDim")
+        if self.full_attention is not None and self.sliding_window is None:
+            raise ValueError("fullAttention (the full-attention layers' own K/V heads) needs slidingWindow")
+        if self.full_attention is not None and self.attention_heads % self.full_attention.kv_heads:
+            raise ValueError(
+                f"attentionHeads {self.attention_heads} is not a multiple of fullAttention.kvHeads "
+                f"{self.full_attention.kv_heads}"
+            )
+        if self.shared_kv is not None and (self.state is not None or self.latent_dim is not None):
+            raise ValueError("sharedKv goes with neither state nor latentDim")
+        if self.shared_kv is not None and (
+            self.shared_kv.full_layers > self.layers - self.windowed_layers
+            or self.shared_kv.sliding_layers > self.windowed_layers
+        ):
+            raise ValueError("sharedKv names more layers of a kind than the model has")
         return self
 
     @property
@@ -306,6 +368,25 @@ class Architecture(BaseModel):
         if self.sliding_window is None:
             return 0
         return self.sliding_layers if self.sliding_layers is not None else self.layers
+
+    @property
+    def full_cache_layers(self) -> int:
+        """The full-attention layers that keep K and V of every token (not a state layer's, not one that
+        reads another layer's)."""
+        shared = self.shared_kv.full_layers if self.shared_kv is not None else 0
+        return self.attention_layer_count - self.windowed_layers - shared
+
+    @property
+    def windowed_cache_layers(self) -> int:
+        """The windowed layers that keep K and V of their own."""
+        return self.windowed_layers - (self.shared_kv.sliding_layers if self.shared_kv is not None else 0)
+
+    @property
+    def full_kv_shape(self) -> tuple[int, int]:
+        """A full-attention layer's K/V heads and head dimension."""
+        if self.full_attention is not None:
+            return self.full_attention.kv_heads, self.full_attention.head_dim
+        return self.kv_heads, self.head_size
 
     @property
     def eagle3_head(self) -> bool:

@@ -191,29 +191,37 @@ def gpu_overhead_seconds(arch: Architecture, running: float = 0.0) -> float:
     return GPU_STEP_OVERHEAD_S + arch.layers * GPU_LAYER_OVERHEAD_S + running * GPU_SEQUENCE_OVERHEAD_S
 
 
-def _layer_tokens(arch: Architecture, attended: float) -> float:
-    """The tokens all attention layers together attend to where a full-attention layer attends to
-    `attended` (a hybrid's state layers attend to nothing): a sliding layer to its window at most, a
-    chunked one to the tokens since its chunk began, half a chunk on average once past the first."""
-    layers = arch.attention_layer_count
+def _layer_tokens(arch: Architecture, attended: float) -> tuple[float, float]:
+    """The tokens the full-attention layers together attend to where each attends to `attended`, and
+    the local layers' together (a hybrid's state layers attend to nothing): a sliding layer to its
+    window at most, a chunked one to the tokens since its chunk began, half a chunk on average once
+    past the first. A layer that reads another's K and V (Gemma 4) attends all the same."""
+    full = (arch.attention_layer_count - arch.windowed_layers) * attended
     window = arch.sliding_window
     if window is None:
-        return layers * attended
+        return full, 0.0
     local = (attended if attended < window else window / 2) if arch.chunked else min(attended, window)
-    return (layers - arch.windowed_layers) * attended + arch.windowed_layers * local
+    return full, arch.windowed_layers * local
 
 
 def _attention_flops(arch: Architecture, tokens: float, attended: float) -> float:
     """Attention's arithmetic for `tokens` rows attending to `attended` tokens each on average: QK^T
-    and PV, 2 x 2 FLOPs per head dimension and attended token in every layer (_layer_tokens)."""
-    return 4 * arch.attention_heads * arch.head_size * tokens * _layer_tokens(arch, attended)
+    and PV, 2 x 2 FLOPs per head dimension and attended token in every layer (_layer_tokens; Gemma
+    4's full-attention heads are wider)."""
+    full, local = _layer_tokens(arch, attended)
+    return 4 * arch.attention_heads * tokens * (arch.full_kv_shape[1] * full + arch.head_size * local)
 
 
 def _kv_read_bytes(replica: Replica, context: float) -> float:
     """The K and V one decoding sequence of `context` tokens reads in a step: its tokens' in every
-    full-attention layer, its window's or chunk's in a local one (_layer_tokens)."""
-    layers = replica.arch.attention_layer_count
-    return replica.kv_per_token * _layer_tokens(replica.arch, context) / layers if layers else 0.0
+    full-attention layer, its window's or chunk's in a local one (_layer_tokens), each layer's K and
+    V as wide as its kind's, in the replica's cache dtype and over its GPUs (kv_per_token)."""
+    cached = sizing.kv_bytes_per_token(replica.arch)
+    if not cached:
+        return 0.0
+    full, local = _layer_tokens(replica.arch, context)
+    full_bytes, local_bytes = sizing.layer_kv_bytes(replica.arch)
+    return replica.kv_per_token * (full * full_bytes + local * local_bytes) / cached
 
 
 def _prompt_parameters(arch: Architecture) -> int:

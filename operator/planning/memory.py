@@ -134,8 +134,24 @@ def kv_rule(arch: Architecture, sizes: Sizes, held: int, tp: int) -> str:
         )
     return (
         f" ({layout.sliding_groups} sliding-window and {layout.full_groups} full-attention layer groups: "
-        f"the sliding ones keep at most the {layout.window}-token window + {held} tokens in flight{_drafted(layout)})"
+        f"the sliding ones keep at most the {layout.window}-token window + {held} tokens in flight"
+        f"{_shaped(arch, layout)}{_drafted(layout)})"
     )
+
+
+def _shaped(arch: Architecture, layout: sizing.KVLayout) -> str:
+    """Gemma 4's full-attention layers of their own K/V heads and its layers that keep no K and V, for
+    kv_rule's text ('' when neither)."""
+    text = ""
+    if arch.full_attention is not None:
+        heads, head = arch.full_kv_shape
+        text += f"; the full-attention ones {heads} KV heads of {head} values"
+        if layout.block_factor > 1:
+            text += f", {layout.block_factor}x the block size's tokens a block"
+    if arch.shared_kv is not None:
+        shared = arch.shared_kv.full_layers + arch.shared_kv.sliding_layers
+        text += f"; {shared} layers read earlier layers' K and V and keep none"
+    return text
 
 
 def _drafted(layout: sizing.KVLayout) -> str:

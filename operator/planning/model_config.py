@@ -1,8 +1,9 @@
 """A model's Architecture read from its Hugging Face `config.json`, for the families whose KV cache
 the planner sizes exactly as vLLM 0.33 allocates it: full attention over grouped (or multi-) query
 heads, sliding-window layers beside full ones (Gemma 2/3, gpt-oss), multi-head latent attention
-(DeepSeek V2/V3, Kimi K2), Llama 4's chunked local attention, dense or a mixture of experts (GLM-4.5's
-and MiniMax-M2's among them), and the multimodal wrappers of Gemma 3 (a SigLIP tower), LLaVA and
+(DeepSeek V2/V3, Kimi K2), Llama 4's chunked local attention, Gemma 4's full-attention layers of their
+own K/V heads and layers that read an earlier layer's K and V, dense or a mixture of experts (GLM-4.5's
+and MiniMax-M2's among them), and the multimodal wrappers of Gemma 3 (a SigLIP tower), Gemma 4, LLaVA and
 LLaVA-NeXT over a Llama (a CLIP tower), Mistral 3 (Pixtral's tower), Qwen2.5-VL, Qwen3-VL, Qwen3.5
 (over a hybrid) and Llama 4 (their own towers).
 
@@ -29,7 +30,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from kvpilot.operator.api.spec import EAGLE3_HEADS, Architecture, CheckpointQuantization
+from kvpilot.operator.api.spec import EAGLE3_HEADS, Architecture, CheckpointQuantization, FullAttentionShape, SharedKV
 from kvpilot.operator.planning.recurrent import (
     READERS,
     RecurrentState,
@@ -102,7 +103,11 @@ FAMILIES: dict[str, Family] = {
     "Llama4ForCausalLM": Family(
         tie_default=False, experts="llama4", windows="chunked", dense_intermediate="intermediate_size_mlp"
     ),
+    # Gemma 4: read by _gemma4 (its full-attention layers' own K/V heads, layers that share an earlier
+    # layer's K and V, per-layer embeddings, experts beside the dense MLP); listed for what it is.
+    "Gemma4ForCausalLM": Family(tie_default=True, head_norms="per_head", norms=4, pattern=6),
 }
+GEMMA4 = "Gemma4ForCausalLM"
 
 
 class Wrapper(NamedTuple):
@@ -132,6 +137,7 @@ LLAMA_DEFAULTS = {
 }
 WRAPPERS: dict[str, Wrapper] = {
     "Gemma3ForConditionalGeneration": Wrapper("Gemma3ForCausalLM", "siglip", "gemma3"),
+    "Gemma4ForConditionalGeneration": Wrapper(GEMMA4, "gemma4", "gemma4"),
     "LlavaForConditionalGeneration": Wrapper("LlamaForCausalLM", "clip", "llava", LLAMA_DEFAULTS),
     "LlavaNextForConditionalGeneration": Wrapper("LlamaForCausalLM", "clip", "llava_next", LLAMA_DEFAULTS),
     "Mistral3ForConditionalGeneration": Wrapper("MistralForCausalLM", "pixtral", "mistral3", {"model_type": "mistral"}),
@@ -162,6 +168,7 @@ EAGLE3_TARGETS = frozenset(
         "DeepseekV3ForCausalLM",
         "MiniMaxM2ForCausalLM",
         "Llama4ForCausalLM",
+        "Gemma4ForCausalLM",
         "LlavaForConditionalGeneration",
         "Mistral3ForConditionalGeneration",
         "Qwen2_5_VLForConditionalGeneration",
@@ -170,6 +177,7 @@ EAGLE3_TARGETS = frozenset(
         "Qwen3VLMoeForConditionalGeneration",
         "Qwen3_5ForConditionalGeneration",
         "Qwen3_5MoeForConditionalGeneration",
+        "Gemma4ForConditionalGeneration",
     }
 )
 
@@ -437,6 +445,8 @@ def _vision_tower(vision: Mapping[str, Any], tower: str) -> int:
         return _qwen3_vl(vision, vision.get("deepstack_visual_indexes", (8, 16, 24) if tower == "qwen3_vl" else ()))
     if tower == "llama4":
         return _llama4_vision(vision)
+    if tower == "gemma4":
+        return _gemma4_vision(vision)
     return _vit(vision, tower)
 
 
@@ -513,12 +523,50 @@ def _llama4_vision(vision: Mapping[str, Any]) -> int:
     return embeddings + _int(vision, "num_hidden_layers") * layer + adapter
 
 
+def _gemma4_vision(vision: Mapping[str, Any]) -> int:
+    """Gemma 4's tower: an unbiased linear patch embedding, a table of positions per axis, and layers
+    of unbiased attention (q and k normed per head, v without a scale) and gated MLP between four
+    norms; no final norm (its standardization is buffers)."""
+    hidden, size = _int(vision, "hidden_size"), _int(vision, "intermediate_size")
+    heads, kv_heads, head = (
+        _int(vision, "num_attention_heads"),
+        _int(vision, "num_key_value_heads"),
+        _int(vision, "head_dim"),
+    )
+    embeddings = 3 * _int(vision, "patch_size") ** 2 * hidden + 2 * _int(vision, "position_embedding_size") * hidden
+    attention = 2 * hidden * heads * head + 2 * hidden * kv_heads * head + 2 * head
+    layer = attention + 3 * hidden * size + 4 * hidden
+    return embeddings + _int(vision, "num_hidden_layers") * layer
+
+
+def _gemma4_audio(audio: Mapping[str, Any], text_hidden: int) -> int:
+    """Gemma 4's audio tower (E2B, E4B) and its projector: two unbiased 3x3 convolutions subsampling
+    the features, each with a LayerNorm, their projection into the conformer, conformer layers (two
+    feed-forward blocks, attention with a relative-position key projection and a scale per head value,
+    a light convolution block, norms around them), a biased output projection, and one unbiased matrix
+    into the language model. Gemma4AudioConfig's defaults where config.json leaves a key out."""
+    hidden = _positive(audio.get("hidden_size", 1024), "audio_config.hidden_size")
+    heads = _positive(audio.get("num_attention_heads", 8), "audio_config.num_attention_heads")
+    first, second = audio.get("subsampling_conv_channels", (128, 32))
+    subsample = first * 9 + first + second * first * 9 + second + first // 4 * second * hidden
+    feed_forward = 8 * hidden * hidden + 2 * hidden
+    attention = 5 * hidden * hidden + hidden // heads
+    light_conv = 3 * hidden * hidden + hidden * int(audio.get("conv_kernel_size", 5)) + 2 * hidden
+    layer = 2 * feed_forward + attention + light_conv + 3 * hidden
+    out = _positive(audio.get("output_proj_dims", 1536), "audio_config.output_proj_dims")
+    layers = _positive(audio.get("num_hidden_layers", 12), "audio_config.num_hidden_layers")
+    return subsample + layers * layer + hidden * out + out + out * text_hidden
+
+
 def _projector(config: Mapping[str, Any], projector: str, text_hidden: int) -> int:
     """From the tower's features to the language model's: Gemma 3's norm and matrix, or two linear
     layers over the features of every layer vision_feature_layer names (biased unless
     multimodal_projector_bias is false), with LLaVA-NeXT's learned newline token between image rows
     or Mistral 3's norm and patch merger before them; none where the tower merges (Qwen2.5-VL)."""
     vision_hidden = _int(config["vision_config"], "hidden_size")
+    if projector == "gemma4":  # one unbiased matrix after a norm without a scale; an audio tower's too
+        audio = config.get("audio_config")
+        return vision_hidden * text_hidden + (_gemma4_audio(audio, text_hidden) if audio is not None else 0)
     if projector == "llama4":  # one unbiased matrix from the adapter's output
         return _int(config["vision_config"], "vision_output_dim") * text_hidden
     if projector in ("gemma3", "none"):
@@ -816,6 +864,8 @@ def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:
         state = recurrent_state(text)
         if state is not None:
             architecture = _hybrid(text, name, state, source)
+        elif text["architectures"][0] == GEMMA4:
+            architecture = _gemma4(text, name, source)
         else:
             architecture = _architecture(text, name, FAMILIES[str(text["architectures"][0])], source)
         if wrapper is not None and not isinstance(architecture, str):
@@ -917,6 +967,137 @@ def _architecture(config: Mapping[str, Any], name: str, family: Family, source: 
         sliding_layers=sliding if sliding and sliding < layers else None,
         sliding_kind="chunk" if sliding and family.windows == "chunked" else "window",
         latent_dim=_int(config, "kv_lora_rank") + _int(config, "qk_rope_head_dim") if family.latent else None,
+        hf_architecture=name,
+        source=source,
+    )
+
+
+# Gemma4TextConfig's defaults (transformers 5) of the keys a config.json may leave out.
+GEMMA4_DEFAULTS = {
+    "head_dim": 256,
+    "global_head_dim": 512,
+    "sliding_window": 512,
+    "hidden_size_per_layer_input": 256,
+    "vocab_size_per_layer_input": 262_144,
+    "max_position_embeddings": 131_072,
+}
+
+
+class _Gemma4Layers(NamedTuple):
+    """Gemma 4's layers as its config class derives them (Gemma4TextConfig.__post_init__)."""
+
+    types: list[str]  # each layer's: "sliding_attention" or "full_attention" (the last always full)
+    window: int
+    sliding: tuple[int, int]  # a sliding-window layer's K/V heads and head dimension
+    full: tuple[int, int]  # a full-attention layer's
+    first_shared: int  # the first layer that reads an earlier layer's K and V (num_kv_shared_layers from the end)
+
+
+def _gemma4_layers(config: Mapping[str, Any]) -> _Gemma4Layers:
+    layers = _int(config, "num_hidden_layers")
+    types = list(config.get("layer_types") or [])
+    if not types:
+        types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+    if len(types) != layers:
+        raise ValueError(f"layer_types names {len(types)} layers of {layers}")
+    types[-1] = "full_attention"
+    window = _positive(config.get("sliding_window", GEMMA4_DEFAULTS["sliding_window"]), "sliding_window")
+    if config.get("use_bidirectional_attention") == "all":
+        window = window // 2 + 1  # the config class's exclusive bound for bidirectional attention
+    kv_heads = _int(config, "num_key_value_heads")
+    full_kv = config.get("num_global_key_value_heads") if config.get("attention_k_eq_v") else None
+    full = (
+        _positive(full_kv, "num_global_key_value_heads") if full_kv is not None else kv_heads,
+        _gemma4_key(config, "global_head_dim"),
+    )
+    shared = int(config.get("num_kv_shared_layers") or 0)
+    if not 0 <= shared < layers:
+        raise ValueError(f"num_kv_shared_layers {shared} of {layers} layers")
+    return _Gemma4Layers(types, window, (kv_heads, _gemma4_key(config, "head_dim")), full, layers - shared)
+
+
+def _gemma4_key(config: Mapping[str, Any], key: str) -> int:
+    return _positive(config.get(key, GEMMA4_DEFAULTS[key]), key)
+
+
+def _gemma4_parameters(config: Mapping[str, Any], shape: _Gemma4Layers) -> tuple[int, int, int]:
+    """All of Gemma 4's parameters as vLLM 0.33 builds them, a token's, and those it holds whole on
+    every GPU of a tensor-parallel group. A layer that reads an earlier layer's K and V has only q
+    and o; a full-attention layer whose V is its K (attention_k_eq_v) is built with a V projection
+    all the same, loaded with K's weights. Experts (where num_experts is set) run beside the dense MLP,
+    with their router, a scale per expert and three norms more; per-layer embeddings
+    (hidden_size_per_layer_input) add a table and a projection of every layer's inputs and, in each
+    layer, a gate, a projection and a norm."""
+    hidden, heads = _int(config, "hidden_size"), _int(config, "num_attention_heads")
+    layers, bias = len(shape.types), bool(config.get("attention_bias"))
+    ple = int(config.get("hidden_size_per_layer_input", GEMMA4_DEFAULTS["hidden_size_per_layer_input"]) or 0)
+    experts = config.get("num_experts")
+    moe = _gemma4_experts(config, hidden) if experts is not None else None
+    total = active = whole = 0
+    for i, kind in enumerate(shape.types):
+        kv_heads, head = shape.full if kind == "full_attention" else shape.sliding
+        q = heads * head
+        own_kv = 0 if i >= shape.first_shared else 2 * kv_heads * head
+        attention = hidden * (q + own_kv) + q * hidden + (q + own_kv + hidden if bias else 0)
+        norms = (head if own_kv == 0 else 2 * head) + 4 * hidden
+        wide = 2 if config.get("use_double_wide_mlp") and i >= shape.first_shared else 1
+        layer = attention + norms + 3 * hidden * _int(config, "intermediate_size") * wide
+        # The norms, the per-layer embeddings' gate and projection, o's bias (after the all-reduce).
+        layer_whole = norms + (2 * hidden * ple + hidden if ple else 0) + (hidden if bias else 0)
+        layer += 2 * hidden * ple + hidden if ple else 0
+        if moe is not None:
+            layer_whole += moe.router + 3 * hidden
+            total += moe.routed * moe.expert
+            active += moe.active * moe.expert
+            layer += moe.router + 3 * hidden
+        total, active, whole = total + layer, active + layer, whole + layer_whole
+    vocab = _int(config, "vocab_size")
+    outside = vocab * hidden * (1 if config.get("tie_word_embeddings", True) else 2) + hidden
+    if ple:
+        per_layer = layers * ple
+        vocab_ple = _int({**GEMMA4_DEFAULTS, **config}, "vocab_size_per_layer_input")
+        outside += vocab_ple * per_layer + hidden * per_layer + ple
+        whole += ple
+    return total + outside, active + outside, whole + hidden
+
+
+def _gemma4_experts(config: Mapping[str, Any], hidden: int) -> _Experts:
+    """Gemma 4's experts: num_experts of moe_intermediate_size (or expert_intermediate_size), top_k_experts
+    a token; a router of a scale per hidden value, one per expert and its projection."""
+    routed, active = _int(config, "num_experts"), _int(config, "top_k_experts")
+    size = config.get("moe_intermediate_size") or config.get("expert_intermediate_size")
+    expert = 3 * hidden * _positive(size, "moe_intermediate_size")
+    return _Experts(routed, active, expert, 0, hidden + routed + hidden * routed, set())
+
+
+def _gemma4(config: Mapping[str, Any], name: str, source: str) -> Architecture:
+    """Gemma 4's Architecture: its sliding-window layers' K/V heads at the top, its full-attention
+    layers' own (fullAttention) where they differ, the layers that keep no K and V of their own
+    (sharedKv), its parameters as vLLM 0.33 builds them (_gemma4_parameters)."""
+    shape = _gemma4_layers(config)
+    total, active, whole = _gemma4_parameters(config, shape)
+    shared = shape.types[shape.first_shared :]
+    sliding = shape.types.count("sliding_attention")
+    return Architecture(
+        layers=len(shape.types),
+        hidden_size=_int(config, "hidden_size"),
+        attention_heads=_int(config, "num_attention_heads"),
+        kv_heads=shape.sliding[0],
+        head_dim=shape.sliding[1],
+        vocab_size=_int(config, "vocab_size"),
+        parameters=total,
+        active_parameters=active if active != total else None,
+        replicated_parameters=whole,
+        max_context=_gemma4_key(config, "max_position_embeddings"),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+        sliding_window=shape.window if sliding else None,
+        sliding_layers=sliding if 0 < sliding < len(shape.types) else None,
+        full_attention=FullAttentionShape(kv_heads=shape.full[0], head_dim=shape.full[1])
+        if sliding and shape.full != shape.sliding
+        else None,
+        shared_kv=SharedKV(full_layers=shared.count("full_attention"), sliding_layers=shared.count("sliding_attention"))
+        if shared
+        else None,
         hf_architecture=name,
         source=source,
     )

@@ -82,9 +82,11 @@ def heads_problem(arch: Architecture, tp: int) -> str | None:
     heads evenly, the KV heads evenly or, fewer than the GPUs, each copied to tp / KV heads of them
     (QKVParallelLinear's num_kv_head_replicas: a KV head on every GPU); a latent is not split (every
     GPU keeps it whole); a hybrid's state layers split their heads and convolution channels evenly."""
-    kv_split = arch.kv_heads % tp == 0 or tp % arch.kv_heads == 0
+    kv_heads = {arch.kv_heads, arch.full_kv_shape[0]}  # Gemma 4's full-attention layers have their own
+    kv_split = all(heads % tp == 0 or tp % heads == 0 for heads in kv_heads)
     if arch.attention_heads % tp or (arch.latent_dim is None and not kv_split):
-        return f"TP {tp} does not divide {arch.attention_heads} attention heads and {arch.kv_heads} KV heads"
+        listed = " and ".join(str(heads) for heads in sorted(kv_heads))
+        return f"TP {tp} does not divide {arch.attention_heads} attention heads and {listed} KV heads"
     state = arch.state
     if state is not None and (state.heads % tp or state.conv_channels % tp):
         return (

@@ -147,10 +147,18 @@ def replicated_values(arch: Architecture, tp: int) -> int:
     if tp == 1:
         return 0
     copies = (tp - 1) * (arch.replicated_parameters or 0)
-    if arch.latent_dim is None and tp > arch.kv_heads:
-        attention_layers = arch.state.attention_layers if arch.state is not None else arch.layers
-        copies += (tp - arch.kv_heads) * 2 * arch.head_size * arch.hidden_size * attention_layers
+    if arch.latent_dim is not None:
+        return copies
+    for layers, (kv_heads, head) in _cache_kinds(arch):
+        if tp > kv_heads:
+            copies += (tp - kv_heads) * 2 * head * arch.hidden_size * layers
     return copies
+
+
+def _cache_kinds(arch: Architecture) -> tuple[tuple[int, tuple[int, int]], ...]:
+    """The layers that keep K and V of their own, full-attention ones and windowed ones, each with its
+    K/V heads and head dimension."""
+    return (arch.full_cache_layers, arch.full_kv_shape), (arch.windowed_cache_layers, (arch.kv_heads, arch.head_size))
 
 
 def held_by_group(arch: Architecture, weights: int, tp: int) -> int:
@@ -186,20 +194,31 @@ def kv_heads_per_gpu(kv_heads: int, tp: int) -> int:
     return max(1, kv_heads // tp)
 
 
-def _layer_bytes_per_token(arch: Architecture, bytes_per_value: int, tp: int) -> int:
-    """One token's KV in one layer over a replica's `tp` GPUs: K and V of each GPU's KV heads (the
-    GPUs split the heads, or copy them where they outnumber them), or latent attention's one latent,
-    which vLLM keeps whole on every GPU."""
+def _layer_bytes_per_token(arch: Architecture, bytes_per_value: int, tp: int, windowed: bool = False) -> int:
+    """One token's KV in one full-attention layer (or, `windowed`, one windowed layer) over a replica's
+    `tp` GPUs: K and V of each GPU's KV heads (the GPUs split the heads, or copy them where they
+    outnumber them), or latent attention's one latent, which vLLM keeps whole on every GPU."""
     if arch.latent_dim is not None:
         return arch.latent_dim * bytes_per_value * tp
-    return 2 * kv_heads_per_gpu(arch.kv_heads, tp) * tp * arch.head_size * bytes_per_value
+    kv_heads, head = (arch.kv_heads, arch.head_size) if windowed else arch.full_kv_shape
+    return 2 * kv_heads_per_gpu(kv_heads, tp) * tp * head * bytes_per_value
+
+
+def layer_kv_bytes(arch: Architecture) -> tuple[int, int]:
+    """One token's K and V (or latent) in one full-attention layer and in one windowed layer, 16-bit, on one GPU."""
+    return _layer_bytes_per_token(arch, KV_BYTES_PER_VALUE, 1), _layer_bytes_per_token(
+        arch, KV_BYTES_PER_VALUE, 1, True
+    )
 
 
 def kv_bytes_per_token(arch: Architecture, bytes_per_value: int = KV_BYTES_PER_VALUE, tp: int = 1) -> int:
-    """A token's KV in every layer: 2 (K and V) × layers × KV heads × head dim × bytes (GQA/MQA shrink
-    it through KV heads), or layers × the latent × bytes on each of the `tp` GPUs under latent attention."""
-    # A hybrid's state layers keep no K and V per token (their state is per sequence: planning/recurrent.py).
-    return arch.attention_layer_count * _layer_bytes_per_token(arch, bytes_per_value, tp)
+    """A token's KV in every layer that keeps its own: 2 (K and V) × layers × KV heads × head dim ×
+    bytes (GQA/MQA shrink it through KV heads; Gemma 4's full-attention layers have heads of their
+    own), or layers × the latent × bytes on each of the `tp` GPUs under latent attention."""
+    # A hybrid's state layers keep no K and V per token (their state is per sequence: planning/recurrent.py),
+    # nor do layers that read an earlier layer's (Architecture.sharedKv).
+    full = arch.full_cache_layers * _layer_bytes_per_token(arch, bytes_per_value, tp)
+    return full + arch.windowed_cache_layers * _layer_bytes_per_token(arch, bytes_per_value, tp, windowed=True)
 
 
 def beyond_plain_decoder(arch: Architecture) -> str | None:
@@ -238,10 +257,12 @@ class KVLayout(NamedTuple):
     state_groups: int = 0  # groups of layers that keep a state per sequence, whatever its length
     state_blocks: int = 0  # the blocks one sequence's state takes in each of them
     chunked: bool = False  # the sliding groups' window is a chunk (ChunkedLocalAttentionSpec)
-    # Beside local layers, a draft's layers whose K and V are shaped otherwise go in groups of their own
-    # (kv_layout), and every page is raised to the widest: a group's block then holds `block_factor`
-    # times block_size tokens.
+    # Layers whose K and V are shaped otherwise (a draft's beside local layers, Gemma 4's full-attention
+    # layers beside its sliding ones) go in groups of their own (kv_layout), and every page is raised to
+    # the widest: a full group's block then holds `block_factor` times block_size tokens, a sliding
+    # group's `sliding_block_factor` times.
     block_factor: int = 1
+    sliding_block_factor: int = 1
     draft_groups: tuple[LayerGroups, ...] = ()
 
 
@@ -288,18 +309,24 @@ def kv_layout(
     of the smaller kind's count, or of the larger's when it is under 1.5 times the smaller (vLLM's
     rule, padding the last group of a kind). `every_token` (every_token_held): the local layers are
     held as full attention, all in one group. Where the target's or the draft's (`draft_arch`) layers
-    are local, the draft's are grouped by vLLM's rule among the target's (_with_draft_groups)."""
-    sliding = 0 if every_token else arch.windowed_layers
-    if draft_arch is not None and not every_token and (sliding or draft_arch.windowed_layers):
-        return _with_draft_groups(arch, draft_arch, bytes_per_value, tp)
-    full = arch.layers - sliding
-    size = group_size([full, sliding])
+    are local, the draft's are grouped by vLLM's rule among the target's, and so are a target's
+    layers of two shapes (_grouped)."""
+    layer = _layer_bytes_per_token(arch, bytes_per_value, tp)
+    if every_token:
+        return KVLayout(arch.layers * layer + draft, full_groups=1, sliding_groups=0, window=None)
+    windowed = arch.windowed_cache_layers
+    if draft_arch is not None and (windowed or draft_arch.windowed_layers):
+        return _grouped(arch, draft_arch, bytes_per_value, tp)
+    if windowed and _layer_bytes_per_token(arch, bytes_per_value, tp, windowed=True) != layer:
+        return _grouped(arch, None, bytes_per_value, tp)
+    full = arch.full_cache_layers
+    size = group_size([full, windowed])
     return KVLayout(
-        group_bytes_per_token=size * _layer_bytes_per_token(arch, bytes_per_value, tp) + draft,
+        group_bytes_per_token=size * layer + draft,
         full_groups=math.ceil(full / size),
-        sliding_groups=math.ceil(sliding / size),
-        window=arch.sliding_window if sliding else None,
-        chunked=arch.chunked and bool(sliding),
+        sliding_groups=math.ceil(windowed / size),
+        window=arch.sliding_window if windowed else None,
+        chunked=arch.chunked and bool(windowed),
     )
 
 
@@ -311,22 +338,30 @@ class _Kind(NamedTuple):
     chunked: bool
 
 
+def _target_kinds(arch: Architecture, bytes_per_value: int, tp: int) -> tuple[_Kind, _Kind]:
+    """`arch`'s full-attention kind and its local one (the full one again where it has no window)."""
+    full = _Kind(_layer_bytes_per_token(arch, bytes_per_value, tp), None, False)
+    if arch.sliding_window is None:
+        return full, full
+    local = _layer_bytes_per_token(arch, bytes_per_value, tp, windowed=True)
+    return full, _Kind(local, arch.sliding_window, arch.chunked)
+
+
 def _kinds(arch: Architecture, bytes_per_value: int, tp: int) -> Counter[_Kind]:
-    layer = _layer_bytes_per_token(arch, bytes_per_value, tp)
-    local = arch.windowed_layers
-    found = Counter({_Kind(layer, None, False): arch.attention_layer_count - local})
-    if local:
-        found[_Kind(layer, arch.sliding_window, arch.chunked)] += local
+    full, local = _target_kinds(arch, bytes_per_value, tp)
+    found = Counter({full: arch.full_cache_layers})
+    found[local] += arch.windowed_cache_layers
     return +found
 
 
-def _with_draft_groups(arch: Architecture, draft: Architecture, bytes_per_value: int, tp: int) -> KVLayout:
-    """The layout of a target beside a draft's layers, either with local layers, as vLLM 0.33 plans the
-    KV cache of both (get_kv_cache_groups): the layers of each spec (K and V shaped and held alike:
-    a draft's of the target's shape join its) in groups of one size by the rule above; every page
-    raised to the widest by holding more tokens per block (unify_kv_cache_spec_page_size), so that
-    each block of the pool is that many layers' widest page."""
-    target, drafted = _kinds(arch, bytes_per_value, tp), _kinds(draft, bytes_per_value, tp)
+def _grouped(arch: Architecture, draft: Architecture | None, bytes_per_value: int, tp: int) -> KVLayout:
+    """The layout of a target with layers of two shapes, or beside a draft's layers, either with local
+    layers, as vLLM 0.33 plans the KV cache of both (get_kv_cache_groups): the layers of each spec
+    (K and V shaped and held alike: a draft's of the target's shape join its) in groups of one size by
+    the rule above; every page raised to the widest by holding more tokens per block
+    (unify_kv_cache_spec_page_size), so that each block of the pool is that many layers' widest page."""
+    target = _kinds(arch, bytes_per_value, tp)
+    drafted = _kinds(draft, bytes_per_value, tp) if draft is not None else Counter[_Kind]()
     kinds = target + drafted
     size = group_size(list(kinds.values()))
     widest = max(kind.layer_bytes for kind in kinds)
@@ -335,15 +370,15 @@ def _with_draft_groups(arch: Architecture, draft: Architecture, bytes_per_value:
         # A page that does not divide the widest is padded to it, its block unchanged.
         return widest // kind.layer_bytes if widest % kind.layer_bytes == 0 else 1
 
-    layer = _layer_bytes_per_token(arch, bytes_per_value, tp)
-    full, local = _Kind(layer, None, False), _Kind(layer, arch.sliding_window, arch.chunked)
+    full, local = _target_kinds(arch, bytes_per_value, tp)
     return KVLayout(
         group_bytes_per_token=size * widest,
         full_groups=math.ceil(kinds[full] / size),
         sliding_groups=math.ceil(kinds[local] / size) if arch.sliding_window is not None else 0,
         window=arch.sliding_window,
         chunked=arch.chunked,
-        block_factor=factor(local),
+        block_factor=factor(full),
+        sliding_block_factor=factor(local),
         draft_groups=tuple(
             LayerGroups(math.ceil(kinds[k] / size), k.window, k.chunked, factor(k)) for k in drafted if k not in target
         ),
@@ -369,7 +404,7 @@ def sequence_blocks(layout: KVLayout, tokens: int, block_size: int, in_flight: i
     (ChunkedLocalAttentionSpec.max_admission_blocks_per_request). A draft's groups of their own
     count the same way, each at its own tokens per block."""
     target = LayerGroups(layout.full_groups, None, False, layout.block_factor)
-    local = LayerGroups(layout.sliding_groups, layout.window, layout.chunked, layout.block_factor)
+    local = LayerGroups(layout.sliding_groups, layout.window, layout.chunked, layout.sliding_block_factor)
     groups = (target, *((local,) if layout.window is not None else ()), *layout.draft_groups)
     held = sum(_held_blocks(g, tokens, block_size, in_flight) for g in groups)
     return held + layout.state_groups * layout.state_blocks

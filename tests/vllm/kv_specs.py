@@ -20,8 +20,8 @@ the CUDA platform leaves it (this CPU platform would store it in fp32), and, for
 and block size at tensor-parallel sizes 2, 4 and 8 come from the model class's own state shapes
 (building the model needs its GPUs), and so do every model's KV heads per GPU at those sizes
 (ModelConfig.get_num_kv_heads: copied where the GPUs outnumber them). A case with "weights_split"
-reports the parameter bytes one GPU holds at those sizes: the model built as rank 0 of a
-tensor-parallel group that size (the group's size set, no other process).
+reports the parameter bytes one GPU holds at those sizes and a token's K and V on it (kv_split): the
+model built as rank 0 of a tensor-parallel group that size (the group's size set, no other process).
 
 A case with a "draft_model" (a small model's config.json) is planned again with it as vLLM's draft
 model (SpeculativeConfig method "draft_model"), its KV cache in the case's "kv_cache_dtype" (auto
@@ -118,9 +118,7 @@ def _layer_specs(
             stack.enter_context(mock.patch.object(Platform, "_find_non_ssm_backends", cuda_backends))
             Platform._align_hybrid_block_size(vllm_config, FlashAttentionBackend)
         specs = {
-            name: module.get_kv_cache_spec(vllm_config)
-            for name, module in model.named_modules()
-            if isinstance(module, AttentionLayerBase)
+            name: module.get_kv_cache_spec(vllm_config) for name, module in model.named_modules() if _own_cache(module)
         }
     block_size = vllm_config.cache_config.block_size if hybrid else BLOCK_SIZE
     return model, {
@@ -128,6 +126,12 @@ def _layer_specs(
         for name, spec in specs.items()
         if spec is not None
     }
+
+
+def _own_cache(module: torch.nn.Module) -> bool:
+    """An attention layer with a KV cache of its own: vLLM's runner gives none to a layer that reads
+    another's (kv_sharing_target_layer_name: Gemma 4's last layers)."""
+    return isinstance(module, AttentionLayerBase) and not getattr(module, "kv_sharing_target_layer_name", None)
 
 
 def _layer(spec: KVCacheSpec, vllm_config: VllmConfig) -> dict[str, Any]:
@@ -228,7 +232,7 @@ def drafter(vllm_config: VllmConfig, model_config: ModelConfig) -> tuple[torch.n
         return model, {
             f"draft_model.{name}": replace(spec, block_size=BLOCK_SIZE)
             for name, module in model.named_modules()
-            if isinstance(module, AttentionLayerBase) and (spec := module.get_kv_cache_spec(vllm_config)) is not None
+            if _own_cache(module) and (spec := module.get_kv_cache_spec(vllm_config)) is not None
         }
 
 
@@ -300,19 +304,22 @@ def _hybrid_on(folder: Path, tp: int) -> dict[str, Any]:
 
 def weights_split(folder: Path) -> dict[str, Any]:
     """The parameter bytes one GPU holds on each of TP_SIZES GPUs (the model built on the meta device
-    as rank 0 of a tensor-parallel group that size), or why vLLM does not build it so."""
+    as rank 0 of a tensor-parallel group that size) and a token's K and V there (its attention layers'
+    specs), or why vLLM does not build it so."""
     group = parallel_state.get_tp_group()
-    split: dict[str, Any] = {}
+    weights: dict[str, Any] = {}
+    kv: dict[str, int] = {}
     for tp in TP_SIZES:
         group.world_size = tp
         try:
-            model, _ = _layer_specs(_vllm_config(folder, tp=tp))
-            split[str(tp)] = sum(p.numel() * p.element_size() for p in model.parameters())
+            model, specs = _layer_specs(_vllm_config(folder, tp=tp))
+            weights[str(tp)] = sum(p.numel() * p.element_size() for p in model.parameters())
+            kv[str(tp)] = sum(s.page_size_bytes // s.block_size for s in specs.values() if isinstance(s, AttentionSpec))
         except Exception as error:  # noqa: BLE001 - reported per size, for the test to show
-            split[str(tp)] = {"error": f"{type(error).__name__}: {error}"}
+            weights[str(tp)] = {"error": f"{type(error).__name__}: {error}"}
         finally:
             group.world_size = 1
-    return split
+    return {"weights_split": weights, "kv_split": kv}
 
 
 def _init_distributed() -> None:
@@ -339,7 +346,7 @@ def main() -> None:
                 if found["hybrid"] and not case.get("flashinfer_gdn"):
                     found["split"] = hybrid_split(folder)
                 if case.get("weights_split"):
-                    found["weights_split"] = weights_split(folder)
+                    found |= weights_split(folder)
                 if case.get("eagle_head"):
                     found["eagle"] = with_eagle(folder, case["eagle_head"])
                 if case.get("draft_model"):

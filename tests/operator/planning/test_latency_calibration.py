@@ -165,11 +165,11 @@ def test_local_layers_attend_to_their_window_or_chunk_and_read_only_its_kv() -> 
     replica = lc.replica(BY_INDEX[48].case)
     arch = replica.arch
     assert (arch.layers, arch.windowed_layers, arch.sliding_window) == (36, 18, 128)
-    assert latency._layer_tokens(arch, 10_000) == 18 * 10_000 + 18 * 128
-    assert latency._layer_tokens(arch, 100) == 36 * 100
+    assert latency._layer_tokens(arch, 10_000) == (18 * 10_000, 18 * 128)
+    assert latency._layer_tokens(arch, 100) == (18 * 100, 18 * 100)
     chunked = arch.model_copy(update={"sliding_kind": "chunk"})
-    assert latency._layer_tokens(chunked, 10_000) == 18 * 10_000 + 18 * 64
-    assert latency._layer_tokens(chunked, 100) == 36 * 100
+    assert latency._layer_tokens(chunked, 10_000) == (18 * 10_000, 18 * 64)
+    assert latency._layer_tokens(chunked, 100) == (18 * 100, 18 * 100)
     full = replica._replace(arch=arch.model_copy(update={"sliding_window": None, "sliding_layers": None}))
     assert latency._kv_read_bytes(replica, 10_000) == pytest.approx(replica.kv_per_token * (10_000 + 128) / 2)
     assert latency._kv_read_bytes(full, 10_000) == replica.kv_per_token * 10_000

@@ -5,6 +5,7 @@ allocates it, and every family or feature the planner does not size refused with
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from e2e.hub_server import HubServer
 from kvpilot.engine.model.loader import load_config
 from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
-from kvpilot.operator.planning import placement, recurrent, sizing
+from kvpilot.operator.planning import latency, placement, recurrent, sizing
 from kvpilot.operator.planning.model_config import FAMILIES, WRAPPERS, read_config
 from kvpilot.operator.planning.models import MODELS
 from kvpilot.operator.planning.plan import plan
@@ -175,6 +176,18 @@ DEEPSEEK_V3_LAYERS = {
     "first_k_dense_replace": 1,
     "num_experts_per_tok": 2,
 }
+# Gemma 4's layers, small: 16-value sliding heads, 32-value full-attention ones, no per-layer
+# embeddings unless a config asks (its config class's default is 256 values).
+GEMMA4_LAYERS = {
+    "model_type": "gemma4_text",
+    "num_hidden_layers": 6,
+    "head_dim": 16,
+    "global_head_dim": 32,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    "hidden_size_per_layer_input": 0,
+    "vocab_size_per_layer_input": 300,
+}
 FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama-biases": {"model_type": "llama", "attention_bias": True, "mlp_bias": True},
     "llama-tied-head-dim": {"model_type": "llama", "tie_word_embeddings": True, "head_dim": 32},
@@ -253,6 +266,32 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         "scoring_func": "sigmoid",
         "rotary_dim": 8,
     },
+    # Gemma 4: full-attention layers (every 3rd, and the last) with K/V heads of their own and V = K
+    # (attention_k_eq_v), no per-layer embeddings.
+    "gemma4": {**GEMMA4_LAYERS, "attention_k_eq_v": True, "num_global_key_value_heads": 1},
+    # Experts beside the dense MLP, per-layer embeddings, the last 2 layers reading earlier layers' K
+    # and V with double-wide MLPs, biased attention, an untied head.
+    "gemma4-moe-ple-shared": {
+        **GEMMA4_LAYERS,
+        "num_hidden_layers": 5,
+        "layer_types": [
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+        ],
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": 256,
+        "num_kv_shared_layers": 2,
+        "use_double_wide_mlp": True,
+        "enable_moe_block": True,
+        "num_experts": 4,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 24,
+        "attention_bias": True,
+        "tie_word_embeddings": False,
+    },
     # Chunked local attention in layers 0 and 2 (every 2nd layer NoPE, full), experts with a shared
     # one in layer 1 (every 2nd), a dense MLP of its own size in the others.
     "llama4": {
@@ -284,6 +323,7 @@ ARCHITECTURES = {
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
 }
 # Model types transformers does not know under the name a config.json gives, with the one its
 # auto_map names (Kimi K2 ships DeepSeek V3's modelling code).
@@ -319,7 +359,54 @@ def test_every_family_is_covered_here() -> None:
     assert {ARCHITECTURES[c["model_type"]] for c in FAMILY_CONFIGS.values()} == set(FAMILIES)
 
 
-@pytest.mark.parametrize("name", FAMILY_CONFIGS)
+def vllm_beyond_checkpoint(config: dict[str, Any]) -> int:
+    """What vLLM 0.33 builds as parameters beyond a checkpoint's values, for Gemma 4 (its config or its
+    language model's): a V projection in each full-attention layer whose V is its K (attention_k_eq_v,
+    loaded with K's weights), less each layer's scalar, the vision tower's standardization and the
+    towers' clipping bounds, buffers there. Nothing for the other families."""
+    text = config.get("text_config", config)
+    if text.get("model_type") != "gemma4_text":
+        return 0
+    vision, audio = config.get("vision_config") or {}, config.get("audio_config") or {}
+    buffers = 2 * vision["hidden_size"] if vision.get("standardize") else 0
+    # The towers' clipped linears keep four bounds each: 7 in a vision layer, 10 in an audio layer.
+    buffers += 4 * 7 * vision["num_hidden_layers"] if vision.get("use_clipped_linears") else 0
+    buffers += 4 * 10 * audio.get("num_hidden_layers", 12) if audio and audio.get("use_clipped_linears", True) else 0
+    built = AutoConfig.for_model("gemma4_text", **{k: v for k, v in text.items() if k != "model_type"})
+    copies = sum(
+        built.hidden_size * built.per_layer_config[i].num_key_value_heads * built.per_layer_config[i].head_dim
+        for i, kind in enumerate(built.layer_types)
+        if kind == "full_attention" and built.attention_k_eq_v and built.kv_sharing_modes[i] != "reuse"
+    )
+    return copies - built.num_hidden_layers - buffers
+
+
+GEMMA4 = {name for name, c in FAMILY_CONFIGS.items() if c["model_type"] == "gemma4_text"}
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA4))
+def test_gemma4_is_counted_as_vllm_builds_it_and_its_kv_as_transformers_caches_it(name: str) -> None:
+    """Gemma 4 against transformers' modules: the parameters (with vllm_beyond_checkpoint), the K and V
+    each layer that keeps its own caches (the full-attention layers' own heads), the layers that read
+    another's, and its sliding windows."""
+    config = config_of(FAMILY_CONFIGS[name])
+    read = read_config(config, "test")
+    assert not isinstance(read, str), read
+    model, arch = transformers_model(config), read.architecture
+    assert arch.parameters == stored_count(model) + vllm_beyond_checkpoint(config)
+    layers = [m.self_attn for m in model.model.layers]
+    kv_width = [layer.k_proj.out_features for layer in layers if not layer.is_kv_shared_layer]
+    assert sizing.kv_bytes_per_token(arch) == sum(2 * width * 2 for width in kv_width)
+    kinds = model.config.layer_types
+    shared = Counter(kinds[i] for i, layer in enumerate(layers) if layer.is_kv_shared_layer)
+    expected = (shared["full_attention"], shared["sliding_attention"])
+    found = (arch.shared_kv.full_layers, arch.shared_kv.sliding_layers) if arch.shared_kv else (0, 0)
+    assert found == expected
+    assert (arch.sliding_window, arch.windowed_layers) == (128, kinds.count("sliding_attention"))
+    assert (arch.active_parameters is not None) == ("num_experts" in config)
+
+
+@pytest.mark.parametrize("name", [name for name in FAMILY_CONFIGS if name not in GEMMA4])
 def test_parameters_and_kv_geometry_are_as_transformers_builds_the_model(name: str) -> None:
     config = config_of(FAMILY_CONFIGS[name])
     read = read_config(config, "test")
@@ -374,6 +461,14 @@ QWEN3_VISION = {
     "out_hidden_size": 64,
     "patch_size": 16,
     "num_position_embeddings": 16,
+}
+GEMMA4_VISION = {
+    **VISION,
+    "model_type": "gemma4_vision",
+    "num_key_value_heads": 4,
+    "head_dim": 8,
+    "patch_size": 4,
+    "position_embedding_size": 16,
 }
 WRAPPER_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3": ("gemma3", {"vision_config": {**VISION, "image_size": 56, "patch_size": 14}, "mm_tokens_per_image": 4}),
@@ -437,6 +532,25 @@ WRAPPER_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "qwen3.5-moe",
         {"model_type": "qwen3_5_moe", "vision_config": QWEN3_VISION, "tie_word_embeddings": False},
     ),
+    # Gemma 4's tower: a linear patch embedding, a position table per axis, layers with q/k norms.
+    "gemma4": ("gemma4", {"model_type": "gemma4", "vision_config": GEMMA4_VISION}),
+    # E2B's and E4B's audio tower beside it: subsampling convolutions, conformer layers, clipped linears.
+    "gemma4-audio": (
+        "gemma4",
+        {
+            "model_type": "gemma4",
+            "vision_config": {**GEMMA4_VISION, "use_clipped_linears": True, "standardize": True},
+            "audio_config": {
+                "model_type": "gemma4_audio",
+                "hidden_size": 32,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "subsampling_conv_channels": [8, 4],
+                "conv_kernel_size": 3,
+                "output_proj_dims": 48,
+            },
+        },
+    ),
     "llama4": (
         "llama4",
         {
@@ -464,6 +578,7 @@ WRAPPER_ARCHITECTURES = {
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "llama4": "Llama4ForConditionalGeneration",
+    "gemma4": "Gemma4ForConditionalGeneration",
 }
 # The language model of each wrapper above: a family's tiny config, or a tiny hybrid's.
 WRAPPER_TEXT_MODEL_TYPES = {"qwen3": "qwen3_vl_text", "qwen3-moe": "qwen3_vl_moe_text"}
@@ -498,7 +613,7 @@ def test_a_multimodal_wrapper_counts_its_vision_tower_as_transformers_builds_it(
     arch = read.architecture
     text_only = read_config(text, "test")
     assert not isinstance(text_only, str)
-    assert arch.parameters == stored_count(transformers_model(config))
+    assert arch.parameters == stored_count(transformers_model(config)) + vllm_beyond_checkpoint(config)
     assert arch.vision_parameters == arch.parameters - text_only.architecture.parameters
     # A text token goes through the language model only; its KV rule is the language model's.
     assert arch.parameters_per_token == text_only.architecture.parameters_per_token
@@ -826,7 +941,7 @@ def test_a_real_config_is_read_as_transformers_builds_it_or_refused_with_its_rea
         return
     assert not isinstance(read, str), read
     built = transformers_model({k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")})
-    assert read.architecture.parameters == stored_count(built)
+    assert read.architecture.parameters == stored_count(built) + vllm_beyond_checkpoint(config)
     if name in PUBLISHED:
         assert read.architecture.parameters == PUBLISHED[name]
     if name in CARD_SIZES:
@@ -865,7 +980,11 @@ def vllm_kv_specs() -> dict[str, dict[str, Any]]:
     # the options that change a count.
     cases += [json.dumps({"id": name, "config": config}) for name, config in TINY_HYBRIDS.items()]
     # Every family's tiny config, with the options that change a count.
-    cases += [json.dumps({"id": f"tiny-{name}", "config": config_of(c)}) for name, c in FAMILY_CONFIGS.items()]
+    # Gemma 4's built on 2, 4 and 8 GPUs too: its layers of two K/V shapes, a token's KV on one GPU.
+    cases += [
+        json.dumps({"id": f"tiny-{name}", "config": config_of(c), **(split if name in GEMMA4 else {})})
+        for name, c in FAMILY_CONFIGS.items()
+    ]
     # Targets beside a draft model (SpeculativeConfig method "draft_model").
     cases += [
         json.dumps({"id": f"{target}+{draft}", "config": _config(target), "draft_model": _draft_config(draft, target)})
@@ -1145,12 +1264,21 @@ def _without_quantization(name: str) -> dict[str, Any]:
     return {key: value for key, value in config.items() if key != "quantization_config"}
 
 
-@pytest.mark.parametrize("name", real_configs())
+def _kv_case(name: str) -> tuple[str, dict[str, Any]]:
+    """The vllm_kv_specs case of `name` and the config the planner reads for it: a real config (a
+    wrapper's language model is vLLM's case) or a family's tiny config (tiny-name)."""
+    if name.startswith("tiny-"):
+        return name, config_of(FAMILY_CONFIGS[name.removeprefix("tiny-")])
+    return (f"{name}#text" if _wraps(name) else name), _without_quantization(name)
+
+
+@pytest.mark.parametrize("name", [*real_configs(), *(f"tiny-{name}" for name in sorted(GEMMA4))])
 def test_vllm_allocates_the_kv_cache_by_the_same_layout_or_sees_what_the_planner_refuses(
     name: str, vllm_kv_specs: dict[str, dict[str, Any]]
 ) -> None:
-    found = vllm_kv_specs[f"{name}#text" if _wraps(name) else name]
-    read = read_config(_without_quantization(name), name)
+    case, config = _kv_case(name)
+    found = vllm_kv_specs[case]
+    read = read_config(config, name)
     if isinstance(read, str):
         assert name in NOT_COUNTED or _beyond_what_is_sized(found), (read, found)
         return
@@ -1169,9 +1297,13 @@ def test_vllm_allocates_the_kv_cache_by_the_same_layout_or_sees_what_the_planner
     full_kind = "MLAAttentionSpec" if arch.latent_dim else "FullAttentionSpec"
     chunked = arch.chunked  # vLLM's kinds below say whether the planner told them apart rightly
     local_kind = "ChunkedLocalAttentionSpec" if chunked else "SlidingWindowSpec"
-    kinds = {full_kind: arch.layers - arch.windowed_layers, local_kind: arch.windowed_layers}
+    # Layers that read another's K and V keep none (Gemma 4's last ones); the others by their kind's shape.
+    kinds = {full_kind: arch.full_cache_layers, local_kind: arch.windowed_cache_layers}
     assert Counter(layer["kind"] for layer in layers) == +Counter(kinds)
-    assert {layer["bytes_per_token"] for layer in layers} == {sizing.kv_bytes_per_token(arch) // arch.layers}
+    full_bytes = 2 * arch.latent_dim if arch.latent_dim else 2 * 2 * math.prod(arch.full_kv_shape)
+    expected = {full_kind: full_bytes, local_kind: 2 * 2 * arch.kv_heads * arch.head_size}
+    assert all(layer["bytes_per_token"] == expected[layer["kind"]] for layer in layers), layers
+    assert sizing.kv_bytes_per_token(arch) == sum(layer["bytes_per_token"] for layer in layers)
     windows = {layer["attention_chunk_size"] if chunked else layer["sliding_window"] for layer in layers}
     assert windows == {arch.sliding_window, None} - ({None} if arch.windowed_layers == arch.layers else set())
     if arch.latent_dim:
@@ -1179,7 +1311,9 @@ def test_vllm_allocates_the_kv_cache_by_the_same_layout_or_sees_what_the_planner
         assert (found["kv_heads"], found["head_size"]) == (1, arch.latent_dim)
         assert {layer["max_tp_shards"] for layer in layers} == {1}
     else:
-        assert (found["layers"], found["kv_heads"], found["head_size"]) == (arch.layers, arch.kv_heads, arch.head_size)
+        # vLLM's model-wide figures are the largest layer's where the layers differ (Gemma 4).
+        widest = (max(arch.kv_heads, arch.full_kv_shape[0]), max(arch.head_size, arch.full_kv_shape[1]))
+        assert (found["layers"], found["kv_heads"], found["head_size"]) == (arch.layers, *widest)
         _assert_kv_heads_per_gpu_agree(arch, found)
     # vLLM's own planning of the pool: its blocks, and the blocks one max_model_len sequence takes.
     pool, layout = found["pool"], sizing.kv_layout(arch)
@@ -1293,11 +1427,14 @@ def test_under_an_fp8_kv_cache_a_draft_models_kv_is_fp8_too(vllm_kv_specs: dict[
 
 def _assert_kv_heads_per_gpu_agree(arch: Architecture, found: dict[str, Any]) -> None:
     """vLLM's KV heads per GPU at each tensor-parallel size (each copied to tp / KV heads GPUs where
-    they are fewer) are the planner's, and a token's KV over the replica's GPUs is theirs."""
+    they are fewer; the most of any layer's) are the planner's, and a token's KV over the replica's
+    GPUs is theirs: its layers' specs on one GPU of a group that size (kv_split), or, for a case
+    vLLM did not build so, its heads per GPU in every layer."""
     layers = arch.state.attention_layers if arch.state is not None else arch.layers
+    widest = max(arch.kv_heads, arch.full_kv_shape[0])
     for tp, heads in found["kv_heads_per_gpu"].items():
-        assert sizing.kv_heads_per_gpu(arch.kv_heads, int(tp)) == heads, tp
-        per_gpu = layers * 2 * heads * arch.head_size * 2
+        assert sizing.kv_heads_per_gpu(widest, int(tp)) == heads, tp
+        per_gpu = found["kv_split"][tp] if tp in found.get("kv_split", {}) else layers * 2 * heads * arch.head_size * 2
         assert sizing.kv_bytes_per_token(arch, 2, int(tp)) == int(tp) * per_gpu, tp
 
 
@@ -1317,6 +1454,39 @@ def test_kvpilot_plan_sizes_gemma_2s_sliding_window_layers_for_vllm() -> None:
     refused = plan_command("--model-config", str(config), "--gpu", "L4", "--runtime", "kvpilot")
     assert refused.returncode != 0 and "UnsupportedByRuntime" in refused.stdout + refused.stderr
     assert "sliding-window layers (window 4096)" in refused.stdout + refused.stderr
+
+
+def test_kvpilot_plan_sizes_gemma_4_by_each_kind_of_layer_for_vllm() -> None:
+    """Gemma 4 31B on an H100: 50 sliding-window layers of 16 KV heads x 256 and 10 full-attention ones
+    of 4 x 512 (V = K, cached apart): 50 x 16 KiB + 10 x 8 KiB a token, the full layers' page at twice
+    the block's tokens to match the sliding ones' (vLLM's num_gpu_blocks over the pool); a decode at
+    10k tokens reads every token in the full layers and the 1024-token window in the sliding ones."""
+    config = HF_CONFIGS / "google--gemma-4-31B-it.json"
+    run = plan_command("--model-config", str(config), "--gpu", "H100-80GB", "--runtime", "vllm", "--json")
+    assert run.returncode == 0, run.stderr
+    planned = json.loads(run.stdout)
+    assert planned["fits"] and planned["kv_bytes_per_token"] == 50 * 16 * 1024 + 10 * 8 * 1024
+    kv = planned["reasons"]["kvCache"]
+    assert "the full-attention ones 4 KV heads of 512 values, 2x the block size's tokens a block" in kv
+    arch = read_config(json.loads(config.read_text()), "t").architecture  # type: ignore[union-attr]
+    layout = sizing.kv_layout(arch)
+    assert (layout.sliding_groups, layout.full_groups, layout.block_factor) == (5, 1, 2)
+    assert planned["kv_blocks"] == planned["kv_pool_bytes"] // sizing.kv_block_bytes(layout, planned["block_size"])
+    full, local = latency._layer_tokens(arch, 10_000)
+    assert (full, local) == (10 * 10_000, 50 * 1024)
+    assert latency._attention_flops(arch, 1, 10_000) == 4 * 32 * (512 * full + 256 * local)
+
+
+def test_gemma_4_e2b_keeps_no_kv_in_the_layers_that_read_earlier_ones() -> None:
+    """Gemma 4 E2B: of 35 layers the last 20 read earlier layers' K and V; the 15 that keep their own
+    (12 sliding of one 256-value head, 3 full of one 512-value head) are its whole KV cache."""
+    read = read_config(_config("google--gemma-4-E2B-it"), "t")
+    assert not isinstance(read, str), read
+    arch = read.architecture
+    assert arch.shared_kv is not None and (arch.shared_kv.sliding_layers, arch.shared_kv.full_layers) == (16, 4)
+    assert (arch.windowed_cache_layers, arch.full_cache_layers) == (12, 3)
+    assert sizing.kv_bytes_per_token(arch) == 12 * 2 * 256 * 2 + 3 * 2 * 512 * 2
+    assert arch.vision_parameters is not None and arch.parameters == 5_104_297_504
 
 
 def test_kvpilot_plan_sizes_deepseek_v3_on_8_h200s_by_its_576_value_latent() -> None:

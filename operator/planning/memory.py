@@ -159,10 +159,9 @@ def _drafted(layout: sizing.KVLayout) -> str:
     if not layout.draft_groups:
         return ""
     groups = sum(g.groups for g in layout.draft_groups)
-    return (
-        f"; the draft model's layers in {groups} groups of their own, every page raised to the widest "
-        f"(the target's blocks hold {layout.block_factor}x the block size's tokens)"
-    )
+    widest = max(layout.block_factor, layout.sliding_block_factor)
+    held = f" (the target's blocks hold up to {widest}x the block size's tokens)" if widest > 1 else ""
+    return f"; the draft model's layers in {groups} group(s) of their own, every page raised to the widest{held}"
 
 
 def tp_group(gpu: Device, tp: int) -> Device:

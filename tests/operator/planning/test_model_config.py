@@ -269,6 +269,17 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     # Gemma 4: full-attention layers (every 3rd, and the last) with K/V heads of their own and V = K
     # (attention_k_eq_v), no per-layer embeddings.
     "gemma4": {**GEMMA4_LAYERS, "attention_k_eq_v": True, "num_global_key_value_heads": 1},
+    # The config class's defaults (256-value sliding heads, 512-value full ones, a 512-token window,
+    # every 6th layer and the last full) under bidirectional attention, which narrows the window to 257.
+    "gemma4-defaults-bidirectional": {
+        **{
+            k: v
+            for k, v in GEMMA4_LAYERS.items()
+            if k not in ("head_dim", "global_head_dim", "sliding_window", "layer_types")
+        },
+        "num_hidden_layers": 7,
+        "use_bidirectional_attention": "all",
+    },
     # Experts beside the dense MLP, per-layer embeddings, the last 2 layers reading earlier layers' K
     # and V with double-wide MLPs, biased attention, an untied head.
     "gemma4-moe-ple-shared": {
@@ -402,7 +413,10 @@ def test_gemma4_is_counted_as_vllm_builds_it_and_its_kv_as_transformers_caches_i
     expected = (shared["full_attention"], shared["sliding_attention"])
     found = (arch.shared_kv.full_layers, arch.shared_kv.sliding_layers) if arch.shared_kv else (0, 0)
     assert found == expected
-    assert (arch.sliding_window, arch.windowed_layers) == (128, kinds.count("sliding_attention"))
+    assert (arch.sliding_window, arch.windowed_layers) == (
+        model.config.sliding_window,
+        kinds.count("sliding_attention"),
+    )
     assert (arch.active_parameters is not None) == ("num_experts" in config)
 
 

@@ -177,6 +177,10 @@ class Architecture(BaseModel):
                 "replicatedParameters must be fewer than parameters",
             ),
             (
+                "!has(self.lookupParameters) || self.lookupParameters < self.parameters",
+                "lookupParameters must be fewer than parameters",
+            ),
+            (
                 "!has(self.state) || (self.state.layers <= self.layers && self.state.attentionLayers <= self.layers)",
                 "state.layers and state.attentionLayers must not exceed layers",
             ),
@@ -195,6 +199,10 @@ class Architecture(BaseModel):
             (
                 "!has(self.sharedKv) || (!has(self.state) && !has(self.latentDim))",
                 "sharedKv goes with neither state nor latentDim",
+            ),
+            (
+                "!has(self.sharedKv) || self.sharedKv.fullLayers + self.sharedKv.slidingLayers < self.layers",
+                "sharedKv must leave a layer that keeps its own K and V",
             ),
         ),
     )
@@ -280,6 +288,14 @@ class Architecture(BaseModel):
         description="Of parameters, the vision tower's and its projector's (a multimodal checkpoint; Gemma 4 "
         "E2B's and E4B's audio tower's too): held in memory, off a text token's path.",
     )
+    lookup_parameters: int | None = Field(
+        default=None,
+        gt=0,
+        json_schema_extra=INT64,
+        description="Of parameters, tables a token looks its rows up in beside the embedding (Gemma 4's per-layer "
+        "embeddings): vLLM keeps them in 16 bits under online quantization, as it keeps the embedding, and a step "
+        "multiplies none of them.",
+    )
     replicated_parameters: int | None = Field(
         default=None,
         gt=0,
@@ -331,6 +347,8 @@ class Architecture(BaseModel):
             raise ValueError(f"visionParameters {self.vision_parameters:,} is not fewer than parameters")
         if self.replicated_parameters is not None and self.replicated_parameters >= self.parameters:
             raise ValueError(f"replicatedParameters {self.replicated_parameters:,} is not fewer than parameters")
+        if self.lookup_parameters is not None and self.lookup_parameters >= self.parameters:
+            raise ValueError(f"lookupParameters {self.lookup_parameters:,} is not fewer than parameters")
         # Not their sum: Falcon-H1 runs attention and a Mamba-2 mixer side by side in every layer.
         if self.state is not None and max(self.state.layers, self.state.attention_layers) > self.layers:
             raise ValueError(f"state.layers or state.attentionLayers exceeds layers {self.layers}")
@@ -350,6 +368,8 @@ class Architecture(BaseModel):
             or self.shared_kv.sliding_layers > self.windowed_layers
         ):
             raise ValueError("sharedKv names more layers of a kind than the model has")
+        if self.shared_kv is not None and self.full_cache_layers + self.windowed_cache_layers < 1:
+            raise ValueError("sharedKv must leave a layer that keeps its own K and V")
         return self
 
     @property

@@ -224,11 +224,17 @@ def _kv_read_bytes(replica: Replica, context: float) -> float:
     return replica.kv_per_token * (full * full_bytes + local * local_bytes) / cached
 
 
+def _multiplied(arch: Architecture) -> int:
+    """The parameters a token is multiplied by: those it routes to but lookup tables beside the
+    embedding (Gemma 4's per-layer embeddings)."""
+    return arch.parameters_per_token - (arch.lookup_parameters or 0)
+
+
 def _prompt_parameters(arch: Architecture) -> int:
     """The parameters a prompt token is multiplied by: those it routes to but the embedding (a
     lookup) and the LM head, which a prefill runs for the prompt's last token only."""
     embedding = arch.vocab_size * arch.hidden_size
-    return max(arch.parameters_per_token - embedding - (0 if arch.tie_word_embeddings else embedding), 1)
+    return max(_multiplied(arch) - embedding - (0 if arch.tie_word_embeddings else embedding), 1)
 
 
 def gpu_step_seconds(
@@ -246,9 +252,11 @@ def gpu_step_seconds(
     tokens = running + prompt_tokens
     share = min(1.0, tokens * arch.parameters_per_token / arch.parameters)
     kv_bytes = running * (_kv_read_bytes(replica, context) + 2 * replica.state_per_sequence)
-    reads = replica.decode_weight_bytes * share + kv_bytes
+    # A lookup table beside the embedding is read a row per token, not whole.
+    lookups = (arch.lookup_parameters or 0) * sizing.BYTES_PER_VALUE
+    reads = (replica.decode_weight_bytes - lookups) * share + kv_bytes
     head = 2 * arch.vocab_size * arch.hidden_size if prompt_tokens else 0.0  # the prompt's last token's logits
-    gemms = 2 * arch.parameters_per_token * running + 2 * _prompt_parameters(arch) * prompt_tokens + head
+    gemms = 2 * _multiplied(arch) * running + 2 * _prompt_parameters(arch) * prompt_tokens + head
     attention = _attention_flops(arch, running, context) + _attention_flops(arch, prompt_tokens, attended)
     peak = gpu.matmul_flops(replica.quantization, tokens)
     memory = reads / (gpu.bandwidth_bytes_per_s * sizing.DECODE_BANDWIDTH_EFFICIENCY)

@@ -148,6 +148,8 @@ def _shaped(arch: Architecture, layout: sizing.KVLayout) -> str:
         text += f"; the full-attention ones {heads} KV heads of {head} values"
         if layout.block_factor > 1:
             text += f", {layout.block_factor}x the block size's tokens a block"
+        if layout.sliding_block_factor > 1:
+            text += f"; the sliding ones {layout.sliding_block_factor}x the block size's tokens a block"
     if arch.shared_kv is not None:
         shared = arch.shared_kv.full_layers + arch.shared_kv.sliding_layers
         text += f"; {shared} layers read earlier layers' K and V and keep none"

@@ -123,6 +123,9 @@ class Wrapper(NamedTuple):
     # The text config class's defaults, which a wrapper's text_config leaves out where they hold (LLaVA's
     # lists only what differs from LlamaConfig's), and the model_type they are the defaults of.
     text_defaults: Mapping[str, Any] = {}
+    # vLLM builds the towers from transformers' classes with every linear replicated (Gemma 4's), so
+    # each GPU of a tensor-parallel group holds them whole; the others' towers it splits.
+    replicated_tower: bool = False
 
 
 # transformers' LlamaConfig defaults of the fields the count reads.
@@ -137,7 +140,7 @@ LLAMA_DEFAULTS = {
 }
 WRAPPERS: dict[str, Wrapper] = {
     "Gemma3ForConditionalGeneration": Wrapper("Gemma3ForCausalLM", "siglip", "gemma3"),
-    "Gemma4ForConditionalGeneration": Wrapper(GEMMA4, "gemma4", "gemma4"),
+    "Gemma4ForConditionalGeneration": Wrapper(GEMMA4, "gemma4", "gemma4", replicated_tower=True),
     "LlavaForConditionalGeneration": Wrapper("LlamaForCausalLM", "clip", "llava", LLAMA_DEFAULTS),
     "LlavaNextForConditionalGeneration": Wrapper("LlamaForCausalLM", "clip", "llava_next", LLAMA_DEFAULTS),
     "Mistral3ForConditionalGeneration": Wrapper("MistralForCausalLM", "pixtral", "mistral3", {"model_type": "mistral"}),
@@ -870,11 +873,13 @@ def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:
             architecture = _architecture(text, name, FAMILIES[str(text["architectures"][0])], source)
         if wrapper is not None and not isinstance(architecture, str):
             vision = _vision_parameters(config, wrapper, architecture.hidden_size)
+            whole = (architecture.replicated_parameters or 0) + vision if wrapper.replicated_tower else None
             architecture = architecture.model_copy(
                 update={
                     "parameters": architecture.parameters + vision,
                     "active_parameters": architecture.parameters_per_token,
                     "vision_parameters": vision,
+                    "replicated_parameters": whole or architecture.replicated_parameters,
                 }
             )
     except ValueError as error:  # pydantic's ValidationError is one
@@ -1004,16 +1009,41 @@ def _gemma4_layers(config: Mapping[str, Any]) -> _Gemma4Layers:
     window = _positive(config.get("sliding_window", GEMMA4_DEFAULTS["sliding_window"]), "sliding_window")
     if config.get("use_bidirectional_attention") == "all":
         window = window // 2 + 1  # the config class's exclusive bound for bidirectional attention
-    kv_heads = _int(config, "num_key_value_heads")
-    full_kv = config.get("num_global_key_value_heads") if config.get("attention_k_eq_v") else None
-    full = (
-        _positive(full_kv, "num_global_key_value_heads") if full_kv is not None else kv_heads,
-        _gemma4_key(config, "global_head_dim"),
-    )
+    sliding, full = _gemma4_shapes(config, types)
     shared = int(config.get("num_kv_shared_layers") or 0)
     if not 0 <= shared < layers:
         raise ValueError(f"num_kv_shared_layers {shared} of {layers} layers")
-    return _Gemma4Layers(types, window, (kv_heads, _gemma4_key(config, "head_dim")), full, layers - shared)
+    orphans = set(types[layers - shared :]) - set(types[: layers - shared])
+    if orphans:
+        # transformers' kv_sharing_modes and vLLM's Gemma4Attention both refuse it.
+        raise ValueError(f"layers that read an earlier {orphans.pop()} layer's K and V, of which there is none")
+    return _Gemma4Layers(types, window, sliding, full, layers - shared)
+
+
+def _gemma4_shapes(config: Mapping[str, Any], types: list[str]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A sliding-window layer's K/V heads and head dimension, and a full-attention layer's: the full
+    layers' num_global_key_value_heads (where attention_k_eq_v) of global_head_dim, or, in a config
+    transformers 5 saved, per_layer_config's overrides (keyed by the layer's index), which it writes
+    in their place."""
+    kv_heads, head = _int(config, "num_key_value_heads"), _gemma4_key(config, "head_dim")
+    overrides = config.get("per_layer_config")
+    if overrides is None:
+        full_kv = config.get("num_global_key_value_heads") if config.get("attention_k_eq_v") else None
+        full_heads = _positive(full_kv, "num_global_key_value_heads") if full_kv is not None else kv_heads
+        return (kv_heads, head), (full_heads, _gemma4_key(config, "global_head_dim"))
+    layers = {int(index): layer for index, layer in overrides.items()}
+
+    def shape(kind: str) -> tuple[int, int]:
+        found = {
+            (int(layers.get(i, {}).get("num_key_value_heads", kv_heads)), int(layers.get(i, {}).get("head_dim", head)))
+            for i, t in enumerate(types)
+            if t == kind
+        }
+        if len(found) > 1:
+            raise ValueError(f"per_layer_config gives {kind} layers more than one K/V shape, which is not sized yet")
+        return found.pop() if found else (kv_heads, head)
+
+    return shape("sliding_attention"), shape("full_attention")
 
 
 def _gemma4_key(config: Mapping[str, Any], key: str) -> int:
@@ -1054,11 +1084,17 @@ def _gemma4_parameters(config: Mapping[str, Any], shape: _Gemma4Layers) -> tuple
     vocab = _int(config, "vocab_size")
     outside = vocab * hidden * (1 if config.get("tie_word_embeddings", True) else 2) + hidden
     if ple:
-        per_layer = layers * ple
-        vocab_ple = _int({**GEMMA4_DEFAULTS, **config}, "vocab_size_per_layer_input")
-        outside += vocab_ple * per_layer + hidden * per_layer + ple
+        # The table (split over the GPUs), the projection of the embedding into every layer's inputs, its norm.
+        outside += (_gemma4_lookups(config, layers) or 0) + hidden * layers * ple + ple
         whole += ple
     return total + outside, active + outside, whole + hidden
+
+
+def _gemma4_lookups(config: Mapping[str, Any], layers: int) -> int | None:
+    """The per-layer embeddings' table: vocab_size_per_layer_input rows of every layer's
+    hidden_size_per_layer_input values (None: none)."""
+    ple = int(config.get("hidden_size_per_layer_input", GEMMA4_DEFAULTS["hidden_size_per_layer_input"]) or 0)
+    return _int({**GEMMA4_DEFAULTS, **config}, "vocab_size_per_layer_input") * layers * ple if ple else None
 
 
 def _gemma4_experts(config: Mapping[str, Any], hidden: int) -> _Experts:
@@ -1082,12 +1118,13 @@ def _gemma4(config: Mapping[str, Any], name: str, source: str) -> Architecture:
         layers=len(shape.types),
         hidden_size=_int(config, "hidden_size"),
         attention_heads=_int(config, "num_attention_heads"),
-        kv_heads=shape.sliding[0],
-        head_dim=shape.sliding[1],
+        kv_heads=(shape.sliding if sliding else shape.full)[0],
+        head_dim=(shape.sliding if sliding else shape.full)[1],
         vocab_size=_int(config, "vocab_size"),
         parameters=total,
         active_parameters=active if active != total else None,
         replicated_parameters=whole,
+        lookup_parameters=_gemma4_lookups(config, len(shape.types)),
         max_context=_gemma4_key(config, "max_position_embeddings"),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
         sliding_window=shape.window if sliding else None,

@@ -1,7 +1,7 @@
 """The serving maths as small pure functions over bytes, seconds and tokens.
 
-The rules: KV bytes per token = 2 × layers × KV heads × head dim × bytes (a sequence holds them in
-blocks of its layers' groups: KVLayout); KV pool =
+The rules: KV bytes per token = 2 × layers × KV heads × head dim × bytes, summed over the kinds of
+layers that keep their own (a sequence holds them in blocks of its layers' groups: KVLayout); KV pool =
 memory × utilization − weights − reserve; prefill is compute-bound, decode bandwidth-bound;
 latency = TTFT + (N − 1) × TPOT.
 """
@@ -65,11 +65,12 @@ DECODE_BANDWIDTH_EFFICIENCY = 0.8
 
 def _embedding_norms_body(arch: Architecture) -> tuple[int, int, int]:
     """Parameters of the embedding, of the norms, and of the decoder layers' linear weights (with an
-    EAGLE-3 head's LM head, which is over its draft vocabulary)."""
+    EAGLE-3 head's LM head, which is over its draft vocabulary); lookup tables beside the embedding
+    (Architecture.lookupParameters) are in none of them."""
     embedding = arch.vocab_size * arch.hidden_size
     norms = (2 * arch.layers + 1) * arch.hidden_size  # two per decoder layer and the final one
     head = 0 if arch.tie_word_embeddings or arch.eagle3_head else embedding
-    return embedding, norms, arch.parameters - embedding - norms - head
+    return embedding, norms, arch.parameters - embedding - norms - head - (arch.lookup_parameters or 0)
 
 
 def architecture_problem(arch: Architecture) -> str | None:
@@ -127,7 +128,8 @@ def weight_bytes(
         head = embedding * INT8_BYTES_PER_WEIGHT + arch.vocab_size * BYTES_PER_VALUE  # + a scale per row
     else:
         head = 0 if arch.tie_word_embeddings else embedding * bytes_per_value
-    return int((embedding + norms) * bytes_per_value + head + body * BODY_BYTES_PER_WEIGHT[quantization])
+    unquantized = embedding + norms + (arch.lookup_parameters or 0)
+    return int(unquantized * bytes_per_value + head + body * BODY_BYTES_PER_WEIGHT[quantization])
 
 
 def checkpoint_problem(arch: Architecture, stored: str | None) -> str | None:
@@ -230,6 +232,8 @@ def beyond_plain_decoder(arch: Architecture) -> str | None:
         if arch.sliding_window is not None
         else "",
         "latent attention (MLA)" if arch.latent_dim is not None else "",
+        "full-attention layers with K/V heads of their own" if arch.full_attention is not None else "",
+        "layers that read another layer's K and V" if arch.shared_kv is not None else "",
         "a vision tower" if arch.vision_parameters is not None else "",
         f"{arch.state.layers} {arch.state.kind} layers that keep a state per sequence"
         if arch.state is not None

@@ -182,8 +182,8 @@ def _vllm_config(
             model_config=model, cache_config=cache, parallel_config=parallel, speculative_config=speculative
         )
     vllm_config.scheduler_config.async_scheduling = True
-    # The engine core resolves it from the backends (FlashAttention: NHD); pages of one size pack the
-    # same in every layout.
+    # The engine core resolves it from the backends (FlashAttention: NHD). Neither this nor the layouts
+    # CUDA's backends prefer is block-outermost, so pages of two sizes (Gemma 4's) are unified, not packed.
     vllm_config.cache_config.kv_cache_layout = "LBNHC"
     vllm_config.scheduler_config.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
     return vllm_config

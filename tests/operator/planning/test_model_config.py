@@ -1188,6 +1188,9 @@ def _language_parameters(name: str) -> tuple[int, Architecture]:
     read = read_config(config, "t")
     assert not isinstance(read, str), read
     arch = read.architecture
+    wrapper = WRAPPERS.get(str(config["architectures"][0]))
+    if wrapper is not None and wrapper.replicated_tower:  # the language model alone holds none of the towers
+        arch = arch.model_copy(update={"replicated_parameters": arch.replicated_parameters - arch.vision_parameters})
     return arch.parameters - (arch.vision_parameters or 0), arch
 
 
@@ -1501,6 +1504,60 @@ def test_gemma_4_e2b_keeps_no_kv_in_the_layers_that_read_earlier_ones() -> None:
     assert (arch.windowed_cache_layers, arch.full_cache_layers) == (12, 3)
     assert sizing.kv_bytes_per_token(arch) == 12 * 2 * 256 * 2 + 3 * 2 * 512 * 2
     assert arch.vision_parameters is not None and arch.parameters == 5_104_297_504
+
+
+def test_gemma_4_saved_by_transformers_reads_its_full_layers_shape_from_per_layer_config() -> None:
+    """transformers 5 saves per_layer_config in place of global_head_dim and num_global_key_value_heads
+    (fine-tunes and quantized uploads carry such configs; vLLM reads them): the same model."""
+    config = _config("google--gemma-4-31B-it")
+    saved = transformers_model(config).config.to_dict()
+    assert "global_head_dim" not in {k for k, v in saved["text_config"].items() if v is not None}
+    original, resaved = read_config(config, "t"), read_config({**saved, "architectures": config["architectures"]}, "t")
+    assert not isinstance(original, str) and not isinstance(resaved, str), (original, resaved)
+    assert resaved.architecture == original.architecture
+    # Layers of one kind in two shapes are refused, not sized as one.
+    text = {**config["text_config"], "architectures": ["Gemma4ForCausalLM"]}
+    mixed = {**text, "per_layer_config": {"05": {"head_dim": 512}, "11": {"head_dim": 256}}}
+    assert "more than one K/V shape" in str(read_config(mixed, "t"))
+
+
+def test_gemma_4_without_sliding_layers_caches_every_layer_at_the_full_layers_shape() -> None:
+    text = {**_config("google--gemma-4-31B-it")["text_config"], "architectures": ["Gemma4ForCausalLM"]}
+    read = read_config({**text, "layer_types": ["full_attention"] * 60}, "t")
+    assert not isinstance(read, str), read
+    arch = read.architecture
+    assert (arch.kv_heads, arch.head_size, arch.sliding_window) == (4, 512, None)
+    assert sizing.kv_bytes_per_token(arch) == 60 * 2 * 4 * 512 * 2
+    # Layers that read an earlier layer of a kind none keeps its own K and V of: refused, as vLLM does.
+    orphan = {**text, "num_hidden_layers": 3, "num_kv_shared_layers": 2}
+    refused = read_config({**orphan, "layer_types": ["full_attention", "sliding_attention", "full_attention"]}, "t")
+    assert "an earlier sliding_attention layer's K and V, of which there is none" in str(refused)
+
+
+def test_gemma_4s_towers_are_whole_on_every_gpu_and_its_per_layer_table_stays_16_bit() -> None:
+    """vLLM builds Gemma 4's towers from transformers' classes with every linear replicated, so each GPU
+    of a group holds them whole; online FP8 leaves the per-layer embeddings' table (a lookup, E2B's 2.3B
+    values) in 16 bits, as it leaves the embedding."""
+    config = _config("google--gemma-4-E2B-it")
+    read, text = read_config(config, "t"), read_config(_language_model_of("google--gemma-4-E2B-it"), "t")
+    assert not isinstance(read, str) and not isinstance(text, str), (read, text)
+    arch, language = read.architecture, text.architecture
+    assert arch.vision_parameters and arch.replicated_parameters and language.replicated_parameters
+    assert arch.replicated_parameters == language.replicated_parameters + arch.vision_parameters
+    assert arch.lookup_parameters == 262_144 * 35 * 256
+    plain = arch.model_copy(update={"lookup_parameters": None})
+    fp8, plain_fp8 = sizing.weight_bytes(arch, "fp8", False), sizing.weight_bytes(plain, "fp8", False)
+    assert fp8 - plain_fp8 == arch.lookup_parameters * (sizing.BYTES_PER_VALUE - sizing.BODY_BYTES_PER_WEIGHT["fp8"])
+
+
+def test_a_hand_written_gemma_4_shape_is_refused_by_our_engine_and_must_keep_a_cache() -> None:
+    shape = {"layers": 4, "hiddenSize": 512, "attentionHeads": 8, "kvHeads": 2, "vocabSize": 1000}
+    arch = {**shape, "parameters": 20_000_000, "maxContext": 4096, "sharedKv": {"fullLayers": 2}}
+    spec = {"runtime": "kvpilot", "model": {"name": "m", "architecture": arch}, "accelerator": {"type": "L4"}}
+    planned = plan(InferenceServiceSpec.model_validate(spec))
+    assert not planned.fits and "layers that read another layer's K and V" in planned.reason
+    with pytest.raises(ValueError, match="must leave a layer that keeps its own K and V"):
+        Architecture.model_validate({**arch, "sharedKv": {"fullLayers": 4}})
 
 
 def test_kvpilot_plan_sizes_deepseek_v3_on_8_h200s_by_its_576_value_latent() -> None:

@@ -20,8 +20,9 @@ the CUDA platform leaves it (this CPU platform would store it in fp32), and, for
 and block size at tensor-parallel sizes 2, 4 and 8 come from the model class's own state shapes
 (building the model needs its GPUs), and so do every model's KV heads per GPU at those sizes
 (ModelConfig.get_num_kv_heads: copied where the GPUs outnumber them). A case with "weights_split"
-reports the parameter bytes one GPU holds at those sizes and a token's K and V on it (kv_split): the
-model built as rank 0 of a tensor-parallel group that size (the group's size set, no other process).
+reports the parameter bytes one GPU holds at those sizes, a token's K and V on it (kv_split) and, but
+for a hybrid, vLLM's planning of AVAILABLE bytes on it (pool_split): the model built as rank 0 of a
+tensor-parallel group that size (the group's size set, no other process).
 
 A case with a "draft_model" (a small model's config.json) is planned again with it as vLLM's draft
 model (SpeculativeConfig method "draft_model"), its KV cache in the case's "kv_cache_dtype" (auto
@@ -309,17 +310,21 @@ def weights_split(folder: Path) -> dict[str, Any]:
     group = parallel_state.get_tp_group()
     weights: dict[str, Any] = {}
     kv: dict[str, int] = {}
+    pools: dict[str, Any] = {}
     for tp in TP_SIZES:
         group.world_size = tp
         try:
-            model, specs = _layer_specs(_vllm_config(folder, tp=tp))
+            vllm_config = _vllm_config(folder, tp=tp)
+            model, specs = _layer_specs(vllm_config)
             weights[str(tp)] = sum(p.numel() * p.element_size() for p in model.parameters())
             kv[str(tp)] = sum(s.page_size_bytes // s.block_size for s in specs.values() if isinstance(s, AttentionSpec))
+            if not vllm_config.model_config.is_hybrid:
+                pools[str(tp)] = _planned(vllm_config, specs)
         except Exception as error:  # noqa: BLE001 - reported per size, for the test to show
             weights[str(tp)] = {"error": f"{type(error).__name__}: {error}"}
         finally:
             group.world_size = 1
-    return {"weights_split": weights, "kv_split": kv}
+    return {"weights_split": weights, "kv_split": kv, "pool_split": pools}
 
 
 def _init_distributed() -> None:

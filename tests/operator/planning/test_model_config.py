@@ -1346,6 +1346,30 @@ def test_vllm_allocates_the_kv_cache_by_the_same_layout_or_sees_what_the_planner
     )
 
 
+@pytest.mark.parametrize("name", real_configs())
+def test_vllm_plans_the_pool_of_each_gpu_of_a_tensor_parallel_group_as_the_planner_does(
+    name: str, vllm_kv_specs: dict[str, dict[str, Any]]
+) -> None:
+    """On each GPU of a group of 2, 4 and 8, vLLM's blocks of AVAILABLE bytes, its groups and the blocks
+    one max_model_len sequence takes are the planner's layout on that many GPUs (a block over the
+    group's GPUs: tp times one GPU's), with the KV heads copied or split per kind (Gemma 4's full
+    layers' 2 or 4 heads beside its sliding ones' 8 or 16 flip which page is the widest)."""
+    case, config = _kv_case(name)
+    read = read_config(config, name)
+    pools = vllm_kv_specs[case].get("pool_split", {})
+    if isinstance(read, str) or read.architecture.state is not None:
+        return  # refused; or a hybrid, whose pages test_vllm_holds_a_hybrids_per_sequence_state_... checks
+    arch = read.architecture
+    assert "2" in pools, name  # vLLM splits every model the planner reads over 2 GPUs
+    for tp, pool in pools.items():
+        layout = sizing.kv_layout(arch, 2, int(tp))
+        in_flight = sizing.tokens_in_flight(pool["max_num_batched_tokens"])
+        assert pool["num_blocks"] == pool["available"] * int(tp) // sizing.kv_block_bytes(layout, pool["block_size"])
+        assert len(pool["groups"]) == layout.full_groups + layout.sliding_groups, tp
+        blocks = sizing.sequence_blocks(layout, pool["max_model_len"], pool["block_size"], in_flight)
+        assert pool["blocks_per_request"] == blocks, tp
+
+
 @pytest.mark.parametrize("name", EAGLE_TARGETS)
 def test_vllm_keeps_every_token_of_chunked_layers_beside_an_eagle_head_as_the_planner_sizes_it(
     name: str, vllm_kv_specs: dict[str, dict[str, Any]]

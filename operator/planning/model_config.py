@@ -103,9 +103,9 @@ FAMILIES: dict[str, Family] = {
     "Llama4ForCausalLM": Family(
         tie_default=False, experts="llama4", windows="chunked", dense_intermediate="intermediate_size_mlp"
     ),
-    # Gemma 4: read by _gemma4 (its full-attention layers' own K/V heads, layers that share an earlier
-    # layer's K and V, per-layer embeddings, experts beside the dense MLP); listed for what it is.
-    "Gemma4ForCausalLM": Family(tie_default=True, head_norms="per_head", norms=4, pattern=6),
+    # Gemma 4: listed to be known, read by _gemma4 alone (its full-attention layers' own K/V heads,
+    # layers that share an earlier layer's K and V, per-layer embeddings, experts beside the dense MLP).
+    "Gemma4ForCausalLM": Family(tie_default=True),
 }
 GEMMA4 = "Gemma4ForCausalLM"
 
@@ -873,13 +873,15 @@ def read_config(config: Mapping[str, Any], source: str) -> ModelConfig | str:
             architecture = _architecture(text, name, FAMILIES[str(text["architectures"][0])], source)
         if wrapper is not None and not isinstance(architecture, str):
             vision = _vision_parameters(config, wrapper, architecture.hidden_size)
-            whole = (architecture.replicated_parameters or 0) + vision if wrapper.replicated_tower else None
+            whole = architecture.replicated_parameters
+            if wrapper.replicated_tower:
+                whole = (whole or 0) + vision
             architecture = architecture.model_copy(
                 update={
                     "parameters": architecture.parameters + vision,
                     "active_parameters": architecture.parameters_per_token,
                     "vision_parameters": vision,
-                    "replicated_parameters": whole or architecture.replicated_parameters,
+                    "replicated_parameters": whole,
                 }
             )
     except ValueError as error:  # pydantic's ValidationError is one
@@ -1059,11 +1061,12 @@ def _gemma4_parameters(config: Mapping[str, Any], shape: _Gemma4Layers) -> tuple
     (hidden_size_per_layer_input) add a table and a projection of every layer's inputs and, in each
     layer, a gate, a projection and a norm."""
     hidden, heads = _int(config, "hidden_size"), _int(config, "num_attention_heads")
-    layers, bias = len(shape.types), bool(config.get("attention_bias"))
-    ple = int(config.get("hidden_size_per_layer_input", GEMMA4_DEFAULTS["hidden_size_per_layer_input"]) or 0)
-    experts = config.get("num_experts")
-    moe = _gemma4_experts(config, hidden) if experts is not None else None
-    total = active = whole = 0
+    layers, bias, ple = len(shape.types), bool(config.get("attention_bias")), _gemma4_ple(config)
+    moe = _gemma4_experts(config, hidden) if config.get("num_experts") is not None else None
+    # Whole on every GPU: the per-layer inputs' gate, projection and norm; the router and three norms.
+    per_layer_inputs = 2 * hidden * ple + hidden if ple else 0
+    moe_block = moe.router + 3 * hidden if moe is not None else 0
+    total = whole = 0
     for i, kind in enumerate(shape.types):
         kv_heads, head = shape.full if kind == "full_attention" else shape.sliding
         q = heads * head
@@ -1071,16 +1074,14 @@ def _gemma4_parameters(config: Mapping[str, Any], shape: _Gemma4Layers) -> tuple
         attention = hidden * (q + own_kv) + q * hidden + (q + own_kv + hidden if bias else 0)
         norms = (head if own_kv == 0 else 2 * head) + 4 * hidden
         wide = 2 if config.get("use_double_wide_mlp") and i >= shape.first_shared else 1
-        layer = attention + norms + 3 * hidden * _int(config, "intermediate_size") * wide
-        # The norms, the per-layer embeddings' gate and projection, o's bias (after the all-reduce).
-        layer_whole = norms + (2 * hidden * ple + hidden if ple else 0) + (hidden if bias else 0)
-        layer += 2 * hidden * ple + hidden if ple else 0
-        if moe is not None:
-            layer_whole += moe.router + 3 * hidden
-            total += moe.routed * moe.expert
-            active += moe.active * moe.expert
-            layer += moe.router + 3 * hidden
-        total, active, whole = total + layer, active + layer, whole + layer_whole
+        total += (
+            attention + norms + 3 * hidden * _int(config, "intermediate_size") * wide + per_layer_inputs + moe_block
+        )
+        # o's bias is added after the all-reduce, whole too.
+        whole += norms + per_layer_inputs + moe_block + (hidden if bias else 0)
+    active = total
+    if moe is not None:
+        total, active = total + layers * moe.routed * moe.expert, active + layers * moe.active * moe.expert
     vocab = _int(config, "vocab_size")
     outside = vocab * hidden * (1 if config.get("tie_word_embeddings", True) else 2) + hidden
     if ple:
@@ -1090,10 +1091,15 @@ def _gemma4_parameters(config: Mapping[str, Any], shape: _Gemma4Layers) -> tuple
     return total + outside, active + outside, whole + hidden
 
 
+def _gemma4_ple(config: Mapping[str, Any]) -> int:
+    """The width of each layer's per-layer embedding (hidden_size_per_layer_input; 0: none)."""
+    return int(config.get("hidden_size_per_layer_input", GEMMA4_DEFAULTS["hidden_size_per_layer_input"]) or 0)
+
+
 def _gemma4_lookups(config: Mapping[str, Any], layers: int) -> int | None:
     """The per-layer embeddings' table: vocab_size_per_layer_input rows of every layer's
     hidden_size_per_layer_input values (None: none)."""
-    ple = int(config.get("hidden_size_per_layer_input", GEMMA4_DEFAULTS["hidden_size_per_layer_input"]) or 0)
+    ple = _gemma4_ple(config)
     return _int({**GEMMA4_DEFAULTS, **config}, "vocab_size_per_layer_input") * layers * ple if ple else None
 
 

@@ -33,6 +33,10 @@ MAX_REPLICAS = 1000
 # CEL has no bit operations, so the CRD lists the powers of two; this is the same list.
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
+# A sparse-attention indexer's key is cached as FP8 values with a 4-byte scale per this many (vLLM 0.33's
+# Indexer: quant_block_size).
+INDEXER_SCALE_BLOCK = 128
+
 # What the CRD says beyond a field's type, bounds and default, as json_schema_extra (crd.py copies
 # these keys into the schema as they are).
 INT64 = {"format": "int64"}
@@ -145,6 +149,32 @@ class SharedKV(BaseModel):
     sliding_layers: int = Field(default=0, ge=0, description="Sliding-window layers among them.")
 
 
+class SparseIndexer(BaseModel):
+    """Also the CRD's `spec.model.architecture.indexer`: DeepSeek Sparse Attention's lightning indexer
+    (DeepSeek V3.2, GLM-5), which picks the tokens each latent-attention layer attends to."""
+
+    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    heads: int = Field(gt=0, description="The indexer's query heads (config.json's index_n_heads).")
+    head_dim: int = Field(
+        gt=0,
+        multiple_of=INDEXER_SCALE_BLOCK,
+        description=f"The dimension of its keys and queries (index_head_dim), a multiple of {INDEXER_SCALE_BLOCK}: "
+        f"vLLM caches a key per token as that many FP8 values and a 4-byte scale per {INDEXER_SCALE_BLOCK}.",
+    )
+    top_k: int = Field(gt=0, description="The tokens each layer attends to at most (index_topk).")
+    layers: int = Field(
+        gt=0,
+        description="The layers that run an indexer and cache its keys (index_topk_freq's: the others reuse an "
+        "earlier layer's choice); at most layers.",
+    )
+
+    @property
+    def key_bytes(self) -> int:
+        """One token's key in one layer's indexer cache, as vLLM 0.33 stores it whatever the KV cache's dtype."""
+        return self.head_dim + self.head_dim // INDEXER_SCALE_BLOCK * 4
+
+
 class Architecture(BaseModel):
     """Also the CRD's `spec.model.architecture`, hence the camelCase aliases."""
 
@@ -195,6 +225,10 @@ class Architecture(BaseModel):
             (
                 "!has(self.fullAttention) || self.attentionHeads % self.fullAttention.kvHeads == 0",
                 "attentionHeads must be a multiple of fullAttention.kvHeads",
+            ),
+            (
+                "!has(self.indexer) || (has(self.latentDim) && self.indexer.layers <= self.layers)",
+                "indexer (sparse attention) needs latentDim and at most layers indexed layers",
             ),
             (
                 "!has(self.sharedKv) || (!has(self.state) && !has(self.latentDim))",
@@ -268,6 +302,13 @@ class Architecture(BaseModel):
         gt=0,
         description="Multi-head latent attention (DeepSeek V2/V3, Kimi K2): the values one token caches per "
         "layer (kv_lora_rank + qk_rope_head_dim), in place of K and V heads, whole on every GPU.",
+    )
+    indexer: SparseIndexer | None = Field(
+        default=None,
+        description="DeepSeek Sparse Attention (DeepSeek V3.2, GLM-5): a lightning indexer beside the latent "
+        "attention picks the topK tokens each layer attends to; vLLM caches its keys per token beside the latent, "
+        "whole on every GPU, takes blocks of a multiple of 64 tokens for its sparse kernels, and stores the latent "
+        "as 656 bytes (fp8_ds_mla) under an FP8 KV cache.",
     )
     full_attention: FullAttentionShape | None = Field(
         default=None,
@@ -361,6 +402,8 @@ class Architecture(BaseModel):
                 f"attentionHeads {self.attention_heads} is not a multiple of fullAttention.kvHeads "
                 f"{self.full_attention.kv_heads}"
             )
+        if self.indexer is not None and (self.latent_dim is None or self.indexer.layers > self.layers):
+            raise ValueError("indexer (sparse attention) needs latentDim and at most layers indexed layers")
         if self.shared_kv is not None and (self.state is not None or self.latent_dim is not None):
             raise ValueError("sharedKv goes with neither state nor latentDim")
         if self.shared_kv is not None and (

@@ -195,8 +195,11 @@ def _layer_tokens(arch: Architecture, attended: float) -> tuple[float, float]:
     """The tokens the full-attention layers together attend to where each attends to `attended`, and
     the local layers' together (a hybrid's state layers attend to nothing): a sliding layer to its
     window at most, a chunked one to the tokens since its chunk began, half a chunk on average once
-    past the first. A layer that reads another's K and V (Gemma 4) attends all the same."""
-    full = (arch.attention_layer_count - arch.windowed_layers) * attended
+    past the first. A layer that reads another's K and V (Gemma 4) attends all the same; a sparse-attention
+    layer to the indexer's topK at most."""
+    full = (arch.attention_layer_count - arch.windowed_layers) * (
+        min(attended, arch.indexer.top_k) if arch.indexer is not None else attended
+    )
     window = arch.sliding_window
     if window is None:
         return full, 0.0
@@ -207,21 +210,26 @@ def _layer_tokens(arch: Architecture, attended: float) -> tuple[float, float]:
 def _attention_flops(arch: Architecture, tokens: float, attended: float) -> float:
     """Attention's arithmetic for `tokens` rows attending to `attended` tokens each on average: QK^T
     and PV, 2 x 2 FLOPs per head dimension and attended token in every layer (_layer_tokens; Gemma
-    4's full-attention heads are wider)."""
+    4's full-attention heads are wider), and a sparse-attention indexer's scores of every token before
+    each row, 2 FLOPs per index head dimension in each of its layers."""
     full, local = _layer_tokens(arch, attended)
-    return 4 * arch.attention_heads * tokens * (arch.full_kv_shape[1] * full + arch.head_size * local)
+    indexing = 2 * arch.indexer.heads * arch.indexer.head_dim * arch.indexer.layers * attended if arch.indexer else 0
+    return tokens * (4 * arch.attention_heads * (arch.full_kv_shape[1] * full + arch.head_size * local) + indexing)
 
 
 def _kv_read_bytes(replica: Replica, context: float) -> float:
     """The K and V one decoding sequence of `context` tokens reads in a step: its tokens' in every
     full-attention layer, its window's or chunk's in a local one (_layer_tokens), each layer's K and
-    V as wide as its kind's, in the replica's cache dtype and over its GPUs (kv_per_token)."""
-    cached = sizing.kv_bytes_per_token(replica.arch)
+    V as wide as its kind's, in the replica's cache dtype and over its GPUs (kv_per_token); under sparse
+    attention, the topK tokens' latents and every token's indexer keys."""
+    arch = replica.arch
+    keys = sizing.indexer_bytes_per_token(arch, replica.tp)
+    cached = sizing.kv_bytes_per_token(arch) - sizing.indexer_bytes_per_token(arch)
     if not cached:
         return 0.0
-    full, local = _layer_tokens(replica.arch, context)
-    full_bytes, local_bytes = sizing.layer_kv_bytes(replica.arch)
-    return replica.kv_per_token * (full * full_bytes + local * local_bytes) / cached
+    full, local = _layer_tokens(arch, context)
+    full_bytes, local_bytes = sizing.layer_kv_bytes(arch)
+    return (replica.kv_per_token - keys) * (full * full_bytes + local * local_bytes) / cached + keys * context
 
 
 def _multiplied(arch: Architecture) -> int:

@@ -93,7 +93,11 @@ def _kv_layout(
     if state is None:
         draft = inputs.draft.arch if inputs.draft is not None else None
         every_token = sizing.every_token_held(arch, inputs.spec.serving.speculative, draft)
-        return sizing.kv_layout(arch, kv_bytes, group[1], draft_kv, every_token, draft), block, 0
+        return (
+            sizing.kv_layout(arch, kv_bytes, group[1], draft_kv, every_token, draft),
+            sizing.kernel_block(arch, block),
+            0,
+        )
     hybrid = recurrent.hybrid_kv(state, recurrent.Serving(group[0].name, group[1], block, kv_bytes))
     return hybrid.layout, hybrid.block_size, recurrent.state_page_bytes(state, group[1])
 
@@ -115,6 +119,13 @@ def kv_rule(arch: Architecture, sizes: Sizes, held: int, tp: int) -> str:
             f"{sizes.block_size}-token blocks raised until an attention page ({sizes.block_size} x one token's K and V "
             f"in one layer) holds it ({layout.full_groups} attention and {layout.state_groups} state layer groups; "
             f"{layout.state_blocks} state pages per sequence and group under prefix caching)"
+        )
+    if arch.indexer is not None:
+        latent = "a 656-byte" if sizes.kv_cache_dtype == "fp8" else f"one {arch.latent_dim}-value"
+        return (
+            f" ({latent} latent per token and layer, and a {arch.indexer.key_bytes}-byte key in the "
+            f"sparse-attention indexer of {arch.indexer.layers} of them, whole on each of the {tp} GPUs, in the "
+            f"{sizes.block_size}-token blocks vLLM 0.33's sparse kernels take)"
         )
     if arch.latent_dim is not None:
         return f" (one {arch.latent_dim}-value latent per token and layer, whole on each of the {tp} GPUs)"

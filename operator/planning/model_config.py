@@ -1,11 +1,12 @@
 """A model's Architecture read from its Hugging Face `config.json`, for the families whose KV cache
 the planner sizes exactly as vLLM 0.33 allocates it: full attention over grouped (or multi-) query
 heads, sliding-window layers beside full ones (Gemma 2/3, gpt-oss), multi-head latent attention
-(DeepSeek V2/V3, Kimi K2), Llama 4's chunked local attention, Gemma 4's full-attention layers of their
-own K/V heads and layers that read an earlier layer's K and V, dense or a mixture of experts (GLM-4.5's
-and MiniMax-M2's among them), and the multimodal wrappers of Gemma 3 (a SigLIP tower), Gemma 4, LLaVA and
-LLaVA-NeXT over a Llama (a CLIP tower), Mistral 3 (Pixtral's tower), Qwen2.5-VL, Qwen3-VL, Qwen3.5
-(over a hybrid) and Llama 4 (their own towers).
+(DeepSeek V2/V3, Kimi K2) and DeepSeek Sparse Attention's indexer beside it (DeepSeek V3.2, GLM-5),
+Llama 4's chunked local attention, Gemma 4's full-attention layers of their own K/V heads and layers
+that read an earlier layer's K and V, dense or a mixture of experts (GLM-4.5's and MiniMax-M2's among
+them), and the multimodal wrappers of Gemma 3 (a SigLIP tower), Gemma 4, LLaVA and LLaVA-NeXT over a
+Llama (a CLIP tower), Mistral 3 (Pixtral's tower), Qwen2.5-VL, Qwen3-VL, Qwen3.5 (over a hybrid) and
+Llama 4 (their own towers).
 
 The parameters are counted from the config the way the model's modules hold them (embedding, each
 layer's attention, MLP or experts and norms, the final norm, an untied LM head, a vision tower), so
@@ -30,7 +31,14 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from kvpilot.operator.api.spec import EAGLE3_HEADS, Architecture, CheckpointQuantization, FullAttentionShape, SharedKV
+from kvpilot.operator.api.spec import (
+    EAGLE3_HEADS,
+    Architecture,
+    CheckpointQuantization,
+    FullAttentionShape,
+    SharedKV,
+    SparseIndexer,
+)
 from kvpilot.operator.planning.recurrent import (
     READERS,
     RecurrentState,
@@ -82,6 +90,10 @@ FAMILIES: dict[str, Family] = {
     "GptOssForCausalLM": Family(tie_default=False, attention_bias=True, experts="gpt_oss", pattern=2, sinks=True),
     "DeepseekV2ForCausalLM": Family(tie_default=False, experts="deepseek", windows="none", latent=True),
     "DeepseekV3ForCausalLM": Family(tie_default=False, experts="deepseek", windows="none", latent=True),
+    # DeepSeek Sparse Attention: V3's layers with a lightning indexer beside the latent (_indexer); GLM-5
+    # is built by the same class in vLLM 0.33.
+    "DeepseekV32ForCausalLM": Family(tie_default=False, experts="deepseek", windows="none", latent=True),
+    "GlmMoeDsaForCausalLM": Family(tie_default=False, experts="deepseek", windows="none", latent=True),
     # GLM-4.5/4.6/4.7: DeepSeek's experts over grouped-query attention; the multi-token prediction
     # layer past num_hidden_layers is not built (vLLM serves it only as a speculative drafter).
     "Glm4MoeForCausalLM": Family(
@@ -434,6 +446,31 @@ def _replicated(config: Mapping[str, Any], family: Family, shape: _Shape) -> int
         latent = shape.hidden * (rank + rope) + rank
         whole += layers * (latent + (shape.hidden * q_rank + q_rank if q_rank else 0))
     return whole
+
+
+def _indexer(config: Mapping[str, Any], family: Family) -> tuple[SparseIndexer | None, int]:
+    """DeepSeek Sparse Attention's lightning indexer, as vLLM 0.33 builds it in a latent-attention
+    model whose config has index_topk (DeepseekV2MLAAttention.is_v32), and its parameters, each held
+    whole on every GPU: q's up-projection from q's low rank, the key's and the heads' weights (one
+    fused matrix) and the key's LayerNorm. A layer builds one unless index_topk_pattern marks it "S"
+    or, without a pattern, index_topk_freq skips it (counted from index_skip_topk_offset, 2 by
+    default: GLM-5.2's every fourth layer); the others reuse an earlier layer's choice and cache no keys."""
+    if not family.latent or "index_topk" not in config:
+        return None, 0
+    q_rank = config.get("q_lora_rank")
+    if q_rank is None:
+        raise ValueError("sparse attention's indexer without q_lora_rank, which vLLM does not build")
+    heads, head_dim, hidden = _int(config, "index_n_heads"), _int(config, "index_head_dim"), _int(config, "hidden_size")
+    layers = _int(config, "num_hidden_layers")
+    pattern, step = config.get("index_topk_pattern"), int(config.get("index_topk_freq") or 1)
+    offset = int(config.get("index_skip_topk_offset", 2))
+    if pattern is None:
+        indexed = sum(1 for i in range(layers) if max(i - offset + 1, 0) % step == 0)
+    else:
+        indexed = sum(1 for i in range(layers) if i >= len(pattern) or pattern[i] != "S")
+    per_layer = q_rank * heads * head_dim + hidden * (head_dim + heads) + 2 * head_dim
+    found = SparseIndexer(heads=heads, head_dim=head_dim, top_k=_int(config, "index_topk"), layers=indexed)
+    return found, indexed * per_layer
 
 
 def _vision_tower(vision: Mapping[str, Any], tower: str) -> int:
@@ -958,6 +995,7 @@ def _architecture(config: Mapping[str, Any], name: str, family: Family, source: 
     tied = bool(config.get("tie_word_embeddings", family.tie_default))
     shape = _Shape(hidden, heads, kv_heads, head_dim)
     total, active = _parameters(config, family, shape, tied)
+    indexer, indexing = _indexer(config, family)
     return Architecture(
         layers=layers,
         hidden_size=hidden,
@@ -965,15 +1003,16 @@ def _architecture(config: Mapping[str, Any], name: str, family: Family, source: 
         kv_heads=kv_heads,
         head_dim=head_dim,
         vocab_size=_int(config, "vocab_size"),
-        parameters=total,
-        active_parameters=active if active != total else None,
-        replicated_parameters=_replicated(config, family, shape),
+        parameters=total + indexing,
+        active_parameters=active + indexing if active != total else None,
+        replicated_parameters=_replicated(config, family, shape) + indexing,
         max_context=_int(config, "max_position_embeddings"),
         tie_word_embeddings=tied,
         sliding_window=_positive(_window(config, family), "the window") if sliding else None,
         sliding_layers=sliding if sliding and sliding < layers else None,
         sliding_kind="chunk" if sliding and family.windows == "chunked" else "window",
         latent_dim=_int(config, "kv_lora_rank") + _int(config, "qk_rope_head_dim") if family.latent else None,
+        indexer=indexer,
         hf_architecture=name,
         source=source,
     )

@@ -49,6 +49,11 @@ SIZED_FROM_CHECKPOINT = ("mxfp4",)
 # plan stores it as FP8 (vLLM's --kv-cache-dtype fp8): one byte per value.
 KV_BYTES_PER_VALUE = 2
 FP8_BYTES_PER_VALUE = 1
+# A sparse-attention layer's latent in an FP8 KV cache: vLLM 0.33 serves it on FlashMLA's sparse backend
+# in its fp8_ds_mla layout (512 FP8 values, four fp32 scales, 64 16-bit rotary values), not one byte a value.
+FP8_DS_MLA_BYTES = 656
+# vLLM 0.33's sparse MLA kernels (FlashAttention's, FlashMLA's) take blocks of a multiple of this many tokens.
+SPARSE_BLOCK_MULTIPLE = 64
 
 # CUDA context, cuBLAS workspaces and allocator slack: vLLM measures 0.5-1.5 GiB outside the
 # weights and the KV cache on a single GPU before any activation.
@@ -201,7 +206,8 @@ def _layer_bytes_per_token(arch: Architecture, bytes_per_value: int, tp: int, wi
     `tp` GPUs: K and V of each GPU's KV heads (the GPUs split the heads, or copy them where they
     outnumber them), or latent attention's one latent, which vLLM keeps whole on every GPU."""
     if arch.latent_dim is not None:
-        return arch.latent_dim * bytes_per_value * tp
+        packed = arch.indexer is not None and bytes_per_value == FP8_BYTES_PER_VALUE
+        return (FP8_DS_MLA_BYTES if packed else arch.latent_dim * bytes_per_value) * tp
     kv_heads, head = (arch.kv_heads, arch.head_size) if windowed else arch.full_kv_shape
     return 2 * kv_heads_per_gpu(kv_heads, tp) * tp * head * bytes_per_value
 
@@ -213,14 +219,22 @@ def layer_kv_bytes(arch: Architecture) -> tuple[int, int]:
     )
 
 
+def indexer_bytes_per_token(arch: Architecture, tp: int = 1) -> int:
+    """A token's keys in every layer's sparse-attention indexer (Architecture.indexer), whole on each of
+    the `tp` GPUs, in FP8 with their scales whatever the KV cache's dtype; 0 without one."""
+    return arch.indexer.layers * arch.indexer.key_bytes * tp if arch.indexer is not None else 0
+
+
 def kv_bytes_per_token(arch: Architecture, bytes_per_value: int = KV_BYTES_PER_VALUE, tp: int = 1) -> int:
     """A token's KV in every layer that keeps its own: 2 (K and V) × layers × KV heads × head dim ×
     bytes (GQA/MQA shrink it through KV heads; Gemma 4's full-attention layers have heads of their
-    own), or layers × the latent × bytes on each of the `tp` GPUs under latent attention."""
+    own), or layers × the latent × bytes on each of the `tp` GPUs under latent attention, with a
+    sparse-attention indexer's keys beside it."""
     # A hybrid's state layers keep no K and V per token (their state is per sequence: planning/recurrent.py),
     # nor do layers that read an earlier layer's (Architecture.sharedKv).
     full = arch.full_cache_layers * _layer_bytes_per_token(arch, bytes_per_value, tp)
-    return full + arch.windowed_cache_layers * _layer_bytes_per_token(arch, bytes_per_value, tp, windowed=True)
+    windowed = arch.windowed_cache_layers * _layer_bytes_per_token(arch, bytes_per_value, tp, windowed=True)
+    return full + windowed + indexer_bytes_per_token(arch, tp)
 
 
 def beyond_plain_decoder(arch: Architecture) -> str | None:
@@ -232,6 +246,7 @@ def beyond_plain_decoder(arch: Architecture) -> str | None:
         if arch.sliding_window is not None
         else "",
         "latent attention (MLA)" if arch.latent_dim is not None else "",
+        "sparse attention (a lightning indexer)" if arch.indexer is not None else "",
         "full-attention layers with K/V heads of their own" if arch.full_attention is not None else "",
         "layers that read another layer's K and V" if arch.shared_kv is not None else "",
         "a vision tower" if arch.vision_parameters is not None else "",
@@ -316,8 +331,11 @@ def kv_layout(
     are local, the draft's are grouped by vLLM's rule among the target's, and so are a target's
     layers of two shapes (_grouped)."""
     layer = _layer_bytes_per_token(arch, bytes_per_value, tp)
+    # A sparse-attention indexer's keys are pages of their own in the same group (vLLM's
+    # UniformTypeKVCacheSpecs: every layer's page in each block).
+    keys = indexer_bytes_per_token(arch, tp)
     if every_token:
-        return KVLayout(arch.layers * layer + draft, full_groups=1, sliding_groups=0, window=None)
+        return KVLayout(arch.layers * layer + keys + draft, full_groups=1, sliding_groups=0, window=None)
     windowed = arch.windowed_cache_layers
     if draft_arch is not None and (windowed or draft_arch.windowed_layers):
         return _grouped(arch, draft_arch, bytes_per_value, tp)
@@ -326,7 +344,7 @@ def kv_layout(
     full = arch.full_cache_layers
     size = group_size([full, windowed])
     return KVLayout(
-        group_bytes_per_token=size * layer + draft,
+        group_bytes_per_token=size * layer + keys + draft,
         full_groups=math.ceil(full / size),
         sliding_groups=math.ceil(windowed / size),
         window=arch.sliding_window if windowed else None,
@@ -387,6 +405,13 @@ def _grouped(arch: Architecture, draft: Architecture | None, bytes_per_value: in
             LayerGroups(math.ceil(kinds[k] / size), k.window, k.chunked, factor(k)) for k in drafted if k not in target
         ),
     )
+
+
+def kernel_block(arch: Architecture, block_size: int) -> int:
+    """The tokens per block vLLM 0.33 runs `arch` with, given serving.blockSize: a sparse-attention
+    model's raised to SPARSE_BLOCK_MULTIPLE (its sparse backends refuse a smaller one, and then no
+    attention backend is left); the block size as given for the others."""
+    return max(block_size, SPARSE_BLOCK_MULTIPLE) if arch.indexer is not None else block_size
 
 
 def kv_block_bytes(layout: KVLayout, block_size: int) -> int:

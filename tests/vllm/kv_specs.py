@@ -65,17 +65,29 @@ from vllm.distributed import init_distributed_environment, initialize_model_para
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
 from vllm.model_executor.model_loader.utils import get_model_architecture
+from vllm.platforms.cpu import CpuPlatform
 from vllm.platforms.interface import Platform
 from vllm.utils.math_utils import cdiv
 from vllm.utils.torch_utils import set_default_torch_dtype
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
-from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    is_quantized_kv_cache,
+)
+from vllm.v1.worker.workspace import init_workspace_manager
 
 BLOCK_SIZE = 16
 MAX_NUM_BATCHED_TOKENS = 8192
 AVAILABLE = 40 * 1024**3
 TP_SIZES = (2, 4, 8)
+SPARSE_BACKEND = AttentionBackendEnum.FLASH_ATTN_MLA_SPARSE
+SPARSE_FP8_BACKEND = AttentionBackendEnum.FLASHMLA_SPARSE
 
 
 def kv_spec(folder: Path) -> dict[str, Any]:
@@ -110,6 +122,8 @@ def _layer_specs(
                 qwen_gdn_linear_attn, "_resolve_gdn_prefill_backend", lambda _: ("auto", "flashinfer")
             )
             stack.enter_context(on_flashinfer)
+        sparse = _hopper_sparse(CpuPlatform.get_attn_backend_cls)
+        stack.enter_context(mock.patch.object(CpuPlatform, "get_attn_backend_cls", sparse))
         model_class, _ = get_model_architecture(vllm_config.model_config)
         # In the model's dtype, as vLLM's loader builds it: what a layer holds in fp32 (routers) stays so.
         with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"):
@@ -129,6 +143,20 @@ def _layer_specs(
     }
 
 
+def _hopper_sparse(cpu_choice: Any) -> classmethod:
+    """The CPU platform's backend choice, but for sparse attention (DeepSeek V3.2, GLM-5), which it
+    refuses: the backend CUDA's SM90 priorities give it (platforms/cuda.py: FlashAttention's sparse MLA,
+    which takes a 16-bit cache only, then FlashMLA's, which serves an FP8 one as fp8_ds_mla)."""
+
+    def choose(cls: type, selected_backend: Any, attn_selector_config: Any, num_heads: int | None = None) -> str:
+        if not attn_selector_config.use_sparse:
+            return cpu_choice(selected_backend, attn_selector_config, num_heads)
+        quantized = is_quantized_kv_cache(attn_selector_config.kv_cache_dtype or "auto")
+        return (SPARSE_FP8_BACKEND if quantized else SPARSE_BACKEND).get_path()
+
+    return classmethod(choose)
+
+
 def _own_cache(module: torch.nn.Module) -> bool:
     """An attention layer with a KV cache of its own: vLLM's runner gives none to a layer that reads
     another's (kv_sharing_target_layer_name: Gemma 4's last layers)."""
@@ -140,6 +168,8 @@ def _layer(spec: KVCacheSpec, vllm_config: VllmConfig) -> dict[str, Any]:
     attention, state = isinstance(spec, AttentionSpec), isinstance(spec, MambaSpec)
     return {
         "kind": type(spec).__name__,
+        # Sparse attention's indexer keys (role "indexer") beside the latent ("sparse").
+        "role": spec.cache_role.value if isinstance(spec, MLAAttentionSpec) else None,
         "bytes_per_token": spec.page_size_bytes // spec.block_size if attention else None,
         "sliding_window": getattr(spec, "sliding_window", None),
         "attention_chunk_size": getattr(spec, "attention_chunk_size", None),
@@ -204,6 +234,22 @@ def kv_pool(folder: Path, flashinfer_gdn: bool = False) -> dict[str, Any]:
     if not specs or any(not isinstance(spec, kinds) for spec in specs.values()):
         return built
     return built | {"pool": _planned(vllm_config, specs)}
+
+
+def sparse(folder: Path) -> dict[str, Any]:
+    """A sparse-attention model's layers under an FP8 KV cache (fp8_ds_mla on FlashMLA's sparse backend),
+    and the block sizes each of the two sparse backends takes."""
+    vllm_config = _vllm_config(folder, cache_dtype="fp8")
+    _, specs = _layer_specs(vllm_config)
+    return {
+        "fp8_layer_specs": [_layer(spec, vllm_config) for spec in specs.values()],
+        "kernel_block_sizes": {backend.name: _block_sizes(backend) for backend in (SPARSE_BACKEND, SPARSE_FP8_BACKEND)},
+    }
+
+
+def _block_sizes(backend: AttentionBackendEnum) -> list[int]:
+    """The block sizes `backend`'s kernels take, a MultipleOf by its base."""
+    return [getattr(size, "base", size) for size in backend.get_class().get_supported_kernel_block_sizes()]
 
 
 def with_eagle(folder: Path, head: dict[str, Any]) -> dict[str, Any]:
@@ -335,6 +381,8 @@ def _init_distributed() -> None:
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
         initialize_model_parallel(1, 1)
+    # FlashMLA's sparse backend takes its scratch from the runner's workspace as it is built.
+    init_workspace_manager(torch.device("meta"))
 
 
 def main() -> None:
@@ -350,6 +398,8 @@ def main() -> None:
                 found |= kv_pool(folder, bool(case.get("flashinfer_gdn")))
                 if found["hybrid"] and not case.get("flashinfer_gdn"):
                     found["split"] = hybrid_split(folder)
+                if any(layer["role"] == "indexer" for layer in found["layer_specs"]):
+                    found["sparse"] = sparse(folder)
                 if case.get("weights_split"):
                     found |= weights_split(folder)
                 if case.get("eagle_head"):

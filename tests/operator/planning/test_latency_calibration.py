@@ -16,13 +16,16 @@ Kubernetes Job.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from bench import latency_calibration as lc
-from kvpilot.operator.planning import latency
+from kvpilot.operator.planning import latency, sizing
+from kvpilot.operator.planning.model_config import read_config
 
 ROWS = lc.rows()
+HF_CONFIGS = Path(__file__).parent / "hf_configs"
 BY_INDEX = {row.case.index: row for row in ROWS}
 
 DEEPSEEK = (
@@ -189,3 +192,24 @@ def test_the_later_held_out_set_decodes_within_the_aim_and_misses_the_chat_clien
     assert all(t is not None and t < 0.5 for t in ttft) and ttft == sorted(ttft), ttft
     found = lc.summaries(ROWS)
     assert found["TPOT later aim"][:2] == (4, 4) and found["TTFT later"][:2] == (0, 4)
+
+
+def test_sparse_attention_attends_to_its_top_k_and_reads_every_tokens_indexer_key() -> None:
+    """DeepSeek V3.2 (R1's layers with a lightning indexer) on R1's replica: a decode at 100k tokens
+    attends to the indexer's 2048 in each of its 61 layers, reading those latents and every token's
+    132-byte key, so its step is a fraction of R1's there; under 2048 tokens it attends to them all
+    and reads the keys besides."""
+    dense = lc.replica(BY_INDEX[17].case)
+    read = read_config(json.loads((HF_CONFIGS / "deepseek-ai--DeepSeek-V3.2.json").read_text()), "v3.2")
+    assert not isinstance(read, str), read
+    arch = read.architecture
+    sparse = dense._replace(arch=arch, kv_per_token=sizing.kv_bytes_per_token(arch, 2, dense.tp))
+    assert arch.indexer is not None and (arch.indexer.top_k, arch.indexer.layers) == (2048, 61)
+    assert latency._layer_tokens(arch, 100_000) == (61 * 2048, 0)
+    assert latency._layer_tokens(arch, 1_000) == (61 * 1_000, 0)
+    keys = sizing.indexer_bytes_per_token(arch, dense.tp)
+    assert keys == 61 * 132 * dense.tp
+    assert latency._kv_read_bytes(sparse, 100_000) == pytest.approx((sparse.kv_per_token - keys) * 2048 + keys * 100_000)
+    assert latency._kv_read_bytes(sparse, 1_000) == pytest.approx(sparse.kv_per_token * 1_000)
+    assert 3 * latency.gpu_step_seconds(sparse, (64, 100_000)) < latency.gpu_step_seconds(dense, (64, 100_000))
+    assert latency.gpu_step_seconds(sparse, (64, 1_000)) >= latency.gpu_step_seconds(dense, (64, 1_000))

@@ -20,11 +20,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from e2e.hub_server import HubServer
 from kvpilot.engine.model.loader import load_config
-from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
+from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec, ServingSpec
 from kvpilot.operator.planning import latency, placement, recurrent, sizing
 from kvpilot.operator.planning.model_config import FAMILIES, WRAPPERS, read_config
 from kvpilot.operator.planning.models import MODELS
 from kvpilot.operator.planning.plan import plan
+from kvpilot.operator.runtimes.vllm import VLLM_CAPABILITIES
 from tests.vllm import env
 
 # Small shapes of every family, with the options that change the count: biases, tied heads, an
@@ -176,6 +177,17 @@ DEEPSEEK_V3_LAYERS = {
     "first_k_dense_replace": 1,
     "num_experts_per_tok": 2,
 }
+# Sparse attention's indexer, small but for its key (whole blocks of 128 FP8 values and their scale).
+# transformers' classes always build the routing bias, vLLM only under topk_method noaux_tc, as the
+# real configs have it.
+SPARSE_INDEXER = {
+    "index_n_heads": 4,
+    "index_head_dim": 128,
+    "index_topk": 16,
+    "n_group": 1,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+}
 # Gemma 4's layers, small: 16-value sliding heads, 32-value full-attention ones, no per-layer
 # embeddings unless a config asks (its config class's default is 256 values).
 GEMMA4_LAYERS = {
@@ -256,6 +268,16 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     },
     # GLM-4.7-Flash: latent attention (q through its own low rank) beside GLM-4.5's experts.
     "glm4-moe-lite": {"model_type": "glm4_moe_lite", **DEEPSEEK_V3_LAYERS},
+    # DeepSeek V3.2: a lightning indexer in every latent-attention layer (DeepSeek Sparse Attention).
+    "deepseek-v32": {"model_type": "deepseek_v32", **DEEPSEEK_V3_LAYERS, **SPARSE_INDEXER},
+    # GLM-5.2: an indexer in the first two layers and every second one after (index_topk_freq).
+    "glm-moe-dsa": {
+        "model_type": "glm_moe_dsa",
+        **DEEPSEEK_V3_LAYERS,
+        **SPARSE_INDEXER,
+        "index_topk_freq": 2,
+        "index_skip_topk_offset": 2,
+    },
     # Norms over all the heads' q and k, experts in every layer with a routing bias.
     "minimax-m2": {
         "model_type": "minimax_m2",
@@ -332,6 +354,8 @@ ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "gemma4_text": "Gemma4ForCausalLM",
@@ -432,7 +456,11 @@ def test_parameters_and_kv_geometry_are_as_transformers_builds_the_model(name: s
     kv_width = arch.kv_heads * arch.head_size
     if hasattr(attention, "kv_a_proj_with_mqa"):  # latent attention: one latent, its rotary part with it
         assert attention.kv_a_proj_with_mqa.out_features == arch.latent_dim == 32 + 8
-        assert sizing.kv_bytes_per_token(arch) == arch.layers * arch.latent_dim * 2
+        # Sparse attention: an FP8 key and its scale in each layer that runs an indexer.
+        indexers = [m.self_attn.indexer for m in model.model.layers if getattr(m.self_attn, "indexer", None)]
+        keys = sum(indexer.wk.out_features + indexer.wk.out_features // 128 * 4 for indexer in indexers)
+        assert sizing.kv_bytes_per_token(arch) == arch.layers * arch.latent_dim * 2 + keys
+        assert (arch.indexer.layers if arch.indexer else 0) == len(indexers)
         return
     if hasattr(attention, "qkv_proj"):  # Phi-3 fuses the three
         assert attention.qkv_proj.out_features == arch.attention_heads * arch.head_size + 2 * kv_width
@@ -815,6 +843,25 @@ def test_kvpilot_plan_reads_a_config_json_offline(tmp_path: Path) -> None:
     (folder / "config.json").write_text(json.dumps(MIXED_QWEN_WINDOWS))
     refused = plan_command("--model-config", str(folder / "config.json"), "--gpu", "L4")
     assert refused.returncode == 2 and "UnsupportedArchitecture" in refused.stderr, refused.stderr
+
+
+def test_a_sparse_attention_model_is_rendered_with_the_blocks_and_fp8_latents_vllm_serves_it_with() -> None:
+    """GLM-5 on eight H200s: vLLM's sparse MLA kernels refuse serving.blockSize's default 16 (no attention
+    backend would be left), so the pod gets 64-token blocks; an FP8 KV cache holds each latent as 656
+    bytes and each of the 78 indexers' keys as 132, on each of the 8 GPUs."""
+    config = str(HF_CONFIGS / "zai-org--GLM-5.json")
+    for kv_dtype, latent in (("model", 2 * 576), ("fp8", sizing.FP8_DS_MLA_BYTES)):
+        run = plan_command(
+            "--model-config", config, "--gpu", "H200", "--runtime", "vllm", "--kv-cache-dtype", kv_dtype, "--json"
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+        planned = json.loads(run.stdout)
+        assert planned["fits"] and planned["gpu_count"] == 8 and planned["block_size"] == 64
+        assert "--block-size=64" in planned["args"]
+        assert planned["kv_bytes_per_token"] == 8 * 78 * (latent + 132)
+        assert "132-byte key in the sparse-attention indexer of 78" in planned["reasons"]["kvCache"]
+    ours = plan_command("--model-config", config, "--gpu", "H200")
+    assert ours.returncode == 1 and "sparse attention (a lightning indexer)" in ours.stdout, ours.stdout
 
 
 def test_kvpilot_plan_reads_an_hf_repositorys_config_json_from_the_hub_as_the_operator_does(tmp_path: Path) -> None:
@@ -1311,6 +1358,11 @@ def test_vllm_allocates_the_kv_cache_by_the_same_layout_or_sees_what_the_planner
         _assert_kv_heads_per_gpu_agree(arch, found)
         return
     assert not _beyond_what_is_sized(found), found
+    # Sparse attention's indexer keys: a page of their own in each layer that runs an indexer.
+    keys = [layer["bytes_per_token"] for layer in layers if layer["role"] == "indexer"]
+    assert keys == [arch.indexer.key_bytes] * arch.indexer.layers if arch.indexer else not keys
+    assert sizing.kv_bytes_per_token(arch) == sum(layer["bytes_per_token"] for layer in layers)
+    layers = [layer for layer in layers if layer["role"] != "indexer"]
     full_kind = "MLAAttentionSpec" if arch.latent_dim else "FullAttentionSpec"
     chunked = arch.chunked  # vLLM's kinds below say whether the planner told them apart rightly
     local_kind = "ChunkedLocalAttentionSpec" if chunked else "SlidingWindowSpec"
@@ -1320,7 +1372,6 @@ def test_vllm_allocates_the_kv_cache_by_the_same_layout_or_sees_what_the_planner
     full_bytes = 2 * arch.latent_dim if arch.latent_dim else 2 * 2 * math.prod(arch.full_kv_shape)
     expected = {full_kind: full_bytes, local_kind: 2 * 2 * arch.kv_heads * arch.head_size}
     assert all(layer["bytes_per_token"] == expected[layer["kind"]] for layer in layers), layers
-    assert sizing.kv_bytes_per_token(arch) == sum(layer["bytes_per_token"] for layer in layers)
     windows = {layer["attention_chunk_size"] if chunked else layer["sliding_window"] for layer in layers}
     assert windows == {arch.sliding_window, None} - ({None} if arch.windowed_layers == arch.layers else set())
     if arch.latent_dim:
@@ -1344,6 +1395,28 @@ def test_vllm_allocates_the_kv_cache_by_the_same_layout_or_sees_what_the_planner
     assert pool["blocks_per_request"] == sizing.sequence_blocks(
         layout, pool["max_model_len"], pool["block_size"], in_flight
     )
+
+
+SPARSE = [n for n in real_configs() if "index_topk" in _config(n)]
+
+
+@pytest.mark.parametrize("name", SPARSE)
+def test_vllm_holds_a_sparse_attention_models_fp8_latents_and_indexer_keys_in_blocks_its_kernels_take(
+    name: str, vllm_kv_specs: dict[str, dict[str, Any]]
+) -> None:
+    """DeepSeek V3.2 and GLM-5 under an FP8 KV cache on Hopper: FlashMLA's sparse backend keeps each
+    latent as 656 bytes (fp8_ds_mla), not 576, and the indexer's keys as they are in a 16-bit cache;
+    both sparse backends take blocks of a multiple of 64 tokens, which the planner renders (serving.blockSize
+    16 would leave vLLM no attention backend)."""
+    read = read_config(_without_quantization(name), name)
+    assert not isinstance(read, str), read
+    arch, found = read.architecture, vllm_kv_specs[name]["sparse"]
+    fp8 = found["fp8_layer_specs"]
+    assert sizing.kv_bytes_per_token(arch, sizing.FP8_BYTES_PER_VALUE) == sum(layer["bytes_per_token"] for layer in fp8)
+    assert {layer["bytes_per_token"] for layer in fp8 if layer["role"] != "indexer"} == {sizing.FP8_DS_MLA_BYTES}
+    block = sizing.kernel_block(arch, ServingSpec().block_size)
+    assert all(block % size == 0 for sizes in found["kernel_block_sizes"].values() for size in sizes), found
+    assert VLLM_CAPABILITIES.block_sizes is not None and block in VLLM_CAPABILITIES.block_sizes
 
 
 @pytest.mark.parametrize("name", real_configs())
@@ -1582,6 +1655,27 @@ def test_a_hand_written_gemma_4_shape_is_refused_by_our_engine_and_must_keep_a_c
     assert not planned.fits and "layers that read another layer's K and V" in planned.reason
     with pytest.raises(ValueError, match="must leave a layer that keeps its own K and V"):
         Architecture.model_validate({**arch, "sharedKv": {"fullLayers": 4}})
+
+
+def test_a_hand_written_sparse_indexer_needs_latent_attention_and_is_planned_as_vllm_runs_it() -> None:
+    """`architecture.indexer` written by hand: beside a latent, in at most every layer, keys of whole
+    128-value blocks; planned on vLLM in 64-token blocks with its keys, refused by our engine."""
+    shape = {"layers": 4, "hiddenSize": 512, "attentionHeads": 8, "kvHeads": 1, "vocabSize": 1000}
+    indexer = {"heads": 4, "headDim": 128, "topK": 64, "layers": 2}
+    arch = {**shape, "parameters": 20_000_000, "maxContext": 4096, "latentDim": 96, "indexer": indexer}
+    for bad, problem in (
+        ({"latentDim": None}, "needs latentDim"),
+        ({"indexer": {**indexer, "layers": 5}}, "at most layers"),
+        ({"indexer": {**indexer, "headDim": 96}}, "multiple of 128"),
+    ):
+        with pytest.raises(ValueError, match=problem):
+            Architecture.model_validate({**arch, **bad})
+    spec = {"model": {"name": "m", "architecture": arch}, "accelerator": {"type": "L4"}}
+    planned = plan(InferenceServiceSpec.model_validate({**spec, "runtime": "vllm"}))
+    assert planned.fits and planned.block_size == 64, planned.reason
+    assert planned.kv_bytes_per_token == 4 * 96 * 2 + 2 * 132
+    ours = plan(InferenceServiceSpec.model_validate({**spec, "runtime": "kvpilot"}))
+    assert not ours.fits and "sparse attention (a lightning indexer)" in ours.reason
 
 
 def test_kvpilot_plan_sizes_deepseek_v3_on_8_h200s_by_its_576_value_latent() -> None:

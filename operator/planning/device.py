@@ -63,6 +63,9 @@ class Device(BaseModel):
     link_latency_us: float
     # Turing (T4) and Volta have no bf16 arithmetic: the engine runs float16 there.
     bf16: bool = True
+    # The CUDA compute capability's major version (7 Turing, 8 Ampere and Ada, 9 Hopper, 10 Blackwell),
+    # which some of vLLM's kernels require; None off CUDA.
+    cuda_major: int | None = None
     max_per_node: int = 8
     # Other product strings of the same part (form factors whose figures are within a few per
     # cent), which node discovery and the pods' node affinity accept too.

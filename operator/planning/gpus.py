@@ -31,6 +31,7 @@ GPUS: dict[str, Device] = {
     for gpu in (
         Device(
             name="T4",
+            cuda_major=7,
             link="PCIe Gen3 x16",
             link_gbps=16,
             link_latency_us=30,
@@ -47,6 +48,7 @@ GPUS: dict[str, Device] = {
         ),
         Device(
             name="L4",
+            cuda_major=8,
             link="PCIe Gen4 x16",
             link_gbps=32,
             link_latency_us=30,
@@ -64,6 +66,7 @@ GPUS: dict[str, Device] = {
         # is AWS's G5 figure as compared in the Baseten write-up.
         Device(
             name="A10G",
+            cuda_major=8,
             link="PCIe Gen4 x16",
             link_gbps=32,
             link_latency_us=30,
@@ -79,6 +82,7 @@ GPUS: dict[str, Device] = {
         ),
         Device(
             name="L40S",
+            cuda_major=8,
             link="PCIe Gen4 x16",
             link_gbps=32,
             link_latency_us=30,
@@ -94,6 +98,7 @@ GPUS: dict[str, Device] = {
         ),
         Device(
             name="A100-40GB",
+            cuda_major=8,
             link="NVLink 3 (600 GB/s)",
             link_gbps=300,
             link_latency_us=10,
@@ -110,6 +115,7 @@ GPUS: dict[str, Device] = {
         ),
         Device(
             name="A100-80GB",
+            cuda_major=8,
             link="NVLink 3 (600 GB/s)",
             link_gbps=300,
             link_latency_us=10,
@@ -127,6 +133,7 @@ GPUS: dict[str, Device] = {
         ),
         Device(
             name="H100-80GB",
+            cuda_major=9,
             link="NVLink 4 (900 GB/s)",
             link_gbps=450,
             link_latency_us=10,
@@ -142,6 +149,7 @@ GPUS: dict[str, Device] = {
         ),
         Device(
             name="H200",
+            cuda_major=9,
             link="NVLink 4 (900 GB/s)",
             link_gbps=450,
             link_latency_us=10,
@@ -156,6 +164,7 @@ GPUS: dict[str, Device] = {
         ),
         Device(
             name="B200",
+            cuda_major=10,
             link="NVLink 5 (1.8 TB/s)",
             link_gbps=900,
             link_latency_us=10,

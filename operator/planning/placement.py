@@ -10,7 +10,7 @@ from kvpilot.engine.contract.config import EngineCapabilities
 from kvpilot.engine.contract.device_profile import DeviceProfile
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec
-from kvpilot.operator.planning import cpus
+from kvpilot.operator.planning import cpus, sizing
 from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.gpus import GPUS, find_gpu
 from kvpilot.operator.planning.reasons import failed_plan, rejected_because
@@ -96,12 +96,29 @@ def heads_problem(arch: Architecture, tp: int) -> str | None:
     return None
 
 
+def kernels_problem(arch: Architecture, gpu: Device) -> str | None:
+    """Why `gpu` has no kernels for `arch`'s attention, None when it has: DeepSeek Sparse Attention runs
+    on vLLM 0.33's sparse MLA backends only, which take CUDA compute capability 9 and 10 (FlashAttention's
+    and FlashMLA's sparse MLA, FlashInfer's); with none, vLLM finds no attention backend at start. ROCm's
+    (AITER's, which pads its pages otherwise) is not sized here."""
+    if arch.indexer is None or gpu.cuda_major in sizing.SPARSE_MLA_CUDA_MAJORS:
+        return None
+    where = f"compute capability {gpu.cuda_major}.x" if gpu.cuda_major is not None else "not a CUDA GPU"
+    return (
+        f"{gpu.name} ({where}) has none of vLLM 0.33's sparse MLA kernels, which sparse attention (the lightning "
+        "indexer) needs: they run on Hopper and Blackwell GPUs (compute capability 9.x and 10.x)"
+    )
+
+
 def tensor_parallel_sizes(
     spec: InferenceServiceSpec, arch: Architecture, gpu: Device, capabilities: EngineCapabilities, per_node: int | None
 ) -> tuple[list[int], str]:
     """The tensor-parallel sizes to try on `gpu`, smallest first, and what rules the others out:
     the runtime's sizes (or the pinned accelerator.count), within one node (the most GPUs the
     cluster's nodes of the type carry, else the catalog's), dividing the heads."""
+    kernels = kernels_problem(arch, gpu)
+    if kernels:
+        return [], kernels
     sizes = [spec.accelerator.count] if spec.accelerator.count else list(capabilities.tensor_parallel_sizes)
     most, where = (per_node, "the cluster's nodes carry") if per_node else (gpu.max_per_node, "a node holds")
     usable, ruled_out = [], []

@@ -52,8 +52,10 @@ FP8_BYTES_PER_VALUE = 1
 # A sparse-attention layer's latent in an FP8 KV cache: vLLM 0.33 serves it on FlashMLA's sparse backend
 # in its fp8_ds_mla layout (512 FP8 values, four fp32 scales, 64 16-bit rotary values), not one byte a value.
 FP8_DS_MLA_BYTES = 656
-# vLLM 0.33's sparse MLA kernels (FlashAttention's, FlashMLA's) take blocks of a multiple of this many tokens.
+# vLLM 0.33's sparse MLA kernels (FlashAttention's, FlashMLA's) take blocks of a multiple of this many tokens,
+# and run on GPUs of these CUDA compute capabilities (placement.kernels_problem).
 SPARSE_BLOCK_MULTIPLE = 64
+SPARSE_MLA_CUDA_MAJORS = (9, 10)
 
 # CUDA context, cuBLAS workspaces and allocator slack: vLLM measures 0.5-1.5 GiB outside the
 # weights and the KV cache on a single GPU before any activation.

@@ -24,6 +24,11 @@ reports the parameter bytes one GPU holds at those sizes, a token's K and V on i
 for a hybrid, vLLM's planning of AVAILABLE bytes on it (pool_split): the model built as rank 0 of a
 tensor-parallel group that size (the group's size set, no other process).
 
+A sparse-attention model (DeepSeek V3.2, GLM-5: an indexer's keys beside the latent) is built with the
+sparse MLA backend CUDA's SM90 priorities give it, which the CPU platform refuses to pick (FlashAttention's,
+FlashMLA's for an FP8 cache), and reported again under an FP8 KV cache, with the block sizes those
+backends take and the compute capabilities CUDA's sparse backends run on (sparse).
+
 A case with a "draft_model" (a small model's config.json) is planned again with it as vLLM's draft
 model (SpeculativeConfig method "draft_model"), its KV cache in the case's "kv_cache_dtype" (auto
 when it has none): the pool of the target's layers and the draft's,
@@ -66,7 +71,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
 from vllm.model_executor.model_loader.utils import get_model_architecture
 from vllm.platforms.cpu import CpuPlatform
-from vllm.platforms.interface import Platform
+from vllm.platforms.interface import DeviceCapability, Platform
 from vllm.utils.math_utils import cdiv
 from vllm.utils.torch_utils import set_default_torch_dtype
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
@@ -88,6 +93,15 @@ AVAILABLE = 40 * 1024**3
 TP_SIZES = (2, 4, 8)
 SPARSE_BACKEND = AttentionBackendEnum.FLASH_ATTN_MLA_SPARSE
 SPARSE_FP8_BACKEND = AttentionBackendEnum.FLASHMLA_SPARSE
+# The sparse MLA backends CUDA's priorities list (platforms/cuda.py), on one capability or another.
+CUDA_SPARSE_BACKENDS = (
+    SPARSE_BACKEND,
+    SPARSE_FP8_BACKEND,
+    AttentionBackendEnum.FLASH_ATTN_MLA_SPARSE_FA4,
+    AttentionBackendEnum.FLASHINFER_MLA_SPARSE,
+    AttentionBackendEnum.FLASHINFER_MLA_SPARSE_SM90,
+    AttentionBackendEnum.FLASHINFER_MLA_SPARSE_SM120,
+)
 
 
 def kv_spec(folder: Path) -> dict[str, Any]:
@@ -238,13 +252,21 @@ def kv_pool(folder: Path, flashinfer_gdn: bool = False) -> dict[str, Any]:
 
 def sparse(folder: Path) -> dict[str, Any]:
     """A sparse-attention model's layers under an FP8 KV cache (fp8_ds_mla on FlashMLA's sparse backend),
-    and the block sizes each of the two sparse backends takes."""
+    the block sizes each of the two Hopper backends takes, and the CUDA compute capabilities (majors 7 to
+    12) each of CUDA's sparse backends runs on."""
     vllm_config = _vllm_config(folder, cache_dtype="fp8")
     _, specs = _layer_specs(vllm_config)
     return {
         "fp8_layer_specs": [_layer(spec, vllm_config) for spec in specs.values()],
         "kernel_block_sizes": {backend.name: _block_sizes(backend) for backend in (SPARSE_BACKEND, SPARSE_FP8_BACKEND)},
+        "cuda_majors": {backend.name: _cuda_majors(backend) for backend in CUDA_SPARSE_BACKENDS},
     }
+
+
+def _cuda_majors(backend: AttentionBackendEnum) -> list[int]:
+    """The CUDA compute capabilities' majors, 7 to 12, `backend` runs on."""
+    runs_on = backend.get_class().supports_compute_capability
+    return [major for major in range(7, 13) if runs_on(DeviceCapability(major, 0))]
 
 
 def _block_sizes(backend: AttentionBackendEnum) -> list[int]:

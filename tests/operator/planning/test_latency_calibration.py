@@ -209,7 +209,9 @@ def test_sparse_attention_attends_to_its_top_k_and_reads_every_tokens_indexer_ke
     assert latency._layer_tokens(arch, 1_000) == (61 * 1_000, 0)
     keys = sizing.indexer_bytes_per_token(arch, dense.tp)
     assert keys == 61 * 132 * dense.tp
-    assert latency._kv_read_bytes(sparse, 100_000) == pytest.approx((sparse.kv_per_token - keys) * 2048 + keys * 100_000)
+    assert latency._kv_read_bytes(sparse, 100_000) == pytest.approx(
+        (sparse.kv_per_token - keys) * 2048 + keys * 100_000
+    )
     assert latency._kv_read_bytes(sparse, 1_000) == pytest.approx(sparse.kv_per_token * 1_000)
     assert 3 * latency.gpu_step_seconds(sparse, (64, 100_000)) < latency.gpu_step_seconds(dense, (64, 100_000))
     assert latency.gpu_step_seconds(sparse, (64, 1_000)) >= latency.gpu_step_seconds(dense, (64, 1_000))

@@ -22,6 +22,7 @@ from e2e.hub_server import HubServer
 from kvpilot.engine.model.loader import load_config
 from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec, ServingSpec
 from kvpilot.operator.planning import latency, placement, recurrent, sizing
+from kvpilot.operator.planning.gpus import GPUS
 from kvpilot.operator.planning.model_config import FAMILIES, WRAPPERS, read_config
 from kvpilot.operator.planning.models import MODELS
 from kvpilot.operator.planning.plan import plan
@@ -1417,6 +1418,10 @@ def test_vllm_holds_a_sparse_attention_models_fp8_latents_and_indexer_keys_in_bl
     block = sizing.kernel_block(arch, ServingSpec().block_size)
     assert all(block % size == 0 for sizes in found["kernel_block_sizes"].values() for size in sizes), found
     assert VLLM_CAPABILITIES.block_sizes is not None and block in VLLM_CAPABILITIES.block_sizes
+    # The catalog's GPUs with a sparse MLA backend (Hopper, Blackwell) are planned; the others refused.
+    runs_on = {major for majors in found["cuda_majors"].values() for major in majors}
+    for gpu in GPUS.values():
+        assert (placement.kernels_problem(arch, gpu) is None) == (gpu.cuda_major in runs_on), gpu.name
 
 
 @pytest.mark.parametrize("name", real_configs())
@@ -1670,12 +1675,15 @@ def test_a_hand_written_sparse_indexer_needs_latent_attention_and_is_planned_as_
     ):
         with pytest.raises(ValueError, match=problem):
             Architecture.model_validate({**arch, **bad})
-    spec = {"model": {"name": "m", "architecture": arch}, "accelerator": {"type": "L4"}}
+    spec = {"model": {"name": "m", "architecture": arch}, "accelerator": {"type": "H100-80GB"}}
     planned = plan(InferenceServiceSpec.model_validate({**spec, "runtime": "vllm"}))
     assert planned.fits and planned.block_size == 64, planned.reason
     assert planned.kv_bytes_per_token == 4 * 96 * 2 + 2 * 132
     ours = plan(InferenceServiceSpec.model_validate({**spec, "runtime": "kvpilot"}))
     assert not ours.fits and "sparse attention (a lightning indexer)" in ours.reason
+    # vLLM has no sparse MLA kernel for an L4 (compute capability 8.9): no backend, no pod.
+    on_l4 = plan(InferenceServiceSpec.model_validate({**spec, "runtime": "vllm", "accelerator": {"type": "L4"}}))
+    assert not on_l4.fits and "L4 (compute capability 8.x) has none of vLLM 0.33's sparse MLA kernels" in on_l4.reason
 
 
 def test_kvpilot_plan_sizes_deepseek_v3_on_8_h200s_by_its_576_value_latent() -> None:

@@ -181,6 +181,8 @@ EAGLE3_TARGETS = frozenset(
         "GptOssForCausalLM",
         "DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM",
+        "DeepseekV32ForCausalLM",
+        "GlmMoeDsaForCausalLM",
         "MiniMaxM2ForCausalLM",
         "Llama4ForCausalLM",
         "Gemma4ForCausalLM",

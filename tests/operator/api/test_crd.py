@@ -63,6 +63,7 @@ VALUE_KEYS = {
     "maximum",
     "exclusiveMinimum",
     "exclusiveMaximum",
+    "multipleOf",
     "minLength",
     "maxLength",
     "maxItems",

@@ -813,7 +813,9 @@ def test_the_planner_plans_for_our_engine_only_the_model_classes_its_loader_buil
     model = {"name": name, "architecture": architecture}
     planned = {
         runtime: plan(
-            InferenceServiceSpec.model_validate({"runtime": runtime, "model": model, "accelerator": {"type": "L4"}})
+            InferenceServiceSpec.model_validate(
+                {"runtime": runtime, "model": model, "accelerator": {"type": "H100-80GB"}}
+            )
         )
         for runtime in ("kvpilot", "vllm")
     }

@@ -204,7 +204,7 @@ def _reserve(inputs: Inputs, group: tuple[Device, int], quantization: str, budge
         return sizing.runtime_reserve_bytes(arch, budget) * tp, ""
     # vLLM's sampler is profiled at max_num_seqs rows, and max_num_seqs follows from the pool: bound
     # it by the larger pool the rest of the reserve leaves, so the reserve is never under vLLM's.
-    unsampled = replica_sizes(inputs, group, quantization, vllm_reserve(arch, budget, 0, tp).total * tp)
+    unsampled = replica_sizes(inputs, group, quantization, vllm_reserve(arch, budget, 0, tp, inputs.context).total * tp)
     lookahead = inputs.spec.serving.num_speculative_tokens if inputs.draft else 0
     fitting = sizing.sequences_that_fit(
         unsampled.kv_pool_bytes,
@@ -214,7 +214,7 @@ def _reserve(inputs: Inputs, group: tuple[Device, int], quantization: str, budge
         in_flight(budget),
     )
     seqs = min(fitting, MAX_NUM_SEQS_CAP)
-    per_gpu = vllm_reserve(arch, max(budget, seqs), seqs, tp)
+    per_gpu = vllm_reserve(arch, max(budget, seqs), seqs, tp, inputs.context)
     return per_gpu.total * tp, f" ({per_gpu.describe()} per GPU, as vLLM profiles it)"
 
 

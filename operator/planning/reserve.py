@@ -19,6 +19,10 @@ vllm_startup_logs.json, checked by test_vllm_memory.py; bench/RESULTS.md has the
 - non-torch memory is 0.24-0.46 GiB on one GPU and 2.06-2.21 GiB per GPU under TP 2 and 4, a
   little more with more GPUs;
 - CUDA graphs take 0.5-1.8 GiB per GPU, growing with the layers captured, more with experts.
+Sparse attention (DeepSeek V3.2, GLM-5) adds what its model and backends allocate beside (read in
+vLLM 0.33's code, not in a log): a top-k index buffer of `max_num_batched_tokens` rows at loading,
+and a prefill workspace of a few max_model_len latents (sparse_mla_prefill_workspace_factor), which
+the runner's one workspace shares with the fused-MoE one, so that the larger of the two is held.
 """
 
 from __future__ import annotations
@@ -44,6 +48,14 @@ LOADING_BYTES = int(0.1 * sizing.GiB)
 CUDA_GRAPH_BASE_BYTES = 460 * sizing.MiB
 CUDA_GRAPH_PER_LAYER_BYTES = 15 * sizing.MiB
 CUDA_GRAPH_EXPERTS_BYTES = 600 * sizing.MiB
+# Sparse attention's top-k index buffer (DeepseekV2Model.topk_indices_buffer): an int32 per row and
+# selected token. Its prefill workspace: this many max_model_len 16-bit latents (the factor vLLM picks
+# up to 256k tokens, and beyond), 576 values each (flashmla_sparse.get_prefill_workspace_size).
+TOPK_INDEX_BYTES = 4
+SPARSE_WORKSPACE_FACTOR = 5
+SPARSE_WORKSPACE_LONG_FACTOR = 2
+SPARSE_WORKSPACE_LONG_TOKENS = 256 * 1024
+SPARSE_WORKSPACE_LATENT_BYTES = 576 * 2
 
 
 class Reserve(NamedTuple):
@@ -79,16 +91,29 @@ def mlp_width(arch: Architecture) -> int:
     return max(0, int(per_layer / (3 * hidden)))
 
 
-def vllm_reserve(arch: Architecture, batched_tokens: int, max_num_seqs: int, tp: int) -> Reserve:
+def _sparse_attention(arch: Architecture, batched_tokens: int, max_model_len: int) -> tuple[int, int]:
+    """Sparse attention's top-k index buffer and prefill workspace on each GPU (0, 0 without an indexer)."""
+    if arch.indexer is None:
+        return 0, 0
+    long = max_model_len > SPARSE_WORKSPACE_LONG_TOKENS
+    factor = SPARSE_WORKSPACE_LONG_FACTOR if long else SPARSE_WORKSPACE_FACTOR
+    return (
+        batched_tokens * arch.indexer.top_k * TOPK_INDEX_BYTES,
+        factor * max_model_len * SPARSE_WORKSPACE_LATENT_BYTES,
+    )
+
+
+def vllm_reserve(arch: Architecture, batched_tokens: int, max_num_seqs: int, tp: int, max_model_len: int) -> Reserve:
     """What vLLM holds on each of a replica's `tp` GPUs beside weights and KV (module docstring)."""
     experts = arch.active_parameters is not None
     sampler = min(max_num_seqs, batched_tokens) * arch.vocab_size * SAMPLER_BYTES_PER_LOGIT
     width = FORWARD_INTERMEDIATES * mlp_width(arch) / tp + FORWARD_HIDDEN_STATES * arch.hidden_size
     forward = int(batched_tokens * width * sizing.BYTES_PER_VALUE)
     graphs = CUDA_GRAPH_BASE_BYTES + arch.layers * CUDA_GRAPH_PER_LAYER_BYTES
+    index_buffer, workspace = _sparse_attention(arch, batched_tokens, max_model_len)
     return Reserve(
-        loading=LOADING_BYTES,
-        activation=sampler + forward if experts else max(sampler, forward),
+        loading=LOADING_BYTES + index_buffer,
+        activation=max(sampler + forward if experts else max(sampler, forward), workspace),
         non_torch=NON_TORCH_TP_BYTES + tp * NON_TORCH_PER_TP_GPU_BYTES if tp > 1 else NON_TORCH_BYTES,
         cuda_graphs=graphs + (CUDA_GRAPH_EXPERTS_BYTES if experts else 0),
     )

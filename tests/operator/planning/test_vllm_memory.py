@@ -58,7 +58,7 @@ def predicted_gib(point: dict[str, Any], batch: tuple[int, int] | None = None) -
     tokens, seqs = batch or (point["max_num_batched_tokens"], point["max_num_seqs"])
     arch = architecture(point["architecture"])
     weights = weights_per_gpu(arch, point["quantization"], tp)
-    reserve = vllm_reserve(arch, tokens, seqs, tp).total
+    reserve = vllm_reserve(arch, tokens, seqs, tp, arch.max_context).total
     return (int(gpu.memory_bytes * point["gpu_memory_utilization"]) - weights - reserve) / sizing.GiB
 
 
@@ -88,7 +88,7 @@ def test_each_term_is_what_vllm_logged(point: dict[str, Any]) -> None:
     0.1 GiB, and each other part of the reserve within 0.6 GiB of the log."""
     logged, tp = point["logged"], point["tensor_parallel_size"]
     arch = architecture(point["architecture"])
-    reserve = vllm_reserve(arch, point["max_num_batched_tokens"], point["max_num_seqs"], tp)
+    reserve = vllm_reserve(arch, point["max_num_batched_tokens"], point["max_num_seqs"], tp, arch.max_context)
     weights = weights_per_gpu(arch, point["quantization"], tp) + reserve.loading
     assert weights / sizing.GiB == pytest.approx(logged["weights_gib"], abs=0.1)
     for value, key in (
@@ -190,3 +190,26 @@ def test_a_context_that_fits_only_within_the_prediction_s_margin_is_refused() ->
     }
     refused = plan(InferenceServiceSpec.model_validate(spec))
     assert refused.failure == "ContextDoesNotFit" and "less the 2% by which the runtime may find less" in refused.reason
+
+
+@pytest.mark.parametrize(
+    ("name", "context", "factor"), [("deepseek-ai--DeepSeek-V3.2", 163_840, 5), ("zai-org--GLM-5.2", 1_048_576, 2)]
+)
+def test_sparse_attention_holds_its_index_buffer_and_prefill_workspace_beside_the_weights(
+    name: str, context: int, factor: int
+) -> None:
+    """DeepSeek V3.2 and GLM-5.2 at their longest contexts on 8 GPUs: each GPU holds a 2048-wide int32
+    row of top-k indices per batched token from loading on, and a prefill workspace of `factor`
+    max_model_len latents (5 up to 256k tokens, 2 beyond: GLM-5.2's 1M context, 2.25 GiB), which the
+    fused-MoE workspace shares: the larger is the activation peak."""
+    read = read_config(json.loads((HERE / "hf_configs" / f"{name}.json").read_text()), name)
+    assert not isinstance(read, str), read
+    arch = read.architecture
+    plain = arch.model_copy(update={"indexer": None})
+    sparse, dense = vllm_reserve(arch, 8192, 256, 8, context), vllm_reserve(plain, 8192, 256, 8, context)
+    assert sparse.loading - dense.loading == 8192 * 2048 * 4
+    workspace = factor * context * 576 * 2
+    assert sparse.activation == max(dense.activation, workspace)
+    assert sparse.non_torch == dense.non_torch and sparse.cuda_graphs == dense.cuda_graphs
+    if name == "zai-org--GLM-5.2":
+        assert sparse.activation == workspace > dense.activation

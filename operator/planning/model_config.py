@@ -74,6 +74,8 @@ class Family(NamedTuple):
     sinks: bool = False  # a learned attention sink per head (gpt-oss)
     # The intermediate size of the dense MLP of a layer without experts (Llama 4's differs from its experts').
     dense_intermediate: str = "intermediate_size"
+    # The config class's defaults of keys the count reads, where a config.json may leave them out.
+    defaults: Mapping[str, Any] = {}
 
 
 FAMILIES: dict[str, Family] = {
@@ -82,6 +84,18 @@ FAMILIES: dict[str, Family] = {
     "Qwen2ForCausalLM": Family(tie_default=False, qkv_bias=True, windows="none_or_refused"),
     "Qwen3ForCausalLM": Family(tie_default=False, head_norms="per_head", windows="none_or_refused"),
     "Phi3ForCausalLM": Family(tie_default=False),
+    # Llama's layers: SmolLM3 (its NoPE layers cache K and V all the same), Granite 3 (multipliers, no
+    # parameters), both run by vLLM's Llama-style code or its Transformers backend.
+    "SmolLM3ForCausalLM": Family(tie_default=True),
+    "GraniteForCausalLM": Family(tie_default=False),
+    # OLMo 2 and 3: norms after attention and the MLP, q and k normed over all the heads' width; OLMo 3's
+    # every 4th layer full attention, the others within a 4096-token window.
+    "Olmo2ForCausalLM": Family(tie_default=False, head_norms="per_layer", windows="none"),
+    "Olmo3ForCausalLM": Family(tie_default=False, head_norms="per_layer", pattern=4, defaults={"sliding_window": 4096}),
+    # GLM-4-0414 (dense): biased q, k and v, four norms per layer, 128-value heads unless it says otherwise.
+    "Glm4ForCausalLM": Family(
+        tie_default=False, attention_bias=True, output_bias=False, norms=4, windows="none", defaults={"head_dim": 128}
+    ),
     "MixtralForCausalLM": Family(tie_default=False, experts="mixtral", windows="none"),
     "Qwen2MoeForCausalLM": Family(tie_default=False, qkv_bias=True, experts="qwen2_moe", windows="none"),
     "Qwen3MoeForCausalLM": Family(tie_default=False, head_norms="per_head", experts="qwen3_moe", windows="none"),
@@ -983,6 +997,7 @@ def _eagle3_head(config: Mapping[str, Any], name: str, source: str) -> Architect
 
 def _architecture(config: Mapping[str, Any], name: str, family: Family, source: str) -> Architecture | str:
     """The language model's Architecture, or why vLLM would not load its layers."""
+    config = {**family.defaults, **config}
     layers = _int(config, "num_hidden_layers")
     sliding = _sliding_layers(config, name, family, layers)
     if isinstance(sliding, str):

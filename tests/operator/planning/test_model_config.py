@@ -267,6 +267,16 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 1,
         "num_experts_per_tok": 2,
     },
+    # SmolLM3: Llama's layers, its NoPE layers among them, a tied head.
+    "smollm3": {"model_type": "smollm3", "no_rope_layers": [1, 1, 0]},
+    # Granite 3: Llama's layers with biased attention here, and its multipliers (no parameters).
+    "granite": {"model_type": "granite", "attention_bias": True, "embedding_multiplier": 12.0},
+    # OLMo 2: norms after attention and the MLP, q and k normed over all the heads' width.
+    "olmo2": {"model_type": "olmo2"},
+    # OLMo 3: OLMo 2's layers, three of every four within its window (the config class's 4096 here).
+    "olmo3": {"model_type": "olmo3", "num_hidden_layers": 4},
+    # GLM-4-0414: biased q, k and v, four norms per layer, 128-value heads by default.
+    "glm4": {"model_type": "glm4", "partial_rotary_factor": 0.5},
     # GLM-4.7-Flash: latent attention (q through its own low rank) beside GLM-4.5's experts.
     "glm4-moe-lite": {"model_type": "glm4_moe_lite", **DEEPSEEK_V3_LAYERS},
     # DeepSeek V3.2: a lightning indexer in every latent-attention layer (DeepSeek Sparse Attention).
@@ -356,6 +366,11 @@ ARCHITECTURES = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
+    "glm4": "Glm4ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
@@ -480,7 +495,7 @@ def test_parameters_and_kv_geometry_are_as_transformers_builds_the_model(name: s
 
 
 # The families whose windows vLLM 0.33 allocates, and the window each tiny config gives.
-WINDOWED = {"gemma2": 128, "gemma3": 128, "gpt-oss": 128, "llama4": 128}
+WINDOWED = {"gemma2": 128, "gemma3": 128, "gpt-oss": 128, "llama4": 128, "olmo3": 4096}
 
 
 QWEN_VISION = {
@@ -1339,7 +1354,7 @@ def _kv_case(name: str) -> tuple[str, dict[str, Any]]:
     return (f"{name}#text" if _wraps(name) else name), _without_quantization(name)
 
 
-@pytest.mark.parametrize("name", [*real_configs(), *(f"tiny-{name}" for name in sorted(GEMMA4))])
+@pytest.mark.parametrize("name", [*real_configs(), *(f"tiny-{name}" for name in FAMILY_CONFIGS)])
 def test_vllm_allocates_the_kv_cache_by_the_same_layout_or_sees_what_the_planner_refuses(
     name: str, vllm_kv_specs: dict[str, dict[str, Any]]
 ) -> None:

@@ -56,6 +56,7 @@ class Family(NamedTuple):
     qkv_bias: bool = False  # q, k and v projections carry a bias whatever attention_bias says
     attention_bias: bool = False  # attention_bias when the config leaves it out
     output_bias: bool = True  # attention_bias biases o as well as q, k and v (not GLM-4.5's)
+    output_bias_key: str | None = None  # the config key that biases o on its own (Seed-OSS's attention_out_bias)
     # q_norm and k_norm: "per_head" (one head's width, shared by the heads: Qwen3, Gemma 3) or
     # "per_layer" (all the heads' width: MiniMax-M2).
     head_norms: str | None = None
@@ -64,6 +65,8 @@ class Family(NamedTuple):
     # or "llama4".
     experts: str | None = None
     norms: int = 2  # per decoder layer (Gemma: around both attention and MLP)
+    # Tokens vLLM's code adds to config.json's sliding_window (Cohere's layers see the window and the token).
+    window_extra: int = 0
     # Where vLLM 0.33's modelling code takes its sliding windows from: "layer_types" (config.json's,
     # else every `pattern`-th layer full), "none" (never), "none_or_refused" (never, and it refuses
     # a model whose layers mix windows with full attention: Qwen2/3's use_sliding_window), or
@@ -92,6 +95,20 @@ FAMILIES: dict[str, Family] = {
     # every 4th layer full attention, the others within a 4096-token window.
     "Olmo2ForCausalLM": Family(tie_default=False, head_norms="per_layer", windows="none"),
     "Olmo3ForCausalLM": Family(tie_default=False, head_norms="per_layer", pattern=4, defaults={"sliding_window": 4096}),
+    # Seed-OSS: biased q, k and v, o biased where attention_out_bias says, 128-value heads by default.
+    "SeedOssForCausalLM": Family(
+        tie_default=False,
+        attention_bias=True,
+        output_bias=False,
+        output_bias_key="attention_out_bias",
+        windows="none",
+        defaults={"head_dim": 128},
+    ),
+    # Command R7B / Command A (Cohere2): attention and the MLP side by side after one norm, three of every
+    # four layers within a window that vLLM widens by the token itself.
+    "Cohere2ForCausalLM": Family(
+        tie_default=True, norms=1, pattern=4, window_extra=1, defaults={"sliding_window": 4096}
+    ),
     # GLM-4-0414 (dense): biased q, k and v, four norms per layer, 128-value heads unless it says otherwise.
     "Glm4ForCausalLM": Family(
         tie_default=False, attention_bias=True, output_bias=False, norms=4, windows="none", defaults={"head_dim": 128}
@@ -319,7 +336,8 @@ def _window(config: Mapping[str, Any], family: Family) -> int | None:
     unless the config says otherwise; null: no chunking)."""
     if family.windows == "chunked":
         return config.get("attention_chunk_size", LLAMA4_CHUNK)
-    return config.get("sliding_window")
+    window = config.get("sliding_window")
+    return window + family.window_extra if window is not None else None
 
 
 def _sliding_layers(config: Mapping[str, Any], name: str, family: Family, layers: int) -> int | str:
@@ -346,6 +364,8 @@ def _attention(config: Mapping[str, Any], family: Family, shape: _Shape) -> int:
         biases = q + 2 * kv + (shape.hidden if family.output_bias else 0)
     else:
         biases = q + 2 * kv if family.qkv_bias else 0
+    if family.output_bias_key and config.get(family.output_bias_key):
+        biases += shape.hidden
     kind = _head_norms(config, family)
     norms = 0 if kind is None else 2 * shape.head_dim if kind == "per_head" else q + kv
     return weights + biases + norms + (shape.heads if family.sinks else 0)

@@ -275,6 +275,11 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "olmo2": {"model_type": "olmo2"},
     # OLMo 3: OLMo 2's layers, three of every four within its window (the config class's 4096 here).
     "olmo3": {"model_type": "olmo3", "num_hidden_layers": 4},
+    # Seed-OSS: biased q, k and v, and o here (attention_out_bias), 128-value heads by default.
+    "seed-oss": {"model_type": "seed_oss", "attention_out_bias": True},
+    # Cohere2: one norm before attention and the MLP side by side, a tied head, three windowed layers of
+    # every four (the config class's 4096-token window).
+    "cohere2": {"model_type": "cohere2", "num_hidden_layers": 4},
     # GLM-4-0414: biased q, k and v, four norms per layer, 128-value heads by default.
     "glm4": {"model_type": "glm4", "partial_rotary_factor": 0.5},
     # GLM-4.7-Flash: latent attention (q through its own low rank) beside GLM-4.5's experts.
@@ -371,6 +376,8 @@ ARCHITECTURES = {
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "seed_oss": "SeedOssForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
@@ -495,7 +502,8 @@ def test_parameters_and_kv_geometry_are_as_transformers_builds_the_model(name: s
 
 
 # The families whose windows vLLM 0.33 allocates, and the window each tiny config gives.
-WINDOWED = {"gemma2": 128, "gemma3": 128, "gpt-oss": 128, "llama4": 128, "olmo3": 4096}
+# The window each windowed family's tiny config is planned with: vLLM's (Cohere2's: the config's 4096 and the token).
+WINDOWED = {"gemma2": 128, "gemma3": 128, "gpt-oss": 128, "llama4": 128, "olmo3": 4096, "cohere2": 4097}
 
 
 QWEN_VISION = {

@@ -36,6 +36,11 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # A sparse-attention indexer's key is cached as FP8 values with a 4-byte scale per this many (vLLM 0.33's
 # Indexer: quant_block_size).
 INDEXER_SCALE_BLOCK = 128
+# What vLLM 0.33's sparse MLA backends take (sizing reads them from here): blocks of a multiple of this
+# many tokens (FlashAttention's and FlashMLA's), and under an FP8 KV cache FlashMLA's fp8_ds_mla layout
+# of a latent (512 FP8 values, four fp32 scales, 64 16-bit rotary values) in this many bytes.
+SPARSE_BLOCK_MULTIPLE = 64
+FP8_DS_MLA_BYTES = 656
 
 # What the CRD says beyond a field's type, bounds and default, as json_schema_extra (crd.py copies
 # these keys into the schema as they are).
@@ -307,8 +312,8 @@ class Architecture(BaseModel):
         default=None,
         description="DeepSeek Sparse Attention (DeepSeek V3.2, GLM-5): a lightning indexer beside the latent "
         "attention picks the topK tokens each layer attends to; vLLM caches its keys per token beside the latent, "
-        "whole on every GPU, takes blocks of a multiple of 64 tokens for its sparse kernels, and stores the latent "
-        "as 656 bytes (fp8_ds_mla) under an FP8 KV cache.",
+        f"whole on every GPU, takes blocks of a multiple of {SPARSE_BLOCK_MULTIPLE} tokens for its sparse kernels, "
+        f"and on Hopper stores the latent as {FP8_DS_MLA_BYTES} bytes (fp8_ds_mla) under an FP8 KV cache.",
     )
     full_attention: FullAttentionShape | None = Field(
         default=None,

@@ -142,6 +142,9 @@ def _draft_refusal(
     runs = f"runtime {spec.runtime}"
     if arch.state is not None:
         return "UnsupportedByRuntime", f"it has {beyond}, which the planner does not size for a draft"
+    if target.indexer is not None and arch.sliding_window is not None:
+        # vLLM groups such a draft's pages among the indexer's and the latent's, which the planner does not size.
+        return "UnsupportedByRuntime", "it has windowed layers, which the planner does not size beside sparse attention"
     if beyond and capabilities.plain_decoders_only:
         return (
             "UnsupportedByRuntime",

@@ -207,14 +207,16 @@ def _layer_tokens(arch: Architecture, attended: float) -> tuple[float, float]:
     return full, arch.windowed_layers * local
 
 
-def _attention_flops(arch: Architecture, tokens: float, attended: float) -> float:
+def _attention_flops(arch: Architecture, tokens: float, attended: float, indexers: int = 1) -> float:
     """Attention's arithmetic for `tokens` rows attending to `attended` tokens each on average: QK^T
     and PV, 2 x 2 FLOPs per head dimension and attended token in every layer (_layer_tokens; Gemma
     4's full-attention heads are wider), and a sparse-attention indexer's scores of every token before
-    each row, 2 FLOPs per index head dimension in each of its layers."""
+    each row, 2 FLOPs per index head dimension in each of its layers, computed `indexers` times (a
+    decode's on every GPU of the group: vLLM replicates the indexer and shards only prefill rows)."""
     full, local = _layer_tokens(arch, attended)
     indexing = 2 * arch.indexer.heads * arch.indexer.head_dim * arch.indexer.layers * attended if arch.indexer else 0
-    return tokens * (4 * arch.attention_heads * (arch.full_kv_shape[1] * full + arch.head_size * local) + indexing)
+    heads = 4 * arch.attention_heads * (arch.full_kv_shape[1] * full + arch.head_size * local)
+    return tokens * (heads + indexers * indexing)
 
 
 def _kv_read_bytes(replica: Replica, context: float) -> float:
@@ -265,7 +267,7 @@ def gpu_step_seconds(
     reads = (replica.decode_weight_bytes - lookups) * share + kv_bytes
     head = 2 * arch.vocab_size * arch.hidden_size if prompt_tokens else 0.0  # the prompt's last token's logits
     gemms = 2 * _multiplied(arch) * running + 2 * _prompt_parameters(arch) * prompt_tokens + head
-    attention = _attention_flops(arch, running, context) + _attention_flops(arch, prompt_tokens, attended)
+    attention = _attention_flops(arch, running, context, replica.tp) + _attention_flops(arch, prompt_tokens, attended)
     peak = gpu.matmul_flops(replica.quantization, tokens)
     memory = reads / (gpu.bandwidth_bytes_per_s * sizing.DECODE_BANDWIDTH_EFFICIENCY)
     compute = gemms / (peak * gemm_efficiency(tokens)) + attention / (peak * GPU_ATTENTION_EFFICIENCY)

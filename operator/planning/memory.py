@@ -4,6 +4,7 @@ with the reason texts that quote those numbers."""
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import NamedTuple
 
 from kvpilot.operator.api.plan import Plan
@@ -14,7 +15,7 @@ from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.latency import batched_tokens, step_seconds
 from kvpilot.operator.planning.reasons import failed_plan, gib, ms
 from kvpilot.operator.planning.replica import Inputs, Replica, Sizes, kv_bytes_per_value
-from kvpilot.operator.planning.reserve import vllm_reserve
+from kvpilot.operator.planning.reserve import sparse_attention, vllm_reserve
 
 # Beyond ~1k running sequences the scheduler's per-step bookkeeping, not the GPU, sets the pace
 # (vLLM caps max_num_seqs at 256-1024 for the same reason).
@@ -121,7 +122,9 @@ def kv_rule(arch: Architecture, sizes: Sizes, held: int, tp: int) -> str:
             f"{layout.state_blocks} state pages per sequence and group under prefix caching)"
         )
     if arch.indexer is not None:
-        latent = "a 656-byte" if sizes.kv_cache_dtype == "fp8" else f"one {arch.latent_dim}-value"
+        latent = (
+            f"a {sizing.FP8_DS_MLA_BYTES}-byte" if sizes.kv_cache_dtype == "fp8" else f"one {arch.latent_dim}-value"
+        )
         return (
             f" ({latent} latent per token and layer, and a {arch.indexer.key_bytes}-byte key in the "
             f"sparse-attention indexer of {arch.indexer.layers} of them, whole on each of the {tp} GPUs, in the "
@@ -200,11 +203,12 @@ def _reserve(inputs: Inputs, group: tuple[Device, int], quantization: str, budge
     """The reserve of a replica's GPUs together, and (for a runtime that measures its own pool) what
     it is made of on each GPU."""
     arch, tp = inputs.arch, group[1]
+    sparse = partial(sparse_attention, arch, tp=tp, max_model_len=inputs.context, fp8=inputs.kv_cache_dtype == "fp8")
     if not inputs.capabilities.measures_kv_pool:
         return sizing.runtime_reserve_bytes(arch, budget) * tp, ""
     # vLLM's sampler is profiled at max_num_seqs rows, and max_num_seqs follows from the pool: bound
     # it by the larger pool the rest of the reserve leaves, so the reserve is never under vLLM's.
-    unsampled = replica_sizes(inputs, group, quantization, vllm_reserve(arch, budget, 0, tp, inputs.context).total * tp)
+    unsampled = replica_sizes(inputs, group, quantization, vllm_reserve(arch, budget, 0, tp, sparse(budget)).total * tp)
     lookahead = inputs.spec.serving.num_speculative_tokens if inputs.draft else 0
     fitting = sizing.sequences_that_fit(
         unsampled.kv_pool_bytes,
@@ -214,7 +218,7 @@ def _reserve(inputs: Inputs, group: tuple[Device, int], quantization: str, budge
         in_flight(budget),
     )
     seqs = min(fitting, MAX_NUM_SEQS_CAP)
-    per_gpu = vllm_reserve(arch, max(budget, seqs), seqs, tp, inputs.context)
+    per_gpu = vllm_reserve(arch, max(budget, seqs), seqs, tp, sparse(max(budget, seqs)))
     return per_gpu.total * tp, f" ({per_gpu.describe()} per GPU, as vLLM profiles it)"
 
 

@@ -97,16 +97,23 @@ def heads_problem(arch: Architecture, tp: int) -> str | None:
 
 
 def kernels_problem(arch: Architecture, gpu: Device) -> str | None:
-    """Why `gpu` has no kernels for `arch`'s attention, None when it has: DeepSeek Sparse Attention runs
-    on vLLM 0.33's sparse MLA backends only, which take CUDA compute capability 9 and 10 (FlashAttention's
-    and FlashMLA's sparse MLA, FlashInfer's); with none, vLLM finds no attention backend at start. ROCm's
-    (AITER's, which pads its pages otherwise) is not sized here."""
-    if arch.indexer is None or gpu.cuda_major in sizing.SPARSE_MLA_CUDA_MAJORS:
+    """Why the planner does not plan `arch`'s attention on `gpu`, None when it does: DeepSeek Sparse
+    Attention runs on vLLM 0.33's sparse MLA backends only (with none, vLLM finds no attention backend at
+    start); the planner sizes CUDA's for compute capability 9 and 10 over DeepSeek's latent. ROCm's
+    (AITER's, which pads its pages otherwise) and SM120's (fp8_ds_mla even for a 16-bit cache) it does not."""
+    if arch.indexer is None:
+        return None
+    if arch.latent_dim != sizing.SPARSE_LATENT_VALUES:
+        return (
+            f"sparse attention over a {arch.latent_dim}-value latent: the planner sizes vLLM 0.33's sparse MLA "
+            f"kernels for DeepSeek's {sizing.SPARSE_LATENT_VALUES}-value one"
+        )
+    if gpu.cuda_major in sizing.SPARSE_MLA_CUDA_MAJORS:
         return None
     where = f"compute capability {gpu.cuda_major}.x" if gpu.cuda_major is not None else "not a CUDA GPU"
     return (
-        f"{gpu.name} ({where}) has none of vLLM 0.33's sparse MLA kernels, which sparse attention (the lightning "
-        "indexer) needs: they run on Hopper and Blackwell GPUs (compute capability 9.x and 10.x)"
+        f"{gpu.name} ({where}): sparse attention (the lightning indexer) is planned on the GPUs of vLLM 0.33's "
+        "sparse MLA kernels the planner sizes, Hopper's and Blackwell's (compute capability 9.x and 10.x)"
     )
 
 

@@ -19,14 +19,15 @@ vllm_startup_logs.json, checked by test_vllm_memory.py; bench/RESULTS.md has the
 - non-torch memory is 0.24-0.46 GiB on one GPU and 2.06-2.21 GiB per GPU under TP 2 and 4, a
   little more with more GPUs;
 - CUDA graphs take 0.5-1.8 GiB per GPU, growing with the layers captured, more with experts.
-Sparse attention (DeepSeek V3.2, GLM-5) adds what its model and backends allocate beside (read in
-vLLM 0.33's code, not in a log): a top-k index buffer of `max_num_batched_tokens` rows at loading,
-and a prefill workspace of a few max_model_len latents (sparse_mla_prefill_workspace_factor), which
-the runner's one workspace shares with the fused-MoE one, so that the larger of the two is held.
+Sparse attention (DeepSeek V3.2, GLM-5) adds what its model and backends allocate (read in vLLM
+0.33's code, not in a log: sparse_attention): a top-k index buffer at loading, FlashMLA's sparse
+workspace, which the runner's one workspace shares with the fused-MoE one (the larger is held), and
+the indexer's scratch at the profiling run's peak.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from kvpilot.operator.api.spec import Architecture
@@ -48,14 +49,19 @@ LOADING_BYTES = int(0.1 * sizing.GiB)
 CUDA_GRAPH_BASE_BYTES = 460 * sizing.MiB
 CUDA_GRAPH_PER_LAYER_BYTES = 15 * sizing.MiB
 CUDA_GRAPH_EXPERTS_BYTES = 600 * sizing.MiB
-# Sparse attention's top-k index buffer (DeepseekV2Model.topk_indices_buffer): an int32 per row and
-# selected token. Its prefill workspace: this many max_model_len 16-bit latents (the factor vLLM picks
-# up to 256k tokens, and beyond), 576 values each (flashmla_sparse.get_prefill_workspace_size).
+# Sparse attention (read in vLLM 0.33's code): the model's top-k index buffer, an int32 per batched
+# row and selected token (DeepseekV2Model.topk_indices_buffer); FlashMLA's sparse backend's workspace,
+# bf16 rows of the step's queries (heads padded to 64 for a 16-bit cache) and, for an FP8 cache, a
+# prefill workspace of 5 max_model_len latents (2 beyond 256k tokens) and three more query-sized
+# buffers (flashmla_sparse.py); the indexer's logits scratch its profiling run allocates
+# (VLLM_SPARSE_INDEXER_MAX_LOGITS_MB) and, on several GPUs, twice the index buffer for the top-k
+# exchange (sparse_attn_indexer.py).
 TOPK_INDEX_BYTES = 4
+SPARSE_HEAD_PADDING = 64
 SPARSE_WORKSPACE_FACTOR = 5
 SPARSE_WORKSPACE_LONG_FACTOR = 2
 SPARSE_WORKSPACE_LONG_TOKENS = 256 * 1024
-SPARSE_WORKSPACE_LATENT_BYTES = 576 * 2
+INDEXER_LOGITS_BYTES = 512 * sizing.MiB
 
 
 class Reserve(NamedTuple):
@@ -91,29 +97,53 @@ def mlp_width(arch: Architecture) -> int:
     return max(0, int(per_layer / (3 * hidden)))
 
 
-def _sparse_attention(arch: Architecture, batched_tokens: int, max_model_len: int) -> tuple[int, int]:
-    """Sparse attention's top-k index buffer and prefill workspace on each GPU (0, 0 without an indexer)."""
-    if arch.indexer is None:
-        return 0, 0
-    long = max_model_len > SPARSE_WORKSPACE_LONG_TOKENS
-    factor = SPARSE_WORKSPACE_LONG_FACTOR if long else SPARSE_WORKSPACE_FACTOR
-    return (
-        batched_tokens * arch.indexer.top_k * TOPK_INDEX_BYTES,
-        factor * max_model_len * SPARSE_WORKSPACE_LATENT_BYTES,
-    )
+class SparseAttention(NamedTuple):
+    """What sparse attention holds on one GPU beside the weights and the KV pool (0s without an indexer)."""
+
+    index_buffer: int = 0  # from loading on
+    workspace: int = 0  # in the runner's one workspace, which the fused-MoE one shares
+    transient: int = 0  # at the profiling run's peak only
 
 
-def vllm_reserve(arch: Architecture, batched_tokens: int, max_num_seqs: int, tp: int, max_model_len: int) -> Reserve:
-    """What vLLM holds on each of a replica's `tp` GPUs beside weights and KV (module docstring)."""
+NO_SPARSE_ATTENTION = SparseAttention()
+
+
+def sparse_attention(
+    arch: Architecture, batched_tokens: int, tp: int, max_model_len: int, fp8: bool
+) -> SparseAttention:
+    """Sparse attention's buffers on each of `tp` GPUs at `batched_tokens` a step and `max_model_len`,
+    its latents in an FP8 KV cache or not (the constants above)."""
+    if arch.indexer is None or arch.latent_dim is None:
+        return NO_SPARSE_ATTENTION
+    heads = arch.attention_heads // tp
+    padded = math.ceil(heads / SPARSE_HEAD_PADDING) * SPARSE_HEAD_PADDING
+    latent, rank = arch.latent_dim, arch.latent_dim - sizing.SPARSE_ROPE_VALUES
+    index_buffer = batched_tokens * arch.indexer.top_k * TOPK_INDEX_BYTES
+    rows = batched_tokens * (heads if fp8 else padded) * latent
+    if fp8:
+        long = max_model_len > SPARSE_WORKSPACE_LONG_TOKENS
+        prefill = (SPARSE_WORKSPACE_LONG_FACTOR if long else SPARSE_WORKSPACE_FACTOR) * max_model_len * latent
+        rows += prefill + batched_tokens * (padded * (latent + rank) + heads * rank)
+    exchange = 2 * index_buffer if tp > 1 else 0
+    return SparseAttention(index_buffer, rows * sizing.BYTES_PER_VALUE, INDEXER_LOGITS_BYTES + exchange)
+
+
+def vllm_reserve(
+    arch: Architecture, batched_tokens: int, max_num_seqs: int, tp: int, sparse: SparseAttention = NO_SPARSE_ATTENTION
+) -> Reserve:
+    """What vLLM holds on each of a replica's `tp` GPUs beside weights and KV (module docstring), with
+    sparse attention's buffers where the model has them (sparse_attention)."""
     experts = arch.active_parameters is not None
     sampler = min(max_num_seqs, batched_tokens) * arch.vocab_size * SAMPLER_BYTES_PER_LOGIT
     width = FORWARD_INTERMEDIATES * mlp_width(arch) / tp + FORWARD_HIDDEN_STATES * arch.hidden_size
     forward = int(batched_tokens * width * sizing.BYTES_PER_VALUE)
     graphs = CUDA_GRAPH_BASE_BYTES + arch.layers * CUDA_GRAPH_PER_LAYER_BYTES
-    index_buffer, workspace = _sparse_attention(arch, batched_tokens, max_model_len)
+    # The workspace is held through the sampler's run; the fused-MoE workspace shares it.
+    held = max(forward, sparse.workspace)
+    activation = sampler + held + sparse.transient if experts or sparse.workspace else max(sampler, forward)
     return Reserve(
-        loading=LOADING_BYTES + index_buffer,
-        activation=max(sampler + forward if experts else max(sampler, forward), workspace),
+        loading=LOADING_BYTES + sparse.index_buffer,
+        activation=activation,
         non_torch=NON_TORCH_TP_BYTES + tp * NON_TORCH_PER_TP_GPU_BYTES if tp > 1 else NON_TORCH_BYTES,
         cuda_graphs=graphs + (CUDA_GRAPH_EXPERTS_BYTES if experts else 0),
     )

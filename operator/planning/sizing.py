@@ -13,7 +13,7 @@ from collections import Counter
 from typing import NamedTuple
 
 from kvpilot.engine.contract.config import EngineCapabilities, EngineConfig
-from kvpilot.operator.api.spec import Architecture
+from kvpilot.operator.api.spec import FP8_DS_MLA_BYTES, SPARSE_BLOCK_MULTIPLE, Architecture
 
 GiB = 1024**3
 MiB = 1024**2
@@ -49,13 +49,14 @@ SIZED_FROM_CHECKPOINT = ("mxfp4",)
 # plan stores it as FP8 (vLLM's --kv-cache-dtype fp8): one byte per value.
 KV_BYTES_PER_VALUE = 2
 FP8_BYTES_PER_VALUE = 1
-# A sparse-attention layer's latent in an FP8 KV cache: vLLM 0.33 serves it on FlashMLA's sparse backend
-# in its fp8_ds_mla layout (512 FP8 values, four fp32 scales, 64 16-bit rotary values), not one byte a value.
-FP8_DS_MLA_BYTES = 656
-# vLLM 0.33's sparse MLA kernels (FlashAttention's, FlashMLA's) take blocks of a multiple of this many tokens,
-# and run on GPUs of these CUDA compute capabilities (placement.kernels_problem).
-SPARSE_BLOCK_MULTIPLE = 64
+# A sparse-attention layer's latent in an FP8 KV cache: on Hopper vLLM 0.33 serves it on FlashMLA's
+# sparse backend as fp8_ds_mla (FP8_DS_MLA_BYTES), not one byte a value; Blackwell's FlashInfer backend
+# keeps 576 bytes, which the plan does not count on (it sizes the larger). The latent's rotary values.
+SPARSE_ROPE_VALUES = 64
+# The CUDA compute capabilities whose sparse MLA backends the planner sizes (placement.kernels_problem):
+# Hopper's (FlashAttention's, FlashMLA's, FlashInfer's) and Blackwell's; and the latent they take.
 SPARSE_MLA_CUDA_MAJORS = (9, 10)
+SPARSE_LATENT_VALUES = 576
 
 # CUDA context, cuBLAS workspaces and allocator slack: vLLM measures 0.5-1.5 GiB outside the
 # weights and the KV cache on a single GPU before any activation.

@@ -27,7 +27,10 @@ tensor-parallel group that size (the group's size set, no other process).
 A sparse-attention model (DeepSeek V3.2, GLM-5: an indexer's keys beside the latent) is built with the
 sparse MLA backend CUDA's SM90 priorities give it, which the CPU platform refuses to pick (FlashAttention's,
 FlashMLA's for an FP8 cache), and reported again under an FP8 KV cache, with the block sizes those
-backends take and the compute capabilities CUDA's sparse backends run on (sparse).
+backends take and the compute capabilities CUDA's sparse backends run on (sparse). The classes built
+are the generic ones this CPU platform resolves DeepseekV32ForCausalLM and GlmMoeDsaForCausalLM to
+(deepseek_v2.py); on CUDA vLLM 0.33 runs models/deepseek_v32/nvidia/model.py's, which subclasses them
+with the same indexer, skip rule and cache specs.
 
 A case with a "draft_model" (a small model's config.json) is planned again with it as vLLM's draft
 model (SpeculativeConfig method "draft_model"), its KV cache in the case's "kv_cache_dtype" (auto
@@ -251,13 +254,18 @@ def kv_pool(folder: Path, flashinfer_gdn: bool = False) -> dict[str, Any]:
 
 
 def sparse(folder: Path) -> dict[str, Any]:
-    """A sparse-attention model's layers under an FP8 KV cache (fp8_ds_mla on FlashMLA's sparse backend),
-    the block sizes each of the two Hopper backends takes, and the CUDA compute capabilities (majors 7 to
-    12) each of CUDA's sparse backends runs on."""
+    """A sparse-attention model's layers under an FP8 KV cache (fp8_ds_mla on FlashMLA's sparse backend)
+    and vLLM's planning of AVAILABLE bytes with them in the blocks the sparse kernels take, the block
+    sizes each of the two Hopper backends takes, and the CUDA compute capabilities (majors 7 to 12) each
+    of CUDA's sparse backends runs on."""
     vllm_config = _vllm_config(folder, cache_dtype="fp8")
     _, specs = _layer_specs(vllm_config)
+    blocks = _block_sizes(SPARSE_BACKEND)[0]
+    vllm_config.cache_config.block_size = blocks
     return {
         "fp8_layer_specs": [_layer(spec, vllm_config) for spec in specs.values()],
+        # The FP8 pool at the block size the sparse kernels take (the plan renders it).
+        "fp8_pool": _planned(vllm_config, {name: replace(spec, block_size=blocks) for name, spec in specs.items()}),
         "kernel_block_sizes": {backend.name: _block_sizes(backend) for backend in (SPARSE_BACKEND, SPARSE_FP8_BACKEND)},
         "cuda_majors": {backend.name: _cuda_majors(backend) for backend in CUDA_SPARSE_BACKENDS},
     }

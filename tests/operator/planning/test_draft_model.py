@@ -442,6 +442,24 @@ def test_a_draft_the_runtime_cannot_draft_with_is_refused_by_what_it_holds() -> 
             assert "it is a Qwen3ForCausalLM, and runtime kvpilot loads only LlamaForCausalLM" in drafted.reason
 
 
+def test_a_windowed_draft_beside_sparse_attention_is_refused_as_not_sized() -> None:
+    """GLM-5's indexer keys and latents beside a draft's sliding-window layers: vLLM groups those pages
+    among one another in a way the planner does not size, so the plan says so instead of a guess."""
+    glm5 = config_json("zai-org--GLM-5")
+    gemma = config_json("google--gemma-2-2b-it")
+    target = glm5.architecture.model_dump(by_alias=True) | {"vocabSize": gemma.architecture.vocab_size}
+    beside = spec(
+        "glm-5",
+        "H200",
+        runtime="vllm",
+        model_fields={"architecture": target},
+        serving=drafting("hf://google/gemma-2-2b-it"),
+    )
+    refused = plan(beside, PlanContext(draft_checkpoint=gemma))
+    assert refused.failure == "UnsupportedByRuntime", refused.reason
+    assert "it has windowed layers, which the planner does not size beside sparse attention" in refused.reason
+
+
 @pytest.mark.parametrize(
     "serving, runtime, adapters, read",
     [

@@ -1443,6 +1443,12 @@ def test_vllm_holds_a_sparse_attention_models_fp8_latents_and_indexer_keys_in_bl
     block = sizing.kernel_block(arch, ServingSpec().block_size)
     assert all(block % size == 0 for sizes in found["kernel_block_sizes"].values() for size in sizes), found
     assert VLLM_CAPABILITIES.block_sizes is not None and block in VLLM_CAPABILITIES.block_sizes
+    # The FP8 pool in the 64-token blocks the plan renders: vLLM's blocks and a max-length sequence's.
+    pool, layout = found["fp8_pool"], sizing.kv_layout(arch, sizing.FP8_BYTES_PER_VALUE)
+    assert pool["block_size"] == block
+    assert pool["num_blocks"] == pool["available"] // sizing.kv_block_bytes(layout, block)
+    in_flight = sizing.tokens_in_flight(pool["max_num_batched_tokens"])
+    assert pool["blocks_per_request"] == sizing.sequence_blocks(layout, pool["max_model_len"], block, in_flight)
     # The catalog's GPUs with a sparse MLA backend (Hopper, Blackwell) are planned; the others refused.
     runs_on = {major for majors in found["cuda_majors"].values() for major in majors}
     for gpu in GPUS.values():
@@ -1692,7 +1698,7 @@ def test_a_hand_written_sparse_indexer_needs_latent_attention_and_is_planned_as_
     128-value blocks; planned on vLLM in 64-token blocks with its keys, refused by our engine."""
     shape = {"layers": 4, "hiddenSize": 512, "attentionHeads": 8, "kvHeads": 1, "vocabSize": 1000}
     indexer = {"heads": 4, "headDim": 128, "topK": 64, "layers": 2}
-    arch = {**shape, "parameters": 20_000_000, "maxContext": 4096, "latentDim": 96, "indexer": indexer}
+    arch = {**shape, "parameters": 20_000_000, "maxContext": 4096, "latentDim": 576, "indexer": indexer}
     for bad, problem in (
         ({"latentDim": None}, "needs latentDim"),
         ({"indexer": {**indexer, "layers": 5}}, "at most layers"),
@@ -1703,12 +1709,16 @@ def test_a_hand_written_sparse_indexer_needs_latent_attention_and_is_planned_as_
     spec = {"model": {"name": "m", "architecture": arch}, "accelerator": {"type": "H100-80GB"}}
     planned = plan(InferenceServiceSpec.model_validate({**spec, "runtime": "vllm"}))
     assert planned.fits and planned.block_size == 64, planned.reason
-    assert planned.kv_bytes_per_token == 4 * 96 * 2 + 2 * 132
+    assert planned.kv_bytes_per_token == 4 * 576 * 2 + 2 * 132
     ours = plan(InferenceServiceSpec.model_validate({**spec, "runtime": "kvpilot"}))
     assert not ours.fits and "sparse attention (a lightning indexer)" in ours.reason
     # vLLM has no sparse MLA kernel for an L4 (compute capability 8.9): no backend, no pod.
     on_l4 = plan(InferenceServiceSpec.model_validate({**spec, "runtime": "vllm", "accelerator": {"type": "L4"}}))
-    assert not on_l4.fits and "L4 (compute capability 8.x) has none of vLLM 0.33's sparse MLA kernels" in on_l4.reason
+    assert not on_l4.fits and "L4 (compute capability 8.x): sparse attention" in on_l4.reason
+    # Nor over a latent other than DeepSeek's, which the sparse kernels the planner sizes take.
+    narrow = {**spec, "model": {"name": "m", "architecture": {**arch, "latentDim": 96}}, "runtime": "vllm"}
+    refused = plan(InferenceServiceSpec.model_validate(narrow))
+    assert not refused.fits and "sparse attention over a 96-value latent" in refused.reason
 
 
 def test_kvpilot_plan_sizes_deepseek_v3_on_8_h200s_by_its_576_value_latent() -> None:

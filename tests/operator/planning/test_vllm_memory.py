@@ -25,7 +25,7 @@ from kvpilot.operator.planning.gpus import GPUS
 from kvpilot.operator.planning.model_config import read_config
 from kvpilot.operator.planning.models import MODELS
 from kvpilot.operator.planning.plan import plan
-from kvpilot.operator.planning.reserve import vllm_reserve
+from kvpilot.operator.planning.reserve import sparse_attention, vllm_reserve
 
 HERE = Path(__file__).parent
 POINTS: list[dict[str, Any]] = json.loads((HERE / "vllm_startup_logs.json").read_text())
@@ -58,7 +58,7 @@ def predicted_gib(point: dict[str, Any], batch: tuple[int, int] | None = None) -
     tokens, seqs = batch or (point["max_num_batched_tokens"], point["max_num_seqs"])
     arch = architecture(point["architecture"])
     weights = weights_per_gpu(arch, point["quantization"], tp)
-    reserve = vllm_reserve(arch, tokens, seqs, tp, arch.max_context).total
+    reserve = vllm_reserve(arch, tokens, seqs, tp).total
     return (int(gpu.memory_bytes * point["gpu_memory_utilization"]) - weights - reserve) / sizing.GiB
 
 
@@ -88,7 +88,7 @@ def test_each_term_is_what_vllm_logged(point: dict[str, Any]) -> None:
     0.1 GiB, and each other part of the reserve within 0.6 GiB of the log."""
     logged, tp = point["logged"], point["tensor_parallel_size"]
     arch = architecture(point["architecture"])
-    reserve = vllm_reserve(arch, point["max_num_batched_tokens"], point["max_num_seqs"], tp, arch.max_context)
+    reserve = vllm_reserve(arch, point["max_num_batched_tokens"], point["max_num_seqs"], tp)
     weights = weights_per_gpu(arch, point["quantization"], tp) + reserve.loading
     assert weights / sizing.GiB == pytest.approx(logged["weights_gib"], abs=0.1)
     for value, key in (
@@ -192,24 +192,31 @@ def test_a_context_that_fits_only_within_the_prediction_s_margin_is_refused() ->
     assert refused.failure == "ContextDoesNotFit" and "less the 2% by which the runtime may find less" in refused.reason
 
 
-@pytest.mark.parametrize(
-    ("name", "context", "factor"), [("deepseek-ai--DeepSeek-V3.2", 163_840, 5), ("zai-org--GLM-5.2", 1_048_576, 2)]
-)
-def test_sparse_attention_holds_its_index_buffer_and_prefill_workspace_beside_the_weights(
-    name: str, context: int, factor: int
-) -> None:
-    """DeepSeek V3.2 and GLM-5.2 at their longest contexts on 8 GPUs: each GPU holds a 2048-wide int32
-    row of top-k indices per batched token from loading on, and a prefill workspace of `factor`
-    max_model_len latents (5 up to 256k tokens, 2 beyond: GLM-5.2's 1M context, 2.25 GiB), which the
-    fused-MoE workspace shares: the larger is the activation peak."""
-    read = read_config(json.loads((HERE / "hf_configs" / f"{name}.json").read_text()), name)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sparse_attention_holds_its_buffers_beside_the_weights_as_vllms_code_allocates_them(fp8: bool) -> None:
+    """DeepSeek V3.2 on 8 GPUs at 8,192 tokens a step and its 163,840-token context, as vLLM 0.33's code
+    allocates (read, not logged): a 2,048-wide int32 row of top-k indices per batched token from
+    loading on; FlashMLA's sparse workspace of the step's queries (16 heads a GPU, padded to 64 for a
+    16-bit cache), and for an FP8 cache 5 max_model_len latents and three query-sized buffers more,
+    which the fused-MoE workspace shares and which is held through the sampler's run; the indexer's
+    512 MiB logits scratch and twice the index buffer (the top-k exchange) at the profile's peak."""
+    read = read_config(json.loads((HERE / "hf_configs" / "deepseek-ai--DeepSeek-V3.2.json").read_text()), "v3.2")
     assert not isinstance(read, str), read
     arch = read.architecture
-    plain = arch.model_copy(update={"indexer": None})
-    sparse, dense = vllm_reserve(arch, 8192, 256, 8, context), vllm_reserve(plain, 8192, 256, 8, context)
-    assert sparse.loading - dense.loading == 8192 * 2048 * 4
-    workspace = factor * context * 576 * 2
-    assert sparse.activation == max(dense.activation, workspace)
-    assert sparse.non_torch == dense.non_torch and sparse.cuda_graphs == dense.cuda_graphs
-    if name == "zai-org--GLM-5.2":
-        assert sparse.activation == workspace > dense.activation
+    tokens, tp = 8192, 8
+    sparse = sparse_attention(arch, tokens, tp, 163_840, fp8)
+    index_buffer = tokens * 2048 * 4
+    queries = tokens * (16 if fp8 else 64) * 576 * 2
+    fp8_buffers = (5 * 163_840 * 576 + tokens * (64 * (576 + 512) + 16 * 512)) * 2 if fp8 else 0
+    assert sparse == (index_buffer, queries + fp8_buffers, 512 * 2**20 + 2 * index_buffer)
+    with_it, without = vllm_reserve(arch, tokens, 256, tp, sparse), vllm_reserve(arch, tokens, 256, tp)
+    assert with_it.loading - without.loading == index_buffer
+    sampler = 256 * arch.vocab_size * 16
+    forward = without.activation - sampler
+    assert with_it.activation == sampler + max(forward, sparse.workspace) + sparse.transient
+    assert sparse.workspace > forward  # here the sparse workspace outgrows the fused-MoE one
+    # GLM-5.2's million-token context takes 2 max_model_len latents, not 5.
+    glm = read_config(json.loads((HERE / "hf_configs" / "zai-org--GLM-5.2.json").read_text()), "glm-5.2")
+    assert not isinstance(glm, str), glm
+    long = sparse_attention(glm.architecture, tokens, tp, 1_048_576, True)
+    assert long.workspace == (2 * 1_048_576 * 576 + tokens * (64 * (576 + 512) + 8 * 512) + tokens * 8 * 576) * 2

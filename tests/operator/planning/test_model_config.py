@@ -182,6 +182,9 @@ DEEPSEEK_V3_LAYERS = {
 # transformers' classes always build the routing bias, vLLM only under topk_method noaux_tc, as the
 # real configs have it.
 SPARSE_INDEXER = {
+    # DeepSeek's latent, the one vLLM's sparse MLA kernels take.
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
     "index_n_heads": 4,
     "index_head_dim": 128,
     "index_topk": 16,
@@ -478,7 +481,8 @@ def test_parameters_and_kv_geometry_are_as_transformers_builds_the_model(name: s
     arch = read.architecture
     kv_width = arch.kv_heads * arch.head_size
     if hasattr(attention, "kv_a_proj_with_mqa"):  # latent attention: one latent, its rotary part with it
-        assert attention.kv_a_proj_with_mqa.out_features == arch.latent_dim == 32 + 8
+        latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+        assert attention.kv_a_proj_with_mqa.out_features == arch.latent_dim == latent
         # Sparse attention: an FP8 key and its scale in each layer that runs an indexer.
         indexers = [m.self_attn.indexer for m in model.model.layers if getattr(m.self_attn, "indexer", None)]
         keys = sum(indexer.wk.out_features + indexer.wk.out_features // 128 * 4 for indexer in indexers)

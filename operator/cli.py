@@ -50,16 +50,16 @@ from kvpilot.operator.controller.checkpoint import (
     inspect_folder,
     model_to_read,
     read_checkpoint,
+    read_local,
     with_checkpoint,
 )
 from kvpilot.operator.gateway import main as gateway_main
 from kvpilot.operator.gateway.limits import Limits
 from kvpilot.operator.hub.client import DEFAULT_ENDPOINT, HubClient
-from kvpilot.operator.hub.safetensors import local_weights_bytes
 from kvpilot.operator.kube.cluster import KubeCluster
 from kvpilot.operator.planning import cpus, sizing
 from kvpilot.operator.planning.gpus import GPUS, find_gpu
-from kvpilot.operator.planning.model_config import ModelConfig, read_config
+from kvpilot.operator.planning.model_config import ModelConfig
 from kvpilot.operator.planning.plan import PlanContext, plan
 from kvpilot.operator.planning.reasons import failed_plan
 from kvpilot.operator.planning.sources import MODEL_SOURCE_REQUIRED, missing_source, with_model_source
@@ -406,17 +406,10 @@ def _config_file(path: str, flag: str) -> tuple[Path, ModelConfig]:
     bytes of the safetensors weights beside it; ValueError saying why it cannot be read (`flag`: the
     option that named it)."""
     file = _config_json(path)
-    try:
-        config = json.loads(file.read_text())
-        weights = local_weights_bytes(file.parent)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{flag} {path}: {error}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{flag} {path}: not a config.json object")
-    read = read_config(config, f"config.json {file}")
-    if isinstance(read, str):
-        raise ValueError(f"{flag} {path}: UnsupportedArchitecture: {read}")
-    return file, read._replace(architecture=read.architecture.model_copy(update={"checkpoint_bytes": weights}))
+    read = read_local(file, f"config.json {file}")
+    if isinstance(read, Unreadable):
+        raise ValueError(f"{flag} {path}: {read.failure}: {read.message}")
+    return file, read
 
 
 def _configured_model(path: str) -> dict[str, Any]:

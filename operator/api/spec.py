@@ -236,6 +236,10 @@ class Architecture(BaseModel):
                 "indexer (sparse attention) needs latentDim and at most layers indexed layers",
             ),
             (
+                "!has(self.mtpBytes) || (has(self.checkpointBytes) && self.mtpBytes < self.checkpointBytes)",
+                "mtpBytes must be fewer than checkpointBytes",
+            ),
+            (
                 "!has(self.sharedKv) || (!has(self.state) && !has(self.latentDim))",
                 "sharedKv goes with neither state nor latentDim",
             ),
@@ -369,7 +373,15 @@ class Architecture(BaseModel):
         json_schema_extra=INT64,
         description="The bytes of the checkpoint's weights as stored (its safetensors' total, read from the hub "
         "beside config.json): what a download writes, and what a runtime that holds a quantized checkpoint as "
-        "stored (vLLM) holds, in place of the per-scheme arithmetic.",
+        "stored (vLLM) holds, in place of the per-scheme arithmetic (less mtpBytes).",
+    )
+    mtp_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        json_schema_extra=INT64,
+        description="Of checkpointBytes, the multi-token-prediction modules' (DeepSeek's and GLM's layers past "
+        "num_hidden_layers, Qwen3-Next's mtp.*; summed from the safetensors headers of the files that hold them): "
+        "downloaded, but not held by vLLM, which loads them only to draft with them.",
     )
     source: str = Field(
         default="",
@@ -395,6 +407,8 @@ class Architecture(BaseModel):
             raise ValueError(f"replicatedParameters {self.replicated_parameters:,} is not fewer than parameters")
         if self.lookup_parameters is not None and self.lookup_parameters >= self.parameters:
             raise ValueError(f"lookupParameters {self.lookup_parameters:,} is not fewer than parameters")
+        if self.mtp_bytes is not None and (self.checkpoint_bytes is None or self.mtp_bytes >= self.checkpoint_bytes):
+            raise ValueError(f"mtpBytes {self.mtp_bytes:,} must be fewer than checkpointBytes")
         # Not their sum: Falcon-H1 runs attention and a Mamba-2 mixer side by side in every layer.
         if self.state is not None and max(self.state.layers, self.state.attention_layers) > self.layers:
             raise ValueError(f"state.layers or state.attentionLayers exceeds layers {self.layers}")
@@ -419,6 +433,13 @@ class Architecture(BaseModel):
         if self.shared_kv is not None and self.full_cache_layers + self.windowed_cache_layers < 1:
             raise ValueError("sharedKv must leave a layer that keeps its own K and V")
         return self
+
+    @property
+    def loaded_checkpoint_bytes(self) -> int | None:
+        """The checkpoint's bytes vLLM loads to serve it: all but its multi-token-prediction modules'."""
+        if self.checkpoint_bytes is None:
+            return None
+        return self.checkpoint_bytes - (self.mtp_bytes or 0)
 
     @property
     def chunked(self) -> bool:

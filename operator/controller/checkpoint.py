@@ -14,7 +14,7 @@ from typing import NamedTuple
 from kvpilot.operator.api.inspection import UNSUPPORTED, CheckpointInspection
 from kvpilot.operator.api.spec import InferenceServiceSpec, hub_source
 from kvpilot.operator.hub.client import HubClient, HubError
-from kvpilot.operator.hub.safetensors import local_weights_bytes
+from kvpilot.operator.hub.safetensors import local_weights
 from kvpilot.operator.planning.choices import drafted_source, given_draft_architecture
 from kvpilot.operator.planning.model_config import ModelConfig, read_config
 from kvpilot.operator.planning.models import find_model
@@ -60,30 +60,38 @@ def read_checkpoint(
         return None
     try:
         config = hub.config(repository.repo, repository.revision, token, endpoint)
-        weights = hub.weights_bytes(repository.repo, repository.revision, token, endpoint)
+        read = read_config(config, f"config.json of {source}")
+        if isinstance(read, str):
+            return Unreadable("UnsupportedArchitecture", f"{source}: {read}")
+        weights = hub.weights(repository.repo, repository.revision, token, read.architecture.layers, endpoint)
     except HubError as error:
         return Unreadable("ModelConfigUnavailable", f"{source}: {error.message}{note}")
-    read = read_config(config, f"config.json of {source}")
-    if isinstance(read, str):
-        return Unreadable("UnsupportedArchitecture", f"{source}: {read}")
-    return read._replace(architecture=read.architecture.model_copy(update={"checkpoint_bytes": weights}))
+    return read.with_weights(weights)
+
+
+def read_local(config_file: Path, source: str) -> ModelConfig | Unreadable:
+    """A config.json on disk read as the Hub's is (read_config; `source` says where it is), with the
+    bytes of the safetensors weights beside it, or why it cannot be read."""
+    folder = config_file.parent
+    try:
+        config = json.loads(config_file.read_text())
+        if not isinstance(config, dict):
+            return Unreadable("ModelConfigUnavailable", f"{config_file} is not a JSON object")
+        read = read_config(config, source)
+        if isinstance(read, str):
+            return Unreadable(UNSUPPORTED, f"{folder}: {read}")
+        return read.with_weights(local_weights(folder, read.architecture.layers))
+    except (OSError, ValueError) as error:
+        return Unreadable("ModelConfigUnavailable", f"{folder}: {error}")
 
 
 def inspect_folder(folder: Path) -> CheckpointInspection | Unreadable:
-    """A checkpoint folder's config.json read as the Hub's is (read_config), with its safetensors'
-    bytes: what `kvpilot inspect-checkpoint` reports from a claim, or why it cannot."""
-    try:
-        config = json.loads((folder / "config.json").read_text())
-        weights = local_weights_bytes(folder)
-    except (OSError, ValueError) as error:
-        return Unreadable("ModelConfigUnavailable", f"{folder}: {error}")
-    if not isinstance(config, dict):
-        return Unreadable("ModelConfigUnavailable", f"{folder}/config.json is not a JSON object")
-    read = read_config(config, f"config.json of {folder}")
-    if isinstance(read, str):
-        return Unreadable(UNSUPPORTED, f"{folder}: {read}")
-    architecture = read.architecture.model_copy(update={"checkpoint_bytes": weights})
-    return CheckpointInspection(architecture=architecture, quantization=read.quantization)
+    """A checkpoint folder read (read_local): what `kvpilot inspect-checkpoint` reports from a claim,
+    or why it cannot."""
+    read = read_local(folder / "config.json", f"config.json of {folder}")
+    if isinstance(read, Unreadable):
+        return read
+    return CheckpointInspection(architecture=read.architecture, quantization=read.quantization)
 
 
 def with_checkpoint(spec: InferenceServiceSpec, checkpoint: ModelConfig | None) -> InferenceServiceSpec:

@@ -7,7 +7,9 @@ endpoint is the service's HF_ENDPOINT (a mirror or an air-gapped hub) or the ope
 bytes are the sharded checkpoint's `model.safetensors.index.json` `metadata.total_size`, else the
 single `model.safetensors` file's header (its first 8 bytes give the header's length, the header
 every tensor's byte range), read with two range requests as huggingface_hub's
-get_safetensors_metadata does: never the weights themselves. Answers are kept per (endpoint,
+get_safetensors_metadata does: never the weights themselves. Of them, the multi-token-prediction
+modules' (which vLLM does not load to serve the model) are summed from the headers of the shards the
+index puts them in, read the same way: one shard for DeepSeek-V3, none for most models. Answers are kept per (endpoint,
 repository, revision) in a bounded cache, so a reconcile of a healthy service costs the Hub nothing
 after the first; a refusal is not kept: it is asked again on the next try. An answer the hub refuses
 is a HubError carrying its status and its own words, for the service's status.
@@ -25,7 +27,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from kvpilot.operator.hub import safetensors
-from kvpilot.operator.hub.safetensors import INDEX_FILE, SINGLE_FILE
+from kvpilot.operator.hub.safetensors import INDEX_FILE, SINGLE_FILE, CheckpointWeights
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 TIMEOUT_S = 10.0
@@ -71,12 +73,14 @@ class HubClient:
         where = self._repository(repo, revision, token, endpoint)
         return self._kept("config", where, lambda: self._json(where, "config.json"))  # type: ignore[no-any-return]
 
-    def weights_bytes(self, repo: str, revision: str, token: str | None, endpoint: str | None = None) -> int | None:
-        """The bytes of the repository's safetensors weights at `revision` (module docstring); None
-        when it has neither an index nor a single model.safetensors (weights in another format);
-        HubError when the hub refuses otherwise."""
+    def weights(
+        self, repo: str, revision: str, token: str | None, layers: int, endpoint: str | None = None
+    ) -> CheckpointWeights | None:
+        """The bytes of the repository's safetensors weights at `revision`, of a model of `layers`
+        decoder layers (module docstring); None when it has neither an index nor a single
+        model.safetensors (weights in another format); HubError when the hub refuses otherwise."""
         where = self._repository(repo, revision, token, endpoint)
-        return self._kept("weights", where, lambda: self._weights_bytes(where))  # type: ignore[no-any-return]
+        return self._kept(f"weights of {layers} layers", where, lambda: self._weights(where, layers))  # type: ignore[no-any-return]
 
     def _repository(self, repo: str, revision: str, token: str | None, endpoint: str | None) -> _Repository:
         base = (endpoint or self.default_endpoint).rstrip("/")
@@ -97,32 +101,39 @@ class HubClient:
                 self._answers.popitem(last=False)
         return answer
 
-    def _weights_bytes(self, where: _Repository) -> int | None:
+    def _weights(self, where: _Repository, layers: int) -> CheckpointWeights | None:
         try:
             index = self._json(where, INDEX_FILE)
         except HubError as error:
             if error.status != 404:
                 raise
-            return self._single_file_bytes(where)
+            return self._single_file_weights(where, layers)
         try:
-            return safetensors.index_total(index)
+            return safetensors.index_weights(index, layers, lambda shard: self._header(where, shard))
         except ValueError as error:
             raise HubError(None, f"{where.url(INDEX_FILE)}: {error}") from None
 
-    def _single_file_bytes(self, where: _Repository) -> int | None:
-        """The tensors' bytes of a single model.safetensors, from its header; None without one."""
+    def _single_file_weights(self, where: _Repository, layers: int) -> CheckpointWeights | None:
+        """A single model.safetensors' weights, from its header; None without one."""
         try:
-            first = self._get(where, SINGLE_FILE, 8, start=0)
+            header = self._header(where, SINGLE_FILE)
         except HubError as error:
             if error.status == 404:
                 return None
             raise
-        url = where.url(SINGLE_FILE)
+        try:
+            return safetensors.header_weights(header, layers)
+        except ValueError as error:
+            raise HubError(None, f"{where.url(SINGLE_FILE)}: {error}") from None
+
+    def _header(self, where: _Repository, name: str) -> dict[str, Any]:
+        """A safetensors file's header, by two range requests: its length, then the header."""
+        first = self._get(where, name, 8, start=0)
         try:
             length = safetensors.header_length(first)
-            return safetensors.tensors_bytes(_parsed(url, self._get(where, SINGLE_FILE, length, start=8)))
         except ValueError as error:
-            raise HubError(None, f"{url}: {error}") from None
+            raise HubError(None, f"{where.url(name)}: {error}") from None
+        return _parsed(where.url(name), self._get(where, name, length, start=8))
 
     def _json(self, where: _Repository, name: str) -> dict[str, Any]:
         return _parsed(where.url(name), self._get(where, name, MAX_JSON_BYTES))

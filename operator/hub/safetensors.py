@@ -1,20 +1,57 @@
 """The bytes of a checkpoint's safetensors weights from their metadata alone: a sharded checkpoint's
 index states its total (`metadata.total_size`); a single file's header (its first 8 bytes give the
-header's length, little-endian; the JSON header every tensor's byte range) sums its tensors. The
-hub client reads these files with range requests, `kvpilot plan --model-config DIR` from the folder;
-neither reads a tensor."""
+header's length, little-endian; the JSON header every tensor's byte range) sums its tensors. Of
+them, the multi-token-prediction (MTP) modules' bytes, which vLLM does not load to serve the model
+(it skips them unless it drafts with them), are summed from the headers of the files the index
+puts them in. The hub client reads these files with range requests, `kvpilot plan --model-config
+DIR` from the folder; neither reads a tensor."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # huggingface_hub's bound on a safetensors header (SAFETENSORS_MAX_HEADER_LENGTH).
 MAX_HEADER_BYTES = 25_000_000
+# Where checkpoints keep their MTP modules, as vLLM 0.33's loaders skip them: under a prefix of their
+# own (Qwen3-Next, Qwen3.5 and Nemotron-H's `mtp.`, MiMo's `model.mtp_layers.`), or as decoder layers
+# numbered from num_hidden_layers on (DeepSeek, GLM and MiniMax: get_spec_layer_idx_from_weight_name's
+# prefixes, MiniMax M2's mapper).
+MTP_PREFIXES = ("mtp.", "model.mtp_layers.")
+# A shard's name in an index: a file beside it (a name read from a hub goes into a URL and a path).
+SHARD_NAME = re.compile(r"[\w.-]+\.safetensors")
+DECODER_LAYER = re.compile(r"(?:model\.)?(?:language_model\.)?layers\.(\d+)\.")
+
+
+class CheckpointWeights(NamedTuple):
+    """The bytes of a checkpoint's safetensors weights, and of them its MTP modules' (0: none)."""
+
+    total: int
+    mtp: int = 0
+
+
+def is_mtp(name: str, layers: int) -> bool:
+    """Whether the tensor `name` is an MTP module's in a model of `layers` decoder layers."""
+    if name.startswith(MTP_PREFIXES):
+        return True
+    layer = DECODER_LAYER.match(name)
+    return layer is not None and int(layer.group(1)) >= layers
+
+
+def mtp_files(index: Mapping[str, Any], layers: int) -> list[str]:
+    """The files an index's weight_map puts MTP tensors in, sorted; ValueError when it is not a map of
+    names to safetensors files beside the index."""
+    weight_map = index.get("weight_map") or {}
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(file, str) and SHARD_NAME.fullmatch(file) for file in weight_map.values()
+    ):
+        raise ValueError("weight_map is not a map of tensor names to .safetensors files beside the index")
+    return sorted({file for name, file in weight_map.items() if is_mtp(name, layers)})
 
 
 def index_total(index: Mapping[str, Any]) -> int:
@@ -33,30 +70,54 @@ def header_length(first_bytes: bytes) -> int:
     return length
 
 
-def tensors_bytes(header: Mapping[str, Any]) -> int:
-    """The bytes of every tensor a header lists (its own metadata aside)."""
+def tensors_bytes(header: Mapping[str, Any], counted: Callable[[str], bool] = lambda name: True) -> int:
+    """The bytes of the tensors a header lists (its own metadata aside) whose names are `counted`."""
     try:
         return sum(
             end - start
             for name, tensor in header.items()
-            if name != "__metadata__"
+            if name != "__metadata__" and counted(name)
             for start, end in [tensor["data_offsets"]]
         )
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"a tensor without data_offsets: {error}") from None
 
 
-def local_weights_bytes(folder: Path) -> int | None:
-    """The bytes of the safetensors weights in `folder`; None when it holds neither an index nor a
-    single file; ValueError when one is malformed."""
+def header_weights(header: Mapping[str, Any], layers: int) -> CheckpointWeights:
+    """A single file's weights (its header's tensors), and of them the MTP modules'."""
+    return _checked(tensors_bytes(header), tensors_bytes(header, lambda name: is_mtp(name, layers)))
+
+
+def index_weights(
+    index: Mapping[str, Any], layers: int, header: Callable[[str], Mapping[str, Any]]
+) -> CheckpointWeights:
+    """A sharded checkpoint's weights: the total its index states, and the MTP modules' summed from
+    the `header` of each shard that holds some; ValueError when they do not add up."""
+    total = index_total(index)
+    mtp = sum(tensors_bytes(header(shard), lambda name: is_mtp(name, layers)) for shard in mtp_files(index, layers))
+    return _checked(total, mtp)
+
+
+def _checked(total: int, mtp: int) -> CheckpointWeights:
+    """The weights, where the model's own are some; ValueError otherwise."""
+    if mtp >= total:
+        raise ValueError(f"of {total:,} bytes of weights, {mtp:,} are multi-token-prediction modules': none left")
+    return CheckpointWeights(total, mtp)
+
+
+def local_weights(folder: Path, layers: int) -> CheckpointWeights | None:
+    """The safetensors weights in `folder` of a model of `layers` decoder layers; None when it holds
+    neither an index nor a single file; ValueError when one is malformed."""
     index = folder / INDEX_FILE
     if index.is_file():
-        return index_total(json.loads(index.read_text()))
+        return index_weights(json.loads(index.read_text()), layers, lambda shard: _local_header(folder / shard))
     single = folder / SINGLE_FILE
-    if not single.is_file():
-        return None
-    with single.open("rb") as file:
-        header = json.loads(file.read(header_length(file.read(8))))
+    return header_weights(_local_header(single), layers) if single.is_file() else None
+
+
+def _local_header(file: Path) -> dict[str, Any]:
+    with file.open("rb") as opened:
+        header = json.loads(opened.read(header_length(opened.read(8))))
     if not isinstance(header, dict):
-        raise ValueError(f"{single}: the header is not a JSON object")
-    return tensors_bytes(header)
+        raise ValueError(f"{file}: the header is not a JSON object")
+    return header

@@ -224,7 +224,7 @@ def draft_model(
             f"{spec.model.name} {target.vocab_size}: the engine drafts only with the target's "
             "tokens, so it would refuse this draft",
         )
-    stored = arch.checkpoint_bytes if config.quantization else None
+    stored = arch.loaded_checkpoint_bytes if config.quantization else None
     weights = held_weights(arch, stored, sizing.weight_bytes(arch, "none"))
     return Draft(source, arch, weights, sizing.kv_bytes_per_token(arch), stored=stored)
 

@@ -38,10 +38,12 @@ class Memory(NamedTuple):
 
 def _target_weights(inputs: Inputs, gpu: Device, quantization: str) -> int:
     """The target's weights as the runtime holds them on `gpu` at `quantization`: a checkpoint's own
-    bytes where the runtime holds it as stored, at its own scheme, and they are known; else counted."""
+    bytes where the runtime holds it as stored, at its own scheme, and they are known (less its MTP
+    modules', which vLLM skips); else counted."""
     arch, runtime, stored = inputs.arch, inputs.capabilities, inputs.spec.model.quantization
-    if runtime.holds_checkpoint_as_stored and arch.checkpoint_bytes and quantization == stored:
-        return arch.checkpoint_bytes
+    loaded = arch.loaded_checkpoint_bytes
+    if runtime.holds_checkpoint_as_stored and loaded and quantization == stored:
+        return loaded
     return sizing.weight_bytes(
         arch, quantization, runtime.quantized_lm_head, sizing.HeldAs(gpu.bytes_per_value, gpu.packs_weights)
     )

@@ -70,7 +70,7 @@ def held_weights(arch: Architecture, stored: int | None, counted: int) -> int:
     EAGLE-3 head's checkpoint bytes where fewer (vLLM gives a head without an embedding the target's)."""
     if stored:
         return stored
-    return min(counted, arch.checkpoint_bytes or counted) if arch.eagle3_head else counted
+    return min(counted, arch.loaded_checkpoint_bytes or counted) if arch.eagle3_head else counted
 
 
 class Replica(NamedTuple):

@@ -122,9 +122,10 @@ def weight_bytes(
     `held` as its device holds them (HeldAs); a runtime that leaves the LM head unquantized (vLLM)
     holds it in 16 bits, untied or not."""
     if quantization in SIZED_FROM_CHECKPOINT:
-        if arch.checkpoint_bytes is None:
+        loaded = arch.loaded_checkpoint_bytes
+        if loaded is None:
             raise ValueError(checkpoint_problem(arch, quantization))  # plan() refuses such a spec first
-        return arch.checkpoint_bytes
+        return loaded
     bytes_per_value, packed, plain_beside_packed = held
     embedding, norms, body = _embedding_norms_body(arch)
     if quantization == "none":

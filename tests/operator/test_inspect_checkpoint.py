@@ -7,7 +7,6 @@ import argparse
 import io
 import json
 import shutil
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -18,22 +17,10 @@ from kvpilot.operator import cli
 from kvpilot.operator.api import inspection
 from kvpilot.operator.api.inspection import TERMINATION_MESSAGE_LIMIT, CheckpointInspection
 from kvpilot.operator.planning.model_config import read_config
+from tests.operator.hub.checkpoints import write_safetensors
 
 CONFIGS = Path(__file__).parent / "planning" / "hf_configs"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def write_safetensors(path: Path, tensors: dict[str, tuple[int, int]]) -> int:
-    """A file with the safetensors header `tensors` describes (name -> (start, end) bytes) and that
-    many zero bytes after it; the bytes of its tensors."""
-    header = {
-        name: {"dtype": "BF16", "shape": [(end - start) // 2], "data_offsets": [start, end]}
-        for name, (start, end) in tensors.items()
-    }
-    encoded = json.dumps(header).encode()
-    data = max(end for _, end in tensors.values())
-    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + bytes(data))
-    return sum(end - start for start, end in tensors.values())
 
 
 def checkpoint(tmp_path: Path, config: str = "Qwen--Qwen3-8B.json") -> Path:

@@ -342,6 +342,9 @@ ARCHITECTURE = {
         {"model": {"name": "x", "architecture": {**ARCHITECTURE, "attentionHeads": 6, "kvHeads": 4}}},
         # A chunk needs its size (slidingWindow): CEL's "slidingKind chunk needs slidingWindow".
         {"model": {"name": "x", "architecture": {**ARCHITECTURE, "slidingKind": "chunk"}}},
+        # The MTP modules are some of the checkpoint's bytes: CEL's "mtpBytes must be fewer than checkpointBytes".
+        {"model": {"name": "x", "architecture": {**ARCHITECTURE, "mtpBytes": 10}}},
+        {"model": {"name": "x", "architecture": {**ARCHITECTURE, "mtpBytes": 10, "checkpointBytes": 10}}},
     ],
 )
 def test_pydantic_spec_enforces_the_same_rules_as_cel(bad: dict[str, Any]) -> None:

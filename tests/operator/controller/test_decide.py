@@ -15,6 +15,7 @@ from kvpilot.operator.api.status import status_of
 from kvpilot.operator.controller import render
 from kvpilot.operator.controller.reconcile import Observed, decide, last_good, observe, planned_fields
 from kvpilot.operator.hub.client import HubError
+from kvpilot.operator.hub.safetensors import CheckpointWeights
 from kvpilot.operator.planning.models import MODELS
 from kvpilot.operator.planning.sources import with_model_source
 from tests.operator.controller.test_reconcile import OPERATOR_NAMESPACE, SPEC, body
@@ -166,7 +167,7 @@ class FakeHub:
     def __init__(
         self, config: dict[str, Any] | None = None, error: HubError | None = None, weights: int | None = None
     ) -> None:
-        self.config_json, self.error, self.weights, self.asked = config, error, weights, []
+        self.config_json, self.error, self.stored, self.asked = config, error, weights, []
 
     def config(self, repo: str, revision: str, token: str | None, endpoint: str | None = None) -> dict[str, Any]:
         self.asked.append((repo, revision, token, endpoint))
@@ -174,8 +175,10 @@ class FakeHub:
             raise self.error
         return dict(self.config_json or {})
 
-    def weights_bytes(self, repo: str, revision: str, token: str | None, endpoint: str | None = None) -> int | None:
-        return self.weights
+    def weights(
+        self, repo: str, revision: str, token: str | None, layers: int, endpoint: str | None = None
+    ) -> CheckpointWeights | None:
+        return CheckpointWeights(self.stored) if self.stored else None
 
 
 class Secrets(Reads):

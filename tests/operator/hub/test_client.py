@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from e2e.hub_server import HubServer
 from kvpilot.operator.hub.client import HubClient, HubError
+from tests.operator.hub.checkpoints import write_sharded
 
 REPO, TOKEN = "acme/tiny-chat", "hf_test_token"
 CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64}
@@ -74,8 +75,8 @@ def test_the_weights_bytes_are_the_index_s_total_or_a_single_file_s_header_never
     stored = 64 * 32 * 2 + 32 * 4
     with HubServer(REPO, folder, token=TOKEN) as hub:
         client = HubClient(hub.url)
-        assert client.weights_bytes(REPO, "main", TOKEN) == stored
-        assert client.weights_bytes(REPO, "main", TOKEN) == stored  # kept
+        assert client.weights(REPO, "main", TOKEN, 1) == (stored, 0)
+        assert client.weights(REPO, "main", TOKEN, 1) == (stored, 0)  # kept
         # No index: asked once; the single file's header read by two ranges, its tensors never.
         assert len(hub.file_requests("model.safetensors.index.json")) == 1
         single = hub.file_requests("model.safetensors")
@@ -93,13 +94,39 @@ def test_the_weights_bytes_are_the_index_s_total_or_a_single_file_s_header_never
     }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with HubServer(REPO, folder, token=TOKEN) as hub:
-        assert HubClient(hub.url).weights_bytes(REPO, "main", TOKEN) == 16_060_522_496
+        assert HubClient(hub.url).weights(REPO, "main", TOKEN, 1) == (16_060_522_496, 0)
         assert hub.file_requests("model.safetensors") == []
     (folder / "model.safetensors.index.json").unlink()
     (folder / "model.safetensors").unlink()
     with HubServer(REPO, folder, token=TOKEN) as hub:
         # Weights in another format (pytorch_model.bin): nothing to read, not an error.
-        assert HubClient(hub.url).weights_bytes(REPO, "main", TOKEN) is None
+        assert HubClient(hub.url).weights(REPO, "main", TOKEN, 1) is None
         with pytest.raises(HubError) as refused:
-            HubClient(hub.url).weights_bytes(REPO, "main", "hf_wrong")
+            HubClient(hub.url).weights(REPO, "main", "hf_wrong", 1)
         assert refused.value.status == 401
+
+
+def test_the_mtp_modules_are_read_from_the_headers_of_their_shards_alone(folder: Path) -> None:
+    # DeepSeek-V3's layout, two decoder layers long: its MTP layer (2) in the last shard.
+    shards = {
+        "model-00001-of-00003.safetensors": {"model.embed_tokens.weight": 4096, "model.layers.0.mlp.weight": 1000},
+        "model-00002-of-00003.safetensors": {"model.layers.1.mlp.weight": 1000, "lm_head.weight": 4096},
+        "model-00003-of-00003.safetensors": {"model.layers.2.mlp.weight": 1000, "model.layers.2.eh_proj.weight": 64},
+    }
+    total = write_sharded(folder, shards)
+    with HubServer(REPO, folder, token=TOKEN) as hub:
+        client = HubClient(hub.url)
+        assert client.weights(REPO, "main", TOKEN, 2) == (total, 1064)
+        assert client.weights(REPO, "main", TOKEN, 2) == (total, 1064)  # kept
+        # The index, then the MTP shard's header by two ranges; the other shards never.
+        assert len(hub.file_requests("model.safetensors.index.json")) == 1
+        last = hub.file_requests("model-00003-of-00003.safetensors")
+        assert [r.headers["Range"] for r in last][0] == "bytes=0-7" and len(last) == 2
+        assert hub.file_requests("model-00001-of-00003.safetensors") == []
+        assert hub.file_requests("model-00002-of-00003.safetensors") == []
+    # A shard the index names but the hub does not hold: the hub's 404, for the service's status.
+    (folder / "model-00003-of-00003.safetensors").unlink()
+    with HubServer(REPO, folder, token=TOKEN) as hub:
+        with pytest.raises(HubError) as missing:
+            HubClient(hub.url).weights(REPO, "main", TOKEN, 2)
+        assert missing.value.status == 404 and "model-00003-of-00003.safetensors" in missing.value.message

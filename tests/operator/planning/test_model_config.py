@@ -27,6 +27,7 @@ from kvpilot.operator.planning.model_config import FAMILIES, WRAPPERS, read_conf
 from kvpilot.operator.planning.models import MODELS
 from kvpilot.operator.planning.plan import plan
 from kvpilot.operator.runtimes.vllm import VLLM_CAPABILITIES
+from tests.operator.hub.checkpoints import write_sharded
 from tests.vllm import env
 
 # Small shapes of every family, with the options that change the count: biases, tied heads, an
@@ -984,6 +985,41 @@ def test_a_quantized_checkpoint_s_own_bytes_are_the_weights_vllm_holds(tmp_path:
     assert planned["weight_bytes"] == planned["checkpoint_bytes"] == stored
     assert "--quantization" not in " ".join(planned["args"])  # vLLM reads the scheme from config.json
     assert json.loads(ours.stdout)["failure"] == "UnsupportedByRuntime"
+
+
+def test_a_checkpoint_s_mtp_modules_are_downloaded_but_not_held(tmp_path: Path) -> None:
+    """DeepSeek-V3 stores a multi-token-prediction layer (61) beside its 61 decoder layers, which vLLM
+    skips unless it drafts with it: read from the headers of the shard that holds it (its experts in
+    FP8, its own embedding and head in 16 bits: ~15 GB, about 1.9 GB a GPU at TP 8), its bytes are in
+    the download, not in the weights the plan holds."""
+    (tmp_path / "config.json").write_text((HF_CONFIGS / "deepseek-ai--DeepSeek-V3.json").read_text())
+    mtp = {
+        "model.layers.61.mlp.experts.weight": 11_274_289_152,
+        "model.layers.61.embed_tokens.weight": 1_853_358_080,
+        "model.layers.61.shared_head.head.weight": 1_853_358_080,
+    }
+    decoder_bytes = 688_586_727_753 - sum(mtp.values())  # of the repository's total_size
+    decoder = {"model.layers.0.mlp.weight": decoder_bytes}
+    planned = {}
+    for case, last in (("mtp", mtp), ("no mtp", {name.replace(".61.", ".60.") for name in mtp})):
+        last = {name: size for name, size in zip(last, mtp.values(), strict=True)} if case == "no mtp" else last
+        write_sharded(tmp_path, {"model-00001-of-00002.safetensors": decoder, "model-00002-of-00002.safetensors": last})
+        with HubServer("deepseek-ai/DeepSeek-V3", tmp_path) as hub:
+            run = plan_command(
+                "--model", "hf://deepseek-ai/DeepSeek-V3", "--gpu", "H200", "--runtime", "vllm", "--json",
+                env={"HF_ENDPOINT": hub.url},
+            )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        planned[case] = json.loads(run.stdout)
+    held, whole = planned["mtp"], planned["no mtp"]
+    assert held["fits"] and held["quantization"] == "fp8" and held["gpu_count"] == whole["gpu_count"] == 8
+    assert held["checkpoint_bytes"] == whole["checkpoint_bytes"] == 688_586_727_753  # downloaded whole
+    # Held as vLLM holds the rest: one copy over the 8 GPUs, with what each holds whole (its mean bytes).
+    arch = read_config(json.loads((tmp_path / "config.json").read_text()), "DeepSeek-V3").architecture  # type: ignore[union-attr]
+    skipped = sizing.held_by_group(arch, 688_586_727_753, 8) - sizing.held_by_group(arch, decoder_bytes, 8)
+    assert whole["weight_bytes"] - held["weight_bytes"] == skipped > sum(mtp.values())
+    # A larger pool (less than all of it: more sequences, whose activations the reserve counts too).
+    assert held["kv_blocks"] > whole["kv_blocks"] and held["max_num_seqs"] >= whole["max_num_seqs"]
 
 
 # Real config.json files of public models (hf_configs/SOURCES.tsv: where each copy was found, at

@@ -110,6 +110,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     planner.add_argument("--quantization", default="auto", choices=get_args(Quantization))
     planner.add_argument("--kv-cache-dtype", default="auto", choices=get_args(KvCacheDtype))
     planner.add_argument("--speculative", default="auto", choices=get_args(Speculative))
+    planner.add_argument("--num-speculative-tokens", type=int, help="draft tokens per step (default: 4)")
     planner.add_argument(
         "--draft-model",
         metavar="SOURCE",
@@ -473,6 +474,7 @@ def _spec(args: argparse.Namespace, profile: DeviceProfile | None) -> dict[str, 
             quantization=args.quantization,
             kvCacheDtype=args.kv_cache_dtype,
             speculative=args.speculative,
+            numSpeculativeTokens=args.num_speculative_tokens,
             draftModel=args.draft_model or _draft_folder(args.draft_model_config),
             gpuMemoryUtilization=args.gpu_memory_utilization,
             blockSize=args.block_size,

@@ -17,7 +17,7 @@ from pydantic.alias_generators import to_camel
 
 Quantization = Literal["auto", "none", "int8", "fp8", "w8a8", "int4"]
 # eagle: serving.draftModel is an EAGLE head (trained on the target's hidden states), pinned only.
-Speculative = Literal["auto", "off", "ngram", "draft", "eagle"]
+Speculative = Literal["auto", "off", "ngram", "draft", "eagle", "mtp"]
 # The KV cache's values: the model's 16-bit dtype, or one byte each (vLLM's --kv-cache-dtype fp8).
 KvCacheDtype = Literal["auto", "model", "fp8"]
 # What runs the model in the pods (operator/runtimes/ declares what each runs).
@@ -180,6 +180,50 @@ class SparseIndexer(BaseModel):
         return self.head_dim + self.head_dim // INDEXER_SCALE_BLOCK * 4
 
 
+class MtpModules(BaseModel):
+    """Also the CRD's `spec.model.architecture.mtp`: the multi-token-prediction (MTP) modules a
+    checkpoint stores past its decoder layers (DeepSeek V3/R1/V3.2, GLM-4.5 and later), with which
+    vLLM drafts (speculative mtp): each a decoder layer of the model's, a projection of the token's
+    embedding and the last hidden state (eh_proj) and three norms; the embedding and the LM head are
+    the model's own."""
+
+    model_config = ConfigDict(
+        frozen=True,
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        json_schema_extra=cel(
+            (
+                "(!has(self.activeParameters) || self.activeParameters <= self.parameters) && "
+                "(!has(self.replicatedParameters) || self.replicatedParameters <= self.parameters)",
+                "mtp.activeParameters and mtp.replicatedParameters are some of mtp.parameters",
+            )
+        ),
+    )
+
+    layers: int = Field(gt=0, description="The modules (config.json's num_nextn_predict_layers).")
+    parameters: int = Field(gt=0, json_schema_extra=INT64, description="Their parameters, as vLLM builds them.")
+    active_parameters: int | None = Field(
+        default=None,
+        gt=0,
+        json_schema_extra=INT64,
+        description="Of them, those one token computes with (fewer under experts); unset: all.",
+    )
+    replicated_parameters: int = Field(
+        default=0,
+        ge=0,
+        json_schema_extra=INT64,
+        description="Of them, those vLLM holds whole on every GPU (eh_proj, the norms, the router, the latent's "
+        "down-projections, the indexer).",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MtpModules:
+        if max(self.active_parameters or 0, self.replicated_parameters) > self.parameters:
+            raise ValueError("mtp.activeParameters and mtp.replicatedParameters are some of mtp.parameters")
+        return self
+
+
 class Architecture(BaseModel):
     """Also the CRD's `spec.model.architecture`, hence the camelCase aliases."""
 
@@ -318,6 +362,11 @@ class Architecture(BaseModel):
         "attention picks the topK tokens each layer attends to; vLLM caches its keys per token beside the latent, "
         f"whole on every GPU, takes blocks of a multiple of {SPARSE_BLOCK_MULTIPLE} tokens for its sparse kernels, "
         f"and on Hopper stores the latent as {FP8_DS_MLA_BYTES} bytes (fp8_ds_mla) under an FP8 KV cache.",
+    )
+    mtp: MtpModules | None = Field(
+        default=None,
+        description="The multi-token-prediction modules config.json describes (num_nextn_predict_layers), with "
+        "which vLLM drafts under serving.speculative mtp when the checkpoint holds them (mtpBytes).",
     )
     full_attention: FullAttentionShape | None = Field(
         default=None,
@@ -855,7 +904,9 @@ class ServingSpec(_Camel):
     speculative: Speculative = Field(
         default="auto",
         description="Speculative decoding: off, ngram (drafts looked up in the prompt), draft (serving.draftModel "
-        "proposes), eagle (serving.draftModel is an EAGLE head; only when set here); auto: draft or ngram "
+        "proposes), eagle (serving.draftModel is an EAGLE head; only when set here), mtp (the checkpoint's own "
+        "multi-token-prediction modules, model.architecture.mtp: DeepSeek V3/R1/V3.2, GLM-4.5 and later, on vLLM; "
+        "only when set here); auto: draft or ngram "
         "where the predicted batch is small, load.temperature low and TPOT nearer its SLO than TTFT, else off.",
     )
     # Where the draft model's files are, in the forms of model.source; the engine loads it beside

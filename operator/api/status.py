@@ -61,7 +61,7 @@ class PlanStatus(_Status):
     )
     quantization: str | None = Field(default=None, description="The weights' quantization scheme the engines run.")
     speculative: str | None = Field(
-        default=None, description="The speculative decoding mode the engines run (off, ngram, draft, eagle)."
+        default=None, description="The speculative decoding mode the engines run (off, ngram, draft, eagle, mtp)."
     )
     weights_gib: float | None = Field(
         default=None, alias="weightsGiB", description="GiB of weights a replica holds (a draft model's included)."

@@ -13,10 +13,10 @@ from kvpilot.operator.planning import sizing, speculation
 from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.latency import SPECULATION_MAX_BATCH, Perf, draft_acceptance, fewest_replicas
 from kvpilot.operator.planning.memory import Memory, divide_memory, with_plain_weights
-from kvpilot.operator.planning.model_config import EAGLE3_TARGETS, ModelConfig
+from kvpilot.operator.planning.model_config import EAGLE3_TARGETS, MTP_FAMILIES, ModelConfig
 from kvpilot.operator.planning.models import MODELS, find_model
 from kvpilot.operator.planning.reasons import failed_plan, gib, listed, ms, rejected_because
-from kvpilot.operator.planning.replica import DRAFTED, Draft, Inputs, held_weights
+from kvpilot.operator.planning.replica import DRAFT_MODEL_MODES, DRAFTED, Draft, Inputs, held_weights
 from kvpilot.operator.runtimes import RUNTIMES
 from kvpilot.operator.runtimes.vllm import VLLM_VERSION
 
@@ -110,7 +110,7 @@ def drafted_source(spec: InferenceServiceSpec, capabilities: EngineCapabilities 
     source = spec.serving.draft_model
     capabilities = capabilities or with_adapters(spec, RUNTIMES[spec.runtime].capabilities)
     mode = "draft" if spec.serving.speculative == "auto" else spec.serving.speculative
-    return source if source is not None and mode in DRAFTED and mode in capabilities.speculative else None
+    return source if source is not None and mode in DRAFT_MODEL_MODES and mode in capabilities.speculative else None
 
 
 def given_draft_architecture(spec: InferenceServiceSpec) -> Architecture | None:
@@ -194,9 +194,12 @@ def draft_model(
     capabilities: EngineCapabilities,
     checkpoint: ModelConfig | None = None,
 ) -> Draft | Plan | None:
-    """The draft model a plan may run (serving.draftModel, under a mode that may choose it), a
-    failed Plan when it cannot be sized or the engine would refuse it, None when there is none.
-    Its architecture: the spec's or the catalog's, else `checkpoint` (its config.json as read)."""
+    """The draft model a plan may run (serving.draftModel, under a mode that may choose it; the
+    checkpoint's MTP modules under mtp), a failed Plan when it cannot be sized or the engine would
+    refuse it, None when there is none. Its architecture: the spec's or the catalog's, else
+    `checkpoint` (its config.json as read)."""
+    if spec.serving.speculative == "mtp":
+        return mtp_draft(spec, target)
     source = drafted_source(spec, capabilities)
     if source is None:
         return None
@@ -227,6 +230,55 @@ def draft_model(
     stored = arch.loaded_checkpoint_bytes if config.quantization else None
     weights = held_weights(arch, stored, sizing.weight_bytes(arch, "none"))
     return Draft(source, arch, weights, sizing.kv_bytes_per_token(arch), stored=stored)
+
+
+def mtp_draft(spec: InferenceServiceSpec, target: Architecture) -> Draft | Plan:
+    """The target's MTP modules as vLLM 0.33 drafts with them (speculative method mtp), or why it
+    would not: vLLM refuses a checkpoint that lacks them at load, and runs k drafts with n modules
+    only where n divides k. Held as the checkpoint stores them (at its mean bytes per value), or in
+    16 bits; each draft step also computes with the target's LM head, which vLLM shares with them."""
+    modules, where = target.mtp, spec.model.source or spec.model.name
+    if modules is None:
+        return failed_plan(
+            spec,
+            "NoMtpModules",
+            f"serving.speculative mtp: {where} describes no multi-token-prediction modules vLLM drafts with "
+            f"(model.architecture.mtp: config.json's num_nextn_predict_layers of {listed(sorted(MTP_FAMILIES))})",
+        )
+    if not target.mtp_bytes:
+        held = "holds none" if target.checkpoint_bytes else "is not known to hold them (model.architecture.mtpBytes)"
+        return failed_plan(
+            spec,
+            "NoMtpModules",
+            f"serving.speculative mtp: the checkpoint of {where} {held}, and vLLM refuses to load an MTP drafter "
+            "whose layers are missing",
+        )
+    k = spec.serving.num_speculative_tokens
+    if k > modules.layers and k % modules.layers:
+        return failed_plan(
+            spec,
+            "UnsupportedByRuntime",
+            f"serving.numSpeculativeTokens {k}: vLLM {VLLM_VERSION} runs more drafts than the {modules.layers} MTP "
+            "modules only in whole rounds of them (a multiple)",
+        )
+    drafter = sizing.mtp_drafter(target)
+    loaded = target.loaded_checkpoint_bytes
+    # eh_proj is a plain nn.Linear, stored and held in 16 bits beside layers stored quantized.
+    projection = modules.layers * 2 * target.hidden_size**2
+    stored = (
+        (modules.parameters - projection) * loaded // target.parameters + projection * sizing.BYTES_PER_VALUE
+        if spec.model.quantization and loaded
+        else None
+    )
+    weights = held_weights(drafter, stored, sizing.weight_bytes(drafter, "none"))
+    return Draft(
+        f"{where} (its MTP modules)",
+        drafter,
+        weights,
+        sizing.kv_bytes_per_token(drafter),
+        stored=stored,
+        shared_values=target.vocab_size * target.hidden_size,
+    )
 
 
 class Situation(NamedTuple):
@@ -334,6 +386,8 @@ def choose_speculation(inputs: Inputs, memory: Memory, device: tuple[Device, int
 
 
 def _drafter(mode: str, draft: Draft) -> str:
+    if mode == "mtp":
+        return "drafting with"
     if mode != "eagle":
         return "draft model"
     return "EAGLE-3 head (vLLM's method eagle3)" if draft.arch.eagle3_head else "EAGLE head"

@@ -36,6 +36,7 @@ from kvpilot.operator.api.spec import (
     Architecture,
     CheckpointQuantization,
     FullAttentionShape,
+    MtpModules,
     SharedKV,
     SparseIndexer,
 )
@@ -1063,8 +1064,43 @@ def _architecture(config: Mapping[str, Any], name: str, family: Family, source: 
         sliding_kind="chunk" if sliding and family.windows == "chunked" else "window",
         latent_dim=_int(config, "kv_lora_rank") + _int(config, "qk_rope_head_dim") if family.latent else None,
         indexer=indexer,
+        mtp=_mtp(config, name, family, shape),
         hf_architecture=name,
         source=source,
+    )
+
+
+# The families whose multi-token-prediction modules vLLM 0.33 drafts with (speculative method mtp, by
+# deepseek_mtp.py and glm4_moe_mtp.py): each module a decoder layer numbered
+# from num_hidden_layers on (so one with experts), eh_proj (an nn.Linear from the token's embedding
+# and the last hidden state, whole on every GPU) and three norms (enorm, hnorm, shared_head.norm);
+# the embedding and the LM head are the target's, which vLLM shares with the drafter. A sparse-
+# attention model's module always runs an indexer of its own.
+# GLM-4.7-Flash's (glm4_moe_lite_mtp.py) is built over no decoder layers, its layer kind otherwise: not
+# counted here.
+MTP_FAMILIES = frozenset(
+    ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Glm4MoeForCausalLM")
+)
+
+
+def _mtp(config: Mapping[str, Any], name: str, family: Family, shape: _Shape) -> MtpModules | None:
+    """The MTP modules config.json describes (num_nextn_predict_layers), as vLLM 0.33 builds them to
+    draft with; None where it has none or vLLM drafts with them otherwise (not counted here)."""
+    modules = int(config.get("num_nextn_predict_layers") or 0)
+    if modules == 0 or name not in MTP_FAMILIES:
+        return None
+    # The decoder layers past num_hidden_layers: what the same config counts with them, less without.
+    longer = {**config, "num_hidden_layers": _int(config, "num_hidden_layers") + modules}
+    (total, active), (base_total, base_active) = (_parameters(c, family, shape, True) for c in (longer, config))
+    whole = _replicated(longer, family, shape) - _replicated(config, family, shape)
+    indexer, indexing = _indexer(config, family)
+    own = 2 * shape.hidden * shape.hidden + 3 * shape.hidden + (indexing // indexer.layers if indexer else 0)
+    own *= modules
+    return MtpModules(
+        layers=modules,
+        parameters=total - base_total + own,
+        active_parameters=active - base_active + own,
+        replicated_parameters=whole + own,
     )
 
 

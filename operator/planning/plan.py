@@ -53,7 +53,7 @@ from kvpilot.operator.planning.placement import (
     tp_reason,
 )
 from kvpilot.operator.planning.reasons import failed_plan, gib, ms, rejected_because
-from kvpilot.operator.planning.replica import DRAFTED, Inputs
+from kvpilot.operator.planning.replica import DRAFT_MODEL_MODES, DRAFTED, Inputs
 from kvpilot.operator.planning.startup import startup_fields
 from kvpilot.operator.runtimes import RUNTIMES
 
@@ -162,7 +162,7 @@ def _fitting_plan(spec: InferenceServiceSpec, chosen: Speculation) -> Plan:
         runtime=spec.runtime,
         gpu_count=memory.replica.tp,
         speculative=chosen.mode,
-        draft_model=serving.draft_model if chosen.mode in DRAFTED else None,
+        draft_model=serving.draft_model if chosen.mode in DRAFT_MODEL_MODES else None,
         eagle3_head=chosen.mode == "eagle"
         and memory.replica.draft is not None
         and memory.replica.draft.arch.eagle3_head,

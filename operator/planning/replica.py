@@ -15,8 +15,10 @@ from kvpilot.operator.planning.device import Device
 # bandwidth-bound GPU (no GPU was at hand; on this project's 2-core CPU, where decode is
 # compute-bound, it measured ~1.5x, and a measured device computes it as a step of k + 1 rows).
 # Draft acceptance (assumed and observed) is the engines' unit: planning/speculation.py.
-# The modes that run serving.draftModel beside the target (auto chooses only "draft").
-DRAFTED = ("draft", "eagle")
+# The modes that run a drafter with weights and KV of its own beside the target (auto chooses only "draft").
+DRAFTED = ("draft", "eagle", "mtp")
+# Of them, the modes whose drafter is serving.draftModel (mtp drafts with the checkpoint's own modules).
+DRAFT_MODEL_MODES = ("draft", "eagle")
 
 
 class Inputs(NamedTuple):
@@ -43,6 +45,8 @@ class Draft(NamedTuple):
     weights: int
     kv_per_token: int
     head_copy: int = 0  # of `weights`, a tied head's packed copy, which a step reads in place of the rows
+    # Values of the target's that each draft step computes with too (MTP modules: the target's LM head).
+    shared_values: int = 0
     # A checkpoint stored quantized, which the runtime (vLLM) holds as stored: its safetensors' bytes.
     stored: int | None = None
 
@@ -50,11 +54,12 @@ class Draft(NamedTuple):
         """The draft as the engine holds it on `tp` GPUs of type `gpu`: as stored, else 4 bytes per value
         on a CPU that computes in fp32, a tied head twice where the engine packs weights for oneDNN
         (sizing.weight_bytes); its KV in the target's cache dtype (vLLM gives the draft's layers the
-        target's cache config), its KV heads copied where the GPUs outnumber them."""
+        target's cache config), its KV heads copied where the GPUs outnumber them, and what it holds
+        whole on every GPU (replicatedParameters) once per GPU."""
         plain = sizing.weight_bytes(self.arch, "none", held=sizing.HeldAs(gpu.bytes_per_value))
         held = sizing.weight_bytes(self.arch, "none", held=sizing.HeldAs(gpu.bytes_per_value, gpu.packs_weights))
         return self._replace(
-            weights=held_weights(self.arch, self.stored, held),
+            weights=sizing.held_by_group(self.arch, held_weights(self.arch, self.stored, held), tp),
             kv_per_token=sizing.kv_bytes_per_token(self.arch, kv_bytes_per_value(gpu, kv_cache_dtype), tp),
             head_copy=0 if self.stored else held - plain,
         )

@@ -241,6 +241,31 @@ def kv_bytes_per_token(arch: Architecture, bytes_per_value: int = KV_BYTES_PER_V
     return full + windowed + indexer_bytes_per_token(arch, tp)
 
 
+def mtp_drafter(arch: Architecture) -> Architecture:
+    """`arch`'s MTP modules (Architecture.mtp) as a drafter of their own: the model's layers, that many
+    (each a full-attention layer with its own latent or K and V, and an indexer where the model has
+    one), of their parameters; the embedding and the LM head are the target's (Draft.shared_values)."""
+    modules = arch.mtp
+    if modules is None:
+        raise ValueError("no MTP modules")  # choices.mtp_draft refuses such a model first
+    indexer = arch.indexer.model_copy(update={"layers": modules.layers}) if arch.indexer is not None else None
+    return Architecture(
+        layers=modules.layers,
+        hidden_size=arch.hidden_size,
+        attention_heads=arch.attention_heads,
+        kv_heads=arch.kv_heads,
+        head_dim=arch.head_dim,
+        vocab_size=arch.vocab_size,
+        parameters=modules.parameters,
+        active_parameters=modules.active_parameters,
+        replicated_parameters=modules.replicated_parameters or None,
+        max_context=arch.max_context,
+        latent_dim=arch.latent_dim,
+        indexer=indexer,
+        source=f"the MTP modules of {arch.source or 'the model'}",
+    )
+
+
 def beyond_plain_decoder(arch: Architecture) -> str | None:
     """What `arch` holds beyond a decoder whose every layer attends to the whole sequence over K and
     V heads, text only; None when nothing."""

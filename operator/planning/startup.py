@@ -94,8 +94,9 @@ def downloaded_bytes(spec: InferenceServiceSpec, plan: Plan) -> int:
 
 def read_bytes(plan: Plan) -> int:
     """The bytes the engine reads at start: the checkpoint as stored (which a scheme applied on load
-    then shrinks) and a draft's."""
-    return (plan.checkpoint_bytes or plan.weight_bytes - plan.draft_weight_bytes) + plan.draft_weight_bytes
+    then shrinks) and a draft model's (MTP modules are in the checkpoint)."""
+    draft = plan.draft_weight_bytes if plan.draft_model else 0
+    return (plan.checkpoint_bytes or plan.weight_bytes - plan.draft_weight_bytes) + draft
 
 
 def _reads_a_claim(spec: InferenceServiceSpec) -> bool:

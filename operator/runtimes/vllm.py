@@ -28,11 +28,12 @@ VLLM_IMAGE = f"vllm/vllm-openai:v{VLLM_VERSION}"
 # activation scales; the planner offers it only on GPUs with FP8 tensor cores), and it reads
 # compressed-tensors (W8A16, FP8, W8A8, W4A16), AWQ and GPTQ checkpoints, choosing their kernels
 # itself. Its quantized layers multiply with low-bit kernels (Marlin, Machete, CUTLASS), and it keeps
-# the embedding and the LM head in 16 bits. Speculation: prompt n-grams, a draft model, and an EAGLE
-# head, EAGLE-1 or EAGLE-3 (serving.draftModel under `speculative: eagle`).
+# the embedding and the LM head in 16 bits. Speculation: prompt n-grams, a draft model, an EAGLE
+# head, EAGLE-1 or EAGLE-3 (serving.draftModel under `speculative: eagle`), and the checkpoint's own
+# multi-token-prediction modules (`speculative: mtp`).
 VLLM_CAPABILITIES = EngineCapabilities(
     quantization=("none", "fp8"),
-    speculative=("off", "ngram", "draft", "eagle"),
+    speculative=("off", "ngram", "draft", "eagle", "mtp"),
     dtypes=("auto", "bfloat16", "float16"),
     checkpoint_quantization=("int8", "fp8", "w8a8", "int4", "awq", "gptq", "mxfp4"),
     tensor_parallel_sizes=(1, 2, 4, 8),
@@ -63,6 +64,8 @@ def speculative_config(plan: Plan, draft_model: str | None) -> dict[str, object]
     if plan.speculative in ("draft", "eagle"):
         method = "draft_model" if plan.speculative == "draft" else "eagle3" if plan.eagle3_head else "eagle"
         return {"method": method, "model": draft_model, "num_speculative_tokens": plan.num_speculative_tokens}
+    if plan.speculative == "mtp":
+        return {"method": "mtp", "num_speculative_tokens": plan.num_speculative_tokens}
     return None
 
 
@@ -123,6 +126,7 @@ RUNTIME = Runtime(
     lora_env=(("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),),
     ships_downloader=False,
     lora=True,
-    # Its drafters run without the adapters, the target with them.
-    lora_speculative=VLLM_CAPABILITIES.speculative,
+    # Its drafters run without the adapters, the target with them; an MTP drafter beside adapters was
+    # never checked against vLLM's config (the models that have one have no LoRA here), so not offered.
+    lora_speculative=tuple(mode for mode in VLLM_CAPABILITIES.speculative if mode != "mtp"),
 )

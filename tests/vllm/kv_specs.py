@@ -204,10 +204,11 @@ def _vllm_config(
     draft: Path | None = None,
     cache_dtype: str = "auto",
     eagle_method: str = "eagle",
+    mtp: bool = False,
 ) -> VllmConfig:
     """vLLM's config of the model in `folder` as its CUDA GPUs take it, on `tp` of them, with the
-    EAGLE head in `eagle_head` (under `eagle_method`), or the draft model in `draft`, as its drafter,
-    if any, and its KV cache in `cache_dtype`."""
+    EAGLE head in `eagle_head` (under `eagle_method`), or the draft model in `draft`, or (`mtp`) its
+    own MTP modules as its drafter, if any, and its KV cache in `cache_dtype`."""
     config = json.loads((folder / "config.json").read_text())
     config.pop("quantization_config", None)
     (folder / "config.json").write_text(json.dumps(config))
@@ -223,6 +224,10 @@ def _vllm_config(
             num_speculative_tokens=4,
             target_model_config=model,
             target_parallel_config=parallel,
+        )
+    if mtp:
+        speculative = SpeculativeConfig(
+            method="mtp", num_speculative_tokens=1, target_model_config=model, target_parallel_config=parallel
         )
     with mock.patch.object(torch.cpu, "_is_avx512_bf16_supported", lambda: False):
         # This CPU platform would store a Gated DeltaNet's state in fp32 for its own kernels.
@@ -301,10 +306,12 @@ def with_eagle(folder: Path, head: dict[str, Any]) -> dict[str, Any]:
 def drafter(vllm_config: VllmConfig, model_config: ModelConfig) -> tuple[torch.nn.Module, dict[str, KVCacheSpec]]:
     """The drafter `model_config` describes, built on the meta device under `vllm_config` as vLLM's
     proposers build it (prefix "draft_model"), and its attention layers' KV specs at BLOCK_SIZE, named
-    as the layers register themselves (module names are the drafter's own, the target's too)."""
-    with set_current_vllm_config(vllm_config):
+    as the layers register themselves (module names are the drafter's own, the target's too); sparse
+    attention's layers on CUDA's backend, as the target's (_hopper_sparse)."""
+    sparse = _hopper_sparse(CpuPlatform.get_attn_backend_cls)
+    with set_current_vllm_config(vllm_config), mock.patch.object(CpuPlatform, "get_attn_backend_cls", sparse):
         model_class, _ = get_model_architecture(model_config)
-        with torch.device("meta"):
+        with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
             model = model_class(vllm_config=vllm_config, prefix="draft_model")
         return model, {
             f"draft_model.{name}": replace(spec, block_size=BLOCK_SIZE)
@@ -330,6 +337,41 @@ def with_draft(folder: Path, draft: dict[str, Any], cache_dtype: str = "auto") -
         "draft_layers": [_layer(spec, vllm_config) for spec in drafted.values()],
         "pool": _planned(vllm_config, {**specs, **drafted}),
     }
+
+
+# What vLLM's proposer shares with an MTP drafter after loading it (llm_base_proposer.py
+# _maybe_share_embeddings, _maybe_share_lm_head): the target's embedding and LM head, in place of the
+# drafter's own.
+MTP_SHARED = ("model.embed_tokens.", ".shared_head.head.")
+
+
+def with_mtp(folder: Path) -> dict[str, Any]:
+    """The model's MTP modules as vLLM drafts with them (SpeculativeConfig method "mtp"): the class
+    it builds, the parameters it holds beside the target's (all but what it shares), its layers' KV
+    specs, and the bytes of those parameters one GPU holds on each of TP_SIZES GPUs (rank 0)."""
+    found: dict[str, Any] = {"split": {}}
+    group = parallel_state.get_tp_group()
+    for tp in (1, *TP_SIZES):
+        group.world_size = tp
+        try:
+            vllm_config = _vllm_config(folder, tp=tp, mtp=True)
+            speculative = vllm_config.speculative_config
+            assert speculative is not None and speculative.method == "mtp", speculative
+            draft_config = replace(copy.deepcopy(vllm_config), model_config=speculative.draft_model_config)
+            model, drafted = drafter(draft_config, draft_config.model_config)
+        except Exception as error:  # noqa: BLE001 - reported per size, for the test to show
+            found["split"][str(tp)] = {"error": f"{type(error).__name__}: {error}"}
+            continue
+        held = [p for name, p in model.named_parameters() if not any(s in name for s in MTP_SHARED)]
+        found["split"][str(tp)] = sum(p.numel() * p.element_size() for p in held)
+        if tp == 1:
+            found |= {
+                "class": type(model).__name__,
+                "parameters": sum(p.numel() for p in held),
+                "draft_layers": [_layer(spec, vllm_config) for spec in drafted.values()],
+            }
+    group.world_size = 1
+    return found
 
 
 def _planned(vllm_config: VllmConfig, specs: dict[str, KVCacheSpec]) -> dict[str, Any]:
@@ -434,6 +476,8 @@ def main() -> None:
                     found |= weights_split(folder)
                 if case.get("eagle_head"):
                     found["eagle"] = with_eagle(folder, case["eagle_head"])
+                if case.get("mtp"):
+                    found["mtp"] = with_mtp(folder)
                 if case.get("draft_model"):
                     found["draft"] = with_draft(folder, case["draft_model"], case.get("kv_cache_dtype", "auto"))
             except Exception as error:  # noqa: BLE001 - reported per case, for the test to show

@@ -68,7 +68,12 @@ def test_a_draft_known_only_by_its_repository_is_read_from_the_hub_and_kept_for_
     result = good.result
     assert result.fits and (result.speculative, result.draft_model) == ("draft", DRAFT), result.reason
     # Llama-3.2-3B as its config.json states it: 3.21 B parameters at 16 bits, 28 layers x 8 KV heads x 128.
-    assert result.draft_weight_bytes == 3_212_749_824 * 2 and result.draft_kv_bytes_per_token == 2 * 28 * 8 * 128 * 2
+    # Its 16-bit values, and its norms (two a layer and the last) whole on each of the other GPUs.
+    norms = (result.gpu_count - 1) * (2 * 28 + 1) * 3072 * 2
+    assert (
+        result.draft_weight_bytes == 3_212_749_824 * 2 + norms
+        and result.draft_kv_bytes_per_token == 2 * 28 * 8 * 128 * 2
+    )
     args = deployment(good.wanted)["spec"]["template"]["spec"]["containers"][0]["args"]
     speculative = json.loads(next(a for a in args if a.startswith("--speculative-config=")).partition("=")[2])
     assert (

@@ -61,7 +61,7 @@ VLLM_QUANTIZATION = {
     "none": {None},
     "fp8": {"fp8"},
     "stored:int8": {"compressed-tensors"},
-    "stored:fp8": {"compressed-tensors"},
+    "stored:fp8": {"compressed-tensors", "fp8"},  # fp8: DeepSeek's block-wise quant_method
     "stored:w8a8": {"compressed-tensors"},
     "stored:int4": {"compressed-tensors"},
     "stored:awq": {"awq", "awq_marlin"},
@@ -120,6 +120,7 @@ def _cases() -> list[tuple[InferenceServiceSpec, Plan]]:
 
 def _expected(spec: InferenceServiceSpec, result: Plan) -> dict[str, Any]:
     scheme = f"stored:{spec.model.quantization}" if spec.model.quantization else result.quantization
+    latent = spec.model.architecture is not None and spec.model.architecture.latent_dim is not None
     return {
         "model": spec.model.source,
         "served_model_name": [spec.model.name],
@@ -127,20 +128,23 @@ def _expected(spec: InferenceServiceSpec, result: Plan) -> dict[str, Any]:
         "port": names.PORT,
         "max_model_len": result.max_model_len,
         "max_num_seqs": result.max_num_seqs,
-        "max_num_batched_tokens": result.max_num_batched_tokens,
+        # This harness's CPU platform turns chunked prefill and prefix caching off under latent attention
+        # (platforms/cpu.py: "MLA is enabled on a non-GPU platform"), steps of a whole context; CUDA's keeps both.
+        "max_num_batched_tokens": result.max_model_len if latent else result.max_num_batched_tokens,
         "block_size": result.block_size,
-        "enable_prefix_caching": True,
+        "enable_prefix_caching": not latent,
         # vLLM measures its own pool from the utilization: no pool of the plan's is imposed on it.
         "kv_cache_memory_bytes": None,
         "gpu_memory_utilization": result.gpu_memory_utilization,
         "kv_cache_dtype": {"model": "auto", "fp8": "fp8"}[result.kv_cache_dtype],
         "tensor_parallel_size": result.gpu_count,
         "quantization": VLLM_QUANTIZATION[scheme],
-        "speculative_method": {"off": None, "ngram": "ngram", "draft": "draft_model", "eagle": "eagle"}[
+        "speculative_method": {"off": None, "ngram": "ngram", "draft": "draft_model", "eagle": "eagle", "mtp": "mtp"}[
             result.speculative
         ],
         "num_speculative_tokens": result.num_speculative_tokens,
-        "draft_model": result.draft_model,
+        # An MTP drafter is the target's own checkpoint.
+        "draft_model": spec.model.source if result.speculative == "mtp" else result.draft_model,
         # spec.adapters' slots; a plan without adapters enables no LoRA.
         "max_loras": result.lora.max_loras if result.lora else None,
         "max_lora_rank": result.lora.max_lora_rank if result.lora else None,
@@ -168,6 +172,9 @@ def _config_of(spec: InferenceServiceSpec) -> dict[str, Any]:
     catalog's architecture."""
     if spec.model.name in HYBRIDS:
         return json.loads((HF_CONFIGS / f"{HYBRIDS[spec.model.name]}.json").read_text())
+    real = str(spec.model.source).removeprefix("/models/")
+    if real in MTP_TARGETS:
+        return json.loads((HF_CONFIGS / f"{real}.json").read_text())
     return config_json(MODELS[spec.model.name], spec.model.quantization)
 
 
@@ -337,3 +344,54 @@ def test_the_planned_lora_slots_are_the_bytes_vllm_allocates() -> None:
         answer = answers[str(index)]
         assert answer["modules"] == ["down_proj", "embed_tokens", "gate_up_proj", "lm_head", "o_proj", "qkv_proj"]
         assert slots * adapters.slot_bytes(shape["arch"], rank, 1, 2) == answer["bytes"], (shape["config"], slots, rank)
+
+
+# Targets that draft with their own multi-token-prediction modules (speculative mtp), from their real
+# config.json: latent attention and experts stored in FP8 (DeepSeek-V3: its repository's total_size, and
+# its MTP layer's bytes as its parts' stored dtypes make them, experts in FP8 and its own embedding and
+# head in 16 bits), and grouped-query attention at 16 bits (GLM-4.5-Air: every value and its MTP
+# layer's embedding and head in 16 bits).
+MTP_TARGETS = {"deepseek-ai--DeepSeek-V3": (688_586_727_753, 14_981_005_312), "zai-org--GLM-4.5-Air": None}
+
+
+def _mtp_spec(name: str, gpu: str, tp: int | None, k: int) -> InferenceServiceSpec:
+    read = read_config(json.loads((HF_CONFIGS / f"{name}.json").read_text()), name)
+    assert not isinstance(read, str) and read.architecture.mtp is not None, read
+    arch = read.architecture
+    copies = 2 * arch.vocab_size * arch.hidden_size  # the MTP layer's own embedding and head, as stored
+    total, mtp = MTP_TARGETS[name] or (
+        (arch.parameters + arch.mtp.parameters + copies) * 2,
+        (arch.mtp.parameters + copies) * 2,
+    )
+    architecture = arch.model_copy(update={"checkpoint_bytes": total, "mtp_bytes": mtp})
+    return InferenceServiceSpec.model_validate(
+        {
+            "runtime": "vllm",
+            "model": {
+                "name": name.split("--")[1].lower(),
+                "source": f"/models/{name}",
+                "architecture": architecture.model_dump(by_alias=True, exclude_none=True),
+                **({"quantization": read.quantization} if read.quantization else {}),
+            },
+            "accelerator": {"type": gpu, **({"count": tp} if tp else {})},
+            "serving": {"speculative": "mtp", "numSpeculativeTokens": k},
+        }
+    )
+
+
+def test_an_mtp_plan_is_a_command_line_vllm_configures_as_planned() -> None:
+    cases = [
+        (spec, result)
+        for name, gpu, tp, k in product(MTP_TARGETS, ("H100-80GB", "H200"), (None, 8), (1, 3))
+        if (result := plan(spec := _mtp_spec(name, gpu, tp, k))).fits
+    ]
+    # All but DeepSeek-V3 on H100s: its 688 GB do not fit 8 of them.
+    assert {(s.model.source, r.gpu, r.num_speculative_tokens) for s, r in cases} == {
+        (f"/models/{n}", g, k)
+        for n in MTP_TARGETS
+        for g in ("H100-80GB", "H200")
+        for k in (1, 3)
+        if (n, g) != ("deepseek-ai--DeepSeek-V3", "H100-80GB")
+    }
+    assert all(r.speculative == "mtp" and r.draft_weight_bytes > 0 for _, r in cases)
+    _configured_as_planned(cases)

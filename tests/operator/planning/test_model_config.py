@@ -1000,17 +1000,20 @@ def test_a_checkpoint_s_mtp_modules_are_downloaded_but_not_held(tmp_path: Path) 
     }
     decoder_bytes = 688_586_727_753 - sum(mtp.values())  # of the repository's total_size
     decoder = {"model.layers.0.mlp.weight": decoder_bytes}
-    planned = {}
-    for case, last in (("mtp", mtp), ("no mtp", {name.replace(".61.", ".60.") for name in mtp})):
-        last = {name: size for name, size in zip(last, mtp.values(), strict=True)} if case == "no mtp" else last
+    planned, drafting = {}, {}
+    common = ("--model", "hf://deepseek-ai/DeepSeek-V3", "--gpu", "H200", "--runtime", "vllm", "--json")
+    for case, last in (("mtp", mtp), ("no mtp", {name.replace(".61.", ".60."): size for name, size in mtp.items()})):
         write_sharded(tmp_path, {"model-00001-of-00002.safetensors": decoder, "model-00002-of-00002.safetensors": last})
         with HubServer("deepseek-ai/DeepSeek-V3", tmp_path) as hub:
-            run = plan_command(
-                "--model", "hf://deepseek-ai/DeepSeek-V3", "--gpu", "H200", "--runtime", "vllm", "--json",
-                env={"HF_ENDPOINT": hub.url},
-            )  # fmt: skip
+            run = plan_command(*common, env={"HF_ENDPOINT": hub.url})
+            # Drafting with them (speculative mtp) needs them in the checkpoint: vLLM refuses it otherwise.
+            mtp_run = plan_command(
+                *common, "--speculative", "mtp", "--num-speculative-tokens", "2", env={"HF_ENDPOINT": hub.url}
+            )
         assert run.returncode == 0, run.stderr
-        planned[case] = json.loads(run.stdout)
+        planned[case], drafting[case] = json.loads(run.stdout), json.loads(mtp_run.stdout)
+    assert drafting["mtp"]["speculative"] == "mtp" and drafting["mtp"]["num_speculative_tokens"] == 2
+    assert drafting["no mtp"]["failure"] == "NoMtpModules" and "holds none" in drafting["no mtp"]["reason"]
     held, whole = planned["mtp"], planned["no mtp"]
     assert held["fits"] and held["quantization"] == "fp8" and held["gpu_count"] == whole["gpu_count"] == 8
     assert held["checkpoint_bytes"] == whole["checkpoint_bytes"] == 688_586_727_753  # downloaded whole
@@ -1126,8 +1129,20 @@ def vllm_kv_specs() -> dict[str, dict[str, Any]]:
         json.dumps({"id": f"{n}#eagle", "config": _language_model_of(n) if _wraps(n) else _config(n), "eagle_head": h})
         for n, h in ((n, _eagle_head_config(n)) for n in EAGLE_TARGETS)
     ]
+    # The MTP modules vLLM drafts with (SpeculativeConfig method "mtp"), of each family that has them.
+    cases += [json.dumps({"id": f"tiny-{name}#mtp", "config": _with_mtp(name), "mtp": True}) for name in MTP_TINY]
     out = env.run("kv_specs", "\n".join(cases) + "\n")
     return {found["id"]: found for found in map(json.loads, out.splitlines())}
+
+
+# A tiny config of each family whose MTP modules the planner counts (model_config.MTP_FAMILIES), with
+# one module: latent attention (DeepSeek V3), grouped-query attention (GLM-4.5), sparse attention with an
+# indexer in every layer (DeepSeek V3.2) and in some (GLM-5.2's index_topk_freq: the module has one).
+MTP_TINY = ("deepseek-v3", "glm4-moe-head-norms", "deepseek-v32", "glm-moe-dsa")
+
+
+def _with_mtp(name: str) -> dict[str, Any]:
+    return {**config_of(FAMILY_CONFIGS[name]), "num_nextn_predict_layers": 1}
 
 
 # Models with local layers planned beside an EAGLE head: chunked (Llama 4) and sliding (gpt-oss).
@@ -1581,6 +1596,36 @@ def test_vllm_holds_a_draft_models_kv_beside_the_targets_as_the_planner_sizes_it
     )
     # The windowed targets' draft layers go in groups of their own; a plain target's share its blocks.
     assert bool(layout.draft_groups) == (arch.architecture.sliding_window is not None)
+
+
+@pytest.mark.parametrize("name", MTP_TINY)
+def test_vllm_drafts_with_the_mtp_modules_the_planner_counts(
+    name: str, vllm_kv_specs: dict[str, dict[str, Any]]
+) -> None:
+    """vLLM's MTP drafter (DeepSeekMTP, Glm4MoeMTP) holds the parameters the planner counts (all but the
+    embedding and LM head it shares with the target), and caches per token what the drafter the
+    planner derives from the target caches: one layer's latent or K and V, and its indexer's keys."""
+    found = vllm_kv_specs[f"tiny-{name}#mtp"]
+    assert "error" not in found, found
+    read = read_config(_with_mtp(name), name)
+    assert not isinstance(read, str) and read.architecture.mtp is not None, read
+    assert found["mtp"]["class"] in ("DeepSeekMTP", "Glm4MoeMTP")
+    assert found["mtp"]["parameters"] == read.architecture.mtp.parameters
+    drafter = sizing.mtp_drafter(read.architecture)
+    assert sum(layer["bytes_per_token"] for layer in found["mtp"]["draft_layers"]) == sizing.kv_bytes_per_token(drafter)
+    # One GPU of 1, 2, 4 and 8 holds its share and what it holds whole (eh_proj, norms, the router, the
+    # latent's down-projections, the indexer), as Draft.on counts it; beyond, only the router's fp32
+    # parts (a few hundred bytes in these tiny layers).
+    assert set(found["mtp"]["split"]) == {"1", "2", "4", "8"}
+    for tp, held in found["mtp"]["split"].items():
+        ours = sizing.held_by_group(drafter, read.architecture.mtp.parameters * sizing.BYTES_PER_VALUE, int(tp)) / int(
+            tp
+        )
+        assert ours <= held <= ours * 1.02, (tp, held, ours)
+    # Without num_nextn_predict_layers, no modules; GLM-4.7-Flash's (built otherwise) are not counted.
+    assert read_config(config_of(FAMILY_CONFIGS[name]), name).architecture.mtp is None  # type: ignore[union-attr]
+    lite = read_config({**config_of(FAMILY_CONFIGS["glm4-moe-lite"]), "num_nextn_predict_layers": 1}, "lite")
+    assert not isinstance(lite, str) and lite.architecture.mtp is None
 
 
 def test_under_an_fp8_kv_cache_a_draft_models_kv_is_fp8_too(vllm_kv_specs: dict[str, dict[str, Any]]) -> None:

@@ -182,7 +182,7 @@ class SparseIndexer(BaseModel):
 
 class MtpModules(BaseModel):
     """Also the CRD's `spec.model.architecture.mtp`: the multi-token-prediction (MTP) modules a
-    checkpoint stores past its decoder layers (DeepSeek V3/R1/V3.2, GLM-4.5 and later), with which
+    checkpoint stores past its decoder layers (DeepSeek V3/R1/V3.2, GLM-4.5/4.6/4.7, GLM-5), with which
     vLLM drafts (speculative mtp): each a decoder layer of the model's, a projection of the token's
     embedding and the last hidden state (eh_proj) and three norms; the embedding and the LM head are
     the model's own."""
@@ -905,7 +905,7 @@ class ServingSpec(_Camel):
         default="auto",
         description="Speculative decoding: off, ngram (drafts looked up in the prompt), draft (serving.draftModel "
         "proposes), eagle (serving.draftModel is an EAGLE head; only when set here), mtp (the checkpoint's own "
-        "multi-token-prediction modules, model.architecture.mtp: DeepSeek V3/R1/V3.2, GLM-4.5 and later, on vLLM; "
+        "multi-token-prediction modules, model.architecture.mtp: DeepSeek V3/R1/V3.2, GLM-4.5/4.6/4.7, GLM-5, on vLLM; "
         "only when set here); auto: draft or ngram "
         "where the predicted batch is small, load.temperature low and TPOT nearer its SLO than TTFT, else off.",
     )

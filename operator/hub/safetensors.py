@@ -44,14 +44,15 @@ def is_mtp(name: str, layers: int) -> bool:
 
 
 def mtp_files(index: Mapping[str, Any], layers: int) -> list[str]:
-    """The files an index's weight_map puts MTP tensors in, sorted; ValueError when it is not a map of
-    names to safetensors files beside the index."""
+    """The files an index's weight_map puts MTP tensors in, sorted; ValueError when it is not a map, or
+    one of them is not a safetensors file beside the index (it is read as a path or a URL)."""
     weight_map = index.get("weight_map") or {}
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(file, str) and SHARD_NAME.fullmatch(file) for file in weight_map.values()
-    ):
-        raise ValueError("weight_map is not a map of tensor names to .safetensors files beside the index")
-    return sorted({file for name, file in weight_map.items() if is_mtp(name, layers)})
+    if not isinstance(weight_map, dict):
+        raise ValueError("weight_map is not a map of tensor names to files")
+    files = sorted({str(file) for name, file in weight_map.items() if is_mtp(name, layers)})
+    if not all(SHARD_NAME.fullmatch(file) for file in files):
+        raise ValueError(f"weight_map puts MTP tensors in {files}, not all .safetensors files beside the index")
+    return files
 
 
 def index_total(index: Mapping[str, Any]) -> int:

@@ -234,9 +234,10 @@ def draft_model(
 
 def mtp_draft(spec: InferenceServiceSpec, target: Architecture) -> Draft | Plan:
     """The target's MTP modules as vLLM 0.33 drafts with them (speculative method mtp), or why it
-    would not: vLLM refuses a checkpoint that lacks them at load, and runs k drafts with n modules
-    only where n divides k. Held as the checkpoint stores them (at its mean bytes per value), or in
-    16 bits; each draft step also computes with the target's LM head, which vLLM shares with them."""
+    would not: a checkpoint that lacks them (DeepSeek's drafter refuses it at load, GLM's would draft
+    with uninitialized weights), and k drafts with n modules where n does not divide k. Held as the
+    checkpoint stores them, or in 16 bits; each draft step also computes with the target's LM head,
+    which vLLM shares with them."""
     modules, where = target.mtp, spec.model.source or spec.model.name
     if modules is None:
         return failed_plan(
@@ -250,8 +251,8 @@ def mtp_draft(spec: InferenceServiceSpec, target: Architecture) -> Draft | Plan:
         return failed_plan(
             spec,
             "NoMtpModules",
-            f"serving.speculative mtp: the checkpoint of {where} {held}, and vLLM refuses to load an MTP drafter "
-            "whose layers are missing",
+            f"serving.speculative mtp: the checkpoint of {where} {held}, and vLLM would load an MTP drafter "
+            "without its layers (DeepSeek's refuses to start, GLM's drafts with uninitialized weights)",
         )
     k = spec.serving.num_speculative_tokens
     if k > modules.layers and k % modules.layers:
@@ -263,13 +264,15 @@ def mtp_draft(spec: InferenceServiceSpec, target: Architecture) -> Draft | Plan:
         )
     drafter = sizing.mtp_drafter(target)
     loaded = target.loaded_checkpoint_bytes
-    # eh_proj is a plain nn.Linear, stored and held in 16 bits beside layers stored quantized.
-    projection = modules.layers * 2 * target.hidden_size**2
-    stored = (
-        (modules.parameters - projection) * loaded // target.parameters + projection * sizing.BYTES_PER_VALUE
-        if spec.model.quantization and loaded
-        else None
-    )
+    stored = None
+    if spec.model.quantization and loaded:
+        # At the checkpoint's mean bytes per value (eh_proj, a plain nn.Linear, in 16 bits), or the MTP
+        # tensors' own bytes less the copies of the embedding and the head DeepSeek and GLM store beside
+        # them (vLLM uses the target's), whichever is more: a checkpoint may keep its MTP layers in 16 bits.
+        projection = modules.layers * 2 * target.hidden_size**2
+        mean = (modules.parameters - projection) * loaded // target.parameters + projection * sizing.BYTES_PER_VALUE
+        copies = modules.layers * 2 * target.vocab_size * target.hidden_size * sizing.BYTES_PER_VALUE
+        stored = max(mean, target.mtp_bytes - copies)
     weights = held_weights(drafter, stored, sizing.weight_bytes(drafter, "none"))
     return Draft(
         f"{where} (its MTP modules)",

@@ -170,11 +170,12 @@ def _rates(gpu: Device, quantization: str, tokens: float) -> sizing.Rates:
 
 
 def _draft_step_seconds(draft: Draft, gpu: Device, running: float, context: float) -> float:
-    """One decode step of the draft model for `running` sequences of `context` tokens (with the
-    target's values it computes with too: MTP modules' LM head, 16-bit in vLLM)."""
+    """One decode step of the draft model for `running` sequences of `context` tokens: the weights
+    its tokens route to (as the target's step), with the target's values it computes with too (MTP
+    modules' LM head, 16-bit in vLLM)."""
+    share = min(1.0, running * draft.arch.parameters_per_token / draft.arch.parameters)
     return sizing.decode_step_seconds(
-        draft.weights
-        - draft.head_copy
+        (draft.weights - draft.head_copy) * share
         + draft.shared_values * sizing.BYTES_PER_VALUE
         + running * context * draft.kv_per_token,
         draft.arch.parameters_per_token + draft.shared_values,

@@ -1071,7 +1071,8 @@ def _architecture(config: Mapping[str, Any], name: str, family: Family, source: 
 
 
 # The families whose multi-token-prediction modules vLLM 0.33 drafts with (speculative method mtp, by
-# deepseek_mtp.py and glm4_moe_mtp.py): each module a decoder layer numbered
+# deepseek_mtp.py and glm4_moe_mtp.py; CUDA builds V3.2's and GLM-5's with deepseek_v32/nvidia/mtp.py, of
+# the same modules): each module a decoder layer numbered
 # from num_hidden_layers on (so one with experts), eh_proj (an nn.Linear from the token's embedding
 # and the last hidden state, whole on every GPU) and three norms (enorm, hnorm, shared_head.norm);
 # the embedding and the LM head are the target's, which vLLM shares with the drafter. A sparse-

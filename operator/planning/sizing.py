@@ -336,10 +336,10 @@ def group_size(kinds: list[int]) -> int:
 def every_token_held(arch: Architecture, speculative: str, draft: Architecture | None) -> bool:
     """Whether vLLM 0.33 keeps every token in `arch`'s local layers too, under the `speculative` mode
     with `draft`: VllmConfig turns its hybrid KV cache manager off where chunked local attention
-    meets an EAGLE-style drafter (speculative_config.use_eagle(); sliding windows alone keep it on),
+    meets an EAGLE-style drafter (speculative_config.use_eagle(), MTP's too; sliding windows alone keep it on),
     and unify_hybrid_kv_cache_specs then allocates the local layers as full attention wherever a
     full-attention layer is among the target's or the draft's (Llama 4's NoPE layers always are)."""
-    if not arch.chunked or speculative != "eagle" or draft is None:
+    if not arch.chunked or speculative not in ("eagle", "mtp") or draft is None:
         return False
     return arch.windowed_layers < arch.layers or draft.windowed_layers < draft.layers
 

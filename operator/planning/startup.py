@@ -94,9 +94,10 @@ def downloaded_bytes(spec: InferenceServiceSpec, plan: Plan) -> int:
 
 def read_bytes(plan: Plan) -> int:
     """The bytes the engine reads at start: the checkpoint as stored (which a scheme applied on load
-    then shrinks) and a draft model's (MTP modules are in the checkpoint)."""
-    draft = plan.draft_weight_bytes if plan.draft_model else 0
-    return (plan.checkpoint_bytes or plan.weight_bytes - plan.draft_weight_bytes) + draft
+    then shrinks) and a draft's: a draft model's own, or, for MTP modules, the checkpoint once more
+    (vLLM 0.33 loads DeepSeek's and GLM-4.5's drafter through every shard: their classes filter none)."""
+    checkpoint = plan.checkpoint_bytes or plan.weight_bytes - plan.draft_weight_bytes
+    return checkpoint + (checkpoint if plan.speculative == "mtp" else plan.draft_weight_bytes)
 
 
 def _reads_a_claim(spec: InferenceServiceSpec) -> bool:

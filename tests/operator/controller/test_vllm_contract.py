@@ -61,7 +61,7 @@ VLLM_QUANTIZATION = {
     "none": {None},
     "fp8": {"fp8"},
     "stored:int8": {"compressed-tensors"},
-    "stored:fp8": {"compressed-tensors", "fp8"},  # fp8: DeepSeek's block-wise quant_method
+    "stored:fp8": {"compressed-tensors"},
     "stored:w8a8": {"compressed-tensors"},
     "stored:int4": {"compressed-tensors"},
     "stored:awq": {"awq", "awq_marlin"},
@@ -138,7 +138,8 @@ def _expected(spec: InferenceServiceSpec, result: Plan) -> dict[str, Any]:
         "gpu_memory_utilization": result.gpu_memory_utilization,
         "kv_cache_dtype": {"model": "auto", "fp8": "fp8"}[result.kv_cache_dtype],
         "tensor_parallel_size": result.gpu_count,
-        "quantization": VLLM_QUANTIZATION[scheme],
+        # A real config.json's own method (DeepSeek-V3's block-wise fp8), else the synthesized one's.
+        "quantization": {method} if (method := _stored_method(spec)) else VLLM_QUANTIZATION[scheme],
         "speculative_method": {"off": None, "ngram": "ngram", "draft": "draft_model", "eagle": "eagle", "mtp": "mtp"}[
             result.speculative
         ],
@@ -153,6 +154,13 @@ def _expected(spec: InferenceServiceSpec, result: Plan) -> dict[str, Any]:
         # adapters (and the pods of a service without them keep the template they had).
         "runtime_lora_updating": result.lora is not None,
     }
+
+
+def _stored_method(spec: InferenceServiceSpec) -> str | None:
+    """The quant_method of the real config.json a spec's pod serves (MTP_TARGETS), if it has one."""
+    real = str(spec.model.source).removeprefix("/models/")
+    config = json.loads((HF_CONFIGS / f"{real}.json").read_text()) if real in MTP_TARGETS else {}
+    return (config.get("quantization_config") or {}).get("quant_method")
 
 
 def _mismatches(expected: dict[str, Any], got: dict[str, Any], gpu: str) -> list[str]:

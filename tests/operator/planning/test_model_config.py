@@ -1130,7 +1130,7 @@ def vllm_kv_specs() -> dict[str, dict[str, Any]]:
         for n, h in ((n, _eagle_head_config(n)) for n in EAGLE_TARGETS)
     ]
     # The MTP modules vLLM drafts with (SpeculativeConfig method "mtp"), of each family that has them.
-    cases += [json.dumps({"id": f"tiny-{name}#mtp", "config": _with_mtp(name), "mtp": True}) for name in MTP_TINY]
+    cases += [json.dumps({"id": f"{name}#mtp", "config": _with_mtp(name), "mtp": True}) for name in MTP_TINY + MTP_REAL]
     out = env.run("kv_specs", "\n".join(cases) + "\n")
     return {found["id"]: found for found in map(json.loads, out.splitlines())}
 
@@ -1139,9 +1139,13 @@ def vllm_kv_specs() -> dict[str, dict[str, Any]]:
 # one module: latent attention (DeepSeek V3), grouped-query attention (GLM-4.5), sparse attention with an
 # indexer in every layer (DeepSeek V3.2) and in some (GLM-5.2's index_topk_freq: the module has one).
 MTP_TINY = ("deepseek-v3", "glm4-moe-head-norms", "deepseek-v32", "glm-moe-dsa")
+# And real ones, each with its one module: DeepSeek-V3's 256 experts, GLM-4.5's 160.
+MTP_REAL = ("deepseek-ai--DeepSeek-V3", "zai-org--GLM-4.5")
 
 
 def _with_mtp(name: str) -> dict[str, Any]:
+    if name in MTP_REAL:
+        return _config(name)
     return {**config_of(FAMILY_CONFIGS[name]), "num_nextn_predict_layers": 1}
 
 
@@ -1598,14 +1602,14 @@ def test_vllm_holds_a_draft_models_kv_beside_the_targets_as_the_planner_sizes_it
     assert bool(layout.draft_groups) == (arch.architecture.sliding_window is not None)
 
 
-@pytest.mark.parametrize("name", MTP_TINY)
+@pytest.mark.parametrize("name", MTP_TINY + MTP_REAL)
 def test_vllm_drafts_with_the_mtp_modules_the_planner_counts(
     name: str, vllm_kv_specs: dict[str, dict[str, Any]]
 ) -> None:
     """vLLM's MTP drafter (DeepSeekMTP, Glm4MoeMTP) holds the parameters the planner counts (all but the
     embedding and LM head it shares with the target), and caches per token what the drafter the
     planner derives from the target caches: one layer's latent or K and V, and its indexer's keys."""
-    found = vllm_kv_specs[f"tiny-{name}#mtp"]
+    found = vllm_kv_specs[f"{name}#mtp"]
     assert "error" not in found, found
     read = read_config(_with_mtp(name), name)
     assert not isinstance(read, str) and read.architecture.mtp is not None, read
@@ -1622,6 +1626,8 @@ def test_vllm_drafts_with_the_mtp_modules_the_planner_counts(
             tp
         )
         assert ours <= held <= ours * 1.02, (tp, held, ours)
+    if name in MTP_REAL:
+        return
     # Without num_nextn_predict_layers, no modules; GLM-4.7-Flash's (built otherwise) are not counted.
     assert read_config(config_of(FAMILY_CONFIGS[name]), name).architecture.mtp is None  # type: ignore[union-attr]
     lite = read_config({**config_of(FAMILY_CONFIGS["glm4-moe-lite"]), "num_nextn_predict_layers": 1}, "lite")

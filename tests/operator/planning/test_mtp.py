@@ -56,12 +56,12 @@ def test_deepseek_v3_drafts_with_its_mtp_layer_held_as_stored_beside_it() -> Non
     container = render.deployment("svc", "ns", "uid", served, result)["spec"]["template"]["spec"]["containers"][0]
     assert '--speculative-config={"method":"mtp","num_speculative_tokens":1}' in container["args"]
     assert result.draft_model is None  # nothing to download: the drafter is in the target's checkpoint
-    # Held as stored: the layer at the checkpoint's mean bytes per value, eh_proj (an nn.Linear) in 16
-    # bits, and what vLLM holds whole (eh_proj, norms, router, latent down-projections) on all 8 GPUs.
-    projection = 2 * 7168 * 7168
-    stored_bytes = (modules.parameters - projection) * arch.loaded_checkpoint_bytes // arch.parameters + projection * 2  # type: ignore[operator]
+    # Held as stored: at least the MTP tensors' bytes less the copies of the embedding and head vLLM
+    # drops for the target's (11.27 GB of experts here), at most 5 % more (eh_proj, a plain nn.Linear,
+    # in 16 bits), with what vLLM holds whole (eh_proj, norms, router, latent down-projections) on all 8.
     drafter = sizing.mtp_drafter(arch)
-    assert result.draft_weight_bytes == sizing.held_by_group(drafter, stored_bytes, 8)
+    layer = sizing.held_by_group(drafter, DEEPSEEK_V3_MTP - 2 * 129280 * 7168 * 2, 8)
+    assert layer <= result.draft_weight_bytes <= layer * 1.05
     # One more latent per token (576 values, on each GPU), in the target's blocks.
     assert result.draft_kv_bytes_per_token == 576 * 2 * 8
     assert result.assumed_draft_acceptance == pytest.approx(speculation.PER_TOKEN_ACCEPTANCE["mtp"], abs=1e-3)

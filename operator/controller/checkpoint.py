@@ -14,7 +14,7 @@ from typing import NamedTuple
 from kvpilot.operator.api.inspection import UNSUPPORTED, CheckpointInspection
 from kvpilot.operator.api.spec import InferenceServiceSpec, hub_source
 from kvpilot.operator.hub.client import HubClient, HubError
-from kvpilot.operator.hub.safetensors import local_weights
+from kvpilot.operator.hub.safetensors import CheckpointWeights, local_weights
 from kvpilot.operator.planning.choices import drafted_source, given_draft_architecture
 from kvpilot.operator.planning.model_config import ModelConfig, read_config
 from kvpilot.operator.planning.models import find_model
@@ -66,7 +66,15 @@ def read_checkpoint(
         weights = hub.weights(repository.repo, repository.revision, token, read.architecture.layers, endpoint)
     except HubError as error:
         return Unreadable("ModelConfigUnavailable", f"{source}: {error.message}{note}")
-    return read.with_weights(weights)
+    return with_weights(read, weights)
+
+
+def with_weights(read: ModelConfig, weights: CheckpointWeights | None) -> ModelConfig:
+    """`read` with its checkpoint's safetensors bytes (None: stored otherwise, not known)."""
+    if weights is None:
+        return read
+    update = {"checkpoint_bytes": weights.total, "mtp_bytes": weights.mtp or None}
+    return read._replace(architecture=read.architecture.model_copy(update=update))
 
 
 def read_local(config_file: Path, source: str) -> ModelConfig | Unreadable:
@@ -80,7 +88,7 @@ def read_local(config_file: Path, source: str) -> ModelConfig | Unreadable:
         read = read_config(config, source)
         if isinstance(read, str):
             return Unreadable(UNSUPPORTED, f"{folder}: {read}")
-        return read.with_weights(local_weights(folder, read.architecture.layers))
+        return with_weights(read, local_weights(folder, read.architecture.layers))
     except (OSError, ValueError) as error:
         return Unreadable("ModelConfigUnavailable", f"{folder}: {error}")
 

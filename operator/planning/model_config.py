@@ -40,7 +40,6 @@ from kvpilot.operator.api.spec import (
     SharedKV,
     SparseIndexer,
 )
-from kvpilot.operator.hub.safetensors import CheckpointWeights
 from kvpilot.operator.planning.recurrent import (
     READERS,
     RecurrentState,
@@ -245,13 +244,6 @@ COMPRESSED_TENSORS = "compressed-tensors"
 class ModelConfig(NamedTuple):
     architecture: Architecture
     quantization: CheckpointQuantization | None  # the scheme the checkpoint is stored in
-
-    def with_weights(self, weights: CheckpointWeights | None) -> ModelConfig:
-        """This config with its checkpoint's safetensors bytes (None: stored otherwise, not known)."""
-        if weights is None:
-            return self
-        update = {"checkpoint_bytes": weights.total, "mtp_bytes": weights.mtp or None}
-        return self._replace(architecture=self.architecture.model_copy(update=update))
 
 
 class _Shape(NamedTuple):

@@ -182,10 +182,10 @@ class SparseIndexer(BaseModel):
 
 class MtpModules(BaseModel):
     """Also the CRD's `spec.model.architecture.mtp`: the multi-token-prediction (MTP) modules a
-    checkpoint stores past its decoder layers (DeepSeek V3/R1/V3.2, GLM-4.5/4.6/4.7, GLM-5), with which
-    vLLM drafts (speculative mtp): each a decoder layer of the model's, a projection of the token's
-    embedding and the last hidden state (eh_proj) and three norms; the embedding and the LM head are
-    the model's own."""
+    checkpoint stores past its decoder layers (DeepSeek V3/R1/V3.2, GLM-4.5/4.6/4.7, GLM-5, Qwen3-Next,
+    Qwen3.5), with which vLLM drafts (speculative mtp): each a decoder layer of the model's (a full-attention
+    one beside a hybrid's state layers), a projection of the token's embedding and the last hidden
+    state (eh_proj, fc) and three norms; the embedding and the LM head are the model's own."""
 
     model_config = ConfigDict(
         frozen=True,
@@ -201,7 +201,10 @@ class MtpModules(BaseModel):
         ),
     )
 
-    layers: int = Field(gt=0, description="The modules (config.json's num_nextn_predict_layers).")
+    layers: int = Field(
+        gt=0,
+        description="The modules (config.json's num_nextn_predict_layers, Qwen3.5's mtp_num_hidden_layers).",
+    )
     parameters: int = Field(gt=0, json_schema_extra=INT64, description="Their parameters, as vLLM builds them.")
     active_parameters: int | None = Field(
         default=None,
@@ -214,7 +217,7 @@ class MtpModules(BaseModel):
         ge=0,
         json_schema_extra=INT64,
         description="Of them, those vLLM holds whole on every GPU (eh_proj, the norms, the router, the latent's "
-        "down-projections, the indexer).",
+        "down-projections, the indexer, a shared expert's gate).",
     )
 
     @model_validator(mode="after")

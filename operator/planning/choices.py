@@ -3,17 +3,17 @@ the draft model, the speculative mode and compiled decoding."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from kvpilot.engine.contract.config import EngineCapabilities
 from kvpilot.operator.api.plan import Plan
 from kvpilot.operator.api.spec import CPU_TYPE, Architecture, InferenceServiceSpec, hub_source
-from kvpilot.operator.planning import sizing, speculation
+from kvpilot.operator.planning import recurrent, sizing, speculation
 from kvpilot.operator.planning.device import Device
 from kvpilot.operator.planning.latency import SPECULATION_MAX_BATCH, Perf, draft_acceptance, fewest_replicas
 from kvpilot.operator.planning.memory import Memory, divide_memory, with_plain_weights
-from kvpilot.operator.planning.model_config import EAGLE3_TARGETS, MTP_FAMILIES, ModelConfig
+from kvpilot.operator.planning.model_config import EAGLE3_TARGETS, HYBRID_MTP, MTP_FAMILIES, ModelConfig
 from kvpilot.operator.planning.models import MODELS, find_model
 from kvpilot.operator.planning.reasons import failed_plan, gib, listed, ms, rejected_because
 from kvpilot.operator.planning.replica import DRAFT_MODEL_MODES, DRAFTED, Draft, Inputs, held_weights
@@ -244,7 +244,8 @@ def mtp_draft(spec: InferenceServiceSpec, target: Architecture) -> Draft | Plan:
             spec,
             "NoMtpModules",
             f"serving.speculative mtp: {where} describes no multi-token-prediction modules vLLM drafts with "
-            f"(model.architecture.mtp: config.json's num_nextn_predict_layers of {listed(sorted(MTP_FAMILIES))})",
+            f"(model.architecture.mtp: config.json's num_nextn_predict_layers of {listed(sorted(MTP_FAMILIES))}, "
+            f"or the modules of {listed(sorted(HYBRID_MTP))})",
         )
     if not target.mtp_bytes:
         held = "holds none" if target.checkpoint_bytes else "is not known to hold them (model.architecture.mtpBytes)"
@@ -266,12 +267,14 @@ def mtp_draft(spec: InferenceServiceSpec, target: Architecture) -> Draft | Plan:
     loaded = target.loaded_checkpoint_bytes
     stored = None
     if spec.model.quantization and loaded:
-        # At the checkpoint's mean bytes per value (eh_proj, a plain nn.Linear, in 16 bits), or the MTP
+        # At the checkpoint's mean bytes per value (the projection, eh_proj or fc, in 16 bits), or the MTP
         # tensors' own bytes less the copies of the embedding and the head DeepSeek and GLM store beside
-        # them (vLLM uses the target's), whichever is more: a checkpoint may keep its MTP layers in 16 bits.
+        # them (vLLM uses the target's; Qwen3-Next's and Qwen3.5's hold none), whichever is more: a
+        # checkpoint may keep its MTP layers in 16 bits.
         projection = modules.layers * 2 * target.hidden_size**2
         mean = (modules.parameters - projection) * loaded // target.parameters + projection * sizing.BYTES_PER_VALUE
-        copies = modules.layers * 2 * target.vocab_size * target.hidden_size * sizing.BYTES_PER_VALUE
+        copied = 0 if target.state is not None else 2 * target.vocab_size * target.hidden_size
+        copies = modules.layers * copied * sizing.BYTES_PER_VALUE
         stored = max(mean, target.mtp_bytes - copies)
     weights = held_weights(drafter, stored, sizing.weight_bytes(drafter, "none"))
     return Draft(
@@ -325,13 +328,26 @@ def choose_speculative(
     )
 
 
-# vLLM 0.33 does speculate beside a hybrid's state layers, but each speculative token widens every
-# layer's convolution state by a row and keeps one more state page per sequence and group
-# (MambaSpec.num_speculative_blocks), which the memory division does not size yet.
-STATE_SPECULATION = (
-    "a hybrid's state layers: vLLM 0.33 would widen each one's convolution state by a row and keep a "
-    "state page more per sequence and group for every speculative token, which the planner does not size yet"
-)
+def state_speculation(arch: Architecture, mode: str) -> str | None:
+    """Why speculative `mode` does not run (or is not sized) beside `arch`'s state layers; None where it
+    runs, or there are none. vLLM keeps Mamba-2 and Gated DeltaNet layers a state per draft token
+    (planning/recurrent.py sizes them); a drafter's own layers would share the hybrid's raised blocks."""
+    state = arch.state
+    if state is None or mode == "off":
+        return None
+    if state.kind not in recurrent.SPECULATING_KINDS:
+        return (
+            f"its {state.layers} {state.kind} layers verify no drafts: vLLM 0.33's Mamba (1) mixer decodes one "
+            "token per sequence and step"
+        )
+    if mode in DRAFT_MODEL_MODES:
+        return (
+            f"{'a draft model' if mode == 'draft' else 'an EAGLE head'}'s layers would share the blocks vLLM raises "
+            f"for its {state.layers} {state.kind} "
+            "layers' state pages, which the planner does not size (ngram, or mtp where the checkpoint has "
+            "the modules, are)"
+        )
+    return None
 
 
 def choose_speculation(inputs: Inputs, memory: Memory, device: tuple[Device, int]) -> Speculation:
@@ -352,18 +368,16 @@ def choose_speculation(inputs: Inputs, memory: Memory, device: tuple[Device, int
             supported=capabilities.speculative,
         )
 
-    mode, reason = choose(draft.source if draft else None)
-    if mode != "off" and inputs.arch.state is not None:
-        # plan() refuses a pinned mode beside state layers; auto leaves speculation off.
-        mode, reason = "off", f"off: {STATE_SPECULATION}"
-    if mode == "draft" and serving.speculative != "draft":
-        # Chosen for the target alone: the draft's weights and KV must fit beside it too.
-        with_draft = divide_memory(inputs, device, memory.sizes.quantization)
-        if isinstance(with_draft, Plan):
-            mode, reason = choose(None)
-            reason += f" (the draft model does not fit: {with_draft.reason})"
-        else:
-            memory = with_draft
+    state = inputs.arch.state
+    mode, reason = choose(draft.source if draft and state is None else None)
+    beside = state_speculation(inputs.arch, mode)
+    if beside:
+        # plan() refuses such a pinned mode; auto leaves speculation off.
+        mode, reason = "off", f"off: {beside}"
+    elif serving.speculative == "auto" and draft and state is not None:
+        reason += f" (serving.draftModel {draft.source} is not run: {state_speculation(inputs.arch, 'draft')})"
+    if mode != "off" and serving.speculative == "auto" and (mode == "draft" or state is not None):
+        memory, mode, reason = _sized_speculating(inputs, memory, device, (mode, reason), choose)
     if mode in DRAFTED and draft is not None:
         reason += (
             f"; {_drafter(mode, draft)} {draft.source}: {gib(draft.weights)} GiB of "
@@ -386,6 +400,29 @@ def choose_speculation(inputs: Inputs, memory: Memory, device: tuple[Device, int
         off = off._replace(reason=_observed_reason(speculating, off, k))
     # Adapters run in the engine's eager step only, which a compiled decode step would bypass.
     return _compiled(spec, off) if off.memory.replica.gpu.compiled_step_factor and not spec.adapters else off
+
+
+def _sized_speculating(
+    inputs: Inputs,
+    memory: Memory,
+    device: tuple[Device, int],
+    chosen: tuple[str, str],
+    choose: Callable[[str | None], tuple[str, str]],
+) -> tuple[Memory, str, str]:
+    """A mode auto chose with the target sized alone, sized again as it runs: beside the draft's weights
+    and KV, or with a hybrid's state pages for its draft tokens. Where that does not fit: the mode
+    chosen without a draft model, or off beside state layers."""
+    mode, reason = chosen
+    drafted = mode == "draft"
+    resized = divide_memory(
+        inputs._replace(draft=inputs.draft if drafted else None, speculating=True), device, memory.sizes.quantization
+    )
+    if not isinstance(resized, Plan):
+        return resized, mode, reason
+    if drafted:
+        mode, reason = choose(None)
+        return memory, mode, f"{reason} (the draft model does not fit: {resized.reason})"
+    return memory, "off", f"off: {mode} would pay, but the state pages of its draft tokens do not fit: {resized.reason}"
 
 
 def _drafter(mode: str, draft: Draft) -> str:

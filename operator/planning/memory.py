@@ -101,8 +101,11 @@ def _kv_layout(
             sizing.kernel_block(arch, block),
             0,
         )
-    hybrid = recurrent.hybrid_kv(state, recurrent.Serving(group[0].name, group[1], block, kv_bytes))
-    return hybrid.layout, hybrid.block_size, recurrent.state_page_bytes(state, group[1])
+    # The one drafter planned beside state layers is the model's MTP modules (choices.state_speculation).
+    mtp = inputs.draft.arch.layers if inputs.draft is not None else 0
+    serving = recurrent.Serving(group[0].name, group[1], block, kv_bytes, inputs.speculative_tokens, mtp)
+    hybrid = recurrent.hybrid_kv(state, serving)
+    return hybrid.layout, hybrid.block_size, recurrent.state_page_bytes(state, group[1], inputs.speculative_tokens)
 
 
 def in_flight(budget: int) -> int:
@@ -111,9 +114,9 @@ def in_flight(budget: int) -> int:
     return sizing.tokens_in_flight(max(budget, MAX_NUM_SEQS_CAP))
 
 
-def kv_rule(arch: Architecture, sizes: Sizes, held: int, tp: int) -> str:
-    """What a token or a sequence keeps beyond full attention over K and V heads, for the reason
-    text ('' when nothing)."""
+def kv_rule(arch: Architecture, sizes: Sizes, held: int, tp: int, speculative_tokens: int = 0) -> str:
+    """What a token or a sequence keeps beyond full attention over K and V heads, with a hybrid's
+    state pages for `speculative_tokens` draft tokens, for the reason text ('' when nothing)."""
     layout = sizes.kv_layout
     if arch.state is not None:
         return (
@@ -121,7 +124,13 @@ def kv_rule(arch: Architecture, sizes: Sizes, held: int, tp: int) -> str:
             f"layers a state per sequence of {sizes.state_bytes:,} bytes per GPU, which vLLM 0.33 holds in "
             f"{sizes.block_size}-token blocks raised until an attention page ({sizes.block_size} x one token's K and V "
             f"in one layer) holds it ({layout.full_groups} attention and {layout.state_groups} state layer groups; "
-            f"{layout.state_blocks} state pages per sequence and group under prefix caching)"
+            f"{layout.state_blocks} state pages per sequence and group under prefix caching"
+            + (
+                f", {speculative_tokens} of them, and as many rows of its convolution window, for the draft "
+                "tokens a step verifies)"
+                if speculative_tokens
+                else ")"
+            )
         )
     if arch.indexer is not None:
         latent = (
@@ -289,8 +298,8 @@ def divide_memory(inputs: Inputs, device: tuple[Device, int], quantization: str)
     kv_reason = (
         f"{fitting_mean} sequences at the mean context of {mean_context} tokens (prompt + half "
         f"the output) fit, {fitting} at the full {context}{drafted}; preemption covers sequences "
-        f"that grow long: KV {kv}{kv_rule(arch, sizes, held, tp)}, {gib(per_sequence)} GiB per full "
-        f"sequence, pool {gib(pool)} "
+        f"that grow long: KV {kv}{kv_rule(arch, sizes, held, tp, inputs.speculative_tokens)}, "
+        f"{gib(per_sequence)} GiB per full sequence, pool {gib(pool)} "
         f"GiB = {where} - weights {gib(target_weights)} GiB"
         + (f" - draft model weights {gib(draft_weights)} GiB" if draft else "")
         + adapters.replace("+", "-")

@@ -705,6 +705,7 @@ def _hybrid(config: Mapping[str, Any], name: str, state: RecurrentState, source:
         )
     tied = bool(config.get("tie_word_embeddings", False))
     replicated = HYBRID_REPLICATED.get(str(config["architectures"][0]))
+    mtp = _hybrid_mtp(config, name, state)
     return Architecture(
         layers=_int(config, "num_hidden_layers"),
         hidden_size=_int(config, "hidden_size"),
@@ -719,7 +720,45 @@ def _hybrid(config: Mapping[str, Any], name: str, state: RecurrentState, source:
         tie_word_embeddings=tied,
         hf_architecture=name,
         state=state_layers(state),
+        mtp=mtp,
         source=source,
+    )
+
+
+# The hybrids whose MTP modules vLLM 0.33 drafts with (qwen3_next_mtp.py, qwen3_5_mtp.py), by the
+# checkpoint's architectures[0], and the key their count is read from as the MTP class reads it (1 where
+# the config has none: Qwen3-Next's checkpoints store one module, their config.json does not say so).
+# Each module is a full-attention decoder layer of the model's (its experts or MLP too), fc (a projection
+# of the token's embedding and the last hidden state, split over the GPUs) and three norms; the
+# embedding and the LM head are the target's, which vLLM shares with the drafter. Qwen3.5's are drafted
+# with from its multimodal checkpoints only: from a text-only one (model_type qwen3_5_text), vLLM 0.33
+# renames the config qwen3_5_mtp, whose decoder layer Qwen3_5DecoderLayer refuses to build.
+HYBRID_MTP = {
+    "Qwen3NextForCausalLM": "num_nextn_predict_layers",
+    "Qwen3_5ForConditionalGeneration": "mtp_num_hidden_layers",
+    "Qwen3_5MoeForConditionalGeneration": "mtp_num_hidden_layers",
+}
+
+
+def _hybrid_mtp(config: Mapping[str, Any], name: str, state: RecurrentState) -> MtpModules | None:
+    """A hybrid's MTP modules (HYBRID_MTP: `name` is the checkpoint's architecture, `config` its
+    language model's) as vLLM 0.33 builds them to draft with: one more attention layer each, counted as
+    the model's own, and what each adds beside it."""
+    key = HYBRID_MTP.get(name)
+    modules = int(config.get(key, 1) or 0) if key else 0
+    if modules == 0:
+        return None
+    longer = state._replace(attention_layers=state.attention_layers + modules)
+    (total, active), (base_total, base_active) = (hybrid_parameters(config, s) for s in (longer, state))
+    hidden = _int(config, "hidden_size")
+    norms = 3 * hidden * modules
+    own = 2 * hidden * hidden * modules + norms
+    whole = _gated_deltanet_replicated(config, longer) - _gated_deltanet_replicated(config, state)
+    return MtpModules(
+        layers=modules,
+        parameters=total - base_total + own,
+        active_parameters=active - base_active + own,
+        replicated_parameters=whole + norms,
     )
 
 

@@ -28,13 +28,13 @@ from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
 from kvpilot.operator.planning import cpus, sizing
 from kvpilot.operator.planning.adapters import adapter_problem, describe, lora_settings
 from kvpilot.operator.planning.choices import (
-    STATE_SPECULATION,
     Speculation,
     choose_speculation,
     draft_model,
     kv_cache_dtype_reason,
     kv_cache_dtypes,
     quantization_schemes,
+    state_speculation,
     unloaded_class,
     unsupported_pins,
     with_adapters,
@@ -99,7 +99,8 @@ def _size(inputs: Inputs, device: tuple[Device, int], quantization: str) -> Opti
         return Option(failed)
     # Sized with the draft when the spec pins a drafted mode; auto adds it only where speculation pays.
     pinned = draft if spec.serving.speculative in DRAFTED else None
-    memory = divide_memory(inputs._replace(draft=pinned), device, quantization)
+    pinned_mode = spec.serving.speculative not in ("auto", "off")
+    memory = divide_memory(inputs._replace(draft=pinned, speculating=pinned_mode), device, quantization)
     if isinstance(memory, Plan):
         return Option(memory.model_copy(update={"gpu_count": tp}))
     speculation = choose_speculation(inputs._replace(draft=draft), memory, device)
@@ -332,11 +333,10 @@ def _runtime_refusal(
             f"number of serving.blockSize {block}-token blocks: vLLM's chunked local attention maps each chunk to "
             "whole blocks (it asserts attention_chunk_size % block_size == 0); set a blockSize that divides it",
         )
-    if arch.state is not None and spec.serving.speculative not in ("auto", "off"):
+    beside = state_speculation(arch, spec.serving.speculative) if spec.serving.speculative != "auto" else None
+    if beside:
         return failed_plan(
-            spec,
-            "UnsupportedByRuntime",
-            f"serving.speculative {spec.serving.speculative!r} beside {STATE_SPECULATION}; set it to off or auto",
+            spec, "UnsupportedByRuntime", f"serving.speculative {spec.serving.speculative!r}: {beside}; set it to off"
         )
     return None
 

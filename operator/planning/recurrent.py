@@ -7,7 +7,9 @@ block size until an attention page (block size x one token's K and V in one laye
 (`Platform._align_hybrid_block_size`), pads the state to that page, and groups the layers of each
 kind as it groups full and sliding-window attention (sizing.KVLayout). With prefix caching (which
 the operator always renders) a sequence keeps 2 state pages per group plus a checkpoint page where
-the layer exports one (MambaSpec.max_memory_usage_bytes, mamba_cache_mode "align").
+the layer exports one (MambaSpec.max_memory_usage_bytes, mamba_cache_mode "align"). Speculating
+with k draft tokens, a Mamba-2 or Gated DeltaNet layer keeps k more convolution rows in its page and
+k more pages per sequence (MambaSpec.num_speculative_blocks): one state per verified draft.
 tests/operator/planning/test_recurrent.py checks each number against vLLM's own code run on the real
 config.json files of tests/operator/planning/hf_configs.
 """
@@ -36,6 +38,9 @@ FLASHINFER_GDN_GPUS = ("H100-80GB", "H200")
 # block's (MambaSpec.max_memory_usage_bytes in "align" mode), besides a checkpoint page.
 ALIGN_MODE_PAGES = 2
 FP32_BYTES = 4
+# The state layers vLLM 0.33 verifies drafts through: its Mamba (1) mixer decodes one token per
+# sequence and step, whatever the scheduler sends it (mamba_mixer.py has no draft path).
+SPECULATING_KINDS = ("mamba2", "gated_deltanet")
 
 
 class RecurrentState(NamedTuple):
@@ -213,12 +218,13 @@ def recurrent_state(config: Mapping[str, Any]) -> RecurrentState | None:
     return reader(config) if reader else None
 
 
-def state_page_bytes(state: RecurrentState, tp: int) -> int:
+def state_page_bytes(state: RecurrentState, tp: int, drafts: int = 0) -> int:
     """One layer's state of one sequence on each of `tp` GPUs: the convolution window in the model's
     16-bit dtype whatever the KV cache's (Mamba-2's groups made `tp` where `tp` does not divide them,
-    vLLM's extra_groups_for_head_shards, so every GPU holds one), and the recurrent state."""
+    vLLM's extra_groups_for_head_shards, so every GPU holds one), a row more for each of `drafts`
+    speculative tokens, and the recurrent state."""
     groups = state.groups if state.groups % tp == 0 else tp
-    conv = state.conv_width * (state.conv_channels + groups * state.conv_group_channels) // tp
+    conv = (state.conv_width + drafts) * (state.conv_channels + groups * state.conv_group_channels) // tp
     recurrent = state.heads // tp * state.head_values
     return conv * sizing.BYTES_PER_VALUE + recurrent * (FP32_BYTES if state.fp32_state else sizing.BYTES_PER_VALUE)
 
@@ -262,21 +268,26 @@ class HybridKV(NamedTuple):
 
 class Serving(NamedTuple):
     """Where and how the hybrid is served: `tp` GPUs of type `gpu` (a catalog name), the block size
-    the plan asks for and the bytes of one K or V value."""
+    the plan asks for, the bytes of one K or V value, the draft tokens each step verifies and the
+    attention layers of the MTP modules drafting them (the model's K and V heads, grouped with its own)."""
 
     gpu: str
     tp: int = 1
     block_size: int = 16
     bytes_per_value: int = sizing.BYTES_PER_VALUE
+    speculative_tokens: int = 0
+    mtp_layers: int = 0
 
 
 def hybrid_kv(state: RecurrentState, serving: Serving) -> HybridKV:
     """The block size, the state and page bytes, and the groups of `state`'s model served as `serving`
     says: the layers of each kind in groups of one size (sizing.group_size), each attention group
-    holding a sequence's tokens, each state group ALIGN_MODE_PAGES pages and its checkpoint."""
-    tp = serving.tp
+    holding a sequence's tokens, each state group ALIGN_MODE_PAGES pages, its checkpoint and a page
+    per speculative token."""
+    tp, drafts = serving.tp, serving.speculative_tokens
+    state = state._replace(attention_layers=state.attention_layers + serving.mtp_layers)
     token = attention_token_bytes(state, tp, serving.bytes_per_value)
-    page = state_page_bytes(state, tp)
+    page = state_page_bytes(state, tp, drafts)
     block = hybrid_block_size(token, page, serving.block_size, block_alignment(state, serving.gpu))
     size = sizing.group_size([state.attention_layers, state.layers])
     layout = sizing.KVLayout(
@@ -285,7 +296,7 @@ def hybrid_kv(state: RecurrentState, serving: Serving) -> HybridKV:
         sliding_groups=0,
         window=None,
         state_groups=math.ceil(state.layers / size),
-        state_blocks=ALIGN_MODE_PAGES + checkpoint_pages(state, serving.gpu),
+        state_blocks=ALIGN_MODE_PAGES + checkpoint_pages(state, serving.gpu) + drafts,
     )
     return HybridKV(block_size=block, state_bytes=page, page_bytes=block * token, layout=layout)
 

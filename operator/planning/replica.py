@@ -34,6 +34,14 @@ class Inputs(NamedTuple):
     # What the service's engines showed: the replicas are chosen with it, the plan's own latencies not.
     correction: Correction
     kv_cache_dtype: str = "model"  # the option's: "model" (16-bit) or "fp8"
+    # Sized for a speculative mode: a hybrid's state layers then keep a page and a convolution row
+    # more per sequence for each of serving.numSpeculativeTokens (planning/recurrent.py).
+    speculating: bool = False
+
+    @property
+    def speculative_tokens(self) -> int:
+        """The draft tokens each step verifies where the replica is sized speculating, else 0."""
+        return self.spec.serving.num_speculative_tokens if self.speculating else 0
 
 
 class Draft(NamedTuple):

@@ -44,6 +44,9 @@ manager off, and the pool vLLM then plans of the target's layers and the head's 
 (a full-attention layer of the target's KV shape, as Llama 4's NoPE-layer head is: the head's own
 module is not built here).
 
+A case with "ngram" (a number of draft tokens) is planned again speculating with them (SpeculativeConfig
+method "ngram"): the target's layers and pool then, a hybrid's state layers keeping room for the drafts.
+
 The model folder holds only the config.json, so nothing is downloaded and no weights are read.
 """
 
@@ -205,10 +208,12 @@ def _vllm_config(
     cache_dtype: str = "auto",
     eagle_method: str = "eagle",
     mtp: bool = False,
+    ngram: int = 0,
 ) -> VllmConfig:
     """vLLM's config of the model in `folder` as its CUDA GPUs take it, on `tp` of them, with the
     EAGLE head in `eagle_head` (under `eagle_method`), or the draft model in `draft`, or (`mtp`) its
-    own MTP modules as its drafter, if any, and its KV cache in `cache_dtype`."""
+    own MTP modules as its drafter, if any, or `ngram` prompt-lookup draft tokens, and its KV cache in
+    `cache_dtype`."""
     config = json.loads((folder / "config.json").read_text())
     config.pop("quantization_config", None)
     (folder / "config.json").write_text(json.dumps(config))
@@ -225,9 +230,12 @@ def _vllm_config(
             target_model_config=model,
             target_parallel_config=parallel,
         )
-    if mtp:
+    if mtp or ngram:
         speculative = SpeculativeConfig(
-            method="mtp", num_speculative_tokens=1, target_model_config=model, target_parallel_config=parallel
+            method="mtp" if mtp else "ngram",
+            num_speculative_tokens=ngram or 1,
+            target_model_config=model,
+            target_parallel_config=parallel,
         )
     with mock.patch.object(torch.cpu, "_is_avx512_bf16_supported", lambda: False):
         # This CPU platform would store a Gated DeltaNet's state in fp32 for its own kernels.
@@ -341,14 +349,16 @@ def with_draft(folder: Path, draft: dict[str, Any], cache_dtype: str = "auto") -
 
 # What vLLM's proposer shares with an MTP drafter after loading it (llm_base_proposer.py
 # _maybe_share_embeddings, _maybe_share_lm_head): the target's embedding and LM head, in place of the
-# drafter's own.
-MTP_SHARED = ("model.embed_tokens.", ".shared_head.head.")
+# drafter's own (DeepSeek's and GLM's in each module, Qwen3-Next's and Qwen3.5's beside them).
+MTP_SHARED = ("model.embed_tokens.", ".shared_head.head.", "lm_head.")
 
 
 def with_mtp(folder: Path) -> dict[str, Any]:
     """The model's MTP modules as vLLM drafts with them (SpeculativeConfig method "mtp"): the class
     it builds, the parameters it holds beside the target's (all but what it shares), its layers' KV
-    specs, and the bytes of those parameters one GPU holds on each of TP_SIZES GPUs (rank 0)."""
+    specs, and the bytes of those parameters one GPU holds on each of TP_SIZES GPUs (rank 0); for a
+    hybrid, vLLM's planning of AVAILABLE bytes with the target's layers and the drafter's, in the
+    blocks it raises for the target's state pages (one GPU)."""
     found: dict[str, Any] = {"split": {}}
     group = parallel_state.get_tp_group()
     for tp in (1, *TP_SIZES):
@@ -359,6 +369,10 @@ def with_mtp(folder: Path) -> dict[str, Any]:
             assert speculative is not None and speculative.method == "mtp", speculative
             draft_config = replace(copy.deepcopy(vllm_config), model_config=speculative.draft_model_config)
             model, drafted = drafter(draft_config, draft_config.model_config)
+            # The target built after the copy: its layers, registered in its config, are not copied.
+            hybrid = vllm_config.model_config.is_hybrid
+            if hybrid and tp == 1:
+                _, specs = _layer_specs(vllm_config)
         except Exception as error:  # noqa: BLE001 - reported per size, for the test to show
             found["split"][str(tp)] = {"error": f"{type(error).__name__}: {error}"}
             continue
@@ -370,8 +384,28 @@ def with_mtp(folder: Path) -> dict[str, Any]:
                 "parameters": sum(p.numel() for p in held),
                 "draft_layers": [_layer(spec, vllm_config) for spec in drafted.values()],
             }
+            if hybrid:
+                block = vllm_config.cache_config.block_size
+                raised = {name: replace(spec, block_size=block) for name, spec in drafted.items()}
+                found["pool"] = _planned(vllm_config, {**specs, **raised})
     group.world_size = 1
     return found
+
+
+def with_ngram(folder: Path, tokens: int, flashinfer_gdn: bool) -> dict[str, Any]:
+    """The model speculating with `tokens` prompt-lookup draft tokens (SpeculativeConfig method "ngram":
+    no drafter, so what changes is the target's own cache, a hybrid's state layers'): its layers' specs,
+    vLLM's planning of AVAILABLE bytes with them, and, on Triton's kernels, a hybrid's state page and
+    block size on each of TP_SIZES GPUs."""
+    vllm_config = _vllm_config(folder, ngram=tokens)
+    _, specs = _layer_specs(vllm_config, flashinfer_gdn)
+    found = {
+        "layer_specs": [_layer(spec, vllm_config) for spec in specs.values()],
+        "pool": _planned(vllm_config, specs),
+    }
+    if flashinfer_gdn:
+        return found
+    return found | {"split": hybrid_split(folder, tokens)}
 
 
 def _planned(vllm_config: VllmConfig, specs: dict[str, KVCacheSpec]) -> dict[str, Any]:
@@ -394,22 +428,22 @@ def _planned(vllm_config: VllmConfig, specs: dict[str, KVCacheSpec]) -> dict[str
     }
 
 
-def hybrid_split(folder: Path) -> dict[str, Any]:
+def hybrid_split(folder: Path, ngram: int = 0) -> dict[str, Any]:
     """A hybrid's state page per GPU and the block size vLLM aligns to it at each of TP_SIZES (or why
-    vLLM cannot split it so)."""
+    vLLM cannot split it so), speculating with `ngram` draft tokens."""
     split: dict[str, Any] = {}
     for tp in TP_SIZES:
         try:
-            split[str(tp)] = _hybrid_on(folder, tp)
+            split[str(tp)] = _hybrid_on(folder, tp, ngram)
         except Exception as error:  # noqa: BLE001 - reported per size, for the test to show
             split[str(tp)] = {"error": f"{type(error).__name__}: {error}"}
     return split
 
 
-def _hybrid_on(folder: Path, tp: int) -> dict[str, Any]:
+def _hybrid_on(folder: Path, tp: int, ngram: int) -> dict[str, Any]:
     """A hybrid's state page per GPU and the block size vLLM aligns to it on `tp` GPUs, from the
     model class's state shapes and dtypes (Triton kernels: no checkpoint grid)."""
-    vllm_config = _vllm_config(folder, tp=tp)
+    vllm_config = _vllm_config(folder, tp=tp, ngram=ngram)
     model_class, _ = get_model_architecture(vllm_config.model_config)
     state = MambaSpec(
         shapes=model_class.get_mamba_state_shape_from_config(vllm_config),
@@ -476,6 +510,8 @@ def main() -> None:
                     found |= weights_split(folder)
                 if case.get("eagle_head"):
                     found["eagle"] = with_eagle(folder, case["eagle_head"])
+                if case.get("ngram"):
+                    found["ngram"] = with_ngram(folder, case["ngram"], bool(case.get("flashinfer_gdn")))
                 if case.get("mtp"):
                     found["mtp"] = with_mtp(folder)
                 if case.get("draft_model"):

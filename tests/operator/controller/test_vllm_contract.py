@@ -230,20 +230,27 @@ def test_every_vllm_plan_that_fits_is_a_command_line_vllm_configures_as_planned(
         assert all(found == {"off", "ngram", "draft", "eagle"} for found in modes.values()), modes
 
 
-def _hybrid_spec(model: str, gpu: str, tp: int | None, kv_cache_dtype: str) -> InferenceServiceSpec:
+def _hybrid_spec(
+    model: str, gpu: str, tp: int | None, kv_cache_dtype: str, serving: dict[str, Any] | None = None
+) -> InferenceServiceSpec:
+    """`model` (HYBRIDS) on `gpu`, its 16-bit checkpoint's bytes known (its MTP modules' among them,
+    where it has some), served as `serving` says besides."""
     config = json.loads((HF_CONFIGS / f"{HYBRIDS[model]}.json").read_text())
     read = read_config(config, HYBRIDS[model])
     assert not isinstance(read, str), read
+    arch = read.architecture
+    mtp = 2 * arch.mtp.parameters if arch.mtp else 0
+    arch = arch.model_copy(update={"checkpoint_bytes": 2 * arch.parameters + mtp, "mtp_bytes": mtp or None})
     return InferenceServiceSpec.model_validate(
         {
             "runtime": "vllm",
             "model": {
                 "name": model,
                 "source": f"/models/{model}",
-                "architecture": read.architecture.model_dump(by_alias=True, exclude_none=True),
+                "architecture": arch.model_dump(by_alias=True, exclude_none=True),
             },
             "accelerator": {"type": gpu, **({"count": tp} if tp else {})},
-            "serving": {"kvCacheDtype": kv_cache_dtype},
+            "serving": {"kvCacheDtype": kv_cache_dtype, **(serving or {})},
         }
     )
 
@@ -261,7 +268,22 @@ def test_every_vllm_plan_of_a_hybrid_is_a_command_line_vllm_configures_as_planne
     assert {r.quantization for _, r in cases} == {"none", "fp8"}
     assert {r.gpu_count for _, r in cases} >= {2, 4, 8} and {r.kv_cache_dtype for _, r in cases} == {"model", "fp8"}
     # Every block is one vLLM raised beside the state pages, well beyond the 16 asked for.
-    assert all(r.block_size > 64 and r.speculative == "off" for _, r in cases)
+    assert all(r.block_size > 64 for _, r in cases)
+
+
+def test_a_speculating_hybrids_plan_is_a_command_line_vllm_configures_as_planned() -> None:
+    # Prompt lookup beside Gated DeltaNet and Mamba-2 layers, and Qwen3-Next's and Qwen3.5's MTP modules, k
+    # of 1 and 3, on Hopper (FlashInfer's 64-token grid) and elsewhere: vLLM raises the blocks for state
+    # pages widened by the drafts to the block the plan asked for.
+    specs = [
+        _hybrid_spec(model, gpu, None, "auto", {"speculative": mode, "numSpeculativeTokens": k})
+        for model, gpu, mode, k in product(HYBRIDS, ("H100-80GB", "H200", "A100-80GB"), ("ngram", "mtp"), (1, 3))
+        if mode == "ngram" or model != "nemotron-h-56b"
+    ]
+    cases = [(spec, result) for spec in specs if (result := plan(spec)).fits]
+    assert len(cases) == len(specs), [plan(s).reason for s in specs if not plan(s).fits]
+    _configured_as_planned(cases)
+    assert {r.speculative for _, r in cases} == {"ngram", "mtp"} and all(r.block_size > 64 for _, r in cases)
 
 
 # Adapter sets: one small adapter; more than the resident slots and the cached minimum, of mixed and

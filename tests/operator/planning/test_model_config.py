@@ -1106,6 +1106,12 @@ def vllm_kv_specs() -> dict[str, dict[str, Any]]:
     ]
     # The hybrids again as vLLM runs them on Hopper GPUs (FlashInfer's Gated DeltaNet prefill).
     cases += [json.dumps({"id": f"{n}@{HOPPER}", "config": hybrid_config(n), **FLASHINFER}) for n in HYBRIDS]
+    # The hybrids whose state layers verify drafts again, speculating (prompt lookup: no drafter of its own).
+    cases += [
+        json.dumps({"id": f"{n}#ngram{'' if gpu == TRITON else '@' + HOPPER}", "config": hybrid_config(n), **extra})
+        for n, gpu in SPECULATING_HYBRIDS
+        for extra in [{"ngram": DRAFT_TOKENS, **(FLASHINFER if gpu == HOPPER else {})}]
+    ]
     # Tiny hybrids in their checkpoints' keys: families without a real config.json among hf_configs, and
     # the options that change a count.
     cases += [json.dumps({"id": name, "config": config}) for name, config in TINY_HYBRIDS.items()]
@@ -1131,6 +1137,9 @@ def vllm_kv_specs() -> dict[str, dict[str, Any]]:
     ]
     # The MTP modules vLLM drafts with (SpeculativeConfig method "mtp"), of each family that has them.
     cases += [json.dumps({"id": f"{name}#mtp", "config": _with_mtp(name), "mtp": True}) for name in MTP_TINY + MTP_REAL]
+    cases += [json.dumps({"id": f"{name}#mtp", "config": _config(name), "mtp": True}) for name in MTP_HYBRIDS]
+    # A text-only Qwen3.5 checkpoint (its language model's config alone), whose MTP layer vLLM cannot build.
+    cases.append(json.dumps({"id": f"{QWEN3_5_TEXT}#text#mtp", "config": hybrid_config(QWEN3_5_TEXT), "mtp": True}))
     out = env.run("kv_specs", "\n".join(cases) + "\n")
     return {found["id"]: found for found in map(json.loads, out.splitlines())}
 
@@ -1141,6 +1150,12 @@ def vllm_kv_specs() -> dict[str, dict[str, Any]]:
 MTP_TINY = ("deepseek-v3", "glm4-moe-head-norms", "deepseek-v32", "glm-moe-dsa")
 # And real ones, each with its one module: DeepSeek-V3's 256 experts, GLM-4.5's 160.
 MTP_REAL = ("deepseek-ai--DeepSeek-V3", "zai-org--GLM-4.5")
+
+
+# Hybrids whose MTP modules vLLM drafts with (model_config.HYBRID_MTP): Qwen3-Next's experts (its config
+# names no count), Qwen3.5's MLP and its experts (its multimodal checkpoints', as vLLM builds them).
+MTP_HYBRIDS = ("Qwen--Qwen3-Next-80B-A3B-Thinking", "Qwen--Qwen3.5-27B", "Qwen--Qwen3.5-35B-A3B")
+QWEN3_5_TEXT = "Qwen--Qwen3.5-27B"
 
 
 def _with_mtp(name: str) -> dict[str, Any]:
@@ -1267,9 +1282,47 @@ def test_vllm_holds_a_hybrids_per_sequence_state_as_the_planner_sizes_it(
     name: str, gpu: str, vllm_kv_specs: dict[str, dict[str, Any]]
 ) -> None:
     found = vllm_kv_specs[_vllm_id(name) if gpu == TRITON else f"{name}@{HOPPER}"]
+    assert found["hybrid"], found
+    _assert_held_as_planned(name, gpu, found, 0)
+
+
+# Hybrids whose state layers verify drafts (Gated DeltaNet, Mamba-2), each on a GPU of each kernel path
+# its family takes, speculating with DRAFT_TOKENS: a page and a convolution row more per draft token.
+DRAFT_TOKENS = 3
+SPECULATING_HYBRIDS = (
+    ("Qwen--Qwen3-Next-80B-A3B-Thinking", TRITON),
+    ("Qwen--Qwen3-Next-80B-A3B-Thinking", HOPPER),
+    ("Qwen--Qwen3.5-35B-A3B", HOPPER),
+    ("nvidia--Nemotron-H-56B-Base-8K", TRITON),
+    ("tiny-granite-4.0-h", TRITON),
+    ("tiny-falcon-h1", TRITON),
+)
+
+
+@pytest.mark.parametrize(("name", "gpu"), SPECULATING_HYBRIDS)
+def test_vllm_keeps_a_speculating_hybrids_state_pages_as_the_planner_sizes_them(
+    name: str, gpu: str, vllm_kv_specs: dict[str, dict[str, Any]]
+) -> None:
+    found = vllm_kv_specs[f"{name}#ngram" + ("" if gpu == TRITON else f"@{HOPPER}")]
+    assert "error" not in found, found
+    _assert_held_as_planned(name, gpu, found["ngram"], DRAFT_TOKENS)
+    unspeculating = recurrent.hybrid_kv(recurrent_state_of(name), recurrent.Serving(gpu))
+    pages = {layer["pages_per_sequence"] for layer in found["ngram"]["layer_specs"] if layer["kind"] == "MambaSpec"}
+    assert pages == {unspeculating.layout.state_blocks + DRAFT_TOKENS}
+
+
+def recurrent_state_of(name: str) -> recurrent.RecurrentState:
     state = recurrent.recurrent_state(hybrid_config(name))
-    assert state is not None and found["hybrid"], found
-    hybrid = recurrent.hybrid_kv(state, recurrent.Serving(gpu))
+    assert state is not None, name
+    return state
+
+
+def _assert_held_as_planned(name: str, gpu: str, found: dict[str, Any], drafts: int) -> None:
+    """vLLM's layers and pool of hybrid `name` on `gpu` (`found`), speculating with `drafts` tokens, as
+    the planner sizes them: one layer's state per sequence padded to one attention page, the pages a
+    sequence keeps, the block, the groups and the blocks of AVAILABLE bytes."""
+    state = recurrent_state_of(name)
+    hybrid = recurrent.hybrid_kv(state, recurrent.Serving(gpu, speculative_tokens=drafts))
     layers = found["layer_specs"]
     assert Counter(layer["kind"] for layer in layers) == {
         "FullAttentionSpec": state.attention_layers,
@@ -1278,7 +1331,6 @@ def test_vllm_holds_a_hybrids_per_sequence_state_as_the_planner_sizes_it(
     attention = [layer for layer in layers if layer["kind"] == "FullAttentionSpec"]
     states = [layer for layer in layers if layer["kind"] == "MambaSpec"]
     assert {layer["bytes_per_token"] for layer in attention} == {recurrent.attention_token_bytes(state, 1, 2)}
-    # One layer's state per sequence, padded to one attention page, and the pages a sequence keeps.
     assert {layer["state_bytes"] for layer in states} == {hybrid.state_bytes}
     assert {layer["page_bytes"] for layer in states} == {hybrid.page_bytes}
     assert {layer["pages_per_sequence"] for layer in states} == {hybrid.layout.state_blocks}
@@ -1297,7 +1349,7 @@ def test_vllm_holds_a_hybrids_per_sequence_state_as_the_planner_sizes_it(
             if placement.heads_problem(read.architecture, int(tp)):
                 assert "error" in split, (tp, split)
                 continue
-            ours = recurrent.hybrid_kv(state, recurrent.Serving(gpu, tp=int(tp)))
+            ours = recurrent.hybrid_kv(state, recurrent.Serving(gpu, tp=int(tp), speculative_tokens=drafts))
             assert split == {"state_bytes": ours.state_bytes, "block_size": ours.block_size}, tp
 
 
@@ -1632,6 +1684,48 @@ def test_vllm_drafts_with_the_mtp_modules_the_planner_counts(
     assert read_config(config_of(FAMILY_CONFIGS[name]), name).architecture.mtp is None  # type: ignore[union-attr]
     lite = read_config({**config_of(FAMILY_CONFIGS["glm4-moe-lite"]), "num_nextn_predict_layers": 1}, "lite")
     assert not isinstance(lite, str) and lite.architecture.mtp is None
+
+
+@pytest.mark.parametrize("name", MTP_HYBRIDS)
+def test_vllm_drafts_with_a_hybrids_mtp_modules_as_the_planner_sizes_them(
+    name: str, vllm_kv_specs: dict[str, dict[str, Any]]
+) -> None:
+    """vLLM's Qwen3NextMTP / Qwen3_5(Moe)MTP holds the parameters the planner counts (all but the
+    embedding and LM head it shares), one GPU of 1, 2, 4 and 8 its share, and its gated-attention layer
+    caches the model's K and V per token; planned with the model's layers, that layer joins the model's
+    attention groups in the blocks raised for the state pages, which keep a page per draft token."""
+    found = vllm_kv_specs[f"{name}#mtp"]
+    assert "error" not in found, found
+    read = read_config(_config(name), name)
+    assert not isinstance(read, str) and read.architecture.mtp is not None, read
+    arch, mtp = read.architecture, found["mtp"]
+    assert mtp["class"] in ("Qwen3NextMTP", "Qwen3_5MTP", "Qwen3_5MoeMTP")
+    assert mtp["parameters"] == arch.mtp.parameters  # type: ignore[union-attr]
+    drafter = sizing.mtp_drafter(arch)
+    assert sum(layer["bytes_per_token"] for layer in mtp["draft_layers"]) == sizing.kv_bytes_per_token(drafter)
+    for tp, held in mtp["split"].items():
+        if placement.heads_problem(arch, int(tp)):
+            continue
+        ours = sizing.held_by_group(drafter, arch.mtp.parameters * sizing.BYTES_PER_VALUE, int(tp)) / int(tp)  # type: ignore[union-attr]
+        assert ours <= held <= ours * 1.02, (tp, held, ours)
+    state = recurrent_state_of(name)
+    hybrid = recurrent.hybrid_kv(state, recurrent.Serving(TRITON, speculative_tokens=1, mtp_layers=drafter.layers))
+    pool, layout = mtp["pool"], hybrid.layout
+    assert pool["block_size"] == hybrid.block_size
+    assert Counter(pool["groups"]) == {"FullAttentionSpec": layout.full_groups, "MambaSpec": layout.state_groups}
+    assert pool["num_blocks"] == pool["available"] // sizing.kv_block_bytes(layout, hybrid.block_size)
+    assert pool["blocks_per_request"] == sizing.sequence_blocks(layout, pool["max_model_len"], hybrid.block_size, 0)
+
+
+def test_no_mtp_modules_are_counted_for_a_text_only_qwen3_5_checkpoint(
+    vllm_kv_specs: dict[str, dict[str, Any]],
+) -> None:
+    """vLLM 0.33 renames a text-only Qwen3.5 config qwen3_5_mtp to draft with it, and its decoder layer then
+    refuses to build: the planner counts no modules there, so speculative mtp is refused before a pod is."""
+    found = vllm_kv_specs[f"{QWEN3_5_TEXT}#text#mtp"]["mtp"]
+    assert found["split"] and all("Invalid model_type qwen3_5_mtp" in e["error"] for e in found["split"].values())
+    read = read_config(hybrid_config(QWEN3_5_TEXT), QWEN3_5_TEXT)
+    assert not isinstance(read, str) and read.architecture.state is not None and read.architecture.mtp is None
 
 
 def test_under_an_fp8_kv_cache_a_draft_models_kv_is_fp8_too(vllm_kv_specs: dict[str, dict[str, Any]]) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from kvpilot.operator.api.spec import Architecture, InferenceServiceSpec
 from kvpilot.operator.controller import render
-from kvpilot.operator.planning import sizing, speculation
+from kvpilot.operator.planning import recurrent, sizing, speculation
 from kvpilot.operator.planning.model_config import read_config
 from kvpilot.operator.planning.plan import plan
 
@@ -28,7 +28,9 @@ def deepseek_v3(**update: Any) -> tuple[Architecture, str | None]:
     return read.architecture.model_copy(update=checkpoint), read.quantization
 
 
-def spec(arch: Architecture, stored: str | None, runtime: str = "vllm", **serving: Any) -> InferenceServiceSpec:
+def spec(
+    arch: Architecture, stored: str | None, runtime: str = "vllm", accelerator: dict | None = None, **serving: Any
+) -> InferenceServiceSpec:
     return InferenceServiceSpec.model_validate(
         {
             "runtime": runtime,
@@ -38,7 +40,7 @@ def spec(arch: Architecture, stored: str | None, runtime: str = "vllm", **servin
                 "architecture": arch.model_dump(by_alias=True, exclude_none=True),
                 **({"quantization": stored} if stored else {}),
             },
-            "accelerator": {"type": "H200"},
+            "accelerator": accelerator or {"type": "H200"},
             "serving": {"speculative": "mtp", "numSpeculativeTokens": 1, **serving},
         }
     )
@@ -96,3 +98,54 @@ def test_auto_never_chooses_mtp() -> None:
     arch, stored = deepseek_v3()
     chosen = plan(spec(arch, stored, speculative="auto", maxContextLength=8192))
     assert chosen.fits and chosen.speculative != "mtp"
+
+
+def qwen3_next(tp: int, **serving: Any) -> tuple[Architecture, InferenceServiceSpec]:
+    """Qwen3-Next-80B as its bf16 checkpoint holds it: its MTP module's tensors (mtp.*: no copies of the
+    embedding or the head) beside the decoder's, served on `tp` H100s."""
+    read = read_config(json.loads((HF_CONFIGS / "Qwen--Qwen3-Next-80B-A3B-Thinking.json").read_text()), "Qwen3-Next")
+    assert not isinstance(read, str) and read.architecture.mtp is not None
+    arch = read.architecture
+    mtp_bytes = 2 * arch.mtp.parameters  # type: ignore[union-attr]
+    arch = arch.model_copy(update={"checkpoint_bytes": 2 * arch.parameters + mtp_bytes, "mtp_bytes": mtp_bytes})
+    return arch, spec(arch, None, accelerator={"type": "H100-80GB", "count": tp}, **serving)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_qwen3_next_drafts_with_its_mtp_module_in_its_hybrid_blocks(tp: int) -> None:
+    """Qwen3-Next's one MTP module (a gated-attention layer with its experts, fc and three norms) drafts k
+    tokens: its attention layer's K and V sit in the blocks vLLM raises for the state pages, which keep a
+    page and a convolution row more per draft token (test_model_config checks it against vLLM's drafter)."""
+    k = 2
+    arch, served = qwen3_next(tp, numSpeculativeTokens=k, maxContextLength=32768)
+    modules, state = arch.mtp, recurrent.architecture_state(arch)
+    assert modules is not None and modules.layers == 1 and state is not None
+    result = plan(served)
+    assert result.fits and result.speculative == "mtp" and result.gpu_count == tp, result.reason
+    container = render.deployment("svc", "ns", "uid", served, result)["spec"]["template"]["spec"]["containers"][0]
+    assert '--speculative-config={"method":"mtp","num_speculative_tokens":2}' in container["args"]
+    drafter = sizing.mtp_drafter(arch)
+    # In 16 bits, what each GPU holds whole (norms, router, shared expert gate) on all of them.
+    assert result.draft_weight_bytes == sizing.held_by_group(drafter, 2 * modules.parameters, tp)
+    assert result.draft_kv_bytes_per_token == sizing.kv_bytes_per_token(drafter, 2, tp) > 0
+    hybrid = recurrent.hybrid_kv(state, recurrent.Serving("H100-80GB", tp, speculative_tokens=k, mtp_layers=1))
+    assert result.block_size == hybrid.block_size and f"--block-size={hybrid.block_size}" in container["args"]
+    assert result.kv_blocks == result.kv_pool_bytes // sizing.kv_block_bytes(hybrid.layout, hybrid.block_size)
+    assert "mtp: set in the spec; drafting with" in result.reasons["speculative"]
+    assert "(its MTP modules)" in result.reasons["speculative"]
+    # Against no speculation: the module's weights and state pages, for a shorter TPOT at a lone sequence.
+    off = plan(served.model_copy(update={"serving": served.serving.model_copy(update={"speculative": "off"})}))
+    assert off.fits and result.kv_pool_bytes < off.kv_pool_bytes
+    assert result.predicted_tpot_ms < off.predicted_tpot_ms
+
+
+def test_a_hybrid_without_mtp_modules_vllm_drafts_with_is_refused() -> None:
+    arch, served = qwen3_next(2)
+    unknown = plan(spec(arch.model_copy(update={"mtp_bytes": None, "checkpoint_bytes": None}), None))
+    assert unknown.failure == "NoMtpModules" and "mtpBytes" in unknown.reason
+    # Nemotron-H's (vLLM's NemotronHMTP) are not counted: refused, naming those that are.
+    read = read_config(json.loads((HF_CONFIGS / "nvidia--Nemotron-H-56B-Base-8K.json").read_text()), "Nemotron-H")
+    assert not isinstance(read, str) and read.architecture.mtp is None
+    nemotron = plan(spec(read.architecture, None))
+    assert nemotron.failure == "NoMtpModules" and "Qwen3NextForCausalLM" in nemotron.reason, nemotron.reason
+    assert plan(served).fits

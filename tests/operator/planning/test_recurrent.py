@@ -117,7 +117,7 @@ def test_a_hybrids_parameters_are_counted_as_transformers_builds_it(given: dict 
 def test_kvpilot_plan_sizes_a_hybrid_for_vllm_with_its_state_pages(
     config: Path, tp: int, block: int, state_bytes: int
 ) -> None:
-    # At a load light enough (a batch under 8) that auto would otherwise speculate, on `tp` GPUs.
+    # Not speculating (test_a_hybrid_speculates_with_a_state_page_per_draft_token), on `tp` GPUs.
     run = plan_command(
         "--model-config",
         str(config),
@@ -127,8 +127,8 @@ def test_kvpilot_plan_sizes_a_hybrid_for_vllm_with_its_state_pages(
         str(tp),
         "--runtime",
         "vllm",
-        "--rps",
-        "0.5",
+        "--speculative",
+        "off",
         "--json",
     )
     assert run.returncode == 0, run.stderr
@@ -152,12 +152,6 @@ def test_kvpilot_plan_sizes_a_hybrid_for_vllm_with_its_state_pages(
     assert f"a state per sequence of {state_bytes:,} bytes per GPU" in kv and f"{block}-token blocks" in kv
     assert f"{planned['max_num_seqs']} sequences at the mean context" in kv
     assert f"{layout.state_groups} state layer groups; 3 state pages per sequence and group" in kv
-    # Speculation beside state layers is not sized yet: auto leaves it off, a pinned mode is refused.
-    assert planned["speculative"] == "off" and "state layers" in planned["reasons"]["speculative"]
-    pinned = plan_command(
-        "--model-config", str(config), "--gpu", "H100-80GB", "--runtime", "vllm", "--speculative", "ngram"
-    )
-    assert pinned.returncode == 1 and "UnsupportedByRuntime" in pinned.stdout and "state layers" in pinned.stdout
     # Our engine runs no state layers.
     ours = plan_command("--model-config", str(config), "--gpu", "H100-80GB", "--runtime", "kvpilot", "--json")
     refused = json.loads(ours.stdout)
@@ -191,7 +185,9 @@ def test_kvpilot_plan_sizes_granite_4_h_and_falcon_h1_for_vllm(name: str, tmp_pa
     modules) and their state as vLLM holds it; Falcon-H1's every layer keeps both K and V and a state."""
     config = TINY_HYBRIDS[name]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    run = plan_command("--model-config", str(tmp_path), "--gpu", "H100-80GB", "--runtime", "vllm", "--json")
+    run = plan_command(
+        "--model-config", str(tmp_path), "--gpu", "H100-80GB", "--runtime", "vllm", "--speculative", "off", "--json"
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     planned = json.loads(run.stdout)
     state = recurrent.recurrent_state(config)
@@ -202,3 +198,62 @@ def test_kvpilot_plan_sizes_granite_4_h_and_falcon_h1_for_vllm(name: str, tmp_pa
     assert planned["block_size"] == block and f"--block-size={block}" in planned["args"]
     assert f"in each of {state.layers} mamba2 layers a state per sequence" in planned["reasons"]["kvCache"]
     assert f"in {state.attention_layers} attention layers" in planned["reasons"]["kvCache"]
+
+
+def _planned(config: Path, *args: str) -> dict:
+    run = plan_command("--model-config", str(config), "--gpu", "H100-80GB", "--runtime", "vllm", *args, "--json")
+    return json.loads(run.stdout)
+
+
+@pytest.mark.parametrize(("config", "tp"), [(QWEN3_NEXT, 2), (NEMOTRON_H, 2), (QWEN3_5_MOE, 1)])
+def test_a_hybrid_speculates_with_a_state_page_per_draft_token(config: Path, tp: int) -> None:
+    """At a load light enough (a batch under 8) auto speculates with prompt lookup, and the replica is
+    sized as vLLM then holds it (test_model_config checks those pages against vLLM's own): each state
+    layer's page a convolution row wider and a page more per sequence and group for each draft token."""
+    k = 4
+    state = recurrent.recurrent_state(hybrid_config(config.stem))
+    assert state is not None
+    off = _planned(config, "--gpus", str(tp), "--speculative", "off")
+    for mode in ("auto", "ngram"):
+        planned = _planned(config, "--gpus", str(tp), "--rps", "0.5", "--speculative", mode)
+        assert planned["fits"] and planned["speculative"] == "ngram", planned["reason"]
+        assert f'"num_speculative_tokens":{k}' in next(a for a in planned["args"] if "--speculative-config" in a)
+        # In the KV cache's dtype the plan chose (FP8 where the context fits only so): a token's bytes.
+        serving = recurrent.Serving("H100-80GB", tp, bytes_per_value=1 if planned["kv_cache_dtype"] == "fp8" else 2)
+        hybrid = recurrent.hybrid_kv(state, serving._replace(speculative_tokens=k))
+        pages = hybrid.layout.state_blocks
+        assert pages == recurrent.hybrid_kv(state, serving).layout.state_blocks + k
+        assert planned["block_size"] == hybrid.block_size >= off["block_size"]
+        assert f"--block-size={hybrid.block_size}" in planned["args"]
+        assert recurrent.state_page_bytes(state, tp, k) > recurrent.state_page_bytes(state, tp)
+        assert planned["kv_blocks"] == planned["kv_pool_bytes"] // sizing.kv_block_bytes(
+            hybrid.layout, hybrid.block_size
+        )
+        fitting = planned["kv_blocks"] // sizing.sequence_blocks(hybrid.layout, 512 + 128, hybrid.block_size, 0)
+        assert planned["max_num_seqs"] == min(fitting, 1024)
+        kv = planned["reasons"]["kvCache"]
+        assert f"a state per sequence of {recurrent.state_page_bytes(state, tp, k):,} bytes per GPU" in kv
+        assert f"{pages} state pages per sequence and group under prefix caching, {k} of them" in kv
+
+
+def test_jamba_does_not_speculate_and_no_drafter_is_planned_beside_state_layers(tmp_path: Path) -> None:
+    """vLLM 0.33's Mamba (1) mixer verifies no drafts: auto leaves Jamba off, a pinned mode is refused;
+    a draft model's or an EAGLE head's layers beside a hybrid's pages are not sized: refused too."""
+    jamba = HF_CONFIGS / "ai21labs--AI21-Jamba-1.5-Mini.json"
+    light = ("--rps", "0.5", "--gpus", "2")
+    auto = _planned(jamba, *light)
+    assert auto["fits"] and auto["speculative"] == "off", auto["reason"]
+    assert "mamba1 layers verify no drafts" in auto["reasons"]["speculative"]
+    pinned = _planned(jamba, *light, "--speculative", "ngram")
+    assert pinned["failure"] == "UnsupportedByRuntime" and "Mamba (1) mixer" in pinned["reason"], pinned["reason"]
+    # A draft of the target's vocabulary (the engine drafts only with the target's tokens).
+    draft = tmp_path / "config.json"
+    llama = json.loads((HF_CONFIGS / "meta-llama--Llama-3.2-3B.json").read_text())
+    draft.write_text(json.dumps({**llama, "vocab_size": json.loads(QWEN3_NEXT.read_text())["vocab_size"]}))
+    drafted = _planned(QWEN3_NEXT, *light, "--speculative", "draft", "--draft-model-config", str(draft))
+    assert drafted["failure"] == "UnsupportedByRuntime", drafted["reason"]
+    assert "a draft model's layers would share the blocks" in drafted["reason"]
+    # Auto with a draft model at hand speculates with prompt lookup instead.
+    auto = _planned(QWEN3_NEXT, *light, "--draft-model-config", str(draft))
+    assert auto["speculative"] == "ngram" and auto["draft_weight_bytes"] == 0, auto["reasons"]["speculative"]
+    assert "is not run: a draft model's layers would share the blocks" in auto["reasons"]["speculative"]

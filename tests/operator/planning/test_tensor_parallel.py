@@ -153,11 +153,12 @@ def _architecture(path: Path) -> Architecture:
 
 
 def _with(arch: Architecture, gpu: str, tp: int) -> InferenceServiceSpec:
+    # Not speculating: a hybrid's state pages would then hold the draft tokens too (test_recurrent.py).
     return spec(
         "model",
         gpu,
         accelerator={"count": tp},
-        serving={"quantization": "none"},
+        serving={"quantization": "none", "speculative": "off"},
         load={"requestsPerSecond": 0.5},
     ).model_copy(
         update={

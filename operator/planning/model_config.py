@@ -74,6 +74,8 @@ class Family(NamedTuple):
     # "chunked" (Llama 4's attention_chunk_size in its rotary layers: _chunked_layer_types).
     windows: str = "layer_types"
     pattern: int | None = None  # config.sliding_window_pattern's default, where layer_types is derived
+    # The config class derives layer_types only beside a window (EXAONE 4.0's divides by a pattern of 0).
+    pattern_needs_window: bool = False
     latent: bool = False  # multi-head latent attention (kv_lora_rank, qk_rope_head_dim)
     sinks: bool = False  # a learned attention sink per head (gpt-oss)
     # The intermediate size of the dense MLP of a layer without experts (Llama 4's differs from its experts').
@@ -109,6 +111,15 @@ FAMILIES: dict[str, Family] = {
     # four layers within a window that vLLM widens by the token itself.
     "Cohere2ForCausalLM": Family(
         tie_default=True, norms=1, pattern=4, window_extra=1, defaults={"sliding_window": 4096}
+    ),
+    # EXAONE 4.0: norms after attention and the MLP, q and k normed per head; three of every four layers
+    # within a 4096-token window (the last NoPE and full), or as layer_types says.
+    "Exaone4ForCausalLM": Family(
+        tie_default=False,
+        head_norms="per_head",
+        pattern=4,
+        pattern_needs_window=True,
+        defaults={"sliding_window": 4096},
     ),
     # GLM-4-0414 (dense): biased q, k and v, four norms per layer, 128-value heads unless it says otherwise.
     "Glm4ForCausalLM": Family(
@@ -318,7 +329,11 @@ def _layer_types(config: Mapping[str, Any], family: Family, layers: int) -> list
     if config.get("layer_types"):
         return list(config["layer_types"])
     if family.pattern is not None:
-        pattern = int(config.get("sliding_window_pattern") or family.pattern)
+        pattern = config.get("sliding_window_pattern") or family.pattern
+        # transformers 5's config classes (vLLM 0.33's) derive no layers from EXAONE's "LLLG": vLLM could
+        # not load such a config.
+        if not isinstance(pattern, int) or isinstance(pattern, bool):
+            raise ValueError(f"sliding_window_pattern {pattern!r} without layer_types names no layers")
         return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
     first = int(config.get("max_window_layers", layers)) if config.get("use_sliding_window") else layers
     return ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
@@ -350,6 +365,11 @@ def _sliding_layers(config: Mapping[str, Any], name: str, family: Family, layers
     """How many layers vLLM 0.33 gives `config`'s sliding window (or attention chunk), or why it
     would not load them."""
     if _window(config, family) is None:
+        if family.pattern_needs_window and not config.get("layer_types"):
+            return (
+                f"{name}: sliding_window null without layer_types names no layers (transformers 5's config "
+                "class, which vLLM 0.33 reads it with, divides by a pattern of 0)"
+            )
         return 0
     sliding = _layer_types(config, family, layers).count("sliding_attention")
     if family.windows == "none_or_refused" and 0 < sliding < layers:

@@ -286,6 +286,15 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "cohere2": {"model_type": "cohere2", "num_hidden_layers": 4},
     # GLM-4-0414: biased q, k and v, four norms per layer, 128-value heads by default.
     "glm4": {"model_type": "glm4", "partial_rotary_factor": 0.5},
+    # EXAONE 4.0: norms after attention and the MLP, per-head q and k norms, three windowed layers of four;
+    # and its layers as layer_types names them (two windowed of 64 tokens, then full).
+    "exaone4": {"model_type": "exaone4", "num_hidden_layers": 4},
+    "exaone4-layer-types": {
+        "model_type": "exaone4",
+        "num_hidden_layers": 3,
+        "sliding_window": 64,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+    },
     # GLM-4.7-Flash: latent attention (q through its own low rank) beside GLM-4.5's experts.
     "glm4-moe-lite": {"model_type": "glm4_moe_lite", **DEEPSEEK_V3_LAYERS},
     # DeepSeek V3.2: a lightning indexer in every latent-attention layer (DeepSeek Sparse Attention).
@@ -382,6 +391,7 @@ ARCHITECTURES = {
     "glm4": "Glm4ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
@@ -508,7 +518,16 @@ def test_parameters_and_kv_geometry_are_as_transformers_builds_the_model(name: s
 
 # The families whose windows vLLM 0.33 allocates, and the window each tiny config gives.
 # The window each windowed family's tiny config is planned with: vLLM's (Cohere2's: the config's 4096 and the token).
-WINDOWED = {"gemma2": 128, "gemma3": 128, "gpt-oss": 128, "llama4": 128, "olmo3": 4096, "cohere2": 4097}
+WINDOWED = {
+    "gemma2": 128,
+    "gemma3": 128,
+    "gpt-oss": 128,
+    "llama4": 128,
+    "olmo3": 4096,
+    "cohere2": 4097,
+    "exaone4": 4096,
+    "exaone4-layer-types": 64,
+}
 
 
 QWEN_VISION = {
@@ -703,6 +722,11 @@ def test_the_embedded_models_real_config_counts_the_catalogs_parameters(model_di
 
 
 # Qwen3's use_sliding_window from layer 1 of 3: windows beside full attention, which vLLM refuses.
+# Configs vLLM 0.33 cannot load (test_vllm_cannot_load_the_configs_the_planner_refuses_as_unloadable).
+UNLOADABLE = {
+    "exaone4-lllg": config_of({**FAMILY_CONFIGS["exaone4"], "sliding_window_pattern": "LLLG"}),
+    "exaone4-no-window": config_of({**FAMILY_CONFIGS["exaone4"], "sliding_window": None}),
+}
 MIXED_QWEN_WINDOWS = config_of(
     {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 256, "max_window_layers": 1}
 )
@@ -719,6 +743,9 @@ MIXED_QWEN_WINDOWS = config_of(
         ({"architectures": ["Idefics3ForConditionalGeneration"], "text_config": TINY}, "does not count"),
         (config_of({**FAMILY_CONFIGS["llama4"], "no_rope_layers": [1, 0]}), "no_rope_layers names 2 layers of 3"),
         (config_of({**FAMILY_CONFIGS["llama4"], "attention_chunk_size": 0}), "the window is 0"),
+        # EXAONE 4.0 layers transformers' config class (and so vLLM) cannot derive.
+        (UNLOADABLE["exaone4-lllg"], "'LLLG' without layer_types"),
+        (UNLOADABLE["exaone4-no-window"], "sliding_window null without layer_types"),
         ({"architectures": ["Mistral3ForConditionalGeneration"], "text_config": TINY}, "has no vision_config"),
         (
             {"architectures": ["LlavaForConditionalGeneration"], "text_config": {**TINY, "model_type": "qwen2"}},
@@ -1121,6 +1148,7 @@ def vllm_kv_specs() -> dict[str, dict[str, Any]]:
         json.dumps({"id": f"tiny-{name}", "config": config_of(c), **(split if name in GEMMA4 else {})})
         for name, c in FAMILY_CONFIGS.items()
     ]
+    cases += [json.dumps({"id": name, "config": config}) for name, config in UNLOADABLE.items()]
     # Targets beside a draft model (SpeculativeConfig method "draft_model").
     cases += [
         json.dumps({"id": f"{target}+{draft}", "config": _config(target), "draft_model": _draft_config(draft, target)})
@@ -1726,6 +1754,14 @@ def test_no_mtp_modules_are_counted_for_a_text_only_qwen3_5_checkpoint(
     assert found["split"] and all("Invalid model_type qwen3_5_mtp" in e["error"] for e in found["split"].values())
     read = read_config(hybrid_config(QWEN3_5_TEXT), QWEN3_5_TEXT)
     assert not isinstance(read, str) and read.architecture.state is not None and read.architecture.mtp is None
+
+
+@pytest.mark.parametrize("name", sorted(UNLOADABLE))
+def test_vllm_cannot_load_the_configs_the_planner_refuses_as_unloadable(
+    name: str, vllm_kv_specs: dict[str, dict[str, Any]]
+) -> None:
+    assert "error" in vllm_kv_specs[name], vllm_kv_specs[name]
+    assert isinstance(read_config(UNLOADABLE[name], name), str)
 
 
 def test_under_an_fp8_kv_cache_a_draft_models_kv_is_fp8_too(vllm_kv_specs: dict[str, dict[str, Any]]) -> None:

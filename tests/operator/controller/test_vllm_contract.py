@@ -273,17 +273,19 @@ def test_every_vllm_plan_of_a_hybrid_is_a_command_line_vllm_configures_as_planne
 
 def test_a_speculating_hybrids_plan_is_a_command_line_vllm_configures_as_planned() -> None:
     # Prompt lookup beside Gated DeltaNet and Mamba-2 layers, and Qwen3-Next's and Qwen3.5's MTP modules, k
-    # of 1 and 3, on Hopper (FlashInfer's 64-token grid) and elsewhere: vLLM raises the blocks for state
-    # pages widened by the drafts to the block the plan asked for.
+    # of 1 and 3, on Hopper (FlashInfer's 64-token grid) and elsewhere, under a 16-bit and an FP8 KV cache:
+    # vLLM raises the blocks for state pages widened by the drafts to the block the plan asked for.
+    gpus, kv_dtypes = ("H100-80GB", "H200", "A100-80GB"), ("auto", "fp8")
     specs = [
-        _hybrid_spec(model, gpu, None, "auto", {"speculative": mode, "numSpeculativeTokens": k})
-        for model, gpu, mode, k in product(HYBRIDS, ("H100-80GB", "H200", "A100-80GB"), ("ngram", "mtp"), (1, 3))
-        if mode == "ngram" or model != "nemotron-h-56b"
+        _hybrid_spec(model, gpu, None, kv, {"speculative": mode, "numSpeculativeTokens": k})
+        for model, gpu, mode, k, kv in product(HYBRIDS, gpus, ("ngram", "mtp"), (1, 3), kv_dtypes)
+        if (mode == "ngram" or model != "nemotron-h-56b") and (kv == "auto" or gpu != "A100-80GB")
     ]
     cases = [(spec, result) for spec in specs if (result := plan(spec)).fits]
     assert len(cases) == len(specs), [plan(s).reason for s in specs if not plan(s).fits]
     _configured_as_planned(cases)
     assert {r.speculative for _, r in cases} == {"ngram", "mtp"} and all(r.block_size > 64 for _, r in cases)
+    assert {r.kv_cache_dtype for _, r in cases} == {"model", "fp8"}
 
 
 # Adapter sets: one small adapter; more than the resident slots and the cached minimum, of mixed and

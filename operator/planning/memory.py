@@ -105,7 +105,7 @@ def _kv_layout(
     mtp = inputs.draft.arch.layers if inputs.draft is not None else 0
     serving = recurrent.Serving(group[0].name, group[1], block, kv_bytes, inputs.speculative_tokens, mtp)
     hybrid = recurrent.hybrid_kv(state, serving)
-    return hybrid.layout, hybrid.block_size, recurrent.state_page_bytes(state, group[1], inputs.speculative_tokens)
+    return hybrid.layout, hybrid.block_size, hybrid.state_bytes
 
 
 def in_flight(budget: int) -> int:
